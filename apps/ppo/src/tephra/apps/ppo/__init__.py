@@ -1,0 +1,1 @@
+"""tephra.apps.ppo: the RL trainer app."""

@@ -1,0 +1,256 @@
+"""The RL loop. Each stage is one call on the worker group; the driver only moves batches.
+
+    for step in steps:
+        batch   = generate(prompts)                       # rollout engine, n samples/prompt
+        rewards = score(batch)                            # rule scorer by data_source
+        ref     = wg.compute_ref_log_probs(batch)         # if a KL term is configured
+        values  = wg.compute_values(batch)                # if the estimator needs a critic
+        adv     = compute_advantages(estimator, ...)      # tephra.algos
+        wg.update_critic(batch); wg.update_actor(batch)   # mini-batches x epochs
+        wg.sync_weights()                                 # actor -> rollout engine
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from tephra.apps.ppo.config import PPOConfig
+from tephra.controller.checkpoints import CheckpointManager
+from tephra.controller.config import to_dict
+from tephra.controller.data import PromptLoader, PromptRecord
+from tephra.controller.rewarding import Scorer, accuracy_of
+from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
+from tephra.controller.worker_group import WorkerGroup
+
+
+@dataclass
+class Prompts:
+    ids: list[list[int]]
+    records: list[PromptRecord]
+
+
+def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] scores -> [B, T] with the score on each sample's last response token."""
+    mask = response_mask.long()
+    last = (mask * torch.arange(mask.shape[1])).argmax(-1)
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    has = mask.sum(-1) > 0
+    out[has, last[has]] = scores[has].float()
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: PPOConfig, wg: WorkerGroup, tokenizer: Any, train: Prompts,
+                 val: Prompts, run_dir: Path, n_params: int, peak_flops: float) -> None:
+        from tephra.rollout.base import SamplingParams
+
+        self.cfg, self.wg, self.tok, self.train, self.val = cfg, wg, tokenizer, train, val
+        self.run_dir = run_dir
+        self.scorer = Scorer(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
+        self.loader = PromptLoader(len(train.ids), cfg.batch.prompts_per_step, cfg.trainer.seed)
+        self.ckpt = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+        self.n_params, self.peak_flops = n_params, peak_flops
+        self.needs_critic = cfg.algorithm.adv_estimator == "gae"
+        self.needs_ref = cfg.algorithm.kl_coef > 0
+        stops = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
+        r = cfg.rollout
+        self.sampling = SamplingParams(n=cfg.batch.samples_per_prompt, temperature=r.temperature,
+                                       top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
+                                       stop_token_ids=stops)
+        self.greedy = SamplingParams(n=1, temperature=0.0, max_tokens=r.max_tokens,
+                                     stop_token_ids=stops, logprobs=False)
+        self.step = 0
+
+    # ----- stages ------------------------------------------------------------------------
+    def generate(self, ids: list[list[int]], sampling) -> tuple[TensorDict, list[dict]]:
+        from tephra.rollout.base import RolloutOutput
+
+        samples = self.wg.generate(ids, sampling)
+        out = RolloutOutput(
+            prompt_index=[i // sampling.n for i in range(len(samples))],
+            prompt_ids=[s["prompt_ids"] for s in samples],
+            response_ids=[s["response_ids"] for s in samples],
+            log_probs=[s["log_probs"] for s in samples] if samples[0]["log_probs"] is not None else None,
+            finish_reasons=[s["finish_reason"] for s in samples])
+        return out.to_batch(self.tok.pad_token_id), samples
+
+    def score(self, samples: list[dict], records: list[PromptRecord]) -> tuple[list[float], int]:
+        texts = [self.tok.decode(s["response_ids"], skip_special_tokens=True) for s in samples]
+        return self.scorer.score(texts, records)
+
+    def evaluate(self) -> float:
+        """Greedy accuracy on the held-out prompts (the same items every time)."""
+        ws = self.wg.world_size
+        ids = list(self.val.ids)
+        pad = (-len(ids)) % ws  # the split needs equal shares; the padding is not scored
+        _, samples = self.generate(ids + ids[:pad], self.greedy)
+        scores, _ = self.score(samples[: len(ids)], self.val.records)
+        return sum(accuracy_of(s) for s in scores) / len(scores)
+
+    def advantages(self, batch: TensorDict, scores: torch.Tensor) -> None:
+        from tephra.algos import AdvantageConfig, compute_advantages
+
+        a = self.cfg.algorithm
+        token_rewards = outcome_token_rewards(scores, batch["response_mask"])
+        adv, ret = compute_advantages(
+            a.adv_estimator, token_rewards=token_rewards, response_mask=batch["response_mask"],
+            group_ids=batch["uid"], values=batch["values"] if self.needs_critic else None,
+            config=AdvantageConfig(gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std))
+        batch["advantages"], batch["returns"] = adv.float(), ret.float()
+
+    # ----- one RL step ---------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg, times = self.cfg, {}
+        t_step = tick = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal tick
+            now = time.perf_counter()
+            times[f"time/{name}_s"] = now - tick
+            tick = now
+
+        idx = self.loader.next_indices()
+        n = cfg.batch.samples_per_prompt
+        sampling = self.sampling.replace(seed=cfg.trainer.seed * 1_000_003 + self.step)
+        batch, samples = self.generate([self.train.ids[i] for i in idx], sampling)
+        lap("generate")
+        records = [self.train.records[idx[k // n]] for k in range(len(samples))]
+        scores_list, errors = self.score(samples, records)
+        scores = torch.tensor(scores_list, dtype=torch.float32)
+        batch["rewards"] = scores
+        batch["uid"] = torch.tensor([idx[k // n] for k in range(len(samples))], dtype=torch.int64)
+        lap("reward")
+        if self.needs_ref:
+            batch["ref_log_probs"] = self.wg.compute_ref_log_probs(batch)["log_probs"]
+            lap("ref")
+        if self.needs_critic:
+            batch["values"] = self.wg.compute_values(batch)["values"]
+            lap("values")
+        if cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1:
+            batch["old_log_probs"] = self.wg.compute_log_probs(batch)["log_probs"]
+            lap("old_log_probs")
+        self.advantages(batch, scores)
+        lap("advantages")
+        metrics: dict[str, float] = {}
+        if self.needs_critic:
+            metrics.update({f"critic/{k.split('/')[-1]}": v
+                            for k, v in self.wg.update_critic(batch).items()})
+            lap("critic")
+        metrics.update({k if k.startswith("actor/") else f"actor/{k}": v
+                        for k, v in self.wg.update_actor(batch).items()})
+        lap("actor")
+        self.wg.sync_weights()
+        lap("sync")
+        step_s = time.perf_counter() - t_step
+
+        resp_len = batch["response_mask"].sum(-1).float()
+        total_tokens = int(batch["attention_mask"].sum())
+        trained = int(batch["response_mask"].sum())
+        # Model FLOPs: 2 N per token forward (generation and scoring), 6 N per token trained.
+        flops = 2 * self.n_params * total_tokens + 6 * self.n_params * total_tokens * cfg.batch.epochs
+        metrics.update({
+            "reward/mean": float(scores.mean()),
+            "reward/errors": float(errors),
+            "accuracy/train": sum(accuracy_of(s) for s in scores_list) / len(scores_list),
+            "response/length_mean": float(resp_len.mean()),
+            "response/clip_frac": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
+            "perf/tokens_per_s": total_tokens / step_s,
+            "perf/trained_tokens": float(trained),
+            "perf/mfu": flops / step_s / self.peak_flops if self.peak_flops else 0.0,
+            "time/step_s": step_s,
+            **times,
+        })
+        if "actor/kl_mean" in metrics:
+            metrics["actor/kl"] = metrics["actor/kl_mean"]
+        return metrics
+
+    # ----- checkpoints -----------------------------------------------------------------------
+    def save(self) -> None:
+        folder = self.ckpt.step_dir(self.step)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.wg.save_checkpoint(str(folder))
+        self.ckpt.save_trainer_state(self.step, {"loader": self.loader.state_dict()})
+
+    def maybe_resume(self) -> bool:
+        latest = self.ckpt.latest() if self.cfg.trainer.resume else None
+        if latest is None:
+            return False
+        state = self.ckpt.load_trainer_state(latest)
+        self.wg.load_checkpoint(str(latest))
+        self.loader.load_state_dict(state["loader"])
+        self.step = int(state["step"])
+        print(f"resumed from {latest} at step {self.step}", flush=True)
+        return True
+
+    # ----- the run ----------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        cfg, t0 = self.cfg.trainer, time.perf_counter()
+        resumed = self.maybe_resume()
+        trackers = Trackers(cfg.trackers, self.run_dir, cfg.project, self.run_dir.name,
+                            to_dict(self.cfg))
+        acc_before = None
+        if cfg.val_before and not resumed:
+            t = time.perf_counter()
+            acc_before = self.evaluate()
+            trackers.log({"accuracy/val": acc_before}, self.step)
+            print(f"held-out greedy accuracy before training: {acc_before:.3f} "
+                  f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)", flush=True)
+        bar = None
+        if cfg.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="steps", dynamic_ncols=True)
+        while self.step < cfg.steps:
+            metrics = self.train_step()
+            self.step += 1
+            if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
+                metrics["accuracy/val"] = self.evaluate()
+            trackers.log(metrics, self.step)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}")
+            if cfg.save_every and self.step % cfg.save_every == 0:
+                self.save()
+        if bar is not None:
+            bar.close()
+        if cfg.save_final and (not cfg.save_every or self.step % cfg.save_every):
+            self.save()
+        acc_after = None
+        if cfg.val_after:
+            t = time.perf_counter()
+            acc_after = self.evaluate()
+            trackers.log({"accuracy/val": acc_after}, self.step)
+            print(f"held-out greedy accuracy after training: {acc_after:.3f} "
+                  f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)", flush=True)
+        trackers.close()
+        if cfg.export_hf:
+            self.wg.export_hf(str(self.run_dir / "hf"))
+        summary = {"accuracy_before": acc_before, "accuracy_after": acc_after,
+                   "steps": self.step, "seconds": round(time.perf_counter() - t0, 1),
+                   "run_dir": str(self.run_dir)}
+        if "jsonl" in cfg.trackers:
+            records = read_jsonl(self.run_dir / "metrics.jsonl")
+            if records:
+                plot_curves(records, self.run_dir / "curves.png")
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+
+def measure_peak_flops(seconds: float = 0.3) -> float:
+    """A rough per-process peak: fp32 matmul throughput of this CPU (GPUs: use the spec)."""
+    if torch.cuda.is_available():
+        return 989e12  # H100 dense bf16
+    a = torch.randn(512, 512)
+    done, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ a
+        done += 1
+    return 2 * 512**3 * done / (time.perf_counter() - t0) if done else math.nan

@@ -1,0 +1,1 @@
+"""tephra.apps.sft: supervised fine-tuning app."""

@@ -1,0 +1,104 @@
+"""Multi-turn chat data for SFT: conversations -> token ids with a mask on assistant tokens.
+
+A conversation is a list of `{role, content}` messages. The assistant mask is found by
+rendering growing prefixes with the chat template: the tokens an assistant message adds after
+`apply_chat_template(messages[:i], add_generation_prompt=True)` are that message's own
+tokens (content and end-of-turn), so the header the template writes before it is not trained.
+This needs a template whose rendering of a prefix is a prefix of the full rendering (true of
+ChatML, Llama and most others); a template that is not is detected and refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tephra.controller.data import DatasetError
+
+
+def _ids(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                        tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict], index: int = 0
+                          ) -> tuple[list[int], list[int]]:
+    """(token ids, assistant mask) of one conversation."""
+    full = _ids(tokenizer, messages, False)
+    mask = [0] * len(full)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = len(_ids(tokenizer, messages[:i], True)) if i else 0
+        end_ids = _ids(tokenizer, messages[: i + 1], False)
+        if full[: len(end_ids)] != end_ids:
+            raise DatasetError(
+                f"conversation {index}: the chat template renders a prefix of the conversation "
+                "differently from the start of the whole conversation, so assistant tokens "
+                "cannot be located; use a template without history-dependent rendering")
+        for t in range(start, len(end_ids)):
+            mask[t] = 1
+    if mask and mask[0]:
+        mask[0] = 0  # nothing predicts the first token
+    if not any(mask):
+        raise DatasetError(f"conversation {index} has no assistant message to train on")
+    return full, mask
+
+
+def load_conversations(path: str | Path) -> list[list[dict]]:
+    """`messages` column of a parquet file or `.jsonl` lines; errors name row and field."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"data file {path} does not exist; set data.train_files")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    else:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for i, row in enumerate(rows):
+        messages = row.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise DatasetError(f"row {i} of {path.name}: field 'messages' is missing or empty; "
+                               "each row needs messages=[{role, content}, ...]")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise DatasetError(f"row {i} of {path.name}: field 'messages' holds {m!r}, "
+                                   "not a {role, content} message")
+        out.append(messages)
+    return out
+
+
+def arithmetic_conversations(size: int, seed: int) -> list[list[dict]]:
+    """Two-turn chats about reasoning-gym basic_arithmetic (the default SFT data)."""
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset("basic_arithmetic", size=size, seed=seed, min_terms=2,
+                                      max_terms=2, min_digits=1, max_digits=1)
+    return [[{"role": "user", "content": f"{item['question']}\nAnswer with just the final number."},
+             {"role": "assistant", "content": str(item["answer"])},
+             {"role": "user", "content": "Are you sure?"},
+             {"role": "assistant", "content": f"Yes, the answer is {item['answer']}."}]
+            for item in ds]
+
+
+def pad_batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
+    """Right-padded `[B, T]` batch in the engine layout."""
+    from tephra.engine_api.batch import make_batch
+
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.int64)
+    attn = torch.zeros_like(ids)
+    resp = torch.zeros_like(ids)
+    for i, (tok, mask) in enumerate(examples):
+        ids[i, : len(tok)] = torch.tensor(tok)
+        attn[i, : len(tok)] = 1
+        resp[i, : len(tok)] = torch.tensor(mask)
+    return make_batch(ids, attn, resp)

@@ -1,0 +1,296 @@
+"""Advantage estimators, chosen by name from `ADVANTAGE_ESTIMATORS`.
+
+All tensors are [batch, seq] aligned with input_ids; `response_mask` marks the tokens the
+policy generated. Outcome rewards are placed by the caller at the last response token of
+`token_rewards`; an outcome estimator's score of sample i is
+    s_i = sum_t m[i, t] * r[i, t].
+Group membership comes from `group_ids` ([batch] int64, the prompt uid), never batch order.
+Token-level recursions (GAE, discounted returns) run over RESPONSE tokens only: positions
+with mask 0 (prompt, tool output, padding) are skipped, so inserting or removing them never
+changes a result (the "time" of the MDP is the index among response tokens).
+Advantages and returns are 0 where the mask is 0.
+
+A group of one sample has no baseline: its baseline is 0 and its std 1 (the sample's own
+score is its signal), in every group estimator below.
+
+To add an estimator: `@ADVANTAGE_ESTIMATORS.register("name")` on a function taking the
+keyword arguments token_rewards, response_mask, group_ids, values, baselines, config and
+returning (advantages, returns), both [batch, seq] and 0 where the mask is 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from tephra.algos.config import AdvantageConfig
+from tephra.algos.errors import InputError
+from tephra.algos.groups import Groups, group_index
+from tephra.algos.inputs import check_per_sample, check_same_shape, float_mask
+from tephra.algos.masked import masked_sum, masked_whiten
+from tephra.algos.registry import Registry
+
+Estimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+
+
+def compute_advantages(
+    name: str,
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    config: AdvantageConfig | None = None,
+    baselines: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [batch, seq], returns [batch, seq]) by the estimator registered as `name`.
+
+    token_rewards: [batch, seq] rewards (outcome reward at the last response token, plus any
+        per-token terms such as a KL penalty). response_mask: [batch, seq] 1 = generated.
+    group_ids: [batch] int64 prompt uid. values: [batch, seq] critic values (`gae` only).
+    baselines: [batch] reward of the greedy response (`remax` only).
+    Computed without a graph: advantages are constants of the policy loss.
+    """
+    fn = ADVANTAGE_ESTIMATORS.get(name)
+    config = config if config is not None else AdvantageConfig()
+    check_same_shape(token_rewards=token_rewards, response_mask=response_mask)
+    if not token_rewards.is_floating_point():
+        raise InputError(f"token_rewards must be floating point, got {token_rewards.dtype}")
+    check_per_sample("group_ids", group_ids, token_rewards.shape[0], integer=True)
+    if values is not None:
+        check_same_shape(token_rewards=token_rewards, values=values)
+    if baselines is not None:
+        check_per_sample("baselines", baselines, token_rewards.shape[0])
+    with torch.no_grad():
+        return fn(token_rewards=token_rewards, response_mask=response_mask,
+                  group_ids=group_ids, values=values, baselines=baselines, config=config)
+
+
+def _scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    return masked_sum(token_rewards, response_mask, dim=-1)
+
+
+def _broadcast(per_sample: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    return per_sample.unsqueeze(-1) * float_mask(response_mask, per_sample)
+
+
+def _baseline_and_scale(groups: Groups, scores: torch.Tensor, eps: float,
+                        by_std: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample group mean and (std + eps, or 1): singletons get mean 0 and scale 1."""
+    single = groups.sizes[groups.index] == 1
+    mean = torch.where(single, torch.zeros_like(scores), groups.mean(scores)[groups.index])
+    if not by_std:
+        return mean, torch.ones_like(scores)
+    std = groups.std(scores)[groups.index]
+    scale = torch.where(single, torch.ones_like(scores), std + eps)
+    return mean, scale
+
+
+def _reverse_scan(x: torch.Tensor, mask: torch.Tensor, step) -> torch.Tensor:
+    """Right-to-left recursion over response tokens; masked positions carry the state
+    through unchanged and output 0."""
+    out = torch.zeros_like(x)
+    carry = torch.zeros_like(x[:, 0])
+    on = mask > 0
+    for t in range(x.shape[1] - 1, -1, -1):
+        new = step(t, carry)
+        carry = torch.where(on[:, t], new, carry)
+        out[:, t] = torch.where(on[:, t], new, torch.zeros_like(new))
+    return out
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def gae(*, token_rewards, response_mask, values, config, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous
+    Control Using Generalized Advantage Estimation"), over response tokens t < t' < ...:
+        delta_t = r_t + gamma * V_{next(t)} - V_t      (V after the last response token = 0)
+        A_t = delta_t + gamma * lam * A_{next(t)}
+        returns_t = A_t + V_t;  advantages = whiten(A) over the batch (`whiten_gae`).
+    """
+    if values is None:
+        raise InputError("advantage estimator 'gae' needs values=[batch, seq] from the critic; "
+                         "pass values= or choose an estimator without a critic (e.g. 'grpo')")
+    g, lam = config.gamma, config.lam
+    rewards = torch.where(response_mask > 0, token_rewards, torch.zeros_like(token_rewards))
+    on = response_mask > 0
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    adv = torch.zeros_like(values)
+    for t in range(values.shape[1] - 1, -1, -1):
+        delta = rewards[:, t] + g * next_value - values[:, t]
+        a = delta + g * lam * next_adv
+        next_value = torch.where(on[:, t], values[:, t], next_value)
+        next_adv = torch.where(on[:, t], a, next_adv)
+        adv[:, t] = torch.where(on[:, t], a, torch.zeros_like(a))
+    returns = torch.where(on, adv + values, torch.zeros_like(adv))
+    if config.whiten_gae:
+        adv = masked_whiten(adv, response_mask)
+    return adv, returns
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo(*, token_rewards, response_mask, group_ids, config, **_):
+    """GRPO (Shao et al. 2024, "DeepSeekMath"): outcome advantage relative to the group,
+        A_i = (s_i - mean_g(s)) / (std_g(s) + eps)    (std: unbiased, within the group)
+    or, with `norm_by_std=False`, A_i = s_i - mean_g(s) (Dr. GRPO, Liu et al. 2025).
+    Broadcast to every response token; returns = advantages.
+    """
+    scores = _scores(token_rewards, response_mask)
+    mean, scale = _baseline_and_scale(group_index(group_ids), scores, config.epsilon,
+                                      config.norm_by_std)
+    adv = _broadcast((scores - mean) / scale, response_mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def dr_grpo(*, token_rewards, response_mask, group_ids, config, **_):
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = s_i - mean_g(s),
+    GRPO without the std division whatever `norm_by_std` says (pair it with the
+    `seq-mean-token-sum-norm` aggregation)."""
+    scores = _scores(token_rewards, response_mask)
+    mean, _ = _baseline_and_scale(group_index(group_ids), scores, config.epsilon, False)
+    adv = _broadcast(scores - mean, response_mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo(*, token_rewards, response_mask, group_ids, **_):
+    """RLOO (Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian
+    et al. 2024): leave-one-out baseline,
+        A_i = s_i - (1 / (n - 1)) sum_{j != i} s_j = n / (n - 1) * (s_i - mean_g(s)).
+    """
+    scores = _scores(token_rewards, response_mask)
+    groups = group_index(group_ids)
+    n = groups.sizes[groups.index].to(scores.dtype)
+    loo = (groups.sum(scores)[groups.index] - scores) / (n - 1).clamp(min=1)
+    adv = torch.where(n > 1, scores - loo, scores)
+    adv = _broadcast(adv, response_mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+def reinforce_plus_plus(*, token_rewards, response_mask, config, **_):
+    """REINFORCE++ (Hu 2025, "REINFORCE++"): discounted return over response tokens,
+        G_t = r_t + gamma * G_{next(t)},  A = whiten(G) over the batch's response tokens.
+    returns = G (before whitening).
+    """
+    rewards = torch.where(response_mask > 0, token_rewards, torch.zeros_like(token_rewards))
+    returns = _reverse_scan(rewards, response_mask,
+                            lambda t, carry: rewards[:, t] + config.gamma * carry)
+    return masked_whiten(returns, response_mask), returns
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(*, token_rewards, response_mask, group_ids, **_):
+    """REINFORCE++ with a group baseline (Hu 2025): A_i = s_i - mean_g(s) on every response
+    token, then whitened over the batch's response tokens (token-weighted). returns = A."""
+    scores = _scores(token_rewards, response_mask)
+    mean, _ = _baseline_and_scale(group_index(group_ids), scores, 1.0, False)
+    adv = masked_whiten(_broadcast(scores - mean, response_mask), response_mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("remax")
+def remax(*, token_rewards, response_mask, baselines, **_):
+    """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient RL Method for
+    Aligning LLMs"): the baseline is the reward b_i of the greedy response to the same prompt,
+        G_t = sum_{t' >= t} r_t' (response tokens),  A_t = G_t - b_i.   returns = G.
+    """
+    if baselines is None:
+        raise InputError("advantage estimator 'remax' needs baselines=[batch]: the reward of "
+                         "the greedy (argmax) response to each sample's prompt")
+    rewards = torch.where(response_mask > 0, token_rewards, torch.zeros_like(token_rewards))
+    returns = _reverse_scan(rewards, response_mask, lambda t, carry: rewards[:, t] + carry)
+    adv = returns - _broadcast(baselines.to(returns.dtype), response_mask)
+    return adv, returns
+
+
+@ADVANTAGE_ESTIMATORS.register("opo")
+def opo(*, token_rewards, response_mask, group_ids, **_):
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"): the
+    length-weighted group baseline, optimal for sequence-level policy gradients,
+        b_g = sum_{j in g} |y_j| s_j / sum_{j in g} |y_j|,   A_i = s_i - b_g
+    with |y| the number of response tokens."""
+    scores = _scores(token_rewards, response_mask)
+    groups = group_index(group_ids)
+    lengths = (response_mask > 0).sum(-1).to(scores.dtype)
+    baseline = groups.sum(lengths * scores) / groups.sum(lengths).clamp(min=1)
+    baseline = torch.where(groups.sizes[groups.index] == 1, torch.zeros_like(scores),
+                           baseline[groups.index])
+    adv = _broadcast(scores - baseline, response_mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("gpg")
+def gpg(*, token_rewards, response_mask, group_ids, config, **_):
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for
+    Model Reasoning"): group-centred advantage rescaled for the samples that carry no signal,
+        A_i = alpha * (s_i - mean_g(s)) / F,   alpha = B / max(B - M, 1)
+    with B the batch size, M the samples in groups whose scores are all equal (zero
+    advantage), F = std_g(s) + eps when `norm_by_std` else 1. Groups of one count as
+    informative (their baseline is 0)."""
+    scores = _scores(token_rewards, response_mask)
+    groups = group_index(group_ids)
+    mean, scale = _baseline_and_scale(groups, scores, config.epsilon, config.norm_by_std)
+    flat = (groups.max(scores) == groups.min(scores)) & (groups.sizes > 1)
+    m = int(groups.sizes[flat].sum())
+    b = scores.shape[0]
+    alpha = b / max(b - m, 1)
+    adv = _broadcast(alpha * (scores - mean) / scale, response_mask)
+    return adv, adv
+
+
+def _max_at_k_weights(n: int, k: int, dtype, device) -> torch.Tensor:
+    """P(the largest of a uniformly random k-subset of n sorted values is the j-th smallest)
+    = C(j - 1, k - 1) / C(n, k), j = 1..n."""
+    total = math.comb(n, k)
+    return torch.tensor([math.comb(j, k - 1) / total for j in range(n)], dtype=dtype,
+                        device=device)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo_passk")
+def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
+    """Pass@k advantage (Chen et al. 2025, "Pass@k Training for Adaptively Balancing
+    Exploration and Exploitation of Large Reasoning Models"), in its max@k form so that it
+    also holds for non-binary scores. For a group of n scores and k = `passk_k`:
+        R_g   = E_S[max_{j in S} s_j]          S a uniformly random k-subset of the group
+        A_i   = (E_S[max_{j in S} s_j | i in S] - R_g) / (sigma_g + eps)
+        sigma_g^2 = Var_S[max_{j in S} s_j]    (sigma = 1 when `norm_by_std` is False)
+    For 0/1 rewards with c correct this is the paper's analytic form: R_g = 1 - C(n-c, k) /
+    C(n, k); a correct sample gets (1 - R_g) / sigma, a wrong one (1 - C(n-c-1, k-1) /
+    C(n-1, k-1) - R_g) / sigma. k = 1 gives GRPO with the population std.
+    """
+    scores = _scores(token_rewards, response_mask)
+    groups = group_index(group_ids)
+    k = config.passk_k
+    per_sample = torch.zeros_like(scores)
+    for g in range(groups.n_groups):
+        members = groups.members(g)
+        n = members.numel()
+        if n < k:
+            raise InputError(
+                f"grpo_passk: group with id {int(groups.ids[g])} has {n} samples, fewer than "
+                f"AdvantageConfig.passk_k={k}; lower passk_k or sample more per prompt"
+            )
+        s = scores[members]
+        w = _max_at_k_weights(n, k, s.dtype, s.device)
+        sorted_s, _ = torch.sort(s)
+        mean = (w * sorted_s).sum()
+        var = ((w * sorted_s.square()).sum() - mean.square()).clamp(min=0)
+        if k == 1:
+            conditional = s
+        else:
+            # Given i in S, the other k - 1 members are a random (k-1)-subset of the other
+            # n - 1 scores: E[max(s_i, max of them)].
+            w_rest = _max_at_k_weights(n - 1, k - 1, s.dtype, s.device)
+            others = s.unsqueeze(0).expand(n, n)[~torch.eye(n, dtype=torch.bool,
+                                                             device=s.device)].view(n, n - 1)
+            others, _ = torch.sort(others, dim=-1)
+            conditional = (w_rest * torch.maximum(others, s.unsqueeze(-1))).sum(-1)
+        scale = var.sqrt() + config.epsilon if config.norm_by_std else 1.0
+        per_sample[members] = (conditional - mean) / scale
+    adv = _broadcast(per_sample, response_mask)
+    return adv, adv

@@ -1,0 +1,215 @@
+"""Typed, validated configuration of the algorithms.
+
+Every field says its unit and why its default is what it is. Validation happens on
+construction (`__post_init__`); a message names the field, the value it got and the fix.
+Names chosen by registry (estimator, policy loss, aggregation mode, KL estimator) are checked
+against the registries so a typo fails when the config is built, not mid-training.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from tephra.algos.errors import ConfigError
+
+
+def _in_range(section: str, name: str, value: float, lo: float, hi: float) -> None:
+    if not lo <= value <= hi:
+        raise ConfigError(f"{section}.{name}={value!r} must be in [{lo}, {hi}]")
+
+
+def _positive(section: str, name: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{section}.{name}={value!r} must be {bound}")
+
+
+def _registered(section: str, name: str, value: str, registry: Any) -> None:
+    if value not in registry:
+        close = difflib.get_close_matches(str(value), registry.names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"{section}.{name}={value!r} is not registered{hint}; choose one of "
+            f"{registry.names()}"
+        )
+
+
+@dataclass
+class AdvantageConfig:
+    """How advantages are estimated (`compute_advantages`)."""
+
+    gamma: float = 1.0
+    """Discount per response token (`gae`, `reinforce_plus_plus`). 1.0: outcome rewards of
+    LLM responses are not discounted by length unless asked for."""
+    lam: float = 1.0
+    """GAE lambda (`gae` only); 1.0 gives Monte-Carlo returns minus the value baseline."""
+    norm_by_std: bool = True
+    """`grpo`, `gpg`, `grpo_passk`: divide the group-centred score by the group's standard
+    deviation. False for `grpo` is Dr. GRPO (Liu et al. 2025), which removes this bias."""
+    epsilon: float = 1e-6
+    """Added to a standard deviation before dividing, so all-equal groups give 0, not NaN."""
+    whiten_gae: bool = True
+    """`gae`: whiten advantages over the batch's response tokens (mean 0, std 1), as PPO
+    implementations for LLMs do; returns are computed before whitening."""
+    passk_k: int = 4
+    """`grpo_passk`: the k of pass@k (max@k for non-binary rewards); every group must hold at
+    least k samples. k=1 is GRPO with the population standard deviation."""
+
+    def __post_init__(self) -> None:
+        _in_range("advantage", "gamma", self.gamma, 0.0, 1.0)
+        _in_range("advantage", "lam", self.lam, 0.0, 1.0)
+        _positive("advantage", "epsilon", self.epsilon)
+        if not isinstance(self.passk_k, int) or self.passk_k < 1:
+            raise ConfigError(f"advantage.passk_k={self.passk_k!r} must be an integer >= 1")
+
+
+@dataclass
+class PolicyLossConfig:
+    """Parameters of the policy losses (`POLICY_LOSSES`); each loss reads the fields it names."""
+
+    clip_ratio: float = 0.2
+    """PPO epsilon: the ratio is clipped to [1 - low, 1 + high] with both defaulting to this."""
+    clip_ratio_low: float | None = None
+    """Lower clip epsilon (None: `clip_ratio`). `vanilla`, `gspo`, `cispo`, `clip_cov`."""
+    clip_ratio_high: float | None = None
+    """Upper clip epsilon (None: `clip_ratio`); DAPO's clip-higher uses e.g. 0.28. GSPO uses
+    sequence-level ratios, with epsilons around 3e-4 / 4e-4."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip constant c > 1 (Ye et al. 2020): for negative advantages the loss is at most
+    -A * c. None disables dual-clip. `vanilla` only."""
+    log_ratio_clamp: float = 20.0
+    """log(pi / pi_old) is clamped to [-this, this] before exp, so one wild token cannot
+    overflow the ratio; 20 is far beyond any clip range."""
+    clip_cov_ratio: float = 2e-4
+    """`clip_cov`: fraction of the micro-batch's response tokens whose gradient is detached."""
+    clip_cov_lb: float = 1.0
+    """`clip_cov`: only tokens with covariance above this are candidates."""
+    clip_cov_ub: float = 5.0
+    """`clip_cov`: only tokens with covariance below this are candidates."""
+    clip_cov_seed: int | None = None
+    """`clip_cov`: seed of the random choice among candidates (None: torch's global RNG)."""
+    kl_cov_ratio: float = 2e-3
+    """`kl_cov`: fraction of response tokens (highest covariance) that get the KL penalty."""
+    kl_cov_coef: float = 1.0
+    """`kl_cov`: coefficient of |log pi - log pi_old| on the selected tokens."""
+    sapo_tau_pos: float = 1.0
+    """`sapo`: gate temperature for positive advantages."""
+    sapo_tau_neg: float = 1.05
+    """`sapo`: gate temperature for negative advantages (larger: negative updates decay faster
+    off-policy, as the paper recommends)."""
+
+    def __post_init__(self) -> None:
+        _positive("policy_loss", "clip_ratio", self.clip_ratio)
+        if self.clip_ratio_low is None:
+            self.clip_ratio_low = self.clip_ratio
+        if self.clip_ratio_high is None:
+            self.clip_ratio_high = self.clip_ratio
+        _positive("policy_loss", "clip_ratio_low", self.clip_ratio_low)
+        _positive("policy_loss", "clip_ratio_high", self.clip_ratio_high)
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ConfigError(
+                f"policy_loss.clip_ratio_c={self.clip_ratio_c!r} must be > 1 (dual-clip bound); "
+                f"use None to disable dual-clip"
+            )
+        _positive("policy_loss", "log_ratio_clamp", self.log_ratio_clamp)
+        _in_range("policy_loss", "clip_cov_ratio", self.clip_cov_ratio, 0.0, 1.0)
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ConfigError(
+                f"policy_loss.clip_cov_lb={self.clip_cov_lb!r} must be < "
+                f"policy_loss.clip_cov_ub={self.clip_cov_ub!r}"
+            )
+        _in_range("policy_loss", "kl_cov_ratio", self.kl_cov_ratio, 0.0, 1.0)
+        _positive("policy_loss", "kl_cov_coef", self.kl_cov_coef, zero_ok=True)
+        _positive("policy_loss", "sapo_tau_pos", self.sapo_tau_pos)
+        _positive("policy_loss", "sapo_tau_neg", self.sapo_tau_neg)
+
+
+@dataclass
+class ActorObjectiveConfig:
+    """The actor's loss: policy loss + aggregation - entropy bonus + KL loss, with optional
+    truncated importance sampling against the rollout engine's log-probs."""
+
+    policy_loss: str = "vanilla"
+    """Name in `POLICY_LOSSES`."""
+    policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Parameters of the policy loss."""
+    loss_agg_mode: str = "token-mean"
+    """Name in `AGGREGATION_MODES`; how per-token losses become one number."""
+    loss_agg_norm_constant: float | None = None
+    """`seq-mean-token-sum-norm` only: the constant dividing each sequence's token sum, in
+    tokens (Dr. GRPO uses the maximum response length). Required by that mode."""
+    entropy_coeff: float = 0.0
+    """Coefficient of the entropy bonus (subtracted from the loss); 0 disables it. Needs the
+    engine to return `entropy`."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * KL(pi || pi_ref) to the loss (GRPO style) instead of, or besides, a
+    KL reward penalty. Needs `ref_log_probs` in the batch."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss term."""
+    kl_loss_type: str = "k3+"
+    """Name in `KL_ESTIMATORS`. Default `k3+`: the low-variance k3 value with the k2
+    gradient, which is unbiased for grad KL(pi || pi_ref) (plain k3's gradient is not)."""
+    tis_level: str | None = None
+    """Truncated importance sampling against `rollout_log_probs`: `token`, `sequence`, or None
+    (off). Corrects the rollout-engine / training-engine probability mismatch."""
+    tis_threshold: float = 2.0
+    """Truncation C of the importance weight min(pi_old / pi_rollout, C)."""
+
+    def __post_init__(self) -> None:
+        from tephra.algos.aggregation import AGGREGATION_MODES
+        from tephra.algos.kl import KL_ESTIMATORS
+        from tephra.algos.policy_losses import POLICY_LOSSES
+
+        if isinstance(self.policy, dict):  # YAML gives dicts
+            self.policy = PolicyLossConfig(**self.policy)
+        _registered("actor", "policy_loss", self.policy_loss, POLICY_LOSSES)
+        _registered("actor", "loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
+        _registered("actor", "kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
+        if self.kl_loss_type.startswith("full"):
+            raise ConfigError(
+                f"actor.kl_loss_type={self.kl_loss_type!r} needs full-vocabulary log-probs, "
+                f"which engines do not return; use 'k3+' or 'k1'"
+            )
+        _check_norm_constant("actor", self.loss_agg_mode, self.loss_agg_norm_constant)
+        _positive("actor", "entropy_coeff", self.entropy_coeff, zero_ok=True)
+        _positive("actor", "kl_loss_coef", self.kl_loss_coef, zero_ok=True)
+        if self.tis_level not in (None, "token", "sequence"):
+            raise ConfigError(
+                f"actor.tis_level={self.tis_level!r} is not allowed; choose 'token', "
+                f"'sequence' or None"
+            )
+        if self.tis_threshold <= 1.0:
+            raise ConfigError(f"actor.tis_threshold={self.tis_threshold!r} must be > 1")
+
+
+@dataclass
+class CriticObjectiveConfig:
+    """The critic's loss: clipped value regression to the returns."""
+
+    cliprange_value: float | None = 0.5
+    """New values are kept within old +- this (in reward units) in the clipped branch of
+    the loss; None disables clipping."""
+    loss_agg_mode: str = "token-mean"
+    """Name in `AGGREGATION_MODES`."""
+    loss_agg_norm_constant: float | None = None
+    """`seq-mean-token-sum-norm` only: the constant dividing each sequence's token sum."""
+
+    def __post_init__(self) -> None:
+        from tephra.algos.aggregation import AGGREGATION_MODES
+
+        if self.cliprange_value is not None:
+            _positive("critic", "cliprange_value", self.cliprange_value)
+        _registered("critic", "loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
+        _check_norm_constant("critic", self.loss_agg_mode, self.loss_agg_norm_constant)
+
+
+def _check_norm_constant(section: str, mode: str, constant: float | None) -> None:
+    if mode == "seq-mean-token-sum-norm":
+        if constant is None or constant <= 0:
+            raise ConfigError(
+                f"{section}.loss_agg_norm_constant={constant!r}: loss_agg_mode "
+                f"'seq-mean-token-sum-norm' needs a positive constant, e.g. the maximum "
+                f"response length in tokens"
+            )

@@ -1,0 +1,248 @@
+"""Policy losses, chosen by name from `POLICY_LOSSES`.
+
+A registered loss maps
+    (log_probs, old_log_probs, advantages, response_mask: [batch, seq], PolicyLossConfig)
+    -> (per-token loss [batch, seq], metrics: dict[str, float])
+and `compute_policy_loss` aggregates the per-token loss with an explicit global normaliser
+(`tephra.algos.aggregation`). Notation: ratio r_t = pi(y_t) / pi_old(y_t) = exp(log_probs -
+old_log_probs) (the log-ratio clamped to +-`log_ratio_clamp`), A_t the advantage,
+eps_l / eps_h the lower / upper clip ratios. Metrics are masked means over this call's
+response tokens: `pg_clipfrac` (share of tokens whose gradient the clip removed), `ppo_kl`
+(k1 estimate of KL(pi_old || pi): mean of old - new log-prob), `ratio_mean`, `ratio_max`,
+`ratio_min`, plus a loss's own. To add a loss, register a function of that signature:
+`@POLICY_LOSSES.register("name")`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tephra.algos.aggregation import aggregate_loss
+from tephra.algos.config import PolicyLossConfig
+from tephra.algos.inputs import check_same_shape
+from tephra.algos.masked import masked_count, masked_max, masked_mean, masked_min
+from tephra.algos.registry import Registry
+
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def _log_ratio(log_probs, old_log_probs, config: PolicyLossConfig) -> torch.Tensor:
+    c = config.log_ratio_clamp
+    return (log_probs - old_log_probs).clamp(min=-c, max=c)
+
+
+def _ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    lr = log_ratio.detach()
+    ratio = lr.exp()
+    return {
+        "ppo_kl": float(masked_mean(-lr, mask)),
+        "ratio_mean": float(masked_mean(ratio, mask)),
+        "ratio_max": float(masked_max(ratio, mask)),
+        "ratio_min": float(masked_min(ratio, mask)),
+    }
+
+
+def _frac(flags: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(masked_mean(flags.to(torch.float32), mask))
+
+
+def _clipped_surrogate(ratio, advantages, config):
+    """max(-A r, -A clip(r, 1 - eps_l, 1 + eps_h)) and whether the clipped branch won."""
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
+    return torch.maximum(pg1, pg2), pg2 > pg1
+
+
+@POLICY_LOSSES.register("vanilla")
+def vanilla(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization
+    Algorithms") with decoupled clip ratios (clip-higher, DAPO: Yu et al. 2025) and dual-clip
+    (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"):
+        L_t = max(-A r, -A clip(r, 1 - eps_l, 1 + eps_h))
+        L_t = min(L_t, -A c)  where A < 0    (c = clip_ratio_c; bounds the loss of very
+                                              off-policy tokens with negative advantage)
+    Extra metric `pg_clipfrac_lower`: share of tokens where the dual clip is active.
+    """
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    loss, clipped = _clipped_surrogate(log_ratio.exp(), advantages, config)
+    metrics = _ratio_metrics(log_ratio, response_mask)
+    metrics["pg_clipfrac"] = _frac(clipped, response_mask)
+    if config.clip_ratio_c is not None:
+        bound = -advantages * config.clip_ratio_c
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        metrics["pg_clipfrac_lower"] = _frac(dual, response_mask)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): a sequence-level,
+    length-normalised ratio s_i = exp(mean_t (log pi - log pi_old)), used at every token
+    through the token form that keeps per-token gradients:
+        log s_{i,t} = sg(log s_i) + log pi(y_t) - sg(log pi(y_t))
+        L_t = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - eps_l, 1 + eps_h))
+    The paper aggregates with `seq-mean-token-mean` and uses eps around 3e-4 / 4e-4.
+    """
+    raw = torch.where(response_mask > 0, log_probs - old_log_probs,
+                      torch.zeros_like(log_probs))
+    n = masked_count(response_mask, dim=-1).clamp(min=1).to(log_probs.dtype)
+    seq_log_ratio = (raw.sum(-1) / n).clamp(max=10.0)  # exp(10): beyond any clip range
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_probs - log_probs.detach()
+    loss, clipped = _clipped_surrogate(token_log_ratio.exp(), advantages, config)
+    metrics = _ratio_metrics(token_log_ratio, response_mask)
+    metrics["ppo_kl"] = float(masked_mean(-raw.detach(), response_mask))
+    metrics["pg_clipfrac"] = _frac(clipped, response_mask)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention"): clip the importance-sampling weight, not the update, so every token keeps a
+    gradient:
+        L_t = -sg(clip(r, 1 - eps_l, 1 + eps_h)) * A * log pi(y_t)
+    `pg_clipfrac`: share of tokens whose weight was clipped.
+    """
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    ratio = log_ratio.detach().exp()
+    weight = ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
+    loss = -weight * advantages * log_probs
+    metrics = _ratio_metrics(log_ratio, response_mask)
+    metrics["pg_clipfrac"] = _frac(weight != ratio, response_mask)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a smooth gate instead of
+    the hard clip,
+        f_tau(r) = (4 / tau) * sigmoid(tau * (r - 1)),   L_t = -A f_tau(r)
+    with tau = tau_pos for A > 0 and tau_neg otherwise. The gradient weight
+    f'(r) = 4 sigmoid(.)(1 - sigmoid(.)) is 1 on-policy (r = 1) and decays smoothly off-policy.
+    Metric `sapo_gate_mean`: mean gradient weight.
+    """
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    ratio = log_ratio.exp()
+    tau = torch.where(advantages > 0, config.sapo_tau_pos, config.sapo_tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -advantages * gate * (4.0 / tau)
+    metrics = _ratio_metrics(log_ratio, response_mask)
+    g = gate.detach()
+    metrics["sapo_gate_mean"] = float(masked_mean(4.0 * g * (1.0 - g), response_mask))
+    metrics["pg_clipfrac"] = 0.0
+    return loss, metrics
+
+
+def _centred_cov(advantages, log_probs, mask) -> torch.Tensor:
+    """Per-token (A_t - mean A)(log pi_t - mean log pi), means over the masked tokens."""
+    a = advantages.detach()
+    lp = log_probs.detach()
+    return (a - masked_mean(a, mask)) * (lp - masked_mean(lp, mask))
+
+
+@POLICY_LOSSES.register("clip_cov")
+def clip_cov(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
+    Reasoning Language Models"): the PPO clipped surrogate, plus: among tokens not already
+    clipped with covariance cov_t = (A_t - mean A)(log pi_t - mean log pi) in
+    (clip_cov_lb, clip_cov_ub), a random max(1, floor(clip_cov_ratio * N)) (N = response
+    tokens of this call) have their loss and gradient removed, which keeps entropy from
+    collapsing. Metric `cov_clipfrac`: share of tokens removed this way.
+    """
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    loss, clipped = _clipped_surrogate(log_ratio.exp(), advantages, config)
+    valid = response_mask > 0
+    cov = _centred_cov(advantages, log_probs, response_mask)
+    candidates = valid & ~clipped & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)
+    idx = torch.nonzero(candidates.reshape(-1), as_tuple=True)[0]
+    n_clip = max(int(config.clip_cov_ratio * int(valid.sum())), 1)
+    keep = torch.ones_like(loss)
+    if idx.numel() > 0:
+        gen = None
+        if config.clip_cov_seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(config.clip_cov_seed)
+        chosen = idx[torch.randperm(idx.numel(), generator=gen)[:n_clip].to(idx.device)]
+        keep.view(-1)[chosen] = 0.0
+    metrics = _ratio_metrics(log_ratio, response_mask)
+    metrics["pg_clipfrac"] = _frac(clipped, response_mask)
+    metrics["cov_clipfrac"] = _frac(keep == 0, response_mask)
+    return loss * keep, metrics
+
+
+@POLICY_LOSSES.register("kl_cov")
+def kl_cov(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """KL-Cov (Cui et al. 2025, same paper as Clip-Cov): the unclipped surrogate -A r, plus a
+    KL penalty on the max(1, floor(kl_cov_ratio * N)) tokens with the largest covariance
+    cov_t = (A_t - mean A)(log pi_t - mean log pi):
+        L_t = -A r + kl_cov_coef * |log pi - log pi_old|   (selected tokens)
+        L_t = -A r                                          (others)
+    Metric `kl_cov_frac`: share of tokens penalised.
+    """
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    loss = -advantages * log_ratio.exp()
+    valid = response_mask > 0
+    n_valid = int(valid.sum())
+    selected = torch.zeros_like(valid)
+    if n_valid > 0:
+        cov = _centred_cov(advantages, log_probs, response_mask)
+        idx = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+        k = max(1, int(n_valid * config.kl_cov_ratio))
+        top = torch.topk(cov.reshape(-1)[idx], k).indices
+        selected.view(-1)[idx[top]] = True
+    penalty = config.kl_cov_coef * (log_probs - old_log_probs).abs()
+    loss = torch.where(selected, loss + penalty, loss)
+    metrics = _ratio_metrics(log_ratio, response_mask)
+    metrics["pg_clipfrac"] = 0.0
+    metrics["kl_cov_frac"] = _frac(selected, response_mask)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gpg")
+def gpg_loss(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline"):
+    plain policy gradient, no ratio and no clip (pair with the `gpg` estimator):
+        L_t = -A log pi(y_t)
+    """
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    metrics = _ratio_metrics(log_ratio, response_mask)
+    metrics["pg_clipfrac"] = 0.0
+    return -advantages * log_probs, metrics
+
+
+def compute_policy_loss(
+    name: str,
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    config: PolicyLossConfig | None = None,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: float | torch.Tensor,
+    global_seq_count: float | torch.Tensor,
+    norm_constant: float | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(this micro-batch's loss contribution, metrics) of the policy loss `name`.
+
+    All tensors [batch, seq]; `token_weights` (e.g. truncated importance weights, no graph)
+    multiply the per-token loss before aggregation.
+    """
+    fn = POLICY_LOSSES.get(name)
+    check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
+                     response_mask=response_mask)
+    config = config if config is not None else PolicyLossConfig()
+    loss_mat, metrics = fn(log_probs, old_log_probs, advantages, response_mask, config)
+    if token_weights is not None:
+        loss_mat = loss_mat * token_weights.detach()
+    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode,
+                          global_token_count=global_token_count,
+                          global_seq_count=global_seq_count, norm_constant=norm_constant)
+    return loss, metrics
+
+
+__all__ = ["POLICY_LOSSES", "compute_policy_loss"]

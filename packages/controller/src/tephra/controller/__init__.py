@@ -1,0 +1,24 @@
+"""tephra.controller: Ray worker groups, dispatch modes and the trainer parts of the RL loop."""
+
+from tephra.controller.checkpoints import CheckpointManager
+from tephra.controller.config import load_config, parse_overrides, split_cli
+from tephra.controller.data import (
+    DatasetError,
+    PromptLoader,
+    PromptRecord,
+    load_hf_dataset,
+    load_parquet,
+    reasoning_gym_records,
+    tokenize_prompts,
+)
+from tephra.controller.dispatch import Dispatch, dispatch
+from tephra.controller.rewarding import RewardFailure, Scorer
+from tephra.controller.trackers import TRACKERS, Trackers, plot_curves, read_jsonl
+from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup, ray_init
+
+__all__ = [
+    "TRACKERS", "CheckpointManager", "DatasetError", "Dispatch", "PromptLoader", "PromptRecord",
+    "ResourcePool", "RewardFailure", "Scorer", "Trackers", "Worker", "WorkerGroup", "dispatch",
+    "load_config", "load_hf_dataset", "load_parquet", "parse_overrides", "plot_curves",
+    "ray_init", "read_jsonl", "reasoning_gym_records", "split_cli", "tokenize_prompts",
+]

@@ -1,0 +1,224 @@
+"""Typed configs from YAML presets and dotted command-line overrides.
+
+A config is a tree of dataclasses (each field documented where it is defined). Values come,
+in order of precedence, from the dataclass defaults, then YAML presets, then `a.b.c=value`
+overrides. Unknown keys are errors that name the full dotted key and suggest the closest
+valid one; values are checked against the field's type and converted (`"3"` -> 3 for an int).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from tephra.engine_api.errors import ConfigError
+
+C = TypeVar("C")
+
+
+def _close(key: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _all_dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        out.append(key)
+        sub = _dataclass_of(hints[f.name])
+        if sub is not None:
+            out.extend(_all_dotted_keys(sub, key + "."))
+    return out
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg) and isinstance(arg, type):
+            return arg
+    return None
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML/CLI value to the annotated type, or raise naming the key."""
+    origin = typing.get_origin(tp)
+    if tp is Any or tp is object:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: cannot use {value!r}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}={value!r}: choose one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}={value!r} must be a list")
+        args = typing.get_args(tp)
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, where) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}={value!r} must be a mapping")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}={value!r} must be true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str, float)):
+            raise ConfigError(f"{where}={value!r} must be an integer")
+        try:
+            out = int(value) if not isinstance(value, float) else value
+        except ValueError:
+            raise ConfigError(f"{where}={value!r} must be an integer") from None
+        if isinstance(out, float):
+            if not out.is_integer():
+                raise ConfigError(f"{where}={value!r} must be an integer")
+            out = int(out)
+        return out
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}={value!r} must be a number") from None
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be a string")
+        return str(value)
+    return value
+
+
+def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "") -> C:
+    """Build dataclass `cls` (recursively) from nested dicts; unknown keys are errors."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            full = f"{prefix}{key}"
+            raise ConfigError(
+                f"unknown config key {full!r}{_close(key, names)} "
+                f"(valid keys under {prefix.rstrip('.') or 'the top level'}: {names})"
+            )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value, tp, where = data[f.name], hints[f.name], f"{prefix}{f.name}"
+        sub = _dataclass_of(tp)
+        if sub is not None and isinstance(value, dict):
+            kwargs[f.name] = from_dict(sub, value, where + ".")
+        elif sub is not None and dataclasses.is_dataclass(value):
+            kwargs[f.name] = value
+        else:
+            kwargs[f.name] = _coerce(value, tp, where)
+    return cls(**kwargs)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Nested plain dict of a dataclass config (for YAML dumps and tracker hyper-parameters)."""
+    return dataclasses.asdict(config)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_overrides(cls: type, args: list[str]) -> dict[str, Any]:
+    """`["a.b=1", "c=x"]` -> nested dict; each key is checked against `cls` right away."""
+    valid = _all_dotted_keys(cls)
+    out: dict[str, Any] = {}
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError(
+                f"command-line argument {arg!r} is not an override; write key=value, "
+                f"e.g. algorithm.adv_estimator=grpo"
+            )
+        key, _, raw = arg.partition("=")
+        key = key.strip().lstrip("-")
+        if key not in valid:
+            raise ConfigError(f"unknown config key {key!r}{_close(key, valid)}")
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(
+    cls: type[C],
+    presets: list[str | Path] = (),
+    overrides: list[str] = (),
+    preset_dir: Path | None = None,
+) -> C:
+    """Defaults <- YAML presets (in order) <- dotted overrides, validated into `cls`.
+
+    A preset is a path to a YAML file or a name looked up as `preset_dir/<name>.yaml`.
+    """
+    data: dict[str, Any] = {}
+    for preset in presets:
+        path = Path(preset)
+        if not path.suffix and preset_dir is not None:
+            path = preset_dir / f"{preset}.yaml"
+        if not path.exists():
+            known = sorted(p.stem for p in preset_dir.glob("*.yaml")) if preset_dir else []
+            raise ConfigError(f"preset {str(preset)!r} not found (looked for {path}); "
+                              f"known presets: {known}")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"preset {path} must hold a mapping at the top level")
+        data = _merge(data, loaded)
+    data = _merge(data, parse_overrides(cls, list(overrides)))
+    return from_dict(cls, data)
+
+
+def split_cli(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split argv into presets (`--preset NAME`, `-p NAME` or `preset=NAME`) and overrides."""
+    presets, overrides = [], []
+    it = iter(argv)
+    for arg in it:
+        if arg in ("--preset", "-p"):
+            try:
+                presets.append(next(it))
+            except StopIteration:
+                raise ConfigError(f"{arg} needs a preset name or YAML path") from None
+        elif arg.startswith("preset="):
+            presets.extend(p for p in arg.split("=", 1)[1].split(",") if p)
+        elif arg.startswith("--preset="):
+            presets.extend(p for p in arg.split("=", 1)[1].split(",") if p)
+        else:
+            overrides.append(arg)
+    return presets, overrides

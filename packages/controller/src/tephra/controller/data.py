@@ -1,0 +1,181 @@
+"""Prompt data: verl-format parquet, Hugging Face datasets, reasoning-gym tasks.
+
+Every source becomes a list of `PromptRecord` (the verl row format):
+    prompt        list of chat messages [{"role": ..., "content": ...}]
+    data_source   name that selects the reward scorer (e.g. "gsm8k", "reasoning_gym/basic_arithmetic")
+    ground_truth  the answer the scorer compares with (`reward_model.ground_truth` in parquet)
+    extra_info    anything else the scorer may need (a dict)
+Prompts are tokenized with the tokenizer's chat template; prompts longer than the budget are
+dropped and counted. `PromptLoader` walks the records in a seeded order, `prompts_per_step` at
+a time, and its position is part of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tephra.engine_api.errors import ConfigError, TephraError
+
+
+class DatasetError(TephraError, ValueError):
+    """A data file or row cannot be used; the message names the row, the field and the fix."""
+
+
+@dataclass
+class PromptRecord:
+    prompt: list[dict[str, str]]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord:
+    """Validate one verl-format row; errors name the row and the missing field."""
+
+    def fail(field_name: str, why: str) -> DatasetError:
+        return DatasetError(
+            f"row {index} of {where}: field {field_name!r} {why}; each row needs 'prompt' "
+            "(list of {role, content} messages), 'data_source' (string) and "
+            "'reward_model.ground_truth' (see the controller README, Data format)"
+        )
+
+    prompt = row.get("prompt")
+    if prompt is None:
+        raise fail("prompt", "is missing")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    prompt = list(prompt)
+    for m in prompt:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise fail("prompt", f"holds {m!r}, not a {{role, content}} message")
+    source = row.get("data_source")
+    if not isinstance(source, str) or not source:
+        raise fail("data_source", "is missing" if source is None else f"is {source!r}, not a name")
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise fail("reward_model.ground_truth", "is missing")
+    extra = row.get("extra_info") or {}
+    if isinstance(extra, str):
+        extra = json.loads(extra)
+    return PromptRecord([dict(m) for m in prompt], source, reward_model["ground_truth"], dict(extra))
+
+
+def load_parquet(path: str | Path) -> list[PromptRecord]:
+    """Rows of a verl-format parquet file."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"data file {path} does not exist; set data.train_files to a parquet file")
+    rows = pq.read_table(path).to_pylist()
+    if not rows:
+        raise DatasetError(f"data file {path} has no rows")
+    return [record_from_row(r, i, path.name) for i, r in enumerate(rows)]
+
+
+def load_hf_dataset(name: str, split: str) -> list[PromptRecord]:
+    """A Hugging Face dataset saved with `save_to_disk` (a folder) or loadable by name."""
+    import datasets
+
+    if Path(name).is_dir():
+        ds = datasets.load_from_disk(name)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[split]
+    else:
+        ds = datasets.load_dataset(name, split=split)
+    return [record_from_row(r, i, f"{name}[{split}]") for i, r in enumerate(ds)]
+
+
+REASONING_GYM_PREFIX = "reasoning_gym/"
+
+DEFAULT_INSTRUCTION = "Answer with just the final number."
+
+
+def reasoning_gym_records(task: str, size: int, seed: int,
+                          task_config: dict[str, Any] | None = None,
+                          instruction: str = DEFAULT_INSTRUCTION) -> list[PromptRecord]:
+    """`size` items of a reasoning-gym task, generated offline and reproducibly by `seed`."""
+    import reasoning_gym
+
+    try:
+        ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **(task_config or {}))
+    except Exception as exc:  # reasoning-gym raises various types for unknown tasks/options
+        raise ConfigError(f"data: reasoning-gym task {task!r} with {task_config} failed: {exc}") from exc
+    out = []
+    for item in ds:
+        content = f"{item['question']}\n{instruction}" if instruction else item["question"]
+        out.append(PromptRecord(
+            prompt=[{"role": "user", "content": content}],
+            data_source=REASONING_GYM_PREFIX + task,
+            ground_truth=str(item["answer"]),
+            # the entry travels as JSON (the rollout package's reasoning_gym scorer format);
+            # the prompt asks for just the number, so the last number is the answer
+            extra_info={"reasoning_gym": {"task": task, "entry_json": json.dumps(item, default=str),
+                                          "extract": "last_number"}},
+        ))
+    return out
+
+
+def tokenize_prompts(records: list[PromptRecord], tokenizer: Any, max_prompt_tokens: int,
+                     ) -> tuple[list[list[int]], list[PromptRecord], int]:
+    """Chat-template token ids of each prompt; returns (ids, kept records, number dropped).
+
+    A prompt longer than `max_prompt_tokens` is dropped (a truncated question is a different
+    question), and the count is reported so that a bad budget is visible.
+    """
+    ids, kept, dropped = [], [], 0
+    for rec in records:
+        toks = tokenizer.apply_chat_template(rec.prompt, add_generation_prompt=True, tokenize=True)
+        if hasattr(toks, "keys"):  # transformers 5 returns a BatchEncoding
+            toks = toks["input_ids"]
+        toks = list(toks)
+        if len(toks) > max_prompt_tokens:
+            dropped += 1
+            continue
+        ids.append(toks)
+        kept.append(rec)
+    if not kept:
+        raise DatasetError(
+            f"every one of {len(records)} prompts is longer than data.max_prompt_tokens="
+            f"{max_prompt_tokens}; raise it"
+        )
+    return ids, kept, dropped
+
+
+class PromptLoader:
+    """Seeded epochs over the prompts, `prompts_per_step` at a time; resumable."""
+
+    def __init__(self, num_prompts: int, prompts_per_step: int, seed: int) -> None:
+        if num_prompts < prompts_per_step:
+            raise ConfigError(
+                f"the training set has {num_prompts} prompts after filtering, fewer than "
+                f"batch.prompts_per_step={prompts_per_step}; add data or lower prompts_per_step"
+            )
+        self.num_prompts, self.prompts_per_step, self.seed = num_prompts, prompts_per_step, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self) -> list[int]:
+        order = list(range(self.num_prompts))
+        random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_indices(self) -> list[int]:
+        """Indices of the next step's prompts (a step never straddles two epochs)."""
+        if self.position + self.prompts_per_step > self.num_prompts:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._shuffle()
+        out = self._order[self.position : self.position + self.prompts_per_step]
+        self.position += self.prompts_per_step
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._shuffle()

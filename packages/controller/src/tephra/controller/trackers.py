@@ -1,0 +1,174 @@
+"""Where per-step metrics go: console, jsonl (default), TensorBoard, W&B (offline), MLflow.
+
+Every tracker takes `log(metrics, step)` and `close()`. `TRACKERS` is the registry; the
+config lists names (`trainer.trackers=[console,jsonl]`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tephra.engine_api.registry import Registry
+
+TRACKERS: Registry[type] = Registry("tracker")
+
+
+class Tracker:
+    def __init__(self, run_dir: Path, project: str, run_name: str, config: dict[str, Any]) -> None:
+        self.run_dir = run_dir
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+@TRACKERS.register("jsonl")
+class JsonlTracker(Tracker):
+    """One JSON object per step in `run_dir/metrics.jsonl` (appends, so resumed runs continue)."""
+
+    def __init__(self, run_dir, project, run_name, config):
+        super().__init__(run_dir, project, run_name, config)
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+
+    def log(self, metrics, step):
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
+
+    def close(self):
+        self._file.close()
+
+
+@TRACKERS.register("console")
+class ConsoleTracker(Tracker):
+    """A short line per step with the headline metrics."""
+
+    KEYS = ("reward/mean", "accuracy/train", "accuracy/val", "actor/kl", "actor/entropy",
+            "response/length_mean", "actor/grad_norm", "time/step_s")
+
+    def log(self, metrics, step):
+        parts = [f"{k.split('/')[-1] if k != 'accuracy/val' else 'val_acc'}="
+                 f"{metrics[k]:.4g}" for k in self.KEYS if k in metrics]
+        print(f"step {step}: " + " ".join(parts), flush=True)
+
+
+@TRACKERS.register("tensorboard")
+class TensorBoardTracker(Tracker):
+    """Scalars under `run_dir/tensorboard`."""
+
+    def __init__(self, run_dir, project, run_name, config):
+        super().__init__(run_dir, project, run_name, config)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, metrics, step):
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
+@TRACKERS.register("wandb")
+class WandbTracker(Tracker):
+    """Weights & Biases in offline mode (sync later with `wandb sync run_dir/wandb`)."""
+
+    def __init__(self, run_dir, project, run_name, config):
+        super().__init__(run_dir, project, run_name, config)
+        try:
+            import wandb
+        except ImportError:
+            from tephra.engine_api.errors import ConfigError
+            raise ConfigError("trainer.trackers has 'wandb' but wandb is not installed; "
+                              "install tephra-controller[wandb]") from None
+        self.run = wandb.init(project=project, name=run_name, config=config, mode="offline",
+                              dir=str(run_dir))
+
+    def log(self, metrics, step):
+        self.run.log(metrics, step=step)
+
+    def close(self):
+        self.run.finish()
+
+
+@TRACKERS.register("mlflow")
+class MlflowTracker(Tracker):
+    """MLflow to a local file store under `run_dir/mlruns`."""
+
+    def __init__(self, run_dir, project, run_name, config):
+        super().__init__(run_dir, project, run_name, config)
+        try:
+            import mlflow
+        except ImportError:
+            from tephra.engine_api.errors import ConfigError
+            raise ConfigError("trainer.trackers has 'mlflow' but mlflow is not installed; "
+                              "install tephra-controller[mlflow]") from None
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+        mlflow.set_experiment(project)
+        mlflow.start_run(run_name=run_name)
+
+    def log(self, metrics, step):
+        clean = {k.replace("/", "."): v for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and math.isfinite(v)}
+        self.mlflow.log_metrics(clean, step=step)
+
+    def close(self):
+        self.mlflow.end_run()
+
+
+class Trackers:
+    """All configured trackers behind one `log`."""
+
+    def __init__(self, names: list[str], run_dir: Path, project: str, run_name: str,
+                 config: dict[str, Any]) -> None:
+        self.items = [TRACKERS.get(n)(run_dir, project, run_name, config) for n in names]
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for t in self.items:
+            t.log(metrics, step)
+
+    def close(self) -> None:
+        for t in self.items:
+            t.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """One merged record per step, in step order. Records of one step are merged (training
+    metrics and a validation score are logged separately); a key logged again, as when a
+    resumed run repeats steps after its checkpoint, keeps the later value."""
+    by_step: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step.setdefault(rec["step"], {}).update(rec)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_curves(records: list[dict[str, Any]], path: Path,
+                keys: tuple[str, ...] = ("reward/mean", "accuracy/train", "accuracy/val")) -> None:
+    """Reward/accuracy against step as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in records if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if key == "accuracy/val" else None, label=key)
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

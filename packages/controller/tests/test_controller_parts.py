@@ -1,0 +1,132 @@
+"""Controller parts: config loading, data, loader resume, checkpoints, trackers, and a worker
+group on Ray with a trivial worker (dispatch modes checked against a single-process value)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tephra.controller.config import load_config, split_cli
+from tephra.controller.data import DatasetError, PromptLoader, load_parquet, reasoning_gym_records
+from tephra.controller.dispatch import Dispatch, dispatch
+from tephra.controller.trackers import Trackers, read_jsonl
+from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup, ray_init
+from tephra.engine_api.errors import BatchError, ConfigError
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    """learning rate"""
+    names: list[str] = field(default_factory=lambda: ["a"])
+    """names"""
+
+
+@dataclass
+class Outer:
+    steps: int = 1
+    """steps"""
+    path: str | None = None
+    """a path"""
+    inner: Inner = field(default_factory=Inner)
+    """inner"""
+
+
+def test_config_presets_overrides_and_unknown_keys(tmp_path):
+    (tmp_path / "p.yaml").write_text("steps: 3\ninner:\n  lr: 0.5\n")
+    cfg = load_config(Outer, ["p"], ["inner.lr=2e-2", "inner.names=[x,y]", "path=/m"],
+                      preset_dir=tmp_path)
+    assert cfg == Outer(steps=3, path="/m", inner=Inner(lr=0.02, names=["x", "y"]))
+    with pytest.raises(ConfigError, match=r"unknown config key 'inner\.lrr'; did you mean 'inner\.lr'"):
+        load_config(Outer, [], ["inner.lrr=1"])
+    (tmp_path / "bad.yaml").write_text("inner:\n  lx: 1\n")
+    with pytest.raises(ConfigError, match=r"'inner\.lx'; did you mean 'lr'"):
+        load_config(Outer, [str(tmp_path / "bad.yaml")])
+    with pytest.raises(ConfigError, match=r"steps='many' must be an integer"):
+        load_config(Outer, [], ["steps=many"])
+    assert split_cli(["-p", "smoke", "a=1", "preset=x,y"]) == (["smoke", "x", "y"], ["a=1"])
+
+
+def test_parquet_rows_are_validated_with_row_and_field(tmp_path):
+    good = {"prompt": [[{"role": "user", "content": "1+1?"}]], "data_source": ["gsm8k"],
+            "reward_model": [{"ground_truth": "2", "style": "rule"}], "extra_info": [{"i": 0}]}
+    pq.write_table(pa.table(good), tmp_path / "good.parquet")
+    (rec,) = load_parquet(tmp_path / "good.parquet")
+    assert rec.ground_truth == "2" and rec.prompt[0]["content"] == "1+1?" and rec.extra_info == {"i": 0}
+    bad = {"prompt": [[{"role": "user", "content": "q"}]] * 2, "data_source": ["a", "a"],
+           "reward_model": [{"ground_truth": "1"}, {"style": "rule"}]}
+    pq.write_table(pa.table(bad), tmp_path / "bad.parquet")
+    with pytest.raises(DatasetError, match=r"row 1 of bad.parquet: field 'reward_model.ground_truth' is missing"):
+        load_parquet(tmp_path / "bad.parquet")
+
+
+def test_reasoning_gym_is_reproducible_and_loader_resumes():
+    a = reasoning_gym_records("basic_arithmetic", 5, seed=3)
+    b = reasoning_gym_records("basic_arithmetic", 5, seed=3)
+    assert [r.prompt for r in a] == [r.prompt for r in b] and a[0].data_source.endswith("basic_arithmetic")
+    full = PromptLoader(10, 4, seed=1)
+    seq = [full.next_indices() for _ in range(5)]
+    part = PromptLoader(10, 4, seed=1)
+    part.next_indices(), part.next_indices()
+    resumed = PromptLoader(10, 4, seed=1)
+    resumed.load_state_dict(json.loads(json.dumps(part.state_dict())))
+    assert [resumed.next_indices() for _ in range(3)] == seq[2:]
+    assert all(len(set(s)) == 4 for s in seq)
+
+
+def test_trackers_write_jsonl_and_tensorboard(tmp_path):
+    t = Trackers(["jsonl", "tensorboard", "console"], tmp_path, "p", "r", {})
+    t.log({"reward/mean": 0.5}, 1)
+    t.log({"reward/mean": 0.7}, 2)
+    t.close()
+    assert [r["reward/mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.5, 0.7]
+    assert any((tmp_path / "tensorboard").iterdir())
+
+
+class SumWorker(Worker):
+    """Each rank scales its share; an all-reduce checks the process group is real."""
+
+    def __init__(self, rank, world_size, master_addr, master_port, threads, scale):
+        super().__init__(rank, world_size, master_addr, master_port, threads)
+        self.scale = scale
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def scaled(self, batch: TensorDict) -> TensorDict:
+        import torch.distributed as dist
+
+        total = batch["x"].sum().clone()
+        dist.all_reduce(total)
+        return TensorDict({"y": batch["x"] * self.scale, "total": total.expand(batch.batch_size[0]),
+                           "rank": torch.full((batch.batch_size[0],), self.rank)},
+                          batch_size=batch.batch_size)
+
+    @dispatch(Dispatch.BROADCAST)
+    def whoami(self) -> int:
+        return self.rank
+
+    @dispatch(Dispatch.RANK_ZERO)
+    def first(self, v):
+        return (self.rank, v)
+
+
+@pytest.mark.multiproc
+def test_worker_group_dispatch_on_ray():
+    ray_init(num_cpus=2)
+    wg = WorkerGroup(SumWorker, ResourcePool(world_size=2, cpus_per_rank=1), {"scale": 3.0})
+    x = torch.arange(6, dtype=torch.float32)
+    out = wg.scaled(TensorDict({"x": x}, batch_size=[6]))
+    assert torch.equal(out["y"], x * 3) and torch.equal(out["rank"], torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert torch.all(out["total"] == x.sum())
+    assert wg.whoami() == [0, 1] and wg.first("v") == (0, "v")
+    with pytest.raises(BatchError, match="does not split evenly over 2"):
+        wg.scaled(TensorDict({"x": x[:5]}, batch_size=[5]))
+    with pytest.raises(ConfigError, match="needs 4 CPUs"):
+        WorkerGroup(SumWorker, ResourcePool(world_size=2, cpus_per_rank=2), {"scale": 1.0})
+    wg.shutdown()

@@ -1,0 +1,137 @@
+"""The training-engine contract: the only thing algorithms and the controller see of a backend.
+
+Who calls what: the controller builds one engine per rank (SPMD; every rank makes the same
+calls in the same order), hands each rank its data-parallel share of the batch, and calls
+`forward` for log-probs/values, `forward_backward` + `optimizer_step` + `lr_scheduler_step`
+to train, and `export_weights` to refresh the rollout engine. Losses come from
+`tephra.algos` through the `loss_fn` argument; a backend never imports an algorithm.
+
+Batches follow `tephra.engine_api.batch` (padded `[batch, seq]` TensorDicts).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from tephra.engine_api.config import EngineConfig
+from tephra.engine_api.loss import LossFn
+
+
+class Engine(ABC):
+    """A model being trained, sharded however the backend likes, behind one API."""
+
+    config: EngineConfig
+
+    @classmethod
+    @abstractmethod
+    def build(cls, config: EngineConfig) -> Engine:
+        """Build the model, optimizer and scheduler from `config` on every rank.
+
+        Called once per rank, after `torch.distributed` is initialised (or without it for a
+        single process). Raises `ConfigError` for a model folder that is missing or a
+        setting the backend does not support.
+        """
+
+    # ----- lifecycle -------------------------------------------------------------------
+    @abstractmethod
+    def train_mode(self) -> AbstractContextManager[None]:
+        """Context in which `forward_backward` / `optimizer_step` run: parameters and
+        optimizer state are on the device (onloaded if offloaded), dropout is on."""
+
+    @abstractmethod
+    def eval_mode(self) -> AbstractContextManager[None]:
+        """Context in which `forward` / `export_weights` run: parameters on the device,
+        optimizer state may stay offloaded, dropout off."""
+
+    # ----- compute ---------------------------------------------------------------------
+    @abstractmethod
+    def forward(self, batch: TensorDict) -> TensorDict:
+        """Per-token outputs of this rank's `batch` without building a graph.
+
+        batch: padded layout, `[B, T]` (see `tephra.engine_api.batch`).
+        returns: TensorDict `[B]` with, aligned to `batch["input_ids"]` (`[B, T]`, float32):
+          - policy: `log_probs` (log p(token_t | tokens_<t) / temperature-scaled) and, if
+            `config.compute_entropy`, `entropy` of the distribution token_t was drawn from;
+          - value: `values` (V of the state before token_t).
+        Positions where `response_mask` is 0 hold 0. Micro-batching by
+        `config.micro_batch.forward_budget` happens inside.
+        """
+
+    @abstractmethod
+    def forward_backward(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate gradients of `loss_fn` over this rank's `batch`.
+
+        The engine splits `batch` into micro-batches by token budget, sets the global
+        normalisers (`global_token_count`, `global_seq_count`: response tokens and
+        sequences over the whole step, all ranks) on each micro-batch, computes the
+        same outputs as `forward` but with a graph, and back-propagates
+        `loss_fn(outputs, micro_batch)`. The loss function returns each micro-batch's
+        contribution to the global loss (already divided by the global normaliser); the
+        engine makes the gradient equal the gradient of the sum over micro-batches and
+        data-parallel ranks, whatever the split.
+
+        returns: metrics: `loss` (the global loss, summed over micro-batches and ranks) and
+        the mean of each metric `loss_fn` returned, over micro-batches and ranks.
+        Gradients stay accumulated until `optimizer_step`.
+        """
+
+    @abstractmethod
+    def optimizer_step(self) -> float:
+        """Clip gradients to `optimizer.grad_clip`, step the optimizer, zero gradients.
+
+        returns: the global gradient norm before clipping (same value on every rank).
+        A non-finite norm skips the update (and is returned so the caller sees it).
+        """
+
+    @abstractmethod
+    def lr_scheduler_step(self) -> float:
+        """Advance the learning-rate schedule by one optimizer step; returns the new lr."""
+
+    # ----- weights ---------------------------------------------------------------------
+    @abstractmethod
+    def export_weights(
+        self, bucket_bytes: int = 512 << 20, untie_word_embeddings: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield the full (unsharded) weights in Hugging Face naming, in buckets.
+
+        Each bucket is a list of `(hf_name, tensor)` of at most about `bucket_bytes`; every
+        rank must iterate (gathers are collective) and every rank receives full tensors.
+        LoRA adapters are merged into the base weights. With `untie_word_embeddings`, a
+        model with tied embeddings also yields `lm_head.weight` (rollout engines such as
+        vLLM keep a stale head otherwise). Called by the controller for weight sync.
+        """
+
+    @abstractmethod
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Save model, optimizer, scheduler and RNG state (sharded) under `path`.
+
+        Collective: every rank calls it with the same path. Training resumed from it by
+        `load_checkpoint` continues bitwise as if never stopped.
+        """
+
+    @abstractmethod
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore what `save_checkpoint` wrote. Raises `CheckpointError` naming the path
+        when it is missing or was written for another model."""
+
+    @abstractmethod
+    def export_hf(self, path: str | Path) -> None:
+        """Write a Hugging Face folder (config, safetensors, tokenizer when known) that
+        transformers and vLLM load with identical logits. Collective; rank 0 writes."""
+
+    # ----- topology --------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (which share of a batch it gets)."""
+
+    @property
+    @abstractmethod
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks (how many shares a batch is split into)."""

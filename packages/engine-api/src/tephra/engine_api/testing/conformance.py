@@ -1,0 +1,310 @@
+"""The engine conformance kit: contract tests every backend runs against itself.
+
+A backend's tests build a `ConformanceSpec` (an engine factory and a single-process
+reference-model factory with the same initial weights) and call `run_conformance(spec)`,
+once in a single process and once on every rank of a multi-process group (each rank then
+checks its data-parallel share of the kit's batches). engine-api itself needs no
+transformers: the reference model is the caller's.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tensordict import TensorDict
+
+from tephra.engine_api import batch as B
+from tephra.engine_api.engine import Engine
+from tephra.engine_api.errors import BatchError
+from tephra.engine_api.testing.batches import nll_loss_fn, random_batch
+
+
+class ReferenceModel(Protocol):
+    """A plain single-process model with the engine's initial weights."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full tensors in Hugging Face naming (what `Engine.export_weights` yields)."""
+
+    def logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """`[B, T]` -> `[B, T, vocab]` float logits (not temperature-scaled)."""
+
+
+@dataclass
+class ConformanceSpec:
+    make_engine: Callable[[dict[str, Any]], Engine]
+    """Build an engine from the backend's base config with dotted-key overrides applied
+    (e.g. {"micro_batch.use_packing": False}); the same initial weights on every call."""
+    make_reference: Callable[[], ReferenceModel]
+    """A fresh reference model with the same initial weights as `make_engine`'s."""
+    vocab_size: int
+    """Vocabulary size of the model (token ids of the kit's batches are below it)."""
+    workdir: Path
+    """A directory for checkpoints: the same path on every rank."""
+    atol: float = 1e-5
+    """Absolute tolerance of log-prob, entropy and loss comparisons (fp32)."""
+    rtol_grad_norm: float = 1e-5
+    """Relative tolerance of grad-norm comparisons."""
+
+
+class ConformanceFailure(AssertionError):
+    """One or more contract checks failed; the message lists each with its reason."""
+
+
+# ----- helpers ----------------------------------------------------------------------------
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _share(engine: Engine, batch: TensorDict) -> TensorDict:
+    """This rank's data-parallel share: contiguous equal chunks."""
+    n, size, rank = batch.batch_size[0], engine.dp_size, engine.dp_rank
+    if n % size:
+        raise ValueError(f"kit batch of {n} rows does not split over {size} data-parallel ranks")
+    chunk = n // size
+    return B.trim_padding(batch[rank * chunk : (rank + 1) * chunk])
+
+
+def _kit_batch(spec: ConformanceSpec, seed: int = 0) -> TensorDict:
+    return random_batch(spec.vocab_size, num_sequences=8, seed=seed)
+
+
+def _sum_all(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    if _world()[1] > 1:
+        dist.all_reduce(t)
+    return float(t[0])
+
+
+def _global_nll(engine: Engine, batch: TensorDict) -> float:
+    """Token-mean NLL over the whole batch (all ranks), from `forward`."""
+    share = _share(engine, batch)
+    with engine.eval_mode():
+        out = engine.forward(share)
+    mask = share[B.RESPONSE_MASK].double()
+    return _sum_all(float(-(out["log_probs"].double() * mask).sum())) / _sum_all(float(mask.sum()))
+
+
+def _train_step(engine: Engine, batch: TensorDict) -> tuple[float, float]:
+    with engine.train_mode():
+        metrics = engine.forward_backward(_share(engine, batch), nll_loss_fn)
+        grad_norm = engine.optimizer_step()
+        engine.lr_scheduler_step()
+    return float(metrics["loss"]), float(grad_norm)
+
+
+def reference_log_probs(
+    ref: ReferenceModel, batch: TensorDict, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive per-token log-prob and entropy `[B, T]` aligned to tokens, zero off-response."""
+    with torch.no_grad():
+        logits = ref.logits(batch[B.INPUT_IDS], batch[B.ATTENTION_MASK], batch[B.POSITION_IDS])
+        logp = F.log_softmax(logits.double() / temperature, dim=-1)
+        ids = batch[B.INPUT_IDS]
+        lp = torch.zeros(ids.shape, dtype=torch.float64)
+        ent = torch.zeros(ids.shape, dtype=torch.float64)
+        lp[:, 1:] = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+        ent[:, 1:] = -(logp[:, :-1].exp() * logp[:, :-1]).sum(-1)
+        mask = batch[B.RESPONSE_MASK].bool()
+    return lp * mask, ent * mask
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
+    err = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
+    assert err <= atol, f"{name}: max abs difference {err:.3g} > {atol:g}"
+
+
+def _rel_close(name: str, got: float, want: float, rtol: float) -> None:
+    assert math.isfinite(got) and math.isfinite(want), f"{name}: non-finite {got} vs {want}"
+    assert abs(got - want) <= rtol * max(abs(want), 1e-12), f"{name}: {got!r} != {want!r} (rtol {rtol:g})"
+
+
+# ----- checks -----------------------------------------------------------------------------
+def check_forward_matches_reference(spec: ConformanceSpec) -> None:
+    """Per-token log-probs (and entropy) of response tokens equal a plain model's."""
+    engine = spec.make_engine({})
+    share = _share(engine, _kit_batch(spec))
+    with engine.eval_mode():
+        out = engine.forward(share)
+    assert out.batch_size == share.batch_size, f"forward returned batch size {out.batch_size}"
+    assert out["log_probs"].shape == share[B.INPUT_IDS].shape, (
+        f"log_probs shape {list(out['log_probs'].shape)} != input_ids {list(share['input_ids'].shape)}"
+    )
+    lp, ent = reference_log_probs(spec.make_reference(), share, engine.config.temperature)
+    _close("log_probs", out["log_probs"], lp, spec.atol)
+    if engine.config.compute_entropy:
+        assert "entropy" in out.keys(), "forward returned no 'entropy' with compute_entropy=True"
+        _close("entropy", out["entropy"], ent, spec.atol)
+
+
+def check_forward_builds_no_graph(spec: ConformanceSpec) -> None:
+    """`forward` returns tensors without autograd history."""
+    engine = spec.make_engine({})
+    with engine.eval_mode():
+        out = engine.forward(_share(engine, _kit_batch(spec)))
+    for key in out.keys():
+        t = out[key]
+        assert not t.requires_grad and t.grad_fn is None, f"forward output {key!r} carries a graph"
+
+
+def check_optimizer_step_lowers_loss(spec: ConformanceSpec) -> None:
+    """One optimizer step on a fixed batch lowers that batch's loss; the grad norm is
+    finite, positive and the same on every rank; forward_backward reports the loss."""
+    engine = spec.make_engine({})
+    batch = _kit_batch(spec)
+    before = _global_nll(engine, batch)
+    loss, grad_norm = _train_step(engine, batch)
+    after = _global_nll(engine, batch)
+    assert abs(loss - before) <= 1e-4 * max(1.0, abs(before)), (
+        f"forward_backward reported loss {loss} but the batch's NLL is {before}"
+    )
+    assert math.isfinite(grad_norm) and grad_norm > 0, f"grad norm {grad_norm}"
+    norms = [grad_norm]
+    if _world()[1] > 1:
+        norms = [None] * _world()[1]
+        dist.all_gather_object(norms, grad_norm)
+    assert len(set(norms)) == 1, f"grad norm differs across ranks: {norms}"
+    assert after < before, f"loss did not fall after one step: {before} -> {after}"
+
+
+def check_grad_accumulation_matches(spec: ConformanceSpec) -> None:
+    """Many small micro-batches give the same gradient as one large one."""
+    batch = _kit_batch(spec)
+    longest = int(B.sequence_lengths(batch).max())
+    big = spec.make_engine({"micro_batch.max_tokens_per_microbatch": 100_000})
+    small = spec.make_engine({"micro_batch.max_tokens_per_microbatch": longest})
+    loss_big, gn_big = _train_step(big, batch)
+    loss_small, gn_small = _train_step(small, batch)
+    _rel_close("loss (1 vs many micro-batches)", loss_small, loss_big, 1e-5)
+    _rel_close("grad norm (1 vs many micro-batches)", gn_small, gn_big, spec.rtol_grad_norm)
+    _rel_close("loss after the step", _global_nll(small, batch), _global_nll(big, batch), 1e-5)
+
+
+def check_packed_equals_padded(spec: ConformanceSpec) -> None:
+    """Packing changes nothing: same log-probs, same loss, same grad norm."""
+    batch = _kit_batch(spec)
+    packed = spec.make_engine({"micro_batch.use_packing": True})
+    padded = spec.make_engine({"micro_batch.use_packing": False})
+    share = _share(packed, batch)
+    with packed.eval_mode():
+        lp_packed = packed.forward(share)["log_probs"]
+    with padded.eval_mode():
+        lp_padded = padded.forward(share)["log_probs"]
+    _close("log_probs packed vs padded", lp_packed, lp_padded, spec.atol)
+    loss_a, gn_a = _train_step(packed, batch)
+    loss_b, gn_b = _train_step(padded, batch)
+    _rel_close("loss packed vs padded", loss_a, loss_b, 1e-5)
+    _rel_close("grad norm packed vs padded", gn_a, gn_b, spec.rtol_grad_norm)
+
+
+def check_exported_weights_match(spec: ConformanceSpec) -> None:
+    """After a step, exported weights loaded into a fresh reference give the engine's
+    log-probs; names are unique and every rank receives full tensors."""
+    engine = spec.make_engine({})
+    batch = _kit_batch(spec)
+    _train_step(engine, batch)
+    with engine.eval_mode():
+        weights: list[tuple[str, torch.Tensor]] = []
+        for bucket in engine.export_weights():
+            weights.extend((name, t.detach().clone()) for name, t in bucket)
+        out = engine.forward(_share(engine, batch))
+    names = [n for n, _ in weights]
+    assert names and len(names) == len(set(names)), "export_weights yielded no or duplicate names"
+    ref = spec.make_reference()
+    ref.load_weights(weights)
+    lp, _ = reference_log_probs(ref, _share(engine, batch), engine.config.temperature)
+    _close("log_probs of exported weights", out["log_probs"], lp, spec.atol)
+
+
+def check_checkpoint_resume_identical(spec: ConformanceSpec) -> None:
+    """save -> load into a fresh engine -> the next steps give the identical losses and grad norms."""
+    path = Path(spec.workdir) / "conformance-ckpt"
+    batch_a, batch_b = _kit_batch(spec, seed=1), _kit_batch(spec, seed=2)
+    first = spec.make_engine({})
+    _train_step(first, batch_a)
+    first.save_checkpoint(path)
+    # two steps after the checkpoint: the second one sees the optimizer/scheduler state
+    expected = (*_train_step(first, batch_b), *_train_step(first, batch_a))
+    resumed = spec.make_engine({})
+    resumed.load_checkpoint(path)
+    got = (*_train_step(resumed, batch_b), *_train_step(resumed, batch_a))
+    assert got == expected, (
+        f"two steps after resume gave (loss, grad norm) x2 {got}, uninterrupted {expected}"
+    )
+
+
+def check_malformed_batches_raise(spec: ConformanceSpec) -> None:
+    """Bad batches raise BatchError naming the problem, from forward and forward_backward."""
+    engine = spec.make_engine({})
+    good = _share(engine, _kit_batch(spec))
+    no_mask = good.exclude(B.RESPONSE_MASK)
+    float_ids = good.clone()
+    float_ids[B.INPUT_IDS] = good[B.INPUT_IDS].float()
+    cases = {"response_mask": no_mask, "input_ids": float_ids}
+    for needle, bad in cases.items():
+        for call in ("forward", "forward_backward"):
+            try:
+                with engine.train_mode():
+                    if call == "forward":
+                        engine.forward(bad)
+                    else:
+                        engine.forward_backward(bad, nll_loss_fn)
+            except BatchError as exc:
+                assert needle in str(exc), f"{call}: BatchError {exc!s} does not name {needle!r}"
+            else:
+                raise AssertionError(f"{call} accepted a batch with a bad {needle!r}")
+    tight = spec.make_engine({"micro_batch.max_tokens_per_microbatch": 2})
+    try:
+        with tight.train_mode():
+            tight.forward_backward(good, nll_loss_fn)
+    except BatchError as exc:
+        assert "max_tokens_per_microbatch" in str(exc), f"budget error does not name the field: {exc}"
+    else:
+        raise AssertionError("a sequence longer than the token budget was accepted")
+
+
+CHECKS: dict[str, Callable[[ConformanceSpec], None]] = {
+    "forward_matches_reference": check_forward_matches_reference,
+    "forward_builds_no_graph": check_forward_builds_no_graph,
+    "optimizer_step_lowers_loss": check_optimizer_step_lowers_loss,
+    "grad_accumulation_matches": check_grad_accumulation_matches,
+    "packed_equals_padded": check_packed_equals_padded,
+    "exported_weights_match": check_exported_weights_match,
+    "checkpoint_resume_identical": check_checkpoint_resume_identical,
+    "malformed_batches_raise": check_malformed_batches_raise,
+}
+
+
+def run_conformance(spec: ConformanceSpec, checks: list[str] | None = None) -> list[str]:
+    """Run the named checks (all by default) on this rank; return the names that passed.
+
+    Raises `ConformanceFailure` listing every failing check and its reason. At world size
+    > 1 every rank must call this with the same arguments.
+    """
+    names = list(CHECKS) if checks is None else checks
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise KeyError(f"unknown conformance checks {unknown}; known: {list(CHECKS)}")
+    failures: list[str] = []
+    for name in names:
+        try:
+            CHECKS[name](spec)
+        except AssertionError as exc:
+            failures.append(f"{name}: {exc}")
+        except Exception:  # noqa: BLE001 - a crash is a failure of that check, reported whole
+            failures.append(f"{name}: raised\n{traceback.format_exc()}")
+    if failures:
+        rank = _world()[0]
+        raise ConformanceFailure(f"rank {rank}: {len(failures)} check(s) failed:\n" + "\n".join(failures))
+    return names

@@ -1,0 +1,281 @@
+"""`FSDPEngine`: the engine contract on Hugging Face models sharded with FSDP2.
+
+Registered as `fsdp` in the `tephra.engines` entry-point group. One class, composed of the
+helpers beside it: `model_builder` (HF policy / value models), `lora` (peft adapters),
+`sharding` (process group, mesh, `fully_shard`), `scorer` (log-probs/entropy/values through
+`tephra.kernels`), `microbatches`, `schedulers`, `weights` (export) and `checkpoint` (DCP).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
+
+from tephra.engine_api import batch as B
+from tephra.engine_api.config import EngineConfig
+from tephra.engine_api.engine import Engine
+from tephra.engine_api.errors import BatchError, ConfigError
+from tephra.engine_api.loss import LossFn
+from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, weights
+from tephra.engine_fsdp.model_builder import build_model, decoder_layers
+from tephra.engine_fsdp.schedulers import build_scheduler
+from tephra.engine_fsdp.scorer import TokenScorer
+
+
+class FSDPEngine(Engine):
+    """FSDP2 engine. Build with `FSDPEngine.build(config)` (or `get_engine("fsdp", config)`).
+
+    Beyond the `Engine` contract:
+      - `reference_mode()`: context in which `forward` runs the base model with the LoRA
+        adapters disabled, i.e. the reference policy (LoRA only).
+      - `model`: the FSDP-wrapped root module; `hf_model`: the transformers model inside it.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = sharding.resolve_device(config.device)
+        self.owns_process_group = sharding.ensure_process_group(self.device)
+        self.mesh = sharding.build_mesh(config, self.device)
+        # counts and metrics are small CPU tensors: they need a group with a CPU backend
+        self.cpu_group = sharding.cpu_group()
+        where = f"model.path={config.model.path!r}" if config.model.path else "model.hf_config"
+        hf_model = build_model(config.model)
+        layers = decoder_layers(hf_model, where)
+        trained = hf_model
+        if config.lora.enabled:
+            trained = lora.apply_lora(hf_model, config.lora, config.model.role,
+                                      seed=config.model.init_seed)
+        self.scorer = TokenScorer(trained, hf_model, config.model.role, config.temperature,
+                                  config.compute_entropy)
+        sharding.shard_model(self.scorer, layers, self.mesh, config, self.device)
+        self.model = self.scorer
+        self.hf_model = hf_model
+        params = [p for p in self.scorer.parameters() if p.requires_grad]
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+            foreach=False,  # foreach kernels over DTensors of uneven shards are not portable
+        )
+        self.scheduler = build_scheduler(self.optimizer, config.scheduler)
+        self.step = 0
+        self._optimizer_on_device = True
+        torch.manual_seed(config.seed + self.dp_rank)
+        self._offload_optimizer()
+
+    # ----- construction ----------------------------------------------------------------
+    @classmethod
+    def build(cls, config: EngineConfig) -> FSDPEngine:
+        if config.optimizer.name != "adamw":
+            raise ConfigError(f"optimizer.name={config.optimizer.name!r}: engine=fsdp has adamw only")
+        return cls(config)
+
+    # ----- topology --------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size()
+
+    # ----- lifecycle -------------------------------------------------------------------
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device)
+
+    def _offload_optimizer(self) -> None:
+        # FSDP's param offload already keeps the optimizer state (built on the CPU
+        # shards) in CPU memory; this covers offloading the optimizer alone.
+        if self.config.offload.optimizer and self.device.type == "cuda" and self._optimizer_on_device:
+            self._move_optimizer_state(torch.device("cpu"))
+            self._optimizer_on_device = False
+
+    def _onload_optimizer(self) -> None:
+        if not self._optimizer_on_device:
+            self._move_optimizer_state(self.device)
+            self._optimizer_on_device = True
+
+    @contextmanager
+    def _mode(self, train: bool):
+        was_training = self.scorer.training
+        self.scorer.train(train)
+        if train:
+            self._onload_optimizer()
+        try:
+            yield
+        finally:
+            self.scorer.train(was_training)
+            if train:
+                self._offload_optimizer()
+
+    def train_mode(self) -> AbstractContextManager[None]:
+        return self._mode(True)
+
+    def eval_mode(self) -> AbstractContextManager[None]:
+        return self._mode(False)
+
+    @contextmanager
+    def reference_mode(self):
+        """Forward passes inside run the base model (adapters disabled): the reference
+        policy's log-probs, with no second model in memory. Needs `lora.rank > 0`."""
+        if not self.config.lora.enabled:
+            raise ConfigError(
+                "reference_mode() needs LoRA (lora.rank > 0): without adapters the base "
+                "model is being trained, so build a separate engine for the reference policy"
+            )
+        with self.scorer.model.disable_adapter():
+            yield
+
+    # ----- compute ---------------------------------------------------------------------
+    def _validate(self, batch: TensorDict) -> TensorDict:
+        """A checked shallow copy of `batch` with position ids filled in."""
+        B.validate_batch(batch)
+        batch = batch.copy()
+        if B.POSITION_IDS not in batch.keys():
+            batch[B.POSITION_IDS] = B.positions_from_mask(batch[B.ATTENTION_MASK])
+        vocab = self.hf_model.config.get_text_config().vocab_size
+        ids = batch[B.INPUT_IDS][batch[B.ATTENTION_MASK].bool()]
+        if ids.numel() and int(ids.max()) >= vocab:
+            raise BatchError(
+                f"batch['input_ids'] holds token id {int(ids.max())} >= the model's vocab size "
+                f"{vocab}; the tokenizer and model do not match"
+            )
+        return batch
+
+    def _outputs(self, mb: TensorDict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Per-token outputs `[b, t]` of one padded micro-batch (aligned to tokens, 0 off
+        the response), plus the zero `anchor` for the loss."""
+        attn = mb[B.ATTENTION_MASK]
+        resp = mb[B.RESPONSE_MASK]
+        if self.config.micro_batch.use_packing:
+            packed = B.pack(mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK))
+            ids = packed[B.INPUT_IDS][None]
+            label_mask = B.label_positions(packed[B.RESPONSE_MASK])[None]
+            # attention_mask=None + restarting position ids is how HF models see packing
+            out = self.scorer(ids.to(self.device), packed[B.POSITION_IDS][None].to(self.device),
+                              None, label_mask.to(self.device))
+            sel = label_mask[0].bool()
+            size = ids.shape[1]
+        else:
+            label_mask = B.label_positions(resp) * attn
+            out = self.scorer(mb[B.INPUT_IDS].to(self.device), mb[B.POSITION_IDS].to(self.device),
+                              attn.to(self.device), label_mask.to(self.device))
+            sel = label_mask.bool()
+            size = None
+        result = {}
+        for key, values in out.items():
+            if key == "anchor":
+                continue
+            per_hidden = values.new_zeros(sel.shape)
+            per_hidden[sel.to(values.device)] = values
+            per_token = B.align_to_tokens(per_hidden)
+            if size is not None:  # packed [1, N] -> padded [b, t]
+                per_token = B.unpack(per_token, attn.to(values.device))
+            result[key] = per_token
+        return result, out["anchor"]
+
+    def forward(self, batch: TensorDict) -> TensorDict:
+        batch = self._validate(batch)
+        budget = self.config.micro_batch.forward_budget
+        field = ("forward_max_tokens_per_microbatch"
+                 if self.config.micro_batch.forward_max_tokens_per_microbatch else
+                 "max_tokens_per_microbatch")
+        plan = microbatches.plan(batch, budget, self.config.micro_batch.use_packing, field,
+                                 self.cpu_group)
+        packed_parts: dict[str, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for mb in plan:
+                outputs, _ = self._outputs(mb.data)
+                if mb.filler:
+                    continue
+                attn = mb.data[B.ATTENTION_MASK].bool()
+                for key, value in outputs.items():
+                    packed_parts.setdefault(key, []).append(value.cpu()[attn])
+        attn = batch[B.ATTENTION_MASK]
+        fields = {key: B.unpack(torch.cat(parts), attn) for key, parts in packed_parts.items()}
+        return TensorDict(fields, batch_size=batch.batch_size)
+
+    def forward_backward(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
+        batch = self._validate(batch)
+        plan = microbatches.plan(batch, self.config.micro_batch.max_tokens_per_microbatch,
+                                 self.config.micro_batch.use_packing, "max_tokens_per_microbatch",
+                                 self.cpu_group)
+        real = [mb.data for mb in plan if not mb.filler]
+        B.set_global_normalisers(real, process_group=self.cpu_group)
+        total_loss = 0.0
+        metric_sums: dict[str, float] = {}
+        for mb in plan:
+            outputs, anchor = self._outputs(mb.data)
+            if mb.filler:
+                loss = anchor + sum(v.sum() * 0.0 for v in outputs.values())
+            else:
+                out_td = TensorDict(outputs, batch_size=mb.data.batch_size)
+                loss, metrics = loss_fn(out_td, mb.data.to(self.device))
+                total_loss += float(loss.detach())
+                for key, value in metrics.items():
+                    metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
+                # FSDP averages gradients over the data-parallel ranks; the contract asks
+                # for the gradient of the sum over ranks, hence the factor dp_size.
+                loss = loss * self.dp_size + anchor
+            loss.backward()
+        return self._reduce_metrics(total_loss, metric_sums, len(real))
+
+    def _reduce_metrics(self, loss: float, sums: dict[str, float], count: int) -> dict[str, float]:
+        keys = sorted(sums)
+        t = torch.tensor([loss, float(count), *[sums[k] for k in keys]], dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.cpu_group)
+        out = {"loss": float(t[0])}
+        for i, key in enumerate(keys):
+            out[key] = float(t[2 + i]) / max(float(t[1]), 1.0)
+        return out
+
+    def optimizer_step(self) -> float:
+        params = [p for p in self.scorer.parameters() if p.requires_grad and p.grad is not None]
+        clip = self.config.optimizer.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip > 0 else math.inf)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def lr_scheduler_step(self) -> float:
+        self.scheduler.step()
+        return float(self.scheduler.get_last_lr()[0])
+
+    # ----- weights ---------------------------------------------------------------------
+    def export_weights(
+        self, bucket_bytes: int = 512 << 20, untie_word_embeddings: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        items = weights.iter_full_weights(self.hf_model, self.device, untie_word_embeddings)
+        return weights.buckets(items, bucket_bytes)
+
+    def export_hf(self, path: str | Path) -> None:
+        model_cfg = self.config.model
+        tokenizer_dir = model_cfg.tokenizer_path or model_cfg.path
+        weights.write_hf_folder(Path(path), self.hf_model, self.device, tokenizer_dir)
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        self._onload_optimizer()
+        checkpoint.save(Path(path), self.scorer, self.optimizer, self.scheduler, self.step,
+                        self.device)
+        self._offload_optimizer()
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        self._onload_optimizer()
+        self.step = checkpoint.load(Path(path), self.scorer, self.optimizer, self.scheduler,
+                                    self.device)
+        self._offload_optimizer()

@@ -1,0 +1,110 @@
+"""Build the Hugging Face module an engine trains: a causal LM (policy) or a backbone with a
+scalar head (value), from a local folder or a config dict, with LoRA when asked.
+
+The value model is transformers' `AutoModelForTokenClassification` with `num_labels=1`: the
+backbone under its usual prefix (`model.`) and a linear head named `score` (`score.weight`
+[1, hidden], `score.bias` [1]). An exported critic is therefore a plain transformers folder
+that `AutoModelForTokenClassification.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from tephra.engine_api.config import ModelConfig
+from tephra.engine_api.errors import ConfigError
+
+VALUE_HEAD = "score"
+"""Name of the value head module (`score.weight`, `score.bias` in exports)."""
+
+
+def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The transformers config of `cfg`, or a `ConfigError` naming `model.path`/`hf_config`."""
+    if cfg.path is not None:
+        folder = Path(cfg.path)
+        if not (folder / "config.json").is_file():
+            what = "does not exist" if not folder.exists() else "has no config.json"
+            raise ConfigError(
+                f"model.path={cfg.path!r} {what}; point model.path at a local Hugging Face "
+                "folder (config.json + *.safetensors), or set model.hf_config instead"
+            )
+        try:
+            return AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+        except (ValueError, KeyError, OSError) as exc:
+            raise ConfigError(
+                f"model.path={cfg.path!r}: transformers cannot read its config.json ({exc}); "
+                "the model type may be unsupported by the installed transformers "
+                "(or needs model.trust_remote_code=True)"
+            ) from exc
+    data = dict(cfg.hf_config)
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"model.hf_config: model_type={model_type!r} is not usable: {exc}") from exc
+
+
+def build_model(cfg: ModelConfig) -> PreTrainedModel:
+    """Instantiate the float32 model of `cfg` on CPU (sharding moves it afterwards).
+
+    Random initialisation (a config dict, or the value head of a folder that has none) is
+    drawn from `cfg.init_seed` without touching the global RNG stream.
+    """
+    hf_config = load_hf_config(cfg)
+    auto = AutoModelForCausalLM if cfg.role == "policy" else AutoModelForTokenClassification
+    if cfg.role == "value":
+        hf_config.num_labels = 1
+        # the critic is deterministic: no dropout between the backbone and the head
+        hf_config.classifier_dropout = 0.0
+    kwargs = dict(attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.init_seed)
+        try:
+            if cfg.path is not None:
+                model = auto.from_pretrained(cfg.path, config=hf_config, dtype=torch.float32, **kwargs)
+            else:
+                model = auto.from_config(hf_config, dtype=torch.float32, **kwargs)
+        except (ValueError, KeyError, OSError, ImportError) as exc:
+            where = f"model.path={cfg.path!r}" if cfg.path else "model.hf_config"
+            raise ConfigError(
+                f"{where}: cannot build a {cfg.role} model ({auto.__name__}) from it: {exc}"
+            ) from exc
+    if cfg.gradient_checkpointing:
+        # non-reentrant checkpointing composes with FSDP2 hooks and frozen (LoRA) weights
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # transformers before the rename
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def backbone(model: PreTrainedModel) -> nn.Module:
+    """The decoder stack that returns the last hidden state (`model.model` for Llama/Qwen)."""
+    return getattr(model, model.base_model_prefix)
+
+
+def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
+    """Modules FSDP shards one by one: those whose class the model declares unsplittable
+    (`_no_split_modules`, e.g. `Qwen2DecoderLayer`)."""
+    hf = model
+    while not isinstance(hf, PreTrainedModel) and hasattr(hf, "model"):
+        hf = hf.model
+    names = set(getattr(hf, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(
+            f"{where}: found no decoder layers to shard (the model class declares "
+            f"_no_split_modules={sorted(names)}); this architecture is not supported by engine=fsdp"
+        )
+    return layers

@@ -1,0 +1,82 @@
+"""`TokenScorer`: the module FSDP wraps at its root. One forward runs the backbone and turns
+the hidden states at the requested positions into log-probs/entropy (policy, through
+`tephra.kernels`, never materialising `[tokens, vocab]` logits) or values (value head).
+
+It exists so that the output head is used *inside* the root module's forward: FSDP2 gathers
+root-level weights (embeddings, final norm, `lm_head` / `score`) in the root's pre-forward
+hook, so computing with them outside a forward would read sharded tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+import tephra.kernels as kernels
+from tephra.engine_fsdp.model_builder import VALUE_HEAD, backbone
+
+
+class TokenScorer(nn.Module):
+    """Wraps the trained model (`self.model`: the HF model, or the peft model around it).
+
+    forward(input_ids [b, t], position_ids [b, t], attention_mask [b, t] or None,
+            label_mask [b, t]) -> dict of `[n]` float32 tensors for the n positions where
+    `label_mask` is 1 (hidden state t, predicting token t + 1), in row-major order:
+      policy: `log_probs` = log softmax(W h_t / temperature)[token_{t+1}], `entropy`
+              = -sum_v p_v log p_v of that distribution (when `compute_entropy`);
+      value:  `values` = score(h_t).
+    `anchor` is a zero that depends on every output weight and on the hidden states; adding
+    it to the loss gives every rank gradients for the same parameters even when its
+    micro-batch has no trained position (FSDP's reduce-scatter needs that).
+    """
+
+    def __init__(self, model: nn.Module, hf_model: PreTrainedModel, role: str,
+                 temperature: float, compute_entropy: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.role = role
+        self.temperature = temperature
+        self.compute_entropy = compute_entropy
+        # plain attributes (not submodules): they are reached through self.model already
+        object.__setattr__(self, "_hf", hf_model)
+
+    @property
+    def hf_model(self) -> PreTrainedModel:
+        return self._hf
+
+    def head(self) -> nn.Module:
+        if self.role == "policy":
+            return self._hf.get_output_embeddings()
+        return getattr(self._hf, VALUE_HEAD)
+
+    def forward(self, input_ids, position_ids, attention_mask, label_mask):
+        out = backbone(self._hf)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=False,
+        )
+        hidden = out.last_hidden_state  # [b, t, hidden]
+        select = label_mask.bool()
+        h = hidden[select]  # [n, hidden]
+        head = self.head()
+        anchor = hidden.sum() * 0.0 + sum(p.sum() * 0.0 for p in head.parameters())
+        if self.role == "value":
+            values = head(h).squeeze(-1).float().clone()
+            return {"values": values, "anchor": anchor}
+        if h.shape[0] == 0:  # nothing trained in this micro-batch (e.g. a filler)
+            empty = hidden.new_zeros(0, dtype=torch.float32)
+            result = {"log_probs": empty, "anchor": anchor}
+            if self.compute_entropy:
+                result["entropy"] = empty
+            return result
+        next_tokens = torch.zeros_like(input_ids)
+        next_tokens[..., :-1] = input_ids[..., 1:]
+        log_probs, entropy = kernels.linear_logprob_entropy(
+            h, head.weight, next_tokens[select], self.temperature,
+            compute_entropy=self.compute_entropy,
+        )
+        # clones: FSDP2 warns about views returned from a wrapped module
+        result = {"log_probs": log_probs.float().clone(), "anchor": anchor}
+        if self.compute_entropy:
+            result["entropy"] = entropy.float().clone()
+        return result

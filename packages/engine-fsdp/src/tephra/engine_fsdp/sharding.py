@@ -1,0 +1,99 @@
+"""Process group, device mesh and FSDP2 (`fully_shard`) wrapping.
+
+World size 1 without an initialised process group: the engine initialises a 1-rank
+process group itself (gloo on CPU, NCCL+gloo on CUDA, rendezvous through an in-process
+`HashStore`, so no port is taken), so a single process runs exactly the sharded code path
+that multi-rank runs use. That group is the process's default group from then on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from tephra.engine_api.config import EngineConfig
+from tephra.engine_api.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(choice: str) -> torch.device:
+    """`auto` -> this rank's CUDA device when CUDA is available, else CPU."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("engine.device='cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def ensure_process_group(device: torch.device) -> bool:
+    """Initialise a 1-rank group when none exists; returns whether this call created it."""
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def cpu_group():
+    """A process group that can reduce CPU tensors: the default one when its backend has
+    gloo, else a gloo group over the same ranks (e.g. after `init_process_group("nccl")`)."""
+    if "gloo" in str(dist.get_backend()):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def build_mesh(config: EngineConfig, device: torch.device) -> DeviceMesh:
+    """1-D mesh `("shard",)` over all ranks, or 2-D `("replicate", "shard")` (HSDP) when
+    `parallel.fsdp_size` divides the world into several shard groups."""
+    par = config.parallel
+    for name in ("tensor", "pipeline", "virtual_pipeline", "context", "expert", "expert_tensor"):
+        if getattr(par, name) != 1:
+            raise ConfigError(
+                f"parallel.{name}={getattr(par, name)}: engine=fsdp is data-parallel only; set "
+                f"it to 1 or use engine=megatron"
+            )
+    world = dist.get_world_size()
+    shard = world if par.fsdp_size in (-1, world) else par.fsdp_size
+    if shard < 1 or world % shard:
+        raise ConfigError(
+            f"parallel.fsdp_size={par.fsdp_size} must be -1 or divide the world size {world}"
+        )
+    if shard == world:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(device.type, (world // shard, shard),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(root: nn.Module, layers: list[nn.Module], mesh: DeviceMesh,
+                config: EngineConfig, device: torch.device) -> None:
+    """`fully_shard` each decoder layer, then the root (embeddings, norm, output head).
+
+    Mixed precision: parameters are cast to `precision.param_dtype` for compute and
+    gradients reduced in `precision.reduce_dtype`; the sharded parameters the optimizer
+    updates stay float32 (the master weights).
+    """
+    prec = config.precision
+    if prec.master_dtype != "float32":
+        raise ConfigError(
+            f"precision.master_dtype={prec.master_dtype!r}: engine=fsdp keeps float32 master "
+            "weights; set it to 'float32' and use precision.param_dtype for low-precision compute"
+        )
+    kwargs: dict = {"mesh": mesh}
+    if prec.param_dtype != "float32" or prec.reduce_dtype != "float32":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=DTYPES[prec.param_dtype], reduce_dtype=DTYPES[prec.reduce_dtype]
+        )
+    if config.offload.params:
+        # pinned memory needs an accelerator: on a CPU-only machine pinning fails
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(root, **kwargs)

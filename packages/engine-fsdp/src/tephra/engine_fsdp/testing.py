@@ -1,0 +1,106 @@
+"""Test helpers for engine-fsdp and its users: a tiny model config, a plain reference model
+(the conformance kit's `ReferenceModel`) and the kit's spec for this engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
+
+TINY_VOCAB = 256
+
+
+def tiny_qwen2_config(**overrides: Any) -> dict[str, Any]:
+    """A 2-layer Qwen2 (hidden 64, vocab 256) as an `hf_config` dict: builds in milliseconds."""
+    cfg = dict(
+        model_type="qwen2", vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def tiny_engine_config(**overrides: Any) -> EngineConfig:
+    """fp32 tiny policy, lr 1e-2, no clipping limit in the way; dotted overrides applied."""
+    base = EngineConfig(
+        model=ModelConfig(hf_config=tiny_qwen2_config(), init_seed=0),
+        optimizer={"lr": 1e-2, "weight_decay": 0.0},
+        device="cpu",
+    )
+    return apply_overrides(base, overrides)
+
+
+class HFReference:
+    """A plain single-process transformers model: `load_weights` + `logits`."""
+
+    def __init__(self, hf_config: dict[str, Any], init_seed: int = 0) -> None:
+        data = dict(hf_config)
+        config = AutoConfig.for_model(data.pop("model_type"), **data)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(init_seed)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                          attn_implementation="eager")
+        self.model.eval()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        state = {name: t.detach().cpu() for name, t in weights}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if m != "lm_head.weight" or not self.model.config.tie_word_embeddings]
+        assert not missing and not unexpected, f"missing {missing}, unexpected {unexpected}"
+
+    def logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, use_cache=False).logits.float()
+
+
+def conformance_spec(workdir: Path, **base_overrides: Any):
+    """The conformance kit's spec for this engine on the tiny model."""
+    from tephra.engine_api.testing import ConformanceSpec
+    from tephra.engine_fsdp.engine import FSDPEngine
+
+    def make_engine(overrides: dict[str, Any]) -> FSDPEngine:
+        return FSDPEngine.build(tiny_engine_config(**{**base_overrides, **overrides}))
+
+    return ConformanceSpec(
+        make_engine=make_engine,
+        make_reference=lambda: HFReference(tiny_qwen2_config()),
+        vocab_size=TINY_VOCAB, workdir=Path(workdir), atol=1e-5,
+    )
+
+
+def train_step(engine, batch, loss_fn=None) -> tuple[float, float]:
+    """One forward_backward + optimizer_step on this rank's share of `batch` (contiguous
+    equal chunks, like the kit); returns (loss, grad norm)."""
+    from tephra.engine_api import batch as B
+    from tephra.engine_api.testing import nll_loss_fn
+
+    n = batch.batch_size[0] // engine.dp_size
+    share = B.trim_padding(batch[engine.dp_rank * n : (engine.dp_rank + 1) * n])
+    with engine.train_mode():
+        metrics = engine.forward_backward(share, loss_fn or nll_loss_fn)
+        grad_norm = engine.optimizer_step()
+        engine.lr_scheduler_step()
+    return metrics["loss"], grad_norm
+
+
+def distributed_conformance(workdir: str) -> dict[str, Any]:
+    """Rank body of the multi-process test (run through `run_distributed`): the whole kit,
+    then two training steps (fully sharded, and replicated with `parallel.fsdp_size=1`)
+    whose loss and grad norm the test compares with a single-process run."""
+    from tephra.engine_api.testing import random_batch, run_conformance
+    from tephra.engine_fsdp.engine import FSDPEngine
+
+    passed = run_conformance(conformance_spec(Path(workdir)))
+    batch = random_batch(TINY_VOCAB, num_sequences=8, seed=5)
+    steps = {}
+    for label, overrides in {"sharded": {}, "replicated": {"parallel.fsdp_size": 1}}.items():
+        engine = FSDPEngine.build(tiny_engine_config(**overrides))
+        steps[label] = [train_step(engine, batch), train_step(engine, batch)]
+    return {"passed": passed, "steps": steps}

@@ -1,0 +1,110 @@
+"""Full, Hugging Face-named weights out of a sharded model: buckets for the rollout engine
+and a transformers folder on disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from tephra.engine_fsdp import lora
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Gather a sharded parameter (collective) into a full tensor on `device`."""
+    t = t.detach()
+    if isinstance(t, DTensor):
+        if t.device != device:  # offloaded shards: gather on the mesh's device
+            t = t.to(device)
+        return t.full_tensor()
+    return t.to(device)
+
+
+def _tied(model: PreTrainedModel) -> bool:
+    out = model.get_output_embeddings()
+    return out is not None and out.weight is model.get_input_embeddings().weight
+
+
+def iter_full_weights(model: PreTrainedModel, device: torch.device,
+                      untie_word_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(hf_name, full tensor)` for every parameter and persistent buffer, in module order,
+    with LoRA merged: W + (alpha / rank) * B @ A, computed in float32.
+
+    Every rank must consume the whole iterator (each tensor is gathered collectively).
+    """
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if lora.is_adapter_param(name):
+            continue
+        full = _full(param, device)
+        pair = lora.adapter_names(name)
+        if pair is not None:
+            a, b = (_full(params[n], device).float() for n in pair)
+            full = (full.float() + lora.lora_scaling(model, name) * (b @ a)).to(full.dtype)
+        name = lora.base_name(name)
+        yield name, full
+        if untie_word_embeddings and _tied(model) and param is model.get_input_embeddings().weight:
+            yield "lm_head.weight", full.clone()
+    for mod_name, module in model.named_modules():
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if buf_name in module._non_persistent_buffers_set:
+                continue
+            yield lora.base_name(f"{mod_name}.{buf_name}" if mod_name else buf_name), _full(buf, device)
+
+
+def buckets(items: Iterator[tuple[str, torch.Tensor]],
+            bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group `(name, tensor)` into lists of about `bucket_bytes` (a tensor larger than the
+    budget is a bucket on its own)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def write_hf_folder(path: Path, model: PreTrainedModel, device: torch.device,
+                    tokenizer_dir: str | None) -> None:
+    """Write `config.json`, `model.safetensors` (and tokenizer files) that transformers
+    loads into the same architecture. Collective: every rank gathers, rank 0 writes."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state = {}
+    for name, t in iter_full_weights(model, device, untie_word_embeddings=False):
+        if rank == 0:
+            state[name] = t.cpu().contiguous()
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        config = copy.deepcopy(model.config)
+        config.architectures = [type(model).__name__]
+        config.use_cache = True  # the engine turns the KV cache off for training only
+        config.save_pretrained(path)
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(path)
+        if tokenizer_dir is not None:
+            for fname in TOKENIZER_FILES:
+                src = Path(tokenizer_dir) / fname
+                if src.is_file():
+                    shutil.copy2(src, path / fname)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,101 @@
+"""Sharded checkpoints (one file per rank) and Hugging Face export.
+
+Layout of a checkpoint folder:
+    meta.json               model shape, parallel sizes and world size (written by rank 0)
+    rank_00000.pt ...       each rank's model shards, AdamW state, scheduler and RNG state
+Resuming needs the same parallel layout; the weights restored are bit-identical, so the next
+step is too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tephra.engine_api.errors import CheckpointError
+
+
+def _meta(engine) -> dict:
+    return {
+        "format": "tephra-megatron-v1",
+        "shape": dataclasses.asdict(engine.shape),
+        "role": engine.config.model.role,
+        "parallel": dataclasses.asdict(engine.config.parallel),
+        "world_size": dist.get_world_size(),
+    }
+
+
+def save(engine, path: Path) -> None:
+    rank = dist.get_rank()
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "meta.json").write_text(json.dumps(_meta(engine), indent=1))
+    dist.barrier()
+    state = {
+        "model": [c.state_dict() for c in engine.chunks],
+        "optimizer": engine.optimizer.state_dict(),
+        "scheduler": engine.scheduler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
+    torch.save(state, path / f"rank_{rank:05d}.pt")
+    dist.barrier()
+
+
+def load(engine, path: Path) -> None:
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise CheckpointError(f"no checkpoint at {str(path)!r} (meta.json is missing)")
+    meta = json.loads(meta_file.read_text())
+    expected = _meta(engine)
+    for key in ("format", "shape", "role", "parallel", "world_size"):
+        if meta.get(key) != expected[key]:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} was written for {key}={meta.get(key)!r}, but this "
+                f"engine has {key}={expected[key]!r}; load it with the same model and layout")
+    shard = path / f"rank_{dist.get_rank():05d}.pt"
+    if not shard.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} has no shard {shard.name}")
+    state = torch.load(shard, weights_only=False)
+    for chunk, sd in zip(engine.chunks, state["model"]):
+        chunk.load_state_dict(sd)
+    engine.optimizer.load_state_dict(state["optimizer"])
+    engine.scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    dist.barrier()
+
+
+def export_hf(engine, path: Path) -> None:
+    """rank 0 writes config, safetensors and tokenizer (when known); every rank gathers."""
+    import transformers
+
+    weights = engine.hf_weights()
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        cfg = engine.hf_config
+        if engine.config.model.role == "value":
+            cfg = transformers.AutoConfig.for_model(**{**cfg.to_dict(), "num_labels": 1})
+            with torch.device("meta"):
+                model = transformers.AutoModelForTokenClassification.from_config(cfg)
+        else:
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model.load_state_dict(weights, strict=False, assign=True)
+        if getattr(cfg, "tie_word_embeddings", False):
+            model.tie_weights()
+        missing = [n for n, p in model.state_dict().items() if p.is_meta]
+        if missing:
+            raise CheckpointError(f"export_hf: weights {missing[:5]} were not produced")
+        model.save_pretrained(path)
+        if engine.tokenizer_path:
+            try:
+                tok = transformers.AutoTokenizer.from_pretrained(engine.tokenizer_path)
+                tok.save_pretrained(path)
+            except (OSError, ValueError):
+                pass  # a folder without a tokenizer: config and weights are still complete
+    dist.barrier()

@@ -1,0 +1,155 @@
+"""Everything megatron-core 0.16.1 needs to run on a machine without CUDA, in one place.
+
+megatron-core is written for GPUs: it asks `torch.cuda.current_device()`, creates tensors on
+`device="cuda"`, builds CUDA streams/events in the MoE dispatchers and calls TransformerEngine
+GEMMs when it believes they exist. On CPU (tests, CI) these calls are answered here; the engine
+logic never branches on the device. Nothing is patched when CUDA is available.
+
+Measured obstacles and what gets past them: /work/shared/notes/megatron-on-cpu.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+
+def cuda_absent() -> bool:
+    return not torch.cuda.is_available()
+
+
+class _FakeStream:
+    """Stands in for `torch.cuda.Stream` / `Event`: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_event(self, *args, **kwargs) -> None:
+        pass
+
+    def record_event(self, *args, **kwargs) -> _FakeStream:
+        return _FakeStream()
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *args, **kwargs) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> _FakeStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Maps `device="cuda"` (factories, `.to`, `.cuda()`) to CPU inside megatron calls.
+
+    megatron's schedules hard-code `device="cuda"` for token counters; this mode sends those
+    tensors to the CPU instead of failing.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+            kwargs.pop("non_blocking", None)
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+def apply() -> None:
+    """Answer megatron's CUDA calls on CPU (idempotent; does nothing when CUDA is present)."""
+    global _APPLIED
+    if _APPLIED or not cuda_absent():
+        return
+    _APPLIED = True
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = _FakeStream
+    torch.cuda.Event = _FakeStream
+    torch.cuda.current_stream = lambda *a, **k: _FakeStream()
+    torch.cuda.default_stream = lambda *a, **k: _FakeStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+
+    # 0.16.1 leaves `te_general_gemm` undefined when TransformerEngine is missing.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    _patch_alltoall_split_sizes()
+
+
+def _patch_alltoall_split_sizes() -> None:
+    """The alltoall dispatcher keeps split sizes as CPU tensors; gloo's uneven
+    `all_to_all_single` wants Python lists."""
+    from megatron.core.tensor_parallel import mappings
+
+    original = mappings._AllToAll.forward
+
+    def forward(ctx, group, input, output_split_sizes, input_split_sizes):
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(ctx, group, input, output_split_sizes, input_split_sizes)
+
+    mappings._AllToAll.forward = staticmethod(forward)
+
+
+@contextlib.contextmanager
+def device_scope() -> Iterator[None]:
+    """Context around calls into megatron: maps CUDA tensor creation to CPU when CUDA is
+    absent, and is a no-op otherwise."""
+    if cuda_absent():
+        with _CudaToCpu():
+            yield
+    else:
+        yield
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed megatron's model-parallel RNG tracker. Without CUDA the tracker cannot hold CUDA
+    RNG states, so it is built as the inference tracker (which does not fork CUDA states)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    if cuda_absent():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def default_backend() -> str:
+    return "gloo" if cuda_absent() else "nccl"

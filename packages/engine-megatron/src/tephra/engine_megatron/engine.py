@@ -1,0 +1,399 @@
+"""`MegatronEngine`: the engine contract on megatron-core (TP, SP, PP, EP, CP, DP).
+
+One class composed with helpers it owns: `model_builder` (GPTModel chunks and heads),
+`hf_conversion` (weight mapping), `parallel_setup` (process groups), `micro_batches`
+(layout of a micro-batch for the model), `checkpoint`, and `cpu_compat` (everything a
+CUDA-less machine needs; no branch on the device lives here).
+
+Per step: `forward_backward` cuts this rank's batch into micro-batches by token budget,
+writes the global normalisers (summed over the data-parallel group), and runs megatron's
+pipeline schedule (no pipelining, 1F1B or interleaved); the loss function sees the same
+`[b, t]` outputs as `forward`. Gradients are summed over micro-batches by autograd and over
+data-parallel ranks in `optimizer_step`, so the gradient is that of the sum of the
+micro-batch losses over all ranks, whatever the split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from tephra.engine_api import batch as B
+from tephra.engine_api.config import EngineConfig
+from tephra.engine_api.engine import Engine
+from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.loss import LossFn
+from tephra.engine_megatron import cpu_compat
+
+cpu_compat.apply()
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+
+from tephra.engine_megatron import checkpoint as ckpt  # noqa: E402
+from tephra.engine_megatron import hf_conversion as conv  # noqa: E402
+from tephra.engine_megatron import parallel_setup  # noqa: E402
+from tephra.engine_megatron.hf_loading import load_hf  # noqa: E402
+from tephra.engine_megatron.lr_schedule import lr_factor  # noqa: E402
+from tephra.engine_megatron.micro_batches import ModelInputs, cp_gather, prepare  # noqa: E402
+from tephra.engine_megatron.model_builder import (  # noqa: E402
+    TephraGPT,
+    model_shape,
+    transformer_config,
+)
+from tephra.engine_megatron.weight_export import gather_hf_weights  # noqa: E402
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class MegatronEngine(Engine):
+    """megatron-core backend. Build with `MegatronEngine.build(config)` on every rank."""
+
+    moe_dispatcher: str = "alltoall"
+    """MoE token dispatcher (`alltoall` or `allgather`); a class attribute because the shared
+    `EngineConfig` has no field for it: `MegatronEngine.moe_dispatcher = "allgather"`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._check_supported(config)
+        parallel_setup.initialize(config.parallel)
+        cpu_compat.seed_model_parallel_rng(config.seed)
+        self.hf_config, hf_state, self.tokenizer_path = load_hf(config.model)
+        self.shape = model_shape(self.hf_config)
+        self._check_shape(config)
+        self.dtype = _DTYPES[config.precision.param_dtype]
+        self.tconfig = transformer_config(self.hf_config, config.parallel, self.dtype,
+                                          self.moe_dispatcher)
+        vpp = config.parallel.virtual_pipeline
+        with cpu_compat.device_scope():
+            self.chunks = [
+                TephraGPT(self.tconfig, self.hf_config, config.model.role,
+                          vp if vpp > 1 else None, config.temperature,
+                          value_head_seed=config.model.init_seed,
+                          compute_entropy=config.compute_entropy)
+                for vp in range(vpp)
+            ]
+        self._load_hf_state(hf_state)
+        del hf_state
+        params = [p for c in self.chunks for p in c.parameters()]
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                           weight_decay=opt.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(config.scheduler, step))
+        self._fb_func = get_forward_backward_func()
+        self._training = False
+
+    # ----- construction -------------------------------------------------------------------
+    @classmethod
+    def build(cls, config: EngineConfig) -> MegatronEngine:
+        return cls(config)
+
+    @staticmethod
+    def _check_supported(config: EngineConfig) -> None:
+        if config.lora.enabled:
+            raise ConfigError("lora.rank > 0 is not supported by engine-megatron; use engine=fsdp "
+                              "for LoRA or set lora.rank=0")
+        if config.offload.params or config.offload.optimizer:
+            raise ConfigError("offload.params / offload.optimizer are not supported by "
+                              "engine-megatron; set them to false")
+        if config.precision.param_dtype != "float32" or config.precision.master_dtype != "float32":
+            raise ConfigError(
+                f"precision.param_dtype={config.precision.param_dtype!r}: engine-megatron trains "
+                "in float32 only for now; set precision.param_dtype=float32")
+        if config.model.gradient_checkpointing:
+            raise ConfigError("model.gradient_checkpointing=True is not supported by "
+                              "engine-megatron yet; set it to false")
+        if config.device == "cuda" and cpu_compat.cuda_absent():
+            raise ConfigError("device='cuda' but CUDA is not available; use device=auto")
+
+    def _check_shape(self, config: EngineConfig) -> None:
+        p, s = config.parallel, self.shape
+        if s.vocab_size % p.tensor:
+            raise ConfigError(f"vocab_size={s.vocab_size} is not divisible by parallel.tensor="
+                              f"{p.tensor}; choose a tensor-parallel size that divides it")
+        if s.num_kv_heads % p.tensor:
+            raise ConfigError(f"num_key_value_heads={s.num_kv_heads} is not divisible by "
+                              f"parallel.tensor={p.tensor}")
+        layers_per = p.pipeline * p.virtual_pipeline
+        if s.num_layers % layers_per:
+            raise ConfigError(f"num_hidden_layers={s.num_layers} is not divisible by "
+                              f"parallel.pipeline * parallel.virtual_pipeline={layers_per}")
+        if (p.expert > 1 or p.expert_tensor > 1) and not s.num_experts:
+            raise ConfigError("parallel.expert/expert_tensor > 1 needs a mixture-of-experts model")
+        if s.num_experts and s.num_experts % p.expert:
+            raise ConfigError(f"num_experts={s.num_experts} is not divisible by parallel.expert="
+                              f"{p.expert}")
+        if s.tie_word_embeddings and p.pipeline > 1 and config.model.role == "policy":
+            raise ConfigError("tied word embeddings with parallel.pipeline > 1 are not supported "
+                              "by engine-megatron yet; use parallel.pipeline=1")
+
+    # ----- names and groups ---------------------------------------------------------------
+    def _named_params(self) -> Iterator[tuple[conv.Match, str, torch.nn.Parameter]]:
+        for chunk in self.chunks:
+            offsets = self._layer_offsets(chunk)
+            for name, p in chunk.named_parameters():
+                yield conv.match(name, offsets), name, p
+
+    def _layer_offsets(self, chunk: TephraGPT) -> dict[int, int]:
+        return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.gpt.decoder.layers)}
+
+    def _shard_coords(self, m: conv.Match) -> tuple[int, int, object]:
+        """(rank, size, group) of the tensor-parallel group that splits this weight."""
+        if m.is_expert:
+            return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                    ps.get_expert_tensor_parallel_group())
+        return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                ps.get_tensor_model_parallel_group())
+
+    def _global_expert(self, m: conv.Match) -> int | None:
+        if m.local_expert is None:
+            return None
+        local_count = self.shape.num_experts // self.config.parallel.expert
+        return ps.get_expert_model_parallel_rank() * local_count + m.local_expert
+
+    @property
+    def _heads(self) -> conv.Heads:
+        return conv.Heads(self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim)
+
+    def _load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
+        if self.shape.tie_word_embeddings and "lm_head.weight" not in hf_state:
+            hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
+        with torch.no_grad():
+            for chunk in self.chunks:
+                offsets = self._layer_offsets(chunk)
+                for name, param in chunk.named_parameters():
+                    m = conv.match(name, offsets)
+                    if name == "value_head.weight" and "score.weight" not in hf_state:
+                        continue  # a fresh critic head (seeded by model.init_seed)
+                    rank, size, _ = self._shard_coords(m)
+                    value = conv.to_megatron(m, hf_state, rank, size, self._heads,
+                                             self._global_expert(m))
+                    if value.shape != param.shape:
+                        raise ConfigError(
+                            f"weight {m.hf_names} gives shape {list(value.shape)} for megatron "
+                            f"{name} {list(param.shape)}: the HF folder does not match its config")
+                    param.copy_(value.to(param.dtype))
+
+    # ----- lifecycle ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def train_mode(self):
+        for c in self.chunks:
+            c.train()
+        self._training = True
+        try:
+            yield
+        finally:
+            self._training = False
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        for c in self.chunks:
+            c.eval()
+        yield
+
+    # ----- compute ------------------------------------------------------------------------
+    def forward(self, batch: TensorDict) -> TensorDict:
+        B.validate_batch(batch)
+        with torch.no_grad():
+            outputs, _ = self._run(batch, loss_fn=None,
+                                   budget=self.config.micro_batch.forward_budget,
+                                   field_name="forward_max_tokens_per_microbatch")
+        return outputs
+
+    def forward_backward(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
+        B.validate_batch(batch)
+        _, metrics = self._run(batch, loss_fn=loss_fn,
+                               budget=self.config.micro_batch.max_tokens_per_microbatch,
+                               field_name="max_tokens_per_microbatch")
+        return metrics
+
+    def _output_keys(self) -> list[str]:
+        if self.config.model.role == "value":
+            return ["values"]
+        return ["log_probs", "entropy"] if self.config.compute_entropy else ["log_probs"]
+
+    def _run(self, batch: TensorDict, loss_fn: LossFn | None, budget: int, field_name: str):
+        """Run the pipeline schedule over this rank's batch. Returns (`[B, T]` outputs when
+        `loss_fn` is None, metrics when it is given)."""
+        packed = self.config.micro_batch.use_packing
+        n_rows, seq_len = batch[B.INPUT_IDS].shape
+        indexed = batch.clone(False)
+        indexed["_row"] = torch.arange(n_rows)
+        indexed["_col"] = torch.arange(seq_len).expand(n_rows, seq_len)
+        mbs = B.split_by_token_budget(indexed, budget, packed, field_name=field_name)
+        rows = [mb.pop("_row") for mb in mbs]
+        cols = [mb.pop("_col")[0] for mb in mbs]
+        B.set_global_normalisers(mbs, ps.get_data_parallel_group())
+        real = len(mbs)
+        # MoE dispatch communicates across data-parallel ranks inside every micro-batch:
+        # every rank must run the same number of them (extra ones carry no trained token).
+        count = torch.tensor([real])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX,
+                        group=ps.get_data_parallel_group(with_context_parallel=True))
+        while len(mbs) < int(count):
+            dummy = mbs[-1][:1].clone()
+            dummy[B.RESPONSE_MASK] = torch.zeros_like(dummy[B.RESPONSE_MASK])
+            mbs.append(dummy)
+
+        keys = self._output_keys()
+        full = {k: torch.zeros(n_rows, seq_len) for k in keys}
+        loss_sum = torch.zeros(())
+        metric_sums: dict[str, float] = {}
+        inputs = [prepare(mb, packed, self.config.parallel.tensor if self.tconfig.sequence_parallel
+                          else 1) for mb in mbs]
+
+        def forward_step(data_iterator, model):
+            idx = next(data_iterator)
+            x: ModelInputs = inputs[idx]
+            out = model(x.input_ids, x.position_ids, x.attention_mask, x.labels)
+
+            def loss_func(out_tensor):
+                nonlocal loss_sum
+                per_pos = cp_gather(out_tensor)  # [b_rows, S, k] in natural order
+                token_out = x.to_tokens(per_pos)  # [b, t, k] aligned to tokens, 0 off response
+                mb = mbs[idx]
+                outputs = TensorDict({k: token_out[..., j] for j, k in enumerate(keys)},
+                                     batch_size=[mb.batch_size[0]])
+                if idx >= real:  # padding micro-batch: keep the graph, contribute nothing
+                    return out_tensor.sum() * 0.0, torch.tensor(1), {}
+                if loss_fn is None:
+                    for k in keys:
+                        full[k][rows[idx][:, None], cols[idx][None, :]] = outputs[k].detach()
+                    return out_tensor.sum().detach() * 0.0, torch.tensor(1), {}
+                loss, metrics = loss_fn(outputs, mb)
+                loss_sum = loss_sum + loss.detach().float()
+                for k, v in metrics.items():
+                    metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+                return loss, torch.tensor(1), {}
+
+            return out, loss_func
+
+        vpp = len(self.chunks)
+        iters = [iter(range(len(inputs))) for _ in range(vpp)]
+        with cpu_compat.device_scope():
+            self._fb_func(
+                forward_step_func=forward_step,
+                data_iterator=iters if vpp > 1 else iters[0],
+                model=self.chunks if vpp > 1 else self.chunks[0],
+                num_microbatches=len(inputs),
+                seq_length=max(x.input_ids.shape[1] for x in inputs),
+                micro_batch_size=max(x.input_ids.shape[0] for x in inputs),
+                forward_only=loss_fn is None,
+            )
+        last_pp_rank = ps.get_pipeline_model_parallel_last_rank()
+        pp_group = ps.get_pipeline_model_parallel_group()
+        if loss_fn is None:
+            stacked = torch.stack([full[k] for k in keys])
+            if ps.get_pipeline_model_parallel_world_size() > 1:
+                dist.broadcast(stacked, src=last_pp_rank, group=pp_group)
+            return TensorDict({k: stacked[j] for j, k in enumerate(keys)},
+                              batch_size=[n_rows]), {}
+        names = sorted(metric_sums)
+        vec = torch.tensor([float(loss_sum), float(real)] + [metric_sums[n] for n in names],
+                           dtype=torch.float64)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(vec, src=last_pp_rank, group=pp_group)
+        dist.all_reduce(vec, group=ps.get_data_parallel_group())
+        metrics = {"loss": float(vec[0])}
+        for j, n in enumerate(names):
+            metrics[n] = float(vec[2 + j] / vec[1])
+        return None, metrics
+
+    # ----- optimisation -------------------------------------------------------------------
+    def _sync_grads(self) -> None:
+        """Sum gradients where megatron leaves partial ones: sequence-parallel norms over TP,
+        dense weights over data (and context) parallel ranks, expert weights over expert
+        data-parallel ranks."""
+        tp = ps.get_tensor_model_parallel_world_size()
+        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        edp = ps.get_expert_data_parallel_group()
+        for m, _, p in self._named_params():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if tp > 1 and getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+            if not m.is_expert:
+                if dist.get_world_size(dp_cp) > 1:
+                    dist.all_reduce(p.grad, group=dp_cp)
+            elif dist.get_world_size(edp) > 1:
+                dist.all_reduce(p.grad, group=edp)
+
+    def _grad_norm(self) -> float:
+        """sqrt of the sum of squares over every distinct parameter entry: each shard is
+        counted by one rank (TP replicas by TP rank 0, data-parallel replicas by DP rank 0)."""
+        total = torch.zeros((), dtype=torch.float64)
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        etp_rank = ps.get_expert_tensor_parallel_rank()
+        edp_rank = ps.get_expert_data_parallel_rank()
+        for m, _, p in self._named_params():
+            sharded = m.kind != "rep"
+            if not m.is_expert:
+                owned = (sharded or tp_rank == 0) and dp_rank == 0
+            else:
+                owned = (sharded or etp_rank == 0) and edp_rank == 0
+            if owned:
+                total += p.grad.double().pow(2).sum()
+        dist.all_reduce(total)
+        return float(total.sqrt())
+
+    def optimizer_step(self) -> float:
+        self._sync_grads()
+        norm = self._grad_norm()
+        clip = self.config.optimizer.grad_clip
+        if math.isfinite(norm):
+            if clip > 0 and norm > clip:
+                scale = clip / (norm + 1e-6)
+                for _, _, p in self._named_params():
+                    p.grad.mul_(scale)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def lr_scheduler_step(self) -> float:
+        self.scheduler.step()
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ----- weights ------------------------------------------------------------------------
+    def hf_weights(self, untie_word_embeddings: bool = False) -> dict[str, torch.Tensor]:
+        """Every full HF-named tensor on every rank (collective)."""
+        return gather_hf_weights(self, untie_word_embeddings)
+
+    def export_weights(self, bucket_bytes: int = 512 << 20, untie_word_embeddings: bool = False):
+        weights = self.hf_weights(untie_word_embeddings)
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in weights.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def export_hf(self, path: str | Path) -> None:
+        ckpt.export_hf(self, Path(path))
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        ckpt.save(self, Path(path))
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        ckpt.load(self, Path(path))
+
+    # ----- topology -----------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return ps.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return ps.get_data_parallel_world_size()

@@ -1,0 +1,47 @@
+"""Read the Hugging Face model an `EngineConfig.model` names: its config and full weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from tephra.engine_api.config import ModelConfig
+from tephra.engine_api.errors import ConfigError
+
+
+def hf_config_of(model: ModelConfig):
+    if model.path is not None:
+        folder = Path(model.path)
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"model.path={model.path!r} is not a Hugging Face folder (no "
+                              "config.json); point it at a folder written by save_pretrained")
+        return transformers.AutoConfig.from_pretrained(
+            folder, trust_remote_code=model.trust_remote_code)
+    data = dict(model.hf_config)
+    return transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def load_hf(model: ModelConfig):
+    """(hf_config, full state dict in float32 with transformers' names, tokenizer folder).
+
+    From `model.hf_config` the weights are transformers' own random initialisation under
+    `torch.manual_seed(model.init_seed)`, so a plain transformers model built the same way
+    holds identical weights (the single-process reference of the tests)."""
+    cfg = hf_config_of(model)
+    if model.path is not None:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            model.path, dtype=torch.float32, trust_remote_code=model.trust_remote_code)
+    else:
+        hf = reference_model(cfg, model.init_seed)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    return cfg, state, model.tokenizer_path or model.path
+
+
+def reference_model(cfg, init_seed: int):
+    """A transformers causal LM from `cfg` with the seeded initialisation (float32, eager
+    attention so that it runs anywhere)."""
+    torch.manual_seed(init_seed)
+    cfg._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -1,0 +1,261 @@
+"""Build megatron `GPTModel` chunks (policy or value) from a Hugging Face config.
+
+Layer spec: megatron's local (TransformerEngine-free) spec, with two substitutions:
+- `TorchCoreAttention` (mask-driven, context parallel) in place of `DotProductAttention`;
+- `RMSNorm` below in place of torch's norm, which refuses sequence parallelism: with
+  sequence parallel its weight sees only this rank's tokens, so it is tagged
+  `sequence_parallel=True` and its gradient is summed over the TP group by the engine.
+
+`TephraGPT` wraps one pipeline chunk. On the last stage it returns per-position outputs
+instead of logits: policy `[b, s, 2]` = (log p(label), entropy) from the vocab-parallel
+kernel; value `[b, s, 1]` from a linear head on the final hidden state.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+
+from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.config import ParallelConfig
+from tephra.engine_megatron.core_attention import TorchCoreAttention
+from tephra.kernels import vocab_parallel_logprob_entropy
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen2_moe")
+
+
+class RMSNorm(torch.nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight (computed in float32, as Hugging Face does)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.eps = eps
+        # Each TP rank normalises only its own tokens under sequence parallelism.
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+@dataclass
+class ModelShape:
+    """What the engine needs to know of the HF architecture."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    num_experts: int
+    qkv_bias: bool
+
+
+def model_shape(hf_config) -> ModelShape:
+    model_type = hf_config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"model_type {model_type!r} is not supported by engine-megatron; supported: "
+            f"{list(SUPPORTED_MODEL_TYPES)} (use engine=fsdp for other architectures)"
+        )
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return ModelShape(
+        model_type=model_type,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        num_experts=int(getattr(hf_config, "num_experts", 0) or 0),
+        qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(getattr(hf_config, "attention_bias", False)),
+    )
+
+
+def transformer_config(hf_config, parallel: ParallelConfig, params_dtype: torch.dtype,
+                       moe_dispatcher: str) -> TransformerConfig:
+    """megatron TransformerConfig equal in function to the HF config (dropout off: RL
+    fine-tuning of these models runs without it, and the contract compares exactly)."""
+    shape = model_shape(hf_config)
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act={hf_config.hidden_act!r}: only silu (SwiGLU) is supported")
+    rope_scaling = getattr(hf_config, "rope_scaling", None)
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+        raise ConfigError(f"rope_scaling={rope_scaling!r} is not supported by engine-megatron")
+    kwargs: dict[str, Any] = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=hf_config.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=(
+            parallel.virtual_pipeline if parallel.virtual_pipeline > 1 else None),
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=parallel.expert_tensor,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights come from the HF model
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # the loss function already divides by the global normalisers
+        calculate_per_token_loss=True,
+        # micro-batches are cut by token budget, so the shapes pipeline stages exchange
+        # change between them (megatron then sends the shape first)
+        variable_seq_lengths=parallel.pipeline > 1,
+        # gloo may deliver two sends to one peer swapped inside a batched p2p
+        batch_p2p_comm=False,
+        deallocate_pipeline_outputs=False,
+    )
+    if shape.num_experts:
+        shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+        kwargs.update(
+            num_moe_experts=shape.num_experts,
+            moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            # HF: softmax over all experts, then top-k; renormalised only with norm_topk_prob
+            moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", False),
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type=moe_dispatcher,
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+            moe_permute_fusion=False,
+        )
+        if shared:
+            kwargs.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+        if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(hf_config, "mlp_only_layers", []):
+            raise ConfigError("qwen2_moe with dense layers (decoder_sparse_step != 1 or "
+                              "mlp_only_layers) is not supported by engine-megatron")
+    return TransformerConfig(**kwargs)
+
+
+def block_spec(config: TransformerConfig, vp_stage: int | None) -> TransformerBlockSubmodules:
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    spec = copy.deepcopy(spec)
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
+
+
+class TephraGPT(torch.nn.Module):
+    """One pipeline chunk: a megatron GPTModel plus the policy or value head."""
+
+    def __init__(self, config: TransformerConfig, hf_config, role: str, vp_stage: int | None,
+                 temperature: float, value_head_seed: int, compute_entropy: bool = True):
+        super().__init__()
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
+        self.role = role
+        self.temperature = temperature
+        self.compute_entropy = compute_entropy
+        shape = model_shape(hf_config)
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        self.pre_process, self.post_process = pre, post
+        self.gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(config, vp_stage),
+            vocab_size=shape.vocab_size,
+            max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=shape.tie_word_embeddings and role == "policy",
+            position_embedding_type="rope",
+            rotary_base=float(getattr(hf_config, "rope_theta", 10000.0)),
+            parallel_output=True,
+            vp_stage=vp_stage,
+        )
+        self.value_head = None
+        if role == "value" and post:
+            self.gpt.output_layer = None  # the critic reads the final hidden state instead
+            g = torch.Generator().manual_seed(value_head_seed)
+            head = torch.nn.Linear(shape.hidden_size, 1, bias=False, dtype=config.params_dtype)
+            with torch.no_grad():
+                head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.02)
+            self.value_head = head
+        inv = 1.0 / (float(getattr(hf_config, "rope_theta", 10000.0)) ** (
+            torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.gpt.set_input_tensor(input_tensor)
+
+    def rotary(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """RoPE angles from the batch's own position ids (they restart per packed sequence
+        and skip left padding): `[s, b, 1, head_dim]`."""
+        freqs = position_ids.t().float()[..., None] * self.inv_freq
+        return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+
+    def forward(self, input_ids, position_ids, attention_mask, labels):
+        """input_ids, position_ids, labels `[b, s]` (this CP rank's positions);
+        attention_mask bool `[b, 1, S, S]` over the full sequence (True = may attend)."""
+        decoder_input = None
+        if self.pre_process:
+            decoder_input = self.gpt.embedding(input_ids=input_ids, position_ids=None)
+        hidden = self.gpt.decoder(
+            hidden_states=decoder_input, attention_mask=attention_mask,
+            rotary_pos_emb=self.rotary(position_ids))
+        if not self.post_process:
+            return hidden
+        # hidden [s, b, h] (sequence-sharded under sequence parallel)
+        if self.role == "value":
+            if self.config.sequence_parallel:
+                hidden = gather_from_sequence_parallel_region(
+                    hidden, tensor_parallel_output_grad=False)
+            return self.value_head(hidden).float().transpose(0, 1)  # [b, s, 1]
+        if self.config.sequence_parallel:
+            # the kernel's hidden gradient is already summed over TP: split it, do not reduce
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        weight = (self.gpt.shared_embedding_or_output_weight()
+                  if self.gpt.share_embeddings_and_output_weights else self.gpt.output_layer.weight)
+        s, b, h = hidden.shape
+        logp, ent = vocab_parallel_logprob_entropy(
+            hidden.transpose(0, 1).reshape(b * s, h), weight, labels.reshape(b * s),
+            parallel_state.get_tensor_model_parallel_group(), temperature=self.temperature,
+            compute_entropy=self.compute_entropy)
+        if ent is None:
+            ent = torch.zeros_like(logp)
+        return torch.stack([logp, ent], dim=-1).reshape(b, s, 2)

@@ -1,0 +1,293 @@
+"""Benchmark: naive vs chunked (and Triton on CUDA), forward + backward, memory and time.
+
+    python -m tephra.kernels.bench [--quick] [--json PATH] [--threads 1] [--device cpu|cuda]
+
+Each (shape, dtype, method) runs in a fresh subprocess so that peak memory is its own:
+on CPU, peak RSS (resource.getrusage ru_maxrss) minus the RSS once the inputs (hidden,
+weight, labels, output gradients) are allocated, built without large temporaries so that the
+process's peak before the method is the RSS at that point; on CUDA,
+torch.cuda.max_memory_allocated minus the memory allocated after the inputs, after one warm-up
+call (Triton compiles on first use). The naive run saves its outputs and gradients; every
+other method is compared with them (max abs error). Only torch and tephra.kernels are needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+# Shapes are (tokens, hidden, vocab, dtype). The first is the acceptance shape (a Qwen-sized
+# 152k vocabulary); the bf16 one is the dtype RL training actually runs the lm head in.
+FULL_SHAPES = [
+    (2048, 512, 151936, "float32"),
+    (1024, 512, 151936, "bfloat16"),
+    (2048, 512, 32000, "float32"),
+]
+QUICK_SHAPES = [(256, 64, 4096, "float32"), (128, 64, 4096, "bfloat16")]
+TEMPERATURE = 0.7
+IGNORED_FRACTION = 0.1
+
+
+@dataclass
+class Record:
+    """One benchmark row; errors are max |method - naive| over all elements."""
+
+    shape: list[int]
+    dtype: str
+    method: str
+    device: str
+    peak_memory_bytes_above_inputs: int
+    seconds: float
+    max_abs_err_logprob: float
+    max_abs_err_entropy: float
+    max_abs_err_grad_hidden: float
+    max_abs_err_grad_weight: float
+    chunk_size: int | None = None
+
+
+def _make_inputs(tokens, hidden_size, vocab, dtype, device, seed=0):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+
+    def randn(rows, cols, scale):
+        # filled block by block in the target dtype: a whole fp32 temporary would raise the
+        # process's peak RSS before the baseline and hide that much of a method's peak
+        out = torch.empty(rows, cols, dtype=dt)
+        for start in range(0, rows, 4096):
+            block = torch.randn(min(4096, rows - start), cols, generator=gen)
+            out[start : start + block.shape[0]] = block.mul_(scale)
+        return out.to(device).requires_grad_()
+
+    hidden = randn(tokens, hidden_size, 1.0)
+    # scaled so logits spread over a few units, like a trained lm head
+    weight = randn(vocab, hidden_size, 2.0 / hidden_size**0.5)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    labels[torch.rand(tokens, generator=gen) < IGNORED_FRACTION] = -100
+    g_lp = torch.randn(tokens, generator=gen)
+    g_ent = torch.randn(tokens, generator=gen)
+    return hidden, weight, labels.to(device), g_lp.to(device), g_ent.to(device)
+
+
+def _rss_now_bytes() -> int:
+    """Resident set size now (Linux /proc); the peak so far where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return _rss_peak_bytes()
+
+
+def _rss_peak_bytes() -> int:
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def run_one(spec: dict) -> dict:
+    """Run one method once in this process (meant to be a fresh subprocess); return a Record."""
+    import torch
+    from tephra.kernels import linear_logprob_entropy
+
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    tokens, hidden_size, vocab = spec["shape"]
+    hidden, weight, labels, g_lp, g_ent = _make_inputs(
+        tokens, hidden_size, vocab, spec["dtype"], device
+    )
+    method, chunk_size = spec["method"], spec.get("chunk_size")
+
+    def step():
+        lp, ent = linear_logprob_entropy(
+            hidden, weight, labels, TEMPERATURE, method=method, chunk_size=chunk_size
+        )
+        torch.autograd.backward([lp, ent], [g_lp, g_ent])
+        return lp.detach(), ent.detach()
+
+    # Warm-up on a tiny problem of the same method: the first autograd/matmul call loads
+    # libraries and allocates pools (tens of MiB) that belong to no method. On CUDA the
+    # warm-up is the real shape, so Triton compiles and cuBLAS picks kernels beforehand.
+    if device.type == "cuda":
+        step()
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        tiny = _make_inputs(8, hidden_size, 64, spec["dtype"], device, seed=1)
+        lp, ent = linear_logprob_entropy(
+            *tiny[:3], TEMPERATURE, method=method, chunk_size=chunk_size
+        )
+        torch.autograd.backward([lp, ent], list(tiny[3:]))
+        del tiny, lp, ent
+        base = _rss_now_bytes()
+    start = time.perf_counter()
+    lp, ent = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = (
+        torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_peak_bytes()
+    ) - base
+
+    outputs = {
+        "logprob": lp.float().cpu(),
+        "entropy": ent.float().cpu(),
+        "grad_hidden": hidden.grad.float().cpu(),
+        "grad_weight": weight.grad.float().cpu(),
+    }
+    if spec.get("save_reference"):
+        torch.save(outputs, spec["reference_path"])
+        errors = dict.fromkeys(outputs, 0.0)
+    else:
+        ref = torch.load(spec["reference_path"])
+        errors = {k: (outputs[k] - ref[k]).abs().max().item() for k in outputs}
+    return asdict(
+        Record(
+            shape=[tokens, hidden_size, vocab],
+            dtype=spec["dtype"],
+            method=method,
+            device=device.type,
+            peak_memory_bytes_above_inputs=int(peak),
+            seconds=seconds,
+            max_abs_err_logprob=errors["logprob"],
+            max_abs_err_entropy=errors["entropy"],
+            max_abs_err_grad_hidden=errors["grad_hidden"],
+            max_abs_err_grad_weight=errors["grad_weight"],
+            chunk_size=chunk_size,
+        )
+    )
+
+
+def run_in_subprocess(spec: dict, timeout: float | None = None) -> dict:
+    """Run `run_one(spec)` in a fresh Python process, so its peak memory is its own."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(spec["threads"])
+    env["MKL_NUM_THREADS"] = str(spec["threads"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "tephra.kernels.bench", "--worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark worker failed for {spec}:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_shape(shape, dtype, methods, device, threads, chunk_size=None, workdir=None) -> list[dict]:
+    """Naive first (it writes the reference), then every other method, each in a subprocess."""
+    records = []
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        ref = os.path.join(tmp, "reference.pt")
+        for method in ["naive", *[m for m in methods if m != "naive"]]:
+            spec = {
+                "shape": list(shape),
+                "dtype": dtype,
+                "method": method,
+                "device": device,
+                "threads": threads,
+                "reference_path": ref,
+                "save_reference": method == "naive",
+                "chunk_size": None if method == "naive" else chunk_size,
+            }
+            records.append(run_in_subprocess(spec))
+    return records
+
+
+def format_table(records: list[dict]) -> str:
+    """A markdown table; 'vs naive' is peak memory above inputs relative to naive's."""
+    naive = {
+        (tuple(r["shape"]), r["dtype"]): r["peak_memory_bytes_above_inputs"]
+        for r in records
+        if r["method"] == "naive"
+    }
+    lines = [
+        "| tokens x hidden x vocab | dtype | method | peak above inputs | vs naive | fwd+bwd s "
+        "| err logp | err entropy | err grad h | err grad W |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        base = naive.get((tuple(r["shape"]), r["dtype"]))
+        ratio = f"{r['peak_memory_bytes_above_inputs'] / base:.1%}" if base else "-"
+        lines.append(
+            f"| {' x '.join(map(str, r['shape']))} | {r['dtype']} | {r['method']} "
+            f"| {r['peak_memory_bytes_above_inputs'] / 2**20:.0f} MiB | {ratio} | {r['seconds']:.2f} "
+            f"| {r['max_abs_err_logprob']:.1e} | {r['max_abs_err_entropy']:.1e} "
+            f"| {r['max_abs_err_grad_hidden']:.1e} | {r['max_abs_err_grad_weight']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(
+        prog="python -m tephra.kernels.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small shapes (seconds, for a smoke run)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the records as a JSON list to PATH")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated; default naive,chunked (+triton on CUDA with triton)",
+    )
+    parser.add_argument(
+        "--chunk-size", type=int, default=None, help="tokens per chunk (default auto)"
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        print(json.dumps(run_one(json.loads(args.worker))))
+        return []
+
+    import torch
+    from tephra.kernels.logprob_entropy import METHODS, triton_available
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.methods:
+        methods = args.methods.split(",")
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            parser.error(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
+    else:
+        methods = ["naive", "chunked"] + (
+            ["triton"] if device == "cuda" and triton_available() else []
+        )
+    records = []
+    for tokens, hidden_size, vocab, dtype in QUICK_SHAPES if args.quick else FULL_SHAPES:
+        for record in run_shape(
+            (tokens, hidden_size, vocab), dtype, methods, device, args.threads, args.chunk_size
+        ):
+            records.append(record)
+            print(
+                f"{record['shape']} {record['dtype']} {record['method']}: "
+                f"{record['peak_memory_bytes_above_inputs'] / 2**20:.0f} MiB, "
+                f"{record['seconds']:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(format_table(records))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=2)
+    return records
+
+
+if __name__ == "__main__":
+    main()

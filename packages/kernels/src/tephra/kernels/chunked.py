@@ -1,0 +1,176 @@
+"""Chunked torch implementation: logits exist for one chunk of tokens at a time.
+
+Forward, per chunk of C tokens (all in fp32):
+    z = (h_c @ W.T) / T,   lse = logsumexp(z),   logp = z[label] - lse,
+    H = -sum_v p_v log p_v    with log p = z - lse
+Only lse and H ([tokens] each) are kept for backward; backward recomputes z chunk by chunk.
+
+Backward, with g_lp = dL/dlogp (0 at ignored labels) and g_H = dL/dH:
+    dlogp/dz_v = onehot_v - p_v
+    dH/dz_v    = -p_v (log p_v + H)
+    dL/dz      = p * (-g_H (log p + H) - g_lp) + g_lp * onehot          [C, vocab]
+    dL/dh_c    = (dL/dz / T) @ W          dL/dW += (dL/dz / T).T @ h_c
+So the memory above inputs is the weight gradient plus about two [C, vocab] fp32 buffers,
+instead of several [tokens, vocab] ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# One chunk's fp32 logits take about this many bytes when chunk_size is not given: small
+# enough that two such buffers stay far below the weight gradient for a 152k vocabulary,
+# large enough (tens of tokens or more) that each chunk is still a full-speed matmul.
+AUTO_CHUNK_BYTES = 32 * 1024 * 1024
+
+
+def auto_chunk_tokens(vocab: int, tokens: int) -> int:
+    """Tokens per chunk so that one [chunk, vocab] fp32 buffer is about AUTO_CHUNK_BYTES."""
+    return max(1, min(tokens, max(16, AUTO_CHUNK_BYTES // (4 * max(vocab, 1)))))
+
+
+def chunk_logits(hidden_c: torch.Tensor, weight32: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """[C, hidden] x fp32 [vocab, hidden] -> fp32 logits [C, vocab], divided by temperature."""
+    z = hidden_c.float() @ weight32.T
+    if inv_temp != 1.0:
+        z.mul_(inv_temp)
+    return z
+
+
+def grad_logits_(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    g_lp: torch.Tensor,
+    g_ent: torch.Tensor | None,
+    onehot_index: torch.Tensor,
+    onehot_weight: torch.Tensor,
+    inv_temp: float,
+) -> torch.Tensor:
+    """Turn logits z [C, V] in place into dL/d(h @ W.T) [C, V] (the temperature included).
+
+    g_lp [C] is dL/dlogp already zeroed at ignored labels; onehot_weight [C] is g_lp where the
+    label falls in this vocabulary (a vocab-parallel shard may not hold it) and 0 elsewhere;
+    onehot_index [C] is the label's column in z (any valid column where onehot_weight is 0).
+    """
+    z.sub_(lse.unsqueeze(-1))  # z is now log p
+    p = z.exp()
+    if g_ent is not None and entropy is not None:
+        z.add_(entropy.unsqueeze(-1)).mul_(-g_ent.unsqueeze(-1))
+    else:
+        z.zero_()
+    z.sub_(g_lp.unsqueeze(-1)).mul_(p)
+    del p
+    z.scatter_add_(1, onehot_index.unsqueeze(-1), onehot_weight.unsqueeze(-1).to(z.dtype))
+    if inv_temp != 1.0:
+        z.mul_(inv_temp)
+    return z
+
+
+class ChunkedLogprobEntropy(torch.autograd.Function):
+    """autograd.Function over token chunks; see the module docstring for the math."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float,
+        ignore_index: int,
+        compute_entropy: bool,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        inv_temp = 1.0 / temperature
+        weight32 = weight.float()  # no copy for fp32 weights
+        valid = labels != ignore_index
+        safe_labels = torch.where(valid, labels, 0)
+        log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(log_probs)
+        entropy = torch.zeros_like(log_probs)
+        for start in range(0, n, chunk_size):
+            sl = slice(start, min(start + chunk_size, n))
+            z = chunk_logits(hidden[sl], weight32, inv_temp)
+            lse_c = torch.logsumexp(z, dim=-1)
+            log_p = z.sub_(lse_c.unsqueeze(-1))
+            picked = log_p.gather(1, safe_labels[sl].unsqueeze(-1)).squeeze(-1)
+            log_probs[sl] = torch.where(valid[sl], picked, 0.0)
+            lse[sl] = lse_c
+            if compute_entropy:
+                # -sum p log p, not lse - sum p z: the latter cancels two large numbers
+                entropy[sl] = log_p.exp().mul_(log_p).sum(-1).neg_()
+            del z
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.temperature = temperature
+        ctx.ignore_index = ignore_index
+        ctx.compute_entropy = compute_entropy
+        ctx.chunk_size = chunk_size
+        if not compute_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor):
+        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_h or need_w):
+            return (None,) * 7
+        n = hidden.shape[0]
+        inv_temp = 1.0 / ctx.temperature
+        weight32 = weight.float()
+        valid = labels != ctx.ignore_index
+        safe_labels = torch.where(valid, labels, 0)
+        g_lp = torch.where(valid, grad_log_probs.float(), 0.0)
+        g_ent = grad_entropy.float() if ctx.compute_entropy else None
+        grad_h = (
+            torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        )
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        )
+        for start in range(0, n, ctx.chunk_size):
+            sl = slice(start, min(start + ctx.chunk_size, n))
+            z = chunk_logits(hidden[sl], weight32, inv_temp)
+            dz = grad_logits_(
+                z,
+                lse[sl],
+                entropy[sl] if g_ent is not None else None,
+                g_lp[sl],
+                g_ent[sl] if g_ent is not None else None,
+                safe_labels[sl],
+                g_lp[sl],
+                inv_temp,
+            )
+            if need_h:
+                torch.mm(dz, weight32, out=grad_h[sl])
+            if need_w:
+                grad_w.addmm_(dz.T, hidden[sl].float())
+            del z, dz
+        return (
+            grad_h.to(hidden.dtype) if need_h else None,
+            grad_w.to(weight.dtype) if need_w else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    *,
+    compute_entropy: bool = True,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked path on validated 2-D inputs; returns (log_probs, entropy), both fp32 [tokens]."""
+    if chunk_size is None:
+        chunk_size = auto_chunk_tokens(weight.shape[0], hidden.shape[0])
+    return ChunkedLogprobEntropy.apply(
+        hidden, weight, labels, temperature, ignore_index, compute_entropy, chunk_size
+    )

@@ -1,0 +1,173 @@
+"""`linear_logprob_entropy`: the public entry point, its input checks and method choice.
+
+Methods, chosen by name:
+    naive    full logits (the reference; [tokens, vocab] memory)
+    chunked  torch, token chunks, logits recomputed in backward (any device)
+    triton   fused Triton kernels, online log-sum-exp over vocab blocks (CUDA, or CPU under
+             TRITON_INTERPRET=1)
+    auto     triton for CUDA tensors when triton imports, chunked otherwise
+The environment variable TEPHRA_KERNEL_METHOD replaces "auto" (an explicit method wins).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Callable
+
+import torch
+from tephra.kernels.chunked import chunked_logprob_entropy
+from tephra.kernels.errors import KernelInputError
+from tephra.kernels.reference import naive_logprob_entropy
+
+METHOD_ENV_VAR = "TEPHRA_KERNEL_METHOD"
+
+
+def _triton_logprob_entropy(*args, **kwargs):
+    # Imported on first use: triton decides at kernel definition time whether it runs
+    # compiled or interpreted (TRITON_INTERPRET), and it is an optional dependency.
+    from tephra.kernels.triton_kernels import triton_logprob_entropy
+
+    return triton_logprob_entropy(*args, **kwargs)
+
+
+def _naive(hidden, weight, labels, temperature, ignore_index, *, compute_entropy, chunk_size):
+    del chunk_size  # the reference has no chunks
+    return naive_logprob_entropy(
+        hidden, weight, labels, temperature, ignore_index, compute_entropy=compute_entropy
+    )
+
+
+METHODS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
+    "naive": _naive,
+    "chunked": chunked_logprob_entropy,
+    "triton": _triton_logprob_entropy,
+}
+
+
+def triton_available() -> bool:
+    """True when the optional `triton` package can be imported."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_method(method: str, device: torch.device) -> str:
+    """The concrete method name for `method` ("auto" or a name of METHODS) on `device`."""
+    source = "method"
+    if method == "auto" and os.environ.get(METHOD_ENV_VAR):
+        method, source = os.environ[METHOD_ENV_VAR], f"environment variable {METHOD_ENV_VAR}"
+    if method == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "chunked"
+    if method not in METHODS:
+        raise KernelInputError(
+            f"{source}={method!r} is not a kernel method; choose one of "
+            f"{['auto', *sorted(METHODS)]}"
+        )
+    if method == "triton":
+        if not triton_available():
+            raise KernelInputError(
+                f"{source}='triton' but triton is not installed; install the extra "
+                f"(pip install 'tephra-kernels[triton]') or use method='chunked'"
+            )
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise KernelInputError(
+                f"{source}='triton' needs CUDA tensors (got device {device}) or "
+                f"TRITON_INTERPRET=1 set before triton is imported; use method='chunked' on CPU"
+            )
+    return method
+
+
+def check_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    chunk_size: int | None,
+    *,
+    weight_name: str = "weight",
+) -> None:
+    """Raise KernelInputError naming the argument when shapes, dtypes or values disagree."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        raise KernelInputError("hidden must be a tensor [..., hidden_size] (e.g. [tokens, hidden])")
+    if not hidden.is_floating_point():
+        raise KernelInputError(f"hidden has dtype {hidden.dtype}; expected a floating dtype")
+    if weight.dim() != 2:
+        raise KernelInputError(
+            f"{weight_name} has shape {tuple(weight.shape)}; expected [vocab, hidden_size] "
+            f"(the lm_head weight, not its transpose)"
+        )
+    if weight.shape[1] != hidden.shape[-1]:
+        raise KernelInputError(
+            f"{weight_name} has hidden size {weight.shape[1]} but hidden has {hidden.shape[-1]}; "
+            f"{weight_name} must be [vocab, {hidden.shape[-1]}]"
+        )
+    if weight.dtype != hidden.dtype:
+        raise KernelInputError(
+            f"{weight_name} dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; "
+            f"cast one of them so both match"
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise KernelInputError(
+            f"labels has shape {tuple(labels.shape)}; expected {tuple(hidden.shape[:-1])} "
+            f"(hidden's shape without the last dimension)"
+        )
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise KernelInputError(f"labels has dtype {labels.dtype}; expected torch.int64 token ids")
+    if not (hidden.device == weight.device == labels.device):
+        raise KernelInputError(
+            f"hidden ({hidden.device}), {weight_name} ({weight.device}) and labels "
+            f"({labels.device}) must be on one device"
+        )
+    if not (
+        isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
+    ):
+        raise KernelInputError(f"temperature={temperature!r}; expected a finite number > 0")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise KernelInputError(f"chunk_size={chunk_size!r}; expected a positive int or None (auto)")
+
+
+def linear_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    *,
+    compute_entropy: bool = True,
+    method: str = "auto",
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each label and entropy of softmax((hidden @ weight.T) / temperature).
+
+    hidden [..., hidden_size] (fp32 or bf16), weight [vocab, hidden_size] (same dtype),
+    labels [...] int64 -> (log_probs [...] fp32, entropy [...] fp32, or None when
+    compute_entropy=False). With z = (hidden @ weight.T) / temperature:
+        log_probs = z[label] - logsumexp(z)                  0 where label == ignore_index
+        entropy   = logsumexp(z) - sum_v softmax(z)_v z_v    computed at every position,
+                                                             ignored labels included
+    Ignored positions get no gradient through log_probs; mask entropy yourself if needed.
+    Gradients flow to hidden and weight; the [tokens, vocab] logits are never held whole
+    (except by method="naive"). All math is fp32 inside; gradients come back in the input
+    dtype. chunk_size is tokens per chunk for "chunked" (None: about 32 MiB of logits).
+    """
+    check_inputs(hidden, weight, labels, temperature, chunk_size)
+    vocab = weight.shape[0]
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        first = labels[bad].flatten()[0].item()
+        raise KernelInputError(
+            f"labels holds {first}, outside [0, {vocab}) and not ignore_index={ignore_index}; "
+            f"labels must be token ids of this vocabulary or ignore_index"
+        )
+    name = resolve_method(method, hidden.device)
+    lead = labels.shape
+    log_probs, entropy = METHODS[name](
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1).long(),
+        float(temperature),
+        ignore_index,
+        compute_entropy=compute_entropy,
+        chunk_size=chunk_size,
+    )
+    return log_probs.reshape(lead), entropy.reshape(lead) if compute_entropy else None

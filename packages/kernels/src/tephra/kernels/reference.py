@@ -1,0 +1,36 @@
+"""The naive reference: full [tokens, vocab] logits, log_softmax, gather, entropy.
+
+It is what every other implementation is tested and benchmarked against, and the simplest
+statement of the contract:
+
+    z      = (hidden @ weight.T) / temperature          [tokens, vocab], computed in fp32
+    logp_i = z[i, labels_i] - logsumexp(z[i])           0 where labels_i == ignore_index
+    H_i    = -sum_v softmax(z[i])_v * log_softmax(z[i])_v   (for every position)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def naive_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    *,
+    compute_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-prob of `labels` and entropy, materialising the logits.
+
+    hidden [tokens, hidden], weight [vocab, hidden], labels [tokens] ->
+    (log_probs [tokens] fp32, entropy [tokens] fp32 or None). Plain autograd gives the gradients.
+    """
+    logits = (hidden.float() @ weight.float().T) / temperature
+    log_p = torch.log_softmax(logits, dim=-1)
+    valid = labels != ignore_index
+    picked = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    log_probs = torch.where(valid, picked, torch.zeros_like(picked))
+    entropy = -(log_p.exp() * log_p).sum(-1) if compute_entropy else None
+    return log_probs, entropy

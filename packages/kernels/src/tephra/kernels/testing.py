@@ -1,0 +1,64 @@
+"""Helpers for tephra.kernels' own tests that must be importable by spawned processes
+(a test module imported with --import-mode=importlib cannot be unpickled in a child)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from tephra.kernels.reference import naive_logprob_entropy
+from tephra.kernels.vocab_parallel import vocab_parallel_logprob_entropy
+
+TOKENS, HIDDEN, VOCAB = 23, 16, 70
+
+
+def vocab_parallel_problem():
+    """Fixed random inputs: hidden [23, 16], weight [70, 16], labels (some ignored), grads."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(TOKENS, HIDDEN, generator=gen)
+    w = torch.randn(VOCAB, HIDDEN, generator=gen) * 0.5
+    y = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
+    y[::5] = -100
+    y[1], y[2] = 0, VOCAB - 1  # labels at both ends of the vocabulary
+    return h, w, y, torch.randn(TOKENS, generator=gen), torch.randn(TOKENS, generator=gen)
+
+
+def _unsharded(temperature):
+    h, w, y, g1, g2 = vocab_parallel_problem()
+    h.requires_grad_(), w.requires_grad_()
+    lp, ent = naive_logprob_entropy(h, w, y, temperature)
+    gh, gw = torch.autograd.grad((lp * g1 + ent * g2).sum(), [h, w])
+    return lp.detach(), ent.detach(), gh, gw
+
+
+def vocab_parallel_worker(rank: int, world: int, port: int, queue) -> None:
+    """One gloo rank: run the sharded function for two shardings and put the max abs errors
+    (logp, entropy, grad hidden, this rank's rows of grad weight) vs the unsharded naive."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        h, w, y, g1, g2 = vocab_parallel_problem()
+        errors = {}
+        # equal shards (vocab_start from the rank) and uneven ones (explicit vocab_start)
+        cases = [("even", [0, 35, 70], 0.7, 6), ("uneven", [0, 52, 70], 1.4, None)]
+        for case, bounds, temp, chunk in cases:
+            lo, hi = bounds[rank], bounds[rank + 1]
+            hs = h.clone().requires_grad_()
+            ws = w[lo:hi].clone().requires_grad_()
+            kwargs = {} if case == "even" else {"vocab_start": lo}
+            lp, ent = vocab_parallel_logprob_entropy(
+                hs, ws, y, None, temp, chunk_size=chunk, **kwargs
+            )
+            gh, gw = torch.autograd.grad((lp * g1 + ent * g2).sum(), [hs, ws])
+            ref_lp, ref_ent, ref_gh, ref_gw = _unsharded(temp)
+            errors[case] = [
+                (lp - ref_lp).abs().max().item(),
+                (ent - ref_ent).abs().max().item(),
+                (gh - ref_gh).abs().max().item(),
+                (gw - ref_gw[lo:hi]).abs().max().item(),
+            ]
+        queue.put((rank, errors))
+    finally:
+        dist.destroy_process_group()

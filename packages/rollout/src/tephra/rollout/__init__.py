@@ -1,0 +1,19 @@
+"""tephra.rollout: generation backends (hf, vllm, sglang) behind one contract."""
+
+from tephra.rollout.base import (
+    ROLLOUT_BACKENDS,
+    Generation,
+    HFSettings,
+    Rollout,
+    RolloutConfig,
+    RolloutError,
+    RolloutOutput,
+    SamplingParams,
+    ServerSettings,
+    get_rollout,
+)
+
+__all__ = [
+    "ROLLOUT_BACKENDS", "Generation", "HFSettings", "Rollout", "RolloutConfig", "RolloutError",
+    "RolloutOutput", "SamplingParams", "ServerSettings", "get_rollout",
+]

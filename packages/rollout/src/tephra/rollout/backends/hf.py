@@ -1,0 +1,222 @@
+"""`hf`: in-process generation with transformers `generate` (the embedded default).
+
+Prompts are left-padded into batches of at most `hf.max_batch_rows` rows (prompt i's n
+samples are n consecutive rows). Sampling (temperature, top-k, top-p) and the log-probs of the
+sampled tokens come from `SampledLogProbRecorder`, the only logits processor, so the log-prob
+is of the temperature-scaled distribution before truncation (see `tephra.rollout.base`).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterable
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
+
+from tephra.rollout.backends.request_batcher import RequestBatcher
+from tephra.rollout.backends.sampling_processor import SampledLogProbRecorder
+from tephra.rollout.base import (
+    ROLLOUT_BACKENDS,
+    Generation,
+    Rollout,
+    RolloutConfig,
+    RolloutError,
+    RolloutOutput,
+    SamplingParams,
+    check_prompts,
+)
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+@ROLLOUT_BACKENDS.register("hf")
+class HFRollout(Rollout):
+    """transformers generation in this process; `agenerate` goes through a batching thread."""
+
+    def __init__(self, config: RolloutConfig) -> None:
+        self.config = config
+        settings = config.hf
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                config.model_path, dtype=config.torch_dtype,
+                attn_implementation=settings.attn_implementation,
+            )
+        except (OSError, ValueError) as exc:
+            raise RolloutError(
+                f"hf rollout: could not load rollout.model_path={config.model_path!r}: {exc}"
+            ) from exc
+        self.device = torch.device(settings.device)
+        self.model.to(self.device).eval()
+        gen_cfg = self.model.generation_config
+        self.eos_token_ids = _as_id_list(gen_cfg.eos_token_id) or _as_id_list(
+            self.model.config.eos_token_id
+        )
+        pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else self.model.config.pad_token_id
+        self.pad_token_id = int(_as_id_list(pad)[0]) if pad is not None else (
+            self.eos_token_ids[0] if self.eos_token_ids else 0
+        )
+        # generate() fills unset options from the model's generation_config (e.g. a shipped
+        # top_p=0.8 or repetition_penalty); every option is set explicitly per call instead.
+        self.model.generation_config = GenerationConfig()
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self._lock = threading.Lock()  # one generate / weight update at a time
+        self._seeds = random.Random(config.seed)
+        self._asleep = False
+        self._batcher = RequestBatcher(
+            self._run_request_batch, settings.max_batch_rows, settings.batch_wait_ms / 1000.0,
+            name="tephra-hf-rollout-batcher",
+        )
+        self._closed = False
+
+    # -- synchronous batch generation -------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        check_prompts(prompts, sampling, self.config.max_model_len, self.vocab_size)
+        rows = [list(p) for p in prompts for _ in range(sampling.n)]
+        seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**62)
+        step = self.config.hf.max_batch_rows
+        generations: list[Generation] = []
+        for chunk, start in enumerate(range(0, len(rows), step)):
+            generations += self._generate_rows(
+                rows[start : start + step], sampling, [sampling.max_tokens] * len(rows[start : start + step]),
+                seed + chunk,
+            )
+        return RolloutOutput.from_generations(list(prompts), generations, sampling.n)
+
+    def _stop_ids(self, sampling: SamplingParams) -> list[int]:
+        stops = list(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stops += [t for t in self.eos_token_ids if t not in stops]
+        return stops
+
+    @torch.no_grad()
+    def _generate_rows(
+        self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int], seed: int
+    ) -> list[Generation]:
+        """Generate one sample per row; row r stops at its own `max_tokens[r]`."""
+        if self._asleep:
+            raise RolloutError("hf rollout is asleep; call wake_up() before generating")
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            attn[i, width - len(row) :] = 1
+        stops = self._stop_ids(sampling)
+        recorder = SampledLogProbRecorder(sampling.temperature, sampling.top_k, sampling.top_p, width)
+        gen_config = GenerationConfig(
+            max_new_tokens=max(max_tokens), do_sample=not sampling.greedy, num_beams=1,
+            # the recorder does temperature/top-k/top-p; these keep transformers' warpers off
+            **({} if sampling.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0, eos_token_id=stops or None, pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True, use_cache=True,
+        )
+        devices = [self.device] if self.device.type == "cuda" else []
+        with self._lock, torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+                generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]),
+            )
+        sequences = out.sequences.cpu()
+        log_probs = recorder.finish(out.sequences).cpu()
+        new = sequences[:, width:]
+        stop_set = torch.tensor(stops, dtype=torch.long)
+        generations = []
+        for r in range(len(rows)):
+            hits = torch.isin(new[r], stop_set).nonzero() if stops else torch.empty(0)
+            first_stop = int(hits[0]) + 1 if len(hits) else None
+            if first_stop is not None and first_stop <= max_tokens[r]:
+                length, reason = first_stop, "stop"
+            else:
+                length, reason = min(max_tokens[r], new.shape[1]), "length"
+            generations.append(Generation(
+                response_ids=new[r, :length].tolist(),
+                log_probs=log_probs[r, :length].tolist() if sampling.logprobs else None,
+                finish_reason=reason,
+            ))
+        return generations
+
+    # -- async single requests ----------------------------------------------------------------
+
+    async def agenerate(
+        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+    ) -> Generation:
+        """One request; concurrent requests with the same temperature/top-k/top-p/stop ids
+        share one batched `generate` (each keeps its own max_tokens). Within a shared batch
+        the first request's seed seeds the batch, so a seeded request is reproducible only
+        when it runs alone (`generate` is the reproducible path). `session_id` is accepted for
+        the contract; there is only one in-process model."""
+        if sampling.n != 1:
+            raise RolloutError(f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)")
+        check_prompts([prompt_ids], sampling, self.config.max_model_len, self.vocab_size)
+        key = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.stop_token_ids,
+               sampling.ignore_eos, sampling.logprobs)
+        return await self._batcher.submit((list(prompt_ids), sampling), key)
+
+    def _run_request_batch(self, payloads: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+        first = payloads[0][1]
+        seed = first.seed if first.seed is not None else self._seeds.randrange(2**62)
+        rows = [p for p, _ in payloads]
+        max_tokens = [s.max_tokens for _, s in payloads]
+        out: list[Generation] = []
+        step = self.config.hf.max_batch_rows
+        for chunk, start in enumerate(range(0, len(rows), step)):
+            out += self._generate_rows(rows[start : start + step], first,
+                                       max_tokens[start : start + step], seed + chunk)
+        return out
+
+    @property
+    def batches_run(self) -> int:
+        """Batched generate calls made for `agenerate` requests so far."""
+        return self._batcher.batches_run
+
+    # -- weights and memory -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each (HF name, tensor) into the model in place. A tied model holds one matrix
+        for the embedding and the head, so either name updates both."""
+        with self._lock:
+            state = self.model.state_dict()
+            for name, tensor in named_tensors:
+                if name not in state:
+                    known = ", ".join(list(state)[:6])
+                    raise RolloutError(
+                        f"update_weights: {name!r} is not a weight of the rollout model "
+                        f"({type(self.model).__name__}; names look like {known}, ...); export "
+                        "weights with Hugging Face names"
+                    )
+                target = state[name]
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise RolloutError(
+                        f"update_weights: {name!r} has shape {list(tensor.shape)}, the rollout "
+                        f"model expects {list(target.shape)}"
+                    )
+                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+
+    def sleep(self) -> None:
+        """On a GPU, move the weights to CPU memory; on CPU there is nothing to free."""
+        if self.device.type == "cuda" and not self._asleep:
+            with self._lock:
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+        self._asleep = self.device.type == "cuda"
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            with self._lock:
+                self.model.to(self.device)
+        self._asleep = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._batcher.close()

@@ -1,0 +1,77 @@
+"""Temperature / top-k / top-p as one transformers logits processor that also records the
+log-prob of each sampled token under the temperature-scaled, untruncated distribution.
+
+Why not transformers' own warpers: generate's `scores` are after top-k/top-p (truncated
+tokens are -inf), and keeping `output_logits` for every step costs [rows, steps, vocab]
+floats. This processor is the only one in the list, so it sees the raw logits, keeps one
+[rows, vocab] log-softmax, and gathers the sampled token's value on the next call.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessor
+
+
+def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf. [rows, vocab].
+
+    Nucleus: sort by probability, keep token i if the probability mass strictly before it
+    is < top_p (so the most likely token is always kept).
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class SampledLogProbRecorder(LogitsProcessor):
+    """A `LogitsProcessor`: returns the logits to sample from and records log-probs.
+
+    Call k sees the tokens sampled by calls < k in `input_ids[:, -1]`; `finish(last_tokens)`
+    gathers the final step. `log_probs()` -> [rows, steps] float32.
+    """
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, prompt_len: int) -> None:
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.prompt_len = prompt_len
+        self._previous: torch.Tensor | None = None
+        self._recorded: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._previous is not None:
+            self._gather(input_ids[:, -1])
+        scores = scores.float()
+        scale = self.temperature if self.temperature > 0 else 1.0
+        scaled = scores / scale
+        self._previous = torch.log_softmax(scaled, dim=-1)
+        if self.temperature == 0:
+            return scores  # greedy: argmax of the raw logits
+        return truncate_top_k_top_p(scaled, self.top_k, self.top_p)
+
+    def _gather(self, tokens: torch.Tensor) -> None:
+        self._recorded.append(self._previous.gather(1, tokens[:, None].long()).squeeze(1))
+        self._previous = None
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """Log-probs [rows, steps] given generate's output sequences [rows, prompt + steps]."""
+        if self._previous is not None:
+            self._gather(sequences[:, -1])
+        steps = sequences.shape[1] - self.prompt_len
+        if len(self._recorded) != steps:
+            raise RuntimeError(
+                f"recorded {len(self._recorded)} log-prob steps for {steps} generated tokens; "
+                "another logits processor or a cache reuse changed the generation loop"
+            )
+        if not self._recorded:
+            return torch.zeros(sequences.shape[0], 0)
+        return torch.stack(self._recorded, dim=1)

@@ -1,0 +1,284 @@
+"""The client side shared by server backends (`vllm`, `sglang`).
+
+`ServerRollout` starts the server (or connects to given URLs), sends requests with one
+`httpx.AsyncClient` on a private event-loop thread (so `generate` works from sync code and
+`agenerate` from any event loop), and turns every failure into a `RolloutError`. What differs
+between servers (command line, request and response JSON, reload endpoints) is a
+`ServerProtocol`, tested on its own.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+import httpx
+import torch
+
+from tephra.rollout.backends.server_process import ServerProcess, free_port
+from tephra.rollout.backends.weights_folder import is_tied, untied_copy, write_update
+from tephra.rollout.base import (
+    Generation,
+    Rollout,
+    RolloutConfig,
+    RolloutError,
+    RolloutOutput,
+    SamplingParams,
+    ServerSettings,
+    check_prompts,
+)
+
+Request = tuple[str, dict]
+"""(path, JSON body) of one POST."""
+
+
+class ServerProtocol(abc.ABC):
+    """How to start and talk to one kind of server."""
+
+    name: str
+    health_path: str = "/health"
+    needs_untied_head: bool = False
+    """Serve tied models from an untied copy (vLLM keeps a stale tied head after reloads)."""
+
+    @abc.abstractmethod
+    def default_python(self) -> str: ...
+
+    @abc.abstractmethod
+    def launch_command(
+        self, python: str, model_dir: str, host: str, port: int, config: RolloutConfig,
+        settings: ServerSettings,
+    ) -> list[str]: ...
+
+    def default_env(self) -> dict[str, str]:
+        return {}
+
+    @abc.abstractmethod
+    def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
+        """The requests that give `sampling.n` samples of one prompt."""
+
+    @abc.abstractmethod
+    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Generation]:
+        """The samples in one response, in sample order."""
+
+    @abc.abstractmethod
+    def reload_requests(self, weights_dir: str) -> list[Request]:
+        """Requests that load the weights in `weights_dir` and drop cached prefixes."""
+
+    def sleep_requests(self, settings: ServerSettings) -> list[Request]:
+        return []
+
+    def wake_requests(self, settings: ServerSettings) -> list[Request]:
+        return []
+
+
+class ServerRollout(Rollout):
+    """A `Rollout` over one or more generation servers (see module docstring)."""
+
+    def __init__(self, config: RolloutConfig, protocol: ServerProtocol) -> None:
+        self.config = config
+        self.protocol = protocol
+        self.settings: ServerSettings = getattr(config, protocol.name)
+        self.process: ServerProcess | None = None
+        self._closed = False
+        self._own_dir = self.settings.weights_dir is None
+        self.weights_dir = Path(self.settings.weights_dir or tempfile.mkdtemp(prefix=f"tephra-{protocol.name}-"))
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        self._updates = itertools.count()
+        self._last_update: Path | None = None
+        model_dir = config.model_path
+        if not (Path(model_dir) / "config.json").is_file():
+            raise RolloutError(
+                f"rollout.model_path={model_dir!r} has no config.json; give a local Hugging Face "
+                "folder (save_pretrained / Engine.export_hf) that the server can load"
+            )
+        self._tied = protocol.needs_untied_head and is_tied(model_dir)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"tephra-{protocol.name}-http",
+                                        daemon=True)
+        self._thread.start()
+        self._client = self._call(self._make_client())
+        try:
+            if self.settings.url:
+                self.urls = [u.strip().rstrip("/") for u in self.settings.url.split(",") if u.strip()]
+                for url in self.urls:
+                    self._check_reachable(url)
+            else:
+                if self._tied:
+                    model_dir = str(untied_copy(model_dir, self.weights_dir / "served-model"))
+                self.model_dir = model_dir
+                self.urls = [self._start_server(model_dir)]
+        except BaseException:
+            self.close()
+            raise
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    async def _make_client(self) -> httpx.AsyncClient:
+        self._semaphore = asyncio.Semaphore(self.settings.max_in_flight)
+        limits = httpx.Limits(max_connections=self.settings.max_in_flight,
+                              max_keepalive_connections=self.settings.max_in_flight)
+        return httpx.AsyncClient(timeout=httpx.Timeout(self.settings.request_timeout_s), limits=limits)
+
+    def _call(self, coro):
+        """Run a coroutine on the private loop and wait for it (from synchronous code)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _start_server(self, model_dir: str) -> str:
+        settings = self.settings
+        python = settings.python or self.protocol.default_python()
+        port = settings.port or free_port(settings.host)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        env.update(self.protocol.default_env())
+        env.update(settings.env)
+        command = self.protocol.launch_command(python, model_dir, settings.host, port, self.config, settings)
+        log_path = settings.log_path or str(self.weights_dir / "server.log")
+        self.process = ServerProcess(self.protocol.name, command, env, log_path)
+        url = f"http://{settings.host}:{port}"
+        self.process.wait_healthy(url, settings.startup_timeout_s, self.protocol.health_path)
+        return url
+
+    def _check_reachable(self, url: str) -> None:
+        try:
+            httpx.get(url + self.protocol.health_path, timeout=10.0).raise_for_status()
+        except httpx.HTTPError as exc:
+            raise RolloutError(
+                f"{self.protocol.name}.url: no healthy server at {url}{self.protocol.health_path} "
+                f"({exc}); start it or fix the URL"
+            ) from exc
+
+    def _dead_error(self) -> RolloutError | None:
+        if self.process is not None and not self.process.alive():
+            return self.process.failure("died")
+        return None
+
+    async def _post(self, url: str, request: Request) -> dict:
+        """POST on the private loop; a dead server process ends the wait within a second."""
+        path, body = request
+        async with self._semaphore:
+            task = asyncio.ensure_future(self._client.post(url + path, json=body))
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=1.0)
+                if done:
+                    break
+                dead = self._dead_error()
+                if dead is not None:
+                    task.cancel()
+                    raise dead
+            try:
+                response = task.result()
+            except httpx.HTTPError as exc:
+                await asyncio.sleep(0.5)  # let a killed process be reaped before asking
+                raise self._dead_error() or RolloutError(
+                    f"{self.protocol.name} request {path} to {url} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+        if response.status_code != 200:
+            raise RolloutError(
+                f"{self.protocol.name} server refused {path} (HTTP {response.status_code}): "
+                f"{response.text[:800]}"
+            )
+        return response.json()
+
+    def _url_for(self, session_id: str | None, index: int) -> str:
+        if len(self.urls) == 1:
+            return self.urls[0]
+        if session_id is None:
+            return self.urls[index % len(self.urls)]
+        return self.urls[zlib.crc32(session_id.encode()) % len(self.urls)]
+
+    async def _sample(self, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Generation]:
+        requests = self.protocol.sample_requests(list(prompt_ids), sampling)
+        responses = await asyncio.gather(*(self._post(url, r) for r in requests))
+        samples = [g for resp in responses for g in self.protocol.parse_samples(resp, sampling)]
+        if len(samples) != sampling.n:
+            raise RolloutError(f"{self.protocol.name} returned {len(samples)} samples, asked n={sampling.n}")
+        return samples
+
+    # -- the contract ---------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        check_prompts(prompts, sampling, self.config.max_model_len)
+        self._ensure_open()
+
+        async def run() -> list[list[Generation]]:
+            return await asyncio.gather(*(
+                self._sample(self._url_for(None, i), p, sampling) for i, p in enumerate(prompts)
+            ))
+
+        per_prompt = self._call(run())
+        return RolloutOutput.from_generations(list(prompts), [g for gs in per_prompt for g in gs], sampling.n)
+
+    async def agenerate(
+        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+    ) -> Generation:
+        if sampling.n != 1:
+            raise RolloutError(f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)")
+        check_prompts([prompt_ids], sampling, self.config.max_model_len)
+        self._ensure_open()
+        url = self._url_for(session_id, 0)
+        future = asyncio.run_coroutine_threadsafe(self._sample(url, prompt_ids, sampling), self._loop)
+        return (await asyncio.wrap_future(future))[0]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Write the tensors as safetensors into a fresh folder under `weights_dir`, ask each
+        server to reload from it and to drop its prefix cache; the previous folder is removed."""
+        self._ensure_open()
+        folder = self.weights_dir / f"update-{next(self._updates):06d}"
+        write_update(named_tensors, folder, self.config.torch_dtype,
+                     config_from=getattr(self, "model_dir", self.config.model_path),
+                     add_untied_head=self._tied)
+
+        async def reload() -> None:
+            for url in self.urls:
+                for request in self.protocol.reload_requests(str(folder)):
+                    await self._post(url, request)
+
+        self._call(reload())
+        if self._last_update is not None:
+            shutil.rmtree(self._last_update, ignore_errors=True)
+        self._last_update = folder
+
+    def _run_all(self, requests: list[Request]) -> None:
+        async def run() -> None:
+            for url in self.urls:
+                for request in requests:
+                    await self._post(url, request)
+
+        if requests:
+            self._call(run())
+
+    def sleep(self) -> None:
+        self._run_all(self.protocol.sleep_requests(self.settings))
+
+    def wake_up(self) -> None:
+        self._run_all(self.protocol.wake_requests(self.settings))
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise RolloutError(f"{self.protocol.name} rollout is closed")
+        dead = self._dead_error()
+        if dead is not None:
+            raise dead
+
+    def close(self) -> None:
+        """Kill a started server's process group, stop the HTTP thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.process is not None:
+            self.process.kill()
+        try:
+            self._call(self._client.aclose())
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if self._own_dir:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)

@@ -1,0 +1,95 @@
+"""`sglang`: an SGLang server driven with token ids over its native API.
+
+Verified only where SGLang runs (GPU): sglang 0.5.x needs CUDA kernels, so on CPU machines
+only the request/response translation is tested. Started as `python -m sglang.launch_server`
+from `sglang.python`; `/generate` with `input_ids` and `return_logprob`; weights reloaded
+with `/update_weights_from_disk`, then `/flush_cache`.
+"""
+
+from __future__ import annotations
+
+from tephra.rollout.backends.server_client import Request, ServerProtocol, ServerRollout
+from tephra.rollout.base import (
+    ROLLOUT_BACKENDS,
+    Generation,
+    RolloutConfig,
+    RolloutError,
+    SamplingParams,
+    ServerSettings,
+)
+
+
+class SglangProtocol(ServerProtocol):
+    name = "sglang"
+
+    def default_python(self) -> str:
+        return "python"
+
+    def launch_command(
+        self, python: str, model_dir: str, host: str, port: int, config: RolloutConfig,
+        settings: ServerSettings,
+    ) -> list[str]:
+        return [
+            python, "-m", "sglang.launch_server", "--model-path", model_dir,
+            "--host", host, "--port", str(port), "--dtype", config.dtype,
+            "--context-length", str(config.max_model_len), "--random-seed", str(config.seed),
+            *settings.extra_args,
+        ]
+
+    def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
+        """One request per sample (sample j seeded with seed + j, like vLLM)."""
+        requests = []
+        for j in range(sampling.n):
+            params = {
+                "max_new_tokens": sampling.max_tokens,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,
+                "stop_token_ids": list(sampling.stop_token_ids),
+                "ignore_eos": sampling.ignore_eos,
+                "skip_special_tokens": False,
+            }
+            if sampling.seed is not None:
+                params["sampling_seed"] = sampling.seed + j
+            requests.append(("/generate", {
+                "input_ids": prompt_ids, "sampling_params": params,
+                "return_logprob": sampling.logprobs,
+            }))
+        return requests
+
+    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Generation]:
+        items = response if isinstance(response, list) else [response]
+        out = []
+        for item in items:
+            meta = item.get("meta_info", {})
+            ids = item.get("output_ids")
+            if ids is None:
+                raise RolloutError("sglang response has no 'output_ids'")
+            log_probs = None
+            if sampling.logprobs:
+                log_probs = [float(entry[0]) for entry in meta.get("output_token_logprobs", [])]
+                if len(log_probs) != len(ids):
+                    raise RolloutError(f"sglang returned {len(log_probs)} log-probs for {len(ids)} tokens")
+            finish = meta.get("finish_reason") or {}
+            reason = finish.get("type") if isinstance(finish, dict) else finish
+            if reason == "abort" or reason not in ("stop", "length"):
+                raise RolloutError(f"sglang sample finished with {finish!r}; expected stop or length")
+            out.append(Generation(list(ids), log_probs, reason))
+        return out
+
+    def reload_requests(self, weights_dir: str) -> list[Request]:
+        return [("/update_weights_from_disk", {"model_path": weights_dir}), ("/flush_cache", {})]
+
+    def sleep_requests(self, settings: ServerSettings) -> list[Request]:
+        return [("/release_memory_occupation", {})]
+
+    def wake_requests(self, settings: ServerSettings) -> list[Request]:
+        return [("/resume_memory_occupation", {})]
+
+
+@ROLLOUT_BACKENDS.register("sglang")
+class SglangRollout(ServerRollout):
+    """SGLang server backend (see module docstring); `SglangRollout(config)`."""
+
+    def __init__(self, config: RolloutConfig) -> None:
+        super().__init__(config, SglangProtocol())

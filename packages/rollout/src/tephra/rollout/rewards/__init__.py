@@ -1,0 +1,75 @@
+"""Rewards: scorers chosen by `data_source`, a custom function from a file, a reward model,
+and `RewardManager` that scores a batch in parallel.
+
+Registered scorers (`REWARD_SCORERS`): gsm8k / openai/gsm8k (strict `####`), gsm8k_flexible,
+math / lighteval/MATH / DigitalLearningGmbH/MATH-lighteval / HuggingFaceH4/MATH-500
+(math-verify), reasoning_gym (data sources `reasoning_gym/<task>`), countdown.
+"""
+
+# Importing the scorer modules registers them.
+from tephra.rollout.rewards import countdown, gsm8k, math_equivalence, reasoning_gym_tasks  # noqa: F401
+from tephra.rollout.rewards.config import RewardConfig
+from tephra.rollout.rewards.countdown import countdown_score
+from tephra.rollout.rewards.custom_function import (
+    FileRewardFunction,
+    RewardFunctionError,
+    check_scorer_signature,
+    load_reward_function,
+)
+from tephra.rollout.rewards.extraction import (
+    extract_answer_tag,
+    extract_last_boxed,
+    extract_last_integer,
+    extract_last_number,
+    numbers_equal,
+)
+from tephra.rollout.rewards.gsm8k import (
+    extract_gsm8k_answer,
+    gsm8k_flexible,
+    gsm8k_score,
+    gsm8k_strict,
+)
+from tephra.rollout.rewards.manager import (
+    RewardManager,
+    RewardReport,
+    RewardScoringError,
+    compute_score,
+    resolve_scorer,
+)
+from tephra.rollout.rewards.math_equivalence import math_equal, math_score
+from tephra.rollout.rewards.reasoning_gym_tasks import reasoning_gym_rows, reasoning_gym_score
+from tephra.rollout.rewards.results import RewardError, RewardInput, RewardResult, normalize_score
+from tephra.rollout.rewards.scorer_registry import REWARD_SCORERS, Scorer
+
+__all__ = [
+    "REWARD_SCORERS",
+    "FileRewardFunction",
+    "RewardConfig",
+    "RewardError",
+    "RewardFunctionError",
+    "RewardInput",
+    "RewardManager",
+    "RewardReport",
+    "RewardResult",
+    "RewardScoringError",
+    "Scorer",
+    "check_scorer_signature",
+    "compute_score",
+    "countdown_score",
+    "extract_answer_tag",
+    "extract_gsm8k_answer",
+    "extract_last_boxed",
+    "extract_last_integer",
+    "extract_last_number",
+    "gsm8k_flexible",
+    "gsm8k_score",
+    "gsm8k_strict",
+    "load_reward_function",
+    "math_equal",
+    "math_score",
+    "normalize_score",
+    "numbers_equal",
+    "reasoning_gym_rows",
+    "reasoning_gym_score",
+    "resolve_scorer",
+]

@@ -1,0 +1,133 @@
+"""Test helpers shared by the rollout, agent-loop and controller tests: a tiny causal LM with a
+byte-level BPE tokenizer, built in about a second and saved as a normal Hugging Face folder
+(config.json, model.safetensors, tokenizer files) that transformers and vLLM both load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+)
+"""Special tokens of the tiny tokenizer (Qwen/Hermes names, so chat templates and tool-call
+parsers written for Qwen work). `<|endoftext|>` pads, `<|im_end|>` is EOS."""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML, as in Qwen (without tool descriptions)."""
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is 12 plus 30? The answer is 42.",
+    "Compute 7 times 6 and answer with just the number.",
+    "<tool_call>{\"name\": \"python\", \"arguments\": {\"code\": \"print(2 + 2)\"}}</tool_call>",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "def add(a, b):\n    return a + b\n",
+    "user assistant system tool answer question number result",
+]
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """Where the tiny model was saved and its special ids."""
+
+    path: str
+    """Folder with config, weights and tokenizer (pass as `model_path`)."""
+    vocab_size: int
+    eos_token_id: int
+    """`<|im_end|>`."""
+    pad_token_id: int
+    """`<|endoftext|>`."""
+
+
+def build_tiny_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a few sentences (any text encodes: bytes are in
+    the base alphabet). Returns a `PreTrainedTokenizerFast` with a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:]),
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    path: str | Path,
+    *,
+    model_type: str = "qwen2",
+    vocab_size: int = 384,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    tie_word_embeddings: bool = False,
+    initializer_range: float = 0.1,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+) -> TinyModel:
+    """Build, initialise (seeded) and save a tiny `qwen2` or `llama` causal LM and its
+    tokenizer to `path`. `initializer_range` is larger than usual so the next-token
+    distributions are peaked (greedy ties are unlikely, EOS does occur).
+
+    The head size `hidden_size // num_heads` must be one vLLM's CPU attention supports
+    (32, 64, 80, 96, 112, 128, ...): the default 64 / 2 = 32 is the smallest."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_type not in ("qwen2", "llama"):
+        raise ValueError(f"model_type={model_type!r}: choose 'qwen2' or 'llama'")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(vocab_size)
+    vocab = len(tokenizer)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
+        eos_token_id=eos, pad_token_id=pad, bos_token_id=None, torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return TinyModel(path=str(path), vocab_size=vocab, eos_token_id=eos, pad_token_id=pad)
+
+
+def perturbed_weights(model_path: str | Path, scale: float = 0.5, seed: int = 1):
+    """(name, tensor) pairs of the model at `model_path` with every weight changed by seeded
+    noise: 'new weights' for weight-sync tests. Returns a list (it is iterated twice). A tied
+    model's shared matrix appears once, under the embedding's name."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    # named_parameters lists a tied matrix once (as the embedding), like a trainer's export
+    for name, tensor in model.named_parameters():
+        tensor = tensor.detach()
+        noise = torch.randn(tensor.shape, generator=gen) * scale * (tensor.float().std() + 1e-3)
+        out.append((name, (tensor.float() + noise).to(tensor.dtype)))
+    return out

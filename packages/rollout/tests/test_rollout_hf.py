@@ -1,0 +1,183 @@
+"""The `hf` backend against independent references: `model.generate`, a teacher-forced
+forward pass, hand-built layouts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tephra.engine_api.errors import ConfigError, RegistryError
+from tephra.rollout import RolloutConfig, RolloutError, RolloutOutput, SamplingParams, get_rollout
+from tephra.rollout.testing import perturbed_weights
+
+PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [100]]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    rollout = get_rollout("hf", RolloutConfig(model_path=tiny_model.path, max_model_len=128))
+    yield rollout
+    rollout.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32).eval()
+
+
+def reference_greedy(model, prompt, max_new_tokens, eos=None):
+    """`model.generate` on one unpadded prompt, cut after the first EOS (None: no EOS)."""
+    model.generation_config.eos_token_id = eos
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+                         )[0, len(prompt):].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def teacher_forced_log_probs(model, prompt, response, temperature):
+    """log_softmax(logits / T) of each response token, from one forward pass."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+def test_greedy_equals_model_generate_and_log_probs_equal_recompute(hf, reference, tiny_model):
+    out = hf.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
+    assert out.prompt_index == [0, 1, 2]
+    for i, prompt in enumerate(PROMPTS):
+        expected = reference_greedy(reference, prompt, 24, tiny_model.eos_token_id)
+        assert out.response_ids[i] == expected
+        assert out.finish_reasons[i] == ("stop" if expected[-1] == tiny_model.eos_token_id else "length")
+        recomputed = teacher_forced_log_probs(reference, prompt, out.response_ids[i], 0.0)
+        torch.testing.assert_close(torch.tensor(out.log_probs[i]), recomputed, atol=1e-5, rtol=0)
+
+
+def test_sampled_log_probs_are_temperature_scaled_and_untruncated(hf, reference):
+    sampling = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=20, n=2, seed=11,
+                              ignore_eos=True)
+    out = hf.generate(PROMPTS, sampling)
+    assert len(out) == 6 and out.prompt_index == [0, 0, 1, 1, 2, 2]
+    for i in range(len(out)):
+        prompt, response = out.prompt_ids[i], out.response_ids[i]
+        assert len(response) == 20 and out.finish_reasons[i] == "length"
+        recomputed = teacher_forced_log_probs(reference, prompt, response, 0.7)
+        torch.testing.assert_close(torch.tensor(out.log_probs[i]), recomputed, atol=1e-5, rtol=0)
+        # every sampled token lies inside the top-k and inside the top-p nucleus
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            logits = reference(ids).logits[0, len(prompt) - 1 : -1] / 0.7
+        probs = logits.softmax(-1)
+        for t, token in enumerate(response):
+            p_token = probs[t, token]
+            assert int((probs[t] > p_token).sum()) < 20
+            assert float(probs[t][probs[t] > p_token].sum()) < 0.9
+
+
+def test_stop_tokens_max_tokens_n_and_seeds(hf):
+    greedy = hf.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    full = greedy.response_ids[0]
+    assert len(full) == 16 and greedy.finish_reasons == ["length"]
+    stop = full[5]
+    cut = full.index(stop) + 1
+    stopped = hf.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=16,
+                                                       stop_token_ids=(stop,), ignore_eos=True))
+    assert stopped.response_ids[0] == full[:cut] and stopped.finish_reasons == ["stop"]
+    short = hf.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert short.response_ids[0] == full[:3] and short.finish_reasons == ["length"]
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=7, ignore_eos=True)
+    a = hf.generate(PROMPTS[:2], sampling)
+    b = hf.generate(PROMPTS[:2], sampling)
+    c = hf.generate(PROMPTS[:2], sampling.replace(seed=8))
+    assert a.prompt_index == [0, 0, 0, 1, 1, 1]
+    assert a.prompt_ids == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    assert a.response_ids == b.response_ids and a.log_probs == b.log_probs
+    assert a.response_ids != c.response_ids
+    assert len({tuple(r) for r in a.response_ids[:3]}) == 3  # n samples differ
+
+
+def test_to_batch_layout_by_hand():
+    out = RolloutOutput(prompt_index=[0, 1], prompt_ids=[[11, 12], [21, 22, 23]],
+                        response_ids=[[13, 14, 15], [24]], log_probs=[[-0.1, -0.2, -0.3], [-0.4]],
+                        finish_reasons=["length", "stop"])
+    batch = out.to_batch(pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[0, 11, 12, 13, 14, 15], [21, 22, 23, 24, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 3, 3]]
+    assert batch["response_mask"].tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 0, 0]]
+    torch.testing.assert_close(batch["rollout_log_probs"], torch.tensor(
+        [[0, 0, 0, -0.1, -0.2, -0.3], [0, 0, 0, -0.4, 0, 0]]))
+    assert batch["prompt_index"].tolist() == [0, 1]
+
+
+def test_agenerate_batches_concurrent_requests(hf):
+    """16 concurrent requests (different prompts and max_tokens) give what `generate` gives
+    each alone, in fewer generate calls than requests."""
+    prompts = [[5 + i, 6, 7 + 2 * i][: 1 + i % 3] for i in range(16)]
+    lengths = [4 + i % 5 for i in range(16)]
+    before = hf.batches_run
+
+    async def main():
+        return await asyncio.gather(*(
+            hf.agenerate(p, SamplingParams(temperature=0.0, max_tokens=n), session_id=f"s{i}")
+            for i, (p, n) in enumerate(zip(prompts, lengths))
+        ))
+
+    results = asyncio.run(main())
+    assert hf.batches_run - before < 16
+    for p, n, got in zip(prompts, lengths, results):
+        alone = hf.generate([p], SamplingParams(temperature=0.0, max_tokens=n))
+        assert got.response_ids == alone.response_ids[0]
+        assert got.finish_reason == alone.finish_reasons[0]
+        torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(alone.log_probs[0]),
+                                   atol=1e-5, rtol=0)
+    with pytest.raises(RolloutError, match="n=2"):
+        asyncio.run(hf.agenerate([1, 2], SamplingParams(n=2)))
+
+
+def test_update_weights_follows_new_weights(tiny_model, tiny_tied_model, tmp_path):
+    for model in (tiny_model, tiny_tied_model):
+        new = perturbed_weights(model.path, seed=5)
+        reference = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+        if reference.config.tie_word_embeddings:  # the shared matrix comes once, as the embedding
+            assert "lm_head.weight" not in dict(new)
+        reference.load_state_dict(dict(new), strict=False)
+        with get_rollout("hf", RolloutConfig(model_path=model.path)) as rollout:
+            before = rollout.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+            rollout.update_weights(iter(new))
+            after = rollout.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+            assert after.response_ids != before.response_ids
+            for i, prompt in enumerate(PROMPTS):
+                assert after.response_ids[i] == reference_greedy(reference, prompt, 10)
+            with pytest.raises(RolloutError, match="not a weight of the rollout model"):
+                rollout.update_weights([("model.no_such.weight", torch.zeros(1))])
+            with pytest.raises(RolloutError, match="shape"):
+                rollout.update_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_bad_input_gives_clear_errors(hf, tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match="sampling.top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ConfigError, match="sampling.top_k"):
+        SamplingParams(top_k=0)
+    with pytest.raises(ConfigError, match="sampling.temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ConfigError, match="sampling.n"):
+        SamplingParams(n=0)
+    with pytest.raises(ConfigError, match="rollout.dtype"):
+        RolloutConfig(model_path=tiny_model.path, dtype="fp8")
+    with pytest.raises(ConfigError, match="max_model_len=128"):
+        hf.generate([[1] * 100], SamplingParams(max_tokens=64))
+    with pytest.raises(ConfigError, match="prompt 1 must be a non-empty"):
+        hf.generate([[1], []], SamplingParams(max_tokens=4))
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        hf.generate([[1, 10_000]], SamplingParams(max_tokens=4))
+    with pytest.raises(RegistryError, match="registered: hf, sglang, vllm"):
+        get_rollout("vlm", RolloutConfig(model_path=tiny_model.path))
+    with pytest.raises(RolloutError, match="could not load rollout.model_path"):
+        get_rollout("hf", RolloutConfig(model_path=str(tmp_path / "missing")))

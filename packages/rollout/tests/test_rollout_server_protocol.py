@@ -1,0 +1,122 @@
+"""Server backends without a server: request/response translation (vLLM and SGLang JSON as
+their APIs document it), the weights folder, and process failures (with stand-in commands)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
+from tephra.rollout.backends import SglangProtocol, VllmProtocol
+from tephra.rollout.backends.server_process import ServerProcess
+from tephra.rollout.backends.weights_folder import is_tied, untied_copy, write_update
+
+
+def test_vllm_request_and_response_translation(tiny_model):
+    protocol = VllmProtocol()
+    sampling = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, max_tokens=5,
+                              stop_token_ids=(3,), seed=4)
+    [(path, body)] = protocol.sample_requests([1, 2, 3], sampling)
+    assert path == "/v1/completions"
+    assert body == {
+        "model": "tephra-policy", "prompt": [1, 2, 3], "n": 2, "max_tokens": 5, "temperature": 0.5,
+        "top_p": 0.9, "top_k": 7, "stop_token_ids": [3], "ignore_eos": False,
+        "return_token_ids": True, "skip_special_tokens": False, "seed": 4, "logprobs": 1,
+    }
+    response = {"choices": [
+        {"index": 1, "text": "x", "token_ids": [9, 3], "finish_reason": "stop",
+         "logprobs": {"token_logprobs": [-0.5, -0.25], "tokens": ["a", "b"], "top_logprobs": []}},
+        {"index": 0, "text": "y", "token_ids": [8, 8, 8, 8, 8], "finish_reason": "length",
+         "logprobs": {"token_logprobs": [-1.0] * 5, "tokens": ["c"] * 5, "top_logprobs": []}},
+    ]}
+    samples = protocol.parse_samples(response, sampling)
+    assert [s.response_ids for s in samples] == [[8, 8, 8, 8, 8], [9, 3]]
+    assert [s.finish_reason for s in samples] == ["length", "stop"]
+    assert samples[1].log_probs == [-0.5, -0.25]
+    with pytest.raises(RolloutError, match="3 log-probs for 2 tokens"):
+        bad = {"choices": [{**response["choices"][0], "logprobs": {"token_logprobs": [0, 0, 0]}}]}
+        protocol.parse_samples(bad, sampling)
+    with pytest.raises(RolloutError, match="abort"):
+        protocol.parse_samples({"choices": [{**response["choices"][0], "finish_reason": "abort"}]}, sampling)
+
+    assert protocol.reload_requests("/w") == [
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/w"}}),
+        ("/reset_prefix_cache", {}),
+    ]
+    config = RolloutConfig(model_path=tiny_model.path, max_model_len=64, vllm=ServerSettings(extra_args=["--x"]))
+    command = protocol.launch_command("/py", "/m", "127.0.0.1", 9, config, config.vllm)
+    assert command[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag, value in (("--model", "/m"), ("--port", "9"), ("--max-model-len", "64"),
+                        ("--logprobs-mode", "processed_logprobs"), ("--dtype", "float32")):
+        assert command[command.index(flag) + 1] == value
+    assert "--enforce-eager" in command and command[-1] == "--x"
+    assert protocol.default_env()["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_sglang_request_and_response_translation():
+    protocol = SglangProtocol()
+    sampling = SamplingParams(n=2, temperature=0.0, max_tokens=3, seed=10, ignore_eos=True)
+    requests = protocol.sample_requests([4, 5], sampling)
+    assert [path for path, _ in requests] == ["/generate", "/generate"]
+    assert requests[1][1] == {
+        "input_ids": [4, 5], "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                            "stop_token_ids": [], "ignore_eos": True, "skip_special_tokens": False,
+                            "sampling_seed": 11},
+    }
+    response = {"text": "ab", "output_ids": [7, 2],
+                "meta_info": {"output_token_logprobs": [[-0.1, 7, None], [-0.2, 2, None]],
+                              "finish_reason": {"type": "stop", "matched": 2}}}
+    [sample] = protocol.parse_samples(response, sampling)
+    assert sample.response_ids == [7, 2] and sample.log_probs == [-0.1, -0.2]
+    assert sample.finish_reason == "stop"
+    assert protocol.reload_requests("/w") == [("/update_weights_from_disk", {"model_path": "/w"}),
+                                              ("/flush_cache", {})]
+
+
+def test_untied_copy_and_weight_update_files(tiny_tied_model, tmp_path):
+    """The untied copy computes the same logits as the tied original; an update that holds
+    only the embedding gets an explicit head equal to it."""
+    assert is_tied(tiny_tied_model.path)
+    copy = untied_copy(tiny_tied_model.path, tmp_path / "served")
+    assert not is_tied(copy)
+    tied = AutoModelForCausalLM.from_pretrained(tiny_tied_model.path, dtype=torch.float32)
+    untied = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(tied(ids).logits, untied(ids).logits, atol=0, rtol=0)
+    embed = torch.randn(tiny_tied_model.vocab_size, 64)
+    folder = write_update([("model.embed_tokens.weight", embed), ("model.norm.weight", torch.ones(64))],
+                          tmp_path / "update", torch.bfloat16, config_from=copy, add_untied_head=True)
+    tensors = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(tensors) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert tensors["lm_head.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(tensors["lm_head.weight"], embed.to(torch.bfloat16))
+    assert (folder / "config.json").exists()
+
+
+def test_server_process_failures_are_quick_and_clear(tmp_path):
+    start = time.monotonic()
+    crashing = ServerProcess("demo", [sys.executable, "-c", "print('loading'); raise SystemExit('bad model path')"],
+                             {}, str(tmp_path / "a.log"))
+    with pytest.raises(RolloutError, match="(?s)exited during start-up.*bad model path"):
+        crashing.wait_healthy("http://127.0.0.1:9", timeout_s=60)
+    silent = ServerProcess("demo", [sys.executable, "-c", "import time; time.sleep(60)"], {},
+                           str(tmp_path / "b.log"))
+    with pytest.raises(RolloutError, match="not healthy .* after 2 s"):
+        silent.wait_healthy("http://127.0.0.1:9", timeout_s=2)
+    assert not silent.alive()  # killed, not left behind
+    assert time.monotonic() - start < 20
+    with pytest.raises(RolloutError, match="does not exist"):
+        ServerProcess("demo", [str(tmp_path / "nope" / "python")], {}, str(tmp_path / "c.log"))
+
+
+def test_connecting_to_a_missing_server_names_the_url(tiny_model):
+    config = RolloutConfig(model_path=tiny_model.path, vllm=ServerSettings(url="http://127.0.0.1:9"))
+    with pytest.raises(RolloutError, match="vllm.url: no healthy server at http://127.0.0.1:9/health"):
+        get_rollout("vllm", config)
