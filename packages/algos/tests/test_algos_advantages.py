@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tephra.algos import (
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+
 from tephra.algos import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATION_MODES,

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from tephra.algos import (
     POLICY_LOSSES,
     PolicyLossConfig,

@@ -9,15 +9,19 @@ import json
 from collections.abc import Callable
 
 import pytest
-from transformers import AutoTokenizer
-
 from tephra.engine_api.errors import ConfigError
 from tephra.rollout.agent import (
-    AGENT_LOOPS, TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentSample, run_agent_loops, trajectories_to_batch,
+    AGENT_LOOPS,
+    TOOL_CHAT_TEMPLATE,
+    AgentLoopConfig,
+    AgentSample,
+    run_agent_loops,
+    trajectories_to_batch,
 )
 from tephra.rollout.backends.hf import HFRollout
 from tephra.rollout.base import Generation, Rollout, RolloutConfig, SamplingParams
 from tephra.rollout.tools import PythonTool, Tool, ToolResult
+from transformers import AutoTokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=160)
 
@@ -30,8 +34,13 @@ class ScriptedRollout(Rollout):
     """A model whose turn k of every trajectory is `script(session, k)` (+ EOS); turns past the
     script go to `fallback` (a real backend) when given. Records every request."""
 
-    def __init__(self, tokenizer, script: Callable[[str, int], str | None], fallback: Rollout | None = None,
-                 events: list | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        script: Callable[[str, int], str | None],
+        fallback: Rollout | None = None,
+        events: list | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.script = script
         self.fallback = fallback
@@ -53,7 +62,9 @@ class ScriptedRollout(Rollout):
                 gen = await self.fallback.agenerate(prompt_ids, sampling, session_id)
             else:
                 await asyncio.sleep(0)
-                ids = self.tokenizer.encode(text, add_special_tokens=False)[: sampling.max_tokens - 1]
+                ids = self.tokenizer.encode(text, add_special_tokens=False)[
+                    : sampling.max_tokens - 1
+                ]
                 ids.append(self.tokenizer.eos_token_id)
                 gen = Generation(ids, [-0.01 * (i + 1) for i in range(len(ids))], "stop")
         finally:
@@ -81,7 +92,11 @@ class ScriptedRollout(Rollout):
 class EchoTool(Tool):
     name = "echo"
     description = "Echo the text."
-    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    parameters = {
+        "type": "object",
+        "properties": {"text": {"type": "string"}},
+        "required": ["text"],
+    }
 
     def __init__(self):
         self.created, self.released = [], []
@@ -116,7 +131,10 @@ def hf_rollout(tiny_model):
 
 
 def question(i: int = 0) -> list[dict]:
-    return [{"role": "system", "content": "Use tools."}, {"role": "user", "content": f"What is 6 times {7 + i}?"}]
+    return [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": f"What is 6 times {7 + i}?"},
+    ]
 
 
 def test_tool_turn_is_exactly_generated_ids_plus_the_template_delta(tokenizer):
@@ -124,12 +142,18 @@ def test_tool_turn_is_exactly_generated_ids_plus_the_template_delta(tokenizer):
     turn1 = "The answer is 42."
     model = ScriptedRollout(tokenizer, lambda s, k: [turn0, turn1][k])
     python = PythonTool(timeout_s=5, memory_mb=256)
-    loop = AGENT_LOOPS.get("tool_agent")(model, tokenizer, GREEDY, AgentLoopConfig(max_turns=4), {"python": python})
+    loop = AGENT_LOOPS.get("tool_agent")(
+        model, tokenizer, GREEDY, AgentLoopConfig(max_turns=4), {"python": python}
+    )
     traj = asyncio.run(loop.run(AgentSample(question(), sample_id="s0")))
 
     schema = [python.schema()]
-    prompt_text = tokenizer.apply_chat_template(question(), tools=schema, tokenize=False, add_generation_prompt=True)
-    assert prompt_text.endswith("<|im_start|>user\nWhat is 6 times 7?<|im_end|>\n<|im_start|>assistant\n")
+    prompt_text = tokenizer.apply_chat_template(
+        question(), tools=schema, tokenize=False, add_generation_prompt=True
+    )
+    assert prompt_text.endswith(
+        "<|im_start|>user\nWhat is 6 times 7?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert traj.prompt_ids == tokenizer.encode(prompt_text, add_special_tokens=False)
     (_, ctx0, g0), (_, ctx1, g1) = model.requests
     # the tool turn, written out by hand for this ChatML template (python printed "42\n")
@@ -137,26 +161,47 @@ def test_tool_turn_is_exactly_generated_ids_plus_the_template_delta(tokenizer):
     delta = tokenizer.encode(tool_text, add_special_tokens=False)
     assert traj.response_ids == g0.response_ids + delta + g1.response_ids
     assert ctx1 == traj.prompt_ids + g0.response_ids + delta  # the context was never re-tokenised
-    assert traj.response_mask == [1] * len(g0.response_ids) + [0] * len(delta) + [1] * len(g1.response_ids)
+    assert traj.response_mask == [1] * len(g0.response_ids) + [0] * len(delta) + [1] * len(
+        g1.response_ids
+    )
     assert traj.response_log_probs == g0.log_probs + [0.0] * len(delta) + g1.log_probs
     decoded = tokenizer.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
     assert decoded == prompt_text + turn0 + "<|im_end|>" + tool_text + turn1 + "<|im_end|>"
     # ... which is the chat template's rendering of the transcript
     rendered = tokenizer.apply_chat_template(traj.messages, tools=schema, tokenize=False)
     assert rendered == decoded + "\n"
-    assert [m["role"] for m in traj.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert [m["role"] for m in traj.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
     assert traj.messages[3]["content"] == "42\n"
-    assert (traj.num_turns, traj.tool_calls, traj.tool_errors, traj.finish_reason) == (2, 1, 0, "stop")
+    assert (traj.num_turns, traj.tool_calls, traj.tool_errors, traj.finish_reason) == (
+        2,
+        1,
+        0,
+        "stop",
+    )
     assert not python._instances  # released
 
 
 def test_tool_errors_are_reported_to_the_model_and_counted(tokenizer):
-    calls = ("<tool_call>{not json}</tool_call>" + tool_call("nope", x=1) + tool_call("echo", text="raise")
-             + tool_call("echo", text="fine"))
+    calls = (
+        "<tool_call>{not json}</tool_call>"
+        + tool_call("nope", x=1)
+        + tool_call("echo", text="raise")
+        + tool_call("echo", text="fine")
+    )
     model = ScriptedRollout(tokenizer, lambda s, k: [calls, "done"][k])
     echo = EchoTool()
-    loop = AGENT_LOOPS.get("tool_agent")(model, tokenizer, GREEDY, AgentLoopConfig(max_tool_calls_per_turn=3), {"echo": echo})
-    traj = asyncio.run(loop.run(AgentSample(question(), sample_id="e", tool_kwargs={"echo": {"answer": 42}})))
+    loop = AGENT_LOOPS.get("tool_agent")(
+        model, tokenizer, GREEDY, AgentLoopConfig(max_tool_calls_per_turn=3), {"echo": echo}
+    )
+    traj = asyncio.run(
+        loop.run(AgentSample(question(), sample_id="e", tool_kwargs={"echo": {"answer": 42}}))
+    )
     tool_msgs = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert tool_msgs[0].startswith("Error: tool call 0 is not valid JSON")
     assert tool_msgs[1] == "Error: unknown tool 'nope'; available: echo"
@@ -171,7 +216,9 @@ def test_max_turns_and_token_budget_end_the_trajectory(tokenizer):
     always_call = lambda s, k: tool_call("echo", text=f"call {k}")  # noqa: E731
     model = ScriptedRollout(tokenizer, always_call)
     echo = EchoTool()
-    loop = AGENT_LOOPS.get("tool_agent")(model, tokenizer, GREEDY, AgentLoopConfig(max_turns=3), {"echo": echo})
+    loop = AGENT_LOOPS.get("tool_agent")(
+        model, tokenizer, GREEDY, AgentLoopConfig(max_turns=3), {"echo": echo}
+    )
     traj = asyncio.run(loop.run(AgentSample(question(), sample_id="m")))
     assert (traj.num_turns, traj.tool_calls, traj.finish_reason) == (3, 2, "max_turns")
     assert traj.extra_info["tool_metrics"] == {"echo": {"calls": 2.0}}
@@ -179,12 +226,24 @@ def test_max_turns_and_token_budget_end_the_trajectory(tokenizer):
     # enough for the first model turn and part of the tool turn after it
     budget = len(tokenizer.encode(always_call("b", 0), add_special_tokens=False)) + 1 + 5
     model = ScriptedRollout(tokenizer, always_call)
-    loop = AGENT_LOOPS.get("tool_agent")(model, tokenizer, GREEDY, AgentLoopConfig(max_turns=5, max_response_tokens=budget),
-                                         {"echo": echo})
+    loop = AGENT_LOOPS.get("tool_agent")(
+        model,
+        tokenizer,
+        GREEDY,
+        AgentLoopConfig(max_turns=5, max_response_tokens=budget),
+        {"echo": echo},
+    )
     traj = asyncio.run(loop.run(AgentSample(question(), sample_id="b")))
     first = model.requests[0][2].response_ids
-    assert traj.finish_reason == "length" and len(traj.response_ids) == budget and len(model.requests) == 1
-    assert traj.response_ids[: len(first)] == first and traj.response_mask == [1] * len(first) + [0] * 5
+    assert (
+        traj.finish_reason == "length"
+        and len(traj.response_ids) == budget
+        and len(model.requests) == 1
+    )
+    assert (
+        traj.response_ids[: len(first)] == first
+        and traj.response_mask == [1] * len(first) + [0] * 5
+    )
 
 
 def test_sampling_n_and_missing_template_are_refused(tokenizer, tiny_model):
@@ -200,16 +259,22 @@ def test_sampling_n_and_missing_template_are_refused(tokenizer, tiny_model):
 def test_real_hf_backend_single_turn_matches_generate(tokenizer, hf_rollout):
     samples = [AgentSample(question(i), sample_id=f"q{i}") for i in range(3)]
     for name in ("single_turn", "tool_agent"):
-        loop = AGENT_LOOPS.get(name)(hf_rollout, tokenizer, GREEDY, AgentLoopConfig(max_turns=1), {})
+        loop = AGENT_LOOPS.get(name)(
+            hf_rollout, tokenizer, GREEDY, AgentLoopConfig(max_turns=1), {}
+        )
         trajs = asyncio.run(run_agent_loops(loop, samples))
         for traj in trajs:
             ref = hf_rollout.generate([traj.prompt_ids], GREEDY)  # the same context, alone
             assert traj.response_ids == ref.response_ids[0]
             assert traj.response_log_probs == pytest.approx(ref.log_probs[0], abs=1e-4)
             assert traj.response_mask == [1] * len(traj.response_ids) and traj.num_turns == 1
-            assert tokenizer.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False) == (
-                tokenizer.decode(traj.prompt_ids, skip_special_tokens=False) + traj.messages[-1]["content"]
-                + ("<|im_end|>" if traj.response_ids[-1] == tokenizer.eos_token_id else ""))
+            assert tokenizer.decode(
+                traj.prompt_ids + traj.response_ids, skip_special_tokens=False
+            ) == (
+                tokenizer.decode(traj.prompt_ids, skip_special_tokens=False)
+                + traj.messages[-1]["content"]
+                + ("<|im_end|>" if traj.response_ids[-1] == tokenizer.eos_token_id else "")
+            )
 
 
 def test_many_loops_in_flight_and_a_slow_tool_blocks_nobody(tokenizer, hf_rollout):
@@ -233,9 +298,16 @@ def test_many_loops_in_flight_and_a_slow_tool_blocks_nobody(tokenizer, hf_rollou
             events.append(("tool_end", instance_id, 0))
             return ToolResult(f"result for {instance_id}")
 
-    model = ScriptedRollout(tokenizer, lambda s, k: tool_call("slow") if k == 0 else None, hf_rollout, events)
-    loop = AGENT_LOOPS.get("tool_agent")(model, tokenizer, SamplingParams(temperature=0.0, max_tokens=40),
-                                         AgentLoopConfig(max_turns=2), {"slow": SlowTool()})
+    model = ScriptedRollout(
+        tokenizer, lambda s, k: tool_call("slow") if k == 0 else None, hf_rollout, events
+    )
+    loop = AGENT_LOOPS.get("tool_agent")(
+        model,
+        tokenizer,
+        SamplingParams(temperature=0.0, max_tokens=40),
+        AgentLoopConfig(max_turns=2),
+        {"slow": SlowTool()},
+    )
     finished: list[str] = []
 
     async def one(i: int):
@@ -253,22 +325,35 @@ def test_many_loops_in_flight_and_a_slow_tool_blocks_nobody(tokenizer, hf_rollou
     assert finished[-1] == "t0" and len(finished) == n
     slow_start = events.index(("tool_start", "t0", 0))
     slow_end = events.index(("tool_end", "t0", 0))
-    model_turns_meanwhile = [e for e in events[slow_start:slow_end] if e[0] == "gen_end" and e[2] == 1]
+    model_turns_meanwhile = [
+        e for e in events[slow_start:slow_end] if e[0] == "gen_end" and e[2] == 1
+    ]
     assert len(model_turns_meanwhile) == n - 1  # every other trajectory generated while t0 waited
     assert model.peak_in_flight >= 32
     assert hf_rollout.batches_run < 2 * n  # concurrent requests were batched
     for traj in trajs:
         (_, _, g0), (_, ctx1, g1) = [r for r in model.requests if r[0] == traj.sample_id]
         tool_len = len(traj.response_ids) - len(g0.response_ids) - len(g1.response_ids)
-        assert traj.response_ids == ctx1[len(traj.prompt_ids):] + g1.response_ids
-        assert traj.response_mask == [1] * len(g0.response_ids) + [0] * tool_len + [1] * len(g1.response_ids)
-        assert traj.messages[3] == {"role": "tool", "name": "slow", "content": f"result for {traj.sample_id}"}
+        assert traj.response_ids == ctx1[len(traj.prompt_ids) :] + g1.response_ids
+        assert traj.response_mask == [1] * len(g0.response_ids) + [0] * tool_len + [1] * len(
+            g1.response_ids
+        )
+        assert traj.messages[3] == {
+            "role": "tool",
+            "name": "slow",
+            "content": f"result for {traj.sample_id}",
+        }
         assert traj.num_turns == 2 and traj.tool_calls == 1 and traj.tool_errors == 0
     # an independent reference for one trajectory's model turn: generate on the same context
     _, ctx1, g1 = next(r for r in model.requests if r[0] == "t5" and r[1] != trajs[5].prompt_ids)
-    assert hf_rollout.generate([ctx1], SamplingParams(temperature=0.0, max_tokens=40)).response_ids[0] == g1.response_ids
+    assert (
+        hf_rollout.generate([ctx1], SamplingParams(temperature=0.0, max_tokens=40)).response_ids[0]
+        == g1.response_ids
+    )
 
     batch = trajectories_to_batch(trajs, tokenizer.pad_token_id)
     assert batch["response_mask"].sum().item() == sum(t.generated_tokens for t in trajs)
-    assert batch["attention_mask"].sum().item() == sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    assert batch["attention_mask"].sum().item() == sum(
+        len(t.prompt_ids) + len(t.response_ids) for t in trajs
+    )
     assert batch["num_turns"].tolist() == [2] * n

@@ -69,6 +69,7 @@ def test_rewards_parallel_equals_serial_and_table(executor):
     assert report.as_metrics()["reward/score/countdown"] == pytest.approx((1.0 + 0.1 + 0.0) / 3)
 
 
+@pytest.mark.multiproc
 def test_rewards_process_pool_equals_serial(tmp_path):
     """A process pool (forked from a fork server): math-verify keeps its signal timeout there (tasks run in
     each worker's main thread) and custom functions travel as (path, name)."""
@@ -82,14 +83,19 @@ def test_rewards_process_pool_equals_serial(tmp_path):
     path = tmp_path / "fn.py"
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                     "    if solution_str == 'boom':\n        raise ValueError('bad item')\n"
+                    "    if solution_str == 'exit':\n        import os; os._exit(3)\n"
                     "    return len(solution_str)\n")
     texts = ["a", "boom", "abc", "", "boom", "ab"]
     config = RewardConfig(custom_function_path=str(path), executor="process", num_workers=2)
     with RewardManager(config) as manager:
         results = manager.score_batch([RewardInput("src", t, None) for t in texts])
-    assert [r.score for r in results] == [1.0, 0.0, 3.0, 0.0, 0.0, 2.0]
-    assert [r.error for r in results][1] == "ValueError: bad item"
-    assert manager.last_report.errors_by_source == {"src": 2}
+        assert [r.score for r in results] == [1.0, 0.0, 3.0, 0.0, 0.0, 2.0]
+        assert [r.error for r in results][1] == "ValueError: bad item"
+        assert manager.last_report.errors_by_source == {"src": 2}
+        # a worker that dies gives a clear error, and the next batch gets a fresh pool
+        with pytest.raises(RewardError, match="a reward worker process died"):
+            manager.score_batch([RewardInput("src", t, None) for t in ["exit", "a"]])
+        assert [r.score for r in manager.score_batch([RewardInput("src", t, None) for t in ["ab", "a"]])] == [2.0, 1.0]
 
 
 @pytest.mark.parametrize("executor", ["serial", "thread"])

@@ -230,3 +230,51 @@ def test_rewards_resolution_order():
     assert resolve_scorer("rg:chain_sum", prefix_scorers={"rg:": "reasoning_gym"})[0] == "reasoning_gym"
     with pytest.raises(RegistryError):
         resolve_scorer("reasoning_gym/chain_sum", prefix_scorers={})
+
+
+def test_rewards_reasoning_gym_rows_survive_parquet(tmp_path):
+    """Rows of two tasks and a gsm8k row in one verl-style parquet file score as before: the
+    entry is one JSON string, so differing task metadata does not break the file's schema."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = reasoning_gym_rows("basic_arithmetic", 2, seed=5, extract="last_number")
+    rows += reasoning_gym_rows("chain_sum", 2, seed=6, extract="answer_tag")
+    rows.append({"data_source": "gsm8k", "question": "q", "ground_truth": "7", "extra_info": {"index": 0}})
+    # the regeneration form of the first row, without "extract" (defaults to answer_tag)
+    regenerate = {"task": "basic_arithmetic", "seed": 5, "size": 2, "index": 0, "config_json": "{}"}
+    rows.append({**rows[0], "extra_info": {"index": 0, "reasoning_gym": regenerate}})
+    table = [
+        {
+            "data_source": row["data_source"],
+            "prompt": [{"role": "user", "content": row["question"]}],
+            "reward_model": {"ground_truth": row["ground_truth"]},
+            "extra_info": row["extra_info"],
+        }
+        for row in rows
+    ]
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "train.parquet")
+    read = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    responses = ["so 1 + 2 is {gt}", "so 1 + 2 is {gt}", "<answer>{gt}</answer>", "{gt}", "#### {gt}", "<answer>{gt}</answer>"]
+    expected = [1.0, 1.0, 1.0, 0.0, 1.0, 1.0]  # the fourth has no <answer> tag
+    assert read[-1]["extra_info"]["reasoning_gym"]["entry_json"] is None  # null-filled by parquet
+    assert len(read) == len(responses)
+    for row, template, score in zip(read, responses, expected):
+        truth = row["reward_model"]["ground_truth"]
+        got = compute_score(row["data_source"], template.format(gt=truth), truth, row["extra_info"])
+        assert got == score
+
+
+def test_rewards_math_verify_signal_timeout_only_in_main_thread():
+    """Why the math scorer switches the timeout off in worker threads: math-verify's
+    signal.alarm refuses to run outside the main thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from math_verify import parse
+    from tephra.rollout.rewards import math_equivalence
+
+    with ThreadPoolExecutor(1) as pool:
+        with pytest.raises(ValueError, match="doesn't support threaded environment"):
+            pool.submit(parse, "$1$", parsing_timeout=5).result()
+        assert pool.submit(math_equivalence._timeout).result() is None
+        assert pool.submit(compute_score, "math", "\\boxed{\\frac{1}{2}}", "0.5").result() == 1.0
+    assert math_equivalence._timeout() == math_equivalence.MATH_VERIFY_TIMEOUT_S

@@ -7,11 +7,10 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from tephra.engine_api.errors import ConfigError, RegistryError
 from tephra.rollout import RolloutConfig, RolloutError, RolloutOutput, SamplingParams, get_rollout
 from tephra.rollout.testing import perturbed_weights
+from transformers import AutoModelForCausalLM
 
 PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [100]]
 
@@ -140,6 +139,36 @@ def test_agenerate_batches_concurrent_requests(hf):
         asyncio.run(hf.agenerate([1, 2], SamplingParams(n=2)))
 
 
+def test_agenerate_keeps_the_event_loop_free(hf):
+    """32 trajectories in flight: generation runs off the event loop, so other coroutines
+    (a tool, a timer) keep running while the batches generate."""
+    ticks = 0
+
+    async def ticker(stop: asyncio.Event):
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0.005)
+
+    async def main():
+        stop = asyncio.Event()
+        timer = asyncio.create_task(ticker(stop))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        results = await asyncio.gather(*(
+            hf.agenerate([7, i + 1], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
+            for i in range(32)
+        ))
+        elapsed = loop.time() - start
+        stop.set()
+        await timer
+        return results, elapsed
+
+    results, elapsed = asyncio.run(main())
+    assert all(len(g.response_ids) == 24 for g in results)
+    assert ticks >= max(5, 0.1 * elapsed / 0.005)  # blocked, it would tick once
+
+
 def test_update_weights_follows_new_weights(tiny_model, tiny_tied_model, tmp_path):
     for model in (tiny_model, tiny_tied_model):
         new = perturbed_weights(model.path, seed=5)
@@ -181,3 +210,21 @@ def test_bad_input_gives_clear_errors(hf, tiny_model, tmp_path):
         get_rollout("vlm", RolloutConfig(model_path=tiny_model.path))
     with pytest.raises(RolloutError, match="could not load rollout.model_path"):
         get_rollout("hf", RolloutConfig(model_path=str(tmp_path / "missing")))
+
+
+def test_small_batches_and_dict_settings_give_the_same_samples(hf, tiny_model):
+    """Cutting 3 prompts x n=2 into generate calls of 2 rows (settings given as a dict, as
+    from YAML) changes nothing for greedy decoding."""
+    config = RolloutConfig(model_path=tiny_model.path, max_model_len=128, hf={"max_batch_rows": 2})
+    assert config.hf.max_batch_rows == 2
+    sampling = SamplingParams(temperature=0.0, max_tokens=10, n=2)
+    with get_rollout("hf", config) as small:
+        a = small.generate(PROMPTS, sampling)
+        small.sleep()  # no-op on CPU: generation still works
+        small.wake_up()
+        b = hf.generate(PROMPTS, sampling)
+        assert a.response_ids == b.response_ids and a.finish_reasons == b.finish_reasons
+        for x, y in zip(a.log_probs, b.log_probs):
+            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match="hf.max_batch_rows"):
+        RolloutConfig(model_path=tiny_model.path, hf={"max_batch_rows": 0})

@@ -12,7 +12,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from tephra.rollout.tools import python_sandbox
 from tephra.rollout.tools.base import ToolError
 from tephra.rollout.tools.python_sandbox import PythonTool
@@ -63,10 +62,15 @@ def assert_next_call_works(tool: PythonTool) -> None:
 
 
 def test_plain_code_runs_in_its_own_directory_as_an_unprivileged_user(tool):
-    result = run(tool, "import os\nopen('f.txt', 'w').write('hi')\nprint(os.getcwd(), os.getuid() != 0, open('f.txt').read())")
+    result = run(
+        tool,
+        "import os\nopen('f.txt', 'w').write('hi')\nprint(os.getcwd(), os.getuid() != 0, open('f.txt').read())",
+    )
     assert result.error is None and result.text == "/tmp True hi\n"
     workdir, uid = tool._instances["t"]
-    assert (Path(workdir) / "f.txt").read_text() == "hi"  # the host sees it in the instance's folder
+    assert (
+        Path(workdir) / "f.txt"
+    ).read_text() == "hi"  # the host sees it in the instance's folder
     assert tool.sandbox.namespaced
     # files persist across the calls of one instance
     assert run(tool, "print(open('f.txt').read())").text == "hi\n"
@@ -89,21 +93,29 @@ def test_sleeping_code_hits_the_wall_time_limit():
 
 
 def test_fork_bomb_is_capped_by_the_process_limit_and_leaves_nothing(tool):
-    counted = run(tool, (
-        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
-        "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
-        "except OSError as e:\n    print(n, e.errno)"
-    ))
+    counted = run(
+        tool,
+        (
+            "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+            "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
+            "except OSError as e:\n    print(n, e.errno)"
+        ),
+    )
     # the code's own process counts against RLIMIT_NPROC: max_processes - 1 children, then EAGAIN
     assert counted.text == f"{LIMITS['max_processes'] - 1} 11\n"
-    bomb = run(tool, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    bomb = run(
+        tool,
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+    )
     assert bomb.error is not None and ("limit" in bomb.error or "killed" in bomb.error)
     uid = tool._instances["t"][1]
     assert processes_of_uid(uid) == []
     assert_next_call_works(tool)
 
 
-@pytest.mark.parametrize("code", ["x = bytearray(10**9)", "a = []\nwhile True:\n    a.append(' ' * 10**6)"])
+@pytest.mark.parametrize(
+    "code", ["x = bytearray(10**9)", "a = []\nwhile True:\n    a.append(' ' * 10**6)"]
+)
 def test_memory_bomb_fails_with_memory_error(tool, code):
     result = run(tool, code)
     assert result.error == "exited with status 1: MemoryError"
@@ -111,19 +123,31 @@ def test_memory_bomb_fails_with_memory_error(tool, code):
 
 
 def test_writing_outside_the_working_directory_is_refused(tool, tmp_path):
-    targets = [tmp_path / "outside.txt", Path("/etc/tephra_pwned"), Path.cwd() / "tephra_pwned",
-               Path("/root/tephra_pwned"), Path("/usr/tephra_pwned")]
+    targets = [
+        tmp_path / "outside.txt",
+        Path("/etc/tephra_pwned"),
+        Path.cwd() / "tephra_pwned",
+        Path("/root/tephra_pwned"),
+        Path("/usr/tephra_pwned"),
+    ]
     for target in targets:
         result = run(tool, f"open({str(target)!r}, 'w').write('pwned')")
-        assert result.error is not None and ("PermissionError" in result.error or "FileNotFoundError" in result.error)
+        assert result.error is not None and (
+            "PermissionError" in result.error or "FileNotFoundError" in result.error
+        )
         assert not target.exists()
     # world-writable places resolve to the sandbox's private mounts, not the host's
     marker = f"tephra-{uuid.uuid4().hex}"
-    result = run(tool, f"for d in ('/var/tmp', '/dev/shm', '/tmp'):\n    open(d + '/{marker}', 'w').write('x')\nprint('ok')")
+    result = run(
+        tool,
+        f"for d in ('/var/tmp', '/dev/shm', '/tmp'):\n    open(d + '/{marker}', 'w').write('x')\nprint('ok')",
+    )
     assert result.error is None and result.text == "ok\n"
     assert not Path("/var/tmp", marker).exists() and not Path("/dev/shm", marker).exists()
     assert Path(tool._instances["t"][0], marker).exists()  # /tmp inside is the instance folder
-    big = run(tool, f"open('big', 'wb').write(b'0' * {(LIMITS.get('max_file_size_mb', 16) + 1) * 2**20})")
+    big = run(
+        tool, f"open('big', 'wb').write(b'0' * {(LIMITS.get('max_file_size_mb', 16) + 1) * 2**20})"
+    )
     # Python ignores SIGXFSZ, so the write fails with EFBIG at exactly the limit
     assert big.error == "exited with status 1: OSError: [Errno 27] File too large"
     assert (Path(tool._instances["t"][0]) / "big").stat().st_size == 16 * 2**20
@@ -141,7 +165,11 @@ def test_parent_environment_secrets_are_not_visible(tool, monkeypatch):
     )
     result = run(tool, code)
     assert result.error is None
-    assert "PATH" in result.text and secret not in result.text and "TEPHRA_FAKE_API_KEY" not in result.text
+    assert (
+        "PATH" in result.text
+        and secret not in result.text
+        and "TEPHRA_FAKE_API_KEY" not in result.text
+    )
     assert_next_call_works(tool)
 
 
@@ -152,7 +180,9 @@ def test_network_connection_to_a_local_listener_fails(tool):
     listener.setblocking(False)
     port = listener.getsockname()[1]
     try:
-        result = run(tool, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)")
+        result = run(
+            tool, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)"
+        )
         assert result.error == "exited with status 1: OSError: [Errno 101] Network is unreachable"
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody connected
@@ -164,7 +194,10 @@ def test_network_connection_to_a_local_listener_fails(tool):
 def test_printing_gigabytes_is_cut_at_the_output_limit(tool):
     start = time.monotonic()
     result = run(tool, "import sys\nwhile True:\n    sys.stdout.write('x' * 1000000)")
-    assert result.error == f"output limit of {LIMITS['max_output_bytes']} bytes exceeded; the process group was killed"
+    assert (
+        result.error
+        == f"output limit of {LIMITS['max_output_bytes']} bytes exceeded; the process group was killed"
+    )
     assert len(result.text) <= LIMITS["max_output_bytes"]
     assert time.monotonic() - start < 3  # killed on the cap, not at the wall-time limit
     assert_next_call_works(tool)
@@ -176,9 +209,14 @@ def test_killing_the_parent_or_everything_harms_nobody_else(tool):
         parent = run(tool, "import os\nos.kill(os.getppid(), 9)")
         assert parent.error is not None and "PermissionError" in parent.error
         host_pid = run(tool, f"import os\nos.kill({sentinel.pid}, 9)")
-        assert host_pid.error is not None and ("ProcessLookupError" in host_pid.error or "PermissionError" in host_pid.error)
+        assert host_pid.error is not None and (
+            "ProcessLookupError" in host_pid.error or "PermissionError" in host_pid.error
+        )
         # kill(-1) reaches only the code's own processes: here its own child
-        everyone = run(tool, "import os, subprocess\nc = subprocess.Popen(['sleep', '30'])\nos.kill(-1, 9)\nprint(c.wait())")
+        everyone = run(
+            tool,
+            "import os, subprocess\nc = subprocess.Popen(['sleep', '30'])\nos.kill(-1, 9)\nprint(c.wait())",
+        )
         assert everyone.error is None and everyone.text == "-9\n"
         assert sentinel.poll() is None
     finally:
@@ -208,7 +246,10 @@ def test_deep_recursion_is_contained(tool):
     plain = run(tool, "def f(n):\n    return f(n + 1)\nf(0)")
     assert plain.error == "exited with status 1: RecursionError: maximum recursion depth exceeded"
     # recursion through a C function (map) with the guard lifted overflows the C stack
-    unlimited = run(tool, "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return list(map(f, [n + 1]))\nf(0)")
+    unlimited = run(
+        tool,
+        "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return list(map(f, [n + 1]))\nf(0)",
+    )
     assert unlimited.error == "crashed with SIGSEGV (stack overflow, e.g. from too deep recursion)"
     assert_next_call_works(tool)
 

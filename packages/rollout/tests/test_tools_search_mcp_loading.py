@@ -7,12 +7,22 @@ import asyncio
 import json
 import math
 import re
+import socket
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
-
-from tephra.rollout.tools import TOOLS, MCPToolset, SearchTool, Tool, ToolConfigError, ToolResult, load_tools
+from tephra.rollout.tools import (
+    TOOLS,
+    MCPToolset,
+    SearchTool,
+    Tool,
+    ToolConfigError,
+    ToolResult,
+    load_tools,
+)
 
 CORPUS = [
     {"id": "fr", "text": "Paris is the capital city of France"},
@@ -60,9 +70,16 @@ def test_search_ranks_like_hand_computed_bm25(corpus_file):
     assert [h[0] for h in hits] == [CORPUS[i]["id"] for i in order] == ["de", "fr"]
     assert [h[2] for h in hits] == pytest.approx([ref[i] for i in order], rel=1e-5)
     result = asyncio.run(tool.execute("x", {"query": query}))
-    assert result.error is None and result.text.splitlines()[0] == f"[1] (id de) {CORPUS[1]['text']}"
-    assert asyncio.run(tool.execute("x", {"query": "zebra"})).text == "No passage matches the query."
-    assert asyncio.run(tool.execute("x", {})).error == "argument 'query' (a non-empty string) is missing"
+    assert (
+        result.error is None and result.text.splitlines()[0] == f"[1] (id de) {CORPUS[1]['text']}"
+    )
+    assert (
+        asyncio.run(tool.execute("x", {"query": "zebra"})).text == "No passage matches the query."
+    )
+    assert (
+        asyncio.run(tool.execute("x", {})).error
+        == "argument 'query' (a non-empty string) is missing"
+    )
 
 
 def test_search_corpus_errors_name_the_line(tmp_path):
@@ -111,7 +128,8 @@ def test_yaml_loads_builtin_custom_and_mcp_tools(tmp_path, corpus_file):
     server = tmp_path / "server.py"
     server.write_text(SERVER)
     tools_yaml = tmp_path / "tools.yaml"
-    tools_yaml.write_text(textwrap.dedent(f"""
+    tools_yaml.write_text(
+        textwrap.dedent(f"""
         tools:
           - class: search
             config: {{corpus_path: {corpus_file}, top_k: 1}}
@@ -119,18 +137,24 @@ def test_yaml_loads_builtin_custom_and_mcp_tools(tmp_path, corpus_file):
             config: {{factor: 3}}
           - class: mcp
             config: {{transport: stdio, command: {sys.executable}, args: [{server}], prefix: "calc_"}}
-    """))
+    """)
+    )
     tools = load_tools(tools_yaml)
     try:
         assert sorted(tools) == ["calc_add", "calc_shout", "double", "search"]
         add = tools["calc_add"]
         assert add.schema()["function"]["description"] == "Add two integers."
-        assert add.parameters["required"] == ["a", "b"] and add.parameters["properties"]["a"]["type"] == "integer"
+        assert (
+            add.parameters["required"] == ["a", "b"]
+            and add.parameters["properties"]["a"]["type"] == "integer"
+        )
 
         async def calls():
             return await asyncio.gather(
-                add.execute("i", {"a": 2, "b": 40}), tools["calc_shout"].execute("i", {"text": "hi"}),
-                tools["calc_shout"].execute("i", {"text": ""}), tools["double"].execute("i", {"x": 5}),
+                add.execute("i", {"a": 2, "b": 40}),
+                tools["calc_shout"].execute("i", {"text": "hi"}),
+                tools["calc_shout"].execute("i", {"text": ""}),
+                tools["double"].execute("i", {"x": 5}),
             )
 
         added, shouted, failed, doubled = asyncio.run(calls())
@@ -151,16 +175,28 @@ def test_mcp_connection_errors_are_clear(tmp_path):
         MCPToolset(command=sys.executable, args=[str(broken)], timeout_s=20).tools()
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("- class: nowhere.module:Thing\n", r"entry 0: cannot import module 'nowhere.module'"),
-    (f"- class: search\n  config: {{top_k: 1}}\n- class: {__name__}:Nope\n", r"entry 0: building 'search' failed"),
-    (f"- class: {__name__}:Nope\n", rf"entry 0: module '{__name__}' has no attribute 'Nope'"),
-    (f"- class: {__name__}:bm25_reference\n", r"entry 0: .* is not a subclass of tephra.rollout.tools.Tool"),
-    ("- class: pythn\n", r"neither a registered tool \(mcp, python, search\)"),
-    (f"- class: {__name__}:Doubler\n- class: {__name__}:Doubler\n", r"entry 1: tool name 'double' is already used"),
-    ("- {config: {}}\n", r"entry 0: expected a mapping with key 'class'"),
-    ("tools: 3\n", r"expected a list of \{class, config\} entries"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("- class: nowhere.module:Thing\n", r"entry 0: cannot import module 'nowhere.module'"),
+        (
+            f"- class: search\n  config: {{top_k: 1}}\n- class: {__name__}:Nope\n",
+            r"entry 0: building 'search' failed",
+        ),
+        (f"- class: {__name__}:Nope\n", rf"entry 0: module '{__name__}' has no attribute 'Nope'"),
+        (
+            f"- class: {__name__}:bm25_reference\n",
+            r"entry 0: .* is not a subclass of tephra.rollout.tools.Tool",
+        ),
+        ("- class: pythn\n", r"neither a registered tool \(mcp, python, search\)"),
+        (
+            f"- class: {__name__}:Doubler\n- class: {__name__}:Doubler\n",
+            r"entry 1: tool name 'double' is already used",
+        ),
+        ("- {config: {}}\n", r"entry 0: expected a mapping with key 'class'"),
+        ("tools: 3\n", r"expected a list of \{class, config\} entries"),
+    ],
+)
 def test_yaml_errors_name_the_file_and_entry(tmp_path, content, message):
     path = tmp_path / "tools.yaml"
     path.write_text(content)
@@ -171,3 +207,35 @@ def test_yaml_errors_name_the_file_and_entry(tmp_path, content, message):
 
 def test_registry_lists_the_builtins():
     assert TOOLS.names() == ["mcp", "python", "search"]
+
+
+def test_mcp_over_streamable_http(tmp_path):
+    with socket.socket() as probe:  # a free local port for the server
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = tmp_path / "http_server.py"
+    server.write_text(
+        SERVER.replace('server.run("stdio")', f'server.run("streamable-http", port={port})')
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(server)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    toolset = MCPToolset(transport="http", url=f"http://127.0.0.1:{port}/mcp", timeout_s=30)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # wait until the server listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    "MCP HTTP server did not start"
+                )
+                time.sleep(0.2)
+        tools = {t.name: t for t in toolset.tools()}
+        assert sorted(tools) == ["add", "shout"]
+        assert asyncio.run(tools["add"].execute("i", {"a": 20, "b": 22})).text == "42"
+    finally:
+        toolset.close()
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -24,6 +24,7 @@ import math
 from collections.abc import Callable
 
 import torch
+
 from tephra.algos.config import AdvantageConfig
 from tephra.algos.errors import InputError
 from tephra.algos.groups import Groups, group_index

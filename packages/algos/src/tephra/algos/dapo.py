@@ -4,6 +4,7 @@ Scale"): dynamic sampling and overlong reward shaping."""
 from __future__ import annotations
 
 import torch
+
 from tephra.algos.errors import InputError
 from tephra.algos.groups import group_index
 from tephra.algos.inputs import check_per_sample

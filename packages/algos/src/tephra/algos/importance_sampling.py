@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from tephra.algos.errors import InputError
 from tephra.algos.inputs import check_same_shape
 from tephra.algos.masked import masked_max, masked_mean, masked_sum

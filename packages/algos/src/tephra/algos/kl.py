@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
 from tephra.algos.errors import InputError
 from tephra.algos.inputs import check_same_shape
 from tephra.algos.masked import masked_mean, masked_sum

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+
 from tephra.algos.aggregation import aggregate_loss
 from tephra.algos.config import ActorObjectiveConfig, CriticObjectiveConfig
 from tephra.algos.errors import InputError

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
 from tephra.algos.aggregation import aggregate_loss
 from tephra.algos.config import PolicyLossConfig
 from tephra.algos.inputs import check_same_shape

@@ -9,6 +9,7 @@ L_t = 0.5 (V_t - R_t)^2). The max makes clipping pessimistic: it never lowers th
 from __future__ import annotations
 
 import torch
+
 from tephra.algos.inputs import check_same_shape
 from tephra.algos.masked import masked_mean
 

@@ -1,27 +1,34 @@
-"""tephra.engine_api: the engine contract every training backend implements."""
+"""tephra.engine_api: the engine contract every training backend implements.
 
-from tephra.engine_api.batch import make_batch, pack, split_by_token_budget, unpack, validate_batch
-from tephra.engine_api.config import (
-    EngineConfig,
-    LoraConfig,
-    MicroBatchConfig,
-    ModelConfig,
-    OffloadConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    PrecisionConfig,
-    SchedulerConfig,
-    apply_overrides,
-)
-from tephra.engine_api.engine import Engine
-from tephra.engine_api.errors import BatchError, CheckpointError, ConfigError, RegistryError, TephraError
-from tephra.engine_api.loss import LossFn
-from tephra.engine_api.registry import Registry, get_engine, get_engine_class, installed_engines
+Names are imported lazily, so that `from tephra.engine_api.registry import Registry` (used
+by light processes such as reward workers) does not pay for importing torch.
+"""
 
-__all__ = [
-    "BatchError", "CheckpointError", "ConfigError", "Engine", "EngineConfig", "LoraConfig",
-    "LossFn", "MicroBatchConfig", "ModelConfig", "OffloadConfig", "OptimizerConfig",
-    "ParallelConfig", "PrecisionConfig", "Registry", "RegistryError", "SchedulerConfig",
-    "TephraError", "apply_overrides", "get_engine", "get_engine_class", "installed_engines",
-    "make_batch", "pack", "split_by_token_budget", "unpack", "validate_batch",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "make_batch": "batch", "pack": "batch", "split_by_token_budget": "batch", "unpack": "batch",
+    "validate_batch": "batch",
+    "EngineConfig": "config", "LoraConfig": "config", "MicroBatchConfig": "config",
+    "ModelConfig": "config", "OffloadConfig": "config", "OptimizerConfig": "config",
+    "ParallelConfig": "config", "PrecisionConfig": "config", "SchedulerConfig": "config",
+    "apply_overrides": "config",
+    "Engine": "engine",
+    "BatchError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
+    "RegistryError": "errors", "TephraError": "errors",
+    "LossFn": "loss",
+    "Registry": "registry", "get_engine": "registry", "get_engine_class": "registry",
+    "installed_engines": "registry",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tephra.engine_api' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tephra.engine_api.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

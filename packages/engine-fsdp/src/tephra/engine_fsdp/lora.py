@@ -9,15 +9,17 @@ is exactly the base model: that is the reference policy, without a second copy i
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
 from tephra.engine_api.config import LoraConfig
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp.model_builder import VALUE_HEAD
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 ADAPTER = "default"
 _LORA_PARAM = re.compile(r"\.lora_(A|B)\." + ADAPTER + r"\.weight$")
@@ -29,6 +31,10 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, role: str, seed: int) ->
     Adapter initialisation (A random, B zero) is drawn from `seed` so every rank builds the
     same adapters without touching the global RNG stream.
     """
+    # imported here: peft takes seconds to import and only LoRA runs need it
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     peft_cfg = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,

@@ -19,6 +19,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.errors import ConfigError
 
+_OWNED_GROUP = False
+"""Whether `ensure_process_group` created the default group (so it may destroy it)."""
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -35,10 +38,24 @@ def resolve_device(choice: str) -> torch.device:
 
 def ensure_process_group(device: torch.device) -> bool:
     """Initialise a 1-rank group when none exists; returns whether this call created it."""
+    global _OWNED_GROUP
     if dist.is_initialized():
         return False
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    _OWNED_GROUP = True
+    return True
+
+
+def release_process_group() -> bool:
+    """Destroy the 1-rank group `ensure_process_group` created, if any (engines built on it
+    stop working). For test suites and programs that initialise torch.distributed
+    themselves afterwards. Returns whether a group was destroyed."""
+    global _OWNED_GROUP
+    if not (_OWNED_GROUP and dist.is_initialized()):
+        return False
+    dist.destroy_process_group()
+    _OWNED_GROUP = False
     return True
 
 

@@ -233,11 +233,16 @@ class MegatronEngine(Engine):
         B.set_global_normalisers(mbs, ps.get_data_parallel_group())
         real = len(mbs)
         # MoE dispatch communicates across data-parallel ranks inside every micro-batch:
-        # every rank must run the same number of them (extra ones carry no trained token).
+        # every rank must run the same number of them (extra ones carry no trained token
+        # and their outputs are dropped).
         count = torch.tensor([real])
         dist.all_reduce(count, op=dist.ReduceOp.MAX,
                         group=ps.get_data_parallel_group(with_context_parallel=True))
-        while len(mbs) < int(count):
+        target = int(count)
+        if len(self.chunks) > 1:
+            # the interleaved schedule needs at least as many micro-batches as stages
+            target = max(target, ps.get_pipeline_model_parallel_world_size())
+        while len(mbs) < target:
             dummy = mbs[-1][:1].clone()
             dummy[B.RESPONSE_MASK] = torch.zeros_like(dummy[B.RESPONSE_MASK])
             mbs.append(dummy)

@@ -145,8 +145,13 @@ def transformer_config(hf_config, parallel: ParallelConfig, params_dtype: torch.
         # gloo may deliver two sends to one peer swapped inside a batched p2p
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=False,
+        # megatron's default (allgather) refuses variable sequence lengths even for dense models
+        moe_token_dispatcher_type="alltoall",
     )
     if shape.num_experts:
+        if moe_dispatcher == "allgather" and parallel.pipeline > 1:
+            raise ConfigError("the allgather MoE dispatcher cannot run with parallel.pipeline > 1 "
+                              "(megatron needs fixed shapes for it); use the alltoall dispatcher")
         shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
         kwargs.update(
             num_moe_experts=shape.num_experts,

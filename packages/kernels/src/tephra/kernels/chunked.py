@@ -147,6 +147,7 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
             if need_w:
                 grad_w.addmm_(dz.T, hidden[sl].float())
             del z, dz
+        del weight32  # before the bf16 casts below, so the fp32 copy and they never coexist
         return (
             grad_h.to(hidden.dtype) if need_h else None,
             grad_w.to(weight.dtype) if need_w else None,

@@ -105,7 +105,12 @@ class AgentLoopConfig:
     """Parser of tool calls in generated text (registry `TOOL_CALL_PARSERS`)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_response_tokens", "max_tool_calls_per_turn", "max_tool_response_chars"):
+        for name in (
+            "max_turns",
+            "max_response_tokens",
+            "max_tool_calls_per_turn",
+            "max_tool_response_chars",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"agent_loop.{name}={getattr(self, name)!r} must be >= 1")
 

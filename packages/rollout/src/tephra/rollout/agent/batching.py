@@ -6,12 +6,13 @@ import asyncio
 from collections.abc import Sequence
 
 import torch
-
 from tephra.engine_api.batch import make_batch
 from tephra.rollout.agent.base import AgentLoop, AgentSample, Trajectory
 
 
-async def run_agent_loops(loop: AgentLoop, samples: Sequence[AgentSample], max_in_flight: int | None = None) -> list[Trajectory]:
+async def run_agent_loops(
+    loop: AgentLoop, samples: Sequence[AgentSample], max_in_flight: int | None = None
+) -> list[Trajectory]:
     """Run `loop` on every sample concurrently (at most `max_in_flight` at once; None: all);
     trajectories come back in the order of `samples`."""
     limit = asyncio.Semaphore(max_in_flight or max(len(samples), 1))

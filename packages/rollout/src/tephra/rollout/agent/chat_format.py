@@ -13,7 +13,7 @@ TOOL_CHAT_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
     "# Tools\n\nYou may call one or more functions. Function signatures:\n<tools>"
     "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
-    "For each call, write <tool_call>{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    'For each call, write <tool_call>{"name": <function-name>, "arguments": <args-json-object>}'
     "</tool_call><|im_end|>\n"
     "{% endif %}"
     "{% for message in messages %}"

@@ -46,7 +46,7 @@ class ChatTemplateDelta:
         at = self.prefix.rfind(_SENTINEL)
         if at < 0:
             raise ConfigError("agent loop: the chat template drops the assistant message content")
-        self.after_assistant = self.prefix[at + len(_SENTINEL):]
+        self.after_assistant = self.prefix[at + len(_SENTINEL) :]
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -73,8 +73,8 @@ class ChatTemplateDelta:
             )
         closing = self.after_assistant
         if stop_text and closing.startswith(stop_text):
-            closing = closing[len(stop_text):]
-        return closing + full[len(self.prefix):]
+            closing = closing[len(stop_text) :]
+        return closing + full[len(self.prefix) :]
 
     def append_ids(self, messages: list[dict], stop_text: str | None) -> list[int]:
         """`append_text` as token ids (tokenised on its own: see module docstring)."""

@@ -27,7 +27,9 @@ class _TokenLoop(AgentLoop):
             return self.tools
         missing = [n for n in sample.tools if n not in self.tools]
         if missing:
-            raise KeyError(f"sample {sample.sample_id} asks for tools {missing}; the loop has {sorted(self.tools)}")
+            raise KeyError(
+                f"sample {sample.sample_id} asks for tools {missing}; the loop has {sorted(self.tools)}"
+            )
         return {n: self.tools[n] for n in sample.tools}
 
     def delta(self, tools: dict[str, Tool]) -> ChatTemplateDelta:
@@ -45,11 +47,16 @@ class _TokenLoop(AgentLoop):
             budget = min(budget, self.max_model_len - context_len)
         return budget
 
-    def text_of_turn(self, ids: list[int]) -> tuple[str, str | None]:
-        """(content, stop text): the decoded turn without its final stop token, and that token."""
-        if ids and ids[-1] in self.stop_ids:
-            return (self.tokenizer.decode(ids[:-1], skip_special_tokens=False),
-                    self.tokenizer.decode(ids[-1:], skip_special_tokens=False))
+    def text_of_turn(self, ids: list[int], finish_reason: str) -> tuple[str, str | None]:
+        """(content, stop text): the decoded turn without its final stop token, and that token.
+
+        The `Rollout` contract keeps the stop token as the last id of a 'stop' turn; it may be
+        one of the model's EOS ids that the tokenizer does not call EOS (Qwen: <|endoftext|>)."""
+        if ids and (finish_reason == "stop" or ids[-1] in self.stop_ids):
+            return (
+                self.tokenizer.decode(ids[:-1], skip_special_tokens=False),
+                self.tokenizer.decode(ids[-1:], skip_special_tokens=False),
+            )
         return self.tokenizer.decode(ids, skip_special_tokens=False), None
 
 
@@ -59,17 +66,28 @@ class SingleTurnAgentLoop(_TokenLoop):
 
     async def run(self, sample: AgentSample) -> Trajectory:
         delta = self.delta({})
-        prompt_ids = list(sample.prompt_ids) if sample.prompt_ids else delta.prompt_ids(sample.messages)
+        prompt_ids = (
+            list(sample.prompt_ids) if sample.prompt_ids else delta.prompt_ids(sample.messages)
+        )
         budget = self.turn_budget(len(prompt_ids), 0)
         if budget < 1:
             return _empty(sample, prompt_ids)
-        gen = await self.rollout.agenerate(prompt_ids, self.sampling.replace(max_tokens=budget), session_id=sample.sample_id)
-        content, _ = self.text_of_turn(gen.response_ids)
+        gen = await self.rollout.agenerate(
+            prompt_ids, self.sampling.replace(max_tokens=budget), session_id=sample.sample_id
+        )
+        content, _ = self.text_of_turn(gen.response_ids, gen.finish_reason)
         return Trajectory(
-            sample_id=sample.sample_id, prompt_ids=prompt_ids, response_ids=list(gen.response_ids),
+            sample_id=sample.sample_id,
+            prompt_ids=prompt_ids,
+            response_ids=list(gen.response_ids),
             response_mask=[1] * len(gen.response_ids),
-            response_log_probs=list(gen.log_probs) if gen.log_probs is not None else [0.0] * len(gen.response_ids),
-            num_turns=1, tool_calls=0, tool_errors=0, finish_reason=gen.finish_reason,
+            response_log_probs=list(gen.log_probs)
+            if gen.log_probs is not None
+            else [0.0] * len(gen.response_ids),
+            num_turns=1,
+            tool_calls=0,
+            tool_errors=0,
+            finish_reason=gen.finish_reason,
             messages=[*sample.messages, {"role": "assistant", "content": content}],
             extra_info=dict(sample.extra_info),
         )
@@ -85,7 +103,9 @@ class ToolAgentLoop(_TokenLoop):
         tools = self.offered_tools(sample)
         delta = self.delta(tools)
         parse = TOOL_CALL_PARSERS.get(cfg.tool_call_format)
-        prompt_ids = list(sample.prompt_ids) if sample.prompt_ids else delta.prompt_ids(sample.messages)
+        prompt_ids = (
+            list(sample.prompt_ids) if sample.prompt_ids else delta.prompt_ids(sample.messages)
+        )
         instance_id = sample.sample_id
         messages = list(sample.messages)
         ids: list[int] = []
@@ -102,7 +122,10 @@ class ToolAgentLoop(_TokenLoop):
                 return ToolResult("", error=call.error)
             tool = tools.get(call.name)
             if tool is None:
-                return ToolResult("", error=f"unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or '(none)'}")
+                return ToolResult(
+                    "",
+                    error=f"unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or '(none)'}",
+                )
             try:
                 async with create_lock:  # create once per trajectory, even for parallel calls
                     if call.name not in created:
@@ -110,7 +133,9 @@ class ToolAgentLoop(_TokenLoop):
                         created.add(call.name)
                 result = await tool.execute(instance_id, call.arguments)
             except Exception as exc:  # a tool bug must not kill the other trajectories
-                return ToolResult("", error=f"tool {call.name!r} raised {type(exc).__name__}: {exc}")
+                return ToolResult(
+                    "", error=f"tool {call.name!r} raised {type(exc).__name__}: {exc}"
+                )
             for key, value in result.metrics.items():
                 metrics[call.name][key] += value
             return result
@@ -122,13 +147,19 @@ class ToolAgentLoop(_TokenLoop):
                     finish = "length"
                     break
                 gen = await self.rollout.agenerate(
-                    prompt_ids + ids, self.sampling.replace(max_tokens=budget), session_id=instance_id
+                    prompt_ids + ids,
+                    self.sampling.replace(max_tokens=budget),
+                    session_id=instance_id,
                 )
                 num_turns += 1
                 ids += gen.response_ids
                 mask += [1] * len(gen.response_ids)
-                log_probs += list(gen.log_probs) if gen.log_probs is not None else [0.0] * len(gen.response_ids)
-                content, stop_text = self.text_of_turn(gen.response_ids)
+                log_probs += (
+                    list(gen.log_probs)
+                    if gen.log_probs is not None
+                    else [0.0] * len(gen.response_ids)
+                )
+                content, stop_text = self.text_of_turn(gen.response_ids, gen.finish_reason)
                 messages.append({"role": "assistant", "content": content})
                 if gen.finish_reason == "length":
                     finish = "length"
@@ -140,13 +171,26 @@ class ToolAgentLoop(_TokenLoop):
                 if turn == cfg.max_turns - 1:
                     break  # no turn left to read the results: 'max_turns'
                 calls_made += len(calls)
-                run_now, refused = calls[: cfg.max_tool_calls_per_turn], calls[cfg.max_tool_calls_per_turn :]
+                run_now, refused = (
+                    calls[: cfg.max_tool_calls_per_turn],
+                    calls[cfg.max_tool_calls_per_turn :],
+                )
                 results = list(await asyncio.gather(*(call_one(c) for c in run_now)))
-                results += [ToolResult("", error=f"more than {cfg.max_tool_calls_per_turn} calls in one turn; "
-                                                  "this one was not run") for _ in refused]
+                results += [
+                    ToolResult(
+                        "",
+                        error=f"more than {cfg.max_tool_calls_per_turn} calls in one turn; "
+                        "this one was not run",
+                    )
+                    for _ in refused
+                ]
                 errors += sum(not r.ok for r in results)
                 tool_messages = [
-                    {"role": "tool", "name": c.name or "", "content": r.message_content()[: cfg.max_tool_response_chars]}
+                    {
+                        "role": "tool",
+                        "name": c.name or "",
+                        "content": r.message_content()[: cfg.max_tool_response_chars],
+                    }
                     for c, r in zip(calls, results)
                 ]
                 messages.extend(tool_messages)
@@ -162,17 +206,43 @@ class ToolAgentLoop(_TokenLoop):
                 if cut:
                     finish = "length"
                     break
-            rewards = {name: float(await tools[name].calc_reward(instance_id)) for name in sorted(created)}
+            rewards = {
+                name: float(await tools[name].calc_reward(instance_id)) for name in sorted(created)
+            }
         finally:
-            await asyncio.gather(*(tools[name].release(instance_id) for name in created), return_exceptions=True)
+            await asyncio.gather(
+                *(tools[name].release(instance_id) for name in created), return_exceptions=True
+            )
         return Trajectory(
-            sample_id=sample.sample_id, prompt_ids=prompt_ids, response_ids=ids, response_mask=mask,
-            response_log_probs=log_probs, num_turns=num_turns, tool_calls=calls_made, tool_errors=errors,
-            finish_reason=finish, messages=messages, tool_rewards=rewards,
-            extra_info={**sample.extra_info, "tool_metrics": {k: dict(v) for k, v in metrics.items()}},
+            sample_id=sample.sample_id,
+            prompt_ids=prompt_ids,
+            response_ids=ids,
+            response_mask=mask,
+            response_log_probs=log_probs,
+            num_turns=num_turns,
+            tool_calls=calls_made,
+            tool_errors=errors,
+            finish_reason=finish,
+            messages=messages,
+            tool_rewards=rewards,
+            extra_info={
+                **sample.extra_info,
+                "tool_metrics": {k: dict(v) for k, v in metrics.items()},
+            },
         )
 
 
 def _empty(sample: AgentSample, prompt_ids: list[int]) -> Trajectory:
-    return Trajectory(sample.sample_id, prompt_ids, [], [], [], 0, 0, 0, "length", list(sample.messages),
-                      extra_info=dict(sample.extra_info))
+    return Trajectory(
+        sample.sample_id,
+        prompt_ids,
+        [],
+        [],
+        [],
+        0,
+        0,
+        0,
+        "length",
+        list(sample.messages),
+        extra_info=dict(sample.extra_info),
+    )

@@ -45,11 +45,20 @@ def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
         try:
             payload = json.loads(body)
         except json.JSONDecodeError as exc:
-            calls.append(ToolCall(None, error=f"tool call {index} is not valid JSON ({exc.msg} at char {exc.pos}); "
-                                              'write {"name": ..., "arguments": {...}}'))
+            calls.append(
+                ToolCall(
+                    None,
+                    error=f"tool call {index} is not valid JSON ({exc.msg} at char {exc.pos}); "
+                    'write {"name": ..., "arguments": {...}}',
+                )
+            )
             continue
         if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            calls.append(ToolCall(None, error=f'tool call {index} needs a string "name" and an object "arguments"'))
+            calls.append(
+                ToolCall(
+                    None, error=f'tool call {index} needs a string "name" and an object "arguments"'
+                )
+            )
             continue
         arguments = payload.get("arguments", {})
         if isinstance(arguments, str):
@@ -58,7 +67,11 @@ def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
             except json.JSONDecodeError:
                 pass
         if not isinstance(arguments, dict):
-            calls.append(ToolCall(payload["name"], error=f'tool call {index}: "arguments" must be a JSON object'))
+            calls.append(
+                ToolCall(
+                    payload["name"], error=f'tool call {index}: "arguments" must be a JSON object'
+                )
+            )
             continue
         calls.append(ToolCall(payload["name"], arguments))
     return calls

@@ -39,6 +39,7 @@ from tephra.rollout.rewards.manager import (
 from tephra.rollout.rewards.math_equivalence import math_equal, math_score
 from tephra.rollout.rewards.reasoning_gym_tasks import reasoning_gym_rows, reasoning_gym_score
 from tephra.rollout.rewards.results import RewardError, RewardInput, RewardResult, normalize_score
+from tephra.rollout.rewards.reward_model import RewardModelScorer
 from tephra.rollout.rewards.scorer_registry import REWARD_SCORERS, Scorer
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardInput",
     "RewardManager",
+    "RewardModelScorer",
     "RewardReport",
     "RewardResult",
     "RewardScoringError",

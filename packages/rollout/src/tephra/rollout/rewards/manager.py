@@ -11,6 +11,7 @@ import traceback
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,7 +196,18 @@ class RewardManager:
         size = max(1, -(-len(items) // (4 * self.config.num_workers)))
         chunks = [slice(i, i + size) for i in range(0, len(items), size)]
         futures = [pool.submit(_score_chunk, names[c], scorers[c], items[c]) for c in chunks]
-        return [outcome for future in futures for outcome in future.result()]
+        try:
+            return [outcome for future in futures for outcome in future.result()]
+        except BrokenProcessPool as exc:
+            # A worker died (segfault, out of memory): this batch cannot be scored, but the
+            # next one gets a fresh pool instead of failing forever.
+            self._pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise RewardError(
+                f"a reward worker process died while scoring {len(items)} items ({exc}); "
+                "the pool restarts on the next batch. Look for a scorer that crashes the "
+                "interpreter or exhausts memory, or use reward.executor='thread'"
+            ) from exc
 
     def _get_pool(self) -> Executor:
         if self._pool is None:

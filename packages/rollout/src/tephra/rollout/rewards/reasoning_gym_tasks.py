@@ -76,10 +76,12 @@ def _regenerated_dataset(task: str, seed: int, size: int, config_json: str) -> A
 
 def reasoning_gym_entry(info: dict[str, Any]) -> dict[str, Any]:
     """The dataset entry described by extra_info["reasoning_gym"] (stored or regenerated)."""
-    if "entry_json" in info:
+    # Keys may be present with None: a parquet file mixing both forms fills the other
+    # form's keys with nulls.
+    if info.get("entry_json") is not None:
         entry = info["entry_json"]
         return json.loads(entry) if isinstance(entry, str) else dict(entry)
-    if all(key in info for key in ("seed", "size", "index")):
+    if all(info.get(key) is not None for key in ("seed", "size", "index")):
         dataset = _regenerated_dataset(
             info["task"], int(info["seed"]), int(info["size"]), info.get("config_json") or "{}"
         )
@@ -106,7 +108,7 @@ def reasoning_gym_score(
             "{'task': ..., 'entry_json': ...}; got extra_info keys "
             f"{sorted(extra_info or {})}. Build rows with tephra.rollout.rewards.reasoning_gym_rows"
         )
-    extract = info.get("extract", "answer_tag")
+    extract = info.get("extract") or "answer_tag"
     if extract not in EXTRACTORS:
         raise RewardError(
             f"reasoning_gym: extra_info['reasoning_gym']['extract']={extract!r} is not allowed; "

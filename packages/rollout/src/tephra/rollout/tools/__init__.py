@@ -8,6 +8,15 @@ from tephra.rollout.tools.python_sandbox import PythonTool, SandboxConfig
 from tephra.rollout.tools.search import SearchTool
 
 __all__ = [
-    "MCPTool", "MCPToolset", "PythonTool", "SandboxConfig", "SearchTool", "TOOLS", "Tool", "ToolConfigError",
-    "ToolError", "ToolResult", "load_tools",
+    "MCPTool",
+    "MCPToolset",
+    "PythonTool",
+    "SandboxConfig",
+    "SearchTool",
+    "TOOLS",
+    "Tool",
+    "ToolConfigError",
+    "ToolError",
+    "ToolResult",
+    "load_tools",
 ]

@@ -65,18 +65,26 @@ class Tool(ABC):
         try:
             return cls(**config)
         except TypeError as exc:
-            raise ConfigError(f"tool {cls.__name__}: bad config keys {sorted(config)}: {exc}") from exc
+            raise ConfigError(
+                f"tool {cls.__name__}: bad config keys {sorted(config)}: {exc}"
+            ) from exc
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI function schema: `{"type": "function", "function": {name, description, parameters}}`."""
         return {
             "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
         }
 
     async def create(self, instance_id: str, **kwargs: Any) -> None:
         """Start the per-trajectory state of `instance_id` (kwargs come from the sample's
-        `tool_kwargs[name]`, e.g. the ground truth a checker tool needs)."""
+        `tool_kwargs[name]`, e.g. the ground truth a checker tool needs). Optional: the
+        default keeps no state."""
+        return None
 
     @abstractmethod
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
@@ -88,6 +96,7 @@ class Tool(ABC):
 
     async def release(self, instance_id: str) -> None:
         """Free what `create` took; called once per trajectory, also after errors."""
+        return None
 
 
 TOOLS: Registry[type[Tool]] = Registry("tool")

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from tephra.rollout.tools.base import TOOLS, Tool, ToolConfigError
 
 
@@ -27,7 +26,9 @@ def import_object(path: str, where: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ToolConfigError(f"{where}: cannot import module {module_name!r} of class {path!r}: {exc}") from exc
+        raise ToolConfigError(
+            f"{where}: cannot import module {module_name!r} of class {path!r}: {exc}"
+        ) from exc
     try:
         return getattr(module, attr)
     except AttributeError as exc:
@@ -37,17 +38,23 @@ def import_object(path: str, where: str) -> Any:
 def build_tool(spec: dict[str, Any], where: str) -> list[Tool]:
     """Build the tool(s) of one entry (an `mcp` entry exposes every tool of its server)."""
     if not isinstance(spec, dict) or "class" not in spec:
-        raise ToolConfigError(f"{where}: expected a mapping with key 'class' (and optional 'config'); got {spec!r}")
+        raise ToolConfigError(
+            f"{where}: expected a mapping with key 'class' (and optional 'config'); got {spec!r}"
+        )
     unknown = set(spec) - {"class", "config"}
     if unknown:
-        raise ToolConfigError(f"{where}: unknown keys {sorted(unknown)}; an entry has only 'class' and 'config'")
+        raise ToolConfigError(
+            f"{where}: unknown keys {sorted(unknown)}; an entry has only 'class' and 'config'"
+        )
     class_path = spec["class"]
     config = spec.get("config") or {}
     if not isinstance(config, dict):
         raise ToolConfigError(f"{where}: 'config' must be a mapping; got {type(config).__name__}")
     cls = TOOLS.get(class_path) if class_path in TOOLS else import_object(class_path, where)
     if not (isinstance(cls, type) and issubclass(cls, Tool)):
-        raise ToolConfigError(f"{where}: {class_path!r} is not a subclass of tephra.rollout.tools.Tool")
+        raise ToolConfigError(
+            f"{where}: {class_path!r} is not a subclass of tephra.rollout.tools.Tool"
+        )
     try:
         built = cls.from_config(config)
     except Exception as exc:
@@ -78,6 +85,8 @@ def load_tools(path: str | Path) -> dict[str, Tool]:
             if not tool.name:
                 raise ToolConfigError(f"{where}: tool {type(tool).__name__} has an empty name")
             if tool.name in tools:
-                raise ToolConfigError(f"{where}: tool name {tool.name!r} is already used by an earlier entry")
+                raise ToolConfigError(
+                    f"{where}: tool name {tool.name!r} is already used by an earlier entry"
+                )
             tools[tool.name] = tool
     return tools

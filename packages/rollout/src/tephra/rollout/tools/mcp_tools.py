@@ -25,17 +25,43 @@ class MCPToolset:
     before every tool name (two servers with a `search` tool). `timeout_s` bounds each call.
     """
 
-    def __init__(self, transport: str = "stdio", command: str | None = None, args: list[str] | None = None,
-                 env: dict[str, str] | None = None, url: str | None = None, include: list[str] | None = None,
-                 prefix: str = "", timeout_s: float = 60.0, server_log: str | None = None) -> None:
+    def __init__(
+        self,
+        transport: str = "stdio",
+        command: str | None = None,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        url: str | None = None,
+        include: list[str] | None = None,
+        prefix: str = "",
+        timeout_s: float = 60.0,
+        server_log: str | None = None,
+    ) -> None:
         if transport not in ("stdio", "http"):
-            raise ToolConfigError(f"mcp: transport={transport!r}; choose 'stdio' (with command) or 'http' (with url)")
+            raise ToolConfigError(
+                f"mcp: transport={transport!r}; choose 'stdio' (with command) or 'http' (with url)"
+            )
         if transport == "stdio" and not command:
-            raise ToolConfigError("mcp: transport 'stdio' needs `command` (and optional `args`) to start the server")
+            raise ToolConfigError(
+                "mcp: transport 'stdio' needs `command` (and optional `args`) to start the server"
+            )
         if transport == "http" and not url:
-            raise ToolConfigError("mcp: transport 'http' needs `url` (e.g. http://127.0.0.1:8000/mcp)")
-        self.transport, self.command, self.args, self.env, self.url = transport, command, list(args or []), env, url
-        self.include, self.prefix, self.timeout_s, self.server_log = include, prefix, timeout_s, server_log
+            raise ToolConfigError(
+                "mcp: transport 'http' needs `url` (e.g. http://127.0.0.1:8000/mcp)"
+            )
+        self.transport, self.command, self.args, self.env, self.url = (
+            transport,
+            command,
+            list(args or []),
+            env,
+            url,
+        )
+        self.include, self.prefix, self.timeout_s, self.server_log = (
+            include,
+            prefix,
+            timeout_s,
+            server_log,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._session: Any = None
@@ -44,14 +70,18 @@ class MCPToolset:
         self._listed: list[Any] = []
 
     def describe(self) -> str:
-        return f"{self.command} {' '.join(self.args)}" if self.transport == "stdio" else str(self.url)
+        return (
+            f"{self.command} {' '.join(self.args)}" if self.transport == "stdio" else str(self.url)
+        )
 
     def start(self) -> list[Any]:
         """Connect (once) and return the server's tool descriptions."""
         if self._thread is not None:
             return self._listed
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tephra-mcp", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="tephra-mcp", daemon=True
+        )
         self._thread.start()
         ready: Future = Future()
         self._served = asyncio.run_coroutine_threadsafe(self._serve(ready), self._loop)
@@ -59,7 +89,9 @@ class MCPToolset:
             self._listed = ready.result(timeout=self.timeout_s)
         except Exception as exc:
             self.close()
-            raise ToolError(f"mcp: could not connect to the server ({self.transport}: {self.describe()}): {exc!r}") from exc
+            raise ToolError(
+                f"mcp: could not connect to the server ({self.transport}: {self.describe()}): {exc!r}"
+            ) from exc
         return self._listed
 
     async def _serve(self, ready: Future) -> None:
@@ -99,15 +131,22 @@ class MCPToolset:
         """Call tool `name` on the server from any event loop."""
         if self._session is None:
             self.start()
-        future = asyncio.run_coroutine_threadsafe(self._session.call_tool(name, arguments), self._loop)
+        future = asyncio.run_coroutine_threadsafe(
+            self._session.call_tool(name, arguments), self._loop
+        )
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
         except TimeoutError:
             future.cancel()
-            return ToolResult("", error=f"mcp tool {name!r} did not answer within {self.timeout_s} s")
+            return ToolResult(
+                "", error=f"mcp tool {name!r} did not answer within {self.timeout_s} s"
+            )
         except Exception as exc:
             return ToolResult("", error=f"mcp tool {name!r} failed: {exc}")
-        parts = [getattr(c, "text", None) or f"[{getattr(c, 'type', 'content')}]" for c in (result.content or [])]
+        parts = [
+            getattr(c, "text", None) or f"[{getattr(c, 'type', 'content')}]"
+            for c in (result.content or [])
+        ]
         text = "\n".join(parts)
         if getattr(result, "is_error", False):
             return ToolResult("", error=text or f"mcp tool {name!r} reported an error")
@@ -119,9 +158,16 @@ class MCPToolset:
         if self.include is not None:
             missing = sorted(set(self.include) - set(names))
             if missing:
-                raise ToolConfigError(f"mcp: include lists {missing}, which the server does not have; it has {names}")
-        return [MCPTool(self, t.name, self.prefix + t.name, t.description or "", dict(t.input_schema or {}))
-                for t in listed if self.include is None or t.name in self.include]
+                raise ToolConfigError(
+                    f"mcp: include lists {missing}, which the server does not have; it has {names}"
+                )
+        return [
+            MCPTool(
+                self, t.name, self.prefix + t.name, t.description or "", dict(t.input_schema or {})
+            )
+            for t in listed
+            if self.include is None or t.name in self.include
+        ]
 
     def close(self) -> None:
         """Close the session and the server (stdio), stop the thread. Idempotent."""
@@ -146,7 +192,9 @@ class MCPTool(Tool):
     """One tool of an MCP server. In YAML, `class: mcp` with the `MCPToolset` arguments as
     config expands into one `MCPTool` per server tool."""
 
-    def __init__(self, toolset: MCPToolset, remote_name: str, name: str, description: str, parameters: dict) -> None:
+    def __init__(
+        self, toolset: MCPToolset, remote_name: str, name: str, description: str, parameters: dict
+    ) -> None:
         self.toolset = toolset
         self.remote_name = remote_name
         self.name = name

@@ -151,12 +151,22 @@ class SandboxConfig:
     """Where per-instance working directories are created (default: the system temp dir)."""
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "cpu_time_s", "memory_mb", "max_processes", "max_file_size_mb",
-                     "max_open_files", "max_output_bytes", "max_concurrent"):
+        for name in (
+            "timeout_s",
+            "cpu_time_s",
+            "memory_mb",
+            "max_processes",
+            "max_file_size_mb",
+            "max_open_files",
+            "max_output_bytes",
+            "max_concurrent",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"python tool: {name}={getattr(self, name)!r} must be > 0")
         if self.memory_mb < 64:
-            raise ConfigError(f"python tool: memory_mb={self.memory_mb} is below what Python needs to start; use >= 64")
+            raise ConfigError(
+                f"python tool: memory_mb={self.memory_mb} is below what Python needs to start; use >= 64"
+            )
 
 
 @dataclass
@@ -178,7 +188,9 @@ def _unshare_works(flags: tuple[str, ...]) -> str | None:
     if exe is None:
         return "the `unshare` program (util-linux) is not installed"
     try:
-        done = subprocess.run([exe, *flags, "--", "true"], capture_output=True, timeout=10, text=True)
+        done = subprocess.run(
+            [exe, *flags, "--", "true"], capture_output=True, timeout=10, text=True
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"`unshare {' '.join(flags)}` failed: {exc}"
     if done.returncode != 0:
@@ -187,7 +199,15 @@ def _unshare_works(flags: tuple[str, ...]) -> str | None:
 
 
 def _unshare_flags(allow_network: bool) -> list[str]:
-    flags = ["--fork", "--kill-child", "--pid", "--mount-proc", "--mount", "--propagation", "private"]
+    flags = [
+        "--fork",
+        "--kill-child",
+        "--pid",
+        "--mount-proc",
+        "--mount",
+        "--propagation",
+        "private",
+    ]
     if not allow_network:
         flags.append("--net")
     if os.geteuid() != 0:
@@ -203,7 +223,11 @@ def _describe_exit(code: int, stderr: str, cfg: SandboxConfig) -> str | None:
         return stderr.strip().splitlines()[-1]
     if code > 128:
         sig = code - 128
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        name = (
+            signal.Signals(sig).name
+            if sig in signal.Signals._value2member_map_
+            else f"signal {sig}"
+        )
         if sig == signal.SIGXCPU:
             return f"CPU-time limit of {cfg.cpu_time_s} s exceeded (killed by SIGXCPU)"
         if sig == signal.SIGSEGV:
@@ -234,12 +258,22 @@ class PythonSandbox:
             )
         self._semaphore = asyncio.Semaphore(config.max_concurrent)
         python = os.path.realpath(config.python or sys.executable)
-        prefix = os.path.realpath(sys.base_prefix) if config.python is None else os.path.dirname(os.path.dirname(python))
-        site_dirs = list(dict.fromkeys(os.path.realpath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")))
+        prefix = (
+            os.path.realpath(sys.base_prefix)
+            if config.python is None
+            else os.path.dirname(os.path.dirname(python))
+        )
+        site_dirs = list(
+            dict.fromkeys(
+                os.path.realpath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")
+            )
+        )
         if config.python is not None:
             site_dirs = []
         if self.namespaced:
-            self.binds = [(prefix, "/mnt/tephra/python")] + [(d, f"/mnt/tephra/site{i}") for i, d in enumerate(site_dirs)]
+            self.binds = [(prefix, "/mnt/tephra/python")] + [
+                (d, f"/mnt/tephra/site{i}") for i, d in enumerate(site_dirs)
+            ]
             self.python = "/mnt/tephra/python/" + os.path.relpath(python, prefix)
             self.site_dirs = [tgt for _, tgt in self.binds[1:]]
         else:
@@ -285,8 +319,19 @@ class PythonSandbox:
             for root, dirs, files in os.walk(workdir):
                 for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
                     os.lchown(name, uid, uid)
-        boot = [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(self._bootstrap_config(workdir, uid))]
-        cmd = [shutil.which("unshare") or "unshare", *self.flags, "--", *boot] if self.namespaced else boot
+        boot = [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            _BOOTSTRAP,
+            json.dumps(self._bootstrap_config(workdir, uid)),
+        ]
+        cmd = (
+            [shutil.which("unshare") or "unshare", *self.flags, "--", *boot]
+            if self.namespaced
+            else boot
+        )
         async with self._semaphore:
             return await self._run_capped(cmd)
 
@@ -312,7 +357,9 @@ class PythonSandbox:
             # namespace).
             if self.namespaced:
                 try:
-                    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                    children = (
+                        Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                    )
                 except OSError:
                     children = []
                 for child in children:
@@ -327,19 +374,23 @@ class PythonSandbox:
                     pass
 
         async def pump(stream: asyncio.StreamReader, key: str) -> None:
+            # Reads to EOF even past the cap (discarding): the transport closes itself only
+            # once both pipes are drained and the process has exited.
             nonlocal total, overflow
             while chunk := await stream.read(65536):
                 bufs[key] += chunk[: max(0, cap - total)]
                 total += len(chunk)
-                if total > cap:
+                if total > cap and not overflow:
                     overflow = True
                     kill_group()
-                    return
 
+        pumps = [
+            asyncio.ensure_future(pump(proc.stdout, "out")),
+            asyncio.ensure_future(pump(proc.stderr, "err")),
+        ]
         try:
             await asyncio.wait_for(
-                asyncio.gather(pump(proc.stdout, "out"), pump(proc.stderr, "err"), proc.wait()),
-                self.config.timeout_s,
+                asyncio.shield(asyncio.gather(*pumps, proc.wait())), self.config.timeout_s
             )
         except TimeoutError:
             timed_out = True
@@ -355,6 +406,10 @@ class PythonSandbox:
             except ProcessLookupError:
                 pass
             await proc.wait()
+            # every writer is dead now, so the pipes reach EOF promptly
+            _, pending = await asyncio.wait(pumps, timeout=10)
+            for task in pending:
+                task.cancel()
         stdout = bufs["out"].decode(errors="replace")
         stderr = bufs["err"].decode(errors="replace")
         code = proc.returncode
@@ -382,7 +437,9 @@ class PythonTool(Tool):
     )
     parameters = {
         "type": "object",
-        "properties": {"code": {"type": "string", "description": "The complete Python program to run."}},
+        "properties": {
+            "code": {"type": "string", "description": "The complete Python program to run."}
+        },
         "required": ["code"],
     }
 
@@ -391,7 +448,9 @@ class PythonTool(Tool):
         known = {f for f in SandboxConfig.__dataclass_fields__}
         unknown = set(config) - known
         if unknown:
-            raise ConfigError(f"python tool: unknown config keys {sorted(unknown)}; known: {sorted(known)}")
+            raise ConfigError(
+                f"python tool: unknown config keys {sorted(unknown)}; known: {sorted(known)}"
+            )
         self.config = SandboxConfig(**config)
         self.sandbox = PythonSandbox(self.config)
         self._instances: dict[str, tuple[str, int | None]] = {}

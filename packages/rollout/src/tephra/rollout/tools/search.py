@@ -23,7 +23,9 @@ def read_corpus(path: str | Path) -> tuple[list[str], list[str]]:
     """(ids, texts) of a jsonl corpus; errors name the line and the fix."""
     path = Path(path)
     if not path.is_file():
-        raise ToolConfigError(f"search tool: corpus_path {str(path)!r} does not exist (a .jsonl file of {{id, text}})")
+        raise ToolConfigError(
+            f"search tool: corpus_path {str(path)!r} does not exist (a .jsonl file of {{id, text}})"
+        )
     ids, texts = [], []
     with path.open() as f:
         for number, line in enumerate(f, 1):
@@ -32,9 +34,13 @@ def read_corpus(path: str | Path) -> tuple[list[str], list[str]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ToolConfigError(f"search tool: line {number} of {str(path)!r} is not JSON: {exc.msg}") from exc
+                raise ToolConfigError(
+                    f"search tool: line {number} of {str(path)!r} is not JSON: {exc.msg}"
+                ) from exc
             if not isinstance(row, dict) or "text" not in row or not isinstance(row["text"], str):
-                raise ToolConfigError(f"search tool: line {number} of {str(path)!r} needs a string field 'text' (and an 'id')")
+                raise ToolConfigError(
+                    f"search tool: line {number} of {str(path)!r} needs a string field 'text' (and an 'id')"
+                )
             ids.append(str(row.get("id", number)))
             texts.append(row["text"])
     if not texts:
@@ -53,8 +59,16 @@ class SearchTool(Tool):
         "required": ["query"],
     }
 
-    def __init__(self, corpus_path: str, top_k: int = 3, name: str = "search", k1: float = 1.5,
-                 b: float = 0.75, stopwords: str | None = "en", max_passage_chars: int = 1000) -> None:
+    def __init__(
+        self,
+        corpus_path: str,
+        top_k: int = 3,
+        name: str = "search",
+        k1: float = 1.5,
+        b: float = 0.75,
+        stopwords: str | None = "en",
+        max_passage_chars: int = 1000,
+    ) -> None:
         import bm25s
 
         if top_k < 1:
@@ -75,7 +89,11 @@ class SearchTool(Tool):
         """(id, text, score) of the best passages, best first; only positive scores."""
         k = min(self.top_k, len(self.texts))
         docs, scores = self.retriever.retrieve(self._tokenize([query]), k=k, show_progress=False)
-        return [(self.ids[int(d)], self.texts[int(d)], float(s)) for d, s in zip(docs[0], scores[0]) if s > 0]
+        return [
+            (self.ids[int(d)], self.texts[int(d)], float(s))
+            for d, s in zip(docs[0], scores[0])
+            if s > 0
+        ]
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         query = arguments.get("query")
@@ -84,5 +102,8 @@ class SearchTool(Tool):
         hits = await asyncio.to_thread(self.search, query)  # large corpora take a while
         if not hits:
             return ToolResult("No passage matches the query.", metrics={"hits": 0.0})
-        text = "\n".join(f"[{i}] (id {pid}) {passage[: self.max_passage_chars]}" for i, (pid, passage, _) in enumerate(hits, 1))
+        text = "\n".join(
+            f"[{i}] (id {pid}) {passage[: self.max_passage_chars]}"
+            for i, (pid, passage, _) in enumerate(hits, 1)
+        )
         return ToolResult(text, metrics={"hits": float(len(hits))})

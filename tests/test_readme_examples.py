@@ -1,0 +1,37 @@
+"""Every package README's Python example runs as written (each in a fresh interpreter)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+READMES = sorted(ROOT.glob("packages/*/README.md")) + sorted(ROOT.glob("apps/*/README.md"))
+# A block whose first line is `# not run in tests` needs something CI does not have (a GPU).
+SKIP_MARK = "# not run in tests"
+
+
+def python_blocks(readme: Path) -> list[str]:
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+    return [b for b in blocks if not b.startswith(SKIP_MARK)]
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: p.parent.name)
+def test_readme_example_runs(readme, tmp_path):
+    blocks = python_blocks(readme)
+    if not blocks:
+        pytest.fail(f"{readme.relative_to(ROOT)} has no runnable ```python example")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for i, code in enumerate(blocks):
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, (
+            f"{readme.relative_to(ROOT)} example {i} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        )
