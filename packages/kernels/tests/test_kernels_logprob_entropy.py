@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from tephra.kernels import (
     METHOD_ENV_VAR,
     KernelInputError,
@@ -131,3 +132,11 @@ def test_bad_scalars():
         linear_logprob_entropy(h, w, labels, 0)
     with pytest.raises(KernelInputError, match="chunk_size=0"):
         linear_logprob_entropy(h, w, labels, chunk_size=0)
+
+
+def test_empty_batch():
+    h, w, labels, _, _ = make_problem()
+    lp, ent = linear_logprob_entropy(h[:0], w, labels[:0], 0.9)
+    assert lp.shape == ent.shape == (0,)
+    gh, gw = torch.autograd.grad((lp.sum() + ent.sum()), [h, w])
+    assert torch.all(gh == 0) and torch.all(gw == 0)

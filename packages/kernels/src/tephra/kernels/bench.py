@@ -95,6 +95,7 @@ def _rss_peak_bytes() -> int:
 def run_one(spec: dict) -> dict:
     """Run one method once in this process (meant to be a fresh subprocess); return a Record."""
     import torch
+
     from tephra.kernels import linear_logprob_entropy
 
     torch.set_num_threads(spec["threads"])
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
 
     import torch
+
     from tephra.kernels.logprob_entropy import METHODS, triton_available
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

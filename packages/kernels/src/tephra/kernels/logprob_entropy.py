@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 
 import torch
+
 from tephra.kernels.chunked import chunked_logprob_entropy
 from tephra.kernels.errors import KernelInputError
 from tephra.kernels.reference import naive_logprob_entropy

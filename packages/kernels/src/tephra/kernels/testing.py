@@ -7,6 +7,7 @@ import os
 
 import torch
 import torch.distributed as dist
+
 from tephra.kernels.reference import naive_logprob_entropy
 from tephra.kernels.vocab_parallel import vocab_parallel_logprob_entropy
 
@@ -24,16 +25,17 @@ def vocab_parallel_problem():
     return h, w, y, torch.randn(TOKENS, generator=gen), torch.randn(TOKENS, generator=gen)
 
 
-def _unsharded(temperature):
+def _unsharded(temperature, compute_entropy=True):
     h, w, y, g1, g2 = vocab_parallel_problem()
     h.requires_grad_(), w.requires_grad_()
     lp, ent = naive_logprob_entropy(h, w, y, temperature)
-    gh, gw = torch.autograd.grad((lp * g1 + ent * g2).sum(), [h, w])
+    loss = lp * g1 + ent * g2 if compute_entropy else lp * g1
+    gh, gw = torch.autograd.grad(loss.sum(), [h, w])
     return lp.detach(), ent.detach(), gh, gw
 
 
 def vocab_parallel_worker(rank: int, world: int, port: int, queue) -> None:
-    """One gloo rank: run the sharded function for two shardings and put the max abs errors
+    """One gloo rank: run the sharded function for three cases and put the max abs errors
     (logp, entropy, grad hidden, this rank's rows of grad weight) vs the unsharded naive."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -41,21 +43,28 @@ def vocab_parallel_worker(rank: int, world: int, port: int, queue) -> None:
     try:
         h, w, y, g1, g2 = vocab_parallel_problem()
         errors = {}
-        # equal shards (vocab_start from the rank) and uneven ones (explicit vocab_start)
-        cases = [("even", [0, 35, 70], 0.7, 6), ("uneven", [0, 52, 70], 1.4, None)]
-        for case, bounds, temp, chunk in cases:
+        # equal shards (vocab_start from the rank), uneven ones (explicit vocab_start), and
+        # log-probs only (entropy neither computed nor differentiated)
+        cases = [
+            ("even", [0, 35, 70], 0.7, 6, True),
+            ("uneven", [0, 52, 70], 1.4, None, True),
+            ("no_entropy", [0, 35, 70], 1.2, 4, False),
+        ]
+        for case, bounds, temp, chunk, with_entropy in cases:
             lo, hi = bounds[rank], bounds[rank + 1]
             hs = h.clone().requires_grad_()
             ws = w[lo:hi].clone().requires_grad_()
-            kwargs = {} if case == "even" else {"vocab_start": lo}
+            kwargs = {"vocab_start": lo} if case == "uneven" else {}
             lp, ent = vocab_parallel_logprob_entropy(
-                hs, ws, y, None, temp, chunk_size=chunk, **kwargs
+                hs, ws, y, None, temp, chunk_size=chunk, compute_entropy=with_entropy, **kwargs
             )
-            gh, gw = torch.autograd.grad((lp * g1 + ent * g2).sum(), [hs, ws])
-            ref_lp, ref_ent, ref_gh, ref_gw = _unsharded(temp)
+            assert (ent is None) == (not with_entropy)
+            loss = lp * g1 + ent * g2 if with_entropy else lp * g1
+            gh, gw = torch.autograd.grad(loss.sum(), [hs, ws])
+            ref_lp, ref_ent, ref_gh, ref_gw = _unsharded(temp, with_entropy)
             errors[case] = [
                 (lp - ref_lp).abs().max().item(),
-                (ent - ref_ent).abs().max().item(),
+                (ent - ref_ent).abs().max().item() if with_entropy else 0.0,
                 (gh - ref_gh).abs().max().item(),
                 (gw - ref_gw[lo:hi]).abs().max().item(),
             ]

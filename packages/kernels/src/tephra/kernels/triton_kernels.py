@@ -401,6 +401,12 @@ def triton_logprob_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton path on validated 2-D inputs. chunk_size is unused (the kernels tile by blocks);
     blocks overrides DEFAULT_BLOCKS (keys block_n, block_v, block_h; powers of two >= 16)."""
+    if hidden.shape[0] == 0:  # an empty grid is not a valid launch; nothing to fuse anyway
+        from tephra.kernels.chunked import chunked_logprob_entropy
+
+        return chunked_logprob_entropy(
+            hidden, weight, labels, temperature, ignore_index, compute_entropy=compute_entropy
+        )
     del chunk_size
     return TritonLogprobEntropy.apply(
         hidden,

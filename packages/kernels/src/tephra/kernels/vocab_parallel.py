@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from tephra.kernels.chunked import auto_chunk_tokens, chunk_logits, grad_logits_
 from tephra.kernels.errors import KernelInputError
 from tephra.kernels.logprob_entropy import check_inputs
