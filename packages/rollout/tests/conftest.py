@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from tephra.rollout.testing import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[3]

@@ -9,6 +9,8 @@ import json
 from collections.abc import Callable
 
 import pytest
+from transformers import AutoTokenizer
+
 from tephra.engine_api.errors import ConfigError
 from tephra.rollout.agent import (
     AGENT_LOOPS,
@@ -21,7 +23,6 @@ from tephra.rollout.agent import (
 from tephra.rollout.backends.hf import HFRollout
 from tephra.rollout.base import Generation, Rollout, RolloutConfig, SamplingParams
 from tephra.rollout.tools import PythonTool, Tool, ToolResult
-from transformers import AutoTokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=160)
 
@@ -351,7 +352,24 @@ def test_many_loops_in_flight_and_a_slow_tool_blocks_nobody(tokenizer, hf_rollou
         == g1.response_ids
     )
 
-    batch = trajectories_to_batch(trajs, tokenizer.pad_token_id)
+    batch = trajectories_to_batch(trajs, tokenizer.pad_token_id, uids=[i // 3 for i in range(n)])
+    assert batch["uid"].tolist() == [i // 3 for i in range(n)]
+    assert batch["tool_rewards"].tolist() == [0.0] * n
+    # row i holds trajectory i: prompt left-padded, response right after it, per-token fields aligned
+    p_len = max(len(t.prompt_ids) for t in trajs)
+    for i in (0, 7):
+        t = trajs[i]
+        row = batch["input_ids"][i].tolist()
+        assert (
+            row[p_len - len(t.prompt_ids) : p_len + len(t.response_ids)]
+            == t.prompt_ids + t.response_ids
+        )
+        assert (
+            batch["response_mask"][i, p_len : p_len + len(t.response_ids)].tolist()
+            == t.response_mask
+        )
+        logp = batch["rollout_log_probs"][i, p_len : p_len + len(t.response_ids)].tolist()
+        assert logp == pytest.approx(t.response_log_probs, abs=1e-6)
     assert batch["response_mask"].sum().item() == sum(t.generated_tokens for t in trajs)
     assert batch["attention_mask"].sum().item() == sum(
         len(t.prompt_ids) + len(t.response_ids) for t in trajs

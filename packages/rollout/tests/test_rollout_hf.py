@@ -7,10 +7,11 @@ import asyncio
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from tephra.engine_api.errors import ConfigError, RegistryError
 from tephra.rollout import RolloutConfig, RolloutError, RolloutOutput, SamplingParams, get_rollout
 from tephra.rollout.testing import perturbed_weights
-from transformers import AutoModelForCausalLM
 
 PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [100]]
 

@@ -9,11 +9,12 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
 from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
 from tephra.rollout.backends import SglangProtocol, VllmProtocol
 from tephra.rollout.backends.server_process import ServerProcess
 from tephra.rollout.backends.weights_folder import is_tied, untied_copy, write_update
-from transformers import AutoModelForCausalLM
 
 
 def test_vllm_request_and_response_translation(tiny_model):

@@ -10,9 +10,10 @@ import time
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
 from tephra.rollout.testing import perturbed_weights
-from transformers import AutoModelForCausalLM
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 

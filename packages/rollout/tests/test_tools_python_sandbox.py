@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from tephra.rollout.tools import python_sandbox
 from tephra.rollout.tools.base import ToolError
 from tephra.rollout.tools.python_sandbox import PythonTool
@@ -271,3 +272,32 @@ def test_bad_arguments_and_config_give_clear_errors(tool):
         PythonTool(memory_mb=8)
     with pytest.raises(Exception, match="unknown config keys \\['timeout'\\]"):
         PythonTool(timeout=3)
+
+
+def test_concurrent_calls_are_capped_and_isolated_per_instance():
+    tool = PythonTool(**{**LIMITS, "max_concurrent": 2})
+    code = (
+        "import os, time\nstart = time.time()\nopen('mine', 'a').write('x')\ntime.sleep(0.2)\n"
+        "print(start, time.time())"
+    )
+
+    async def many():
+        return await asyncio.gather(*(tool.execute(f"i{k % 3}", {"code": code}) for k in range(6)))
+
+    for _ in range(2):  # two event loops in a row share the tool
+        results = asyncio.run(many())
+        assert all(r.error is None for r in results)
+        # at most max_concurrent runs overlap: count overlapping [start, end] intervals
+        spans = [tuple(map(float, r.text.split())) for r in results]
+        points = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+        running = peak = 0
+        for _, step in points:
+            running += step
+            peak = max(peak, running)
+        assert peak <= 2
+    uids = {tool._instances[f"i{k}"][1] for k in range(3)}
+    assert len(uids) == 3  # one uid (and folder) per instance
+    for k in range(3):
+        assert (Path(tool._instances[f"i{k}"][0]) / "mine").read_text() == "x" * 4
+        asyncio.run(tool.release(f"i{k}"))
+    assert not tool._instances

@@ -14,6 +14,7 @@ import textwrap
 import time
 
 import pytest
+
 from tephra.rollout.tools import (
     TOOLS,
     MCPToolset,

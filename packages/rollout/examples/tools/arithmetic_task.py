@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 import reasoning_gym
+from transformers import AutoTokenizer
+
 from tephra.rollout.agent import (
     AGENT_LOOPS,
     TOOL_CHAT_TEMPLATE,
@@ -26,7 +28,6 @@ from tephra.rollout.agent import (
 )
 from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
 from tephra.rollout.tools import load_tools
-from transformers import AutoTokenizer
 
 SYSTEM = (
     "Solve the problem. You can run Python with the `python` tool; print the values you need. "

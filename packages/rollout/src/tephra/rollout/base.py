@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
+
 from tephra.engine_api.batch import make_batch
 from tephra.engine_api.errors import ConfigError, TephraError
 from tephra.engine_api.registry import Registry

@@ -101,6 +101,10 @@ class AgentLoopConfig:
     """Calls of one model turn that are run; further ones get an error message."""
     max_tool_response_chars: int = 2000
     """A tool's text is cut to this many characters (its head) before it is tokenised."""
+    render_tool_schemas: bool = True
+    """Pass the tools' schemas to the chat template (`tools=`), which lists them in the system
+    turn. False when the system prompt already describes the tools (a model fine-tuned on
+    transcripts rendered without schemas)."""
     tool_call_format: str = "hermes"
     """Parser of tool calls in generated text (registry `TOOL_CALL_PARSERS`)."""
 

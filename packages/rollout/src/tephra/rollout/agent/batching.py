@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 
 import torch
+
 from tephra.engine_api.batch import make_batch
 from tephra.rollout.agent.base import AgentLoop, AgentSample, Trajectory
 
@@ -24,7 +25,9 @@ async def run_agent_loops(
     return list(await asyncio.gather(*(one(s) for s in samples)))
 
 
-def trajectories_to_batch(trajectories: Sequence[Trajectory], pad_token_id: int):
+def trajectories_to_batch(
+    trajectories: Sequence[Trajectory], pad_token_id: int, uids: Sequence[int] | None = None
+):
     """The padded layout of `tephra.engine_api.batch`, batch size [B]:
 
     input_ids          int64 [B, P + R]  prompt left-padded to P (longest prompt), then the
@@ -34,9 +37,16 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], pad_token_id: int)
     response_mask      int64 [B, P + R]  1 on model-generated tokens only
     rollout_log_probs  float32 [B, P + R] the rollout log-prob at each generated token, 0 elsewhere
     num_turns, tool_calls, tool_errors   int64 [B]
+    tool_rewards       float32 [B]       sum of the trajectory's `tool_rewards`
+    uid                int64 [B]         group id of each sample (GRPO groups), when `uids` given
     """
     if not trajectories:
         raise ValueError("trajectories_to_batch: no trajectories")
+    if uids is not None and len(uids) != len(trajectories):
+        raise ValueError(
+            f"trajectories_to_batch: {len(uids)} uids for {len(trajectories)} trajectories; "
+            "give one group id per trajectory"
+        )
     num = len(trajectories)
     p_len = max(len(t.prompt_ids) for t in trajectories)
     r_len = max(max(len(t.response_ids) for t in trajectories), 1)
@@ -56,4 +66,9 @@ def trajectories_to_batch(trajectories: Sequence[Trajectory], pad_token_id: int)
         key: torch.tensor([getattr(t, key) for t in trajectories], dtype=torch.int64)
         for key in ("num_turns", "tool_calls", "tool_errors")
     }
+    per_sample["tool_rewards"] = torch.tensor(
+        [sum(t.tool_rewards.values()) for t in trajectories], dtype=torch.float32
+    )
+    if uids is not None:
+        per_sample["uid"] = torch.tensor(list(uids), dtype=torch.int64)
     return make_batch(ids, attn, resp, rollout_log_probs=logp, **per_sample)

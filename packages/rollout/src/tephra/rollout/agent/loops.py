@@ -35,7 +35,9 @@ class _TokenLoop(AgentLoop):
     def delta(self, tools: dict[str, Tool]) -> ChatTemplateDelta:
         key = tuple(tools)
         if key not in self._deltas:
-            schemas = [t.schema() for t in tools.values()]
+            schemas = (
+                [t.schema() for t in tools.values()] if self.config.render_tool_schemas else None
+            )
             self._deltas[key] = ChatTemplateDelta(self.tokenizer, schemas)
         return self._deltas[key]
 

@@ -13,6 +13,8 @@ import threading
 from collections.abc import Iterable
 
 import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
+
 from tephra.rollout.backends.request_batcher import RequestBatcher
 from tephra.rollout.backends.sampling_processor import SampledLogProbRecorder
 from tephra.rollout.base import (
@@ -25,7 +27,6 @@ from tephra.rollout.base import (
     SamplingParams,
     check_prompts,
 )
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
 
 
 def _as_id_list(value) -> list[int]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import torch
+
 from tephra.rollout.backends.server_process import ServerProcess, free_port
 from tephra.rollout.backends.weights_folder import is_tied, untied_copy, write_update
 from tephra.rollout.base import (

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from tephra.rollout.base import RolloutError
 
 _LIVE: set[ServerProcess] = set()

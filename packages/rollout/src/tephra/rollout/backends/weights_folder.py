@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
 from tephra.rollout.base import RolloutError
 
 HEAD = "lm_head.weight"

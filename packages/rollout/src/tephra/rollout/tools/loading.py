@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from tephra.rollout.tools.base import TOOLS, Tool, ToolConfigError
 
 

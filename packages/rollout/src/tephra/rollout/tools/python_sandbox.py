@@ -33,7 +33,8 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+import weakref
+from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -256,7 +257,9 @@ class PythonSandbox:
                 f"namespaces are allowed, or set allow_network: true in the tool's config to run "
                 f"without network isolation (and without a PID namespace)"
             )
-        self._semaphore = asyncio.Semaphore(config.max_concurrent)
+        # one semaphore per event loop: an asyncio.Semaphore binds to the loop it first waits in,
+        # and callers may run several loops over the tool's life (asyncio.run per step)
+        self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         python = os.path.realpath(config.python or sys.executable)
         prefix = (
             os.path.realpath(sys.base_prefix)
@@ -332,7 +335,10 @@ class PythonSandbox:
             if self.namespaced
             else boot
         )
-        async with self._semaphore:
+        loop = asyncio.get_running_loop()
+        if loop not in self._semaphores:
+            self._semaphores[loop] = asyncio.Semaphore(self.config.max_concurrent)
+        async with self._semaphores[loop]:
             return await self._run_capped(cmd)
 
     async def _run_capped(self, cmd: list[str]) -> SandboxRun:
@@ -482,4 +488,4 @@ class PythonTool(Tool):
         return {"namespaced": self.sandbox.namespaced, **asdict(self.config)}
 
 
-__all__ = ["PythonSandbox", "PythonTool", "SandboxConfig", "SandboxRun", "field"]
+__all__ = ["PythonSandbox", "PythonTool", "SandboxConfig", "SandboxRun"]
