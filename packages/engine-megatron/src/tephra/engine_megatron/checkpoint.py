@@ -25,6 +25,7 @@ def _meta(engine) -> dict:
         "format": "tephra-megatron-v1",
         "shape": dataclasses.asdict(engine.shape),
         "role": engine.config.model.role,
+        "param_dtype": engine.config.precision.param_dtype,
         "parallel": dataclasses.asdict(engine.config.parallel),
         "world_size": dist.get_world_size(),
     }
@@ -39,6 +40,7 @@ def save(engine, path: Path) -> None:
     state = {
         "model": [c.state_dict() for c in engine.chunks],
         "optimizer": engine.optimizer.state_dict(),
+        "master": [m.detach() for m in engine.master] if engine.master is not engine.params else None,
         "scheduler": engine.scheduler.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
     }
@@ -52,7 +54,7 @@ def load(engine, path: Path) -> None:
         raise CheckpointError(f"no checkpoint at {str(path)!r} (meta.json is missing)")
     meta = json.loads(meta_file.read_text())
     expected = _meta(engine)
-    for key in ("format", "shape", "role", "parallel", "world_size"):
+    for key in ("format", "shape", "role", "param_dtype", "parallel", "world_size"):
         if meta.get(key) != expected[key]:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was written for {key}={meta.get(key)!r}, but this "
@@ -63,6 +65,10 @@ def load(engine, path: Path) -> None:
     state = torch.load(shard, weights_only=False)
     for chunk, sd in zip(engine.chunks, state["model"]):
         chunk.load_state_dict(sd)
+    if state["master"] is not None:
+        with torch.no_grad():
+            for m, saved in zip(engine.master, state["master"]):
+                m.copy_(saved)
     engine.optimizer.load_state_dict(state["optimizer"])
     engine.scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -79,9 +85,13 @@ def export_hf(engine, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
         cfg = engine.hf_config
         if engine.config.model.role == "value":
-            cfg = transformers.AutoConfig.for_model(**{**cfg.to_dict(), "num_labels": 1})
+            data = {k: v for k, v in cfg.to_dict().items() if k not in ("id2label", "label2id")}
+            cfg = transformers.AutoConfig.for_model(**{**data, "num_labels": 1})
             with torch.device("meta"):
                 model = transformers.AutoModelForTokenClassification.from_config(cfg)
+            # the critic head has no bias; transformers' token-classification head does
+            if "score.bias" in model.state_dict():
+                weights = {**weights, "score.bias": torch.zeros(1)}
         else:
             with torch.device("meta"):
                 model = transformers.AutoModelForCausalLM.from_config(cfg)

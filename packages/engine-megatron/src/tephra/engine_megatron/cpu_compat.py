@@ -110,6 +110,13 @@ def apply() -> None:
         moe_utils.te_general_gemm = None
     _patch_alltoall_split_sizes()
 
+    # Activation recomputation saves and restores the CUDA RNG state around each layer;
+    # on CPU the torch CPU generator (saved beside it) is the only one.
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda *a, **k: None
+
 
 def _patch_alltoall_split_sizes() -> None:
     """The alltoall dispatcher keeps split sizes as CPU tensors; gloo's uneven

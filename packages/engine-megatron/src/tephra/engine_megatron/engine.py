@@ -41,7 +41,12 @@ from tephra.engine_megatron import hf_conversion as conv  # noqa: E402
 from tephra.engine_megatron import parallel_setup  # noqa: E402
 from tephra.engine_megatron.hf_loading import load_hf  # noqa: E402
 from tephra.engine_megatron.lr_schedule import lr_factor  # noqa: E402
-from tephra.engine_megatron.micro_batches import ModelInputs, cp_gather, prepare  # noqa: E402
+from tephra.engine_megatron.micro_batches import (  # noqa: E402
+    ModelInputs,
+    cp_gather,
+    natural_shape,
+    prepare,
+)
 from tephra.engine_megatron.model_builder import (  # noqa: E402
     TephraGPT,
     model_shape,
@@ -69,7 +74,8 @@ class MegatronEngine(Engine):
         self._check_shape(config)
         self.dtype = _DTYPES[config.precision.param_dtype]
         self.tconfig = transformer_config(self.hf_config, config.parallel, self.dtype,
-                                          self.moe_dispatcher)
+                                          self.moe_dispatcher,
+                                          config.model.gradient_checkpointing)
         vpp = config.parallel.virtual_pipeline
         with cpu_compat.device_scope():
             self.chunks = [
@@ -81,9 +87,12 @@ class MegatronEngine(Engine):
             ]
         self._load_hf_state(hf_state)
         del hf_state
-        params = [p for c in self.chunks for p in c.parameters()]
+        self.params = [p for c in self.chunks for p in c.parameters()]
+        # AdamW updates float32 master weights; with bf16 compute they are separate copies
+        self.master = (self.params if self.dtype == torch.float32 else
+                       [p.detach().float().clone().requires_grad_(True) for p in self.params])
         opt = config.optimizer
-        self.optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+        self.optimizer = torch.optim.AdamW(self.master, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                            weight_decay=opt.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(config.scheduler, step))
@@ -103,13 +112,12 @@ class MegatronEngine(Engine):
         if config.offload.params or config.offload.optimizer:
             raise ConfigError("offload.params / offload.optimizer are not supported by "
                               "engine-megatron; set them to false")
-        if config.precision.param_dtype != "float32" or config.precision.master_dtype != "float32":
-            raise ConfigError(
-                f"precision.param_dtype={config.precision.param_dtype!r}: engine-megatron trains "
-                "in float32 only for now; set precision.param_dtype=float32")
-        if config.model.gradient_checkpointing:
-            raise ConfigError("model.gradient_checkpointing=True is not supported by "
-                              "engine-megatron yet; set it to false")
+        if config.precision.param_dtype == "float16":
+            raise ConfigError("precision.param_dtype='float16' is not supported by "
+                              "engine-megatron (no loss scaling); use bfloat16 or float32")
+        if config.precision.master_dtype != "float32":
+            raise ConfigError(f"precision.master_dtype={config.precision.master_dtype!r}: "
+                              "engine-megatron keeps float32 master weights; set float32")
         if config.device == "cuda" and cpu_compat.cuda_absent():
             raise ConfigError("device='cuda' but CUDA is not available; use device=auto")
 
@@ -130,9 +138,6 @@ class MegatronEngine(Engine):
         if s.num_experts and s.num_experts % p.expert:
             raise ConfigError(f"num_experts={s.num_experts} is not divisible by parallel.expert="
                               f"{p.expert}")
-        if s.tie_word_embeddings and p.pipeline > 1 and config.model.role == "policy":
-            raise ConfigError("tied word embeddings with parallel.pipeline > 1 are not supported "
-                              "by engine-megatron yet; use parallel.pipeline=1")
 
     # ----- names and groups ---------------------------------------------------------------
     def _named_params(self) -> Iterator[tuple[conv.Match, str, torch.nn.Parameter]]:
@@ -140,6 +145,11 @@ class MegatronEngine(Engine):
             offsets = self._layer_offsets(chunk)
             for name, p in chunk.named_parameters():
                 yield conv.match(name, offsets), name, p
+
+    def _tied_across_stages(self, name: str) -> bool:
+        return (self.shape.tie_word_embeddings and self.config.model.role == "policy"
+                and self.config.parallel.pipeline > 1
+                and name in ("gpt.embedding.word_embeddings.weight", "gpt.output_layer.weight"))
 
     def _layer_offsets(self, chunk: TephraGPT) -> dict[int, int]:
         return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.gpt.decoder.layers)}
@@ -240,8 +250,9 @@ class MegatronEngine(Engine):
                         group=ps.get_data_parallel_group(with_context_parallel=True))
         target = int(count)
         if len(self.chunks) > 1:
-            # the interleaved schedule needs at least as many micro-batches as stages
-            target = max(target, ps.get_pipeline_model_parallel_world_size())
+            # the interleaved schedule needs a multiple of the number of stages
+            pp = ps.get_pipeline_model_parallel_world_size()
+            target = -(-target // pp) * pp
         while len(mbs) < target:
             dummy = mbs[-1][:1].clone()
             dummy[B.RESPONSE_MASK] = torch.zeros_like(dummy[B.RESPONSE_MASK])
@@ -251,8 +262,21 @@ class MegatronEngine(Engine):
         full = {k: torch.zeros(n_rows, seq_len) for k in keys}
         loss_sum = torch.zeros(())
         metric_sums: dict[str, float] = {}
-        inputs = [prepare(mb, packed, self.config.parallel.tensor if self.tconfig.sequence_parallel
-                          else 1) for mb in mbs]
+        sp = self.config.parallel.tensor if self.tconfig.sequence_parallel else 1
+        shape = None
+        allgather_moe = bool(self.shape.num_experts) and (
+            self.tconfig.moe_token_dispatcher_type == "allgather"
+            or self.config.parallel.expert_tensor > 1)
+        if ps.get_pipeline_model_parallel_world_size() > 1 or allgather_moe:
+            # pipeline stages exchange fixed shapes; the allgather dispatcher (and expert
+            # tensor parallelism) gather equal token counts across data-parallel ranks
+            shapes = [natural_shape(mb, packed, sp) for mb in mbs]
+            dims = torch.tensor([max(r for r, _ in shapes), max(s for _, s in shapes)])
+            if allgather_moe:
+                dist.all_reduce(dims, op=dist.ReduceOp.MAX,
+                                group=ps.get_data_parallel_group(with_context_parallel=True))
+            shape = (int(dims[0]), int(dims[1]))
+        inputs = [prepare(mb, packed, sp, shape) for mb in mbs]
 
         def forward_step(data_iterator, model):
             idx = next(data_iterator)
@@ -288,7 +312,7 @@ class MegatronEngine(Engine):
                 data_iterator=iters if vpp > 1 else iters[0],
                 model=self.chunks if vpp > 1 else self.chunks[0],
                 num_microbatches=len(inputs),
-                seq_length=max(x.input_ids.shape[1] for x in inputs),
+                seq_length=max(x.attention_mask.shape[-1] for x in inputs),
                 micro_batch_size=max(x.input_ids.shape[0] for x in inputs),
                 forward_only=loss_fn is None,
             )
@@ -300,11 +324,13 @@ class MegatronEngine(Engine):
                 dist.broadcast(stacked, src=last_pp_rank, group=pp_group)
             return TensorDict({k: stacked[j] for j, k in enumerate(keys)},
                               batch_size=[n_rows]), {}
-        names = sorted(metric_sums)
-        vec = torch.tensor([float(loss_sum), float(real)] + [metric_sums[n] for n in names],
-                           dtype=torch.float64)
+        result = [float(loss_sum), metric_sums]
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(vec, src=last_pp_rank, group=pp_group)
+            # only the last stage ran the loss (and knows the metric names)
+            dist.broadcast_object_list(result, src=last_pp_rank, group=pp_group)
+        names = sorted(result[1])
+        vec = torch.tensor([result[0], float(real)] + [result[1][n] for n in names],
+                           dtype=torch.float64)
         dist.all_reduce(vec, group=ps.get_data_parallel_group())
         metrics = {"loss": float(vec[0])}
         for j, n in enumerate(names):
@@ -319,9 +345,12 @@ class MegatronEngine(Engine):
         tp = ps.get_tensor_model_parallel_world_size()
         dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
         edp = ps.get_expert_data_parallel_group()
-        for m, _, p in self._named_params():
+        for m, name, p in self._named_params():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            if self._tied_across_stages(name):
+                # the first stage's embedding and the last stage's output layer are one weight
+                dist.all_reduce(p.grad, group=ps.get_embedding_group())
             if tp > 1 and getattr(p, "sequence_parallel", False):
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
             if not m.is_expert:
@@ -338,8 +367,10 @@ class MegatronEngine(Engine):
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         etp_rank = ps.get_expert_tensor_parallel_rank()
         edp_rank = ps.get_expert_data_parallel_rank()
-        for m, _, p in self._named_params():
+        for m, name, p in self._named_params():
             sharded = m.kind != "rep"
+            if self._tied_across_stages(name) and name.startswith("gpt.output_layer"):
+                continue  # counted once, as the first stage's embedding
             if not m.is_expert:
                 owned = (sharded or tp_rank == 0) and dp_rank == 0
             else:
@@ -354,12 +385,20 @@ class MegatronEngine(Engine):
         norm = self._grad_norm()
         clip = self.config.optimizer.grad_clip
         if math.isfinite(norm):
-            if clip > 0 and norm > clip:
-                scale = clip / (norm + 1e-6)
-                for _, _, p in self._named_params():
+            scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
+            for p, m in zip(self.params, self.master):
+                if m is p:
                     p.grad.mul_(scale)
+                else:
+                    m.grad = p.grad.float() * scale
             self.optimizer.step()
+            if self.master is not self.params:
+                with torch.no_grad():
+                    for p, m in zip(self.params, self.master):
+                        p.copy_(m)
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
         return norm
 
     def lr_scheduler_step(self) -> float:

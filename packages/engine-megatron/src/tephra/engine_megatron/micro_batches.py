@@ -52,7 +52,24 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def prepare(mb: TensorDict, packed: bool, sp_size: int) -> ModelInputs:
+def padded_length(s_real: int, sp_size: int) -> int:
+    """Sequence length the model runs: a multiple of 2*cp*sp when CP or SP split it."""
+    cp = ps.get_context_parallel_world_size()
+    return _round_up(s_real, 2 * cp * sp_size) if (cp > 1 or sp_size > 1) else s_real
+
+
+def natural_shape(mb: TensorDict, packed: bool, sp_size: int) -> tuple[int, int]:
+    """(rows, S) that `prepare` gives this micro-batch without a target shape."""
+    attn = mb[B.ATTENTION_MASK]
+    if packed:
+        return 1, padded_length(int(attn.sum()), sp_size)
+    return attn.shape[0], padded_length(attn.shape[1], sp_size)
+
+
+def prepare(mb: TensorDict, packed: bool, sp_size: int,
+            shape: tuple[int, int] | None = None) -> ModelInputs:
+    """Lay out `mb` for the model; `shape` = (rows, S) pads it to a fixed shape (pipeline
+    stages exchange fixed shapes: gloo mismatched megatron's variable-shape handshake)."""
     cp = ps.get_context_parallel_world_size()
     attn = mb[B.ATTENTION_MASK].bool()
     ids = mb[B.INPUT_IDS]
@@ -75,7 +92,14 @@ def prepare(mb: TensorDict, packed: bool, sp_size: int) -> ModelInputs:
         s_real = t
         token_index = torch.where(attn, torch.arange(b * t).reshape(b, t), -1)
     rows = rows_ids.shape[0]
-    s = _round_up(s_real, 2 * cp * sp_size) if (cp > 1 or sp_size > 1) else s_real
+    s = padded_length(s_real, sp_size)
+    if shape is not None:
+        extra_rows, s = shape[0] - rows, shape[1]
+        if extra_rows:
+            rows_ids = torch.cat([rows_ids, rows_ids.new_zeros(extra_rows, rows_ids.shape[1])])
+            rows_pos = torch.cat([rows_pos, rows_pos.new_zeros(extra_rows, rows_pos.shape[1])])
+            rows_seg = torch.cat([rows_seg, rows_seg.new_full((extra_rows, rows_seg.shape[1]), -1)])
+            rows = shape[0]
     pad = s - s_real
     if pad:
         rows_ids = torch.cat([rows_ids, rows_ids.new_zeros(rows, pad)], 1)

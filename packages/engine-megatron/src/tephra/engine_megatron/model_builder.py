@@ -30,8 +30,8 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.config import ParallelConfig
+from tephra.engine_api.errors import ConfigError
 from tephra.engine_megatron.core_attention import TorchCoreAttention
 from tephra.kernels import vocab_parallel_logprob_entropy
 
@@ -95,7 +95,8 @@ def model_shape(hf_config) -> ModelShape:
 
 
 def transformer_config(hf_config, parallel: ParallelConfig, params_dtype: torch.dtype,
-                       moe_dispatcher: str) -> TransformerConfig:
+                       moe_dispatcher: str, gradient_checkpointing: bool = False
+                       ) -> TransformerConfig:
     """megatron TransformerConfig equal in function to the HF config (dropout off: RL
     fine-tuning of these models runs without it, and the contract compares exactly)."""
     shape = model_shape(hf_config)
@@ -128,6 +129,7 @@ def transformer_config(hf_config, parallel: ParallelConfig, params_dtype: torch.
         expert_tensor_parallel_size=parallel.expert_tensor,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,
         use_cpu_initialization=True,
         perform_initialization=False,  # weights come from the HF model
@@ -139,15 +141,18 @@ def transformer_config(hf_config, parallel: ParallelConfig, params_dtype: torch.
         persist_layer_norm=False,
         # the loss function already divides by the global normalisers
         calculate_per_token_loss=True,
-        # micro-batches are cut by token budget, so the shapes pipeline stages exchange
-        # change between them (megatron then sends the shape first)
-        variable_seq_lengths=parallel.pipeline > 1,
+        # pipeline stages exchange one fixed shape per step (micro-batches are padded to it)
+        variable_seq_lengths=False,
         # gloo may deliver two sends to one peer swapped inside a batched p2p
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=False,
         # megatron's default (allgather) refuses variable sequence lengths even for dense models
         moe_token_dispatcher_type="alltoall",
     )
+    if gradient_checkpointing:
+        # recompute every layer in backward (megatron's full, uniform recomputation)
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
     if shape.num_experts:
         if moe_dispatcher == "allgather" and parallel.pipeline > 1:
             raise ConfigError("the allgather MoE dispatcher cannot run with parallel.pipeline > 1 "

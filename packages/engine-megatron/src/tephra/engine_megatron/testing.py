@@ -45,8 +45,9 @@ class HFReference:
     weights; implements the conformance kit's `ReferenceModel`."""
 
     def __init__(self, hf_config: dict[str, Any], init_seed: int = 0) -> None:
-        from tephra.engine_megatron.hf_loading import reference_model
         import transformers
+
+        from tephra.engine_megatron.hf_loading import reference_model
 
         data = dict(hf_config)
         cfg = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
@@ -90,6 +91,17 @@ def rank_conformance(hf_config: dict[str, Any], parallel: dict[str, Any], workdi
 
     return run_conformance(conformance_spec(hf_config, parallel, Path(workdir), dispatcher),
                            checks)
+
+
+def rank_conformance_runs(runs: list[tuple[str, dict[str, Any], str, list[str] | None]],
+                          workdir: str) -> list[list[str]]:
+    """Several kit runs in one process group (megatron's groups are rebuilt between layouts):
+    each run is (model: "dense" | "dense_tied" | "moe", parallel overrides, MoE dispatcher,
+    checks or None)."""
+    models = {"dense": TINY_DENSE, "moe": TINY_MOE,
+              "dense_tied": {**TINY_DENSE, "tie_word_embeddings": True}}
+    return [rank_conformance(models[m], parallel, str(Path(workdir) / f"run{i}"), disp, checks)
+            for i, (m, parallel, disp, checks) in enumerate(runs)]
 
 
 def rank_first_step(model_path: str, parallel: dict[str, Any], batch, export_to: str | None):

@@ -1,0 +1,126 @@
+"""Single-process tests: the critic head, refused settings, checkpoint errors, schedules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tephra.engine_api import CheckpointError, ConfigError, SchedulerConfig, apply_overrides
+from tephra.engine_api.testing import random_batch
+from tephra.engine_megatron import testing as T
+from tephra.engine_megatron.engine import MegatronEngine
+from tephra.engine_megatron.lr_schedule import lr_factor
+
+SMALL = {**T.TINY_DENSE, "num_hidden_layers": 2}
+
+
+def test_value_role_matches_hidden_state_head(tmp_path):
+    """values[t] = score . h_{t-1} (final-norm hidden state of the HF model), 0 off the
+    response; a value loss trains; export_hf writes a token-classification folder."""
+    import transformers
+
+    engine = MegatronEngine.build(apply_overrides(T.base_config(SMALL), {"model.role": "value"}))
+    batch = random_batch(SMALL["vocab_size"], num_sequences=4, seed=1)
+    out = engine.forward(batch)
+    assert set(out.keys()) == {"values"}
+    ref = T.HFReference(SMALL).model
+    head = dict(w for b in engine.export_weights() for w in b)["score.weight"]
+    with torch.no_grad():
+        hidden = ref.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"]).last_hidden_state
+    want = torch.zeros(batch["input_ids"].shape)
+    want[:, 1:] = (hidden @ head.T)[:, :-1, 0]
+    want = want * batch["response_mask"]
+    assert (out["values"] - want).abs().max() < 1e-5
+
+    def value_loss(outputs, mb):
+        mask = mb["response_mask"].float()
+        loss = ((outputs["values"] - 1.0) ** 2 * mask).sum() / mb["global_token_count"][0]
+        return loss, {}
+
+    with engine.train_mode():
+        first = engine.forward_backward(batch, value_loss)["loss"]
+        assert math.isfinite(engine.optimizer_step())
+        second = engine.forward_backward(batch, value_loss)["loss"]
+    assert second < first
+    engine.export_hf(tmp_path / "critic")
+    critic = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
+    assert torch.equal(critic.score.weight, engine.hf_weights()["score.weight"])
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"lora.rank": 8}, "lora.rank"),
+    ({"precision.param_dtype": "float16"}, "precision.param_dtype"),
+    ({"parallel.tensor": 3}, "parallel.tensor"),
+    ({"parallel.expert": 2}, "parallel.expert"),
+])
+def test_refused_settings_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        MegatronEngine.build(apply_overrides(T.base_config(SMALL), overrides))
+
+
+def test_bad_model_folder_and_checkpoint_errors(tmp_path):
+    from tephra.engine_api import EngineConfig
+
+    with pytest.raises(ConfigError, match="model.path"):
+        MegatronEngine.build(EngineConfig(model={"path": str(tmp_path)}))
+    engine = MegatronEngine.build(T.base_config(SMALL))
+    with pytest.raises(CheckpointError, match="meta.json"):
+        engine.load_checkpoint(tmp_path / "nothing")
+    other = MegatronEngine.build(T.base_config({**SMALL, "hidden_size": 32}))
+    other.save_checkpoint(tmp_path / "other")
+    with pytest.raises(CheckpointError, match="shape"):
+        engine.load_checkpoint(tmp_path / "other")
+
+
+def test_lr_schedules_by_hand():
+    cos = SchedulerConfig(name="cosine", warmup_steps=2, total_steps=12, min_lr_ratio=0.1)
+    assert [lr_factor(cos, s) for s in (0, 1, 2)] == [0.0, 0.5, 1.0]
+    assert lr_factor(cos, 7) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(cos, 12) == pytest.approx(0.1)
+    wsd = SchedulerConfig(name="wsd", total_steps=10, decay_ratio=0.2, min_lr_ratio=0.0)
+    assert [lr_factor(wsd, s) for s in (5, 8, 9, 10)] == pytest.approx([1, 1, 0.5, 0])
+
+
+def test_bf16_compute_with_float32_master_weights(tmp_path):
+    """bf16 parameters, float32 AdamW master weights: log-probs near the fp32 engine's, a step
+    lowers the loss, and a checkpoint resumes the identical next step."""
+    from tephra.engine_api.testing import nll_loss_fn
+
+    batch = random_batch(SMALL["vocab_size"], num_sequences=4, seed=2)
+    fp32 = MegatronEngine.build(T.base_config(SMALL))
+    bf16_cfg = apply_overrides(T.base_config(SMALL), {"precision.param_dtype": "bfloat16"})
+    bf16 = MegatronEngine.build(bf16_cfg)
+    assert (bf16.forward(batch)["log_probs"] - fp32.forward(batch)["log_probs"]).abs().max() < 0.1
+    assert all(m.dtype == torch.float32 for m in bf16.master)
+    with bf16.train_mode():
+        first = bf16.forward_backward(batch, nll_loss_fn)["loss"]
+        bf16.optimizer_step()
+    bf16.save_checkpoint(tmp_path / "ck")
+    with bf16.train_mode():
+        second = bf16.forward_backward(batch, nll_loss_fn)["loss"]
+        norm = bf16.optimizer_step()
+    assert second < first
+    resumed = MegatronEngine.build(bf16_cfg)
+    resumed.load_checkpoint(tmp_path / "ck")
+    with resumed.train_mode():
+        assert resumed.forward_backward(batch, nll_loss_fn)["loss"] == second
+        assert resumed.optimizer_step() == norm
+
+
+def test_gradient_checkpointing_gives_the_same_step():
+    """Recomputing activations in backward changes nothing: same loss, same grad norm."""
+    from tephra.engine_api.testing import nll_loss_fn
+
+    batch = random_batch(SMALL["vocab_size"], num_sequences=4, seed=3)
+    results = []
+    for ckpt in (False, True):
+        engine = MegatronEngine.build(
+            apply_overrides(T.base_config(SMALL), {"model.gradient_checkpointing": ckpt}))
+        with engine.train_mode():
+            results.append((engine.forward_backward(batch, nll_loss_fn)["loss"],
+                            engine.optimizer_step()))
+    assert results[0][0] == pytest.approx(results[1][0], abs=1e-6)
+    assert results[0][1] == pytest.approx(results[1][1], rel=1e-5)
