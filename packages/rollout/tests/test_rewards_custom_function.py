@@ -5,6 +5,7 @@ import pickle
 import textwrap
 
 import pytest
+
 from tephra.rollout.rewards import (
     FileRewardFunction,
     RewardConfig,

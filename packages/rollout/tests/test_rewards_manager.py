@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from tephra.engine_api.errors import ConfigError, RegistryError
 from tephra.rollout.rewards import (
     REWARD_SCORERS,

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from tephra.rollout.rewards import RewardConfig, RewardError, RewardInput, RewardManager
-from tephra.rollout.rewards.reward_model import RewardModelScorer
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+from tephra.rollout.rewards import RewardConfig, RewardError, RewardInput, RewardManager
+from tephra.rollout.rewards.reward_model import RewardModelScorer
 
 CORPUS = ["The answer is 42.", "Question: what is 6 times 7?", "I think it is 41, or maybe 43."] * 20
 

@@ -4,6 +4,7 @@ worked out by hand from each scorer's documented rule."""
 import json
 
 import pytest
+
 from tephra.engine_api.errors import RegistryError
 from tephra.rollout.rewards import (
     REWARD_SCORERS,
@@ -270,6 +271,7 @@ def test_rewards_math_verify_signal_timeout_only_in_main_thread():
     from concurrent.futures import ThreadPoolExecutor
 
     from math_verify import parse
+
     from tephra.rollout.rewards import math_equivalence
 
     with ThreadPoolExecutor(1) as pool:
