@@ -3,7 +3,6 @@ group on Ray with a trivial worker (dispatch modes checked against a single-proc
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 

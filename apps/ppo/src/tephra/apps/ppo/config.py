@@ -18,7 +18,7 @@ class ModelSection:
     """Local Hugging Face folder of the policy; `smollm2` is the bundled SmolLM2-135M-Instruct
     (converted once into ~/.cache/tephra), `tiny` a tiny random model for tests."""
     dtype: str = "bfloat16"
-    """Compute dtype of training and generation (`float32` for exact tests)."""
+    """Parameter dtype of training (`float32` for exact tests); master weights stay float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (less memory, ~30% slower)."""
     lora_rank: int = 0
@@ -35,9 +35,9 @@ class DataSection:
     task: str = "basic_arithmetic"
     """reasoning-gym task name."""
     task_config: dict[str, Any] = field(default_factory=lambda: {
-        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-        "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False})
-    """reasoning-gym task options; the default is basic_arithmetic at its easiest."""
+        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
+    """reasoning-gym task options; the default is basic_arithmetic at its easiest sizes (two
+    one-digit terms; the four operators, negation and parentheses stay on)."""
     instruction: str = "Answer with just the final number."
     """Appended to each generated question."""
     train_size: int = 2000
@@ -88,13 +88,16 @@ class RolloutSection:
     """Top-k sampling; -1 keeps every token."""
     max_batch_rows: int = 64
     """hf backend: most sequences per generate call."""
+    dtype: str = "float32"
+    """Generation dtype. float32 by default: on CPU, transformers' bf16 generate measured
+    ~3x slower than float32 (SmolLM2, 32 samples x 32 tokens: 45 vs 16 CPU-seconds)."""
 
 
 @dataclass
 class ActorSection:
     engine: str = "fsdp"
     """Training backend registered under `tephra.engines` (`fsdp`, `megatron`)."""
-    lr: float = 2e-5
+    lr: float = 3e-5
     """Peak learning rate."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
@@ -141,8 +144,9 @@ class AlgorithmSection:
 
 @dataclass
 class TrainerSection:
-    steps: int = 37
-    """RL steps."""
+    steps: int = 25
+    """RL steps. The demo, measured: ~15 s per step on 2 unloaded cores; 25 steps moved
+    held-out greedy accuracy 14.0% -> 40.5%, 35 steps 14.0% -> 36.0% (same seeds)."""
     seed: int = 0
     """Seed of data order, sampling and initialisation."""
     run_dir: str = "runs/ppo"

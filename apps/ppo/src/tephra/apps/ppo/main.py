@@ -58,8 +58,14 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
 
 def engine_configs(cfg: PPOConfig, model_path: str):
     from tephra.engine_api.config import (
-        EngineConfig, LoraConfig, MicroBatchConfig, ModelConfig, OptimizerConfig,
-        PrecisionConfig, SchedulerConfig)
+        EngineConfig,
+        LoraConfig,
+        MicroBatchConfig,
+        ModelConfig,
+        OptimizerConfig,
+        PrecisionConfig,
+        SchedulerConfig,
+    )
 
     def make(role: str, lr: float) -> EngineConfig:
         return EngineConfig(
@@ -95,7 +101,7 @@ def build_spec(cfg: PPOConfig, model_path: str):
     return RLWorkerSpec(
         engine=cfg.actor.engine, actor=actor, critic=critic,
         rollout_backend=cfg.rollout.backend,
-        rollout=RolloutConfig(model_path=model_path, dtype=cfg.model.dtype,
+        rollout=RolloutConfig(model_path=model_path, dtype=cfg.rollout.dtype,
                               max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_tokens + 8,
                               seed=cfg.trainer.seed,
                               hf=HFSettings(max_batch_rows=cfg.rollout.max_batch_rows)),
@@ -139,8 +145,9 @@ def run(cfg: PPOConfig) -> dict:
                           "(or data.val_size) or turn off trainer.val_before/val_after/val_every")
     run_dir = Path(cfg.trainer.run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    from tephra.controller.config import to_dict
     import yaml
+
+    from tephra.controller.config import to_dict
 
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 

@@ -66,11 +66,21 @@ def run(cfg: SFTConfig) -> dict:
 
     from tephra.apps.ppo.models import resolve_model_path
     from tephra.apps.sft.chat_data import (
-        arithmetic_conversations, load_conversations, pad_batch, tokenize_conversation)
+        arithmetic_conversations,
+        load_conversations,
+        pad_batch,
+        tokenize_conversation,
+    )
     from tephra.controller.trackers import Trackers
     from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
     from tephra.engine_api.config import (
-        EngineConfig, LoraConfig, MicroBatchConfig, ModelConfig, OptimizerConfig, PrecisionConfig)
+        EngineConfig,
+        LoraConfig,
+        MicroBatchConfig,
+        ModelConfig,
+        OptimizerConfig,
+        PrecisionConfig,
+    )
 
     t0 = time.perf_counter()
     path = resolve_model_path(cfg.model.path)
