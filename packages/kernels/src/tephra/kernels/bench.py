@@ -3,7 +3,7 @@
     python -m tephra.kernels.bench [--quick] [--json PATH] [--threads 1] [--device cpu|cuda]
 
 Each (shape, dtype, method) runs in a fresh subprocess so that peak memory is its own:
-on CPU, peak RSS (resource.getrusage ru_maxrss) minus the RSS once the inputs (hidden,
+on CPU, peak RSS (VmHWM, or ru_maxrss without /proc) minus the RSS once the inputs (hidden,
 weight, labels, output gradients) are allocated, built without large temporaries so that the
 process's peak before the method is the RSS at that point; on CUDA,
 torch.cuda.max_memory_allocated minus the memory allocated after the inputs, after one warm-up
@@ -87,6 +87,15 @@ def _rss_now_bytes() -> int:
 
 
 def _rss_peak_bytes() -> int:
+    # Linux: VmHWM is this address space's own high-water mark. ru_maxrss is not: exec keeps
+    # the parent's peak (a worker started from a large pytest process would report it).
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     # ru_maxrss is KiB on Linux, bytes on macOS
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
