@@ -49,8 +49,53 @@ class RLWorkerSpec:
     """Export lm_head too for tied models (rollout engines keep a stale head otherwise)."""
     seed: int = 0
     """Seed of this rank's RNG (offset by the rank)."""
+    agent_loop: str | None = None
+    """Agent loop of `generate_agent` (`tephra.rollout.agent.AGENT_LOOPS`), or None when the
+    run only uses the batched `generate`."""
+    agent_config: Any = None
+    """`tephra.rollout.agent.AgentLoopConfig` of that loop (None: its defaults)."""
+    tools_file: str | None = None
+    """Tools YAML the loop's tools are built from (once, on the first `generate_agent`)."""
+    agent_max_in_flight: int = 64
+    """Most trajectories of this rank in flight at once (their turns share batched generates)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Reserved for backend-specific settings."""
+
+
+def trajectory_record(trajectory: Any) -> dict[str, Any]:
+    """A `Trajectory` as a plain dict (ranks with different lengths concatenate), with the text
+    the reward scores: the last assistant message (the final answer of a tool-using
+    trajectory; earlier turns are tool calls)."""
+    answer = next((m["content"] for m in reversed(trajectory.messages)
+                   if m.get("role") == "assistant"), "")
+    return {
+        "sample_id": trajectory.sample_id, "prompt_ids": list(trajectory.prompt_ids),
+        "response_ids": list(trajectory.response_ids),
+        "response_mask": list(trajectory.response_mask),
+        "log_probs": list(trajectory.response_log_probs), "num_turns": trajectory.num_turns,
+        "tool_calls": trajectory.tool_calls, "tool_errors": trajectory.tool_errors,
+        "finish_reason": trajectory.finish_reason, "answer": answer,
+        "tool_rewards": dict(trajectory.tool_rewards),
+    }
+
+
+def run_agent_requests(loop: Any, requests: list[dict[str, Any]],
+                       max_in_flight: int | None = None) -> list[dict[str, Any]]:
+    """Run `loop` (an `AgentLoop`) on every request concurrently; one `trajectory_record` per
+    request, in order. A request is a dict with `messages` (chat messages), `sample_id`
+    (unique: it names the tool instances) and optionally `prompt_ids` (the rendered prompt)
+    and `tool_kwargs` (per tool, keyword arguments of `Tool.create`)."""
+    import asyncio
+
+    from tephra.rollout.agent import AgentSample, run_agent_loops
+
+    samples = [AgentSample(messages=list(r["messages"]), sample_id=str(r["sample_id"]),
+                           prompt_ids=list(r["prompt_ids"]) if r.get("prompt_ids") else None,
+                           tool_kwargs=dict(r.get("tool_kwargs") or {}))
+               for r in requests]
+    # The hf backend generates on its own thread, so a fresh event loop per call is fine.
+    trajectories = asyncio.run(run_agent_loops(loop, samples, max_in_flight))
+    return [trajectory_record(t) for t in trajectories]
 
 
 def _on_policy_old_log_probs(loss_fn):
@@ -81,6 +126,7 @@ class RLWorker(Worker):
         self.critic = get_engine(spec.engine, spec.critic) if spec.critic is not None else None
         self.rollout = get_rollout(spec.rollout_backend, spec.rollout)
         self._actor_loss = self._critic_loss = None
+        self._tokenizer = self._tools = None  # built by the first generate_agent
         if spec.actor_objective is not None:
             from tephra.algos import ActorObjective
 
@@ -105,6 +151,33 @@ class RLWorker(Worker):
              "finish_reason": out.finish_reasons[i]}
             for i in range(len(out))
         ]
+
+    def agent_parts(self) -> tuple[Any, dict[str, Any]]:
+        """(tokenizer, tools) of the agent loop, built once per worker."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from tephra.rollout.tools import load_tools
+
+            tok = AutoTokenizer.from_pretrained(self.spec.rollout.model_path)
+            if tok.pad_token_id is None:
+                tok.pad_token = tok.eos_token
+            self._tools = load_tools(self.spec.tools_file) if self.spec.tools_file else {}
+            self._tokenizer = tok
+        return self._tokenizer, self._tools
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def generate_agent(self, requests: list[dict[str, Any]], sampling: Any) -> list[dict[str, Any]]:
+        """Multi-turn trajectories of this rank's requests (see `run_agent_requests`) with the
+        spec's agent loop and tools; `sampling.n` must be 1 (send a prompt n times)."""
+        from tephra.rollout.agent import AGENT_LOOPS
+
+        if not self.spec.agent_loop:
+            raise RuntimeError("generate_agent called but RLWorkerSpec.agent_loop is not set")
+        tokenizer, tools = self.agent_parts()
+        loop = AGENT_LOOPS.get(self.spec.agent_loop)(
+            self.rollout, tokenizer, sampling, self.spec.agent_config, tools)
+        return run_agent_requests(loop, list(requests), self.spec.agent_max_in_flight)
 
     # ----- forward passes --------------------------------------------------------------
     @dispatch(Dispatch.DP_SPLIT)

@@ -25,6 +25,7 @@ from tephra.controller.data import (
 from tephra.engine_api.errors import ConfigError, TephraError
 
 PRESETS = Path(__file__).parent / "presets"
+TOOLS = Path(__file__).parent / "tools"
 
 
 def parse_config(argv: list[str]) -> PPOConfig:
@@ -54,6 +55,53 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
         val = [r for f in d.val_files for r in load(f)]
         return train, val
     raise ConfigError(f"data.source={d.source!r}: choose reasoning_gym, parquet or hf")
+
+
+def resolve_tools_file(spec: str) -> str:
+    """`rollout.tools_file`: a YAML path, or the name of a file bundled in tephra/apps/ppo/tools/."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return str(path.resolve())
+    bundled = TOOLS / f"{spec}.yaml"
+    if not path.suffix and bundled.is_file():
+        return str(bundled)
+    known = sorted(p.stem for p in TOOLS.glob("*.yaml"))
+    raise ConfigError(f"rollout.tools_file={spec!r}: no such file; give a tools YAML path or one "
+                      f"of the bundled names {known}")
+
+
+def tool_schemas(cfg: PPOConfig) -> list[dict] | None:
+    """OpenAI function schemas of the configured tools, as the chat template receives them
+    (None when there are no tools or `rollout.render_tool_schemas` is off)."""
+    r = cfg.rollout
+    if not r.tools_file or not r.render_tool_schemas:
+        return None
+    from tephra.rollout.tools import load_tools
+
+    # Built here only for their schemas (and to report a bad file before any worker starts).
+    return [t.schema() for t in load_tools(resolve_tools_file(r.tools_file)).values()] or None
+
+
+def tokenize_agent_prompts(records: list[PromptRecord], tokenizer, max_prompt_tokens: int,
+                           schemas: list[dict] | None):
+    """`tokenize_prompts` for agent loops: the prompt as the loop renders it (its chat
+    template with the tools' schemas), so `data.max_prompt_tokens` bounds the real prompt."""
+    from tephra.controller.data import DatasetError
+    from tephra.rollout.agent import ChatTemplateDelta
+
+    chat = ChatTemplateDelta(tokenizer, schemas)
+    ids, kept, dropped = [], [], 0
+    for rec in records:
+        toks = chat.prompt_ids(rec.prompt)
+        if len(toks) > max_prompt_tokens:
+            dropped += 1
+            continue
+        ids.append(toks)
+        kept.append(rec)
+    if not kept:
+        raise DatasetError(f"every one of {len(records)} prompts (with the tools' schemas) is "
+                           f"longer than data.max_prompt_tokens={max_prompt_tokens}; raise it")
+    return ids, kept, dropped
 
 
 def engine_configs(cfg: PPOConfig, model_path: str):
@@ -91,9 +139,10 @@ def engine_configs(cfg: PPOConfig, model_path: str):
 def build_spec(cfg: PPOConfig, model_path: str):
     from tephra.algos import ActorObjectiveConfig, CriticObjectiveConfig, PolicyLossConfig
     from tephra.controller.rl_worker import RLWorkerSpec
+    from tephra.rollout.agent import AgentLoopConfig
     from tephra.rollout.base import HFSettings, RolloutConfig
 
-    a = cfg.algorithm
+    a, r = cfg.algorithm, cfg.rollout
     actor, critic = engine_configs(cfg, model_path)
     reference = "none"
     if a.kl_coef > 0:
@@ -102,7 +151,7 @@ def build_spec(cfg: PPOConfig, model_path: str):
         engine=cfg.actor.engine, actor=actor, critic=critic,
         rollout_backend=cfg.rollout.backend,
         rollout=RolloutConfig(model_path=model_path, dtype=cfg.rollout.dtype,
-                              max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_tokens + 8,
+                              max_model_len=cfg.data.max_prompt_tokens + r.response_budget + 8,
                               seed=cfg.trainer.seed,
                               hf=HFSettings(max_batch_rows=cfg.rollout.max_batch_rows)),
         reference=reference,
@@ -112,7 +161,14 @@ def build_spec(cfg: PPOConfig, model_path: str):
             use_kl_loss=a.kl_coef > 0, kl_loss_coef=a.kl_coef, kl_loss_type=a.kl_loss_type),
         critic_objective=CriticObjectiveConfig(cliprange_value=cfg.critic.cliprange_value)
         if critic is not None else None,
-        mini_batches=cfg.batch.mini_batches, epochs=cfg.batch.epochs, seed=cfg.trainer.seed)
+        mini_batches=cfg.batch.mini_batches, epochs=cfg.batch.epochs, seed=cfg.trainer.seed,
+        agent_loop=r.agent_loop or None,
+        agent_config=AgentLoopConfig(
+            max_turns=r.max_turns, max_response_tokens=r.max_response_tokens,
+            max_tool_response_chars=r.max_tool_response_chars,
+            render_tool_schemas=r.render_tool_schemas) if r.uses_agent_loop else None,
+        tools_file=resolve_tools_file(r.tools_file) if r.uses_agent_loop and r.tools_file else None,
+        agent_max_in_flight=r.max_in_flight)
 
 
 def run(cfg: PPOConfig) -> dict:
@@ -131,10 +187,17 @@ def run(cfg: PPOConfig) -> dict:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     train_rec, val_rec = load_records(cfg)
-    train_ids, train_rec, dropped = tokenize_prompts(train_rec, tokenizer, cfg.data.max_prompt_tokens)
+    if cfg.rollout.uses_agent_loop:
+        schemas = tool_schemas(cfg)
+
+        def tokenize(records, tok, limit):
+            return tokenize_agent_prompts(records, tok, limit, schemas)
+    else:
+        tokenize = tokenize_prompts
+    train_ids, train_rec, dropped = tokenize(train_rec, tokenizer, cfg.data.max_prompt_tokens)
     val = Prompts([], [])
     if val_rec:
-        val_ids, val_rec, val_dropped = tokenize_prompts(val_rec, tokenizer, cfg.data.max_prompt_tokens)
+        val_ids, val_rec, val_dropped = tokenize(val_rec, tokenizer, cfg.data.max_prompt_tokens)
         val = Prompts(val_ids, val_rec)
         dropped += val_dropped
     if dropped:

@@ -8,6 +8,10 @@
         adv     = compute_advantages(estimator, ...)      # tephra.algos
         wg.update_critic(batch); wg.update_actor(batch)   # mini-batches x epochs
         wg.sync_weights()                                 # actor -> rollout engine
+
+With `rollout.agent_loop` set, `generate` is `wg.generate_agent`: each prompt is sent n times
+to the agent loop (multi-turn, tools between turns), and the batch's response_mask is 0 on the
+tokens the tools wrote, so the loss trains only the model's own tokens.
 """
 
 from __future__ import annotations
@@ -67,12 +71,19 @@ class Trainer:
                                        stop_token_ids=stops)
         self.greedy = SamplingParams(n=1, temperature=0.0, max_tokens=r.max_tokens,
                                      stop_token_ids=stops, logprobs=False)
+        self.agent = cfg.rollout.uses_agent_loop
         self.step = 0
 
     # ----- stages ------------------------------------------------------------------------
-    def generate(self, ids: list[list[int]], sampling) -> tuple[TensorDict, list[dict]]:
+    def generate(self, ids: list[list[int]], sampling, records: list[PromptRecord] | None = None,
+                 tag: str = "") -> tuple[TensorDict, list[dict]]:
+        """Samples of `ids` (prompt-major, `sampling.n` each) as a padded batch and per-sample
+        dicts; through the agent loop when one is configured (`records` give its messages,
+        `tag` makes its sample ids unique in the run)."""
         from tephra.rollout.base import RolloutOutput
 
+        if self.agent:
+            return self.generate_agent(ids, records, sampling, tag)
         samples = self.wg.generate(ids, sampling)
         out = RolloutOutput(
             prompt_index=[i // sampling.n for i in range(len(samples))],
@@ -82,8 +93,20 @@ class Trainer:
             finish_reasons=[s["finish_reason"] for s in samples])
         return out.to_batch(self.tok.pad_token_id), samples
 
+    def generate_agent(self, ids: list[list[int]], records: list[PromptRecord], sampling,
+                       tag: str) -> tuple[TensorDict, list[dict]]:
+        n = sampling.n
+        requests = [{"messages": rec.prompt, "prompt_ids": p, "sample_id": f"{tag}-{j}-{k}"}
+                    for j, (p, rec) in enumerate(zip(ids, records, strict=True)) for k in range(n)]
+        samples = self.wg.generate_agent(requests, sampling.replace(n=1))
+        return agent_batch(samples, self.tok.pad_token_id, n), samples
+
     def score(self, samples: list[dict], records: list[PromptRecord]) -> tuple[list[float], int]:
-        texts = [self.tok.decode(s["response_ids"], skip_special_tokens=True) for s in samples]
+        # Agent trajectories are scored on their final answer (the last assistant message,
+        # decoded by the worker); tool outputs and earlier tool-call turns are not scored.
+        texts = [s["answer"] if "answer" in s
+                 else self.tok.decode(s["response_ids"], skip_special_tokens=True)
+                 for s in samples]
         return self.scorer.score(texts, records)
 
     def evaluate(self) -> float:
@@ -91,7 +114,9 @@ class Trainer:
         ws = self.wg.world_size
         ids = list(self.val.ids)
         pad = (-len(ids)) % ws  # the split needs equal shares; the padding is not scored
-        _, samples = self.generate(ids + ids[:pad], self.greedy)
+        records = list(self.val.records)
+        _, samples = self.generate(ids + ids[:pad], self.greedy, records + records[:pad],
+                                   tag=f"val{self.step}")
         scores, _ = self.score(samples[: len(ids)], self.val.records)
         return sum(accuracy_of(s) for s in scores) / len(scores)
 
@@ -120,7 +145,8 @@ class Trainer:
         idx = self.loader.next_indices()
         n = cfg.batch.samples_per_prompt
         sampling = self.sampling.replace(seed=cfg.trainer.seed * 1_000_003 + self.step)
-        batch, samples = self.generate([self.train.ids[i] for i in idx], sampling)
+        batch, samples = self.generate([self.train.ids[i] for i in idx], sampling,
+                                       [self.train.records[i] for i in idx], tag=f"step{self.step}")
         lap("generate")
         records = [self.train.records[idx[k // n]] for k in range(len(samples))]
         scores_list, errors = self.score(samples, records)
@@ -168,6 +194,8 @@ class Trainer:
             "time/step_s": step_s,
             **times,
         })
+        if self.agent:
+            metrics.update(agent_metrics(samples))
         if "actor/kl_mean" in metrics:
             metrics["actor/kl"] = metrics["actor/kl_mean"]
         return metrics
@@ -242,6 +270,39 @@ class Trainer:
                 plot_curves(records, self.run_dir / "curves.png")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+def agent_batch(samples: list[dict], pad_token_id: int, n: int) -> TensorDict:
+    """The worker's trajectory records (`tephra.controller.rl_worker.trajectory_record`,
+    prompt-major, n per prompt) as the padded batch of `trajectories_to_batch`: response_mask
+    1 on model tokens only, plus num_turns / tool_calls / tool_errors [B] and prompt_index [B]."""
+    from tephra.rollout.agent import Trajectory, trajectories_to_batch
+
+    trajectories = [
+        Trajectory(s["sample_id"], s["prompt_ids"], s["response_ids"], s["response_mask"],
+                   s["log_probs"], s["num_turns"], s["tool_calls"], s["tool_errors"],
+                   s["finish_reason"], [], tool_rewards=s["tool_rewards"])
+        for s in samples]
+    batch = trajectories_to_batch(trajectories, pad_token_id)
+    batch["prompt_index"] = torch.tensor([i // n for i in range(len(samples))], dtype=torch.int64)
+    return batch
+
+
+def agent_metrics(samples: list[dict]) -> dict[str, float]:
+    """Per-step agent-loop statistics from the worker's trajectory records:
+    turns, tool calls and tool errors per trajectory (means), and token counts: generated
+    (response_mask 1, trained) and tool (response tokens the tools wrote, mask 0)."""
+    num = len(samples)
+    generated = sum(sum(s["response_mask"]) for s in samples)
+    total = sum(len(s["response_ids"]) for s in samples)
+    return {
+        "agent/turns_mean": sum(s["num_turns"] for s in samples) / num,
+        "agent/tool_calls_mean": sum(s["tool_calls"] for s in samples) / num,
+        "agent/tool_errors_mean": sum(s["tool_errors"] for s in samples) / num,
+        "agent/generated_tokens": float(generated),
+        "agent/tool_tokens": float(total - generated),
+        "agent/finish_stop_frac": sum(s["finish_reason"] == "stop" for s in samples) / num,
+    }
 
 
 def measure_peak_flops(seconds: float = 0.3) -> float:

@@ -1,0 +1,178 @@
+"""Multi-turn GRPO with tools in the PPO app: the smoke_tools preset end to end through Ray
+(2 steps, the sandboxed python tool), and, in one process, the worker's agent rollout with a
+scripted first turn that calls the real python tool: masks, metrics and the loss's gradient
+checked against hand-written expectations."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tephra.apps.ppo.main import TOOLS, parse_config, resolve_tools_file, run
+from tephra.apps.ppo.trainer import agent_batch, agent_metrics, outcome_token_rewards
+from tephra.controller.rl_worker import run_agent_requests
+from tephra.controller.trackers import read_jsonl
+from tephra.engine_api.errors import ConfigError
+from tephra.rollout.base import Generation, Rollout
+
+# A reward with variance on a random tiny model (see tests/test_e2e_ppo.py).
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return (sum(map(ord, solution_str)) % 5) / 4.0
+'''
+AGENT_KEYS = ("agent/turns_mean", "agent/tool_calls_mean", "agent/tool_errors_mean",
+              "agent/generated_tokens", "agent/tool_tokens")
+
+
+@pytest.mark.multiproc
+def test_smoke_tools_preset_runs_multiturn_grpo(tmp_path):
+    import ray
+
+    from tephra.controller.worker_group import ray_init
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    cfg = parse_config(["-p", "smoke_tools", f"reward.custom_function_path={reward}",
+                        "trainer.val_after=true", f"trainer.run_dir={tmp_path / 'run'}"])
+    ray_init(num_cpus=2)
+    try:
+        summary = run(cfg)
+    finally:
+        ray.shutdown()
+    assert summary["steps"] == 2
+    assert 0.0 <= summary["accuracy_after"] <= 1.0  # held-out greedy, through the agent loop
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    train = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    samples = cfg.batch.samples_per_step
+    for r in train:
+        for key in AGENT_KEYS:
+            assert key in r and math.isfinite(r[key]), key
+        assert 1 <= r["agent/turns_mean"] <= cfg.rollout.max_turns
+        assert 0 <= r["agent/tool_errors_mean"] <= r["agent/tool_calls_mean"]
+        # the loss trained exactly the model's own tokens: tool tokens are masked out
+        assert r["perf/trained_tokens"] == r["agent/generated_tokens"]
+        # with no tool call no tool turn was appended; each call appends a tool turn
+        assert (r["agent/tool_tokens"] > 0) == (r["agent/tool_calls_mean"] > 0)
+        assert r["agent/generated_tokens"] <= samples * cfg.rollout.max_response_tokens
+        assert math.isfinite(r["actor/grad_norm"]) and r["actor/grad_norm"] > 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+
+
+class FirstTurnScripted(Rollout):
+    """Turn 0 of every trajectory is `text` + EOS (a tool call the random model would not
+    write); later turns are the real tiny model's generations."""
+
+    def __init__(self, tokenizer, text: str, model: Rollout) -> None:
+        self.tokenizer, self.model, self.config = tokenizer, model, model.config
+        self.scripted = list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
+        self.turns: dict[str, int] = {}
+        self.generated: dict[str, list[list[int]]] = {}
+
+    async def agenerate(self, prompt_ids, sampling, session_id=None):
+        turn = self.turns.get(session_id, 0)
+        self.turns[session_id] = turn + 1
+        if turn == 0:
+            gen = Generation(list(self.scripted), [-0.5] * len(self.scripted), "stop")
+        else:
+            gen = await self.model.agenerate(prompt_ids, sampling, session_id)
+        self.generated.setdefault(session_id, []).append(list(gen.response_ids))
+        return gen
+
+    def generate(self, prompts, sampling):
+        raise NotImplementedError("this scripted model serves agenerate only")
+
+    def update_weights(self, named_tensors):
+        self.model.update_weights(named_tensors)
+
+    def sleep(self):
+        pass
+
+    def wake_up(self):
+        pass
+
+    def close(self):
+        self.model.close()
+
+
+def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tephra.algos import ActorObjective, compute_advantages
+    from tephra.rollout.agent import AGENT_LOOPS, AgentLoopConfig
+    from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
+    from tephra.rollout.testing import build_tiny_model
+    from tephra.rollout.tools import load_tools
+
+    tiny = build_tiny_model(tmp_path / "tiny")
+    tok = AutoTokenizer.from_pretrained(tiny.path)
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+    model = get_rollout("hf", RolloutConfig(model_path=tiny.path, max_model_len=256))
+    scripted = FirstTurnScripted(tok, call, model)
+    sampling = SamplingParams(n=1, temperature=1.0, max_tokens=8, seed=3,
+                              stop_token_ids=(tok.eos_token_id,))
+    loop = AGENT_LOOPS.get("tool_agent")(
+        scripted, tok, sampling, AgentLoopConfig(max_turns=2, max_response_tokens=96),
+        load_tools(resolve_tools_file("python")))
+    messages = [{"role": "user", "content": "What is 6 * 7?"}]
+    prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=False), add_special_tokens=False)
+    requests = [{"messages": messages, "prompt_ids": prompt_ids, "sample_id": f"p0-{k}"}
+                for k in range(2)]
+    try:
+        samples = run_agent_requests(loop, requests)
+    finally:
+        scripted.close()
+
+    # the tool turn, written by hand from the tiny model's ChatML template
+    tool_turn = "\n<|im_start|>tool\n42\n<|im_end|>\n<|im_start|>assistant\n"
+    for s in samples:
+        assert (s["num_turns"], s["tool_calls"], s["tool_errors"]) == (2, 1, 0)
+        first, second = scripted.generated[s["sample_id"]]
+        assert s["response_ids"] == first + tok.encode(tool_turn, add_special_tokens=False) + second
+        n_tool = len(s["response_ids"]) - len(first) - len(second)
+        assert s["response_mask"] == [1] * len(first) + [0] * n_tool + [1] * len(second)
+        assert tok.decode(second[:-1] if s["finish_reason"] == "stop" else second) == s["answer"]
+
+    batch = agent_batch(samples, tok.pad_token_id, n=2)
+    assert batch["prompt_index"].tolist() == [0, 0]
+    assert batch["tool_calls"].tolist() == [1, 1]
+    metrics = agent_metrics(samples)
+    assert metrics["agent/tool_calls_mean"] == 1.0 and metrics["agent/turns_mean"] == 2.0
+    assert metrics["agent/tool_tokens"] == 2 * n_tool
+    assert metrics["agent/generated_tokens"] == int(batch["response_mask"].sum())
+
+    # The policy loss of the app (GRPO advantages, the actor objective) has zero gradient on
+    # tool tokens and a nonzero one on the model's tokens.
+    mask = batch["response_mask"]
+    rewards = outcome_token_rewards(torch.tensor([0.0, 1.0]), mask)
+    adv, _ = compute_advantages("grpo", token_rewards=rewards, response_mask=mask,
+                                group_ids=batch["prompt_index"])
+    log_probs = batch["rollout_log_probs"].clone().requires_grad_(True)
+    tokens = torch.full((2,), float(mask.sum()))
+    loss, _ = ActorObjective()(
+        {"log_probs": log_probs},
+        {"old_log_probs": batch["rollout_log_probs"], "advantages": adv.float(),
+         "response_mask": mask, "global_token_count": tokens,
+         "global_seq_count": torch.full((2,), 2.0)})
+    loss.backward()
+    tool_positions = (batch["attention_mask"] == 1) & (mask == 0)
+    tool_positions[:, : len(prompt_ids)] = False  # [B, P + R]: the prompt fills the first P
+    assert int(tool_positions.sum()) == 2 * n_tool
+    assert torch.all(log_probs.grad[tool_positions] == 0)
+    assert torch.all(log_probs.grad[mask == 1] != 0)
+
+
+def test_agent_config_errors():
+    with pytest.raises(ConfigError, match=r"rollout.agent_loop='tool_agent' needs rollout.tools_file"):
+        parse_config(["-p", "smoke_tools", "rollout.tools_file=null"])
+    with pytest.raises(ConfigError, match=r"rollout.agent_loop='tool_agnt' is not a registered agent loop"):
+        parse_config(["-p", "smoke_tools", "rollout.agent_loop=tool_agnt"])
+    with pytest.raises(ConfigError, match=r"96 \+ 500 = 596 tokens, more than batch.max_tokens_per_microbatch=512"):
+        parse_config(["-p", "smoke_tools", "rollout.max_response_tokens=500"])
+    with pytest.raises(ConfigError, match=r"rollout.tools_file='nope': no such file.*\['python'\]"):
+        resolve_tools_file("nope")
+    assert resolve_tools_file("python") == str(TOOLS / "python.yaml")
