@@ -57,14 +57,16 @@ def mount(src, tgt, fstype, flags, data=None):
         raise OSError(err, "mount %s on %s: %s" % (src, tgt, os.strerror(err)))
 try:
     if cfg["mounts"]:
-        mount(cfg["workdir"], "/tmp", None, MS_BIND | MS_REC)
-        for d in ("/var/tmp", "/dev/shm", "/run/lock"):
-            if os.path.isdir(d):
-                mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=1777" % cfg["tmpfs_bytes"])
+        # interpreter binds first: its files may live under /tmp or /var/tmp (a checkout
+        # there), which the private mounts below hide
         mount("tmpfs", "/mnt", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
         for src, tgt in cfg["binds"]:
             os.makedirs(tgt)
             mount(src, tgt, None, MS_BIND | MS_REC)
+        mount(cfg["workdir"], "/tmp", None, MS_BIND | MS_REC)
+        for d in ("/var/tmp", "/dev/shm", "/run/lock"):
+            if os.path.isdir(d):
+                mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=1777" % cfg["tmpfs_bytes"])
 except OSError as exc:
     os.write(2, ("sandbox setup failed: %s\n" % exc).encode())
     os._exit(125)
