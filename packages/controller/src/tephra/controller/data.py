@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,19 +121,28 @@ def reasoning_gym_records(task: str, size: int, seed: int,
     return out
 
 
+def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """The tokenizer's chat template of `messages`, ending with the assistant header."""
+    toks = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(toks, "keys"):  # transformers 5 returns a BatchEncoding
+        toks = toks["input_ids"]
+    return list(toks)
+
+
 def tokenize_prompts(records: list[PromptRecord], tokenizer: Any, max_prompt_tokens: int,
+                     render: Callable[[list[dict]], list[int]] | None = None,
                      ) -> tuple[list[list[int]], list[PromptRecord], int]:
     """Chat-template token ids of each prompt; returns (ids, kept records, number dropped).
 
-    A prompt longer than `max_prompt_tokens` is dropped (a truncated question is a different
-    question), and the count is reported so that a bad budget is visible.
+    `render` turns a prompt's messages into ids (default: the tokenizer's chat template; an
+    agent loop passes its own, which also lists the tools). A prompt longer than
+    `max_prompt_tokens` is dropped (a truncated question is a different question), and the
+    count is reported so that a bad budget is visible.
     """
+    render = render or (lambda messages: chat_prompt_ids(tokenizer, messages))
     ids, kept, dropped = [], [], 0
     for rec in records:
-        toks = tokenizer.apply_chat_template(rec.prompt, add_generation_prompt=True, tokenize=True)
-        if hasattr(toks, "keys"):  # transformers 5 returns a BatchEncoding
-            toks = toks["input_ids"]
-        toks = list(toks)
+        toks = render(rec.prompt)
         if len(toks) > max_prompt_tokens:
             dropped += 1
             continue

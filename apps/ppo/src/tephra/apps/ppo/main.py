@@ -82,28 +82,6 @@ def tool_schemas(cfg: PPOConfig) -> list[dict] | None:
     return [t.schema() for t in load_tools(resolve_tools_file(r.tools_file)).values()] or None
 
 
-def tokenize_agent_prompts(records: list[PromptRecord], tokenizer, max_prompt_tokens: int,
-                           schemas: list[dict] | None):
-    """`tokenize_prompts` for agent loops: the prompt as the loop renders it (its chat
-    template with the tools' schemas), so `data.max_prompt_tokens` bounds the real prompt."""
-    from tephra.controller.data import DatasetError
-    from tephra.rollout.agent import ChatTemplateDelta
-
-    chat = ChatTemplateDelta(tokenizer, schemas)
-    ids, kept, dropped = [], [], 0
-    for rec in records:
-        toks = chat.prompt_ids(rec.prompt)
-        if len(toks) > max_prompt_tokens:
-            dropped += 1
-            continue
-        ids.append(toks)
-        kept.append(rec)
-    if not kept:
-        raise DatasetError(f"every one of {len(records)} prompts (with the tools' schemas) is "
-                           f"longer than data.max_prompt_tokens={max_prompt_tokens}; raise it")
-    return ids, kept, dropped
-
-
 def engine_configs(cfg: PPOConfig, model_path: str):
     from tephra.engine_api.config import (
         EngineConfig,
@@ -187,13 +165,17 @@ def run(cfg: PPOConfig) -> dict:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     train_rec, val_rec = load_records(cfg)
+    render = None
     if cfg.rollout.uses_agent_loop:
-        schemas = tool_schemas(cfg)
+        # the prompt as the loop renders it (with the tools' schemas), so that
+        # data.max_prompt_tokens bounds the real prompt
+        from tephra.rollout.agent import ChatTemplateDelta
 
-        def tokenize(records, tok, limit):
-            return tokenize_agent_prompts(records, tok, limit, schemas)
-    else:
-        tokenize = tokenize_prompts
+        render = ChatTemplateDelta(tokenizer, tool_schemas(cfg)).prompt_ids
+
+    def tokenize(records, tok, limit):
+        return tokenize_prompts(records, tok, limit, render)
+
     train_ids, train_rec, dropped = tokenize(train_rec, tokenizer, cfg.data.max_prompt_tokens)
     val = Prompts([], [])
     if val_rec:
