@@ -4,7 +4,10 @@ group on Ray with a trivial worker (dispatch modes checked against a single-proc
 from __future__ import annotations
 
 import json
+import re
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,7 +16,14 @@ import torch
 from tensordict import TensorDict
 
 from tephra.controller.config import load_config, split_cli
-from tephra.controller.data import DatasetError, PromptLoader, load_parquet, reasoning_gym_records
+from tephra.controller.data import (
+    DatasetError,
+    PromptLoader,
+    PromptRecord,
+    load_hf_dataset,
+    load_parquet,
+    reasoning_gym_records,
+)
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.trackers import Trackers, read_jsonl
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup, ray_init
@@ -66,6 +76,68 @@ def test_parquet_rows_are_validated_with_row_and_field(tmp_path):
         load_parquet(tmp_path / "bad.parquet")
 
 
+VERL_ROWS = [
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}],
+     "data_source": "gsm8k", "reward_model": {"ground_truth": "2", "style": "rule"},
+     "extra_info": {"index": 0, "split": "train"}},
+    {"prompt": [{"role": "user", "content": "3*4?"}], "data_source": "math",
+     "reward_model": {"ground_truth": "12", "style": "rule"}, "extra_info": {"index": 1, "split": "x"}},
+]
+
+
+def records_by_hand(rows):
+    return [PromptRecord(r["prompt"], r["data_source"], r["reward_model"]["ground_truth"],
+                         r["extra_info"]) for r in rows]
+
+
+def test_hf_datasets_offline_folders_files_splits_and_row_errors(tmp_path, monkeypatch,
+                                                                 network_guard):
+    import datasets
+
+    # load_dataset converts data files into its cache: keep that under tmp_path
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    train, test = VERL_ROWS, [dict(VERL_ROWS[1], data_source="held_out")]
+    datasets.Dataset.from_list(train).save_to_disk(str(tmp_path / "single"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
+                          "test": datasets.Dataset.from_list(test)}).save_to_disk(str(tmp_path / "dict"))
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    (tmp_path / "files").mkdir()
+    pq.write_table(pa.Table.from_pylist(test), tmp_path / "files" / "part-0.parquet")
+
+    assert load_hf_dataset(str(tmp_path / "single"), "train") == records_by_hand(train)
+    assert load_hf_dataset(str(tmp_path / "dict"), "train") == records_by_hand(train)
+    assert load_hf_dataset(str(tmp_path / "dict"), "test") == records_by_hand(test)
+    assert load_hf_dataset(str(tmp_path / "rows.jsonl")) == records_by_hand(train)
+    assert load_hf_dataset(str(tmp_path / "files"), "train") == records_by_hand(test)
+
+    with pytest.raises(DatasetError, match=r"no split 'validation'; it has \['test', 'train'\]"):
+        load_hf_dataset(str(tmp_path / "dict"), "validation")
+    with pytest.raises(DatasetError, match=r"files\[valid\]: Unknown split"):
+        load_hf_dataset(str(tmp_path / "files"), "valid")
+    with pytest.raises(DatasetError, match=r"missing does not exist; set data.train_files"):
+        load_hf_dataset(str(tmp_path / "missing"), "train")
+    with pytest.raises(DatasetError, match=r"a single file holds only the split 'train', not 'test'"):
+        load_hf_dataset(str(tmp_path / "rows.jsonl"), "test")
+    (tmp_path / "rows.txt").write_text("x")
+    with pytest.raises(DatasetError, match=r"cannot read '.txt' files"):
+        load_hf_dataset(str(tmp_path / "rows.txt"))
+
+    # each broken row is named by its index in the split, with the field and the fix
+    bad = {
+        "no_source": (dict(VERL_ROWS[1], data_source=None), "data_source", "is missing"),
+        "no_truth": (dict(VERL_ROWS[1], reward_model={"style": "rule", "ground_truth": None}),
+                     "reward_model.ground_truth", "is missing"),
+        "no_content": (dict(VERL_ROWS[1], prompt=[{"role": "user", "content": None}]),
+                       "prompt", "holds .*, not a {role, content} message"),
+    }
+    for folder, (row, field_name, why) in bad.items():
+        datasets.Dataset.from_list([VERL_ROWS[0], row]).save_to_disk(str(tmp_path / folder))
+        with pytest.raises(DatasetError, match=rf"row 1 of .*{folder}\[train\]: field "
+                           rf"'{re.escape(field_name)}' {why}; each row needs 'prompt'"):
+            load_hf_dataset(str(tmp_path / folder), "train")
+    assert network_guard == []
+
+
 def test_reasoning_gym_is_reproducible_and_loader_resumes():
     a = reasoning_gym_records("basic_arithmetic", 5, seed=3)
     b = reasoning_gym_records("basic_arithmetic", 5, seed=3)
@@ -87,6 +159,54 @@ def test_trackers_write_jsonl_and_tensorboard(tmp_path):
     t.close()
     assert [r["reward/mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.5, 0.7]
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+MCP_SERVER = """
+from mcp.server.mcpserver import MCPServer
+server = MCPServer("calc")
+
+@server.tool()
+def add(a: int, b: int) -> int:
+    return a + b
+
+server.run("stdio")
+"""
+
+
+def server_processes(marker: str) -> list[int]:
+    """Live (not zombie) pids whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes() \
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+class EngineGone:
+    """A rollout engine whose close fails: the worker must close its tools anyway."""
+
+    def close(self):
+        raise RuntimeError("engine already gone")
+
+
+def test_rl_worker_close_closes_the_tools_it_built(tmp_path):
+    from tephra.controller.rl_worker import RLWorker
+    from tephra.rollout.tools import load_tools
+
+    server = tmp_path / "worker_mcp_server.py"
+    server.write_text(MCP_SERVER)
+    (tmp_path / "tools.yaml").write_text(
+        f"- class: mcp\n  config: {{command: {sys.executable}, args: [{server}]}}\n")
+    worker = RLWorker.__new__(RLWorker)  # no engines: only the shutdown path is under test
+    worker.rollout, worker._tools = EngineGone(), load_tools(tmp_path / "tools.yaml")
+    assert len(server_processes(str(server))) == 1
+    with pytest.raises(RuntimeError, match="engine already gone"):
+        worker.close()
+    assert server_processes(str(server)) == [] and worker._tools == {}
 
 
 class SumWorker(Worker):

@@ -51,7 +51,8 @@ def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord
         prompt = [{"role": "user", "content": prompt}]
     prompt = list(prompt)
     for m in prompt:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        # a struct column fills a missing key with None, so None counts as missing
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m.get("content") is None:
             raise fail("prompt", f"holds {m!r}, not a {{role, content}} message")
     source = row.get("data_source")
     if not isinstance(source, str) or not source:
@@ -78,17 +79,49 @@ def load_parquet(path: str | Path) -> list[PromptRecord]:
     return [record_from_row(r, i, path.name) for i, r in enumerate(rows)]
 
 
-def load_hf_dataset(name: str, split: str) -> list[PromptRecord]:
-    """A Hugging Face dataset saved with `save_to_disk` (a folder) or loadable by name."""
+DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+"""File suffix -> the `datasets` builder that reads it (`load_hf_dataset` of a single file)."""
+
+
+def load_hf_dataset(name: str, split: str = "train") -> list[PromptRecord]:
+    """Rows of a Hugging Face dataset, each validated as a verl-format row.
+
+    `name` is one of: a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`
+    (read with `load_from_disk`; `split` picks from a DatasetDict); a folder of data files or
+    a single .parquet / .jsonl / .json / .csv file (read with `load_dataset`; a single file is
+    the split "train"); otherwise a Hub name (`load_dataset(name, split=split)`, which needs
+    the network or the local Hub cache). A local path that does not exist is an error here,
+    not a Hub lookup.
+    """
     import datasets
 
-    if Path(name).is_dir():
-        ds = datasets.load_from_disk(name)
+    where = f"{name}[{split}]"
+    path = Path(name).expanduser()
+    if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DatasetError(f"hf dataset {name}: no split {split!r}; it has "
+                                   f"{sorted(ds)} (write data.train_files as 'path:split')")
             ds = ds[split]
+    elif path.is_file():
+        builder = DATA_FILE_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise DatasetError(f"hf dataset {name}: cannot read {path.suffix!r} files; use one of "
+                               f"{sorted(DATA_FILE_BUILDERS)}, a save_to_disk folder or a Hub name")
+        if split != "train":
+            raise DatasetError(f"hf dataset {name}: a single file holds only the split 'train', "
+                               f"not {split!r}; give one file per split")
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+    elif path.is_dir() or not (path.is_absolute() or name.startswith((".", "~"))):
+        try:
+            ds = datasets.load_dataset(str(path) if path.is_dir() else name, split=split)
+        except ValueError as exc:  # an unknown split names the splits it has
+            raise DatasetError(f"hf dataset {where}: {exc}") from exc
     else:
-        ds = datasets.load_dataset(name, split=split)
-    return [record_from_row(r, i, f"{name}[{split}]") for i, r in enumerate(ds)]
+        raise DatasetError(f"hf dataset {name} does not exist; set data.train_files to a "
+                           "save_to_disk folder, a data file or folder, or a Hub name")
+    return [record_from_row(r, i, where) for i, r in enumerate(ds)]
 
 
 REASONING_GYM_PREFIX = "reasoning_gym/"

@@ -274,4 +274,13 @@ class RLWorker(Worker):
 
     @dispatch(Dispatch.RANK_ZERO)
     def close(self) -> None:
-        self.rollout.close()
+        """Stop the rollout engine and close the agent loop's tools (MCP servers and their
+        processes, sandbox folders), which this worker built; runs on every rank."""
+        try:
+            self.rollout.close()
+        finally:
+            if self._tools:
+                from tephra.rollout.tools import close_tools
+
+                tools, self._tools = self._tools, {}
+                close_tools(tools.values())

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
+from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.registry import Registry
 
 TRACKERS: Registry[type] = Registry("tracker")
@@ -77,18 +79,30 @@ class TensorBoardTracker(Tracker):
         self.writer.close()
 
 
+def missing_extra(name: str, modules: str) -> ConfigError:
+    """The error for a tracker whose library is not installed: names the extra that brings it."""
+    return ConfigError(
+        f"trainer.trackers has {name!r} but {modules} is not installed; install the extra: "
+        f"pip install 'tephra-controller[{name}]' (in this workspace: uv sync installs it), "
+        f"or drop {name!r} from trainer.trackers"
+    )
+
+
 @TRACKERS.register("wandb")
 class WandbTracker(Tracker):
-    """Weights & Biases in offline mode (sync later with `wandb sync run_dir/wandb`)."""
+    """Weights & Biases in offline mode: the run is written under `run_dir/wandb/offline-run-*`
+    and nothing is sent; upload later with `wandb sync run_dir/wandb/offline-run-*`.
+
+    Metrics are logged with `step=` the trainer's step, so a step logged twice (training
+    metrics, then a validation score) lands in one history row.
+    """
 
     def __init__(self, run_dir, project, run_name, config):
         super().__init__(run_dir, project, run_name, config)
         try:
             import wandb
         except ImportError:
-            from tephra.engine_api.errors import ConfigError
-            raise ConfigError("trainer.trackers has 'wandb' but wandb is not installed; "
-                              "install tephra-controller[wandb]") from None
+            raise missing_extra("wandb", "wandb") from None
         self.run = wandb.init(project=project, name=run_name, config=config, mode="offline",
                               dir=str(run_dir))
 
@@ -101,28 +115,43 @@ class WandbTracker(Tracker):
 
 @TRACKERS.register("mlflow")
 class MlflowTracker(Tracker):
-    """MLflow to a local file store under `run_dir/mlruns`."""
+    """MLflow to a local SQLite store, `run_dir/mlflow.db` (artifacts in `run_dir/mlartifacts`).
+
+    View with `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db`. SQLite, not the
+    `./mlruns` folder store: MLflow 3 refuses the folder store unless MLFLOW_ALLOW_FILE_STORE
+    is set. The tracker talks through its own `MlflowClient`, so it leaves mlflow's global
+    tracking URI and active run alone. The config goes to the run's `config.json` artifact;
+    non-numeric and non-finite values are skipped, as for TensorBoard.
+    """
 
     def __init__(self, run_dir, project, run_name, config):
         super().__init__(run_dir, project, run_name, config)
         try:
-            import mlflow
+            import alembic  # noqa: F401 (the SQLite store needs it; mlflow-skinny leaves it out)
+            import sqlalchemy  # noqa: F401
+            from mlflow.entities import Metric
+            from mlflow.tracking import MlflowClient
         except ImportError:
-            from tephra.engine_api.errors import ConfigError
-            raise ConfigError("trainer.trackers has 'mlflow' but mlflow is not installed; "
-                              "install tephra-controller[mlflow]") from None
-        self.mlflow = mlflow
-        mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
-        mlflow.set_experiment(project)
-        mlflow.start_run(run_name=run_name)
+            raise missing_extra("mlflow", "mlflow-skinny (or sqlalchemy, alembic)") from None
+        self._metric = Metric
+        self.tracking_uri = "sqlite:///" + str((run_dir / "mlflow.db").resolve())
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        experiment = self.client.get_experiment_by_name(project)
+        experiment_id = (experiment.experiment_id if experiment is not None else
+                         self.client.create_experiment(
+                             project, artifact_location=(run_dir / "mlartifacts").resolve().as_uri()))
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        self.client.log_text(self.run_id, json.dumps(config, indent=1, default=str), "config.json")
 
     def log(self, metrics, step):
-        clean = {k.replace("/", "."): v for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and math.isfinite(v)}
-        self.mlflow.log_metrics(clean, step=step)
+        now_ms = int(time.time() * 1000)
+        batch = [self._metric(k, float(v), now_ms, step) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and math.isfinite(v)]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
 
     def close(self):
-        self.mlflow.end_run()
+        self.client.set_terminated(self.run_id)
 
 
 class Trackers:
@@ -130,7 +159,13 @@ class Trackers:
 
     def __init__(self, names: list[str], run_dir: Path, project: str, run_name: str,
                  config: dict[str, Any]) -> None:
-        self.items = [TRACKERS.get(n)(run_dir, project, run_name, config) for n in names]
+        self.items: list[Tracker] = []
+        try:
+            for name in names:
+                self.items.append(TRACKERS.get(name)(run_dir, project, run_name, config))
+        except BaseException:
+            self.close()  # a tracker that cannot start must not leave the others' files open
+            raise
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for t in self.items:

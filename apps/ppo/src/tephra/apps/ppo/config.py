@@ -162,7 +162,9 @@ class AlgorithmSection:
     let long truncated responses dominate the gradient (62% of samples hit the length cap by
     step 30, +26.5 points), `seq-mean-token-mean` brought the cap rate near 0 (+29 points)."""
     clip_ratio: float = 0.2
-    """PPO clip range."""
+    """PPO clip range: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio]."""
+    clip_ratio_high: float | None = None
+    """Upper clip range when it differs from `clip_ratio` (DAPO's clip-higher: 0.28)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     kl_coef: float = 0.0
@@ -175,6 +177,19 @@ class AlgorithmSection:
     """Discount (GAE)."""
     lam: float = 1.0
     """GAE lambda."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop prompt groups whose samples all got the same score (no
+    group-relative signal) and generate more prompts until `batch.prompts_per_step` groups
+    remain; filtered on the outcome score, before length shaping."""
+    max_gen_batches: int = 3
+    """Dynamic sampling: at most this many rounds of `batch.prompts_per_step` prompts per
+    step; a batch still short of informative groups is filled with flat ones."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: the last `overlong_buffer` tokens of the response budget
+    (`rollout.max_tokens`, or `rollout.max_response_tokens` with an agent loop) cost up to
+    `overlong_penalty_factor` of reward, linearly; 0 turns it off."""
+    overlong_penalty_factor: float = 1.0
+    """The penalty at the full response budget (added to the score as a negative reward)."""
 
 
 @dataclass
@@ -293,6 +308,19 @@ def validate(cfg: PPOConfig) -> None:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares samples of one "
             f"prompt; batch.samples_per_prompt={b.samples_per_prompt} must be >= 2")
+    a = cfg.algorithm
+    if a.max_gen_batches < 1:
+        raise ConfigError(f"algorithm.max_gen_batches={a.max_gen_batches} must be >= 1")
+    if a.dynamic_sampling and b.samples_per_prompt < 2:
+        raise ConfigError("algorithm.dynamic_sampling drops groups whose samples all scored the "
+                          f"same; batch.samples_per_prompt={b.samples_per_prompt} must be >= 2")
+    if not 0 <= a.overlong_buffer <= r.response_budget:
+        raise ConfigError(
+            f"algorithm.overlong_buffer={a.overlong_buffer} must be between 0 (off) and the "
+            f"response budget {budget_name}={r.response_budget}")
+    if a.overlong_penalty_factor < 0:
+        raise ConfigError(
+            f"algorithm.overlong_penalty_factor={a.overlong_penalty_factor} must be >= 0")
     if cfg.trainer.steps < 0:
         raise ConfigError(f"trainer.steps={cfg.trainer.steps} must be >= 0")
 

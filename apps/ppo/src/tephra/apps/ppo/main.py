@@ -134,7 +134,8 @@ def build_spec(cfg: PPOConfig, model_path: str):
                               hf=HFSettings(max_batch_rows=cfg.rollout.max_batch_rows)),
         reference=reference,
         actor_objective=ActorObjectiveConfig(
-            policy_loss=a.policy_loss, policy=PolicyLossConfig(clip_ratio=a.clip_ratio),
+            policy_loss=a.policy_loss, policy=PolicyLossConfig(clip_ratio=a.clip_ratio,
+                                                                 clip_ratio_high=a.clip_ratio_high),
             loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
             use_kl_loss=a.kl_coef > 0, kl_loss_coef=a.kl_coef, kl_loss_type=a.kl_loss_type),
         critic_objective=CriticObjectiveConfig(cliprange_value=cfg.critic.cliprange_value)

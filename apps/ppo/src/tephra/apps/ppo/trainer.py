@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,51 @@ from tephra.controller.worker_group import WorkerGroup
 class Prompts:
     ids: list[list[int]]
     records: list[PromptRecord]
+
+
+@dataclass
+class Round:
+    """One round of generation in a step: its samples and scores (prompt-major, `n` samples
+    per prompt) and which prompt groups the step trains on."""
+
+    samples: list[dict]
+    scores: list[float]
+    errors: int
+    n: int
+    kept_groups: list[int] = field(default_factory=list)
+    informative: int = 0
+    """Groups whose samples did not all score the same (dynamic sampling)."""
+    filler: int = 0
+    """How many of the kept groups are flat ones added to fill the batch."""
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.samples) // self.n
+
+    def keep(self, groups: list[int], filler: bool = False) -> None:
+        self.kept_groups = sorted(set(self.kept_groups) | set(groups))
+        self.filler += len(groups) if filler else 0
+
+    def _rows(self) -> list[int]:
+        return [g * self.n + k for g in self.kept_groups for k in range(self.n)]
+
+    @property
+    def kept(self) -> list[dict]:
+        return [self.samples[i] for i in self._rows()]
+
+    @property
+    def kept_scores(self) -> list[float]:
+        return [self.scores[i] for i in self._rows()]
+
+
+def dynamic_sampling_metrics(rounds: list[Round]) -> dict[str, float]:
+    """`dapo/*`: generation rounds, prompt groups generated, flat ones among them (all samples
+    scored the same), and flat groups trained on to fill the batch (0 when enough came)."""
+    generated = sum(r.n_groups for r in rounds)
+    return {"dapo/gen_rounds": float(len(rounds)),
+            "dapo/groups_generated": float(generated),
+            "dapo/groups_flat": float(generated - sum(r.informative for r in rounds)),
+            "dapo/groups_filled": float(sum(r.filler for r in rounds))}
 
 
 def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -80,26 +125,31 @@ class Trainer:
         """Samples of `ids` (prompt-major, `sampling.n` each) as a padded batch and per-sample
         dicts; through the agent loop when one is configured (`records` give its messages,
         `tag` makes its sample ids unique in the run)."""
+        samples = self.sample(ids, sampling, records, tag)
+        return self.to_batch(samples, sampling.n), samples
+
+    def sample(self, ids: list[list[int]], sampling, records: list[PromptRecord] | None,
+               tag: str) -> list[dict]:
+        if not self.agent:
+            return self.wg.generate(ids, sampling)
+        n = sampling.n
+        requests = [{"messages": rec.prompt, "prompt_ids": p, "sample_id": f"{tag}-{j}-{k}"}
+                    for j, (p, rec) in enumerate(zip(ids, records, strict=True)) for k in range(n)]
+        return self.wg.generate_agent(requests, sampling.replace(n=1))
+
+    def to_batch(self, samples: list[dict], n: int) -> TensorDict:
+        """Prompt-major samples (`n` per prompt) as the padded batch of tephra.engine_api."""
         from tephra.rollout.base import RolloutOutput
 
         if self.agent:
-            return self.generate_agent(ids, records, sampling, tag)
-        samples = self.wg.generate(ids, sampling)
+            return agent_batch(samples, self.tok.pad_token_id, n)
         out = RolloutOutput(
-            prompt_index=[i // sampling.n for i in range(len(samples))],
+            prompt_index=[i // n for i in range(len(samples))],
             prompt_ids=[s["prompt_ids"] for s in samples],
             response_ids=[s["response_ids"] for s in samples],
             log_probs=[s["log_probs"] for s in samples] if samples[0]["log_probs"] is not None else None,
             finish_reasons=[s["finish_reason"] for s in samples])
-        return out.to_batch(self.tok.pad_token_id), samples
-
-    def generate_agent(self, ids: list[list[int]], records: list[PromptRecord], sampling,
-                       tag: str) -> tuple[TensorDict, list[dict]]:
-        n = sampling.n
-        requests = [{"messages": rec.prompt, "prompt_ids": p, "sample_id": f"{tag}-{j}-{k}"}
-                    for j, (p, rec) in enumerate(zip(ids, records, strict=True)) for k in range(n)]
-        samples = self.wg.generate_agent(requests, sampling.replace(n=1))
-        return agent_batch(samples, self.tok.pad_token_id, n), samples
+        return out.to_batch(self.tok.pad_token_id)
 
     def score(self, samples: list[dict], records: list[PromptRecord]) -> tuple[list[float], int]:
         # Agent trajectories are scored on their final answer (the last assistant message,
@@ -131,6 +181,61 @@ class Trainer:
             config=AdvantageConfig(gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std))
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
 
+    def collect(self) -> list[Round]:
+        """This step's rounds of generation. Without dynamic sampling: one round of
+        `batch.prompts_per_step` prompts. With `algorithm.dynamic_sampling` (DAPO): groups whose
+        samples all got the same score (zero group-relative advantage) are dropped, and further
+        rounds are generated until `prompts_per_step` groups are kept or
+        `algorithm.max_gen_batches` rounds ran; a batch still short is filled with the dropped
+        groups of the last rounds (they carry no advantage) so its size never changes."""
+        from tephra.algos import filter_groups
+
+        cfg, n = self.cfg, self.cfg.batch.samples_per_prompt
+        want = cfg.batch.prompts_per_step
+        rounds: list[Round] = []
+        kept_groups = 0
+        while True:
+            r = len(rounds)
+            idx = self.loader.next_indices()
+            # round 0 keeps the seed of a run without dynamic sampling
+            seed = cfg.trainer.seed * 1_000_003 + self.step + r * 100_003
+            tag = f"step{self.step}" if r == 0 else f"step{self.step}r{r}"
+            records = [self.train.records[i] for i in idx]
+            samples = self.sample([self.train.ids[i] for i in idx],
+                                  self.sampling.replace(seed=seed), records, tag)
+            scores, errors = self.score(samples, [records[k // n] for k in range(len(samples))])
+            rnd = Round(samples, scores, errors, n)
+            rounds.append(rnd)
+            if not cfg.algorithm.dynamic_sampling:
+                rnd.keep(list(range(len(idx))))
+                return rounds
+            keep, _ = filter_groups(torch.tensor(scores, dtype=torch.float32),
+                                    torch.arange(len(samples)) // n)
+            informative = [g for g in range(len(idx)) if bool(keep[g * n])]
+            rnd.informative = len(informative)
+            rnd.keep(informative[: want - kept_groups])
+            kept_groups += len(rnd.kept_groups)
+            if kept_groups == want or len(rounds) == cfg.algorithm.max_gen_batches:
+                break
+        for rnd in reversed(rounds):  # fill up with the latest flat groups
+            unused = [g for g in range(rnd.n_groups) if g not in rnd.kept_groups]
+            fill = unused[: want - kept_groups]
+            rnd.keep(fill, filler=True)
+            kept_groups += len(fill)
+        return rounds
+
+    def length_shaping(self, samples: list[dict]) -> torch.Tensor:
+        """DAPO's soft overlong punishment added to each kept sample's score ([B]; zeros when
+        `algorithm.overlong_buffer` is 0), from the full response length (tool tokens count)."""
+        from tephra.algos import overlong_penalty
+
+        a = self.cfg.algorithm
+        if not a.overlong_buffer:
+            return torch.zeros(len(samples))
+        lengths = torch.tensor([len(s["response_ids"]) for s in samples])
+        return overlong_penalty(lengths, self.cfg.rollout.response_budget, a.overlong_buffer,
+                                a.overlong_penalty_factor)
+
     # ----- one RL step ---------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         cfg, times = self.cfg, {}
@@ -142,17 +247,19 @@ class Trainer:
             times[f"time/{name}_s"] = now - tick
             tick = now
 
-        idx = self.loader.next_indices()
         n = cfg.batch.samples_per_prompt
-        sampling = self.sampling.replace(seed=cfg.trainer.seed * 1_000_003 + self.step)
-        batch, samples = self.generate([self.train.ids[i] for i in idx], sampling,
-                                       [self.train.records[i] for i in idx], tag=f"step{self.step}")
+        rounds = self.collect()
+        samples = [s for r in rounds for s in r.kept]
+        batch = self.to_batch(samples, n)
         lap("generate")
-        records = [self.train.records[idx[k // n]] for k in range(len(samples))]
-        scores_list, errors = self.score(samples, records)
-        scores = torch.tensor(scores_list, dtype=torch.float32)
+        raw = torch.tensor([x for r in rounds for x in r.kept_scores], dtype=torch.float32)
+        shaping = self.length_shaping(samples)
+        scores = raw + shaping
         batch["rewards"] = scores
-        batch["uid"] = torch.tensor([idx[k // n] for k in range(len(samples))], dtype=torch.int64)
+        # one group id per prompt of the step (a prompt drawn twice forms two groups)
+        batch["uid"] = torch.arange(len(samples), dtype=torch.int64) // n
+        all_scores = [x for r in rounds for x in r.scores]
+        errors = sum(r.errors for r in rounds)
         lap("reward")
         if self.needs_ref:
             batch["ref_log_probs"] = self.wg.compute_ref_log_probs(batch)["log_probs"]
@@ -185,7 +292,9 @@ class Trainer:
         metrics.update({
             "reward/mean": float(scores.mean()),
             "reward/errors": float(errors),
-            "accuracy/train": sum(accuracy_of(s) for s in scores_list) / len(scores_list),
+            # over every sample generated this step (dropped groups included): the policy's
+            # accuracy, not the filtered batch's
+            "accuracy/train": sum(accuracy_of(s) for s in all_scores) / len(all_scores),
             "response/length_mean": float(resp_len.mean()),
             "response/clip_frac": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
             "perf/tokens_per_s": total_tokens / step_s,
@@ -196,6 +305,10 @@ class Trainer:
         })
         if self.agent:
             metrics.update(agent_metrics(samples))
+        if cfg.algorithm.overlong_buffer:
+            metrics["reward/overlong_penalty_mean"] = float(shaping.mean())
+        if cfg.algorithm.dynamic_sampling:
+            metrics.update(dynamic_sampling_metrics(rounds))
         if "actor/kl_mean" in metrics:
             metrics["actor/kl"] = metrics["actor/kl_mean"]
         return metrics

@@ -4,12 +4,14 @@ A tool has one OpenAI function schema (what the chat template shows the model) a
 per-trajectory lifecycle: `create` when a trajectory starts using it, `execute` for each call,
 `calc_reward` once at the end (a tool may score the trajectory, e.g. a test runner), `release`
 to free what `create` took. `instance_id` keys the per-trajectory state, so one tool object
-serves many trajectories in flight at once.
+serves many trajectories in flight at once. `close` ends the tool's own life: whoever built the
+tools (e.g. `load_tools` in the RL worker) calls `close_tools` once at shutdown.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +99,29 @@ class Tool(ABC):
     async def release(self, instance_id: str) -> None:
         """Free what `create` took; called once per trajectory, also after errors."""
         return None
+
+    def close(self) -> None:
+        """Free what the tool holds for its whole life (a server connection and its process,
+        working directories, an index). Called once by the owner after the last trajectory;
+        safe to call twice. Synchronous, so that shutdown paths without an event loop can
+        call it. Default: nothing to free."""
+        return None
+
+
+def close_tools(tools: Iterable[Tool]) -> None:
+    """Close every tool (each object once), even when some fail; then raise a `ToolError`
+    naming the tools that failed."""
+    failed, seen = [], set()
+    for tool in tools:
+        if id(tool) in seen:
+            continue
+        seen.add(id(tool))
+        try:
+            tool.close()
+        except Exception as exc:
+            failed.append(f"{tool.name or type(tool).__name__}: {exc!r}")
+    if failed:
+        raise ToolError(f"closing tools failed: {'; '.join(failed)}")
 
 
 TOOLS: Registry[type[Tool]] = Registry("tool")

@@ -68,6 +68,7 @@ class MCPToolset:
         self._closed: asyncio.Event | None = None
         self._served: Future | None = None
         self._listed: list[Any] = []
+        self._shut = False  # closed by its owner: no reconnecting
 
     def describe(self) -> str:
         return (
@@ -76,6 +77,9 @@ class MCPToolset:
 
     def start(self) -> list[Any]:
         """Connect (once) and return the server's tool descriptions."""
+        if self._shut:
+            raise ToolError(f"mcp: the connection to {self.describe()} was closed; "
+                            "load the tools again to use the server")
         if self._thread is not None:
             return self._listed
         self._loop = asyncio.new_event_loop()
@@ -88,7 +92,7 @@ class MCPToolset:
         try:
             self._listed = ready.result(timeout=self.timeout_s)
         except Exception as exc:
-            self.close()
+            self._disconnect()
             raise ToolError(
                 f"mcp: could not connect to the server ({self.transport}: {self.describe()}): {exc!r}"
             ) from exc
@@ -170,7 +174,12 @@ class MCPToolset:
         ]
 
     def close(self) -> None:
-        """Close the session and the server (stdio), stop the thread. Idempotent."""
+        """Close the session, stop the server's process (stdio) and the thread; later calls
+        are errors. Idempotent."""
+        self._shut = True
+        self._disconnect()
+
+    def _disconnect(self) -> None:
         if self._loop is None:
             return
         if self._closed is not None:
@@ -211,3 +220,8 @@ class MCPTool(Tool):
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         return await self.toolset.call(self.remote_name, arguments)
+
+    def close(self) -> None:
+        """Close the server connection (and stop a stdio server's process). The tools of one
+        server share it, so closing one closes it for all (later calls are errors)."""
+        self.toolset.close()

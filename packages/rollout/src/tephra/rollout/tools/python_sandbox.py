@@ -486,6 +486,13 @@ class PythonTool(Tool):
         if entry is not None:
             shutil.rmtree(entry[0], ignore_errors=True)
 
+    def close(self) -> None:
+        """Remove the working directories of trajectories never released (no sandbox process
+        outlives its call, so there is nothing else to stop)."""
+        for workdir, _ in self._instances.values():
+            shutil.rmtree(workdir, ignore_errors=True)
+        self._instances.clear()
+
     def describe(self) -> dict[str, Any]:
         return {"namespaced": self.sandbox.namespaced, **asdict(self.config)}
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tephra.rollout.tools.base import TOOLS, Tool, ToolConfigError, ToolResult
+from tephra.rollout.tools.base import TOOLS, Tool, ToolConfigError, ToolError, ToolResult
 
 
 def read_corpus(path: str | Path) -> tuple[list[str], list[str]]:
@@ -87,6 +87,8 @@ class SearchTool(Tool):
 
     def search(self, query: str) -> list[tuple[str, str, float]]:
         """(id, text, score) of the best passages, best first; only positive scores."""
+        if self.retriever is None:
+            raise ToolError(f"search tool {self.name!r} was closed; build a new one to search")
         k = min(self.top_k, len(self.texts))
         docs, scores = self.retriever.retrieve(self._tokenize([query]), k=k, show_progress=False)
         return [
@@ -94,6 +96,12 @@ class SearchTool(Tool):
             for d, s in zip(docs[0], scores[0])
             if s > 0
         ]
+
+    def close(self) -> None:
+        """Drop the index and the passages (the tool's memory); searching afterwards is an
+        error."""
+        self.retriever = None
+        self.ids, self.texts = [], []
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         query = arguments.get("query")

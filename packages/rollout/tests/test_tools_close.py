@@ -1,0 +1,132 @@
+"""`Tool.close` and `close_tools`: a closed MCP stdio tool's server process is gone, the
+python tool's leftover working directories are removed, the search index is dropped, and one
+failing tool does not keep the others open."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tephra.rollout.tools import (
+    MCPToolset,
+    PythonTool,
+    SearchTool,
+    Tool,
+    ToolError,
+    ToolResult,
+    close_tools,
+)
+
+SERVER = textwrap.dedent('''
+    from mcp.server.mcpserver import MCPServer
+    server = MCPServer("calc")
+
+    @server.tool()
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    @server.tool()
+    def neg(a: int) -> int:
+        """Negate an integer."""
+        return -a
+
+    if __name__ == "__main__":
+        server.run("stdio")
+''')
+
+
+def live_processes_with_arg(marker: str) -> list[int]:
+    """Pids whose command line holds `marker`, zombies (exited, not yet reaped) left out."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() not in (entry / "cmdline").read_bytes():
+                    continue
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def test_closed_mcp_stdio_tool_stops_its_server_process(tmp_path):
+    server = tmp_path / "close_server.py"
+    server.write_text(SERVER)
+    tools = MCPToolset(command=sys.executable, args=[str(server)], timeout_s=30).tools()
+    assert [t.name for t in tools] == ["add", "neg"]
+    assert asyncio.run(tools[0].execute("i", {"a": 2, "b": 3})).text == "5"
+    (pid,) = live_processes_with_arg(str(server))
+    assert pid != os.getpid()
+    close_tools(tools)  # both tools share the connection: closed once
+    assert live_processes_with_arg(str(server)) == []
+    tools[0].close()  # a second close is harmless
+    with pytest.raises(ToolError, match="connection to .*close_server.py was closed"):
+        asyncio.run(tools[1].execute("i", {"a": 1}))
+    assert live_processes_with_arg(str(server)) == []  # and did not start a new server
+
+
+def test_python_tool_close_removes_unreleased_working_directories(tmp_path):
+    tool = PythonTool(workdir_root=str(tmp_path))
+
+    async def trajectories():
+        for name in ("a", "b", "c"):
+            await tool.create(name)
+        await tool.release("b")
+
+    asyncio.run(trajectories())
+    assert len(list(tmp_path.iterdir())) == 2
+    tool.close()
+    assert list(tmp_path.iterdir()) == []
+    tool.close()
+
+
+def test_search_tool_close_drops_the_index(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "a", "text": "Paris is in France"}) + "\n")
+    tool = SearchTool(str(corpus), top_k=1)
+    assert [hit[0] for hit in tool.search("Paris")] == ["a"]
+    tool.close()
+    assert tool.retriever is None and tool.texts == []
+    with pytest.raises(ToolError, match="search tool 'search' was closed"):
+        tool.search("Paris")
+
+
+class Counted(Tool):
+    """Counts its closes; `fail` makes close raise."""
+
+    description = "test tool"
+
+    def __init__(self, name: str, fail: bool = False):
+        self.name, self.fail, self.closes = name, fail, 0
+
+    async def execute(self, instance_id, arguments):
+        return ToolResult("")
+
+    def close(self):
+        self.closes += 1
+        if self.fail:
+            raise RuntimeError("disk gone")
+
+
+class Plain(Tool):
+    name = "plain"
+
+    async def execute(self, instance_id, arguments):
+        return ToolResult("")
+
+
+def test_close_tools_closes_each_once_and_names_the_failures():
+    first, broken, last = Counted("first"), Counted("broken", fail=True), Counted("last")
+    with pytest.raises(ToolError, match=r"closing tools failed: broken: RuntimeError\('disk gone'\)"):
+        close_tools([first, broken, first, last])
+    assert (first.closes, broken.closes, last.closes) == (1, 1, 1)
+    assert Plain().close() is None  # the base class holds nothing
