@@ -124,3 +124,30 @@ def test_gradient_checkpointing_gives_the_same_step():
                             engine.optimizer_step()))
     assert results[0][0] == pytest.approx(results[1][0], abs=1e-6)
     assert results[0][1] == pytest.approx(results[1][1], rel=1e-5)
+
+
+def test_non_finite_grad_norm_skips_the_update():
+    """A NaN loss gives a NaN grad norm: the weights stay, the Adam state and schedule stay,
+    and the gradient buffers are cleared, so the next step equals a fresh engine's first."""
+    from tephra.engine_api.testing import nll_loss_fn
+
+    def nan_loss(outputs, mb):
+        loss, metrics = nll_loss_fn(outputs, mb)
+        return loss * float("nan"), metrics
+
+    batch = random_batch(SMALL["vocab_size"], num_sequences=4, seed=4)
+    engine = MegatronEngine.build(T.base_config(SMALL))
+    before = engine.hf_weights()
+    with engine.train_mode():
+        engine.forward_backward(batch, nan_loss)
+        assert math.isnan(engine.optimizer_step())
+    after = engine.hf_weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    fresh = MegatronEngine.build(T.base_config(SMALL))
+    results = []
+    for e in (engine, fresh):
+        with e.train_mode():
+            results.append((e.forward_backward(batch, nll_loss_fn)["loss"], e.optimizer_step()))
+    assert results[0] == results[1]
+    assert all(torch.equal(a, b) for a, b in zip(engine.hf_weights().values(),
+                                                  fresh.hf_weights().values()))

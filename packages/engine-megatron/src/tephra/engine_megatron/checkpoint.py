@@ -2,9 +2,10 @@
 
 Layout of a checkpoint folder:
     meta.json               model shape, parallel sizes and world size (written by rank 0)
-    rank_00000.pt ...       each rank's model shards, AdamW state, scheduler and RNG state
-Resuming needs the same parallel layout; the weights restored are bit-identical, so the next
-step is too.
+    rank_00000.pt ...       each rank's model shards, its slice of the float32 master weights
+                            and AdamW moments (the distributed optimizer's), lr schedule, RNG
+Resuming needs the same parallel layout (the slices follow the data-parallel size and the
+gradient-buffer layout); the state restored is bit-identical, so the next step is too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tephra.engine_api.errors import CheckpointError
 
 def _meta(engine) -> dict:
     return {
-        "format": "tephra-megatron-v1",
+        "format": "tephra-megatron-v2",
         "shape": dataclasses.asdict(engine.shape),
         "role": engine.config.model.role,
         "param_dtype": engine.config.precision.param_dtype,
@@ -40,8 +41,6 @@ def save(engine, path: Path) -> None:
     state = {
         "model": [c.state_dict() for c in engine.chunks],
         "optimizer": engine.optimizer.state_dict(),
-        "master": [m.detach() for m in engine.master] if engine.master is not engine.params else None,
-        "scheduler": engine.scheduler.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
     }
     torch.save(state, path / f"rank_{rank:05d}.pt")
@@ -65,12 +64,11 @@ def load(engine, path: Path) -> None:
     state = torch.load(shard, weights_only=False)
     for chunk, sd in zip(engine.chunks, state["model"]):
         chunk.load_state_dict(sd)
-    if state["master"] is not None:
-        with torch.no_grad():
-            for m, saved in zip(engine.master, state["master"]):
-                m.copy_(saved)
-    engine.optimizer.load_state_dict(state["optimizer"])
-    engine.scheduler.load_state_dict(state["scheduler"])
+    try:
+        engine.optimizer.load_state_dict(state["optimizer"])
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {str(path)!r}, {shard.name}: {err}; load it with the "
+                              "same model and layout") from err
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     dist.barrier()

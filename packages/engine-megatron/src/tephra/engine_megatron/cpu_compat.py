@@ -69,11 +69,14 @@ class _CudaToCpu(TorchFunctionMode):
     """Maps `device="cuda"` (factories, `.to`, `.cuda()`) to CPU inside megatron calls.
 
     megatron's schedules hard-code `device="cuda"` for token counters; this mode sends those
-    tensors to the CPU instead of failing.
+    tensors to the CPU instead of failing. It also names CPU tensor types as CUDA ones
+    (`_tensor_type`), which megatron's optimizers check.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.Tensor.type:
+            return _tensor_type(func, args, kwargs)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.pin_memory:
@@ -86,6 +89,23 @@ class _CudaToCpu(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         return func(*args, **kwargs)
+
+
+def _tensor_type(func, args, kwargs):
+    """`t.type()` answers with the CUDA type name ('torch.cuda.FloatTensor'): megatron's
+    distributed optimizer and grad clipping assert on it to tell fp32 from bf16 parameters.
+    A conversion `t.type('torch.cuda.X')` converts to the CPU type instead."""
+    target = args[1] if len(args) > 1 else kwargs.get("dtype")
+    if target is None:
+        name = func(*args, **kwargs)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+    if isinstance(target, str) and target.startswith("torch.cuda."):
+        target = target.replace("torch.cuda.", "torch.", 1)
+        args = (args[0], target, *args[2:]) if len(args) > 1 else args
+        if "dtype" in kwargs:
+            kwargs["dtype"] = target
+    kwargs.pop("non_blocking", None)
+    return func(*args, **kwargs)
 
 
 def apply() -> None:

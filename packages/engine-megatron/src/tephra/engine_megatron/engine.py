@@ -8,16 +8,16 @@ CUDA-less machine needs; no branch on the device lives here).
 Per step: `forward_backward` cuts this rank's batch into micro-batches by token budget,
 writes the global normalisers (summed over the data-parallel group), and runs megatron's
 pipeline schedule (no pipelining, 1F1B or interleaved); the loss function sees the same
-`[b, t]` outputs as `forward`. Gradients are summed over micro-batches by autograd and over
-data-parallel ranks in `optimizer_step`, so the gradient is that of the sum of the
-micro-batch losses over all ranks, whatever the split.
+`[b, t]` outputs as `forward`. Gradients are summed over micro-batches into megatron DDP's
+float32 buffers and reduce-scattered over data-parallel ranks in `optimizer_step`, so the
+gradient is that of the sum of the micro-batch losses over all ranks, whatever the split;
+each data-parallel rank then updates only its slice of the float32 master weights and Adam
+state (ZeRO-1, `distributed_optimizer`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,13 +34,14 @@ from tephra.engine_megatron import cpu_compat
 cpu_compat.apply()
 
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from tephra.engine_megatron import checkpoint as ckpt  # noqa: E402
 from tephra.engine_megatron import hf_conversion as conv  # noqa: E402
 from tephra.engine_megatron import parallel_setup  # noqa: E402
+from tephra.engine_megatron.distributed_optimizer import DistributedAdamW  # noqa: E402
 from tephra.engine_megatron.hf_loading import load_hf  # noqa: E402
-from tephra.engine_megatron.lr_schedule import lr_factor  # noqa: E402
 from tephra.engine_megatron.micro_batches import (  # noqa: E402
     ModelInputs,
     cp_gather,
@@ -87,15 +88,10 @@ class MegatronEngine(Engine):
             ]
         self._load_hf_state(hf_state)
         del hf_state
-        self.params = [p for c in self.chunks for p in c.parameters()]
-        # AdamW updates float32 master weights; with bf16 compute they are separate copies
-        self.master = (self.params if self.dtype == torch.float32 else
-                       [p.detach().float().clone().requires_grad_(True) for p in self.params])
-        opt = config.optimizer
-        self.optimizer = torch.optim.AdamW(self.master, lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                                           weight_decay=opt.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(config.scheduler, step))
+        self._mark_tensor_parallel()
+        # DDP buffers + AdamW on this data-parallel rank's slice of the float32 masters
+        self.optimizer = DistributedAdamW(self.chunks, self.tconfig, config.optimizer,
+                                          config.scheduler)
         self._fb_func = get_forward_backward_func()
         self._training = False
 
@@ -140,17 +136,6 @@ class MegatronEngine(Engine):
                               f"{p.expert}")
 
     # ----- names and groups ---------------------------------------------------------------
-    def _named_params(self) -> Iterator[tuple[conv.Match, str, torch.nn.Parameter]]:
-        for chunk in self.chunks:
-            offsets = self._layer_offsets(chunk)
-            for name, p in chunk.named_parameters():
-                yield conv.match(name, offsets), name, p
-
-    def _tied_across_stages(self, name: str) -> bool:
-        return (self.shape.tie_word_embeddings and self.config.model.role == "policy"
-                and self.config.parallel.pipeline > 1
-                and name in ("gpt.embedding.word_embeddings.weight", "gpt.output_layer.weight"))
-
     def _layer_offsets(self, chunk: TephraGPT) -> dict[int, int]:
         return {i: layer.layer_number - 1 for i, layer in enumerate(chunk.gpt.decoder.layers)}
 
@@ -190,6 +175,18 @@ class MegatronEngine(Engine):
                             f"weight {m.hf_names} gives shape {list(value.shape)} for megatron "
                             f"{name} {list(param.shape)}: the HF folder does not match its config")
                     param.copy_(value.to(param.dtype))
+
+    def _mark_tensor_parallel(self) -> None:
+        """Tag every split weight `tensor_model_parallel`, as megatron's layers do only when
+        they initialise weights themselves (`perform_initialization=False` skips it): the
+        optimizer's grad norm counts an untagged weight on TP rank 0 alone, as a replica."""
+        for chunk in self.chunks:
+            offsets = self._layer_offsets(chunk)
+            for name, param in chunk.named_parameters():
+                kind = conv.match(name, offsets).kind
+                if kind != "rep" and not hasattr(param, "tensor_model_parallel"):
+                    dim = 1 if kind in ("row", "expert_down") else 0
+                    tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
 
     # ----- lifecycle ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -307,10 +304,11 @@ class MegatronEngine(Engine):
         vpp = len(self.chunks)
         iters = [iter(range(len(inputs))) for _ in range(vpp)]
         with cpu_compat.device_scope():
+            model = self.optimizer.ddp_chunks
             self._fb_func(
                 forward_step_func=forward_step,
                 data_iterator=iters if vpp > 1 else iters[0],
-                model=self.chunks if vpp > 1 else self.chunks[0],
+                model=model if vpp > 1 else model[0],
                 num_microbatches=len(inputs),
                 seq_length=max(x.attention_mask.shape[-1] for x in inputs),
                 micro_batch_size=max(x.input_ids.shape[0] for x in inputs),
@@ -338,72 +336,18 @@ class MegatronEngine(Engine):
         return None, metrics
 
     # ----- optimisation -------------------------------------------------------------------
-    def _sync_grads(self) -> None:
-        """Sum gradients where megatron leaves partial ones: sequence-parallel norms over TP,
-        dense weights over data (and context) parallel ranks, expert weights over expert
-        data-parallel ranks."""
-        tp = ps.get_tensor_model_parallel_world_size()
-        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-        edp = ps.get_expert_data_parallel_group()
-        for m, name, p in self._named_params():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if self._tied_across_stages(name):
-                # the first stage's embedding and the last stage's output layer are one weight
-                dist.all_reduce(p.grad, group=ps.get_embedding_group())
-            if tp > 1 and getattr(p, "sequence_parallel", False):
-                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-            if not m.is_expert:
-                if dist.get_world_size(dp_cp) > 1:
-                    dist.all_reduce(p.grad, group=dp_cp)
-            elif dist.get_world_size(edp) > 1:
-                dist.all_reduce(p.grad, group=edp)
-
-    def _grad_norm(self) -> float:
-        """sqrt of the sum of squares over every distinct parameter entry: each shard is
-        counted by one rank (TP replicas by TP rank 0, data-parallel replicas by DP rank 0)."""
-        total = torch.zeros((), dtype=torch.float64)
-        tp_rank = ps.get_tensor_model_parallel_rank()
-        dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-        etp_rank = ps.get_expert_tensor_parallel_rank()
-        edp_rank = ps.get_expert_data_parallel_rank()
-        for m, name, p in self._named_params():
-            sharded = m.kind != "rep"
-            if self._tied_across_stages(name) and name.startswith("gpt.output_layer"):
-                continue  # counted once, as the first stage's embedding
-            if not m.is_expert:
-                owned = (sharded or tp_rank == 0) and dp_rank == 0
-            else:
-                owned = (sharded or etp_rank == 0) and edp_rank == 0
-            if owned:
-                total += p.grad.double().pow(2).sum()
-        dist.all_reduce(total)
-        return float(total.sqrt())
+    @property
+    def master(self) -> list[torch.Tensor]:
+        """This rank's float32 master-weight slices (1-D views into flat buffers)."""
+        return self.optimizer.master_params()
 
     def optimizer_step(self) -> float:
-        self._sync_grads()
-        norm = self._grad_norm()
-        clip = self.config.optimizer.grad_clip
-        if math.isfinite(norm):
-            scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-            for p, m in zip(self.params, self.master):
-                if m is p:
-                    p.grad.mul_(scale)
-                else:
-                    m.grad = p.grad.float() * scale
-            self.optimizer.step()
-            if self.master is not self.params:
-                with torch.no_grad():
-                    for p, m in zip(self.params, self.master):
-                        p.copy_(m)
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in self.params:
-            p.grad = None
-        return norm
+        """Reduce-scatter the gradients, clip by the global norm, update this rank's slice,
+        all-gather the parameters; a non-finite norm skips the update. Returns the norm."""
+        return self.optimizer.step()
 
     def lr_scheduler_step(self) -> float:
-        self.scheduler.step()
-        return float(self.optimizer.param_groups[0]["lr"])
+        return self.optimizer.lr_step()
 
     # ----- weights ------------------------------------------------------------------------
     def hf_weights(self, untie_word_embeddings: bool = False) -> dict[str, torch.Tensor]:

@@ -233,6 +233,15 @@ class TephraGPT(torch.nn.Module):
     def set_input_tensor(self, input_tensor) -> None:
         self.gpt.set_input_tensor(input_tensor)
 
+    # megatron's finalize_model_grads finds the tied embedding through the chunk that owns
+    # `pre_process` (this wrapper), so it answers for the GPTModel inside
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.gpt.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        return self.gpt.shared_embedding_or_output_weight()
+
     def rotary(self, position_ids: torch.Tensor) -> torch.Tensor:
         """RoPE angles from the batch's own position ids (they restart per packed sequence
         and skip left padding): `[s, b, 1, head_dim]`."""

@@ -123,3 +123,63 @@ def rank_first_step(model_path: str, parallel: dict[str, Any], batch, export_to:
         metrics = engine.forward_backward(batch, nll_loss_fn)
         norm = engine.optimizer_step()
     return metrics["loss"], norm, {k: out[k] for k in out.keys()}
+
+
+def rank_dp_steps(hf_config: dict[str, Any], batch, workdir: str, steps: int = 3,
+                  save_after: int = 2, parallel: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Data parallelism over the ranks that `parallel` leaves (all of them by default; a world
+    of one gives the DP=1 reference):
+    `steps` AdamW steps (cosine lr) on this rank's contiguous share of `batch`, a checkpoint
+    after `save_after` steps; then a fresh engine loads it and takes the remaining steps.
+    Returns per-step losses and grad norms, the final HF weights, this rank's optimizer slice
+    size (`local_numel`), the model's parameter count on this rank (`param_numel`), `dp_size`,
+    and the
+    resumed run's losses, norms and weights (`resumed_*`). Weights are numpy arrays: they
+    pickle by value (torch tensors cross the result queue as shared memory of a process that
+    may already have exited)."""
+    from tephra.engine_api import batch as B
+    from tephra.engine_api.testing import nll_loss_fn
+    from tephra.engine_megatron.engine import MegatronEngine
+
+    # lr 1e-3: Adam's step direction g / (sqrt(v) + eps) of an entry whose gradient is near
+    # eps amplifies fp32 summation-order differences (DP=2 adds two shares' gradients, DP=1
+    # one); the weight difference scales with lr, and 1e-3 keeps it well under 1e-5
+    config = apply_overrides(
+        base_config(hf_config, parallel, scheduler={"name": "cosine", "total_steps": steps + 1,
+                                          "min_lr_ratio": 0.1}),
+        {"optimizer.lr": 1e-3})
+
+    def step(engine) -> tuple[float, float]:
+        rows = batch.batch_size[0] // engine.dp_size
+        share = B.trim_padding(batch[engine.dp_rank * rows:(engine.dp_rank + 1) * rows])
+        with engine.train_mode():
+            loss = engine.forward_backward(share, nll_loss_fn)["loss"]
+            norm = engine.optimizer_step()
+            engine.lr_scheduler_step()
+        return loss, norm
+
+    engine = MegatronEngine.build(config)
+    out: dict[str, Any] = {
+        "local_numel": engine.optimizer.local_numel(),
+        "param_numel": sum(p.numel() for c in engine.chunks for p in c.parameters()),
+        "dp_size": engine.dp_size,
+    }
+    results = []
+    for i in range(steps):
+        if i == save_after:
+            engine.save_checkpoint(Path(workdir) / "ck")
+        results.append(step(engine))
+    out["losses"], out["norms"] = [r[0] for r in results], [r[1] for r in results]
+    out["weights"] = {k: v.numpy() for k, v in engine.hf_weights().items()}
+    resumed = MegatronEngine.build(config)
+    resumed.load_checkpoint(Path(workdir) / "ck")
+    results = [step(resumed) for _ in range(save_after, steps)]
+    out["resumed_losses"], out["resumed_norms"] = [r[0] for r in results], [r[1] for r in results]
+    out["resumed_weights"] = {k: v.numpy() for k, v in resumed.hf_weights().items()}
+    return out
+
+
+def rank_sequence(calls: list[tuple[Any, tuple]]) -> list[Any]:
+    """Several rank functions `(fn, args)` one after the other in one process group (saves a
+    process start, ~10 s of importing megatron per rank, per call)."""
+    return [fn(*args) for fn, args in calls]
