@@ -91,6 +91,23 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
 
 
 @pytest.mark.multiproc
+def test_smoke_preset_on_megatron_matches_fsdp(ray_session, tmp_path):
+    """`actor.engine=megatron`, nothing else changed: the first step's rollout is the same
+    (same initial weights and seeds) and the update agrees with FSDP's to parity tolerance."""
+    first = {}
+    for engine in ("fsdp", "megatron"):
+        run(_smoke(tmp_path, f"actor.engine={engine}", "trainer.steps=1",
+                   f"trainer.run_dir={tmp_path / engine}"))
+        (first[engine],) = read_jsonl(tmp_path / engine / "metrics.jsonl")
+    fsdp, mega = first["fsdp"], first["megatron"]
+    assert fsdp["actor/grad_norm"] > 0
+    for key in ("reward/mean", "response/length_mean", "perf/trained_tokens"):
+        assert fsdp[key] == mega[key], key
+    for key, tol in (("actor/pg_loss", 1e-5), ("actor/entropy", 1e-5), ("actor/grad_norm", 1e-4)):
+        assert abs(fsdp[key] - mega[key]) <= tol, (key, fsdp[key], mega[key])
+
+
+@pytest.mark.multiproc
 def test_reward_failing_everywhere_is_one_clear_error(ray_session, tmp_path):
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

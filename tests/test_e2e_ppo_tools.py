@@ -28,15 +28,17 @@ AGENT_KEYS = ("agent/turns_mean", "agent/tool_calls_mean", "agent/tool_errors_me
 
 
 @pytest.mark.multiproc
-def test_smoke_tools_preset_runs_multiturn_grpo(tmp_path):
+def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(tmp_path):
     import ray
 
     from tephra.controller.worker_group import ray_init
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
+    # two ranks: each runs the agent loop on its share of prompts, FSDP over gloo trains
     cfg = parse_config(["-p", "smoke_tools", f"reward.custom_function_path={reward}",
-                        "trainer.val_after=true", f"trainer.run_dir={tmp_path / 'run'}"])
+                        "trainer.val_after=true", "resources.world_size=2",
+                        f"trainer.run_dir={tmp_path / 'run'}"])
     ray_init(num_cpus=2)
     try:
         summary = run(cfg)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tephra.engine_api import CheckpointError, ConfigError, SchedulerConfig, apply_overrides
-from tephra.engine_api.testing import random_batch
+from tephra.engine_api.testing import nll_loss_fn, random_batch
 from tephra.engine_megatron import testing as T
 from tephra.engine_megatron.engine import MegatronEngine
 from tephra.engine_megatron.lr_schedule import lr_factor
@@ -151,3 +151,32 @@ def test_non_finite_grad_norm_skips_the_update():
     assert results[0] == results[1]
     assert all(torch.equal(a, b) for a, b in zip(engine.hf_weights().values(),
                                                   fresh.hf_weights().values()))
+
+
+def test_padding_row_of_the_embedding_is_not_trained():
+    """transformers' embedding has `padding_idx=pad_token_id`: that row gets no gradient even
+    where the pad id is a real (sampled) token. The engine must do the same, or its grad norm
+    and update differ from HF's (and FSDP's) on such a batch."""
+    cfg = {**SMALL, "pad_token_id": 3}
+    engine = MegatronEngine.build(T.base_config(cfg))
+    ref = T.HFReference(cfg).model
+    batch = random_batch(cfg["vocab_size"], num_sequences=4, seed=2)
+    ids = batch["input_ids"]
+    ids[batch["response_mask"].bool() & (torch.arange(ids.shape[1]) % 3 == 0)] = 3
+    before = engine.hf_weights()["model.embed_tokens.weight"].clone()
+
+    logp = torch.log_softmax(ref(input_ids=ids, attention_mask=batch["attention_mask"],
+                                 position_ids=batch["position_ids"]).logits.float(), -1)
+    lp = torch.zeros(ids.shape)
+    lp[:, 1:] = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    mask = batch["response_mask"].float()
+    (-(lp * mask).sum() / mask.sum()).backward()
+    want = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters()))
+    assert ref.model.embed_tokens.weight.grad[3].abs().sum() == 0  # what HF does
+
+    with engine.train_mode():
+        engine.forward_backward(batch, nll_loss_fn)
+        norm = engine.optimizer_step()
+    assert abs(norm - float(want)) <= 1e-4
+    after = engine.hf_weights()["model.embed_tokens.weight"]
+    assert torch.equal(after[3], before[3]) and not torch.equal(after, before)

@@ -89,6 +89,7 @@ class MegatronEngine(Engine):
         self._load_hf_state(hf_state)
         del hf_state
         self._mark_tensor_parallel()
+        self._keep_padding_row()
         # DDP buffers + AdamW on this data-parallel rank's slice of the float32 masters
         self.optimizer = DistributedAdamW(self.chunks, self.tconfig, config.optimizer,
                                           config.scheduler)
@@ -187,6 +188,23 @@ class MegatronEngine(Engine):
                 if kind != "rep" and not hasattr(param, "tensor_model_parallel"):
                     dim = 1 if kind in ("row", "expert_down") else 0
                     tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
+
+    def _keep_padding_row(self) -> None:
+        """transformers builds the input embedding with `padding_idx=pad_token_id`, whose row
+        never receives a gradient, even where the policy emitted that id as a real token (and
+        the row is often zero, so its gradient through the norm would be huge). Zero that
+        row's gradient here too, or the backends part ways on such a batch."""
+        pad = getattr(self.hf_config, "pad_token_id", None)
+        if pad is None:
+            return
+        for chunk in self.chunks:
+            emb = getattr(chunk.gpt, "embedding", None)
+            if emb is None:  # not the first pipeline stage
+                continue
+            layer = emb.word_embeddings
+            if layer.vocab_start_index <= pad < layer.vocab_end_index:
+                row = pad - layer.vocab_start_index
+                layer.weight.register_hook(lambda g, row=row: g.index_fill(0, torch.tensor([row]), 0.0))
 
     # ----- lifecycle ----------------------------------------------------------------------
     @contextlib.contextmanager
