@@ -152,13 +152,16 @@ def test_reasoning_gym_is_reproducible_and_loader_resumes():
     assert all(len(set(s)) == 4 for s in seq)
 
 
-def test_trackers_write_jsonl_and_tensorboard(tmp_path):
+def test_trackers_write_jsonl_and_tensorboard(tmp_path, capsys):
     t = Trackers(["jsonl", "tensorboard", "console"], tmp_path, "p", "r", {})
-    t.log({"reward/mean": 0.5}, 1)
+    t.log({"reward/mean": 0.5, "critic/loss": 2.0}, 1)
     t.log({"reward/mean": 0.7}, 2)
+    t.log({"loss": 1.25, "grad_norm": 3.0}, 3)  # no RL headline metric (SFT): all of them
     t.close()
-    assert [r["reward/mean"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.5, 0.7]
+    assert [r.get("reward/mean") for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.5, 0.7, None]
     assert any((tmp_path / "tensorboard").iterdir())
+    assert capsys.readouterr().out.splitlines() == [
+        "step 1: mean=0.5", "step 2: mean=0.7", "step 3: loss=1.25 grad_norm=3"]
 
 
 MCP_SERVER = """

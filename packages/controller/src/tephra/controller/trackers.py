@@ -48,14 +48,16 @@ class JsonlTracker(Tracker):
 
 @TRACKERS.register("console")
 class ConsoleTracker(Tracker):
-    """A short line per step with the headline metrics."""
+    """A short line per step with the headline metrics (RL runs), or every metric when none
+    of them is logged (e.g. SFT's loss and grad norm)."""
 
     KEYS = ("reward/mean", "accuracy/train", "accuracy/val", "actor/kl", "actor/entropy",
             "response/length_mean", "actor/grad_norm", "time/step_s")
 
     def log(self, metrics, step):
-        parts = [f"{k.split('/')[-1] if k != 'accuracy/val' else 'val_acc'}="
-                 f"{metrics[k]:.4g}" for k in self.KEYS if k in metrics]
+        keys = [k for k in self.KEYS if k in metrics] or list(metrics)
+        parts = [f"{k.split('/')[-1] if k != 'accuracy/val' else 'val_acc'}={metrics[k]:.4g}"
+                 for k in keys if isinstance(metrics[k], (int, float))]
         print(f"step {step}: " + " ".join(parts), flush=True)
 
 
