@@ -153,11 +153,13 @@ def test_non_finite_grad_norm_skips_the_update():
                                                   fresh.hf_weights().values()))
 
 
-def test_padding_row_of_the_embedding_is_not_trained():
-    """transformers' embedding has `padding_idx=pad_token_id`: that row gets no gradient even
-    where the pad id is a real (sampled) token. The engine must do the same, or its grad norm
-    and update differ from HF's (and FSDP's) on such a batch."""
-    cfg = {**SMALL, "pad_token_id": 3}
+@pytest.mark.parametrize("tied", [False, True])
+def test_padding_row_of_the_embedding_is_not_trained(tied):
+    """transformers' embedding has `padding_idx=pad_token_id`: its lookups pass no gradient to
+    that row, even where the pad id is a real (sampled) token; a tied output layer still
+    trains it. The engine must agree, or its grad norm and update differ from HF's (and
+    FSDP's) on such a batch."""
+    cfg = {**SMALL, "pad_token_id": 3, "tie_word_embeddings": tied}
     engine = MegatronEngine.build(T.base_config(cfg))
     ref = T.HFReference(cfg).model
     batch = random_batch(cfg["vocab_size"], num_sequences=4, seed=2)
@@ -172,11 +174,12 @@ def test_padding_row_of_the_embedding_is_not_trained():
     mask = batch["response_mask"].float()
     (-(lp * mask).sum() / mask.sum()).backward()
     want = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters()))
-    assert ref.model.embed_tokens.weight.grad[3].abs().sum() == 0  # what HF does
+    pad_row_grad = ref.model.embed_tokens.weight.grad[3].abs().sum()
+    assert (pad_row_grad > 0) == tied  # what HF does: only the tied head trains the row
 
     with engine.train_mode():
         engine.forward_backward(batch, nll_loss_fn)
         norm = engine.optimizer_step()
     assert abs(norm - float(want)) <= 1e-4
     after = engine.hf_weights()["model.embed_tokens.weight"]
-    assert torch.equal(after[3], before[3]) and not torch.equal(after, before)
+    assert torch.equal(after[3], before[3]) != tied and not torch.equal(after, before)

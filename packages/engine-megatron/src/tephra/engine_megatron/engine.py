@@ -190,21 +190,27 @@ class MegatronEngine(Engine):
                     tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
 
     def _keep_padding_row(self) -> None:
-        """transformers builds the input embedding with `padding_idx=pad_token_id`, whose row
-        never receives a gradient, even where the policy emitted that id as a real token (and
-        the row is often zero, so its gradient through the norm would be huge). Zero that
-        row's gradient here too, or the backends part ways on such a batch."""
+        """transformers builds the input embedding with `padding_idx=pad_token_id`: the lookup
+        of that id passes no gradient to the table, even where a policy sampled the id as a
+        real token (and the row is often zero, so its gradient through the norm would be
+        huge). Block the same gradient here, at the lookup's output, so that a tied output
+        layer still trains the row as transformers' does."""
         pad = getattr(self.hf_config, "pad_token_id", None)
         if pad is None:
             return
+
+        def block_pad_lookups(module, args, output):
+            is_pad = args[0] == pad  # [b, s]
+            if module.reduce_scatter_embeddings:  # sequence parallel: output is [s / tp, b, h]
+                is_pad = is_pad.transpose(0, 1)
+                n = is_pad.shape[0] // module.tp_group.size()
+                is_pad = is_pad[module.tp_group.rank() * n:(module.tp_group.rank() + 1) * n]
+            return torch.where(is_pad[..., None], output.detach(), output)
+
         for chunk in self.chunks:
             emb = getattr(chunk.gpt, "embedding", None)
-            if emb is None:  # not the first pipeline stage
-                continue
-            layer = emb.word_embeddings
-            if layer.vocab_start_index <= pad < layer.vocab_end_index:
-                row = pad - layer.vocab_start_index
-                layer.weight.register_hook(lambda g, row=row: g.index_fill(0, torch.tensor([row]), 0.0))
+            if emb is not None:  # the first pipeline stage
+                emb.word_embeddings.register_forward_hook(block_pad_lookups)
 
     # ----- lifecycle ----------------------------------------------------------------------
     @contextlib.contextmanager
