@@ -7,7 +7,6 @@ import json
 import re
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -28,6 +27,7 @@ from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.trackers import Trackers, read_jsonl
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup, ray_init
 from tephra.engine_api.errors import BatchError, ConfigError
+from tephra.rollout.testing import CALC_MCP_SERVER, live_processes
 
 
 @dataclass
@@ -164,31 +164,6 @@ def test_trackers_write_jsonl_and_tensorboard(tmp_path, capsys):
         "step 1: mean=0.5", "step 2: mean=0.7", "step 3: loss=1.25 grad_norm=3"]
 
 
-MCP_SERVER = """
-from mcp.server.mcpserver import MCPServer
-server = MCPServer("calc")
-
-@server.tool()
-def add(a: int, b: int) -> int:
-    return a + b
-
-server.run("stdio")
-"""
-
-
-def server_processes(marker: str) -> list[int]:
-    """Live (not zombie) pids whose command line holds `marker`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes() \
-                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 class EngineGone:
     """A rollout engine whose close fails: the worker must close its tools anyway."""
 
@@ -201,15 +176,15 @@ def test_rl_worker_close_closes_the_tools_it_built(tmp_path):
     from tephra.rollout.tools import load_tools
 
     server = tmp_path / "worker_mcp_server.py"
-    server.write_text(MCP_SERVER)
+    server.write_text(CALC_MCP_SERVER)
     (tmp_path / "tools.yaml").write_text(
         f"- class: mcp\n  config: {{command: {sys.executable}, args: [{server}]}}\n")
     worker = RLWorker.__new__(RLWorker)  # no engines: only the shutdown path is under test
     worker.rollout, worker._tools = EngineGone(), load_tools(tmp_path / "tools.yaml")
-    assert len(server_processes(str(server))) == 1
+    assert len(live_processes(str(server))) == 1
     with pytest.raises(RuntimeError, match="engine already gone"):
         worker.close()
-    assert server_processes(str(server)) == [] and worker._tools == {}
+    assert live_processes(str(server)) == [] and worker._tools == {}
 
 
 class SumWorker(Worker):

@@ -8,11 +8,10 @@ import asyncio
 import json
 import os
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
+from tephra.rollout.testing import CALC_MCP_SERVER, live_processes
 from tephra.rollout.tools import (
     MCPToolset,
     PythonTool,
@@ -23,55 +22,21 @@ from tephra.rollout.tools import (
     close_tools,
 )
 
-SERVER = textwrap.dedent('''
-    from mcp.server.mcpserver import MCPServer
-    server = MCPServer("calc")
-
-    @server.tool()
-    def add(a: int, b: int) -> int:
-        """Add two integers."""
-        return a + b
-
-    @server.tool()
-    def neg(a: int) -> int:
-        """Negate an integer."""
-        return -a
-
-    if __name__ == "__main__":
-        server.run("stdio")
-''')
-
-
-def live_processes_with_arg(marker: str) -> list[int]:
-    """Pids whose command line holds `marker`, zombies (exited, not yet reaped) left out."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() not in (entry / "cmdline").read_bytes():
-                    continue
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z":
-                found.append(int(entry.name))
-    return found
-
 
 def test_closed_mcp_stdio_tool_stops_its_server_process(tmp_path):
     server = tmp_path / "close_server.py"
-    server.write_text(SERVER)
+    server.write_text(CALC_MCP_SERVER)
     tools = MCPToolset(command=sys.executable, args=[str(server)], timeout_s=30).tools()
     assert [t.name for t in tools] == ["add", "neg"]
     assert asyncio.run(tools[0].execute("i", {"a": 2, "b": 3})).text == "5"
-    (pid,) = live_processes_with_arg(str(server))
+    (pid,) = live_processes(str(server))
     assert pid != os.getpid()
     close_tools(tools)  # both tools share the connection: closed once
-    assert live_processes_with_arg(str(server)) == []
+    assert live_processes(str(server)) == []
     tools[0].close()  # a second close is harmless
     with pytest.raises(ToolError, match="connection to .*close_server.py was closed"):
         asyncio.run(tools[1].execute("i", {"a": 1}))
-    assert live_processes_with_arg(str(server)) == []  # and did not start a new server
+    assert live_processes(str(server)) == []  # and did not start a new server
 
 
 def test_python_tool_close_removes_unreleased_working_directories(tmp_path):

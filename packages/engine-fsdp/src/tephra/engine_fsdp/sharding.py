@@ -18,9 +18,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.errors import ConfigError
-
-_OWNED_GROUP = False
-"""Whether `ensure_process_group` created the default group (so it may destroy it)."""
+from tephra.engine_api.process_group import ensure_single_process_group
+from tephra.engine_api.process_group import release_process_group as release_process_group
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,25 +37,7 @@ def resolve_device(choice: str) -> torch.device:
 
 def ensure_process_group(device: torch.device) -> bool:
     """Initialise a 1-rank group when none exists; returns whether this call created it."""
-    global _OWNED_GROUP
-    if dist.is_initialized():
-        return False
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    _OWNED_GROUP = True
-    return True
-
-
-def release_process_group() -> bool:
-    """Destroy the 1-rank group `ensure_process_group` created, if any (engines built on it
-    stop working). For test suites and programs that initialise torch.distributed
-    themselves afterwards. Returns whether a group was destroyed."""
-    global _OWNED_GROUP
-    if not (_OWNED_GROUP and dist.is_initialized()):
-        return False
-    dist.destroy_process_group()
-    _OWNED_GROUP = False
-    return True
+    return ensure_single_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
 
 
 def cpu_group():

@@ -15,11 +15,11 @@ from megatron.core import parallel_state as ps
 
 from tephra.engine_api.config import ParallelConfig
 from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.process_group import ensure_single_process_group
+from tephra.engine_api.process_group import release_process_group as release_single_process_group
 from tephra.engine_megatron import cpu_compat
 
 _CURRENT: tuple | None = None
-_OWNED_GROUP = False
-"""Whether `ensure_process_group` created the default (1-rank) group of this process."""
 
 
 def ensure_process_group() -> None:
@@ -29,25 +29,20 @@ def ensure_process_group() -> None:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         dist.init_process_group(cpu_compat.default_backend())
         return
-    global _OWNED_GROUP
-    store = dist.FileStore(tempfile.mktemp(prefix="tephra_megatron_store_"), 1)
-    dist.init_process_group(cpu_compat.default_backend(), store=store, rank=0, world_size=1)
-    _OWNED_GROUP = True
+    ensure_single_process_group(
+        cpu_compat.default_backend(),
+        store=dist.FileStore(tempfile.mktemp(prefix="tephra_megatron_store_"), 1))
 
 
 def release_process_group() -> bool:
     """Destroy megatron's groups and the 1-rank default group `ensure_process_group` created,
     if any (engines built on them stop working). For test suites and programs that
     initialise torch.distributed themselves afterwards. Returns whether a group was destroyed."""
-    global _OWNED_GROUP, _CURRENT
-    if not (_OWNED_GROUP and dist.is_initialized()):
-        return False
+    global _CURRENT
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     _CURRENT = None
-    dist.destroy_process_group()
-    _OWNED_GROUP = False
-    return True
+    return release_single_process_group()
 
 
 def initialize(parallel: ParallelConfig) -> None:
