@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tephra.controller.config import load_config, split_cli
+from tephra.core.config import load_config, split_cli
 from tephra.controller.data import (
     DatasetError,
     PromptLoader,

@@ -19,7 +19,7 @@ def cfg(**kw):
         (lambda: ModelConfig(path="x", hf_config={"model_type": "a"}), "set exactly one"),
         (lambda: ModelConfig(hf_config={}), "model.hf_config must hold 'model_type'"),
         (lambda: ModelConfig(path="x", role="critic"), r"model.role='critic' is not allowed; choose one of \['policy', 'value'\]"),
-        (lambda: cfg(optimizer={"lr": -1}), r"optimizer.lr=-1 must be > 0"),
+        (lambda: cfg(optimizer={"lr": -1}), r"optimizer.lr=-1.0 must be > 0"),
         (lambda: cfg(optimizer={"betas": [0.9, 1.5]}), "optimizer.betas"),
         (lambda: cfg(scheduler={"name": "cosine", "warmup_steps": 5}), "scheduler.total_steps=0 must be > scheduler.warmup_steps=5"),
         (lambda: cfg(micro_batch={"max_tokens_per_microbatch": 0}), "micro_batch.max_tokens_per_microbatch=0"),

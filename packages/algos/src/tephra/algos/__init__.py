@@ -15,7 +15,7 @@ from tephra.algos.config import (
 )
 from tephra.algos.dapo import filter_groups, overlong_penalty
 from tephra.algos.entropy import entropy_from_logits
-from tephra.algos.errors import AlgosError, ConfigError, InputError, RegistryError
+from tephra.algos.errors import ConfigError, InputError, RegistryError
 from tephra.algos.groups import group_index
 from tephra.algos.importance_sampling import mismatch_metrics, truncated_importance_weights
 from tephra.algos.kl import (
@@ -35,7 +35,7 @@ from tephra.algos.value_loss import clipped_value_loss
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "POLICY_LOSSES",
     "ActorObjective", "ActorObjectiveConfig", "AdaptiveKLController", "AdvantageConfig",
-    "AlgosError", "ConfigError", "CriticObjective", "CriticObjectiveConfig",
+    "ConfigError", "CriticObjective", "CriticObjectiveConfig",
     "FixedKLController", "InputError", "PolicyLossConfig", "Registry", "RegistryError",
     "aggregate_loss", "apply_kl_penalty", "clipped_value_loss", "compute_advantages",
     "compute_policy_loss", "entropy_from_logits", "filter_groups", "global_normalisers",

@@ -1,7 +1,7 @@
 """tephra.controller: Ray worker groups, dispatch modes and the trainer parts of the RL loop."""
 
 from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.config import load_config, parse_overrides, split_cli
+from tephra.core.config import load_config, parse_overrides, split_cli
 from tephra.controller.data import (
     DatasetError,
     PromptLoader,

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tephra.core.config import from_dict
 from tephra.engine_api.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -271,7 +272,7 @@ class EngineConfig:
             value = getattr(self, f.name)
             sub = _SECTIONS.get(f.name)
             if sub is not None and isinstance(value, dict):
-                setattr(self, f.name, from_dict(sub, value, prefix=f.name))
+                setattr(self, f.name, from_dict(sub, value, prefix=f.name + "."))
         _positive("engine", "temperature", self.temperature)
         _choice("engine", "device", self.device, ("auto", "cuda", "cpu"))
 
@@ -286,20 +287,6 @@ _SECTIONS: dict[str, type] = {
     "lora": LoraConfig,
     "parallel": ParallelConfig,
 }
-
-
-def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """Build dataclass `cls` from a dict, refusing unknown keys with the closest valid one."""
-    import difflib
-
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            close = difflib.get_close_matches(key, sorted(names), n=1)
-            where = f"{prefix}.{key}" if prefix else key
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown config key {where!r}{hint} valid keys: {sorted(names)}")
-    return cls(**data)
 
 
 def apply_overrides(config: Any, overrides: dict[str, Any]) -> Any:

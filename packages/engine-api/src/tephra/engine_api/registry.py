@@ -1,76 +1,26 @@
-"""One registry type for everything chosen by name, and the engine lookup by entry point.
+"""The engine lookup by entry point, beside tephra's one `Registry` type (from `tephra.core`).
 
 Estimators, losses, rollout backends, reward scorers, agent loops and tools all use
-`Registry`. Training engines are found through the entry-point group `tephra.engines`, so
+`tephra.core.Registry`. Training engines are found through the entry-point group `tephra.engines`, so
 installing a backend package is enough to make it selectable by name.
 """
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING
 
+from tephra.core.registry import Registry, unknown_name_message
 from tephra.engine_api.errors import RegistryError
 
 if TYPE_CHECKING:
     from tephra.engine_api.config import EngineConfig
     from tephra.engine_api.engine import Engine
 
-T = TypeVar("T")
+__all__ = ["Registry", "get_engine", "get_engine_class", "installed_engines",
+           "unknown_name_message"]
 
 ENGINE_ENTRY_POINT_GROUP = "tephra.engines"
-
-
-class Registry(Generic[T]):
-    """Named objects of one kind.
-
-    Registering a second, different object under a taken name is an error (rebinding a
-    name silently is how a typo in one module changes another module's algorithm).
-    """
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._items: dict[str, T] = {}
-
-    def register(self, name: str, obj: T | None = None) -> Callable[[T], T] | T:
-        """Register `obj` under `name`; without `obj`, return a decorator."""
-
-        def add(item: T) -> T:
-            if name in self._items and self._items[name] is not item:
-                raise RegistryError(
-                    f"{self.kind} {name!r} is already registered to {self._items[name]!r}; "
-                    f"choose another name"
-                )
-            self._items[name] = item
-            return item
-
-        return add(obj) if obj is not None else add
-
-    def get(self, name: str) -> T:
-        """Return the object registered under `name`, or raise listing the known names."""
-        if name not in self._items:
-            raise RegistryError(unknown_name_message(self.kind, name, self.names()))
-        return self._items[name]
-
-    def names(self) -> list[str]:
-        return sorted(self._items)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._items
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-def unknown_name_message(kind: str, name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"unknown {kind} {name!r}{hint} registered: {', '.join(known) or '(none)'}"
 
 
 def installed_engines() -> dict[str, str]:

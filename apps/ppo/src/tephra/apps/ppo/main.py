@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from tephra.apps.ppo.config import PPOConfig
-from tephra.controller.config import load_config, split_cli
+from tephra.core.config import load_config, split_cli
 from tephra.controller.data import (
     PromptRecord,
     load_hf_dataset,
@@ -193,7 +193,7 @@ def run(cfg: PPOConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     import yaml
 
-    from tephra.controller.config import to_dict
+    from tephra.core.config import to_dict
 
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 

@@ -28,7 +28,7 @@ from tensordict import TensorDict
 
 from tephra.apps.ppo.config import PPOConfig
 from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.config import to_dict
+from tephra.core.config import to_dict
 from tephra.controller.data import PromptLoader, PromptRecord
 from tephra.controller.rewarding import Scorer, accuracy_of
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl

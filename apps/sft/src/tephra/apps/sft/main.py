@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from tephra.apps.sft.config import SFTConfig
-from tephra.controller.config import load_config, split_cli
+from tephra.core.config import load_config, split_cli
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.worker_group import Worker
 from tephra.engine_api.errors import TephraError

@@ -1,9 +1,10 @@
-"""Typed configs from YAML presets and dotted command-line overrides.
+"""Typed configs from dicts, YAML presets and dotted command-line overrides: the one loader.
 
-A config is a tree of dataclasses (each field documented where it is defined). Values come,
-in order of precedence, from the dataclass defaults, then YAML presets, then `a.b.c=value`
-overrides. Unknown keys are errors that name the full dotted key and suggest the closest
-valid one; values are checked against the field's type and converted (`"3"` -> 3 for an int).
+A config is a tree of dataclasses, each field documented where it is defined and validated in
+its `__post_init__`. Values come, in order of precedence, from the dataclass defaults, then YAML
+presets (in order), then `a.b.c=value` overrides. Unknown keys are errors that name the full
+dotted key and suggest the closest valid one; values are checked against the field's type and
+converted (`"3"` -> 3 for an int, `"a,b"` -> ["a", "b"] for a list).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from tephra.engine_api.errors import ConfigError
+from tephra.core.errors import ConfigError
 
 C = TypeVar("C")
 
@@ -25,18 +26,6 @@ C = TypeVar("C")
 def _close(key: str, names: list[str]) -> str:
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _all_dotted_keys(cls: type, prefix: str = "") -> list[str]:
-    out = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        out.append(key)
-        sub = _dataclass_of(hints[f.name])
-        if sub is not None:
-            out.extend(_all_dotted_keys(sub, key + "."))
-    return out
 
 
 def _dataclass_of(tp: Any) -> type | None:
@@ -48,21 +37,51 @@ def _dataclass_of(tp: Any) -> type | None:
     return None
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
+def all_dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every valid dotted key of dataclass `cls` (sections and their fields)."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        out.append(key)
+        sub = _dataclass_of(hints[f.name])
+        if sub is not None:
+            out.extend(all_dotted_keys(sub, key + "."))
+    return out
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Whether `value` already has type `tp` (so a union picks it without converting)."""
+    origin = typing.get_origin(tp) or tp
+    if tp is Any:
+        return True
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if origin in (list, tuple, dict, str, bool):
+        return isinstance(value, origin)
+    if origin is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return False
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert a YAML/CLI value to the annotated type, or raise naming the key."""
     origin = typing.get_origin(tp)
     if tp is Any or tp is object:
         return value
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
+        for arg in args:  # a value that already fits one member keeps its type
+            if _matches(value, arg):
+                return coerce(value, arg, where)
         errors = []
         for arg in args:
-            if arg is type(None):
-                continue
             try:
-                return _coerce(value, arg, where)
+                return coerce(value, arg, where)
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if errors else f"{where}: cannot use {value!r}")
@@ -70,15 +89,19 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value not in typing.get_args(tp):
             raise ConfigError(f"{where}={value!r}: choose one of {list(typing.get_args(tp))}")
         return value
-    if origin in (list, tuple):
+    if origin in (list, tuple) or tp in (list, tuple):
         if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
+            value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}={value!r} must be a list")
         args = typing.get_args(tp)
+        if origin is tuple and len(args) > 1 and args[1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{where}={value!r} must hold {len(args)} values")
+            return tuple(coerce(v, a, where) for v, a in zip(value, args))
         inner = args[0] if args else Any
-        items = [_coerce(v, inner, where) for v in value]
-        return tuple(items) if origin is tuple else items
+        items = [coerce(v, inner, where) for v in value]
+        return tuple(items) if (origin or tp) is tuple else items
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}={value!r} must be a mapping")
@@ -93,15 +116,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, str, float)):
             raise ConfigError(f"{where}={value!r} must be an integer")
         try:
-            out = int(value) if not isinstance(value, float) else value
+            out = float(value) if isinstance(value, str) and "." in value else value
+            if isinstance(out, float):
+                if not out.is_integer():
+                    raise ValueError
+                out = int(out)
+            return int(out)
         except ValueError:
             raise ConfigError(f"{where}={value!r} must be an integer") from None
-        if isinstance(out, float):
-            if not out.is_integer():
-                raise ConfigError(f"{where}={value!r} must be an integer")
-            out = int(out)
-        return out
     if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be a number")
         try:
             return float(value)
         except (TypeError, ValueError):
@@ -110,19 +135,28 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{where}={value!r} must be a string")
         return str(value)
+    sub = _dataclass_of(tp)
+    if sub is not None and isinstance(value, dict):
+        return from_dict(sub, value, where + ".")
     return value
 
 
 def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "") -> C:
-    """Build dataclass `cls` (recursively) from nested dicts; unknown keys are errors."""
+    """Build dataclass `cls` (recursively) from nested dicts; unknown keys are errors.
+
+    Sections absent from `data` keep their defaults; each dataclass validates itself in its
+    `__post_init__`, so a bad value fails here, before anything is started.
+    """
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, "
+                          f"got {data!r}")
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:
-            full = f"{prefix}{key}"
             raise ConfigError(
-                f"unknown config key {full!r}{_close(key, names)} "
+                f"unknown config key {prefix + str(key)!r}{_close(str(key), names)} "
                 f"(valid keys under {prefix.rstrip('.') or 'the top level'}: {names})"
             )
     kwargs = {}
@@ -136,7 +170,7 @@ def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "") -> C:
         elif sub is not None and dataclasses.is_dataclass(value):
             kwargs[f.name] = value
         else:
-            kwargs[f.name] = _coerce(value, tp, where)
+            kwargs[f.name] = coerce(value, tp, where)
     return cls(**kwargs)
 
 
@@ -145,11 +179,12 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge(base: dict, extra: dict) -> dict:
+    """`extra` over `base`, recursively for nested mappings."""
     out = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -157,7 +192,7 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def parse_overrides(cls: type, args: list[str]) -> dict[str, Any]:
     """`["a.b=1", "c=x"]` -> nested dict; each key is checked against `cls` right away."""
-    valid = _all_dotted_keys(cls)
+    valid = all_dotted_keys(cls)
     out: dict[str, Any] = {}
     for arg in args:
         if "=" not in arg:
@@ -174,8 +209,29 @@ def parse_overrides(cls: type, args: list[str]) -> dict[str, Any]:
         parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {arg!r} sets a field inside {part!r}, which an "
+                                  "earlier override set to a plain value")
         node[parts[-1]] = value
     return out
+
+
+def read_preset(preset: str | Path, preset_dir: Path | None = None) -> dict[str, Any]:
+    """A preset: a YAML file path, or a name looked up as `preset_dir/<name>.yaml`."""
+    path = Path(preset)
+    if not path.suffix and preset_dir is not None:
+        path = preset_dir / f"{preset}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in preset_dir.glob("*.yaml")) if preset_dir else []
+        raise ConfigError(f"preset {str(preset)!r} not found (looked for {path}); "
+                          f"known presets: {known}")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"preset {path} is not valid YAML: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"preset {path} must hold a mapping at the top level")
+    return loaded
 
 
 def load_config(
@@ -184,24 +240,11 @@ def load_config(
     overrides: list[str] = (),
     preset_dir: Path | None = None,
 ) -> C:
-    """Defaults <- YAML presets (in order) <- dotted overrides, validated into `cls`.
-
-    A preset is a path to a YAML file or a name looked up as `preset_dir/<name>.yaml`.
-    """
+    """Defaults <- YAML presets (in order) <- dotted overrides, validated into `cls`."""
     data: dict[str, Any] = {}
     for preset in presets:
-        path = Path(preset)
-        if not path.suffix and preset_dir is not None:
-            path = preset_dir / f"{preset}.yaml"
-        if not path.exists():
-            known = sorted(p.stem for p in preset_dir.glob("*.yaml")) if preset_dir else []
-            raise ConfigError(f"preset {str(preset)!r} not found (looked for {path}); "
-                              f"known presets: {known}")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"preset {path} must hold a mapping at the top level")
-        data = _merge(data, loaded)
-    data = _merge(data, parse_overrides(cls, list(overrides)))
+        data = merge(data, read_preset(preset, preset_dir))
+    data = merge(data, parse_overrides(cls, list(overrides)))
     return from_dict(cls, data)
 
 
@@ -215,9 +258,7 @@ def split_cli(argv: list[str]) -> tuple[list[str], list[str]]:
                 presets.append(next(it))
             except StopIteration:
                 raise ConfigError(f"{arg} needs a preset name or YAML path") from None
-        elif arg.startswith("preset="):
-            presets.extend(p for p in arg.split("=", 1)[1].split(",") if p)
-        elif arg.startswith("--preset="):
+        elif arg.startswith(("preset=", "--preset=")):
             presets.extend(p for p in arg.split("=", 1)[1].split(",") if p)
         else:
             overrides.append(arg)

@@ -1,0 +1,25 @@
+"""tephra.core: what every tephra package shares, in pure Python.
+
+- `Registry`: named objects of one kind with metadata (estimators, losses, backends, scorers,
+  agent loops, tools); unknown names raise listing the registered ones.
+- the error root: `TephraError` and its `ConfigError`, `InputError`, `RegistryError`, ...
+- the config loader: dataclass trees from dicts, YAML presets and dotted overrides, with type
+  coercion and unknown-key errors that suggest the closest valid key.
+"""
+
+from tephra.core.config import from_dict, load_config, parse_overrides, split_cli, to_dict
+from tephra.core.errors import (
+    BatchError,
+    CheckpointError,
+    ConfigError,
+    InputError,
+    RegistryError,
+    TephraError,
+)
+from tephra.core.registry import Registry, unknown_name_message
+
+__all__ = [
+    "BatchError", "CheckpointError", "ConfigError", "InputError", "Registry", "RegistryError",
+    "TephraError", "from_dict", "load_config", "parse_overrides", "split_cli", "to_dict",
+    "unknown_name_message",
+]

@@ -1,0 +1,92 @@
+"""The registry, the error tree and the loader, each against hand-written expectations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from tephra.core import (
+    BatchError,
+    ConfigError,
+    InputError,
+    Registry,
+    RegistryError,
+    TephraError,
+    load_config,
+    split_cli,
+)
+
+
+def test_registry_metadata_aliases_and_errors():
+    reg = Registry("estimator")
+
+    @reg.register("gae", needs_values=True)
+    def gae():
+        return 1
+
+    reg.register("grpo", lambda: 2, needs_groups=True)
+    reg.register("grpo_vectorized", reg.get("grpo"), needs_groups=True)  # alias
+    assert reg.get("gae") is gae and reg.meta("gae") == {"needs_values": True}
+    assert reg.names(needs_groups=True) == ["grpo", "grpo_vectorized"]
+    assert reg.names() == ["gae", "grpo", "grpo_vectorized"] and len(reg) == 3
+    with pytest.raises(RegistryError, match="already registered"):
+        reg.register("gae", lambda: 3)
+    with pytest.raises(RegistryError) as info:
+        reg.check("grp", field="algorithm.adv_estimator")
+    assert str(info.value).startswith("algorithm.adv_estimator='grp': unknown estimator 'grp'")
+    assert "did you mean 'grpo'" in str(info.value)
+    assert isinstance(info.value, TephraError) and isinstance(info.value, KeyError)
+    assert issubclass(BatchError, InputError) and issubclass(ConfigError, ValueError)
+
+
+@dataclass
+class Inner:
+    lr: float = 1e-3
+    """lr."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """betas."""
+    targets: list[str] | str = "all-linear"
+    """modules."""
+    steps: int = 1
+    """steps."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"inner.lr={self.lr} must be > 0")
+
+
+@dataclass
+class Outer:
+    name: str = "x"
+    """name."""
+    flag: bool = False
+    """flag."""
+    inner: Inner = field(default_factory=Inner)
+    """inner section."""
+    maybe: int | None = None
+    """optional."""
+
+
+def test_loader_coerces_merges_and_refuses(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("inner:\n  lr: 0.5\n  steps: 4\nname: from-preset\n")
+    cfg = load_config(Outer, [str(preset)], ["inner.steps=7", "flag=yes", "inner.betas=[0.8, 0.9]",
+                                             "inner.targets=[q_proj,v_proj]", "maybe=3"])
+    assert cfg == Outer(name="from-preset", flag=True, maybe=3,
+                        inner=Inner(lr=0.5, betas=(0.8, 0.9), targets=["q_proj", "v_proj"], steps=7))
+    assert load_config(Outer).inner.targets == "all-linear"  # a str stays a str in list | str
+    bad = [
+        (["inner.lrr=1"], "unknown config key 'inner.lrr'; did you mean 'inner.lr'"),
+        (["inner.steps=2.5"], "inner.steps=2.5 must be an integer"),
+        (["flag=maybe"], "flag='maybe' must be true or false"),
+        (["inner.lr=-1"], "inner.lr=-1.0 must be > 0"),
+        (["inner.betas=[1]"], "must hold 2 values"),
+        (["nokey"], "is not an override; write key=value"),
+    ]
+    for overrides, message in bad:
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+            load_config(Outer, overrides=overrides)
+    with pytest.raises(ConfigError, match="known presets"):
+        load_config(Outer, ["nope"], preset_dir=tmp_path)
+    assert split_cli(["-p", "a", "preset=b,c", "x=1"]) == (["a", "b", "c"], ["x=1"])
