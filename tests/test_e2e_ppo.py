@@ -13,7 +13,7 @@ import pytest
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.rewarding import RewardFailure
 from tephra.controller.trackers import read_jsonl
-from tephra.engine_api.errors import ConfigError
+from tephra.core.errors import ConfigError
 
 # A reward with variance on a random tiny model (rule scorers would give all zeros, and
 # zero advantages would make "resume is exact" trivially true).
@@ -75,7 +75,8 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
 
 @pytest.mark.multiproc
 def test_ppo_with_critic_and_reference(ray_session, tmp_path):
-    summary = run(_smoke(tmp_path, "-p", "ppo_critic", "algorithm.kl_coef=0.01",
+    summary = run(_smoke(tmp_path, "-p", "ppo_critic", "actor.objective.use_kl_loss=true",
+                         "actor.objective.kl_loss_coef=0.01",
                          "trainer.val_after=true", "trainer.export_hf=true",
                          f"trainer.run_dir={tmp_path / 'ppo'}"))
     records = read_jsonl(tmp_path / "ppo" / "metrics.jsonl")
@@ -123,10 +124,10 @@ def test_config_and_input_errors(tmp_path):
         parse_config(["algorithm.adv_estimater=grpo"])
     with pytest.raises(ConfigError, match=r"2 x 4 / 1 = 8 samples, which batch.mini_batches=3 does not divide"):
         parse_config(["-p", "smoke", "batch.mini_batches=3"])
-    with pytest.raises(ConfigError, match=r"prompts_per_step=3 must be a multiple of resources.world_size=2"):
+    with pytest.raises(ConfigError, match=r"prompts_per_step=3 must be a multiple of the data-parallel size 2"):
         parse_config(["batch.prompts_per_step=3", "resources.world_size=2"])
-    with pytest.raises(ConfigError, match=r"96 \+ 8 = 104 tokens, more than batch.max_tokens_per_microbatch=100"):
-        parse_config(["-p", "smoke", "batch.max_tokens_per_microbatch=100"])
+    with pytest.raises(ConfigError, match=r"96 \+ 8 = 104 tokens, more than actor.micro_batch.max_tokens_per_microbatch=100"):
+        parse_config(["-p", "smoke", "actor.micro_batch.max_tokens_per_microbatch=100"])
     with pytest.raises(ConfigError, match=r"model.path='/nonexistent/model': folder does not exist"):
         run(parse_config(["-p", "smoke", "model.path=/nonexistent/model"]))
     rows = {"prompt": [[{"role": "user", "content": "2+2?"}]] * 3, "data_source": ["gsm8k"] * 3,

@@ -11,11 +11,14 @@ import math
 import pytest
 import torch
 
-from tephra.apps.ppo.main import TOOLS, parse_config, resolve_tools_file, run
-from tephra.apps.ppo.trainer import agent_batch, agent_metrics, outcome_token_rewards
-from tephra.controller.rl_worker import run_agent_requests
+from tephra.apps.ppo.main import parse_config, run
+from tephra.controller.data import PromptRecord
+from tephra.controller.ppo import BUNDLED_TOOLS, resolve_tools_file
+from tephra.controller.rl_loop import outcome_token_rewards
+from tephra.controller.rl_worker import final_answer, run_agent_requests
+from tephra.controller.samples import PromptItem, Sample, agent_metrics, samples_to_batch
 from tephra.controller.trackers import read_jsonl
-from tephra.engine_api.errors import ConfigError
+from tephra.core.errors import ConfigError
 from tephra.rollout.base import Generation, Rollout
 
 # A reward with variance on a random tiny model (see tests/test_e2e_ppo.py).
@@ -53,13 +56,13 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(tmp_path):
     for r in train:
         for key in AGENT_KEYS:
             assert key in r and math.isfinite(r[key]), key
-        assert 1 <= r["agent/turns_mean"] <= cfg.rollout.max_turns
+        assert 1 <= r["agent/turns_mean"] <= cfg.rollout.agent.max_turns
         assert 0 <= r["agent/tool_errors_mean"] <= r["agent/tool_calls_mean"]
         # the loss trained exactly the model's own tokens: tool tokens are masked out
         assert r["perf/trained_tokens"] == r["agent/generated_tokens"]
         # with no tool call no tool turn was appended; each call appends a tool turn
         assert (r["agent/tool_tokens"] > 0) == (r["agent/tool_calls_mean"] > 0)
-        assert r["agent/generated_tokens"] <= samples * cfg.rollout.max_response_tokens
+        assert r["agent/generated_tokens"] <= samples * cfg.rollout.agent.max_response_tokens
         assert math.isfinite(r["actor/grad_norm"]) and r["actor/grad_norm"] > 0
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
 
@@ -122,24 +125,29 @@ def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
     messages = [{"role": "user", "content": "What is 6 * 7?"}]
     prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
                                                     tokenize=False), add_special_tokens=False)
-    requests = [{"messages": messages, "prompt_ids": prompt_ids, "sample_id": f"p0-{k}"}
-                for k in range(2)]
+    record = PromptRecord(messages, "test", "42")
+    items = [PromptItem(prompt_ids, record, f"p0-{k}") for k in range(2)]
     try:
-        samples = run_agent_requests(loop, requests)
+        trajectories = run_agent_requests(loop, items)
     finally:
         scripted.close()
+    samples = [Sample(prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                      response_mask=t.response_mask, log_probs=t.response_log_probs,
+                      finish_reason=t.finish_reason, text=final_answer(t), sample_id=t.sample_id,
+                      num_turns=t.num_turns, tool_calls=t.tool_calls, tool_errors=t.tool_errors)
+               for t in trajectories]
 
     # the tool turn, written by hand from the tiny model's ChatML template
     tool_turn = "\n<|im_start|>tool\n42\n<|im_end|>\n<|im_start|>assistant\n"
     for s in samples:
-        assert (s["num_turns"], s["tool_calls"], s["tool_errors"]) == (2, 1, 0)
-        first, second = scripted.generated[s["sample_id"]]
-        assert s["response_ids"] == first + tok.encode(tool_turn, add_special_tokens=False) + second
-        n_tool = len(s["response_ids"]) - len(first) - len(second)
-        assert s["response_mask"] == [1] * len(first) + [0] * n_tool + [1] * len(second)
-        assert tok.decode(second[:-1] if s["finish_reason"] == "stop" else second) == s["answer"]
+        assert (s.num_turns, s.tool_calls, s.tool_errors) == (2, 1, 0)
+        first, second = scripted.generated[s.sample_id]
+        assert s.response_ids == first + tok.encode(tool_turn, add_special_tokens=False) + second
+        n_tool = len(s.response_ids) - len(first) - len(second)
+        assert s.response_mask == [1] * len(first) + [0] * n_tool + [1] * len(second)
+        assert tok.decode(second[:-1] if s.finish_reason == "stop" else second) == s.text
 
-    batch = agent_batch(samples, tok.pad_token_id, n=2)
+    batch = samples_to_batch(samples, tok.pad_token_id, n=2, multi_turn=True)
     assert batch["prompt_index"].tolist() == [0, 0]
     assert batch["tool_calls"].tolist() == [1, 1]
     metrics = agent_metrics(samples)
@@ -173,8 +181,8 @@ def test_agent_config_errors():
         parse_config(["-p", "smoke_tools", "rollout.tools_file=null"])
     with pytest.raises(ConfigError, match=r"rollout.agent_loop='tool_agnt' is not a registered agent loop"):
         parse_config(["-p", "smoke_tools", "rollout.agent_loop=tool_agnt"])
-    with pytest.raises(ConfigError, match=r"96 \+ 500 = 596 tokens, more than batch.max_tokens_per_microbatch=512"):
-        parse_config(["-p", "smoke_tools", "rollout.max_response_tokens=500"])
+    with pytest.raises(ConfigError, match=r"96 \+ 500 = 596 tokens, more than actor.micro_batch.max_tokens_per_microbatch=512"):
+        parse_config(["-p", "smoke_tools", "rollout.agent.max_response_tokens=500"])
     with pytest.raises(ConfigError, match=r"rollout.tools_file='nope': no such file.*\['python'\]"):
         resolve_tools_file("nope")
-    assert resolve_tools_file("python") == str(TOOLS / "python.yaml")
+    assert resolve_tools_file("python") == str(BUNDLED_TOOLS / "python.yaml")

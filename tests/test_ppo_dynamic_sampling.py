@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tephra.apps.ppo.main import parse_config
-from tephra.apps.ppo.trainer import Prompts, Trainer
 from tephra.controller.data import PromptLoader, PromptRecord
-from tephra.engine_api.errors import ConfigError
+from tephra.controller.rl_loop import Prompts, Trainer
+from tephra.controller.samples import Sample
+from tephra.core.errors import ConfigError
 
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -33,23 +34,31 @@ class CharTokenizer:
 
 class CannedWorkers:
     """Prompt i answers per its kind; a mixed group is right on its first half. Response
-    lengths are 2, 4, 6, 8 tokens by sample position."""
+    lengths are 2, 4, 6, 8 tokens by sample position. Scores: 1 for an answer starting with R
+    (what the workers' scorer would give with REWARD)."""
 
-    world_size = 1
+    world_size = dp_size = 1
 
     def __init__(self) -> None:
         self.calls: list[list[int]] = []
+        self.last: list[Sample] = []
 
-    def generate(self, ids, sampling):
-        self.calls.append([p[0] for p in ids])
+    def generate(self, items, sampling):
+        self.calls.append([i.prompt_ids[0] for i in items])
         out = []
-        for p in ids:
+        for item in items:
+            p = item.prompt_ids
             for k in range(sampling.n):
                 right = {"all wrong": False, "all right": True, "mixed": k < sampling.n // 2}
-                first = ord("R" if right[kind(p[0])] else "W")
-                out.append({"prompt_ids": p, "response_ids": [first] + [ord("x")] * (2 * k + 1),
-                            "log_probs": [0.0] * (2 * k + 2), "finish_reason": "stop"})
+                ids = [ord("R" if right[kind(p[0])] else "W")] + [ord("x")] * (2 * k + 1)
+                out.append(Sample(prompt_ids=p, response_ids=ids, response_mask=[1] * len(ids),
+                                  log_probs=[0.0] * len(ids), finish_reason="stop",
+                                  text="".join(map(chr, ids))))
+        self.last = out
         return out
+
+    def collect_scores(self):
+        return [(1.0 if s.text.startswith("R") else 0.0, None, 0.0) for s in self.last]
 
 
 def _trainer(tmp_path, *overrides, prompts=30):
@@ -93,10 +102,10 @@ def test_dynamic_sampling_keeps_informative_groups(tmp_path):
     rounds = trainer.collect()
     assert wg.calls == rounds_want
     assert filled_want == 0 and len(kept_want) == 3
-    kept = [s["prompt_ids"][0] for r in rounds for s in r.kept]
+    kept = [s.prompt_ids[0] for r in rounds for s in r.kept]
     assert kept == [p for p in kept_want for _ in range(N)]  # whole groups, in order
     # every kept group has both scores: its GRPO advantages are not all zero
-    assert sorted(x for r in rounds for x in r.kept_scores) == [0.0] * 6 + [1.0] * 6
+    assert sorted(s.score for r in rounds for s in r.kept) == [0.0] * 6 + [1.0] * 6
 
 
 def test_dynamic_sampling_fills_a_short_batch_with_flat_groups(tmp_path):
@@ -116,7 +125,7 @@ def test_without_dynamic_sampling_one_round_is_kept_whole(tmp_path):
     trainer, wg = _trainer(tmp_path)
     rounds = trainer.collect()
     assert len(rounds) == 1 and len(wg.calls) == 1
-    assert [s["prompt_ids"][0] for s in rounds[0].kept] == [p for p in wg.calls[0] for _ in range(N)]
+    assert [s.prompt_ids[0] for s in rounds[0].kept] == [p for p in wg.calls[0] for _ in range(N)]
 
 
 def test_overlong_shaping_by_hand(tmp_path):

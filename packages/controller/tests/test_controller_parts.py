@@ -14,7 +14,6 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tephra.core.config import load_config, split_cli
 from tephra.controller.data import (
     DatasetError,
     PromptLoader,
@@ -26,6 +25,7 @@ from tephra.controller.data import (
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.trackers import Trackers, read_jsonl
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup, ray_init
+from tephra.core.config import load_config, split_cli
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.rollout.testing import CALC_MCP_SERVER, live_processes
 

@@ -90,3 +90,33 @@ def test_loader_coerces_merges_and_refuses(tmp_path):
     with pytest.raises(ConfigError, match="known presets"):
         load_config(Outer, ["nope"], preset_dir=tmp_path)
     assert split_cli(["-p", "a", "preset=b,c", "x=1"]) == (["a", "b", "c"], ["x=1"])
+
+
+@dataclass
+class Bounds:
+    clip: float = 0.2
+    """clip."""
+    low: float | None = None
+    """derived from clip when None."""
+    steps: int = 1
+    """steps."""
+
+    def __post_init__(self):
+        if self.low is None:
+            self.low = self.clip
+
+
+@dataclass
+class App:
+    bounds: Bounds = field(default_factory=lambda: Bounds(steps=5))
+    """a section whose default differs from its class's."""
+    plain: Bounds = field(default_factory=Bounds)
+    """a section with its class's defaults."""
+
+
+def test_partial_override_keeps_the_parents_default_and_rederives():
+    cfg = load_config(App, overrides=["bounds.clip=0.3", "plain.clip=0.4"])
+    # steps=5 comes from App's default for the section; low follows the new clip
+    assert cfg.bounds == Bounds(clip=0.3, low=0.3, steps=5)
+    assert cfg.plain == Bounds(clip=0.4, low=0.4, steps=1)
+    assert load_config(App).bounds == Bounds(steps=5)

@@ -103,7 +103,7 @@ def _reverse_scan(x: torch.Tensor, mask: torch.Tensor, step) -> torch.Tensor:
     return out
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@ADVANTAGE_ESTIMATORS.register("gae", needs_values=True)
 def gae(*, token_rewards, response_mask, values, config, **_) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous
     Control Using Generalized Advantage Estimation"), over response tokens t < t' < ...:
@@ -132,7 +132,7 @@ def gae(*, token_rewards, response_mask, values, config, **_) -> tuple[torch.Ten
     return adv, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@ADVANTAGE_ESTIMATORS.register("grpo", needs_groups=True)
 def grpo(*, token_rewards, response_mask, group_ids, config, **_):
     """GRPO (Shao et al. 2024, "DeepSeekMath"): outcome advantage relative to the group,
         A_i = (s_i - mean_g(s)) / (std_g(s) + eps)    (std: unbiased, within the group)
@@ -146,7 +146,7 @@ def grpo(*, token_rewards, response_mask, group_ids, config, **_):
     return adv, adv
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@ADVANTAGE_ESTIMATORS.register("dr_grpo", needs_groups=True)
 def dr_grpo(*, token_rewards, response_mask, group_ids, config, **_):
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = s_i - mean_g(s),
     GRPO without the std division whatever `norm_by_std` says (pair it with the
@@ -157,7 +157,7 @@ def dr_grpo(*, token_rewards, response_mask, group_ids, config, **_):
     return adv, adv
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@ADVANTAGE_ESTIMATORS.register("rloo", needs_groups=True)
 def rloo(*, token_rewards, response_mask, group_ids, **_):
     """RLOO (Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian
     et al. 2024): leave-one-out baseline,
@@ -184,7 +184,7 @@ def reinforce_plus_plus(*, token_rewards, response_mask, config, **_):
     return masked_whiten(returns, response_mask), returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", needs_groups=True)
 def reinforce_plus_plus_baseline(*, token_rewards, response_mask, group_ids, **_):
     """REINFORCE++ with a group baseline (Hu 2025): A_i = s_i - mean_g(s) on every response
     token, then whitened over the batch's response tokens (token-weighted). returns = A."""
@@ -194,7 +194,7 @@ def reinforce_plus_plus_baseline(*, token_rewards, response_mask, group_ids, **_
     return adv, adv
 
 
-@ADVANTAGE_ESTIMATORS.register("remax")
+@ADVANTAGE_ESTIMATORS.register("remax", needs_baselines=True)
 def remax(*, token_rewards, response_mask, baselines, **_):
     """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient RL Method for
     Aligning LLMs"): the baseline is the reward b_i of the greedy response to the same prompt,
@@ -209,7 +209,7 @@ def remax(*, token_rewards, response_mask, baselines, **_):
     return adv, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("opo")
+@ADVANTAGE_ESTIMATORS.register("opo", needs_groups=True)
 def opo(*, token_rewards, response_mask, group_ids, **_):
     """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"): the
     length-weighted group baseline, optimal for sequence-level policy gradients,
@@ -225,7 +225,7 @@ def opo(*, token_rewards, response_mask, group_ids, **_):
     return adv, adv
 
 
-@ADVANTAGE_ESTIMATORS.register("gpg")
+@ADVANTAGE_ESTIMATORS.register("gpg", needs_groups=True)
 def gpg(*, token_rewards, response_mask, group_ids, config, **_):
     """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for
     Model Reasoning"): group-centred advantage rescaled for the samples that carry no signal,
@@ -252,7 +252,7 @@ def _max_at_k_weights(n: int, k: int, dtype, device) -> torch.Tensor:
                         device=device)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo_passk")
+@ADVANTAGE_ESTIMATORS.register("grpo_passk", needs_groups=True, needs_k=True)
 def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
     """Pass@k advantage (Chen et al. 2025, "Pass@k Training for Adaptively Balancing
     Exploration and Exploitation of Large Reasoning Models"), in its max@k form so that it

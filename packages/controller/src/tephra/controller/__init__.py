@@ -1,7 +1,6 @@
 """tephra.controller: Ray worker groups, dispatch modes and the trainer parts of the RL loop."""
 
 from tephra.controller.checkpoints import CheckpointManager
-from tephra.core.config import load_config, parse_overrides, split_cli
 from tephra.controller.data import (
     DatasetError,
     PromptLoader,
@@ -15,6 +14,7 @@ from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.rewarding import RewardFailure, Scorer
 from tephra.controller.trackers import TRACKERS, Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup, ray_init
+from tephra.core.config import load_config, parse_overrides, split_cli
 
 __all__ = [
     "TRACKERS", "CheckpointManager", "DatasetError", "Dispatch", "PromptLoader", "PromptRecord",

@@ -1,16 +1,18 @@
 """Scoring a step's responses with `tephra.rollout.rewards`.
 
 The rollout package's `RewardManager` picks each sample's scorer by `data_source` (or runs
-a custom function from a file, verl's signature), counts and logs scorer exceptions and
-scores those samples 0. The trainer adds one rule: when every sample of a batch fails, the
-run stops with the first error, because a reward that is always 0 trains nothing and hides
-the bug.
+a custom function from a file, verl's signature, or a reward model), counts and logs scorer
+exceptions and scores those samples 0. Each rank scores its own samples (`RLWorker`). The
+driver adds one rule: when every sample of a step fails, the run stops with the first error,
+because a reward that is always 0 trains nothing and hides the bug.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tephra.controller.data import PromptRecord
-from tephra.engine_api.errors import TephraError
+from tephra.core.errors import TephraError
 from tephra.rollout.rewards import RewardConfig, RewardInput, RewardManager
 
 
@@ -19,27 +21,31 @@ class RewardFailure(TephraError, RuntimeError):
 
 
 class Scorer:
-    """Scores decoded responses against their prompt records (serially in the driver: the
-    demo's scorers take microseconds, and a pool would cost more than it saves)."""
+    """Scores decoded responses against their prompt records."""
 
-    def __init__(self, custom_path: str | None = None, custom_name: str = "compute_score") -> None:
-        self.manager = RewardManager(RewardConfig(
-            custom_function_path=custom_path, custom_function_name=custom_name, executor="serial",
-        ))
+    def __init__(self, config: RewardConfig | None = None) -> None:
+        self.manager = RewardManager(config or RewardConfig(executor="serial"))
 
-    def score(self, texts: list[str], records: list[PromptRecord]) -> tuple[list[float], int]:
-        """Scores of `texts[i]` against `records[i]`; returns (scores, number of errors)."""
+    def score(self, texts: Sequence[str], records: Sequence[PromptRecord],
+              prompts: Sequence[str] | None = None) -> list[tuple[float, str | None]]:
+        """(score, error or None) of `texts[i]` against `records[i]`; `prompts` are the
+        prompt texts a reward model reads."""
         results = self.manager.score_batch([
-            RewardInput(rec.data_source, text, rec.ground_truth, rec.extra_info)
-            for text, rec in zip(texts, records)
+            RewardInput(rec.data_source, text, rec.ground_truth, rec.extra_info,
+                        **({"prompt_str": prompts[i]} if prompts is not None else {}))
+            for i, (text, rec) in enumerate(zip(texts, records, strict=True))
         ])
-        failed = [r for r in results if r.error is not None]
-        if results and len(failed) == len(results):
-            raise RewardFailure(
-                f"the reward function failed on all {len(results)} samples of the batch; first "
-                f"error: {failed[0].error.strip().splitlines()[-1]}"
-            )
-        return [r.score for r in results], len(failed)
+        return [(r.score, r.error) for r in results]
+
+
+def check_not_all_failed(errors: Sequence[str | None]) -> None:
+    """Raise `RewardFailure` when every sample's scorer raised."""
+    failed = [e for e in errors if e is not None]
+    if errors and len(failed) == len(errors):
+        raise RewardFailure(
+            f"the reward function failed on all {len(errors)} samples of the batch; first "
+            f"error: {failed[0].strip().splitlines()[-1]}"
+        )
 
 
 def accuracy_of(score: float) -> float:

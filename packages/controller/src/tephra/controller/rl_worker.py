@@ -2,13 +2,21 @@
 
 Weights move inside the process: `sync_weights` streams `actor.export_weights()` buckets into
 `rollout.update_weights()`. Every public method is declared with a dispatch mode, so the
-driver calls `wg.compute_log_probs(batch)` on the whole batch and gets the whole batch back.
+driver calls `wg.compute_log_probs(batch)` on the whole batch and gets the whole batch back:
+rows are split over data-parallel ranks and replicated over a rank's tensor / pipeline /
+context peers (`dp_info`, from the actor engine).
+
+Rewards are scored here, on each rank's own samples, in a background thread started right
+after generation: the log-prob passes that follow run while the scorer works (`collect_scores`
+waits for it), as in verl's "reward computed while log-probs run".
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,86 +24,31 @@ import torch
 from tensordict import TensorDict
 
 from tephra.controller.dispatch import Dispatch, dispatch
+from tephra.controller.rl_config import PPOConfig
+from tephra.controller.samples import PromptItem, Sample
 from tephra.controller.worker_group import Worker
-from tephra.engine_api.config import EngineConfig
 
 
-@dataclass
-class RLWorkerSpec:
-    """What one rank builds."""
-
-    engine: str
-    """Training backend name (`fsdp`, `megatron`)."""
-    actor: EngineConfig
-    """Policy engine config."""
-    rollout_backend: str
-    """Rollout backend name (`hf`, `vllm`)."""
-    rollout: Any
-    """`tephra.rollout.RolloutConfig` of the generation engine."""
-    critic: EngineConfig | None = None
-    """Value engine config (PPO with GAE), or None."""
-    reference: str = "none"
-    """`none` (no KL to a reference), `engine` (a frozen second engine), or `lora_base`
-    (the actor's own base weights with adapters disabled)."""
-    actor_objective: Any = None
-    """`tephra.algos.ActorObjectiveConfig`."""
-    critic_objective: Any = None
-    """`tephra.algos.CriticObjectiveConfig`."""
-    mini_batches: int = 1
-    """Optimizer steps per RL step: the batch is cut into this many mini-batches."""
-    epochs: int = 1
-    """Passes over the batch per RL step."""
-    untie_word_embeddings: bool = True
-    """Export lm_head too for tied models (rollout engines keep a stale head otherwise)."""
-    seed: int = 0
-    """Seed of this rank's RNG (offset by the rank)."""
-    agent_loop: str | None = None
-    """Agent loop of `generate_agent` (`tephra.rollout.agent.AGENT_LOOPS`), or None when the
-    run only uses the batched `generate`."""
-    agent_config: Any = None
-    """`tephra.rollout.agent.AgentLoopConfig` of that loop (None: its defaults)."""
-    tools_file: str | None = None
-    """Tools YAML the loop's tools are built from (once, on the first `generate_agent`)."""
-    agent_max_in_flight: int = 64
-    """Most trajectories of this rank in flight at once (their turns share batched generates)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Reserved for backend-specific settings."""
-
-
-def trajectory_record(trajectory: Any) -> dict[str, Any]:
-    """A `Trajectory` as a plain dict (ranks with different lengths concatenate), with the text
-    the reward scores: the last assistant message (the final answer of a tool-using
-    trajectory; earlier turns are tool calls)."""
-    answer = next((m["content"] for m in reversed(trajectory.messages)
-                   if m.get("role") == "assistant"), "")
-    return {
-        "sample_id": trajectory.sample_id, "prompt_ids": list(trajectory.prompt_ids),
-        "response_ids": list(trajectory.response_ids),
-        "response_mask": list(trajectory.response_mask),
-        "log_probs": list(trajectory.response_log_probs), "num_turns": trajectory.num_turns,
-        "tool_calls": trajectory.tool_calls, "tool_errors": trajectory.tool_errors,
-        "finish_reason": trajectory.finish_reason, "answer": answer,
-        "tool_rewards": dict(trajectory.tool_rewards),
-    }
-
-
-def run_agent_requests(loop: Any, requests: list[dict[str, Any]],
-                       max_in_flight: int | None = None) -> list[dict[str, Any]]:
-    """Run `loop` (an `AgentLoop`) on every request concurrently; one `trajectory_record` per
-    request, in order. A request is a dict with `messages` (chat messages), `sample_id`
-    (unique: it names the tool instances) and optionally `prompt_ids` (the rendered prompt)
-    and `tool_kwargs` (per tool, keyword arguments of `Tool.create`)."""
+def run_agent_requests(loop: Any, items: list[PromptItem],
+                       max_in_flight: int | None = None) -> list[Any]:
+    """Run `loop` (an `AgentLoop`) on every item concurrently; one `Trajectory` per item, in
+    order."""
     import asyncio
 
     from tephra.rollout.agent import AgentSample, run_agent_loops
 
-    samples = [AgentSample(messages=list(r["messages"]), sample_id=str(r["sample_id"]),
-                           prompt_ids=list(r["prompt_ids"]) if r.get("prompt_ids") else None,
-                           tool_kwargs=dict(r.get("tool_kwargs") or {}))
-               for r in requests]
+    samples = [AgentSample(messages=list(i.record.prompt), sample_id=i.sample_id,
+                           prompt_ids=list(i.prompt_ids))
+               for i in items]
     # The hf backend generates on its own thread, so a fresh event loop per call is fine.
-    trajectories = asyncio.run(run_agent_loops(loop, samples, max_in_flight))
-    return [trajectory_record(t) for t in trajectories]
+    return asyncio.run(run_agent_loops(loop, samples, max_in_flight))
+
+
+def final_answer(trajectory: Any) -> str:
+    """The last assistant message of a trajectory: what its reward scores (earlier turns are
+    tool calls)."""
+    return next((m["content"] for m in reversed(trajectory.messages)
+                 if m.get("role") == "assistant"), "")
 
 
 def _on_policy_old_log_probs(loss_fn):
@@ -111,73 +64,137 @@ def _on_policy_old_log_probs(loss_fn):
 
 
 class RLWorker(Worker):
-    def __init__(self, rank, world_size, master_addr, master_port, threads, spec: RLWorkerSpec):
-        super().__init__(rank, world_size, master_addr, master_port, threads)
+    def __init__(self, rank: int, world_size: int, *worker_args: Any, cfg: PPOConfig,
+                 model_path: str, tools_file: str | None = None) -> None:
+        super().__init__(rank, world_size, *worker_args)
+        from tephra.algos import ActorObjective, CriticObjective
         from tephra.engine_api.registry import get_engine
-        from tephra.rollout.base import get_rollout
+        from tephra.rollout.base import RolloutConfig, get_rollout
 
-        self.spec = spec
-        torch.manual_seed(spec.seed + rank)
-        random.seed(spec.seed + rank)
-        self.actor = get_engine(spec.engine, spec.actor)
+        self.cfg, self.model_path, self.tools_file = cfg, model_path, tools_file
+        seed = cfg.trainer.seed
+        torch.manual_seed(seed + rank)
+        random.seed(seed + rank)
+        device = getattr(self, "device", "cpu")
+        model = replace(cfg.model, path=model_path, init_seed=seed)
+        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.actor = get_engine(cfg.actor.engine, cfg.actor.engine_config(
+            model, "policy", temperature, seed, device=_engine_device(device)))
         self.ref = None
-        if spec.reference == "engine":
-            self.ref = get_engine(spec.engine, spec.actor)
-        self.critic = get_engine(spec.engine, spec.critic) if spec.critic is not None else None
-        self.rollout = get_rollout(spec.rollout_backend, spec.rollout)
-        self._actor_loss = self._critic_loss = None
-        self._tokenizer = self._tools = None  # built by the first generate_agent
-        if spec.actor_objective is not None:
-            from tephra.algos import ActorObjective
-
-            self._actor_loss = ActorObjective(spec.actor_objective)
-        if spec.critic_objective is not None and self.critic is not None:
-            from tephra.algos import CriticObjective
-
-            self._critic_loss = CriticObjective(spec.critic_objective)
+        if cfg.needs_reference and not cfg.actor.lora.enabled:
+            self.ref = get_engine(cfg.actor.engine, cfg.actor.engine_config(
+                model, "policy", temperature, seed, device=_engine_device(device)))
+        self.critic = None
+        if cfg.algorithm.needs("values"):
+            self.critic = get_engine(cfg.critic.engine, cfg.critic.engine_config(
+                model, "value", temperature, seed, device=_engine_device(device)))
+        r = cfg.rollout
+        hf = replace(r.hf, device=device)
+        self.rollout = get_rollout(r.backend, RolloutConfig(
+            model_path=model_path, dtype=r.dtype,
+            max_model_len=cfg.data.max_prompt_tokens + r.response_budget + 8, seed=seed,
+            hf=hf, vllm=r.vllm, sglang=r.sglang))
+        self.actor_loss = ActorObjective(cfg.actor.objective)
+        self.critic_loss = CriticObjective(cfg.critic.objective) if self.critic else None
+        self._tokenizer = self._tools = None
+        self._scoring: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        self._scorer = None
         # The rollout engine loaded the checkpoint from disk, but the engine may have
         # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
         self.sync_weights()
 
-    # ----- generation ------------------------------------------------------------------
-    @dispatch(Dispatch.DP_SPLIT)
-    def generate(self, prompts: list[list[int]], sampling: Any) -> list[dict[str, Any]]:
-        """Samples for this rank's prompts (prompt-major), as plain per-sample dicts so that
-        ranks with different lengths concatenate."""
-        out = self.rollout.generate(list(prompts), sampling)
-        return [
-            {"prompt_ids": out.prompt_ids[i], "response_ids": out.response_ids[i],
-             "log_probs": out.log_probs[i] if out.log_probs is not None else None,
-             "finish_reason": out.finish_reasons[i]}
-            for i in range(len(out))
-        ]
+    def dp_info(self):
+        """Data-parallel coordinates from the actor engine: rows go to data-parallel ranks,
+        tensor / pipeline / context peers get the same rows; one peer returns them."""
+        from tephra.controller.worker_group import DataParallelInfo
 
-    def agent_parts(self) -> tuple[Any, dict[str, Any]]:
-        """(tokenizer, tools) of the agent loop, built once per worker."""
+        engine = self.actor
+        dp_rank = getattr(engine, "dp_rank", self.rank)
+        dp_size = getattr(engine, "dp_size", self.world_size)
+        is_output = getattr(engine, "is_dp_output_rank", True)
+        return DataParallelInfo(dp_rank=dp_rank, dp_size=dp_size, is_output_rank=is_output)
+
+    # ----- generation and scoring -----------------------------------------------------------
+    def tokenizer(self) -> Any:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            from tephra.rollout.tools import load_tools
-
-            tok = AutoTokenizer.from_pretrained(self.spec.rollout.model_path)
+            tok = AutoTokenizer.from_pretrained(self.model_path)
             if tok.pad_token_id is None:
                 tok.pad_token = tok.eos_token
-            self._tools = load_tools(self.spec.tools_file) if self.spec.tools_file else {}
             self._tokenizer = tok
-        return self._tokenizer, self._tools
+        return self._tokenizer
 
     @dispatch(Dispatch.DP_SPLIT)
-    def generate_agent(self, requests: list[dict[str, Any]], sampling: Any) -> list[dict[str, Any]]:
-        """Multi-turn trajectories of this rank's requests (see `run_agent_requests`) with the
-        spec's agent loop and tools; `sampling.n` must be 1 (send a prompt n times)."""
+    def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
+        """`sampling.n` samples of each of this rank's prompts (prompt-major), through the
+        agent loop when one is configured. Scoring starts in the background (`collect_scores`
+        returns the scores); `score=False` skips it."""
+        self.rollout.wake_up()
+        samples = (self._generate_agent(items, sampling) if self.cfg.rollout.uses_agent_loop
+                   else self._generate_plain(items, sampling))
+        if self.cfg.rollout.sleep_when_training:
+            self.rollout.sleep()
+        if score:
+            records = [items[i // sampling.n].record for i in range(len(samples))]
+            self._scoring = self._pool.submit(self._score, samples, records)
+        return samples
+
+    def _generate_plain(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+        out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling)
+        tok = self.tokenizer()
+        return [Sample(prompt_ids=out.prompt_ids[k], response_ids=out.response_ids[k],
+                       response_mask=[1] * len(out.response_ids[k]),
+                       log_probs=out.log_probs[k] if out.log_probs is not None else None,
+                       finish_reason=out.finish_reasons[k],
+                       text=tok.decode(out.response_ids[k], skip_special_tokens=True),
+                       sample_id=items[k // sampling.n].sample_id)
+                for k in range(len(out))]
+
+    def _generate_agent(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
         from tephra.rollout.agent import AGENT_LOOPS
 
-        if not self.spec.agent_loop:
-            raise RuntimeError("generate_agent called but RLWorkerSpec.agent_loop is not set")
-        tokenizer, tools = self.agent_parts()
-        loop = AGENT_LOOPS.get(self.spec.agent_loop)(
-            self.rollout, tokenizer, sampling, self.spec.agent_config, tools)
-        return run_agent_requests(loop, list(requests), self.spec.agent_max_in_flight)
+        if self._tools is None:
+            from tephra.rollout.tools import load_tools
+
+            self._tools = load_tools(self.tools_file) if self.tools_file else {}
+        r = self.cfg.rollout
+        loop = AGENT_LOOPS.get(r.agent_loop)(self.rollout, self.tokenizer(),
+                                             sampling.replace(n=1), r.agent, self._tools)
+        n = sampling.n
+        expanded = [PromptItem(i.prompt_ids, i.record, f"{i.sample_id}-{k}")
+                    for i in items for k in range(n)]
+        trajectories = run_agent_requests(loop, expanded, r.max_in_flight)
+        return [Sample(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
+                       response_mask=list(t.response_mask), log_probs=list(t.response_log_probs),
+                       finish_reason=t.finish_reason, text=final_answer(t),
+                       sample_id=t.sample_id, num_turns=t.num_turns, tool_calls=t.tool_calls,
+                       tool_errors=t.tool_errors, tool_rewards=dict(t.tool_rewards))
+                for t in trajectories]
+
+    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float]:
+        from tephra.controller.rewarding import Scorer
+
+        start = time.perf_counter()
+        if self._scorer is None:
+            self._scorer = Scorer(self.cfg.reward)
+        prompts = None
+        if self.cfg.reward.reward_model_path:
+            tok = self.tokenizer()
+            prompts = [tok.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
+        results = self._scorer.score([s.text for s in samples], records, prompts)
+        return results, time.perf_counter() - start
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def collect_scores(self) -> list[tuple[float, str | None, float]]:
+        """(score, error, seconds this rank spent scoring) of each sample of the last
+        `generate`, in order; waits for the background scorer."""
+        if self._scoring is None:
+            raise RuntimeError("collect_scores called without a scored generate before it")
+        results, seconds = self._scoring.result()
+        self._scoring = None
+        return [(score, error, seconds) for score, error in results]
 
     # ----- forward passes --------------------------------------------------------------
     @dispatch(Dispatch.DP_SPLIT)
@@ -188,14 +205,12 @@ class RLWorker(Worker):
 
     @dispatch(Dispatch.DP_SPLIT)
     def compute_ref_log_probs(self, batch: TensorDict) -> TensorDict:
-        if self.spec.reference == "lora_base":
-            with self.actor.eval_mode(), self.actor.reference_mode():
-                out = self.actor.forward(batch)
-        elif self.ref is not None:
+        if self.ref is not None:
             with self.ref.eval_mode():
                 out = self.ref.forward(batch)
-        else:
-            raise RuntimeError("compute_ref_log_probs called but the worker has no reference")
+        else:  # LoRA: the base weights with the adapters disabled are the reference
+            with self.actor.eval_mode(), self.actor.reference_mode():
+                out = self.actor.forward(batch)
         return out.select("log_probs")
 
     @dispatch(Dispatch.DP_SPLIT)
@@ -207,15 +222,14 @@ class RLWorker(Worker):
     # ----- updates ---------------------------------------------------------------------
     def _train(self, engine, loss_fn, batch: TensorDict) -> dict[str, float]:
         n = batch.batch_size[0]
-        mb = self.spec.mini_batches
+        mb = self.cfg.batch.mini_batches
         size = n // mb
         totals: dict[str, float] = {}
         count = 0
         with engine.train_mode():
-            for _ in range(self.spec.epochs):
+            for _ in range(self.cfg.batch.epochs):
                 for i in range(mb):
-                    metrics = engine.forward_backward(batch[i * size : (i + 1) * size], loss_fn)
-                    metrics = dict(metrics)
+                    metrics = dict(engine.forward_backward(batch[i * size : (i + 1) * size], loss_fn))
                     metrics["grad_norm"] = float(engine.optimizer_step())
                     metrics["lr"] = float(engine.lr_scheduler_step())
                     for k, v in metrics.items():
@@ -225,27 +239,31 @@ class RLWorker(Worker):
 
     @dispatch(Dispatch.DP_SPLIT)
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
-        loss = self._actor_loss
-        if self.spec.mini_batches == 1 and self.spec.epochs == 1:
+        loss = self.actor_loss
+        if self.cfg.batch.mini_batches == 1 and self.cfg.batch.epochs == 1:
             loss = _on_policy_old_log_probs(loss)
         return self._train(self.actor, loss, batch)
 
     @dispatch(Dispatch.DP_SPLIT)
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
-        return self._train(self.critic, self._critic_loss, batch)
+        return self._train(self.critic, self.critic_loss, batch)
 
     # ----- weights and state -----------------------------------------------------------
     @dispatch(Dispatch.BROADCAST)
     def sync_weights(self) -> int:
         """Stream the actor's weights into the rollout engine; returns tensors moved."""
         moved = 0
+        self.rollout.wake_up()
         with self.actor.eval_mode():
-            for bucket in self.actor.export_weights(
-                untie_word_embeddings=self.spec.untie_word_embeddings
-            ):
+            for bucket in self.actor.export_weights(untie_word_embeddings=True):
                 self.rollout.update_weights(bucket)
                 moved += len(bucket)
         return moved
+
+    @dispatch(Dispatch.BROADCAST)
+    def measure_peak_flops(self, seconds: float = 0.3) -> float:
+        """This rank's matmul throughput (FLOP/s): the MFU denominator, measured, not assumed."""
+        return measure_peak_flops(seconds, getattr(self, "device", "cpu"))
 
     @dispatch(Dispatch.BROADCAST)
     def save_checkpoint(self, folder: str) -> None:
@@ -274,13 +292,40 @@ class RLWorker(Worker):
 
     @dispatch(Dispatch.RANK_ZERO)
     def close(self) -> None:
-        """Stop the rollout engine and close the agent loop's tools (MCP servers and their
-        processes, sandbox folders), which this worker built; runs on every rank."""
+        """Stop the rollout engine, the scorer thread and the agent loop's tools (MCP servers
+        and their processes, sandbox folders); runs on every rank."""
         try:
             self.rollout.close()
+            self._pool.shutdown(wait=False, cancel_futures=True)
         finally:
             if self._tools:
                 from tephra.rollout.tools import close_tools
 
                 tools, self._tools = self._tools, {}
                 close_tools(tools.values())
+
+
+def _engine_device(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def measure_peak_flops(seconds: float = 0.3, device: str = "cpu") -> float:
+    """Measured matmul throughput of one rank (FLOP/s): 2 n^3 per n x n product, repeated for
+    `seconds`, bf16 on a GPU and fp32 on a CPU (the dtypes these devices train fastest in)."""
+    import math
+
+    dev = torch.device(device)
+    n = 4096 if dev.type == "cuda" else 512
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    done = 0
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ a
+        done += 1
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    return 2 * n**3 * done / elapsed if done else math.nan

@@ -145,6 +145,10 @@ class WorkerGroup:
     def world_size(self) -> int:
         return self.pool.world_size
 
+    @property
+    def dp_size(self) -> int:
+        return self.pool.world_size
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call `method` on every rank as its dispatch mode says; blocks for the result."""
         fn = getattr(self.worker_cls, method, None)

@@ -141,32 +141,73 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "") -> C:
+def _explicit_fields(instance: Any) -> dict[str, Any]:
+    """The fields of a default instance that differ from its class's own defaults.
+
+    A parent's `field(default_factory=lambda: Inner(lr=3e-5))` sets some fields of `Inner`;
+    a partial override (`inner.steps=2`) must keep those and nothing else, so that fields a
+    `__post_init__` derives from others (a bound that follows another field) derive again.
+    """
+    cls = type(instance)
+    try:
+        bare = cls()
+    except (TypeError, ValueError):  # required fields, or defaults that do not validate alone
+        bare = None
+    out = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        value = getattr(instance, f.name)
+        if bare is not None:
+            default = getattr(bare, f.name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        if value != default:
+            out[f.name] = value
+    return out
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "",
+              base: Any = None) -> C:
     """Build dataclass `cls` (recursively) from nested dicts; unknown keys are errors.
 
-    Sections absent from `data` keep their defaults; each dataclass validates itself in its
-    `__post_init__`, so a bad value fails here, before anything is started.
+    Sections absent from `data` keep their defaults, and a section given in part keeps the
+    rest of its default (`base`, or the parent's default for it). Each dataclass validates
+    itself in `__post_init__`, so a bad value fails here, before anything is started.
     """
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, "
                           f"got {data!r}")
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in fields]
     for key in data:
         if key not in names:
             raise ConfigError(
                 f"unknown config key {prefix + str(key)!r}{_close(str(key), names)} "
                 f"(valid keys under {prefix.rstrip('.') or 'the top level'}: {names})"
             )
-    kwargs = {}
-    for f in dataclasses.fields(cls):
+    kwargs = _explicit_fields(base) if base is not None else {}
+    for f in fields:
         if f.name not in data:
             continue
         value, tp, where = data[f.name], hints[f.name], f"{prefix}{f.name}"
         sub = _dataclass_of(tp)
         if sub is not None and isinstance(value, dict):
-            kwargs[f.name] = from_dict(sub, value, where + ".")
+            current = kwargs[f.name] if f.name in kwargs else _default_of(f)
+            kwargs[f.name] = from_dict(sub, value, where + ".",
+                                       current if isinstance(current, sub) else None)
         elif sub is not None and dataclasses.is_dataclass(value):
             kwargs[f.name] = value
         else:

@@ -1,26 +1,47 @@
-"""SFT configuration."""
+"""SFT configuration: the same pieces as the RL trainer (model, an engine role with its
+optimizer / scheduler / micro-batch / precision / LoRA / parallel sections, Ray resources)
+plus the SFT data and loop."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tephra.engine_api.errors import ConfigError
+from tephra.controller.rl_config import EngineRoleConfig, ResourcesSection
+from tephra.core.errors import ConfigError
+from tephra.engine_api.config import (
+    MicroBatchConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+)
 
 
 @dataclass
-class SFTModel:
-    path: str = "smollm2"
-    """Hugging Face folder; `smollm2` (bundled) or `tiny` (tests) as in apps/ppo."""
-    dtype: str = "bfloat16"
-    """Compute dtype."""
-    lora_rank: int = 0
-    """LoRA rank (0: full fine-tuning)."""
+class SFTPolicy(EngineRoleConfig):
+    """The trained model's engine (any installed backend) and its sections."""
+
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=1e-4, weight_decay=0.0))
+    """AdamW; SmolLM2 on the arithmetic chats: probe NLL 1.538 -> 0.144 in 20 steps at 1e-4."""
+    precision: PrecisionConfig = field(
+        default_factory=lambda: PrecisionConfig(param_dtype="bfloat16"))
+    """bf16 compute, fp32 master weights."""
+    micro_batch: MicroBatchConfig = field(
+        default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096))
+    """Token budget of a micro-batch on one rank."""
 
 
 @dataclass
 class SFTData:
+    """Conversations: `messages` rows (chat messages; assistant turns are trained)."""
+
     train_files: list[str] = field(default_factory=list)
     """Parquet or jsonl files with a `messages` column; empty: generated arithmetic chats."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out conversations for the validation loss; empty: the last `val_size` of the
+    training conversations are held out instead."""
+    val_size: int = 16
+    """Conversations held out of the training set when `val_files` is empty (0: none)."""
     size: int = 256
     """Number of generated conversations when train_files is empty."""
     seed: int = 0
@@ -28,52 +49,64 @@ class SFTData:
     max_seq_tokens: int = 512
     """Conversations longer than this are dropped (and counted)."""
 
+    def __post_init__(self) -> None:
+        if self.val_size < 0 or self.size < 1 or self.max_seq_tokens < 1:
+            raise ConfigError("data.val_size must be >= 0, data.size and data.max_seq_tokens >= 1")
+
 
 @dataclass
 class SFTTrain:
+    """The loop, validation, checkpoints, trackers."""
+
     steps: int = 20
     """Optimizer steps."""
     sequences_per_step: int = 8
     """Conversations per optimizer step (global)."""
-    max_tokens_per_microbatch: int = 4096
-    """Token budget of a micro-batch on one rank."""
-    lr: float = 1e-4
-    """Peak learning rate."""
     run_dir: str = "runs/sft"
-    """Metrics and export go here."""
+    """Metrics, checkpoints and the export go here (a second run with the same run_dir
+    resumes from its latest checkpoint)."""
+    resume: bool = True
+    """Continue from the latest checkpoint in run_dir when there is one."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: never)."""
+    keep_checkpoints: int = 2
+    """How many checkpoints to keep."""
+    val_every: int = 0
+    """Validation loss every N steps (0: only before and after training)."""
     export_hf: bool = True
     """Write run_dir/hf at the end."""
     trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Metric sinks."""
 
-
-@dataclass
-class SFTResources:
-    world_size: int = 1
-    """Data-parallel ranks."""
-    cpus_per_rank: float = 2.0
-    """CPUs per rank."""
-    ray_address: str | None = None
-    """Ray cluster address (None: local)."""
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.sequences_per_step < 1:
+            raise ConfigError("train.steps must be >= 0 and train.sequences_per_step >= 1")
 
 
 @dataclass
 class SFTConfig:
-    model: SFTModel = field(default_factory=SFTModel)
-    """Model."""
+    """Supervised fine-tuning on chat conversations."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="smollm2"))
+    """Hugging Face folder; `smollm2` (bundled) or `tiny` (tests)."""
+    policy: SFTPolicy = field(default_factory=SFTPolicy)
+    """Engine backend and its sections (`policy.engine=megatron`, `policy.scheduler.name=cosine`,
+    `policy.lora.rank=8`, `policy.parallel.tensor=2`)."""
     data: SFTData = field(default_factory=SFTData)
     """Conversations."""
     train: SFTTrain = field(default_factory=SFTTrain)
     """Loop."""
-    resources: SFTResources = field(default_factory=SFTResources)
+    resources: ResourcesSection = field(default_factory=ResourcesSection)
     """Ray placement."""
 
     def __post_init__(self) -> None:
-        if self.train.sequences_per_step % self.resources.world_size:
+        dp = self.policy.parallel.data_parallel_size(self.resources.world_size)
+        if self.train.sequences_per_step % dp:
             raise ConfigError(
                 f"train.sequences_per_step={self.train.sequences_per_step} must be a multiple "
-                f"of resources.world_size={self.resources.world_size}")
-        if self.data.max_seq_tokens > self.train.max_tokens_per_microbatch:
+                f"of the data-parallel size {dp}")
+        budget = self.policy.micro_batch.max_tokens_per_microbatch
+        if self.data.max_seq_tokens > budget:
             raise ConfigError(
                 f"data.max_seq_tokens={self.data.max_seq_tokens} exceeds "
-                f"train.max_tokens_per_microbatch={self.train.max_tokens_per_microbatch}")
+                f"policy.micro_batch.max_tokens_per_microbatch={budget}")

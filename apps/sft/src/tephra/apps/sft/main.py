@@ -12,15 +12,16 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
 from tephra.apps.sft.config import SFTConfig
-from tephra.core.config import load_config, split_cli
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.worker_group import Worker
-from tephra.engine_api.errors import TephraError
+from tephra.core.config import load_config, split_cli, to_dict
+from tephra.core.errors import ConfigError, TephraError
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -33,11 +34,25 @@ def nll_loss(outputs: TensorDict, batch: TensorDict):
 
 
 class SFTWorker(Worker):
-    def __init__(self, rank, world_size, master_addr, master_port, threads, engine_name, engine_cfg):
-        super().__init__(rank, world_size, master_addr, master_port, threads)
+    def __init__(self, rank: int, world_size: int, *worker_args: Any, cfg: SFTConfig,
+                 model_path: str) -> None:
+        super().__init__(rank, world_size, *worker_args)
+        from dataclasses import replace
+
         from tephra.engine_api.registry import get_engine
 
-        self.engine = get_engine(engine_name, engine_cfg)
+        model = replace(cfg.model, path=model_path)
+        device = getattr(self, "device", "cpu")
+        self.engine = get_engine(cfg.policy.engine, cfg.policy.engine_config(
+            model, "policy", 1.0, cfg.data.seed, device="cuda" if device.startswith("cuda") else "cpu"))
+
+    def dp_info(self):
+        from tephra.controller.worker_group import DataParallelInfo
+
+        e = self.engine
+        return DataParallelInfo(dp_rank=getattr(e, "dp_rank", self.rank),
+                                dp_size=getattr(e, "dp_size", self.world_size),
+                                is_output_rank=getattr(e, "is_dp_output_rank", True))
 
     @dispatch(Dispatch.DP_SPLIT)
     def train_step(self, batch: TensorDict) -> dict[str, float]:
@@ -55,83 +70,128 @@ class SFTWorker(Worker):
         nll = -(out["log_probs"] * batch["response_mask"]).sum(-1)
         return TensorDict({"nll": nll}, batch_size=batch.batch_size)
 
+    @dispatch(Dispatch.BROADCAST)
+    def save_checkpoint(self, folder: str) -> None:
+        self.engine.save_checkpoint(Path(folder) / "policy")
+
+    @dispatch(Dispatch.BROADCAST)
+    def load_checkpoint(self, folder: str) -> None:
+        self.engine.load_checkpoint(Path(folder) / "policy")
+
     @dispatch(Dispatch.RANK_ZERO)
     def export_hf(self, folder: str) -> str:
         self.engine.export_hf(folder)
         return folder
 
 
+def validation_loss(wg: Any, examples: list, pad: int) -> float:
+    """Token-mean NLL of the assistant tokens of `examples` (padded to the DP size)."""
+    from tephra.apps.sft.chat_data import pad_batch
+
+    rows = list(examples)
+    extra = (-len(rows)) % wg.dp_size
+    batch = pad_batch(rows + rows[:extra], pad)
+    nll = wg.nll(batch)["nll"][: len(rows)]
+    return float(nll.sum()) / float(batch["response_mask"][: len(rows)].sum())
+
+
 def run(cfg: SFTConfig) -> dict:
     from transformers import AutoTokenizer
 
-    from tephra.apps.ppo.models import resolve_model_path
     from tephra.apps.sft.chat_data import (
         arithmetic_conversations,
         load_conversations,
         pad_batch,
         tokenize_conversation,
     )
+    from tephra.controller.checkpoints import CheckpointManager
+    from tephra.controller.models import resolve_model_path
     from tephra.controller.trackers import Trackers
     from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
-    from tephra.engine_api.config import (
-        EngineConfig,
-        LoraConfig,
-        MicroBatchConfig,
-        ModelConfig,
-        OptimizerConfig,
-        PrecisionConfig,
-    )
 
     t0 = time.perf_counter()
     path = resolve_model_path(cfg.model.path)
     tok = AutoTokenizer.from_pretrained(path)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    convs = ([c for f in cfg.data.train_files for c in load_conversations(f)]
-             if cfg.data.train_files else arithmetic_conversations(cfg.data.size, cfg.data.seed))
-    examples = [tokenize_conversation(tok, c, i) for i, c in enumerate(convs)]
-    kept = [e for e in examples if len(e[0]) <= cfg.data.max_seq_tokens]
-    if len(kept) < len(examples):
-        print(f"dropped {len(examples) - len(kept)} conversations longer than "
-              f"data.max_seq_tokens={cfg.data.max_seq_tokens}", flush=True)
-    engine_cfg = EngineConfig(
-        model=ModelConfig(path=path),
-        optimizer=OptimizerConfig(lr=cfg.train.lr, weight_decay=0.0),
-        micro_batch=MicroBatchConfig(max_tokens_per_microbatch=cfg.train.max_tokens_per_microbatch),
-        precision=PrecisionConfig(param_dtype=cfg.model.dtype),
-        lora=LoraConfig(rank=cfg.model.lora_rank), compute_entropy=False, device="auto")
+    d = cfg.data
+    convs = ([c for f in d.train_files for c in load_conversations(f)]
+             if d.train_files else arithmetic_conversations(d.size, d.seed))
+
+    def tokenized(conversations: list) -> list:
+        examples = [tokenize_conversation(tok, c, i) for i, c in enumerate(conversations)]
+        kept = [e for e in examples if len(e[0]) <= d.max_seq_tokens]
+        if len(kept) < len(examples):
+            print(f"dropped {len(examples) - len(kept)} conversations longer than "
+                  f"data.max_seq_tokens={d.max_seq_tokens}", flush=True)
+        return kept
+
+    if d.val_files:
+        train = tokenized(convs)
+        val = tokenized([c for f in d.val_files for c in load_conversations(f)])
+    else:
+        examples = tokenized(convs)
+        cut = max(len(examples) - d.val_size, 0)
+        train, val = examples[:cut], examples[cut:]
+    if not train:
+        raise ConfigError("no training conversation is left (after data.val_size held out and "
+                          "long ones dropped); add data or lower data.val_size")
     run_dir = Path(cfg.train.run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     r = cfg.resources
-    ray_init(r.ray_address)
-    wg = WorkerGroup(SFTWorker, ResourcePool(r.world_size, r.cpus_per_rank),
-                     {"engine_name": "fsdp", "engine_cfg": engine_cfg}, name="sft")
-    trackers = Trackers(cfg.train.trackers, run_dir, "tephra-sft", run_dir.name, {})
-    rng = random.Random(cfg.data.seed)
+    ray_init(r.ray_address, r.num_cpus)
+    wg = WorkerGroup(SFTWorker, ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank),
+                     {"cfg": cfg, "model_path": path}, name="sft")
+    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+    trackers = Trackers(cfg.train.trackers, run_dir, "tephra-sft", run_dir.name, to_dict(cfg))
+    rng = random.Random(d.seed)
     order: list[int] = []
-    n = cfg.train.sequences_per_step
-    # held-out-free progress measure: the NLL of a fixed probe batch before and after
-    probe = pad_batch(kept[: max(n, r.world_size)], pad)
-    tokens = float(probe["response_mask"].sum())
-    loss_before = float(wg.nll(probe)["nll"].sum()) / tokens
+    step = 0
+    latest = ckpt.latest() if cfg.train.resume else None
     try:
-        for step in range(1, cfg.train.steps + 1):
+        if latest is not None:
+            state = ckpt.load_trainer_state(latest)
+            wg.load_checkpoint(str(latest))
+            step, order = int(state["step"]), list(state["order"])
+            rng.setstate(_rng_state(state["rng"]))
+            print(f"resumed from {latest} at step {step}", flush=True)
+        loss_before = validation_loss(wg, val, pad) if val else None
+        n = cfg.train.sequences_per_step
+        while step < cfg.train.steps:
             if len(order) < n:
-                extra = list(range(len(kept)))
+                extra = list(range(len(train)))
                 rng.shuffle(extra)
                 order += extra
             idx, order = order[:n], order[n:]
-            metrics = wg.train_step(pad_batch([kept[i] for i in idx], pad))
+            metrics = wg.train_step(pad_batch([train[i] for i in idx], pad))
+            step += 1
+            if val and cfg.train.val_every and step % cfg.train.val_every == 0:
+                metrics["val/loss"] = validation_loss(wg, val, pad)
             trackers.log(metrics, step)
-        loss_after = float(wg.nll(probe)["nll"].sum()) / tokens
+            if cfg.train.save_every and step % cfg.train.save_every == 0:
+                folder = ckpt.step_dir(step)
+                folder.mkdir(parents=True, exist_ok=True)
+                wg.save_checkpoint(str(folder))
+                ckpt.save_trainer_state(step, {"order": order, "rng": _rng_json(rng.getstate())})
+        loss_after = validation_loss(wg, val, pad) if val else None
+        if loss_after is not None:
+            trackers.log({"val/loss": loss_after}, step)
         if cfg.train.export_hf:
             wg.export_hf(str(run_dir / "hf"))
     finally:
         trackers.close()
         wg.shutdown()
-    summary = {"loss_before": loss_before, "loss_after": loss_after, "steps": cfg.train.steps,
+    summary = {"loss_before": loss_before, "loss_after": loss_after, "steps": step,
                "seconds": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _rng_json(state: tuple) -> list:
+    return [state[0], list(state[1]), state[2]]
+
+
+def _rng_state(data: list) -> tuple:
+    return (data[0], tuple(data[1]), data[2])
 
 
 def parse_config(argv: list[str]) -> SFTConfig:

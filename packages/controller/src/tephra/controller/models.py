@@ -11,11 +11,11 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
     """`smollm2` -> the converted SmolLM2 folder; `tiny` -> a tiny random Qwen2 with a
     ChatML tokenizer (built once under the cache); anything else must be an HF folder."""
     if path == "smollm2":
-        from tephra.apps.ppo.smollm2 import smollm2_folder
+        from tephra.controller.smollm2 import smollm2_folder
 
         return str(smollm2_folder())
     if path == "tiny":
-        from tephra.apps.ppo.smollm2 import cache_root
+        from tephra.controller.smollm2 import cache_root
         from tephra.rollout.testing import build_tiny_model
 
         folder = cache_root() / f"tiny-qwen2-seed{seed}"

@@ -1,23 +1,24 @@
 """The RL loop. Each stage is one call on the worker group; the driver only moves batches.
 
     for step in steps:
-        batch   = generate(prompts)                       # rollout engine, n samples/prompt
-        rewards = score(batch)                            # rule scorer by data_source
-        ref     = wg.compute_ref_log_probs(batch)         # if a KL term is configured
-        values  = wg.compute_values(batch)                # if the estimator needs a critic
-        adv     = compute_advantages(estimator, ...)      # tephra.algos
-        wg.update_critic(batch); wg.update_actor(batch)   # mini-batches x epochs
-        wg.sync_weights()                                 # actor -> rollout engine
+        samples = wg.generate(prompts)                  # rollout engine, n samples/prompt;
+                                                        # each rank starts scoring its own
+        ref     = wg.compute_ref_log_probs(batch)       # KL loss or KL in the reward
+        values  = wg.compute_values(batch)              # estimators that need a critic
+        old     = wg.compute_log_probs(batch)           # several mini-batches or epochs
+        scores  = wg.collect_scores()                   # scored while the passes above ran
+        adv     = compute_advantages(estimator, ...)    # tephra.algos
+        wg.update_critic(batch); wg.update_actor(batch) # mini-batches x epochs
+        wg.sync_weights()                               # actor -> rollout engine
 
-With `rollout.agent_loop` set, `generate` is `wg.generate_agent`: each prompt is sent n times
-to the agent loop (multi-turn, tools between turns), and the batch's response_mask is 0 on the
-tokens the tools wrote, so the loss trains only the model's own tokens.
+With `rollout.agent_loop` set, generation is multi-turn (tools between turns) and the batch's
+response_mask is 0 on the tokens the tools wrote, so the loss trains only the model's tokens.
+With `algorithm.dynamic_sampling` (DAPO) a step may generate several rounds of prompts.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,35 +27,45 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tephra.apps.ppo.config import PPOConfig
 from tephra.controller.checkpoints import CheckpointManager
-from tephra.core.config import to_dict
 from tephra.controller.data import PromptLoader, PromptRecord
-from tephra.controller.rewarding import Scorer, accuracy_of
+from tephra.controller.rewarding import accuracy_of, check_not_all_failed
+from tephra.controller.rl_config import PPOConfig
+from tephra.controller.samples import PromptItem, Sample, agent_metrics, samples_to_batch
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_group import WorkerGroup
+from tephra.core.config import to_dict
 
 
 @dataclass
 class Prompts:
+    """Tokenised prompts and their records (same order)."""
+
     ids: list[list[int]]
     records: list[PromptRecord]
 
 
 @dataclass
 class Round:
-    """One round of generation in a step: its samples and scores (prompt-major, `n` samples
-    per prompt) and which prompt groups the step trains on."""
+    """One round of generation in a step: its samples (prompt-major, `n` per prompt, scored)
+    and which prompt groups the step trains on."""
 
-    samples: list[dict]
-    scores: list[float]
-    errors: int
+    items: list[PromptItem]
+    samples: list[Sample]
     n: int
     kept_groups: list[int] = field(default_factory=list)
     informative: int = 0
     """Groups whose samples did not all score the same (dynamic sampling)."""
     filler: int = 0
     """How many of the kept groups are flat ones added to fill the batch."""
+
+    @property
+    def scores(self) -> list[float]:
+        return [s.score for s in self.samples]
+
+    @property
+    def errors(self) -> int:
+        return sum(s.reward_error is not None for s in self.samples)
 
     @property
     def n_groups(self) -> int:
@@ -64,16 +75,9 @@ class Round:
         self.kept_groups = sorted(set(self.kept_groups) | set(groups))
         self.filler += len(groups) if filler else 0
 
-    def _rows(self) -> list[int]:
-        return [g * self.n + k for g in self.kept_groups for k in range(self.n)]
-
     @property
-    def kept(self) -> list[dict]:
-        return [self.samples[i] for i in self._rows()]
-
-    @property
-    def kept_scores(self) -> list[float]:
-        return [self.scores[i] for i in self._rows()]
+    def kept(self) -> list[Sample]:
+        return [self.samples[g * self.n + k] for g in self.kept_groups for k in range(self.n)]
 
 
 def dynamic_sampling_metrics(rounds: list[Round]) -> dict[str, float]:
@@ -96,19 +100,34 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
     return out
 
 
+def step_flops(n_params: int, batch: TensorDict, forward_passes: int, trained_passes: int,
+               generated_tokens: int) -> float:
+    """Model FLOPs of one step: 2N per token of every forward-only pass (generation, reference,
+    values, old log-probs) and 6N per token of every trained pass (forward + backward)."""
+    tokens = int(batch["attention_mask"].sum())
+    prompt_tokens = tokens - int((batch["attention_mask"] * batch["response_mask"]).sum())
+    generation = 2 * n_params * (prompt_tokens + generated_tokens)
+    return generation + 2 * n_params * tokens * forward_passes + 6 * n_params * tokens * trained_passes
+
+
 class Trainer:
+    """Runs `cfg.trainer.steps` RL steps on a worker group of `RLWorker`s."""
+
     def __init__(self, cfg: PPOConfig, wg: WorkerGroup, tokenizer: Any, train: Prompts,
                  val: Prompts, run_dir: Path, n_params: int, peak_flops: float) -> None:
+        from tephra.algos import AdaptiveKLController, FixedKLController
         from tephra.rollout.base import SamplingParams
 
         self.cfg, self.wg, self.tok, self.train, self.val = cfg, wg, tokenizer, train, val
         self.run_dir = run_dir
-        self.scorer = Scorer(cfg.reward.custom_function_path, cfg.reward.custom_function_name)
         self.loader = PromptLoader(len(train.ids), cfg.batch.prompts_per_step, cfg.trainer.seed)
         self.ckpt = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
         self.n_params, self.peak_flops = n_params, peak_flops
-        self.needs_critic = cfg.algorithm.adv_estimator == "gae"
-        self.needs_ref = cfg.algorithm.kl_coef > 0
+        a = cfg.algorithm
+        self.needs_critic, self.needs_ref = a.needs("values"), cfg.needs_reference
+        kl = a.kl_in_reward
+        self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon)
+                        if kl.controller == "adaptive" else FixedKLController(kl.coef))
         stops = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
         r = cfg.rollout
         self.sampling = SamplingParams(n=cfg.batch.samples_per_prompt, temperature=r.temperature,
@@ -116,78 +135,45 @@ class Trainer:
                                        stop_token_ids=stops)
         self.greedy = SamplingParams(n=1, temperature=0.0, max_tokens=r.max_tokens,
                                      stop_token_ids=stops, logprobs=False)
-        self.agent = cfg.rollout.uses_agent_loop
+        self.multi_turn = r.uses_agent_loop
         self.step = 0
 
     # ----- stages ------------------------------------------------------------------------
-    def generate(self, ids: list[list[int]], sampling, records: list[PromptRecord] | None = None,
-                 tag: str = "") -> tuple[TensorDict, list[dict]]:
-        """Samples of `ids` (prompt-major, `sampling.n` each) as a padded batch and per-sample
-        dicts; through the agent loop when one is configured (`records` give its messages,
-        `tag` makes its sample ids unique in the run)."""
-        samples = self.sample(ids, sampling, records, tag)
-        return self.to_batch(samples, sampling.n), samples
+    def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]:
+        return [PromptItem(prompts.ids[i], prompts.records[i], f"{tag}-{j}")
+                for j, i in enumerate(indices)]
 
-    def sample(self, ids: list[list[int]], sampling, records: list[PromptRecord] | None,
-               tag: str) -> list[dict]:
-        if not self.agent:
-            return self.wg.generate(ids, sampling)
-        n = sampling.n
-        requests = [{"messages": rec.prompt, "prompt_ids": p, "sample_id": f"{tag}-{j}-{k}"}
-                    for j, (p, rec) in enumerate(zip(ids, records, strict=True)) for k in range(n)]
-        return self.wg.generate_agent(requests, sampling.replace(n=1))
+    def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+        """Samples of `items` (prompt-major, `sampling.n` each) with their scores."""
+        samples = self.wg.generate(items, sampling)
+        return self.attach_scores(samples)
 
-    def to_batch(self, samples: list[dict], n: int) -> TensorDict:
-        """Prompt-major samples (`n` per prompt) as the padded batch of tephra.engine_api."""
-        from tephra.rollout.base import RolloutOutput
-
-        if self.agent:
-            return agent_batch(samples, self.tok.pad_token_id, n)
-        out = RolloutOutput(
-            prompt_index=[i // n for i in range(len(samples))],
-            prompt_ids=[s["prompt_ids"] for s in samples],
-            response_ids=[s["response_ids"] for s in samples],
-            log_probs=[s["log_probs"] for s in samples] if samples[0]["log_probs"] is not None else None,
-            finish_reasons=[s["finish_reason"] for s in samples])
-        return out.to_batch(self.tok.pad_token_id)
-
-    def score(self, samples: list[dict], records: list[PromptRecord]) -> tuple[list[float], int]:
-        # Agent trajectories are scored on their final answer (the last assistant message,
-        # decoded by the worker); tool outputs and earlier tool-call turns are not scored.
-        texts = [s["answer"] if "answer" in s
-                 else self.tok.decode(s["response_ids"], skip_special_tokens=True)
-                 for s in samples]
-        return self.scorer.score(texts, records)
+    def attach_scores(self, samples: list[Sample]) -> list[Sample]:
+        results = self.wg.collect_scores()
+        self.reward_seconds = max((r[2] for r in results), default=0.0)
+        for sample, (score, error, _) in zip(samples, results, strict=True):
+            sample.score, sample.reward_error = float(score), error
+        check_not_all_failed([s.reward_error for s in samples])
+        return samples
 
     def evaluate(self) -> float:
         """Greedy accuracy on the held-out prompts (the same items every time)."""
-        ws = self.wg.world_size
-        ids = list(self.val.ids)
-        pad = (-len(ids)) % ws  # the split needs equal shares; the padding is not scored
-        records = list(self.val.records)
-        _, samples = self.generate(ids + ids[:pad], self.greedy, records + records[:pad],
-                                   tag=f"val{self.step}")
-        scores, _ = self.score(samples[: len(ids)], self.val.records)
+        dp = self.wg.dp_size
+        indices = list(range(len(self.val.ids)))
+        pad = (-len(indices)) % dp  # the split needs equal shares; the padding is not scored
+        samples = self.generate(self.items(indices + indices[:pad], self.val, f"val{self.step}"),
+                                self.greedy)
+        scores = [s.score for s in samples[: len(indices)]]
         return sum(accuracy_of(s) for s in scores) / len(scores)
-
-    def advantages(self, batch: TensorDict, scores: torch.Tensor) -> None:
-        from tephra.algos import AdvantageConfig, compute_advantages
-
-        a = self.cfg.algorithm
-        token_rewards = outcome_token_rewards(scores, batch["response_mask"])
-        adv, ret = compute_advantages(
-            a.adv_estimator, token_rewards=token_rewards, response_mask=batch["response_mask"],
-            group_ids=batch["uid"], values=batch["values"] if self.needs_critic else None,
-            config=AdvantageConfig(gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_adv_by_std))
-        batch["advantages"], batch["returns"] = adv.float(), ret.float()
 
     def collect(self) -> list[Round]:
         """This step's rounds of generation. Without dynamic sampling: one round of
-        `batch.prompts_per_step` prompts. With `algorithm.dynamic_sampling` (DAPO): groups whose
-        samples all got the same score (zero group-relative advantage) are dropped, and further
-        rounds are generated until `prompts_per_step` groups are kept or
-        `algorithm.max_gen_batches` rounds ran; a batch still short is filled with the dropped
-        groups of the last rounds (they carry no advantage) so its size never changes."""
+        `batch.prompts_per_step` prompts, whose scoring overlaps the log-prob passes. With
+        `algorithm.dynamic_sampling` (DAPO): groups whose samples all got the same score (zero
+        group-relative advantage) are dropped, and further rounds are generated until
+        `prompts_per_step` groups are kept or `algorithm.max_gen_batches` rounds ran; a batch
+        still short is filled with the dropped groups of the last rounds (they carry no
+        advantage) so its size never changes."""
         from tephra.algos import filter_groups
 
         cfg, n = self.cfg, self.cfg.batch.samples_per_prompt
@@ -200,16 +186,15 @@ class Trainer:
             # round 0 keeps the seed of a run without dynamic sampling
             seed = cfg.trainer.seed * 1_000_003 + self.step + r * 100_003
             tag = f"step{self.step}" if r == 0 else f"step{self.step}r{r}"
-            records = [self.train.records[i] for i in idx]
-            samples = self.sample([self.train.ids[i] for i in idx],
-                                  self.sampling.replace(seed=seed), records, tag)
-            scores, errors = self.score(samples, [records[k // n] for k in range(len(samples))])
-            rnd = Round(samples, scores, errors, n)
+            items = self.items(idx, self.train, tag)
+            samples = self.wg.generate(items, self.sampling.replace(seed=seed))
+            rnd = Round(items, samples, n)
             rounds.append(rnd)
             if not cfg.algorithm.dynamic_sampling:
                 rnd.keep(list(range(len(idx))))
-                return rounds
-            keep, _ = filter_groups(torch.tensor(scores, dtype=torch.float32),
+                return rounds  # scores are collected after the log-prob passes
+            self.attach_scores(samples)
+            keep, _ = filter_groups(torch.tensor(rnd.scores, dtype=torch.float32),
                                     torch.arange(len(samples)) // n)
             informative = [g for g in range(len(idx)) if bool(keep[g * n])]
             rnd.informative = len(informative)
@@ -224,7 +209,17 @@ class Trainer:
             kept_groups += len(fill)
         return rounds
 
-    def length_shaping(self, samples: list[dict]) -> torch.Tensor:
+    def greedy_baselines(self, rounds: list[Round]) -> torch.Tensor:
+        """ReMax's baseline: the reward of the greedy response to each sample's prompt [B]."""
+        n = self.cfg.batch.samples_per_prompt
+        items = [PromptItem(rnd.items[g].prompt_ids, rnd.items[g].record,
+                            f"{rnd.items[g].sample_id}-greedy")
+                 for rnd in rounds for g in rnd.kept_groups]
+        pad = (-len(items)) % self.wg.dp_size  # equal shares; the padding is not used
+        greedy = self.generate(items + items[:pad], self.greedy)[: len(items)]
+        return torch.tensor([g.score for g in greedy for _ in range(n)], dtype=torch.float32)
+
+    def length_shaping(self, samples: list[Sample]) -> torch.Tensor:
         """DAPO's soft overlong punishment added to each kept sample's score ([B]; zeros when
         `algorithm.overlong_buffer` is 0), from the full response length (tool tokens count)."""
         from tephra.algos import overlong_penalty
@@ -232,9 +227,32 @@ class Trainer:
         a = self.cfg.algorithm
         if not a.overlong_buffer:
             return torch.zeros(len(samples))
-        lengths = torch.tensor([len(s["response_ids"]) for s in samples])
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
         return overlong_penalty(lengths, self.cfg.rollout.response_budget, a.overlong_buffer,
                                 a.overlong_penalty_factor)
+
+    def advantages(self, batch: TensorDict, token_rewards: torch.Tensor,
+                   baselines: torch.Tensor | None) -> None:
+        from tephra.algos import compute_advantages
+
+        a = self.cfg.algorithm
+        adv, ret = compute_advantages(
+            a.adv_estimator, token_rewards=token_rewards, response_mask=batch["response_mask"],
+            group_ids=batch["uid"], values=batch["values"] if self.needs_critic else None,
+            config=a.advantage, baselines=baselines)
+        batch["advantages"], batch["returns"] = adv.float(), ret.float()
+
+    def kl_reward(self, batch: TensorDict, token_rewards: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """KL to the reference as a per-token reward penalty (algorithm.kl_in_reward)."""
+        from tephra.algos import apply_kl_penalty, kl_penalty
+
+        kl = kl_penalty(batch["rollout_log_probs"] if "old_log_probs" not in batch.keys()
+                        else batch["old_log_probs"], batch["ref_log_probs"],
+                        self.cfg.algorithm.kl_in_reward.estimator)
+        rewards, metrics = apply_kl_penalty(token_rewards, batch["response_mask"], kl,
+                                            self.kl_ctrl.value)
+        self.kl_ctrl.update(metrics["kl_penalty/kl"], batch.batch_size[0])
+        return rewards, metrics
 
     # ----- one RL step ---------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -248,62 +266,81 @@ class Trainer:
             tick = now
 
         n = cfg.batch.samples_per_prompt
+        self.reward_seconds = 0.0
         rounds = self.collect()
         samples = [s for r in rounds for s in r.kept]
-        batch = self.to_batch(samples, n)
-        lap("generate")
-        raw = torch.tensor([x for r in rounds for x in r.kept_scores], dtype=torch.float32)
-        shaping = self.length_shaping(samples)
-        scores = raw + shaping
-        batch["rewards"] = scores
+        batch = samples_to_batch(samples, self.tok.pad_token_id, n, self.multi_turn)
         # one group id per prompt of the step (a prompt drawn twice forms two groups)
         batch["uid"] = torch.arange(len(samples), dtype=torch.int64) // n
-        all_scores = [x for r in rounds for x in r.scores]
-        errors = sum(r.errors for r in rounds)
-        lap("reward")
+        lap("generate")
+        forward_passes = 0
         if self.needs_ref:
             batch["ref_log_probs"] = self.wg.compute_ref_log_probs(batch)["log_probs"]
+            forward_passes += 1
             lap("ref")
         if self.needs_critic:
             batch["values"] = self.wg.compute_values(batch)["values"]
+            forward_passes += 1
             lap("values")
         if cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1:
             batch["old_log_probs"] = self.wg.compute_log_probs(batch)["log_probs"]
+            forward_passes += 1
             lap("old_log_probs")
-        self.advantages(batch, scores)
-        lap("advantages")
+        if not cfg.algorithm.dynamic_sampling:
+            self.attach_scores(samples)
+        times["time/reward_s"] = self.reward_seconds
+        lap("reward_wait")
+        raw = torch.tensor([s.score for s in samples], dtype=torch.float32)
+        shaping = self.length_shaping(samples)
+        scores = raw + shaping
+        batch["rewards"] = scores
+        token_rewards = outcome_token_rewards(scores, batch["response_mask"])
         metrics: dict[str, float] = {}
+        if cfg.algorithm.kl_in_reward.enabled:
+            token_rewards, kl_metrics = self.kl_reward(batch, token_rewards)
+            metrics.update(kl_metrics)
+        baselines = None
+        if cfg.algorithm.needs("baselines"):
+            baselines = self.greedy_baselines(rounds)
+            metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
+            lap("baselines")
+        self.advantages(batch, token_rewards, baselines)
+        lap("advantages")
+        trained_passes = 0
         if self.needs_critic:
             metrics.update({f"critic/{k.split('/')[-1]}": v
                             for k, v in self.wg.update_critic(batch).items()})
+            trained_passes += cfg.batch.epochs
             lap("critic")
         metrics.update({k if k.startswith("actor/") else f"actor/{k}": v
                         for k, v in self.wg.update_actor(batch).items()})
+        trained_passes += cfg.batch.epochs
         lap("actor")
         self.wg.sync_weights()
         lap("sync")
         step_s = time.perf_counter() - t_step
 
+        all_samples = [s for r in rounds for s in r.samples]
         resp_len = batch["response_mask"].sum(-1).float()
         total_tokens = int(batch["attention_mask"].sum())
-        trained = int(batch["response_mask"].sum())
-        # Model FLOPs: 2 N per token forward (generation and scoring), 6 N per token trained.
-        flops = 2 * self.n_params * total_tokens + 6 * self.n_params * total_tokens * cfg.batch.epochs
+        generated = int(sum(len(s.response_ids) for s in all_samples))
+        flops = step_flops(self.n_params, batch, forward_passes, trained_passes, generated)
         metrics.update({
             "reward/mean": float(scores.mean()),
-            "reward/errors": float(errors),
+            "reward/errors": float(sum(r.errors for r in rounds)),
             # over every sample generated this step (dropped groups included): the policy's
             # accuracy, not the filtered batch's
-            "accuracy/train": sum(accuracy_of(s) for s in all_scores) / len(all_scores),
+            "accuracy/train": sum(accuracy_of(s.score) for s in all_samples) / len(all_samples),
             "response/length_mean": float(resp_len.mean()),
-            "response/clip_frac": sum(s["finish_reason"] == "length" for s in samples) / len(samples),
+            "response/clip_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "perf/tokens_per_s": total_tokens / step_s,
-            "perf/trained_tokens": float(trained),
+            "perf/trained_tokens": float(batch["response_mask"].sum()),
+            "perf/flops": float(flops),
             "perf/mfu": flops / step_s / self.peak_flops if self.peak_flops else 0.0,
             "time/step_s": step_s,
             **times,
         })
-        if self.agent:
+        if self.multi_turn:
             metrics.update(agent_metrics(samples))
         if cfg.algorithm.overlong_buffer:
             metrics["reward/overlong_penalty_mean"] = float(shaping.mean())
@@ -318,7 +355,8 @@ class Trainer:
         folder = self.ckpt.step_dir(self.step)
         folder.mkdir(parents=True, exist_ok=True)
         self.wg.save_checkpoint(str(folder))
-        self.ckpt.save_trainer_state(self.step, {"loader": self.loader.state_dict()})
+        self.ckpt.save_trainer_state(self.step, {"loader": self.loader.state_dict(),
+                                                 "kl_coef": self.kl_ctrl.value})
 
     def maybe_resume(self) -> bool:
         latest = self.ckpt.latest() if self.cfg.trainer.resume else None
@@ -327,6 +365,7 @@ class Trainer:
         state = self.ckpt.load_trainer_state(latest)
         self.wg.load_checkpoint(str(latest))
         self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
         self.step = int(state["step"])
         print(f"resumed from {latest} at step {self.step}", flush=True)
         return True
@@ -383,48 +422,3 @@ class Trainer:
                 plot_curves(records, self.run_dir / "curves.png")
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
-
-
-def agent_batch(samples: list[dict], pad_token_id: int, n: int) -> TensorDict:
-    """The worker's trajectory records (`tephra.controller.rl_worker.trajectory_record`,
-    prompt-major, n per prompt) as the padded batch of `trajectories_to_batch`: response_mask
-    1 on model tokens only, plus num_turns / tool_calls / tool_errors [B] and prompt_index [B]."""
-    from tephra.rollout.agent import Trajectory, trajectories_to_batch
-
-    trajectories = [
-        Trajectory(s["sample_id"], s["prompt_ids"], s["response_ids"], s["response_mask"],
-                   s["log_probs"], s["num_turns"], s["tool_calls"], s["tool_errors"],
-                   s["finish_reason"], [], tool_rewards=s["tool_rewards"])
-        for s in samples]
-    batch = trajectories_to_batch(trajectories, pad_token_id)
-    batch["prompt_index"] = torch.tensor([i // n for i in range(len(samples))], dtype=torch.int64)
-    return batch
-
-
-def agent_metrics(samples: list[dict]) -> dict[str, float]:
-    """Per-step agent-loop statistics from the worker's trajectory records:
-    turns, tool calls and tool errors per trajectory (means), and token counts: generated
-    (response_mask 1, trained) and tool (response tokens the tools wrote, mask 0)."""
-    num = len(samples)
-    generated = sum(sum(s["response_mask"]) for s in samples)
-    total = sum(len(s["response_ids"]) for s in samples)
-    return {
-        "agent/turns_mean": sum(s["num_turns"] for s in samples) / num,
-        "agent/tool_calls_mean": sum(s["tool_calls"] for s in samples) / num,
-        "agent/tool_errors_mean": sum(s["tool_errors"] for s in samples) / num,
-        "agent/generated_tokens": float(generated),
-        "agent/tool_tokens": float(total - generated),
-        "agent/finish_stop_frac": sum(s["finish_reason"] == "stop" for s in samples) / num,
-    }
-
-
-def measure_peak_flops(seconds: float = 0.3) -> float:
-    """A rough per-process peak: fp32 matmul throughput of this CPU (GPUs: use the spec)."""
-    if torch.cuda.is_available():
-        return 989e12  # H100 dense bf16
-    a = torch.randn(512, 512)
-    done, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ a
-        done += 1
-    return 2 * 512**3 * done / (time.perf_counter() - t0) if done else math.nan

@@ -1,0 +1,149 @@
+"""Assemble and run the RL trainer from a `PPOConfig`: data, Ray, the worker group, the loop.
+
+    from tephra.controller.ppo import run
+    from tephra.controller.rl_config import PPOConfig
+    summary = run(PPOConfig(...))
+
+Everything that can be checked is checked before Ray starts: the config validates itself
+when built, and `prepare` resolves the model folder, the tools file and the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tephra.controller.data import (
+    PromptRecord,
+    load_hf_dataset,
+    load_parquet,
+    reasoning_gym_records,
+    tokenize_prompts,
+)
+from tephra.controller.rl_config import PPOConfig
+from tephra.controller.rl_loop import Prompts
+from tephra.core.errors import ConfigError
+
+BUNDLED_TOOLS = Path(__file__).parent / "tools"
+
+
+def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Training and held-out records of `cfg.data`."""
+    d = cfg.data
+    if d.source == "reasoning_gym":
+        return (reasoning_gym_records(d.task, d.train_size, d.train_seed, d.task_config,
+                                      d.instruction),
+                reasoning_gym_records(d.task, d.val_size, d.val_seed, d.task_config,
+                                      d.instruction))
+
+    def load(spec: str) -> list[PromptRecord]:
+        if d.source == "parquet":
+            return load_parquet(spec)
+        name, _, split = spec.partition(":")
+        return load_hf_dataset(name, split or "train")
+
+    return ([r for f in d.train_files for r in load(f)],
+            [r for f in d.val_files for r in load(f)])
+
+
+def resolve_tools_file(spec: str) -> str:
+    """`rollout.tools_file`: a YAML path, or the name of a file bundled in
+    tephra/controller/tools/ (`python`: the sandboxed interpreter)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return str(path.resolve())
+    bundled = BUNDLED_TOOLS / f"{spec}.yaml"
+    if not path.suffix and bundled.is_file():
+        return str(bundled)
+    known = sorted(p.stem for p in BUNDLED_TOOLS.glob("*.yaml"))
+    raise ConfigError(f"rollout.tools_file={spec!r}: no such file; give a tools YAML path or one "
+                      f"of the bundled names {known}")
+
+
+@dataclass
+class Prepared:
+    """What the driver resolved before starting Ray."""
+
+    model_path: str
+    tokenizer: Any
+    train: Prompts
+    val: Prompts
+    tools_file: str | None
+    run_dir: Path
+
+
+def prepare(cfg: PPOConfig) -> Prepared:
+    """Resolve the model, tools and data; tokenise the prompts. Fails before Ray starts."""
+    from transformers import AutoTokenizer
+
+    from tephra.controller.models import resolve_model_path
+
+    model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    r = cfg.rollout
+    tools_file = resolve_tools_file(r.tools_file) if r.uses_agent_loop and r.tools_file else None
+    render = None
+    if r.uses_agent_loop:
+        # the prompt as the loop renders it (with the tools' schemas), so that
+        # data.max_prompt_tokens bounds the real prompt
+        from tephra.rollout.agent import ChatTemplateDelta
+        from tephra.rollout.tools import load_tools
+
+        schemas = None
+        if tools_file and r.agent.render_tool_schemas:
+            schemas = [t.schema() for t in load_tools(tools_file).values()] or None
+        render = ChatTemplateDelta(tokenizer, schemas).prompt_ids
+    train_rec, val_rec = load_records(cfg)
+    limit = cfg.data.max_prompt_tokens
+    train_ids, train_rec, dropped = tokenize_prompts(train_rec, tokenizer, limit, render)
+    val = Prompts([], [])
+    if val_rec:
+        val_ids, val_rec, val_dropped = tokenize_prompts(val_rec, tokenizer, limit, render)
+        val = Prompts(val_ids, val_rec)
+        dropped += val_dropped
+    if dropped:
+        print(f"dropped {dropped} prompts longer than data.max_prompt_tokens={limit}", flush=True)
+    if not train_ids:
+        raise ConfigError(f"no training prompt is left after dropping those longer than "
+                          f"data.max_prompt_tokens={limit}; raise it or check data.train_files")
+    t = cfg.trainer
+    if (t.val_before or t.val_after or t.val_every) and not val.ids:
+        raise ConfigError("validation is on but the held-out set is empty; set data.val_files "
+                          "(or data.val_size) or turn off trainer.val_before/val_after/val_every")
+    run_dir = Path(t.run_dir).expanduser().resolve()
+    return Prepared(model_path, tokenizer, Prompts(train_ids, train_rec), val, tools_file, run_dir)
+
+
+def run(cfg: PPOConfig) -> dict:
+    """Train as `cfg` says; returns the summary dict."""
+    import torch
+    import yaml
+
+    from tephra.controller.models import count_parameters
+    from tephra.controller.rl_loop import Trainer
+    from tephra.controller.rl_worker import RLWorker
+    from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
+    from tephra.core.config import to_dict
+
+    torch.set_num_threads(1)  # the driver only moves batches; the workers compute
+    p = prepare(cfg)
+    p.run_dir.mkdir(parents=True, exist_ok=True)
+    (p.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    r = cfg.resources
+    ray_init(r.ray_address, r.num_cpus)
+    pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank)
+    wg = WorkerGroup(RLWorker, pool, {"cfg": cfg, "model_path": p.model_path,
+                                      "tools_file": p.tools_file}, name="rl")
+    try:
+        peak = sum(wg.measure_peak_flops())
+        trainer = Trainer(cfg, wg, p.tokenizer, p.train, p.val, p.run_dir,
+                          count_parameters(p.model_path), peak)
+        return trainer.fit()
+    finally:
+        try:
+            wg.close()
+        finally:
+            wg.shutdown()

@@ -1,0 +1,552 @@
+"""The RL trainer's configuration: one typed tree composed of the packages' own configs.
+
+    model       tephra.engine_api.ModelConfig          the policy (and critic) checkpoint
+    actor       ActorConfig   = engine name + the engine's optimizer, scheduler, micro_batch,
+                precision, offload, lora, parallel sections + tephra.algos.ActorObjectiveConfig
+    critic      CriticConfig  = the same with tephra.algos.CriticObjectiveConfig
+    rollout     backend name, sampling, tephra.rollout's HFSettings / ServerSettings and
+                AgentLoopConfig
+    algorithm   estimator name + tephra.algos.AdvantageConfig, KL in the reward, DAPO
+    reward      tephra.rollout.rewards.RewardConfig
+    data, batch, trainer, resources: the controller's own sections
+
+Each option and its default live once, in the package that implements it; this module only
+chooses the trainer's defaults for them (the embedded demo) and checks the combinations.
+Every name (engine, rollout backend, estimator, loss, aggregation, KL estimator, agent loop,
+scorer) is checked against its registry when the config is built, before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tephra.algos import ActorObjectiveConfig, AdvantageConfig, CriticObjectiveConfig
+from tephra.algos.advantages import ADVANTAGE_ESTIMATORS
+from tephra.algos.kl import KL_ESTIMATORS
+from tephra.core.errors import ConfigError
+from tephra.engine_api.config import (
+    EngineConfig,
+    LoraConfig,
+    MicroBatchConfig,
+    ModelConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    SchedulerConfig,
+)
+from tephra.rollout.agent.base import AgentLoopConfig
+from tephra.rollout.base import HFSettings, ServerSettings
+from tephra.rollout.rewards import RewardConfig
+
+
+def _check_name(field_name: str, value: str, registry: Any) -> None:
+    """A registry name, refused as a ConfigError naming the field and the choices."""
+    if value not in registry:
+        import difflib
+
+        close = difflib.get_close_matches(str(value), registry.names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{field_name}={value!r} is not a registered {registry.kind}{hint}; "
+                          f"choose one of {registry.names()}")
+
+
+@dataclass
+class EngineRoleConfig:
+    """A trained role: which engine backend, and the engine's own config sections."""
+
+    engine: str = "fsdp"
+    """Training backend registered under the `tephra.engines` entry points (`fsdp`,
+    `megatron`); any installed backend package adds its name."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW and gradient clipping (tephra.engine_api.OptimizerConfig)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate schedule, stepped per optimizer step."""
+    micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
+    """Token budget per micro-batch on one rank, packing."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Compute, reduction and master dtypes."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """CPU offload of parameters / optimizer state between uses."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (rank 0: full fine-tuning)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor / pipeline / context / expert parallel sizes; data parallel is what remains of
+    `resources.world_size`."""
+
+    def __post_init__(self) -> None:
+        from tephra.engine_api.registry import installed_engines
+
+        engines = installed_engines()
+        if self.engine not in engines:
+            import difflib
+
+            close = difflib.get_close_matches(self.engine, sorted(engines), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"engine={self.engine!r} is not an installed engine backend{hint}; installed: "
+                f"{sorted(engines)} (install e.g. tephra-engine-megatron for `megatron`)")
+
+    def engine_config(self, model: ModelConfig, role: str, temperature: float, seed: int,
+                      device: str = "auto") -> EngineConfig:
+        """The `EngineConfig` this role builds on every rank."""
+        from dataclasses import replace
+
+        return EngineConfig(
+            model=replace(model, role=role), optimizer=self.optimizer, scheduler=self.scheduler,
+            micro_batch=self.micro_batch, precision=self.precision, offload=self.offload,
+            lora=self.lora if role == "policy" else LoraConfig(), parallel=self.parallel,
+            temperature=temperature, compute_entropy=role == "policy", seed=seed, device=device)
+
+
+def _demo_actor_objective() -> ActorObjectiveConfig:
+    # seq-mean-token-mean weighs every sample equally (the GRPO paper's form). On the demo
+    # (then with division items) `token-mean` let long truncated responses dominate the
+    # gradient (62% of samples hit the length cap by step 30, +26.5 points);
+    # `seq-mean-token-mean` brought the cap rate near 0 (+29 points).
+    return ActorObjectiveConfig(loss_agg_mode="seq-mean-token-mean")
+
+
+@dataclass
+class ActorConfig(EngineRoleConfig):
+    """The policy: its engine and its loss."""
+
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=3e-5, weight_decay=0.0))
+    """AdamW; the demo's lr 3e-5 (5e-5 made responses hit the length cap within 9 steps)."""
+    precision: PrecisionConfig = field(
+        default_factory=lambda: PrecisionConfig(param_dtype="bfloat16"))
+    """bf16 compute with fp32 master weights (set `param_dtype=float32` for exact tests)."""
+    micro_batch: MicroBatchConfig = field(
+        default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096))
+    """Token budget of one forward/backward micro-batch on one rank."""
+    objective: ActorObjectiveConfig = field(default_factory=_demo_actor_objective)
+    """Policy loss, aggregation, entropy bonus, KL loss, truncated importance sampling
+    (tephra.algos.ActorObjectiveConfig): `actor.objective.policy_loss=gspo`,
+    `actor.objective.policy.clip_ratio_high=0.28`, `actor.objective.tis_level=token`."""
+
+
+@dataclass
+class CriticConfig(EngineRoleConfig):
+    """The value model (built only when the estimator needs values, e.g. `gae`)."""
+
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=1e-5, weight_decay=0.0))
+    """AdamW of the critic."""
+    precision: PrecisionConfig = field(
+        default_factory=lambda: PrecisionConfig(param_dtype="bfloat16"))
+    """Compute dtype of the critic."""
+    micro_batch: MicroBatchConfig = field(
+        default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096))
+    """Token budget of one critic micro-batch on one rank."""
+    objective: CriticObjectiveConfig = field(default_factory=CriticObjectiveConfig)
+    """Clipped value loss (tephra.algos.CriticObjectiveConfig)."""
+
+
+@dataclass
+class RolloutSection:
+    """Generation: the backend by name, sampling, and each backend's own settings."""
+
+    backend: str = "hf"
+    """Rollout backend from tephra.rollout.ROLLOUT_BACKENDS: `hf` (in-process transformers),
+    `vllm`, `sglang` (servers)."""
+    dtype: str = "bfloat16"
+    """Generation dtype. bfloat16: on a CPU with AMX/avx512_bf16 the demo's generate took
+    3.6 s in bf16 vs 5.5 s in fp32; on CPUs without bf16 units float32 can be faster. The
+    trainer recomputes log-probs in its own dtype, so this only changes what is sampled."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs use the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling; 1 keeps every token (log-probs then match the trainer exactly)."""
+    top_k: int = -1
+    """Top-k sampling; -1 keeps every token."""
+    max_tokens: int = 32
+    """Most response tokens per sample (per model turn with an agent loop)."""
+    sleep_when_training: bool = True
+    """Colocated (hybrid) mode: `rollout.sleep()` after generation and `wake_up()` before
+    the weight sync, so the rollout's memory is free while the engine trains (a GPU backend
+    frees its weights / KV cache; on CPU the hf backend has nothing to free)."""
+    hf: HFSettings = field(default_factory=HFSettings)
+    """Settings of the `hf` backend (device is set from the rank's device)."""
+    vllm: ServerSettings = field(default_factory=ServerSettings)
+    """Settings of the `vllm` server backend."""
+    sglang: ServerSettings = field(default_factory=ServerSettings)
+    """Settings of the `sglang` server backend."""
+    agent_loop: str | None = None
+    """Multi-turn rollouts: an agent loop from tephra.rollout.agent.AGENT_LOOPS (`tool_agent`:
+    the model calls the tools of `tools_file` between turns; `single_turn`). None or "" keeps
+    the batched `generate` path."""
+    tools_file: str | None = None
+    """Tools YAML of the agent loop, or `python` for the bundled sandboxed interpreter."""
+    max_in_flight: int = 64
+    """Agent loop: most trajectories in flight per rank (their turns are batched together)."""
+    agent: AgentLoopConfig = field(default_factory=lambda: AgentLoopConfig(
+        max_turns=3, max_response_tokens=128, max_tool_response_chars=500))
+    """Agent-loop budgets (tephra.rollout.agent.AgentLoopConfig): max_turns,
+    max_response_tokens (the trained response length), max_tool_response_chars, ..."""
+
+    def __post_init__(self) -> None:
+        import tephra.rollout.backends  # noqa: F401  (registers the built-in backends)
+        from tephra.rollout.base import ROLLOUT_BACKENDS
+
+        _check_name("rollout.backend", self.backend, ROLLOUT_BACKENDS)
+        if self.agent_loop:
+            from tephra.rollout.agent import AGENT_LOOPS
+
+            _check_name("rollout.agent_loop", self.agent_loop, AGENT_LOOPS)
+            if self.agent_loop == "tool_agent" and not self.tools_file:
+                raise ConfigError("rollout.agent_loop='tool_agent' needs rollout.tools_file: a "
+                                  "tools YAML, or `python` for the bundled sandboxed interpreter")
+        if self.max_in_flight < 1:
+            raise ConfigError(f"rollout.max_in_flight={self.max_in_flight} must be >= 1")
+        if self.max_tokens < 1:
+            raise ConfigError(f"rollout.max_tokens={self.max_tokens} must be >= 1")
+
+    @property
+    def uses_agent_loop(self) -> bool:
+        return bool(self.agent_loop)
+
+    @property
+    def response_budget(self) -> int:
+        """Most response tokens of one sample: `agent.max_response_tokens` with an agent loop,
+        `max_tokens` without."""
+        return self.agent.max_response_tokens if self.uses_agent_loop else self.max_tokens
+
+    @property
+    def budget_name(self) -> str:
+        return "rollout.agent.max_response_tokens" if self.uses_agent_loop else "rollout.max_tokens"
+
+
+@dataclass
+class KLInRewardConfig:
+    """KL to the reference policy as a per-token reward penalty (verl's use_kl_in_reward):
+    r'_t = r_t - beta * KL_t, with beta fixed or adapted towards a target KL."""
+
+    coef: float = 0.0
+    """Initial beta; 0 turns the penalty off."""
+    estimator: str = "k1"
+    """KL estimator from tephra.algos.KL_ESTIMATORS (verl's kl_penalty: `kl`/`k1`, `abs`,
+    `mse`/`k2`, `low_var_kl`/`k3`)."""
+    controller: str = "fixed"
+    """`fixed` (beta stays `coef`) or `adaptive` (Ziegler et al. 2019: beta follows
+    `target_kl` over `horizon` samples)."""
+    target_kl: float = 0.1
+    """`adaptive`: the KL per token the controller steers towards."""
+    horizon: int = 10000
+    """`adaptive`: samples over which beta moves by up to 20%."""
+
+    def __post_init__(self) -> None:
+        if self.coef < 0:
+            raise ConfigError(f"algorithm.kl_in_reward.coef={self.coef} must be >= 0 (0 = off)")
+        _check_name("algorithm.kl_in_reward.estimator", self.estimator, KL_ESTIMATORS)
+        if self.estimator.startswith("full"):
+            raise ConfigError("algorithm.kl_in_reward.estimator='full' needs full-vocabulary "
+                              "log-probs, which engines do not return; use 'k1' or 'k3'")
+        if self.controller not in ("fixed", "adaptive"):
+            raise ConfigError(f"algorithm.kl_in_reward.controller={self.controller!r}: choose "
+                              "'fixed' or 'adaptive'")
+        if self.target_kl <= 0 or self.horizon < 1:
+            raise ConfigError("algorithm.kl_in_reward.target_kl must be > 0 and horizon >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.coef > 0
+
+
+@dataclass
+class AlgorithmSection:
+    """The estimator by name and its settings, KL in the reward, DAPO's sampling rules."""
+
+    adv_estimator: str = "grpo"
+    """Advantage estimator from tephra.algos.ADVANTAGE_ESTIMATORS; what it needs (a critic,
+    groups of samples, greedy baselines) is read from the registry's metadata."""
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """gamma, lam, norm_by_std, passk_k, ... (tephra.algos.AdvantageConfig)."""
+    kl_in_reward: KLInRewardConfig = field(default_factory=KLInRewardConfig)
+    """KL penalty in the reward (off by default; the KL loss is `actor.objective.use_kl_loss`)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop prompt groups whose samples all got the same score (no
+    group-relative signal) and generate more prompts until `batch.prompts_per_step` groups
+    remain; filtered on the outcome score, before length shaping."""
+    max_gen_batches: int = 3
+    """Dynamic sampling: at most this many rounds of `batch.prompts_per_step` prompts per
+    step; a batch still short of informative groups is filled with flat ones."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: the last `overlong_buffer` tokens of the response budget
+    cost up to `overlong_penalty_factor` of reward, linearly; 0 turns it off."""
+    overlong_penalty_factor: float = 1.0
+    """The penalty at the full response budget (added to the score as a negative reward)."""
+
+    def __post_init__(self) -> None:
+        _check_name("algorithm.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS)
+        if self.max_gen_batches < 1:
+            raise ConfigError(f"algorithm.max_gen_batches={self.max_gen_batches} must be >= 1")
+        if self.overlong_penalty_factor < 0:
+            raise ConfigError(f"algorithm.overlong_penalty_factor={self.overlong_penalty_factor} "
+                              "must be >= 0")
+
+    def needs(self, what: str) -> bool:
+        """Whether the estimator's registry metadata says it needs `values`, `groups`,
+        `baselines` or `k`."""
+        return bool(ADVANTAGE_ESTIMATORS.meta(self.adv_estimator).get(f"needs_{what}"))
+
+
+@dataclass
+class DataSection:
+    """Prompts and the held-out set."""
+
+    source: str = "reasoning_gym"
+    """`reasoning_gym` (generated by seed), `parquet` (verl format), or `hf` (a datasets
+    folder saved with save_to_disk, or data files)."""
+    task: str = "basic_arithmetic"
+    """reasoning-gym task name."""
+    task_config: dict[str, Any] = field(default_factory=lambda: {
+        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+        "allow_negation": False, "allow_parentheses": False, "operators": ["+", "-", "*"]})
+    """reasoning-gym task options; the default is basic_arithmetic at its easiest settings
+    without division: in reasoning-gym 0.1.25 a division item's answer does not match its
+    question ('6 / 2' -> 4, '5 / 8' -> 35): 53 of the 200 held-out items, unanswerable."""
+    instruction: str = "Answer with just the final number."
+    """Appended to each generated question."""
+    train_size: int = 2000
+    """Number of reasoning-gym training prompts."""
+    val_size: int = 200
+    """Held-out prompts for greedy accuracy (the same items before, during and after)."""
+    train_seed: int = 1
+    """Seed that generates the training prompts."""
+    val_seed: int = 9999
+    """Seed of the held-out prompts (different from train_seed, so they are unseen)."""
+    train_files: list[str] = field(default_factory=list)
+    """Parquet files (source=parquet) or `name[:split]` (source=hf) of the training set."""
+    val_files: list[str] = field(default_factory=list)
+    """Same for the held-out set."""
+    max_prompt_tokens: int = 128
+    """Prompts longer than this (chat template included) are dropped and counted."""
+
+    def __post_init__(self) -> None:
+        if self.source not in ("reasoning_gym", "parquet", "hf"):
+            raise ConfigError(f"data.source={self.source!r}: choose reasoning_gym, parquet or hf")
+        if self.source in ("parquet", "hf") and not self.train_files:
+            raise ConfigError(f"data.source={self.source!r} needs data.train_files")
+        if self.source == "reasoning_gym" and self.train_seed == self.val_seed:
+            raise ConfigError("data.train_seed and data.val_seed must differ, or the held-out "
+                              "items are training items")
+        if self.max_prompt_tokens < 1:
+            raise ConfigError(f"data.max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
+
+
+@dataclass
+class BatchSection:
+    """Batch units of one RL step."""
+
+    prompts_per_step: int = 4
+    """Prompts sampled per RL step (global, over all data-parallel ranks)."""
+    samples_per_prompt: int = 8
+    """Responses per prompt (the group of GRPO/RLOO)."""
+    mini_batches: int = 1
+    """Optimizer steps per RL step: the step's samples are cut into this many mini-batches."""
+    epochs: int = 1
+    """Passes over the step's samples."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt", "mini_batches", "epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"batch.{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclass
+class TrainerSection:
+    """The loop, validation, checkpoints, trackers."""
+
+    steps: int = 36
+    """RL steps. The demo, measured on 2 cores: ~9.5 s per step; held-out greedy accuracy
+    29.5% -> 76.5% (200 items)."""
+    seed: int = 0
+    """Seed of data order, sampling and initialisation."""
+    run_dir: str = "runs/ppo"
+    """Where metrics, checkpoints, plots and the export go (a second run with the same
+    run_dir resumes from its latest checkpoint)."""
+    resume: bool = True
+    """Continue from the latest checkpoint in run_dir when there is one."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end when `save_final`)."""
+    save_final: bool = False
+    """Checkpoint after the last step."""
+    keep_checkpoints: int = 2
+    """How many checkpoints to keep."""
+    val_every: int = 0
+    """Greedy held-out accuracy every N steps (0: only before and after training)."""
+    val_before: bool = True
+    """Measure held-out accuracy before training."""
+    val_after: bool = True
+    """Measure held-out accuracy after training."""
+    trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks from tephra.controller.TRACKERS: console, jsonl, tensorboard, wandb
+    (offline), mlflow."""
+    project: str = "tephra"
+    """Project name for W&B / MLflow."""
+    export_hf: bool = True
+    """Write the trained policy as a Hugging Face folder to run_dir/hf at the end."""
+    progress_bar: bool = True
+    """Show a tqdm bar over steps."""
+
+    def __post_init__(self) -> None:
+        from tephra.controller.trackers import TRACKERS
+
+        if self.steps < 0:
+            raise ConfigError(f"trainer.steps={self.steps} must be >= 0")
+        for name in self.trackers:
+            _check_name("trainer.trackers", name, TRACKERS)
+
+
+@dataclass
+class ResourcesSection:
+    """Ray placement of the ranks."""
+
+    ray_address: str | None = None
+    """Ray cluster address; None starts a local session."""
+    num_cpus: int | None = None
+    """CPUs of the local Ray session (None: all)."""
+    world_size: int = 1
+    """Ranks of the colocated worker group (one Ray actor each): data parallel times the
+    actor's tensor x pipeline x context parallel sizes."""
+    cpus_per_rank: float = 2.0
+    """CPUs (and torch threads) per rank."""
+    gpus_per_rank: float = 0.0
+    """GPUs per rank (each rank then computes on the GPU Ray assigned to it)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"resources.world_size={self.world_size} must be >= 1")
+        if self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
+            raise ConfigError("resources.cpus_per_rank and gpus_per_rank must be >= 0")
+
+
+@dataclass
+class PPOConfig:
+    """The RL trainer (PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO, ... by name)."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="smollm2"))
+    """The policy checkpoint (tephra.engine_api.ModelConfig): `path` is a local Hugging Face
+    folder, `smollm2` (the bundled SmolLM2-135M-Instruct) or `tiny` (a tiny random model for
+    tests); gradient_checkpointing, attn_implementation, trust_remote_code."""
+    data: DataSection = field(default_factory=DataSection)
+    """Prompts and held-out set."""
+    batch: BatchSection = field(default_factory=BatchSection)
+    """Batch units."""
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    """Generation."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy engine and loss."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value engine and loss (built only when the estimator needs values)."""
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    """Advantage estimator, KL in reward, DAPO."""
+    reward: RewardConfig = field(default_factory=lambda: RewardConfig(executor="serial"))
+    """Scoring (tephra.rollout.rewards.RewardConfig): rule scorers by data_source, a custom
+    function from a file, or a reward model. Each rank scores its own samples; `serial` by
+    default because the demo's scorers take microseconds."""
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    """Loop, validation, checkpoints, trackers."""
+    resources: ResourcesSection = field(default_factory=ResourcesSection)
+    """Ray placement."""
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.actor.objective.use_kl_loss or self.algorithm.kl_in_reward.enabled
+
+    def data_parallel_size(self) -> int:
+        return self.actor.parallel.data_parallel_size(self.resources.world_size)
+
+
+def validate(cfg: PPOConfig) -> None:
+    """The combinations, checked together with the arithmetic in the message."""
+    b, r, a = cfg.batch, cfg.rollout, cfg.algorithm
+    ws = cfg.resources.world_size
+    try:
+        dp = cfg.data_parallel_size()
+    except ConfigError as exc:
+        raise ConfigError(f"resources.world_size={ws} with the actor's parallel sizes: {exc}; "
+                          "make world_size a multiple of tensor x pipeline x context") from None
+    if b.prompts_per_step % dp:
+        raise ConfigError(
+            f"batch.prompts_per_step={b.prompts_per_step} must be a multiple of the data-"
+            f"parallel size {dp} (resources.world_size={ws} / model-parallel "
+            f"{cfg.actor.parallel.model_parallel_size()}): each data-parallel rank generates "
+            "for an equal share of prompts")
+    per_rank = b.samples_per_step // dp
+    if per_rank % b.mini_batches:
+        raise ConfigError(
+            f"each data-parallel rank holds batch.prompts_per_step x samples_per_prompt / dp = "
+            f"{b.prompts_per_step} x {b.samples_per_prompt} / {dp} = {per_rank} samples, which "
+            f"batch.mini_batches={b.mini_batches} does not divide; choose a divisor of {per_rank}")
+    longest = cfg.data.max_prompt_tokens + r.response_budget
+    for role in ("actor", "critic"):
+        budget = getattr(cfg, role).micro_batch.max_tokens_per_microbatch
+        if role == "critic" and not a.needs("values"):
+            continue
+        if longest > budget:
+            raise ConfigError(
+                f"a sample can reach data.max_prompt_tokens + {r.budget_name} = "
+                f"{cfg.data.max_prompt_tokens} + {r.response_budget} = {longest} tokens, more "
+                f"than {role}.micro_batch.max_tokens_per_microbatch={budget}; raise the budget "
+                "or lower one of the two")
+    if a.needs("groups") and b.samples_per_prompt < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={a.adv_estimator!r} compares samples of one prompt; "
+            f"batch.samples_per_prompt={b.samples_per_prompt} must be >= 2")
+    if a.needs("k") and b.samples_per_prompt < a.advantage.passk_k:
+        raise ConfigError(
+            f"algorithm.adv_estimator={a.adv_estimator!r} with algorithm.advantage.passk_k="
+            f"{a.advantage.passk_k} needs at least k samples per prompt; "
+            f"batch.samples_per_prompt={b.samples_per_prompt}: raise it or lower passk_k")
+    if a.needs("baselines") and r.uses_agent_loop:
+        raise ConfigError(
+            f"algorithm.adv_estimator={a.adv_estimator!r} takes the greedy response's reward "
+            "as the baseline, which the trainer generates with plain `generate`; it is not "
+            "supported with rollout.agent_loop")
+    if a.dynamic_sampling and b.samples_per_prompt < 2:
+        raise ConfigError("algorithm.dynamic_sampling drops groups whose samples all scored the "
+                          f"same; batch.samples_per_prompt={b.samples_per_prompt} must be >= 2")
+    if not 0 <= a.overlong_buffer <= r.response_budget:
+        raise ConfigError(
+            f"algorithm.overlong_buffer={a.overlong_buffer} must be between 0 (off) and the "
+            f"response budget {r.budget_name}={r.response_budget}")
+    if r.uses_agent_loop and r.backend != "hf":
+        raise ConfigError(
+            f"rollout.agent_loop with rollout.backend={r.backend!r}: the trainer runs agent "
+            "loops on the in-process `hf` backend only so far; set rollout.backend=hf")
+    if a.needs("values") and cfg.critic.engine != cfg.actor.engine:
+        raise ConfigError(f"critic.engine={cfg.critic.engine!r} differs from actor.engine="
+                          f"{cfg.actor.engine!r}; the colocated worker runs one backend")
+    check_engine_support(cfg)
+
+
+def check_engine_support(cfg: PPOConfig) -> None:
+    """Ask the backend whether it supports the options set (before any process starts)."""
+    from tephra.engine_api.registry import get_engine_class
+
+    a = cfg.algorithm
+    roles = [("actor", cfg.actor, "policy")]
+    if a.needs("values"):
+        roles.append(("critic", cfg.critic, "value"))
+    for section, role_cfg, role in roles:
+        engine_cls = get_engine_class(role_cfg.engine)
+        check = getattr(engine_cls, "check_config", None)
+        if check is None:
+            continue
+        model = cfg.model if cfg.model.path not in ("smollm2", "tiny") else None
+        try:
+            check(role_cfg.engine_config(model or ModelConfig(path="."), role,
+                                         1.0, cfg.trainer.seed),
+                  world_size=cfg.resources.world_size)
+        except ConfigError as exc:
+            raise ConfigError(f"{section}.engine={role_cfg.engine!r}: {exc}") from None

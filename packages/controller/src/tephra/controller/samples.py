@@ -1,0 +1,111 @@
+"""The typed objects that travel between the driver and the workers.
+
+    PromptItem  driver -> worker: one prompt to sample (token ids, its data record, an id)
+    Sample      worker -> driver: one response (plain or multi-turn), scored on its rank
+
+A step's samples are prompt-major: prompt i's `n` samples are consecutive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from tephra.controller.data import PromptRecord
+
+
+@dataclass
+class PromptItem:
+    """One prompt as the workers receive it."""
+
+    prompt_ids: list[int]
+    """The prompt rendered with the chat template, as token ids."""
+    record: PromptRecord
+    """Its data row: chat messages (the agent loop's input), data_source, ground truth."""
+    sample_id: str = ""
+    """Unique in the run (names the tool instances of an agent trajectory)."""
+
+
+@dataclass
+class Sample:
+    """One response to a `PromptItem`, with its reward when the worker scored it."""
+
+    prompt_ids: list[int]
+    """The prompt's token ids."""
+    response_ids: list[int]
+    """Every token after the prompt (model and, in multi-turn, tool tokens)."""
+    response_mask: list[int]
+    """1 on tokens the model generated (trained), 0 on tokens a tool wrote."""
+    log_probs: list[float] | None
+    """The rollout engine's log-prob of each response token (0 on tool tokens)."""
+    finish_reason: str
+    """`stop`, `length` or (agent loop) `max_turns`."""
+    text: str = ""
+    """What the reward scored: the decoded response, or the last assistant message of a
+    multi-turn trajectory (earlier turns are tool calls)."""
+    score: float = 0.0
+    """The reward (0 when the scorer failed; see `reward_error`)."""
+    reward_error: str | None = None
+    """The scorer's error for this sample, if it raised."""
+    sample_id: str = ""
+    """The prompt item's id."""
+    num_turns: int = 1
+    """Model turns."""
+    tool_calls: int = 0
+    """Tool calls answered."""
+    tool_errors: int = 0
+    """Tool calls that returned an error."""
+    tool_rewards: dict[str, float] = field(default_factory=dict)
+    """`Tool.calc_reward` of each tool used."""
+
+
+def samples_to_batch(samples: list[Sample], pad_token_id: int, n: int,
+                     multi_turn: bool) -> TensorDict:
+    """Prompt-major samples (`n` per prompt) as the padded batch of tephra.engine_api:
+    `input_ids`, `attention_mask`, `position_ids`, `response_mask` (1 on model tokens only),
+    `rollout_log_probs`, `prompt_index` [B]; multi-turn adds num_turns / tool_calls /
+    tool_errors / tool_rewards [B]."""
+    from tephra.rollout.base import RolloutOutput
+
+    if multi_turn:
+        from tephra.rollout.agent import Trajectory, trajectories_to_batch
+
+        batch = trajectories_to_batch([
+            Trajectory(s.sample_id, s.prompt_ids, s.response_ids, s.response_mask,
+                       s.log_probs or [0.0] * len(s.response_ids), s.num_turns, s.tool_calls,
+                       s.tool_errors, s.finish_reason, [], tool_rewards=s.tool_rewards)
+            for s in samples], pad_token_id)
+        batch["prompt_index"] = torch.arange(len(samples), dtype=torch.int64) // n
+        return batch
+    out = RolloutOutput(
+        prompt_index=[i // n for i in range(len(samples))],
+        prompt_ids=[s.prompt_ids for s in samples],
+        response_ids=[s.response_ids for s in samples],
+        log_probs=[s.log_probs for s in samples] if samples[0].log_probs is not None else None,
+        finish_reasons=[s.finish_reason for s in samples])
+    return out.to_batch(pad_token_id)
+
+
+def agent_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Per-step agent-loop statistics: turns, tool calls and tool errors per trajectory
+    (means), and token counts: generated (response_mask 1, trained) and tool (mask 0)."""
+    num = len(samples)
+    generated = sum(sum(s.response_mask) for s in samples)
+    total = sum(len(s.response_ids) for s in samples)
+    return {
+        "agent/turns_mean": sum(s.num_turns for s in samples) / num,
+        "agent/tool_calls_mean": sum(s.tool_calls for s in samples) / num,
+        "agent/tool_errors_mean": sum(s.tool_errors for s in samples) / num,
+        "agent/generated_tokens": float(generated),
+        "agent/tool_tokens": float(total - generated),
+        "agent/finish_stop_frac": sum(s.finish_reason == "stop" for s in samples) / num,
+    }
+
+
+def record_payload(record: PromptRecord) -> dict[str, Any]:
+    """The parts of a record a worker's scorer reads (plain data, cheap to ship)."""
+    return {"data_source": record.data_source, "ground_truth": record.ground_truth,
+            "extra_info": record.extra_info}
