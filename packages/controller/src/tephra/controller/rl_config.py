@@ -543,10 +543,8 @@ def check_engine_support(cfg: PPOConfig) -> None:
         check = getattr(engine_cls, "check_config", None)
         if check is None:
             continue
-        model = cfg.model if cfg.model.path not in ("smollm2", "tiny") else None
-        try:
-            check(role_cfg.engine_config(model or ModelConfig(path="."), role,
-                                         1.0, cfg.trainer.seed),
+        try:  # the check reads settings only, so the model folder need not be resolved yet
+            check(role_cfg.engine_config(cfg.model, role, 1.0, cfg.trainer.seed),
                   world_size=cfg.resources.world_size)
         except ConfigError as exc:
             raise ConfigError(f"{section}.engine={role_cfg.engine!r}: {exc}") from None

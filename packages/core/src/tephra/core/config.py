@@ -212,7 +212,13 @@ def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "",
             kwargs[f.name] = value
         else:
             kwargs[f.name] = coerce(value, tp, where)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:  # say which section a nested dataclass's own message is about
+        where = prefix.rstrip(".")
+        if where and not str(exc).startswith(where):
+            raise ConfigError(f"{where}: {exc}") from None
+        raise
 
 
 def to_dict(config: Any) -> dict[str, Any]:

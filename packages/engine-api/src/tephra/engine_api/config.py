@@ -215,11 +215,16 @@ class ParallelConfig:
     """Shard activations along the sequence in tensor-parallel regions (needs tensor > 1)."""
     fsdp_size: int = -1
     """FSDP shard group size; -1 shards over all data-parallel ranks."""
+    moe_token_dispatcher: str = "alltoall"
+    """How tokens reach their experts under expert parallelism: `alltoall` (default) or
+    `allgather` (Megatron; backends without expert parallelism accept only the default)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor", "pipeline", "virtual_pipeline", "context", "expert", "expert_tensor"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        _choice("parallel", "moe_token_dispatcher", self.moe_token_dispatcher,
+                ("alltoall", "allgather"))
         if self.sequence_parallel and self.tensor == 1:
             raise ConfigError("parallel.sequence_parallel=True needs parallel.tensor > 1")
 

@@ -38,6 +38,13 @@ class Engine(ABC):
         setting the backend does not support.
         """
 
+    @classmethod
+    def check_config(cls, config: EngineConfig, world_size: int = 1) -> None:  # noqa: B027
+        """Refuse, with a `ConfigError` naming the field and the fix, every option of
+        `config` this backend does not support at `world_size` ranks, without building
+        anything: apps call it when their config loads, before any process starts, and
+        `build` calls it again. The default accepts everything the config validated."""
+
     # ----- lifecycle -------------------------------------------------------------------
     @abstractmethod
     def train_mode(self) -> AbstractContextManager[None]:

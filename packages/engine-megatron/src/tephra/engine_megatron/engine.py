@@ -61,13 +61,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class MegatronEngine(Engine):
     """megatron-core backend. Build with `MegatronEngine.build(config)` on every rank."""
 
-    moe_dispatcher: str = "alltoall"
-    """MoE token dispatcher (`alltoall` or `allgather`); a class attribute because the shared
-    `EngineConfig` has no field for it: `MegatronEngine.moe_dispatcher = "allgather"`."""
-
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._check_supported(config)
+        self.check_config(config, dist.get_world_size() if dist.is_initialized() else 1)
         parallel_setup.initialize(config.parallel)
         cpu_compat.seed_model_parallel_rng(config.seed)
         self.hf_config, hf_state, self.tokenizer_path = load_hf(config.model)
@@ -75,7 +71,7 @@ class MegatronEngine(Engine):
         self._check_shape(config)
         self.dtype = _DTYPES[config.precision.param_dtype]
         self.tconfig = transformer_config(self.hf_config, config.parallel, self.dtype,
-                                          self.moe_dispatcher,
+                                          config.parallel.moe_token_dispatcher,
                                           config.model.gradient_checkpointing)
         vpp = config.parallel.virtual_pipeline
         with cpu_compat.device_scope():
@@ -100,6 +96,33 @@ class MegatronEngine(Engine):
     @classmethod
     def build(cls, config: EngineConfig) -> MegatronEngine:
         return cls(config)
+
+    @classmethod
+    def check_config(cls, config: EngineConfig, world_size: int = 1) -> None:
+        """What engine-megatron refuses: LoRA, offload, fp16, non-fp32 master weights or
+        gradient reduction, FSDP shard groups, a transformers attention kernel other than the
+        default (megatron-core runs its own attention), parallel sizes that do not divide."""
+        cls._check_supported(config)
+        p = config.parallel
+        if config.precision.reduce_dtype != "float32":
+            raise ConfigError(f"precision.reduce_dtype={config.precision.reduce_dtype!r}: "
+                              "engine-megatron reduces gradients in float32; set float32")
+        if p.fsdp_size != -1:
+            raise ConfigError(f"parallel.fsdp_size={p.fsdp_size} is an engine-fsdp setting; "
+                              "engine-megatron shards the optimizer over data-parallel ranks "
+                              "(distributed optimizer): leave it at -1")
+        if config.model.attn_implementation != "sdpa":
+            raise ConfigError(f"model.attn_implementation={config.model.attn_implementation!r}: "
+                              "engine-megatron runs megatron-core's attention, not transformers'; "
+                              "leave it at 'sdpa'")
+        p.data_parallel_size(world_size)
+        expert_world = p.expert * p.expert_tensor * p.pipeline
+        if world_size % expert_world:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.expert * "
+                f"parallel.expert_tensor * parallel.pipeline = {expert_world}")
+        if p.virtual_pipeline > 1 and p.pipeline == 1:
+            raise ConfigError("parallel.virtual_pipeline > 1 needs parallel.pipeline > 1")
 
     @staticmethod
     def _check_supported(config: EngineConfig) -> None:

@@ -72,8 +72,7 @@ def conformance_spec(hf_config: dict[str, Any], parallel: dict[str, Any], workdi
     from tephra.engine_api.testing import ConformanceSpec
     from tephra.engine_megatron.engine import MegatronEngine
 
-    MegatronEngine.moe_dispatcher = dispatcher
-    base = base_config(hf_config, parallel)
+    base = base_config(hf_config, {**parallel, "moe_token_dispatcher": dispatcher})
     return ConformanceSpec(
         make_engine=lambda overrides: MegatronEngine.build(apply_overrides(base, overrides)),
         make_reference=lambda: HFReference(hf_config),

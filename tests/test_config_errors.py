@@ -1,0 +1,61 @@
+"""Every bad option of the RL trainer's config is one clear message naming the field, the
+value and the fix, raised while the config loads: before Ray starts (asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tephra.apps.ppo.main import parse_config
+from tephra.core.errors import ConfigError
+
+CASES = [
+    # typo'd registry names, each naming the closest registered one
+    (["algorithm.adv_estimator=grpoo"],
+     r"algorithm.adv_estimator='grpoo' is not a registered advantage estimator \(did you mean 'grpo'\?\)"),
+    (["actor.objective.policy_loss=vanila"],
+     r"actor.objective: .*policy_loss='vanila' is not registered \(did you mean 'vanilla'\?\)"),
+    (["actor.objective.loss_agg_mode=seq-mean-token-sum-nrm"],
+     r"loss_agg_mode='seq-mean-token-sum-nrm' is not registered \(did you mean 'seq-mean-token-sum-norm'\?\)"),
+    (["actor.objective.kl_loss_type=k4"], r"kl_loss_type='k4' is not registered"),
+    (["algorithm.kl_in_reward.estimator=k9"], r"algorithm.kl_in_reward.estimator='k9' is not a registered KL estimator"),
+    (["rollout.backend=vlm"], r"rollout.backend='vlm' is not a registered rollout backend \(did you mean 'vllm'\?\)"),
+    (["rollout.agent_loop=tool_agnt", "rollout.tools_file=python"],
+     r"rollout.agent_loop='tool_agnt' is not a registered agent loop"),
+    (["trainer.trackers=[wandbb]"], r"trainer.trackers='wandbb' is not a registered tracker \(did you mean 'wandb'\?\)"),
+    (["actor.engine=deepspeed"], r"actor: engine='deepspeed' is not an installed engine backend"),
+    # estimators whose needs the batch cannot meet
+    (["algorithm.adv_estimator=grpo_passk", "algorithm.advantage.passk_k=8"],
+     r"passk_k=8 needs at least k samples per prompt; batch.samples_per_prompt=4"),
+    (["algorithm.adv_estimator=rloo", "batch.samples_per_prompt=1"],
+     r"'rloo' compares samples of one prompt; batch.samples_per_prompt=1 must be >= 2"),
+    (["algorithm.adv_estimator=remax", "rollout.agent_loop=tool_agent", "rollout.tools_file=python"],
+     r"'remax' takes the greedy response's reward as the baseline.*not supported with rollout.agent_loop"),
+    (["actor.objective.loss_agg_mode=seq-mean-token-sum-norm"],
+     r"loss_agg_norm_constant=None: loss_agg_mode 'seq-mean-token-sum-norm' needs a positive constant"),
+    # unknown keys and wrong types
+    (["actor.optimizer.lrr=1e-4"], r"unknown config key 'actor.optimizer.lrr'; did you mean 'actor.optimizer.lr'"),
+    (["batch.prompts_per_step=four"], r"batch.prompts_per_step='four' must be an integer"),
+    (["actor.lora.rank=-1"], r"lora.rank=-1 must be >= 0"),
+    (["algorithm.advantage.gamma=1.5"], r"advantage.gamma=1.5 must be in \[0.0, 1.0\]"),
+    # parallel sizes
+    (["resources.world_size=3", "actor.engine=megatron", "actor.parallel.tensor=2"],
+     r"world size 3 is not divisible by parallel.tensor \* parallel.pipeline \* parallel.context = 2"),
+    (["batch.prompts_per_step=3", "resources.world_size=2"],
+     r"prompts_per_step=3 must be a multiple of the data-parallel size 2"),
+    # options a backend does not support, refused by the backend before anything starts
+    (["actor.engine=megatron", "actor.lora.rank=8"],
+     r"actor.engine='megatron': lora.rank > 0 is not supported by engine-megatron"),
+    (["actor.engine=megatron", "actor.precision.reduce_dtype=bfloat16"],
+     r"actor.engine='megatron': precision.reduce_dtype='bfloat16': engine-megatron reduces"),
+    (["actor.engine=megatron", "model.attn_implementation=eager"],
+     r"actor.engine='megatron': model.attn_implementation='eager': engine-megatron runs"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", CASES, ids=[c[0][-1] for c in CASES])
+def test_bad_option_is_one_clear_error_before_ray(overrides, message):
+    import ray
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["-p", "smoke", *overrides])
+    assert not ray.is_initialized()
