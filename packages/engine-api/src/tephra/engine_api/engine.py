@@ -38,8 +38,8 @@ class Engine(ABC):
         setting the backend does not support.
         """
 
-    @classmethod
-    def check_config(cls, config: EngineConfig, world_size: int = 1) -> None:  # noqa: B027
+    @classmethod  # noqa: B027  (a deliberate default: backends override what they refuse)
+    def check_config(cls, config: EngineConfig, world_size: int = 1) -> None:
         """Refuse, with a `ConfigError` naming the field and the fix, every option of
         `config` this backend does not support at `world_size` ranks, without building
         anything: apps call it when their config loads, before any process starts, and
