@@ -432,3 +432,11 @@ class MegatronEngine(Engine):
     @property
     def dp_size(self) -> int:
         return ps.get_data_parallel_world_size()
+
+    @property
+    def is_dp_output_rank(self) -> bool:
+        """Every rank of a data-parallel replica returns the same outputs (the last pipeline
+        stage broadcasts them); its first tensor/pipeline/context rank hands them back."""
+        return (ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_pipeline_model_parallel_rank() == 0
+                and ps.get_context_parallel_rank() == 0)
