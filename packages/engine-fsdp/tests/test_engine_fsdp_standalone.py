@@ -1,7 +1,7 @@
 """Another project that installs only tephra-engine-fsdp (no Ray, vLLM or Megatron) trains.
 
 Builds a throw-away uv project in a temporary folder outside the workspace, with
-tephra-engine-fsdp and its two tephra dependencies as path dependencies, `uv sync`s it
+tephra-engine-fsdp and its three tephra dependencies as path dependencies, `uv sync`s it
 (from the shared uv cache: seconds) and runs a few SFT steps there in a fresh interpreter.
 """
 
@@ -63,6 +63,7 @@ def test_project_depending_only_on_engine_fsdp_trains(tmp_path):
         [tool.uv.sources]
         tephra-engine-fsdp = {{ path = "{PACKAGES / 'engine-fsdp'}" }}
         tephra-engine-api = {{ path = "{PACKAGES / 'engine-api'}" }}
+        tephra-core = {{ path = "{PACKAGES / 'core'}" }}
         tephra-kernels = {{ path = "{PACKAGES / 'kernels'}" }}
     '''))
     (project / "sft.py").write_text(SFT_SCRIPT)
