@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from tephra.core.registry import Registry
 from tephra.kernels.chunked import chunked_logprob_entropy
 from tephra.kernels.errors import KernelInputError
 from tephra.kernels.reference import naive_logprob_entropy
@@ -40,11 +41,10 @@ def _naive(hidden, weight, labels, temperature, ignore_index, *, compute_entropy
     )
 
 
-METHODS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
-    "naive": _naive,
-    "chunked": chunked_logprob_entropy,
-    "triton": _triton_logprob_entropy,
-}
+METHODS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = Registry("kernel method")
+METHODS.register("naive", _naive)
+METHODS.register("chunked", chunked_logprob_entropy)
+METHODS.register("triton", _triton_logprob_entropy)
 
 
 def triton_available() -> bool:
@@ -162,7 +162,7 @@ def linear_logprob_entropy(
         )
     name = resolve_method(method, hidden.device)
     lead = labels.shape
-    log_probs, entropy = METHODS[name](
+    log_probs, entropy = METHODS.get(name)(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         labels.reshape(-1).long(),
