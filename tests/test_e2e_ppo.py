@@ -78,7 +78,7 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
     summary = run(_smoke(tmp_path, "-p", "ppo_critic", "actor.objective.use_kl_loss=true",
                          "actor.objective.kl_loss_coef=0.01",
                          "trainer.val_after=true", "trainer.export_hf=true",
-                         f"trainer.run_dir={tmp_path / 'ppo'}"))
+                         "trainer.profile_steps=[2]", f"trainer.run_dir={tmp_path / 'ppo'}"))
     records = read_jsonl(tmp_path / "ppo" / "metrics.jsonl")
     train = [r for r in records if "reward/mean" in r]
     assert len(train) == 2
@@ -86,6 +86,14 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
         assert math.isfinite(r["critic/grad_norm"]) and r["critic/grad_norm"] > 0
         assert "actor/kl_loss" in r and "time/values_s" in r and "time/ref_s" in r
     assert 0.0 <= summary["accuracy_after"] <= 1.0
+    # the profiled step wrote one valid Chrome trace per stage (one rank here)
+    traces = sorted(p.name for p in (tmp_path / "ppo" / "profile").glob("*.json"))
+    assert traces == [f"step2_{s}_rank0.json" for s in
+                      sorted(["actor", "critic", "generate", "old_log_probs", "ref", "sync", "values"])]
+    for name in traces:
+        assert json.loads((tmp_path / "ppo" / "profile" / name).read_text())["traceEvents"]
+    share = summary["time_share"]
+    assert {"generate", "actor", "critic", "sync"} <= set(share) and 0.9 < sum(share.values()) <= 1.0
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "ppo" / "hf")

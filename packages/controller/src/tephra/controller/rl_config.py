@@ -394,9 +394,16 @@ class TrainerSection:
     """Write the trained policy as a Hugging Face folder to run_dir/hf at the end."""
     progress_bar: bool = True
     """Show a tqdm bar over steps."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Steps (1-based) to profile with torch.profiler: every stage of those steps writes a
+    Chrome trace per rank to run_dir/profile/step<N>_<stage>_rank<R>.json (open it in
+    chrome://tracing or Perfetto)."""
 
     def __post_init__(self) -> None:
         from tephra.controller.trackers import TRACKERS
+
+        if any(s < 1 for s in self.profile_steps):
+            raise ConfigError(f"trainer.profile_steps={self.profile_steps}: steps are 1-based")
 
         if self.steps < 0:
             raise ConfigError(f"trainer.steps={self.steps} must be >= 0")

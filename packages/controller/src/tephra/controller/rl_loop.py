@@ -110,6 +110,24 @@ def step_flops(n_params: int, batch: TensorDict, forward_passes: int, trained_pa
     return generation + 2 * n_params * tokens * forward_passes + 6 * n_params * tokens * trained_passes
 
 
+def time_share(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Each stage's share of the total step time over a run's metric records (`time/<stage>_s`
+    summed over steps, divided by the summed `time/step_s`)."""
+    total = sum(r.get("time/step_s", 0.0) for r in records)
+    stages: dict[str, float] = {}
+    for r in records:
+        for key, value in r.items():
+            if key.startswith("time/") and key not in ("time/step_s", "time/reward_s"):
+                stage = key[len("time/"):-len("_s")]
+                stages[stage] = stages.get(stage, 0.0) + value
+    return {k: v / total for k, v in sorted(stages.items(), key=lambda kv: -kv[1])} if total else {}
+
+
+def format_time_share(share: dict[str, float]) -> str:
+    """One line: `time per stage: generate 31%, actor 60%, ...`."""
+    return "time per stage: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items())
+
+
 class Trainer:
     """Runs `cfg.trainer.steps` RL steps on a worker group of `RLWorker`s."""
 
@@ -389,7 +407,12 @@ class Trainer:
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc="steps", dynamic_ncols=True)
         while self.step < cfg.steps:
+            profiling = self.step + 1 in cfg.profile_steps
+            if profiling:
+                self.wg.set_profile(str(self.run_dir / "profile" / f"step{self.step + 1}"))
             metrics = self.train_step()
+            if profiling:
+                self.wg.set_profile(None)
             self.step += 1
             if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
                 metrics["accuracy/val"] = self.evaluate()
@@ -420,5 +443,7 @@ class Trainer:
             records = read_jsonl(self.run_dir / "metrics.jsonl")
             if records:
                 plot_curves(records, self.run_dir / "curves.png")
+                summary["time_share"] = time_share(records)
+                print(format_time_share(summary["time_share"]), flush=True)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

@@ -13,6 +13,7 @@ waits for it), as in verl's "reward computed while log-probs run".
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +50,30 @@ def final_answer(trajectory: Any) -> str:
     tool calls)."""
     return next((m["content"] for m in reversed(trajectory.messages)
                  if m.get("role") == "assistant"), "")
+
+
+def profiled(stage: str):
+    """Run a worker method under torch.profiler when the driver turned profiling on for this
+    step (`RLWorker.set_profile`), writing one Chrome trace per stage and rank."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(self, *args, **kwargs):
+            if self._profile_prefix is None:
+                return fn(self, *args, **kwargs)
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(ProfilerActivity.CUDA)
+            with profile(activities=activities, record_shapes=False) as prof:
+                out = fn(self, *args, **kwargs)
+            prof.export_chrome_trace(f"{self._profile_prefix}_{stage}_rank{self.rank}.json")
+            return out
+
+        return run
+
+    return wrap
 
 
 def _on_policy_old_log_probs(loss_fn):
@@ -100,6 +125,7 @@ class RLWorker(Worker):
         self._scoring: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self._scorer = None
+        self._profile_prefix: str | None = None
         # The rollout engine loaded the checkpoint from disk, but the engine may have
         # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
         self.sync_weights()
@@ -127,6 +153,7 @@ class RLWorker(Worker):
         return self._tokenizer
 
     @dispatch(Dispatch.DP_SPLIT)
+    @profiled("generate")
     def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
         """`sampling.n` samples of each of this rank's prompts (prompt-major), through the
         agent loop when one is configured. Scoring starts in the background (`collect_scores`
@@ -198,12 +225,14 @@ class RLWorker(Worker):
 
     # ----- forward passes --------------------------------------------------------------
     @dispatch(Dispatch.DP_SPLIT)
+    @profiled("old_log_probs")
     def compute_log_probs(self, batch: TensorDict) -> TensorDict:
         with self.actor.eval_mode():
             out = self.actor.forward(batch)
         return out.select(*[k for k in ("log_probs", "entropy") if k in out.keys()])
 
     @dispatch(Dispatch.DP_SPLIT)
+    @profiled("ref")
     def compute_ref_log_probs(self, batch: TensorDict) -> TensorDict:
         if self.ref is not None:
             with self.ref.eval_mode():
@@ -214,6 +243,7 @@ class RLWorker(Worker):
         return out.select("log_probs")
 
     @dispatch(Dispatch.DP_SPLIT)
+    @profiled("values")
     def compute_values(self, batch: TensorDict) -> TensorDict:
         with self.critic.eval_mode():
             out = self.critic.forward(batch)
@@ -238,6 +268,7 @@ class RLWorker(Worker):
         return {k: v / count for k, v in totals.items()}
 
     @dispatch(Dispatch.DP_SPLIT)
+    @profiled("actor")
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
         loss = self.actor_loss
         if self.cfg.batch.mini_batches == 1 and self.cfg.batch.epochs == 1:
@@ -245,11 +276,13 @@ class RLWorker(Worker):
         return self._train(self.actor, loss, batch)
 
     @dispatch(Dispatch.DP_SPLIT)
+    @profiled("critic")
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         return self._train(self.critic, self.critic_loss, batch)
 
     # ----- weights and state -----------------------------------------------------------
     @dispatch(Dispatch.BROADCAST)
+    @profiled("sync")
     def sync_weights(self) -> int:
         """Stream the actor's weights into the rollout engine; returns tensors moved."""
         moved = 0
@@ -259,6 +292,13 @@ class RLWorker(Worker):
                 self.rollout.update_weights(bucket)
                 moved += len(bucket)
         return moved
+
+    @dispatch(Dispatch.BROADCAST)
+    def set_profile(self, prefix: str | None) -> None:
+        """Profile the following stage calls into `<prefix>_<stage>_rank<R>.json` (None: off)."""
+        if prefix is not None:
+            Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        self._profile_prefix = prefix
 
     @dispatch(Dispatch.BROADCAST)
     def measure_peak_flops(self, seconds: float = 0.3) -> float:
