@@ -76,6 +76,9 @@ def test_loader_coerces_merges_and_refuses(tmp_path):
     assert cfg == Outer(name="from-preset", flag=True, maybe=3,
                         inner=Inner(lr=0.5, betas=(0.8, 0.9), targets=["q_proj", "v_proj"], steps=7))
     assert load_config(Outer).inner.targets == "all-linear"  # a str stays a str in list | str
+    # a str field takes the override as written: YAML would make `off` False, `1e-3` a float
+    assert load_config(Outer, overrides=["name=off"]).name == "off"
+    assert load_config(Outer, overrides=["name=1e-3"]).name == "1e-3"
     bad = [
         (["inner.lrr=1"], "unknown config key 'inner.lrr'; did you mean 'inner.lr'"),
         (["inner.steps=2.5"], "inner.steps=2.5 must be an integer"),

@@ -1,13 +1,19 @@
 """Checkpoints of a whole run: engine state (written by the workers), dataloader position,
-RNG state and step, under `run_dir/checkpoints/step_<N>/`. Resume picks the latest complete one.
+RNG state and step, under `run_dir/checkpoints/step_<N>/`.
 
-A checkpoint is complete once `trainer_state.json` exists; it is written last, so a run
-killed mid-save never resumes from a half-written folder.
+Atomic: a checkpoint is written into `step_<N>.tmp/` (`begin`), then the driver adds its own
+state and a manifest of every file's size and SHA-256, and renames the folder to `step_<N>/`
+(`commit`). A run killed mid-save leaves only a `.tmp` folder, which is never resumed from.
+A committed checkpoint whose files no longer match its manifest (a torn copy, a full disk,
+bit rot) is skipped with a warning, and the previous one is used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import random
 import re
 import shutil
@@ -16,7 +22,49 @@ from typing import Any
 
 import torch
 
+from tephra.core.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+RESUME_MODES = ("auto", "off", "must")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Record every file's size and SHA-256 under `folder` (paths relative to it)."""
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps(files, indent=1))
+
+
+def check_manifest(folder: Path) -> str | None:
+    """Why `folder` does not match its manifest, or None when every file does."""
+    manifest = folder / MANIFEST
+    if not manifest.exists():
+        return f"{MANIFEST} is missing"
+    try:
+        files = json.loads(manifest.read_text())
+    except json.JSONDecodeError:
+        return f"{MANIFEST} is not valid JSON"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {expected['bytes']}"
+        if _sha256(path) != expected["sha256"]:
+            return f"{name} does not match its SHA-256 in the manifest"
+    return None
 
 
 class CheckpointManager:
@@ -27,23 +75,70 @@ class CheckpointManager:
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{step}"
 
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint folder, or None."""
-        if not self.root.exists():
-            return None
-        done = [(int(m.group(1)), p) for p in self.root.iterdir()
-                if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / STATE_FILE).exists()]
-        return max(done)[1] if done else None
+    def begin(self, step: int) -> Path:
+        """The temporary folder the workers write step `step`'s state into."""
+        tmp = self.root / f"step_{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return tmp
 
-    def save_trainer_state(self, step: int, state: dict[str, Any]) -> Path:
-        """Write the driver's part (after the workers saved their engines into the folder)."""
-        folder = self.step_dir(step)
-        folder.mkdir(parents=True, exist_ok=True)
+    def commit(self, step: int, state: dict[str, Any]) -> Path:
+        """Add the driver's state and the manifest to step `step`'s temporary folder and
+        rename it into place (after the workers saved their engines into it)."""
+        tmp = self.root / f"step_{step}.tmp"
+        if not tmp.is_dir():
+            raise CheckpointError(f"commit of step {step} without begin: {tmp} does not exist")
         torch.save({"python": random.getstate(), "torch": torch.get_rng_state()},
-                   folder / "driver_rng.pt")
-        (folder / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+                   tmp / "driver_rng.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+        write_manifest(tmp)
+        final = self.step_dir(step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
         self._prune()
-        return folder
+        return final
+
+    def committed(self) -> list[tuple[int, Path]]:
+        """Committed checkpoint folders, newest first (not yet checked against manifests)."""
+        if not self.root.exists():
+            return []
+        found = [(int(m.group(1)), p) for p in self.root.iterdir()
+                 if (m := re.fullmatch(r"step_(\d+)", p.name)) and p.is_dir()]
+        return sorted(found, reverse=True)
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint whose files match its manifest; newer broken ones are
+        skipped with a warning naming the file."""
+        for _, folder in self.committed():
+            problem = check_manifest(folder)
+            if problem is None:
+                return folder
+            message = f"checkpoint {folder} is damaged ({problem}); trying the previous one"
+            logger.warning(message)
+            print(f"warning: {message}", flush=True)
+        return None
+
+    def resolve(self, resume: str, resume_from: str | None = None) -> Path | None:
+        """The checkpoint to resume from: `resume_from` when given (it must be intact),
+        else by mode: `auto` the latest intact one or None, `off` None, `must` the latest
+        intact one or a `CheckpointError`."""
+        if resume not in RESUME_MODES:
+            raise CheckpointError(f"trainer.resume={resume!r}: choose one of {list(RESUME_MODES)}")
+        if resume_from:
+            folder = Path(resume_from).expanduser()
+            problem = check_manifest(folder) if folder.is_dir() else "no such folder"
+            if problem is not None:
+                raise CheckpointError(f"trainer.resume_from={resume_from!r}: {problem}; give a "
+                                      "step_<N> folder of a run's checkpoints")
+            return folder
+        if resume == "off":
+            return None
+        latest = self.latest()
+        if latest is None and resume == "must":
+            raise CheckpointError(f"trainer.resume='must' but {self.root} holds no intact "
+                                  "checkpoint; run once with trainer.save_every set, or use auto")
+        return latest
 
     def load_trainer_state(self, folder: Path) -> dict[str, Any]:
         rng = torch.load(folder / "driver_rng.pt", weights_only=False)
@@ -54,7 +149,5 @@ class CheckpointManager:
     def _prune(self) -> None:
         if self.keep_last <= 0:
             return
-        done = sorted(int(p.name.split("_")[1]) for p in self.root.iterdir()
-                      if re.fullmatch(r"step_\d+", p.name) and (p / STATE_FILE).exists())
-        for step in done[: -self.keep_last]:
-            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        for _, folder in self.committed()[self.keep_last:]:
+            shutil.rmtree(folder, ignore_errors=True)

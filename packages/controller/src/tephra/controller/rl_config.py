@@ -371,8 +371,11 @@ class TrainerSection:
     run_dir: str = "runs/ppo"
     """Where metrics, checkpoints, plots and the export go (a second run with the same
     run_dir resumes from its latest checkpoint)."""
-    resume: bool = True
-    """Continue from the latest checkpoint in run_dir when there is one."""
+    resume: str = "auto"
+    """`auto`: continue from the latest intact checkpoint in run_dir when there is one;
+    `off`: start fresh; `must`: fail unless there is one to continue from."""
+    resume_from: str | None = None
+    """A `step_<N>` checkpoint folder (of this or another run) to continue from instead."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end when `save_final`)."""
     save_final: bool = False
@@ -400,8 +403,11 @@ class TrainerSection:
     chrome://tracing or Perfetto)."""
 
     def __post_init__(self) -> None:
+        from tephra.controller.checkpoints import RESUME_MODES
         from tephra.controller.trackers import TRACKERS
 
+        if self.resume not in RESUME_MODES:
+            raise ConfigError(f"trainer.resume={self.resume!r}: choose one of {list(RESUME_MODES)}")
         if any(s < 1 for s in self.profile_steps):
             raise ConfigError(f"trainer.profile_steps={self.profile_steps}: steps are 1-based")
 

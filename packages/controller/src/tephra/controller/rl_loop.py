@@ -370,14 +370,13 @@ class Trainer:
 
     # ----- checkpoints -----------------------------------------------------------------------
     def save(self) -> None:
-        folder = self.ckpt.step_dir(self.step)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self.ckpt.begin(self.step)
         self.wg.save_checkpoint(str(folder))
-        self.ckpt.save_trainer_state(self.step, {"loader": self.loader.state_dict(),
-                                                 "kl_coef": self.kl_ctrl.value})
+        self.ckpt.commit(self.step, {"loader": self.loader.state_dict(),
+                                     "kl_coef": self.kl_ctrl.value})
 
     def maybe_resume(self) -> bool:
-        latest = self.ckpt.latest() if self.cfg.trainer.resume else None
+        latest = self.ckpt.resolve(self.cfg.trainer.resume, self.cfg.trainer.resume_from)
         if latest is None:
             return False
         state = self.ckpt.load_trainer_state(latest)

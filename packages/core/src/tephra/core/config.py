@@ -37,17 +37,29 @@ def _dataclass_of(tp: Any) -> type | None:
     return None
 
 
-def all_dotted_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every valid dotted key of dataclass `cls` (sections and their fields)."""
-    out = []
+def dotted_key_types(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Every valid dotted key of dataclass `cls` (sections and their fields) -> its type."""
+    out: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
-        out.append(key)
+        out[key] = hints[f.name]
         sub = _dataclass_of(hints[f.name])
         if sub is not None:
-            out.extend(all_dotted_keys(sub, key + "."))
+            out.update(dotted_key_types(sub, key + "."))
     return out
+
+
+def all_dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every valid dotted key of dataclass `cls` (sections and their fields)."""
+    return list(dotted_key_types(cls, prefix))
+
+
+def _is_text(tp: Any) -> bool:
+    """A `str` field (or `str | None`): its override is taken as written, so that YAML does
+    not turn `off` or `no` into a bool, or `1e-3` into a float."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and args == [str])
 
 
 def _matches(value: Any, tp: Any) -> bool:
@@ -239,7 +251,8 @@ def merge(base: dict, extra: dict) -> dict:
 
 def parse_overrides(cls: type, args: list[str]) -> dict[str, Any]:
     """`["a.b=1", "c=x"]` -> nested dict; each key is checked against `cls` right away."""
-    valid = all_dotted_keys(cls)
+    types_of = dotted_key_types(cls)
+    valid = list(types_of)
     out: dict[str, Any] = {}
     for arg in args:
         if "=" not in arg:
@@ -251,7 +264,10 @@ def parse_overrides(cls: type, args: list[str]) -> dict[str, Any]:
         key = key.strip().lstrip("-")
         if key not in valid:
             raise ConfigError(f"unknown config key {key!r}{_close(key, valid)}")
-        value = yaml.safe_load(raw) if raw != "" else ""
+        if _is_text(types_of[key]):
+            value = None if raw in ("null", "~") else raw
+        else:
+            value = yaml.safe_load(raw) if raw != "" else ""
         node = out
         parts = key.split(".")
         for part in parts[:-1]:

@@ -146,7 +146,7 @@ def run(cfg: SFTConfig) -> dict:
     rng = random.Random(d.seed)
     order: list[int] = []
     step = 0
-    latest = ckpt.latest() if cfg.train.resume else None
+    latest = ckpt.resolve("auto" if cfg.train.resume else "off")
     try:
         if latest is not None:
             state = ckpt.load_trainer_state(latest)
@@ -168,10 +168,8 @@ def run(cfg: SFTConfig) -> dict:
                 metrics["val/loss"] = validation_loss(wg, val, pad)
             trackers.log(metrics, step)
             if cfg.train.save_every and step % cfg.train.save_every == 0:
-                folder = ckpt.step_dir(step)
-                folder.mkdir(parents=True, exist_ok=True)
-                wg.save_checkpoint(str(folder))
-                ckpt.save_trainer_state(step, {"order": order, "rng": _rng_json(rng.getstate())})
+                wg.save_checkpoint(str(ckpt.begin(step)))
+                ckpt.commit(step, {"order": order, "rng": _rng_json(rng.getstate())})
         loss_after = validation_loss(wg, val, pad) if val else None
         if loss_after is not None:
             trackers.log({"val/loss": loss_after}, step)
