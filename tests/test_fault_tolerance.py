@@ -89,3 +89,23 @@ def test_run_falls_back_to_the_previous_checkpoint_and_matches(tmp_path, capsys)
     # the torn run logged steps 1-4, then steps 3-4 again after falling back to step 2
     assert [r["step"] for r in torn] == [1, 2, 3, 4, 3, 4]
     assert data(torn[4:]) == data(full[2:]) == data(torn[2:4])
+
+    # the export tool turns the last checkpoint into the same HF folder the run exported
+    import torch
+    from safetensors.torch import load_file
+
+    from tephra.controller.export import export_checkpoint
+
+    out = export_checkpoint(tmp_path / "full" / "checkpoints" / "step_4", tmp_path / "exported")
+    exported = load_file(out / "model.safetensors")
+    final = load_file(tmp_path / "full" / "hf" / "model.safetensors")
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k]) for k in final)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
+    # the rerun wrote step 4 again, intact; a damaged checkpoint is refused by name
+    assert check_manifest(step4) is None
+    victim.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="has 0 bytes, the manifest says"):
+        export_checkpoint(step4, tmp_path / "never")

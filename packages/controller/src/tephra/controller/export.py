@@ -1,0 +1,83 @@
+"""Turn any saved checkpoint of a run into a Hugging Face folder, after the fact.
+
+    uv run python -m tephra.controller.export runs/ppo/checkpoints/step_20 out/hf [--role critic]
+
+The checkpoint's run folder holds the run's `config.yaml`; the engine named there is built on
+as many local CPU processes (gloo) as the run had ranks, in the same parallel layout (FSDP
+DCP or Megatron, any layout), loads the checkpoint and writes `export_hf` (LoRA merged into
+the base weights). The folder loads in transformers and vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import yaml
+
+from tephra.controller.checkpoints import check_manifest
+from tephra.core.config import from_dict
+from tephra.core.errors import CheckpointError, TephraError
+
+
+def _export_rank(cfg, model_path: str, role: str, checkpoint: str, out: str) -> str:
+    """One rank: build the role's engine as the run did, load the checkpoint, export."""
+    import torch
+
+    from tephra.engine_api.registry import get_engine
+
+    torch.set_num_threads(1)
+    section = cfg.actor if role == "actor" else cfg.critic
+    model = replace(cfg.model, path=model_path, init_seed=cfg.trainer.seed)
+    engine = get_engine(section.engine, section.engine_config(
+        model, "policy" if role == "actor" else "value", 1.0, cfg.trainer.seed, device="cpu"))
+    engine.load_checkpoint(Path(checkpoint) / role)
+    with engine.eval_mode():
+        engine.export_hf(out)
+    return out
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, role: str = "actor") -> Path:
+    """Write the `role` engine of `checkpoint` (a `step_<N>` folder) as a HF folder `out`."""
+    from tephra.controller.models import resolve_model_path
+    from tephra.controller.rl_config import PPOConfig
+    from tephra.engine_api.testing.distributed import run_distributed
+
+    checkpoint = Path(checkpoint).expanduser().resolve()
+    problem = check_manifest(checkpoint) if checkpoint.is_dir() else "no such folder"
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {checkpoint}: {problem}; give a step_<N> folder "
+                              "under a run's checkpoints/")
+    if not (checkpoint / role).is_dir():
+        raise CheckpointError(f"checkpoint {checkpoint} holds no {role!r} state "
+                              f"(it has: {sorted(p.name for p in checkpoint.iterdir() if p.is_dir())})")
+    config_file = checkpoint.parent.parent / "config.yaml"
+    if not config_file.exists():
+        raise CheckpointError(f"{config_file} is missing: the run's config says how the engine "
+                              "was built (model, backend, parallel layout)")
+    cfg = from_dict(PPOConfig, yaml.safe_load(config_file.read_text()))
+    model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
+    out = Path(out).expanduser().resolve()
+    run_distributed(_export_rank, cfg.resources.world_size,
+                    args=(cfg, model_path, role, str(checkpoint), str(out)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tephra.controller.export",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a step_<N> folder under a run's checkpoints/")
+    parser.add_argument("out", help="the Hugging Face folder to write")
+    parser.add_argument("--role", default="actor", choices=["actor", "critic"])
+    args = parser.parse_args(argv)
+    try:
+        print(export_checkpoint(args.checkpoint, args.out, args.role))
+    except TephraError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
