@@ -109,3 +109,79 @@ def test_run_falls_back_to_the_previous_checkpoint_and_matches(tmp_path, capsys)
     victim.write_bytes(b"")
     with pytest.raises(CheckpointError, match="has 0 bytes, the manifest says"):
         export_checkpoint(step4, tmp_path / "never")
+
+
+@pytest.mark.multiproc
+def test_killed_worker_is_restarted_and_the_run_matches(tmp_path, capsys):
+    """SIGKILL the training worker during step 3 of a 6-step run (checkpoints every 2 steps):
+    the run rebuilds its worker group, continues from step 2's checkpoint and finishes with
+    the metrics and weights of an uninterrupted run (bitwise)."""
+    import os
+    import signal
+    import threading
+    import time
+    from pathlib import Path
+
+    import ray
+    import torch
+    from safetensors.torch import load_file
+
+    from tephra.controller.worker_group import ray_init
+    from tephra.rollout.testing import live_processes
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+
+    def cfg(run_dir):
+        return parse_config(["-p", "smoke", f"reward.custom_function_path={reward}",
+                             "trainer.steps=6", "trainer.save_every=2",
+                             f"trainer.run_dir={tmp_path / run_dir}"])
+
+    killed: list[int] = []
+
+    def ours(pid: int) -> bool:
+        """A worker of this test's Ray session (other test files run their own sessions at
+        the same time): its parent is this session's raylet."""
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            return session.encode() in Path(f"/proc/{ppid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    def killer():  # waits for step 2's checkpoint, then kills the worker in step 3
+        done = tmp_path / "killed" / "checkpoints" / "step_2" / "manifest.json"
+        deadline = time.monotonic() + 300
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [pid for pid in live_processes("ray::RLWorker") if ours(pid)]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        killed.extend(pids)
+
+    ray_init(num_cpus=2)
+    session = ray._private.worker._global_node.get_session_dir_path()
+    try:
+        run(cfg("uninterrupted"))
+        thread = threading.Thread(target=killer, daemon=True)
+        thread.start()
+        summary = run(cfg("killed"))
+        thread.join()
+    finally:
+        ray.shutdown()
+    assert killed and summary["steps"] == 6
+    out = capsys.readouterr().out
+    assert "worker group failed at step 3" in out and "restart 1 of 1" in out
+    assert "resumed from" in out and "step_2 at step 2" in out
+
+    def last_rows(run_dir):
+        rows = {}
+        for line in (tmp_path / run_dir / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            rows[r["step"]] = {k: v for k, v in r.items()
+                               if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))}
+        return rows
+
+    assert last_rows("killed") == last_rows("uninterrupted")
+    a = load_file(tmp_path / "killed" / "hf" / "model.safetensors")
+    b = load_file(tmp_path / "uninterrupted" / "hf" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)

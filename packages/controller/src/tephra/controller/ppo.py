@@ -135,15 +135,15 @@ def run(cfg: PPOConfig) -> dict:
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus)
     pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank)
-    wg = WorkerGroup(RLWorker, pool, {"cfg": cfg, "model_path": p.model_path,
-                                      "tools_file": p.tools_file}, name="rl")
+
+    def make_group() -> WorkerGroup:
+        return WorkerGroup(RLWorker, pool, {"cfg": cfg, "model_path": p.model_path,
+                                            "tools_file": p.tools_file}, name="rl")
+
+    trainer = Trainer(cfg, make_group(), p.tokenizer, p.train, p.val, p.run_dir,
+                      count_parameters(p.model_path), 0.0, make_group=make_group)
     try:
-        peak = sum(wg.measure_peak_flops())
-        trainer = Trainer(cfg, wg, p.tokenizer, p.train, p.val, p.run_dir,
-                          count_parameters(p.model_path), peak)
+        trainer.peak_flops = sum(trainer.wg.measure_peak_flops())
         return trainer.fit()
     finally:
-        try:
-            wg.close()
-        finally:
-            wg.shutdown()
+        trainer.close_group()

@@ -374,6 +374,9 @@ class TrainerSection:
     resume: str = "auto"
     """`auto`: continue from the latest intact checkpoint in run_dir when there is one;
     `off`: start fresh; `must`: fail unless there is one to continue from."""
+    max_restarts: int = 1
+    """When a worker process dies (killed, out of memory) the worker group is rebuilt and the
+    run continues from the latest intact checkpoint, at most this many times (0: fail)."""
     resume_from: str | None = None
     """A `step_<N>` checkpoint folder (of this or another run) to continue from instead."""
     save_every: int = 0

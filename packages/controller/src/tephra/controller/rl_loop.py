@@ -128,11 +128,22 @@ def format_time_share(share: dict[str, float]) -> str:
     return "time per stage: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items())
 
 
+def _worker_failures() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import ActorDiedError, RayActorError
+
+    return (RayActorError, ActorDiedError)
+
+
+WORKER_FAILURES = _worker_failures()
+"""What a dead worker process (SIGKILL, out of memory) raises in the driver."""
+
+
 class Trainer:
     """Runs `cfg.trainer.steps` RL steps on a worker group of `RLWorker`s."""
 
     def __init__(self, cfg: PPOConfig, wg: WorkerGroup, tokenizer: Any, train: Prompts,
-                 val: Prompts, run_dir: Path, n_params: int, peak_flops: float) -> None:
+                 val: Prompts, run_dir: Path, n_params: int, peak_flops: float,
+                 make_group: Any = None) -> None:
         from tephra.algos import AdaptiveKLController, FixedKLController
         from tephra.rollout.base import SamplingParams
 
@@ -155,6 +166,9 @@ class Trainer:
                                      stop_token_ids=stops, logprobs=False)
         self.multi_turn = r.uses_agent_loop
         self.step = 0
+        self.make_group = make_group
+        """Builds a fresh worker group (recovery after a worker died); None: no recovery."""
+        self.restarts = 0
 
     # ----- stages ------------------------------------------------------------------------
     def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]:
@@ -375,8 +389,10 @@ class Trainer:
         self.ckpt.commit(self.step, {"loader": self.loader.state_dict(),
                                      "kl_coef": self.kl_ctrl.value})
 
-    def maybe_resume(self) -> bool:
-        latest = self.ckpt.resolve(self.cfg.trainer.resume, self.cfg.trainer.resume_from)
+    def maybe_resume(self, resume: str | None = None) -> bool:
+        t = self.cfg.trainer
+        latest = (self.ckpt.resolve(resume) if resume is not None
+                  else self.ckpt.resolve(t.resume, t.resume_from))
         if latest is None:
             return False
         state = self.ckpt.load_trainer_state(latest)
@@ -386,6 +402,33 @@ class Trainer:
         self.step = int(state["step"])
         print(f"resumed from {latest} at step {self.step}", flush=True)
         return True
+
+    # ----- recovery ---------------------------------------------------------------------------
+    def close_group(self) -> None:
+        try:
+            self.wg.close()
+        except Exception:  # noqa: BLE001  (a dead group cannot close; shutdown still runs)
+            pass
+        finally:
+            self.wg.shutdown()
+
+    def recover(self, exc: BaseException) -> None:
+        """A worker died: tear the group down, build it again and continue from the latest
+        intact checkpoint (or from the start when there is none), at most
+        `trainer.max_restarts` times."""
+        self.restarts += 1
+        if self.make_group is None or self.restarts > self.cfg.trainer.max_restarts:
+            raise exc
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"worker group failed at step {self.step + 1} ({type(exc).__name__}: {cause}); "
+              f"restart {self.restarts} of {self.cfg.trainer.max_restarts}", flush=True)
+        self.close_group()
+        self.wg = self.make_group()
+        self.peak_flops = sum(self.wg.measure_peak_flops())
+        if not self.maybe_resume(resume="auto"):
+            self.step = 0
+            self.loader = PromptLoader(len(self.train.ids), self.cfg.batch.prompts_per_step,
+                                       self.cfg.trainer.seed)
 
     # ----- the run ----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -409,7 +452,11 @@ class Trainer:
             profiling = self.step + 1 in cfg.profile_steps
             if profiling:
                 self.wg.set_profile(str(self.run_dir / "profile" / f"step{self.step + 1}"))
-            metrics = self.train_step()
+            try:
+                metrics = self.train_step()
+            except WORKER_FAILURES as exc:
+                self.recover(exc)
+                continue
             if profiling:
                 self.wg.set_profile(None)
             self.step += 1
