@@ -15,9 +15,23 @@ Isolation, layer by layer (each one is tested in tests/test_tools_python_sandbox
   MemoryError), RLIMIT_NPROC (processes of its uid: stops fork bombs; root ignores it, hence
   the uid switch), RLIMIT_FSIZE (file size), RLIMIT_NOFILE;
 - the host side caps output (reads at most `max_output_bytes`, then kills) and wall time,
-  killing the whole process group (and so the namespace) when either is exceeded.
+  killing the whole process group (and so the namespace) when either is exceeded;
+- the host never opens a path inside the call's folder: the code reaches the sandbox through a
+  pipe (stdin), so a symbolic link or FIFO the code left there cannot redirect or block the
+  host, and every host-side step of a call runs under its wall-time limit;
+- a new IPC namespace per call, so SysV shared memory, semaphores and message queues die with
+  the call and no trajectory reaches another's;
+- an aggregate memory limit for the whole call: the namespace's init sums the resident memory
+  of every process in it every 20 ms and kills them all past `total_memory_mb` (per-process
+  RLIMIT_AS alone lets N forked children use N times the limit);
+- a quota on the call's folder: as root it is a tmpfs of `disk_quota_mb` and `max_files`
+  inodes, mounted for the trajectory's life (the kernel refuses writes past it);
+- a seccomp filter (libseccomp, loaded after the uid switch) refusing mount, namespace
+  creation (unshare, setns, clone with namespace flags, clone3), keyrings, bpf, perf and
+  ptrace, so the code cannot build user namespaces and mount inside them.
 Without working namespaces the tool refuses to start, unless `allow_network=True` says that a
-weaker sandbox (process group + rlimits only) is acceptable.
+weaker sandbox (process group + rlimits only) is acceptable. See the package README's
+security section for what each protection relies on and what happens where it is missing.
 """
 
 from __future__ import annotations
@@ -70,6 +84,38 @@ try:
 except OSError as exc:
     os.write(2, ("sandbox setup failed: %s\n" % exc).encode())
     os._exit(125)
+def seccomp_filter(lib_path):
+    # refuse (EPERM) what builds namespaces or mounts; clone3 gets ENOSYS so that libc falls
+    # back to clone, whose namespace flags the filter can see
+    lib = ctypes.CDLL(lib_path, use_errno=True)
+    class Arg(ctypes.Structure):
+        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int),
+                    ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW
+    if not ctx:
+        raise OSError("seccomp_init failed")
+    eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
+    def rule(action, name, *args):
+        nr = lib.seccomp_syscall_resolve_name(name.encode())
+        if nr < 0:
+            return
+        if lib.seccomp_rule_add(ctypes.c_void_p(ctx), ctypes.c_uint32(action), ctypes.c_int(nr),
+                                ctypes.c_uint(len(args)), *args) != 0:
+            raise OSError("seccomp_rule_add(%s) failed" % name)
+    for name in ("mount", "umount2", "umount", "unshare", "setns", "pivot_root", "chroot",
+                 "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "ptrace",
+                 "fsopen", "fsmount", "open_tree", "move_mount"):
+        rule(eperm, name)
+    rule(enosys, "clone3")
+    for flag in (0x10000000, 0x00020000, 0x40000000, 0x20000000, 0x08000000, 0x04000000,
+                 0x02000000):  # NEWUSER NEWNS NEWNET NEWPID NEWIPC NEWUTS NEWCGROUP
+        rule(eperm, "clone", Arg(0, 7, flag, flag))  # SCMP_CMP_MASKED_EQ on the flags
+    if lib.seccomp_load(ctypes.c_void_p(ctx)) != 0:
+        raise OSError("seccomp_load failed")
 pid = os.fork()
 if pid == 0:
     try:
@@ -79,12 +125,49 @@ if pid == 0:
             os.setgroups([])
             os.setgid(cfg["uid"])
             os.setuid(cfg["uid"])
+        if cfg["seccomp"]:
+            seccomp_filter(cfg["seccomp"])
         os.chdir(cfg["cwd"])
         os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["wrapper"], *cfg["site_dirs"]], cfg["env"])
     except BaseException as exc:
         os.write(2, ("sandbox setup failed: %r\n" % (exc,)).encode())
         os._exit(125)
-_, status = os.waitpid(pid, 0)
+os.close(0)  # the code reads its program from stdin; init holds no copy of the pipe
+status = None
+if cfg["mounts"] and cfg["total_memory_bytes"]:
+    # init of the PID namespace: reap every orphan, and kill everything when the resident
+    # memory of all the namespace's processes together passes the limit
+    import time
+    page = os.sysconf("SC_PAGE_SIZE")
+    while status is None:
+        while True:
+            try:
+                done, st = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                done = 0
+            if done == 0:
+                break
+            if done == pid:
+                status = st
+        if status is not None:
+            break
+        total = 0
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and entry != "1":
+                try:
+                    with open("/proc/%s/statm" % entry) as f:
+                        total += int(f.read().split()[1]) * page
+                except (OSError, IndexError, ValueError):
+                    pass
+        if total > cfg["total_memory_bytes"]:
+            os.kill(-1, 9)
+            os.write(2, ("\nsandbox: the call's processes held %d MiB of memory together, over "
+                         "the limit of %d MiB; all were killed\n"
+                         % (total >> 20, cfg["total_memory_bytes"] >> 20)).encode())
+            os._exit(124)
+        time.sleep(0.02)
+else:
+    _, status = os.waitpid(pid, 0)
 code = os.waitstatus_to_exitcode(status)
 if not cfg["mounts"]:
     # no PID namespace: take the code's process group down ourselves
@@ -95,15 +178,21 @@ if not cfg["mounts"]:
 os._exit(code if code >= 0 else 128 - code)
 """
 
-# Runs as the sandbox uid: make the bound site-packages importable, then run main.py as __main__.
+# Runs as the sandbox uid: read the program from stdin (the host never writes a file the code
+# could have replaced), make the bound site-packages importable, run it as __main__.
 _WRAPPER = r"""
-import site, sys
+import os, site, sys
+chunks = []
+while chunk := os.read(0, 1 << 16):
+    chunks.append(chunk)
+src = b"".join(chunks).decode()
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+os.close(null)
 for d in sys.argv[1:]:
     site.addsitedir(d)
 sys.argv = ["main.py"]
 sys.path.insert(0, "")
-with open("main.py") as f:
-    src = f.read()
 exec(compile(src, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
 """
 
@@ -136,6 +225,13 @@ class SandboxConfig:
     tmpfs on /var/tmp and /dev/shm."""
     max_open_files: int = 64
     """Open file descriptors per process (RLIMIT_NOFILE)."""
+    total_memory_mb: int = 1024
+    """Resident memory of all the call's processes together, in MiB; past it every process of
+    the call is killed (needs the PID namespace; `memory_mb` still bounds each process)."""
+    disk_quota_mb: int = 64
+    """Size of the trajectory's folder in MiB (as root: a tmpfs of this size)."""
+    max_files: int = 4096
+    """Files and folders the trajectory's folder may hold (as root: the tmpfs's inodes)."""
     max_output_bytes: int = 65536
     """Bytes of stdout + stderr read before the run is killed as too chatty."""
     max_concurrent: int = 4
@@ -163,6 +259,9 @@ class SandboxConfig:
             "max_open_files",
             "max_output_bytes",
             "max_concurrent",
+            "total_memory_mb",
+            "disk_quota_mb",
+            "max_files",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"python tool: {name}={getattr(self, name)!r} must be > 0")
@@ -201,6 +300,29 @@ def _unshare_works(flags: tuple[str, ...]) -> str | None:
     return None
 
 
+@cache
+def _libseccomp() -> str | None:
+    """Path of libseccomp's shared library, or None where it is not installed."""
+    import ctypes.util
+
+    return ctypes.util.find_library("seccomp")
+
+
+def _folder_usage(folder: str) -> tuple[int, int]:
+    """(bytes, entries) under `folder`, from lstat only: nothing is opened or followed."""
+    size = count = 0
+    stack = [folder]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for entry in entries:
+                count += 1
+                st = entry.stat(follow_symlinks=False)
+                size += st.st_blocks * 512
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+    return size, count
+
+
 def _unshare_flags(allow_network: bool) -> list[str]:
     flags = [
         "--fork",
@@ -210,6 +332,7 @@ def _unshare_flags(allow_network: bool) -> list[str]:
         "--mount",
         "--propagation",
         "private",
+        "--ipc",
     ]
     if not allow_network:
         flags.append("--net")
@@ -297,6 +420,8 @@ class PythonSandbox:
         fsize = c.max_file_size_mb * 2**20
         return {
             "mounts": self.namespaced,
+            "seccomp": _libseccomp() if self.namespaced and os.geteuid() == 0 else None,
+            "total_memory_bytes": c.total_memory_mb * 2**20,
             "workdir": workdir,
             "cwd": "/tmp" if self.namespaced else workdir,
             "tmpfs_bytes": fsize,
@@ -316,14 +441,48 @@ class PythonSandbox:
             ],
         }
 
-    async def run(self, code: str, workdir: str, uid: int | None) -> SandboxRun:
-        """Write `code` to workdir/main.py and run it; never raises for anything the code does."""
-        with open(os.path.join(workdir, "main.py"), "w") as f:
-            f.write(code)
+    def make_workdir(self, uid: int | None) -> tuple[str, bool]:
+        """A fresh folder for one trajectory, owned by `uid`; as root it is a tmpfs of
+        `disk_quota_mb` and `max_files` inodes (the kernel enforces the quota). Returns the
+        folder and whether it is such a mount."""
+        c = self.config
+        workdir = tempfile.mkdtemp(prefix="tephra-sandbox-", dir=c.workdir_root)
+        if os.geteuid() == 0 and self.namespaced:
+            owner = f",uid={uid},gid={uid}" if uid is not None else ""
+            done = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o",
+                 f"size={c.disk_quota_mb}m,nr_inodes={c.max_files},mode=0700,nosuid,nodev{owner}",
+                 "tmpfs", workdir], capture_output=True, text=True, timeout=30)
+            if done.returncode == 0:
+                return workdir, True
         if uid is not None:
-            for root, dirs, files in os.walk(workdir):
-                for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
-                    os.lchown(name, uid, uid)
+            os.chown(workdir, uid, uid)  # the host made it: nothing inside to follow yet
+        return workdir, False
+
+    @staticmethod
+    def remove_workdir(workdir: str, mounted: bool) -> None:
+        if mounted:
+            subprocess.run(["umount", "-l", workdir], capture_output=True, timeout=30)
+        shutil.rmtree(workdir, ignore_errors=True)  # never follows links
+
+    def check_quota(self, workdir: str) -> str | None:
+        """Without a tmpfs, the quota is checked after each call (the folder is emptied when
+        the call went past it); None when within."""
+        c = self.config
+        size, count = _folder_usage(workdir)
+        if size <= c.disk_quota_mb * 2**20 and count <= c.max_files:
+            return None
+        for entry in os.scandir(workdir):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        return (f"the folder quota of {c.disk_quota_mb} MiB / {c.max_files} files was exceeded "
+                f"({size >> 20} MiB, {count} files); the folder was emptied")
+
+    async def run(self, code: str, workdir: str, uid: int | None) -> SandboxRun:
+        """Run `code` (sent through stdin) in `workdir`; never raises for anything the code
+        does, and never opens a path inside `workdir`."""
         boot = [
             sys.executable,
             "-I",
@@ -341,14 +500,14 @@ class PythonSandbox:
         if loop not in self._semaphores:
             self._semaphores[loop] = asyncio.Semaphore(self.config.max_concurrent)
         async with self._semaphores[loop]:
-            return await self._run_capped(cmd)
+            return await self._run_capped(cmd, code.encode())
 
-    async def _run_capped(self, cmd: list[str]) -> SandboxRun:
+    async def _run_capped(self, cmd: list[str], program: bytes) -> SandboxRun:
         cap = self.config.max_output_bytes
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *cmd,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
@@ -392,9 +551,20 @@ class PythonSandbox:
                     overflow = True
                     kill_group()
 
+        async def feed() -> None:
+            # under the call's timeout like every host step: a program that never reads its
+            # stdin cannot block the host
+            try:
+                proc.stdin.write(program)
+                await proc.stdin.drain()
+                proc.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
         pumps = [
             asyncio.ensure_future(pump(proc.stdout, "out")),
             asyncio.ensure_future(pump(proc.stderr, "err")),
+            asyncio.ensure_future(feed()),
         ]
         try:
             await asyncio.wait_for(
@@ -461,13 +631,14 @@ class PythonTool(Tool):
             )
         self.config = SandboxConfig(**config)
         self.sandbox = PythonSandbox(self.config)
-        self._instances: dict[str, tuple[str, int | None]] = {}
+        self._instances: dict[str, tuple[str, int | None, bool]] = {}
 
     async def create(self, instance_id: str, **kwargs: Any) -> None:
         if instance_id in self._instances:
             return
-        workdir = tempfile.mkdtemp(prefix="tephra-sandbox-", dir=self.config.workdir_root)
-        self._instances[instance_id] = (workdir, self.sandbox.new_uid())
+        uid = self.sandbox.new_uid()
+        workdir, mounted = self.sandbox.make_workdir(uid)
+        self._instances[instance_id] = (workdir, uid, mounted)
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         code = arguments.get("code")
@@ -475,26 +646,31 @@ class PythonTool(Tool):
             return ToolResult("", error="argument 'code' (a string holding the program) is missing")
         if instance_id not in self._instances:
             await self.create(instance_id)
-        workdir, uid = self._instances[instance_id]
+        workdir, uid, mounted = self._instances[instance_id]
         run = await self.sandbox.run(code, workdir, uid)
         text = run.stdout + (run.stderr if run.stderr else "")
         metrics = {"wall_s": run.wall_s, "output_bytes": float(run.output_bytes)}
-        return ToolResult(text, error=run.error, metrics=metrics)
+        error = run.error
+        if not mounted:
+            error = self.sandbox.check_quota(workdir) or error
+        return ToolResult(text, error=error, metrics=metrics)
 
     async def release(self, instance_id: str) -> None:
         entry = self._instances.pop(instance_id, None)
         if entry is not None:
-            shutil.rmtree(entry[0], ignore_errors=True)
+            self.sandbox.remove_workdir(entry[0], entry[2])
 
     def close(self) -> None:
         """Remove the working directories of trajectories never released (no sandbox process
         outlives its call, so there is nothing else to stop)."""
-        for workdir, _ in self._instances.values():
-            shutil.rmtree(workdir, ignore_errors=True)
+        for workdir, _, mounted in self._instances.values():
+            self.sandbox.remove_workdir(workdir, mounted)
         self._instances.clear()
 
     def describe(self) -> dict[str, Any]:
-        return {"namespaced": self.sandbox.namespaced, **asdict(self.config)}
+        return {"namespaced": self.sandbox.namespaced,
+                "seccomp": bool(_libseccomp()) and self.sandbox.namespaced and os.geteuid() == 0,
+                **asdict(self.config)}
 
 
 __all__ = ["PythonSandbox", "PythonTool", "SandboxConfig", "SandboxRun"]
