@@ -4,10 +4,12 @@ A worker method is declared with `@dispatch(Dispatch.X)`; the `WorkerGroup` read
 and does the splitting/collecting, so the driver writes `wg.compute_log_probs(batch)` once
 and gets one batch back.
 
-- `DP_SPLIT`: every `TensorDict` / list argument is cut into `world_size` contiguous, equal
-  shares (rank r gets share r); the ranks' results are concatenated in rank order
-  (TensorDicts with `torch.cat`, lists by extending) or, for dicts of metrics, taken from
-  rank 0 (engines already reduce metrics over data-parallel ranks).
+- `DP_SPLIT`: every `TensorDict` / list argument is cut into `dp_size` contiguous, equal
+  shares; every rank of data-parallel replica d gets share d (its tensor / pipeline /
+  context peers get the same rows, as SPMD model parallelism needs); the results of one output
+  rank per replica are concatenated in replica order (TensorDicts with `torch.cat`, lists by
+  extending) or, for dicts of metrics, the first replica's is taken (engines already reduce
+  metrics over data-parallel ranks). Each worker says where it stands with `dp_info()`.
 - `BROADCAST`: every rank gets the same arguments (SPMD collective calls such as
   `save_checkpoint`); the result is the list of every rank's result.
 - `RANK_ZERO`: every rank gets the same arguments (so collectives inside still match) and
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +35,30 @@ class Dispatch(enum.Enum):
     DP_SPLIT = "dp_split"
     BROADCAST = "broadcast"
     RANK_ZERO = "rank_zero"
+
+
+@dataclass(frozen=True)
+class DataParallelInfo:
+    """Where a rank stands for `DP_SPLIT`: its data-parallel replica, how many replicas there
+    are, and whether it is the one rank of its replica whose results are collected."""
+
+    dp_rank: int
+    dp_size: int
+    is_output_rank: bool = True
+
+
+def check_layout(infos: list[DataParallelInfo]) -> int:
+    """The data-parallel size of a group's ranks, after checking they agree: one size, every
+    replica present, exactly one output rank per replica."""
+    sizes = {i.dp_size for i in infos}
+    if len(sizes) != 1:
+        raise BatchError(f"the ranks disagree on the data-parallel size: {sorted(sizes)}")
+    dp = sizes.pop()
+    outputs = sorted(i.dp_rank for i in infos if i.is_output_rank)
+    if outputs != list(range(dp)):
+        raise BatchError(f"each of the {dp} data-parallel replicas needs exactly one output "
+                         f"rank; the ranks' output replicas are {outputs}")
+    return dp
 
 
 def dispatch(mode: Dispatch) -> Callable[[Callable], Callable]:
@@ -49,7 +76,8 @@ def dispatch_mode(fn: Callable) -> Dispatch | None:
 
 
 def split_value(value: Any, world_size: int, name: str) -> list[Any]:
-    """Cut one argument into `world_size` equal shares (non-batch values are repeated)."""
+    """Cut one argument into `world_size` (data-parallel) equal shares (non-batch values are
+    repeated)."""
     if isinstance(value, (TensorDict, list)):
         n = value.batch_size[0] if isinstance(value, TensorDict) else len(value)
         if n % world_size:

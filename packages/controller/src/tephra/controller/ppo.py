@@ -134,16 +134,26 @@ def run(cfg: PPOConfig) -> dict:
     (p.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus)
-    pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank)
+    pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement)
 
     def make_group() -> WorkerGroup:
         return WorkerGroup(RLWorker, pool, {"cfg": cfg, "model_path": p.model_path,
                                             "tools_file": p.tools_file}, name="rl")
 
-    trainer = Trainer(cfg, make_group(), p.tokenizer, p.train, p.val, p.run_dir,
-                      count_parameters(p.model_path), 0.0, make_group=make_group)
+    try:
+        trainer = Trainer(cfg, make_group(), p.tokenizer, p.train, p.val, p.run_dir,
+                          count_parameters(p.model_path), 0.0, make_group=make_group)
+    except BaseException:
+        pool.release()
+        raise
     try:
         trainer.peak_flops = sum(trainer.wg.measure_peak_flops())
-        return trainer.fit()
+        nodes = len(set(trainer.wg.node_ids()))
+        summary = trainer.fit()
+        summary["nodes"] = nodes
+        return summary
     finally:
-        trainer.close_group()
+        try:
+            trainer.close_group()
+        finally:
+            pool.release()

@@ -434,9 +434,18 @@ class ResourcesSection:
     cpus_per_rank: float = 2.0
     """CPUs (and torch threads) per rank."""
     gpus_per_rank: float = 0.0
-    """GPUs per rank (each rank then computes on the GPU Ray assigned to it)."""
+    """GPUs per rank (each rank then computes on the GPU Ray assigned to it, the engines and
+    the hf rollout alike)."""
+    placement: str = "PACK"
+    """Ray placement strategy of the ranks' bundles: `PACK` (as few nodes as possible),
+    `SPREAD`, `STRICT_PACK` (one node), `STRICT_SPREAD` (one rank per node)."""
 
     def __post_init__(self) -> None:
+        from tephra.controller.worker_group import PLACEMENT_STRATEGIES
+
+        if self.placement not in PLACEMENT_STRATEGIES:
+            raise ConfigError(f"resources.placement={self.placement!r}: choose one of "
+                              f"{list(PLACEMENT_STRATEGIES)}")
         if self.world_size < 1:
             raise ConfigError(f"resources.world_size={self.world_size} must be >= 1")
         if self.cpus_per_rank < 0 or self.gpus_per_rank < 0:

@@ -5,10 +5,13 @@
     wg = WorkerGroup(MyWorker, pool, init_kwargs={...})
     out = wg.compute_log_probs(batch)           # dispatched as the method declares
 
-Every worker subclasses `Worker`, whose constructor joins a `torch.distributed` process
-group (gloo on CPU, NCCL when the pool has GPUs) across the group's ranks, so the methods
-run SPMD. Roles that share a process (actor, reference, rollout, critic) live in one worker
-class; that is what "colocated" means here.
+A pool is a Ray placement group (one bundle of `cpus_per_rank` CPUs and `gpus_per_rank` GPUs
+per rank, packed on as few nodes as possible by default); rank r runs in bundle r. The
+rendezvous address of the group's `torch.distributed` process group (gloo on CPU, NCCL on
+GPUs) is rank 0's node and a free port there, so groups span nodes. Every worker subclasses
+`Worker`, whose constructor joins that group, so the methods run SPMD. Roles that share a
+process (actor, reference, rollout, critic) live in one worker class; that is what
+"colocated" means here. A worker with GPUs computes on the device Ray assigned to it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from typing import Any
 
 import ray
 
-from tephra.controller.dispatch import Dispatch, collect, dispatch_mode, split_args
+from tephra.controller.dispatch import (
+    DataParallelInfo,
+    Dispatch,
+    check_layout,
+    collect,
+    dispatch_mode,
+    split_args,
+)
 from tephra.engine_api.errors import ConfigError
 
 
@@ -54,33 +64,53 @@ def ray_init(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     )
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
 @dataclass
 class ResourcePool:
-    """Where a worker group's ranks go."""
+    """Where a worker group's ranks go: a Ray placement group of one bundle per rank."""
 
     world_size: int = 1
     """Number of ranks (one Ray actor each)."""
     cpus_per_rank: float = 1.0
     """CPUs Ray reserves per rank; also the rank's torch thread count (Ray sets
-    OMP_NUM_THREADS from it). Keep world_size * cpus_per_rank <= the machine's CPUs, or the
-    actors wait forever for resources."""
+    OMP_NUM_THREADS from it)."""
     gpus_per_rank: float = 0.0
     """GPUs per rank (0 on CPU machines; the process group is then gloo)."""
+    strategy: str = "PACK"
+    """Ray placement strategy of the bundles: `PACK` (as few nodes as possible), `SPREAD`,
+    `STRICT_PACK` (one node), `STRICT_SPREAD` (one rank per node)."""
+    name: str = "global"
+    """Name of the pool (roles placed on the same pool share its bundles)."""
+    ready_timeout_s: float = 60.0
+    """Seconds to wait for the cluster to grant the bundles before giving up with an error
+    that says what is missing (instead of waiting forever)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError(f"resources.world_size={self.world_size} must be >= 1")
         if self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
             raise ConfigError("resources.cpus_per_rank and gpus_per_rank must be >= 0")
+        if self.strategy not in PLACEMENT_STRATEGIES:
+            raise ConfigError(f"resources.placement={self.strategy!r}: choose one of "
+                              f"{list(PLACEMENT_STRATEGIES)}")
+        self._group = None
+
+    def bundle(self) -> dict[str, float]:
+        out = {"CPU": self.cpus_per_rank}
+        if self.gpus_per_rank:
+            out["GPU"] = self.gpus_per_rank
+        return out
 
     def check_fits(self) -> None:
-        """Fail fast instead of leaving actors pending forever."""
-        have = ray.available_resources()
+        """Fail fast when the cluster as a whole lacks the resources."""
+        have = ray.cluster_resources()
         need_cpu = self.world_size * self.cpus_per_rank
         if need_cpu > have.get("CPU", 0) + 1e-9:
             raise ConfigError(
                 f"the worker group needs {need_cpu:g} CPUs (world_size={self.world_size} x "
-                f"cpus_per_rank={self.cpus_per_rank:g}) but Ray has {have.get('CPU', 0):g} free; "
+                f"cpus_per_rank={self.cpus_per_rank:g}) but Ray has {have.get('CPU', 0):g}; "
                 "lower resources.cpus_per_rank or resources.world_size"
             )
         need_gpu = self.world_size * self.gpus_per_rank
@@ -89,6 +119,37 @@ class ResourcePool:
                 f"the worker group needs {need_gpu:g} GPUs but Ray has {have.get('GPU', 0):g}"
             )
 
+    def placement_group(self):
+        """The pool's placement group, created (and waited for) on first use."""
+        if self._group is None:
+            from ray.util.placement_group import placement_group
+
+            self.check_fits()
+            group = placement_group([self.bundle()] * self.world_size, strategy=self.strategy,
+                                    name=f"tephra-{self.name}-{os.getpid()}-{id(self)}")
+            ready, _ = ray.wait([group.ready()], timeout=self.ready_timeout_s)
+            if not ready:
+                ray.util.remove_placement_group(group)
+                raise ConfigError(
+                    f"Ray could not place {self.world_size} bundles of {self.bundle()} with "
+                    f"strategy {self.strategy} within {self.ready_timeout_s:g} s (free: "
+                    f"{ray.available_resources()}, nodes: {len(ray.nodes())}); lower "
+                    "resources.world_size / cpus_per_rank, or use a less strict placement")
+            self._group = group
+        return self._group
+
+    def release(self) -> None:
+        if self._group is not None:
+            ray.util.remove_placement_group(self._group)
+            self._group = None
+
+    def strategy_for(self, rank: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group(), placement_group_bundle_index=rank,
+            placement_group_capture_child_tasks=True)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -96,8 +157,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@ray.remote(num_cpus=0)
+def _rendezvous_address() -> tuple[str, int]:
+    """Runs on rank 0's bundle: that node's address and a free port there."""
+    return ray.util.get_node_ip_address(), _free_port()
+
+
+def device_from_assignment(gpu_ids: list, visible: str | None) -> tuple[str, int]:
+    """(torch device, LOCAL_RANK) of a Ray actor: Ray sets CUDA_VISIBLE_DEVICES to the GPUs it
+    assigned, so the actor's first assigned GPU is at its index in that list (0 when Ray set
+    it); no GPU assigned: ("cpu", 0)."""
+    if not gpu_ids:
+        return "cpu", 0
+    listed = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    first = str(gpu_ids[0])
+    index = listed.index(first) if first in listed else 0
+    return f"cuda:{index}", index
+
+
 class Worker:
-    """Base of every worker class: joins the group's process group on construction."""
+    """Base of every worker class: joins the group's process group on construction and
+    knows its device (`self.device`: "cpu" or the "cuda:i" Ray assigned)."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
                  threads: int) -> None:
@@ -106,48 +186,65 @@ class Worker:
 
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(max(1, threads))
+        self.device, local_rank = device_from_assignment(
+            ray.get_gpu_ids() if ray.is_initialized() else [],
+            os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(local_rank)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-                          RANK=str(rank), WORLD_SIZE=str(world_size),
-                          LOCAL_RANK="0" if not torch.cuda.is_available() else str(rank))
+                          RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
         if world_size > 1 and not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = "nccl" if self.device.startswith("cuda") else "gloo"
             dist.init_process_group(backend, rank=rank, world_size=world_size)
 
     def ping(self) -> int:
         return self.rank
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def dp_info(self) -> DataParallelInfo:
+        """Where this rank stands for `DP_SPLIT`; the default is pure data parallelism.
+        Workers whose engines shard the model override it (ask the engine)."""
+        return DataParallelInfo(dp_rank=self.rank, dp_size=self.world_size)
 
     def execute(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self, method)(*args, **kwargs)
 
 
 class WorkerGroup:
-    """`world_size` Ray actors of `worker_cls`, called through their dispatch modes."""
+    """`world_size` Ray actors of `worker_cls` on `pool`, called through their dispatch modes."""
 
     def __init__(self, worker_cls: type[Worker], pool: ResourcePool,
                  init_kwargs: dict[str, Any] | None = None, name: str = "workers") -> None:
         if not issubclass(worker_cls, Worker):
             raise TypeError(f"{worker_cls.__name__} must subclass tephra.controller.Worker")
-        pool.check_fits()
         self.pool, self.worker_cls, self.name = pool, worker_cls, name
-        master_addr = ray.util.get_node_ip_address()
-        port = _free_port()
+        master_addr, port = ray.get(_rendezvous_address.options(
+            scheduling_strategy=pool.strategy_for(0)).remote())
         remote = ray.remote(worker_cls)
         threads = max(1, int(pool.cpus_per_rank))
         self.workers = [
             remote.options(num_cpus=pool.cpus_per_rank, num_gpus=pool.gpus_per_rank,
+                           scheduling_strategy=pool.strategy_for(r),
                            name=f"{name}-{r}-{os.getpid()}-{id(self)}")
             .remote(r, pool.world_size, master_addr, port, threads, **(init_kwargs or {}))
             for r in range(pool.world_size)
         ]
-        ray.get([w.ping.remote() for w in self.workers])  # surfaces constructor errors now
+        try:  # surfaces constructor errors now
+            self.layout = ray.get([w.execute.remote("dp_info") for w in self.workers])
+        except Exception:
+            self.shutdown()
+            raise
+        self.dp_size = check_layout(self.layout)
 
     @property
     def world_size(self) -> int:
         return self.pool.world_size
 
-    @property
-    def dp_size(self) -> int:
-        return self.pool.world_size
+    def node_ids(self) -> list[str]:
+        """The Ray node of every rank (in rank order)."""
+        return ray.get([w.execute.remote("node_id") for w in self.workers])
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call `method` on every rank as its dispatch mode says; blocks for the result."""
@@ -159,9 +256,13 @@ class WorkerGroup:
                 "(declare it with @dispatch(Dispatch.DP_SPLIT | BROADCAST | RANK_ZERO))"
             )
         if mode is Dispatch.DP_SPLIT:
-            shares = split_args(args, kwargs, self.world_size)
-            refs = [w.execute.remote(method, *a, **k) for w, (a, k) in zip(self.workers, shares)]
-            return collect(ray.get(refs))
+            shares = split_args(args, kwargs, self.dp_size)
+            refs = [w.execute.remote(method, *shares[info.dp_rank][0], **shares[info.dp_rank][1])
+                    for w, info in zip(self.workers, self.layout)]
+            results = ray.get(refs)
+            outputs = sorted(((info.dp_rank, r) for info, r in zip(self.layout, results)
+                              if info.is_output_rank), key=lambda pair: pair[0])
+            return collect([r for _, r in outputs])
         refs = [w.execute.remote(method, *args, **kwargs) for w in self.workers]
         results = ray.get(refs)
         return results[0] if mode is Dispatch.RANK_ZERO else results

@@ -139,8 +139,12 @@ def run(cfg: SFTConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus)
-    wg = WorkerGroup(SFTWorker, ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank),
-                     {"cfg": cfg, "model_path": path}, name="sft")
+    pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement)
+    try:
+        wg = WorkerGroup(SFTWorker, pool, {"cfg": cfg, "model_path": path}, name="sft")
+    except BaseException:
+        pool.release()
+        raise
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints)
     trackers = Trackers(cfg.train.trackers, run_dir, "tephra-sft", run_dir.name, to_dict(cfg))
     rng = random.Random(d.seed)
@@ -178,6 +182,7 @@ def run(cfg: SFTConfig) -> dict:
     finally:
         trackers.close()
         wg.shutdown()
+        pool.release()
     summary = {"loss_before": loss_before, "loss_after": loss_after, "steps": step,
                "seconds": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

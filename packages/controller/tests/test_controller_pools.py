@@ -1,0 +1,84 @@
+"""Parallel-aware dispatch, placement groups, rendezvous and device assignment: a tensor x data
+parallel layout gets its rows replicated to tensor peers and collected once, in order; a device
+comes from Ray's GPU assignment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tephra.controller.dispatch import DataParallelInfo, Dispatch, check_layout, dispatch
+from tephra.controller.worker_group import (
+    ResourcePool,
+    Worker,
+    WorkerGroup,
+    device_from_assignment,
+    ray_init,
+)
+from tephra.core.errors import BatchError, ConfigError
+
+
+def test_device_comes_from_rays_gpu_assignment():
+    # Ray sets CUDA_VISIBLE_DEVICES to the actor's own GPUs: its first GPU is index 0 there
+    assert device_from_assignment([], None) == ("cpu", 0)
+    assert device_from_assignment([3], "3") == ("cuda:0", 0)
+    assert device_from_assignment(["5"], "4,5") == ("cuda:1", 1)
+    assert device_from_assignment([2], None) == ("cuda:0", 0)  # not restricted: Ray's id order
+
+
+def test_layout_checks():
+    ok = [DataParallelInfo(r // 2, 2, r % 2 == 0) for r in range(4)]
+    assert check_layout(ok) == 2
+    with pytest.raises(BatchError, match="exactly one output rank"):
+        check_layout([DataParallelInfo(0, 1, True), DataParallelInfo(0, 1, True)])
+    with pytest.raises(BatchError, match="disagree on the data-parallel size"):
+        check_layout([DataParallelInfo(0, 1), DataParallelInfo(0, 2)])
+    with pytest.raises(ConfigError, match="resources.placement='NEAR'"):
+        ResourcePool(strategy="NEAR")
+
+
+class TensorParallelWorker(Worker):
+    """Declares tensor parallel pairs: ranks (0, 1) are replica 0, (2, 3) replica 1; the even
+    rank of a pair returns the results. Each rank tags rows with its rank and all-reduces
+    within the process group (so the group is real)."""
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def tag(self, batch: TensorDict) -> TensorDict:
+        import torch.distributed as dist
+
+        ranks = torch.tensor(float(self.rank))
+        dist.all_reduce(ranks)
+        n = batch.batch_size[0]
+        return TensorDict({"x": batch["x"], "rank": torch.full((n,), self.rank),
+                           "sum_of_ranks": ranks.expand(n)}, batch_size=[n])
+
+    def dp_info(self) -> DataParallelInfo:
+        return DataParallelInfo(dp_rank=self.rank // 2, dp_size=self.world_size // 2,
+                                is_output_rank=self.rank % 2 == 0)
+
+
+@pytest.mark.multiproc
+def test_rows_split_by_data_parallel_rank_replicated_to_tensor_peers():
+    import ray
+
+    ray_init(num_cpus=2)
+    try:
+        pool = ResourcePool(world_size=4, cpus_per_rank=0.5)
+        wg = WorkerGroup(TensorParallelWorker, pool)
+        assert wg.dp_size == 2 and [i.dp_rank for i in wg.layout] == [0, 0, 1, 1]
+        x = torch.arange(6, dtype=torch.float32)
+        out = wg.tag(TensorDict({"x": x}, batch_size=[6]))
+        # rows 0-2 went to replica 0 (returned by rank 0), rows 3-5 to replica 1 (rank 2)
+        assert torch.equal(out["x"], x)
+        assert out["rank"].tolist() == [0, 0, 0, 2, 2, 2]
+        assert torch.all(out["sum_of_ranks"] == 6)  # 0+1+2+3: one group of 4 ranks
+        with pytest.raises(BatchError, match="does not split evenly over 2"):
+            wg.tag(TensorDict({"x": x[:5]}, batch_size=[5]))
+        wg.shutdown()
+        pool.release()
+        with pytest.raises(ConfigError, match="could not place 2 bundles .* STRICT_SPREAD"):
+            ResourcePool(world_size=2, cpus_per_rank=1, strategy="STRICT_SPREAD",
+                         ready_timeout_s=3).placement_group()
+    finally:
+        ray.shutdown()
