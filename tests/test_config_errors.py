@@ -24,7 +24,7 @@ CASES = [
     (["trainer.trackers=[wandbb]"], r"trainer.trackers='wandbb' is not a registered tracker \(did you mean 'wandb'\?\)"),
     (["actor.engine=deepspeed"], r"actor: engine='deepspeed' is not an installed engine backend"),
     # estimators whose needs the batch cannot meet
-    (["algorithm.adv_estimator=grpo_passk", "algorithm.advantage.passk_k=8"],
+    (["algorithm.adv_estimator=passk_expectation", "algorithm.advantage.passk_k=8"],
      r"passk_k=8 needs at least k samples per prompt; batch.samples_per_prompt=4"),
     (["algorithm.adv_estimator=rloo", "batch.samples_per_prompt=1"],
      r"'rloo' compares samples of one prompt; batch.samples_per_prompt=1 must be >= 2"),

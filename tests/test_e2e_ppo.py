@@ -174,6 +174,14 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
     assert second["kl_penalty/coef"] == pytest.approx(0.05 * (1 + error * 8 / 100), rel=1e-6)
     assert "time/ref_s" in first and math.isfinite(first["actor/grad_norm"])
 
+    # a verl config's names, unchanged: vectorised GRPO, GMPO, kl+ and token-sum
+    run(_smoke(tmp_path, "algorithm.adv_estimator=grpo_vectorized",
+               "actor.objective.policy_loss=geo_mean", "actor.objective.use_kl_loss=true",
+               "actor.objective.kl_loss_type=kl+", "actor.objective.loss_agg_mode=token-sum",
+               "trainer.steps=1", f"trainer.run_dir={tmp_path / 'verl'}"))
+    (verl,) = read_jsonl(tmp_path / "verl" / "metrics.jsonl")
+    assert math.isfinite(verl["actor/kl_loss"]) and verl["actor/grad_norm"] > 0
+
     import torch
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification

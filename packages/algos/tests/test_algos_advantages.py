@@ -124,11 +124,22 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
     if name == "gae":
         adv, ret = naive_gae(rewards, values, mask, cfg.gamma, cfg.lam, cfg.whiten_gae)
         return to_dense(adv, mask, True), to_dense(ret, mask, True)
-    if name in ("grpo", "dr_grpo"):
-        a = naive_group_baseline(scores, group_ids, name == "grpo" and cfg.norm_by_std,
+    if name in ("grpo", "grpo_vectorized", "dr_grpo"):
+        a = naive_group_baseline(scores, group_ids, name != "dr_grpo" and cfg.norm_by_std,
                                  cfg.epsilon)
         return to_dense(a, mask), to_dense(a, mask)
-    if name == "rloo":
+    if name == "grpo_passk":  # verl's: only the first best sample, by its lead
+        a = [0.0] * b
+        for members in naive_groups(group_ids).values():
+            s = [scores[i] for i in members]
+            best = s.index(max(s))
+            lead = max(s) - max(s[:best] + s[best + 1:])
+            if cfg.norm_by_std:
+                centre = sum(s) / len(s)
+                lead /= math.sqrt(sum((x - centre) ** 2 for x in s) / (len(s) - 1)) + cfg.epsilon
+            a[members[best]] = lead
+        return to_dense(a, mask), to_dense(a, mask)
+    if name in ("rloo", "rloo_vectorized"):
         a = [0.0] * b
         for members in naive_groups(group_ids).values():
             for i in members:
@@ -163,7 +174,7 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
         a = [alpha * x for x in naive_group_baseline(scores, group_ids, cfg.norm_by_std,
                                                      cfg.epsilon)]
         return to_dense(a, mask), to_dense(a, mask)
-    if name == "grpo_passk":
+    if name == "passk_expectation":
         a = naive_passk(scores, group_ids, cfg.passk_k, cfg.norm_by_std, cfg.epsilon)
         return to_dense(a, mask), to_dense(a, mask)
     raise AssertionError(name)
@@ -195,7 +206,7 @@ CONFIGS = [AdvantageConfig(), AdvantageConfig(gamma=0.9, lam=0.8, norm_by_std=Fa
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_matches_naive_loop(name, cfg_index, seed):
     cfg = CONFIGS[cfg_index]
-    passk = name == "grpo_passk"
+    passk = name in ("passk_expectation", "grpo_passk")
     rewards, mask, gids, values, baselines = make_case(
         seed, n_groups=3 if passk else 4, min_group=4 if passk else 1, binary=seed == 2)
     adv, ret = compute_advantages(name, token_rewards=rewards, response_mask=mask,
@@ -276,11 +287,11 @@ def test_hand_reinforce_pp_and_remax():
 def test_hand_passk_binary_matches_analytic_form():
     # n = 4, c = 1 correct, k = 2: R = 1 - C(3,2)/C(4,2) = .5, sigma = .5
     # correct: (1 - .5)/.5 = 1; wrong: (1 - C(2,1)/C(3,1) - .5)/.5 = -1/3
-    got = adv_of("grpo_passk", [1.0, 0.0, 0.0, 0.0], [0] * 4,
+    got = adv_of("passk_expectation", [1.0, 0.0, 0.0, 0.0], [0] * 4,
                  config=AdvantageConfig(passk_k=2, epsilon=1e-12))
     assert got == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3], abs=1e-9)
     # k = 1 is GRPO with the population std
-    got = adv_of("grpo_passk", [1.0, 0.0], [0, 0], config=AdvantageConfig(passk_k=1,
+    got = adv_of("passk_expectation", [1.0, 0.0], [0, 0], config=AdvantageConfig(passk_k=1,
                                                                            epsilon=1e-12))
     assert got == pytest.approx([1.0, -1.0], abs=1e-9)
 
@@ -362,9 +373,30 @@ def test_errors_name_the_problem():
         compute_advantages("grpo", token_rewards=rewards, response_mask=mask[:, :1],
                            group_ids=ids)
     with pytest.raises(InputError, match="fewer than AdvantageConfig.passk_k=4"):
-        compute_advantages("grpo_passk", token_rewards=rewards, response_mask=mask,
+        compute_advantages("passk_expectation", token_rewards=rewards, response_mask=mask,
                            group_ids=ids)
     with pytest.raises(ConfigError, match="advantage.gamma=1.5"):
         AdvantageConfig(gamma=1.5)
     with pytest.raises(ConfigError, match="advantage.passk_k=0"):
         AdvantageConfig(passk_k=0)
+
+
+def test_verl_grpo_passk_by_hand():
+    # group of 4: scores 1, 0.5, 1, 0: the first 1 is the best; its lead over the runner-up
+    # (the other 1) is 0, so nothing learns; with 1, 0.5, 0, 0 only sample 0 gets
+    # (1 - 0.5) / (std + eps), std unbiased = sqrt(((1-.375)^2 + (.5-.375)^2 + 2 * .375^2) / 3)
+    tie = adv_of("grpo_passk", [1.0, 0.5, 1.0, 0.0], [0] * 4)
+    assert tie == [0.0, 0.0, 0.0, 0.0]
+    got = adv_of("grpo_passk", [1.0, 0.5, 0.0, 0.0], [0] * 4)
+    std = math.sqrt(((1 - .375) ** 2 + (.5 - .375) ** 2 + 2 * .375 ** 2) / 3)
+    assert got == pytest.approx([0.5 / (std + 1e-6), 0.0, 0.0, 0.0])
+    with pytest.raises(InputError, match="needs at least 2 per group"):
+        adv_of("grpo_passk", [1.0, 0.0], [0, 1])
+
+
+def test_verl_aliases_are_the_same_functions():
+    assert ADVANTAGE_ESTIMATORS.get("grpo_vectorized") is ADVANTAGE_ESTIMATORS.get("grpo")
+    assert ADVANTAGE_ESTIMATORS.get("rloo_vectorized") is ADVANTAGE_ESTIMATORS.get("rloo")
+    assert ADVANTAGE_ESTIMATORS.meta("gae") == {"needs_values": True}
+    assert ADVANTAGE_ESTIMATORS.meta("remax") == {"needs_baselines": True}
+    assert set(ADVANTAGE_ESTIMATORS.names(needs_groups=True)) >= {"grpo", "grpo_passk", "rloo"}

@@ -33,6 +33,8 @@ def naive_aggregate(loss_mat, mask, mode):
     n_tok = sum(len(r) for r in rows)
     if mode == "token-mean":
         return sum(sum(r) for r in rows) / n_tok
+    if mode == "token-sum":
+        return sum(sum(r) for r in rows)
     if mode == "seq-mean-token-sum":
         return sum(sum(r) for r in rows) / len(rows)
     if mode == "seq-mean-token-mean":

@@ -26,7 +26,8 @@ NAIVE = {
     "k2": lambda lp, ref: 0.5 * (lp - ref) ** 2,
     "k3": lambda lp, ref: math.exp(ref - lp) - (ref - lp) - 1,
 }
-ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "low_var_kl+": "k3+"}
+ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "low_var_kl+": "k3+", "kl+": "k1+",
+           "mse+": "k2+"}
 PER_TOKEN = [n for n in KL_ESTIMATORS.names() if not n.startswith("full")]
 
 

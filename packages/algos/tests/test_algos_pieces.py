@@ -238,7 +238,7 @@ def test_objectives_name_missing_inputs():
     (lambda: PolicyLossConfig(clip_ratio=-1), "policy_loss.clip_ratio=-1"),
     (lambda: PolicyLossConfig(clip_cov_lb=5, clip_cov_ub=1), "policy_loss.clip_cov_lb=5"),
     (lambda: ActorObjectiveConfig(policy_loss="ppo"), "actor.policy_loss='ppo'"),
-    (lambda: ActorObjectiveConfig(loss_agg_mode="token-sum"), "actor.loss_agg_mode"),
+    (lambda: ActorObjectiveConfig(loss_agg_mode="token-summ"), "actor.loss_agg_mode"),
     (lambda: ActorObjectiveConfig(kl_loss_type="k5"), "actor.kl_loss_type='k5'"),
     (lambda: ActorObjectiveConfig(kl_loss_type="full"), "needs full-vocabulary"),
     (lambda: ActorObjectiveConfig(loss_agg_mode="seq-mean-token-sum-norm"),

@@ -252,8 +252,8 @@ def _max_at_k_weights(n: int, k: int, dtype, device) -> torch.Tensor:
                         device=device)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo_passk", needs_groups=True, needs_k=True)
-def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
+@ADVANTAGE_ESTIMATORS.register("passk_expectation", needs_groups=True, needs_k=True)
+def passk_expectation(*, token_rewards, response_mask, group_ids, config, **_):
     """Pass@k advantage (Chen et al. 2025, "Pass@k Training for Adaptively Balancing
     Exploration and Exploitation of Large Reasoning Models"), in its max@k form so that it
     also holds for non-binary scores. For a group of n scores and k = `passk_k`:
@@ -273,7 +273,7 @@ def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
         n = members.numel()
         if n < k:
             raise InputError(
-                f"grpo_passk: group with id {int(groups.ids[g])} has {n} samples, fewer than "
+                f"passk_expectation: group with id {int(groups.ids[g])} has {n} samples, fewer than "
                 f"AdvantageConfig.passk_k={k}; lower passk_k or sample more per prompt"
             )
         s = scores[members]
@@ -295,3 +295,39 @@ def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
         per_sample[members] = (conditional - mean) / scale
     adv = _broadcast(per_sample, response_mask)
     return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo_passk", needs_groups=True)
+def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
+    """verl's `grpo_passk` (after Tang et al. 2025, "Optimizing Language Models for Inference
+    Time Objectives using Reinforcement Learning", arXiv 2503.19595): in each group only the
+    best sample learns, by its lead over the runner-up,
+        A_best = (s_(1) - s_(2)) / (std_g(s) + eps)     (std unbiased; no division when
+        A_other = 0                                      `norm_by_std` is False)
+    The best is the first sample holding the maximum score. Groups need at least 2 samples.
+    tephra's expectation form of pass@k is `passk_expectation`.
+    """
+    scores = _scores(token_rewards, response_mask)
+    groups = group_index(group_ids)
+    per_sample = torch.zeros_like(scores)
+    for g in range(groups.n_groups):
+        members = groups.members(g)
+        if members.numel() < 2:
+            raise InputError(f"grpo_passk: group with id {int(groups.ids[g])} has "
+                             f"{members.numel()} sample; it needs at least 2 per group")
+        s = scores[members]
+        best = int(torch.argmax(s))  # the first index of the maximum
+        runner_up = torch.cat([s[:best], s[best + 1:]]).max()
+        lead = s[best] - runner_up
+        if config.norm_by_std:
+            lead = lead / (s.std() + config.epsilon)
+        per_sample[members[best]] = lead
+    adv = _broadcast(per_sample, response_mask)
+    return adv, adv
+
+
+# verl's names for the same estimators (verl's vectorised implementations of GRPO and RLOO
+# compute the same numbers for groups of two or more samples; see the README's verl table)
+ADVANTAGE_ESTIMATORS.register("grpo_vectorized", grpo, needs_groups=True)
+ADVANTAGE_ESTIMATORS.register("rloo_vectorized", ADVANTAGE_ESTIMATORS.get("rloo"),
+                              needs_groups=True)

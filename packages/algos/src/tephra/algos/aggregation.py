@@ -12,6 +12,7 @@ tokens of short micro-batches more; that bias is what the explicit normaliser re
 Modes, with m the response mask, L the per-token loss, n_b = sum_t m[b, t] the response
 tokens of sequence b, N = global token count, S = global sequence count, C = norm constant:
     token-mean               sum_{b,t} m L / N
+    token-sum                sum_{b,t} m L                      (no normaliser)
     seq-mean-token-sum       sum_b (sum_t m L) / S
     seq-mean-token-mean      sum_b (sum_t m L / n_b) / S
     seq-mean-token-sum-norm  sum_b (sum_t m L / C) / S          (Dr. GRPO, Liu et al. 2025)
@@ -37,6 +38,13 @@ AGGREGATION_MODES: Registry[Aggregator] = Registry("loss aggregation mode")
 def _token_mean(loss_mat, mask, tokens, seqs, norm_constant):
     """Every response token of the step weighs the same (DAPO's token-level loss)."""
     return masked_sum(loss_mat, mask) / tokens
+
+
+@AGGREGATION_MODES.register("token-sum")
+def _token_sum(loss_mat, mask, tokens, seqs, norm_constant):
+    """The plain sum over the step's response tokens (verl's `token-sum`): the gradient grows
+    with the batch's token count; pair it with a learning rate that expects that."""
+    return masked_sum(loss_mat, mask)
 
 
 @AGGREGATION_MODES.register("seq-mean-token-sum")

@@ -100,6 +100,9 @@ KL_ESTIMATORS.register("kl", kl_k1)
 KL_ESTIMATORS.register("mse", kl_k2)
 KL_ESTIMATORS.register("low_var_kl", kl_k3)
 KL_ESTIMATORS.register("low_var_kl+", KL_ESTIMATORS.get("k3+"))
+KL_ESTIMATORS.register("kl+", KL_ESTIMATORS.get("k1+"))
+# verl's `mse+`: the k2 value with the k2 gradient, i.e. k2 itself
+KL_ESTIMATORS.register("mse+", KL_ESTIMATORS.get("k2+"))
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor,

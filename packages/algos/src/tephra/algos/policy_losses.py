@@ -128,7 +128,9 @@ def sapo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLoss
     """
     log_ratio = _log_ratio(log_probs, old_log_probs, config)
     ratio = log_ratio.exp()
-    tau = torch.where(advantages > 0, config.sapo_tau_pos, config.sapo_tau_neg).to(ratio.dtype)
+    # built in the ratio's dtype: Python floats in torch.where would round through float32
+    tau = torch.where(advantages > 0, torch.full_like(ratio, config.sapo_tau_pos),
+                      torch.full_like(ratio, config.sapo_tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss = -advantages * gate * (4.0 / tau)
     metrics = _ratio_metrics(log_ratio, response_mask)
@@ -214,6 +216,32 @@ def gpg_loss(log_probs, old_log_probs, advantages, response_mask, config: Policy
     return -advantages * log_probs, metrics
 
 
+@POLICY_LOSSES.register("geo_mean", aggregation="seq-mean-token-mean")
+def geo_mean(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"): the geometric mean of the
+    token ratios, each clipped in the direction of the advantage's sign,
+        l_t  = sign(A) * min(sign(A) * log r_t, sign(A) * clip(log r_t, -eps_l, eps_h))
+        L_i  = -Abar_i * exp(mean_t l_t)            Abar_i: the sequence's mean advantage
+    The sequence loss is repeated on each of its tokens and averaged over sequences (verl's
+    `geo_mean` ignores loss_agg_mode; so does this one). `pg_clipfrac`: tokens whose log
+    ratio left [-eps_l, eps_h] with A > 0 (`pg_clipfrac_lower`: with A < 0).
+    """
+    raw = torch.where(response_mask > 0, log_probs - old_log_probs, torch.zeros_like(log_probs))
+    sign = torch.sign(advantages)
+    clamped = raw.clamp(-config.clip_ratio_low, config.clip_ratio_high)
+    chosen = sign * torch.minimum(sign * raw, sign * clamped)
+    chosen = torch.where(response_mask > 0, chosen, torch.zeros_like(chosen))
+    n = masked_count(response_mask, dim=-1).clamp(min=1).to(log_probs.dtype)
+    ratio = (chosen.sum(-1) / n).exp()
+    mean_adv = torch.where(response_mask > 0, advantages, torch.zeros_like(advantages)).sum(-1) / n
+    loss = (-mean_adv * ratio).unsqueeze(-1).expand_as(log_probs)
+    clipped = raw != clamped
+    metrics = _ratio_metrics(raw, response_mask)
+    metrics["pg_clipfrac"] = _frac(clipped & (advantages > 0), response_mask)
+    metrics["pg_clipfrac_lower"] = _frac(clipped & (advantages < 0), response_mask)
+    return loss, metrics
+
+
 def compute_policy_loss(
     name: str,
     log_probs: torch.Tensor,
@@ -240,6 +268,8 @@ def compute_policy_loss(
     loss_mat, metrics = fn(log_probs, old_log_probs, advantages, response_mask, config)
     if token_weights is not None:
         loss_mat = loss_mat * token_weights.detach()
+    # a sequence-level loss (its value repeated on every token) fixes its own aggregation
+    loss_agg_mode = POLICY_LOSSES.meta(name).get("aggregation", loss_agg_mode)
     loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode,
                           global_token_count=global_token_count,
                           global_seq_count=global_seq_count, norm_constant=norm_constant)
