@@ -78,7 +78,9 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
     summary = run(_smoke(tmp_path, "-p", "ppo_critic", "actor.objective.use_kl_loss=true",
                          "actor.objective.kl_loss_coef=0.01",
                          "trainer.val_after=true", "trainer.export_hf=true",
-                         "trainer.profile_steps=[2]", f"trainer.run_dir={tmp_path / 'ppo'}"))
+                         "trainer.profile_steps=[2]", "trainer.val.n=4",
+                         "trainer.val.temperature=1.0", "trainer.val.ks=[1,2]",
+                         "trainer.dump_generations=1", f"trainer.run_dir={tmp_path / 'ppo'}"))
     records = read_jsonl(tmp_path / "ppo" / "metrics.jsonl")
     train = [r for r in records if "reward/mean" in r]
     assert len(train) == 2
@@ -86,6 +88,17 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
         assert math.isfinite(r["critic/grad_norm"]) and r["critic/grad_norm"] > 0
         assert "actor/kl_loss" in r and "time/values_s" in r and "time/ref_s" in r
     assert 0.0 <= summary["accuracy_after"] <= 1.0
+    # validation: 4 samples of each of the 8 held-out prompts, summarised and dumped
+    last = records[-1]
+    assert last["accuracy/val"] == summary["accuracy_after"] == last["val/acc@4"]
+    assert last["val/pass@1"] <= last["val/pass@2"] <= 1.0 and last["val/prompts"] == 8
+    gens = tmp_path / "ppo" / "generations"
+    val_rows = [json.loads(x) for x in (gens / "val_step2.jsonl").read_text().splitlines()]
+    assert len(val_rows) == 32 and {r["prompt_index"] for r in val_rows} == set(range(8))
+    assert sum(r["score"] >= 1 for r in val_rows) / 32 == pytest.approx(last["val/acc@4"])
+    for step in (1, 2):
+        train_rows = [json.loads(x) for x in (gens / f"train_step{step}.jsonl").read_text().splitlines()]
+        assert len(train_rows) == 8 and all(r["advantage"] is not None for r in train_rows)
     # the profiled step wrote one valid Chrome trace per stage (one rank here)
     traces = sorted(p.name for p in (tmp_path / "ppo" / "profile").glob("*.json"))
     assert traces == [f"step2_{s}_rank0.json" for s in

@@ -24,6 +24,7 @@ from typing import Any
 from tephra.algos import ActorObjectiveConfig, AdvantageConfig, CriticObjectiveConfig
 from tephra.algos.advantages import ADVANTAGE_ESTIMATORS
 from tephra.algos.kl import KL_ESTIMATORS
+from tephra.controller.evaluation import ValidationConfig
 from tephra.core.errors import ConfigError
 from tephra.engine_api.config import (
     EngineConfig,
@@ -386,7 +387,15 @@ class TrainerSection:
     keep_checkpoints: int = 2
     """How many checkpoints to keep."""
     val_every: int = 0
-    """Greedy held-out accuracy every N steps (0: only before and after training)."""
+    """Validation every N steps (0: only before and after training)."""
+    val: ValidationConfig = field(default_factory=ValidationConfig)
+    """How validation samples (n per prompt, temperature, top_p) and which pass@k / maj@k it
+    reports (tephra.controller.evaluation); the default n=1 at temperature 0 is greedy
+    accuracy. Metrics: `accuracy/val` (acc@n) and `val/...` overall and per data source."""
+    dump_generations: int = 0
+    """Every N steps write run_dir/generations/train_step<N>.jsonl (the step's samples with
+    their rewards and advantages), and write every validation's generations to
+    val_step<N>.jsonl; 0: never."""
     val_before: bool = True
     """Measure held-out accuracy before training."""
     val_after: bool = True

@@ -188,15 +188,43 @@ class Trainer:
         check_not_all_failed([s.reward_error for s in samples])
         return samples
 
-    def evaluate(self) -> float:
-        """Greedy accuracy on the held-out prompts (the same items every time)."""
+    def evaluate(self) -> tuple[float, dict[str, float]]:
+        """Validation on the held-out prompts (the same items every time): `trainer.val.n`
+        samples each; returns acc@n and the `val/*` metrics (overall and per data source)."""
+        from tephra.controller.evaluation import EvalRow, flat_metrics, summarise, write_jsonl
+
+        v = self.cfg.trainer.val
+        sampling = self.greedy.replace(n=v.n, temperature=v.temperature, top_p=v.top_p,
+                                       seed=self.cfg.trainer.seed)
         dp = self.wg.dp_size
         indices = list(range(len(self.val.ids)))
         pad = (-len(indices)) % dp  # the split needs equal shares; the padding is not scored
         samples = self.generate(self.items(indices + indices[:pad], self.val, f"val{self.step}"),
-                                self.greedy)
-        scores = [s.score for s in samples[: len(indices)]]
-        return sum(accuracy_of(s) for s in scores) / len(scores)
+                                sampling)[: len(indices) * v.n]
+        rows = [EvalRow(prompt=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
+                        response=s.text, score=s.score,
+                        ground_truth=self.val.records[k // v.n].ground_truth,
+                        data_source=self.val.records[k // v.n].data_source,
+                        answer=s.text.strip(), prompt_index=k // v.n)
+                for k, s in enumerate(samples)]
+        summary = summarise(rows, v.n, v.ks)
+        if self.cfg.trainer.dump_generations:
+            write_jsonl(rows, self.run_dir / "generations" / f"val_step{self.step}.jsonl")
+        return summary["all"][f"acc@{v.n}"], flat_metrics(summary)
+
+    def dump_train(self, samples: list[Sample], batch: TensorDict) -> None:
+        """The step's trained samples with their rewards and advantages, as JSONL."""
+        from tephra.controller.evaluation import EvalRow, write_jsonl
+
+        mask = batch["response_mask"].bool()
+        advantages = [float(batch["advantages"][i][mask[i]].mean()) if mask[i].any() else 0.0
+                      for i in range(len(samples))]
+        n = self.cfg.batch.samples_per_prompt
+        rows = [EvalRow(prompt=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
+                        response=s.text, score=s.score, ground_truth=None, data_source="",
+                        answer=s.text.strip(), prompt_index=k // n, advantage=a)
+                for k, (s, a) in enumerate(zip(samples, advantages))]
+        write_jsonl(rows, self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl")
 
     def collect(self) -> list[Round]:
         """This step's rounds of generation. Without dynamic sampling: one round of
@@ -337,6 +365,9 @@ class Trainer:
             metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
             lap("baselines")
         self.advantages(batch, token_rewards, baselines)
+        every = cfg.trainer.dump_generations
+        if every and (self.step + 1) % every == 0:
+            self.dump_train(samples, batch)
         lap("advantages")
         trained_passes = 0
         if self.needs_critic:
@@ -437,11 +468,12 @@ class Trainer:
         trackers = Trackers(cfg.trackers, self.run_dir, cfg.project, self.run_dir.name,
                             to_dict(self.cfg))
         acc_before = None
+        what = "greedy accuracy" if cfg.val.n == 1 else f"acc@{cfg.val.n}"
         if cfg.val_before and not resumed:
             t = time.perf_counter()
-            acc_before = self.evaluate()
-            trackers.log({"accuracy/val": acc_before}, self.step)
-            print(f"held-out greedy accuracy before training: {acc_before:.3f} "
+            acc_before, val_metrics = self.evaluate()
+            trackers.log({"accuracy/val": acc_before, **val_metrics}, self.step)
+            print(f"held-out {what} before training: {acc_before:.3f} "
                   f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)", flush=True)
         bar = None
         if cfg.progress_bar:
@@ -461,7 +493,8 @@ class Trainer:
                 self.wg.set_profile(None)
             self.step += 1
             if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
-                metrics["accuracy/val"] = self.evaluate()
+                metrics["accuracy/val"], val_metrics = self.evaluate()
+                metrics.update(val_metrics)
             trackers.log(metrics, self.step)
             if bar is not None:
                 bar.update(1)
@@ -475,9 +508,9 @@ class Trainer:
         acc_after = None
         if cfg.val_after:
             t = time.perf_counter()
-            acc_after = self.evaluate()
-            trackers.log({"accuracy/val": acc_after}, self.step)
-            print(f"held-out greedy accuracy after training: {acc_after:.3f} "
+            acc_after, val_metrics = self.evaluate()
+            trackers.log({"accuracy/val": acc_after, **val_metrics}, self.step)
+            print(f"held-out {what} after training: {acc_after:.3f} "
                   f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)", flush=True)
         trackers.close()
         if cfg.export_hf:
