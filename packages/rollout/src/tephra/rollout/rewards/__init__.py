@@ -7,7 +7,13 @@ math / lighteval/MATH / DigitalLearningGmbH/MATH-lighteval / HuggingFaceH4/MATH-
 """
 
 # Importing the scorer modules registers them.
-from tephra.rollout.rewards import countdown, gsm8k, math_equivalence, reasoning_gym_tasks  # noqa: F401
+from tephra.rollout.rewards import (  # noqa: F401  (registers the scorers)
+    countdown,
+    gsm8k,
+    math_equivalence,
+    reasoning_gym_tasks,
+    verl_sources,
+)
 from tephra.rollout.rewards.config import RewardConfig
 from tephra.rollout.rewards.countdown import countdown_score
 from tephra.rollout.rewards.custom_function import (

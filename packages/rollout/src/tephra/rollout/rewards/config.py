@@ -40,7 +40,8 @@ class RewardConfig:
     scorer_overrides: dict[str, str] = field(default_factory=dict)
     """data_source -> registered scorer name, checked before the registry, e.g.
     {"gsm8k": "gsm8k_flexible"} or {"my_arithmetic": "reasoning_gym"}."""
-    prefix_scorers: dict[str, str] = field(default_factory=lambda: {"reasoning_gym/": "reasoning_gym"})
+    prefix_scorers: dict[str, str] = field(default_factory=lambda: {
+        "reasoning_gym/": "reasoning_gym", "searchR1_": "search_qa", "aime": "math_dapo"})
     """data_source prefix -> registered scorer name, used when the data_source is not a
     registered name itself (so `reasoning_gym/<any task>` needs no registration per task)."""
     executor: str = "thread"

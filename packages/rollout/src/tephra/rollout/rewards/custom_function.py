@@ -114,6 +114,10 @@ def check_scorer_signature(fn: Callable, where: str, provided: set[str] = frozen
         )
 
 
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
 class FileRewardFunction:
     """A custom reward function as a scorer: called with verl's keywords plus `kwargs`.
 
@@ -131,13 +135,18 @@ class FileRewardFunction:
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> Any:
         if self._fn is None:
             self._fn = load_reward_function(self.path, self.name, self.kwargs)
-        return self._fn(
+        result = self._fn(
             data_source=data_source,
             solution_str=solution_str,
             ground_truth=ground_truth,
             extra_info=extra_info,
             **self.kwargs,
         )
+        if inspect.isawaitable(result):  # an `async def` reward (e.g. one that calls a judge)
+            import asyncio
+
+            result = asyncio.run(_awaited(result))
+        return result
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "name": self.name, "kwargs": self.kwargs, "_fn": None}
