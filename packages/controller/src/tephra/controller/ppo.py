@@ -37,6 +37,9 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
                 reasoning_gym_records(d.task, d.val_size, d.val_seed, d.task_config,
                                       d.instruction))
 
+    if not d.train_files:
+        raise ConfigError(f"data.source={d.source!r} needs data.train_files to train on")
+
     def load(spec: str) -> list[PromptRecord]:
         if d.source == "parquet":
             return load_parquet(spec)

@@ -328,8 +328,9 @@ class DataSection:
     def __post_init__(self) -> None:
         if self.source not in ("reasoning_gym", "parquet", "hf"):
             raise ConfigError(f"data.source={self.source!r}: choose reasoning_gym, parquet or hf")
-        if self.source in ("parquet", "hf") and not self.train_files:
-            raise ConfigError(f"data.source={self.source!r} needs data.train_files")
+        if self.source in ("parquet", "hf") and not (self.train_files or self.val_files):
+            raise ConfigError(f"data.source={self.source!r} needs data.train_files (training) "
+                              "or data.val_files (evaluation)")
         if self.source == "reasoning_gym" and self.train_seed == self.val_seed:
             raise ConfigError("data.train_seed and data.val_seed must differ, or the held-out "
                               "items are training items")

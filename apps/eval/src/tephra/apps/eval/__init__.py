@@ -1,0 +1,1 @@
+"""tephra.apps.eval: evaluation of models and of a run's checkpoints."""

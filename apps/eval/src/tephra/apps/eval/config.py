@@ -1,0 +1,45 @@
+"""The evaluation app's configuration: the same sections as the RL trainer's where they mean
+the same (model, data, rollout, reward), plus the validation settings and where to write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tephra.controller.evaluation import ValidationConfig
+from tephra.controller.rl_config import DataSection, RolloutSection
+from tephra.core.config import load_config, split_cli
+from tephra.engine_api.config import ModelConfig
+from tephra.rollout.rewards import RewardConfig
+
+PRESETS = Path(__file__).parent / "presets"
+
+
+@dataclass
+class EvalConfig:
+    """Evaluate a model folder, or a run's export and checkpoints."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="smollm2"))
+    """The model to evaluate (ignored with `run_dir`): a local Hugging Face folder, `smollm2`
+    (the bundled SmolLM2-135M-Instruct, the demo's starting point) or `tiny`."""
+    run_dir: str | None = None
+    """A trainer's run folder: its `hf/` export and every checkpoint under `checkpoints/`
+    (exported to Hugging Face folders first) are evaluated, and a plot across steps drawn."""
+    data: DataSection = field(default_factory=DataSection)
+    """Held-out prompts (`data.val_files`, or the demo's reasoning-gym held-out items)."""
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    """Generation backend and its settings (`hf`, `vllm`, `sglang`), dtype, max_tokens."""
+    val: ValidationConfig = field(default_factory=lambda: ValidationConfig(
+        n=4, temperature=1.0, ks=[1, 2, 4]))
+    """Samples per prompt, temperature, top_p, and the k of pass@k / maj@k."""
+    reward: RewardConfig = field(default_factory=lambda: RewardConfig(executor="serial"))
+    """Scoring: rule scorers by data_source, a custom function, or a reward model."""
+    out_dir: str = "runs/eval"
+    """Where eval.json, eval.md, generations_<model>.jsonl and curves.png go."""
+    seed: int = 0
+    """Seed of the sampling."""
+
+
+def parse_config(argv: list[str]) -> EvalConfig:
+    presets, overrides = split_cli(argv)
+    return load_config(EvalConfig, presets, overrides, preset_dir=PRESETS)

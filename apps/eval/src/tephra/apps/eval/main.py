@@ -1,0 +1,154 @@
+"""`uv run apps/eval [--preset NAME] [key=value ...]`: evaluate a model, or a run's checkpoints.
+
+With no arguments: the bundled SmolLM2-135M-Instruct (the demo's starting point) on the demo's
+200 held-out reasoning-gym items, 4 samples each. Generation runs in this process on the
+configured rollout backend; scores come from the same scorers as training; the metrics are
+`tephra.controller.evaluation`'s (the trainer's validation uses the same code).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tephra.apps.eval.config import EvalConfig, parse_config
+from tephra.core.errors import ConfigError, TephraError
+
+
+def models_to_evaluate(cfg: EvalConfig, out: Path) -> list[tuple[str, str, int | None]]:
+    """(label, HF folder, step) of each model: `model.path`, or a run's checkpoints (exported
+    to `out/exports/step_<N>`) and its final `hf/` export."""
+    from tephra.controller.models import resolve_model_path
+
+    if cfg.run_dir is None:
+        return [(Path(cfg.model.path).name, resolve_model_path(cfg.model.path, cfg.seed), None)]
+    from tephra.controller.checkpoints import CheckpointManager
+    from tephra.controller.export import export_checkpoint
+
+    run = Path(cfg.run_dir).expanduser().resolve()
+    if not run.is_dir():
+        raise ConfigError(f"run_dir={cfg.run_dir!r} is not a folder; give a trainer run folder")
+    found = []
+    for step, folder in sorted(CheckpointManager(run / "checkpoints").committed()):
+        target = out / "exports" / f"step_{step}"
+        if not (target / "config.json").exists():
+            export_checkpoint(folder, target)
+        found.append((f"step_{step}", str(target), step))
+    if (run / "hf" / "config.json").exists():
+        found.append(("hf", str(run / "hf"), None))
+    if not found:
+        raise ConfigError(f"run_dir={cfg.run_dir!r} holds neither checkpoints/ nor hf/; train "
+                          "with trainer.save_every or trainer.export_hf")
+    return found
+
+
+def evaluate_model(cfg: EvalConfig, model_path: str):
+    """(summary, rows) of one model on the held-out prompts."""
+    from transformers import AutoTokenizer
+
+    from tephra.controller.data import tokenize_prompts
+    from tephra.controller.evaluation import EvalRow, summarise
+    from tephra.controller.rewarding import Scorer
+    from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    d = cfg.data
+    if d.source == "reasoning_gym":
+        from tephra.controller.data import reasoning_gym_records
+
+        records = reasoning_gym_records(d.task, d.val_size, d.val_seed, d.task_config,
+                                        d.instruction)
+    else:
+        if not d.val_files:
+            raise ConfigError(f"data.source={d.source!r}: set data.val_files to evaluate on")
+        from tephra.controller.data import load_hf_dataset, load_parquet
+
+        records = [r for f in d.val_files for r in (
+            load_parquet(f) if d.source == "parquet"
+            else load_hf_dataset(f.partition(":")[0], f.partition(":")[2] or "train"))]
+    ids, records, dropped = tokenize_prompts(records, tok, d.max_prompt_tokens)
+    if dropped:
+        print(f"dropped {dropped} prompts longer than data.max_prompt_tokens", flush=True)
+    if not ids:
+        raise ConfigError("no held-out prompt left to evaluate")
+    r, v = cfg.rollout, cfg.val
+    stops = tuple(t for t in {tok.eos_token_id} if t is not None)
+    sampling = SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p,
+                              max_tokens=r.max_tokens, stop_token_ids=stops, seed=cfg.seed,
+                              logprobs=False)
+    config = RolloutConfig(model_path=model_path, dtype=r.dtype,
+                           max_model_len=d.max_prompt_tokens + r.max_tokens + 8, seed=cfg.seed,
+                           hf=r.hf, vllm=r.vllm, sglang=r.sglang)
+    with get_rollout(r.backend, config) as rollout:
+        out = rollout.generate(ids, sampling)
+    texts = [tok.decode(resp, skip_special_tokens=True) for resp in out.response_ids]
+    recs = [records[out.prompt_index[k]] for k in range(len(out))]
+    scored = Scorer(cfg.reward).score(texts, recs)
+    rows = [EvalRow(prompt=tok.decode(out.prompt_ids[k], skip_special_tokens=True),
+                    response=texts[k], score=float(scored[k][0]), ground_truth=recs[k].ground_truth,
+                    data_source=recs[k].data_source, answer=texts[k].strip(),
+                    prompt_index=out.prompt_index[k])
+            for k in range(len(out))]
+    return summarise(rows, v.n, v.ks), rows
+
+
+def plot_across(results: dict, out: Path, metric: str) -> None:
+    """`metric` of each checkpoint against its step (the final export drawn as a line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [(r["step"], r["summary"]["all"][metric]) for r in results.values()
+             if r["step"] is not None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if steps:
+        ax.plot([s for s, _ in steps], [m for _, m in steps], marker="o", label="checkpoints")
+    if "hf" in results:
+        ax.axhline(results["hf"]["summary"]["all"][metric], ls="--", c="gray", label="hf export")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: EvalConfig) -> dict:
+    from tephra.controller.evaluation import markdown_table, write_jsonl
+
+    out = Path(cfg.out_dir).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    tables = []
+    for label, path, step in models_to_evaluate(cfg, out):
+        t = time.perf_counter()
+        summary, rows = evaluate_model(cfg, path)
+        write_jsonl(rows, out / f"generations_{label}.jsonl")
+        results[label] = {"model": path, "step": step, "summary": summary,
+                          "seconds": round(time.perf_counter() - t, 1)}
+        tables.append(f"## {label}\n\n{markdown_table(summary)}")
+        print(f"## {label} ({results[label]['seconds']} s)\n{markdown_table(summary)}", flush=True)
+    (out / "eval.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "eval.md").write_text("\n".join(tables))
+    if cfg.run_dir is not None:
+        plot_across(results, out, f"acc@{cfg.val.n}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        results = run(parse_config(argv))
+    except TephraError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps({label: r["summary"]["all"] for label, r in results.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
