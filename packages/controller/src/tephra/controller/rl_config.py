@@ -28,14 +28,12 @@ from tephra.controller.evaluation import ValidationConfig
 from tephra.core.errors import ConfigError
 from tephra.engine_api.config import (
     EngineConfig,
+    EngineSections,
     LoraConfig,
     MicroBatchConfig,
     ModelConfig,
-    OffloadConfig,
     OptimizerConfig,
-    ParallelConfig,
     PrecisionConfig,
-    SchedulerConfig,
 )
 from tephra.rollout.agent.base import AgentLoopConfig
 from tephra.rollout.base import HFSettings, ServerSettings
@@ -54,27 +52,13 @@ def _check_name(field_name: str, value: str, registry: Any) -> None:
 
 
 @dataclass
-class EngineRoleConfig:
-    """A trained role: which engine backend, and the engine's own config sections."""
+class EngineRoleConfig(EngineSections):
+    """A trained role: which engine backend, and the engine's own sections (optimizer,
+    scheduler, micro_batch, precision, offload, lora, parallel: tephra.engine_api)."""
 
     engine: str = "fsdp"
     """Training backend registered under the `tephra.engines` entry points (`fsdp`,
     `megatron`); any installed backend package adds its name."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """AdamW and gradient clipping (tephra.engine_api.OptimizerConfig)."""
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    """Learning-rate schedule, stepped per optimizer step."""
-    micro_batch: MicroBatchConfig = field(default_factory=MicroBatchConfig)
-    """Token budget per micro-batch on one rank, packing."""
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    """Compute, reduction and master dtypes."""
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-    """CPU offload of parameters / optimizer state between uses."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA adapters (rank 0: full fine-tuning)."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Tensor / pipeline / context / expert parallel sizes; data parallel is what remains of
-    `resources.world_size`."""
 
     def __post_init__(self) -> None:
         from tephra.engine_api.registry import installed_engines
@@ -94,11 +78,11 @@ class EngineRoleConfig:
         """The `EngineConfig` this role builds on every rank."""
         from dataclasses import replace
 
-        return EngineConfig(
-            model=replace(model, role=role), optimizer=self.optimizer, scheduler=self.scheduler,
-            micro_batch=self.micro_batch, precision=self.precision, offload=self.offload,
-            lora=self.lora if role == "policy" else LoraConfig(), parallel=self.parallel,
-            temperature=temperature, compute_entropy=role == "policy", seed=seed, device=device)
+        sections = self.sections()
+        if role != "policy":
+            sections["lora"] = LoraConfig()  # a value head has no base weights to adapt
+        return EngineConfig(model=replace(model, role=role), **sections, temperature=temperature,
+                            compute_entropy=role == "policy", seed=seed, device=device)
 
 
 def _demo_actor_objective() -> ActorObjectiveConfig:

@@ -12,7 +12,8 @@ from typing import Any
 _EXPORTS = {
     "make_batch": "batch", "pack": "batch", "split_by_token_budget": "batch", "unpack": "batch",
     "validate_batch": "batch",
-    "EngineConfig": "config", "LoraConfig": "config", "MicroBatchConfig": "config",
+    "EngineConfig": "config", "EngineSections": "config", "LoraConfig": "config",
+    "MicroBatchConfig": "config",
     "ModelConfig": "config", "OffloadConfig": "config", "OptimizerConfig": "config",
     "ParallelConfig": "config", "PrecisionConfig": "config", "SchedulerConfig": "config",
     "apply_overrides": "config",

@@ -242,11 +242,10 @@ class ParallelConfig:
 
 
 @dataclass
-class EngineConfig:
-    """Everything a backend needs to build an engine."""
+class EngineSections:
+    """The sections of an engine's config besides the model: what a trained role of an app
+    sets (apps compose this class instead of repeating its fields)."""
 
-    model: ModelConfig
-    """The model to train."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and gradient clipping."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -261,6 +260,18 @@ class EngineConfig:
     """LoRA adapters."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel sizes."""
+
+    def sections(self) -> dict[str, Any]:
+        """The sections by name (to build an `EngineConfig` from them)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineSections)}
+
+
+@dataclass
+class EngineConfig(EngineSections):
+    """Everything a backend needs to build an engine: the model and the sections."""
+
+    model: ModelConfig = field(kw_only=True)
+    """The model to train."""
     temperature: float = 1.0
     """Sampling temperature the log-probs are computed under: logits are divided by it, so
     they match the rollout engine's log-probs of the sampled tokens."""

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from tephra.engine_api.config import ParallelConfig
-from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.process_group import ensure_single_process_group
 from tephra.engine_api.process_group import release_process_group as release_single_process_group
 from tephra.engine_megatron import cpu_compat
@@ -51,13 +50,7 @@ def initialize(parallel: ParallelConfig) -> None:
     ensure_process_group()
     world = dist.get_world_size()
     dp = parallel.data_parallel_size(world)
-    expert_world = parallel.expert * parallel.expert_tensor * parallel.pipeline
-    if world % expert_world:
-        raise ConfigError(
-            f"world size {world} is not divisible by parallel.expert * parallel.expert_tensor * "
-            f"parallel.pipeline = {expert_world}")
-    if parallel.virtual_pipeline > 1 and parallel.pipeline == 1:
-        raise ConfigError("parallel.virtual_pipeline > 1 needs parallel.pipeline > 1")
+    # the sizes were checked against the world by MegatronEngine.check_config
     key = (parallel.tensor, parallel.pipeline, parallel.virtual_pipeline, parallel.context,
            parallel.expert, parallel.expert_tensor, world)
     if _CURRENT == key and ps.model_parallel_is_initialized():
