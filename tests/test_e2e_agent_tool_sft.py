@@ -81,7 +81,9 @@ def sft_model(tmp_path_factory):
                     f"data.train_files=[{data}]",
                     f"train.steps={SFT_STEPS}",
                     f"train.sequences_per_step={N_TRANSCRIPTS}",
-                    f"train.lr={SFT_LR}",
+                    f"policy.optimizer.lr={SFT_LR}",
+                    # the loss is measured on the training transcripts themselves
+                    f"data.val_files=[{data}]",
                     f"train.run_dir={root / 'sft'}",
                 ]
             )

@@ -15,23 +15,8 @@ from __future__ import annotations
 import pytest
 
 from tephra.apps.ppo.main import parse_config, run
+from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
-
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return (sum(map(ord, solution_str)) % 5) / 4.0
-'''
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from tephra.controller.worker_group import ray_init
-
-    ray_init(num_cpus=2)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +47,7 @@ def models(tmp_path_factory):
 
 def first_step(tmp_path, name, model, *overrides):
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
+    reward.write_text(SMOKE_REWARD)
     run(parse_config(["-p", "smoke", f"model.path={model}", "trainer.steps=1",
                       f"reward.custom_function_path={reward}",
                       f"trainer.run_dir={tmp_path / name}", *overrides]))

@@ -12,31 +12,14 @@ import pytest
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.rewarding import RewardFailure
+from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
-
-# A reward with variance on a random tiny model (rule scorers would give all zeros, and
-# zero advantages would make "resume is exact" trivially true).
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return (sum(map(ord, solution_str)) % 5) / 4.0
-'''
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from tephra.controller.worker_group import ray_init
-
-    ray_init(num_cpus=2)
-    yield
-    ray.shutdown()
 
 
 def _smoke(tmp_path, *overrides):
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
+    reward.write_text(SMOKE_REWARD)
     return parse_config(["-p", "smoke", f"reward.custom_function_path={reward}", *overrides])
 
 

@@ -17,15 +17,11 @@ from tephra.controller.ppo import BUNDLED_TOOLS, resolve_tools_file
 from tephra.controller.rl_loop import outcome_token_rewards
 from tephra.controller.rl_worker import final_answer, run_agent_requests
 from tephra.controller.samples import PromptItem, Sample, agent_metrics, samples_to_batch
+from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 from tephra.rollout.base import Generation, Rollout
 
-# A reward with variance on a random tiny model (see tests/test_e2e_ppo.py).
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return (sum(map(ord, solution_str)) % 5) / 4.0
-'''
 AGENT_KEYS = ("agent/turns_mean", "agent/tool_calls_mean", "agent/tool_errors_mean",
               "agent/generated_tokens", "agent/tool_tokens")
 
@@ -37,7 +33,7 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(tmp_path):
     from tephra.controller.worker_group import ray_init
 
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
+    reward.write_text(SMOKE_REWARD)
     # two ranks: each runs the agent loop on its share of prompts, FSDP over gloo trains
     cfg = parse_config(["-p", "smoke_tools", f"reward.custom_function_path={reward}",
                         "trainer.val_after=true", "resources.world_size=2",

@@ -10,12 +10,8 @@ import pytest
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.checkpoints import CheckpointManager, check_manifest
+from tephra.controller.testing import SMOKE_REWARD
 from tephra.core.errors import CheckpointError
-
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return (sum(map(ord, solution_str)) % 5) / 4.0
-'''
 
 
 def _fake_checkpoint(manager, step, payload=b"weights" * 100):
@@ -59,7 +55,7 @@ def test_run_falls_back_to_the_previous_checkpoint_and_matches(tmp_path, capsys)
     from tephra.controller.worker_group import ray_init
 
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
+    reward.write_text(SMOKE_REWARD)
 
     def cfg(run_dir, *extra):
         return parse_config(["-p", "smoke", f"reward.custom_function_path={reward}",
@@ -130,7 +126,7 @@ def test_killed_worker_is_restarted_and_the_run_matches(tmp_path, capsys):
     from tephra.rollout.testing import live_processes
 
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
+    reward.write_text(SMOKE_REWARD)
 
     def cfg(run_dir):
         return parse_config(["-p", "smoke", f"reward.custom_function_path={reward}",

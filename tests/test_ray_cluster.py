@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return (sum(map(ord, solution_str)) % 5) / 4.0
-'''
+from tephra.controller.testing import SMOKE_REWARD
 
 
 @pytest.mark.multiproc
@@ -23,7 +20,7 @@ def test_smoke_preset_trains_across_two_nodes(tmp_path):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
+    reward.write_text(SMOKE_REWARD)
     try:
         summary = run(parse_config([
             "-p", "smoke", f"reward.custom_function_path={reward}",

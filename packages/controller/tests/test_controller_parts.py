@@ -215,8 +215,11 @@ class SumWorker(Worker):
 
 @pytest.mark.multiproc
 def test_worker_group_dispatch_on_ray():
+    import ray
+
     ray_init(num_cpus=2)
-    wg = WorkerGroup(SumWorker, ResourcePool(world_size=2, cpus_per_rank=1), {"scale": 3.0})
+    pool = ResourcePool(world_size=2, cpus_per_rank=1)
+    wg = WorkerGroup(SumWorker, pool, {"scale": 3.0})
     x = torch.arange(6, dtype=torch.float32)
     out = wg.scaled(TensorDict({"x": x}, batch_size=[6]))
     assert torch.equal(out["y"], x * 3) and torch.equal(out["rank"], torch.tensor([0, 0, 0, 1, 1, 1]))
@@ -227,3 +230,5 @@ def test_worker_group_dispatch_on_ray():
     with pytest.raises(ConfigError, match="needs 4 CPUs"):
         WorkerGroup(SumWorker, ResourcePool(world_size=2, cpus_per_rank=2), {"scale": 1.0})
     wg.shutdown()
+    pool.release()
+    ray.shutdown()
