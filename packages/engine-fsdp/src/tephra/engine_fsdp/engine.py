@@ -29,6 +29,21 @@ from tephra.engine_fsdp.schedulers import build_scheduler
 from tephra.engine_fsdp.scorer import TokenScorer
 
 
+def check_output_layer(softcapping: float | None, bias: bool, where: str) -> None:
+    """The fused scorer computes log_softmax(h W^T / temperature): refuse a model whose
+    logits are not that (a bias on the output layer, Gemma-2's tanh soft-capping), instead of
+    returning wrong log-probs."""
+    if softcapping:
+        raise ConfigError(
+            f"{where}: final_logit_softcapping={softcapping} (Gemma-2 style) is not supported by "
+            "engine=fsdp's fused log-prob scorer, which would return log-probs of the uncapped "
+            "logits; use a model without soft-capping")
+    if bias:
+        raise ConfigError(
+            f"{where}: the output layer (lm_head) has a bias, which engine=fsdp's fused "
+            "log-prob scorer does not add; use a model whose lm_head has no bias")
+
+
 class FSDPEngine(Engine):
     """FSDP2 engine. Build with `FSDPEngine.build(config)` (or `get_engine("fsdp", config)`).
 
@@ -47,6 +62,10 @@ class FSDPEngine(Engine):
         self.cpu_group = sharding.cpu_group()
         where = f"model.path={config.model.path!r}" if config.model.path else "model.hf_config"
         hf_model = build_model(config.model)
+        if config.model.role == "policy":
+            head = hf_model.get_output_embeddings()
+            check_output_layer(getattr(hf_model.config, "final_logit_softcapping", None),
+                               bias=getattr(head, "bias", None) is not None, where=where)
         layers = decoder_layers(hf_model, where)
         trained = hf_model
         if config.lora.enabled:
@@ -72,9 +91,39 @@ class FSDPEngine(Engine):
     # ----- construction ----------------------------------------------------------------
     @classmethod
     def build(cls, config: EngineConfig) -> FSDPEngine:
+        cls.check_config(config, dist.get_world_size() if dist.is_initialized() else 1)
+        return cls(config)
+
+    @classmethod
+    def check_config(cls, config: EngineConfig, world_size: int = 1) -> None:
+        """What engine-fsdp refuses: model parallelism (tensor, pipeline, context, expert
+        sizes > 1: use engine=megatron), an MoE dispatcher other than the default, optimizers
+        other than AdamW, an `fsdp_size` that does not divide the world, and a model whose
+        output layer the fused log-prob scorer would get wrong (a bias on `lm_head`, logit
+        soft-capping), read from the folder's config.json when there is one."""
         if config.optimizer.name != "adamw":
             raise ConfigError(f"optimizer.name={config.optimizer.name!r}: engine=fsdp has adamw only")
-        return cls(config)
+        par = config.parallel
+        for name in ("tensor", "pipeline", "virtual_pipeline", "context", "expert", "expert_tensor"):
+            if getattr(par, name) != 1:
+                raise ConfigError(
+                    f"parallel.{name}={getattr(par, name)}: engine=fsdp is data-parallel only; "
+                    f"set it to 1 or use engine=megatron")
+        if par.moe_token_dispatcher != "alltoall":
+            raise ConfigError(f"parallel.moe_token_dispatcher={par.moe_token_dispatcher!r}: "
+                              "engine=fsdp runs experts locally (no expert parallelism); leave "
+                              "the default")
+        if par.fsdp_size not in (-1, world_size) and (par.fsdp_size < 1 or world_size % par.fsdp_size):
+            raise ConfigError(f"parallel.fsdp_size={par.fsdp_size} must be -1 or divide the "
+                              f"world size {world_size}")
+        path = config.model.path
+        hf = dict(config.model.hf_config or {})
+        if path and (Path(path) / "config.json").is_file():
+            import json
+
+            hf = json.loads((Path(path) / "config.json").read_text())
+        check_output_layer(hf.get("final_logit_softcapping"), bias=False,
+                           where=f"model.path={path!r}" if path else "model.hf_config")
 
     # ----- topology --------------------------------------------------------------------
     @property

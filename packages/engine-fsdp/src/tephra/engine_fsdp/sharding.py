@@ -51,13 +51,7 @@ def cpu_group():
 def build_mesh(config: EngineConfig, device: torch.device) -> DeviceMesh:
     """1-D mesh `("shard",)` over all ranks, or 2-D `("replicate", "shard")` (HSDP) when
     `parallel.fsdp_size` divides the world into several shard groups."""
-    par = config.parallel
-    for name in ("tensor", "pipeline", "virtual_pipeline", "context", "expert", "expert_tensor"):
-        if getattr(par, name) != 1:
-            raise ConfigError(
-                f"parallel.{name}={getattr(par, name)}: engine=fsdp is data-parallel only; set "
-                f"it to 1 or use engine=megatron"
-            )
+    par = config.parallel  # the sizes were checked by FSDPEngine.check_config
     world = dist.get_world_size()
     shard = world if par.fsdp_size in (-1, world) else par.fsdp_size
     if shard < 1 or world % shard:
