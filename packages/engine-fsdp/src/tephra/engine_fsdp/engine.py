@@ -23,7 +23,7 @@ from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.loss import LossFn
-from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, weights
+from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, ulysses, weights
 from tephra.engine_fsdp.model_builder import build_model, decoder_layers
 from tephra.engine_fsdp.schedulers import build_scheduler
 from tephra.engine_fsdp.scorer import TokenScorer
@@ -45,9 +45,17 @@ class FSDPEngine(Engine):
         self.mesh = sharding.build_mesh(config, self.device)
         # counts and metrics are small CPU tensors: they need a group with a CPU backend
         self.cpu_group = sharding.cpu_group()
+        # Ulysses: `sp` consecutive ranks share rows and split each packed sequence
+        self.sp = config.parallel.context
+        self.sp_group = self.dp_group = self.cpu_group
+        if self.sp > 1:
+            self.sp_group, self.dp_group = ulysses.groups(self.sp, self.device)
         where = f"model.path={config.model.path!r}" if config.model.path else "model.hf_config"
         hf_model = build_model(config.model)
         layers = decoder_layers(hf_model, where)
+        if self.sp > 1:
+            sharding.check_ulysses(config, hf_model, where)
+            hf_model.config._attn_implementation = ulysses.ATTENTION_NAME
         trained = hf_model
         if config.lora.enabled:
             trained = lora.apply_lora(hf_model, config.lora, config.model.role,
@@ -79,11 +87,13 @@ class FSDPEngine(Engine):
     # ----- topology --------------------------------------------------------------------
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank()
+        """Rank // parallel.context: the ranks of one Ulysses group get the same rows."""
+        return dist.get_rank() // self.sp
 
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size()
+        """World size / parallel.context."""
+        return dist.get_world_size() // self.sp
 
     # ----- lifecycle -------------------------------------------------------------------
     def _move_optimizer_state(self, device: torch.device) -> None:
@@ -156,6 +166,8 @@ class FSDPEngine(Engine):
         the response), plus the zero `anchor` for the loss."""
         attn = mb[B.ATTENTION_MASK]
         resp = mb[B.RESPONSE_MASK]
+        if self.sp > 1:
+            return self._sequence_parallel_outputs(mb)
         if self.config.micro_batch.use_packing:
             packed = B.pack(mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK))
             ids = packed[B.INPUT_IDS][None]
@@ -181,6 +193,43 @@ class FSDPEngine(Engine):
             if size is not None:  # packed [1, N] -> padded [b, t]
                 per_token = B.unpack(per_token, attn.to(values.device))
             result[key] = per_token
+        return result, out["anchor"]
+
+    def _sequence_parallel_outputs(self, mb: TensorDict
+                                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """`_outputs` under Ulysses: the packed stream `[N]` is padded to `T = sp * t`
+        (the padding is a segment of its own, never labelled), this rank scores tokens
+        `[r t, (r + 1) t)` and the per-token floats `[t]` are all-gathered into `[T]`.
+        Micro-batches are packed here whatever `micro_batch.use_packing` says (it still
+        decides how the token budget is counted)."""
+        attn = mb[B.ATTENTION_MASK]
+        packed = B.pack(mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK))
+        ids, pos = packed[B.INPUT_IDS], packed[B.POSITION_IDS]
+        label_mask = B.label_positions(packed[B.RESPONSE_MASK])
+        n = ids.shape[0]
+        total = ulysses.padded_length(n, self.sp)
+        pad = total - n
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])
+        label_mask = torch.cat([label_mask, label_mask.new_zeros(pad)])
+        next_tokens = torch.cat([ids[1:], ids.new_zeros(1)])
+        t = total // self.sp
+        r = dist.get_rank(self.sp_group)
+        local = slice(r * t, (r + 1) * t)
+        with ulysses.sequence_context(self.sp_group, self.sp, pos):
+            out = self.scorer(ids[local][None].to(self.device), pos[local][None].to(self.device),
+                              None, label_mask[local][None].to(self.device),
+                              next_tokens[local][None].to(self.device))
+        sel = label_mask[local].bool()
+        result = {}
+        for key, values in out.items():
+            if key == "anchor":
+                continue
+            per_hidden = values.new_zeros(t)
+            per_hidden[sel.to(values.device)] = values
+            full = ulysses.GatherShards.apply(per_hidden, self.sp_group, self.sp, r)[:n]
+            per_token = B.align_to_tokens(full)  # [n]
+            result[key] = B.unpack(per_token, attn.to(values.device))
         return result, out["anchor"]
 
     def forward(self, batch: TensorDict) -> TensorDict:
@@ -210,7 +259,7 @@ class FSDPEngine(Engine):
                                  self.config.micro_batch.use_packing, "max_tokens_per_microbatch",
                                  self.cpu_group)
         real = [mb.data for mb in plan if not mb.filler]
-        B.set_global_normalisers(real, process_group=self.cpu_group)
+        B.set_global_normalisers(real, process_group=self.dp_group)
         total_loss = 0.0
         metric_sums: dict[str, float] = {}
         for mb in plan:
@@ -223,9 +272,11 @@ class FSDPEngine(Engine):
                 total_loss += float(loss.detach())
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
-                # FSDP averages gradients over the data-parallel ranks; the contract asks
-                # for the gradient of the sum over ranks, hence the factor dp_size.
-                loss = loss * self.dp_size + anchor
+                # FSDP averages gradients over all ranks; the contract asks for the
+                # gradient of the sum over data-parallel ranks. The sp ranks of a Ulysses
+                # group each back-propagate their own tokens' share, which together make
+                # one group's gradient: hence the factor world size = dp_size * sp.
+                loss = loss * self.dp_size * self.sp + anchor
             loss.backward()
         return self._reduce_metrics(total_loss, metric_sums, len(real))
 
@@ -233,7 +284,7 @@ class FSDPEngine(Engine):
         keys = sorted(sums)
         t = torch.tensor([loss, float(count), *[sums[k] for k in keys]], dtype=torch.float64)
         if self.dp_size > 1:
-            dist.all_reduce(t, group=self.cpu_group)
+            dist.all_reduce(t, group=self.dp_group)
         out = {"loss": float(t[0])}
         for i, key in enumerate(keys):
             out[key] = float(t[2 + i]) / max(float(t[1]), 1.0)
