@@ -5,8 +5,7 @@ import torch
 
 from tephra.engine_api import ConfigError
 from tephra.engine_api.testing import CHECKS, random_batch, run_distributed
-from tephra.engine_fsdp import FSDPEngine
-from tephra.engine_fsdp import ulysses
+from tephra.engine_fsdp import FSDPEngine, ulysses
 from tephra.engine_fsdp.testing import (
     TINY_VOCAB,
     ULYSSES,
@@ -17,11 +16,21 @@ from tephra.engine_fsdp.testing import (
 )
 
 
-def test_context_parallel_refusals():
+def test_unsupported_options_are_refused_at_build():
     with pytest.raises(ConfigError, match="divide the world size"):
         FSDPEngine.build(tiny_engine_config(**ULYSSES))  # 1 rank cannot hold 2 shards
     with pytest.raises(ConfigError, match="parallel.tensor=2"):
         FSDPEngine.build(tiny_engine_config(**{"parallel.tensor": 2}))
+    with pytest.raises(ConfigError, match="moe_token_dispatcher"):
+        FSDPEngine.check_config(tiny_engine_config(**{"parallel.moe_token_dispatcher": "allgather"}))
+    gemma2 = tiny_engine_config(**{"model.attn_implementation": "eager"})
+    gemma2.model.hf_config = dict(
+        model_type="gemma2", vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        final_logit_softcapping=30.0,
+    )
+    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0"):
+        FSDPEngine.build(gemma2)
 
 
 def test_padded_length_and_segments():

@@ -26,7 +26,7 @@ from tephra.engine_api.loss import LossFn
 from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, ulysses, weights
 from tephra.engine_fsdp.model_builder import build_model, decoder_layers
 from tephra.engine_fsdp.schedulers import build_scheduler
-from tephra.engine_fsdp.scorer import TokenScorer
+from tephra.engine_fsdp.scorer import TokenScorer, check_output_head
 
 
 class FSDPEngine(Engine):
@@ -53,6 +53,7 @@ class FSDPEngine(Engine):
         where = f"model.path={config.model.path!r}" if config.model.path else "model.hf_config"
         hf_model = build_model(config.model)
         layers = decoder_layers(hf_model, where)
+        check_output_head(hf_model, config.model.role, where)
         if self.sp > 1:
             sharding.check_ulysses(config, hf_model, where)
             hf_model.config._attn_implementation = ulysses.ATTENTION_NAME
@@ -79,9 +80,16 @@ class FSDPEngine(Engine):
 
     # ----- construction ----------------------------------------------------------------
     @classmethod
-    def build(cls, config: EngineConfig) -> FSDPEngine:
+    def check_config(cls, config: EngineConfig, world_size: int = 1) -> None:
+        """Refuse every option engine=fsdp does not implement (see the README, Options)."""
         if config.optimizer.name != "adamw":
             raise ConfigError(f"optimizer.name={config.optimizer.name!r}: engine=fsdp has adamw only")
+        sharding.check_parallel(config, world_size)
+
+    @classmethod
+    def build(cls, config: EngineConfig) -> FSDPEngine:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        cls.check_config(config, world)
         return cls(config)
 
     # ----- topology --------------------------------------------------------------------

@@ -14,7 +14,28 @@ from torch import nn
 from transformers import PreTrainedModel
 
 import tephra.kernels as kernels
+from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp.model_builder import VALUE_HEAD, backbone
+
+
+def check_output_head(hf_model: PreTrainedModel, role: str, where: str) -> None:
+    """Refuse policy heads the scorer would get wrong: it computes logits as `W h` (no
+    bias, no soft-capping) inside `tephra.kernels`, never through the model's own head."""
+    if role != "policy":
+        return
+    head = hf_model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ConfigError(
+            f"{where}: the output head has a bias, which engine=fsdp's log-prob kernel "
+            "(logits = W h) does not add; use a model without an lm_head bias"
+        )
+    cap = getattr(hf_model.config.get_text_config(), "final_logit_softcapping", None)
+    if cap:
+        raise ConfigError(
+            f"{where}: final_logit_softcapping={cap} (e.g. Gemma 2) is not applied by "
+            "engine=fsdp's log-prob kernel; set final_logit_softcapping=None in the model "
+            "config or use a model without logit soft-capping"
+        )
 
 
 class TokenScorer(nn.Module):

@@ -48,9 +48,8 @@ def cpu_group():
     return dist.new_group(backend="gloo")
 
 
-def build_mesh(config: EngineConfig, device: torch.device) -> DeviceMesh:
-    """1-D mesh `("shard",)` over all ranks, or 2-D `("replicate", "shard")` (HSDP) when
-    `parallel.fsdp_size` divides the world into several shard groups."""
+def check_parallel(config: EngineConfig, world: int) -> None:
+    """Refuse the parallel options engine=fsdp does not implement at `world` ranks."""
     par = config.parallel
     for name in ("tensor", "pipeline", "virtual_pipeline", "expert", "expert_tensor"):
         if getattr(par, name) != 1:
@@ -58,12 +57,24 @@ def build_mesh(config: EngineConfig, device: torch.device) -> DeviceMesh:
                 f"parallel.{name}={getattr(par, name)}: engine=fsdp has data and sequence "
                 f"(parallel.context) parallelism only; set it to 1 or use engine=megatron"
             )
-    world = dist.get_world_size()
+    if par.moe_token_dispatcher != "alltoall":
+        raise ConfigError(
+            f"parallel.moe_token_dispatcher={par.moe_token_dispatcher!r}: engine=fsdp has no "
+            "expert parallelism; leave it at 'alltoall' or use engine=megatron"
+        )
     if world % par.context:
         raise ConfigError(
             f"parallel.context={par.context} must divide the world size {world} (engine=fsdp "
             "splits each sequence across that many ranks)"
         )
+
+
+def build_mesh(config: EngineConfig, device: torch.device) -> DeviceMesh:
+    """1-D mesh `("shard",)` over all ranks, or 2-D `("replicate", "shard")` (HSDP) when
+    `parallel.fsdp_size` divides the world into several shard groups."""
+    par = config.parallel
+    world = dist.get_world_size()
+    check_parallel(config, world)
     shard = world if par.fsdp_size in (-1, world) else par.fsdp_size
     if shard < 1 or world % shard:
         raise ConfigError(
