@@ -122,7 +122,7 @@ def distributed_ulysses(workdir: str) -> dict[str, Any]:
     """Rank body of the Ulysses test (2 ranks, `parallel.context=2`, so one sequence group):
     the conformance kit, then `ulysses_outputs` on a packed batch of unequal lengths for
     the tiny GQA model (4 query, 2 key/value heads) and for 1 key/value head (fewer than
-    the 2 ranks: replicated)."""
+    the 2 ranks: replicated), and for the first with gradient checkpointing."""
     from tephra.engine_api.testing import random_batch, run_conformance
     from tephra.engine_fsdp.engine import FSDPEngine
 
@@ -133,4 +133,8 @@ def distributed_ulysses(workdir: str) -> dict[str, Any]:
         cfg = tiny_engine_config(**ULYSSES)
         cfg.model.hf_config = tiny_qwen2_config(num_key_value_heads=kv)
         out[kv] = ulysses_outputs(FSDPEngine.build(cfg), batch)
+    # gradient checkpointing re-runs the all-to-alls in the backward
+    out["checkpointed"] = ulysses_outputs(
+        FSDPEngine.build(tiny_engine_config(**ULYSSES, **{"model.gradient_checkpointing": True})),
+        batch)
     return out

@@ -165,12 +165,11 @@ def segments_of(position_ids: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def sequence_context(group, sp: int, position_ids: torch.Tensor):
     """Publish the group and the global packed position ids `[T]` to the attention function
-    for the forward passes (and their backward, which needs no mask) inside."""
+    for the forward pass inside. They stay published after it: gradient checkpointing
+    re-runs the attention during the backward, which comes before the next micro-batch's
+    forward publishes its own."""
     _STATE.group, _STATE.sp, _STATE.segments = group, sp, segments_of(position_ids)
-    try:
-        yield
-    finally:
-        _STATE.segments = None
+    yield
 
 
 class GatherShards(torch.autograd.Function):
