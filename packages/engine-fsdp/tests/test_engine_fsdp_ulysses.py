@@ -36,7 +36,7 @@ def test_unsupported_options_are_refused_at_build():
 def test_padded_length_and_segments():
     assert [ulysses.padded_length(n, 2) for n in (1, 2, 5)] == [2, 2, 6]
     pos = torch.tensor([0, 1, 2, 0, 1, 0])
-    assert ulysses.segments_of(pos).tolist() == [1, 1, 1, 2, 2, 3]
+    assert ulysses.segment_bounds(pos) == ((0, 3), (3, 5), (5, 6))
 
 
 @pytest.mark.multiproc

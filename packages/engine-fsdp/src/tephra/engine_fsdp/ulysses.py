@@ -7,7 +7,7 @@ embeddings, MLPs, norms and RoPE on tokens `[r t, (r + 1) t)` only. Attention ne
 token, so around it the heads are exchanged with an all-to-all:
 
     q, k, v  [1, heads, t, d]  --all-to-all-->  [1, heads / sp, T, d]
-    attention over all T tokens, block-diagonal causal on the global packed segments
+    attention over all T tokens, causal within each global packed segment
     out      [1, heads / sp, T, d]  --all-to-all-->  [1, heads, t, d]
 
 so activations outside attention are `1 / sp` of the unsharded ones. With fewer key/value
@@ -17,10 +17,10 @@ the query heads first (grouped-query attention computed as multi-head), as verl 
 The all-to-all is `torch.distributed.all_to_all_single`, which gloo (CPU) and NCCL (GPU)
 both implement; its backward is the inverse all-to-all.
 
-The attention mask is built here, not by transformers: the registered attention function
+The segments are found here, not by transformers: the registered attention function
 (`ATTENTION_NAME`) has no mask function, so transformers passes `attention_mask=None`, and
 the segments come from the global position ids that `sequence_context` publishes (a
-segment starts where the position id is 0).
+segment starts where the position id is 0); attention runs as one causal SDPA per segment.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ ATTENTION_NAME = "tephra_ulysses"
 class _State:
     group: object = None
     sp: int = 1
-    segments: torch.Tensor | None = None  # [T] segment id of every global token
+    bounds: tuple[tuple[int, int], ...] = ()  # [start, end) of every global packed segment
 
 
 _STATE = _State()
@@ -115,14 +115,14 @@ def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, 
     if groups > 1:  # each rank holds kv_heads / sp heads serving heads / sp query heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    seg = _STATE.segments.to(q.device)
-    n = seg.shape[0]
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    mask = causal & (seg[:, None] == seg[None, :])
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[None, None], dropout_p=dropout if module.training else 0.0,
-        scale=scaling,
-    )
+    # varlen attention as one causal SDPA per packed segment: no [T, T] mask is built, so
+    # the fused (flash / memory-efficient) SDPA kernels apply
+    drop = dropout if module.training else 0.0
+    out = torch.cat([
+        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                       dropout_p=drop, scale=scaling)
+        for a, b in _STATE.bounds
+    ], dim=2)
     out = _HeadToSeq.apply(out, group, sp)  # [b, heads, t, d]
     return out.transpose(1, 2).contiguous(), None
 
@@ -157,9 +157,14 @@ def padded_length(n: int, sp: int) -> int:
     return max(sp, -(-n // sp) * sp)
 
 
-def segments_of(position_ids: torch.Tensor) -> torch.Tensor:
-    """Segment id per packed token `[T]`: a new segment starts wherever position id is 0."""
-    return torch.cumsum((position_ids == 0).long(), dim=0)
+def segment_bounds(position_ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """`[start, end)` of every packed segment of `position_ids [T]`; a segment starts where
+    the position id is 0."""
+    starts = (position_ids == 0).nonzero().flatten().tolist()
+    if not starts or starts[0] != 0:
+        starts = [0, *starts]
+    ends = [*starts[1:], position_ids.shape[0]]
+    return tuple(zip(starts, ends, strict=True))
 
 
 @contextmanager
@@ -168,7 +173,7 @@ def sequence_context(group, sp: int, position_ids: torch.Tensor):
     for the forward pass inside. They stay published after it: gradient checkpointing
     re-runs the attention during the backward, which comes before the next micro-batch's
     forward publishes its own."""
-    _STATE.group, _STATE.sp, _STATE.segments = group, sp, segments_of(position_ids)
+    _STATE.group, _STATE.sp, _STATE.bounds = group, sp, segment_bounds(position_ids)
     yield
 
 
