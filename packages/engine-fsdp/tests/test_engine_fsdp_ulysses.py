@@ -53,6 +53,9 @@ def test_ulysses_sp2_conformance_and_parity_with_1_rank(tmp_path):
         for rank in ranks:
             for got in [rank[kv]] + ([rank["checkpointed"]] if kv == 2 else []):
                 compare(got, want, kv)
+    want = ulysses_outputs(FSDPEngine.build(tiny_engine_config(**{"lora.rank": 4})), batch)
+    for rank in ranks:
+        compare(rank["lora"], want, "lora")
 
 
 def compare(got, want, label):

@@ -122,7 +122,7 @@ def distributed_ulysses(workdir: str) -> dict[str, Any]:
     """Rank body of the Ulysses test (2 ranks, `parallel.context=2`, so one sequence group):
     the conformance kit, then `ulysses_outputs` on a packed batch of unequal lengths for
     the tiny GQA model (4 query, 2 key/value heads) and for 1 key/value head (fewer than
-    the 2 ranks: replicated), and for the first with gradient checkpointing."""
+    the 2 ranks: replicated), and for the first with gradient checkpointing and with LoRA (rank 4)."""
     from tephra.engine_api.testing import random_batch, run_conformance
     from tephra.engine_fsdp.engine import FSDPEngine
 
@@ -137,4 +137,6 @@ def distributed_ulysses(workdir: str) -> dict[str, Any]:
     out["checkpointed"] = ulysses_outputs(
         FSDPEngine.build(tiny_engine_config(**ULYSSES, **{"model.gradient_checkpointing": True})),
         batch)
+    out["lora"] = ulysses_outputs(
+        FSDPEngine.build(tiny_engine_config(**ULYSSES, **{"lora.rank": 4})), batch)
     return out
