@@ -48,7 +48,7 @@ CASES = [
     (["actor.engine=megatron", "actor.precision.reduce_dtype=bfloat16"],
      r"actor.engine='megatron': precision.reduce_dtype='bfloat16': engine-megatron reduces"),
     (["actor.parallel.tensor=2", "resources.world_size=2", "batch.prompts_per_step=2"],
-     r"actor.engine='fsdp': parallel.tensor=2: engine=fsdp is data-parallel only"),
+     r"actor.engine='fsdp': parallel.tensor=2: engine=fsdp has data and sequence"),
     (["actor.engine=megatron", "model.attn_implementation=eager"],
      r"actor.engine='megatron': model.attn_implementation='eager': engine-megatron runs"),
 ]

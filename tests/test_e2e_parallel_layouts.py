@@ -1,7 +1,8 @@
 """Every parallel layout trains through the app: the first step's loss and grad norm of each
 layout equal a reference run's on the same rollouts (1e-5 / 1e-4).
 
-- Layouts with one data-parallel rank (megatron TP=2, PP=2, CP=2 on 2 ranks) generate exactly
+- Layouts with one data-parallel rank (megatron TP=2, PP=2, CP=2, fsdp Ulysses SP=2 on 2 ranks)
+  generate exactly
   the single-rank run's samples (each replica rank generates the whole batch with the same
   seeds; one rank returns it), so they are compared with the fsdp single-rank run.
 - Layouts with two data-parallel ranks (fsdp on 2 ranks, megatron EP=2 on an MoE model)
@@ -74,6 +75,10 @@ def test_model_parallel_layouts_equal_the_single_rank_run(ray_session, models, t
         row = first_step(tmp_path, name, models["dense"], "actor.engine=megatron",
                          "resources.world_size=2", *overrides)
         assert_same_step(ref, row, name)
+    # fsdp with Ulysses sequence parallelism over the 2 ranks: one data-parallel replica
+    sp2 = first_step(tmp_path, "fsdp_sp2", models["dense"], "resources.world_size=2",
+                     "actor.parallel.context=2")
+    assert_same_step(ref, sp2, "fsdp_sp2")
 
 
 @pytest.mark.multiproc

@@ -23,25 +23,10 @@ from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.loss import LossFn
-from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, weights
+from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, ulysses, weights
 from tephra.engine_fsdp.model_builder import build_model, decoder_layers
 from tephra.engine_fsdp.schedulers import build_scheduler
-from tephra.engine_fsdp.scorer import TokenScorer
-
-
-def check_output_layer(softcapping: float | None, bias: bool, where: str) -> None:
-    """The fused scorer computes log_softmax(h W^T / temperature): refuse a model whose
-    logits are not that (a bias on the output layer, Gemma-2's tanh soft-capping), instead of
-    returning wrong log-probs."""
-    if softcapping:
-        raise ConfigError(
-            f"{where}: final_logit_softcapping={softcapping} (Gemma-2 style) is not supported by "
-            "engine=fsdp's fused log-prob scorer, which would return log-probs of the uncapped "
-            "logits; use a model without soft-capping")
-    if bias:
-        raise ConfigError(
-            f"{where}: the output layer (lm_head) has a bias, which engine=fsdp's fused "
-            "log-prob scorer does not add; use a model whose lm_head has no bias")
+from tephra.engine_fsdp.scorer import TokenScorer, check_output_head
 
 
 class FSDPEngine(Engine):
@@ -60,13 +45,18 @@ class FSDPEngine(Engine):
         self.mesh = sharding.build_mesh(config, self.device)
         # counts and metrics are small CPU tensors: they need a group with a CPU backend
         self.cpu_group = sharding.cpu_group()
+        # Ulysses: `sp` consecutive ranks share rows and split each packed sequence
+        self.sp = config.parallel.context
+        self.sp_group = self.dp_group = self.cpu_group
+        if self.sp > 1:
+            self.sp_group, self.dp_group = ulysses.groups(self.sp, self.device)
         where = f"model.path={config.model.path!r}" if config.model.path else "model.hf_config"
         hf_model = build_model(config.model)
-        if config.model.role == "policy":
-            head = hf_model.get_output_embeddings()
-            check_output_layer(getattr(hf_model.config, "final_logit_softcapping", None),
-                               bias=getattr(head, "bias", None) is not None, where=where)
         layers = decoder_layers(hf_model, where)
+        check_output_head(hf_model, config.model.role, where)
+        if self.sp > 1:
+            sharding.check_ulysses(config, hf_model, where)
+            hf_model.config._attn_implementation = ulysses.ATTENTION_NAME
         trained = hf_model
         if config.lora.enabled:
             trained = lora.apply_lora(hf_model, config.lora, config.model.role,
@@ -90,49 +80,34 @@ class FSDPEngine(Engine):
 
     # ----- construction ----------------------------------------------------------------
     @classmethod
-    def build(cls, config: EngineConfig) -> FSDPEngine:
-        cls.check_config(config, dist.get_world_size() if dist.is_initialized() else 1)
-        return cls(config)
-
-    @classmethod
     def check_config(cls, config: EngineConfig, world_size: int = 1) -> None:
-        """What engine-fsdp refuses: model parallelism (tensor, pipeline, context, expert
-        sizes > 1: use engine=megatron), an MoE dispatcher other than the default, optimizers
-        other than AdamW, an `fsdp_size` that does not divide the world, and a model whose
-        output layer the fused log-prob scorer would get wrong (a bias on `lm_head`, logit
-        soft-capping), read from the folder's config.json when there is one."""
+        """Refuse every option engine=fsdp does not implement (see the README, Options)."""
         if config.optimizer.name != "adamw":
             raise ConfigError(f"optimizer.name={config.optimizer.name!r}: engine=fsdp has adamw only")
-        par = config.parallel
-        for name in ("tensor", "pipeline", "virtual_pipeline", "context", "expert", "expert_tensor"):
-            if getattr(par, name) != 1:
-                raise ConfigError(
-                    f"parallel.{name}={getattr(par, name)}: engine=fsdp is data-parallel only; "
-                    f"set it to 1 or use engine=megatron")
-        if par.moe_token_dispatcher != "alltoall":
-            raise ConfigError(f"parallel.moe_token_dispatcher={par.moe_token_dispatcher!r}: "
-                              "engine=fsdp runs experts locally (no expert parallelism); leave "
-                              "the default")
-        if par.fsdp_size not in (-1, world_size) and (par.fsdp_size < 1 or world_size % par.fsdp_size):
-            raise ConfigError(f"parallel.fsdp_size={par.fsdp_size} must be -1 or divide the "
-                              f"world size {world_size}")
-        path = config.model.path
-        hf = dict(config.model.hf_config or {})
-        if path and (Path(path) / "config.json").is_file():
-            import json
+        sharding.check_parallel(config, world_size)
 
-            hf = json.loads((Path(path) / "config.json").read_text())
-        check_output_layer(hf.get("final_logit_softcapping"), bias=False,
-                           where=f"model.path={path!r}" if path else "model.hf_config")
+    @classmethod
+    def build(cls, config: EngineConfig) -> FSDPEngine:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        cls.check_config(config, world)
+        return cls(config)
 
     # ----- topology --------------------------------------------------------------------
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank()
+        """Rank // parallel.context: the ranks of one Ulysses group get the same rows."""
+        return dist.get_rank() // self.sp
 
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size()
+        """World size / parallel.context."""
+        return dist.get_world_size() // self.sp
+
+    @property
+    def is_dp_output_rank(self) -> bool:
+        """Every rank of a Ulysses group returns the same gathered outputs; its first hands
+        them back to the controller."""
+        return dist.get_rank() % self.sp == 0
 
     # ----- lifecycle -------------------------------------------------------------------
     def _move_optimizer_state(self, device: torch.device) -> None:
@@ -205,6 +180,8 @@ class FSDPEngine(Engine):
         the response), plus the zero `anchor` for the loss."""
         attn = mb[B.ATTENTION_MASK]
         resp = mb[B.RESPONSE_MASK]
+        if self.sp > 1:
+            return self._sequence_parallel_outputs(mb)
         if self.config.micro_batch.use_packing:
             packed = B.pack(mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK))
             ids = packed[B.INPUT_IDS][None]
@@ -230,6 +207,43 @@ class FSDPEngine(Engine):
             if size is not None:  # packed [1, N] -> padded [b, t]
                 per_token = B.unpack(per_token, attn.to(values.device))
             result[key] = per_token
+        return result, out["anchor"]
+
+    def _sequence_parallel_outputs(self, mb: TensorDict
+                                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """`_outputs` under Ulysses: the packed stream `[N]` is padded to `T = sp * t`
+        (the padding is a segment of its own, never labelled), this rank scores tokens
+        `[r t, (r + 1) t)` and the per-token floats `[t]` are all-gathered into `[T]`.
+        Micro-batches are packed here whatever `micro_batch.use_packing` says (it still
+        decides how the token budget is counted)."""
+        attn = mb[B.ATTENTION_MASK]
+        packed = B.pack(mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK))
+        ids, pos = packed[B.INPUT_IDS], packed[B.POSITION_IDS]
+        label_mask = B.label_positions(packed[B.RESPONSE_MASK])
+        n = ids.shape[0]
+        total = ulysses.padded_length(n, self.sp)
+        pad = total - n
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])
+        label_mask = torch.cat([label_mask, label_mask.new_zeros(pad)])
+        next_tokens = torch.cat([ids[1:], ids.new_zeros(1)])
+        t = total // self.sp
+        r = dist.get_rank(self.sp_group)
+        local = slice(r * t, (r + 1) * t)
+        with ulysses.sequence_context(self.sp_group, self.sp, pos):
+            out = self.scorer(ids[local][None].to(self.device), pos[local][None].to(self.device),
+                              None, label_mask[local][None].to(self.device),
+                              next_tokens[local][None].to(self.device))
+        sel = label_mask[local].bool()
+        result = {}
+        for key, values in out.items():
+            if key == "anchor":
+                continue
+            per_hidden = values.new_zeros(t)
+            per_hidden[sel.to(values.device)] = values
+            full = ulysses.GatherShards.apply(per_hidden, self.sp_group, self.sp, r)[:n]
+            per_token = B.align_to_tokens(full)  # [n]
+            result[key] = B.unpack(per_token, attn.to(values.device))
         return result, out["anchor"]
 
     def forward(self, batch: TensorDict) -> TensorDict:
@@ -259,7 +273,7 @@ class FSDPEngine(Engine):
                                  self.config.micro_batch.use_packing, "max_tokens_per_microbatch",
                                  self.cpu_group)
         real = [mb.data for mb in plan if not mb.filler]
-        B.set_global_normalisers(real, process_group=self.cpu_group)
+        B.set_global_normalisers(real, process_group=self.dp_group)
         total_loss = 0.0
         metric_sums: dict[str, float] = {}
         for mb in plan:
@@ -272,9 +286,11 @@ class FSDPEngine(Engine):
                 total_loss += float(loss.detach())
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
-                # FSDP averages gradients over the data-parallel ranks; the contract asks
-                # for the gradient of the sum over ranks, hence the factor dp_size.
-                loss = loss * self.dp_size + anchor
+                # FSDP averages gradients over all ranks; the contract asks for the
+                # gradient of the sum over data-parallel ranks. The sp ranks of a Ulysses
+                # group each back-propagate their own tokens' share, which together make
+                # one group's gradient: hence the factor world size = dp_size * sp.
+                loss = loss * self.dp_size * self.sp + anchor
             loss.backward()
         return self._reduce_metrics(total_loss, metric_sums, len(real))
 
@@ -282,7 +298,7 @@ class FSDPEngine(Engine):
         keys = sorted(sums)
         t = torch.tensor([loss, float(count), *[sums[k] for k in keys]], dtype=torch.float64)
         if self.dp_size > 1:
-            dist.all_reduce(t, group=self.cpu_group)
+            dist.all_reduce(t, group=self.dp_group)
         out = {"loss": float(t[0])}
         for i, key in enumerate(keys):
             out[key] = float(t[2 + i]) / max(float(t[1]), 1.0)

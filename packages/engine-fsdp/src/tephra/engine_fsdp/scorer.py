@@ -14,14 +14,36 @@ from torch import nn
 from transformers import PreTrainedModel
 
 import tephra.kernels as kernels
+from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp.model_builder import VALUE_HEAD, backbone
+
+
+def check_output_head(hf_model: PreTrainedModel, role: str, where: str) -> None:
+    """Refuse policy heads the scorer would get wrong: it computes logits as `W h` (no
+    bias, no soft-capping) inside `tephra.kernels`, never through the model's own head."""
+    if role != "policy":
+        return
+    head = hf_model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ConfigError(
+            f"{where}: the output head has a bias, which engine=fsdp's log-prob kernel "
+            "(logits = W h) does not add; use a model without an lm_head bias"
+        )
+    cap = getattr(hf_model.config.get_text_config(), "final_logit_softcapping", None)
+    if cap:
+        raise ConfigError(
+            f"{where}: final_logit_softcapping={cap} (e.g. Gemma 2) is not applied by "
+            "engine=fsdp's log-prob kernel; set final_logit_softcapping=None in the model "
+            "config or use a model without logit soft-capping"
+        )
 
 
 class TokenScorer(nn.Module):
     """Wraps the trained model (`self.model`: the HF model, or the peft model around it).
 
     forward(input_ids [b, t], position_ids [b, t], attention_mask [b, t] or None,
-            label_mask [b, t]) -> dict of `[n]` float32 tensors for the n positions where
+            label_mask [b, t], next_tokens [b, t] or None (default: input_ids shifted
+            left by one)) -> dict of `[n]` float32 tensors for the n positions where
     `label_mask` is 1 (hidden state t, predicting token t + 1), in row-major order:
       policy: `log_probs` = log softmax(W h_t / temperature)[token_{t+1}], `entropy`
               = -sum_v p_v log p_v of that distribution (when `compute_entropy`);
@@ -50,7 +72,7 @@ class TokenScorer(nn.Module):
             return self._hf.get_output_embeddings()
         return getattr(self._hf, VALUE_HEAD)
 
-    def forward(self, input_ids, position_ids, attention_mask, label_mask):
+    def forward(self, input_ids, position_ids, attention_mask, label_mask, next_tokens=None):
         out = backbone(self._hf)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             use_cache=False,
@@ -69,8 +91,9 @@ class TokenScorer(nn.Module):
             if self.compute_entropy:
                 result["entropy"] = empty
             return result
-        next_tokens = torch.zeros_like(input_ids)
-        next_tokens[..., :-1] = input_ids[..., 1:]
+        if next_tokens is None:  # else given: under Ulysses a shard's last token has its
+            next_tokens = torch.zeros_like(input_ids)  # successor on the next rank
+            next_tokens[..., :-1] = input_ids[..., 1:]
         log_probs, entropy = kernels.linear_logprob_entropy(
             h, head.weight, next_tokens[select], self.temperature,
             compute_entropy=self.compute_entropy,

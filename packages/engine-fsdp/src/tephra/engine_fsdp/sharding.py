@@ -48,11 +48,33 @@ def cpu_group():
     return dist.new_group(backend="gloo")
 
 
+def check_parallel(config: EngineConfig, world: int) -> None:
+    """Refuse the parallel options engine=fsdp does not implement at `world` ranks."""
+    par = config.parallel
+    for name in ("tensor", "pipeline", "virtual_pipeline", "expert", "expert_tensor"):
+        if getattr(par, name) != 1:
+            raise ConfigError(
+                f"parallel.{name}={getattr(par, name)}: engine=fsdp has data and sequence "
+                f"(parallel.context) parallelism only; set it to 1 or use engine=megatron"
+            )
+    if par.moe_token_dispatcher != "alltoall":
+        raise ConfigError(
+            f"parallel.moe_token_dispatcher={par.moe_token_dispatcher!r}: engine=fsdp has no "
+            "expert parallelism; leave it at 'alltoall' or use engine=megatron"
+        )
+    if world % par.context:
+        raise ConfigError(
+            f"parallel.context={par.context} must divide the world size {world} (engine=fsdp "
+            "splits each sequence across that many ranks)"
+        )
+
+
 def build_mesh(config: EngineConfig, device: torch.device) -> DeviceMesh:
     """1-D mesh `("shard",)` over all ranks, or 2-D `("replicate", "shard")` (HSDP) when
     `parallel.fsdp_size` divides the world into several shard groups."""
-    par = config.parallel  # the sizes were checked by FSDPEngine.check_config
+    par = config.parallel
     world = dist.get_world_size()
+    check_parallel(config, world)
     shard = world if par.fsdp_size in (-1, world) else par.fsdp_size
     if shard < 1 or world % shard:
         raise ConfigError(
@@ -62,6 +84,25 @@ def build_mesh(config: EngineConfig, device: torch.device) -> DeviceMesh:
         return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     return init_device_mesh(device.type, (world // shard, shard),
                             mesh_dim_names=("replicate", "shard"))
+
+
+def check_ulysses(config: EngineConfig, hf_model: nn.Module, where: str) -> None:
+    """Refuse what Ulysses sequence parallelism (`parallel.context > 1`) does not cover."""
+    sp = config.parallel.context
+    text = hf_model.config.get_text_config()
+    heads = text.num_attention_heads
+    if heads % sp:
+        raise ConfigError(
+            f"{where}: {heads} attention heads are not divisible by parallel.context={sp}; "
+            "choose a context size that divides the head count"
+        )
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
+        layer_types = getattr(text, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types) or not layer_types:
+            raise ConfigError(
+                f"{where}: sliding-window attention is not implemented under parallel.context="
+                f"{sp}; set parallel.context=1 or disable the sliding window"
+            )
 
 
 def shard_model(root: nn.Module, layers: list[nn.Module], mesh: DeviceMesh,

@@ -104,3 +104,39 @@ def distributed_conformance(workdir: str) -> dict[str, Any]:
         engine = FSDPEngine.build(tiny_engine_config(**overrides))
         steps[label] = [train_step(engine, batch), train_step(engine, batch)]
     return {"passed": passed, "steps": steps}
+
+
+ULYSSES = {"parallel.context": 2, "micro_batch.use_packing": True}
+"""Overrides for Ulysses sequence parallelism over 2 ranks."""
+
+
+def ulysses_outputs(engine, batch, steps: int = 2) -> dict[str, Any]:
+    """Log-probs `[B, T]` of `batch` before training, then `steps` training steps
+    (loss, grad norm) on this rank's share: what the SP=2 vs SP=1 parity test compares."""
+    with engine.eval_mode():
+        log_probs = engine.forward(batch)["log_probs"]
+    return {"log_probs": log_probs, "steps": [train_step(engine, batch) for _ in range(steps)]}
+
+
+def distributed_ulysses(workdir: str) -> dict[str, Any]:
+    """Rank body of the Ulysses test (2 ranks, `parallel.context=2`, so one sequence group):
+    the conformance kit, then `ulysses_outputs` on a packed batch of unequal lengths for
+    the tiny GQA model (4 query, 2 key/value heads) and for 1 key/value head (fewer than
+    the 2 ranks: replicated), and for the first with gradient checkpointing and with LoRA (rank 4)."""
+    from tephra.engine_api.testing import random_batch, run_conformance
+    from tephra.engine_fsdp.engine import FSDPEngine
+
+    passed = run_conformance(conformance_spec(Path(workdir), **ULYSSES))
+    batch = random_batch(TINY_VOCAB, num_sequences=6, response_lengths=(1, 12), seed=11)
+    out = {"passed": passed}
+    for kv in (2, 1):
+        cfg = tiny_engine_config(**ULYSSES)
+        cfg.model.hf_config = tiny_qwen2_config(num_key_value_heads=kv)
+        out[kv] = ulysses_outputs(FSDPEngine.build(cfg), batch)
+    # gradient checkpointing re-runs the all-to-alls in the backward
+    out["checkpointed"] = ulysses_outputs(
+        FSDPEngine.build(tiny_engine_config(**ULYSSES, **{"model.gradient_checkpointing": True})),
+        batch)
+    out["lora"] = ulysses_outputs(
+        FSDPEngine.build(tiny_engine_config(**ULYSSES, **{"lora.rank": 4})), batch)
+    return out
