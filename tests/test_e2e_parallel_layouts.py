@@ -46,14 +46,17 @@ def models(tmp_path_factory):
     return {"dense": dense.path, "moe": str(root / "moe")}
 
 
-def first_step(tmp_path, name, model, *overrides):
+def first_step(tmp_path, name, model, *overrides, steps=1):
+    """The first step's metrics of a run of `steps` steps (the later ones must be finite)."""
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
-    run(parse_config(["-p", "smoke", f"model.path={model}", "trainer.steps=1",
+    run(parse_config(["-p", "smoke", f"model.path={model}", f"trainer.steps={steps}",
                       f"reward.custom_function_path={reward}",
                       f"trainer.run_dir={tmp_path / name}", *overrides]))
-    (row,) = read_jsonl(tmp_path / name / "metrics.jsonl")
-    return row
+    rows = read_jsonl(tmp_path / name / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
+    return rows[0]
 
 
 def assert_same_step(ref, other, label):
@@ -73,11 +76,11 @@ def test_model_parallel_layouts_equal_the_single_rank_run(ray_session, models, t
         ("cp2", ["actor.parallel.context=2"]),
     ]:
         row = first_step(tmp_path, name, models["dense"], "actor.engine=megatron",
-                         "resources.world_size=2", *overrides)
+                         "resources.world_size=2", *overrides, steps=2 if name == "cp2" else 1)
         assert_same_step(ref, row, name)
     # fsdp with Ulysses sequence parallelism over the 2 ranks: one data-parallel replica
     sp2 = first_step(tmp_path, "fsdp_sp2", models["dense"], "resources.world_size=2",
-                     "actor.parallel.context=2")
+                     "actor.parallel.context=2", steps=2)
     assert_same_step(ref, sp2, "fsdp_sp2")
 
 
