@@ -10,6 +10,7 @@ whole call raise with that rank's traceback; a rank that hangs is killed after `
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -39,7 +40,9 @@ def _rank_main(fn, rank, world_size, port, args, results, env) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        value = fn(*args)
+        # plain pickle bytes: a queue would pass tensors through torch's shared-memory
+        # handles, which the parent can no longer open once this rank has exited
+        value = pickle.dumps(fn(*args))
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -86,7 +89,7 @@ def run_distributed(
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=30)
