@@ -185,6 +185,12 @@ class RolloutSection:
                                   "tools YAML, or `python` for the bundled sandboxed interpreter")
         if self.max_in_flight < 1:
             raise ConfigError(f"rollout.max_in_flight={self.max_in_flight} must be >= 1")
+        protocol = getattr(ROLLOUT_BACKENDS.get(self.backend), "protocol_class", None)
+        if protocol is not None:
+            try:
+                protocol().check_settings(getattr(self, self.backend))
+            except ConfigError as exc:
+                raise ConfigError(f"rollout.{exc}") from None
         if self.max_tokens < 1:
             raise ConfigError(f"rollout.max_tokens={self.max_tokens} must be >= 1")
 
@@ -539,10 +545,6 @@ def validate(cfg: PPOConfig) -> None:
         raise ConfigError(
             f"algorithm.overlong_buffer={a.overlong_buffer} must be between 0 (off) and the "
             f"response budget {r.budget_name}={r.response_budget}")
-    if r.uses_agent_loop and r.backend != "hf":
-        raise ConfigError(
-            f"rollout.agent_loop with rollout.backend={r.backend!r}: the trainer runs agent "
-            "loops on the in-process `hf` backend only so far; set rollout.backend=hf")
     if a.needs("values") and cfg.critic.engine != cfg.actor.engine:
         raise ConfigError(f"critic.engine={cfg.critic.engine!r} differs from actor.engine="
                           f"{cfg.actor.engine!r}; the colocated worker runs one backend")

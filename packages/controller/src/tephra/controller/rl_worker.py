@@ -284,13 +284,20 @@ class RLWorker(Worker):
     @dispatch(Dispatch.BROADCAST)
     @profiled("sync")
     def sync_weights(self) -> int:
-        """Stream the actor's weights into the rollout engine; returns tensors moved."""
+        """Stream the actor's weights into the rollout engine as one update (a server backend
+        re-buckets them by its own bucket size and counts one weight version); returns
+        tensors moved."""
         moved = 0
+
+        def tensors():
+            nonlocal moved
+            for bucket in self.actor.export_weights(untie_word_embeddings=True):
+                moved += len(bucket)
+                yield from bucket
+
         self.rollout.wake_up()
         with self.actor.eval_mode():
-            for bucket in self.actor.export_weights(untie_word_embeddings=True):
-                self.rollout.update_weights(bucket)
-                moved += len(bucket)
+            self.rollout.update_weights(tensors())
         return moved
 
     @dispatch(Dispatch.BROADCAST)

@@ -35,7 +35,13 @@ from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import (
     open_group,
     unpack,
 )
-from tephra.rollout.backends.weights_folder import EMBEDDINGS, HEAD, is_tied, untied_copy, write_update
+from tephra.rollout.backends.weights_folder import (
+    EMBEDDINGS,
+    HEAD,
+    is_tied,
+    untied_copy,
+    write_update,
+)
 from tephra.rollout.base import (
     Generation,
     Rollout,
@@ -70,6 +76,11 @@ class ServerProtocol(abc.ABC):
 
     def default_env(self) -> dict[str, str]:
         return {}
+
+    def check_settings(self, settings: ServerSettings) -> None:
+        """Refuse settings this server cannot honour here (a `ConfigError` naming the field),
+        before anything starts. Default: everything is accepted."""
+        return None
 
     def launch_env(self, settings: ServerSettings) -> dict[str, str]:
         """Environment the settings add (after `default_env`, before `settings.env`)."""
@@ -120,6 +131,7 @@ class ServerRollout(Rollout):
         self.config = config
         self.protocol = protocol
         self.settings: ServerSettings = getattr(config, protocol.name)
+        protocol.check_settings(self.settings)
         self.process: ServerProcess | None = None
         self._closed = False
         self._own_dir = self.settings.weights_dir is None

@@ -21,7 +21,6 @@ from tephra.rollout.base import (
     ServerSettings,
 )
 
-
 GROUP = "tephra-weights"
 
 
@@ -118,6 +117,8 @@ class SglangProtocol(ServerProtocol):
 @ROLLOUT_BACKENDS.register("sglang")
 class SglangRollout(ServerRollout):
     """SGLang server backend (see module docstring); `SglangRollout(config)`."""
+
+    protocol_class = SglangProtocol
 
     def __init__(self, config: RolloutConfig) -> None:
         super().__init__(config, SglangProtocol())

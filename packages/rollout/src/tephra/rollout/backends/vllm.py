@@ -19,6 +19,7 @@ from tephra.rollout.backends.server_client import Request, ServerProtocol, Serve
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta
 from tephra.rollout.base import (
     ROLLOUT_BACKENDS,
+    ConfigError,
     Generation,
     RolloutConfig,
     RolloutError,
@@ -61,6 +62,16 @@ class VllmProtocol(ServerProtocol):
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_LOGGING_LEVEL": "INFO",
         }
+
+    def check_settings(self, settings: ServerSettings) -> None:
+        if settings.sleep_mode and settings.url is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    "vllm.sleep_mode=true: vLLM's CPU build refuses to start with sleep mode "
+                    "('not supported on current platform'); leave it false on CPU (the rollout's "
+                    "sleep/wake calls are then no-ops)")
 
     def launch_command(
         self, python: str, model_dir: str, host: str, port: int, config: RolloutConfig,
@@ -168,6 +179,8 @@ def _sleeps(settings: ServerSettings) -> bool:
 @ROLLOUT_BACKENDS.register("vllm")
 class VllmRollout(ServerRollout):
     """vLLM server backend (see module docstring); `VllmRollout(config)`."""
+
+    protocol_class = VllmProtocol
 
     def __init__(self, config: RolloutConfig) -> None:
         super().__init__(config, VllmProtocol())
