@@ -3,7 +3,9 @@ sandbox, and the expected scores are counted by hand from the documented rules."
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import pickle
 import re
 import time
@@ -28,6 +30,7 @@ from tephra.rollout.rewards import (
     score_code,
 )
 from tephra.rollout.rewards.code import normalise_stdout
+from tephra.rollout.tools import python_sandbox
 
 FENCE = "`" * 3
 LIMITS = CodeLimits(timeout_s=2.0, total_timeout_s=30.0)
@@ -269,3 +272,21 @@ def test_readme_code_example_runs(capsys):
     assert lines[0] == "0.6666666666666666 test 2: wrong answer: expected stdout '7', got '-30\\n'"
     assert lines[1] == ("{'score': 1.0, 'passed': 2.0, 'failed': 0.0, 'total': 2.0, 'wrong_answer': 0.0, "
                         "'timeout': 0.0, 'runtime_error': 0.0, 'not_run': 0.0, 'no_code': 0.0}")
+
+
+def test_scorer_logs_the_first_failure_and_runs_inside_an_event_loop(caplog):
+    async def score_in_a_coroutine():
+        return CodeScorer(LIMITS)("apps", fenced("print(4)\n"), {"inputs": [""], "outputs": ["3"]})
+
+    with caplog.at_level(logging.DEBUG, logger="tephra.rollout.rewards.code"):
+        got = asyncio.run(score_in_a_coroutine())
+    assert got["score"] == 0.0 and got["wrong_answer"] == 1.0
+    assert "apps: 0/1 tests passed; first failure: test 0: wrong answer: expected stdout '3', " \
+        "got '4\\n'" in caplog.text
+
+
+def test_host_without_namespaces_names_the_scorer_setting(monkeypatch):
+    monkeypatch.setattr(python_sandbox, "_unshare_works", lambda flags: "no namespaces here")
+    with pytest.raises(RewardError, match=r"cannot isolate the network: no namespaces here.*"
+                       r"CodeLimits\(allow_network=True\)"):
+        score_code(fenced("print(3)\n"), {"inputs": [""], "outputs": ["3"]}, LIMITS)

@@ -58,6 +58,7 @@ from typing import Any
 
 from tephra.rollout.rewards.results import RewardError
 from tephra.rollout.rewards.scorer_registry import REWARD_SCORERS
+from tephra.rollout.tools.base import ToolError
 from tephra.rollout.tools.python_sandbox import PythonSandbox, SandboxConfig, SandboxRun
 
 logger = logging.getLogger(__name__)
@@ -390,6 +391,18 @@ def _judge(run: SandboxRun, case: CodeCase, fn_name: str | None, marker: str) ->
                       f"{_short(value)}, expected {_short(case.expected)}", run.wall_s)
 
 
+def _sandbox(config: SandboxConfig) -> PythonSandbox:
+    try:
+        return PythonSandbox(config)
+    except ToolError as exc:
+        # the tool's message names the tool's config; the scorer's switch is CodeLimits
+        raise RewardError(
+            f"code scorer: {exc}. For the code scorer that setting is "
+            "CodeLimits(allow_network=True): register CodeScorer(CodeLimits(allow_network=True)) "
+            "under a name of your own and route the data sources to it with "
+            "reward.scorer_overrides") from exc
+
+
 async def run_code_tests_async(program: str, tests: CodeTests, limits: CodeLimits | None = None) -> CodeReport:
     """Run `program` on every case of `tests`, one sandbox per case, in order."""
     limits = limits or CodeLimits()
@@ -404,7 +417,7 @@ async def run_code_tests_async(program: str, tests: CodeTests, limits: CodeLimit
             continue
         timeout = min(limits.timeout_s, remaining)
         # a fresh sandbox (uid, folder) per case: one case cannot leave files for the next
-        sandbox = PythonSandbox(SandboxConfig(
+        sandbox = _sandbox(SandboxConfig(
             timeout_s=timeout,
             cpu_time_s=max(1, math.ceil(timeout)),
             memory_mb=limits.memory_mb,
