@@ -98,9 +98,15 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_py
 
 @pytest.mark.parametrize("preset", ["smoke", "smoke_tools"])
 def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset):
-    extra = ["-p", "smoke_tools"] if preset == "smoke_tools" else []
+    """Validation goes through the same server: greedy before training (smoke), 2 samples per
+    prompt at temperature 1 after it (smoke_tools, multi-turn)."""
+    extra = (["-p", "smoke_tools", "trainer.val_after=true", "trainer.val.n=2",
+              "trainer.val.temperature=1.0", "trainer.val.ks=[1,2]"]
+             if preset == "smoke_tools" else ["trainer.val_before=true"])
     result = run(_config(tmp_path, vllm_python, *extra))
     assert result["steps"] == 2
+    accuracy = result["accuracy_after" if preset == "smoke_tools" else "accuracy_before"]
+    assert accuracy is not None and 0.0 <= accuracy <= 1.0
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     for r in records:

@@ -14,7 +14,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tephra.engine_api.errors import ConfigError
-from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
+from tephra.rollout import (
+    RolloutConfig,
+    RolloutError,
+    SamplingParams,
+    ServerDiedError,
+    ServerSettings,
+    get_rollout,
+)
 from tephra.rollout.agent import (
     AGENT_LOOPS,
     TOOL_CHAT_TEMPLATE,
@@ -171,8 +178,8 @@ def test_vllm_killed_server_gives_an_error_not_a_hang(rollouts):
     vllm, _ = rollouts
     os.killpg(vllm.process.proc.pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(RolloutError, match="vllm server died"):
+    with pytest.raises(ServerDiedError, match="vllm server died"):
         vllm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
-    with pytest.raises(RolloutError, match="vllm server died"):
+    with pytest.raises(ServerDiedError, match="vllm server died"):
         asyncio.run(vllm.agenerate(PROMPTS[0], SamplingParams(max_tokens=4)))
     assert time.monotonic() - start < 10

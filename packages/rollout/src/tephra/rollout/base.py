@@ -40,6 +40,11 @@ class RolloutError(TephraError, RuntimeError):
     name is unknown. The message says what happened and, for servers, ends with its log."""
 
 
+class ServerDiedError(RolloutError):
+    """A generation server that was running has exited (killed, out of memory): the process
+    is gone, so a trainer can restart it and go on from its last checkpoint."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample responses (the same meaning on every backend, vLLM's conventions)."""

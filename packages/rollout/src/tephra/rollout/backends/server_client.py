@@ -265,9 +265,13 @@ class ServerRollout(Rollout):
         check_prompts(prompts, sampling, self.config.max_model_len)
         self._ensure_open()
 
+        def seeded(i: int) -> SamplingParams:
+            # prompt i's samples take seeds seed + i*n ... seed + i*n + n-1 (no two share one)
+            return sampling if sampling.seed is None else sampling.replace(seed=sampling.seed + i * sampling.n)
+
         async def run() -> list[list[Generation]]:
             return await asyncio.gather(*(
-                self._sample(self._url_for(None, i), p, sampling) for i, p in enumerate(prompts)
+                self._sample(self._url_for(None, i), p, seeded(i)) for i, p in enumerate(prompts)
             ))
 
         per_prompt = self._call(run())

@@ -64,11 +64,14 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtyp
     def flush() -> tuple[BucketMeta, torch.Tensor]:
         meta = BucketMeta([n for n, _ in pending], [str(dtype).removeprefix("torch.")] * len(pending),
                           [list(t.shape) for _, t in pending])
-        flat = torch.cat([t.reshape(-1) for _, t in pending]) if pending else torch.empty(0, dtype=dtype)
+        if len(pending) == 1:  # a tensor alone (often the embedding, the largest) is not copied
+            flat = pending[0][1].reshape(-1)
+        else:
+            flat = torch.cat([t.reshape(-1) for _, t in pending])
         return meta, flat
 
     for name, tensor in named_tensors:
-        tensor = tensor.detach().to(dtype=dtype)
+        tensor = tensor.detach().to(dtype=dtype).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if pending and size + nbytes > bucket_bytes:
             yield flush()
