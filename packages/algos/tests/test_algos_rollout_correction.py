@@ -91,8 +91,10 @@ def test_bypass_uses_the_rollout_log_probs_and_none_the_trainers():
     assert by.old_log_probs is rollout and by.weights is None and by.metrics == {}
     none = apply_rollout_correction(RolloutCorrectionConfig("none"), rollout, mask, train)
     assert none.old_log_probs is train and none.weights is None
-    assert ROLLOUT_CORRECTIONS.meta("tis") == {"needs_train_log_probs": True}
-    assert not ROLLOUT_CORRECTIONS.meta("bypass")["needs_train_log_probs"]
+    assert ROLLOUT_CORRECTIONS.meta("tis") == {"needs_train_log_probs": True,
+                                               "replaces_old_log_probs": False}
+    assert ROLLOUT_CORRECTIONS.meta("bypass") == {"needs_train_log_probs": False,
+                                                  "replaces_old_log_probs": True}
     with pytest.raises(InputError, match="'tis' needs train_log_probs"):
         apply_rollout_correction(RolloutCorrectionConfig("tis"), rollout, mask)
 

@@ -17,8 +17,9 @@ each token's policy loss is weighted:
     bypass  pi_old = pi_rollout: the PPO ratio is taken against the rollout's own log-probs
             and the trainer's old-log-prob forward pass is skipped; weight 1
 
-Weights carry no gradient. The registry's metadata says what a caller must supply:
-`needs_train_log_probs` (the trainer's log-probs before the update).
+Weights carry no gradient. The registry's metadata tells a caller what to do:
+`needs_train_log_probs` (compute the trainer's log-probs before the update) and
+`replaces_old_log_probs` (never compute them: the mode supplies pi_old).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def rollout_mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: t
     }
 
 
-@ROLLOUT_CORRECTIONS.register("none", needs_train_log_probs=False)
+@ROLLOUT_CORRECTIONS.register("none", needs_train_log_probs=False, replaces_old_log_probs=False)
 def no_correction(rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
                   config: RolloutCorrectionConfig,
                   train_log_probs: torch.Tensor | None) -> RolloutCorrection:
@@ -119,7 +120,7 @@ def no_correction(rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
     return RolloutCorrection(old, None, {})
 
 
-@ROLLOUT_CORRECTIONS.register("tis", needs_train_log_probs=True)
+@ROLLOUT_CORRECTIONS.register("tis", needs_train_log_probs=True, replaces_old_log_probs=False)
 def truncated_is(rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
                  config: RolloutCorrectionConfig,
                  train_log_probs: torch.Tensor | None) -> RolloutCorrection:
@@ -152,7 +153,7 @@ def truncated_is(rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
     return RolloutCorrection(train_log_probs, weights, metrics)
 
 
-@ROLLOUT_CORRECTIONS.register("bypass", needs_train_log_probs=False)
+@ROLLOUT_CORRECTIONS.register("bypass", needs_train_log_probs=False, replaces_old_log_probs=True)
 def bypass(rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
            config: RolloutCorrectionConfig,
            train_log_probs: torch.Tensor | None) -> RolloutCorrection:
