@@ -391,7 +391,9 @@ class Trainer:
         """Generate step `self.step + 1`'s batch with the current weights: in a worker thread
         (`overlap`; `finish_ahead` takes it) or right now."""
         step = self.step + 1
-        if not self.overlap:
+        # two torch.profiler sessions cannot run at once: a profiled step (1-based `step`)
+        # generates serially
+        if not self.overlap or step in self.cfg.trainer.profile_steps:
             self.pending = self.collect(step, scored=True)
             return
         idx = self.loader.next_indices()
@@ -479,8 +481,7 @@ class Trainer:
         n = cfg.batch.samples_per_prompt
         self.reward_seconds = 0.0
         rounds = self.take_batch()
-        ahead = self.wants_ahead()
-        if ahead:  # before the update: the next batch is sampled by this step's weights
+        if self.wants_ahead():  # before the update: this step's weights sample the next batch
             self.start_ahead()
         samples = [s for r in rounds for s in r.kept]
         batch = samples_to_batch(samples, self.tok.pad_token_id, n, self.multi_turn)
