@@ -15,8 +15,16 @@ from tensordict import TensorDict
 
 from tephra.algos import RolloutCorrectionConfig
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.rl_loop import PENDING_FILE, correct_old_log_probs, staleness_metrics
-from tephra.controller.samples import Sample
+from tephra.controller.data import PromptRecord
+from tephra.controller.rl_loop import (
+    PENDING_FILE,
+    Round,
+    correct_old_log_probs,
+    round_from_dict,
+    round_to_dict,
+    staleness_metrics,
+)
+from tephra.controller.samples import PromptItem, Sample
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
@@ -96,6 +104,28 @@ def test_staleness_is_the_version_lag():
     assert staleness_metrics(samples, 4) == {
         "staleness/mean": 1.25, "staleness/max": 2.0,
         "staleness/weight_version_min": 2.0, "staleness/weight_version_max": 3.0}
+
+
+def test_a_pending_batch_survives_its_json_file_exactly():
+    """Two dynamic-sampling rounds (kept groups, filler) with float32 rollout log-probs
+    (as the rollout returns them), an exotic score and a tool reward, through JSON text."""
+    lp = torch.randn(2, 3, generator=torch.Generator().manual_seed(0)).tolist()
+    rounds = []
+    for r in range(2):
+        items = [PromptItem([1, 2, r], PromptRecord([], "src", "4"), f"step3r{r}-{j}")
+                 for j in range(2)]
+        samples = [Sample([1, 2, r], [5, 6, 7], [1, 0, 1], lp[k], "length", text="x y",
+                          score=1 / 3 + k, sample_id=f"s{k}", num_turns=2, tool_calls=1,
+                          tool_rewards={"python": 0.1}, weight_version=7 + r)
+                   for k in range(2)]
+        rnd = Round(items, samples, 1, indices=[4 + r, 9], tag=f"step3r{r}", scored=True)
+        rnd.informative = r
+        rnd.keep([r], filler=r == 1)
+        rounds.append(rnd)
+    text = json.dumps([round_to_dict(r) for r in rounds])
+    back = [round_from_dict(d, rnd.items) for d, rnd in zip(json.loads(text), rounds)]
+    assert back == rounds
+    assert [s.log_probs for r in back for s in r.samples] == [lp[0], lp[1]] * 2
 
 
 def _compared(records):

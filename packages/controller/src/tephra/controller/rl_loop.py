@@ -115,6 +115,14 @@ def round_to_dict(rnd: Round) -> dict[str, Any]:
             "samples": [sample_to_dict(s) for s in rnd.samples]}
 
 
+def round_from_dict(data: dict[str, Any], items: list[PromptItem]) -> Round:
+    """The inverse of `round_to_dict`, given the items rebuilt from its `indices`."""
+    return Round(items, [sample_from_dict(s) for s in data["samples"]], data["n"],
+                 kept_groups=list(data["kept_groups"]), informative=data["informative"],
+                 filler=data["filler"], indices=list(data["indices"]), tag=data["tag"],
+                 scored=data["scored"])
+
+
 def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
     """`staleness/*`: version lag (`version`, the trainer's weights before the update, minus
     each sample's `weight_version`) mean and max, and the samples' versions min and max."""
@@ -414,14 +422,6 @@ class Trainer:
         rnd.scored = True
         self.pending = [rnd]
 
-    def round_from_dict(self, data: dict[str, Any]) -> Round:
-        rnd = Round(self.items(data["indices"], self.train, data["tag"]),
-                    [sample_from_dict(s) for s in data["samples"]], data["n"],
-                    indices=list(data["indices"]), tag=data["tag"], scored=data["scored"])
-        rnd.kept_groups, rnd.informative = list(data["kept_groups"]), data["informative"]
-        rnd.filler = data["filler"]
-        return rnd
-
     def greedy_baselines(self, rounds: list[Round]) -> torch.Tensor:
         """ReMax's baseline: the reward of the greedy response to each sample's prompt [B]."""
         n = self.cfg.batch.samples_per_prompt
@@ -595,8 +595,8 @@ class Trainer:
         self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
         self.step = int(state["step"])
         pending = latest / PENDING_FILE
-        self.pending = ([self.round_from_dict(r) for r in json.loads(pending.read_text())]
-                        if pending.exists() else None)
+        self.pending = ([round_from_dict(r, self.items(r["indices"], self.train, r["tag"]))
+                         for r in json.loads(pending.read_text())] if pending.exists() else None)
         self.ahead = None
         print(f"resumed from {latest} at step {self.step}", flush=True)
         return True
