@@ -5,7 +5,9 @@
                                                         # each rank starts scoring its own
         ref     = wg.compute_ref_log_probs(batch)       # KL loss or KL in the reward
         values  = wg.compute_values(batch)              # estimators that need a critic
-        old     = wg.compute_log_probs(batch)           # several mini-batches or epochs
+        old     = wg.compute_log_probs(batch)           # several mini-batches or epochs, or
+                                                        # rollout_correction=tis (bypass: the
+                                                        # rollout's log-probs instead)
         scores  = wg.collect_scores()                   # scored while the passes above ran
         adv     = compute_advantages(estimator, ...)    # tephra.algos
         wg.update_critic(batch); wg.update_actor(batch) # mini-batches x epochs
