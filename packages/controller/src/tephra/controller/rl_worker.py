@@ -223,6 +223,28 @@ class RLWorker(Worker):
         self._scoring = None
         return [(score, error, seconds) for score, error in results]
 
+    # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
+    @dispatch(Dispatch.DP_SPLIT)
+    def generate_ahead(self, items: list[PromptItem], sampling: Any) -> None:
+        """Start `generate(items, sampling)` in a background thread and return at once, so the
+        rollout engine samples the next step's batch while this step's passes and update run
+        on the training engines (separate weights; the driver takes `generated()` before
+        `sync_weights`). One at a time."""
+        if getattr(self, "_ahead", None) is not None:
+            raise RuntimeError("generate_ahead called while a generation ahead is in flight")
+        if getattr(self, "_ahead_pool", None) is None:
+            self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
+        self._ahead = self._ahead_pool.submit(self.generate, items, sampling)
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def generated(self) -> list[Sample]:
+        """The samples of the last `generate_ahead` (waits for it; scoring runs as after
+        `generate`)."""
+        ahead, self._ahead = getattr(self, "_ahead", None), None
+        if ahead is None:
+            raise RuntimeError("generated called without a generate_ahead before it")
+        return ahead.result()
+
     # ----- forward passes --------------------------------------------------------------
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("old_log_probs")
