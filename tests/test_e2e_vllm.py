@@ -114,3 +114,67 @@ def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset
         assert r["response/length_mean"] > 0
     if preset == "smoke_tools":
         assert records[0]["agent/turns_mean"] >= 1
+
+
+def test_killed_vllm_server_is_restarted_and_the_run_matches(ray_session, tmp_path, vllm_python,
+                                                             capsys):
+    """SIGKILL the rollout's vLLM server during step 3 of a 4-step run (checkpoints every 2
+    steps): the trainer rebuilds the worker group (a fresh server), continues from step 2's
+    checkpoint and ends with the metrics and weights of an uninterrupted run."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import ray
+    from safetensors.torch import load_file
+
+    from tephra.rollout.testing import live_processes
+
+    session = ray._private.worker._global_node.get_session_dir_path().encode()
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    def ours(pid: int) -> bool:
+        """A server started by a worker of this module's Ray session (other test files run
+        their own sessions and servers at the same time)."""
+        try:
+            return session in Path(f"/proc/{parent(parent(pid))}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return False
+
+    killed: list[int] = []
+
+    def killer():
+        done = tmp_path / "killed" / "checkpoints" / "step_2" / "manifest.json"
+        deadline = time.monotonic() + 600
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [p for p in live_processes("vllm.entrypoints.openai.api_server") if ours(p)]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        killed.extend(pids)
+
+    def cfg(run_dir):
+        return _config(tmp_path, vllm_python, "trainer.steps=4", "trainer.save_every=2",
+                       f"trainer.run_dir={tmp_path / run_dir}")
+
+    run(cfg("uninterrupted"))
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    summary = run(cfg("killed"))
+    thread.join()
+    assert killed and summary["steps"] == 4
+    out = capsys.readouterr().out
+    assert "worker group failed at step 3 (" in out and "vllm server died" in out
+    assert "restart 1 of 1" in out and "step_2 at step 2" in out
+
+    def rows(run_dir):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
+                for r in read_jsonl(tmp_path / run_dir / "metrics.jsonl")]
+
+    assert rows("killed") == rows("uninterrupted")
+    a = load_file(tmp_path / "killed" / "hf" / "model.safetensors")
+    b = load_file(tmp_path / "uninterrupted" / "hf" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)

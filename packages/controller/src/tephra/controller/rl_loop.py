@@ -218,11 +218,16 @@ def format_time_share(share: dict[str, float]) -> str:
 def _worker_failures() -> tuple[type[BaseException], ...]:
     from ray.exceptions import ActorDiedError, RayActorError
 
-    return (RayActorError, ActorDiedError)
+    from tephra.rollout.base import ServerDiedError
+
+    # Ray re-raises a worker's exception as a subclass of its cause, so a rollout server that
+    # died inside a worker method is caught here like a dead worker
+    return (RayActorError, ActorDiedError, ServerDiedError)
 
 
 WORKER_FAILURES = _worker_failures()
-"""What a dead worker process (SIGKILL, out of memory) raises in the driver."""
+"""What a dead worker process (SIGKILL, out of memory) or a dead rollout server raises in the
+driver."""
 
 
 class Trainer:
@@ -619,8 +624,9 @@ class Trainer:
         self.restarts += 1
         if self.make_group is None or self.restarts > self.cfg.trainer.max_restarts:
             raise exc
-        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"worker group failed at step {self.step + 1} ({type(exc).__name__}: {cause}); "
+        origin = getattr(exc, "cause", None) or exc  # a worker's own exception inside Ray's
+        cause = str(origin).strip().splitlines()[0] if str(origin).strip() else ""
+        print(f"worker group failed at step {self.step + 1} ({type(origin).__name__}: {cause}); "
               f"restart {self.restarts} of {self.cfg.trainer.max_restarts}", flush=True)
         self.close_group()
         self.wg = self.make_group()
