@@ -415,10 +415,8 @@ class Trainer:
 
     # ----- checkpoints -----------------------------------------------------------------------
     def save(self) -> None:
-        folder = self.ckpt.begin(self.step)
-        self.wg.save_checkpoint(str(folder))
-        self.ckpt.commit(self.step, {"loader": self.loader.state_dict(),
-                                     "kl_coef": self.kl_ctrl.value})
+        self.ckpt.save(self.step, lambda folder: self.wg.save_checkpoint(str(folder)),
+                       {"loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value})
 
     def maybe_resume(self, resume: str | None = None) -> bool:
         t = self.cfg.trainer
