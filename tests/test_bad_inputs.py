@@ -493,3 +493,53 @@ def test_bad_input(case: Case, tmp_path, monkeypatch, caplog, capsys):
 
 def test_the_table_is_a_campaign():
     assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
+
+
+def _ray_wrapped_enospc(folder: Path) -> OSError:
+    """The error a Ray worker's full disk reaches the driver as: a RayTaskError that
+    subclasses the cause's type, its errno not carried over."""
+    from ray.exceptions import RayTaskError
+
+    cause = OSError(errno.ENOSPC, "No space left on device", str(folder / "actor"))
+    return RayTaskError("RLWorker.save_checkpoint", "Traceback ...", cause).as_instanceof_cause()
+
+
+@pytest.mark.parametrize("where", ["driver manifest", "worker via Ray"])
+def test_disk_full_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch, where):
+    from tephra.controller import checkpoints
+    from tephra.controller.checkpoints import CheckpointManager
+
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints", keep_last=2)
+
+    def engines(folder: Path) -> None:
+        (folder / "actor").mkdir()
+        (folder / "actor" / "model.bin").write_bytes(b"weights" * 100)
+
+    manager.save(2, engines, {"loader": {"epoch": 0, "position": 2}})
+    if where == "driver manifest":
+        def full(folder):  # the disk fills up while the driver writes the manifest
+            (folder / checkpoints.MANIFEST).write_text("{")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(checkpoints, "write_manifest", full)
+        write = engines
+    else:
+        def write(folder: Path) -> None:
+            engines(folder)
+            raise _ray_wrapped_enospc(folder)
+
+    with pytest.raises(CheckpointError) as info:
+        manager.save(4, write, {"loader": {"epoch": 0, "position": 4}})
+    message = str(info.value)
+    assert f"the disk under {manager.root} is full" in message
+    assert "OSError: [Errno 28] No space left on device" in message
+    assert "lower trainer.keep_checkpoints, or set trainer.run_dir to a bigger disk" in message
+    assert f"the previous checkpoint ({manager.step_dir(2)}) is intact" in message
+    # nothing torn is visible: no step_4, no step_4.tmp; step 2 resumes as before
+    assert sorted(p.name for p in manager.root.iterdir()) == ["step_2"]
+    assert manager.latest() == manager.step_dir(2) == manager.resolve("must")
+    assert manager.load_trainer_state(manager.step_dir(2))["loader"]["position"] == 2
+    # an error that is not a full disk is not dressed up as one
+    monkeypatch.undo()
+    with pytest.raises(PermissionError):
+        manager.save(6, lambda folder: (_ for _ in ()).throw(PermissionError("read-only")), {})

@@ -39,8 +39,11 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    """Whether `exc` is a full disk or quota (also when a Ray worker raised it: Ray's task
-    error subclasses the cause's type, but the errno may not survive the trip)."""
+    """Whether `exc` is a full disk or quota, also when a Ray worker raised it (Ray's task
+    error subclasses the cause's type but drops its errno; `.cause` holds the original)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc and is_disk_full(cause):
+        return True
     return isinstance(exc, OSError) and (
         exc.errno in DISK_FULL or "No space left on device" in str(exc)
         or "Disk quota exceeded" in str(exc))
@@ -109,10 +112,11 @@ class CheckpointManager:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
             free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+            cause = getattr(exc, "cause", None) or exc  # a Ray worker's error: the original
             raise CheckpointError(
                 f"checkpoint of step {step} failed: the disk under {self.root} is full "
-                f"({free / 2**20:.0f} MiB free; {type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0]}). Free space there, lower "
+                f"({free / 2**20:.0f} MiB free; {type(cause).__name__}: "
+                f"{str(cause).strip().splitlines()[0]}). Free space there, lower "
                 "trainer.keep_checkpoints, or set trainer.run_dir to a bigger disk; the "
                 f"previous checkpoint ({self.latest()}) is intact") from exc
 
