@@ -89,6 +89,12 @@ def _parse(*overrides: str):
     return parse_config(["-p", "smoke", *overrides])
 
 
+def unknown_preset(tmp, mp):
+    from tephra.apps.ppo.main import parse_config
+
+    parse_config(["-p", "smok"])
+
+
 def _config(*overrides: str) -> Callable:
     return lambda tmp, mp: _parse(*overrides)
 
@@ -451,8 +457,7 @@ CASES = [
          (r"argument 'trainer.steps' is not an override; write key=value",)),
     Case("override with broken YAML", _config("trainer.trackers=[jsonl"), ConfigError,
          (r"override 'trainer.trackers=\[jsonl': the value is not valid YAML", r"close its brackets")),
-    Case("unknown preset", lambda tmp, mp: __import__("tephra.apps.ppo.main").apps.ppo.main
-         .parse_config(["-p", "smok"]), ConfigError,
+    Case("unknown preset", unknown_preset, ConfigError,
          (r"preset 'smok' not found", r"known presets: .*'smoke'")),
     Case("unknown tracker name", _config("trainer.trackers=[tensorbord]"), ConfigError,
          (r"trainer.trackers='tensorbord' is not a registered tracker \(did you mean 'tensorboard'\?\)",)),
