@@ -54,7 +54,7 @@ def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord
     messages = []
     for m in prompt:
         # a struct column fills a missing key with None, so None counts as missing
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m.get("content") is None:
             raise fail("prompt", f"holds {m!r}, not a {{role, content}} message")
         content = _text(m.get("content"), fail, "prompt.content")
         if not isinstance(content, str | list):  # a list: multimodal content parts
