@@ -55,7 +55,8 @@ class RewardConfig:
     """Threads or processes scoring one batch (ignored by `serial`)."""
     timeout_s: float | None = None
     """Seconds one scorer call may take; a later one scores 0.0 and counts as an error
-    (`RewardTimeout`). The late call is left running on a daemon thread. None: no limit."""
+    (`RewardTimeout`). Each call then runs on a daemon thread, left running when late (so
+    math-verify's own alarm-based timeout, main thread only, is off). None: no limit."""
     raise_on_error: bool = False
     """Raise when a scorer raises; by default the item scores 0.0, the error is counted per
     data_source in the report and the first traceback of each data_source is logged."""
