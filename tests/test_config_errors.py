@@ -51,6 +51,10 @@ CASES = [
      r"actor.engine='fsdp': parallel.tensor=2: engine=fsdp has data and sequence"),
     (["actor.engine=megatron", "model.attn_implementation=eager"],
      r"actor.engine='megatron': model.attn_implementation='eager': engine-megatron runs"),
+    # server rollout settings
+    (["rollout.backend=vllm", "rollout.vllm.sleep_mode=true"],
+     r"rollout.vllm.sleep_mode=true: vLLM's CPU build refuses to start with sleep mode"),
+    (["rollout.backend=vllm", "rollout.vllm.weight_sync=nfs"], r"weight_sync='nfs': expected 'memory'"),
 ]
 
 

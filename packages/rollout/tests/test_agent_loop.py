@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 
 import pytest
 from transformers import AutoTokenizer
@@ -21,7 +20,8 @@ from tephra.rollout.agent import (
     trajectories_to_batch,
 )
 from tephra.rollout.backends.hf import HFRollout
-from tephra.rollout.base import Generation, Rollout, RolloutConfig, SamplingParams
+from tephra.rollout.base import RolloutConfig, SamplingParams
+from tephra.rollout.testing import ScriptedRollout
 from tephra.rollout.tools import PythonTool, Tool, ToolResult
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=160)
@@ -29,65 +29,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=160)
 
 def tool_call(name: str, **arguments) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
-class ScriptedRollout(Rollout):
-    """A model whose turn k of every trajectory is `script(session, k)` (+ EOS); turns past the
-    script go to `fallback` (a real backend) when given. Records every request."""
-
-    def __init__(
-        self,
-        tokenizer,
-        script: Callable[[str, int], str | None],
-        fallback: Rollout | None = None,
-        events: list | None = None,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.script = script
-        self.fallback = fallback
-        self.config = fallback.config if fallback is not None else None
-        self.turns: dict[str, int] = {}
-        self.requests: list[tuple[str, list[int], Generation]] = []
-        self.events = events if events is not None else []
-        self.in_flight = self.peak_in_flight = 0
-
-    async def agenerate(self, prompt_ids, sampling, session_id=None):
-        turn = self.turns.get(session_id, 0)
-        self.turns[session_id] = turn + 1
-        text = self.script(session_id, turn)
-        self.events.append(("gen_start", session_id, turn))
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        try:
-            if text is None:
-                gen = await self.fallback.agenerate(prompt_ids, sampling, session_id)
-            else:
-                await asyncio.sleep(0)
-                ids = self.tokenizer.encode(text, add_special_tokens=False)[
-                    : sampling.max_tokens - 1
-                ]
-                ids.append(self.tokenizer.eos_token_id)
-                gen = Generation(ids, [-0.01 * (i + 1) for i in range(len(ids))], "stop")
-        finally:
-            self.in_flight -= 1
-        self.events.append(("gen_end", session_id, turn))
-        self.requests.append((session_id, list(prompt_ids), gen))
-        return gen
-
-    def generate(self, prompts, sampling):
-        raise NotImplementedError("scripted model serves agenerate only")
-
-    def update_weights(self, named_tensors):
-        pass
-
-    def sleep(self):
-        pass
-
-    def wake_up(self):
-        pass
-
-    def close(self):
-        pass
 
 
 class EchoTool(Tool):

@@ -120,3 +120,72 @@ def test_connecting_to_a_missing_server_names_the_url(tiny_model):
     config = RolloutConfig(model_path=tiny_model.path, vllm=ServerSettings(url="http://127.0.0.1:9"))
     with pytest.raises(RolloutError, match="vllm.url: no healthy server at http://127.0.0.1:9/health"):
         get_rollout("vllm", config)
+
+
+def test_server_settings_reach_the_command_line_and_the_transfer_requests():
+    from tephra.rollout.backends.vllm import PLUGIN_DIR
+    from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta
+
+    config = RolloutConfig(model_path="m", max_model_len=64)
+    settings = ServerSettings(tensor_parallel_size=2, data_parallel_size=3, gpu_memory_utilization=0.4)
+    vllm, sglang = VllmProtocol(), SglangProtocol()
+    command = vllm.launch_command("py", "m", "127.0.0.1", 9, config, settings)
+    text = " ".join(command)
+    assert "--tensor-parallel-size 2" in text and "--data-parallel-size 3" in text
+    assert "--gpu-memory-utilization 0.4" in text and "--enable-sleep-mode" not in text
+    i = command.index("--weight-transfer-config")
+    assert command[i + 1] == '{"backend": "tephra"}'
+    assert command[command.index("--worker-extension-cls") + 1] == (
+        "tephra_vllm_plugin.TephraWorkerExtension")
+    assert vllm.launch_env(settings) == {"PYTHONPATH": str(PLUGIN_DIR)}
+    assert (PLUGIN_DIR / "tephra_vllm_plugin.py").is_file()
+    disk = ServerSettings(weight_sync="disk")
+    assert "--weight-transfer-config" not in vllm.launch_command("py", "m", "h", 9, config, disk)
+    assert vllm.launch_env(disk) == {}
+
+    meta = BucketMeta(["a.weight", "b.bias"], ["float32", "float32"], [[2, 3], [3]])
+    assert vllm.transfer_init_request("10.0.0.1", 7, 3, "gloo") == ("/init_weight_transfer_engine", {
+        "init_info": {"master_address": "10.0.0.1", "master_port": 7, "rank_offset": 1,
+                      "world_size": 3, "backend": "gloo"}})
+    assert vllm.transfer_bucket_request(meta) == ("/update_weights", {"update_info": {
+        "names": ["a.weight", "b.bias"], "dtype_names": ["float32", "float32"],
+        "shapes": [[2, 3], [3]]}})
+    assert vllm.transfer_finish_requests(4)[0] == ("/finish_weight_update", {"weight_version": "4"})
+
+    text = " ".join(sglang.launch_command("py", "m", "h", 9, config, ServerSettings(
+        tensor_parallel_size=2, gpu_memory_utilization=0.5, sleep_mode=True)))
+    assert "--tp-size 2" in text and "--mem-fraction-static 0.5" in text
+    assert "--enable-memory-saver" in text
+    assert sglang.transfer_init_request("h", 7, 2, "nccl")[1]["group_name"] == "tephra-weights"
+    path, body = sglang.transfer_bucket_request(meta)
+    assert path == "/update_weights_from_distributed" and body["dtypes"] == ["float32", "float32"]
+    assert not sglang.packs_buckets
+
+
+def test_weight_buckets_bound_their_size_and_round_trip():
+    from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import buckets, unpack
+
+    gen = torch.Generator().manual_seed(0)
+    named = [(f"w{i}", torch.randn(n, generator=gen)) for i, n in enumerate([10, 30, 5, 100, 1])]
+    out = list(buckets(iter(named), torch.float32, bucket_bytes=40 * 4))
+    # 10+30 fit; 5 starts a new bucket; 100 is larger than a bucket and travels alone
+    assert [m.names for m, _ in out] == [["w0", "w1"], ["w2"], ["w3"], ["w4"]]
+    back = [pair for meta, flat in out for pair in unpack(meta, flat)]
+    assert [n for n, _ in back] == [n for n, _ in named]
+    for (_, a), (_, b) in zip(back, named):
+        assert torch.equal(a, b)
+    [(meta, flat)] = buckets([("x", torch.ones(2, 2, dtype=torch.float64))], torch.bfloat16, 1 << 20)
+    assert flat.dtype == torch.bfloat16 and meta.shapes == [[2, 2]] and meta.dtype_names == ["bfloat16"]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("weight_sync", "nfs", "expected 'memory'"),
+    ("weight_bucket_mb", 0, "weight_bucket_mb=0 must be > 0"),
+    ("tensor_parallel_size", 0, "must be >= 1"),
+    ("gpu_memory_utilization", 1.5, r"must be in \(0, 1\]"),
+])
+def test_bad_server_settings_name_the_field(field, value, message):
+    from tephra.engine_api.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ServerSettings(**{field: value})

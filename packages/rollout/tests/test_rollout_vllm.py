@@ -8,17 +8,36 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
-from tephra.rollout.testing import perturbed_weights
+from tephra.engine_api.errors import ConfigError
+from tephra.rollout import (
+    RolloutConfig,
+    RolloutError,
+    SamplingParams,
+    ServerDiedError,
+    ServerSettings,
+    get_rollout,
+)
+from tephra.rollout.agent import (
+    AGENT_LOOPS,
+    TOOL_CHAT_TEMPLATE,
+    AgentLoopConfig,
+    AgentSample,
+    run_agent_loops,
+)
+from tephra.rollout.testing import ScriptedRollout, perturbed_weights
+from tephra.rollout.tools import PythonTool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
 PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [100]]
 LOGPROB_TOL = 1e-4
+BUCKET_MB = 0.05
+"""Smaller than the tiny model (~0.5 MB): every update takes several buckets."""
 
 
 def server_settings(python: str, **changes) -> ServerSettings:
@@ -30,8 +49,8 @@ def server_settings(python: str, **changes) -> ServerSettings:
 def rollouts(tiny_tied_model, vllm_python):
     """One vLLM server for the module (a tied model: the case that needs the untied copy)
     and an `hf` rollout on the same folder."""
-    config = RolloutConfig(model_path=tiny_tied_model.path, max_model_len=256,
-                           vllm=server_settings(vllm_python))
+    config = RolloutConfig(model_path=tiny_tied_model.path, max_model_len=512,
+                           vllm=server_settings(vllm_python, weight_bucket_mb=BUCKET_MB))
     vllm = get_rollout("vllm", config)
     hf = get_rollout("hf", config)
     yield vllm, hf
@@ -81,16 +100,66 @@ def test_vllm_matches_hf_then_follows_new_weights(rollouts, tiny_tied_model):
     batch = vllm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
     assert [g.response_ids for g in singles] == batch.response_ids * 4
 
-    # new weights (the trainer exports the tied matrix once, as the embedding)
-    new = perturbed_weights(tiny_tied_model.path, seed=9)
+    # new weights in memory, in several buckets (the trainer exports the tied matrix once, as
+    # the embedding); nothing is written to the weights folder
+    files_before = sorted(p.name for p in vllm.weights_dir.iterdir())
+    new = list(perturbed_weights(tiny_tied_model.path, seed=9))
     before = batch.response_ids
-    start = time.monotonic()
-    vllm.update_weights(new)
-    reload_s = time.monotonic() - start
+    vllm.update_weights(iter(new))
     hf.update_weights(new)
+    stats = vllm.last_update_stats
+    assert stats["buckets"] >= 4 and stats["max_bucket_bytes"] <= max(
+        BUCKET_MB * 1024**2, max(t.numel() * 4 for _, t in new))
+    assert stats["bytes"] == sum(t.numel() * 4 for _, t in new) + new[0][1].numel() * 4  # + head
+    assert sorted(p.name for p in vllm.weights_dir.iterdir()) == files_before
+    assert httpx.get(vllm.urls[0] + "/weight_info").json() == {"weight_version": "1"}
     after = assert_same_greedy(vllm, hf, max_tokens=8)
     assert after.response_ids != before
-    assert reload_s < 30
+
+    # the disk fallback reaches the same server (reload from safetensors)
+    vllm.settings.weight_sync = "disk"
+    try:
+        newer = list(perturbed_weights(tiny_tied_model.path, seed=11))
+        vllm.update_weights(newer)
+        hf.update_weights(newer)
+        assert any(p.name.startswith("update-") for p in vllm.weights_dir.iterdir())
+        assert assert_same_greedy(vllm, hf, max_tokens=8).response_ids != after.response_ids
+    finally:
+        vllm.settings.weight_sync = "memory"
+    assert vllm.calls["update_weights"] == 2 and vllm.weight_version == 2
+
+
+def test_vllm_agent_loop_tool_turn_matches_hf(rollouts, tiny_tied_model):
+    """Turn 0 is a scripted tool call; turn 1 is generated greedily by vLLM and by HF from the
+    same token ids (prompt + call + tool-response delta): identical ids and masks, log-probs
+    within 1e-4, so nothing was re-tokenised on the server path."""
+    vllm, hf = rollouts
+    tok = AutoTokenizer.from_pretrained(tiny_tied_model.path)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+    messages = [{"role": "user", "content": "What is 6 times 7?"}]
+    trajectories = []
+    for backend in (vllm, hf):
+        model = ScriptedRollout(tok, lambda s, k: call if k == 0 else None, fallback=backend)
+        loop = AGENT_LOOPS.get("tool_agent")(
+            model, tok, SamplingParams(temperature=0.0, max_tokens=96),
+            AgentLoopConfig(max_turns=2), {"python": PythonTool(timeout_s=10, memory_mb=256)})
+        trajectories.append(asyncio.run(run_agent_loops(
+            loop, [AgentSample(messages, sample_id=f"s{i}") for i in range(3)])))
+    for a, b in zip(*trajectories):
+        assert a.num_turns == b.num_turns == 2 and a.tool_calls == 1
+        assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
+        assert a.response_mask == b.response_mask and 0 in a.response_mask
+        torch.testing.assert_close(torch.tensor(a.response_log_probs),
+                                   torch.tensor(b.response_log_probs), atol=LOGPROB_TOL, rtol=0)
+        assert "42" in a.messages[2]["content"]
+
+
+def test_vllm_sleep_mode_is_refused_on_cpu_before_start(tiny_tied_model, vllm_python):
+    config = RolloutConfig(model_path=tiny_tied_model.path,
+                           vllm=server_settings(vllm_python, sleep_mode=True))
+    with pytest.raises(ConfigError, match="vllm.sleep_mode=true: vLLM's CPU build"):
+        get_rollout("vllm", config)
 
 
 def test_vllm_bad_model_path_fails_fast_with_its_log(tmp_path, vllm_python):
@@ -109,8 +178,8 @@ def test_vllm_killed_server_gives_an_error_not_a_hang(rollouts):
     vllm, _ = rollouts
     os.killpg(vllm.process.proc.pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(RolloutError, match="vllm server died"):
+    with pytest.raises(ServerDiedError, match="vllm server died"):
         vllm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
-    with pytest.raises(RolloutError, match="vllm server died"):
+    with pytest.raises(ServerDiedError, match="vllm server died"):
         asyncio.run(vllm.agenerate(PROMPTS[0], SamplingParams(max_tokens=4)))
     assert time.monotonic() - start < 10

@@ -2,7 +2,7 @@
 
 Advantage estimators, policy losses, loss aggregation with global normalisers, KL
 estimators and controllers, value loss, entropy, DAPO dynamic sampling and overlong
-shaping, truncated importance sampling. Depends on torch only; never on an engine.
+shaping, truncated importance sampling, rollout correction (off-policy rollouts). Depends on torch only; never on an engine.
 """
 
 from tephra.algos.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
@@ -30,10 +30,19 @@ from tephra.algos.masked import masked_mean, masked_sum, masked_whiten
 from tephra.algos.objectives import ActorObjective, CriticObjective
 from tephra.algos.policy_losses import POLICY_LOSSES, compute_policy_loss
 from tephra.algos.registry import Registry
+from tephra.algos.rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    RolloutCorrection,
+    RolloutCorrectionConfig,
+    apply_rollout_correction,
+    rollout_mismatch_metrics,
+)
 from tephra.algos.value_loss import clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS", "RolloutCorrection", "RolloutCorrectionConfig",
+    "apply_rollout_correction", "rollout_mismatch_metrics",
     "ActorObjective", "ActorObjectiveConfig", "AdaptiveKLController", "AdvantageConfig",
     "ConfigError", "CriticObjective", "CriticObjectiveConfig",
     "FixedKLController", "InputError", "PolicyLossConfig", "Registry", "RegistryError",

@@ -46,7 +46,9 @@ class ActorObjective:
         loss = agg(w * L_pg) - entropy_coeff * agg(H) + kl_loss_coef * agg(KL(pi || pi_ref))
 
     L_pg the per-token policy loss `config.policy_loss`, w the truncated importance weights
-    (1 when `tis_level` is None), agg = `config.loss_agg_mode`.
+    (1 when `tis_level` is None) times batch["rollout_is_weights"] when present (the
+    controller's rollout correction, `tephra.algos.rollout_correction`), agg =
+    `config.loss_agg_mode`.
     Reads outputs["log_probs"] (and outputs["entropy"] when present or needed),
     batch["old_log_probs"], ["advantages"], ["response_mask"], ["global_token_count"],
     ["global_seq_count"], and ["ref_log_probs"] (use_kl_loss), ["rollout_log_probs"] (tis).
@@ -82,6 +84,8 @@ class ActorObjective:
                 old, rollout, mask, level=cfg.tis_level, threshold=cfg.tis_threshold)
             loss_mat = loss_mat * weights
             metrics.update({f"actor/{k}": v for k, v in tis_metrics.items()})
+        if "rollout_is_weights" in batch.keys():  # computed once per step on the whole batch
+            loss_mat = loss_mat * batch["rollout_is_weights"]
         pg_loss = agg(loss_mat)
         loss = pg_loss
         metrics["actor/pg_loss"] = float(pg_loss.detach())

@@ -24,6 +24,7 @@ from typing import Any
 from tephra.algos import ActorObjectiveConfig, AdvantageConfig, CriticObjectiveConfig
 from tephra.algos.advantages import ADVANTAGE_ESTIMATORS
 from tephra.algos.kl import KL_ESTIMATORS
+from tephra.algos.rollout_correction import LEVELS, ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from tephra.controller.evaluation import ValidationConfig
 from tephra.core.errors import ConfigError
 from tephra.engine_api.config import (
@@ -185,6 +186,12 @@ class RolloutSection:
                                   "tools YAML, or `python` for the bundled sandboxed interpreter")
         if self.max_in_flight < 1:
             raise ConfigError(f"rollout.max_in_flight={self.max_in_flight} must be >= 1")
+        protocol = getattr(ROLLOUT_BACKENDS.get(self.backend), "protocol_class", None)
+        if protocol is not None:
+            try:
+                protocol().check_settings(getattr(self, self.backend))
+            except ConfigError as exc:
+                raise ConfigError(f"rollout.{exc}") from None
         if self.max_tokens < 1:
             raise ConfigError(f"rollout.max_tokens={self.max_tokens} must be >= 1")
         from tephra.rollout.base import DTYPES
@@ -271,14 +278,38 @@ class AlgorithmSection:
     cost up to `overlong_penalty_factor` of reward, linearly; 0 turns it off."""
     overlong_penalty_factor: float = 1.0
     """The penalty at the full response budget (added to the score as a negative reward)."""
+    rollout_correction: str = "none"
+    """What the policy loss does about rollouts sampled by other weights (`trainer.mode=
+    one_step_off`) or another engine, from tephra.algos.ROLLOUT_CORRECTIONS: `none`;
+    `tis` (truncated importance sampling of exp(old_log_prob - rollout_log_prob), old
+    log-probs recomputed); `bypass` (the rollout's log-probs are the old log-probs, the
+    recompute is skipped). `rollout_corr/*` mismatch metrics are logged whenever the
+    trainer's old log-probs are computed."""
+    rollout_correction_level: str = "token"
+    """`tis`: one weight per token (`token`) or per sequence (`sequence`: product of its
+    tokens' ratios)."""
+    rollout_correction_cap: float = 2.0
+    """`tis`: truncation C of min(ratio, C), >= 1."""
 
     def __post_init__(self) -> None:
         _check_name("algorithm.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS)
+        _check_name("algorithm.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if self.rollout_correction_level not in LEVELS:
+            raise ConfigError(f"algorithm.rollout_correction_level="
+                              f"{self.rollout_correction_level!r}: choose one of {list(LEVELS)}")
+        if not self.rollout_correction_cap >= 1:
+            raise ConfigError(f"algorithm.rollout_correction_cap={self.rollout_correction_cap} "
+                              "must be >= 1 (the truncation C of min(ratio, C))")
         if self.max_gen_batches < 1:
             raise ConfigError(f"algorithm.max_gen_batches={self.max_gen_batches} must be >= 1")
         if self.overlong_penalty_factor < 0:
             raise ConfigError(f"algorithm.overlong_penalty_factor={self.overlong_penalty_factor} "
                               "must be >= 0")
+
+    @property
+    def correction(self) -> RolloutCorrectionConfig:
+        return RolloutCorrectionConfig(self.rollout_correction, self.rollout_correction_level,
+                                       self.rollout_correction_cap)
 
     def needs(self, what: str) -> bool:
         """Whether the estimator's registry metadata says it needs `values`, `groups`,
@@ -354,10 +385,23 @@ class BatchSection:
         return self.prompts_per_step * self.samples_per_prompt
 
 
+TRAINING_MODES = ("sync", "one_step_off")
+"""`trainer.mode` values."""
+
+
 @dataclass
 class TrainerSection:
     """The loop, validation, checkpoints, trackers."""
 
+    mode: str = "sync"
+    """`sync`: each step trains on samples of the current weights. `one_step_off`: the batch
+    of step k+1 is generated before step k's update, so step k trains on samples one weight
+    version old (staleness 1; step 1's are fresh); see the controller README."""
+    overlap_generation: bool = True
+    """`one_step_off`: generate the next batch in a worker thread while this step's passes
+    and update run (the rollout engine holds its own weights until `sync_weights`). It keeps
+    the rollout engine awake during training; false generates ahead serially. Same numbers
+    either way; dynamic sampling and greedy baselines always generate serially."""
     steps: int = 36
     """RL steps. The demo, measured on 2 cores: ~9.5 s per step; held-out greedy accuracy
     29.5% -> 76.5% (200 items)."""
@@ -412,6 +456,8 @@ class TrainerSection:
         from tephra.controller.checkpoints import RESUME_MODES
         from tephra.controller.trackers import TRACKERS
 
+        if self.mode not in TRAINING_MODES:
+            raise ConfigError(f"trainer.mode={self.mode!r}: choose one of {list(TRAINING_MODES)}")
         if self.resume not in RESUME_MODES:
             raise ConfigError(f"trainer.resume={self.resume!r}: choose one of {list(RESUME_MODES)}")
         if any(s < 1 for s in self.profile_steps):
@@ -552,13 +598,14 @@ def validate(cfg: PPOConfig) -> None:
         raise ConfigError(
             f"algorithm.overlong_buffer={a.overlong_buffer} must be between 0 (off) and the "
             f"response budget {r.budget_name}={r.response_budget}")
-    if r.uses_agent_loop and r.backend != "hf":
-        raise ConfigError(
-            f"rollout.agent_loop with rollout.backend={r.backend!r}: the trainer runs agent "
-            "loops on the in-process `hf` backend only so far; set rollout.backend=hf")
     if a.needs("values") and cfg.critic.engine != cfg.actor.engine:
         raise ConfigError(f"critic.engine={cfg.critic.engine!r} differs from actor.engine="
                           f"{cfg.actor.engine!r}; the colocated worker runs one backend")
+    if a.rollout_correction != "none" and cfg.actor.objective.tis_level is not None:
+        raise ConfigError(
+            f"algorithm.rollout_correction={a.rollout_correction!r} with actor.objective."
+            f"tis_level={cfg.actor.objective.tis_level!r} would correct twice; use "
+            "algorithm.rollout_correction=tis (and its _level / _cap) alone")
     check_engine_support(cfg)
 
 

@@ -5,7 +5,9 @@
                                                         # each rank starts scoring its own
         ref     = wg.compute_ref_log_probs(batch)       # KL loss or KL in the reward
         values  = wg.compute_values(batch)              # estimators that need a critic
-        old     = wg.compute_log_probs(batch)           # several mini-batches or epochs
+        old     = wg.compute_log_probs(batch)           # several mini-batches or epochs, or
+                                                        # rollout_correction=tis (bypass: the
+                                                        # rollout's log-probs instead)
         scores  = wg.collect_scores()                   # scored while the passes above ran
         adv     = compute_advantages(estimator, ...)    # tephra.algos
         wg.update_critic(batch); wg.update_actor(batch) # mini-batches x epochs
@@ -14,13 +16,23 @@
 With `rollout.agent_loop` set, generation is multi-turn (tools between turns) and the batch's
 response_mask is 0 on the tokens the tools wrote, so the loss trains only the model's tokens.
 With `algorithm.dynamic_sampling` (DAPO) a step may generate several rounds of prompts.
+
+`trainer.mode=one_step_off` moves generation one step ahead: step k trains on the batch
+generated during step k-1 (before its update), and generates step k+1's batch before its own
+update, in a worker thread that overlaps the passes and the update when it can
+(`trainer.overlap_generation`). Every sample carries the version of the weights that
+generated it (= RL steps completed then); `staleness/*` logs the lag. The generated-ahead
+batch is saved with the checkpoint (`pending_batch.json`), so a resumed run trains on the
+very samples the uninterrupted run would have. `algorithm.rollout_correction` (none / tis /
+bypass, tephra.algos.rollout_correction) decides what the loss does about the lag.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +43,18 @@ from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.data import PromptLoader, PromptRecord
 from tephra.controller.rewarding import accuracy_of, check_not_all_failed
 from tephra.controller.rl_config import PPOConfig
-from tephra.controller.samples import PromptItem, Sample, agent_metrics, samples_to_batch
+from tephra.controller.samples import (
+    PromptItem,
+    Sample,
+    agent_metrics,
+    sample_from_dict,
+    sample_to_dict,
+    samples_to_batch,
+)
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_group import WorkerGroup
 from tephra.core.config import to_dict
+from tephra.core.errors import ConfigError
 
 
 @dataclass
@@ -58,6 +78,12 @@ class Round:
     """Groups whose samples did not all score the same (dynamic sampling)."""
     filler: int = 0
     """How many of the kept groups are flat ones added to fill the batch."""
+    indices: list[int] = field(default_factory=list)
+    """The prompts' indices in the training set (the items are rebuilt from them)."""
+    tag: str = ""
+    """Prefix of the items' sample ids."""
+    scored: bool = False
+    """Whether the samples' scores were collected from the workers."""
 
     @property
     def scores(self) -> list[float]:
@@ -78,6 +104,67 @@ class Round:
     @property
     def kept(self) -> list[Sample]:
         return [self.samples[g * self.n + k] for g in self.kept_groups for k in range(self.n)]
+
+
+PENDING_FILE = "pending_batch.json"
+"""The batch generated ahead (trainer.mode=one_step_off), in a checkpoint folder."""
+
+
+def round_to_dict(rnd: Round) -> dict[str, Any]:
+    """A round as JSON data; its items are rebuilt from `indices` and `tag` on load."""
+    return {"indices": rnd.indices, "tag": rnd.tag, "n": rnd.n, "kept_groups": rnd.kept_groups,
+            "informative": rnd.informative, "filler": rnd.filler, "scored": rnd.scored,
+            "samples": [sample_to_dict(s) for s in rnd.samples]}
+
+
+def round_from_dict(data: dict[str, Any], items: list[PromptItem]) -> Round:
+    """The inverse of `round_to_dict`, given the items rebuilt from its `indices`."""
+    return Round(items, [sample_from_dict(s) for s in data["samples"]], data["n"],
+                 kept_groups=list(data["kept_groups"]), informative=data["informative"],
+                 filler=data["filler"], indices=list(data["indices"]), tag=data["tag"],
+                 scored=data["scored"])
+
+
+def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
+    """`staleness/*`: version lag (`version`, the trainer's weights before the update, minus
+    each sample's `weight_version`) mean and max, and the samples' versions min and max."""
+    versions = [s.weight_version for s in samples]
+    lags = [version - v for v in versions]
+    return {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags)),
+            "staleness/weight_version_min": float(min(versions)),
+            "staleness/weight_version_max": float(max(versions))}
+
+
+def correct_old_log_probs(batch: TensorDict, correction: Any, recompute: bool,
+                          compute_log_probs: Callable[[TensorDict], torch.Tensor],
+                          ) -> tuple[dict[str, float], int]:
+    """Set batch["old_log_probs"] (and ["rollout_is_weights"]) as `correction` (a
+    tephra.algos.RolloutCorrectionConfig) says; returns (`rollout_corr/*` metrics, forward
+    passes run). The trainer's log-probs are computed when the mode needs them or when
+    `recompute` (several mini-batches / epochs), unless the mode replaces them (bypass);
+    without them, one mini-batch and epoch use the current log-probs (in the worker). The
+    mismatch metrics come whenever the trainer's log-probs were computed."""
+    from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction
+
+    meta = ROLLOUT_CORRECTIONS.meta(correction.mode)
+    passes = 0
+    if not meta.get("replaces_old_log_probs") and (recompute or meta["needs_train_log_probs"]):
+        batch["old_log_probs"] = compute_log_probs(batch)
+        passes = 1
+    train = batch["old_log_probs"] if passes else None
+    if "rollout_log_probs" not in batch.keys():
+        if correction.mode != "none":
+            raise ConfigError(f"algorithm.rollout_correction={correction.mode!r} needs the "
+                              "rollout's per-token log-probs, which this rollout did not return")
+        return {}, passes
+    if correction.mode == "none" and train is None:
+        return {}, passes
+    out = apply_rollout_correction(correction, batch["rollout_log_probs"], batch["response_mask"],
+                                   train)
+    batch["old_log_probs"] = out.old_log_probs
+    if out.weights is not None:
+        batch["rollout_is_weights"] = out.weights.to(batch["rollout_log_probs"].dtype)
+    return out.metrics, passes
 
 
 def dynamic_sampling_metrics(rounds: list[Round]) -> dict[str, float]:
@@ -169,6 +256,14 @@ class Trainer:
         self.make_group = make_group
         """Builds a fresh worker group (recovery after a worker died); None: no recovery."""
         self.restarts = 0
+        self.one_step_off = cfg.trainer.mode == "one_step_off"
+        # a worker thread generates ahead only when one plain `generate` makes the batch
+        self.overlap = (self.one_step_off and cfg.trainer.overlap_generation
+                        and not a.dynamic_sampling and not a.needs("baselines"))
+        self.pending: list[Round] | None = None
+        """The next step's batch, generated ahead (one_step_off) and scored."""
+        self.ahead: Round | None = None
+        """The round a worker thread is generating (overlap), until `finish_ahead`."""
 
     # ----- stages ------------------------------------------------------------------------
     def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]:
@@ -214,7 +309,7 @@ class Trainer:
 
     def dump_train(self, samples: list[Sample], batch: TensorDict) -> None:
         """The step's trained samples with their rewards and advantages, as JSONL."""
-        from tephra.controller.evaluation import EvalRow, write_jsonl
+        from tephra.controller.evaluation import EvalRow
 
         mask = batch["response_mask"].bool()
         advantages = [float(batch["advantages"][i][mask[i]].mean()) if mask[i].any() else 0.0
@@ -224,11 +319,17 @@ class Trainer:
                         response=s.text, score=s.score, ground_truth=None, data_source="",
                         answer=s.text.strip(), prompt_index=k // n, advantage=a)
                 for k, (s, a) in enumerate(zip(samples, advantages))]
-        write_jsonl(rows, self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl")
+        path = self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:  # EvalRow plus the generating weights' version
+            for row, s in zip(rows, samples):
+                f.write(json.dumps({**asdict(row), "weight_version": s.weight_version},
+                                   default=str) + "\n")
 
-    def collect(self) -> list[Round]:
-        """This step's rounds of generation. Without dynamic sampling: one round of
-        `batch.prompts_per_step` prompts, whose scoring overlaps the log-prob passes. With
+    def collect(self, step: int, scored: bool = False) -> list[Round]:
+        """The rounds of generation of step `step` (0-based; it seeds the sampling), by the
+        current weights. Without dynamic sampling: one round of `batch.prompts_per_step`
+        prompts, whose scoring overlaps the log-prob passes (`scored`: collected now). With
         `algorithm.dynamic_sampling` (DAPO): groups whose samples all got the same score (zero
         group-relative advantage) are dropped, and further rounds are generated until
         `prompts_per_step` groups are kept or `algorithm.max_gen_batches` rounds ran; a batch
@@ -243,17 +344,21 @@ class Trainer:
         while True:
             r = len(rounds)
             idx = self.loader.next_indices()
-            # round 0 keeps the seed of a run without dynamic sampling
-            seed = cfg.trainer.seed * 1_000_003 + self.step + r * 100_003
-            tag = f"step{self.step}" if r == 0 else f"step{self.step}r{r}"
+            tag = f"step{step}" if r == 0 else f"step{step}r{r}"
             items = self.items(idx, self.train, tag)
-            samples = self.wg.generate(items, self.sampling.replace(seed=seed))
-            rnd = Round(items, samples, n)
+            samples = self.wg.generate(items, self.sampling.replace(seed=self.seed_of(step, r)))
+            for s in samples:
+                s.weight_version = self.step
+            rnd = Round(items, samples, n, indices=idx, tag=tag)
             rounds.append(rnd)
             if not cfg.algorithm.dynamic_sampling:
                 rnd.keep(list(range(len(idx))))
-                return rounds  # scores are collected after the log-prob passes
+                if scored:
+                    self.attach_scores(samples)
+                    rnd.scored = True
+                return rounds  # else scores are collected after the log-prob passes
             self.attach_scores(samples)
+            rnd.scored = True
             keep, _ = filter_groups(torch.tensor(rnd.scores, dtype=torch.float32),
                                     torch.arange(len(samples)) // n)
             informative = [g for g in range(len(idx)) if bool(keep[g * n])]
@@ -268,6 +373,56 @@ class Trainer:
             rnd.keep(fill, filler=True)
             kept_groups += len(fill)
         return rounds
+
+    def seed_of(self, step: int, r: int) -> int:
+        """Sampling seed of round `r` of step `step` (round 0 keeps the seed of a run without
+        dynamic sampling; a batch generated ahead keeps the seed of its step)."""
+        return self.cfg.trainer.seed * 1_000_003 + step + r * 100_003
+
+    # ----- generation ahead (trainer.mode=one_step_off) --------------------------------------
+    def take_batch(self) -> list[Round]:
+        """This step's rounds: the batch generated ahead when there is one, else generated
+        now (the first step, or a run resumed from a checkpoint without one)."""
+        if self.pending is not None:
+            rounds, self.pending = self.pending, None
+            return rounds
+        return self.collect(self.step, scored=self.one_step_off)
+
+    def wants_ahead(self) -> bool:
+        """Whether this step generates the next one's batch: one_step_off, and the next step
+        runs (or a checkpoint after this last step keeps the batch for a longer rerun)."""
+        t = self.cfg.trainer
+        if not self.one_step_off:
+            return False
+        last = self.step + 1 >= t.steps
+        return not last or t.save_final or bool(t.save_every and t.steps % t.save_every == 0)
+
+    def start_ahead(self) -> None:
+        """Generate step `self.step + 1`'s batch with the current weights: in a worker thread
+        (`overlap`; `finish_ahead` takes it) or right now."""
+        step = self.step + 1
+        # two torch.profiler sessions cannot run at once: a profiled step (1-based `step`)
+        # generates serially
+        if not self.overlap or step in self.cfg.trainer.profile_steps:
+            self.pending = self.collect(step, scored=True)
+            return
+        idx = self.loader.next_indices()
+        tag = f"step{step}"
+        items = self.items(idx, self.train, tag)
+        self.wg.generate_ahead(items, self.sampling.replace(seed=self.seed_of(step, 0)))
+        self.ahead = Round(items, [], self.cfg.batch.samples_per_prompt, indices=idx, tag=tag)
+
+    def finish_ahead(self) -> None:
+        """Wait for the worker thread's samples, score them, keep them as `pending`."""
+        if self.ahead is None:
+            return
+        rnd, self.ahead = self.ahead, None
+        rnd.samples = self.attach_scores(self.wg.generated())
+        for s in rnd.samples:
+            s.weight_version = self.step  # launched before this step's update
+        rnd.keep(list(range(len(rnd.items))))
+        rnd.scored = True
+        self.pending = [rnd]
 
     def greedy_baselines(self, rounds: list[Round]) -> torch.Tensor:
         """ReMax's baseline: the reward of the greedy response to each sample's prompt [B]."""
@@ -327,12 +482,15 @@ class Trainer:
 
         n = cfg.batch.samples_per_prompt
         self.reward_seconds = 0.0
-        rounds = self.collect()
+        rounds = self.take_batch()
+        if self.wants_ahead():  # before the update: this step's weights sample the next batch
+            self.start_ahead()
         samples = [s for r in rounds for s in r.kept]
         batch = samples_to_batch(samples, self.tok.pad_token_id, n, self.multi_turn)
         # one group id per prompt of the step (a prompt drawn twice forms two groups)
         batch["uid"] = torch.arange(len(samples), dtype=torch.int64) // n
         lap("generate")
+        metrics: dict[str, float] = staleness_metrics(samples, self.step)
         forward_passes = 0
         if self.needs_ref:
             batch["ref_log_probs"] = self.wg.compute_ref_log_probs(batch)["log_probs"]
@@ -342,11 +500,14 @@ class Trainer:
             batch["values"] = self.wg.compute_values(batch)["values"]
             forward_passes += 1
             lap("values")
-        if cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1:
-            batch["old_log_probs"] = self.wg.compute_log_probs(batch)["log_probs"]
-            forward_passes += 1
+        corr_metrics, passes = correct_old_log_probs(
+            batch, cfg.algorithm.correction, cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1,
+            lambda b: self.wg.compute_log_probs(b)["log_probs"])
+        metrics.update(corr_metrics)
+        if passes:
+            forward_passes += passes
             lap("old_log_probs")
-        if not cfg.algorithm.dynamic_sampling:
+        if not all(r.scored for r in rounds):
             self.attach_scores(samples)
         times["time/reward_s"] = self.reward_seconds
         lap("reward_wait")
@@ -355,7 +516,6 @@ class Trainer:
         scores = raw + shaping
         batch["rewards"] = scores
         token_rewards = outcome_token_rewards(scores, batch["response_mask"])
-        metrics: dict[str, float] = {}
         if cfg.algorithm.kl_in_reward.enabled:
             token_rewards, kl_metrics = self.kl_reward(batch, token_rewards)
             metrics.update(kl_metrics)
@@ -379,6 +539,9 @@ class Trainer:
                         for k, v in self.wg.update_actor(batch).items()})
         trained_passes += cfg.batch.epochs
         lap("actor")
+        if self.ahead is not None:
+            self.finish_ahead()
+            lap("generate_wait")  # what the update did not hide of the next generation
         self.wg.sync_weights()
         lap("sync")
         step_s = time.perf_counter() - t_step
@@ -415,8 +578,13 @@ class Trainer:
 
     # ----- checkpoints -----------------------------------------------------------------------
     def save(self) -> None:
-        self.ckpt.save(self.step, lambda folder: self.wg.save_checkpoint(str(folder)),
-                       {"loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value})
+        def write(folder: Path) -> None:
+            self.wg.save_checkpoint(str(folder))
+            if self.pending is not None:  # the samples themselves: resuming needs no old weights
+                (folder / PENDING_FILE).write_text(json.dumps([round_to_dict(r) for r in self.pending]))
+
+        self.ckpt.save(self.step, write, {"loader": self.loader.state_dict(),
+                                          "kl_coef": self.kl_ctrl.value})
 
     def maybe_resume(self, resume: str | None = None) -> bool:
         t = self.cfg.trainer
@@ -429,6 +597,10 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
         self.step = int(state["step"])
+        pending = latest / PENDING_FILE
+        self.pending = ([round_from_dict(r, self.items(r["indices"], self.train, r["tag"]))
+                         for r in json.loads(pending.read_text())] if pending.exists() else None)
+        self.ahead = None
         print(f"resumed from {latest} at step {self.step}", flush=True)
         return True
 
@@ -454,8 +626,10 @@ class Trainer:
         self.close_group()
         self.wg = self.make_group()
         self.peak_flops = sum(self.wg.measure_peak_flops())
+        self.ahead = None  # a generation ahead died with the group
         if not self.maybe_resume(resume="auto"):
             self.step = 0
+            self.pending = None
             self.loader = PromptLoader(len(self.train.ids), self.cfg.batch.prompts_per_step,
                                        self.cfg.trainer.seed)
 

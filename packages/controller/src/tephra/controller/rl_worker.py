@@ -224,6 +224,28 @@ class RLWorker(Worker):
         self._scoring = None
         return [(score, error, seconds) for score, error in results]
 
+    # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
+    @dispatch(Dispatch.DP_SPLIT)
+    def generate_ahead(self, items: list[PromptItem], sampling: Any) -> None:
+        """Start `generate(items, sampling)` in a background thread and return at once, so the
+        rollout engine samples the next step's batch while this step's passes and update run
+        on the training engines (separate weights; the driver takes `generated()` before
+        `sync_weights`). One at a time."""
+        if getattr(self, "_ahead", None) is not None:
+            raise RuntimeError("generate_ahead called while a generation ahead is in flight")
+        if getattr(self, "_ahead_pool", None) is None:
+            self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
+        self._ahead = self._ahead_pool.submit(self.generate, items, sampling)
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def generated(self) -> list[Sample]:
+        """The samples of the last `generate_ahead` (waits for it; scoring runs as after
+        `generate`)."""
+        ahead, self._ahead = getattr(self, "_ahead", None), None
+        if ahead is None:
+            raise RuntimeError("generated called without a generate_ahead before it")
+        return ahead.result()
+
     # ----- forward passes --------------------------------------------------------------
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("old_log_probs")
@@ -287,13 +309,20 @@ class RLWorker(Worker):
     @dispatch(Dispatch.BROADCAST)
     @profiled("sync")
     def sync_weights(self) -> int:
-        """Stream the actor's weights into the rollout engine; returns tensors moved."""
+        """Stream the actor's weights into the rollout engine as one update (a server backend
+        re-buckets them by its own bucket size and counts one weight version); returns
+        tensors moved."""
         moved = 0
+
+        def tensors():
+            nonlocal moved
+            for bucket in self.actor.export_weights(untie_word_embeddings=True):
+                moved += len(bucket)
+                yield from bucket
+
         self.rollout.wake_up()
         with self.actor.eval_mode():
-            for bucket in self.actor.export_weights(untie_word_embeddings=True):
-                self.rollout.update_weights(bucket)
-                moved += len(bucket)
+            self.rollout.update_weights(tensors())
         return moved
 
     @dispatch(Dispatch.BROADCAST)

@@ -1,14 +1,15 @@
 """The typed objects that travel between the driver and the workers.
 
     PromptItem  driver -> worker: one prompt to sample (token ids, its data record, an id)
-    Sample      worker -> driver: one response (plain or multi-turn), scored on its rank
+    Sample      worker -> driver: one response (plain or multi-turn), scored on its rank,
+                tagged with the weight version that generated it
 
 A step's samples are prompt-major: prompt i's `n` samples are consecutive.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +61,10 @@ class Sample:
     """Tool calls that returned an error."""
     tool_rewards: dict[str, float] = field(default_factory=dict)
     """`Tool.calc_reward` of each tool used."""
+    weight_version: int = 0
+    """Version of the weights that generated it: the number of RL steps (weight syncs)
+    those weights had been updated by; the driver sets it. The version lag of a trained
+    sample is the trainer's version (the steps completed before the update) minus this."""
 
 
 def samples_to_batch(samples: list[Sample], pad_token_id: int, n: int,
@@ -109,3 +114,12 @@ def record_payload(record: PromptRecord) -> dict[str, Any]:
     """The parts of a record a worker's scorer reads (plain data, cheap to ship)."""
     return {"data_source": record.data_source, "ground_truth": record.ground_truth,
             "extra_info": record.extra_info}
+
+
+def sample_to_dict(sample: Sample) -> dict[str, Any]:
+    """A sample as plain JSON data (floats survive a JSON round trip exactly)."""
+    return asdict(sample)
+
+
+def sample_from_dict(data: dict[str, Any]) -> Sample:
+    return Sample(**data)

@@ -9,11 +9,12 @@ from tephra.rollout.base import (
     RolloutError,
     RolloutOutput,
     SamplingParams,
+    ServerDiedError,
     ServerSettings,
     get_rollout,
 )
 
 __all__ = [
     "ROLLOUT_BACKENDS", "Generation", "HFSettings", "Rollout", "RolloutConfig", "RolloutError",
-    "RolloutOutput", "SamplingParams", "ServerSettings", "get_rollout",
+    "RolloutOutput", "SamplingParams", "ServerDiedError", "ServerSettings", "get_rollout",
 ]

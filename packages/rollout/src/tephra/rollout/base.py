@@ -40,6 +40,11 @@ class RolloutError(TephraError, RuntimeError):
     name is unknown. The message says what happened and, for servers, ends with its log."""
 
 
+class ServerDiedError(RolloutError):
+    """A generation server that was running has exited (killed, out of memory): the process
+    is gone, so a trainer can restart it and go on from its last checkpoint."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample responses (the same meaning on every backend, vLLM's conventions)."""
@@ -151,8 +156,40 @@ class ServerSettings:
     untied copy of a tied model is served from). None: a temporary folder (same machine)."""
     log_path: str | None = None
     """File the started server's stdout/stderr go to. None: `server.log` in `weights_dir`."""
+    weight_sync: str = "memory"
+    """How `update_weights` reaches the server: `memory` (the server's weight-transfer API:
+    buckets broadcast over a private process group, gloo on CPU / NCCL on GPU; nothing touches
+    the disk) or `disk` (safetensors written under `weights_dir` and reloaded; a fallback for
+    servers started without tephra's transfer plugin, with a warning)."""
+    weight_bucket_mb: float = 256.0
+    """Largest bucket of a `memory` update in MiB (a larger single tensor travels alone): bounds
+    the extra memory an update holds on both sides; more buckets cost more round trips."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel size of each server (vLLM `--tensor-parallel-size`, SGLang `--tp-size`)."""
+    data_parallel_size: int = 1
+    """Data-parallel replicas inside each server (vLLM `--data-parallel-size`, SGLang
+    `--dp-size`)."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of GPU memory the server may take (vLLM `--gpu-memory-utilization`, SGLang
+    `--mem-fraction-static`); None: the server's default. Ignored by CPU builds (vLLM CPU sizes
+    its KV cache by `VLLM_CPU_KVCACHE_SPACE` in `env`)."""
+    sleep_mode: bool = False
+    """Start the server able to sleep: `sleep()` frees its weights and KV cache while the engine
+    trains, `wake_up()` restores them (vLLM `--enable-sleep-mode`; SGLang
+    `--enable-memory-saver`). vLLM's CPU build accepts the calls and frees nothing."""
 
     def __post_init__(self) -> None:
+        if self.weight_sync not in ("memory", "disk"):
+            raise ConfigError(f"weight_sync={self.weight_sync!r}: expected 'memory' (the server's "
+                              "weight-transfer API) or 'disk' (safetensors reload)")
+        if self.weight_bucket_mb <= 0:
+            raise ConfigError(f"weight_bucket_mb={self.weight_bucket_mb!r} must be > 0")
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size!r} and "
+                              f"data_parallel_size={self.data_parallel_size!r} must be >= 1")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in "
+                              "(0, 1] (or None for the server's default)")
         if self.startup_timeout_s <= 0:
             raise ConfigError(f"startup_timeout_s={self.startup_timeout_s!r} must be > 0")
         if self.request_timeout_s <= 0:

@@ -5,10 +5,14 @@ byte-level BPE tokenizer, built in about a second and saved as a normal Hugging 
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tephra.rollout.base import Generation, Rollout
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -169,3 +173,62 @@ def live_processes(marker: str) -> list[int]:
             if state != "Z":
                 found.append(int(entry.name))
     return found
+
+
+class ScriptedRollout(Rollout):
+    """A model whose turn k of every trajectory is `script(session, k)` (+ EOS); turns past the
+    script go to `fallback` (a real backend) when given. Records every request."""
+
+    def __init__(
+        self,
+        tokenizer,
+        script: Callable[[str, int], str | None],
+        fallback: Rollout | None = None,
+        events: list | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.script = script
+        self.fallback = fallback
+        self.config = fallback.config if fallback is not None else None
+        self.turns: dict[str, int] = {}
+        self.requests: list[tuple[str, list[int], Generation]] = []
+        self.events = events if events is not None else []
+        self.in_flight = self.peak_in_flight = 0
+
+    async def agenerate(self, prompt_ids, sampling, session_id=None):
+        turn = self.turns.get(session_id, 0)
+        self.turns[session_id] = turn + 1
+        text = self.script(session_id, turn)
+        self.events.append(("gen_start", session_id, turn))
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            if text is None:
+                gen = await self.fallback.agenerate(prompt_ids, sampling, session_id)
+            else:
+                await asyncio.sleep(0)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)[
+                    : sampling.max_tokens - 1
+                ]
+                ids.append(self.tokenizer.eos_token_id)
+                gen = Generation(ids, [-0.01 * (i + 1) for i in range(len(ids))], "stop")
+        finally:
+            self.in_flight -= 1
+        self.events.append(("gen_end", session_id, turn))
+        self.requests.append((session_id, list(prompt_ids), gen))
+        return gen
+
+    def generate(self, prompts, sampling):
+        raise NotImplementedError("scripted model serves agenerate only")
+
+    def update_weights(self, named_tensors):
+        pass
+
+    def sleep(self):
+        pass
+
+    def wake_up(self):
+        pass
+
+    def close(self):
+        pass

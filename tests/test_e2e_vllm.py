@@ -1,0 +1,116 @@
+"""The trainer on the `vllm` rollout backend (a real vLLM CPU server): the colocated worker's
+rollout log-probs against its engine's, the server following each update in memory, and the
+app's smoke presets (plain and multi-turn with the python tool) training 2 steps."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tephra.apps.ppo.main import parse_config, run
+from tephra.controller.ppo import prepare
+from tephra.controller.rl_worker import RLWorker
+from tephra.controller.samples import PromptItem, samples_to_batch
+from tephra.controller.testing import SMOKE_REWARD
+from tephra.controller.trackers import read_jsonl
+from tephra.rollout.backends.server_process import free_port
+from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
+
+pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    out = subprocess.run(["bash", str(REPO / "scripts" / "build_vllm_env.sh")], capture_output=True,
+                         text=True, timeout=1800, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _config(tmp_path, vllm_python, *overrides):
+    reward = tmp_path / "reward.py"
+    reward.write_text(SMOKE_REWARD)
+    return parse_config(["-p", "smoke", f"reward.custom_function_path={reward}",
+                         "rollout.backend=vllm", f"rollout.vllm.python={vllm_python}",
+                         f"trainer.run_dir={tmp_path / 'run'}", *overrides])
+
+
+def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_python):
+    cfg = _config(tmp_path, vllm_python, "rollout.vllm.weight_bucket_mb=0.05")
+    prepared = prepare(cfg)
+    worker = RLWorker(0, 1, "127.0.0.1", free_port(), 1, cfg=cfg, model_path=prepared.model_path)
+    hf = None
+    try:
+        rollout = worker.rollout
+        assert rollout.weight_version == 1 and rollout.last_update_stats["buckets"] > 1
+        tok = prepared.tokenizer
+        items = [PromptItem(prepared.train.ids[i], prepared.train.records[i], f"p{i}")
+                 for i in range(2)]
+        sampling = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=5,
+                                  stop_token_ids=(tok.eos_token_id,))
+        samples = worker.generate(items, sampling, score=False)
+        batch = samples_to_batch(samples, tok.pad_token_id, n=4, multi_turn=False)
+        mask = batch["response_mask"].bool()
+
+        # the server's per-token log-probs are the trainer's (fp32), token for token
+        trainer = worker.compute_log_probs(batch)["log_probs"]
+        gap = (trainer - batch["rollout_log_probs"]).abs()[mask]
+        assert mask.sum() > 0 and gap.max() < TOL
+
+        # one update of the actor, then the sync: in memory, nothing in the weights folder
+        files = sorted(p.name for p in rollout.weights_dir.iterdir())
+        advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+        batch["advantages"] = advantages
+        batch["global_token_count"] = torch.full((len(samples),), float(mask.sum()))
+        batch["global_seq_count"] = torch.full((len(samples),), float(len(samples)))
+        metrics = worker.update_actor(batch)
+        assert metrics["grad_norm"] > 0
+        worker.sync_weights()
+        assert rollout.weight_version == 2
+        assert sorted(p.name for p in rollout.weights_dir.iterdir()) == files
+
+        # the server generates what HF generates with the engine's updated weights
+        hf = get_rollout("hf", RolloutConfig(model_path=prepared.model_path, max_model_len=256))
+        with worker.actor.eval_mode():
+            hf.update_weights(itertools.chain.from_iterable(
+                worker.actor.export_weights(untie_word_embeddings=True)))
+        greedy = SamplingParams(temperature=0.0, max_tokens=8)
+        prompts = [list(i.prompt_ids) for i in items]
+        ours, reference = rollout.generate(prompts, greedy), hf.generate(prompts, greedy)
+        assert ours.response_ids == reference.response_ids
+        for a, b in zip(ours.log_probs, reference.log_probs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=TOL, rtol=0)
+        after = worker.compute_log_probs(samples_to_batch(
+            worker.generate(items, sampling, score=False), tok.pad_token_id, n=4, multi_turn=False))
+        assert not torch.equal(after["log_probs"], trainer)
+    finally:
+        worker.rollout.close()
+        if hf is not None:
+            hf.close()
+
+
+@pytest.mark.parametrize("preset", ["smoke", "smoke_tools"])
+def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset):
+    """Validation goes through the same server: greedy before training (smoke), 2 samples per
+    prompt at temperature 1 after it (smoke_tools, multi-turn)."""
+    extra = (["-p", "smoke_tools", "trainer.val_after=true", "trainer.val.n=2",
+              "trainer.val.temperature=1.0", "trainer.val.ks=[1,2]"]
+             if preset == "smoke_tools" else ["trainer.val_before=true"])
+    result = run(_config(tmp_path, vllm_python, *extra))
+    assert result["steps"] == 2
+    accuracy = result["accuracy_after" if preset == "smoke_tools" else "accuracy_before"]
+    assert accuracy is not None and 0.0 <= accuracy <= 1.0
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert math.isfinite(r["actor/loss"]) and r["time/sync_s"] > 0
+        assert r["response/length_mean"] > 0
+    if preset == "smoke_tools":
+        assert records[0]["agent/turns_mean"] >= 1
