@@ -355,6 +355,9 @@ def malformed_ray_address(tmp, mp):
     ray_init("headnode")
 
 
+LOGGED = r"reward scoring: 2 of 2 items failed and scored 0.0 \(by data_source: \{'my_task': 2\}\)"
+"""The manager's warning for a batch whose scorer failed (the first traceback is logged too)."""
+
 CASES = [
     # --- data rows (verl parquet) and files
     Case("parquet: row without prompt", _load_parquet(_row(), _row(prompt=None)), "DatasetError",
@@ -406,16 +409,16 @@ CASES = [
     # --- reward functions
     Case("reward function raises",
          reward("def compute_score(**kw):\n    raise ValueError('no answer key')\n"), None,
-         (r"ValueError: no answer key",), skipped=2),
+         (r"ValueError: no answer key", LOGGED), skipped=2),
     Case("reward function returns NaN", reward("def compute_score(**kw):\n    return float('nan')\n"),
-         None, (r"scorer 'custom' returned a non-finite score \(nan\)", r"return a finite number"),
-         skipped=2),
+         None, (r"scorer 'custom' returned a non-finite score \(nan\)", r"return a finite number",
+                LOGGED), skipped=2),
     Case("reward function returns a string", reward("def compute_score(**kw):\n    return '1.0'\n"),
-         None, (r"returned score='1.0' of type str", r"return a number"), skipped=2),
+         None, (r"returned score='1.0' of type str", r"return a number", LOGGED), skipped=2),
     Case("reward function hangs",
          reward("import time\ndef compute_score(**kw):\n    time.sleep(30)\n", timeout_s=0.2),
          None, (r"RewardTimeout: scorer 'custom' did not return within reward.timeout_s=0.2 s",
-                r"raise reward.timeout_s"), skipped=2),
+                r"raise reward.timeout_s", LOGGED), skipped=2),
     Case("reward function fails on every sample", reward_fails_everywhere, "RewardFailure",
          (r"failed on all 2 samples", r"KeyError: 'answer'", r"reward.custom_function_path")),
     Case("reward file without compute_score", reward_file_without_function, "RewardFunctionError",
