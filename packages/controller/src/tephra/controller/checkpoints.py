@@ -6,10 +6,15 @@ state and a manifest of every file's size and SHA-256, and renames the folder to
 (`commit`). A run killed mid-save leaves only a `.tmp` folder, which is never resumed from.
 A committed checkpoint whose files no longer match its manifest (a torn copy, a full disk,
 bit rot) is skipped with a warning, and the previous one is used.
+
+A save that runs out of disk (ENOSPC, a full quota) removes its `.tmp` folder and raises a
+`CheckpointError` naming the run's checkpoint folder and what to do; the checkpoints before
+it are untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -17,6 +22,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,18 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 RESUME_MODES = ("auto", "off", "must")
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` is a full disk or quota, also when a Ray worker raised it (Ray's task
+    error subclasses the cause's type but drops its errno; `.cause` holds the original)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc and is_disk_full(cause):
+        return True
+    return isinstance(exc, OSError) and (
+        exc.errno in DISK_FULL or "No space left on device" in str(exc)
+        or "Disk quota exceeded" in str(exc))
 
 
 def _sha256(path: Path) -> str:
@@ -81,6 +99,26 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         return tmp
+
+    def save(self, step: int, write: Callable[[Path], None], state: dict[str, Any]) -> Path:
+        """`begin`, `write(tmp folder)` (the workers' engine state), `commit`. A full disk
+        anywhere in between removes the temporary folder and raises `CheckpointError`."""
+        tmp = self.begin(step)
+        try:
+            write(tmp)
+            return self.commit(step, state)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+            cause = getattr(exc, "cause", None) or exc  # a Ray worker's error: the original
+            raise CheckpointError(
+                f"checkpoint of step {step} failed: the disk under {self.root} is full "
+                f"({free / 2**20:.0f} MiB free; {type(cause).__name__}: "
+                f"{str(cause).strip().splitlines()[0]}). Free space there, lower "
+                "trainer.keep_checkpoints, or set trainer.run_dir to a bigger disk; the "
+                f"previous checkpoint ({self.latest()}) is intact") from exc
 
     def commit(self, step: int, state: dict[str, Any]) -> Path:
         """Add the driver's state and the manifest to step `step`'s temporary folder and

@@ -44,26 +44,53 @@ def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord
             "'reward_model.ground_truth' (see the controller README, Data format)"
         )
 
-    prompt = row.get("prompt")
+    prompt = _text(row.get("prompt"), fail, "prompt")
     if prompt is None:
         raise fail("prompt", "is missing")
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    prompt = list(prompt)
+    if not isinstance(prompt, list | tuple) or not prompt:
+        raise fail("prompt", f"is {prompt!r}, not a non-empty list of messages")
+    messages = []
     for m in prompt:
         # a struct column fills a missing key with None, so None counts as missing
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m.get("content") is None:
             raise fail("prompt", f"holds {m!r}, not a {{role, content}} message")
+        content = _text(m.get("content"), fail, "prompt.content")
+        if not isinstance(content, str | list):  # a list: multimodal content parts
+            raise fail("prompt.content", f"is {content!r}, not text")
+        messages.append({**m, "content": content})
     source = row.get("data_source")
     if not isinstance(source, str) or not source:
         raise fail("data_source", "is missing" if source is None else f"is {source!r}, not a name")
     reward_model = row.get("reward_model")
-    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    truth = _text(truth, fail, "reward_model.ground_truth")
+    if truth is None:
         raise fail("reward_model.ground_truth", "is missing")
+    if isinstance(truth, str | list | dict) and not (truth.strip() if isinstance(truth, str) else truth):
+        # an empty answer scores every response wrong (or right): the row trains nothing
+        raise fail("reward_model.ground_truth", f"is empty ({truth!r})")
     extra = row.get("extra_info") or {}
     if isinstance(extra, str):
-        extra = json.loads(extra)
-    return PromptRecord([dict(m) for m in prompt], source, reward_model["ground_truth"], dict(extra))
+        try:
+            extra = json.loads(extra)
+        except json.JSONDecodeError as exc:
+            raise fail("extra_info", f"is a string but not JSON ({exc})") from None
+    if not isinstance(extra, dict):
+        raise fail("extra_info", f"is {type(extra).__name__}, not a dict (or a JSON object)")
+    return PromptRecord(messages, source, truth, dict(extra))
+
+
+def _text(value: Any, fail: Callable[[str, str], DatasetError], field_name: str) -> Any:
+    """`value`, with bytes (a binary column) decoded as UTF-8; other bytes are an error."""
+    if not isinstance(value, bytes):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail(field_name, f"holds bytes that are not UTF-8 ({exc.reason} at byte "
+                               f"{exc.start}); re-encode the file as UTF-8") from None
 
 
 def load_parquet(path: str | Path) -> list[PromptRecord]:
@@ -73,9 +100,14 @@ def load_parquet(path: str | Path) -> list[PromptRecord]:
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"data file {path} does not exist; set data.train_files to a parquet file")
-    rows = pq.read_table(path).to_pylist()
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (OSError, ValueError) as exc:  # pyarrow: not parquet, truncated, bad UTF-8
+        raise DatasetError(f"data file {path} cannot be read as parquet ({exc}); set "
+                           "data.train_files to a parquet file (verl row format)") from None
     if not rows:
-        raise DatasetError(f"data file {path} has no rows")
+        raise DatasetError(f"data file {path} has no rows; add rows or remove it from "
+                           "data.train_files / data.val_files")
     return [record_from_row(r, i, path.name) for i, r in enumerate(rows)]
 
 
@@ -121,7 +153,14 @@ def load_hf_dataset(name: str, split: str = "train") -> list[PromptRecord]:
     else:
         raise DatasetError(f"hf dataset {name} does not exist; set data.train_files to a "
                            "save_to_disk folder, a data file or folder, or a Hub name")
-    return [record_from_row(r, i, where) for i, r in enumerate(ds)]
+    records = []
+    try:
+        for i, row in enumerate(ds):
+            records.append(record_from_row(row, i, where))
+    except UnicodeDecodeError as exc:  # pyarrow decodes strings lazily, row by row
+        raise DatasetError(f"row {len(records)} of {where}: text that is not UTF-8 ({exc}); "
+                           "re-encode the file as UTF-8") from None
+    return records
 
 
 REASONING_GYM_PREFIX = "reasoning_gym/"

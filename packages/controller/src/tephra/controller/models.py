@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tephra.engine_api.errors import ConfigError
 
@@ -31,7 +32,36 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
         raise ConfigError(
             f"model.path={path!r} has no config.json; it must be a Hugging Face model folder "
             "(save one with model.save_pretrained(folder) and tokenizer.save_pretrained(folder))")
+    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise ConfigError(
+            f"model.path={path!r} has no weights (none of {list(WEIGHT_FILES)}); save the model "
+            "there with model.save_pretrained(folder), or point model.path at a complete folder")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would build a 1-token tokenizer from the config alone, silently
+        raise ConfigError(
+            f"model.path={path!r} has no tokenizer (none of {list(TOKENIZER_FILES)}); save one "
+            "there with tokenizer.save_pretrained(folder)")
     return str(folder)
+
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The model folder's tokenizer, with a pad token and a chat template (the prompts are
+    chat-formatted); a tokenizer without a template is a `ConfigError`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        raise ConfigError(
+            f"the tokenizer of model.path={model_path!r} has no chat template, and prompts are "
+            "chat-formatted; use an instruct model, or add one (a chat_template.jinja file in "
+            "the folder, or tokenizer.chat_template = ... then tokenizer.save_pretrained)")
+    return tokenizer
 
 
 def count_parameters(path: str) -> int:

@@ -78,14 +78,10 @@ class Prepared:
 
 def prepare(cfg: PPOConfig) -> Prepared:
     """Resolve the model, tools and data; tokenise the prompts. Fails before Ray starts."""
-    from transformers import AutoTokenizer
-
-    from tephra.controller.models import resolve_model_path
+    from tephra.controller.models import load_tokenizer, resolve_model_path
 
     model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(model_path)
     r = cfg.rollout
     tools_file = resolve_tools_file(r.tools_file) if r.uses_agent_loop and r.tools_file else None
     render = None

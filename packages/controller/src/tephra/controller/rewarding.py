@@ -44,7 +44,8 @@ def check_not_all_failed(errors: Sequence[str | None]) -> None:
     if errors and len(failed) == len(errors):
         raise RewardFailure(
             f"the reward function failed on all {len(errors)} samples of the batch; first "
-            f"error: {failed[0].strip().splitlines()[-1]}"
+            f"error: {failed[0].strip().splitlines()[-1]}; fix the scorer of these data "
+            "sources (or reward.custom_function_path), or the rows' ground truth"
         )
 
 

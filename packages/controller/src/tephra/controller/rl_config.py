@@ -194,6 +194,15 @@ class RolloutSection:
                 raise ConfigError(f"rollout.{exc}") from None
         if self.max_tokens < 1:
             raise ConfigError(f"rollout.max_tokens={self.max_tokens} must be >= 1")
+        from tephra.rollout.base import DTYPES
+
+        if self.dtype not in DTYPES:  # the backend checks too, but only once Ray runs
+            raise ConfigError(f"rollout.dtype={self.dtype!r} is not allowed; choose one of "
+                              f"{list(DTYPES)}")
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
 
     @property
     def uses_agent_loop(self) -> bool:
@@ -454,8 +463,10 @@ class TrainerSection:
         if any(s < 1 for s in self.profile_steps):
             raise ConfigError(f"trainer.profile_steps={self.profile_steps}: steps are 1-based")
 
-        if self.steps < 0:
-            raise ConfigError(f"trainer.steps={self.steps} must be >= 0")
+        for name in ("steps", "max_restarts", "save_every", "keep_checkpoints", "val_every",
+                     "dump_generations"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 0")
         for name in self.trackers:
             _check_name("trainer.trackers", name, TRACKERS)
 
@@ -490,6 +501,8 @@ class ResourcesSection:
             raise ConfigError(f"resources.world_size={self.world_size} must be >= 1")
         if self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
             raise ConfigError("resources.cpus_per_rank and gpus_per_rank must be >= 0")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"resources.num_cpus={self.num_cpus} must be >= 1 (or null: all)")
 
 
 @dataclass

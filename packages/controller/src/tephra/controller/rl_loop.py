@@ -583,12 +583,13 @@ class Trainer:
 
     # ----- checkpoints -----------------------------------------------------------------------
     def save(self) -> None:
-        folder = self.ckpt.begin(self.step)
-        self.wg.save_checkpoint(str(folder))
-        if self.pending is not None:  # the samples themselves: resuming needs no old weights
-            (folder / PENDING_FILE).write_text(json.dumps([round_to_dict(r) for r in self.pending]))
-        self.ckpt.commit(self.step, {"loader": self.loader.state_dict(),
-                                     "kl_coef": self.kl_ctrl.value})
+        def write(folder: Path) -> None:
+            self.wg.save_checkpoint(str(folder))
+            if self.pending is not None:  # the samples themselves: resuming needs no old weights
+                (folder / PENDING_FILE).write_text(json.dumps([round_to_dict(r) for r in self.pending]))
+
+        self.ckpt.save(self.step, write, {"loader": self.loader.state_dict(),
+                                          "kl_coef": self.kl_ctrl.value})
 
     def maybe_resume(self, resume: str | None = None) -> bool:
         t = self.cfg.trainer

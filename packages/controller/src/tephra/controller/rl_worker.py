@@ -14,6 +14,7 @@ waits for it), as in verl's "reward computed while log-probs run".
 from __future__ import annotations
 
 import functools
+import math
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -283,6 +284,8 @@ class RLWorker(Worker):
                 for i in range(mb):
                     metrics = dict(engine.forward_backward(batch[i * size : (i + 1) * size], loss_fn))
                     metrics["grad_norm"] = float(engine.optimizer_step())
+                    # a non-finite norm means the engine skipped the update: count it
+                    metrics["skipped_update_frac"] = float(not math.isfinite(metrics["grad_norm"]))
                     metrics["lr"] = float(engine.lr_scheduler_step())
                     for k, v in metrics.items():
                         totals[k] = totals.get(k, 0.0) + float(v)

@@ -50,6 +50,8 @@ def ray_init(address: str | None = None, num_cpus: int | None = None, **kwargs: 
         from ray._private import ray_constants
 
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    if address not in (None, "auto", "local"):
+        check_reachable(address)
     env = {"TOKENIZERS_PARALLELISM": "false"}
     for key in ("TEPHRA_CACHE", "HF_HUB_OFFLINE", "HF_HOME", "PYTHONPATH"):
         if key in os.environ:
@@ -62,6 +64,22 @@ def ray_init(address: str | None = None, num_cpus: int | None = None, **kwargs: 
         runtime_env={"env_vars": env},
         **kwargs,
     )
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse a Ray address nothing answers on: `ray.init` would retry it for minutes."""
+    host_port = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"resources.ray_address={address!r}: write host:port (e.g. "
+                          "10.0.0.5:6379 or ray://10.0.0.5:10001), or null for a local session")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"resources.ray_address={address!r}: nothing answers there ({exc}); start the "
+            "cluster (`ray start --head` on that node) and check host and port, or set "
+            "resources.ray_address=null for a local session") from None
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

@@ -267,7 +267,13 @@ def parse_overrides(cls: type, args: list[str]) -> dict[str, Any]:
         if _is_text(types_of[key]):
             value = None if raw in ("null", "~") else raw
         else:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError as exc:
+                problem = getattr(exc, "problem", None) or "bad YAML"
+                raise ConfigError(
+                    f"override {arg!r}: the value is not valid YAML ({problem}); quote it or "
+                    "close its brackets, e.g. trainer.trackers=[console,jsonl]") from None
         node = out
         parts = key.split(".")
         for part in parts[:-1]:

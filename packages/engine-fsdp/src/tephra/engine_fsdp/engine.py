@@ -8,6 +8,7 @@ helpers beside it: `model_builder` (HF policy / value models), `lora` (peft adap
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -27,6 +28,8 @@ from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, ulysses
 from tephra.engine_fsdp.model_builder import build_model, decoder_layers
 from tephra.engine_fsdp.schedulers import build_scheduler
 from tephra.engine_fsdp.scorer import TokenScorer, check_output_head
+
+logger = logging.getLogger(__name__)
 
 
 class FSDPEngine(Engine):
@@ -74,6 +77,8 @@ class FSDPEngine(Engine):
         )
         self.scheduler = build_scheduler(self.optimizer, config.scheduler)
         self.step = 0
+        self.skipped_updates = 0
+        """Optimizer steps skipped for a non-finite gradient norm."""
         self._optimizer_on_device = True
         torch.manual_seed(config.seed + self.dp_rank)
         self._offload_optimizer()
@@ -314,6 +319,12 @@ class FSDPEngine(Engine):
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.step += 1
+        else:  # a NaN/inf loss or gradient: keep the weights, count and say so
+            self.skipped_updates += 1
+            logger.warning("optimizer step skipped: gradient norm is %s (a NaN or inf loss); "
+                           "the weights are unchanged (%d skipped so far). Look for inf "
+                           "rewards or advantages, or lower optimizer.lr", grad_norm,
+                           self.skipped_updates)
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 

@@ -53,6 +53,10 @@ class RewardConfig:
     but fork, a script using it needs an `if __name__ == "__main__":` guard) or `serial`."""
     num_workers: int = 4
     """Threads or processes scoring one batch (ignored by `serial`)."""
+    timeout_s: float | None = None
+    """Seconds one scorer call may take; a later one scores 0.0 and counts as an error
+    (`RewardTimeout`). Each call then runs on a daemon thread, left running when late (so
+    math-verify's own alarm-based timeout, main thread only, is off). None: no limit."""
     raise_on_error: bool = False
     """Raise when a scorer raises; by default the item scores 0.0, the error is counted per
     data_source in the report and the first traceback of each data_source is logged."""
@@ -60,6 +64,8 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
             raise ConfigError(f"reward.executor={self.executor!r} is not allowed; choose one of {list(EXECUTORS)}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ConfigError(f"reward.timeout_s={self.timeout_s} must be > 0 (or null: no limit)")
         if self.num_workers < 1:
             raise ConfigError(f"reward.num_workers={self.num_workers} must be >= 1")
         if self.custom_function_path is not None and self.reward_model_path is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
+import threading
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -96,21 +97,53 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     return scorer(data_source, solution_str, ground_truth, extra_info)
 
 
-def _score_one(scorer: Scorer, scorer_name: str, item: RewardInput) -> tuple[RewardResult, str | None]:
+class RewardTimeout(RewardError):
+    """A scorer did not return within `reward.timeout_s`."""
+
+
+def _call_scorer(scorer: Scorer, scorer_name: str, item: RewardInput, timeout_s: float | None) -> Any:
+    """`scorer(item)`, bounded by `timeout_s` when set: the call runs on a daemon thread that
+    is abandoned when late (Python cannot stop a thread; it ends with the process)."""
+    args = (item.data_source, item.solution_str, item.ground_truth, item.extra_info)
+    if timeout_s is None:
+        return scorer(*args)
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = scorer(*args)
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="reward-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeout(
+            f"scorer {scorer_name!r} did not return within reward.timeout_s={timeout_s:g} s on "
+            f"data_source {item.data_source!r}; fix the scorer's loop, or raise reward.timeout_s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _score_one(scorer: Scorer, scorer_name: str, item: RewardInput,
+               timeout_s: float | None = None) -> tuple[RewardResult, str | None]:
     """Score one item, turning an exception into (0.0 with its message, formatted traceback).
 
     Module-level so that process-pool workers can run it; the traceback travels as text
     because exceptions of user code are not always picklable.
     """
     try:
-        value = scorer(item.data_source, item.solution_str, item.ground_truth, item.extra_info)
+        value = _call_scorer(scorer, scorer_name, item, timeout_s)
         return normalize_score(value, scorer_name), None
     except Exception as exc:
         return RewardResult(score=0.0, error=f"{type(exc).__name__}: {exc}"), traceback.format_exc()
 
 
-def _score_chunk(scorer_names: list[str], scorers: list[Scorer], items: list[RewardInput]) -> list[tuple[RewardResult, str | None]]:
-    return [_score_one(s, n, i) for s, n, i in zip(scorers, scorer_names, items, strict=True)]
+def _score_chunk(scorer_names: list[str], scorers: list[Scorer], items: list[RewardInput],
+                 timeout_s: float | None = None) -> list[tuple[RewardResult, str | None]]:
+    return [_score_one(s, n, i, timeout_s) for s, n, i in zip(scorers, scorer_names, items, strict=True)]
 
 
 class RewardManager:
@@ -179,11 +212,12 @@ class RewardManager:
         return results
 
     def _run(self, names: list[str], scorers: list[Scorer], items: list[RewardInput]) -> list[tuple[RewardResult, str | None]]:
+        timeout = self.config.timeout_s
         if self.config.executor == "serial" or len(items) <= 1:
-            return _score_chunk(names, scorers, items)
+            return _score_chunk(names, scorers, items, timeout)
         pool = self._get_pool()
         if self.config.executor == "thread":
-            return list(pool.map(_score_one, scorers, names, items))
+            return list(pool.map(_score_one, scorers, names, items, [timeout] * len(items)))
         for name, scorer in {n: s for n, s in zip(names, scorers, strict=True)}.items():
             try:
                 pickle.dumps(scorer)
@@ -195,7 +229,7 @@ class RewardManager:
         # Chunks amortise the pickling round trip; 4 chunks per worker balance uneven items.
         size = max(1, -(-len(items) // (4 * self.config.num_workers)))
         chunks = [slice(i, i + size) for i in range(0, len(items), size)]
-        futures = [pool.submit(_score_chunk, names[c], scorers[c], items[c]) for c in chunks]
+        futures = [pool.submit(_score_chunk, names[c], scorers[c], items[c], timeout) for c in chunks]
         try:
             return [outcome for future in futures for outcome in future.result()]
         except BrokenProcessPool as exc:

@@ -97,7 +97,8 @@ def _as_finite_float(value: Any, scorer: str, what: str) -> float:
     if isinstance(value, (str, bytes)):
         # float("1.0") would pass, but a string score is a scorer bug worth surfacing.
         raise RewardError(
-            f"scorer {scorer!r} returned {what}={value!r} of type str; expected a number"
+            f"scorer {scorer!r} returned {what}={value!r} of type str; return a number "
+            f"(e.g. float(...)) or a dict with a numeric 'score'"
         )
     try:
         number = float(value)
@@ -108,5 +109,6 @@ def _as_finite_float(value: Any, scorer: str, what: str) -> float:
         ) from None
     if not math.isfinite(number):
         # A NaN reward silently poisons every advantage of its group.
-        raise RewardError(f"scorer {scorer!r} returned a non-finite {what} ({number})")
+        raise RewardError(f"scorer {scorer!r} returned a non-finite {what} ({number}); return a "
+                          f"finite number (guard divisions by zero, map NaN to 0.0)")
     return number

@@ -146,7 +146,10 @@ class MCPToolset:
                 "", error=f"mcp tool {name!r} did not answer within {self.timeout_s} s"
             )
         except Exception as exc:
-            return ToolResult("", error=f"mcp tool {name!r} failed: {exc}")
+            # a dead server fails every later call at once (no hang): the model sees the
+            # error, and the message says where to look
+            return ToolResult("", error=f"mcp tool {name!r} failed: {exc} (server: "
+                              f"{self.describe()}; if it exited, see its log: server_log)")
         parts = [
             getattr(c, "text", None) or f"[{getattr(c, 'type', 'content')}]"
             for c in (result.content or [])

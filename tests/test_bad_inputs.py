@@ -1,0 +1,553 @@
+"""The bad-input campaign (issue #20): one table, one row per bad input. Each ends in ONE
+clear tephra error whose message names the input, the field and the fix, or in a skip that
+is counted and logged; never a stack trace from deep in a library, never silent data loss.
+
+Every case calls the cheapest layer that shows the behaviour (the config loader, the data
+loaders, the model-folder checks, the reward manager, the tools loader, the checkpoint
+manager, one in-process engine); nothing starts Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import re
+import shutil
+import socket
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tephra.core.errors import CheckpointError, ConfigError, RegistryError, TephraError
+
+
+@dataclass
+class Skipped:
+    """What a case that skips returns: how many items were skipped and the text (log lines,
+    tool errors) that reports them."""
+
+    count: int
+    text: str
+
+
+@dataclass
+class Case:
+    id: str
+    run: Callable[[Path, pytest.MonkeyPatch], Skipped | None]
+    error: type[Exception] | str | None
+    """The error class (or its name, for classes imported lazily) it raises; None: a skip."""
+    says: tuple[str, ...]
+    """Regexes the message (or the skip's report) must match: the input, field and fix."""
+    skipped: int = 0
+
+
+# ----- helpers ------------------------------------------------------------------------------
+def _row(**fields: Any) -> dict[str, Any]:
+    row = {"prompt": [{"role": "user", "content": "What is 1+1?"}], "data_source": "gsm8k",
+           "reward_model": {"ground_truth": "2"}}
+    row.update(fields)
+    return {k: v for k, v in row.items() if v is not ...}
+
+
+def _parquet(tmp: Path, *rows: dict[str, Any], name: str = "train.parquet") -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp / name
+    pq.write_table(pa.Table.from_pylist(list(rows)), path)
+    return path
+
+
+def _load_parquet(*rows: dict[str, Any]) -> Callable:
+    def run(tmp, mp):
+        from tephra.controller.data import load_parquet
+
+        load_parquet(_parquet(tmp, *rows))
+    return run
+
+
+def _tiny_copy(tmp: Path, *remove: str) -> Path:
+    from tephra.controller.models import resolve_model_path
+
+    folder = tmp / "model"
+    shutil.copytree(resolve_model_path("tiny"), folder)
+    for name in remove:
+        (folder / name).unlink()
+    return folder
+
+
+def _parse(*overrides: str):
+    from tephra.apps.ppo.main import parse_config
+
+    return parse_config(["-p", "smoke", *overrides])
+
+
+def unknown_preset(tmp, mp):
+    from tephra.apps.ppo.main import parse_config
+
+    parse_config(["-p", "smok"])
+
+
+def _config(*overrides: str) -> Callable:
+    return lambda tmp, mp: _parse(*overrides)
+
+
+def _prepare(tmp: Path, rows: list[dict], *overrides: str) -> Any:
+    from tephra.controller.ppo import prepare
+
+    data = _parquet(tmp, *rows)
+    return prepare(_parse("data.source=parquet", f"data.train_files=[{data}]",
+                          f"trainer.run_dir={tmp / 'run'}", *overrides))
+
+
+def _score(tmp: Path, body: str, n: int = 2, **reward: Any) -> Skipped:
+    """Score `n` responses with a custom reward file holding `body`; report its skips."""
+    from tephra.controller.data import PromptRecord
+    from tephra.controller.rewarding import Scorer
+    from tephra.rollout.rewards import RewardConfig
+
+    file = tmp / "reward.py"
+    file.write_text(textwrap.dedent(body))
+    scorer = Scorer(RewardConfig(custom_function_path=str(file), executor="serial", **reward))
+    record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
+    results = scorer.score(["2"] * n, [record] * n)
+    report = scorer.manager.last_report
+    assert [score for score, _ in results] == [0.0] * n  # a failed item scores 0, not NaN
+    assert report.errors_by_source == {"my_task": report.num_errors}
+    return Skipped(report.num_errors, "\n".join(error for _, error in results if error))
+
+
+def _tools(content: str) -> Callable:
+    def run(tmp, mp):
+        from tephra.rollout.tools import load_tools
+
+        path = tmp / "tools.yaml"
+        path.write_text(content)
+        load_tools(path)
+    return run
+
+
+# ----- cases that need more than one line ---------------------------------------------------
+def jsonl_non_utf8(tmp, mp):
+    from tephra.controller.data import load_hf_dataset
+
+    path = tmp / "train.jsonl"
+    path.write_bytes(b'{"prompt": "caf\xe9?", "data_source": "gsm8k", '
+                     b'"reward_model": {"ground_truth": "1"}}\n')
+    load_hf_dataset(str(path))
+
+
+def not_parquet(tmp, mp):
+    from tephra.controller.data import load_parquet
+
+    (tmp / "train.parquet").write_text("prompt,answer\n1+1,2\n")
+    load_parquet(tmp / "train.parquet")
+
+
+def no_rows(tmp, mp):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tephra.controller.data import load_parquet
+
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp / "empty.parquet")
+    load_parquet(tmp / "empty.parquet")
+
+
+def missing_data_file(tmp, mp):
+    from tephra.controller.data import load_parquet
+
+    load_parquet(tmp / "nowhere.parquet")
+
+
+LONG = [{"role": "user", "content": "word " * 200}]
+
+
+def long_prompt_dropped(tmp, mp):
+    prepared = _prepare(tmp, [_row(), _row(prompt=LONG), _row()], "data.max_prompt_tokens=64")
+    assert len(prepared.train.ids) == 2 and all(len(ids) <= 64 for ids in prepared.train.ids)
+    return Skipped(3 - len(prepared.train.ids), "")  # the printed count is checked by `says`
+
+
+def all_prompts_too_long(tmp, mp):
+    _prepare(tmp, [_row(prompt=LONG)] * 2, "data.max_prompt_tokens=16")
+
+
+def too_few_prompts(tmp, mp):
+    from tephra.controller.data import PromptLoader
+
+    PromptLoader(num_prompts=3, prompts_per_step=4, seed=0)
+
+
+def unknown_data_source(tmp, mp):
+    from tephra.controller.data import PromptRecord
+    from tephra.controller.rewarding import Scorer
+
+    Scorer().score(["2"], [PromptRecord([{"role": "user", "content": "?"}], "gsm9k", "2")])
+
+
+def model_missing(tmp, mp):
+    from tephra.controller.models import resolve_model_path
+
+    resolve_model_path(str(tmp / "no-such-model"))
+
+
+def model_without(*names: str) -> Callable:
+    def run(tmp, mp):
+        from tephra.controller.models import resolve_model_path
+
+        resolve_model_path(str(_tiny_copy(tmp, *names)))
+    return run
+
+
+def tokenizer_without_chat_template(tmp, mp):
+    from tephra.controller.models import load_tokenizer, resolve_model_path
+
+    folder = _tiny_copy(tmp, "chat_template.jinja")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    load_tokenizer(resolve_model_path(str(folder)))
+
+
+def reward(body: str, **reward_cfg: Any) -> Callable:
+    return lambda tmp, mp: _score(tmp, body, **reward_cfg)
+
+
+def reward_fails_everywhere(tmp, mp):
+    from tephra.controller.rewarding import check_not_all_failed
+
+    skipped = _score(tmp, "def compute_score(**kw):\n    return {}['answer']\n")
+    check_not_all_failed(skipped.text.splitlines())
+
+
+def reward_file_without_function(tmp, mp):
+    _score(tmp, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                "    return 1.0\n")
+
+
+def missing_tools_file(tmp, mp):
+    from tephra.controller.ppo import resolve_tools_file
+
+    resolve_tools_file(str(tmp / "tools.yaml"))
+
+
+MCP_SERVER = '''
+import os
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("fragile")
+
+@server.tool()
+def echo(text: str) -> str:
+    """Echo the text."""
+    return text
+
+@server.tool()
+def crash() -> str:
+    """Kill the server."""
+    os._exit(1)
+
+if __name__ == "__main__":
+    server.run("stdio")
+'''
+
+
+def mcp_server_dies(tmp, mp):
+    from tephra.rollout.tools import MCPToolset
+
+    (tmp / "server.py").write_text(MCP_SERVER)
+    toolset = MCPToolset(command=sys.executable, args=[str(tmp / "server.py")], timeout_s=20)
+    tools = {t.name: t for t in toolset.tools()}
+    try:
+        async def calls():
+            first = await tools["echo"].execute("i", {"text": "hi"})
+            # the server dies in a call; the call after it must fail fast, not hang
+            died = await tools["crash"].execute("i", {})
+            after = await asyncio.wait_for(tools["echo"].execute("i", {"text": "hi"}), 10)
+            return first, died, after
+
+        first, died, after = asyncio.run(calls())
+    finally:
+        toolset.close()
+    assert first.text == "hi" and first.ok
+    failed = [r for r in (died, after) if not r.ok]
+    return Skipped(len(failed), "\n".join(r.error for r in failed))
+
+
+def nan_loss(tmp, mp):
+    """A NaN loss: the engine skips the optimizer step, counts it and keeps the weights."""
+    import torch
+    import torch.distributed as dist
+
+    from tephra.engine_api.testing.batches import random_batch
+    from tephra.engine_fsdp import FSDPEngine
+    from tephra.engine_fsdp.testing import TINY_VOCAB, tiny_engine_config
+
+    engine = FSDPEngine.build(tiny_engine_config())
+    try:
+        def nan_loss_fn(out, batch):
+            return out["log_probs"].sum() * float("nan"), {}
+
+        before = {n: p.detach().full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+                  for n, p in engine.scorer.named_parameters()}
+        with engine.train_mode():
+            engine.forward_backward(random_batch(TINY_VOCAB, 4, seed=0), nan_loss_fn)
+            norm = engine.optimizer_step()
+        after = {n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                 for n, p in engine.scorer.named_parameters()}
+        assert norm != norm  # NaN
+        assert all(torch.equal(before[n], after[n]) for n in before), "weights changed"
+        return Skipped(engine.skipped_updates, "")
+    finally:
+        if engine.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def disk_full_engine_write(tmp, mp):
+    from tephra.controller.checkpoints import CheckpointManager
+
+    def write(folder: Path) -> None:  # the workers' engine save, cut short by a full disk
+        (folder / "actor").mkdir()
+        (folder / "actor" / "model.bin").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "actor"))
+
+    CheckpointManager(tmp / "run" / "checkpoints").save(2, write, {})
+
+
+def resume_from_not_a_checkpoint(tmp, mp):
+    from tephra.controller.checkpoints import CheckpointManager
+
+    (tmp / "step_3").mkdir()
+    CheckpointManager(tmp / "checkpoints").resolve("auto", str(tmp / "step_3"))
+
+
+def export_missing_checkpoint(tmp, mp):
+    from tephra.controller.export import export_checkpoint
+
+    export_checkpoint(tmp / "checkpoints" / "step_9", tmp / "out")
+
+
+def unreachable_ray(tmp, mp):
+    import ray
+
+    from tephra.controller.worker_group import ray_init
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    try:
+        ray_init(f"127.0.0.1:{port}")
+    finally:
+        assert not ray.is_initialized()
+
+
+def malformed_ray_address(tmp, mp):
+    from tephra.controller.worker_group import ray_init
+
+    ray_init("headnode")
+
+
+LOGGED = r"reward scoring: 2 of 2 items failed and scored 0.0 \(by data_source: \{'my_task': 2\}\)"
+"""The manager's warning for a batch whose scorer failed (the first traceback is logged too)."""
+
+CASES = [
+    # --- data rows (verl parquet) and files
+    Case("parquet: row without prompt", _load_parquet(_row(), _row(prompt=None)), "DatasetError",
+         (r"row 1 of train.parquet: field 'prompt' is missing", r"each row needs 'prompt'")),
+    Case("parquet: prompt of the wrong type", _load_parquet(_row(prompt=5)), "DatasetError",
+         (r"row 0 .*field 'prompt' is 5, not a non-empty list of messages",)),
+    Case("parquet: message that is a plain string", _load_parquet(_row(prompt=["hi", "there"])),
+         "DatasetError", (r"field 'prompt' holds 'hi', not a \{role, content\} message",)),
+    Case("parquet: content of the wrong type",
+         _load_parquet(_row(prompt=[{"role": "user", "content": 7}])), "DatasetError",
+         (r"field 'prompt.content' is 7, not text",)),
+    Case("parquet: empty ground truth", _load_parquet(_row(reward_model={"ground_truth": " "})),
+         "DatasetError", (r"field 'reward_model.ground_truth' is empty", r"reward_model.ground_truth")),
+    Case("parquet: no reward_model", _load_parquet(_row(reward_model=...), _row()), "DatasetError",
+         (r"row 0 .*'reward_model.ground_truth' is missing",)),
+    Case("parquet: data_source not a string", _load_parquet(_row(data_source=3)), "DatasetError",
+         (r"field 'data_source' is 3, not a name",)),
+    Case("parquet: non-UTF-8 bytes", _load_parquet(_row(prompt=[{"role": "user", "content": b"caf\xe9"}])),
+         "DatasetError", (r"field 'prompt.content' holds bytes that are not UTF-8", r"re-encode the file as UTF-8")),
+    Case("jsonl: non-UTF-8 bytes", jsonl_non_utf8, "DatasetError",
+         (r"row 0 of .*train.jsonl\[train\]: text that is not UTF-8", r"re-encode the file as UTF-8")),
+    Case("parquet: extra_info not JSON", _load_parquet(_row(extra_info="{oops")), "DatasetError",
+         (r"field 'extra_info' is a string but not JSON",)),
+    Case("parquet: file that is not parquet", not_parquet, "DatasetError",
+         (r"train.parquet cannot be read as parquet", r"set data.train_files to a parquet file")),
+    Case("parquet: file without rows", no_rows, "DatasetError",
+         (r"empty.parquet has no rows", r"remove it from data.train_files")),
+    Case("parquet: file that does not exist", missing_data_file, "DatasetError",
+         (r"nowhere.parquet does not exist", r"set data.train_files")),
+    Case("prompt longer than data.max_prompt_tokens", long_prompt_dropped, None,
+         (r"dropped 1 prompts longer than data.max_prompt_tokens=64",), skipped=1),
+    Case("empty dataset after filtering", all_prompts_too_long, "DatasetError",
+         (r"every one of 2 prompts is longer than data.max_prompt_tokens=16", r"raise it")),
+    Case("fewer prompts than a step needs", too_few_prompts, ConfigError,
+         (r"3 prompts after filtering, fewer than batch.prompts_per_step=4", r"add data or lower")),
+    Case("unknown data_source", unknown_data_source, RegistryError,
+         (r"reward data_source 'gsm9k'", r"did you mean 'gsm8k'", r"reward.custom_function_path")),
+    # --- model folders
+    Case("model folder that does not exist", model_missing, ConfigError,
+         (r"model.path=.*no-such-model.*does not exist", r"give a local Hugging Face folder")),
+    Case("model folder without config.json", model_without("config.json"), ConfigError,
+         (r"model.path=.* has no config.json", r"save_pretrained")),
+    Case("model folder without weights", model_without("model.safetensors"), ConfigError,
+         (r"model.path=.* has no weights", r"model.save_pretrained\(folder\)")),
+    Case("model folder without tokenizer", model_without("tokenizer.json"), ConfigError,
+         (r"model.path=.* has no tokenizer", r"tokenizer.save_pretrained\(folder\)")),
+    Case("tokenizer without chat template", tokenizer_without_chat_template, ConfigError,
+         (r"tokenizer of model.path=.* has no chat template", r"chat_template.jinja")),
+    # --- reward functions
+    Case("reward function raises",
+         reward("def compute_score(**kw):\n    raise ValueError('no answer key')\n"), None,
+         (r"ValueError: no answer key", LOGGED), skipped=2),
+    Case("reward function returns NaN", reward("def compute_score(**kw):\n    return float('nan')\n"),
+         None, (r"scorer 'custom' returned a non-finite score \(nan\)", r"return a finite number",
+                LOGGED), skipped=2),
+    Case("reward function returns a string", reward("def compute_score(**kw):\n    return '1.0'\n"),
+         None, (r"returned score='1.0' of type str", r"return a number", LOGGED), skipped=2),
+    Case("reward function hangs",
+         reward("import time\ndef compute_score(**kw):\n    time.sleep(30)\n", timeout_s=0.2),
+         None, (r"RewardTimeout: scorer 'custom' did not return within reward.timeout_s=0.2 s",
+                r"raise reward.timeout_s", LOGGED), skipped=2),
+    Case("reward function fails on every sample", reward_fails_everywhere, "RewardFailure",
+         (r"failed on all 2 samples", r"KeyError: 'answer'", r"reward.custom_function_path")),
+    Case("reward file without compute_score", reward_file_without_function, "RewardFunctionError",
+         (r"reward.py has no function 'compute_score'; it defines: score",
+          r"Set reward.custom_function_name")),
+    # --- tools and MCP
+    Case("tools YAML: unknown class", _tools("- class: pythn\n"), "ToolConfigError",
+         (r"tools.yaml', entry 0: class 'pythn' is neither a registered tool", r"package.module:ClassName")),
+    Case("tools YAML: class that does not import", _tools("- class: nowhere.mod:Tool\n"),
+         "ToolConfigError", (r"entry 0: cannot import module 'nowhere.mod'",)),
+    Case("tools YAML: not a list", _tools("tools: 3\n"), "ToolConfigError",
+         (r"expected a list of \{class, config\} entries",)),
+    Case("rollout.tools_file that does not exist", missing_tools_file, ConfigError,
+         (r"rollout.tools_file=.*tools.yaml.*: no such file", r"bundled names \['python'\]")),
+    Case("MCP server that dies", mcp_server_dies, None,
+         (r"mcp tool 'crash' failed: .*server: .*server.py", r"mcp tool 'echo' failed",
+          r"see its log: server_log"), skipped=2),
+    # --- training and checkpoints
+    Case("NaN loss", nan_loss, None,
+         (r"optimizer step skipped: gradient norm is nan", r"weights are unchanged"), skipped=1),
+    Case("disk full while writing a checkpoint", disk_full_engine_write, CheckpointError,
+         (r"checkpoint of step 2 failed: the disk under .*run/checkpoints is full",
+          r"No space left on device", r"lower trainer.keep_checkpoints, or set trainer.run_dir")),
+    Case("resume_from a folder that is no checkpoint", resume_from_not_a_checkpoint, CheckpointError,
+         (r"trainer.resume_from=.*step_3.*manifest.json is missing", r"give a step_<N> folder")),
+    Case("export of a checkpoint that does not exist", export_missing_checkpoint, CheckpointError,
+         (r"step_9: no such folder", r"give a step_<N> folder")),
+    # --- the config and the cluster
+    Case("unreachable ray_address", unreachable_ray, ConfigError,
+         (r"resources.ray_address='127.0.0.1:\d+': nothing answers there", r"ray start --head",
+          r"resources.ray_address=null")),
+    Case("ray_address without a port", malformed_ray_address, ConfigError,
+         (r"resources.ray_address='headnode': write host:port",)),
+    Case("conflicting parallel sizes",
+         _config("resources.world_size=2", "actor.engine=megatron", "actor.parallel.tensor=2",
+                 "actor.parallel.pipeline=2", "batch.prompts_per_step=2"), ConfigError,
+         (r"world size 2 is not divisible by parallel.tensor \* parallel.pipeline",)),
+    Case("override without '='", _config("trainer.steps"), ConfigError,
+         (r"argument 'trainer.steps' is not an override; write key=value",)),
+    Case("override with broken YAML", _config("trainer.trackers=[jsonl"), ConfigError,
+         (r"override 'trainer.trackers=\[jsonl': the value is not valid YAML", r"close its brackets")),
+    Case("unknown preset", unknown_preset, ConfigError,
+         (r"preset 'smok' not found", r"known presets: .*'smoke'")),
+    Case("unknown tracker name", _config("trainer.trackers=[tensorbord]"), ConfigError,
+         (r"trainer.trackers='tensorbord' is not a registered tracker \(did you mean 'tensorboard'\?\)",)),
+    Case("wrong rollout dtype", _config("rollout.dtype=float33"), ConfigError,
+         (r"rollout.dtype='float33' is not allowed; choose one of \['float32'",)),
+    Case("wrong engine dtype", _config("actor.precision.param_dtype=fp8"), ConfigError,
+         (r"precision.param_dtype='fp8' is not allowed; choose one of",)),
+    Case("negative prompts_per_step", _config("batch.prompts_per_step=-2"), ConfigError,
+         (r"batch.prompts_per_step=-2 must be >= 1",)),
+    Case("negative save_every", _config("trainer.save_every=-1"), ConfigError,
+         (r"trainer.save_every=-1 must be >= 0",)),
+    Case("zero num_cpus", _config("resources.num_cpus=0"), ConfigError,
+         (r"resources.num_cpus=0 must be >= 1 \(or null: all\)",)),
+    Case("negative temperature", _config("rollout.temperature=-0.5"), ConfigError,
+         (r"rollout.temperature=-0.5 must be >= 0",)),
+    Case("zero reward timeout", _config("reward.timeout_s=0"), ConfigError,
+         (r"reward.timeout_s=0.* must be > 0",)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, tmp_path, monkeypatch, caplog, capsys):
+    caplog.set_level(logging.WARNING)
+    if case.error is None:
+        skipped = case.run(tmp_path, monkeypatch)
+        assert skipped.count == case.skipped
+        report = "\n".join([skipped.text, caplog.text, capsys.readouterr().out])
+        for pattern in case.says:
+            assert re.search(pattern, report), f"{pattern!r} not in the report:\n{report}"
+        return
+    with pytest.raises(TephraError) as info:
+        case.run(tmp_path, monkeypatch)
+    name = case.error if isinstance(case.error, str) else case.error.__name__
+    assert type(info.value).__name__ == name, f"{type(info.value).__name__}: {info.value}"
+    for pattern in case.says:
+        assert re.search(pattern, str(info.value)), f"{pattern!r} not in: {info.value}"
+
+
+def test_the_table_is_a_campaign():
+    assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
+
+
+def _ray_wrapped_enospc(folder: Path) -> OSError:
+    """The error a Ray worker's full disk reaches the driver as: a RayTaskError that
+    subclasses the cause's type, its errno not carried over."""
+    from ray.exceptions import RayTaskError
+
+    cause = OSError(errno.ENOSPC, "No space left on device", str(folder / "actor"))
+    return RayTaskError("RLWorker.save_checkpoint", "Traceback ...", cause).as_instanceof_cause()
+
+
+@pytest.mark.parametrize("where", ["driver manifest", "worker via Ray"])
+def test_disk_full_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch, where):
+    from tephra.controller import checkpoints
+    from tephra.controller.checkpoints import CheckpointManager
+
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints", keep_last=2)
+
+    def engines(folder: Path) -> None:
+        (folder / "actor").mkdir()
+        (folder / "actor" / "model.bin").write_bytes(b"weights" * 100)
+
+    manager.save(2, engines, {"loader": {"epoch": 0, "position": 2}})
+    if where == "driver manifest":
+        def full(folder):  # the disk fills up while the driver writes the manifest
+            (folder / checkpoints.MANIFEST).write_text("{")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(checkpoints, "write_manifest", full)
+        write = engines
+    else:
+        def write(folder: Path) -> None:
+            engines(folder)
+            raise _ray_wrapped_enospc(folder)
+
+    with pytest.raises(CheckpointError) as info:
+        manager.save(4, write, {"loader": {"epoch": 0, "position": 4}})
+    message = str(info.value)
+    assert f"the disk under {manager.root} is full" in message
+    assert "OSError: [Errno 28] No space left on device" in message
+    assert "lower trainer.keep_checkpoints, or set trainer.run_dir to a bigger disk" in message
+    assert f"the previous checkpoint ({manager.step_dir(2)}) is intact" in message
+    # nothing torn is visible: no step_4, no step_4.tmp; step 2 resumes as before
+    assert sorted(p.name for p in manager.root.iterdir()) == ["step_2"]
+    assert manager.latest() == manager.step_dir(2) == manager.resolve("must")
+    assert manager.load_trainer_state(manager.step_dir(2))["loader"]["position"] == 2
+    # an error that is not a full disk is not dressed up as one
+    monkeypatch.undo()
+    with pytest.raises(PermissionError):
+        manager.save(6, lambda folder: (_ for _ in ()).throw(PermissionError("read-only")), {})
