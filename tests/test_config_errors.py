@@ -55,6 +55,12 @@ CASES = [
     (["rollout.backend=vllm", "rollout.vllm.sleep_mode=true"],
      r"rollout.vllm.sleep_mode=true: vLLM's CPU build refuses to start with sleep mode"),
     (["rollout.backend=vllm", "rollout.vllm.weight_sync=nfs"], r"weight_sync='nfs': expected 'memory'"),
+    # training modes
+    (["trainer.mode=async"], r"trainer.mode=async streams samples from rollout replicas.*"
+     r"resources.rollout.replicas >= 1"),
+    (["trainer.mode=async", "resources.rollout.replicas=1", "-p", "dapo"],
+     r"trainer.mode=async: algorithm.dynamic_sampling"),
+    (["trainer.mode=asynch"], r"trainer.mode='asynch': choose one of"),
 ]
 
 

@@ -124,6 +124,7 @@ def run(cfg: PPOConfig) -> dict:
     from tephra.controller.models import count_parameters
     from tephra.controller.rl_loop import Trainer
     from tephra.controller.rl_worker import RLWorker
+    from tephra.controller.rollout_replicas import RolloutReplicas
     from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
     from tephra.core.config import to_dict
 
@@ -139,9 +140,13 @@ def run(cfg: PPOConfig) -> dict:
         return WorkerGroup(RLWorker, pool, {"cfg": cfg, "model_path": p.model_path,
                                             "tools_file": p.tools_file}, name="rl")
 
+    def make_replicas() -> RolloutReplicas:
+        return RolloutReplicas(cfg, p.model_path, p.tools_file)
+
     try:
         trainer = Trainer(cfg, make_group(), p.tokenizer, p.train, p.val, p.run_dir,
-                          count_parameters(p.model_path), 0.0, make_group=make_group)
+                          count_parameters(p.model_path), 0.0, make_group=make_group,
+                          make_replicas=make_replicas if r.rollout.replicas else None)
     except BaseException:
         pool.release()
         raise

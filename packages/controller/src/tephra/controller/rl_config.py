@@ -385,7 +385,7 @@ class BatchSection:
         return self.prompts_per_step * self.samples_per_prompt
 
 
-TRAINING_MODES = ("sync", "one_step_off")
+TRAINING_MODES = ("sync", "one_step_off", "async")
 """`trainer.mode` values."""
 
 
@@ -396,7 +396,16 @@ class TrainerSection:
     mode: str = "sync"
     """`sync`: each step trains on samples of the current weights. `one_step_off`: the batch
     of step k+1 is generated before step k's update, so step k trains on samples one weight
-    version old (staleness 1; step 1's are fresh); see the controller README."""
+    version old (staleness 1; step 1's are fresh). `async`: rollout replicas
+    (`resources.rollout.replicas` >= 1) generate prompt groups continuously, each request to
+    the least-loaded replica; a step trains on the first `batch.prompts_per_step` groups that
+    finished, dropping those more than `max_staleness` versions old. See the controller README."""
+    max_staleness: int = 1
+    """`async`: most weight versions a trained sample may lag the trainer by; older groups are
+    dropped (counted in `async/dropped_stale_groups`)."""
+    async_in_flight: int = 2
+    """`async`: requests (one prompt group each) queued per replica; more keeps replicas busy
+    across a weight sync, fewer keeps samples fresher."""
     overlap_generation: bool = True
     """`one_step_off`: generate the next batch in a worker thread while this step's passes
     and update run (the rollout engine holds its own weights until `sync_weights`). It keeps
@@ -458,6 +467,9 @@ class TrainerSection:
 
         if self.mode not in TRAINING_MODES:
             raise ConfigError(f"trainer.mode={self.mode!r}: choose one of {list(TRAINING_MODES)}")
+        if self.max_staleness < 0 or self.async_in_flight < 1:
+            raise ConfigError(f"trainer.max_staleness={self.max_staleness} must be >= 0 and "
+                              f"trainer.async_in_flight={self.async_in_flight} >= 1")
         if self.resume not in RESUME_MODES:
             raise ConfigError(f"trainer.resume={self.resume!r}: choose one of {list(RESUME_MODES)}")
         if any(s < 1 for s in self.profile_steps):
@@ -469,6 +481,24 @@ class TrainerSection:
                 raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 0")
         for name in self.trackers:
             _check_name("trainer.trackers", name, TRACKERS)
+
+
+@dataclass
+class RolloutPoolSection:
+    """A separate pool of rollout replicas (disaggregated placement)."""
+
+    replicas: int = 0
+    """Rollout replicas, one Ray actor each with its own engine (an `hf` model or a server it
+    starts). 0: the rollout engine is colocated with the training ranks (the hybrid engine)."""
+    cpus_per_replica: float = 1.0
+    """CPUs (and torch threads) per replica."""
+    gpus_per_replica: float = 0.0
+    """GPUs per replica (the replica's `hf` model or server runs on them)."""
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0 or self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
+            raise ConfigError("resources.rollout.replicas, cpus_per_replica and gpus_per_replica "
+                              "must be >= 0")
 
 
 @dataclass
@@ -490,6 +520,9 @@ class ResourcesSection:
     placement: str = "PACK"
     """Ray placement strategy of the ranks' bundles: `PACK` (as few nodes as possible),
     `SPREAD`, `STRICT_PACK` (one node), `STRICT_SPREAD` (one rank per node)."""
+    rollout: RolloutPoolSection = field(default_factory=RolloutPoolSection)
+    """Rollout replicas on a pool of their own (`replicas` > 0), fed weights by broadcast from
+    the training ranks; the training ranks then hold no rollout engine."""
 
     def __post_init__(self) -> None:
         from tephra.controller.worker_group import PLACEMENT_STRATEGIES
@@ -591,6 +624,14 @@ def validate(cfg: PPOConfig) -> None:
             f"algorithm.adv_estimator={a.adv_estimator!r} takes the greedy response's reward "
             "as the baseline, which the trainer generates with plain `generate`; it is not "
             "supported with rollout.agent_loop")
+    replicas = cfg.resources.rollout.replicas
+    if cfg.trainer.mode == "async":
+        if replicas < 1:
+            raise ConfigError("trainer.mode=async streams samples from rollout replicas on a pool "
+                              "of their own; set resources.rollout.replicas >= 1")
+        if a.dynamic_sampling or a.needs("baselines"):
+            raise ConfigError("trainer.mode=async: algorithm.dynamic_sampling and greedy-baseline "
+                              f"estimators ({a.adv_estimator!r}) need the sync or one_step_off mode")
     if a.dynamic_sampling and b.samples_per_prompt < 2:
         raise ConfigError("algorithm.dynamic_sampling drops groups whose samples all scored the "
                           f"same; batch.samples_per_prompt={b.samples_per_prompt} must be >= 2")

@@ -235,7 +235,7 @@ class Trainer:
 
     def __init__(self, cfg: PPOConfig, wg: WorkerGroup, tokenizer: Any, train: Prompts,
                  val: Prompts, run_dir: Path, n_params: int, peak_flops: float,
-                 make_group: Any = None) -> None:
+                 make_group: Any = None, make_replicas: Any = None) -> None:
         from tephra.algos import AdaptiveKLController, FixedKLController
         from tephra.rollout.base import SamplingParams
 
@@ -269,6 +269,30 @@ class Trainer:
         """The next step's batch, generated ahead (one_step_off) and scored."""
         self.ahead: Round | None = None
         """The round a worker thread is generating (overlap), until `finish_ahead`."""
+        self.make_replicas = make_replicas
+        """Builds the rollout replicas of a separate pool (`resources.rollout.replicas`)."""
+        self.replicas = self.stream = None
+        if make_replicas is not None:
+            self.connect_replicas()
+            # separate replicas generate ahead in parallel with the update by nature
+            self.overlap = self.one_step_off and not a.dynamic_sampling and not a.needs("baselines")
+
+    def connect_replicas(self) -> None:
+        """Start the replicas, give them the actor's weights, and (async) open the stream."""
+        from tephra.controller.async_stream import SampleStream
+
+        self.replicas = self.make_replicas()
+        try:
+            self.replicas.connect(self.wg)
+        except BaseException:
+            self.replicas.close()
+            raise
+        self.replicas.version = self.step
+        t = self.cfg.trainer
+        if t.mode == "async":
+            self.stream = SampleStream(self.replicas, self.loader, self.train, self.sampling,
+                                       t.seed, self.cfg.batch.prompts_per_step, t.async_in_flight,
+                                       t.max_staleness)
 
     # ----- stages ------------------------------------------------------------------------
     def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]:
@@ -277,8 +301,14 @@ class Trainer:
 
     def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
         """Samples of `items` (prompt-major, `sampling.n` each) with their scores."""
+        if self.replicas is not None:
+            return self.check_scores(self.replicas.generate(items, sampling))
         samples = self.wg.generate(items, sampling)
         return self.attach_scores(samples)
+
+    def check_scores(self, samples: list[Sample]) -> list[Sample]:
+        check_not_all_failed([s.reward_error for s in samples])
+        return samples
 
     def attach_scores(self, samples: list[Sample]) -> list[Sample]:
         results = self.wg.collect_scores()
@@ -351,18 +381,24 @@ class Trainer:
             idx = self.loader.next_indices()
             tag = f"step{step}" if r == 0 else f"step{step}r{r}"
             items = self.items(idx, self.train, tag)
-            samples = self.wg.generate(items, self.sampling.replace(seed=self.seed_of(step, r)))
-            for s in samples:
-                s.weight_version = self.step
-            rnd = Round(items, samples, n, indices=idx, tag=tag)
+            sampling = self.sampling.replace(seed=self.seed_of(step, r))
+            if self.replicas is not None:  # scored and stamped by the replicas
+                samples = self.check_scores(self.replicas.generate(items, sampling))
+            else:
+                samples = self.wg.generate(items, sampling)
+                for s in samples:
+                    s.weight_version = self.step
+            rnd = Round(items, samples, n, indices=idx, tag=tag,
+                        scored=self.replicas is not None)
             rounds.append(rnd)
             if not cfg.algorithm.dynamic_sampling:
                 rnd.keep(list(range(len(idx))))
-                if scored:
+                if scored and not rnd.scored:
                     self.attach_scores(samples)
                     rnd.scored = True
                 return rounds  # else scores are collected after the log-prob passes
-            self.attach_scores(samples)
+            if not rnd.scored:
+                self.attach_scores(samples)
             rnd.scored = True
             keep, _ = filter_groups(torch.tensor(rnd.scores, dtype=torch.float32),
                                     torch.arange(len(samples)) // n)
@@ -391,6 +427,12 @@ class Trainer:
         if self.pending is not None:
             rounds, self.pending = self.pending, None
             return rounds
+        if self.stream is not None:
+            items, indices, samples = self.stream.next_batch(self.step)
+            rnd = Round(items, self.check_scores(samples), self.cfg.batch.samples_per_prompt,
+                        indices=indices, tag=f"step{self.step}", scored=True)
+            rnd.keep(list(range(len(items))))
+            return [rnd]
         return self.collect(self.step, scored=self.one_step_off)
 
     def wants_ahead(self) -> bool:
@@ -414,17 +456,26 @@ class Trainer:
         idx = self.loader.next_indices()
         tag = f"step{step}"
         items = self.items(idx, self.train, tag)
-        self.wg.generate_ahead(items, self.sampling.replace(seed=self.seed_of(step, 0)))
+        sampling = self.sampling.replace(seed=self.seed_of(step, 0))
         self.ahead = Round(items, [], self.cfg.batch.samples_per_prompt, indices=idx, tag=tag)
+        if self.replicas is not None:  # the replicas generate while the training ranks update
+            self.ahead_ref = self.replicas.submit_split(items, sampling)
+        else:
+            self.wg.generate_ahead(items, sampling)
 
     def finish_ahead(self) -> None:
         """Wait for the worker thread's samples, score them, keep them as `pending`."""
         if self.ahead is None:
             return
         rnd, self.ahead = self.ahead, None
-        rnd.samples = self.attach_scores(self.wg.generated())
-        for s in rnd.samples:
-            s.weight_version = self.step  # launched before this step's update
+        if self.replicas is not None:
+            import ray
+
+            rnd.samples = self.check_scores(ray.get(self.ahead_ref))
+        else:
+            rnd.samples = self.attach_scores(self.wg.generated())
+            for s in rnd.samples:
+                s.weight_version = self.step  # launched before this step's update
         rnd.keep(list(range(len(rnd.items))))
         rnd.scored = True
         self.pending = [rnd]
@@ -496,6 +547,8 @@ class Trainer:
         batch["uid"] = torch.arange(len(samples), dtype=torch.int64) // n
         lap("generate")
         metrics: dict[str, float] = staleness_metrics(samples, self.step)
+        if self.stream is not None:
+            metrics.update(self.stream.metrics())
         forward_passes = 0
         if self.needs_ref:
             batch["ref_log_probs"] = self.wg.compute_ref_log_probs(batch)["log_probs"]
@@ -547,7 +600,10 @@ class Trainer:
         if self.ahead is not None:
             self.finish_ahead()
             lap("generate_wait")  # what the update did not hide of the next generation
-        self.wg.sync_weights()
+        if self.replicas is not None:
+            self.replicas.sync(self.wg, self.step + 1)
+        else:
+            self.wg.sync_weights()
         lap("sync")
         step_s = time.perf_counter() - t_step
 
@@ -599,6 +655,8 @@ class Trainer:
             return False
         state = self.ckpt.load_trainer_state(latest)
         self.wg.load_checkpoint(str(latest))
+        if self.replicas is not None:
+            self.replicas.sync(self.wg, int(state["step"]))
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
         self.step = int(state["step"])
@@ -612,6 +670,8 @@ class Trainer:
     # ----- recovery ---------------------------------------------------------------------------
     def close_group(self) -> None:
         try:
+            if self.replicas is not None:
+                self.replicas.close()
             self.wg.close()
         except Exception:  # noqa: BLE001  (a dead group cannot close; shutdown still runs)
             pass
@@ -631,6 +691,7 @@ class Trainer:
               f"restart {self.restarts} of {self.cfg.trainer.max_restarts}", flush=True)
         self.close_group()
         self.wg = self.make_group()
+        self.replicas = None  # closed with the group; connected again below
         self.peak_flops = sum(self.wg.measure_peak_flops())
         self.ahead = None  # a generation ahead died with the group
         if not self.maybe_resume(resume="auto"):
@@ -638,6 +699,8 @@ class Trainer:
             self.pending = None
             self.loader = PromptLoader(len(self.train.ids), self.cfg.batch.prompts_per_step,
                                        self.cfg.trainer.seed)
+        if self.make_replicas is not None:
+            self.connect_replicas()
 
     # ----- the run ----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:

@@ -95,13 +95,13 @@ class RLWorker(Worker):
         super().__init__(rank, world_size, *worker_args)
         from tephra.algos import ActorObjective, CriticObjective
         from tephra.engine_api.registry import get_engine
-        from tephra.rollout.base import RolloutConfig, get_rollout
 
-        self.cfg, self.model_path, self.tools_file = cfg, model_path, tools_file
         seed = cfg.trainer.seed
         torch.manual_seed(seed + rank)
         random.seed(seed + rank)
         device = getattr(self, "device", "cpu")
+        colocated = cfg.resources.rollout.replicas == 0
+        self._init_generation(cfg, model_path, tools_file, with_rollout=colocated)
         model = replace(cfg.model, path=model_path, init_seed=seed)
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.actor = get_engine(cfg.actor.engine, cfg.actor.engine_config(
@@ -114,22 +114,34 @@ class RLWorker(Worker):
         if cfg.algorithm.needs("values"):
             self.critic = get_engine(cfg.critic.engine, cfg.critic.engine_config(
                 model, "value", temperature, seed, device=_engine_device(device)))
-        r = cfg.rollout
-        hf = replace(r.hf, device=device)
-        self.rollout = get_rollout(r.backend, RolloutConfig(
-            model_path=model_path, dtype=r.dtype,
-            max_model_len=cfg.data.max_prompt_tokens + r.response_budget + 8, seed=seed,
-            hf=hf, vllm=r.vllm, sglang=r.sglang))
         self.actor_loss = ActorObjective(cfg.actor.objective)
         self.critic_loss = CriticObjective(cfg.critic.objective) if self.critic else None
+        self._weights_group = None
+        # The rollout engine loaded the checkpoint from disk, but the engine may have
+        # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
+        # (Separate rollout replicas get the same first sync from the driver.)
+        if self.rollout is not None:
+            self.sync_weights()
+
+    def _init_generation(self, cfg: PPOConfig, model_path: str, tools_file: str | None,
+                         with_rollout: bool) -> None:
+        """The rollout engine (when this process generates), tokenizer, tools and scorer."""
+        from tephra.rollout.base import RolloutConfig, get_rollout
+
+        self.cfg, self.model_path, self.tools_file = cfg, model_path, tools_file
+        self.rollout = None
+        if with_rollout:
+            r = cfg.rollout
+            self.rollout = get_rollout(r.backend, RolloutConfig(
+                model_path=model_path, dtype=r.dtype,
+                max_model_len=cfg.data.max_prompt_tokens + r.response_budget + 8,
+                seed=cfg.trainer.seed, hf=replace(r.hf, device=getattr(self, "device", "cpu")),
+                vllm=r.vllm, sglang=r.sglang))
         self._tokenizer = self._tools = None
         self._scoring: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self._scorer = None
         self._profile_prefix: str | None = None
-        # The rollout engine loaded the checkpoint from disk, but the engine may have
-        # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
-        self.sync_weights()
 
     def dp_info(self):
         """Data-parallel coordinates from the actor engine: rows go to data-parallel ranks,
@@ -311,7 +323,9 @@ class RLWorker(Worker):
     def sync_weights(self) -> int:
         """Stream the actor's weights into the rollout engine as one update (a server backend
         re-buckets them by its own bucket size and counts one weight version); returns
-        tensors moved."""
+        the tensors moved (0 without a colocated rollout: the driver broadcasts to replicas)."""
+        if self.rollout is None:
+            return 0
         moved = 0
 
         def tensors():
@@ -324,6 +338,41 @@ class RLWorker(Worker):
         with self.actor.eval_mode():
             self.rollout.update_weights(tensors())
         return moved
+
+    # ----- weights to separate rollout replicas (resources.rollout.replicas > 0) ------------
+    @dispatch(Dispatch.RANK_ZERO)
+    def weight_group_address(self) -> tuple[str, int]:
+        """Where rank 0 hosts the weight-broadcast group: its node's address and a free port."""
+        import ray
+
+        from tephra.rollout.backends.server_process import free_port
+
+        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+
+    def open_weight_group(self, address: str, port: int, world_size: int,
+                          timeout_s: float) -> None:
+        """Rank 0 hosts a private group with the rollout replicas (ranks 1..); others skip."""
+        from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group
+
+        if self.rank == 0:
+            backend = "nccl" if self.device.startswith("cuda") else "gloo"
+            self._weights_group = open_group(address, port, 0, world_size, backend, timeout_s)
+
+    def send_weights(self, bucket_mb: float) -> int:
+        """Every rank exports (the export may be a collective); rank 0 broadcasts the buckets
+        to the replicas, then an end marker. Returns the bytes sent."""
+        from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import send_all
+
+        with self.actor.eval_mode():
+            named = (pair for bucket in self.actor.export_weights(untie_word_embeddings=True)
+                     for pair in bucket)
+            if self.rank != 0:
+                for _ in named:  # take part in the export's collectives
+                    pass
+                return 0
+            device = self.device if self.device.startswith("cuda") else None
+            return send_all(self._weights_group, named, getattr(torch, self.cfg.rollout.dtype),
+                            int(bucket_mb * 2**20), device)
 
     @dispatch(Dispatch.BROADCAST)
     def set_profile(self, prefix: str | None) -> None:
@@ -367,7 +416,8 @@ class RLWorker(Worker):
         """Stop the rollout engine, the scorer thread and the agent loop's tools (MCP servers
         and their processes, sandbox folders); runs on every rank."""
         try:
-            self.rollout.close()
+            if self.rollout is not None:
+                self.rollout.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
         finally:
             if self._tools:

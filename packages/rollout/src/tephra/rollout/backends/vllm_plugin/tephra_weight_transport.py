@@ -90,3 +90,46 @@ def unpack(meta: BucketMeta, flat: torch.Tensor) -> list[tuple[str, torch.Tensor
         out.append((name, flat[offset:offset + n].view(shape)))
         offset += n
     return out
+
+
+def broadcast_meta(group: dist.ProcessGroup, meta: BucketMeta | None, device=None) -> BucketMeta | None:
+    """Rank 0 sends `meta` (None: the end of an update) as JSON; every rank returns it."""
+    import json
+
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    payload = b""
+    if meta is not None:
+        payload = json.dumps([meta.names, meta.dtype_names, meta.shapes]).encode()
+        size[0] = len(payload)
+    broadcast(group, size)
+    n = int(size[0])
+    data = torch.empty(max(n, 1), dtype=torch.uint8, device=device)
+    if meta is not None:
+        data[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    broadcast(group, data)
+    if n == 0:
+        return None
+    names, dtype_names, shapes = json.loads(bytes(data[:n].cpu().tolist()))
+    return BucketMeta(names, dtype_names, shapes)
+
+
+def send_all(group: dist.ProcessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
+             dtype: torch.dtype, bucket_bytes: int, device=None) -> int:
+    """Rank 0: every (name, tensor) in buckets (meta, then the flat buffer), then the end
+    marker. Returns the bytes sent."""
+    sent = 0
+    for meta, flat in buckets(named_tensors, dtype, bucket_bytes):
+        broadcast_meta(group, meta, device)
+        flat = flat.to(device) if device is not None else flat
+        broadcast(group, flat)
+        sent += flat.numel() * flat.element_size()
+    broadcast_meta(group, None, device)
+    return sent
+
+
+def receive_all(group: dist.ProcessGroup, device=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Other ranks: the (name, tensor) pairs of one `send_all`, bucket by bucket."""
+    while (meta := broadcast_meta(group, None, device)) is not None:
+        flat = torch.empty(meta.numel(), dtype=getattr(torch, meta.dtype_names[0]), device=device)
+        broadcast(group, flat)
+        yield from unpack(meta, flat)

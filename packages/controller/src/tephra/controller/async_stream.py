@@ -1,0 +1,74 @@
+"""The sample stream of `trainer.mode=async`.
+
+Rollout replicas generate one prompt group per request, continuously: `async_in_flight`
+requests per replica are kept queued, each sent to the least-loaded replica, so a slow group
+(long samples, a slow tool) holds up one request, not a batch. Finished groups wait in a bounded
+buffer; a step takes the first `prompts_per_step` of them whose weight version is at most
+`max_staleness` behind the trainer's, and drops older ones (counted). The replicas keep
+generating while the trainer trains; they take each new version between two requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from tephra.controller.data import PromptLoader
+from tephra.controller.samples import PromptItem, Sample
+
+
+class SampleStream:
+    def __init__(self, replicas: Any, loader: PromptLoader, prompts: Any, sampling: Any,
+                 seed: int, prompts_per_step: int, in_flight: int, max_staleness: int) -> None:
+        self.replicas, self.loader, self.prompts = replicas, loader, prompts
+        self.sampling, self.seed = sampling, seed
+        self.want, self.max_staleness = prompts_per_step, max_staleness
+        self.capacity = in_flight * len(replicas.replicas)
+        self.requests: dict[Any, tuple[PromptItem, int]] = {}
+        self.ready: deque[tuple[PromptItem, int, list[Sample]]] = deque()
+        self.queue: deque[int] = deque()
+        self.sent = 0
+        self.dropped = 0
+        """Groups dropped for staleness so far."""
+
+    def fill(self) -> None:
+        """Keep `capacity` requests in flight (finished groups waiting count against it, so the
+        buffer stays bounded)."""
+        while len(self.requests) + len(self.ready) < self.capacity:
+            if not self.queue:
+                self.queue.extend(self.loader.next_indices())
+            index = self.queue.popleft()
+            item = PromptItem(self.prompts.ids[index], self.prompts.records[index],
+                              f"async{self.sent}")
+            sampling = self.sampling.replace(seed=self.seed * 1_000_003 + 7_919 * self.sent)
+            self.requests[self.replicas.submit([item], sampling)] = (item, index)
+            self.sent += 1
+
+    def next_batch(self, version: int) -> tuple[list[PromptItem], list[int], list[Sample]]:
+        """The next step's groups (items, training-set indices, samples prompt-major) for a
+        trainer at weight `version`."""
+        while True:
+            self._drop_stale(version)
+            if len(self.ready) >= self.want:
+                break
+            self.fill()
+            ref, samples = self.replicas.wait_any(list(self.requests))
+            item, index = self.requests.pop(ref)
+            self.ready.append((item, index, samples))
+        taken = [self.ready.popleft() for _ in range(self.want)]
+        self.fill()  # the replicas go on generating while this batch trains
+        return ([t[0] for t in taken], [t[1] for t in taken],
+                [s for t in taken for s in t[2]])
+
+    def _drop_stale(self, version: int) -> None:
+        fresh = [g for g in self.ready if version - g[2][0].weight_version <= self.max_staleness]
+        self.dropped += len(self.ready) - len(fresh)
+        self.ready = deque(fresh)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"async/dropped_stale_groups": float(self.dropped),
+               "async/buffered_groups": float(len(self.ready)),
+               "async/in_flight_requests": float(len(self.requests))}
+        for i, served in enumerate(self.replicas.served):
+            out[f"async/replica{i}_requests"] = float(served)
+        return out

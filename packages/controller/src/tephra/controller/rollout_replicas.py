@@ -1,0 +1,156 @@
+"""Rollout replicas on their own resource pool (disaggregated placement).
+
+With `resources.rollout.replicas > 0` the training ranks hold no rollout engine: generation runs
+on `RolloutWorker`s, one Ray actor per replica with its own backend (`hf` in process, or a
+`vllm` / `sglang` server it starts), placed on a pool of their own. After each update the
+training rank 0 broadcasts the weights to every replica over a private process group (gloo on
+CPU, NCCL on GPU; buckets of `rollout.<backend>.weight_bucket_mb`), and each replica records
+the version it holds. `RolloutReplicas` is the driver's side: a batch split over the replicas
+(sync and one_step_off), and `submit` / `wait_any` for the asynchronous stream, where each
+request goes to the least-loaded replica.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import ray
+
+from tephra.controller.dispatch import Dispatch, dispatch
+from tephra.controller.rl_config import PPOConfig
+from tephra.controller.rl_worker import RLWorker
+from tephra.controller.samples import PromptItem, Sample
+from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup
+
+
+class RolloutWorker(RLWorker):
+    """A rollout replica: the rollout engine, tokenizer, tools and scorer of `RLWorker`
+    without its training engines."""
+
+    def __init__(self, rank: int, world_size: int, *worker_args: Any, cfg: PPOConfig,
+                 model_path: str, tools_file: str | None = None) -> None:
+        Worker.__init__(self, rank, world_size, *worker_args)
+        self._init_generation(cfg, model_path, tools_file, with_rollout=True)
+        self.version = 0
+        self._weights_group = None
+
+    def dp_info(self):
+        from tephra.controller.worker_group import DataParallelInfo
+
+        return DataParallelInfo(dp_rank=self.rank, dp_size=self.world_size)
+
+    def join_weight_group(self, address: str, port: int, world_size: int,
+                          timeout_s: float) -> None:
+        from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group
+
+        backend = "nccl" if self.device.startswith("cuda") else "gloo"
+        self._weights_group = open_group(address, port, 1 + self.rank, world_size, backend,
+                                         timeout_s)
+
+    def receive_weights(self, version: int) -> int:
+        """Take one broadcast update into the rollout engine; it is now `version`."""
+        from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import receive_all
+
+        device = self.device if self.device.startswith("cuda") else None
+        self.rollout.wake_up()
+        self.rollout.update_weights(receive_all(self._weights_group, device))
+        self.version = version
+        return version
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def generate_scored(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+        """`generate`, scored here, each sample stamped with this replica's weight version."""
+        samples = self.generate(items, sampling)
+        for sample, (score, error, _) in zip(samples, self.collect_scores(), strict=True):
+            sample.score, sample.reward_error = float(score), error
+            sample.weight_version = self.version
+        return samples
+
+
+class RolloutReplicas:
+    """The driver's handle on the replicas (see module docstring)."""
+
+    def __init__(self, cfg: PPOConfig, model_path: str, tools_file: str | None) -> None:
+        r = cfg.resources.rollout
+        self.cfg = cfg
+        self.pool = ResourcePool(r.replicas, r.cpus_per_replica, r.gpus_per_replica,
+                                 strategy=cfg.resources.placement, name="rollout")
+        try:
+            self.group = WorkerGroup(RolloutWorker, self.pool, {
+                "cfg": cfg, "model_path": model_path, "tools_file": tools_file}, name="rollout")
+        except BaseException:
+            self.pool.release()
+            raise
+        self.replicas = self.group.workers
+        self.in_flight = [0] * len(self.replicas)
+        """Requests each replica has not answered yet (the load the scheduler balances)."""
+        self.served = [0] * len(self.replicas)
+        """Requests each replica has answered (reported in the metrics)."""
+        self._pending: dict[Any, int] = {}
+        self.version = 0
+        settings = getattr(cfg.rollout, cfg.rollout.backend, None)
+        self.bucket_mb = getattr(settings, "weight_bucket_mb", 256.0)
+
+    def connect(self, trainers: WorkerGroup) -> None:
+        """Open the weight group (training rank 0 + every replica) and send the first weights."""
+        address, port = trainers.call("weight_group_address")
+        world = 1 + len(self.replicas)
+        timeout = 600.0
+        ray.get([w.execute.remote("open_weight_group", address, port, world, timeout)
+                 for w in trainers.workers]
+                + [w.execute.remote("join_weight_group", address, port, world, timeout)
+                   for w in self.replicas])
+        self.sync(trainers, 0)
+
+    def sync(self, trainers: WorkerGroup, version: int) -> None:
+        """Broadcast the actor's weights to every replica, which then hold `version`. A replica
+        busy generating takes the update when its current request is done."""
+        ray.get([w.execute.remote("send_weights", self.bucket_mb) for w in trainers.workers]
+                + [w.execute.remote("receive_weights", version) for w in self.replicas])
+        self.version = version
+
+    def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+        """Scored samples of `items` (prompt-major), the items split evenly over the replicas
+        in order (the last shares may be smaller)."""
+        return ray.get(self.submit_split(items, sampling))
+
+    def submit_split(self, items: list[PromptItem], sampling: Any) -> Any:
+        """`generate` without waiting: one object ref that resolves to the samples."""
+        k = len(self.replicas)
+        size = -(-len(items) // k)
+        shares = [items[i * size:(i + 1) * size] for i in range(k)]
+        refs = [w.execute.remote("generate_scored", share, sampling)
+                for w, share in zip(self.replicas, shares) if share]
+        return _concat.remote(*refs)
+
+    # ----- the asynchronous stream -----------------------------------------------------------
+    def submit(self, items: list[PromptItem], sampling: Any) -> Any:
+        """Send one request to the least-loaded replica (fewest unanswered requests)."""
+        index = min(range(len(self.replicas)), key=lambda i: (self.in_flight[i], i))
+        ref = self.replicas[index].execute.remote("generate_scored", items, sampling)
+        self.in_flight[index] += 1
+        self._pending[ref] = index
+        return ref
+
+    def wait_any(self, refs: list[Any]) -> tuple[Any, list[Sample]]:
+        """The first of `refs` to finish and its samples."""
+        [done], _ = ray.wait(refs, num_returns=1)
+        index = self._pending.pop(done)
+        self.in_flight[index] -= 1
+        self.served[index] += 1
+        return done, ray.get(done)
+
+    def close(self) -> None:
+        try:
+            ray.get([w.execute.remote("close") for w in self.replicas])
+        except Exception:  # noqa: BLE001  (a dead replica cannot close; shutdown still runs)
+            pass
+        finally:
+            self.group.shutdown()
+            self.pool.release()
+
+
+@ray.remote(num_cpus=0)
+def _concat(*shares: list[Sample]) -> list[Sample]:
+    return list(itertools.chain.from_iterable(shares))
