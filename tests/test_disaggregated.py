@@ -37,7 +37,8 @@ def test_one_replica_equals_the_colocated_engine(ray_session, tmp_path):
 
 
 def test_async_never_trains_on_samples_older_than_max_staleness(ray_session, tmp_path):
-    records = _run(tmp_path, "async", "trainer.mode=async", "trainer.steps=4",
+    """Multi-turn agent loops (the python tool) on 2 replicas, 4 steps."""
+    records = _run(tmp_path, "async", "-p", "smoke_tools", "trainer.mode=async", "trainer.steps=4",
                    "trainer.max_staleness=1", "trainer.dump_generations=1",
                    "resources.rollout.replicas=2", "resources.rollout.cpus_per_replica=0.5")
     assert [r["step"] for r in records] == [1, 2, 3, 4]

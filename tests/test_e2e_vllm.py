@@ -114,6 +114,15 @@ def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset
         assert r["response/length_mean"] > 0
     if preset == "smoke_tools":
         assert records[0]["agent/turns_mean"] >= 1
+        return
+    # the run's Hugging Face export loads in vLLM and generates what transformers generates
+    config = RolloutConfig(model_path=str(tmp_path / "run" / "hf"), max_model_len=256)
+    config.vllm.python = vllm_python
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    prompts = [[5, 6, 7], [40, 41, 42, 43]]
+    with get_rollout("vllm", config) as served, get_rollout("hf", config) as reference:
+        ours, theirs = served.generate(prompts, greedy), reference.generate(prompts, greedy)
+    assert ours.response_ids == theirs.response_ids
 
 
 def test_killed_vllm_server_is_restarted_and_the_run_matches(ray_session, tmp_path, vllm_python,
