@@ -107,7 +107,8 @@ def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset
     assert result["steps"] == 2
     accuracy = result["accuracy_after" if preset == "smoke_tools" else "accuracy_before"]
     assert accuracy is not None and 0.0 <= accuracy <= 1.0
-    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    # step 0: validation before training (smoke)
+    records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert math.isfinite(r["actor/loss"]) and r["time/sync_s"] > 0
