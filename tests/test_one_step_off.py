@@ -35,8 +35,8 @@ CAP = 1.5
 def test_bad_names_are_refused_before_ray_starts():
     import ray
 
-    with pytest.raises(ConfigError, match=r"trainer.mode='async': choose one of \['sync', 'one_step_off'\]"):
-        parse_config(["-p", "smoke", "trainer.mode=async"])
+    with pytest.raises(ConfigError, match=r"trainer.mode='asnyc': choose one of \['sync', 'one_step_off', 'async'\]"):
+        parse_config(["-p", "smoke", "trainer.mode=asnyc"])
     with pytest.raises(ConfigError, match=r"algorithm.rollout_correction='tiss'.*did you mean 'tis'"):
         parse_config(["-p", "smoke", "algorithm.rollout_correction=tiss"])
     with pytest.raises(ConfigError, match=r"algorithm.rollout_correction_level='seq'"):

@@ -99,7 +99,7 @@ def test_dynamic_sampling_keeps_informative_groups(tmp_path):
     trainer, wg = _trainer(tmp_path, "algorithm.dynamic_sampling=true",
                            "algorithm.max_gen_batches=5")
     rounds_want, kept_want, filled_want = _expected(30, 3, 5)
-    rounds = trainer.collect()
+    rounds = trainer.collect(0, scored=True)
     assert wg.calls == rounds_want
     assert filled_want == 0 and len(kept_want) == 3
     kept = [s.prompt_ids[0] for r in rounds for s in r.kept]
@@ -112,7 +112,7 @@ def test_dynamic_sampling_fills_a_short_batch_with_flat_groups(tmp_path):
     # one round only: the mixed groups of that round, then flat ones of the same round
     trainer, wg = _trainer(tmp_path, "algorithm.dynamic_sampling=true",
                            "algorithm.max_gen_batches=1")
-    rounds = trainer.collect()
+    rounds = trainer.collect(0, scored=True)
     (idx,) = wg.calls
     rnd = rounds[0]
     mixed = [g for g, p in enumerate(idx) if kind(p) == "mixed"]
@@ -123,7 +123,7 @@ def test_dynamic_sampling_fills_a_short_batch_with_flat_groups(tmp_path):
 
 def test_without_dynamic_sampling_one_round_is_kept_whole(tmp_path):
     trainer, wg = _trainer(tmp_path)
-    rounds = trainer.collect()
+    rounds = trainer.collect(0, scored=True)
     assert len(rounds) == 1 and len(wg.calls) == 1
     assert [s.prompt_ids[0] for s in rounds[0].kept] == [p for p in wg.calls[0] for _ in range(N)]
 
@@ -132,7 +132,7 @@ def test_overlong_shaping_by_hand(tmp_path):
     # smoke: rollout.max_tokens=8, buffer 4: lengths 2, 4 -> 0; 6 -> -0.5; 8 -> -1 (x 0.5)
     trainer, _ = _trainer(tmp_path, "algorithm.overlong_buffer=4",
                           "algorithm.overlong_penalty_factor=0.5")
-    samples = trainer.collect()[0].kept[:N]
+    samples = trainer.collect(0, scored=True)[0].kept[:N]
     assert trainer.length_shaping(samples).tolist() == [0.0, 0.0, -0.25, -0.5]
     off, _ = _trainer(tmp_path)
     assert torch.equal(off.length_shaping(samples), torch.zeros(N))

@@ -506,7 +506,8 @@ class ResourcesSection:
     """Ray placement of the ranks."""
 
     ray_address: str | None = None
-    """Ray cluster address; None starts a local session."""
+    """Ray cluster address (host:port, or "auto" for the cluster running on this machine);
+    None joins the cluster the RAY_ADDRESS variable names, else starts a private local session."""
     num_cpus: int | None = None
     """CPUs of the local Ray session (None: all)."""
     world_size: int = 1

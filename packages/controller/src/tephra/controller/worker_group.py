@@ -35,9 +35,11 @@ from tephra.engine_api.errors import ConfigError
 
 
 def ray_init(address: str | None = None, num_cpus: int | None = None, **kwargs: Any) -> None:
-    """Start (or join) Ray once. `address=None` starts a local one-machine session."""
+    """Start (or join) Ray once. `address=None` joins the cluster `RAY_ADDRESS` names, else
+    starts a private local session: never a cluster some other job left running here."""
     if ray.is_initialized():
         return
+    address = address or os.environ.get("RAY_ADDRESS") or None
     # Under `uv run`, Ray would otherwise copy the working tree and build a fresh virtual
     # environment for the workers on every session (a minute on 2 cores); the driver's
     # environment already has everything, so workers reuse its interpreter.
@@ -57,7 +59,7 @@ def ray_init(address: str | None = None, num_cpus: int | None = None, **kwargs: 
         if key in os.environ:
             env[key] = os.environ[key]
     ray.init(
-        address=address,
+        address=address or "local",
         num_cpus=num_cpus if address is None else None,
         include_dashboard=False,
         log_to_driver=True,
@@ -238,23 +240,35 @@ class WorkerGroup:
         if not issubclass(worker_cls, Worker):
             raise TypeError(f"{worker_cls.__name__} must subclass tephra.controller.Worker")
         self.pool, self.worker_cls, self.name = pool, worker_cls, name
+        self.workers: list = []
+        # The rendezvous port is free when picked but may be taken before rank 0 listens on
+        # it (other processes open ephemeral ports too): then the group is built again on
+        # another port.
+        for attempt in range(3):
+            try:
+                self._start(init_kwargs or {})
+                break
+            except Exception as err:
+                self.shutdown()
+                if "EADDRINUSE" not in str(err) or attempt == 2:
+                    raise
+        self.dp_size = check_layout(self.layout)
+
+    def _start(self, init_kwargs: dict[str, Any]) -> None:
+        pool = self.pool
         master_addr, port = ray.get(_rendezvous_address.options(
             scheduling_strategy=pool.strategy_for(0)).remote())
-        remote = ray.remote(worker_cls)
+        remote = ray.remote(self.worker_cls)
         threads = max(1, int(pool.cpus_per_rank))
         self.workers = [
             remote.options(num_cpus=pool.cpus_per_rank, num_gpus=pool.gpus_per_rank,
                            scheduling_strategy=pool.strategy_for(r),
-                           name=f"{name}-{r}-{os.getpid()}-{id(self)}")
-            .remote(r, pool.world_size, master_addr, port, threads, **(init_kwargs or {}))
+                           name=f"{self.name}-{r}-{os.getpid()}-{id(self)}-{port}")
+            .remote(r, pool.world_size, master_addr, port, threads, **init_kwargs)
             for r in range(pool.world_size)
         ]
-        try:  # surfaces constructor errors now
-            self.layout = ray.get([w.execute.remote("dp_info") for w in self.workers])
-        except Exception:
-            self.shutdown()
-            raise
-        self.dp_size = check_layout(self.layout)
+        # surfaces constructor errors now (rank 0's first: it is the one that listens)
+        self.layout = ray.get([w.execute.remote("dp_info") for w in self.workers])
 
     @property
     def world_size(self) -> int:
