@@ -6,9 +6,6 @@ README's verl table: every verl name in it resolves in a registry.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 
