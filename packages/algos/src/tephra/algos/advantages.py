@@ -48,6 +48,7 @@ def compute_advantages(
     baselines: torch.Tensor | None = None,
     old_log_probs: torch.Tensor | None = None,
     sum_pi_squared: torch.Tensor | None = None,
+    reward_components: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [batch, seq], returns [batch, seq]) by the estimator registered as `name`.
 
@@ -57,6 +58,8 @@ def compute_advantages(
     baselines: [batch] reward of the greedy response (`remax` only).
     old_log_probs, sum_pi_squared: [batch, seq] log pi_old(y_t) and sum_v pi_old(v)^2 of the
     sampling policy (the optimal-token-baseline estimators only, metadata needs_token_stats).
+    reward_components: [batch, K] per-sample reward components (`gdpo` only; None: the one
+    component sum_t token_rewards).
     Computed without a graph: advantages are constants of the policy loss.
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
@@ -78,6 +81,14 @@ def compute_advantages(
         check_same_shape(token_rewards=token_rewards, old_log_probs=old_log_probs,
                          sum_pi_squared=sum_pi_squared)
         extra = {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared}
+    if reward_components is not None:
+        if (reward_components.dim() != 2 or reward_components.shape[0] != token_rewards.shape[0]
+                or not reward_components.is_floating_point()):
+            raise InputError(
+                f"reward_components must be a floating [batch={token_rewards.shape[0]}, K] "
+                f"tensor (one column per reward), got {reward_components.dtype} "
+                f"{tuple(reward_components.shape)}")
+        extra["reward_components"] = reward_components
     with torch.no_grad():
         return fn(token_rewards=token_rewards, response_mask=response_mask,
                   group_ids=group_ids, values=values, baselines=baselines, config=config, **extra)
@@ -426,3 +437,35 @@ def tir_optimal_token_baseline(*, token_rewards, response_mask, group_ids, old_l
                                    group_index(group_ids[rows]), True, 1e-8)
         adv[on] = (packed_g - base)[packed_m]
     return adv, returns
+
+
+@ADVANTAGE_ESTIMATORS.register("gdpo", needs_groups=True)
+def gdpo(*, token_rewards, response_mask, group_ids, config, reward_components=None, **_):
+    """GDPO (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization", arXiv 2601.05242; verl's `gdpo`): each reward component is normalised
+    within its group on its own, so a dominant reward cannot drown the others, then the
+    weighted sum is whitened over the batch:
+        A_ik = (c_ik - mean_g(c_k)) / (std_g(c_k) + eps)     (GRPO per component k;
+                                                             no std when `norm_by_std` False)
+        A_i  = whiten(sum_k w_k A_ik)    over the batch's response tokens (token-weighted)
+    c = `reward_components` [batch, K]; without them the one component is the score
+    s_i = sum_t r_it (then GDPO is whitened GRPO, as verl's fallback). w =
+    `gdpo_reward_weights` (default all 1). returns = advantages.
+    """
+    comps = (_scores(token_rewards, response_mask).unsqueeze(-1) if reward_components is None
+             else reward_components.to(token_rewards.dtype))
+    weights = config.gdpo_reward_weights
+    if weights is not None and len(weights) != comps.shape[1]:
+        raise InputError(
+            f"gdpo: AdvantageConfig.gdpo_reward_weights has {len(weights)} weights for "
+            f"{comps.shape[1]} reward components; give one weight per column of "
+            "reward_components (or None for all 1)")
+    groups = group_index(group_ids)
+    total = torch.zeros_like(comps[:, 0])
+    for k in range(comps.shape[1]):
+        mean, scale = _baseline_and_scale(groups, comps[:, k], config.epsilon,
+                                          config.norm_by_std)
+        total = total + (1.0 if weights is None else weights[k]) * (comps[:, k] - mean) / scale
+    adv = masked_whiten(_broadcast(total, response_mask), response_mask)
+    adv = adv * float_mask(response_mask, adv)
+    return adv, adv
