@@ -76,6 +76,7 @@ def naive_otb(rewards, mask, groups, old_lp, q, *, aligned: bool, zero_tail: boo
                             and sum(m[i]) == srt[-1] and k >= srt[-2]):
                         base = 0.0
                 adv[i][t] = ret[i][t] - base
+    ret = [[ret[i][t] * m[i][t] for t in range(s)] for i in range(b)]  # 0 off the mask
     return torch.tensor(adv, dtype=torch.float64), torch.tensor(ret, dtype=torch.float64)
 
 

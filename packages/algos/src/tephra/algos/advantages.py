@@ -391,13 +391,14 @@ def optimal_token_baseline(*, token_rewards, response_mask, group_ids, old_log_p
         W_t = sum_{t' <= t} m_t' w_t'    (cumulative over columns)
         G_t = sum_{t' >= t} m_t' r_t'    (reward-to-go over columns)
         B_t = sum_{j in g} m_jt G_jt W_jt / (sum_{j in g} m_jt W_jt + 1e-8)
-        A_t = m_t (G_t - B_t);  returns = G (also at masked columns, as verl).
+        A_t = m_t (G_t - B_t);  returns = m_t G_t (verl keeps G at masked columns too).
     Columns are absolute positions (samples are aligned by index, not by response-token
     count; see `tir_optimal_token_baseline` for the aligned form). Groups of one: B = 0.
     """
     returns, weights = _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared)
     base = _otb_baseline(returns, weights, response_mask, group_index(group_ids), False, 1e-8)
-    return (returns - base) * response_mask.to(returns.dtype), returns
+    m = response_mask.to(returns.dtype)
+    return (returns - base) * m, returns * m
 
 
 def _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared):
@@ -436,7 +437,7 @@ def tir_optimal_token_baseline(*, token_rewards, response_mask, group_ids, old_l
         base[rows] = _otb_baseline(packed_g[rows], packed_w[rows], packed_m[rows],
                                    group_index(group_ids[rows]), True, 1e-8)
         adv[on] = (packed_g - base)[packed_m]
-    return adv, returns
+    return adv, returns * response_mask.to(returns.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("gdpo", needs_groups=True)
