@@ -56,6 +56,20 @@ def naive_token(name, lp, old, a, cfg, seq_ratio=None, cov=None, selected=False)
         return loss, grad
     if name == "gpg":
         return -a * lp, -a
+    if name == "dro":
+        return -(a * lp - 0.5 * cfg.dro_beta * (lp - old) ** 2), -a + cfg.dro_beta * (lp - old)
+    if name in ("dppo_tv", "dppo_kl"):
+        p, q = math.exp(lp), math.exp(old)
+        if name == "dppo_tv":
+            valid = (p - q <= hi - 1) if a > 0 else (p - q >= -(1 - lo))
+        else:
+            inner = (1 - q + 1e-8) / (1 - p + 1e-8)
+            # log of a negative number (p > 1 from an off-policy lp > 0) is NaN in torch
+            div = q * (old - lp) + (1 - q) * (math.log(inner) if inner > 0 else math.nan)
+            valid = ((div <= cfg.clip_ratio_high or p <= q) if a > 0
+                     else (div <= cfg.clip_ratio_low or p >= q))
+        w = min(r, cfg.dppo_ratio_cap)
+        return (-a * w * lp, -a * w) if valid else (0.0, 0.0)
     raise AssertionError(name)
 
 

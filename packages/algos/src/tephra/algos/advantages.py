@@ -46,6 +46,9 @@ def compute_advantages(
     values: torch.Tensor | None = None,
     config: AdvantageConfig | None = None,
     baselines: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    reward_components: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [batch, seq], returns [batch, seq]) by the estimator registered as `name`.
 
@@ -53,6 +56,10 @@ def compute_advantages(
         per-token terms such as a KL penalty). response_mask: [batch, seq] 1 = generated.
     group_ids: [batch] int64 prompt uid. values: [batch, seq] critic values (`gae` only).
     baselines: [batch] reward of the greedy response (`remax` only).
+    old_log_probs, sum_pi_squared: [batch, seq] log pi_old(y_t) and sum_v pi_old(v)^2 of the
+    sampling policy (the optimal-token-baseline estimators only, metadata needs_token_stats).
+    reward_components: [batch, K] per-sample reward components (`gdpo` only; None: the one
+    component sum_t token_rewards).
     Computed without a graph: advantages are constants of the policy loss.
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
@@ -65,9 +72,26 @@ def compute_advantages(
         check_same_shape(token_rewards=token_rewards, values=values)
     if baselines is not None:
         check_per_sample("baselines", baselines, token_rewards.shape[0])
+    extra = {}
+    if ADVANTAGE_ESTIMATORS.meta(name).get("needs_token_stats"):
+        for field, t in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared)):
+            if t is None:
+                raise InputError(f"advantage estimator {name!r} needs {field}=[batch, seq] of the "
+                                 "sampling policy; pass it or choose e.g. 'grpo'")
+        check_same_shape(token_rewards=token_rewards, old_log_probs=old_log_probs,
+                         sum_pi_squared=sum_pi_squared)
+        extra = {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared}
+    if reward_components is not None:
+        if (reward_components.dim() != 2 or reward_components.shape[0] != token_rewards.shape[0]
+                or not reward_components.is_floating_point()):
+            raise InputError(
+                f"reward_components must be a floating [batch={token_rewards.shape[0]}, K] "
+                f"tensor (one column per reward), got {reward_components.dtype} "
+                f"{tuple(reward_components.shape)}")
+        extra["reward_components"] = reward_components
     with torch.no_grad():
         return fn(token_rewards=token_rewards, response_mask=response_mask,
-                  group_ids=group_ids, values=values, baselines=baselines, config=config)
+                  group_ids=group_ids, values=values, baselines=baselines, config=config, **extra)
 
 
 def _scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -331,3 +355,118 @@ def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
 ADVANTAGE_ESTIMATORS.register("grpo_vectorized", grpo, needs_groups=True)
 ADVANTAGE_ESTIMATORS.register("rloo_vectorized", ADVANTAGE_ESTIMATORS.get("rloo"),
                               needs_groups=True)
+
+
+def _otb_baseline(returns: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
+                  groups: Groups, zero_tail: bool, eps: float) -> torch.Tensor:
+    """Per-group, per-column B_t = sum_j G_jt W_jt m_jt / (sum_j W_jt m_jt + eps); groups of
+    one get B = 0. With `zero_tail`, a group's unique longest sample (by mask count) gets
+    B = 0 from column L2 on, L2 the second-longest length: no other sample informs it."""
+    m = mask.to(returns.dtype)
+    base = torch.zeros_like(returns)
+    lengths = (mask > 0).sum(-1)
+    for g in range(groups.n_groups):
+        members = groups.members(g)
+        if members.numel() < 2:
+            continue
+        num = (returns[members] * weights[members] * m[members]).sum(0)
+        den = (weights[members] * m[members]).sum(0) + eps
+        base[members] = (num / den).unsqueeze(0)
+        if zero_tail:
+            lens = lengths[members]
+            top2 = torch.sort(lens).values[-2:]
+            if top2[1] > top2[0]:
+                base[members[int(torch.argmax(lens))], int(top2[0]):] = 0.0
+    return base
+
+
+@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", needs_groups=True,
+                               needs_token_stats=True)
+def optimal_token_baseline(*, token_rewards, response_mask, group_ids, old_log_probs,
+                           sum_pi_squared, **_):
+    """Optimal token baseline (verl's `optimal_token_baseline`): a baseline per token position
+    that minimises the variance of the token-level policy gradient within a prompt group.
+    With pi_t = exp(old_log_probs) and q_t = sum_v pi_old(v | .)^2 (`sum_pi_squared`),
+        w_t = 1 - 2 pi_t + q_t           (||grad log pi(y_t)||^2 proxy of the softmax logits)
+        W_t = sum_{t' <= t} m_t' w_t'    (cumulative over columns)
+        G_t = sum_{t' >= t} m_t' r_t'    (reward-to-go over columns)
+        B_t = sum_{j in g} m_jt G_jt W_jt / (sum_{j in g} m_jt W_jt + 1e-8)
+        A_t = m_t (G_t - B_t);  returns = m_t G_t (verl keeps G at masked columns too).
+    Columns are absolute positions (samples are aligned by index, not by response-token
+    count; see `tir_optimal_token_baseline` for the aligned form). Groups of one: B = 0.
+    """
+    returns, weights = _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared)
+    base = _otb_baseline(returns, weights, response_mask, group_index(group_ids), False, 1e-8)
+    m = response_mask.to(returns.dtype)
+    return (returns - base) * m, returns * m
+
+
+def _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared):
+    m = response_mask.to(token_rewards.dtype)
+    returns = (token_rewards * m).flip(-1).cumsum(-1).flip(-1)
+    w = 1.0 - 2.0 * old_log_probs.to(returns.dtype).exp() + sum_pi_squared.to(returns.dtype)
+    return returns, (w * m).cumsum(-1)
+
+
+@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline", needs_groups=True,
+                               needs_token_stats=True)
+def tir_optimal_token_baseline(*, token_rewards, response_mask, group_ids, old_log_probs,
+                               sum_pi_squared, **_):
+    """Optimal token baseline for multi-turn / tool-integrated rollouts (verl's
+    `tir_optimal_token_baseline`): as `optimal_token_baseline`, but samples are aligned by
+    the index k of a token among the sample's response tokens (tool output and padding
+    skipped), so the k-th generated token of each sample shares B_k; and the tail of a
+    group's unique longest sample beyond the second-longest gets B = 0 (verl's
+    handle_zero_tail=True). Samples with no response token are left out of their group.
+    """
+    returns, weights = _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared)
+    on = response_mask > 0
+    lengths = on.sum(-1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    # pack each sample's response tokens to the left: column k = k-th response token
+    packed_g = returns.new_zeros(returns.shape[0], width)
+    packed_w = torch.zeros_like(packed_g)
+    packed_m = torch.arange(width, device=returns.device).unsqueeze(0) < lengths.unsqueeze(-1)
+    packed_g[packed_m] = returns[on]
+    packed_w[packed_m] = weights[on]
+    keep = lengths > 0
+    adv = torch.zeros_like(returns)
+    if bool(keep.any()):
+        rows = torch.nonzero(keep, as_tuple=True)[0]
+        base = torch.zeros_like(packed_g)
+        base[rows] = _otb_baseline(packed_g[rows], packed_w[rows], packed_m[rows],
+                                   group_index(group_ids[rows]), True, 1e-8)
+        adv[on] = (packed_g - base)[packed_m]
+    return adv, returns * response_mask.to(returns.dtype)
+
+
+@ADVANTAGE_ESTIMATORS.register("gdpo", needs_groups=True)
+def gdpo(*, token_rewards, response_mask, group_ids, config, reward_components=None, **_):
+    """GDPO (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization", arXiv 2601.05242; verl's `gdpo`): each reward component is normalised
+    within its group on its own, so a dominant reward cannot drown the others, then the
+    weighted sum is whitened over the batch:
+        A_ik = (c_ik - mean_g(c_k)) / (std_g(c_k) + eps)     (GRPO per component k;
+                                                             no std when `norm_by_std` False)
+        A_i  = whiten(sum_k w_k A_ik)    over the batch's response tokens (token-weighted)
+    c = `reward_components` [batch, K]; without them the one component is the score
+    s_i = sum_t r_it (then GDPO is whitened GRPO, as verl's fallback). w =
+    `gdpo_reward_weights` (default all 1). returns = advantages.
+    """
+    comps = (_scores(token_rewards, response_mask).unsqueeze(-1) if reward_components is None
+             else reward_components.to(token_rewards.dtype))
+    weights = config.gdpo_reward_weights
+    if weights is not None and len(weights) != comps.shape[1]:
+        raise InputError(
+            f"gdpo: AdvantageConfig.gdpo_reward_weights has {len(weights)} weights for "
+            f"{comps.shape[1]} reward components; give one weight per column of "
+            "reward_components (or None for all 1)")
+    groups = group_index(group_ids)
+    total = torch.zeros_like(comps[:, 0])
+    for k in range(comps.shape[1]):
+        mean, scale = _baseline_and_scale(groups, comps[:, k], config.epsilon,
+                                          config.norm_by_std)
+        total = total + (1.0 if weights is None else weights[k]) * (comps[:, k] - mean) / scale
+    adv = masked_whiten(_broadcast(total, response_mask), response_mask)
+    adv = adv * float_mask(response_mask, adv)
+    return adv, adv

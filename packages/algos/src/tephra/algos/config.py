@@ -56,6 +56,9 @@ class AdvantageConfig:
     passk_k: int = 4
     """`grpo_passk`: the k of pass@k (max@k for non-binary rewards); every group must hold at
     least k samples. k=1 is GRPO with the population standard deviation."""
+    gdpo_reward_weights: list[float] | None = None
+    """`gdpo`: weight w_k of each reward component (the columns of `reward_components`, in
+    order); None: all 1 (verl's `gdpo_reward_weights`)."""
 
     def __post_init__(self) -> None:
         _in_range("advantage", "gamma", self.gamma, 0.0, 1.0)
@@ -99,6 +102,12 @@ class PolicyLossConfig:
     sapo_tau_neg: float = 1.05
     """`sapo`: gate temperature for negative advantages (larger: negative updates decay faster
     off-policy, as the paper recommends)."""
+    dro_beta: float = 0.1
+    """`dro`: weight beta of the quadratic proximity penalty (beta / 2)(log pi - log pi_old)^2;
+    must be > 0 (verl's `dro_beta`)."""
+    dppo_ratio_cap: float | None = 20.0
+    """`dppo_tv`, `dppo_kl`: truncation of the importance weight min(r, cap) (DPPO's
+    truncated IS; verl reads `clip_ratio_c` for it, defaulting to 20). None: no truncation."""
 
     def __post_init__(self) -> None:
         _positive("policy_loss", "clip_ratio", self.clip_ratio)
@@ -124,6 +133,9 @@ class PolicyLossConfig:
         _positive("policy_loss", "kl_cov_coef", self.kl_cov_coef, zero_ok=True)
         _positive("policy_loss", "sapo_tau_pos", self.sapo_tau_pos)
         _positive("policy_loss", "sapo_tau_neg", self.sapo_tau_neg)
+        _positive("policy_loss", "dro_beta", self.dro_beta)
+        if self.dppo_ratio_cap is not None:
+            _positive("policy_loss", "dppo_ratio_cap", self.dppo_ratio_cap)
 
 
 @dataclass

@@ -242,6 +242,70 @@ def geo_mean(log_probs, old_log_probs, advantages, response_mask, config: Policy
     return loss, metrics
 
 
+@POLICY_LOSSES.register("dro")
+def dro(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """DRO as verl's `dro` loss mode (Direct Reward Optimization, Richemond et al. 2024,
+    "Offline Regularised Reinforcement Learning for LLMs Alignment", in its per-token form): a
+    policy gradient with a quadratic proximity penalty instead of a clip,
+        L_t = -(A log pi(y_t) - (beta / 2) (log pi(y_t) - log pi_old(y_t))^2)
+        dL_t / d log pi = -A + beta (log pi - log pi_old)
+    beta = `dro_beta`; the penalty uses the raw (unclamped) log-ratio.
+    """
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    penalty = 0.5 * config.dro_beta * (log_probs - old_log_probs).square()
+    metrics = _ratio_metrics(log_ratio, response_mask)
+    metrics["pg_clipfrac"] = 0.0
+    return -(advantages * log_probs - penalty), metrics
+
+
+def _dppo(log_probs, old_log_probs, advantages, response_mask, config, valid):
+    """-A sg(min(r, cap)) valid log pi: the shared DPPO policy gradient, given its mask."""
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    ratio = log_ratio.detach().exp()
+    cap = config.dppo_ratio_cap
+    weight = ratio if cap is None else ratio.clamp(max=cap)
+    keep = valid.detach().to(log_probs.dtype)
+    loss = -advantages * weight * log_probs * keep
+    metrics = _ratio_metrics(log_ratio, response_mask)
+    metrics["pg_clipfrac"] = _frac(~valid, response_mask)
+    metrics["pg_clipfrac_lower"] = _frac(valid & (weight != ratio), response_mask)
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("dppo_tv")
+def dppo_tv(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """DPPO-Binary-TV (verl's `dppo_tv`; arXiv 2602.04879): a trust region on the sampled
+    token's probability instead of on the ratio. With p = pi(y_t), q = pi_old(y_t),
+        valid_t = (p - q <= eps_h) if A > 0 else (p - q >= -eps_l)
+        L_t = -A sg(min(r, C)) valid_t log pi(y_t)     (C = `dppo_ratio_cap`)
+    so a token moved more than eps (in probability) in the advantage's direction gets no
+    gradient. eps_l / eps_h are `clip_ratio_low` / `clip_ratio_high`, read as probability
+    distances. `pg_clipfrac`: share of masked-out tokens; `pg_clipfrac_lower`: share of
+    valid tokens whose weight was truncated.
+    """
+    dp = log_probs.detach().exp() - old_log_probs.exp()
+    valid = torch.where(advantages > 0, dp <= config.clip_ratio_high,
+                        dp >= -config.clip_ratio_low)
+    return _dppo(log_probs, old_log_probs, advantages, response_mask, config, valid)
+
+
+@POLICY_LOSSES.register("dppo_kl")
+def dppo_kl(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+    """DPPO-Binary-KL (verl's `dppo_kl`; arXiv 2602.04879): as `dppo_tv` with the KL between
+    the Bernoulli distributions (q, 1 - q) and (p, 1 - p) of "the sampled token or not",
+        D_t = q (log q - log p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))
+        valid_t = D_t <= eps_h or p <= q    (A > 0: only a rise of p is bounded)
+        valid_t = D_t <= eps_l or p >= q    (A <= 0: only a fall of p is bounded)
+        L_t = -A sg(min(r, C)) valid_t log pi(y_t)
+    """
+    lp = log_probs.detach()
+    p, q = lp.exp(), old_log_probs.exp()
+    div = q * (old_log_probs - lp) + (1.0 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+    valid = torch.where(advantages > 0, (div <= config.clip_ratio_high) | (p <= q),
+                        (div <= config.clip_ratio_low) | (p >= q))
+    return _dppo(log_probs, old_log_probs, advantages, response_mask, config, valid)
+
+
 def compute_policy_loss(
     name: str,
     log_probs: torch.Tensor,

@@ -620,6 +620,11 @@ def validate(cfg: PPOConfig) -> None:
             f"algorithm.adv_estimator={a.adv_estimator!r} with algorithm.advantage.passk_k="
             f"{a.advantage.passk_k} needs at least k samples per prompt; "
             f"batch.samples_per_prompt={b.samples_per_prompt}: raise it or lower passk_k")
+    if a.needs("token_stats"):
+        raise ConfigError(
+            f"algorithm.adv_estimator={a.adv_estimator!r} needs sum_pi_squared (sum over the "
+            "vocabulary of pi_old^2 per token), which the trainer does not compute; choose "
+            "e.g. algorithm.adv_estimator=grpo or opo")
     if a.needs("baselines") and r.uses_agent_loop:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} takes the greedy response's reward "
