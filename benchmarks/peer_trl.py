@@ -218,7 +218,13 @@ def main() -> None:
     parser.add_argument("--run", choices=["tephra", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--tephra-args", default="",
-                        help="extra tephra overrides, space-separated (ablations)")
+                        help="extra tephra overrides, space-separated")
+    parser.add_argument("--variant", default="",
+                        help="also run tephra with these overrides (label tephra_variant)")
+    parser.add_argument("--base-python", default="",
+                        help="also run tephra from another checkout's interpreter (label "
+                             "tephra_base), e.g. main's .venv/bin/python")
+    parser.add_argument("--results", default=str(RESULTS), help="where the JSON goes")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.quick:
@@ -229,46 +235,63 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result))
         return
 
-    frameworks = [args.only] if args.only else ["tephra", "trl"]
+    # (label, framework, interpreter, extra tephra overrides): run in this order each round
+    entries = [("tephra", "tephra", sys.executable, args.tephra_args), ("trl", "trl", sys.executable, "")]
+    if args.only:
+        entries = [e for e in entries if e[0] == args.only]
+    if args.base_python:  # tephra before this branch's changes: another checkout's venv
+        entries.insert(0, ("tephra_base", "tephra", args.base_python, args.tephra_args))
+    if args.variant:  # tephra with extra overrides (an ablation / a tuned config)
+        entries.insert(-1, ("tephra_variant", "tephra", sys.executable, args.variant))
     runs = []
     info = machine()
     for i in range(args.runs):
-        for fw in frameworks:
+        for label, fw, python, extra in entries:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                cmd = [sys.executable, __file__, "--run", fw, "--out", out.name,
+                cmd = [python, __file__, "--run", fw, "--out", out.name,
                        "--steps", str(args.steps), "--val-size", str(args.val_size),
-                       "--tephra-args", args.tephra_args]
+                       "--tephra-args", extra]
                 env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
                 subprocess.run(cmd, check=True, env=env)
                 res = json.loads(Path(out.name).read_text())
             steady = res["step_s"][1:] or res["step_s"]
-            res.update(run=i, median_step_s=round(statistics.median(steady), 3),
+            res.update(label=label, overrides=extra, run=i,
+                       median_step_s=round(statistics.median(steady), 3),
                        median_stages_s={k: round(statistics.median(v[1:] or v), 3)
                                         for k, v in res["stages_s"].items()})
-            print(f"{fw} run {i}: median step {res['median_step_s']} s, stages "
+            print(f"{label} run {i}: median step {res['median_step_s']} s, stages "
                   f"{res['median_stages_s']}, val acc {res['val_accuracy']}", flush=True)
             runs.append(res)
 
-    by = {fw: [r for r in runs if r["framework"] == fw] for fw in frameworks}
+    by = {label: [r for r in runs if r["label"] == label] for label, *_ in entries}
     result = {"settings": {**SETTINGS, "steps": args.steps, "runs_each": args.runs,
-                           "val_size": args.val_size, "tephra_extra": args.tephra_args,
-                           "order": "interleaved tephra, trl, tephra, trl; fresh process each",
+                           "val_size": args.val_size,
+                           "entries": {label: {"framework": fw, "overrides": extra}
+                                       for label, fw, _, extra in entries},
+                           "order": "interleaved, one of each per round; fresh process each",
                            "median_over": "steps 2.. of each run"},
               "machine": info, "versions": versions(), "runs": runs}
-    for fw, rs in by.items():
-        result[f"{fw}_median_step_s"] = round(statistics.median(r["median_step_s"] for r in rs), 3)
-        result[f"{fw}_val_accuracy"] = [r["val_accuracy"] for r in rs]
-    if len(by) == 2:
-        ratios = [t["median_step_s"] / p["median_step_s"] for p, t in zip(by["tephra"], by["trl"])]
-        result["step_time_ratio_trl_over_tephra"] = round(statistics.median(ratios), 2)
-        result["step_time_ratio_per_pair"] = [round(r, 2) for r in ratios]
-        all_steps = {fw: [s for r in rs for s in r["step_s"][1:]] for fw, rs in by.items()}
-        result["noise"] = {fw: {"min_step_s": min(v), "max_step_s": max(v),
-                                "stdev_step_s": round(statistics.pstdev(v), 3)}
-                           for fw, v in all_steps.items()}
+    for label, rs in by.items():
+        result[f"{label}_median_step_s"] = round(
+            statistics.median(r["median_step_s"] for r in rs), 3)
+        result[f"{label}_median_stages_s"] = {
+            k: round(statistics.median(r["median_stages_s"][k] for r in rs), 3)
+            for k in rs[0]["median_stages_s"]}
+        result[f"{label}_val_accuracy"] = [r["val_accuracy"] for r in rs]
+    if "trl" in by:
+        for label in [x for x in by if x.startswith("tephra")]:
+            ratios = [t["median_step_s"] / p["median_step_s"]
+                      for p, t in zip(by[label], by["trl"])]
+            suffix = "" if label == "tephra" else f"_{label.removeprefix('tephra_')}"
+            result[f"step_time_ratio_trl_over_tephra{suffix}"] = round(statistics.median(ratios), 2)
+            result[f"step_time_ratio_per_round{suffix}"] = [round(r, 2) for r in ratios]
+    result["noise"] = {label: {"min_step_s": min(v), "max_step_s": max(v),
+                               "stdev_step_s": round(statistics.pstdev(v), 3)}
+                       for label, v in ((label, [s for r in rs for s in r["step_s"][1:]])
+                                        for label, rs in by.items()) if v}
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     if not args.quick and not args.only:
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.results).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
