@@ -285,7 +285,8 @@ class RLWorker(Worker):
         return out.select("values")
 
     # ----- updates ---------------------------------------------------------------------
-    def _train(self, engine, loss_fn, batch: TensorDict) -> dict[str, float]:
+    def _train(self, engine, loss_fn, batch: TensorDict,
+               skip_flat: bool = False) -> dict[str, float]:
         n = batch.batch_size[0]
         mb = self.cfg.batch.mini_batches
         size = n // mb
@@ -294,7 +295,11 @@ class RLWorker(Worker):
         with engine.train_mode():
             for _ in range(self.cfg.batch.epochs):
                 for i in range(mb):
-                    metrics = dict(engine.forward_backward(batch[i * size : (i + 1) * size], loss_fn))
+                    part, skip_metrics = batch[i * size : (i + 1) * size], {}
+                    if skip_flat:
+                        part, step_loss, skip_metrics = skip_zero_advantage_rows(part, loss_fn)
+                    metrics = dict(engine.forward_backward(part, step_loss if skip_flat else loss_fn))
+                    metrics.update(skip_metrics)
                     metrics["grad_norm"] = float(engine.optimizer_step())
                     # a non-finite norm means the engine skipped the update: count it
                     metrics["skipped_update_frac"] = float(not math.isfinite(metrics["grad_norm"]))
@@ -310,7 +315,16 @@ class RLWorker(Worker):
         loss = self.actor_loss
         if self.cfg.batch.mini_batches == 1 and self.cfg.batch.epochs == 1:
             loss = _on_policy_old_log_probs(loss)
-        return self._train(self.actor, loss, batch)
+        return self._train(self.actor, loss, batch, skip_flat=self._can_skip_flat())
+
+    def _can_skip_flat(self) -> bool:
+        """Rows with zero advantage add exactly zero to the actor's gradient when the loss is
+        the advantage times a policy term (no entropy bonus, no KL loss, no covariance-based
+        token selection, which looks at the whole micro-batch) and one data-parallel rank
+        sees the whole batch (the full-batch normalisers are then known locally)."""
+        obj = self.cfg.actor.objective
+        return (obj.policy_loss in ZERO_AT_ZERO_ADVANTAGE and obj.entropy_coeff == 0
+                and not obj.use_kl_loss and self.dp_info().dp_size == 1)
 
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("critic")
@@ -425,6 +439,45 @@ class RLWorker(Worker):
 
                 tools, self._tools = self._tools, {}
                 close_tools(tools.values())
+
+
+# policy losses whose per-token loss is (advantage x something): zero advantage, zero gradient
+ZERO_AT_ZERO_ADVANTAGE = frozenset({"vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean"})
+
+
+def skip_zero_advantage_rows(batch: TensorDict, loss_fn):
+    """Leave out the rows whose advantage is exactly zero on every token (GRPO / RLOO groups
+    whose samples all scored the same): they add nothing to the gradient but cost a forward
+    and backward. The engine sets its loss normalisers from the rows it sees, so the returned
+    loss puts back those of the full batch and the gradient is that of the full batch. One
+    row is always kept, so every parameter still gets a (zero) gradient and AdamW's step is
+    the same. Returns (rows kept, loss_fn to use, metrics)."""
+    from tephra.engine_api.batch import GLOBAL_SEQ_COUNT, GLOBAL_TOKEN_COUNT
+
+    mask = batch["response_mask"]
+    informative = ((batch["advantages"] != 0) & (mask > 0)).any(-1)
+    if not bool(informative.any()):
+        informative[0] = True
+    keep = informative.nonzero().squeeze(-1)
+    tokens = max(float(mask.sum()), 1.0)
+    seqs = max(float((mask.sum(-1) > 0).sum()), 1.0)
+    skipped = ~informative
+    flat_groups = 0
+    if "uid" in batch.keys():  # a group is skipped when all its rows are
+        uid = batch["uid"]
+        flat_groups = len(set(uid[skipped].tolist()) - set(uid[informative].tolist()))
+    metrics = {"actor/skipped_rows": float(skipped.sum()),
+               "actor/skipped_flat_groups": float(flat_groups)}
+    if len(keep) == batch.batch_size[0]:
+        return batch, loss_fn, metrics
+
+    def full_batch_normalisers(outputs: TensorDict, part: TensorDict):
+        like = part[GLOBAL_TOKEN_COUNT]
+        part[GLOBAL_TOKEN_COUNT] = torch.full_like(like, tokens)
+        part[GLOBAL_SEQ_COUNT] = torch.full_like(like, seqs)
+        return loss_fn(outputs, part)
+
+    return batch[keep], full_batch_normalisers, metrics
 
 
 def _engine_device(device: str) -> str:

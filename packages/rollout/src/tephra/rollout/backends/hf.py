@@ -119,10 +119,12 @@ class HFRollout(Rollout):
             return_dict_in_generate=True, use_cache=True,
         )
         devices = [self.device] if self.device.type == "cuda" else []
+        ids, attn = ids.to(self.device), attn.to(self.device)
         with self._lock, torch.random.fork_rng(devices=devices):
+            past = self._prefill_shared_prompts(ids, attn, rows)
             torch.manual_seed(seed)
             out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+                input_ids=ids, attention_mask=attn, past_key_values=past,
                 generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]),
             )
         sequences = out.sequences.cpu()
@@ -143,6 +145,31 @@ class HFRollout(Rollout):
                 finish_reason=reason,
             ))
         return generations
+
+    def _prefill_shared_prompts(self, ids: torch.Tensor, attn: torch.Tensor,
+                                rows: list[list[int]]):
+        """The KV cache of every prompt but its last token, computed once per run of equal
+        consecutive rows (a prompt's n samples) and repeated for each row; `generate` then
+        starts from it. Prefill is most of the compute of short responses and n rows of the
+        same prompt would otherwise repeat it n times. None when no row repeats."""
+        owner, distinct = [], []
+        for r, row in enumerate(rows):
+            if r == 0 or row != rows[r - 1]:
+                distinct.append(r)
+            owner.append(len(distinct) - 1)
+        if len(distinct) == len(rows) or ids.shape[1] < 2:
+            return None
+        from transformers import DynamicCache
+
+        first = torch.tensor(distinct, device=ids.device)
+        u_ids, u_attn = ids[first, :-1], attn[first, :-1]
+        # the position ids `generate` gives left-padded rows (pads at 1; never attended to)
+        positions = (u_attn.cumsum(-1) - 1).masked_fill(u_attn == 0, 1)
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=u_ids, attention_mask=u_attn, position_ids=positions,
+                   past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_select_indices(torch.tensor(owner, device=ids.device))
+        return cache
 
     # -- async single requests ----------------------------------------------------------------
 

@@ -1,0 +1,298 @@
+"""RL step time of tephra vs TRL's GRPOTrainer on the identical workload, side by side.
+
+    uv sync --all-packages --group bench                 # TRL lives in the `bench` group only
+    uv run python benchmarks/peer_trl.py                 # 2 runs each -> results/peer_trl.json
+    uv run python benchmarks/peer_trl.py --quick         # 1 run each, 2 steps, prints only
+
+Workload (the `uv run apps/ppo` demo): SmolLM2-135M-Instruct (the folder converted by
+`tephra.controller.smollm2.smollm2_folder()`), reasoning-gym basic_arithmetic, 4 prompts x 8
+samples x at most 32 new tokens per step, temperature 1, AdamW lr 3e-5 (no weight decay,
+grad clip 1, constant schedule), clip 0.2, no reference model / KL (beta 0), one optimizer
+step per RL step, per-sequence-then-token mean loss (TRL `loss_type="grpo"`), group-std
+normalised advantages, bf16 compute with fp32 master weights (TRL `bf16=True` autocast),
+torch on 2 threads. Both see the same prompts in the same order (tephra's `PromptLoader`
+order, fed to TRL with `shuffle_dataset=False`) and the same reward (tephra's `Scorer`).
+
+Each run is a fresh process (`--run tephra|trl`); runs alternate tephra, TRL, tephra, TRL so
+that the load other processes put on the machine falls on both alike. Per run: the wall time
+of every RL step (tephra: `time/step_s`; TRL: `on_step_begin` -> `on_step_end`), the first
+step left out of the median as warm-up; per-stage times (tephra: its `time/*_s` metrics;
+TRL: generation, reward + old-log-prob bookkeeping (`_generate_and_score_completions` minus
+generation) and the rest of the step, i.e. forward/backward/optimizer); and greedy held-out
+accuracy after training on the same `--val-size` items (tephra's own validation; for TRL the
+same prompts, greedy, 32 tokens, the same scorer). Reported: the median over runs of
+`step_time_ratio_trl_over_tephra` (median TRL step / median tephra step) and its spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "peer_trl.json"
+THREADS = 2
+SETTINGS = dict(prompts_per_step=4, samples_per_prompt=8, max_tokens=32, lr=3e-5,
+                temperature=1.0, clip=0.2, threads=THREADS, seed=0, task="basic_arithmetic")
+
+
+def tephra_overrides(steps: int, val_size: int, run_dir: str, extra: list[str]) -> list[str]:
+    s = SETTINGS
+    return [f"trainer.steps={steps}", f"data.val_size={val_size}", "trainer.val_before=false",
+            "trainer.val_after=true", "trainer.trackers=[jsonl]", "trainer.progress_bar=false",
+            "trainer.export_hf=false", "trainer.resume=off", f"trainer.run_dir={run_dir}",
+            f"trainer.seed={s['seed']}", f"batch.prompts_per_step={s['prompts_per_step']}",
+            f"batch.samples_per_prompt={s['samples_per_prompt']}",
+            f"rollout.max_tokens={s['max_tokens']}", f"actor.optimizer.lr={s['lr']}",
+            f"resources.cpus_per_rank={float(THREADS)}", *extra]
+
+
+def run_tephra(steps: int, val_size: int, extra: list[str]) -> dict:
+    from tephra.apps.ppo.main import parse_config, run
+
+    with tempfile.TemporaryDirectory(prefix="peer_trl_tephra_") as tmp:
+        cfg = parse_config(tephra_overrides(steps, val_size, tmp, extra))
+        t0 = time.perf_counter()
+        run(cfg)
+        total = time.perf_counter() - t0
+        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    steps_rec = [r for r in records if "time/step_s" in r]
+    stages = {k: [round(r[k], 3) for r in steps_rec]
+              for k in sorted({k for r in steps_rec for k in r})
+              if k.startswith("time/") and k.endswith("_s")}
+    acc = [r["accuracy/val"] for r in records if "accuracy/val" in r]
+    extras = {k: [r.get(k) for r in steps_rec] for k in ("actor/skipped_flat_groups",)
+              if any(k in r for r in steps_rec)}
+    return {"framework": "tephra", "step_s": stages.pop("time/step_s"), "stages_s": stages,
+            "val_accuracy": acc[-1] if acc else None, "process_wall_s": round(total, 1), **extras}
+
+
+def trl_records(steps: int, val_size: int):
+    """The training prompts in tephra's order for `steps` steps, and the held-out records."""
+    from tephra.apps.ppo.main import parse_config
+    from tephra.controller.data import PromptLoader
+    from tephra.controller.ppo import prepare
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = prepare(parse_config(tephra_overrides(steps, val_size, tmp, [])))
+    loader = PromptLoader(len(p.train.ids), SETTINGS["prompts_per_step"], SETTINGS["seed"])
+    order = [i for _ in range(steps) for i in loader.next_indices()]
+    return p, [p.train.records[i] for i in order], p.val.records
+
+
+def run_trl(steps: int, val_size: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tephra.controller.rewarding import Scorer
+
+    torch.set_num_threads(THREADS)
+    prepared, train, val = trl_records(steps, val_size)
+    model_path = prepared.model_path
+    scorer = Scorer()
+    rows = {"prompt": [r.prompt for r in train], "idx": list(range(len(train)))}
+
+    def reward(completions, idx, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [s for s, _ in scorer.score(texts, [train[i] for i in idx])]
+
+    s = SETTINGS
+    n = s["samples_per_prompt"]
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="peer_trl_trl_"), max_steps=steps, use_cpu=True,
+        bf16=True, per_device_train_batch_size=s["prompts_per_step"] * n,
+        gradient_accumulation_steps=1, num_generations=n, max_completion_length=s["max_tokens"],
+        temperature=s["temperature"], top_p=1.0, top_k=0, learning_rate=s["lr"],
+        weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+        beta=0.0, epsilon=s["clip"], num_iterations=1, loss_type="grpo", scale_rewards="group",
+        shuffle_dataset=False, logging_steps=1, report_to=[], save_strategy="no",
+        seed=s["seed"], dataloader_num_workers=0, disable_dropout=True,
+    )
+    tok = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
+                          train_dataset=Dataset.from_dict(rows), processing_class=tok)
+
+    timings: dict[str, list[float]] = {"step": [], "generate": [], "score": []}
+    pending = {"generate": 0.0, "score": 0.0}
+
+    def timed(name: str, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            pending[name] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    # `_generate` is the sampling call; `_generate_and_score_completions` wraps it with the
+    # reward, advantages and bookkeeping (no old-log-prob pass: one iteration, on-policy)
+    trainer._generate = timed("generate", trainer._generate)
+    trainer._generate_and_score_completions = timed(
+        "score", trainer._generate_and_score_completions)
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.t0 = time.perf_counter()
+            pending.update(generate=0.0, score=0.0)
+
+        def on_step_end(self, *_, **__):
+            timings["step"].append(time.perf_counter() - self.t0)
+            timings["generate"].append(pending["generate"])
+            timings["score"].append(pending["score"] - pending["generate"])
+
+    trainer.add_callback(Clock())
+    t0 = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - t0
+    step = timings["step"]
+    stages = {"time/generate_s": timings["generate"], "time/reward_and_advantages_s": timings["score"],
+              "time/update_s": [st - g - sc for st, g, sc in
+                                zip(step, timings["generate"], timings["score"])]}
+    return {"framework": "trl", "step_s": [round(x, 3) for x in step],
+            "stages_s": {k: [round(x, 3) for x in v] for k, v in stages.items()},
+            "val_accuracy": greedy_accuracy(trainer.model, tok, val, scorer),
+            "process_wall_s": round(total, 1)}
+
+
+def greedy_accuracy(model, tok, records, scorer, batch: int = 32) -> float:
+    """Greedy held-out accuracy (score >= 1), 32 new tokens, as tephra's validation."""
+    import torch
+
+    from tephra.controller.rewarding import accuracy_of
+
+    model.eval()
+    correct = 0
+    for i in range(0, len(records), batch):
+        chunk = records[i : i + batch]
+        texts = [tok.apply_chat_template(r.prompt, tokenize=False, add_generation_prompt=True)
+                 for r in chunk]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=SETTINGS["max_tokens"], do_sample=False)
+        answers = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(accuracy_of(s) for s, _ in scorer.score(answers, chunk))
+    return correct / len(records)
+
+
+def machine() -> dict:
+    import torch
+
+    flags = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = line
+            break
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+                 platform.processor())
+    return {"cpu": model, "cores": os.cpu_count(),
+            "bf16_units": [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()],
+            "torch": torch.__version__, "python": platform.python_version(),
+            "load_average_at_start": os.getloadavg()}
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("trl", "transformers", "torch", "accelerate")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 steps, 1 run each, no json")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=2, help="runs of each framework")
+    parser.add_argument("--val-size", type=int, default=64)
+    parser.add_argument("--only", choices=["tephra", "trl"], help="run one framework only")
+    parser.add_argument("--run", choices=["tephra", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--tephra-args", default="",
+                        help="extra tephra overrides, space-separated")
+    parser.add_argument("--variant", default="",
+                        help="also run tephra with these overrides (label tephra_variant)")
+    parser.add_argument("--base-python", default="",
+                        help="also run tephra from another checkout's interpreter (label "
+                             "tephra_base), e.g. main's .venv/bin/python")
+    parser.add_argument("--results", default=str(RESULTS), help="where the JSON goes")
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.quick:
+        args.steps, args.runs, args.val_size = 2, 1, 16
+    if args.run:  # child process: one run, result to --out
+        result = (run_tephra(args.steps, args.val_size, args.tephra_args.split())
+                  if args.run == "tephra" else run_trl(args.steps, args.val_size))
+        Path(args.out).write_text(json.dumps(result))
+        return
+
+    # (label, framework, interpreter, extra tephra overrides): run in this order each round
+    entries = [("tephra", "tephra", sys.executable, args.tephra_args), ("trl", "trl", sys.executable, "")]
+    if args.only:
+        entries = [e for e in entries if e[0] == args.only]
+    if args.base_python:  # tephra before this branch's changes: another checkout's venv
+        entries.insert(0, ("tephra_base", "tephra", args.base_python, args.tephra_args))
+    if args.variant:  # tephra with extra overrides (an ablation / a tuned config)
+        entries.insert(-1, ("tephra_variant", "tephra", sys.executable, args.variant))
+    runs = []
+    info = machine()
+    for i in range(args.runs):
+        for label, fw, python, extra in entries:
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                cmd = [python, __file__, "--run", fw, "--out", out.name,
+                       "--steps", str(args.steps), "--val-size", str(args.val_size),
+                       "--tephra-args", extra]
+                env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
+                subprocess.run(cmd, check=True, env=env)
+                res = json.loads(Path(out.name).read_text())
+            steady = res["step_s"][1:] or res["step_s"]
+            res.update(label=label, overrides=extra, run=i,
+                       median_step_s=round(statistics.median(steady), 3),
+                       median_stages_s={k: round(statistics.median(v[1:] or v), 3)
+                                        for k, v in res["stages_s"].items()})
+            print(f"{label} run {i}: median step {res['median_step_s']} s, stages "
+                  f"{res['median_stages_s']}, val acc {res['val_accuracy']}", flush=True)
+            runs.append(res)
+
+    by = {label: [r for r in runs if r["label"] == label] for label, *_ in entries}
+    result = {"settings": {**SETTINGS, "steps": args.steps, "runs_each": args.runs,
+                           "val_size": args.val_size,
+                           "entries": {label: {"framework": fw, "overrides": extra}
+                                       for label, fw, _, extra in entries},
+                           "order": "interleaved, one of each per round; fresh process each",
+                           "median_over": "steps 2.. of each run"},
+              "machine": info, "versions": versions(), "runs": runs}
+    for label, rs in by.items():
+        result[f"{label}_median_step_s"] = round(
+            statistics.median(r["median_step_s"] for r in rs), 3)
+        result[f"{label}_median_stages_s"] = {
+            k: round(statistics.median(r["median_stages_s"][k] for r in rs), 3)
+            for k in rs[0]["median_stages_s"]}
+        result[f"{label}_val_accuracy"] = [r["val_accuracy"] for r in rs]
+    if "trl" in by:
+        for label in [x for x in by if x.startswith("tephra")]:
+            ratios = [t["median_step_s"] / p["median_step_s"]
+                      for p, t in zip(by[label], by["trl"])]
+            suffix = "" if label == "tephra" else f"_{label.removeprefix('tephra_')}"
+            result[f"step_time_ratio_trl_over_tephra{suffix}"] = round(statistics.median(ratios), 2)
+            result[f"step_time_ratio_per_round{suffix}"] = [round(r, 2) for r in ratios]
+    result["noise"] = {label: {"min_step_s": min(v), "max_step_s": max(v),
+                               "stdev_step_s": round(statistics.pstdev(v), 3)}
+                       for label, v in ((label, [s for r in rs for s in r["step_s"][1:]])
+                                        for label, rs in by.items()) if v}
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    if not args.quick and not args.only:
+        Path(args.results).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
