@@ -110,3 +110,19 @@ def test_image_token_mismatch_is_refused(vlm):
     engine = _engine(vlm)
     with pytest.raises(ConfigError, match="batch row 0: the prompt holds 16 image tokens"):
         engine.forward(batch)
+
+
+def test_value_model_on_a_vlm_is_refused(vlm):
+    with pytest.raises(ConfigError, match="model.role='value' with a vision-language model"):
+        _engine(vlm, **{"model.role": "value"})
+
+
+def test_images_for_a_text_model_are_refused(vlm):
+    from tephra.engine_api.errors import BatchError
+    from tephra.engine_fsdp.testing import tiny_engine_config
+
+    batch, _, _ = _batch(vlm)
+    batch[B.INPUT_IDS] = batch[B.INPUT_IDS] % 256  # the tiny text model's vocabulary
+    engine = FSDPEngine.build(tiny_engine_config())
+    with pytest.raises(BatchError, match="has no vision tower"):
+        engine.forward(batch)
