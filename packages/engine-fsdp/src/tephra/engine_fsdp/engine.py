@@ -24,8 +24,8 @@ from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.loss import LossFn
-from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, ulysses, weights
-from tephra.engine_fsdp.model_builder import build_model, decoder_layers
+from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, ulysses, vision, weights
+from tephra.engine_fsdp.model_builder import backbone, build_model, decoder_layers
 from tephra.engine_fsdp.schedulers import build_scheduler
 from tephra.engine_fsdp.scorer import TokenScorer, check_output_head
 
@@ -178,6 +178,7 @@ class FSDPEngine(Engine):
                 f"batch['input_ids'] holds token id {int(ids.max())} >= the model's vocab size "
                 f"{vocab}; the tokenizer and model do not match"
             )
+        vision.check_batch(batch, self.hf_model.config, self.sp)
         return batch
 
     def _outputs(self, mb: TensorDict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -187,19 +188,26 @@ class FSDPEngine(Engine):
         resp = mb[B.RESPONSE_MASK]
         if self.sp > 1:
             return self._sequence_parallel_outputs(mb)
+        if vision.rows(mb) is not None:  # images: pixel inputs and mRoPE position ids
+            pos, pixels = vision.model_inputs(backbone(self.hf_model), self.hf_model.config, mb,
+                                              self.config.micro_batch.use_packing, self.device)
+        else:
+            pos, pixels = None, {}
         if self.config.micro_batch.use_packing:
             packed = B.pack(mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK))
             ids = packed[B.INPUT_IDS][None]
             label_mask = B.label_positions(packed[B.RESPONSE_MASK])[None]
             # attention_mask=None + restarting position ids is how HF models see packing
-            out = self.scorer(ids.to(self.device), packed[B.POSITION_IDS][None].to(self.device),
-                              None, label_mask.to(self.device))
+            pos = packed[B.POSITION_IDS][None] if pos is None else pos
+            out = self.scorer(ids.to(self.device), pos.to(self.device), None,
+                              label_mask.to(self.device), **pixels)
             sel = label_mask[0].bool()
             size = ids.shape[1]
         else:
             label_mask = B.label_positions(resp) * attn
-            out = self.scorer(mb[B.INPUT_IDS].to(self.device), mb[B.POSITION_IDS].to(self.device),
-                              attn.to(self.device), label_mask.to(self.device))
+            pos = mb[B.POSITION_IDS] if pos is None else pos
+            out = self.scorer(mb[B.INPUT_IDS].to(self.device), pos.to(self.device),
+                              attn.to(self.device), label_mask.to(self.device), **pixels)
             sel = label_mask.bool()
             size = None
         result = {}

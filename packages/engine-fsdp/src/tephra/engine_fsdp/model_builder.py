@@ -16,6 +16,7 @@ from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForTokenClassification,
     PretrainedConfig,
     PreTrainedModel,
@@ -62,6 +63,12 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
     """
     hf_config = load_hf_config(cfg)
     auto = AutoModelForCausalLM if cfg.role == "policy" else AutoModelForTokenClassification
+    if getattr(hf_config, "vision_config", None) is not None:
+        # a vision-language model (Qwen2-VL family): its causal LM is image-text-to-text
+        if cfg.role != "policy":
+            raise ConfigError("model.role='value' with a vision-language model: not supported "
+                              "yet; train a VLM policy with a critic-free algorithm (GRPO)")
+        auto = AutoModelForImageTextToText
     if cfg.role == "value":
         hf_config.num_labels = 1
         # the critic is deterministic: no dropout between the backbone and the head

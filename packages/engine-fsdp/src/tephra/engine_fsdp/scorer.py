@@ -72,10 +72,12 @@ class TokenScorer(nn.Module):
             return self._hf.get_output_embeddings()
         return getattr(self._hf, VALUE_HEAD)
 
-    def forward(self, input_ids, position_ids, attention_mask, label_mask, next_tokens=None):
+    def forward(self, input_ids, position_ids, attention_mask, label_mask, next_tokens=None,
+                **vision):
+        # vision: pixel_values / image_grid_thw of a vision-language model (see `vision`)
         out = backbone(self._hf)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            use_cache=False,
+            use_cache=False, **vision,
         )
         hidden = out.last_hidden_state  # [b, t, hidden]
         select = label_mask.bool()

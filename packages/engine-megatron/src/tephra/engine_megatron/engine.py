@@ -29,6 +29,7 @@ from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.loss import LossFn
+from tephra.engine_api.multimodal import model_has_vision
 from tephra.engine_megatron import cpu_compat
 
 cpu_compat.apply()
@@ -138,6 +139,10 @@ class MegatronEngine(Engine):
         if config.precision.master_dtype != "float32":
             raise ConfigError(f"precision.master_dtype={config.precision.master_dtype!r}: "
                               "engine-megatron keeps float32 master weights; set float32")
+        if model_has_vision(config.model):
+            raise ConfigError("model: a vision-language model (its config has vision_config, e.g. "
+                              "Qwen2-VL) is not supported by engine-megatron; use engine=fsdp "
+                              "for images in prompts")
         if config.device == "cuda" and cpu_compat.cuda_absent():
             raise ConfigError("device='cuda' but CUDA is not available; use device=auto")
 

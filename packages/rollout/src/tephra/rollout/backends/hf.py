@@ -27,12 +27,25 @@ from tephra.rollout.base import (
     SamplingParams,
     check_prompts,
 )
+from tephra.rollout.multimodal import MultimodalInputs, hf_model_kwargs, image_token_id
 
 
 def _as_id_list(value) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+def _auto_class(model_path: str):
+    """A vision-language checkpoint (a config with `vision_config`) loads as image-text-to-
+    text; everything else as a causal LM."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    try:
+        cfg = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return AutoModelForCausalLM  # from_pretrained reports the problem
+    return AutoModelForImageTextToText if getattr(cfg, "vision_config", None) else AutoModelForCausalLM
 
 
 @ROLLOUT_BACKENDS.register("hf")
@@ -43,7 +56,7 @@ class HFRollout(Rollout):
         self.config = config
         settings = config.hf
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(
+            self.model = _auto_class(config.model_path).from_pretrained(
                 config.model_path, dtype=config.torch_dtype,
                 attn_implementation=settings.attn_implementation,
             )
@@ -76,16 +89,24 @@ class HFRollout(Rollout):
 
     # -- synchronous batch generation -------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams,
+        multimodal: list[MultimodalInputs | None] | None = None,
+    ) -> RolloutOutput:
+        """`multimodal[i]`: prompt i's images (a vision-language model), None for none."""
         check_prompts(prompts, sampling, self.config.max_model_len, self.vocab_size)
+        if multimodal is not None and len(multimodal) != len(prompts):
+            raise RolloutError(f"generate: multimodal has {len(multimodal)} entries for "
+                               f"{len(prompts)} prompts; give one (or None) per prompt")
         rows = [list(p) for p in prompts for _ in range(sampling.n)]
+        mm_rows = [m for m in (multimodal or [None] * len(prompts)) for _ in range(sampling.n)]
         seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**62)
         step = self.config.hf.max_batch_rows
         generations: list[Generation] = []
         for chunk, start in enumerate(range(0, len(rows), step)):
             generations += self._generate_rows(
                 rows[start : start + step], sampling, [sampling.max_tokens] * len(rows[start : start + step]),
-                seed + chunk,
+                seed + chunk, mm_rows[start : start + step],
             )
         return RolloutOutput.from_generations(list(prompts), generations, sampling.n)
 
@@ -97,7 +118,8 @@ class HFRollout(Rollout):
 
     @torch.no_grad()
     def _generate_rows(
-        self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int], seed: int
+        self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int], seed: int,
+        multimodal: list[MultimodalInputs | None] | None = None,
     ) -> list[Generation]:
         """Generate one sample per row; row r stops at its own `max_tokens[r]`."""
         if self._asleep:
@@ -108,6 +130,9 @@ class HFRollout(Rollout):
         for i, row in enumerate(rows):
             ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
             attn[i, width - len(row) :] = 1
+        # images (vision-language model): pixel inputs of the rows, in row order
+        mm_kwargs = hf_model_kwargs(ids, multimodal, image_token_id(self.model.config)) if (
+            multimodal and any(m is not None for m in multimodal)) else {}
         stops = self._stop_ids(sampling)
         recorder = SampledLogProbRecorder(sampling.temperature, sampling.top_k, sampling.top_p, width)
         gen_config = GenerationConfig(
@@ -126,6 +151,7 @@ class HFRollout(Rollout):
             out = self.model.generate(
                 input_ids=ids, attention_mask=attn, past_key_values=past,
                 generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]),
+                **{k: v.to(self.device) for k, v in mm_kwargs.items()},
             )
         sequences = out.sequences.cpu()
         log_probs = recorder.finish(out.sequences).cpu()

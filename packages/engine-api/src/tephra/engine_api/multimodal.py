@@ -1,0 +1,124 @@
+"""Images in the batch (vision-language models of the Qwen2-VL family): the typed per-sample
+inputs every package passes along, and the helpers that turn them into a transformers call.
+
+A prompt with images is its token ids (each image already expanded to its run of
+`<|image_pad|>` tokens, as the model's processor does) plus a `MultimodalInputs`: the image
+processor's `pixel_values` (one row per patch) and `image_grid_thw` (one row per image).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tephra.engine_api.errors import ConfigError
+
+
+@dataclass
+class MultimodalInputs:
+    """The images of one prompt, as the model's image processor made them."""
+
+    pixel_values: torch.Tensor
+    """(patches, channels * temporal_patch * patch * patch) float: every image's patches, in
+    image order."""
+    image_grid_thw: torch.Tensor
+    """(images, 3) long: each image's grid in patches (time, height, width)."""
+
+    def __post_init__(self) -> None:
+        if self.image_grid_thw.ndim != 2 or self.image_grid_thw.shape[1] != 3:
+            raise ConfigError(
+                f"MultimodalInputs.image_grid_thw has shape {list(self.image_grid_thw.shape)}; "
+                "it must be (images, 3), as the Qwen2-VL image processor returns it"
+            )
+        patches = int(self.image_grid_thw.prod(-1).sum())
+        if self.pixel_values.ndim != 2 or self.pixel_values.shape[0] != patches:
+            raise ConfigError(
+                f"MultimodalInputs.pixel_values has shape {list(self.pixel_values.shape)}, but "
+                f"image_grid_thw holds {patches} patches; pass the image processor's outputs "
+                "of the same images together"
+            )
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+    def image_token_counts(self, merge_size: int) -> list[int]:
+        """How many `<|image_pad|>` tokens each image takes in the token ids."""
+        return [int(n) // merge_size**2 for n in self.image_grid_thw.prod(-1)]
+
+    @staticmethod
+    def concat(items: list[MultimodalInputs]) -> MultimodalInputs:
+        """One batch of several prompts' images, in prompt order (what the model expects)."""
+        return MultimodalInputs(
+            torch.cat([m.pixel_values for m in items]), torch.cat([m.image_grid_thw for m in items])
+        )
+
+
+def image_token_id(model_config: Any) -> int:
+    """The `<|image_pad|>` id of a Qwen2-VL-family config."""
+    tid = getattr(model_config, "image_token_id", None)
+    if tid is None:
+        raise ConfigError(
+            f"model config {type(model_config).__name__} has no image_token_id; images need a "
+            "Qwen2-VL-family model (model_type qwen2_vl / qwen2_5_vl)"
+        )
+    return int(tid)
+
+
+def is_vision_config(model_config: Any) -> bool:
+    """True for a config with a vision tower (Qwen2-VL family and similar)."""
+    return getattr(model_config, "vision_config", None) is not None
+
+
+def model_has_vision(model_cfg: Any) -> bool:
+    """Whether an engine's `ModelConfig` names a vision-language model: its `hf_config` dict,
+    or the config.json in `model.path`, has a `vision_config`."""
+    import json
+    from pathlib import Path
+
+    if getattr(model_cfg, "path", None):
+        try:
+            data = json.loads((Path(model_cfg.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return False  # the engine's own checks report an unreadable folder
+    else:
+        data = dict(getattr(model_cfg, "hf_config", None) or {})
+    return data.get("vision_config") is not None
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, image_token: int) -> torch.Tensor:
+    """1 where a token is an image token, else 0 (what transformers' get_rope_index reads)."""
+    return (input_ids == image_token).to(torch.int)
+
+
+def hf_model_kwargs(
+    input_ids: torch.Tensor, images: list[MultimodalInputs | None], image_token: int
+) -> dict[str, torch.Tensor]:
+    """Keyword arguments for a Qwen2-VL forward/generate of the rows `input_ids` whose images
+    are `images` (one entry per row, None for a row without images). Empty without images."""
+    present = [m for m in images if m is not None]
+    if not present:
+        return {}
+    batch = MultimodalInputs.concat(present)
+    return {
+        "pixel_values": batch.pixel_values,
+        "image_grid_thw": batch.image_grid_thw,
+        "mm_token_type_ids": mm_token_type_ids(input_ids, image_token),
+    }
+
+
+def check_image_tokens(
+    prompt_ids: list[int], images: MultimodalInputs | None, image_token: int, merge_size: int,
+    where: str,
+) -> None:
+    """The prompt holds exactly as many image tokens as its images need."""
+    have = sum(1 for t in prompt_ids if t == image_token)
+    need = sum(images.image_token_counts(merge_size)) if images is not None else 0
+    if have != need:
+        raise ConfigError(
+            f"{where}: the prompt holds {have} image tokens but its images need {need}; build "
+            "prompt ids and images with the same processor (tephra.rollout.multimodal."
+            "VisionProcessor) so each image expands to its own number of tokens"
+        )

@@ -1,0 +1,100 @@
+"""Images in the batch (Qwen2-VL family): pixel inputs and mRoPE position ids.
+
+A batch with images carries the field `multimodal` (`MULTIMODAL`): a `NonTensorStack` with
+one `tephra.rollout.multimodal.MultimodalInputs` (or None) per row, so slicing a batch into
+micro-batches keeps each row's pixels with its tokens. For a micro-batch this module builds
+what the Qwen2-VL backbone needs:
+
+  - `pixel_values` / `image_grid_thw`: the rows' images concatenated in row order (the
+    backbone scatters image features into the `<|image_pad|>` tokens in that order);
+  - position ids from the model's own `get_rope_index` (3 rows: time, height, width).
+    Packed, each sequence gets its own mRoPE ids, and a 4th leading row of plain positions
+    restarting at 0 per sequence, from which transformers builds the block-causal mask of a
+    packed stream (as for text models).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+from tephra.engine_api import batch as B
+from tephra.engine_api.errors import BatchError, ConfigError
+from tephra.engine_api.multimodal import (
+    MultimodalInputs,
+    check_image_tokens,
+    image_token_id,
+    is_vision_config,
+    mm_token_type_ids,
+)
+
+MULTIMODAL = "multimodal"
+"""Batch field: per row, the `MultimodalInputs` of its prompt's images (or None)."""
+
+
+def multimodal_column(items: list[MultimodalInputs | None]) -> NonTensorStack:
+    """The `multimodal` field of a batch whose rows have these images."""
+    return NonTensorStack(*[NonTensorData(m) for m in items])
+
+
+def rows(batch: TensorDict) -> list[MultimodalInputs | None] | None:
+    """The rows' images, or None when the batch has no `multimodal` field / no image."""
+    if MULTIMODAL not in batch.keys():
+        return None
+    items = list(batch[MULTIMODAL].tolist())
+    return items if any(m is not None for m in items) else None
+
+
+def check_batch(batch: TensorDict, model_config, sp: int) -> None:
+    """Each row's image tokens match its images; the model and settings can take images."""
+    items = rows(batch)
+    if items is None:
+        return
+    if not is_vision_config(model_config):
+        raise BatchError(f"batch[{MULTIMODAL!r}] holds images but the model "
+                         f"({type(model_config).__name__}) has no vision tower; use a "
+                         "Qwen2-VL-family model or drop the images")
+    if sp > 1:
+        raise ConfigError("images in the batch with parallel.context > 1 (Ulysses): not "
+                          "supported yet; set parallel.context=1 for vision-language models")
+    tid = image_token_id(model_config)
+    merge = int(model_config.vision_config.spatial_merge_size)
+    ids, attn = batch[B.INPUT_IDS], batch[B.ATTENTION_MASK].bool()
+    for r, mm in enumerate(items):
+        check_image_tokens(ids[r][attn[r]].tolist(), mm, tid, merge, f"batch row {r}")
+
+
+def _rope_index(backbone, ids: torch.Tensor, mm: MultimodalInputs | None, tid: int) -> torch.Tensor:
+    """mRoPE ids `[3, n]` of one unpadded sequence (the model's `get_rope_index`)."""
+    if mm is None:  # text only: the three rows are the plain positions
+        return torch.arange(ids.shape[0]).expand(3, -1)
+    pos, _ = backbone.get_rope_index(ids[None], mm_token_type_ids(ids[None], tid),
+                                     image_grid_thw=mm.image_grid_thw)
+    return pos[:, 0]
+
+
+def model_inputs(
+    backbone, model_config, mb: TensorDict, packed: bool, device: torch.device
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(position ids, pixel kwargs) of a micro-batch with images: position ids `[4, 1, N]`
+    packed (plain positions, then mRoPE) or `[3, b, t]` padded."""
+    items = rows(mb)
+    assert items is not None
+    tid = image_token_id(model_config)
+    ids, attn = mb[B.INPUT_IDS], mb[B.ATTENTION_MASK].bool()
+    present = [m for m in items if m is not None]
+    images = MultimodalInputs.concat(present)
+    pixel = {"pixel_values": images.pixel_values.to(device),
+             "image_grid_thw": images.image_grid_thw.to(device)}
+    with torch.no_grad():
+        if packed:
+            parts = []
+            for r, mm in enumerate(items):
+                real = ids[r][attn[r]]
+                text = torch.arange(real.shape[0])[None]
+                parts.append(torch.cat([text, _rope_index(backbone, real, mm, tid)]))
+            return torch.cat(parts, dim=1)[:, None].to(device), pixel
+        pos, _ = backbone.get_rope_index(ids, mm_token_type_ids(ids, tid),
+                                         image_grid_thw=images.image_grid_thw,
+                                         attention_mask=attn.long())
+    return pos.to(device), pixel

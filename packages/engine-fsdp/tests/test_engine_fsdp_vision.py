@@ -1,0 +1,128 @@
+"""engine=fsdp with images in the batch (tiny random Qwen2-VL): packed and padded log-probs
+equal an unpacked, one-row-at-a-time transformers forward with the same images; a training
+step reaches the vision tower."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+from tensordict import TensorDict
+
+from tephra.engine_api import batch as B
+from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
+from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.multimodal import hf_model_kwargs
+from tephra.engine_fsdp.engine import FSDPEngine
+from tephra.engine_fsdp.testing import train_step
+from tephra.engine_fsdp.vision import MULTIMODAL, multimodal_column
+from tephra.rollout.multimodal import VisionProcessor, build_tiny_vlm
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"))
+
+
+def _batch(vlm) -> tuple[TensorDict, list[list[int]], list]:
+    proc = VisionProcessor.from_pretrained(vlm.path)
+    span = "<|vision_start|><|image_pad|><|vision_end|>"
+    prompts = [
+        proc(f"<|im_start|>user\n{span}what colour?<|im_end|>\n<|im_start|>assistant\n",
+             [Image.new("RGB", (112, 112), "red")]),
+        proc("<|im_start|>user\ntext only<|im_end|>\n<|im_start|>assistant\n", []),
+        proc(f"<|im_start|>user\n{span}{span}and?<|im_end|>\n<|im_start|>assistant\n",
+             [Image.new("RGB", (140, 112), "green"), Image.new("RGB", (112, 168), "blue")]),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    rows, mm = [], []
+    for k, (ids, images) in enumerate(prompts):
+        response = torch.randint(3, 300, (5 + 3 * k,), generator=gen).tolist()
+        rows.append((ids, response))
+        mm.append(images)
+    width = max(len(p) + len(r) for p, r in rows)
+    n = len(rows)
+    input_ids = torch.zeros(n, width, dtype=torch.long)
+    attn = torch.zeros(n, width, dtype=torch.long)
+    resp = torch.zeros(n, width, dtype=torch.long)
+    for i, (p, r) in enumerate(rows):
+        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, : len(p) + len(r)] = 1
+        resp[i, len(p) : len(p) + len(r)] = 1
+    batch = TensorDict({B.INPUT_IDS: input_ids, B.ATTENTION_MASK: attn, B.RESPONSE_MASK: resp},
+                       batch_size=[n])
+    batch[MULTIMODAL] = multimodal_column(mm)
+    return batch, [p + r for p, r in rows], mm
+
+
+def _engine(vlm, **overrides) -> FSDPEngine:
+    cfg = apply_overrides(EngineConfig(model=ModelConfig(path=vlm.path), device="cpu",
+                                       optimizer={"lr": 1e-2, "weight_decay": 0.0}), overrides)
+    return FSDPEngine.build(cfg)
+
+
+def _reference(vlm, model, seqs, mm, resp) -> torch.Tensor:
+    out = torch.zeros(resp.shape)
+    for i, (seq, images) in enumerate(zip(seqs, mm, strict=True)):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            logits = model(input_ids=ids, **hf_model_kwargs(ids, [images], vlm.image_token_id)).logits[0]
+        lp = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+        out[i, 1 : len(seq)] = lp
+    return out * resp
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_vision_log_probs_match_unpacked_hf_forward(vlm, packing):
+    from transformers import AutoModelForImageTextToText
+
+    batch, seqs, mm = _batch(vlm)
+    engine = _engine(vlm, **{"micro_batch.use_packing": packing,
+                             "micro_batch.max_tokens_per_microbatch": 4096})
+    with engine.eval_mode():
+        got = engine.forward(batch)["log_probs"] * batch[B.RESPONSE_MASK]
+    model = AutoModelForImageTextToText.from_pretrained(vlm.path, dtype=torch.float32).eval()
+    want = _reference(vlm, model, seqs, mm, batch[B.RESPONSE_MASK])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # the images matter: other pixels, other log-probs
+    other = batch.clone()
+    other[MULTIMODAL] = multimodal_column([
+        None if m is None else type(m)(m.pixel_values.flip(0), m.image_grid_thw) for m in mm])
+    with engine.eval_mode():
+        moved = engine.forward(other)["log_probs"] * batch[B.RESPONSE_MASK]
+    assert (moved - got).abs().max() > 1e-4
+
+
+def test_vision_training_step_updates_the_vision_tower(vlm):
+    batch, _, _ = _batch(vlm)
+    engine = _engine(vlm)
+    before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters() if "visual" in n}
+    loss, grad_norm = train_step(engine, batch)
+    assert torch.isfinite(torch.tensor([loss, grad_norm])).all() and grad_norm > 0
+    after = dict(engine.hf_model.named_parameters())
+    changed = [n for n, p in before.items() if not torch.equal(p, after[n].detach())]
+    assert changed, "no vision-tower weight moved"
+
+
+def test_image_token_mismatch_is_refused(vlm):
+    batch, _, mm = _batch(vlm)
+    batch[MULTIMODAL] = multimodal_column([mm[2], None, mm[0]])
+    engine = _engine(vlm)
+    with pytest.raises(ConfigError, match="batch row 0: the prompt holds 16 image tokens"):
+        engine.forward(batch)
+
+
+def test_value_model_on_a_vlm_is_refused(vlm):
+    with pytest.raises(ConfigError, match="model.role='value' with a vision-language model"):
+        _engine(vlm, **{"model.role": "value"})
+
+
+def test_images_for_a_text_model_are_refused(vlm):
+    from tephra.engine_api.errors import BatchError
+    from tephra.engine_fsdp.testing import tiny_engine_config
+
+    batch, _, _ = _batch(vlm)
+    batch[B.INPUT_IDS] = batch[B.INPUT_IDS] % 256  # the tiny text model's vocabulary
+    engine = FSDPEngine.build(tiny_engine_config())
+    with pytest.raises(BatchError, match="has no vision tower"):
+        engine.forward(batch)
