@@ -146,7 +146,8 @@ class HFRollout(Rollout):
         devices = [self.device] if self.device.type == "cuda" else []
         ids, attn = ids.to(self.device), attn.to(self.device)
         with self._lock, torch.random.fork_rng(devices=devices):
-            past = self._prefill_shared_prompts(ids, attn, rows)
+            # images enter with the prompt's forward, so image rows prefill in `generate`
+            past = None if mm_kwargs else self._prefill_shared_prompts(ids, attn, rows)
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=ids, attention_mask=attn, past_key_values=past,
