@@ -177,6 +177,12 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
                "trainer.steps=1", f"trainer.run_dir={tmp_path / 'verl'}"))
     (verl,) = read_jsonl(tmp_path / "verl" / "metrics.jsonl")
     assert math.isfinite(verl["actor/kl_loss"]) and verl["actor/grad_norm"] > 0
+    # verl's bypass_mode: old log-probs are the rollout's, so 2 mini-batches run no recompute
+    run(_smoke(tmp_path, "actor.objective.policy_loss=bypass_mode",
+               "algorithm.rollout_correction=bypass", "batch.mini_batches=2", "trainer.steps=1",
+               f"trainer.run_dir={tmp_path / 'bypass'}"))
+    (bypass,) = read_jsonl(tmp_path / "bypass" / "metrics.jsonl")
+    assert not [k for k in bypass if "old_log_probs" in k] and bypass["actor/grad_norm"] > 0
 
     import torch
     from safetensors.torch import load_file

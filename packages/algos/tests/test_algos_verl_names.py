@@ -300,7 +300,7 @@ def test_every_verl_table_name_resolves():
 
     names = _verl_table_names()
     assert {"gdpo", "optimal_token_baseline", "tir_optimal_token_baseline", "dro", "dppo_tv",
-            "dppo_kl"} <= set(names)
+            "dppo_kl", "bypass_mode"} <= set(names)
     registries = [ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AGGREGATION_MODES, KL_ESTIMATORS]
     unresolved = [n for n in names if not any(n in r.names() for r in registries)]
     assert unresolved == [], f"README verl table names not registered: {unresolved}"
@@ -311,6 +311,7 @@ def test_every_verl_table_name_resolves():
     (["actor.objective.policy_loss=dro"], True),
     (["actor.objective.policy_loss=dppo_tv"], True),
     (["actor.objective.policy_loss=dppo_kl"], True),
+    (["actor.objective.policy_loss=bypass_mode", "algorithm.rollout_correction=bypass"], True),
     (["algorithm.adv_estimator=optimal_token_baseline"], False),
     (["algorithm.adv_estimator=tir_optimal_token_baseline"], False),
 ])
@@ -324,3 +325,28 @@ def test_app_config_accepts_or_refuses_clearly(overrides, ok):
         with pytest.raises(ConfigError, match=r"algorithm.adv_estimator='.*optimal_token_baseline'"
                            r" needs sum_pi_squared.*choose e.g. algorithm.adv_estimator=grpo"):
             main.parse_config(["-p", "smoke", *overrides])
+
+
+def test_bypass_mode_is_the_clipped_surrogate_on_rollout_log_probs():
+    from tephra.algos import POLICY_LOSSES
+    from tephra.algos.config import PolicyLossConfig
+
+    g = torch.Generator().manual_seed(3)
+    lp, rollout, adv = (torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(4, 6, dtype=torch.float64)
+    cfg = PolicyLossConfig(clip_ratio_c=None)  # dual clip off: the plain clip by hand below
+    loss, _ = POLICY_LOSSES.get("bypass_mode")(lp, rollout, adv, mask, cfg)
+    ratio = (lp - rollout).exp()  # by hand: max(-A r, -A clip(r, 1 - 0.2, 1 + 0.2))
+    want = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_ratio_low,
+                                                          1 + cfg.clip_ratio_high))
+    assert torch.allclose(loss, want, atol=1e-12)
+    assert POLICY_LOSSES.meta("bypass_mode")["old_log_probs"] == "rollout"
+
+
+def test_bypass_mode_without_the_bypass_correction_is_refused():
+    main = pytest.importorskip("tephra.apps.ppo.main")
+    from tephra.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"policy_loss='bypass_mode'.*set "
+                       r"algorithm.rollout_correction=bypass with it \(now 'none'\)"):
+        main.parse_config(["-p", "smoke", "actor.objective.policy_loss=bypass_mode"])

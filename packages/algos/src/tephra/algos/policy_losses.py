@@ -79,6 +79,12 @@ def vanilla(log_probs, old_log_probs, advantages, response_mask, config: PolicyL
     return loss, metrics
 
 
+# verl's `bypass_mode` loss (its default loss_type ppo_clip): the PPO clipped surrogate with the
+# rollout log-probs as the old log-probs, which the trainer passes when
+# `algorithm.rollout_correction=bypass` (the app requires it with this name).
+POLICY_LOSSES.register("bypass_mode", vanilla, old_log_probs="rollout")
+
+
 @POLICY_LOSSES.register("gspo")
 def gspo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): a sequence-level,

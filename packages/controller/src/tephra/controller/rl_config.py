@@ -24,6 +24,7 @@ from typing import Any
 from tephra.algos import ActorObjectiveConfig, AdvantageConfig, CriticObjectiveConfig
 from tephra.algos.advantages import ADVANTAGE_ESTIMATORS
 from tephra.algos.kl import KL_ESTIMATORS
+from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.algos.rollout_correction import LEVELS, ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from tephra.controller.evaluation import ValidationConfig
 from tephra.core.errors import ConfigError
@@ -648,6 +649,12 @@ def validate(cfg: PPOConfig) -> None:
     if a.needs("values") and cfg.critic.engine != cfg.actor.engine:
         raise ConfigError(f"critic.engine={cfg.critic.engine!r} differs from actor.engine="
                           f"{cfg.actor.engine!r}; the colocated worker runs one backend")
+    loss = cfg.actor.objective.policy_loss
+    if POLICY_LOSSES.meta(loss).get("old_log_probs") == "rollout" and a.rollout_correction != "bypass":
+        raise ConfigError(
+            f"actor.objective.policy_loss={loss!r} takes the rollout log-probs as the old "
+            f"log-probs; set algorithm.rollout_correction=bypass with it (now "
+            f"{a.rollout_correction!r})")
     if a.rollout_correction != "none" and cfg.actor.objective.tis_level is not None:
         raise ConfigError(
             f"algorithm.rollout_correction={a.rollout_correction!r} with actor.objective."
