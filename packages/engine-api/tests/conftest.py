@@ -128,7 +128,7 @@ class ReferenceEngine(Engine):
     def forward_backward(self, batch, loss_fn):
         B.validate_batch(batch)
         mbs = B.split_by_token_budget(
-            batch, self.config.micro_batch.max_tokens_per_microbatch, self.config.micro_batch.use_packing
+            batch, self.config.micro_batch.max_tokens_per_microbatch, self.config.micro_batch.packing(True)
         )
         B.set_global_normalisers(mbs)
         total = 0.0

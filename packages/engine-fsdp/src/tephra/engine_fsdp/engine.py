@@ -50,6 +50,9 @@ class FSDPEngine(Engine):
         self.cpu_group = sharding.cpu_group()
         # Ulysses: `sp` consecutive ranks share rows and split each packed sequence
         self.sp = config.parallel.context
+        # flash/flex attention run packed sequences natively; SDPA and eager need a dense mask
+        self.packed = config.micro_batch.packing(
+            config.model.attn_implementation in ("flash_attention_2", "flex_attention"))
         self.sp_group = self.dp_group = self.cpu_group
         if self.sp > 1:
             self.sp_group, self.dp_group = ulysses.groups(self.sp, self.device)
@@ -190,10 +193,10 @@ class FSDPEngine(Engine):
             return self._sequence_parallel_outputs(mb)
         if vision.rows(mb) is not None:  # images: pixel inputs and mRoPE position ids
             pos, pixels = vision.model_inputs(backbone(self.hf_model), self.hf_model.config, mb,
-                                              self.config.micro_batch.use_packing, self.device)
+                                              self.packed, self.device)
         else:
             pos, pixels = None, {}
-        if self.config.micro_batch.use_packing:
+        if self.packed:
             packed = B.pack(mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK))
             ids = packed[B.INPUT_IDS][None]
             label_mask = B.label_positions(packed[B.RESPONSE_MASK])[None]
@@ -265,7 +268,7 @@ class FSDPEngine(Engine):
         field = ("forward_max_tokens_per_microbatch"
                  if self.config.micro_batch.forward_max_tokens_per_microbatch else
                  "max_tokens_per_microbatch")
-        plan = microbatches.plan(batch, budget, self.config.micro_batch.use_packing, field,
+        plan = microbatches.plan(batch, budget, self.packed, field,
                                  self.cpu_group)
         packed_parts: dict[str, list[torch.Tensor]] = {}
         with torch.no_grad():
@@ -283,7 +286,7 @@ class FSDPEngine(Engine):
     def forward_backward(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
         batch = self._validate(batch)
         plan = microbatches.plan(batch, self.config.micro_batch.max_tokens_per_microbatch,
-                                 self.config.micro_batch.use_packing, "max_tokens_per_microbatch",
+                                 self.packed, "max_tokens_per_microbatch",
                                  self.cpu_group)
         real = [mb.data for mb in plan if not mb.filler]
         B.set_global_normalisers(real, process_group=self.dp_group)

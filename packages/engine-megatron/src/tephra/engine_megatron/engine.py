@@ -281,7 +281,8 @@ class MegatronEngine(Engine):
     def _run(self, batch: TensorDict, loss_fn: LossFn | None, budget: int, field_name: str):
         """Run the pipeline schedule over this rank's batch. Returns (`[B, T]` outputs when
         `loss_fn` is None, metrics when it is given)."""
-        packed = self.config.micro_batch.use_packing
+        # Transformer Engine runs packed sequences natively on GPU; the CPU path needs a mask
+        packed = self.config.micro_batch.packing(varlen_attention=not cpu_compat.cuda_absent())
         n_rows, seq_len = batch[B.INPUT_IDS].shape
         indexed = batch.clone(False)
         indexed["_row"] = torch.arange(n_rows)
