@@ -8,6 +8,7 @@ from tephra.engine_fsdp.testing import (
     TINY_VOCAB,
     conformance_spec,
     distributed_conformance,
+    grouped_batch,
     tiny_engine_config,
     train_step,
 )
@@ -28,8 +29,15 @@ def test_conformance_world_size_2_and_parity_with_1_rank(tmp_path):
     batch = random_batch(TINY_VOCAB, num_sequences=8, seed=5)
     engine = FSDPEngine.build(tiny_engine_config())
     expected = [train_step(engine, batch), train_step(engine, batch)]
+    # and of the grouped batch with every row run whole
+    engine = FSDPEngine.build(tiny_engine_config(**{"micro_batch.share_prefix": False}))
+    grouped = grouped_batch()
+    whole = [train_step(engine, grouped), train_step(engine, grouped)]
     for rank in ranks:
         for label in ("sharded", "replicated"):
             for (loss, norm), (want_loss, want_norm) in zip(rank["steps"][label], expected):
                 assert loss == pytest.approx(want_loss, abs=1e-5), label
                 assert norm == pytest.approx(want_norm, abs=1e-5), label
+        for (loss, norm), (want_loss, want_norm) in zip(rank["shared_prefix"], whole):
+            assert loss == pytest.approx(want_loss, abs=1e-5)
+            assert norm == pytest.approx(want_norm, abs=1e-5)

@@ -1,4 +1,5 @@
-"""engine-megatron refuses vision-language models in check_config (before building)."""
+"""engine-megatron refuses vision-language models (and engine-fsdp-only options) in
+check_config, before building."""
 
 from __future__ import annotations
 
@@ -20,4 +21,12 @@ def test_vlm_folder_is_refused(tmp_path):
 def test_vlm_hf_config_is_refused():
     cfg = EngineConfig(model={"hf_config": {"model_type": "qwen2_vl", "vision_config": {"depth": 1}}})
     with pytest.raises(ConfigError, match="not supported by engine-megatron"):
+        MegatronEngine.check_config(cfg)
+
+
+def test_forced_prefix_sharing_is_refused():
+    # an engine-fsdp option: refused here rather than silently ignored
+    cfg = EngineConfig(model={"hf_config": {"model_type": "qwen2"}},
+                       micro_batch={"share_prefix": True})
+    with pytest.raises(ConfigError, match="micro_batch.share_prefix=true is an engine-fsdp"):
         MegatronEngine.check_config(cfg)

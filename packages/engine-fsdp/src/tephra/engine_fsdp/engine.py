@@ -24,12 +24,27 @@ from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.loss import LossFn
-from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, ulysses, vision, weights
+from tephra.engine_fsdp import (checkpoint, lora, microbatches, prefix_sharing, sharding, ulysses,
+                                vision, weights)
 from tephra.engine_fsdp.model_builder import backbone, build_model, decoder_layers
 from tephra.engine_fsdp.schedulers import build_scheduler
 from tephra.engine_fsdp.scorer import TokenScorer, check_output_head
 
 logger = logging.getLogger(__name__)
+
+
+def packs(config: EngineConfig) -> bool:
+    """Whether micro-batches are packed: flash and flex attention run packed sequences
+    natively; SDPA and eager would need a dense mask over the whole packed stream."""
+    return config.micro_batch.packing(
+        config.model.attn_implementation in ("flash_attention_2", "flex_attention"))
+
+
+def sharing_supported(config: EngineConfig) -> bool:
+    """`micro_batch.share_prefix` works on padded rows without gradient checkpointing (which
+    turns the cache off) or Ulysses (which packs)."""
+    return (not packs(config) and not config.model.gradient_checkpointing
+            and config.parallel.context == 1)
 
 
 class FSDPEngine(Engine):
@@ -51,8 +66,9 @@ class FSDPEngine(Engine):
         # Ulysses: `sp` consecutive ranks share rows and split each packed sequence
         self.sp = config.parallel.context
         # flash/flex attention run packed sequences natively; SDPA and eager need a dense mask
-        self.packed = config.micro_batch.packing(
-            config.model.attn_implementation in ("flash_attention_2", "flex_attention"))
+        self.packed = packs(config)
+        self.share_prefix = config.micro_batch.share_prefix is not False and (
+            sharing_supported(config))
         self.sp_group = self.dp_group = self.cpu_group
         if self.sp > 1:
             self.sp_group, self.dp_group = ulysses.groups(self.sp, self.device)
@@ -93,6 +109,11 @@ class FSDPEngine(Engine):
         if config.optimizer.name != "adamw":
             raise ConfigError(f"optimizer.name={config.optimizer.name!r}: engine=fsdp has adamw only")
         sharding.check_parallel(config, world_size)
+        if config.micro_batch.share_prefix and not sharing_supported(config):
+            raise ConfigError(
+                "micro_batch.share_prefix=true needs padded micro-batches (micro_batch."
+                "use_packing=false, or null with sdpa/eager attention), no model."
+                "gradient_checkpointing and parallel.context=1; set share_prefix=null")
 
     @classmethod
     def build(cls, config: EngineConfig) -> FSDPEngine:
@@ -209,8 +230,13 @@ class FSDPEngine(Engine):
         else:
             label_mask = B.label_positions(resp) * attn
             pos = mb[B.POSITION_IDS] if pos is None else pos
+            tree = (prefix_sharing.layout(mb[B.INPUT_IDS], attn, pos, label_mask)
+                    if self.share_prefix and not pixels else None)
+            if tree is not None:
+                tree = prefix_sharing.TreeLayout(*(x.to(self.device) for x in vars(tree).values()))
             out = self.scorer(mb[B.INPUT_IDS].to(self.device), pos.to(self.device),
-                              attn.to(self.device), label_mask.to(self.device), **pixels)
+                              attn.to(self.device), label_mask.to(self.device),
+                              tree=tree, **pixels)
             sel = label_mask.bool()
             size = None
         result = {}

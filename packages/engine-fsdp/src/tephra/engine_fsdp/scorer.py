@@ -43,7 +43,7 @@ class TokenScorer(nn.Module):
 
     forward(input_ids [b, t], position_ids [b, t], attention_mask [b, t] or None,
             label_mask [b, t], next_tokens [b, t] or None (default: input_ids shifted
-            left by one)) -> dict of `[n]` float32 tensors for the n positions where
+            left by one), tree: a `prefix_sharing.TreeLayout` of these rows or None) -> dict of `[n]` float32 tensors for the n positions where
     `label_mask` is 1 (hidden state t, predicting token t + 1), in row-major order:
       policy: `log_probs` = log softmax(W h_t / temperature)[token_{t+1}], `entropy`
               = -sum_v p_v log p_v of that distribution (when `compute_entropy`);
@@ -73,15 +73,24 @@ class TokenScorer(nn.Module):
         return getattr(self._hf, VALUE_HEAD)
 
     def forward(self, input_ids, position_ids, attention_mask, label_mask, next_tokens=None,
-                **vision):
+                tree=None, **vision):
         # vision: pixel_values / image_grid_thw of a vision-language model (see `vision`)
-        out = backbone(self._hf)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            use_cache=False, **vision,
-        )
-        hidden = out.last_hidden_state  # [b, t, hidden]
         select = label_mask.bool()
-        h = hidden[select]  # [n, hidden]
+        if next_tokens is None:  # else given: under Ulysses a shard's last token has its
+            next_tokens = torch.zeros_like(input_ids)  # successor on the next rank
+            next_tokens[..., :-1] = input_ids[..., 1:]
+        if tree is not None:  # one row per shared prefix (`prefix_sharing`)
+            hidden = backbone(self._hf)(
+                input_ids=tree.input_ids, position_ids=tree.position_ids,
+                attention_mask=self._tree_mask(tree.attention_mask), use_cache=False,
+            ).last_hidden_state
+            h = hidden.flatten(0, 1)[tree.scored]
+        else:
+            hidden = backbone(self._hf)(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=False, **vision,
+            ).last_hidden_state  # [b, t, hidden]
+            h = hidden[select]  # [n, hidden]
         head = self.head()
         anchor = hidden.sum() * 0.0 + sum(p.sum() * 0.0 for p in head.parameters())
         if self.role == "value":
@@ -93,9 +102,6 @@ class TokenScorer(nn.Module):
             if self.compute_entropy:
                 result["entropy"] = empty
             return result
-        if next_tokens is None:  # else given: under Ulysses a shard's last token has its
-            next_tokens = torch.zeros_like(input_ids)  # successor on the next rank
-            next_tokens[..., :-1] = input_ids[..., 1:]
         log_probs, entropy = kernels.linear_logprob_entropy(
             h, head.weight, next_tokens[select], self.temperature,
             compute_entropy=self.compute_entropy,
@@ -105,3 +111,11 @@ class TokenScorer(nn.Module):
         if self.compute_entropy:
             result["entropy"] = entropy.float().clone()
         return result
+
+    def _tree_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """SDPA takes the boolean mask; eager attention adds it, so it gets 0 / -inf-like."""
+        if self._hf.config._attn_implementation != "eager":
+            return allowed
+        dtype = self._hf.get_input_embeddings().weight.dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)

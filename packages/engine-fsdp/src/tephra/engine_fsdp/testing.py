@@ -90,10 +90,31 @@ def train_step(engine, batch, loss_fn=None) -> tuple[float, float]:
     return metrics["loss"], grad_norm
 
 
+def grouped_batch(groups: int = 3, n: int = 4, seed: int = 0):
+    """A GRPO-shaped batch: `groups` random prompts (left-padded, 2-7 tokens) with `n`
+    sampled responses each (right-padded, 1-7 tokens), rows grouped by prompt."""
+    from tephra.engine_api import batch as B
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, TINY_VOCAB, (int(length),), generator=g)
+               for length in torch.randint(2, 8, (groups,), generator=g)]
+    rows = [(p, torch.randint(1, TINY_VOCAB, (int(torch.randint(1, 8, (1,), generator=g)),),
+                              generator=g)) for p in prompts for _ in range(n)]
+    width_p, width_r = max(len(p) for p in prompts), max(len(r) for _, r in rows)
+    ids = torch.zeros(len(rows), width_p + width_r, dtype=torch.int64)
+    attn, resp = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, r) in enumerate(rows):
+        ids[i, width_p - len(p): width_p + len(r)] = torch.cat([p, r])
+        attn[i, width_p - len(p): width_p + len(r)] = 1
+        resp[i, width_p: width_p + len(r)] = 1
+    return B.make_batch(ids, attn, resp)
+
+
 def distributed_conformance(workdir: str) -> dict[str, Any]:
     """Rank body of the multi-process test (run through `run_distributed`): the whole kit,
-    then two training steps (fully sharded, and replicated with `parallel.fsdp_size=1`)
-    whose loss and grad norm the test compares with a single-process run."""
+    then two training steps (fully sharded, and replicated with `parallel.fsdp_size=1`, and
+    on `grouped_batch` with shared prefixes) whose loss and grad norm the test compares
+    with a single-process run."""
     from tephra.engine_api.testing import random_batch, run_conformance
     from tephra.engine_fsdp.engine import FSDPEngine
 
@@ -103,7 +124,11 @@ def distributed_conformance(workdir: str) -> dict[str, Any]:
     for label, overrides in {"sharded": {}, "replicated": {"parallel.fsdp_size": 1}}.items():
         engine = FSDPEngine.build(tiny_engine_config(**overrides))
         steps[label] = [train_step(engine, batch), train_step(engine, batch)]
-    return {"passed": passed, "steps": steps}
+    # shared prompt prefixes under FSDP: each sharded layer runs twice per micro-batch
+    engine = FSDPEngine.build(tiny_engine_config(**{"micro_batch.share_prefix": True}))
+    grouped = grouped_batch()
+    shared = [train_step(engine, grouped), train_step(engine, grouped)]
+    return {"passed": passed, "steps": steps, "shared_prefix": shared}
 
 
 ULYSSES = {"parallel.context": 2, "micro_batch.use_packing": True}

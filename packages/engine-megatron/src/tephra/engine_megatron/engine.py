@@ -104,6 +104,9 @@ class MegatronEngine(Engine):
         gradient reduction, FSDP shard groups, a transformers attention kernel other than the
         default (megatron-core runs its own attention), parallel sizes that do not divide."""
         cls._check_supported(config)
+        if config.micro_batch.share_prefix:
+            raise ConfigError("micro_batch.share_prefix=true is an engine-fsdp feature; "
+                              "engine-megatron runs every row whole; set share_prefix=null")
         p = config.parallel
         if config.precision.reduce_dtype != "float32":
             raise ConfigError(f"precision.reduce_dtype={config.precision.reduce_dtype!r}: "

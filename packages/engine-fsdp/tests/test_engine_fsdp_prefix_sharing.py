@@ -1,0 +1,87 @@
+"""Shared prompt prefixes (`micro_batch.share_prefix`): the same outputs, gradients and
+weights as running every row whole, on a GRPO-shaped batch (the 2-rank case is in the
+conformance test)."""
+
+import pytest
+import torch
+
+from tephra.engine_api import batch as B
+from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.testing import nll_loss_fn
+from tephra.engine_fsdp import FSDPEngine, prefix_sharing
+from tephra.engine_fsdp.testing import grouped_batch, tiny_engine_config, train_step
+
+
+def test_find_by_hand():
+    # rows 0, 1, 3 share a left-padded prompt [0, 5, 6]; row 2 differs; the first scored
+    # column is 2 (token 3 is the first response token anywhere)
+    ids = torch.tensor([[0, 5, 6, 7, 8], [0, 5, 6, 9, 0], [4, 5, 6, 7, 0], [0, 5, 6, 1, 2]])
+    attn = (ids != 0).long()
+    attn[2] = torch.tensor([1, 1, 1, 1, 0])
+    labels = torch.zeros_like(ids)
+    labels[:, 2:4] = 1
+    shared = prefix_sharing.find(ids, attn, labels)
+    assert shared.cut == 2
+    assert shared.first.tolist() == [0, 2] and shared.owner.tolist() == [0, 0, 1, 0]
+    # nothing shared, or nothing scored: run whole
+    assert prefix_sharing.find(ids[1:3], attn[1:3], labels[1:3]) is None
+    assert prefix_sharing.find(ids, attn, torch.zeros_like(ids)) is None
+
+
+def _engine(share: bool, **overrides):
+    return FSDPEngine.build(tiny_engine_config(**{"micro_batch.share_prefix": share,
+                                                   **overrides}))
+
+
+def test_shared_prefix_equals_whole_rows(monkeypatch):
+    batch = grouped_batch(groups=3, n=4, seed=1)
+    calls = []
+    layout = prefix_sharing.layout
+    monkeypatch.setattr(prefix_sharing, "layout", lambda *a: calls.append(layout(*a)) or calls[-1])
+    out, steps, grads = {}, {}, {}
+    for share in (True, False):
+        engine = _engine(share)
+        with engine.eval_mode():
+            out[share] = engine.forward(batch)
+        with engine.train_mode():
+            engine.forward_backward(batch, nll_loss_fn)
+        grads[share] = {n: p.grad.full_tensor().clone()
+                        for n, p in engine.model.named_parameters() if p.grad is not None}
+        engine.optimizer.zero_grad(set_to_none=True)
+        steps[share] = [train_step(engine, batch) for _ in range(2)]
+    # forward, forward_backward + 2 training steps: one micro-batch each, 12 rows, 3 prefixes
+    assert len(calls) == 4 and all(c.input_ids.shape[0] == 3 for c in calls)
+    mask = batch[B.RESPONSE_MASK].bool()
+    for key in ("log_probs", "entropy"):
+        assert out[True][key][mask].abs().min() > 0
+        torch.testing.assert_close(out[True][key], out[False][key], atol=1e-5, rtol=0)
+    for (loss, norm), (want_loss, want_norm) in zip(steps[True], steps[False]):
+        assert loss == pytest.approx(want_loss, abs=1e-6)
+        assert norm == pytest.approx(want_norm, abs=1e-5)
+    assert grads[True].keys() == grads[False].keys() and len(grads[False]) > 10
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"model.role": "value"}, "values"),
+    ({"model.attn_implementation": "eager"}, "log_probs"),  # the mask as 0 / min additive
+])
+def test_value_model_and_eager_attention_share_too(overrides, key):
+    batch = grouped_batch(groups=2, n=3, seed=2)
+    out = {}
+    for share in (True, False):
+        engine = _engine(share, **overrides)
+        with engine.eval_mode():
+            out[share] = engine.forward(batch)[key]
+    assert out[True].abs().max() > 0
+    torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.gradient_checkpointing": True},
+    {"micro_batch.use_packing": True},
+])
+def test_forced_where_unsupported_is_refused(overrides):
+    with pytest.raises(ConfigError, match=r"micro_batch.share_prefix=true needs padded"):
+        _engine(True, **overrides)
