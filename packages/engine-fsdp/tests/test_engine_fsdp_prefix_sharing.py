@@ -85,3 +85,18 @@ def test_value_model_and_eager_attention_share_too(overrides, key):
 def test_forced_where_unsupported_is_refused(overrides):
     with pytest.raises(ConfigError, match=r"micro_batch.share_prefix=true needs padded"):
         _engine(True, **overrides)
+
+
+def test_long_segments_run_whole():
+    # the prefix is column 0 (column 1 is scored), each row adds a 41-token segment: 2 rows
+    # make a tree row of 83 tokens, 83^2 <= 4 x 2 x 42^2: shared; 8 rows make 329 tokens,
+    # 329^2 > 4 x 8 x 42^2: the rows run whole
+    def rows(n):
+        ids = torch.cat([torch.tensor([[3, 4]]).expand(n, 2),
+                         torch.randint(5, 200, (n, 40), generator=torch.Generator().manual_seed(0))], 1)
+        resp = torch.zeros_like(ids)
+        resp[:, 2:] = 1
+        attn = torch.ones_like(ids)
+        return ids, attn, B.positions_from_mask(attn), B.label_positions(resp) * attn
+    assert prefix_sharing.layout(*rows(2)) is not None
+    assert prefix_sharing.layout(*rows(8)) is None

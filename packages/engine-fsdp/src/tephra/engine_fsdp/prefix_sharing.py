@@ -19,6 +19,12 @@ from dataclasses import dataclass
 import torch
 
 
+MAX_AREA_RATIO = 4
+"""A tree row attends over its whole length with a dense mask: when the tree rows' attention
+area (rows x length^2) exceeds this many times the plain rows', the micro-batch runs whole
+(long responses: little prompt to share, and the mask would dominate memory)."""
+
+
 @dataclass
 class SharedPrefix:
     """Where a padded micro-batch `[b, t]` is cut and who shares what."""
@@ -101,6 +107,9 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: 
         rows_seg.append(torch.cat(seg))
     width = max(len(x) for x in rows_ids)
     n_rows = len(rows_ids)
+    b, t = input_ids.shape
+    if n_rows * width * width > MAX_AREA_RATIO * b * t * t:
+        return None  # long segments: the dense mask would outgrow the rows' causal attention
     ids = torch.zeros(n_rows, width, dtype=input_ids.dtype)
     pos = torch.zeros(n_rows, width, dtype=position_ids.dtype)
     seg = torch.full((n_rows, width), -2)  # -2: padding, -1: prefix, r: row r's segment
