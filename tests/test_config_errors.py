@@ -61,6 +61,11 @@ CASES = [
     (["trainer.mode=async", "resources.rollout.replicas=1", "-p", "dapo"],
      r"trainer.mode=async: algorithm.dynamic_sampling"),
     (["trainer.mode=asynch"], r"trainer.mode='asynch': choose one of"),
+    (["trainer.mode=one_step_off", "trainer.partial_rollout=true"],
+     r"trainer.partial_rollout=true .* needs trainer.mode=async \(now 'one_step_off'\)"),
+    (["trainer.mode=async", "resources.rollout.replicas=1", "-p", "smoke_tools",
+      "trainer.partial_rollout=true"],
+     r"trainer.partial_rollout=true needs rollout.backend=hf .* single-turn generation"),
 ]
 
 

@@ -236,10 +236,13 @@ class WorkerGroup:
     """`world_size` Ray actors of `worker_cls` on `pool`, called through their dispatch modes."""
 
     def __init__(self, worker_cls: type[Worker], pool: ResourcePool,
-                 init_kwargs: dict[str, Any] | None = None, name: str = "workers") -> None:
+                 init_kwargs: dict[str, Any] | None = None, name: str = "workers",
+                 actor_options: dict[str, Any] | None = None) -> None:
+        """`actor_options`: extra Ray actor options (e.g. `concurrency_groups`)."""
         if not issubclass(worker_cls, Worker):
             raise TypeError(f"{worker_cls.__name__} must subclass tephra.controller.Worker")
         self.pool, self.worker_cls, self.name = pool, worker_cls, name
+        self.actor_options = dict(actor_options or {})
         self.workers: list = []
         # The rendezvous port is free when picked but may be taken before rank 0 listens on
         # it (other processes open ephemeral ports too): then the group is built again on
@@ -263,7 +266,8 @@ class WorkerGroup:
         self.workers = [
             remote.options(num_cpus=pool.cpus_per_rank, num_gpus=pool.gpus_per_rank,
                            scheduling_strategy=pool.strategy_for(r),
-                           name=f"{self.name}-{r}-{os.getpid()}-{id(self)}-{port}")
+                           name=f"{self.name}-{r}-{os.getpid()}-{id(self)}-{port}",
+                           **self.actor_options)
             .remote(r, pool.world_size, master_addr, port, threads, **init_kwargs)
             for r in range(pool.world_size)
         ]
