@@ -95,7 +95,7 @@ class RolloutReplicas:
         try:
             self.group = WorkerGroup(RolloutWorker, self.pool, {
                 "cfg": cfg, "model_path": model_path, "tools_file": tools_file}, name="rollout",
-                actor_options={"concurrency_groups": {"weights": 1}} if self.partial else None)
+                concurrency_groups={"weights": 1} if self.partial else None)
         except BaseException:
             self.pool.release()
             raise
