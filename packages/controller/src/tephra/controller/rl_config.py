@@ -643,6 +643,13 @@ def validate(cfg: PPOConfig) -> None:
         if replicas < 1:
             raise ConfigError("trainer.mode=async streams samples from rollout replicas on a pool "
                               "of their own; set resources.rollout.replicas >= 1")
+        capacity = cfg.trainer.async_in_flight * replicas
+        if capacity < b.prompts_per_step:  # finished groups count against the bound
+            raise ConfigError(
+                f"trainer.mode=async keeps trainer.async_in_flight x resources.rollout.replicas = "
+                f"{cfg.trainer.async_in_flight} x {replicas} = {capacity} groups in flight or "
+                f"waiting, fewer than the batch.prompts_per_step={b.prompts_per_step} a step "
+                "takes; raise async_in_flight or the replicas")
         if a.dynamic_sampling or a.needs("baselines"):
             raise ConfigError("trainer.mode=async: algorithm.dynamic_sampling and greedy-baseline "
                               f"estimators ({a.adv_estimator!r}) need the sync or one_step_off mode")
