@@ -61,6 +61,14 @@ CASES = [
     (["trainer.mode=async", "resources.rollout.replicas=1", "-p", "dapo"],
      r"trainer.mode=async: algorithm.dynamic_sampling"),
     (["trainer.mode=asynch"], r"trainer.mode='asynch': choose one of"),
+    (["trainer.mode=async", "resources.rollout.replicas=1", "trainer.async_in_flight=1"],
+     r"async_in_flight x resources.rollout.replicas = 1 x 1 = 1 groups .* fewer than the "
+     r"batch.prompts_per_step=2"),
+    (["trainer.mode=one_step_off", "trainer.partial_rollout=true"],
+     r"trainer.partial_rollout=true .* needs trainer.mode=async \(now 'one_step_off'\)"),
+    (["trainer.mode=async", "resources.rollout.replicas=1", "-p", "smoke_tools",
+      "trainer.partial_rollout=true"],
+     r"trainer.partial_rollout=true needs rollout.backend=hf .* single-turn generation"),
 ]
 
 

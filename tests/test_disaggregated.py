@@ -57,3 +57,32 @@ def test_async_never_trains_on_samples_older_than_max_staleness(ray_session, tmp
     assert last["async/replica0_requests"] > 0 and last["async/replica1_requests"] > 0
     served = last["async/replica0_requests"] + last["async/replica1_requests"]
     assert served >= 4 * 2 + last["async/dropped_stale_groups"]
+
+
+def test_partial_rollout_resumes_a_request_under_the_new_weights(ray_session, tmp_path):
+    """trainer.partial_rollout, 1 replica, 2 steps. Responses of up to 400 tokens make a request
+    outlast step 1's update, so the sync after it interrupts the request in flight, which
+    continues under version 1 and is trained in step 2 (the first to finish then). The dumped
+    per-token versions must agree with each sample's `weight_version`, the staleness bound and
+    the `async/*` counts."""
+    records = _run(tmp_path, "partial", "trainer.mode=async", "trainer.partial_rollout=true",
+                   "trainer.steps=2", "trainer.max_staleness=1", "trainer.async_in_flight=2",
+                   "trainer.dump_generations=1", "resources.rollout.replicas=1",
+                   "rollout.max_tokens=400", "actor.micro_batch.max_tokens_per_microbatch=1024",
+                   "algorithm.rollout_correction=tis")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        step = r["step"]
+        rows = [json.loads(line) for line in
+                (tmp_path / "partial" / "generations" / f"train_step{step}.jsonl").read_text()
+                .splitlines()]
+        versions = [row["token_versions"] for row in rows]
+        for row, v in zip(rows, versions):
+            assert v == sorted(v) and row["weight_version"] == v[0]
+            assert 0 <= (step - 1) - v[0] <= 1 and v[-1] <= step - 1
+        assert r["staleness/max"] == max((step - 1) - v[0] for v in versions)
+        assert r["async/partial_samples"] == sum(v[0] != v[-1] for v in versions)
+        assert r["async/resumed_tokens"] == sum(t != v[0] for v in versions for t in v)
+        assert "rollout_corr/tis_weight_mean" in r
+    assert records[0]["async/partial_samples"] == 0  # no update happened before step 1's batch
+    assert records[1]["async/partial_samples"] >= 1 and records[1]["async/resumed_tokens"] >= 1

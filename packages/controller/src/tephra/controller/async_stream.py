@@ -5,7 +5,9 @@ requests per replica are kept queued, each sent to the least-loaded replica, so 
 (long samples, a slow tool) holds up one request, not a batch. Finished groups wait in a bounded
 buffer; a step takes the first `prompts_per_step` of them whose weight version is at most
 `max_staleness` behind the trainer's, and drops older ones (counted). The replicas keep
-generating while the trainer trains; they take each new version between two requests.
+generating while the trainer trains; they take each new version between two requests, or,
+with `trainer.partial_rollout`, right away: a request in flight then finishes under the new
+weights and its samples' `weight_version` is the oldest of their tokens'.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class SampleStream:
                 [s for t in taken for s in t[2]])
 
     def _drop_stale(self, version: int) -> None:
-        fresh = [g for g in self.ready if version - g[2][0].weight_version <= self.max_staleness]
+        fresh = [g for g in self.ready
+                 if version - min(s.weight_version for s in g[2]) <= self.max_staleness]
         self.dropped += len(self.ready) - len(fresh)
         self.ready = deque(fresh)
 
@@ -72,3 +75,12 @@ class SampleStream:
         for i, served in enumerate(self.replicas.served):
             out[f"async/replica{i}_requests"] = float(served)
         return out
+
+
+def partial_rollout_metrics(samples: list[Sample]) -> dict[str, float]:
+    """`async/partial_samples`: trained samples whose tokens span more than one weight version
+    (interrupted by an update and resumed under the new weights; each update brings a new
+    version); `async/resumed_tokens`: their tokens produced after the first update."""
+    spans = [s.token_versions for s in samples if s.token_versions]
+    return {"async/partial_samples": float(sum(v[-1] != v[0] for v in spans)),
+            "async/resumed_tokens": float(sum(t != v[0] for v in spans for t in v))}

@@ -407,6 +407,13 @@ class TrainerSection:
     async_in_flight: int = 2
     """`async`: requests (one prompt group each) queued per replica; more keeps replicas busy
     across a weight sync, fewer keeps samples fresher."""
+    partial_rollout: bool = False
+    """`async` only: when new weights reach a replica, its in-flight generations stop at the
+    next token, keep their tokens and log-probs, and continue under the new weights (as in
+    verl / AReaL) instead of the update waiting for them to finish. Each response token records
+    the weight version that produced it; a sample's `weight_version` is its oldest (the one it
+    started under), which the staleness bound uses. Needs `rollout.backend=hf` and
+    single-turn generation. Off by default: samples then come from one version each."""
     overlap_generation: bool = True
     """`one_step_off`: generate the next batch in a worker thread while this step's passes
     and update run (the rollout engine holds its own weights until `sync_weights`). It keeps
@@ -636,9 +643,26 @@ def validate(cfg: PPOConfig) -> None:
         if replicas < 1:
             raise ConfigError("trainer.mode=async streams samples from rollout replicas on a pool "
                               "of their own; set resources.rollout.replicas >= 1")
+        capacity = cfg.trainer.async_in_flight * replicas
+        if capacity < b.prompts_per_step:  # finished groups count against the bound
+            raise ConfigError(
+                f"trainer.mode=async keeps trainer.async_in_flight x resources.rollout.replicas = "
+                f"{cfg.trainer.async_in_flight} x {replicas} = {capacity} groups in flight or "
+                f"waiting, fewer than the batch.prompts_per_step={b.prompts_per_step} a step "
+                "takes; raise async_in_flight or the replicas")
         if a.dynamic_sampling or a.needs("baselines"):
             raise ConfigError("trainer.mode=async: algorithm.dynamic_sampling and greedy-baseline "
                               f"estimators ({a.adv_estimator!r}) need the sync or one_step_off mode")
+    if cfg.trainer.partial_rollout:
+        if cfg.trainer.mode != "async":
+            raise ConfigError(f"trainer.partial_rollout=true interrupts generations in flight on "
+                              f"rollout replicas when weights arrive; it needs trainer.mode=async "
+                              f"(now {cfg.trainer.mode!r})")
+        if r.backend != "hf" or r.uses_agent_loop:
+            raise ConfigError(f"trainer.partial_rollout=true needs rollout.backend=hf (now "
+                              f"{r.backend!r}) and single-turn generation (rollout.agent_loop "
+                              f"unset, now {r.agent_loop!r}): only hf generation can stop and "
+                              "resume at a token boundary here")
     if a.dynamic_sampling and b.samples_per_prompt < 2:
         raise ConfigError("algorithm.dynamic_sampling drops groups whose samples all scored the "
                           f"same; batch.samples_per_prompt={b.samples_per_prompt} must be >= 2")

@@ -356,9 +356,10 @@ class Trainer:
                 for k, (s, a) in enumerate(zip(samples, advantages))]
         path = self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:  # EvalRow plus the generating weights' version
+        with open(path, "w") as f:  # EvalRow plus the generating weights' version(s)
             for row, s in zip(rows, samples):
-                f.write(json.dumps({**asdict(row), "weight_version": s.weight_version},
+                versions = {} if s.token_versions is None else {"token_versions": s.token_versions}
+                f.write(json.dumps({**asdict(row), "weight_version": s.weight_version, **versions},
                                    default=str) + "\n")
 
     def collect(self, step: int, scored: bool = False) -> list[Round]:
@@ -548,7 +549,11 @@ class Trainer:
         lap("generate")
         metrics: dict[str, float] = staleness_metrics(samples, self.step)
         if self.stream is not None:
+            from tephra.controller.async_stream import partial_rollout_metrics
+
             metrics.update(self.stream.metrics())
+            if cfg.trainer.partial_rollout:
+                metrics.update(partial_rollout_metrics(samples))
         forward_passes = 0
         if self.needs_ref:
             batch["ref_log_probs"] = self.wg.compute_ref_log_probs(batch)["log_probs"]

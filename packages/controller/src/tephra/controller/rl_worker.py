@@ -189,7 +189,9 @@ class RLWorker(Worker):
                        log_probs=out.log_probs[k] if out.log_probs is not None else None,
                        finish_reason=out.finish_reasons[k],
                        text=tok.decode(out.response_ids[k], skip_special_tokens=True),
-                       sample_id=items[k // sampling.n].sample_id)
+                       sample_id=items[k // sampling.n].sample_id,
+                       token_versions=(out.token_versions[k] if out.token_versions is not None
+                                       else None))
                 for k in range(len(out))]
 
     def _generate_agent(self, items: list[PromptItem], sampling: Any) -> list[Sample]:

@@ -8,6 +8,11 @@ CPU, NCCL on GPU; buckets of `rollout.<backend>.weight_bucket_mb`), and each rep
 the version it holds. `RolloutReplicas` is the driver's side: a batch split over the replicas
 (sync and one_step_off), and `submit` / `wait_any` for the asynchronous stream, where each
 request goes to the least-loaded replica.
+
+With `trainer.partial_rollout` each replica actor has a second concurrency group, `weights`,
+so an update runs while a request generates: the hf engine stops the request at the next
+token (`HFRollout.paused`), takes the weights, and the request goes on under them; every
+token records the version that produced it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class RolloutWorker(RLWorker):
         self._init_generation(cfg, model_path, tools_file, with_rollout=True)
         self.version = 0
         self._weights_group = None
+        self.partial = cfg.trainer.partial_rollout
+        if self.partial:  # the engine tags each token with the version it holds
+            self.rollout.weight_version = 0
 
     def dp_info(self):
         from tephra.controller.worker_group import DataParallelInfo
@@ -54,17 +62,24 @@ class RolloutWorker(RLWorker):
 
         device = self.device if self.device.startswith("cuda") else None
         self.rollout.wake_up()
-        self.rollout.update_weights(receive_all(self._weights_group, device))
+        if not self.partial:
+            self.rollout.update_weights(receive_all(self._weights_group, device))
+        else:  # runs beside a request in flight (the `weights` group): interrupt it meanwhile
+            with self.rollout.paused():
+                self.rollout.update_weights(receive_all(self._weights_group, device))
+                self.rollout.weight_version = version
         self.version = version
         return version
 
     @dispatch(Dispatch.DP_SPLIT)
     def generate_scored(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
-        """`generate`, scored here, each sample stamped with this replica's weight version."""
+        """`generate`, scored here, each sample stamped with this replica's weight version (with
+        partial rollout: the oldest version among its tokens, the one it started under)."""
         samples = self.generate(items, sampling)
         for sample, (score, error, _) in zip(samples, self.collect_scores(), strict=True):
             sample.score, sample.reward_error = float(score), error
-            sample.weight_version = self.version
+            sample.weight_version = (min(sample.token_versions) if sample.token_versions
+                                     else self.version)
         return samples
 
 
@@ -74,11 +89,13 @@ class RolloutReplicas:
     def __init__(self, cfg: PPOConfig, model_path: str, tools_file: str | None) -> None:
         r = cfg.resources.rollout
         self.cfg = cfg
+        self.partial = cfg.trainer.partial_rollout
         self.pool = ResourcePool(r.replicas, r.cpus_per_replica, r.gpus_per_replica,
                                  strategy=cfg.resources.placement, name="rollout")
         try:
             self.group = WorkerGroup(RolloutWorker, self.pool, {
-                "cfg": cfg, "model_path": model_path, "tools_file": tools_file}, name="rollout")
+                "cfg": cfg, "model_path": model_path, "tools_file": tools_file}, name="rollout",
+                concurrency_groups={"weights": 1} if self.partial else None)
         except BaseException:
             self.pool.release()
             raise
@@ -105,9 +122,12 @@ class RolloutReplicas:
 
     def sync(self, trainers: WorkerGroup, version: int) -> None:
         """Broadcast the actor's weights to every replica, which then hold `version`. A replica
-        busy generating takes the update when its current request is done."""
+        busy generating takes the update when its current request is done, or, with partial
+        rollout, at once (its request continues under the new weights)."""
+        receive = ([w.execute.options(concurrency_group="weights") for w in self.replicas]
+                   if self.partial else [w.execute for w in self.replicas])
         ray.get([w.execute.remote("send_weights", self.bucket_mb) for w in trainers.workers]
-                + [w.execute.remote("receive_weights", version) for w in self.replicas])
+                + [method.remote("receive_weights", version) for method in receive])
         self.version = version
 
     def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:

@@ -65,6 +65,10 @@ class Sample:
     """Version of the weights that generated it: the number of RL steps (weight syncs)
     those weights had been updated by; the driver sets it. The version lag of a trained
     sample is the trainer's version (the steps completed before the update) minus this."""
+    token_versions: list[int] | None = None
+    """Weight version of each response token (`trainer.partial_rollout`: a sample interrupted
+    by a weight update continues under the new version); None otherwise. `weight_version` is
+    then its oldest entry."""
 
 
 def samples_to_batch(samples: list[Sample], pad_token_id: int, n: int,

@@ -236,10 +236,15 @@ class WorkerGroup:
     """`world_size` Ray actors of `worker_cls` on `pool`, called through their dispatch modes."""
 
     def __init__(self, worker_cls: type[Worker], pool: ResourcePool,
-                 init_kwargs: dict[str, Any] | None = None, name: str = "workers") -> None:
+                 init_kwargs: dict[str, Any] | None = None, name: str = "workers",
+                 concurrency_groups: dict[str, int] | None = None) -> None:
+        """`concurrency_groups`: Ray concurrency groups of the actors (name -> threads), for
+        methods called with `execute.options(concurrency_group=name)`; the default group keeps
+        one call at a time."""
         if not issubclass(worker_cls, Worker):
             raise TypeError(f"{worker_cls.__name__} must subclass tephra.controller.Worker")
         self.pool, self.worker_cls, self.name = pool, worker_cls, name
+        self.concurrency_groups = dict(concurrency_groups or {})
         self.workers: list = []
         # The rendezvous port is free when picked but may be taken before rank 0 listens on
         # it (other processes open ephemeral ports too): then the group is built again on
@@ -258,7 +263,9 @@ class WorkerGroup:
         pool = self.pool
         master_addr, port = ray.get(_rendezvous_address.options(
             scheduling_strategy=pool.strategy_for(0)).remote())
-        remote = ray.remote(self.worker_cls)
+        # Ray takes concurrency groups on the class, not in `.options()`
+        remote = (ray.remote(concurrency_groups=self.concurrency_groups)(self.worker_cls)
+                  if self.concurrency_groups else ray.remote(self.worker_cls))
         threads = max(1, int(pool.cpus_per_rank))
         self.workers = [
             remote.options(num_cpus=pool.cpus_per_rank, num_gpus=pool.gpus_per_rank,

@@ -246,6 +246,9 @@ class Generation:
     """Per-token log-prob of each response token (module docstring); None if not asked."""
     finish_reason: FinishReason
     """'stop' (a stop/EOS token) or 'length' (max_tokens or max_model_len reached)."""
+    token_versions: list[int] | None = None
+    """Weight version that produced each response token, when the backend's owner numbers its
+    weights (`hf` with `weight_version` set; partial rollout); None otherwise."""
 
 
 @dataclass
@@ -263,6 +266,8 @@ class RolloutOutput:
     """Each sample's per-response-token log-probs (None when `logprobs=False`)."""
     finish_reasons: list[FinishReason]
     """'stop' or 'length' per sample."""
+    token_versions: list[list[int]] | None = None
+    """Each sample's per-token weight versions (see `Generation.token_versions`), or None."""
 
     @classmethod
     def from_generations(
@@ -273,12 +278,14 @@ class RolloutOutput:
                 f"backend returned {len(generations)} samples for {len(prompts)} prompts x n={n}"
             )
         with_lp = all(g.log_probs is not None for g in generations)
+        tagged = bool(generations) and all(g.token_versions is not None for g in generations)
         return cls(
             prompt_index=[i // n for i in range(len(generations))],
             prompt_ids=[list(prompts[i // n]) for i in range(len(generations))],
             response_ids=[g.response_ids for g in generations],
             log_probs=[g.log_probs for g in generations] if with_lp else None,
             finish_reasons=[g.finish_reason for g in generations],
+            token_versions=[g.token_versions for g in generations] if tagged else None,
         )
 
     def __len__(self) -> int:
@@ -289,6 +296,7 @@ class RolloutOutput:
             self.response_ids[i],
             self.log_probs[i] if self.log_probs is not None else None,
             self.finish_reasons[i],
+            self.token_versions[i] if self.token_versions is not None else None,
         )
 
     def to_batch(self, pad_token_id: int) -> TensorDict:

@@ -4,21 +4,33 @@ Prompts are left-padded into batches of at most `hf.max_batch_rows` rows (prompt
 samples are n consecutive rows). Sampling (temperature, top-k, top-p) and the log-probs of the
 sampled tokens come from `SampledLogProbRecorder`, the only logits processor, so the log-prob
 is of the temperature-scaled distribution before truncation (see `tephra.rollout.base`).
+
+Partial rollout: a weight update made under `paused()` from another thread stops in-flight
+generation at the next token (a stopping criterion watches the flag); the unfinished rows
+resume under the new weights and each token records the `weight_version` that produced it.
 """
 
 from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from tephra.rollout.backends.request_batcher import RequestBatcher
 from tephra.rollout.backends.sampling_processor import SampledLogProbRecorder
 from tephra.rollout.base import (
     ROLLOUT_BACKENDS,
+    FinishReason,
     Generation,
     Rollout,
     RolloutConfig,
@@ -46,6 +58,17 @@ def _auto_class(model_path: str):
     except (OSError, ValueError):
         return AutoModelForCausalLM  # from_pretrained reports the problem
     return AutoModelForImageTextToText if getattr(cfg, "vision_config", None) else AutoModelForCausalLM
+
+
+class _StopWhenPaused(StoppingCriteria):
+    """Stops every row after the token just sampled once `running` is cleared (`paused()`)."""
+
+    def __init__(self, running: threading.Event) -> None:
+        self.running = running
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        stop = not self.running.is_set()
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
 @ROLLOUT_BACKENDS.register("hf")
@@ -78,7 +101,15 @@ class HFRollout(Rollout):
         # top_p=0.8 or repetition_penalty); every option is set explicitly per call instead.
         self.model.generation_config = GenerationConfig()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self._lock = threading.Lock()  # one generate / weight update at a time
+        # one generate segment / weight update at a time; reentrant so that `update_weights`
+        # can run inside `paused()`, which holds it
+        self._lock = threading.RLock()
+        self._running = threading.Event()
+        """Cleared by `paused()`: generation stops at the next token and waits."""
+        self._running.set()
+        self.weight_version: int | None = None
+        """Version of the weights held, set by the owner (partial rollout); when not None every
+        generated token is tagged with it (`Generation.token_versions`)."""
         self._seeds = random.Random(config.seed)
         self._asleep = False
         self._batcher = RequestBatcher(
@@ -121,9 +152,61 @@ class HFRollout(Rollout):
         self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int], seed: int,
         multimodal: list[MultimodalInputs | None] | None = None,
     ) -> list[Generation]:
-        """Generate one sample per row; row r stops at its own `max_tokens[r]`."""
+        """Generate one sample per row; row r stops at its own `max_tokens[r]`.
+
+        A weight update under `paused()` stops the unfinished rows at the next token; they
+        keep their tokens and log-probs and resume (prompt + tokens so far, the rest of their
+        budget) under the new weights, from the sampler state where they stopped, so a given
+        schedule of updates gives the same samples. Each token is tagged with the
+        `weight_version` that produced it (when set)."""
         if self._asleep:
             raise RolloutError("hf rollout is asleep; call wake_up() before generating")
+        stops = self._stop_ids(sampling)
+        tokens: list[list[int]] = [[] for _ in rows]
+        log_probs: list[list[float]] = [[] for _ in rows]
+        versions: list[list[int]] = [[] for _ in rows]
+        reasons: list[FinishReason | None] = [None] * len(rows)
+        active, rng = list(range(len(rows))), None
+        while active:
+            self._running.wait()
+            with self._lock:
+                if not self._running.is_set():  # an update took the lock first: wait for it
+                    continue
+                version = self.weight_version
+                new, new_lp, rng = self._segment(
+                    [rows[r] + tokens[r] for r in active], sampling,
+                    [max_tokens[r] - len(tokens[r]) for r in active], seed, rng,
+                    [multimodal[r] for r in active] if multimodal else None)
+            stop_set = torch.tensor(stops, dtype=torch.long)
+            for i, r in enumerate(active):
+                budget = max_tokens[r] - len(tokens[r])
+                hits = torch.isin(new[i], stop_set).nonzero() if stops else torch.empty(0)
+                first_stop = int(hits[0]) + 1 if len(hits) else None
+                if first_stop is not None and first_stop <= budget:
+                    length, reasons[r] = first_stop, "stop"
+                elif new.shape[1] >= budget:
+                    length, reasons[r] = budget, "length"
+                else:  # interrupted by a weight update: resumes in the next segment
+                    length = new.shape[1]
+                tokens[r] += new[i, :length].tolist()
+                log_probs[r] += new_lp[i, :length].tolist()
+                versions[r] += [version] * length if version is not None else []
+            active = [r for r in active if reasons[r] is None]
+        return [Generation(response_ids=tokens[r],
+                           log_probs=log_probs[r] if sampling.logprobs else None,
+                           finish_reason=reasons[r],
+                           # untagged when any segment ran without a version set
+                           token_versions=versions[r] if len(versions[r]) == len(tokens[r]) else None)
+                for r in range(len(rows))]
+
+    def _segment(
+        self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int], seed: int,
+        rng: tuple | None, multimodal: list[MultimodalInputs | None] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """One `model.generate` over `rows` (left-padded) until every row stopped, reached its
+        budget, or `paused()` interrupted it. Returns the new tokens [rows, steps], their
+        log-probs [rows, steps] and the sampler's state after them (`rng`: the state to start
+        from; None seeds it with `seed`)."""
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -143,35 +226,26 @@ class HFRollout(Rollout):
             no_repeat_ngram_size=0, eos_token_id=stops or None, pad_token_id=self.pad_token_id,
             return_dict_in_generate=True, use_cache=True,
         )
-        devices = [self.device] if self.device.type == "cuda" else []
+        cuda = self.device.type == "cuda"
         ids, attn = ids.to(self.device), attn.to(self.device)
-        with self._lock, torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=[self.device] if cuda else []):
             # images enter with the prompt's forward, so image rows prefill in `generate`
             past = None if mm_kwargs else self._prefill_shared_prompts(ids, attn, rows)
-            torch.manual_seed(seed)
+            if rng is None:
+                torch.manual_seed(seed)
+            else:
+                torch.set_rng_state(rng[0])
+                if cuda:
+                    torch.cuda.set_rng_state(rng[1], self.device)
             out = self.model.generate(
                 input_ids=ids, attention_mask=attn, past_key_values=past,
                 generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]),
+                stopping_criteria=StoppingCriteriaList([_StopWhenPaused(self._running)]),
                 **{k: v.to(self.device) for k, v in mm_kwargs.items()},
             )
-        sequences = out.sequences.cpu()
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
         log_probs = recorder.finish(out.sequences).cpu()
-        new = sequences[:, width:]
-        stop_set = torch.tensor(stops, dtype=torch.long)
-        generations = []
-        for r in range(len(rows)):
-            hits = torch.isin(new[r], stop_set).nonzero() if stops else torch.empty(0)
-            first_stop = int(hits[0]) + 1 if len(hits) else None
-            if first_stop is not None and first_stop <= max_tokens[r]:
-                length, reason = first_stop, "stop"
-            else:
-                length, reason = min(max_tokens[r], new.shape[1]), "length"
-            generations.append(Generation(
-                response_ids=new[r, :length].tolist(),
-                log_probs=log_probs[r, :length].tolist() if sampling.logprobs else None,
-                finish_reason=reason,
-            ))
-        return generations
+        return out.sequences.cpu()[:, width:], log_probs, rng
 
     def _prefill_shared_prompts(self, ids: torch.Tensor, attn: torch.Tensor,
                                 rows: list[list[int]]):
@@ -233,6 +307,18 @@ class HFRollout(Rollout):
         return self._batcher.batches_run
 
     # -- weights and memory -------------------------------------------------------------------
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold generation for a weight update (partial rollout): in-flight `generate` /
+        `agenerate` calls stop at the next token boundary, keeping their tokens and log-probs,
+        and wait; on exit they resume under the weights (and `weight_version`) set inside."""
+        self._running.clear()
+        try:
+            with self._lock:  # the in-flight segment has returned once this is held
+                yield
+        finally:
+            self._running.set()
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
