@@ -33,14 +33,15 @@ def _engine(share: bool, **overrides):
                                                    **overrides}))
 
 
-def test_shared_prefix_equals_whole_rows(monkeypatch):
+@pytest.mark.parametrize("overrides", [{}, {"model.gradient_checkpointing": True}])
+def test_shared_prefix_equals_whole_rows(monkeypatch, overrides):
     batch = grouped_batch(groups=3, n=4, seed=1)
     calls = []
     layout = prefix_sharing.layout
     monkeypatch.setattr(prefix_sharing, "layout", lambda *a: calls.append(layout(*a)) or calls[-1])
     out, steps, grads = {}, {}, {}
     for share in (True, False):
-        engine = _engine(share)
+        engine = _engine(share, **overrides)
         with engine.eval_mode():
             out[share] = engine.forward(batch)
         with engine.train_mode():
@@ -79,8 +80,8 @@ def test_value_model_and_eager_attention_share_too(overrides, key):
 
 
 @pytest.mark.parametrize("overrides", [
-    {"model.gradient_checkpointing": True},
     {"micro_batch.use_packing": True},
+    {"model.attn_implementation": "flash_attention_2"},  # packs by default
 ])
 def test_forced_where_unsupported_is_refused(overrides):
     with pytest.raises(ConfigError, match=r"micro_batch.share_prefix=true needs padded"):

@@ -139,10 +139,10 @@ class MicroBatchConfig:
     """Budget for `forward` (no backward, so it can be larger); defaults to the above."""
     share_prefix: bool | None = None
     """Padded rows that begin with the same unscored tokens (a prompt's n samples) run them
-    once and attend to their cached keys and values: the same outputs and gradients, about
-    half the tokens for GRPO-shaped batches. None: on where the engine supports it
-    (engine-fsdp on padded rows without gradient checkpointing or sequence parallelism);
-    True: refused where it does not; False: off."""
+    once, each row's remaining tokens attending to them through a segment mask: the same
+    outputs and gradients, about half the tokens for GRPO-shaped batches. None: on where the
+    engine supports it (engine-fsdp on padded rows without sequence parallelism); True:
+    refused where it does not; False: off."""
 
     def __post_init__(self) -> None:
         _positive("micro_batch", "max_tokens_per_microbatch", self.max_tokens_per_microbatch)

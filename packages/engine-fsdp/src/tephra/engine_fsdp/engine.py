@@ -41,10 +41,8 @@ def packs(config: EngineConfig) -> bool:
 
 
 def sharing_supported(config: EngineConfig) -> bool:
-    """`micro_batch.share_prefix` works on padded rows without gradient checkpointing (which
-    turns the cache off) or Ulysses (which packs)."""
-    return (not packs(config) and not config.model.gradient_checkpointing
-            and config.parallel.context == 1)
+    """`micro_batch.share_prefix` works on padded rows, so not with packing or Ulysses."""
+    return not packs(config) and config.parallel.context == 1
 
 
 class FSDPEngine(Engine):
@@ -112,8 +110,8 @@ class FSDPEngine(Engine):
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(
                 "micro_batch.share_prefix=true needs padded micro-batches (micro_batch."
-                "use_packing=false, or null with sdpa/eager attention), no model."
-                "gradient_checkpointing and parallel.context=1; set share_prefix=null")
+                "use_packing=false, or null with sdpa/eager attention) and "
+                "parallel.context=1; set share_prefix=null")
 
     @classmethod
     def build(cls, config: EngineConfig) -> FSDPEngine:

@@ -43,8 +43,8 @@ class TokenScorer(nn.Module):
 
     forward(input_ids [b, t], position_ids [b, t], attention_mask [b, t] or None,
             label_mask [b, t], next_tokens [b, t] or None (default: input_ids shifted
-            left by one), tree: a `prefix_sharing.TreeLayout` of these rows or None) -> dict of `[n]` float32 tensors for the n positions where
-    `label_mask` is 1 (hidden state t, predicting token t + 1), in row-major order:
+            left by one), tree: a `prefix_sharing.TreeLayout` of these rows or None)
+    -> dict of `[n]` float32 tensors for the n positions where `label_mask` is 1 (hidden state t, predicting token t + 1), in row-major order:
       policy: `log_probs` = log softmax(W h_t / temperature)[token_{t+1}], `entropy`
               = -sum_v p_v log p_v of that distribution (when `compute_entropy`);
       value:  `values` = score(h_t).
