@@ -86,3 +86,42 @@ def test_partial_rollout_resumes_a_request_under_the_new_weights(ray_session, tm
         assert "rollout_corr/tis_weight_mean" in r
     assert records[0]["async/partial_samples"] == 0  # no update happened before step 1's batch
     assert records[1]["async/partial_samples"] >= 1 and records[1]["async/resumed_tokens"] >= 1
+
+
+def test_the_scheduler_routes_around_a_slow_replica(ray_session):
+    """Two replica actors, one 20x slower (a long-tail sample, a slow tool): the stream keeps
+    2 requests in flight and sends each new one to the least-loaded replica, so the fast
+    one answers most of them while the slow one holds one request at a time."""
+    import time
+
+    import ray
+
+    from tephra.controller.rollout_replicas import RolloutReplicas
+
+    @ray.remote(num_cpus=0)
+    class Replica:  # the `execute("generate_scored", items, sampling)` of a RolloutWorker
+        def __init__(self, delay):
+            self.delay = delay
+
+        def execute(self, method, items, sampling):
+            time.sleep(self.delay)
+            return [(method, item) for item in items]
+
+    replicas = RolloutReplicas.__new__(RolloutReplicas)  # the scheduler, on stand-in actors
+    replicas.replicas = [Replica.remote(0.05), Replica.remote(1.0)]
+    replicas.in_flight, replicas.served, replicas._pending = [0, 0], [0, 0], {}
+    pending = [replicas.submit([i], None) for i in range(2)]
+    assert replicas.in_flight == [1, 1]  # one each: both idle at first
+    answers = []
+    for i in range(2, 14):
+        done, samples = replicas.wait_any(pending)
+        pending.remove(done)
+        answers += samples
+        pending.append(replicas.submit([i], None))
+    while pending:
+        done, samples = replicas.wait_any(pending)
+        pending.remove(done)
+        answers += samples
+    assert sorted(item for _, item in answers) == list(range(14))  # nothing lost
+    fast, slow = replicas.served
+    assert fast + slow == 14 and slow <= 2 and fast >= 12
