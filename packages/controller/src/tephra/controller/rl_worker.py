@@ -182,14 +182,18 @@ class RLWorker(Worker):
         return samples
 
     def _generate_plain(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
-        out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling)
+        images = [i.multimodal for i in items]
+        # text prompts keep the backends' plain signature (vLLM / SGLang take no images)
+        extra = {"multimodal": images} if any(m is not None for m in images) else {}
+        out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling, **extra)
         tok = self.tokenizer()
         return [Sample(prompt_ids=out.prompt_ids[k], response_ids=out.response_ids[k],
                        response_mask=[1] * len(out.response_ids[k]),
                        log_probs=out.log_probs[k] if out.log_probs is not None else None,
                        finish_reason=out.finish_reasons[k],
                        text=tok.decode(out.response_ids[k], skip_special_tokens=True),
-                       sample_id=items[k // sampling.n].sample_id)
+                       sample_id=items[k // sampling.n].sample_id,
+                       multimodal=images[k // sampling.n])
                 for k in range(len(out))]
 
     def _generate_agent(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
