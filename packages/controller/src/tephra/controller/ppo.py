@@ -56,7 +56,10 @@ def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompt
     included) are dropped. Returns (train, val, number dropped)."""
     from transformers import AutoConfig
 
-    from tephra.controller.multimodal_data import load_multimodal_parquet, multimodal_prompt_from_row
+    from tephra.controller.multimodal_data import (
+        load_multimodal_parquet,
+        multimodal_prompt_from_row,
+    )
     from tephra.engine_api.multimodal import is_vision_config
     from tephra.rollout.multimodal import VisionProcessor
 
