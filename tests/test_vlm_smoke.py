@@ -99,3 +99,42 @@ def test_images_need_parquet_and_a_vision_model(tmp_path):
     with pytest.raises(ConfigError, match="text-only model"):
         prepare(parse_config(["-p", "vlm_smoke", "model.path=tiny",
                               f"trainer.run_dir={tmp_path}"]))
+
+
+def _sft_parquet(path, size, seed) -> None:
+    rows = []
+    for row in colour_square_rows(size, seed):
+        png = io.BytesIO()
+        row["images"][0].save(png, format="PNG")
+        rows.append({"messages": row["prompt"] + [
+            {"role": "assistant", "content": row["reward_model"]["ground_truth"]}],
+            "images": [{"bytes": png.getvalue(), "path": None}]})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def test_sft_image_rows_expand_image_tokens_untrained(tmp_path):
+    from tephra.apps.sft.chat_data import load_image_conversations
+    from tephra.rollout.multimodal import VisionProcessor
+
+    _sft_parquet(tmp_path / "sft.parquet", 2, 0)
+    proc = VisionProcessor.from_pretrained(resolve_model_path("tiny_vlm", 0))
+    for ids, mask, mm in load_image_conversations(tmp_path / "sft.parquet", proc):
+        pads = [i for i, t in enumerate(ids) if t == proc.image_token_id]
+        assert len(pads) == mm.image_token_counts(proc.merge_size)[0] == 16
+        assert not any(mask[i] for i in pads) and sum(mask) > 0
+
+
+@pytest.mark.multiproc
+def test_sft_on_image_rows_lowers_the_loss(ray_session, tmp_path):
+    from tephra.apps.sft.main import parse_config as sft_config
+    from tephra.apps.sft.main import run as sft_run
+
+    _sft_parquet(tmp_path / "train.parquet", 16, 1)
+    _sft_parquet(tmp_path / "val.parquet", 4, 2)
+    summary = sft_run(sft_config([
+        "-p", "smoke", "model.path=tiny_vlm", "data.images=true",
+        f"data.train_files=[{tmp_path / 'train.parquet'}]",
+        f"data.val_files=[{tmp_path / 'val.parquet'}]", "train.steps=6", "train.export_hf=false",
+        f"train.run_dir={tmp_path / 'sft'}"]))
+    assert summary["steps"] == 6
+    assert summary["loss_after"] < 0.8 * summary["loss_before"], summary
