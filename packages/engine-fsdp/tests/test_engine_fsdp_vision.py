@@ -126,3 +126,17 @@ def test_images_for_a_text_model_are_refused(vlm):
     engine = FSDPEngine.build(tiny_engine_config())
     with pytest.raises(BatchError, match="has no vision tower"):
         engine.forward(batch)
+
+
+def test_text_only_micro_batch_of_a_vlm_is_packed_apart(vlm):
+    # no image in the micro-batch: the packed sequences must still not see each other
+    from tephra.engine_fsdp.testing import vision_batch
+
+    batch = vision_batch(vlm.path)[2:]
+    assert all(m is None for m in batch[MULTIMODAL].tolist())
+    got = {}
+    for packing in (True, False):
+        engine = _engine(vlm, **{"micro_batch.use_packing": packing})
+        with engine.eval_mode():
+            got[packing] = engine.forward(batch)["log_probs"]
+    torch.testing.assert_close(got[True], got[False], atol=1e-5, rtol=0)

@@ -10,7 +10,8 @@ from tephra.engine_api.errors import ConfigError
 
 def resolve_model_path(path: str, seed: int = 0) -> str:
     """`smollm2` -> the converted SmolLM2 folder; `tiny` -> a tiny random Qwen2 with a
-    ChatML tokenizer (built once under the cache); anything else must be an HF folder."""
+    ChatML tokenizer, `tiny_vlm` -> a tiny random Qwen2-VL (both built once under the cache);
+    anything else must be an HF folder."""
     if path == "smollm2":
         from tephra.controller.smollm2 import smollm2_folder
 
@@ -22,6 +23,14 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
         folder = cache_root() / f"tiny-qwen2-seed{seed}"
         if not (folder / "config.json").exists():
             build_tiny_model(folder, seed=seed)
+        return str(folder)
+    if path == "tiny_vlm":
+        from tephra.controller.smollm2 import cache_root
+        from tephra.rollout.multimodal import build_tiny_vlm
+
+        folder = cache_root() / f"tiny-qwen2-vl-seed{seed}"
+        if not (folder / "preprocessor_config.json").exists():  # written last
+            build_tiny_vlm(folder, seed=seed)
         return str(folder)
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -67,9 +76,12 @@ def load_tokenizer(model_path: str) -> Any:
 def count_parameters(path: str) -> int:
     """Parameters of the model at `path`, counted on the meta device (no weights loaded)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from tephra.engine_api.multimodal import is_vision_config
 
     config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     return sum(p.numel() for p in model.parameters())

@@ -73,7 +73,7 @@ def decode_image(value: Any, index: int, where: str, base_dir: Path | None = Non
                               "{bytes, path} struct or a PIL image")
 
 
-def _with_vision_spans(messages: list[dict], index: int, where: str, n_images: int) -> list[dict]:
+def with_vision_spans(messages: list[dict], index: int, where: str, n_images: int) -> list[dict]:
     """Messages with each `<image>` replaced by the vision span; counts must match."""
     count = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages
                 if isinstance(m["content"], str))
@@ -96,7 +96,7 @@ def multimodal_prompt_from_row(
     if not isinstance(raw, list | tuple):
         raise _fail(index, where, f"is a {type(raw).__name__}, not a list of images")
     images = [decode_image(v, index, where, base_dir) for v in raw]
-    messages = _with_vision_spans(record.prompt, index, where, len(images))
+    messages = with_vision_spans(record.prompt, index, where, len(images))
     if not images:
         return MultimodalPrompt(record, chat_prompt_ids(processor.tokenizer, messages), None)
     # render as text, then expand: each image gets exactly its grid's number of tokens

@@ -50,6 +50,49 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
             [r for f in d.val_files for r in load(f)])
 
 
+def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompts, int]:
+    """Training and held-out prompts with images (`cfg.data.has_images`), processed with the
+    model's image processor; prompts longer than data.max_prompt_tokens (image tokens
+    included) are dropped. Returns (train, val, number dropped)."""
+    from transformers import AutoConfig
+
+    from tephra.controller.multimodal_data import (
+        load_multimodal_parquet,
+        multimodal_prompt_from_row,
+    )
+    from tephra.engine_api.multimodal import is_vision_config
+    from tephra.rollout.multimodal import VisionProcessor
+
+    d = cfg.data
+    if not is_vision_config(AutoConfig.from_pretrained(model_path)):
+        raise ConfigError(f"data has images but model.path={cfg.model.path!r} is a text-only "
+                          "model (its config has no vision_config); use a vision-language "
+                          "model (Qwen2-VL family, or model.path=tiny_vlm to test)")
+    processor = VisionProcessor.from_pretrained(model_path)
+    if d.source == "colour_squares":
+        from tephra.controller.colour_squares import colour_square_rows
+
+        train = [multimodal_prompt_from_row(r, i, "colour_squares", processor)
+                 for i, r in enumerate(colour_square_rows(d.train_size, d.train_seed))]
+        val = [multimodal_prompt_from_row(r, i, "colour_squares", processor)
+               for i, r in enumerate(colour_square_rows(d.val_size, d.val_seed))]
+    else:
+        if not d.train_files:
+            raise ConfigError("data.images=true needs data.train_files to train on")
+        train = [p for f in d.train_files for p in load_multimodal_parquet(f, processor)]
+        val = [p for f in d.val_files for p in load_multimodal_parquet(f, processor)]
+    limit, dropped = d.max_prompt_tokens, 0
+
+    def fit(prompts: list) -> Prompts:
+        nonlocal dropped
+        kept = [p for p in prompts if len(p.prompt_ids) <= limit]
+        dropped += len(prompts) - len(kept)
+        return Prompts([p.prompt_ids for p in kept], [p.record for p in kept],
+                       [p.multimodal for p in kept])
+
+    return fit(train), fit(val), dropped
+
+
 def resolve_tools_file(spec: str) -> str:
     """`rollout.tools_file`: a YAML path, or the name of a file bundled in
     tephra/controller/tools/ (`python`: the sandboxed interpreter)."""
@@ -95,17 +138,20 @@ def prepare(cfg: PPOConfig) -> Prepared:
         if tools_file and r.agent.render_tool_schemas:
             schemas = [t.schema() for t in load_tools(tools_file).values()] or None
         render = ChatTemplateDelta(tokenizer, schemas).prompt_ids
-    train_rec, val_rec = load_records(cfg)
     limit = cfg.data.max_prompt_tokens
-    train_ids, train_rec, dropped = tokenize_prompts(train_rec, tokenizer, limit, render)
-    val = Prompts([], [])
-    if val_rec:
-        val_ids, val_rec, val_dropped = tokenize_prompts(val_rec, tokenizer, limit, render)
-        val = Prompts(val_ids, val_rec)
-        dropped += val_dropped
+    if cfg.data.has_images:
+        train, val, dropped = load_image_prompts(cfg, model_path)
+    else:
+        train_rec, val_rec = load_records(cfg)
+        train_ids, train_rec, dropped = tokenize_prompts(train_rec, tokenizer, limit, render)
+        train, val = Prompts(train_ids, train_rec), Prompts([], [])
+        if val_rec:
+            val_ids, val_rec, val_dropped = tokenize_prompts(val_rec, tokenizer, limit, render)
+            val = Prompts(val_ids, val_rec)
+            dropped += val_dropped
     if dropped:
         print(f"dropped {dropped} prompts longer than data.max_prompt_tokens={limit}", flush=True)
-    if not train_ids:
+    if not train.ids:
         raise ConfigError(f"no training prompt is left after dropping those longer than "
                           f"data.max_prompt_tokens={limit}; raise it or check data.train_files")
     t = cfg.trainer
@@ -113,7 +159,7 @@ def prepare(cfg: PPOConfig) -> Prepared:
         raise ConfigError("validation is on but the held-out set is empty; set data.val_files "
                           "(or data.val_size) or turn off trainer.val_before/val_after/val_every")
     run_dir = Path(t.run_dir).expanduser().resolve()
-    return Prepared(model_path, tokenizer, Prompts(train_ids, train_rec), val, tools_file, run_dir)
+    return Prepared(model_path, tokenizer, train, val, tools_file, run_dir)
 
 
 def run(cfg: PPOConfig) -> dict:

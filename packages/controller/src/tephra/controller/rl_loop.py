@@ -55,6 +55,7 @@ from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_group import WorkerGroup
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
+from tephra.engine_api.multimodal import MultimodalInputs
 
 
 @dataclass
@@ -63,6 +64,8 @@ class Prompts:
 
     ids: list[list[int]]
     records: list[PromptRecord]
+    multimodal: list[MultimodalInputs | None] | None = None
+    """Each prompt's images (pixel values and grids), or None for text prompts."""
 
 
 @dataclass
@@ -119,7 +122,10 @@ def round_to_dict(rnd: Round) -> dict[str, Any]:
 
 def round_from_dict(data: dict[str, Any], items: list[PromptItem]) -> Round:
     """The inverse of `round_to_dict`, given the items rebuilt from its `indices`."""
-    return Round(items, [sample_from_dict(s) for s in data["samples"]], data["n"],
+    samples = [sample_from_dict(s) for s in data["samples"]]
+    for k, s in enumerate(samples):  # images are not in the JSON: they come from the prompts
+        s.multimodal = items[k // data["n"]].multimodal
+    return Round(items, samples, data["n"],
                  kept_groups=list(data["kept_groups"]), informative=data["informative"],
                  filler=data["filler"], indices=list(data["indices"]), tag=data["tag"],
                  scored=data["scored"])
@@ -296,7 +302,9 @@ class Trainer:
 
     # ----- stages ------------------------------------------------------------------------
     def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]:
-        return [PromptItem(prompts.ids[i], prompts.records[i], f"{tag}-{j}")
+        mm = prompts.multimodal
+        return [PromptItem(prompts.ids[i], prompts.records[i], f"{tag}-{j}",
+                           mm[i] if mm is not None else None)
                 for j, i in enumerate(indices)]
 
     def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:

@@ -182,7 +182,10 @@ class RLWorker(Worker):
         return samples
 
     def _generate_plain(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
-        out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling)
+        images = [i.multimodal for i in items]
+        # text prompts keep the backends' plain signature (vLLM / SGLang take no images)
+        extra = {"multimodal": images} if any(m is not None for m in images) else {}
+        out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling, **extra)
         tok = self.tokenizer()
         return [Sample(prompt_ids=out.prompt_ids[k], response_ids=out.response_ids[k],
                        response_mask=[1] * len(out.response_ids[k]),
@@ -190,6 +193,7 @@ class RLWorker(Worker):
                        finish_reason=out.finish_reasons[k],
                        text=tok.decode(out.response_ids[k], skip_special_tokens=True),
                        sample_id=items[k // sampling.n].sample_id,
+                       multimodal=images[k // sampling.n])
                        token_versions=(out.token_versions[k] if out.token_versions is not None
                                        else None))
                 for k in range(len(out))]

@@ -9,13 +9,18 @@ A step's samples are prompt-major: prompt i's `n` samples are consecutive.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
 from tephra.controller.data import PromptRecord
+from tephra.engine_api.multimodal import MultimodalInputs
+
+MULTIMODAL = "multimodal"
+"""Batch field of the rows' images: a NonTensorStack of `MultimodalInputs` or None per row
+(what tephra.engine_fsdp.vision reads)."""
 
 
 @dataclass
@@ -28,6 +33,8 @@ class PromptItem:
     """Its data row: chat messages (the agent loop's input), data_source, ground truth."""
     sample_id: str = ""
     """Unique in the run (names the tool instances of an agent trajectory)."""
+    multimodal: MultimodalInputs | None = None
+    """The prompt's images (pixel values and grids), None for a text prompt."""
 
 
 @dataclass
@@ -65,6 +72,9 @@ class Sample:
     """Version of the weights that generated it: the number of RL steps (weight syncs)
     those weights had been updated by; the driver sets it. The version lag of a trained
     sample is the trainer's version (the steps completed before the update) minus this."""
+    multimodal: MultimodalInputs | None = None
+    """The prompt's images, the very object of its `PromptItem` (generation and every
+    training pass see the same pixels; not part of `sample_to_dict`)."""
     token_versions: list[int] | None = None
     """Weight version of each response token (`trainer.partial_rollout`: a sample interrupted
     by a weight update continues under the new version); None otherwise. `weight_version` is
@@ -76,7 +86,17 @@ def samples_to_batch(samples: list[Sample], pad_token_id: int, n: int,
     """Prompt-major samples (`n` per prompt) as the padded batch of tephra.engine_api:
     `input_ids`, `attention_mask`, `position_ids`, `response_mask` (1 on model tokens only),
     `rollout_log_probs`, `prompt_index` [B]; multi-turn adds num_turns / tool_calls /
-    tool_errors / tool_rewards [B]."""
+    tool_errors / tool_rewards [B]; samples with images add `multimodal` (`MULTIMODAL`)."""
+    batch = _text_batch(samples, pad_token_id, n, multi_turn)
+    if any(s.multimodal is not None for s in samples):
+        from tensordict import NonTensorData, NonTensorStack
+
+        batch[MULTIMODAL] = NonTensorStack(*[NonTensorData(s.multimodal) for s in samples])
+    return batch
+
+
+def _text_batch(samples: list[Sample], pad_token_id: int, n: int,
+                multi_turn: bool) -> TensorDict:
     from tephra.rollout.base import RolloutOutput
 
     if multi_turn:
@@ -121,8 +141,11 @@ def record_payload(record: PromptRecord) -> dict[str, Any]:
 
 
 def sample_to_dict(sample: Sample) -> dict[str, Any]:
-    """A sample as plain JSON data (floats survive a JSON round trip exactly)."""
-    return asdict(sample)
+    """A sample as plain JSON data (floats survive a JSON round trip exactly); its images
+    are left out (they come back from the prompt set)."""
+    data = asdict(replace(sample, multimodal=None))
+    del data["multimodal"]
+    return data
 
 
 def sample_from_dict(data: dict[str, Any]) -> Sample:

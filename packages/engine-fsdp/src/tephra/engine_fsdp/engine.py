@@ -24,6 +24,8 @@ from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.loss import LossFn
+from tephra.engine_api.multimodal import is_vision_config
+from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, ulysses, vision, weights
 from tephra.engine_fsdp import (checkpoint, lora, microbatches, prefix_sharing, sharding, ulysses,
                                 vision, weights)
 from tephra.engine_fsdp.model_builder import backbone, build_model, decoder_layers
@@ -86,6 +88,9 @@ class FSDPEngine(Engine):
         sharding.shard_model(self.scorer, layers, self.mesh, config, self.device)
         self.model = self.scorer
         self.hf_model = hf_model
+        # a VLM on several ranks runs its tower on every micro-batch (see `vision`)
+        self.vlm = is_vision_config(hf_model.config)
+        self.idle_vision = self.vlm and dist.is_initialized() and dist.get_world_size() > 1
         params = [p for p in self.scorer.parameters() if p.requires_grad]
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -210,8 +215,13 @@ class FSDPEngine(Engine):
         resp = mb[B.RESPONSE_MASK]
         if self.sp > 1:
             return self._sequence_parallel_outputs(mb)
-        if vision.rows(mb) is not None:  # images: pixel inputs and mRoPE position ids
+        pos, pixels = None, {}
+        if self.vlm:  # pixel inputs and mRoPE position ids
             pos, pixels = vision.model_inputs(backbone(self.hf_model), self.hf_model.config, mb,
+                                              self.config.micro_batch.use_packing, self.device)
+            if not pixels and self.idle_vision:
+                pixels = {"idle_vision": vision.idle_inputs(self.hf_model.config, self.device)}
+        if self.config.micro_batch.use_packing:
                                               self.packed, self.device)
         else:
             pos, pixels = None, {}

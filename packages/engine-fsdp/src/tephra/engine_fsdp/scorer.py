@@ -73,6 +73,19 @@ class TokenScorer(nn.Module):
         return getattr(self._hf, VALUE_HEAD)
 
     def forward(self, input_ids, position_ids, attention_mask, label_mask, next_tokens=None,
+                idle_vision=None, **vision):
+        # vision: pixel_values / image_grid_thw of a vision-language model (see `vision`);
+        # idle_vision: a blank image run through the tower only to join the ranks' collectives
+        model = backbone(self._hf)
+        idle = 0.0
+        if idle_vision is not None:  # first, as with real images: the ranks' collectives
+            features = model.get_image_features(**idle_vision).pooler_output  # run in order
+            idle = sum(f.sum() for f in features) * 0.0
+        out = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=False, **vision,
+        )
+        hidden = out.last_hidden_state  # [b, t, hidden]
                 tree=None, **vision):
         # vision: pixel_values / image_grid_thw of a vision-language model (see `vision`)
         select = label_mask.bool()
@@ -93,6 +106,7 @@ class TokenScorer(nn.Module):
             h = hidden[select]  # [n, hidden]
         head = self.head()
         anchor = hidden.sum() * 0.0 + sum(p.sum() * 0.0 for p in head.parameters())
+        anchor = anchor + idle
         if self.role == "value":
             values = head(h).squeeze(-1).float().clone()
             return {"values": values, "anchor": anchor}

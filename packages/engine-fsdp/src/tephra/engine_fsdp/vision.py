@@ -7,7 +7,10 @@ what the Qwen2-VL backbone needs:
 
   - `pixel_values` / `image_grid_thw`: the rows' images concatenated in row order (the
     backbone scatters image features into the `<|image_pad|>` tokens in that order);
-  - position ids from the model's own `get_rope_index` (3 rows: time, height, width).
+  - position ids from the model's own `get_rope_index` (3 rows: time, height, width);
+  - on several ranks, a micro-batch without images runs the vision tower on a blank
+    image, its output times 0 (`idle_inputs`): FSDP gathers and reduces the tower's
+    sharded blocks collectively, so every rank must run it when one does.
     Packed, each sequence gets its own mRoPE ids, and a 4th leading row of plain positions
     restarting at 0 per sequence, from which transformers builds the block-causal mask of a
     packed stream (as for text models).
@@ -76,13 +79,20 @@ def _rope_index(backbone, ids: torch.Tensor, mm: MultimodalInputs | None, tid: i
 def model_inputs(
     backbone, model_config, mb: TensorDict, packed: bool, device: torch.device
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(position ids, pixel kwargs) of a micro-batch with images: position ids `[4, 1, N]`
-    packed (plain positions, then mRoPE) or `[3, b, t]` padded."""
-    items = rows(mb)
-    assert items is not None
+    """(position ids, pixel kwargs) of a micro-batch of a vision-language model: position ids
+    `[4, 1, N]` packed (plain positions, then mRoPE) or `[3, b, t]` padded. Packed text-only
+    micro-batches take this path too: the leading plain row is what keeps their sequences
+    apart (transformers reads 2-d position ids of a VLM as mRoPE, not as packing)."""
+    items = rows(mb) or [None] * mb.batch_size[0]
     tid = image_token_id(model_config)
     ids, attn = mb[B.INPUT_IDS], mb[B.ATTENTION_MASK].bool()
     present = [m for m in items if m is not None]
+    if not present and not packed:  # padded text: the plain positions and the mask
+        return mb[B.POSITION_IDS].to(device), {}
+    if not present:
+        parts = [torch.cat([torch.arange(int(a.sum()))[None],
+                            torch.arange(int(a.sum())).expand(3, -1)]) for a in attn]
+        return torch.cat(parts, dim=1)[:, None].to(device), {}
     images = MultimodalInputs.concat(present)
     pixel = {"pixel_values": images.pixel_values.to(device),
              "image_grid_thw": images.image_grid_thw.to(device)}
@@ -98,3 +108,13 @@ def model_inputs(
                                          image_grid_thw=images.image_grid_thw,
                                          attention_mask=attn.long())
     return pos.to(device), pixel
+
+
+def idle_inputs(model_config, device: torch.device) -> dict[str, torch.Tensor]:
+    """Pixel inputs of one blank image of a single merged patch (the smallest the tower takes),
+    for a micro-batch without images on a multi-rank engine (see the module docstring)."""
+    v = model_config.vision_config
+    merge = int(v.spatial_merge_size)
+    dim = int(getattr(v, "in_channels", 3)) * int(v.temporal_patch_size) * int(v.patch_size) ** 2
+    return {"pixel_values": torch.zeros(merge * merge, dim, device=device),
+            "image_grid_thw": torch.tensor([[1, merge, merge]], device=device)}

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tephra.controller.data import DatasetError
+from tephra.engine_api.multimodal import MultimodalInputs
 
 
 def _ids(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> list[int]:
@@ -51,17 +52,20 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], index: int = 0
     return full, mask
 
 
-def load_conversations(path: str | Path) -> list[list[dict]]:
-    """`messages` column of a parquet file or `.jsonl` lines; errors name row and field."""
-    path = Path(path)
+def _rows(path: Path) -> list[dict]:
     if not path.exists():
         raise DatasetError(f"data file {path} does not exist; set data.train_files")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    else:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return pq.read_table(path).to_pylist()
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_conversations(path: str | Path) -> list[list[dict]]:
+    """`messages` column of a parquet file or `.jsonl` lines; errors name row and field."""
+    path = Path(path)
+    rows = _rows(path)
     out = []
     for i, row in enumerate(rows):
         messages = row.get("messages")
@@ -89,16 +93,61 @@ def arithmetic_conversations(size: int, seed: int) -> list[list[dict]]:
             for item in ds]
 
 
-def pad_batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
-    """Right-padded `[B, T]` batch in the engine layout."""
+def pad_batch(examples: list[tuple], pad_id: int):
+    """Right-padded `[B, T]` batch in the engine layout; examples with images (a third item)
+    add the `multimodal` column engine-fsdp reads."""
     from tephra.engine_api.batch import make_batch
 
-    width = max(len(ids) for ids, _ in examples)
+    width = max(len(e[0]) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.int64)
     attn = torch.zeros_like(ids)
     resp = torch.zeros_like(ids)
-    for i, (tok, mask) in enumerate(examples):
+    for i, (tok, mask, *_) in enumerate(examples):
         ids[i, : len(tok)] = torch.tensor(tok)
         attn[i, : len(tok)] = 1
         resp[i, : len(tok)] = torch.tensor(mask)
-    return make_batch(ids, attn, resp)
+    batch = make_batch(ids, attn, resp)
+    images = [e[2] if len(e) > 2 else None for e in examples]
+    if any(m is not None for m in images):
+        from tensordict import NonTensorData, NonTensorStack
+
+        from tephra.controller.samples import MULTIMODAL
+
+        batch[MULTIMODAL] = NonTensorStack(*[NonTensorData(m) for m in images])
+    return batch
+
+
+Example = tuple[list[int], list[int], MultimodalInputs | None]
+"""(token ids, assistant mask, images) of one conversation."""
+
+
+def load_image_conversations(path: str | Path, processor: Any) -> list[Example]:
+    """verl multimodal SFT rows: `messages` plus an `images` column (bytes, paths relative to
+    the file, `{bytes, path}` structs or PIL images; `<image>` in the messages where each
+    goes, as in `tephra.controller.multimodal_data`) -> token ids with each image expanded to
+    its run of `<|image_pad|>` tokens (never trained), the assistant mask, and the images."""
+    from tephra.controller.multimodal_data import decode_image, with_vision_spans
+
+    path = Path(path)
+    convs = load_conversations(path)
+    out = []
+    for i, (row, messages) in enumerate(zip(_rows(path), convs, strict=True)):
+        raw = row.get("images") or []
+        if not isinstance(raw, list | tuple):
+            raise DatasetError(f"row {i} of {path.name}: field 'images' is a "
+                               f"{type(raw).__name__}, not a list of images")
+        images = [decode_image(v, i, path.name, path.parent) for v in raw]
+        messages = with_vision_spans(messages, i, path.name, len(images))
+        ids, mask = tokenize_conversation(processor.tokenizer, messages, i)
+        if not images:
+            out.append((ids, mask, None))
+            continue
+        mm = processor.images(images)
+        counts = iter(mm.image_token_counts(processor.merge_size))
+        full, full_mask = [], []
+        for t, m in zip(ids, mask, strict=True):
+            n = next(counts) if t == processor.image_token_id else 1
+            full += [t] * n
+            full_mask += [m] * n
+        out.append((full, full_mask, mm))
+    return out

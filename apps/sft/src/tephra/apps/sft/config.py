@@ -47,7 +47,10 @@ class SFTData:
     seed: int = 0
     """Seed of the generated conversations and of the data order."""
     max_seq_tokens: int = 512
-    """Conversations longer than this are dropped (and counted)."""
+    """Conversations longer than this (image tokens included) are dropped (and counted)."""
+    images: bool = False
+    """The files are verl multimodal rows: an `images` column and `<image>` placeholders in
+    the messages (needs a vision-language model and policy.engine=fsdp)."""
 
     def __post_init__(self) -> None:
         if self.val_size < 0 or self.size < 1 or self.max_seq_tokens < 1:

@@ -114,11 +114,18 @@ def run(cfg: SFTConfig) -> dict:
     tok = AutoTokenizer.from_pretrained(path)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     d = cfg.data
-    convs = ([c for f in d.train_files for c in load_conversations(f)]
-             if d.train_files else arithmetic_conversations(d.size, d.seed))
+    if d.images:
+        files = image_files(cfg, path)
+        convs = list(d.train_files)
+    else:
+        convs = ([c for f in d.train_files for c in load_conversations(f)]
+                 if d.train_files else arithmetic_conversations(d.size, d.seed))
 
     def tokenized(conversations: list) -> list:
-        examples = [tokenize_conversation(tok, c, i) for i, c in enumerate(conversations)]
+        if d.images:  # here `conversations` are files: images come with their rows
+            examples = [e for f in conversations for e in files(f)]
+        else:
+            examples = [tokenize_conversation(tok, c, i) for i, c in enumerate(conversations)]
         kept = [e for e in examples if len(e[0]) <= d.max_seq_tokens]
         if len(kept) < len(examples):
             print(f"dropped {len(examples) - len(kept)} conversations longer than "
@@ -127,7 +134,8 @@ def run(cfg: SFTConfig) -> dict:
 
     if d.val_files:
         train = tokenized(convs)
-        val = tokenized([c for f in d.val_files for c in load_conversations(f)])
+        val = tokenized(list(d.val_files) if d.images else
+                        [c for f in d.val_files for c in load_conversations(f)])
     else:
         examples = tokenized(convs)
         cut = max(len(examples) - d.val_size, 0)
@@ -187,6 +195,28 @@ def run(cfg: SFTConfig) -> dict:
                "seconds": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def image_files(cfg: SFTConfig, model_path: str):
+    """A reader of multimodal SFT files for `model_path` (a vision-language model); refuses
+    what cannot train on images, before Ray starts."""
+    from transformers import AutoConfig
+
+    from tephra.apps.sft.chat_data import load_image_conversations
+    from tephra.engine_api.multimodal import is_vision_config
+    from tephra.rollout.multimodal import VisionProcessor
+
+    if not cfg.data.train_files:
+        raise ConfigError("data.images=true needs data.train_files (verl multimodal rows: "
+                          "messages and images)")
+    if cfg.policy.engine != "fsdp":
+        raise ConfigError(f"data.images=true with policy.engine={cfg.policy.engine!r}: only the "
+                          "fsdp engine trains vision-language models; set policy.engine=fsdp")
+    if not is_vision_config(AutoConfig.from_pretrained(model_path)):
+        raise ConfigError(f"data.images=true but model.path={cfg.model.path!r} is a text-only "
+                          "model; use a vision-language model (Qwen2-VL family, or tiny_vlm)")
+    processor = VisionProcessor.from_pretrained(model_path)
+    return lambda f: load_image_conversations(f, processor)
 
 
 def _rng_json(state: tuple) -> list:

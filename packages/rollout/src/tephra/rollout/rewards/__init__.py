@@ -4,13 +4,14 @@ and `RewardManager` that scores a batch in parallel.
 Registered scorers (`REWARD_SCORERS`): gsm8k / openai/gsm8k (strict `####`), gsm8k_flexible,
 math / lighteval/MATH / DigitalLearningGmbH/MATH-lighteval / HuggingFaceH4/MATH-500
 (math-verify), reasoning_gym (data sources `reasoning_gym/<task>`), countdown, math_dapo / aime*,
-search QA, and code (codecontests / apps / codeforces / taco / primeintellect / livecodebench:
+search QA, colour_squares (the synthetic image task), and code (codecontests / apps / codeforces / taco / primeintellect / livecodebench:
 the program runs against the tests in the python sandbox).
 """
 
 # Importing the scorer modules registers them.
 from tephra.rollout.rewards import (  # noqa: F401  (registers the scorers)
     code,
+    colours,
     countdown,
     gsm8k,
     math_equivalence,
