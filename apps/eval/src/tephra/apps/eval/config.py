@@ -25,6 +25,10 @@ class EvalConfig:
     run_dir: str | None = None
     """A trainer's run folder: its `hf/` export and every checkpoint under `checkpoints/`
     (exported to Hugging Face folders first) are evaluated, and a plot across steps drawn."""
+    start_model: bool = True
+    """With `run_dir`: also evaluate the model the run started from (the `model.path` of the
+    run's `config.yaml`) as step 0, so the curve shows the change RL made, not only the change
+    between checkpoints. One more model to evaluate; false skips it."""
     data: DataSection = field(default_factory=DataSection)
     """Held-out prompts (`data.val_files`, or the demo's reasoning-gym held-out items)."""
     rollout: RolloutSection = field(default_factory=RolloutSection)
