@@ -4,6 +4,7 @@ trainer run's checkpoints are exported, evaluated and plotted."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -77,3 +78,29 @@ def test_the_plot_is_drawn_from_saved_results(tmp_path):
     results = {"step_9": entry(9, 0.5), "step_0": entry(0, 0.2), "hf": entry(None, 0.5)}
     path = plot_across(results, tmp_path, ["acc@4", "pass@4"], "a run")
     assert path == tmp_path / "curves.png" and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_second_evaluation_keeps_numbers_of_unchanged_models_only(tmp_path, monkeypatch):
+    import shutil
+
+    import tephra.apps.eval.main as app
+    from tephra.controller.models import resolve_model_path
+
+    model = tmp_path / "m"  # a copy: its files are touched below
+    shutil.copytree(resolve_model_path("tiny"), model)
+    args = ["-p", "smoke", f"model.path={model}", f"out_dir={tmp_path / 'eval'}"]
+    first = run(parse_config(args))
+    calls = []
+    real = app.evaluate_model
+    monkeypatch.setattr(app, "evaluate_model",
+                        lambda cfg, path: calls.append(path) or real(cfg, path))
+    assert run(parse_config(args)) == first and calls == []
+    changed = run(parse_config(args + ["seed=1"]))  # another setting: evaluated again
+    assert len(calls) == 1 and changed["m"]["settings"]["seed"] == 1
+    again = run(parse_config(args + ["seed=1", "reuse=false"]))
+    assert again["m"]["summary"] == changed["m"]["summary"] and len(calls) == 2
+    # the same settings but the model's files rewritten: evaluated again
+    config = model / "config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 1))
+    run(parse_config(args + ["seed=1"]))
+    assert len(calls) == 3

@@ -40,6 +40,11 @@ class EvalConfig:
     """Scoring: rule scorers by data_source, a custom function, or a reward model."""
     out_dir: str = "runs/eval"
     """Where eval.json, eval.md, generations_<model>.jsonl and curves.png go."""
+    reuse: bool = True
+    """Keep a model's numbers from `out_dir/eval.json` instead of evaluating it again when its
+    folder's files (names, sizes, modification times) and every setting that changes the
+    numbers (data, rollout, val, reward, seed) are the same: evaluating a run while it trains
+    only evaluates the checkpoints that are new since the last time. False evaluates all."""
     seed: int = 0
     """Seed of the sampling."""
 

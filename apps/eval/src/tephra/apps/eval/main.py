@@ -8,6 +8,7 @@ configured rollout backend; scores come from the same scorers as training; the m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -164,22 +165,55 @@ def curve_metrics(cfg: EvalConfig) -> list[str]:
     return [f"acc@{cfg.val.n}"] + ([f"pass@{max(ks)}"] if ks else [])
 
 
+def folder_fingerprint(folder: str) -> str:
+    """sha256 of the (name, size, modification time) of every file under `folder`: a model
+    folder rewritten in place (a new export, a retrained run) gets another fingerprint."""
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).rglob("*")):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.relative_to(folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def eval_settings(cfg: EvalConfig) -> dict:
+    """What a model's numbers depend on besides its weights (compared before reusing them)."""
+    from dataclasses import asdict
+
+    return json.loads(json.dumps({"data": asdict(cfg.data), "rollout": asdict(cfg.rollout),
+                                  "val": asdict(cfg.val), "reward": asdict(cfg.reward),
+                                  "seed": cfg.seed}, default=str))
+
+
 def run(cfg: EvalConfig) -> dict:
     from tephra.controller.evaluation import markdown_table, write_jsonl
 
     out = Path(cfg.out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
+    saved = out / "eval.json"
+    previous = json.loads(saved.read_text()) if cfg.reuse and saved.exists() else {}
+    settings = eval_settings(cfg)
     results = {}
     tables = []
     for label, path, step in models_to_evaluate(cfg, out):
-        t = time.perf_counter()
-        summary, rows = evaluate_model(cfg, path)
-        write_jsonl(rows, out / f"generations_{label}.jsonl")
-        results[label] = {"model": path, "step": step, "summary": summary,
-                          "seconds": round(time.perf_counter() - t, 1)}
-        tables.append(f"## {label}\n\n{markdown_table(summary)}")
-        print(f"## {label} ({results[label]['seconds']} s)\n{markdown_table(summary)}", flush=True)
-    (out / "eval.json").write_text(json.dumps(results, indent=1, default=str))
+        fingerprint = folder_fingerprint(path)
+        old = previous.get(label, {})
+        if (old.get("model") == path and old.get("step") == step
+                and old.get("fingerprint") == fingerprint and old.get("settings") == settings):
+            results[label] = old
+            print(f"## {label}: kept from {saved} (same model files and settings)", flush=True)
+        else:
+            t = time.perf_counter()
+            summary, rows = evaluate_model(cfg, path)
+            write_jsonl(rows, out / f"generations_{label}.jsonl")
+            results[label] = {"model": path, "step": step, "summary": summary,
+                              "seconds": round(time.perf_counter() - t, 1),
+                              "fingerprint": fingerprint, "settings": settings}
+            print(f"## {label} ({results[label]['seconds']} s)\n"
+                  f"{markdown_table(summary)}", flush=True)
+        tables.append(f"## {label}\n\n{markdown_table(results[label]['summary'])}")
+        # written after every model, so a stopped evaluation keeps what it finished
+        saved.write_text(json.dumps(results, indent=1, default=str))
     (out / "eval.md").write_text("\n".join(tables))
     if cfg.run_dir is not None:
         prompts = next(iter(results.values()))["summary"]["all"]["prompts"]
