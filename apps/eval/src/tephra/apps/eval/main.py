@@ -218,7 +218,7 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.run_dir is not None:
         prompts = next(iter(results.values()))["summary"]["all"]["prompts"]
         plot_across(results, out, curve_metrics(cfg),
-                    f"{Path(cfg.run_dir).name}: {prompts} held-out prompts, {cfg.val.n} samples "
+                    f"{Path(cfg.run_dir).name}: {int(prompts)} held-out prompts, {cfg.val.n} samples "
                     f"each at temperature {cfg.val.temperature:g}")
     return results
 
