@@ -4,12 +4,14 @@ trainer run's checkpoints are exported, evaluated and plotted."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from tephra.apps.eval.config import parse_config
-from tephra.apps.eval.main import run
+from tephra.apps.eval.main import models_to_evaluate, plot_across, run
 from tephra.controller.evaluation import pass_at_k
+from tephra.core.errors import ConfigError
 
 
 def test_smoke_preset_metrics_match_the_generations(tmp_path):
@@ -41,9 +43,64 @@ def test_a_runs_checkpoints_are_evaluated_and_plotted(tmp_path):
     ray.shutdown()
     results = run(parse_config(["-p", "smoke", f"run_dir={tmp_path / 'run'}",
                                 f"out_dir={tmp_path / 'eval'}"]))
-    assert list(results) == ["step_1", "step_2", "hf"]
-    assert [r["step"] for r in results.values()] == [1, 2, None]
+    assert list(results) == ["step_0", "step_1", "step_2", "hf"]
+    assert [r["step"] for r in results.values()] == [0, 1, 2, None]
+    # step 0 is the model the run started from: the same numbers as evaluating it directly
+    direct = run(parse_config(["-p", "smoke", f"out_dir={tmp_path / 'direct'}"]))
+    assert results["step_0"]["summary"] == direct["tiny"]["summary"]
     assert (tmp_path / "eval" / "curves.png").stat().st_size > 0
     assert (tmp_path / "eval" / "exports" / "step_2" / "config.json").exists()
     # the last checkpoint is the final weights: same samples, same numbers as the export
     assert results["step_2"]["summary"] == results["hf"]["summary"]
+
+
+def test_a_runs_start_model_is_step_0_and_read_from_its_config(tmp_path):
+    from tephra.controller.models import resolve_model_path
+
+    run_dir = tmp_path / "run"
+    (run_dir / "hf").mkdir(parents=True)
+    (run_dir / "hf" / "config.json").write_text("{}")
+    args = ["-p", "smoke", f"run_dir={run_dir}"]
+    with pytest.raises(ConfigError, match="config.yaml is missing.*start_model=false"):
+        models_to_evaluate(parse_config(args), tmp_path)
+    (run_dir / "config.yaml").write_text("model:\n  path: tiny\ntrainer:\n  seed: 3\n")
+    found = models_to_evaluate(parse_config(args), tmp_path)
+    assert found == [("step_0", resolve_model_path("tiny", 3), 0),
+                     ("hf", str(run_dir / "hf"), None)]
+    only = models_to_evaluate(parse_config(args + ["start_model=false"]), tmp_path)
+    assert [label for label, _, _ in only] == ["hf"]
+
+
+def test_the_plot_is_drawn_from_saved_results(tmp_path):
+    def entry(step, acc):
+        return {"step": step, "summary": {"all": {"acc@4": acc, "pass@4": acc + 0.1}}}
+
+    results = {"step_9": entry(9, 0.5), "step_0": entry(0, 0.2), "hf": entry(None, 0.5)}
+    path = plot_across(results, tmp_path, ["acc@4", "pass@4"], "a run")
+    assert path == tmp_path / "curves.png" and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_second_evaluation_keeps_numbers_of_unchanged_models_only(tmp_path, monkeypatch):
+    import shutil
+
+    import tephra.apps.eval.main as app
+    from tephra.controller.models import resolve_model_path
+
+    model = tmp_path / "m"  # a copy: its files are touched below
+    shutil.copytree(resolve_model_path("tiny"), model)
+    args = ["-p", "smoke", f"model.path={model}", f"out_dir={tmp_path / 'eval'}"]
+    first = run(parse_config(args))
+    calls = []
+    real = app.evaluate_model
+    monkeypatch.setattr(app, "evaluate_model",
+                        lambda cfg, path: calls.append(path) or real(cfg, path))
+    assert run(parse_config(args)) == first and calls == []
+    changed = run(parse_config(args + ["seed=1"]))  # another setting: evaluated again
+    assert len(calls) == 1 and changed["m"]["settings"]["seed"] == 1
+    again = run(parse_config(args + ["seed=1", "reuse=false"]))
+    assert again["m"]["summary"] == changed["m"]["summary"] and len(calls) == 2
+    # the same settings but the model's files rewritten: evaluated again
+    config = model / "config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 1))
+    run(parse_config(args + ["seed=1"]))
+    assert len(calls) == 3

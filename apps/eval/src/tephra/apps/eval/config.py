@@ -25,6 +25,10 @@ class EvalConfig:
     run_dir: str | None = None
     """A trainer's run folder: its `hf/` export and every checkpoint under `checkpoints/`
     (exported to Hugging Face folders first) are evaluated, and a plot across steps drawn."""
+    start_model: bool = True
+    """With `run_dir`: also evaluate the model the run started from (the `model.path` of the
+    run's `config.yaml`) as step 0, so the curve shows the change RL made, not only the change
+    between checkpoints. One more model to evaluate; false skips it."""
     data: DataSection = field(default_factory=DataSection)
     """Held-out prompts (`data.val_files`, or the demo's reasoning-gym held-out items)."""
     rollout: RolloutSection = field(default_factory=RolloutSection)
@@ -36,6 +40,11 @@ class EvalConfig:
     """Scoring: rule scorers by data_source, a custom function, or a reward model."""
     out_dir: str = "runs/eval"
     """Where eval.json, eval.md, generations_<model>.jsonl and curves.png go."""
+    reuse: bool = True
+    """Keep a model's numbers from `out_dir/eval.json` instead of evaluating it again when its
+    folder's files (names, sizes, modification times) and every setting that changes the
+    numbers (data, rollout, val, reward, seed) are the same: evaluating a run while it trains
+    only evaluates the checkpoints that are new since the last time. False evaluates all."""
     seed: int = 0
     """Seed of the sampling."""
 

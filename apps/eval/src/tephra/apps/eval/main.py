@@ -8,6 +8,7 @@ configured rollout backend; scores come from the same scorers as training; the m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -18,8 +19,9 @@ from tephra.core.errors import ConfigError, TephraError
 
 
 def models_to_evaluate(cfg: EvalConfig, out: Path) -> list[tuple[str, str, int | None]]:
-    """(label, HF folder, step) of each model: `model.path`, or a run's checkpoints (exported
-    to `out/exports/step_<N>`) and its final `hf/` export."""
+    """(label, HF folder, step) of each model: `model.path`, or a run's starting model (step 0,
+    with `start_model`), its checkpoints (exported to `out/exports/step_<N>`) and its final
+    `hf/` export."""
     from tephra.controller.models import resolve_model_path
 
     if cfg.run_dir is None:
@@ -31,6 +33,8 @@ def models_to_evaluate(cfg: EvalConfig, out: Path) -> list[tuple[str, str, int |
     if not run.is_dir():
         raise ConfigError(f"run_dir={cfg.run_dir!r} is not a folder; give a trainer run folder")
     found = []
+    if cfg.start_model:
+        found.append(("step_0", start_model_path(run), 0))
     for step, folder in sorted(CheckpointManager(run / "checkpoints").committed()):
         target = out / "exports" / f"step_{step}"
         if not (target / "config.json").exists():
@@ -38,10 +42,29 @@ def models_to_evaluate(cfg: EvalConfig, out: Path) -> list[tuple[str, str, int |
         found.append((f"step_{step}", str(target), step))
     if (run / "hf" / "config.json").exists():
         found.append(("hf", str(run / "hf"), None))
-    if not found:
+    if len(found) == int(cfg.start_model):
         raise ConfigError(f"run_dir={cfg.run_dir!r} holds neither checkpoints/ nor hf/; train "
                           "with trainer.save_every or trainer.export_hf")
     return found
+
+
+def start_model_path(run: Path) -> str:
+    """The HF folder a trainer run started from: its config.yaml's `model.path`, resolved as
+    the trainer resolved it (`tiny` is built from `trainer.seed`)."""
+    import yaml
+
+    from tephra.controller.models import resolve_model_path
+
+    config_file = run / "config.yaml"
+    if not config_file.exists():
+        raise ConfigError(f"{config_file} is missing: the run's config names the model it "
+                          "started from; set start_model=false to evaluate the checkpoints only")
+    saved = yaml.safe_load(config_file.read_text()) or {}
+    path = (saved.get("model") or {}).get("path")
+    if not path:
+        raise ConfigError(f"{config_file} has no model.path; set start_model=false to evaluate "
+                          "the checkpoints only")
+    return resolve_model_path(path, (saved.get("trainer") or {}).get("seed", 0))
 
 
 def evaluate_model(cfg: EvalConfig, model_path: str):
@@ -96,26 +119,70 @@ def evaluate_model(cfg: EvalConfig, model_path: str):
     return summarise(rows, v.n, v.ks), rows
 
 
-def plot_across(results: dict, out: Path, metric: str) -> None:
-    """`metric` of each checkpoint against its step (the final export drawn as a line)."""
+def plot_across(results: dict, out: Path, metrics: list[str], title: str = "") -> Path:
+    """Each of `metrics` against the checkpoints' steps (step 0: the start model), the final
+    export drawn as a horizontal line per metric; written to `out/curves.png`. `results` is
+    what `run` returns (or its `eval.json`), so a plot can be redrawn without evaluating."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [(r["step"], r["summary"]["all"][metric]) for r in results.values()
-             if r["step"] is not None]
+    points = sorted((r["step"], r["summary"]["all"]) for r in results.values()
+                    if r["step"] is not None)
     fig, ax = plt.subplots(figsize=(6, 4))
-    if steps:
-        ax.plot([s for s, _ in steps], [m for _, m in steps], marker="o", label="checkpoints")
-    if "hf" in results:
-        ax.axhline(results["hf"]["summary"]["all"][metric], ls="--", c="gray", label="hf export")
-    ax.set_xlabel("step")
-    ax.set_ylabel(metric)
-    ax.legend()
+    for i, metric in enumerate(metrics):
+        color = f"C{i}"
+        if points:
+            steps = [s for s, _ in points]
+            values = [summary[metric] for _, summary in points]
+            ax.plot(steps, values, marker="o", c=color, label=f"{metric}, checkpoints")
+            for x, y in zip(steps, values):
+                ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 6),
+                            ha="center", fontsize=8, color=color)
+            ax.set_xticks(steps)
+        if "hf" in results:
+            ax.axhline(results["hf"]["summary"]["all"][metric], ls="--", c=color, alpha=0.5,
+                       label=f"{metric}, final export (hf/)")
+    ax.set_xlabel("RL step (0: the model before training)")
+    ax.set_ylabel("score on the held-out prompts")
+    ax.set_ylim(0, 1.08)  # room for the value labels above 1.0
+    ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=100)
+    path = out / "curves.png"
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+    return path
+
+
+def curve_metrics(cfg: EvalConfig) -> list[str]:
+    """acc@n (mean share of correct samples) and pass@k at the largest k."""
+    ks = [k for k in cfg.val.ks if k <= cfg.val.n]
+    return [f"acc@{cfg.val.n}"] + ([f"pass@{max(ks)}"] if ks else [])
+
+
+def folder_fingerprint(folder: str) -> str:
+    """sha256 of the (name, size, modification time) of every file under `folder`: a model
+    folder rewritten in place (a new export, a retrained run) gets another fingerprint."""
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).rglob("*")):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.relative_to(folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def eval_settings(cfg: EvalConfig) -> dict:
+    """What a model's numbers depend on besides its weights (compared before reusing them)."""
+    from dataclasses import asdict
+
+    return json.loads(json.dumps({"data": asdict(cfg.data), "rollout": asdict(cfg.rollout),
+                                  "val": asdict(cfg.val), "reward": asdict(cfg.reward),
+                                  "seed": cfg.seed}, default=str))
 
 
 def run(cfg: EvalConfig) -> dict:
@@ -123,20 +190,36 @@ def run(cfg: EvalConfig) -> dict:
 
     out = Path(cfg.out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
+    saved = out / "eval.json"
+    previous = json.loads(saved.read_text()) if cfg.reuse and saved.exists() else {}
+    settings = eval_settings(cfg)
     results = {}
     tables = []
     for label, path, step in models_to_evaluate(cfg, out):
-        t = time.perf_counter()
-        summary, rows = evaluate_model(cfg, path)
-        write_jsonl(rows, out / f"generations_{label}.jsonl")
-        results[label] = {"model": path, "step": step, "summary": summary,
-                          "seconds": round(time.perf_counter() - t, 1)}
-        tables.append(f"## {label}\n\n{markdown_table(summary)}")
-        print(f"## {label} ({results[label]['seconds']} s)\n{markdown_table(summary)}", flush=True)
-    (out / "eval.json").write_text(json.dumps(results, indent=1, default=str))
+        fingerprint = folder_fingerprint(path)
+        old = previous.get(label, {})
+        if (old.get("model") == path and old.get("step") == step
+                and old.get("fingerprint") == fingerprint and old.get("settings") == settings):
+            results[label] = old
+            print(f"## {label}: kept from {saved} (same model files and settings)", flush=True)
+        else:
+            t = time.perf_counter()
+            summary, rows = evaluate_model(cfg, path)
+            write_jsonl(rows, out / f"generations_{label}.jsonl")
+            results[label] = {"model": path, "step": step, "summary": summary,
+                              "seconds": round(time.perf_counter() - t, 1),
+                              "fingerprint": fingerprint, "settings": settings}
+            print(f"## {label} ({results[label]['seconds']} s)\n"
+                  f"{markdown_table(summary)}", flush=True)
+        tables.append(f"## {label}\n\n{markdown_table(results[label]['summary'])}")
+        # written after every model, so a stopped evaluation keeps what it finished
+        saved.write_text(json.dumps(results, indent=1, default=str))
     (out / "eval.md").write_text("\n".join(tables))
     if cfg.run_dir is not None:
-        plot_across(results, out, f"acc@{cfg.val.n}")
+        prompts = next(iter(results.values()))["summary"]["all"]["prompts"]
+        plot_across(results, out, curve_metrics(cfg),
+                    f"{Path(cfg.run_dir).name}: {int(prompts)} held-out prompts, {cfg.val.n} samples "
+                    f"each at temperature {cfg.val.temperature:g}")
     return results
 
 
