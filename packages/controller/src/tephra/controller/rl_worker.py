@@ -193,7 +193,7 @@ class RLWorker(Worker):
                        finish_reason=out.finish_reasons[k],
                        text=tok.decode(out.response_ids[k], skip_special_tokens=True),
                        sample_id=items[k // sampling.n].sample_id,
-                       multimodal=images[k // sampling.n])
+                       multimodal=images[k // sampling.n],
                        token_versions=(out.token_versions[k] if out.token_versions is not None
                                        else None))
                 for k in range(len(out))]

@@ -218,13 +218,9 @@ class FSDPEngine(Engine):
         pos, pixels = None, {}
         if self.vlm:  # pixel inputs and mRoPE position ids
             pos, pixels = vision.model_inputs(backbone(self.hf_model), self.hf_model.config, mb,
-                                              self.config.micro_batch.use_packing, self.device)
+                                              self.packed, self.device)
             if not pixels and self.idle_vision:
                 pixels = {"idle_vision": vision.idle_inputs(self.hf_model.config, self.device)}
-        if self.config.micro_batch.use_packing:
-                                              self.packed, self.device)
-        else:
-            pos, pixels = None, {}
         if self.packed:
             packed = B.pack(mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK))
             ids = packed[B.INPUT_IDS][None]
@@ -239,7 +235,7 @@ class FSDPEngine(Engine):
             label_mask = B.label_positions(resp) * attn
             pos = mb[B.POSITION_IDS] if pos is None else pos
             tree = (prefix_sharing.layout(mb[B.INPUT_IDS], attn, pos, label_mask)
-                    if self.share_prefix and not pixels else None)
+                    if self.share_prefix and not self.vlm else None)
             if tree is not None:
                 tree = prefix_sharing.TreeLayout(*(x.to(self.device) for x in vars(tree).values()))
             out = self.scorer(mb[B.INPUT_IDS].to(self.device), pos.to(self.device),

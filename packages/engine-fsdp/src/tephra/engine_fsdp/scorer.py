@@ -73,7 +73,7 @@ class TokenScorer(nn.Module):
         return getattr(self._hf, VALUE_HEAD)
 
     def forward(self, input_ids, position_ids, attention_mask, label_mask, next_tokens=None,
-                idle_vision=None, **vision):
+                tree=None, idle_vision=None, **vision):
         # vision: pixel_values / image_grid_thw of a vision-language model (see `vision`);
         # idle_vision: a blank image run through the tower only to join the ranks' collectives
         model = backbone(self._hf)
@@ -81,25 +81,18 @@ class TokenScorer(nn.Module):
         if idle_vision is not None:  # first, as with real images: the ranks' collectives
             features = model.get_image_features(**idle_vision).pooler_output  # run in order
             idle = sum(f.sum() for f in features) * 0.0
-        out = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            use_cache=False, **vision,
-        )
-        hidden = out.last_hidden_state  # [b, t, hidden]
-                tree=None, **vision):
-        # vision: pixel_values / image_grid_thw of a vision-language model (see `vision`)
         select = label_mask.bool()
         if next_tokens is None:  # else given: under Ulysses a shard's last token has its
             next_tokens = torch.zeros_like(input_ids)  # successor on the next rank
             next_tokens[..., :-1] = input_ids[..., 1:]
         if tree is not None:  # one row per shared prefix (`prefix_sharing`)
-            hidden = backbone(self._hf)(
+            hidden = model(
                 input_ids=tree.input_ids, position_ids=tree.position_ids,
                 attention_mask=self._tree_mask(tree.attention_mask), use_cache=False,
             ).last_hidden_state
             h = hidden.flatten(0, 1)[tree.scored]
         else:
-            hidden = backbone(self._hf)(
+            hidden = model(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=False, **vision,
             ).last_hidden_state  # [b, t, hidden]
