@@ -90,7 +90,7 @@ def main() -> None:
     base = runs["sync"]
     target = base["curve"][-1][1]
     sync_time = time_to(base["curve"], target)
-    for name, r in runs.items():
+    for r in runs.values():
         reached = time_to(r["curve"], target)
         r["ratio_step_time_sync_over"] = base["median_step_s"] / r["median_step_s"]
         r["ratio_tokens_per_s_over_sync"] = r["median_tokens_per_s"] / base["median_tokens_per_s"]

@@ -25,9 +25,16 @@ from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import is_vision_config
-from tephra.engine_fsdp import checkpoint, lora, microbatches, sharding, ulysses, vision, weights
-from tephra.engine_fsdp import (checkpoint, lora, microbatches, prefix_sharing, sharding, ulysses,
-                                vision, weights)
+from tephra.engine_fsdp import (
+    checkpoint,
+    lora,
+    microbatches,
+    prefix_sharing,
+    sharding,
+    ulysses,
+    vision,
+    weights,
+)
 from tephra.engine_fsdp.model_builder import backbone, build_model, decoder_layers
 from tephra.engine_fsdp.schedulers import build_scheduler
 from tephra.engine_fsdp.scorer import TokenScorer, check_output_head

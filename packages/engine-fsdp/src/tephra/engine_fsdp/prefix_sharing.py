@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 MAX_AREA_RATIO = 4
 """A tree row attends over its whole length with a dense mask: when the tree rows' attention
 area (rows x length^2) exceeds this many times the plain rows', the micro-batch runs whole
