@@ -86,16 +86,21 @@ def with_vision_spans(messages: list[dict], index: int, where: str, n_images: in
             if isinstance(m["content"], str) else m for m in messages]
 
 
+def row_images(row: dict[str, Any], index: int, where: str, base_dir: Path | None = None) -> list:
+    """The decoded PIL images of a row's `images` column (empty when it has none)."""
+    raw = row.get("images") or []
+    if not isinstance(raw, list | tuple):
+        raise _fail(index, where, f"is a {type(raw).__name__}, not a list of images")
+    return [decode_image(v, index, where, base_dir) for v in raw]
+
+
 def multimodal_prompt_from_row(
     row: dict[str, Any], index: int, where: str, processor: VisionProcessor,
     base_dir: Path | None = None,
 ) -> MultimodalPrompt:
     """Validate a verl multimodal row and process its images and prompt."""
     record = record_from_row(row, index, where)
-    raw = row.get("images") or []
-    if not isinstance(raw, list | tuple):
-        raise _fail(index, where, f"is a {type(raw).__name__}, not a list of images")
-    images = [decode_image(v, index, where, base_dir) for v in raw]
+    images = row_images(row, index, where, base_dir)
     messages = with_vision_spans(record.prompt, index, where, len(images))
     if not images:
         return MultimodalPrompt(record, chat_prompt_ids(processor.tokenizer, messages), None)

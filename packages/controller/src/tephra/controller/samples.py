@@ -16,11 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from tephra.controller.data import PromptRecord
-from tephra.engine_api.multimodal import MultimodalInputs
-
-MULTIMODAL = "multimodal"
-"""Batch field of the rows' images: a NonTensorStack of `MultimodalInputs` or None per row
-(what tephra.engine_fsdp.vision reads)."""
+from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs, multimodal_column
 
 
 @dataclass
@@ -89,9 +85,7 @@ def samples_to_batch(samples: list[Sample], pad_token_id: int, n: int,
     tool_errors / tool_rewards [B]; samples with images add `multimodal` (`MULTIMODAL`)."""
     batch = _text_batch(samples, pad_token_id, n, multi_turn)
     if any(s.multimodal is not None for s in samples):
-        from tensordict import NonTensorData, NonTensorStack
-
-        batch[MULTIMODAL] = NonTensorStack(*[NonTensorData(s.multimodal) for s in samples])
+        batch[MULTIMODAL] = multimodal_column([s.multimodal for s in samples])
     return batch
 
 

@@ -56,6 +56,18 @@ class MultimodalInputs:
         )
 
 
+MULTIMODAL = "multimodal"
+"""Batch field of a batch with images: a `NonTensorStack` with each row's `MultimodalInputs`
+(or None), so slicing the batch keeps each row's pixels with its tokens."""
+
+
+def multimodal_column(items: list[MultimodalInputs | None]):
+    """The `multimodal` field of a batch whose rows have these images."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    return NonTensorStack(*[NonTensorData(m) for m in items])
+
+
 def image_token_id(model_config: Any) -> int:
     """The `<|image_pad|>` id of a Qwen2-VL-family config."""
     tid = getattr(model_config, "image_token_id", None)

@@ -174,7 +174,7 @@ def vision_batch(vlm_path: str, seed: int = 0) -> Any:
     from tensordict import TensorDict
 
     from tephra.engine_api import batch as B
-    from tephra.engine_fsdp.vision import MULTIMODAL, multimodal_column
+    from tephra.engine_api.multimodal import MULTIMODAL, multimodal_column
     from tephra.rollout.multimodal import VisionProcessor
 
     proc = VisionProcessor.from_pretrained(vlm_path)

@@ -1,7 +1,7 @@
 """Images in the batch (Qwen2-VL family): pixel inputs and mRoPE position ids.
 
 A batch with images carries the field `multimodal` (`MULTIMODAL`): a `NonTensorStack` with
-one `tephra.rollout.multimodal.MultimodalInputs` (or None) per row, so slicing a batch into
+one `tephra.engine_api.multimodal.MultimodalInputs` (or None) per row, so slicing a batch into
 micro-batches keeps each row's pixels with its tokens. For a micro-batch this module builds
 what the Qwen2-VL backbone needs:
 
@@ -19,25 +19,19 @@ what the Qwen2-VL backbone needs:
 from __future__ import annotations
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.errors import BatchError, ConfigError
-from tephra.engine_api.multimodal import (
+from tephra.engine_api.multimodal import (  # noqa: F401 (MULTIMODAL, multimodal_column: re-exported)
+    MULTIMODAL,
     MultimodalInputs,
     check_image_tokens,
     image_token_id,
     is_vision_config,
     mm_token_type_ids,
+    multimodal_column,
 )
-
-MULTIMODAL = "multimodal"
-"""Batch field: per row, the `MultimodalInputs` of its prompt's images (or None)."""
-
-
-def multimodal_column(items: list[MultimodalInputs | None]) -> NonTensorStack:
-    """The `multimodal` field of a batch whose rows have these images."""
-    return NonTensorStack(*[NonTensorData(m) for m in items])
 
 
 def rows(batch: TensorDict) -> list[MultimodalInputs | None] | None:

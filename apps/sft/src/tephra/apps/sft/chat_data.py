@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tephra.controller.data import DatasetError
-from tephra.engine_api.multimodal import MultimodalInputs
+from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs, multimodal_column
 
 
 def _ids(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> list[int]:
@@ -65,7 +65,10 @@ def _rows(path: Path) -> list[dict]:
 def load_conversations(path: str | Path) -> list[list[dict]]:
     """`messages` column of a parquet file or `.jsonl` lines; errors name row and field."""
     path = Path(path)
-    rows = _rows(path)
+    return _conversations(_rows(path), path)
+
+
+def _conversations(rows: list[dict], path: Path) -> list[list[dict]]:
     out = []
     for i, row in enumerate(rows):
         messages = row.get("messages")
@@ -109,11 +112,7 @@ def pad_batch(examples: list[tuple], pad_id: int):
     batch = make_batch(ids, attn, resp)
     images = [e[2] if len(e) > 2 else None for e in examples]
     if any(m is not None for m in images):
-        from tensordict import NonTensorData, NonTensorStack
-
-        from tephra.controller.samples import MULTIMODAL
-
-        batch[MULTIMODAL] = NonTensorStack(*[NonTensorData(m) for m in images])
+        batch[MULTIMODAL] = multimodal_column(images)
     return batch
 
 
@@ -126,17 +125,13 @@ def load_image_conversations(path: str | Path, processor: Any) -> list[Example]:
     the file, `{bytes, path}` structs or PIL images; `<image>` in the messages where each
     goes, as in `tephra.controller.multimodal_data`) -> token ids with each image expanded to
     its run of `<|image_pad|>` tokens (never trained), the assistant mask, and the images."""
-    from tephra.controller.multimodal_data import decode_image, with_vision_spans
+    from tephra.controller.multimodal_data import row_images, with_vision_spans
 
     path = Path(path)
-    convs = load_conversations(path)
+    rows = _rows(path)
     out = []
-    for i, (row, messages) in enumerate(zip(_rows(path), convs, strict=True)):
-        raw = row.get("images") or []
-        if not isinstance(raw, list | tuple):
-            raise DatasetError(f"row {i} of {path.name}: field 'images' is a "
-                               f"{type(raw).__name__}, not a list of images")
-        images = [decode_image(v, i, path.name, path.parent) for v in raw]
+    for i, (row, messages) in enumerate(zip(rows, _conversations(rows, path), strict=True)):
+        images = row_images(row, i, path.name, path.parent)
         messages = with_vision_spans(messages, i, path.name, len(images))
         ids, mask = tokenize_conversation(processor.tokenizer, messages, i)
         if not images:

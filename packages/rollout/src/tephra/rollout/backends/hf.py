@@ -162,6 +162,7 @@ class HFRollout(Rollout):
         if self._asleep:
             raise RolloutError("hf rollout is asleep; call wake_up() before generating")
         stops = self._stop_ids(sampling)
+        stop_set = torch.tensor(stops, dtype=torch.long)
         tokens: list[list[int]] = [[] for _ in rows]
         log_probs: list[list[float]] = [[] for _ in rows]
         versions: list[list[int]] = [[] for _ in rows]
@@ -177,7 +178,6 @@ class HFRollout(Rollout):
                     [rows[r] + tokens[r] for r in active], sampling,
                     [max_tokens[r] - len(tokens[r]) for r in active], seed, rng,
                     [multimodal[r] for r in active] if multimodal else None)
-            stop_set = torch.tensor(stops, dtype=torch.long)
             for i, r in enumerate(active):
                 budget = max_tokens[r] - len(tokens[r])
                 hits = torch.isin(new[i], stop_set).nonzero() if stops else torch.empty(0)
