@@ -128,10 +128,8 @@ def test_images_for_a_text_model_are_refused(vlm):
         engine.forward(batch)
 
 
-def test_text_only_micro_batch_of_a_vlm_is_packed_apart(vlm):
+def test_text_only_micro_batch_of_a_vlm_is_packed_apart(vlm, vision_batch):
     # no image in the micro-batch: the packed sequences must still not see each other
-    from tephra.engine_fsdp.testing import vision_batch
-
     batch = vision_batch(vlm.path)[2:]
     assert all(m is None for m in batch[MULTIMODAL].tolist())
     got = {}

@@ -14,11 +14,13 @@ from tephra.rollout.multimodal import build_tiny_vlm
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("packing", [True, False])
-def test_two_ranks_with_images_equal_one_rank(tmp_path, packing):
+def test_two_ranks_with_images_equal_one_rank(tmp_path, packing, vision_batch):
     vlm = build_tiny_vlm(tmp_path / "vlm")
     overrides = {"micro_batch.use_packing": packing}
-    ranks = run_distributed(vision_steps, world_size=2, args=(vlm.path, overrides), timeout=300)
-    want = vision_steps(vlm.path, overrides)
+    batch = vision_batch(vlm.path)
+    ranks = run_distributed(vision_steps, world_size=2, args=(vlm.path, batch, overrides),
+                            timeout=300)
+    want = vision_steps(vlm.path, batch, overrides)
     assert want["steps"][0][1] > 0
     for rank in ranks:
         for (loss, norm), (want_loss, want_norm) in zip(rank["steps"], want["steps"], strict=True):

@@ -167,53 +167,16 @@ def distributed_ulysses(workdir: str) -> dict[str, Any]:
     return out
 
 
-def vision_batch(vlm_path: str, seed: int = 0) -> Any:
-    """4 rows for the tiny Qwen2-VL at `vlm_path`: two with one image each, then two
-    text-only rows (so that, split over 2 data-parallel ranks, one rank sees no image)."""
-    from PIL import Image
-    from tensordict import TensorDict
-
-    from tephra.engine_api import batch as B
-    from tephra.engine_api.multimodal import MULTIMODAL, multimodal_column
-    from tephra.rollout.multimodal import VisionProcessor
-
-    proc = VisionProcessor.from_pretrained(vlm_path)
-    span = "<|vision_start|><|image_pad|><|vision_end|>"
-    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-    prompts = [proc(chat.format(f"{span}what colour?"), [Image.new("RGB", (112, 112), "red")]),
-               proc(chat.format(f"{span}and this?"), [Image.new("RGB", (140, 112), "blue")]),
-               proc(chat.format("text only"), []), proc(chat.format("more text"), [])]
-    gen = torch.Generator().manual_seed(seed)
-    seqs, resp_len = [], []
-    for k, (ids, _) in enumerate(prompts):
-        response = torch.randint(3, 300, (4 + 2 * k,), generator=gen).tolist()
-        seqs.append(ids + response)
-        resp_len.append(len(response))
-    width, n = max(map(len, seqs)), len(seqs)
-    input_ids = torch.zeros(n, width, dtype=torch.long)
-    attn = torch.zeros(n, width, dtype=torch.long)
-    resp = torch.zeros(n, width, dtype=torch.long)
-    for i, (seq, r) in enumerate(zip(seqs, resp_len)):
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        attn[i, : len(seq)] = 1
-        resp[i, len(seq) - r : len(seq)] = 1
-    batch = TensorDict({B.INPUT_IDS: input_ids, B.ATTENTION_MASK: attn, B.RESPONSE_MASK: resp},
-                       batch_size=[n])
-    batch[MULTIMODAL] = multimodal_column([m for _, m in prompts])
-    return batch
-
-
-def vision_steps(vlm_path: str, overrides: dict[str, Any] | None = None,
+def vision_steps(vlm_path: str, batch: Any, overrides: dict[str, Any] | None = None,
                  steps: int = 2) -> dict[str, Any]:
-    """`steps` training steps of an fsdp engine on the tiny Qwen2-VL with `vision_batch` (each
-    rank on its share), then the log-probs of the whole batch and the vision tower's full
-    weights: what the 2-rank vs 1-rank parity test compares."""
+    """`steps` training steps of an fsdp engine on the tiny Qwen2-VL at `vlm_path` with `batch`
+    (a batch with images; each rank on its share), then the log-probs of the whole batch and
+    the vision tower's full weights: what the 2-rank vs 1-rank parity test compares."""
     from tephra.engine_fsdp.engine import FSDPEngine
 
     cfg = apply_overrides(EngineConfig(model=ModelConfig(path=vlm_path), device="cpu",
                                        optimizer={"lr": 1e-2, "weight_decay": 0.0}), overrides or {})
     engine = FSDPEngine.build(cfg)
-    batch = vision_batch(vlm_path)
     out: dict[str, Any] = {"steps": [train_step(engine, batch) for _ in range(steps)]}
     with engine.eval_mode():
         out["log_probs"] = engine.forward(batch)["log_probs"]
