@@ -9,7 +9,9 @@ Workload (the `uv run apps/ppo` demo): SmolLM2-135M-Instruct (the folder convert
 samples x at most 32 new tokens per step, temperature 1, AdamW lr 3e-5 (no weight decay,
 grad clip 1, constant schedule), clip 0.2, no reference model / KL (beta 0), one optimizer
 step per RL step, per-sequence-then-token mean loss (TRL `loss_type="grpo"`), group-std
-normalised advantages, bf16 compute with fp32 master weights (TRL `bf16=True` autocast),
+normalised advantages, fp32 master weights with compute in the dtype this CPU runs fastest
+(tephra's `auto`, measured at start: bf16 with bf16 units, fp32 without; TRL gets the same
+choice as `bf16=True` autocast or not),
 torch on 2 threads. Both see the same prompts in the same order (tephra's `PromptLoader`
 order, fed to TRL with `shuffle_dataset=False`) and the same reward (tephra's `Scorer`).
 
@@ -105,11 +107,13 @@ def run_trl(steps: int, val_size: int) -> dict:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [s for s, _ in scorer.score(texts, [train[i] for i in idx])]
 
+    from tephra.engine_api.fastest_dtype import fastest_dtype
+
     s = SETTINGS
     n = s["samples_per_prompt"]
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="peer_trl_trl_"), max_steps=steps, use_cpu=True,
-        bf16=True, per_device_train_batch_size=s["prompts_per_step"] * n,
+        bf16=fastest_dtype("cpu") == "bfloat16", per_device_train_batch_size=s["prompts_per_step"] * n,
         gradient_accumulation_steps=1, num_generations=n, max_completion_length=s["max_tokens"],
         temperature=s["temperature"], top_p=1.0, top_k=0, learning_rate=s["lr"],
         weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
@@ -188,6 +192,8 @@ def greedy_accuracy(model, tok, records, scorer, batch: int = 32) -> float:
 def machine() -> dict:
     import torch
 
+    from tephra.engine_api.fastest_dtype import fastest_dtype
+
     flags = ""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
@@ -198,6 +204,7 @@ def machine() -> dict:
                  platform.processor())
     return {"cpu": model, "cores": os.cpu_count(),
             "bf16_units": [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()],
+            "compute_dtype": fastest_dtype("cpu"),
             "torch": torch.__version__, "python": platform.python_version(),
             "load_average_at_start": os.getloadavg()}
 

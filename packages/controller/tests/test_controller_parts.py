@@ -232,3 +232,24 @@ def test_worker_group_dispatch_on_ray():
     wg.shutdown()
     pool.release()
     ray.shutdown()
+
+
+def test_auto_dtypes_are_resolved_once_for_the_workers_device():
+    """`auto` (the default) becomes one concrete dtype before any worker starts: the CPU's
+    measured choice for CPU ranks and replicas, bf16 for CUDA ones; explicit dtypes stay."""
+    from tephra.controller.rl_config import PPOConfig, resolve_auto_dtypes
+    from tephra.engine_api.fastest_dtype import fastest_dtype
+
+    cfg = load_config(PPOConfig, [], [])
+    assert (cfg.actor.precision.param_dtype, cfg.rollout.dtype) == ("auto", "auto")
+    cpu = resolve_auto_dtypes(cfg)
+    assert cpu.actor.precision.param_dtype == cpu.critic.precision.param_dtype == fastest_dtype("cpu")
+    assert cpu.rollout.dtype == fastest_dtype("cpu")
+    fixed = resolve_auto_dtypes(load_config(PPOConfig, [], [
+        "actor.precision.param_dtype=float32", "rollout.dtype=bfloat16"]))
+    assert (fixed.actor.precision.param_dtype, fixed.rollout.dtype) == ("float32", "bfloat16")
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        gpu = resolve_auto_dtypes(load_config(PPOConfig, [], ["resources.gpus_per_rank=1"]))
+        assert (gpu.actor.precision.param_dtype, gpu.rollout.dtype) == ("bfloat16", "bfloat16")
+    with pytest.raises(ConfigError, match=r"rollout.dtype='fp8'.*'auto'"):
+        load_config(PPOConfig, [], ["rollout.dtype=fp8"])

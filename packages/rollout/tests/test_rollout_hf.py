@@ -4,6 +4,7 @@ forward pass, hand-built layouts."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -229,3 +230,52 @@ def test_small_batches_and_dict_settings_give_the_same_samples(hf, tiny_model):
             torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=0)
     with pytest.raises(ConfigError, match="hf.max_batch_rows"):
         RolloutConfig(model_path=tiny_model.path, hf={"max_batch_rows": 0})
+
+
+@contextmanager
+def forward_rows(rollout):
+    """Within: the number of rows of each forward pass of the rollout's model."""
+    rows = []
+
+    def counting(*args, **kwargs):
+        rows.append(int(kwargs["input_ids"].shape[0]))
+        return type(rollout.model).forward(rollout.model, *args, **kwargs)
+
+    rollout.model.forward = counting
+    try:
+        yield rows
+    finally:
+        del rollout.model.forward
+
+
+def test_finished_rows_leave_decoding(hf, reference, tiny_model):
+    """Rows that finished (a stop token or their own budget) are dropped from decoding once a
+    quarter of the batch has: greedy outputs equal the keep-every-row path's, sampled tokens'
+    log-probs equal a teacher-forced forward, and later forward passes see fewer rows."""
+    config = RolloutConfig(model_path=tiny_model.path, max_model_len=128,
+                           hf={"drop_finished_fraction": 1.0})
+    prompts = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [100], [7, 8], [9], [11, 12, 13, 14]]
+    full = hf.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    # stop tokens that end rows at different steps
+    stops = tuple({full.response_ids[0][2], full.response_ids[3][6], full.response_ids[5][9]})
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=stops, ignore_eos=True)
+    with get_rollout("hf", config) as keep_all, forward_rows(keep_all) as kept_rows:
+        want = keep_all.generate(prompts, greedy)
+    with forward_rows(hf) as dropped_rows:
+        got = hf.generate(prompts, greedy)
+    assert got.response_ids == want.response_ids and got.finish_reasons == want.finish_reasons
+    assert len(set(map(len, got.response_ids))) > 2  # the rows did finish at different steps
+    for x, y in zip(got.log_probs, want.log_probs):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-5, rtol=0)
+    assert set(kept_rows) == {len(prompts)}  # every forward computes every row
+    assert len(dropped_rows) == len(kept_rows)  # one forward per token either way
+    assert dropped_rows == sorted(dropped_rows, reverse=True) and dropped_rows[-1] < len(prompts)
+    assert sum(dropped_rows) < sum(kept_rows)
+    sampled = hf.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, n=3, seed=4,
+                                                  stop_token_ids=tuple(range(20, 40))))
+    assert len(set(map(len, sampled.response_ids))) > 1
+    for i in range(len(sampled)):
+        recomputed = teacher_forced_log_probs(reference, sampled.prompt_ids[i], sampled.response_ids[i], 1.0)
+        torch.testing.assert_close(torch.tensor(sampled.log_probs[i]), recomputed, atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match="hf.drop_finished_fraction"):
+        RolloutConfig(model_path=tiny_model.path, hf={"drop_finished_fraction": 0})

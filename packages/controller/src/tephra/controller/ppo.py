@@ -21,7 +21,7 @@ from tephra.controller.data import (
     reasoning_gym_records,
     tokenize_prompts,
 )
-from tephra.controller.rl_config import PPOConfig
+from tephra.controller.rl_config import PPOConfig, resolve_auto_dtypes
 from tephra.controller.rl_loop import Prompts
 from tephra.core.errors import ConfigError
 
@@ -178,6 +178,9 @@ def run(cfg: PPOConfig) -> dict:
     p = prepare(cfg)
     p.run_dir.mkdir(parents=True, exist_ok=True)
     (p.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    cfg = resolve_auto_dtypes(cfg)
+    print(f"compute dtypes: actor {cfg.actor.precision.param_dtype}, rollout {cfg.rollout.dtype}",
+          flush=True)
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus)
     pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement)

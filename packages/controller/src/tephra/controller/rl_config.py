@@ -18,7 +18,7 @@ scorer) is checked against its registry when the config is built, before any pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tephra.algos import ActorObjectiveConfig, AdvantageConfig, CriticObjectiveConfig
@@ -103,8 +103,9 @@ class ActorConfig(EngineRoleConfig):
         default_factory=lambda: OptimizerConfig(lr=3e-5, weight_decay=0.0))
     """AdamW; the demo's lr 3e-5 (5e-5 made responses hit the length cap within 9 steps)."""
     precision: PrecisionConfig = field(
-        default_factory=lambda: PrecisionConfig(param_dtype="bfloat16"))
-    """bf16 compute with fp32 master weights (set `param_dtype=float32` for exact tests)."""
+        default_factory=lambda: PrecisionConfig(param_dtype="auto"))
+    """fp32 master weights; compute in bf16 where the device computes it faster than fp32
+    (`auto`, measured at start), else fp32 (set `param_dtype=float32` for exact tests)."""
     micro_batch: MicroBatchConfig = field(
         default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096))
     """Token budget of one forward/backward micro-batch on one rank."""
@@ -122,8 +123,8 @@ class CriticConfig(EngineRoleConfig):
         default_factory=lambda: OptimizerConfig(lr=1e-5, weight_decay=0.0))
     """AdamW of the critic."""
     precision: PrecisionConfig = field(
-        default_factory=lambda: PrecisionConfig(param_dtype="bfloat16"))
-    """Compute dtype of the critic."""
+        default_factory=lambda: PrecisionConfig(param_dtype="auto"))
+    """Compute dtype of the critic (`auto`: as the actor's)."""
     micro_batch: MicroBatchConfig = field(
         default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096))
     """Token budget of one critic micro-batch on one rank."""
@@ -138,10 +139,12 @@ class RolloutSection:
     backend: str = "hf"
     """Rollout backend from tephra.rollout.ROLLOUT_BACKENDS: `hf` (in-process transformers),
     `vllm`, `sglang` (servers)."""
-    dtype: str = "bfloat16"
-    """Generation dtype. bfloat16: on a CPU with AMX/avx512_bf16 the demo's generate took
-    3.6 s in bf16 vs 5.5 s in fp32; on CPUs without bf16 units float32 can be faster. The
-    trainer recomputes log-probs in its own dtype, so this only changes what is sampled."""
+    dtype: str = "auto"
+    """Generation dtype: `float32`, `bfloat16`, `float16`, or `auto`: bfloat16 where the
+    workers' device computes it faster than float32 (measured once at start: on a CPU with
+    avx512_bf16 the demo's generate took 3.6 s in bf16 vs 5.5 s in fp32; on an AVX2-only
+    CPU bf16 matmuls ran 3-7x slower than fp32). The trainer recomputes log-probs in its own
+    dtype, so this only changes what is sampled."""
     temperature: float = 1.0
     """Sampling temperature (the trainer's log-probs use the same)."""
     top_p: float = 1.0
@@ -195,11 +198,12 @@ class RolloutSection:
                 raise ConfigError(f"rollout.{exc}") from None
         if self.max_tokens < 1:
             raise ConfigError(f"rollout.max_tokens={self.max_tokens} must be >= 1")
+        from tephra.engine_api.fastest_dtype import AUTO
         from tephra.rollout.base import DTYPES
 
-        if self.dtype not in DTYPES:  # the backend checks too, but only once Ray runs
+        if self.dtype not in (*DTYPES, AUTO):  # the backend checks too, but only once Ray runs
             raise ConfigError(f"rollout.dtype={self.dtype!r} is not allowed; choose one of "
-                              f"{list(DTYPES)}")
+                              f"{[*DTYPES, AUTO]}")
         if self.temperature < 0:
             raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -603,6 +607,25 @@ class PPOConfig:
 
     def data_parallel_size(self) -> int:
         return self.actor.parallel.data_parallel_size(self.resources.world_size)
+
+
+def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:
+    """`cfg` with every `auto` compute dtype (actor, critic, rollout) made concrete for the
+    workers' device, measured once here, so that every process computes in the same dtype
+    and the weight sync sends what the rollout holds."""
+    from tephra.engine_api.fastest_dtype import resolve_dtype
+
+    r = cfg.resources
+    train = "cuda" if r.gpus_per_rank > 0 else "cpu"
+    # rollout replicas of their own (disaggregated) generate on their pool's device
+    rollout = train if not r.rollout.replicas else "cuda" if r.rollout.gpus_per_replica > 0 else "cpu"
+
+    def role(section):
+        p = section.precision
+        return replace(section, precision=replace(p, param_dtype=resolve_dtype(p.param_dtype, train)))
+
+    return replace(cfg, actor=role(cfg.actor), critic=role(cfg.critic),
+                   rollout=replace(cfg.rollout, dtype=resolve_dtype(cfg.rollout.dtype, rollout)))
 
 
 def validate(cfg: PPOConfig) -> None:

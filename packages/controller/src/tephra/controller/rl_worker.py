@@ -390,9 +390,11 @@ class RLWorker(Worker):
                 for _ in named:  # take part in the export's collectives
                     pass
                 return 0
+            from tephra.engine_api.fastest_dtype import resolve_dtype
+
             device = self.device if self.device.startswith("cuda") else None
-            return send_all(self._weights_group, named, getattr(torch, self.cfg.rollout.dtype),
-                            int(bucket_mb * 2**20), device)
+            dtype = getattr(torch, resolve_dtype(self.cfg.rollout.dtype, self.device))
+            return send_all(self._weights_group, named, dtype, int(bucket_mb * 2**20), device)
 
     @dispatch(Dispatch.BROADCAST)
     def set_profile(self, prefix: str | None) -> None:
@@ -492,12 +494,15 @@ def _engine_device(device: str) -> str:
 
 def measure_peak_flops(seconds: float = 0.3, device: str = "cpu") -> float:
     """Measured matmul throughput of one rank (FLOP/s): 2 n^3 per n x n product, repeated for
-    `seconds`, bf16 on a GPU and fp32 on a CPU (the dtypes these devices train fastest in)."""
+    `seconds`, in the dtype the device computes fastest (`fastest_dtype`: bf16 on a GPU; on a
+    CPU bf16 only with bf16 units)."""
     import math
+
+    from tephra.engine_api.fastest_dtype import fastest_dtype
 
     dev = torch.device(device)
     n = 4096 if dev.type == "cuda" else 512
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = getattr(torch, fastest_dtype(dev.type))
     a = torch.randn(n, n, device=dev, dtype=dtype)
     done = 0
     if dev.type == "cuda":

@@ -13,6 +13,7 @@ from typing import Any
 
 from tephra.core.config import from_dict
 from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.fastest_dtype import AUTO, resolve_dtype
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -165,15 +166,32 @@ class PrecisionConfig:
     """Numeric types: parameters for compute, gradient reduction, master weights."""
 
     param_dtype: str = "float32"
-    """dtype of the weights used in forward/backward (`bfloat16` for mixed precision)."""
+    """dtype of the weights used in forward/backward (`bfloat16` for mixed precision;
+    `auto`: bfloat16 where the device computes it faster than float32, measured at start,
+    see `tephra.engine_api.fastest_dtype`)."""
     reduce_dtype: str = "float32"
     """dtype of the gradient reduction across data-parallel ranks."""
     master_dtype: str = "float32"
     """dtype of the weights the optimizer updates (keep float32)."""
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "master_dtype"):
+        _choice("precision", "param_dtype", self.param_dtype, (*DTYPES, AUTO))
+        for name in ("reduce_dtype", "master_dtype"):
             _choice("precision", name, getattr(self, name), DTYPES)
+
+    def compute_dtype(self, device_type: str) -> str:
+        """`param_dtype`, with `auto` resolved for the device (`cpu`, `cuda`). Collective
+        when `auto` under an initialised process group (engines build on every rank): rank
+        0's measurement is every rank's choice, so all ranks compute in one dtype."""
+        choice = resolve_dtype(self.param_dtype, device_type)
+        if self.param_dtype == AUTO:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                box = [choice]
+                dist.broadcast_object_list(box, src=0)
+                choice = box[0]
+        return choice
 
 
 @dataclass

@@ -109,7 +109,8 @@ def shard_model(root: nn.Module, layers: list[nn.Module], mesh: DeviceMesh,
                 config: EngineConfig, device: torch.device) -> None:
     """`fully_shard` each decoder layer, then the root (embeddings, norm, output head).
 
-    Mixed precision: parameters are cast to `precision.param_dtype` for compute and
+    Mixed precision: parameters are cast to `precision.param_dtype` (`auto` resolved for the
+    device) for compute and
     gradients reduced in `precision.reduce_dtype`; the sharded parameters the optimizer
     updates stay float32 (the master weights).
     """
@@ -120,9 +121,10 @@ def shard_model(root: nn.Module, layers: list[nn.Module], mesh: DeviceMesh,
             "weights; set it to 'float32' and use precision.param_dtype for low-precision compute"
         )
     kwargs: dict = {"mesh": mesh}
-    if prec.param_dtype != "float32" or prec.reduce_dtype != "float32":
+    param_dtype = prec.compute_dtype(device.type)
+    if param_dtype != "float32" or prec.reduce_dtype != "float32":
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=DTYPES[prec.param_dtype], reduce_dtype=DTYPES[prec.reduce_dtype]
+            param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[prec.reduce_dtype]
         )
     if config.offload.params:
         # pinned memory needs an accelerator: on a CPU-only machine pinning fails

@@ -70,7 +70,8 @@ class MegatronEngine(Engine):
         self.hf_config, hf_state, self.tokenizer_path = load_hf(config.model)
         self.shape = model_shape(self.hf_config)
         self._check_shape(config)
-        self.dtype = _DTYPES[config.precision.param_dtype]
+        device = "cpu" if cpu_compat.cuda_absent() else "cuda"
+        self.dtype = _DTYPES[config.precision.compute_dtype(device)]
         self.tconfig = transformer_config(self.hf_config, config.parallel, self.dtype,
                                           config.parallel.moe_token_dispatcher,
                                           config.model.gradient_checkpointing)

@@ -26,6 +26,7 @@ import torch
 
 from tephra.engine_api.batch import make_batch
 from tephra.engine_api.errors import ConfigError, TephraError
+from tephra.engine_api.fastest_dtype import AUTO, resolve_dtype
 from tephra.engine_api.registry import Registry
 
 if TYPE_CHECKING:
@@ -115,10 +116,19 @@ class HFSettings:
     batch_wait_ms: float = 5.0
     """How long the async batching server waits after a request for others to join its batch
     (milliseconds). Longer gives fuller batches, shorter gives lower latency."""
+    drop_finished_fraction: float = 0.25
+    """Decoding drops the finished rows (a stop token or their `max_tokens`) once this
+    fraction of the batch has finished, and the rest continue from their KV cache, so short
+    answers stop costing compute; 1.0 keeps every row to the end, as transformers' `generate`
+    does. Greedy outputs are the same either way; sampled ones are drawn from the same
+    distributions, with different random draws."""
 
     def __post_init__(self) -> None:
         if self.max_batch_rows < 1:
             raise ConfigError(f"hf.max_batch_rows={self.max_batch_rows!r} must be >= 1")
+        if not 0 < self.drop_finished_fraction <= 1:
+            raise ConfigError(f"hf.drop_finished_fraction={self.drop_finished_fraction!r} must be "
+                              "in (0, 1]; 1.0 keeps every row to the end")
         if self.batch_wait_ms < 0:
             raise ConfigError(f"hf.batch_wait_ms={self.batch_wait_ms!r} must be >= 0")
 
@@ -207,7 +217,9 @@ class RolloutConfig:
     model_path: str
     """Local Hugging Face folder (config.json, weights, tokenizer) of the policy."""
     dtype: str = "float32"
-    """Weights and compute dtype: `float32`, `bfloat16` or `float16`."""
+    """Weights and compute dtype: `float32`, `bfloat16`, `float16`, or `auto`: bfloat16 where
+    the device (`hf.device`) computes it faster than float32, measured at start
+    (`tephra.engine_api.fastest_dtype`)."""
     max_model_len: int = 4096
     """Most tokens of prompt + response per sample; longer requests are refused."""
     seed: int = 0
@@ -222,8 +234,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ConfigError("rollout.model_path is empty; give a local Hugging Face folder")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"rollout.dtype={self.dtype!r} is not allowed; choose one of {list(DTYPES)}")
+        if self.dtype not in (*DTYPES, AUTO):
+            raise ConfigError(f"rollout.dtype={self.dtype!r} is not allowed; choose one of "
+                              f"{[*DTYPES, AUTO]}")
         if self.max_model_len < 2:
             raise ConfigError(f"rollout.max_model_len={self.max_model_len!r} must be >= 2")
         for name, kind in (("hf", HFSettings), ("vllm", ServerSettings), ("sglang", ServerSettings)):
@@ -233,7 +246,13 @@ class RolloutConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return getattr(torch, self.resolved_dtype)
+
+    @property
+    def resolved_dtype(self) -> str:
+        """`dtype`, with `auto` resolved for `hf.device` (every backend's device: the owner
+        sets it from the rank's)."""
+        return resolve_dtype(self.dtype, self.hf.device)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import random
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import (
@@ -71,6 +72,45 @@ class _StopWhenPaused(StoppingCriteria):
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
+class _StopToDropFinished(StoppingCriteria):
+    """Stops every row once `fraction` of them finished (sampled a stop token or reached
+    their own budget): `generate` would keep computing the finished rows to the end, so the
+    caller drops them and continues the others from the KV cache."""
+
+    def __init__(self, width: int, stops: list[int], budgets: list[int], fraction: float,
+                 device: torch.device) -> None:
+        self.width, self.fraction = width, fraction
+        self.stops = torch.tensor(stops, dtype=torch.long, device=device)
+        self.budgets = torch.tensor(budgets, dtype=torch.long, device=device)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        new = input_ids[:, self.width :]
+        done = new.shape[1] >= self.budgets
+        if len(self.stops):
+            done |= torch.isin(new, self.stops).any(-1)
+        stop = int(done.sum()) >= self.fraction * len(done)
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+@dataclass
+class _Carry:
+    """Where a segment that stopped to drop finished rows left the others: their ids and
+    attention mask (prompt + tokens, as `generate` saw them) and their KV cache, valid
+    while the weights are those of update `updates`."""
+
+    ids: torch.Tensor
+    attn: torch.Tensor
+    cache: object
+    updates: int
+
+    def keep(self, rows: list[int]) -> _Carry:
+        if len(rows) == self.ids.shape[0]:
+            return self
+        index = torch.tensor(rows, device=self.ids.device)
+        self.cache.batch_select_indices(index)
+        return _Carry(self.ids[index], self.attn[index], self.cache, self.updates)
+
+
 @ROLLOUT_BACKENDS.register("hf")
 class HFRollout(Rollout):
     """transformers generation in this process; `agenerate` goes through a batching thread."""
@@ -107,6 +147,8 @@ class HFRollout(Rollout):
         self._running = threading.Event()
         """Cleared by `paused()`: generation stops at the next token and waits."""
         self._running.set()
+        self._updates = 0
+        """Weight updates so far: a KV cache carried between segments is of one of them."""
         self.weight_version: int | None = None
         """Version of the weights held, set by the owner (partial rollout); when not None every
         generated token is tagged with it (`Generation.token_versions`)."""
@@ -154,11 +196,14 @@ class HFRollout(Rollout):
     ) -> list[Generation]:
         """Generate one sample per row; row r stops at its own `max_tokens[r]`.
 
-        A weight update under `paused()` stops the unfinished rows at the next token; they
-        keep their tokens and log-probs and resume (prompt + tokens so far, the rest of their
-        budget) under the new weights, from the sampler state where they stopped, so a given
-        schedule of updates gives the same samples. Each token is tagged with the
-        `weight_version` that produced it (when set)."""
+        Decoding runs in segments. A segment ends when all rows finished, when
+        `hf.drop_finished_fraction` of them finished (the rest continue from their KV cache
+        in the next segment, without the finished rows), or when a weight update under
+        `paused()` stopped it at the next token: the unfinished rows keep their tokens and
+        log-probs and resume (prompt + tokens so far, the rest of their budget) under the new
+        weights, from the sampler state where they stopped, so a given schedule of updates
+        gives the same samples. Each token is tagged with the `weight_version` that produced
+        it (when set)."""
         if self._asleep:
             raise RolloutError("hf rollout is asleep; call wake_up() before generating")
         stops = self._stop_ids(sampling)
@@ -167,17 +212,19 @@ class HFRollout(Rollout):
         log_probs: list[list[float]] = [[] for _ in rows]
         versions: list[list[int]] = [[] for _ in rows]
         reasons: list[FinishReason | None] = [None] * len(rows)
-        active, rng = list(range(len(rows))), None
+        active, rng, carry = list(range(len(rows))), None, None
         while active:
             self._running.wait()
             with self._lock:
                 if not self._running.is_set():  # an update took the lock first: wait for it
                     continue
                 version = self.weight_version
-                new, new_lp, rng = self._segment(
+                if carry is not None and carry.updates != self._updates:
+                    carry = None  # new weights: the cache is stale, prefill again
+                new, new_lp, rng, carry = self._segment(
                     [rows[r] + tokens[r] for r in active], sampling,
                     [max_tokens[r] - len(tokens[r]) for r in active], seed, rng,
-                    [multimodal[r] for r in active] if multimodal else None)
+                    [multimodal[r] for r in active] if multimodal else None, carry)
             for i, r in enumerate(active):
                 budget = max_tokens[r] - len(tokens[r])
                 hits = torch.isin(new[i], stop_set).nonzero() if stops else torch.empty(0)
@@ -186,12 +233,14 @@ class HFRollout(Rollout):
                     length, reasons[r] = first_stop, "stop"
                 elif new.shape[1] >= budget:
                     length, reasons[r] = budget, "length"
-                else:  # interrupted by a weight update: resumes in the next segment
+                else:  # a weight update or the others finishing: continues in the next segment
                     length = new.shape[1]
                 tokens[r] += new[i, :length].tolist()
                 log_probs[r] += new_lp[i, :length].tolist()
                 versions[r] += [version] * length if version is not None else []
-            active = [r for r in active if reasons[r] is None]
+            going = [i for i, r in enumerate(active) if reasons[r] is None]
+            active = [active[i] for i in going]
+            carry = carry.keep(going) if carry is not None and going else None
         return [Generation(response_ids=tokens[r],
                            log_probs=log_probs[r] if sampling.logprobs else None,
                            finish_reason=reasons[r],
@@ -202,19 +251,27 @@ class HFRollout(Rollout):
     def _segment(
         self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int], seed: int,
         rng: tuple | None, multimodal: list[MultimodalInputs | None] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """One `model.generate` over `rows` (left-padded) until every row stopped, reached its
-        budget, or `paused()` interrupted it. Returns the new tokens [rows, steps], their
-        log-probs [rows, steps] and the sampler's state after them (`rng`: the state to start
-        from; None seeds it with `seed`)."""
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            attn[i, width - len(row) :] = 1
+        carry: _Carry | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple, _Carry | None]:
+        """One `model.generate` over `rows` (left-padded; or, from `carry`, the ids, mask and
+        KV cache a previous segment left them with) until every row stopped or reached its
+        budget, enough rows finished to drop them, or `paused()` interrupted it. Returns the
+        new tokens [rows, steps], their log-probs [rows, steps], the sampler's state after
+        them (`rng`: the state to start from; None seeds it with `seed`) and the carry to
+        continue every row from (None for image rows, which always prefill again)."""
+        if carry is None:
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+            attn = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, row in enumerate(rows):
+                ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+                attn[i, width - len(row) :] = 1
+            ids, attn = ids.to(self.device), attn.to(self.device)
+        else:
+            ids, attn = carry.ids, carry.attn
+            width = ids.shape[1]
         # images (vision-language model): pixel inputs of the rows, in row order
-        mm_kwargs = hf_model_kwargs(ids, multimodal, image_token_id(self.model.config)) if (
+        mm_kwargs = hf_model_kwargs(ids.cpu(), multimodal, image_token_id(self.model.config)) if (
             multimodal and any(m is not None for m in multimodal)) else {}
         stops = self._stop_ids(sampling)
         recorder = SampledLogProbRecorder(sampling.temperature, sampling.top_k, sampling.top_p, width)
@@ -226,11 +283,15 @@ class HFRollout(Rollout):
             no_repeat_ngram_size=0, eos_token_id=stops or None, pad_token_id=self.pad_token_id,
             return_dict_in_generate=True, use_cache=True,
         )
+        # image rows keep every row to the end: their mRoPE offsets live in the model's state
+        fraction = 1.0 if mm_kwargs else self.config.hf.drop_finished_fraction
+        criteria = [_StopWhenPaused(self._running),
+                    _StopToDropFinished(width, stops, max_tokens, fraction, self.device)]
         cuda = self.device.type == "cuda"
-        ids, attn = ids.to(self.device), attn.to(self.device)
         with torch.random.fork_rng(devices=[self.device] if cuda else []):
             # images enter with the prompt's forward, so image rows prefill in `generate`
-            past = None if mm_kwargs else self._prefill_shared_prompts(ids, attn, rows)
+            past = carry.cache if carry is not None else (
+                None if mm_kwargs else self._prefill_shared_prompts(ids, attn, rows))
             if rng is None:
                 torch.manual_seed(seed)
             else:
@@ -240,12 +301,16 @@ class HFRollout(Rollout):
             out = self.model.generate(
                 input_ids=ids, attention_mask=attn, past_key_values=past,
                 generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]),
-                stopping_criteria=StoppingCriteriaList([_StopWhenPaused(self._running)]),
+                stopping_criteria=StoppingCriteriaList(criteria),
                 **{k: v.to(self.device) for k, v in mm_kwargs.items()},
             )
             rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
         log_probs = recorder.finish(out.sequences).cpu()
-        return out.sequences.cpu()[:, width:], log_probs, rng
+        new = out.sequences[:, width:]
+        carry = None if mm_kwargs or out.past_key_values is None else _Carry(
+            out.sequences, torch.cat([attn, torch.ones_like(new)], dim=1), out.past_key_values,
+            self._updates)
+        return new.cpu(), log_probs, rng, carry
 
     def _prefill_shared_prompts(self, ids: torch.Tensor, attn: torch.Tensor,
                                 rows: list[list[int]]):
@@ -325,6 +390,7 @@ class HFRollout(Rollout):
         """Copy each (HF name, tensor) into the model in place. A tied model holds one matrix
         for the embedding and the head, so either name updates both."""
         with self._lock:
+            self._updates += 1  # even a failed update may have changed some weights
             state = self.model.state_dict()
             for name, tensor in named_tensors:
                 if name not in state:

@@ -36,7 +36,7 @@ class SglangProtocol(ServerProtocol):
     ) -> list[str]:
         return [
             python, "-m", "sglang.launch_server", "--model-path", model_dir,
-            "--host", host, "--port", str(port), "--dtype", config.dtype,
+            "--host", host, "--port", str(port), "--dtype", config.resolved_dtype,
             "--context-length", str(config.max_model_len), "--random-seed", str(config.seed),
             "--tp-size", str(settings.tensor_parallel_size),
             "--dp-size", str(settings.data_parallel_size),

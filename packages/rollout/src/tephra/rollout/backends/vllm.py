@@ -80,7 +80,7 @@ class VllmProtocol(ServerProtocol):
         command = [
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model_dir, "--served-model-name", SERVED_MODEL_NAME,
-            "--host", host, "--port", str(port), "--dtype", config.dtype,
+            "--host", host, "--port", str(port), "--dtype", config.resolved_dtype,
             "--max-model-len", str(config.max_model_len), "--seed", str(config.seed),
             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
         ]
