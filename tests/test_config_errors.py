@@ -66,9 +66,9 @@ CASES = [
      r"batch.prompts_per_step=2"),
     (["trainer.mode=one_step_off", "trainer.partial_rollout=true"],
      r"trainer.partial_rollout=true .* needs trainer.mode=async \(now 'one_step_off'\)"),
-    (["trainer.mode=async", "resources.rollout.replicas=1", "-p", "smoke_tools",
+    (["trainer.mode=async", "resources.rollout.replicas=1", "rollout.backend=vllm",
       "trainer.partial_rollout=true"],
-     r"trainer.partial_rollout=true needs rollout.backend=hf .* single-turn generation"),
+     r"trainer.partial_rollout=true needs rollout.backend=hf \(now 'vllm'\)"),
 ]
 
 

@@ -37,9 +37,12 @@ def test_one_replica_equals_the_colocated_engine(ray_session, tmp_path):
 
 
 def test_async_never_trains_on_samples_older_than_max_staleness(ray_session, tmp_path):
-    """Multi-turn agent loops (the python tool) on 2 replicas, 4 steps."""
+    """Multi-turn agent loops (the python tool) on 2 replicas, 4 steps, with partial rollout:
+    every token of a trajectory carries the version that produced it, and a sample counts
+    as old as its oldest token."""
     records = _run(tmp_path, "async", "-p", "smoke_tools", "trainer.mode=async", "trainer.steps=4",
                    "trainer.max_staleness=1", "trainer.dump_generations=1",
+                   "trainer.partial_rollout=true",
                    "resources.rollout.replicas=2", "resources.rollout.cpus_per_replica=0.5")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
@@ -48,6 +51,12 @@ def test_async_never_trains_on_samples_older_than_max_staleness(ray_session, tmp
                 (tmp_path / "async" / "generations" / f"train_step{step}.jsonl").read_text()
                 .splitlines()]
         assert len(rows) == 8  # prompts_per_step x samples_per_prompt
+        for row in rows:
+            v = row["token_versions"]
+            assert v and v == sorted(v)
+            assert row["weight_version"] == v[0]
+        assert r["async/resumed_tokens"] == sum(t != row["token_versions"][0] for row in rows
+                                                for t in row["token_versions"])
         lags = [(step - 1) - row["weight_version"] for row in rows]
         assert min(lags) >= 0 and max(lags) <= 1
         assert r["staleness/max"] == max(lags)

@@ -316,3 +316,32 @@ def test_many_loops_in_flight_and_a_slow_tool_blocks_nobody(tokenizer, hf_rollou
         len(t.prompt_ids) + len(t.response_ids) for t in trajs
     )
     assert batch["num_turns"].tolist() == [2] * n
+
+
+def test_token_versions_follow_each_turn_and_tool_tokens_take_their_turns(tokenizer):
+    """A backend that tags tokens (partial rollout): a weight update between the turns shows
+    as version 0 on turn 0 and on the tool's answer to it, version 1 on turn 1; untagged
+    turns give no versions."""
+    turns = ["Let me compute." + tool_call("echo", text="42"), "The answer is 42."]
+
+    def script(session, k):
+        model.weight_version = k  # an update to version k lands before turn k
+        return turns[k]
+
+    model = ScriptedRollout(tokenizer, script)
+    loop = AGENT_LOOPS.get("tool_agent")(model, tokenizer, GREEDY, AgentLoopConfig(max_turns=4),
+                                         {"echo": EchoTool()})
+    traj = asyncio.run(loop.run(AgentSample(question(), sample_id="s0")))
+    (_, _, g0), (_, ctx1, g1) = model.requests
+    tool = len(ctx1) - len(traj.prompt_ids) - len(g0.response_ids)
+    assert tool > 0 and traj.response_mask[len(g0.response_ids)] == 0
+    assert traj.response_versions == [0] * (len(g0.response_ids) + tool) + [1] * len(g1.response_ids)
+    untagged = ScriptedRollout(tokenizer, lambda s, k: turns[k])
+    loop = AGENT_LOOPS.get("tool_agent")(untagged, tokenizer, GREEDY, AgentLoopConfig(max_turns=4),
+                                         {"echo": EchoTool()})
+    assert asyncio.run(loop.run(AgentSample(question(), sample_id="s1"))).response_versions is None
+    single = ScriptedRollout(tokenizer, lambda s, k: turns[1])
+    single.weight_version = 3
+    loop = AGENT_LOOPS.get("single_turn")(single, tokenizer, GREEDY, AgentLoopConfig(), {})
+    traj = asyncio.run(loop.run(AgentSample(question(), sample_id="s2")))
+    assert traj.response_versions == [3] * len(traj.response_ids)

@@ -434,8 +434,10 @@ class TrainerSection:
     next token, keep their tokens and log-probs, and continue under the new weights (as in
     verl / AReaL) instead of the update waiting for them to finish. Each response token records
     the weight version that produced it; a sample's `weight_version` is its oldest (the one it
-    started under), which the staleness bound uses. Needs `rollout.backend=hf` and
-    single-turn generation. Off by default: samples then come from one version each."""
+    started under), which the staleness bound uses. With an agent loop, a turn interrupted
+    by an update goes on under the new weights, later turns run under the newest, and tool
+    tokens take the version of the turn they answer. Needs `rollout.backend=hf`. Off by
+    default: samples then come from one version each."""
     overlap_generation: bool = True
     """`one_step_off`: generate the next batch in a worker thread while this step's passes
     and update run (the rollout engine holds its own weights until `sync_weights`). It keeps
@@ -699,11 +701,10 @@ def validate(cfg: PPOConfig) -> None:
             raise ConfigError(f"trainer.partial_rollout=true interrupts generations in flight on "
                               f"rollout replicas when weights arrive; it needs trainer.mode=async "
                               f"(now {cfg.trainer.mode!r})")
-        if r.backend != "hf" or r.uses_agent_loop:
+        if r.backend != "hf":
             raise ConfigError(f"trainer.partial_rollout=true needs rollout.backend=hf (now "
-                              f"{r.backend!r}) and single-turn generation (rollout.agent_loop "
-                              f"unset, now {r.agent_loop!r}): only hf generation can stop and "
-                              "resume at a token boundary here")
+                              f"{r.backend!r}): only hf generation can stop and resume at a "
+                              "token boundary here")
     if a.dynamic_sampling and b.samples_per_prompt < 2:
         raise ConfigError("algorithm.dynamic_sampling drops groups whose samples all scored the "
                           f"same; batch.samples_per_prompt={b.samples_per_prompt} must be >= 2")

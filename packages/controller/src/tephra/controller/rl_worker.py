@@ -216,7 +216,8 @@ class RLWorker(Worker):
                        response_mask=list(t.response_mask), log_probs=list(t.response_log_probs),
                        finish_reason=t.finish_reason, text=final_answer(t),
                        sample_id=t.sample_id, num_turns=t.num_turns, tool_calls=t.tool_calls,
-                       tool_errors=t.tool_errors, tool_rewards=dict(t.tool_rewards))
+                       tool_errors=t.tool_errors, tool_rewards=dict(t.tool_rewards),
+                       token_versions=t.response_versions)
                 for t in trajectories]
 
     def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float]:

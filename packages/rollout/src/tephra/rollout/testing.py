@@ -177,7 +177,10 @@ def live_processes(marker: str) -> list[int]:
 
 class ScriptedRollout(Rollout):
     """A model whose turn k of every trajectory is `script(session, k)` (+ EOS); turns past the
-    script go to `fallback` (a real backend) when given. Records every request."""
+    script go to `fallback` (a real backend) when given. Records every request. With
+    `weight_version` set, scripted tokens are tagged with it (as `hf` does)."""
+
+    weight_version: int | None = None
 
     def __init__(
         self,
@@ -211,7 +214,9 @@ class ScriptedRollout(Rollout):
                     : sampling.max_tokens - 1
                 ]
                 ids.append(self.tokenizer.eos_token_id)
-                gen = Generation(ids, [-0.01 * (i + 1) for i in range(len(ids))], "stop")
+                versions = None if self.weight_version is None else [self.weight_version] * len(ids)
+                gen = Generation(ids, [-0.01 * (i + 1) for i in range(len(ids))], "stop",
+                                 token_versions=versions)
         finally:
             self.in_flight -= 1
         self.events.append(("gen_end", session_id, turn))

@@ -73,14 +73,21 @@ class Trajectory:
     """`Tool.calc_reward` of each tool the trajectory used."""
     extra_info: dict[str, Any] = field(default_factory=dict)
     """The sample's `extra_info` plus `tool_metrics` (summed per tool and metric)."""
+    response_versions: list[int] | None = None
+    """Weight version that produced each response token, when the backend tags them
+    (`Generation.token_versions`, partial rollout): a turn interrupted by a weight update
+    goes on under the new version, and later turns run under whatever the backend holds
+    then. Tool tokens take the version of the model turn they answer. None when any turn
+    was untagged."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
-        if len(self.response_mask) != n or len(self.response_log_probs) != n:
+        if len(self.response_mask) != n or len(self.response_log_probs) != n or (
+                self.response_versions is not None and len(self.response_versions) != n):
             raise ValueError(
                 f"trajectory {self.sample_id}: response_ids ({n}), response_mask "
-                f"({len(self.response_mask)}) and response_log_probs ({len(self.response_log_probs)}) "
-                "must have the same length"
+                f"({len(self.response_mask)}), response_log_probs ({len(self.response_log_probs)}) "
+                "and response_versions (when set) must have the same length"
             )
 
     @property

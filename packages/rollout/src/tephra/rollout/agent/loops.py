@@ -92,6 +92,7 @@ class SingleTurnAgentLoop(_TokenLoop):
             finish_reason=gen.finish_reason,
             messages=[*sample.messages, {"role": "assistant", "content": content}],
             extra_info=dict(sample.extra_info),
+            response_versions=list(gen.token_versions) if gen.token_versions is not None else None,
         )
 
 
@@ -113,6 +114,7 @@ class ToolAgentLoop(_TokenLoop):
         ids: list[int] = []
         mask: list[int] = []
         log_probs: list[float] = []
+        versions: list[int] | None = []  # None once a turn comes untagged
         num_turns = calls_made = errors = 0
         finish = "max_turns"
         created: set[str] = set()
@@ -161,6 +163,8 @@ class ToolAgentLoop(_TokenLoop):
                     if gen.log_probs is not None
                     else [0.0] * len(gen.response_ids)
                 )
+                versions = (versions + list(gen.token_versions)
+                            if versions is not None and gen.token_versions is not None else None)
                 content, stop_text = self.text_of_turn(gen.response_ids, gen.finish_reason)
                 messages.append({"role": "assistant", "content": content})
                 if gen.finish_reason == "length":
@@ -205,6 +209,8 @@ class ToolAgentLoop(_TokenLoop):
                 ids += tool_ids
                 mask += [0] * len(tool_ids)
                 log_probs += [0.0] * len(tool_ids)
+                if versions is not None:  # context for the next turn: the version it answers
+                    versions += [versions[-1]] * len(tool_ids)
                 if cut:
                     finish = "length"
                     break
@@ -231,6 +237,7 @@ class ToolAgentLoop(_TokenLoop):
                 **sample.extra_info,
                 "tool_metrics": {k: dict(v) for k, v in metrics.items()},
             },
+            response_versions=versions if versions is not None and num_turns else None,
         )
 
 
