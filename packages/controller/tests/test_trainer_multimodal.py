@@ -1,15 +1,18 @@
 """Images through the trainer's data path: samples -> the batch's `multimodal` column, which
 slicing, row selection and the data-parallel split keep aligned with the rows; a sample's
-JSON leaves the pixels out and a pending round gets them back from its prompts."""
+JSON leaves the pixels out and a pending round gets them back from its prompts; a response
+that sampled the image placeholder ends before it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from tephra.controller.data import PromptRecord
 from tephra.controller.dispatch import split_value
 from tephra.controller.rl_loop import Round, round_from_dict, round_to_dict
-from tephra.controller.rl_worker import skip_zero_advantage_rows
+from tephra.controller.rl_worker import end_before_token, skip_zero_advantage_rows
 from tephra.controller.samples import MULTIMODAL, PromptItem, Sample, samples_to_batch
 from tephra.engine_api.multimodal import MultimodalInputs
 
@@ -52,3 +55,25 @@ def test_pending_round_gets_its_images_back_from_the_prompts():
     assert "multimodal" not in data["samples"][0]
     back = round_from_dict(data, items)
     assert [s.multimodal for s in back.samples] == [items[0].multimodal] * 2 + [items[1].multimodal] * 2
+
+
+class _Decoder:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_response_ends_before_a_sampled_image_placeholder():
+    image_token = 9
+    sample = Sample([1, 9, 9, 2], [5, 6, 9, 7], [1] * 4, [-0.1, -0.2, -0.3, -0.4], "stop",
+                    text="5 6 9 7", multimodal=_images(0))
+    cut = end_before_token(sample, image_token, _Decoder())
+    assert (cut.response_ids, cut.response_mask, cut.log_probs) == ([5, 6], [1, 1], [-0.1, -0.2])
+    assert cut.finish_reason == "image_token" and cut.text == "5 6"
+    assert cut.prompt_ids == sample.prompt_ids and cut.multimodal is sample.multimodal
+    assert end_before_token(cut, image_token, _Decoder()) is cut
+    # a placeholder as the first token leaves an empty response; the batch keeps the prompt's
+    # image tokens only
+    empty = end_before_token(replace(sample, response_ids=[9, 5]), image_token, _Decoder())
+    batch = samples_to_batch([cut, empty], pad_token_id=0, n=2, multi_turn=False)
+    assert (batch["input_ids"] == image_token).sum(-1).tolist() == [2, 2]
+    assert batch["response_mask"].sum(-1).tolist() == [2, 0]

@@ -13,7 +13,8 @@ import random
 from typing import Any
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220),
-           "yellow": (235, 220, 40)}
+           "yellow": (235, 220, 40), "orange": (240, 140, 20), "purple": (140, 40, 180),
+           "pink": (240, 120, 190), "cyan": (40, 200, 220)}
 """Colour name -> RGB of the square."""
 
 QUESTION = "<image>What colour is the square? Answer with one word."

@@ -89,6 +89,24 @@ def _on_policy_old_log_probs(loss_fn):
     return wrapped
 
 
+def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
+    """`sample` with its response ended before the first `token` it sampled (unchanged
+    without one), finish reason `image_token`. For the image placeholder `<|image_pad|>`: a
+    sampled one has no image behind it, and the training forward would take it for one more
+    image slot and fail (image tokens != image features); the tokens before it keep their
+    log-probs (causal), those from it on are dropped."""
+    if token not in sample.response_ids:
+        return sample
+    n = sample.response_ids.index(token)
+    ids = sample.response_ids[:n]
+    return replace(sample, response_ids=ids, response_mask=sample.response_mask[:n],
+                   log_probs=sample.log_probs[:n] if sample.log_probs is not None else None,
+                   token_versions=(sample.token_versions[:n]
+                                   if sample.token_versions is not None else None),
+                   finish_reason="image_token",
+                   text=tokenizer.decode(ids, skip_special_tokens=True))
+
+
 class RLWorker(Worker):
     def __init__(self, rank: int, world_size: int, *worker_args: Any, cfg: PPOConfig,
                  model_path: str, tools_file: str | None = None) -> None:
@@ -187,16 +205,24 @@ class RLWorker(Worker):
         extra = {"multimodal": images} if any(m is not None for m in images) else {}
         out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling, **extra)
         tok = self.tokenizer()
-        return [Sample(prompt_ids=out.prompt_ids[k], response_ids=out.response_ids[k],
-                       response_mask=[1] * len(out.response_ids[k]),
-                       log_probs=out.log_probs[k] if out.log_probs is not None else None,
-                       finish_reason=out.finish_reasons[k],
-                       text=tok.decode(out.response_ids[k], skip_special_tokens=True),
-                       sample_id=items[k // sampling.n].sample_id,
-                       multimodal=images[k // sampling.n],
-                       token_versions=(out.token_versions[k] if out.token_versions is not None
-                                       else None))
-                for k in range(len(out))]
+        samples = [Sample(prompt_ids=out.prompt_ids[k], response_ids=out.response_ids[k],
+                          response_mask=[1] * len(out.response_ids[k]),
+                          log_probs=out.log_probs[k] if out.log_probs is not None else None,
+                          finish_reason=out.finish_reasons[k],
+                          text=tok.decode(out.response_ids[k], skip_special_tokens=True),
+                          sample_id=items[k // sampling.n].sample_id,
+                          multimodal=images[k // sampling.n],
+                          token_versions=(out.token_versions[k] if out.token_versions is not None
+                                          else None))
+                   for k in range(len(out))]
+        if extra:
+            from transformers import AutoConfig
+
+            from tephra.engine_api.multimodal import image_token_id
+
+            image_token = image_token_id(AutoConfig.from_pretrained(self.model_path))
+            samples = [end_before_token(s, image_token, tok) for s in samples]
+        return samples
 
     def _generate_agent(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
         from tephra.rollout.agent import AGENT_LOOPS

@@ -46,7 +46,8 @@ class Sample:
     log_probs: list[float] | None
     """The rollout engine's log-prob of each response token (0 on tool tokens)."""
     finish_reason: str
-    """`stop`, `length` or (agent loop) `max_turns`."""
+    """`stop`, `length`, (agent loop) `max_turns`, or `image_token` (a response with images
+    ended before an image placeholder it sampled; `rl_worker.end_before_token`)."""
     text: str = ""
     """What the reward scored: the decoded response, or the last assistant message of a
     multi-turn trajectory (earlier turns are tool calls)."""

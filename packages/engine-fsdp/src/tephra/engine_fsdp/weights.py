@@ -21,6 +21,8 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
     "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
     "chat_template.json",
+    # a vision-language model's image processor: without it the export cannot read images
+    "preprocessor_config.json", "processor_config.json",
 )
 
 
@@ -85,8 +87,8 @@ def buckets(items: Iterator[tuple[str, torch.Tensor]],
 
 def write_hf_folder(path: Path, model: PreTrainedModel, device: torch.device,
                     tokenizer_dir: str | None) -> None:
-    """Write `config.json`, `model.safetensors` (and tokenizer files) that transformers
-    loads into the same architecture. Collective: every rank gathers, rank 0 writes."""
+    """Write `config.json`, `model.safetensors` (and the tokenizer and image processor files)
+    that transformers loads into the same architecture. Collective: every rank gathers, rank 0 writes."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = {}
     for name, t in iter_full_weights(model, device, untie_word_embeddings=False):

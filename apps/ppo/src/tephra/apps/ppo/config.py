@@ -3,12 +3,18 @@ packages' own configs; see tephra.controller.rl_config). This module adds the ap
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tephra.controller.rl_config import PPOConfig
 from tephra.core.config import load_config, split_cli
+from tephra.core.errors import ConfigError
 
 PRESETS = Path(__file__).parent / "presets"
+
+MADE_BY = {"runs/vlm_warmup/hf": "uv run apps/sft -p vlm_warmup"}
+"""Model folders that a preset starts from and another command writes (`-p vlm_demo` starts
+from the SFT warm-up's export) -> that command."""
 
 
 def parse_config(argv: list[str]) -> PPOConfig:
@@ -17,4 +23,14 @@ def parse_config(argv: list[str]) -> PPOConfig:
     return load_config(PPOConfig, presets, overrides, preset_dir=PRESETS)
 
 
-__all__ = ["PRESETS", "PPOConfig", "parse_config"]
+def check_model_made(cfg: PPOConfig) -> None:
+    """A missing model folder that another command writes (`MADE_BY`) is an error naming
+    that command; the generic error would only say that the folder does not exist."""
+    command = MADE_BY.get(os.path.normpath(cfg.model.path or ""))
+    if command and not (Path(cfg.model.path) / "config.json").exists():
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} does not exist yet: it is the model that "
+            f"`{command}` writes; run that first (from the same directory), then this again")
+
+
+__all__ = ["MADE_BY", "PRESETS", "PPOConfig", "check_model_made", "parse_config"]

@@ -12,11 +12,19 @@ import os
 import sys
 import time
 
-from tephra.apps.ppo.config import parse_config
-from tephra.controller.ppo import run
+from tephra.apps.ppo.config import check_model_made, parse_config
+from tephra.controller import ppo
+from tephra.controller.rl_config import PPOConfig
 from tephra.core.errors import TephraError
 
 __all__ = ["main", "parse_config", "run"]
+
+
+def run(cfg: PPOConfig) -> dict:
+    """`tephra.controller.ppo.run`, after checking that a model folder another command
+    writes exists (before Ray starts)."""
+    check_model_made(cfg)
+    return ppo.run(cfg)
 
 
 def main(argv: list[str] | None = None) -> None:

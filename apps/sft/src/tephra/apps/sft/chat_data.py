@@ -65,19 +65,19 @@ def _rows(path: Path) -> list[dict]:
 def load_conversations(path: str | Path) -> list[list[dict]]:
     """`messages` column of a parquet file or `.jsonl` lines; errors name row and field."""
     path = Path(path)
-    return _conversations(_rows(path), path)
+    return _conversations(_rows(path), path.name)
 
 
-def _conversations(rows: list[dict], path: Path) -> list[list[dict]]:
+def _conversations(rows: list[dict], where: str) -> list[list[dict]]:
     out = []
     for i, row in enumerate(rows):
         messages = row.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise DatasetError(f"row {i} of {path.name}: field 'messages' is missing or empty; "
+            raise DatasetError(f"row {i} of {where}: field 'messages' is missing or empty; "
                                "each row needs messages=[{role, content}, ...]")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise DatasetError(f"row {i} of {path.name}: field 'messages' holds {m!r}, "
+                raise DatasetError(f"row {i} of {where}: field 'messages' holds {m!r}, "
                                    "not a {role, content} message")
         out.append(messages)
     return out
@@ -125,14 +125,19 @@ def load_image_conversations(path: str | Path, processor: Any) -> list[Example]:
     the file, `{bytes, path}` structs or PIL images; `<image>` in the messages where each
     goes, as in `tephra.controller.multimodal_data`) -> token ids with each image expanded to
     its run of `<|image_pad|>` tokens (never trained), the assistant mask, and the images."""
+    path = Path(path)
+    return image_conversations(_rows(path), path.name, processor, path.parent)
+
+
+def image_conversations(rows: list[dict], where: str, processor: Any,
+                        base_dir: Path | None = None) -> list[Example]:
+    """`load_image_conversations` of rows already read (`where` names them in errors)."""
     from tephra.controller.multimodal_data import row_images, with_vision_spans
 
-    path = Path(path)
-    rows = _rows(path)
     out = []
-    for i, (row, messages) in enumerate(zip(rows, _conversations(rows, path), strict=True)):
-        images = row_images(row, i, path.name, path.parent)
-        messages = with_vision_spans(messages, i, path.name, len(images))
+    for i, (row, messages) in enumerate(zip(rows, _conversations(rows, where), strict=True)):
+        images = row_images(row, i, where, base_dir)
+        messages = with_vision_spans(messages, i, where, len(images))
         ids, mask = tokenize_conversation(processor.tokenizer, messages, i)
         if not images:
             out.append((ids, mask, None))
@@ -146,3 +151,14 @@ def load_image_conversations(path: str | Path, processor: Any) -> list[Example]:
             full_mask += [m] * n
         out.append((full, full_mask, mm))
     return out
+
+
+def colour_square_conversations(size: int, seed: int, processor: Any) -> list[Example]:
+    """Transcripts of the synthetic image task (`tephra.controller.colour_squares`): `size`
+    rows drawn by `seed`, each question answered with the row's ground truth (the colour)."""
+    from tephra.controller.colour_squares import colour_square_rows
+
+    rows = [{"messages": r["prompt"] + [{"role": "assistant",
+                                         "content": r["reward_model"]["ground_truth"]}],
+             "images": r["images"]} for r in colour_square_rows(size, seed)]
+    return image_conversations(rows, "colour_squares", processor)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tephra.controller.rl_config import EngineRoleConfig, ResourcesSection
+from tephra.controller.rl_config import DataSection, EngineRoleConfig, ResourcesSection
 from tephra.core.errors import ConfigError
 from tephra.engine_api.config import (
     MicroBatchConfig,
@@ -24,17 +24,28 @@ class SFTPolicy(EngineRoleConfig):
         default_factory=lambda: OptimizerConfig(lr=1e-4, weight_decay=0.0))
     """AdamW; SmolLM2 on the arithmetic chats: probe NLL 1.538 -> 0.144 in 20 steps at 1e-4."""
     precision: PrecisionConfig = field(
-        default_factory=lambda: PrecisionConfig(param_dtype="bfloat16"))
-    """bf16 compute, fp32 master weights."""
+        default_factory=lambda: PrecisionConfig(param_dtype="auto"))
+    """fp32 master weights; bf16 compute where the device computes it faster than fp32
+    (`auto`, measured at start), else fp32."""
     micro_batch: MicroBatchConfig = field(
         default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096))
     """Token budget of a micro-batch on one rank."""
+
+
+SFT_SOURCES = ("chats", "colour_squares")
+"""`data.source` values."""
 
 
 @dataclass
 class SFTData:
     """Conversations: `messages` rows (chat messages; assistant turns are trained)."""
 
+    source: str = "chats"
+    """`chats`: the conversations of `train_files` (generated arithmetic chats when empty).
+    `colour_squares`: transcripts of the synthetic image task of `tephra.controller.
+    colour_squares` (the RL trainer's `data.source=colour_squares`), `size` of them drawn
+    by `seed`: its question about an image, answered with the colour name; needs a
+    vision-language model and policy.engine=fsdp."""
     train_files: list[str] = field(default_factory=list)
     """Parquet or jsonl files with a `messages` column; empty: generated arithmetic chats."""
     val_files: list[str] = field(default_factory=list)
@@ -43,7 +54,8 @@ class SFTData:
     val_size: int = 16
     """Conversations held out of the training set when `val_files` is empty (0: none)."""
     size: int = 256
-    """Number of generated conversations when train_files is empty."""
+    """Number of generated conversations (arithmetic chats when train_files is empty, or
+    colour_squares transcripts); the last `val_size` of them are held out."""
     seed: int = 0
     """Seed of the generated conversations and of the data order."""
     max_seq_tokens: int = 512
@@ -55,6 +67,20 @@ class SFTData:
     def __post_init__(self) -> None:
         if self.val_size < 0 or self.size < 1 or self.max_seq_tokens < 1:
             raise ConfigError("data.val_size must be >= 0, data.size and data.max_seq_tokens >= 1")
+        if self.source not in SFT_SOURCES:
+            raise ConfigError(f"data.source={self.source!r}: choose one of {list(SFT_SOURCES)}")
+        if self.source == "colour_squares":
+            if self.train_files or self.val_files or self.images:
+                raise ConfigError(
+                    "data.source=colour_squares generates its transcripts (images included); "
+                    "leave data.train_files and data.val_files empty and data.images=false, or "
+                    "use data.source=chats for files")
+            if self.seed == DataSection.val_seed:
+                # the RL trainer measures held-out accuracy on the items of that seed
+                raise ConfigError(
+                    f"data.seed={self.seed} draws the RL trainer's held-out colour_squares items "
+                    f"(apps/ppo data.val_seed={DataSection.val_seed}); choose another seed so "
+                    "that SFT never trains on them")
 
 
 @dataclass

@@ -95,15 +95,61 @@ def validation_loss(wg: Any, examples: list, pad: int) -> float:
     return float(nll.sum()) / float(batch["response_mask"][: len(rows)].sum())
 
 
+def load_examples(cfg: SFTConfig, tok: Any, model_path: str) -> tuple[list, list]:
+    """(training, held-out) tokenized conversations of `cfg.data`; those longer than
+    data.max_seq_tokens are dropped, and without data.val_files the last data.val_size are
+    held out. Fails before Ray starts."""
+    from tephra.apps.sft.chat_data import (
+        arithmetic_conversations,
+        colour_square_conversations,
+        load_conversations,
+        load_image_conversations,
+        tokenize_conversation,
+    )
+
+    d = cfg.data
+    if d.source == "colour_squares":
+        train = colour_square_conversations(d.size, d.seed, vision_processor(cfg, model_path))
+        val = []
+    elif d.images:
+        if not d.train_files:
+            raise ConfigError("data.images=true needs data.train_files (verl multimodal rows: "
+                              "messages and images)")
+        processor = vision_processor(cfg, model_path)
+
+        def read(files: list[str]) -> list:
+            return [e for f in files for e in load_image_conversations(f, processor)]
+
+        train, val = read(d.train_files), read(d.val_files)
+    else:
+        convs = ([c for f in d.train_files for c in load_conversations(f)]
+                 if d.train_files else arithmetic_conversations(d.size, d.seed))
+        val_convs = [c for f in d.val_files for c in load_conversations(f)]
+        train = [tokenize_conversation(tok, c, i) for i, c in enumerate(convs)]
+        val = [tokenize_conversation(tok, c, i) for i, c in enumerate(val_convs)]
+
+    def fit(examples: list) -> list:
+        return [e for e in examples if len(e[0]) <= d.max_seq_tokens]
+
+    dropped = len(train) + len(val)
+    train, val = fit(train), fit(val)
+    dropped -= len(train) + len(val)
+    if dropped:
+        print(f"dropped {dropped} conversations longer than "
+              f"data.max_seq_tokens={d.max_seq_tokens}", flush=True)
+    if not d.val_files:
+        cut = max(len(train) - d.val_size, 0)
+        train, val = train[:cut], train[cut:]
+    if not train:
+        raise ConfigError("no training conversation is left (after data.val_size held out and "
+                          "long ones dropped); add data or lower data.val_size")
+    return train, val
+
+
 def run(cfg: SFTConfig) -> dict:
     from transformers import AutoTokenizer
 
-    from tephra.apps.sft.chat_data import (
-        arithmetic_conversations,
-        load_conversations,
-        pad_batch,
-        tokenize_conversation,
-    )
+    from tephra.apps.sft.chat_data import pad_batch
     from tephra.controller.checkpoints import CheckpointManager
     from tephra.controller.models import resolve_model_path
     from tephra.controller.trackers import Trackers
@@ -113,36 +159,8 @@ def run(cfg: SFTConfig) -> dict:
     path = resolve_model_path(cfg.model.path)
     tok = AutoTokenizer.from_pretrained(path)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    train, val = load_examples(cfg, tok, path)
     d = cfg.data
-    if d.images:
-        files = image_files(cfg, path)
-        convs = list(d.train_files)
-    else:
-        convs = ([c for f in d.train_files for c in load_conversations(f)]
-                 if d.train_files else arithmetic_conversations(d.size, d.seed))
-
-    def tokenized(conversations: list) -> list:
-        if d.images:  # here `conversations` are files: images come with their rows
-            examples = [e for f in conversations for e in files(f)]
-        else:
-            examples = [tokenize_conversation(tok, c, i) for i, c in enumerate(conversations)]
-        kept = [e for e in examples if len(e[0]) <= d.max_seq_tokens]
-        if len(kept) < len(examples):
-            print(f"dropped {len(examples) - len(kept)} conversations longer than "
-                  f"data.max_seq_tokens={d.max_seq_tokens}", flush=True)
-        return kept
-
-    if d.val_files:
-        train = tokenized(convs)
-        val = tokenized(list(d.val_files) if d.images else
-                        [c for f in d.val_files for c in load_conversations(f)])
-    else:
-        examples = tokenized(convs)
-        cut = max(len(examples) - d.val_size, 0)
-        train, val = examples[:cut], examples[cut:]
-    if not train:
-        raise ConfigError("no training conversation is left (after data.val_size held out and "
-                          "long ones dropped); add data or lower data.val_size")
     run_dir = Path(cfg.train.run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     r = cfg.resources
@@ -197,26 +215,23 @@ def run(cfg: SFTConfig) -> dict:
     return summary
 
 
-def image_files(cfg: SFTConfig, model_path: str):
-    """A reader of multimodal SFT files for `model_path` (a vision-language model); refuses
-    what cannot train on images, before Ray starts."""
+def vision_processor(cfg: SFTConfig, model_path: str):
+    """The image processor of `model_path` (a vision-language model), for data with images;
+    refuses what cannot train on images, before Ray starts."""
     from transformers import AutoConfig
 
-    from tephra.apps.sft.chat_data import load_image_conversations
     from tephra.engine_api.multimodal import is_vision_config
     from tephra.rollout.multimodal import VisionProcessor
 
-    if not cfg.data.train_files:
-        raise ConfigError("data.images=true needs data.train_files (verl multimodal rows: "
-                          "messages and images)")
+    what = ("data.source=colour_squares" if cfg.data.source == "colour_squares"
+            else "data.images=true")
     if cfg.policy.engine != "fsdp":
-        raise ConfigError(f"data.images=true with policy.engine={cfg.policy.engine!r}: only the "
-                          "fsdp engine trains vision-language models; set policy.engine=fsdp")
+        raise ConfigError(f"{what} with policy.engine={cfg.policy.engine!r}: only the fsdp "
+                          "engine trains vision-language models; set policy.engine=fsdp")
     if not is_vision_config(AutoConfig.from_pretrained(model_path)):
-        raise ConfigError(f"data.images=true but model.path={cfg.model.path!r} is a text-only "
-                          "model; use a vision-language model (Qwen2-VL family, or tiny_vlm)")
-    processor = VisionProcessor.from_pretrained(model_path)
-    return lambda f: load_image_conversations(f, processor)
+        raise ConfigError(f"{what} but model.path={cfg.model.path!r} is a text-only model; use "
+                          "a vision-language model (Qwen2-VL family, or tiny_vlm)")
+    return VisionProcessor.from_pretrained(model_path)
 
 
 def _rng_json(state: tuple) -> list:
