@@ -29,4 +29,7 @@ def test_two_ranks_with_images_equal_one_rank(tmp_path, packing, vision_batch):
         torch.testing.assert_close(rank["log_probs"], want["log_probs"], atol=5e-5, rtol=0)
         assert rank["visual"].keys() == want["visual"].keys() and want["visual"]
         for name, t in want["visual"].items():
-            torch.testing.assert_close(rank["visual"][name], t, atol=1e-5, rtol=0)
+            # 1% of one AdamW step (lr 1e-2): Adam divides by sqrt(v), so a weight whose
+            # gradient is near 0 turns the 1-vs-2-rank reduction-order noise (1e-7) into a
+            # visible update difference; measured up to 2.4e-5 on an AVX2 CPU, 0 on avx512
+            torch.testing.assert_close(rank["visual"][name], t, atol=1e-4, rtol=0)

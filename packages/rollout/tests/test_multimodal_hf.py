@@ -53,7 +53,11 @@ def test_hf_rollout_logprobs_match_teacher_forced_forward(vlm):
                                                ignore_eos=True), multimodal=mm)
     rollout.close()
     model = AutoModelForImageTextToText.from_pretrained(vlm.path, dtype=torch.float32).eval()
-    for i in range(len(out)):
+    # a response that sampled the image placeholder has no image behind it, so no forward
+    # can take it (the trainer ends such responses before it: rl_worker.end_before_token)
+    checked = [i for i in range(len(out)) if vlm.image_token_id not in out.response_ids[i]]
+    assert len(checked) >= 4
+    for i in checked:
         p = out.prompt_index[i]
         full = torch.tensor([ids[p] + out.response_ids[i]])
         with torch.no_grad():

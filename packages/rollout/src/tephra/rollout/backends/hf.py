@@ -276,10 +276,8 @@ class HFRollout(Rollout):
         stops = self._stop_ids(sampling)
         recorder = SampledLogProbRecorder(sampling.temperature, sampling.top_k, sampling.top_p, width)
         gen_config = GenerationConfig(
-            max_new_tokens=max(max_tokens), do_sample=not sampling.greedy, num_beams=1,
-            # the recorder does temperature/top-k/top-p; these keep transformers' warpers off
-            **({} if sampling.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
-            repetition_penalty=1.0,
+            # greedy: the recorder samples (temperature/top-k/top-p) and leaves one token
+            max_new_tokens=max(max_tokens), do_sample=False, num_beams=1, repetition_penalty=1.0,
             no_repeat_ngram_size=0, eos_token_id=stops or None, pad_token_id=self.pad_token_id,
             return_dict_in_generate=True, use_cache=True,
         )
