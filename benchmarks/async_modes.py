@@ -53,7 +53,11 @@ def run_mode(mode: str, steps: int, val_every: int, val_size: int) -> dict:
         if "accuracy/val" in r:
             seconds = sum(s for k, s in step_s.items() if k <= r["step"])
             curve.append((round(seconds, 1), r["accuracy/val"]))
+    stages = {k: round(statistics.median(r[k] for r in records if k in r), 3)
+              for k in sorted({k for r in records for k in r})
+              if k.startswith("time/") and k.endswith("_s") and k != "time/step_s"}
     return {"step_s": [round(step_s[k], 3) for k in sorted(step_s)],
+            "median_stages_s": stages,
             "median_step_s": statistics.median(step_s.values()),
             "median_tokens_per_s": statistics.median(tokens), "curve": curve}
 
@@ -96,7 +100,10 @@ def main() -> None:
         r["ratio_tokens_per_s_over_sync"] = r["median_tokens_per_s"] / base["median_tokens_per_s"]
         r["training_s_to_sync_final_accuracy"] = reached
         r["ratio_time_to_accuracy_sync_over"] = (sync_time / reached) if reached else None
-    result = {"machine": f"{platform.machine()}, 2 cores", "steps": args.steps,
+    from tephra.engine_api.fastest_dtype import fastest_dtype
+
+    result = {"machine": f"{platform.machine()}, 2 cores, compute dtype {fastest_dtype('cpu')}",
+              "steps": args.steps,
               "val_every": args.val_every, "val_size": args.val_size,
               "sync_final_accuracy": target, "runs": runs}
     if not args.quick:
