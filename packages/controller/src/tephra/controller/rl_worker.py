@@ -215,12 +215,10 @@ class RLWorker(Worker):
                           token_versions=(out.token_versions[k] if out.token_versions is not None
                                           else None))
                    for k in range(len(out))]
-        if extra:
-            from transformers import AutoConfig
-
+        if extra:  # the rollout engine is hf (images go nowhere else): its config has the id
             from tephra.engine_api.multimodal import image_token_id
 
-            image_token = image_token_id(AutoConfig.from_pretrained(self.model_path))
+            image_token = image_token_id(self.rollout.model.config)
             samples = [end_before_token(s, image_token, tok) for s in samples]
         return samples
 
