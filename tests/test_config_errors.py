@@ -66,10 +66,26 @@ CASES = [
      r"batch.prompts_per_step=2"),
     (["trainer.mode=one_step_off", "trainer.partial_rollout=true"],
      r"trainer.partial_rollout=true .* needs trainer.mode=async \(now 'one_step_off'\)"),
-    (["trainer.mode=async", "resources.rollout.replicas=1", "rollout.backend=vllm",
+    (["trainer.mode=async", "resources.rollout.replicas=1", "rollout.backend=nopause",
       "trainer.partial_rollout=true"],
-     r"trainer.partial_rollout=true needs rollout.backend=hf \(now 'vllm'\)"),
+     r"trainer.partial_rollout=true: rollout.backend='nopause' cannot interrupt a generation in "
+     r"flight .* use one of \['hf', 'sglang', 'vllm'\] or set trainer.partial_rollout=false"),
 ]
+
+
+class NoPauseRollout:
+    """A registered backend without `paused()`: partial rollout must be refused for it."""
+
+    def __init__(self, config) -> None:
+        raise AssertionError("the config check must not build the backend")
+
+
+@pytest.fixture(autouse=True)
+def nopause_backend(monkeypatch):
+    import tephra.rollout.backends  # noqa: F401  (the built-ins first)
+    from tephra.rollout.base import ROLLOUT_BACKENDS
+
+    monkeypatch.setitem(ROLLOUT_BACKENDS._items, "nopause", NoPauseRollout)
 
 
 @pytest.mark.parametrize("overrides, message", CASES, ids=[c[0][-1] for c in CASES])
@@ -78,4 +94,14 @@ def test_bad_option_is_one_clear_error_before_ray(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         parse_config(["-p", "smoke", *overrides])
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm", "sglang"])
+def test_partial_rollout_is_accepted_with_every_built_in_backend(backend):
+    import ray
+
+    cfg = parse_config(["-p", "smoke", "trainer.mode=async", "resources.rollout.replicas=1",
+                        "trainer.partial_rollout=true", f"rollout.backend={backend}"])
+    assert cfg.trainer.partial_rollout and cfg.rollout.backend == backend
     assert not ray.is_initialized()

@@ -41,8 +41,13 @@ def test_vllm_request_and_response_translation(tiny_model):
     with pytest.raises(RolloutError, match="3 log-probs for 2 tokens"):
         bad = {"choices": [{**response["choices"][0], "logprobs": {"token_logprobs": [0, 0, 0]}}]}
         protocol.parse_samples(bad, sampling)
-    with pytest.raises(RolloutError, match="abort"):
-        protocol.parse_samples({"choices": [{**response["choices"][0], "finish_reason": "abort"}]}, sampling)
+    # an aborted sample (partial rollout) keeps its tokens and log-probs so far
+    [aborted] = protocol.parse_samples({"choices": [{**response["choices"][0], "finish_reason": "abort"}]},
+                                       sampling)
+    assert (aborted.response_ids, aborted.log_probs, aborted.finish_reason) == ([9, 3], [-0.5, -0.25], "abort")
+    with pytest.raises(RolloutError, match="finished with 'error'; expected stop, length or abort"):
+        protocol.parse_samples({"choices": [{**response["choices"][0], "finish_reason": "error"}]}, sampling)
+    assert protocol.abort_request() == ("/abort_requests", {})
 
     assert protocol.reload_requests("/w") == [
         ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/w"}}),
@@ -75,6 +80,9 @@ def test_sglang_request_and_response_translation():
     [sample] = protocol.parse_samples(response, sampling)
     assert sample.response_ids == [7, 2] and sample.log_probs == [-0.1, -0.2]
     assert sample.finish_reason == "stop"
+    aborted = {**response, "meta_info": {**response["meta_info"], "finish_reason": {"type": "abort"}}}
+    assert protocol.parse_samples(aborted, sampling)[0].finish_reason == "abort"
+    assert protocol.abort_request() == ("/abort_request", {"abort_all": True})
     assert protocol.reload_requests("/w") == [("/update_weights_from_disk", {"model_path": "/w"}),
                                               ("/flush_cache", {})]
 

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -126,7 +127,7 @@ def test_vllm_matches_hf_then_follows_new_weights(rollouts, tiny_tied_model):
         assert assert_same_greedy(vllm, hf, max_tokens=8).response_ids != after.response_ids
     finally:
         vllm.settings.weight_sync = "memory"
-    assert vllm.calls["update_weights"] == 2 and vllm.weight_version == 2
+    assert vllm.calls["update_weights"] == vllm.update_count == 2
 
 
 def test_vllm_agent_loop_tool_turn_matches_hf(rollouts, tiny_tied_model):
@@ -153,6 +154,70 @@ def test_vllm_agent_loop_tool_turn_matches_hf(rollouts, tiny_tied_model):
         torch.testing.assert_close(torch.tensor(a.response_log_probs),
                                    torch.tensor(b.response_log_probs), atol=LOGPROB_TOL, rtol=0)
         assert "42" in a.messages[2]["content"]
+
+
+def generated_tokens(url: str) -> float:
+    """The server's count of generated tokens (its Prometheus counter)."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            return float(line.split()[-1])
+    raise AssertionError("vllm:generation_tokens_total is not in /metrics")
+
+
+def test_vllm_partial_rollout_resumes_under_the_new_weights(rollouts, tiny_tied_model):
+    """A weight update under `paused()` while `generate` runs (sampled, n=2): the server aborts
+    the requests, each sample keeps the tokens it had and goes on under the new weights. Each
+    token is tagged with the version that produced it, and its log-prob equals a teacher-forced
+    forward under that version's weights (fp32, within LOGPROB_TOL = 1e-4, as above)."""
+    vllm, _ = rollouts
+    weights = {v: list(perturbed_weights(tiny_tied_model.path, seed=21 + v)) for v in range(4)}
+    models = {}
+    for version, named in weights.items():
+        models[version] = AutoModelForCausalLM.from_pretrained(tiny_tied_model.path,
+                                                               dtype=torch.float32).eval()
+        models[version].load_state_dict(dict(named), strict=False)
+    sampling = SamplingParams(temperature=0.7, max_tokens=400, n=2, seed=5, ignore_eos=True)
+    vllm.update_weights(weights[0])
+    vllm.weight_version = 0
+    tried = []
+    try:
+        # the update lands wherever the server has got to (the token counter lags): another
+        # try if a sample had not begun or had already finished (a busy machine)
+        for version in (1, 2, 3):
+            with ThreadPoolExecutor(1) as pool:
+                start = generated_tokens(vllm.urls[0])
+                future = pool.submit(vllm.generate, PROMPTS, sampling)
+                # every sample has begun: the server counted about one token each
+                while (generated_tokens(vllm.urls[0]) < start + len(PROMPTS) * sampling.n
+                       and not future.done()):
+                    time.sleep(0.01)
+                with vllm.paused():
+                    assert vllm._in_flight == 0  # every request came back before the update
+                    vllm.update_weights(weights[version])
+                    vllm.weight_version = version
+                out = future.result(timeout=300)
+            cut = [v.count(version - 1) for v in out.token_versions]
+            tried.append(cut)
+            if all(0 < k < sampling.max_tokens for k in cut):
+                break
+    finally:
+        vllm.weight_version = None
+    assert all(0 < k < sampling.max_tokens for k in cut), f"not caught mid-way: {tried}"
+    old, new = version - 1, version
+    assert out.prompt_index == [0, 0, 1, 1, 2, 2]
+    for i in range(len(out)):
+        tokens, versions, k = out.response_ids[i], out.token_versions[i], cut[i]
+        assert versions == [old] * k + [new] * (sampling.max_tokens - k)
+        assert len(tokens) == sampling.max_tokens and out.finish_reasons[i] == "length"
+        prompt, got = out.prompt_ids[i], torch.tensor(out.log_probs[i])
+        under = {v: teacher_forced(models[v], prompt, tokens, 0.7) for v in (old, new)}
+        torch.testing.assert_close(got[:k], under[old][:k], atol=LOGPROB_TOL, rtol=0)
+        torch.testing.assert_close(got[k:], under[new][k:], atol=LOGPROB_TOL, rtol=0)
+        # the resumed tokens were not produced by the old weights
+        assert (got[k:] - under[old][k:]).abs().max() > 100 * LOGPROB_TOL
+    assert not vllm._in_flight and vllm._open.is_set()  # generation is open again
+    untagged = vllm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))
+    assert untagged.token_versions is None
 
 
 def test_vllm_sleep_mode_is_refused_on_cpu_before_start(tiny_tied_model, vllm_python):

@@ -436,8 +436,9 @@ class TrainerSection:
     the weight version that produced it; a sample's `weight_version` is its oldest (the one it
     started under), which the staleness bound uses. With an agent loop, a turn interrupted
     by an update goes on under the new weights, later turns run under the newest, and tool
-    tokens take the version of the turn they answer. Needs `rollout.backend=hf`. Off by
-    default: samples then come from one version each."""
+    tokens take the version of the turn they answer. Every built-in backend does it: `hf` stops
+    at the next token, `vllm` / `sglang` abort the server's requests and resubmit prompt +
+    tokens so far (rollout README). Off by default: samples then come from one version each."""
     overlap_generation: bool = True
     """`one_step_off`: generate the next batch in a worker thread while this step's passes
     and update run (the rollout engine holds its own weights until `sync_weights`). It keeps
@@ -701,10 +702,14 @@ def validate(cfg: PPOConfig) -> None:
             raise ConfigError(f"trainer.partial_rollout=true interrupts generations in flight on "
                               f"rollout replicas when weights arrive; it needs trainer.mode=async "
                               f"(now {cfg.trainer.mode!r})")
-        if r.backend != "hf":
-            raise ConfigError(f"trainer.partial_rollout=true needs rollout.backend=hf (now "
-                              f"{r.backend!r}): only hf generation can stop and resume at a "
-                              "token boundary here")
+        from tephra.rollout.base import ROLLOUT_BACKENDS, can_pause
+
+        if not can_pause(ROLLOUT_BACKENDS.get(r.backend)):
+            pausable = [n for n in ROLLOUT_BACKENDS if can_pause(ROLLOUT_BACKENDS.get(n))]
+            raise ConfigError(f"trainer.partial_rollout=true: rollout.backend={r.backend!r} cannot "
+                              "interrupt a generation in flight for a weight update (it has no "
+                              f"`paused()`); use one of {pausable} or set "
+                              "trainer.partial_rollout=false")
     if a.dynamic_sampling and b.samples_per_prompt < 2:
         raise ConfigError("algorithm.dynamic_sampling drops groups whose samples all scored the "
                           f"same; batch.samples_per_prompt={b.samples_per_prompt} must be >= 2")

@@ -10,9 +10,10 @@ the version it holds. `RolloutReplicas` is the driver's side: a batch split over
 request goes to the least-loaded replica.
 
 With `trainer.partial_rollout` each replica actor has a second concurrency group, `weights`,
-so an update runs while a request generates: the hf engine stops the request at the next
-token (`HFRollout.paused`), takes the weights, and the request goes on under them; every
-token records the version that produced it.
+so an update runs while a request generates: the engine's `paused()` interrupts the request
+(`hf` at the next token; `vllm` / `sglang` abort the server's requests, which return their
+tokens so far), takes the weights, and the request goes on under them (the server backends
+resubmit prompt + tokens); every token records the version that produced it.
 """
 
 from __future__ import annotations

@@ -267,7 +267,7 @@ class Generation:
     """'stop' (a stop/EOS token) or 'length' (max_tokens or max_model_len reached)."""
     token_versions: list[int] | None = None
     """Weight version that produced each response token, when the backend's owner numbers its
-    weights (`hf` with `weight_version` set; partial rollout); None otherwise."""
+    weights (`weight_version` set; partial rollout); None otherwise."""
 
 
 @dataclass
@@ -361,6 +361,13 @@ class Rollout(abc.ABC):
     `generate` is the synchronous batch call of a training step; `agenerate` is one request
     for agent loops, with many in flight at once (the backend batches them). `session_id`
     keeps every request of one trajectory on the same server (prefix-cache reuse).
+
+    Partial rollout (optional; `can_pause`): a backend that can take a weight update while
+    generations are in flight has a context manager `paused()`: entered from another thread,
+    it interrupts them, keeping their tokens and log-probs; `update_weights` and setting
+    `weight_version: int | None` happen inside; on exit they continue under the new weights.
+    With `weight_version` set, every token is tagged with the version that produced it
+    (`Generation.token_versions`).
     """
 
     config: RolloutConfig
@@ -424,6 +431,11 @@ def check_prompts(
                 raise ConfigError(
                     f"prompt {i} holds token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})"
                 )
+
+
+def can_pause(backend: type[Rollout]) -> bool:
+    """Whether the backend class supports partial rollout (has `paused()`; see `Rollout`)."""
+    return callable(getattr(backend, "paused", None))
 
 
 ROLLOUT_BACKENDS: Registry[type[Rollout]] = Registry("rollout backend")

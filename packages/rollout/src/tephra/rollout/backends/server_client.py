@@ -3,8 +3,17 @@
 `ServerRollout` starts the server (or connects to given URLs), sends requests with one
 `httpx.AsyncClient` on a private event-loop thread (so `generate` works from sync code and
 `agenerate` from any event loop), and turns every failure into a `RolloutError`. What differs
-between servers (command line, request and response JSON, reload endpoints) is a
+between servers (command line, request and response JSON, reload and abort endpoints) is a
 `ServerProtocol`, tested on its own.
+
+Partial rollout (`paused()`), the same code for every server: the client holds new requests
+back, asks each server to abort everything in flight (`ServerProtocol.abort_request`), and
+waits until every request has come back. An aborted request returns what it generated so far
+(finish reason `abort`: token ids and log-probs); once the owner's update is done the client
+resubmits each unfinished sample as prompt + its tokens, with the rest of its `max_tokens`.
+Since an update starts only after every request has returned, and a request is sent only
+while no update runs, each request runs under one weight version: its tokens are tagged with
+the `weight_version` current when it was sent.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import itertools
 import os
 import shutil
@@ -20,7 +30,7 @@ import threading
 import time
 import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +59,17 @@ from tephra.rollout.base import (
     RolloutError,
     RolloutOutput,
     SamplingParams,
+    ServerDiedError,
     ServerSettings,
     check_prompts,
 )
 
 Request = tuple[str, dict]
 """(path, JSON body) of one POST."""
+
+ABORTED = "abort"
+"""Finish reason `parse_samples` gives a sample the server aborted (its tokens so far); only
+the client sees it: a sample aborted by `paused()` is resumed, any other abort is an error."""
 
 
 class ServerProtocol(abc.ABC):
@@ -92,7 +107,13 @@ class ServerProtocol(abc.ABC):
 
     @abc.abstractmethod
     def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Generation]:
-        """The samples in one response, in sample order."""
+        """The samples in one response, in sample order; an aborted sample has finish reason
+        `ABORTED` and the tokens (and log-probs) generated before the abort."""
+
+    @abc.abstractmethod
+    def abort_request(self) -> Request:
+        """The request that aborts every generation in flight on the server, each of which
+        then returns what it generated so far (partial rollout)."""
 
     @abc.abstractmethod
     def reload_requests(self, weights_dir: str) -> list[Request]:
@@ -140,8 +161,13 @@ class ServerRollout(Rollout):
         self._updates = itertools.count()
         self._last_update: Path | None = None
         self._groups: dict[str, Any] = {}
-        self.weight_version = 0
+        self.update_count = 0
         """Number of `update_weights` calls so far (sent to servers that record a version)."""
+        self.weight_version: int | None = None
+        """Version of the weights held, set by the owner (partial rollout); when not None every
+        generated token is tagged with it (`Generation.token_versions`)."""
+        self._pause_holds = 0
+        """`paused()` contexts entered and not left (generation opens again at 0)."""
         self.last_update_stats: dict[str, float] = {}
         """Of the last update: `seconds`, `buckets`, `max_bucket_bytes`, `bytes`."""
         self.calls: collections.Counter[str] = collections.Counter()
@@ -180,6 +206,15 @@ class ServerRollout(Rollout):
 
     async def _make_client(self) -> httpx.AsyncClient:
         self._semaphore = asyncio.Semaphore(self.settings.max_in_flight)
+        # partial rollout, on this loop: `_open` is cleared while an update holds generation;
+        # `_in_flight` counts generation requests sent and not answered (`_idle` when none);
+        # `_pauses` counts the pauses begun, so an abort seen by a request is known to be ours
+        self._open, self._idle = asyncio.Event(), asyncio.Event()
+        self._open.set()
+        self._idle.set()
+        self._in_flight = self._pauses = 0
+        # aborts must not queue behind the generation requests they are meant to end
+        self._control = httpx.AsyncClient(timeout=httpx.Timeout(self.settings.request_timeout_s))
         limits = httpx.Limits(max_connections=self.settings.max_in_flight,
                               max_keepalive_connections=self.settings.max_in_flight)
         return httpx.AsyncClient(timeout=httpx.Timeout(self.settings.request_timeout_s), limits=limits)
@@ -217,11 +252,13 @@ class ServerRollout(Rollout):
             return self.process.failure("died")
         return None
 
-    async def _post(self, url: str, request: Request) -> dict:
-        """POST on the private loop; a dead server process ends the wait within a second."""
+    async def _post(self, url: str, request: Request, control: bool = False) -> dict:
+        """POST on the private loop; a dead server process ends the wait within a second.
+        `control`: on a client of its own, not counted against `max_in_flight` (aborts)."""
         path, body = request
-        async with self._semaphore:
-            task = asyncio.ensure_future(self._client.post(url + path, json=body))
+        client = self._control if control else self._client
+        async with contextlib.nullcontext() if control else self._semaphore:
+            task = asyncio.ensure_future(client.post(url + path, json=body))
             while True:
                 done, _ = await asyncio.wait({task}, timeout=1.0)
                 if done:
@@ -252,12 +289,68 @@ class ServerRollout(Rollout):
         return self.urls[zlib.crc32(session_id.encode()) % len(self.urls)]
 
     async def _sample(self, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Generation]:
-        requests = self.protocol.sample_requests(list(prompt_ids), sampling)
-        responses = await asyncio.gather(*(self._post(url, r) for r in requests))
-        samples = [g for resp in responses for g in self.protocol.parse_samples(resp, sampling)]
+        """`sampling.n` samples of one prompt; a sample aborted by `paused()` goes on from its
+        tokens under the weights set meanwhile (`_resume`)."""
+        samples, paused = await self._send(url, list(prompt_ids), sampling)
         if len(samples) != sampling.n:
             raise RolloutError(f"{self.protocol.name} returned {len(samples)} samples, asked n={sampling.n}")
+        return list(await asyncio.gather(*(
+            self._resume(url, list(prompt_ids), sampling, j, g) if g.finish_reason == ABORTED
+            else asyncio.sleep(0, g)
+            for j, g in enumerate(self._check_abort(samples, paused)))))
+
+    async def _send(self, url: str, prompt_ids: list[int],
+                    sampling: SamplingParams) -> tuple[list[Generation], bool]:
+        """The samples of one prompt's requests, sent once generation is open (not inside
+        `paused()`), each token tagged with the `weight_version` current when they were sent
+        (no update can start before they return); and whether a pause began meanwhile."""
+        while not self._open.is_set():
+            await self._open.wait()
+        version, pauses = self.weight_version, self._pauses
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            responses = await asyncio.gather(*(
+                self._post(url, r) for r in self.protocol.sample_requests(prompt_ids, sampling)))
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+        samples = [g for resp in responses for g in self.protocol.parse_samples(resp, sampling)]
+        if version is not None:
+            for g in samples:
+                g.token_versions = [version] * len(g.response_ids)
+        return samples, self._pauses != pauses
+
+    def _check_abort(self, samples: list[Generation], paused: bool) -> list[Generation]:
+        if not paused and any(g.finish_reason == ABORTED for g in samples):
+            raise RolloutError(
+                f"{self.protocol.name} aborted a sample that this rollout did not pause (another "
+                "client aborted it, or the server is shutting down); expected stop or length")
         return samples
+
+    async def _resume(self, url: str, prompt_ids: list[int], sampling: SamplingParams, j: int,
+                      partial: Generation) -> Generation:
+        """Sample `j` of a prompt, aborted after `partial`'s tokens: resubmit prompt + tokens
+        with the rest of `max_tokens` (one sample, seed `seed + j + 1_000_003 * k` on the k-th
+        resumption) until it stops or reaches its budget."""
+        tokens, log_probs = list(partial.response_ids), partial.log_probs
+        versions = partial.token_versions
+        resumes = 0
+        while partial.finish_reason == ABORTED:
+            rest = sampling.max_tokens - len(tokens)
+            if rest <= 0:  # the abort raced the last token: the budget is spent
+                return Generation(tokens, log_probs, "length", versions)
+            resumes += 1
+            seed = None if sampling.seed is None else sampling.seed + j + 1_000_003 * resumes
+            more, paused = await self._send(url, prompt_ids + tokens,
+                                            sampling.replace(n=1, max_tokens=rest, seed=seed))
+            [partial] = self._check_abort(more, paused)
+            tokens += partial.response_ids
+            log_probs = None if log_probs is None else log_probs + (partial.log_probs or [])
+            versions = (None if versions is None or partial.token_versions is None
+                        else versions + partial.token_versions)
+        return Generation(tokens, log_probs, partial.finish_reason, versions)
 
     # -- the contract ---------------------------------------------------------------------------
 
@@ -290,11 +383,13 @@ class ServerRollout(Rollout):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send the tensors to every server (`weight_sync`: in memory, or through the disk) and
-        drop cached prefixes; `weight_version` counts the updates."""
+        drop cached prefixes; `update_count` counts the updates. Inside `paused()` no request
+        is in flight; outside it, requests running on the server meanwhile may take tokens
+        from both the old and the new weights (untagged)."""
         self._ensure_open()
         self.calls["update_weights"] += 1
         start = time.perf_counter()
-        self.weight_version += 1
+        self.update_count += 1
         if self.settings.weight_sync == "memory":
             self.last_update_stats = self._update_in_memory(self._with_untied_head(named_tensors))
         else:
@@ -356,7 +451,7 @@ class ServerRollout(Rollout):
                         broadcast(group, tensor.contiguous())
                 pending.result()
             del flat
-        self._run_all(self.protocol.transfer_finish_requests(self.weight_version))
+        self._run_all(self.protocol.transfer_finish_requests(self.update_count))
         return {"buckets": count, "max_bucket_bytes": max_bytes, "bytes": total}
 
     def _update_from_disk(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -386,6 +481,46 @@ class ServerRollout(Rollout):
         if requests:
             self._call(run())
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold generation for a weight update (partial rollout): requests are held back, the
+        ones in flight are aborted on every server and return their tokens and log-probs so
+        far; on exit each unfinished sample is resubmitted (prompt + its tokens, the rest of
+        its budget) under the weights and `weight_version` set inside. From any thread but
+        the rollout's own HTTP loop."""
+        self._ensure_open()
+        try:
+            self._call(self._hold())
+            yield
+        finally:
+            self._call(self._release())
+
+    async def _hold(self) -> None:
+        self._pause_holds += 1
+        self._open.clear()
+        self._pauses += 1
+        while self._in_flight:
+            # again until all are back: a request still on its way when the abort ran has
+            # reached the server since
+            for url in self.urls:
+                try:
+                    await self._post(url, self.protocol.abort_request(), control=True)
+                except ServerDiedError:
+                    raise
+                except RolloutError as exc:
+                    raise RolloutError(
+                        f"{self.protocol.name}: aborting the requests in flight for a weight "
+                        f"update (trainer.partial_rollout) failed: {exc}; {self.protocol.name} "
+                        f"servers started elsewhere ({self.protocol.name}.url) must serve "
+                        f"{self.protocol.abort_request()[0]} (see the rollout README)") from exc
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout=0.25)
+
+    async def _release(self) -> None:
+        self._pause_holds -= 1
+        if not self._pause_holds:
+            self._open.set()
+
     def sleep(self) -> None:
         self.calls["sleep"] += 1
         self._run_all(self.protocol.sleep_requests(self.settings))
@@ -411,6 +546,7 @@ class ServerRollout(Rollout):
             self.process.kill()
         try:
             self._call(self._client.aclose())
+            self._call(self._control.aclose())
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -5,12 +5,14 @@ only the request/response translation is tested. Started as `python -m sglang.la
 from `sglang.python`; `/generate` with `input_ids` and `return_logprob`; weights reloaded
 in memory with `/init_weights_update_group` + `/update_weights_from_distributed` (one
 broadcast per tensor), or with `/update_weights_from_disk` (`weight_sync=disk`); then
-`/flush_cache`.
+`/flush_cache`. Partial rollout: `/abort_request {"abort_all": true}` aborts every request in
+flight; each returns its `output_ids` and log-probs so far with finish reason `abort` (the
+abort-and-resubmit path is the one shared with vLLM in `server_client`, tested there).
 """
 
 from __future__ import annotations
 
-from tephra.rollout.backends.server_client import Request, ServerProtocol, ServerRollout
+from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtocol, ServerRollout
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta
 from tephra.rollout.base import (
     ROLLOUT_BACKENDS,
@@ -82,10 +84,14 @@ class SglangProtocol(ServerProtocol):
                     raise RolloutError(f"sglang returned {len(log_probs)} log-probs for {len(ids)} tokens")
             finish = meta.get("finish_reason") or {}
             reason = finish.get("type") if isinstance(finish, dict) else finish
-            if reason == "abort" or reason not in ("stop", "length"):
-                raise RolloutError(f"sglang sample finished with {finish!r}; expected stop or length")
+            if reason not in ("stop", "length", ABORTED):
+                raise RolloutError(f"sglang sample finished with {finish!r}; expected stop, length "
+                                   "or abort")
             out.append(Generation(list(ids), log_probs, reason))
         return out
+
+    def abort_request(self) -> Request:
+        return ("/abort_request", {"abort_all": True})
 
     def reload_requests(self, weights_dir: str) -> list[Request]:
         return [("/update_weights_from_disk", {"model_path": weights_dir}), ("/flush_cache", {})]

@@ -7,6 +7,8 @@ Requests: `/v1/completions` with a token-id prompt, `return_token_ids` and `logp
 server runs with `--logprobs-mode processed_logprobs` (log-probs after temperature: the
 convention of `tephra.rollout.base`) and `--generation-config vllm` (the model's shipped
 sampling defaults are not applied; every option is sent explicitly).
+Partial rollout: `POST /abort_requests {}` (dev mode) aborts every request in flight; each
+returns its tokens and log-probs so far with finish reason `abort`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from tephra.rollout.backends.server_client import Request, ServerProtocol, ServerRollout
+from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtocol, ServerRollout
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta
 from tephra.rollout.base import (
     ROLLOUT_BACKENDS,
@@ -136,10 +138,15 @@ class VllmProtocol(ServerProtocol):
                 if len(log_probs) != len(ids):
                     raise RolloutError(f"vllm returned {len(log_probs)} log-probs for {len(ids)} tokens")
             reason = choice.get("finish_reason")
-            if reason not in ("stop", "length"):
-                raise RolloutError(f"vllm sample finished with {reason!r} (aborted?); expected stop or length")
+            if reason not in ("stop", "length", ABORTED):
+                raise RolloutError(f"vllm sample finished with {reason!r}; expected stop, length "
+                                   "or abort")
             out.append(Generation(list(ids), log_probs, reason))
         return out
+
+    def abort_request(self) -> Request:
+        # no ids: every request the server tracks (parents of n > 1 samples included)
+        return ("/abort_requests", {})
 
     def reload_requests(self, weights_dir: str) -> list[Request]:
         return [
