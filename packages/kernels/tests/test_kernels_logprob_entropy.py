@@ -55,6 +55,26 @@ def test_chunked_equals_naive_fp32(chunk_size, temperature):
     assert torch.all(got[1][ignored] > 0)  # entropy is computed at ignored positions too
 
 
+@pytest.mark.parametrize("entropy", [True, False])
+def test_kept_log_probs_give_the_recomputed_gradients(entropy):
+    """Keeping log p from forward to backward (the default for small problems) gives the
+    gradients of recomputing them (keep_logits_bytes=0) to float rounding, also across a
+    second backward of a retained graph, which recomputes."""
+    h, w, labels, g_lp, g_ent = make_problem()
+    g_ent = g_ent if entropy else torch.zeros_like(g_ent)
+    kw = dict(temperature=0.7, chunk_size=8, compute_entropy=entropy)
+    ref = outputs_and_grads(chunked_logprob_entropy, h, w, labels, g_lp, g_ent,
+                            keep_logits_bytes=0, **kw)
+    lp, ent = chunked_logprob_entropy(h, w, labels, **kw)
+    loss = (lp * g_lp + ent * g_ent).sum()
+    first = torch.autograd.grad(loss, [h, w], retain_graph=True)
+    second = torch.autograd.grad(loss, [h, w])
+    for got in (first, second):
+        torch.testing.assert_close(got[0], ref[2], atol=1e-6, rtol=0)
+        torch.testing.assert_close(got[1], ref[3], atol=1e-6, rtol=0)
+    torch.testing.assert_close(lp, ref[0], atol=0, rtol=0)
+
+
 def test_ignored_positions_get_no_logprob_gradient():
     h, w, labels, _, _ = make_problem()
     lp, _ = linear_logprob_entropy(h, w, labels, 0.8, chunk_size=8)

@@ -294,3 +294,20 @@ def test_inverse_cdf_sampling_draws_the_softmax_distribution():
         freq = torch.bincount(tokens[:, r], minlength=5).double() / 20_000
         torch.testing.assert_close(freq, torch.softmax(rows[r].double(), -1), atol=0.015, rtol=0)
         assert freq[rows[r] == -inf].sum() == 0
+
+
+def test_two_level_sampling_across_blocks():
+    """`sample_probs` picks a block of 256 tokens, then a token in it: over a 600-token
+    vocabulary (3 blocks, the last one padded) with a whole block at 0 and mass at both
+    ends of each block, 40k draws match the probabilities within 1 point, zeros never."""
+    from tephra.rollout.backends.sampling_processor import SAMPLE_BLOCK, sample_probs
+
+    assert SAMPLE_BLOCK == 256
+    probs = torch.zeros(600)
+    probs[[0, 255, 512, 599]] = torch.tensor([0.1, 0.3, 0.2, 0.25])
+    probs[513:520] = 0.15 / 7  # block 1 (256..511) stays empty
+    torch.manual_seed(1)
+    tokens = sample_probs((probs * 3).repeat(40_000, 1))  # unnormalised rows are fine
+    freq = torch.bincount(tokens, minlength=600).double() / 40_000
+    torch.testing.assert_close(freq, probs.double(), atol=0.01, rtol=0)
+    assert freq[probs == 0].sum() == 0

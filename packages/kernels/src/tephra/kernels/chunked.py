@@ -3,7 +3,9 @@
 Forward, per chunk of C tokens (all in fp32):
     z = (h_c @ W.T) / T,   lse = logsumexp(z),   logp = z[label] - lse,
     H = -sum_v p_v log p_v    with log p = z - lse
-Only lse and H ([tokens] each) are kept for backward; backward recomputes z chunk by chunk.
+Only lse and H ([tokens] each) are kept for backward; backward recomputes z chunk by chunk,
+except when all of log p fits in KEEP_LOGITS_BYTES: then forward keeps it and backward skips
+one of the head's three [tokens, hidden] x [hidden, vocab] products.
 
 Backward, with g_lp = dL/dlogp (0 at ignored labels) and g_H = dL/dH:
     dlogp/dz_v = onehot_v - p_v
@@ -18,10 +20,15 @@ from __future__ import annotations
 
 import torch
 
+from tephra.kernels.cpu_linear import linear
+
 # One chunk's fp32 logits take about this many bytes when chunk_size is not given: small
 # enough that two such buffers stay far below the weight gradient for a 152k vocabulary,
 # large enough (tens of tokens or more) that each chunk is still a full-speed matmul.
 AUTO_CHUNK_BYTES = 32 * 1024 * 1024
+KEEP_LOGITS_BYTES = 256 * 1024 * 1024
+"""When [tokens, vocab] fp32 log-probs take at most this, forward keeps them for backward
+instead of recomputing the logits (e.g. 1.3k tokens of a 49k vocabulary; 430 of 152k)."""
 
 
 def auto_chunk_tokens(vocab: int, tokens: int) -> int:
@@ -31,15 +38,14 @@ def auto_chunk_tokens(vocab: int, tokens: int) -> int:
 
 def chunk_logits(hidden_c: torch.Tensor, weight32: torch.Tensor, inv_temp: float) -> torch.Tensor:
     """[C, hidden] x fp32 [vocab, hidden] -> fp32 logits [C, vocab], divided by temperature."""
-    z = hidden_c.float() @ weight32.T
+    z = linear(hidden_c.float(), weight32)
     if inv_temp != 1.0:
         z.mul_(inv_temp)
     return z
 
 
 def grad_logits_(
-    z: torch.Tensor,
-    lse: torch.Tensor,
+    log_p: torch.Tensor,
     entropy: torch.Tensor | None,
     g_lp: torch.Tensor,
     g_ent: torch.Tensor | None,
@@ -47,13 +53,14 @@ def grad_logits_(
     onehot_weight: torch.Tensor,
     inv_temp: float,
 ) -> torch.Tensor:
-    """Turn logits z [C, V] in place into dL/d(h @ W.T) [C, V] (the temperature included).
+    """Turn log-probs log p [C, V] (logits minus their lse) in place into dL/d(h @ W.T)
+    [C, V] (the temperature included).
 
     g_lp [C] is dL/dlogp already zeroed at ignored labels; onehot_weight [C] is g_lp where the
     label falls in this vocabulary (a vocab-parallel shard may not hold it) and 0 elsewhere;
     onehot_index [C] is the label's column in z (any valid column where onehot_weight is 0).
     """
-    z.sub_(lse.unsqueeze(-1))  # z is now log p
+    z = log_p
     p = z.exp()
     if g_ent is not None and entropy is not None:
         z.add_(entropy.unsqueeze(-1)).mul_(-g_ent.unsqueeze(-1))
@@ -80,6 +87,7 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         ignore_index: int,
         compute_entropy: bool,
         chunk_size: int,
+        keep_logits_bytes: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         inv_temp = 1.0 / temperature
@@ -89,6 +97,10 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(log_probs)
         entropy = torch.zeros_like(log_probs)
+        # backward gets each chunk's log p from here instead of recomputing it, when they fit
+        keep = (any(ctx.needs_input_grad[:2])
+                and 4 * n * weight.shape[0] <= keep_logits_bytes)
+        kept: list[torch.Tensor] = []
         for start in range(0, n, chunk_size):
             sl = slice(start, min(start + chunk_size, n))
             z = chunk_logits(hidden[sl], weight32, inv_temp)
@@ -100,8 +112,11 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
             if compute_entropy:
                 # -sum p log p, not lse - sum p z: the latter cancels two large numbers
                 entropy[sl] = log_p.exp().mul_(log_p).sum(-1).neg_()
-            del z
+            if keep:
+                kept.append(log_p)
+            del z, log_p
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.kept_log_p = kept  # not saved tensors: backward consumes them in place, once
         ctx.temperature = temperature
         ctx.ignore_index = ignore_index
         ctx.compute_entropy = compute_entropy
@@ -115,7 +130,7 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
-            return (None,) * 7
+            return (None,) * 8
         n = hidden.shape[0]
         inv_temp = 1.0 / ctx.temperature
         weight32 = weight.float()
@@ -129,12 +144,17 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         grad_w = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         )
-        for start in range(0, n, ctx.chunk_size):
+        # a second backward (retain_graph) recomputes: the first consumed the kept log p
+        kept, ctx.kept_log_p = ctx.kept_log_p, []
+        for i, start in enumerate(range(0, n, ctx.chunk_size)):
             sl = slice(start, min(start + ctx.chunk_size, n))
-            z = chunk_logits(hidden[sl], weight32, inv_temp)
+            if kept:
+                log_p = kept[i]
+                kept[i] = None
+            else:
+                log_p = chunk_logits(hidden[sl], weight32, inv_temp).sub_(lse[sl].unsqueeze(-1))
             dz = grad_logits_(
-                z,
-                lse[sl],
+                log_p,
                 entropy[sl] if g_ent is not None else None,
                 g_lp[sl],
                 g_ent[sl] if g_ent is not None else None,
@@ -146,11 +166,12 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
                 torch.mm(dz, weight32, out=grad_h[sl])
             if need_w:
                 grad_w.addmm_(dz.T, hidden[sl].float())
-            del z, dz
+            del log_p, dz
         del weight32  # before the bf16 casts below, so the fp32 copy and they never coexist
         return (
             grad_h.to(hidden.dtype) if need_h else None,
             grad_w.to(weight.dtype) if need_w else None,
+            None,
             None,
             None,
             None,
@@ -168,10 +189,14 @@ def chunked_logprob_entropy(
     *,
     compute_entropy: bool = True,
     chunk_size: int | None = None,
+    keep_logits_bytes: int = KEEP_LOGITS_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked path on validated 2-D inputs; returns (log_probs, entropy), both fp32 [tokens]."""
+    """Chunked path on validated 2-D inputs; returns (log_probs, entropy), both fp32 [tokens].
+    Forward keeps the log-probs for backward when [tokens, vocab] fp32 is at most
+    `keep_logits_bytes` (0: always recompute, the least memory)."""
     if chunk_size is None:
         chunk_size = auto_chunk_tokens(weight.shape[0], hidden.shape[0])
     return ChunkedLogprobEntropy.apply(
-        hidden, weight, labels, temperature, ignore_index, compute_entropy, chunk_size
+        hidden, weight, labels, temperature, ignore_index, compute_entropy, chunk_size,
+        keep_logits_bytes,
     )

@@ -137,6 +137,7 @@ def linear_logprob_entropy(
     compute_entropy: bool = True,
     method: str = "auto",
     chunk_size: int | None = None,
+    keep_logits_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each label and entropy of softmax((hidden @ weight.T) / temperature).
 
@@ -149,7 +150,9 @@ def linear_logprob_entropy(
     Ignored positions get no gradient through log_probs; mask entropy yourself if needed.
     Gradients flow to hidden and weight; the [tokens, vocab] logits are never held whole
     (except by method="naive"). All math is fp32 inside; gradients come back in the input
-    dtype. chunk_size is tokens per chunk for "chunked" (None: about 32 MiB of logits).
+    dtype. chunk_size is tokens per chunk for "chunked" (None: about 32 MiB of logits);
+    keep_logits_bytes is how large the [tokens, vocab] log-probs may be for "chunked" to keep
+    them from forward to backward instead of recomputing (None: KEEP_LOGITS_BYTES, 0: never).
     """
     check_inputs(hidden, weight, labels, temperature, chunk_size)
     vocab = weight.shape[0]
@@ -161,6 +164,10 @@ def linear_logprob_entropy(
             f"labels must be token ids of this vocabulary or ignore_index"
         )
     name = resolve_method(method, hidden.device)
+    if keep_logits_bytes is not None and keep_logits_bytes < 0:
+        raise KernelInputError(f"keep_logits_bytes={keep_logits_bytes}; expected >= 0 or None")
+    extra = {"keep_logits_bytes": keep_logits_bytes} if (
+        name == "chunked" and keep_logits_bytes is not None) else {}
     lead = labels.shape
     log_probs, entropy = METHODS.get(name)(
         hidden.reshape(-1, hidden.shape[-1]),
@@ -170,5 +177,6 @@ def linear_logprob_entropy(
         ignore_index,
         compute_entropy=compute_entropy,
         chunk_size=chunk_size,
+        **extra,
     )
     return log_probs.reshape(lead), entropy.reshape(lead) if compute_entropy else None

@@ -113,8 +113,7 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
             sl = slice(start, min(start + ctx.chunk_size, n))
             z = chunk_logits(hidden[sl], weight32, inv_temp)
             dz = grad_logits_(
-                z,
-                lse[sl],
+                z.sub_(lse[sl].unsqueeze(-1)),
                 entropy[sl] if g_ent is not None else None,
                 g_lp[sl],
                 g_ent[sl] if g_ent is not None else None,

@@ -122,8 +122,15 @@ class HFSettings:
     answers stop costing compute; 1.0 keeps every row to the end, as transformers' `generate`
     does. Greedy outputs are the same either way; sampled ones are drawn from the same
     distributions, with different random draws."""
+    cpu_linear: str = "auto"
+    """Matmul kernel of the model's linear layers on a CPU: `auto` takes oneDNN's linear where
+    a timed product at start is faster than torch's (small-row products of decoding often run
+    at twice the speed), `torch` always torch's. Both are exact in the compute dtype."""
 
     def __post_init__(self) -> None:
+        if self.cpu_linear not in ("auto", "torch"):
+            raise ConfigError(f"hf.cpu_linear={self.cpu_linear!r}; choose 'auto' (the faster of "
+                              "oneDNN and torch, measured) or 'torch'")
         if self.max_batch_rows < 1:
             raise ConfigError(f"hf.max_batch_rows={self.max_batch_rows!r} must be >= 1")
         if not 0 < self.drop_finished_fraction <= 1:

@@ -27,6 +27,8 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from tephra.kernels.cpu_linear import use_fast_linears
+from tephra.rollout.backends.kv_cache import growing_cache
 from tephra.rollout.backends.request_batcher import RequestBatcher
 from tephra.rollout.backends.sampling_processor import SampledLogProbRecorder
 from tephra.rollout.base import (
@@ -129,6 +131,8 @@ class HFRollout(Rollout):
             ) from exc
         self.device = torch.device(settings.device)
         self.model.to(self.device).eval()
+        if self.device.type == "cpu" and settings.cpu_linear == "auto":
+            use_fast_linears(self.model)
         gen_cfg = self.model.generation_config
         self.eos_token_ids = _as_id_list(gen_cfg.eos_token_id) or _as_id_list(
             self.model.config.eos_token_id
@@ -290,6 +294,8 @@ class HFRollout(Rollout):
             # images enter with the prompt's forward, so image rows prefill in `generate`
             past = carry.cache if carry is not None else (
                 None if mm_kwargs else self._prefill_shared_prompts(ids, attn, rows))
+            if past is None and not mm_kwargs:
+                past = growing_cache(self.model.config)
             if rng is None:
                 torch.manual_seed(seed)
             else:
@@ -323,13 +329,11 @@ class HFRollout(Rollout):
             owner.append(len(distinct) - 1)
         if len(distinct) == len(rows) or ids.shape[1] < 2:
             return None
-        from transformers import DynamicCache
-
         first = torch.tensor(distinct, device=ids.device)
         u_ids, u_attn = ids[first, :-1], attn[first, :-1]
         # the position ids `generate` gives left-padded rows (pads at 1; never attended to)
         positions = (u_attn.cumsum(-1) - 1).masked_fill(u_attn == 0, 1)
-        cache = DynamicCache(config=self.model.config)
+        cache = growing_cache(self.model.config)
         self.model(input_ids=u_ids, attention_mask=u_attn, position_ids=positions,
                    past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.batch_select_indices(torch.tensor(owner, device=ids.device))

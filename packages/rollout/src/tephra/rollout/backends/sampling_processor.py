@@ -20,14 +20,39 @@ from transformers import LogitsProcessor
 
 
 def sample_rows(logits: torch.Tensor) -> torch.Tensor:
-    """One token per row drawn from softmax(logits) (-inf entries never), by inverse CDF:
-    u in (0, 1] from the global torch generator, the first token whose cumulative probability
-    (float64) reaches u. [rows, vocab] -> [rows]."""
-    probs = torch.softmax(logits.float(), dim=-1).double()
-    cdf = probs.cumsum(-1)
-    u = 1.0 - torch.rand(logits.shape[0], 1, dtype=torch.float64, device=logits.device)
-    # scaled by the row total, so rounding in the sum cannot push u past the last token
-    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_max(logits.shape[-1] - 1)
+    """One token per row drawn from softmax(logits) (-inf entries never). [rows, vocab] ->
+    [rows]."""
+    return sample_probs(torch.softmax(logits.float(), dim=-1))
+
+
+SAMPLE_BLOCK = 256
+"""Vocabulary entries per block of the two-level inverse CDF in `sample_probs`."""
+
+
+def sample_probs(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from probs [rows, vocab] (rows need not be normalised; zero
+    entries never come), by inverse CDF with one uniform per row from the global torch
+    generator: u in (0, 1] picks the first token whose cumulative probability reaches u times
+    the row's total. Two levels, so no scan runs over the whole vocabulary: the cumulative
+    mass of blocks of SAMPLE_BLOCK tokens picks a block, a float64 scan inside it the token
+    (rounding moves a token's probability by ~1e-7 of itself)."""
+    rows, vocab = probs.shape
+    pad = (-vocab) % SAMPLE_BLOCK
+    blocks = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    blocks = blocks.view(rows, -1, SAMPLE_BLOCK)
+    mass = blocks.sum(-1).double()  # [rows, blocks]; fp32 sums of 256 (a float64 sum copies)
+    cdf = mass.cumsum(-1)
+    u = 1.0 - torch.rand(rows, 1, dtype=torch.float64, device=probs.device)
+    target = u * cdf[:, -1:]
+    # the first block reaching the target has mass > 0: cdf only grows through such blocks
+    block = torch.searchsorted(cdf, target).clamp_max(blocks.shape[1] - 1)
+    inner = blocks[torch.arange(rows, device=probs.device), block.squeeze(1)].double().cumsum(-1)
+    # what is left of the target inside the block, kept in (0, the block's sum] against
+    # rounding, so that the first token reaching it has probability > 0
+    rest = (target - (cdf.gather(1, block) - mass.gather(1, block)))
+    rest = torch.minimum(rest, inner[:, -1:]).clamp_min(torch.finfo(torch.float64).tiny)
+    token = torch.searchsorted(inner, rest).clamp_max(SAMPLE_BLOCK - 1)
+    return (block * SAMPLE_BLOCK + token).squeeze(1).clamp_max(vocab - 1)
 
 
 def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -71,12 +96,16 @@ class SampledLogProbRecorder(LogitsProcessor):
             self._gather(input_ids[:, -1])
         scores = scores.float()
         scale = self.temperature if self.temperature > 0 else 1.0
-        scaled = scores / scale
+        scaled = scores / scale if scale != 1.0 else scores
         self._previous = torch.log_softmax(scaled, dim=-1)
         if self.temperature == 0:
             return scores  # greedy: argmax of the raw logits
-        tokens = sample_rows(truncate_top_k_top_p(scaled, self.top_k, self.top_p))
-        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+        if self.top_k > 0 or self.top_p < 1.0:
+            tokens = sample_rows(truncate_top_k_top_p(scaled, self.top_k, self.top_p))
+        else:  # the untruncated distribution is the one just computed
+            tokens = sample_probs(self._previous.exp())
+        # generate takes the argmax of what this returns: the sampled token, in scores' buffer
+        return scores.fill_(float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
     def _gather(self, tokens: torch.Tensor) -> None:
         self._recorded.append(self._previous.gather(1, tokens[:, None].long()).squeeze(1))

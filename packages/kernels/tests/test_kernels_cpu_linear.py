@@ -1,0 +1,42 @@
+"""`tephra.kernels.cpu_linear`: the oneDNN / torch choice gives torch's numbers."""
+
+import torch
+
+from tephra.kernels import cpu_linear
+
+
+def test_linear_matches_torch_and_keeps_autograd():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 64, generator=gen)
+    w = torch.randn(96, 64, generator=gen)
+    b = torch.randn(96, generator=gen)
+    with torch.no_grad():
+        got = cpu_linear.linear(x, w, b)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert got.shape == (3, 5, 96)
+    # a call that needs a graph takes torch's linear, so gradients still flow
+    w.requires_grad_()
+    cpu_linear.linear(x, w, b).sum().backward()
+    torch.testing.assert_close(w.grad, x.reshape(-1, 64).sum(0).expand(96, 64))
+
+
+def test_use_fast_linears_routes_plain_linears_only():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    ref = model(x)
+    assert cpu_linear.use_fast_linears(model) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref, atol=1e-5, rtol=1e-5)
+        model[0].weight.mul_(2)  # in-place updates reach the routed forward
+        ref2 = model[2](torch.relu(torch.nn.functional.linear(x, model[0].weight, model[0].bias)))
+        torch.testing.assert_close(model(x), ref2, atol=1e-5, rtol=1e-5)
+    model(x).sum().backward()  # with autograd on, torch's path: gradients exist
+    assert model[0].weight.grad is not None
+
+
+def test_choice_is_made_once_and_is_a_bool():
+    first = cpu_linear.onednn_is_faster(torch.float32)
+    assert isinstance(first, bool)
+    assert cpu_linear.onednn_is_faster(torch.float32) is first
+    assert cpu_linear.onednn_is_faster(torch.float64) is False
