@@ -49,7 +49,7 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_py
     hf = None
     try:
         rollout = worker.rollout
-        assert rollout.weight_version == 1 and rollout.last_update_stats["buckets"] > 1
+        assert rollout.update_count == 1 and rollout.last_update_stats["buckets"] > 1
         tok = prepared.tokenizer
         items = [PromptItem(prepared.train.ids[i], prepared.train.records[i], f"p{i}")
                  for i in range(2)]
@@ -73,7 +73,7 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_py
         metrics = worker.update_actor(batch)
         assert metrics["grad_norm"] > 0
         worker.sync_weights()
-        assert rollout.weight_version == 2
+        assert rollout.update_count == 2
         assert sorted(p.name for p in rollout.weights_dir.iterdir()) == files
 
         # the server generates what HF generates with the engine's updated weights
