@@ -279,6 +279,8 @@ def test_finished_rows_leave_decoding(hf, reference, tiny_model):
         torch.testing.assert_close(torch.tensor(sampled.log_probs[i]), recomputed, atol=1e-5, rtol=0)
     with pytest.raises(ConfigError, match="hf.drop_finished_fraction"):
         RolloutConfig(model_path=tiny_model.path, hf={"drop_finished_fraction": 0})
+    with pytest.raises(ConfigError, match="hf.cpu_linear='mkl'; choose 'auto'"):
+        RolloutConfig(model_path=tiny_model.path, hf={"cpu_linear": "mkl"})
 
 
 def test_inverse_cdf_sampling_draws_the_softmax_distribution():

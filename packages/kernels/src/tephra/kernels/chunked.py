@@ -5,7 +5,7 @@ Forward, per chunk of C tokens (all in fp32):
     H = -sum_v p_v log p_v    with log p = z - lse
 Only lse and H ([tokens] each) are kept for backward; backward recomputes z chunk by chunk,
 except when all of log p fits in KEEP_LOGITS_BYTES: then forward keeps it and backward skips
-one of the head's three [tokens, hidden] x [hidden, vocab] products.
+one of the head's four [tokens, hidden] x [hidden, vocab] products.
 
 Backward, with g_lp = dL/dlogp (0 at ignored labels) and g_H = dL/dH:
     dlogp/dz_v = onehot_v - p_v
