@@ -50,15 +50,9 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = keys, values
 
     def _refit(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Make (keys, values) the cache: buffers with the same spare room as before."""
-        capacity = self._key_buffer.shape[-2]
+        """Make (keys, values) the whole cache, in fresh buffers with room to grow."""
         self._key_buffer = self._value_buffer = None
-        self._grow(keys, values, capacity, 0)
-        length = keys.shape[-2]
-        self._key_buffer[..., :length, :] = keys
-        self._value_buffer[..., :length, :] = values
-        self.keys = self._key_buffer[..., :length, :]
-        self.values = self._value_buffer[..., :length, :]
+        self.update(keys, values)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.get_seq_length() > 0:
@@ -71,9 +65,6 @@ class GrowingLayer(DynamicLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)  # views stay views: the buffer keeps the room
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
