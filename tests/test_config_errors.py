@@ -62,8 +62,12 @@ CASES = [
      r"trainer.mode=async: algorithm.dynamic_sampling"),
     (["trainer.mode=asynch"], r"trainer.mode='asynch': choose one of"),
     (["trainer.mode=async", "resources.rollout.replicas=1", "trainer.async_in_flight=1"],
-     r"async_in_flight x resources.rollout.replicas = 1 x 1 = 1 groups .* fewer than the "
-     r"batch.prompts_per_step=2"),
+     r"async_in_flight x resources.rollout.replicas x trainer.async_groups_per_request = "
+     r"1 x 1 x 1 = 1 groups .* fewer than the batch.prompts_per_step \+ "
+     r"async_groups_per_request - 1 = 2"),
+    (["trainer.mode=async", "resources.rollout.replicas=1", "trainer.async_in_flight=1",
+      "trainer.async_groups_per_request=2"], r"1 x 1 x 2 = 2 groups .* - 1 = 3 a step needs"),
+    (["trainer.async_groups_per_request=0"], r"trainer.async_groups_per_request=0 >= 1"),
     (["trainer.mode=one_step_off", "trainer.partial_rollout=true"],
      r"trainer.partial_rollout=true .* needs trainer.mode=async \(now 'one_step_off'\)"),
     (["trainer.mode=async", "resources.rollout.replicas=1", "rollout.backend=nopause",

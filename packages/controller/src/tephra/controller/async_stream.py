@@ -1,9 +1,11 @@
 """The sample stream of `trainer.mode=async`.
 
-Rollout replicas generate one prompt group per request, continuously: `async_in_flight`
-requests per replica are kept queued, each sent to the least-loaded replica, so a slow group
-(long samples, a slow tool) holds up one request, not a batch. Finished groups wait in a bounded
-buffer; a step takes the first `prompts_per_step` of them whose weight version is at most
+Rollout replicas generate `async_groups_per_request` prompt groups per request, continuously:
+`async_in_flight` requests per replica are kept queued, each sent to the least-loaded replica,
+so a slow group (long samples, a slow tool) holds up one request, not a batch. More groups per
+request decode more rows at once (a replica's step costs about the same for 8 rows as for 32,
+where decoding is memory-bound); fewer balance the replicas finer. Finished groups wait in a
+bounded buffer; a step takes the first `prompts_per_step` of them whose weight version is at most
 `max_staleness` behind the trainer's, and drops older ones (counted). The replicas keep
 generating while the trainer trains; they take each new version between two requests, or,
 with `trainer.partial_rollout`, right away: a request in flight then finishes under the new
@@ -21,12 +23,15 @@ from tephra.controller.samples import PromptItem, Sample
 
 class SampleStream:
     def __init__(self, replicas: Any, loader: PromptLoader, prompts: Any, sampling: Any,
-                 seed: int, prompts_per_step: int, in_flight: int, max_staleness: int) -> None:
+                 seed: int, prompts_per_step: int, in_flight: int, max_staleness: int,
+                 groups_per_request: int = 1) -> None:
         self.replicas, self.loader, self.prompts = replicas, loader, prompts
         self.sampling, self.seed = sampling, seed
         self.want, self.max_staleness = prompts_per_step, max_staleness
-        self.capacity = in_flight * len(replicas.replicas)
-        self.requests: dict[Any, tuple[PromptItem, int]] = {}
+        self.per_request = groups_per_request
+        self.capacity = in_flight * len(replicas.replicas) * groups_per_request
+        """Groups in flight or waiting, at most."""
+        self.requests: dict[Any, list[tuple[PromptItem, int]]] = {}
         self.ready: deque[tuple[PromptItem, int, list[Sample]]] = deque()
         self.queue: deque[int] = deque()
         self.sent = 0
@@ -34,17 +39,20 @@ class SampleStream:
         """Groups dropped for staleness so far."""
 
     def fill(self) -> None:
-        """Keep `capacity` requests in flight (finished groups waiting count against it, so the
+        """Keep `capacity` groups in flight (finished groups waiting count against it, so the
         buffer stays bounded)."""
-        while len(self.requests) + len(self.ready) < self.capacity:
-            if not self.queue:
-                self.queue.extend(self.loader.next_indices())
-            index = self.queue.popleft()
-            item = PromptItem(self.prompts.ids[index], self.prompts.records[index],
-                              f"async{self.sent}")
+        while (self.per_request * (len(self.requests) + 1) + len(self.ready)) <= self.capacity:
+            groups = []
+            for _ in range(self.per_request):
+                if not self.queue:
+                    self.queue.extend(self.loader.next_indices())
+                index = self.queue.popleft()
+                groups.append((PromptItem(self.prompts.ids[index], self.prompts.records[index],
+                                          f"async{self.sent + len(groups)}"), index))
+            # seeded by the request's first group (one group per request: as before)
             sampling = self.sampling.replace(seed=self.seed * 1_000_003 + 7_919 * self.sent)
-            self.requests[self.replicas.submit([item], sampling)] = (item, index)
-            self.sent += 1
+            self.requests[self.replicas.submit([g[0] for g in groups], sampling)] = groups
+            self.sent += len(groups)
 
     def next_batch(self, version: int) -> tuple[list[PromptItem], list[int], list[Sample]]:
         """The next step's groups (items, training-set indices, samples prompt-major) for a
@@ -55,8 +63,10 @@ class SampleStream:
                 break
             self.fill()
             ref, samples = self.replicas.wait_any(list(self.requests))
-            item, index = self.requests.pop(ref)
-            self.ready.append((item, index, samples))
+            groups = self.requests.pop(ref)
+            n = len(samples) // len(groups)  # prompt-major: each group's samples in turn
+            self.ready.extend((item, index, samples[k * n:(k + 1) * n])
+                              for k, (item, index) in enumerate(groups))
         taken = [self.ready.popleft() for _ in range(self.want)]
         self.fill()  # the replicas go on generating while this batch trains
         return ([t[0] for t in taken], [t[1] for t in taken],

@@ -427,8 +427,12 @@ class TrainerSection:
     """`async`: most weight versions a trained sample may lag the trainer by; older groups are
     dropped (counted in `async/dropped_stale_groups`)."""
     async_in_flight: int = 2
-    """`async`: requests (one prompt group each) queued per replica; more keeps replicas busy
-    across a weight sync, fewer keeps samples fresher."""
+    """`async`: requests (`async_groups_per_request` prompt groups each) queued per replica;
+    more keeps replicas busy across a weight sync, fewer keeps samples fresher."""
+    async_groups_per_request: int = 1
+    """`async`: prompt groups per request to a replica. More decode more rows at once (on a
+    CPU or a GPU a decoding step costs nearly the same for 8 rows as for 32); fewer let the
+    scheduler balance long-tail samples across replicas finer."""
     partial_rollout: bool = False
     """`async` only: when new weights reach a replica, its in-flight generations stop at the
     next token, keep their tokens and log-probs, and continue under the new weights (as in
@@ -500,9 +504,11 @@ class TrainerSection:
 
         if self.mode not in TRAINING_MODES:
             raise ConfigError(f"trainer.mode={self.mode!r}: choose one of {list(TRAINING_MODES)}")
-        if self.max_staleness < 0 or self.async_in_flight < 1:
-            raise ConfigError(f"trainer.max_staleness={self.max_staleness} must be >= 0 and "
-                              f"trainer.async_in_flight={self.async_in_flight} >= 1")
+        if self.max_staleness < 0 or self.async_in_flight < 1 or self.async_groups_per_request < 1:
+            raise ConfigError(f"trainer.max_staleness={self.max_staleness} must be >= 0, "
+                              f"trainer.async_in_flight={self.async_in_flight} >= 1 and "
+                              f"trainer.async_groups_per_request={self.async_groups_per_request} "
+                              ">= 1")
         if self.resume not in RESUME_MODES:
             raise ConfigError(f"trainer.resume={self.resume!r}: choose one of {list(RESUME_MODES)}")
         if any(s < 1 for s in self.profile_steps):
@@ -687,13 +693,19 @@ def validate(cfg: PPOConfig) -> None:
         if replicas < 1:
             raise ConfigError("trainer.mode=async streams samples from rollout replicas on a pool "
                               "of their own; set resources.rollout.replicas >= 1")
-        capacity = cfg.trainer.async_in_flight * replicas
-        if capacity < b.prompts_per_step:  # finished groups count against the bound
+        t = cfg.trainer
+        per = t.async_groups_per_request
+        capacity = t.async_in_flight * replicas * per
+        # finished groups count against the bound: with want - 1 waiting, one more request
+        # must still fit
+        if capacity < b.prompts_per_step + per - 1:
             raise ConfigError(
-                f"trainer.mode=async keeps trainer.async_in_flight x resources.rollout.replicas = "
-                f"{cfg.trainer.async_in_flight} x {replicas} = {capacity} groups in flight or "
-                f"waiting, fewer than the batch.prompts_per_step={b.prompts_per_step} a step "
-                "takes; raise async_in_flight or the replicas")
+                f"trainer.mode=async keeps trainer.async_in_flight x resources.rollout.replicas "
+                f"x trainer.async_groups_per_request = {t.async_in_flight} x {replicas} x {per} "
+                f"= {capacity} groups in flight or waiting, fewer than the "
+                f"batch.prompts_per_step + async_groups_per_request - 1 = "
+                f"{b.prompts_per_step + per - 1} a step needs; raise async_in_flight or the "
+                "replicas")
         if a.dynamic_sampling or a.needs("baselines"):
             raise ConfigError("trainer.mode=async: algorithm.dynamic_sampling and greedy-baseline "
                               f"estimators ({a.adv_estimator!r}) need the sync or one_step_off mode")

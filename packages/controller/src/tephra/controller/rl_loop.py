@@ -298,7 +298,7 @@ class Trainer:
         if t.mode == "async":
             self.stream = SampleStream(self.replicas, self.loader, self.train, self.sampling,
                                        t.seed, self.cfg.batch.prompts_per_step, t.async_in_flight,
-                                       t.max_staleness)
+                                       t.max_staleness, t.async_groups_per_request)
 
     # ----- stages ------------------------------------------------------------------------
     def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]:

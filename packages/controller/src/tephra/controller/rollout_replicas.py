@@ -9,16 +9,20 @@ the version it holds. `RolloutReplicas` is the driver's side: a batch split over
 (sync and one_step_off), and `submit` / `wait_any` for the asynchronous stream, where each
 request goes to the least-loaded replica.
 
-With `trainer.partial_rollout` each replica actor has a second concurrency group, `weights`,
-so an update runs while a request generates: the engine's `paused()` interrupts the request
-(`hf` at the next token; `vllm` / `sglang` abort the server's requests, which return their
-tokens so far), takes the weights, and the request goes on under them (the server backends
-resubmit prompt + tokens); every token records the version that produced it.
+Each replica actor has a second concurrency group, `weights`, so an update is received while
+a request generates and the trainer never waits for a request to finish. Without
+`trainer.partial_rollout` a busy replica keeps the received weights aside (one extra copy) and
+takes them before its next request; an idle one takes them at once, bucket by bucket. With
+partial rollout the engine's `paused()` interrupts the request instead (`hf` at the next
+token; `vllm` / `sglang` abort the server's requests, which return their tokens so far), takes
+the weights, and the request goes on under them (the server backends resubmit prompt +
+tokens); every token records the version that produced it.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import ray
@@ -40,6 +44,10 @@ class RolloutWorker(RLWorker):
         self._init_generation(cfg, model_path, tools_file, with_rollout=True)
         self.version = 0
         self._weights_group = None
+        self._generating = threading.Lock()
+        """Held while a request generates (the default concurrency group)."""
+        self._staged: tuple[int, list] | None = None
+        """(version, weights) received while a request generated, taken before the next one."""
         self.partial = cfg.trainer.partial_rollout
         if self.partial:  # the engine tags each token with the version it holds
             self.rollout.weight_version = 0
@@ -58,29 +66,43 @@ class RolloutWorker(RLWorker):
                                          timeout_s)
 
     def receive_weights(self, version: int) -> int:
-        """Take one broadcast update into the rollout engine; it is now `version`."""
+        """Take one broadcast update (in the `weights` concurrency group, beside a request in
+        flight); the replica holds `version` once it is in the engine (module docstring)."""
         from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import receive_all
 
         device = self.device if self.device.startswith("cuda") else None
         self.rollout.wake_up()
-        if not self.partial:
-            self.rollout.update_weights(receive_all(self._weights_group, device))
-        else:  # runs beside a request in flight (the `weights` group): interrupt it meanwhile
+        received = receive_all(self._weights_group, device)
+        if self.partial:  # interrupt the request in flight; it goes on under the new weights
             with self.rollout.paused():
-                self.rollout.update_weights(receive_all(self._weights_group, device))
+                self.rollout.update_weights(received)
                 self.rollout.weight_version = version
-        self.version = version
+            self.version = version
+        elif self._generating.acquire(blocking=False):  # idle: straight into the engine
+            try:
+                self._staged = None  # an older version kept aside is superseded
+                self.rollout.update_weights(received)
+                self.version = version
+            finally:
+                self._generating.release()
+        else:  # busy: the request finishes under the weights it started with
+            self._staged = (version, list(received))
         return version
 
     @dispatch(Dispatch.DP_SPLIT)
     def generate_scored(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
         """`generate`, scored here, each sample stamped with this replica's weight version (with
         partial rollout: the oldest version among its tokens, the one it started under)."""
-        samples = self.generate(items, sampling)
-        for sample, (score, error, _) in zip(samples, self.collect_scores(), strict=True):
-            sample.score, sample.reward_error = float(score), error
-            sample.weight_version = (min(sample.token_versions) if sample.token_versions
-                                     else self.version)
+        with self._generating:
+            if self._staged is not None:  # weights received while the last request ran
+                (version, weights), self._staged = self._staged, None
+                self.rollout.update_weights(weights)
+                self.version = version
+            samples = self.generate(items, sampling)
+            for sample, (score, error, _) in zip(samples, self.collect_scores(), strict=True):
+                sample.score, sample.reward_error = float(score), error
+                sample.weight_version = (min(sample.token_versions) if sample.token_versions
+                                         else self.version)
         return samples
 
 
@@ -90,13 +112,12 @@ class RolloutReplicas:
     def __init__(self, cfg: PPOConfig, model_path: str, tools_file: str | None) -> None:
         r = cfg.resources.rollout
         self.cfg = cfg
-        self.partial = cfg.trainer.partial_rollout
         self.pool = ResourcePool(r.replicas, r.cpus_per_replica, r.gpus_per_replica,
                                  strategy=cfg.resources.placement, name="rollout")
         try:
             self.group = WorkerGroup(RolloutWorker, self.pool, {
                 "cfg": cfg, "model_path": model_path, "tools_file": tools_file}, name="rollout",
-                concurrency_groups={"weights": 1} if self.partial else None)
+                concurrency_groups={"weights": 1})
         except BaseException:
             self.pool.release()
             raise
@@ -122,11 +143,10 @@ class RolloutReplicas:
         self.sync(trainers, 0)
 
     def sync(self, trainers: WorkerGroup, version: int) -> None:
-        """Broadcast the actor's weights to every replica, which then hold `version`. A replica
-        busy generating takes the update when its current request is done, or, with partial
-        rollout, at once (its request continues under the new weights)."""
-        receive = ([w.execute.options(concurrency_group="weights") for w in self.replicas]
-                   if self.partial else [w.execute for w in self.replicas])
+        """Broadcast the actor's weights to every replica; returns once they are received. A
+        replica busy generating takes them before its next request, or, with partial rollout,
+        at once (its request continues under the new weights)."""
+        receive = [w.execute.options(concurrency_group="weights") for w in self.replicas]
         ray.get([w.execute.remote("send_weights", self.bucket_mb) for w in trainers.workers]
                 + [method.remote("receive_weights", version) for method in receive])
         self.version = version

@@ -1,0 +1,126 @@
+"""The asynchronous mode's moving parts in one process (no Ray): a replica takes weights
+that arrive while a request generates only before its next request, without the trainer
+waiting; the sample stream sends several prompt groups per request and splits the answers
+back into groups."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from tephra.controller import rollout_replicas
+from tephra.controller.async_stream import SampleStream
+from tephra.controller.samples import Sample
+from tephra.rollout.base import SamplingParams
+from tephra.rollout.backends.vllm_plugin import tephra_weight_transport
+
+
+class _Engine:
+    """The rollout engine's weight side: which versions' tensors it was given."""
+
+    def __init__(self) -> None:
+        self.loaded: list[float] = []
+
+    def wake_up(self) -> None:
+        pass
+
+    def update_weights(self, named) -> None:
+        self.loaded += [float(t) for _, t in named]
+
+
+def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
+    """A RolloutWorker whose generate blocks until `release` is set, and whose broadcast
+    receive yields one weight holding the version number."""
+    worker = rollout_replicas.RolloutWorker.__new__(rollout_replicas.RolloutWorker)
+    worker.rollout, worker.device, worker._weights_group = _Engine(), "cpu", None
+    worker.version, worker.partial, worker._staged = 0, False, None
+    worker._generating = threading.Lock()
+    worker.started, worker.release = threading.Event(), threading.Event()
+
+    def generate(items, sampling):
+        worker.started.set()
+        assert worker.release.wait(10)
+        return [Sample(prompt_ids=[1], response_ids=[2], response_mask=[1], log_probs=None,
+                       finish_reason="stop") for _ in items]
+
+    worker.generate = generate
+    worker.collect_scores = lambda: [(1.0, None, 0.0)]
+    sent = {}
+    monkeypatch.setattr(tephra_weight_transport, "receive_all",
+                        lambda group, device: iter([("w", sent["version"])]))
+    worker.send = lambda version: sent.update(version=version)
+    return worker
+
+
+def test_weights_received_mid_request_wait_for_the_next_one(monkeypatch):
+    worker = _replica(monkeypatch)
+    worker.send(1)
+    worker.release.set()
+    assert worker.receive_weights(1) == 1  # idle: straight into the engine
+    assert worker.rollout.loaded == [1.0] and worker.version == 1
+
+    worker.release.clear()
+    result = {}
+    request = threading.Thread(target=lambda: result.update(
+        first=worker.generate_scored(["p"], None)))
+    request.start()
+    assert worker.started.wait(10)
+    worker.send(2)
+    worker.receive_weights(2)  # returns while the request is still generating
+    worker.send(3)
+    worker.receive_weights(3)  # a newer version kept aside supersedes the older one
+    assert request.is_alive() and worker.rollout.loaded == [1.0] and worker.version == 1
+    worker.release.set()
+    request.join(10)
+    assert result["first"][0].weight_version == 1  # finished under the weights it started with
+    second = worker.generate_scored(["p"], None)
+    assert worker.rollout.loaded == [1.0, 3.0] and worker.version == 3
+    assert second[0].weight_version == 3 and worker._staged is None
+
+
+class _Replicas:
+    """Stand-in replicas answering requests in order; each sample's prompt is its group's."""
+
+    def __init__(self) -> None:
+        self.replicas, self.served, self.requests = [object()], [0], []
+
+    def submit(self, items, sampling):
+        self.requests.append((items, sampling.seed))
+        return len(self.requests) - 1
+
+    def wait_any(self, refs):
+        ref = min(refs)
+        items, _ = self.requests[ref]
+        self.served[0] += 1
+        return ref, [Sample(prompt_ids=list(item.prompt_ids), response_ids=[k],
+                            response_mask=[1], log_probs=None, finish_reason="stop",
+                            weight_version=0)
+                     for item in items for k in range(2)]
+
+
+@pytest.mark.parametrize("per_request", [1, 2, 3])
+def test_the_stream_sends_several_groups_per_request(per_request):
+    prompts = SimpleNamespace(ids=[[100 + i] for i in range(10)], records=[None] * 10)
+    order = iter(range(100))
+    loader = SimpleNamespace(next_indices=lambda: [next(order) % 10 for _ in range(4)])
+    replicas = _Replicas()
+    in_flight = -(-(4 + per_request - 1) // per_request)  # the least the config accepts
+    stream = SampleStream(replicas, loader, prompts, SamplingParams(n=2, max_tokens=4), seed=0,
+                          prompts_per_step=4, in_flight=in_flight, max_staleness=1,
+                          groups_per_request=per_request)
+    drawn = []
+    for _ in range(3):
+        items, indices, samples = stream.next_batch(version=0)
+        drawn += indices
+        assert len(items) == 4 and [it.prompt_ids for it in items] == [[100 + i] for i in indices]
+        # prompt-major, the samples of each group after its prompt
+        assert [s.prompt_ids for s in samples] == [[100 + i] for i in indices for _ in range(2)]
+        assert [s.response_ids for s in samples] == [[0], [1]] * 4
+        waiting = len(stream.ready) + per_request * len(stream.requests)
+        assert waiting <= stream.capacity == in_flight * per_request
+    assert drawn == [i % 10 for i in range(12)]  # the loader's order, nothing skipped
+    assert all(len(items) == per_request for items, _ in replicas.requests)
+    seeds = [seed for _, seed in replicas.requests]
+    assert seeds == [7_919 * per_request * k for k in range(len(seeds))]
