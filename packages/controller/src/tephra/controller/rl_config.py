@@ -430,9 +430,9 @@ class TrainerSection:
     """`async`: requests (`async_groups_per_request` prompt groups each) queued per replica;
     more keeps replicas busy across a weight sync, fewer keeps samples fresher."""
     async_groups_per_request: int = 1
-    """`async`: prompt groups per request to a replica. More decode more rows at once (on a
-    CPU or a GPU a decoding step costs nearly the same for 8 rows as for 32); fewer let the
-    scheduler balance long-tail samples across replicas finer."""
+    """`async`: prompt groups per request to a replica. More decode more rows at once (where
+    decoding is memory-bound, as on a GPU, a step costs nearly the same for 32 rows as for
+    8); fewer let the scheduler balance long-tail samples across replicas finer."""
     partial_rollout: bool = False
     """`async` only: when new weights reach a replica, its in-flight generations stop at the
     next token, keep their tokens and log-probs, and continue under the new weights (as in
