@@ -9,6 +9,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tephra.controller import rollout_replicas
 from tephra.controller.async_stream import SampleStream
@@ -36,7 +37,7 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
     worker = rollout_replicas.RolloutWorker.__new__(rollout_replicas.RolloutWorker)
     worker.rollout, worker.device, worker._weights_group = _Engine(), "cpu", None
     worker.version, worker.partial, worker._staged = 0, False, None
-    worker._generating = threading.Lock()
+    worker._generating, worker._staging = threading.Lock(), threading.Lock()
     worker.started, worker.release = threading.Event(), threading.Event()
 
     def generate(items, sampling):
@@ -49,7 +50,7 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
     worker.collect_scores = lambda: [(1.0, None, 0.0)]
     sent = {}
     monkeypatch.setattr(tephra_weight_transport, "receive_all",
-                        lambda group, device: iter([("w", sent["version"])]))
+                        lambda group, device: iter([("w", torch.tensor(sent["version"]))]))
     worker.send = lambda version: sent.update(version=version)
     return worker
 

@@ -48,6 +48,8 @@ class RolloutWorker(RLWorker):
         """Held while a request generates (the default concurrency group)."""
         self._staged: tuple[int, list] | None = None
         """(version, weights) received while a request generated, taken before the next one."""
+        self._staging = threading.Lock()
+        """Guards `_staged` (set by the `weights` thread, taken by the generating one)."""
         self.partial = cfg.trainer.partial_rollout
         if self.partial:  # the engine tags each token with the version it holds
             self.rollout.weight_version = 0
@@ -80,24 +82,33 @@ class RolloutWorker(RLWorker):
             self.version = version
         elif self._generating.acquire(blocking=False):  # idle: straight into the engine
             try:
-                self._staged = None  # an older version kept aside is superseded
+                with self._staging:
+                    self._staged = None  # an older version kept aside is superseded
                 self.rollout.update_weights(received)
                 self.version = version
             finally:
                 self._generating.release()
-        else:  # busy: the request finishes under the weights it started with
-            self._staged = (version, list(received))
+        else:  # busy: the request finishes under the weights it started with; the copy kept
+            # aside lives in host memory (a GPU replica's engine has no room for a second one)
+            weights = [(name, t.cpu()) for name, t in received]
+            with self._staging:
+                self._staged = (version, weights)
         return version
+
+    def _take_staged(self) -> None:
+        """Copy weights kept aside into the engine (the caller holds `_generating`)."""
+        with self._staging:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            self.rollout.update_weights(staged[1])
+            self.version = staged[0]
 
     @dispatch(Dispatch.DP_SPLIT)
     def generate_scored(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
         """`generate`, scored here, each sample stamped with this replica's weight version (with
         partial rollout: the oldest version among its tokens, the one it started under)."""
         with self._generating:
-            if self._staged is not None:  # weights received while the last request ran
-                (version, weights), self._staged = self._staged, None
-                self.rollout.update_weights(weights)
-                self.version = version
+            self._take_staged()  # weights received while the last request ran, if any
             samples = self.generate(items, sampling)
             for sample, (score, error, _) in zip(samples, self.collect_scores(), strict=True):
                 sample.score, sample.reward_error = float(score), error
