@@ -14,8 +14,8 @@ import torch
 from tephra.controller import rollout_replicas
 from tephra.controller.async_stream import SampleStream
 from tephra.controller.samples import Sample
-from tephra.rollout.base import SamplingParams
 from tephra.rollout.backends.vllm_plugin import tephra_weight_transport
+from tephra.rollout.base import SamplingParams
 
 
 class _Engine:

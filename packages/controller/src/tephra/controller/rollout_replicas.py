@@ -84,8 +84,7 @@ class RolloutWorker(RLWorker):
             try:
                 with self._staging:
                     self._staged = None  # an older version kept aside is superseded
-                self.rollout.update_weights(received)
-                self.version = version
+                self._load(version, received)
             finally:
                 self._generating.release()
         else:  # busy: the request finishes under the weights it started with; the copy kept
@@ -100,8 +99,11 @@ class RolloutWorker(RLWorker):
         with self._staging:
             staged, self._staged = self._staged, None
         if staged is not None:
-            self.rollout.update_weights(staged[1])
-            self.version = staged[0]
+            self._load(*staged)
+
+    def _load(self, version: int, named: Any) -> None:
+        self.rollout.update_weights(named)
+        self.version = version
 
     @dispatch(Dispatch.DP_SPLIT)
     def generate_scored(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
