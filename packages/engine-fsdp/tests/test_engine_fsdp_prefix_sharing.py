@@ -42,6 +42,9 @@ def test_shared_prefix_equals_whole_rows(monkeypatch, overrides):
     out, steps, grads = {}, {}, {}
     for share in (True, False):
         engine = _engine(share, **overrides)
+        # shared rows attend per block (`tree_attention`), the others through SDPA
+        assert engine.hf_model.config._attn_implementation == (
+            "tephra_tree_sdpa" if share else "sdpa")
         with engine.eval_mode():
             out[share] = engine.forward(batch)
         with engine.train_mode():
@@ -101,3 +104,39 @@ def test_long_segments_run_whole():
         return ids, attn, B.positions_from_mask(attn), B.label_positions(resp) * attn
     assert prefix_sharing.layout(*rows(2)) is not None
     assert prefix_sharing.layout(*rows(8)) is None
+
+
+def test_tree_attention_blocks_equal_the_dense_mask():
+    """`tree_attention` per prefix and segment block: the outputs and the gradients of the
+    dense-mask SDPA at every real position (grouped-query heads, two tree rows with prefixes
+    and segments of different lengths, padding); padding positions get zeros."""
+    from tephra.engine_fsdp import tree_attention
+
+    seg = torch.tensor([[-1, -1, -1, 0, 0, 1, 1, 1, -2],
+                        [-1, -1, 2, 2, 2, 3, -2, -2, -2]])
+    blocks = tree_attention.tree_blocks(seg)
+    prefix, segments = blocks
+    assert prefix.query.shape == (2, 3) and segments.query.shape == (4, 3)
+    # segment 1 (row 0, positions 5-7) sees the prefix 0-2 and itself causally
+    assert segments.key[1].tolist() == [0, 1, 2, 5, 6, 7]
+    assert segments.mask[1, 0].int().tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0],
+                                                  [1, 1, 1, 1, 1, 1]]
+    real = (seg != -2).flatten()
+    assert sorted(torch.cat([b.target for b in blocks]).tolist()) == real.nonzero()[:, 0].tolist()
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 4, generator=gen, requires_grad=True) for h in (6, 2, 2))
+    module = torch.nn.Module().eval()
+    got, _ = tree_attention.tree_attention(module, q, k, v, None, tree_blocks=blocks)
+    qs, ks = seg[:, :, None], seg[:, None, :]
+    dense = torch.ones(9, 9, dtype=torch.bool).tril() & (ks != -2) & ((ks == -1) | (ks == qs))
+    dense |= torch.eye(9, dtype=torch.bool) & (qs == -2)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense[:, None], enable_gqa=True).transpose(1, 2)
+    got_real, want_real = got.flatten(0, 1)[real], want.flatten(0, 1)[real]
+    torch.testing.assert_close(got_real, want_real, atol=1e-6, rtol=1e-5)
+    assert got.flatten(0, 1)[~real].abs().max() == 0
+    weights = torch.randn(got_real.shape, generator=gen)
+    grads = [torch.autograd.grad((x * weights).sum(), (q, k, v)) for x in (got_real, want_real)]
+    for g_tree, g_dense in zip(*grads):
+        torch.testing.assert_close(g_tree, g_dense, atol=1e-6, rtol=1e-5)

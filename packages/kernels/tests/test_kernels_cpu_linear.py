@@ -40,3 +40,27 @@ def test_choice_is_made_once_and_is_a_bool():
     assert isinstance(first, bool)
     assert cpu_linear.onednn_is_faster(torch.float32) is first
     assert cpu_linear.onednn_is_faster(torch.float64) is False
+
+
+def test_prepacked_linears_match_torch_and_follow_weight_updates():
+    """`prepack=True`: where packing is chosen, each layer reuses one packed copy of its
+    weight until an in-place update, which is repacked on the next call; outputs equal
+    torch's throughout, and a call that needs a graph still takes torch's path."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 8))
+    x = torch.randn(5, 64)
+    ref = model(x)
+    assert cpu_linear.use_fast_linears(model, prepack=True) == 2
+    packs = cpu_linear.packing_is_faster(torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref, atol=1e-5, rtol=1e-5)
+        first = model[0]._tephra_packed[1]
+        assert (first is not None) == packs
+        model(x)
+        assert model[0]._tephra_packed[1] is first  # reused, not reordered again
+        model[0].weight.mul_(2)  # an in-place update (as `update_weights` does)
+        ref2 = model[2](torch.relu(torch.nn.functional.linear(x, model[0].weight, model[0].bias)))
+        torch.testing.assert_close(model(x), ref2, atol=1e-5, rtol=1e-5)
+        assert (model[0]._tephra_packed[1] is not first) == packs
+    model(x).sum().backward()
+    assert model[0].weight.grad is not None

