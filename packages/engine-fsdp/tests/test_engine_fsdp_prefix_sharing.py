@@ -53,8 +53,10 @@ def test_shared_prefix_equals_whole_rows(monkeypatch, overrides):
                         for n, p in engine.model.named_parameters() if p.grad is not None}
         engine.optimizer.zero_grad(set_to_none=True)
         steps[share] = [train_step(engine, batch) for _ in range(2)]
-    # forward, forward_backward + 2 training steps: one micro-batch each, 12 rows, 3 prefixes
-    assert len(calls) == 4 and all(c.input_ids.shape[0] == 3 for c in calls)
+    # forward, forward_backward + 2 training steps: one micro-batch each, 12 rows, 3 prefixes,
+    # laid out flat (one row, no padding) for the block attention
+    assert len(calls) == 4 and all(c.input_ids.shape[0] == 1 and c.attention_mask is None
+                                   and c.blocks[0].query.shape[0] == 3 for c in calls)
     mask = batch[B.RESPONSE_MASK].bool()
     for key in ("log_probs", "entropy"):
         assert out[True][key][mask].abs().min() > 0
@@ -104,6 +106,31 @@ def test_long_segments_run_whole():
         return ids, attn, B.positions_from_mask(attn), B.label_positions(resp) * attn
     assert prefix_sharing.layout(*rows(2)) is not None
     assert prefix_sharing.layout(*rows(8)) is None
+    # the flat layout has no dense mask: its blocks attend over less than the rows do
+    assert prefix_sharing.layout(*rows(8), flat=True) is not None
+
+
+def test_flat_layout_by_hand():
+    """`flat=True`: the tree rows end to end without padding, the scored positions mapped
+    into it, no dense mask. Rows 0 and 1 share the prompt [5, 6]; row 2's prompt [4] is
+    left-padded. The first scored column is 1 (token 2 is the first response token), so the
+    shared prefix is column 0: [5] for rows 0 and 1, nothing real for row 2."""
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 3, 0, 0], [0, 4, 2, 2, 0]])
+    attn = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0]])
+    resp = torch.zeros_like(ids)
+    resp[:, 2:] = 1
+    labels = B.label_positions(resp * attn) * attn
+    tree = prefix_sharing.layout(ids, attn, B.positions_from_mask(attn), labels, flat=True)
+    assert tree.attention_mask is None
+    assert tree.input_ids.tolist() == [[5, 6, 7, 8, 9, 6, 3, 4, 2, 2]]
+    assert tree.position_ids.tolist() == [[0, 1, 2, 3, 4, 1, 2, 0, 1, 2]]
+    # scored (row, column) -> flat position, in the label mask's row-major order
+    assert labels.nonzero().tolist() == [[0, 1], [0, 2], [0, 3], [1, 1], [2, 1], [2, 2]]
+    assert tree.scored.tolist() == [1, 2, 3, 5, 7, 8]
+    prefix, segments = tree.blocks
+    assert prefix.target.tolist() == [0]
+    assert [k[m.any(0)].tolist() for k, m in zip(segments.key, segments.mask[:, 0])] == [
+        [0, 1, 2, 3, 4], [0, 5, 6], [7, 8, 9]]
 
 
 def test_tree_attention_blocks_equal_the_dense_mask():
@@ -114,7 +141,7 @@ def test_tree_attention_blocks_equal_the_dense_mask():
 
     seg = torch.tensor([[-1, -1, -1, 0, 0, 1, 1, 1, -2],
                         [-1, -1, 2, 2, 2, 3, -2, -2, -2]])
-    blocks = tree_attention.tree_blocks(seg)
+    blocks = tree_attention.tree_blocks([seg[0, :8], seg[1, :6]], [0, 9])
     prefix, segments = blocks
     assert prefix.query.shape == (2, 3) and segments.query.shape == (4, 3)
     # segment 1 (row 0, positions 5-7) sees the prefix 0-2 and itself causally

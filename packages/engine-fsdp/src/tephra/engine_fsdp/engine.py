@@ -249,7 +249,8 @@ class FSDPEngine(Engine):
         else:
             label_mask = B.label_positions(resp) * attn
             pos = mb[B.POSITION_IDS] if pos is None else pos
-            tree = (prefix_sharing.layout(mb[B.INPUT_IDS], attn, pos, label_mask)
+            flat = self.hf_model.config._attn_implementation == tree_attention.ATTENTION_NAME
+            tree = (prefix_sharing.layout(mb[B.INPUT_IDS], attn, pos, label_mask, flat)
                     if self.share_prefix and not self.vlm else None)
             if tree is not None:
                 tree = tree.to(self.device)

@@ -10,6 +10,9 @@ positions as in its own row: the outputs and gradients are those of running the 
 up to float rounding, and the n - 1 repeated prompts cost nothing. One forward per
 micro-batch (FSDP gathers each layer once). With 45-token prompts and 32-token responses in
 groups of 8 this removes about half of the tokens.
+
+With `tree_attention` (`flat=True`) no dense mask is needed: the tree rows are laid end to
+end in one row `[1, T]` without padding, and the attention blocks say who sees whom.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import torch
 from tephra.engine_fsdp.tree_attention import Blocks, tree_blocks
 
 MAX_AREA_RATIO = 4
-"""A tree row attends over its whole length with a dense mask: when the tree rows' attention
-area (rows x length^2) exceeds this many times the plain rows', the micro-batch runs whole
-(long responses: little prompt to share, and the mask would dominate memory)."""
+"""With a dense mask (`flat=False`) a tree row attends over its whole length: when the tree
+rows' attention area (rows x length^2) exceeds this many times the plain rows', the
+micro-batch runs whole (long responses: little prompt to share, and the mask would dominate
+memory). The flat layout's blocks never attend over more than the plain rows do."""
 
 
 @dataclass
@@ -43,22 +47,24 @@ class TreeLayout:
     """The micro-batch as one row per distinct prefix (what the model runs)."""
 
     input_ids: torch.Tensor
-    """`[u, L]` prefix tokens, then each sharing row's tokens from the cut on; 0-padded."""
+    """`[u, L]` prefix tokens, then each sharing row's tokens from the cut on; 0-padded.
+    Flat: `[1, T]`, the tree rows end to end, no padding."""
     position_ids: torch.Tensor
-    """`[u, L]` every token's position id in its own row."""
-    attention_mask: torch.Tensor
-    """`[u, 1, L, L]` bool: query i sees key j (prefix or own segment, causal, real)."""
+    """Like `input_ids`: every token's position id in its own row."""
+    attention_mask: torch.Tensor | None
+    """`[u, 1, L, L]` bool: query i sees key j (prefix or own segment, causal, real). Flat:
+    None (only `blocks` describe the attention)."""
     scored: torch.Tensor
-    """`[n]` flat indices into `[u * L]` of the scored positions, in the row-major order of
-    the original `[b, t]` label mask."""
+    """`[n]` flat indices into `input_ids.flatten()` of the scored positions, in the
+    row-major order of the original `[b, t]` label mask."""
     blocks: tuple[Blocks, ...]
-    """The same attention as `attention_mask`, per prefix and per segment, for
-    `tree_attention` (which skips the pairs the dense mask hides)."""
+    """The same attention per prefix and per segment, for `tree_attention` (which skips the
+    pairs a dense mask hides)."""
 
     def to(self, device: torch.device) -> TreeLayout:
-        return TreeLayout(*(x.to(device) for x in (self.input_ids, self.position_ids,
-                                                    self.attention_mask, self.scored)),
-                          tuple(b.to(device) for b in self.blocks))
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        return TreeLayout(self.input_ids.to(device), self.position_ids.to(device), mask,
+                          self.scored.to(device), tuple(b.to(device) for b in self.blocks))
 
 
 def find(input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -87,8 +93,9 @@ def find(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-           label_mask: torch.Tensor) -> TreeLayout | None:
-    """The tree layout of a padded micro-batch, or None when nothing is shared."""
+           label_mask: torch.Tensor, flat: bool = False) -> TreeLayout | None:
+    """The tree layout of a padded micro-batch, or None when nothing is shared. `flat`: one
+    unpadded row and no dense mask, for `tree_attention`."""
     shared = find(input_ids, attention_mask, label_mask)
     if shared is None:
         return None
@@ -114,6 +121,12 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: 
         rows_ids.append(torch.cat(ids))
         rows_pos.append(torch.cat(pos))
         rows_seg.append(torch.cat(seg))
+    if flat:
+        starts = torch.tensor([0] + [len(x) for x in rows_ids]).cumsum(0).tolist()
+        scored = [starts[where[r][0]] + c + where[r][1]
+                  for r, c in label_mask.bool().nonzero().tolist()]
+        return TreeLayout(torch.cat(rows_ids)[None], torch.cat(rows_pos)[None], None,
+                          torch.tensor(scored, dtype=torch.long), tree_blocks(rows_seg, starts))
     width = max(len(x) for x in rows_ids)
     n_rows = len(rows_ids)
     b, t = input_ids.shape
@@ -135,4 +148,4 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: 
         u, offset = where[r]
         scored.append(u * width + c + offset)
     return TreeLayout(ids, pos, mask[:, None], torch.tensor(scored, dtype=torch.long),
-                      tree_blocks(seg))
+                      tree_blocks(rows_seg, [u * width for u in range(n_rows)]))

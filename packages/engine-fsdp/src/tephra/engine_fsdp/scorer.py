@@ -87,11 +87,14 @@ class TokenScorer(nn.Module):
             next_tokens = torch.zeros_like(input_ids)  # successor on the next rank
             next_tokens[..., :-1] = input_ids[..., 1:]
         if tree is not None:  # one row per shared prefix (`prefix_sharing`)
-            blocks = ({"tree_blocks": tree.blocks}
-                      if self._hf.config._attn_implementation == tree_attention.ATTENTION_NAME else {})
+            if tree.attention_mask is None:  # flat: the blocks are the attention
+                mask, blocks = tree_attention.placeholder_mask(tree.input_ids), {
+                    "tree_blocks": tree.blocks}
+            else:
+                mask, blocks = self._tree_mask(tree.attention_mask), {}
             hidden = model(
                 input_ids=tree.input_ids, position_ids=tree.position_ids,
-                attention_mask=self._tree_mask(tree.attention_mask), use_cache=False, **blocks,
+                attention_mask=mask, use_cache=False, **blocks,
             ).last_hidden_state
             h = hidden.flatten(0, 1)[tree.scored]
         else:

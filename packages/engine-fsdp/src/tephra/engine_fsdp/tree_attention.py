@@ -67,26 +67,32 @@ def _blocks(queries: list[torch.Tensor], keys: list[torch.Tensor], prefix: list[
     return Blocks(q_idx, k_idx, mask[:, None], valid, q_idx.flatten()[valid])
 
 
-def tree_blocks(segments: torch.Tensor) -> tuple[Blocks, ...]:
-    """The blocks of tree rows `[u, L]` labelled -1 (prefix), r (row r's segment) or -2
-    (padding): one block per prefix (causal over itself) and one per segment (the prefix,
-    then itself causally). Padding positions belong to no block."""
-    u, width = segments.shape
+def tree_blocks(rows: list[torch.Tensor], starts: list[int]) -> tuple[Blocks, ...]:
+    """The blocks of tree rows whose tokens are labelled -1 (prefix) or r (row r's segment),
+    row u starting at flat position `starts[u]`: one block per prefix (causal over itself)
+    and one per segment (the prefix, then itself causally). Positions after a row's last
+    token (padding) belong to no block."""
     pre_q, pre_k, pre_n, seg_q, seg_k, seg_n = [], [], [], [], [], []
-    for row in range(u):
-        labels = segments[row]
-        prefix = (labels == -1).nonzero()[:, 0] + row * width
+    for labels, start in zip(rows, starts):
+        prefix = (labels == -1).nonzero()[:, 0] + start
         if len(prefix):
             pre_q.append(prefix)
             pre_k.append(prefix)
             pre_n.append(0)
         for r in labels[labels >= 0].unique().tolist():
-            own = (labels == r).nonzero()[:, 0] + row * width
+            own = (labels == r).nonzero()[:, 0] + start
             seg_q.append(own)
             seg_k.append(torch.cat([prefix, own]))
             seg_n.append(len(prefix))
     return tuple(_blocks(q, k, n) for q, k, n in
                  ((pre_q, pre_k, pre_n), (seg_q, seg_k, seg_n)) if q)
+
+
+def placeholder_mask(input_ids: torch.Tensor) -> torch.Tensor:
+    """A `[1, 1, T, T]` view of one True (no memory): a 4D mask makes transformers pass it
+    through instead of building a `[T, T]` mask that `tree_attention` would not read."""
+    t = input_ids.shape[-1]
+    return torch.ones((), dtype=torch.bool, device=input_ids.device).expand(1, 1, t, t)
 
 
 def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
