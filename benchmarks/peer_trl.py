@@ -25,11 +25,11 @@ accuracy after training on the same `--val-size` items (tephra's own validation;
 same prompts, greedy, 32 tokens, the same scorer). Reported: the median over runs of
 `step_time_ratio_trl_over_tephra` (median TRL step / median tephra step) and its spread.
 
-Round r runs both frameworks with seed `SETTINGS["seed"] + r` (the training prompts' order
-and every sampling draw follow it; the model and the held-out items stay), so the rounds are
-independent draws of the same comparison: four steps of 32 samples move held-out accuracy by
-a seed-dependent amount (tephra 0.45 vs TRL 0.61 at seed 0, 0.66 vs 0.52 at seed 1), and
-only the mean over seeds compares the two learners. Reported: each round's accuracies and
+Round r runs both frameworks with seed `--first-seed` + r (default 0): the training
+prompts' order and every sampling draw follow it; the model and the held-out items stay. So
+the rounds are independent draws of the same comparison. Four steps of 32 samples move
+held-out accuracy by a seed-dependent amount (tephra 0.45 vs TRL 0.61 at seed 0, 0.66 vs
+0.52 at seed 1), and only the mean over seeds compares the two learners. Reported: each round's accuracies and
 `val_accuracy_mean` per framework.
 """
 
@@ -233,6 +233,8 @@ def main() -> None:
     parser.add_argument("--run", choices=["tephra", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=SETTINGS["seed"], help=argparse.SUPPRESS)
+    parser.add_argument("--first-seed", type=int, default=SETTINGS["seed"],
+                        help="seed of round 0 (round r: this + r), to add rounds to a run")
     parser.add_argument("--tephra-args", default="",
                         help="extra tephra overrides, space-separated")
     parser.add_argument("--variant", default="",
@@ -262,7 +264,7 @@ def main() -> None:
     runs = []
     info = machine()
     for i in range(args.runs):
-        seed = SETTINGS["seed"] + i  # one seed per round, the same for every entry
+        seed = args.first_seed + i  # one seed per round, the same for every entry
         for label, fw, python, extra in entries:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 cmd = [python, __file__, "--run", fw, "--out", out.name,
@@ -286,7 +288,7 @@ def main() -> None:
                            "entries": {label: {"framework": fw, "overrides": extra}
                                        for label, fw, _, extra in entries},
                            "order": "interleaved, one of each per round; fresh process each",
-                           "seeds": [SETTINGS["seed"] + i for i in range(args.runs)],
+                           "seeds": [args.first_seed + i for i in range(args.runs)],
                            "median_over": "steps 2.. of each run"},
               "machine": info, "versions": versions(), "runs": runs}
     for label, rs in by.items():

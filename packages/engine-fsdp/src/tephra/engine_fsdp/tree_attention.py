@@ -28,8 +28,8 @@ ATTENTION_NAME = "tephra_tree_sdpa"
 
 @dataclass
 class Blocks:
-    """Blocks of one shape (`nb` blocks of `q` queries over `k` keys), as flat indices into
-    the micro-batch's `[u * L]` tree positions."""
+    """Blocks of one shape (`nb` blocks of `q` queries over `k` keys), as indices into the
+    flattened tree positions (`TreeLayout.input_ids.flatten()`)."""
 
     query: torch.Tensor
     """`[nb, q]` each block's query positions; padding repeats a real one (see `valid`)."""
