@@ -29,8 +29,8 @@ Round r runs both frameworks with seed `--first-seed` + r (default 0): the train
 prompts' order and every sampling draw follow it; the model and the held-out items stay. So
 the rounds are independent draws of the same comparison. Four steps of 32 samples move
 held-out accuracy by a seed-dependent amount (tephra 0.45 vs TRL 0.61 at seed 0, 0.66 vs
-0.52 at seed 1), and only the mean over seeds compares the two learners. Reported: each round's accuracies and
-`val_accuracy_mean` per framework.
+0.52 at seed 1), and only the mean over seeds compares the two learners. Reported: each
+round's accuracies and `val_accuracy_mean` per framework.
 """
 
 from __future__ import annotations

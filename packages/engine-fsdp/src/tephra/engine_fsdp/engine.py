@@ -92,6 +92,8 @@ class FSDPEngine(Engine):
             # shared-prefix rows attend per prefix and segment (`tree_attention`); every
             # other forward is transformers' SDPA
             hf_model.config._attn_implementation = tree_attention.ATTENTION_NAME
+        self.flat_tree = hf_model.config._attn_implementation == tree_attention.ATTENTION_NAME
+        """Shared-prefix micro-batches run as one unpadded row (`prefix_sharing.layout`)."""
         trained = hf_model
         if config.lora.enabled:
             trained = lora.apply_lora(hf_model, config.lora, config.model.role,
@@ -249,8 +251,7 @@ class FSDPEngine(Engine):
         else:
             label_mask = B.label_positions(resp) * attn
             pos = mb[B.POSITION_IDS] if pos is None else pos
-            flat = self.hf_model.config._attn_implementation == tree_attention.ATTENTION_NAME
-            tree = (prefix_sharing.layout(mb[B.INPUT_IDS], attn, pos, label_mask, flat)
+            tree = (prefix_sharing.layout(mb[B.INPUT_IDS], attn, pos, label_mask, self.flat_tree)
                     if self.share_prefix and not self.vlm else None)
             if tree is not None:
                 tree = tree.to(self.device)

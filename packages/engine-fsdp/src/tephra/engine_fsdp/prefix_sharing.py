@@ -58,8 +58,8 @@ class TreeLayout:
     """`[n]` flat indices into `input_ids.flatten()` of the scored positions, in the
     row-major order of the original `[b, t]` label mask."""
     blocks: tuple[Blocks, ...]
-    """The same attention per prefix and per segment, for `tree_attention` (which skips the
-    pairs a dense mask hides)."""
+    """Flat: the attention per prefix and per segment, for `tree_attention`. Empty with a
+    dense mask."""
 
     def to(self, device: torch.device) -> TreeLayout:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
@@ -121,12 +121,14 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: 
         rows_ids.append(torch.cat(ids))
         rows_pos.append(torch.cat(pos))
         rows_seg.append(torch.cat(seg))
+    def scored(starts: list[int]) -> torch.Tensor:  # tree row u begins at starts[u]
+        return torch.tensor([starts[where[r][0]] + c + where[r][1]
+                             for r, c in label_mask.bool().nonzero().tolist()], dtype=torch.long)
+
     if flat:
         starts = torch.tensor([0] + [len(x) for x in rows_ids]).cumsum(0).tolist()
-        scored = [starts[where[r][0]] + c + where[r][1]
-                  for r, c in label_mask.bool().nonzero().tolist()]
         return TreeLayout(torch.cat(rows_ids)[None], torch.cat(rows_pos)[None], None,
-                          torch.tensor(scored, dtype=torch.long), tree_blocks(rows_seg, starts))
+                          scored(starts), tree_blocks(rows_seg, starts))
     width = max(len(x) for x in rows_ids)
     n_rows = len(rows_ids)
     b, t = input_ids.shape
@@ -143,9 +145,4 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: 
     mask = causal & (k != -2) & ((k == -1) | (k == q))
     # padding queries see themselves only: never scored, and no NaN from an empty softmax
     mask |= torch.eye(width, dtype=torch.bool) & (q == -2)
-    scored = []
-    for r, c in label_mask.bool().nonzero().tolist():
-        u, offset = where[r]
-        scored.append(u * width + c + offset)
-    return TreeLayout(ids, pos, mask[:, None], torch.tensor(scored, dtype=torch.long),
-                      tree_blocks(rows_seg, [u * width for u in range(n_rows)]))
+    return TreeLayout(ids, pos, mask[:, None], scored([u * width for u in range(n_rows)]), ())
