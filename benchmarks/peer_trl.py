@@ -30,7 +30,9 @@ prompts' order and every sampling draw follow it; the model and the held-out ite
 the rounds are independent draws of the same comparison. Four steps of 32 samples move
 held-out accuracy by a seed-dependent amount (tephra 0.45 vs TRL 0.61 at seed 0, 0.66 vs
 0.52 at seed 1), and only the mean over seeds compares the two learners. Reported: each
-round's accuracies and `val_accuracy_mean` per framework.
+round's accuracies and `val_accuracy_mean` per framework, and the per-round differences paired by seed
+(`val_accuracy_diff_over_trl`: each round's, their mean and its standard error). The JSON is
+rewritten after every round, so a stopped run keeps the rounds it finished.
 """
 
 from __future__ import annotations
@@ -223,6 +225,48 @@ def versions() -> dict:
     return {p: version(p) for p in ("trl", "transformers", "torch", "accelerate")}
 
 
+def summarise(args, entries, runs: list[dict], info: dict) -> dict:
+    """The JSON written to --results: settings, machine, every run and the summary figures."""
+    by = {label: [r for r in runs if r["label"] == label] for label, *_ in entries}
+    done = len(runs) // len(entries)  # finished rounds
+    result = {"settings": {**SETTINGS, "steps": args.steps, "runs_each": done,
+                           "rounds_planned": args.runs,
+                           "val_size": args.val_size,
+                           "entries": {label: {"framework": fw, "overrides": extra}
+                                       for label, fw, _, extra in entries},
+                           "order": "interleaved, one of each per round; fresh process each",
+                           "seeds": [args.first_seed + i for i in range(done)],
+                           "median_over": "steps 2.. of each run"},
+              "machine": info, "versions": versions(), "runs": runs}
+    for label, rs in by.items():
+        result[f"{label}_median_step_s"] = round(
+            statistics.median(r["median_step_s"] for r in rs), 3)
+        result[f"{label}_median_stages_s"] = {
+            k: round(statistics.median(r["median_stages_s"][k] for r in rs), 3)
+            for k in rs[0]["median_stages_s"]}
+        result[f"{label}_val_accuracy"] = [r["val_accuracy"] for r in rs]
+        result[f"{label}_val_accuracy_mean"] = round(statistics.mean(r["val_accuracy"] for r in rs), 4)
+    if "trl" in by:
+        for label in [x for x in by if x.startswith("tephra")]:
+            ratios = [t["median_step_s"] / p["median_step_s"]
+                      for p, t in zip(by[label], by["trl"])]
+            suffix = "" if label == "tephra" else f"_{label.removeprefix('tephra_')}"
+            result[f"step_time_ratio_trl_over_tephra{suffix}"] = round(statistics.median(ratios), 2)
+            result[f"step_time_ratio_per_round{suffix}"] = [round(r, 2) for r in ratios]
+            # paired by seed: each round's accuracy difference, their mean and its standard error
+            diffs = [p["val_accuracy"] - t["val_accuracy"] for p, t in zip(by[label], by["trl"])]
+            result[f"val_accuracy_diff_over_trl{suffix}"] = {
+                "per_round": [round(d, 4) for d in diffs],
+                "mean": round(statistics.mean(diffs), 4),
+                "standard_error": (round(statistics.stdev(diffs) / len(diffs) ** 0.5, 4)
+                                   if len(diffs) > 1 else None)}
+    result["noise"] = {label: {"min_step_s": min(v), "max_step_s": max(v),
+                               "stdev_step_s": round(statistics.pstdev(v), 3)}
+                       for label, v in ((label, [s for r in rs for s in r["step_s"][1:]])
+                                        for label, rs in by.items()) if v}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 steps, 1 run each, no json")
@@ -281,38 +325,11 @@ def main() -> None:
             print(f"{label} run {i} (seed {seed}): median step {res['median_step_s']} s, stages "
                   f"{res['median_stages_s']}, val acc {res['val_accuracy']}", flush=True)
             runs.append(res)
+        result = summarise(args, entries, runs, info)
+        if not args.quick and not args.only:  # after every round, so a stopped run keeps its rounds
+            Path(args.results).write_text(json.dumps(result, indent=2) + "\n")
 
-    by = {label: [r for r in runs if r["label"] == label] for label, *_ in entries}
-    result = {"settings": {**SETTINGS, "steps": args.steps, "runs_each": args.runs,
-                           "val_size": args.val_size,
-                           "entries": {label: {"framework": fw, "overrides": extra}
-                                       for label, fw, _, extra in entries},
-                           "order": "interleaved, one of each per round; fresh process each",
-                           "seeds": [args.first_seed + i for i in range(args.runs)],
-                           "median_over": "steps 2.. of each run"},
-              "machine": info, "versions": versions(), "runs": runs}
-    for label, rs in by.items():
-        result[f"{label}_median_step_s"] = round(
-            statistics.median(r["median_step_s"] for r in rs), 3)
-        result[f"{label}_median_stages_s"] = {
-            k: round(statistics.median(r["median_stages_s"][k] for r in rs), 3)
-            for k in rs[0]["median_stages_s"]}
-        result[f"{label}_val_accuracy"] = [r["val_accuracy"] for r in rs]
-        result[f"{label}_val_accuracy_mean"] = round(statistics.mean(r["val_accuracy"] for r in rs), 4)
-    if "trl" in by:
-        for label in [x for x in by if x.startswith("tephra")]:
-            ratios = [t["median_step_s"] / p["median_step_s"]
-                      for p, t in zip(by[label], by["trl"])]
-            suffix = "" if label == "tephra" else f"_{label.removeprefix('tephra_')}"
-            result[f"step_time_ratio_trl_over_tephra{suffix}"] = round(statistics.median(ratios), 2)
-            result[f"step_time_ratio_per_round{suffix}"] = [round(r, 2) for r in ratios]
-    result["noise"] = {label: {"min_step_s": min(v), "max_step_s": max(v),
-                               "stdev_step_s": round(statistics.pstdev(v), 3)}
-                       for label, v in ((label, [s for r in rs for s in r["step_s"][1:]])
-                                        for label, rs in by.items()) if v}
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
-    if not args.quick and not args.only:
-        Path(args.results).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
