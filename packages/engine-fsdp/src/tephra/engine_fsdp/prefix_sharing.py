@@ -121,6 +121,7 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: 
         rows_ids.append(torch.cat(ids))
         rows_pos.append(torch.cat(pos))
         rows_seg.append(torch.cat(seg))
+
     def scored(starts: list[int]) -> torch.Tensor:  # tree row u begins at starts[u]
         return torch.tensor([starts[where[r][0]] + c + where[r][1]
                              for r, c in label_mask.bool().nonzero().tolist()], dtype=torch.long)
