@@ -156,21 +156,13 @@ def test_vllm_agent_loop_tool_turn_matches_hf(rollouts, tiny_tied_model):
         assert "42" in a.messages[2]["content"]
 
 
-def generated_tokens(url: str) -> float:
-    """The server's count of generated tokens (its Prometheus counter)."""
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("vllm:generation_tokens_total"):
-            return float(line.split()[-1])
-    raise AssertionError("vllm:generation_tokens_total is not in /metrics")
-
-
 def test_vllm_partial_rollout_resumes_under_the_new_weights(rollouts, tiny_tied_model):
     """A weight update under `paused()` while `generate` runs (sampled, n=2): the server aborts
     the requests, each sample keeps the tokens it had and goes on under the new weights. Each
     token is tagged with the version that produced it, and its log-prob equals a teacher-forced
     forward under that version's weights (fp32, within LOGPROB_TOL = 1e-4, as above)."""
     vllm, _ = rollouts
-    weights = {v: list(perturbed_weights(tiny_tied_model.path, seed=21 + v)) for v in range(4)}
+    weights = {v: list(perturbed_weights(tiny_tied_model.path, seed=21 + v)) for v in range(6)}
     models = {}
     for version, named in weights.items():
         models[version] = AutoModelForCausalLM.from_pretrained(tiny_tied_model.path,
@@ -179,27 +171,32 @@ def test_vllm_partial_rollout_resumes_under_the_new_weights(rollouts, tiny_tied_
     sampling = SamplingParams(temperature=0.7, max_tokens=400, n=2, seed=5, ignore_eos=True)
     vllm.update_weights(weights[0])
     vllm.weight_version = 0
-    tried = []
+    tried, delay, early, late = [], 1.0, 0.0, None
     try:
-        # the update lands wherever the server has got to (the token counter lags): another
-        # try if a sample had not begun or had already finished (a busy machine)
-        for version in (1, 2, 3):
+        # The update lands `delay` seconds after the requests went out. The server's token
+        # counter (/metrics) lags by seconds, too late on a fast machine, so the delay is
+        # searched instead: between the last too early (a sample had not begun) and the last
+        # too late (one had finished).
+        for version in (1, 2, 3, 4, 5):
             with ThreadPoolExecutor(1) as pool:
-                start = generated_tokens(vllm.urls[0])
                 future = pool.submit(vllm.generate, PROMPTS, sampling)
-                # every sample has begun: the server counted about one token each
-                while (generated_tokens(vllm.urls[0]) < start + len(PROMPTS) * sampling.n
-                       and not future.done()):
-                    time.sleep(0.01)
+                while vllm._in_flight < len(PROMPTS) and not future.done():
+                    time.sleep(0.001)
+                time.sleep(delay)
                 with vllm.paused():
                     assert vllm._in_flight == 0  # every request came back before the update
                     vllm.update_weights(weights[version])
                     vllm.weight_version = version
                 out = future.result(timeout=300)
             cut = [v.count(version - 1) for v in out.token_versions]
-            tried.append(cut)
+            tried.append((delay, cut))
             if all(0 < k < sampling.max_tokens for k in cut):
                 break
+            if max(cut) == sampling.max_tokens:
+                late = delay
+            else:
+                early = delay
+            delay = delay * 3 if late is None else (early + late) / 2 if early else late / 4
     finally:
         vllm.weight_version = None
     assert all(0 < k < sampling.max_tokens for k in cut), f"not caught mid-way: {tried}"
