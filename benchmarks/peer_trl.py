@@ -32,7 +32,9 @@ held-out accuracy by a seed-dependent amount (200 items: tephra 0.545 vs TRL 0.6
 0, 0.645 vs 0.500 at seed 1), and only the mean over seeds compares the two learners.
 Reported: each round's accuracies, `val_accuracy_mean` per framework, and the differences
 paired by seed (`val_accuracy_diff_over_trl`: each round's, their mean and its standard
-error). The JSON is rewritten after every round, so a stopped run keeps the rounds it finished.
+error). The JSON is rewritten after every round, so a stopped run keeps the rounds it finished,
+and `--append --runs K` adds K rounds to the run in the file (the next seeds; refused if the
+settings or the machine differ).
 """
 
 from __future__ import annotations
@@ -212,7 +214,10 @@ def machine() -> dict:
     model = next((line.split(":", 1)[1].strip() for line in
                   Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
                  platform.processor())
-    return {"cpu": model, "cores": os.cpu_count(),
+    family_model = [line.split(":", 1)[1].strip() for line in
+                    Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.split(":")[0].strip() in ("cpu family", "model")][:2]
+    return {"cpu": model, "cpu_family_model": "/".join(family_model), "cores": os.cpu_count(),
             "bf16_units": [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()],
             "compute_dtype": fastest_dtype("cpu"),
             "torch": torch.__version__, "python": platform.python_version(),
@@ -230,12 +235,12 @@ def summarise(args, entries, runs: list[dict], info: dict) -> dict:
     by = {label: [r for r in runs if r["label"] == label] for label, *_ in entries}
     done = len(runs) // len(entries)  # finished rounds
     result = {"settings": {**SETTINGS, "steps": args.steps, "runs_each": done,
-                           "rounds_planned": args.runs,
+                           "rounds_planned": args.rounds_planned,
                            "val_size": args.val_size,
                            "entries": {label: {"framework": fw, "overrides": extra}
                                        for label, fw, _, extra in entries},
                            "order": "interleaved, one of each per round; fresh process each",
-                           "seeds": [args.first_seed + i for i in range(done)],
+                           "seeds": sorted({r["seed"] for r in runs}),
                            "median_over": "steps 2.. of each run"},
               "machine": info, "versions": versions(), "runs": runs}
     for label, rs in by.items():
@@ -267,6 +272,27 @@ def summarise(args, entries, runs: list[dict], info: dict) -> dict:
     return result
 
 
+def appended_to(args, entries, info: dict) -> tuple[list[dict], dict]:
+    """The runs and machine of an earlier run in --results that --append continues; refused
+    when its settings or machine differ (its timings would not compare)."""
+    old = json.loads(Path(args.results).read_text())
+    s = old["settings"]
+    wanted = {"steps": args.steps, "val_size": args.val_size,
+              "entries": {label: {"framework": fw, "overrides": extra}
+                          for label, fw, _, extra in entries}}
+    differ = [f"{k}: {s[k]} there, {v} here" for k, v in wanted.items() if s[k] != v]
+    differ += [f"machine {k}: {old['machine'][k]} there, {v} here" for k, v in info.items()
+               if k in ("cpu", "cores", "bf16_units", "compute_dtype", "cpu_family_model", "torch")
+               and k in old["machine"] and old["machine"][k] != v]
+    if differ:
+        raise SystemExit(f"--append: {args.results} is another comparison ({'; '.join(differ)}); "
+                         "pass the same --steps/--val-size/--tephra-args on the same machine, or "
+                         "start a new file with --results")
+    args.first_seed = s["seeds"][0]
+    args.rounds_planned = s["runs_each"] + args.runs
+    return old["runs"], {**old["machine"], "appended_load_average": os.getloadavg()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 steps, 1 run each, no json")
@@ -287,6 +313,9 @@ def main() -> None:
                         help="also run tephra from another checkout's interpreter (label "
                              "tephra_base), e.g. main's .venv/bin/python")
     parser.add_argument("--results", default=str(RESULTS), help="where the JSON goes")
+    parser.add_argument("--append", action="store_true",
+                        help="add --runs rounds to the run in --results (same settings and "
+                             "machine), seeds following its last")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.quick:
@@ -305,9 +334,11 @@ def main() -> None:
         entries.insert(0, ("tephra_base", "tephra", args.base_python, args.tephra_args))
     if args.variant:  # tephra with extra overrides (an ablation / a tuned config)
         entries.insert(-1, ("tephra_variant", "tephra", sys.executable, args.variant))
-    runs = []
-    info = machine()
-    for i in range(args.runs):
+    runs, info = [], machine()
+    args.rounds_planned = args.runs
+    if args.append:
+        runs, info = appended_to(args, entries, info)
+    for i in range(len(runs) // len(entries), args.rounds_planned):
         seed = args.first_seed + i  # one seed per round, the same for every entry
         for label, fw, python, extra in entries:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
