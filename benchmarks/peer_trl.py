@@ -68,6 +68,17 @@ def tephra_overrides(steps: int, val_size: int, run_dir: str, extra: list[str],
             f"resources.cpus_per_rank={float(THREADS)}", *extra]
 
 
+# per-step training signals under one name for both (tephra metric, TRL log key); flat groups
+# from TRL's fraction of groups whose rewards have zero std. tephra's entropy is over the rows
+# it trained on (flat groups left out), TRL's over every row.
+TEPHRA_TRAIN = {"reward_mean": "reward/mean", "grad_norm": "actor/grad_norm",
+                "entropy": "actor/entropy", "length_mean": "response/length_mean",
+                "truncated_frac": "response/clip_frac", "flat_groups": "actor/skipped_flat_groups"}
+TRL_TRAIN = {"reward_mean": "reward", "grad_norm": "grad_norm", "entropy": "entropy",
+             "length_mean": "completions/mean_length", "truncated_frac": "completions/clipped_ratio",
+             "flat_groups": "frac_reward_zero_std"}
+
+
 def run_tephra(steps: int, val_size: int, extra: list[str], seed: int) -> dict:
     from tephra.apps.ppo.main import parse_config, run
 
@@ -84,8 +95,10 @@ def run_tephra(steps: int, val_size: int, extra: list[str], seed: int) -> dict:
     acc = [r["accuracy/val"] for r in records if "accuracy/val" in r]
     extras = {k: [r.get(k) for r in steps_rec] for k in ("actor/skipped_flat_groups",)
               if any(k in r for r in steps_rec)}
+    train = {name: [r.get(key) for r in steps_rec] for name, key in TEPHRA_TRAIN.items()}
     return {"framework": "tephra", "step_s": stages.pop("time/step_s"), "stages_s": stages,
-            "val_accuracy": acc[-1] if acc else None, "process_wall_s": round(total, 1), **extras}
+            "val_accuracy": acc[-1] if acc else None, "process_wall_s": round(total, 1),
+            "train": train, **extras}
 
 
 def trl_records(steps: int, val_size: int, seed: int):
@@ -172,13 +185,18 @@ def run_trl(steps: int, val_size: int, seed: int) -> dict:
     trainer.train()
     total = time.perf_counter() - t0
     step = timings["step"]
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    train = {name: [float(entry[key]) if key in entry else None for entry in logs]
+             for name, key in TRL_TRAIN.items()}
+    train["flat_groups"] = [None if f is None else f * SETTINGS["prompts_per_step"]
+                            for f in train["flat_groups"]]
     stages = {"time/generate_s": timings["generate"], "time/reward_and_advantages_s": timings["score"],
               "time/update_s": [st - g - sc for st, g, sc in
                                 zip(step, timings["generate"], timings["score"])]}
     return {"framework": "trl", "step_s": [round(x, 3) for x in step],
             "stages_s": {k: [round(x, 3) for x in v] for k, v in stages.items()},
             "val_accuracy": greedy_accuracy(trainer.model, tok, val, scorer),
-            "process_wall_s": round(total, 1)}
+            "process_wall_s": round(total, 1), "train": train}
 
 
 def greedy_accuracy(model, tok, records, scorer, batch: int = 32) -> float:
