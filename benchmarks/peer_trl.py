@@ -114,25 +114,21 @@ def trl_records(steps: int, val_size: int, seed: int):
     return p, [p.train.records[i] for i in order], p.val.records
 
 
-def run_trl(steps: int, val_size: int, seed: int) -> dict:
+def trl_trainer(model_path: str, train: list, steps: int, seed: int, scorer):
+    """TRL's GRPOTrainer on `train` (the records in step order) with the workload's settings;
+    and its tokenizer."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from tephra.controller.rewarding import Scorer
+    from tephra.engine_api.fastest_dtype import fastest_dtype
 
-    torch.set_num_threads(THREADS)
-    prepared, train, val = trl_records(steps, val_size, seed)
-    model_path = prepared.model_path
-    scorer = Scorer()
     rows = {"prompt": [r.prompt for r in train], "idx": list(range(len(train)))}
 
     def reward(completions, idx, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [s for s, _ in scorer.score(texts, [train[i] for i in idx])]
-
-    from tephra.engine_api.fastest_dtype import fastest_dtype
 
     s = SETTINGS
     n = s["samples_per_prompt"]
@@ -152,6 +148,19 @@ def run_trl(steps: int, val_size: int, seed: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
                           train_dataset=Dataset.from_dict(rows), processing_class=tok)
+    return trainer, tok
+
+
+def run_trl(steps: int, val_size: int, seed: int) -> dict:
+    import torch
+    from transformers import TrainerCallback
+
+    from tephra.controller.rewarding import Scorer
+
+    torch.set_num_threads(THREADS)
+    prepared, train, val = trl_records(steps, val_size, seed)
+    scorer = Scorer()
+    trainer, tok = trl_trainer(prepared.model_path, train, steps, seed, scorer)
 
     timings: dict[str, list[float]] = {"step": [], "generate": [], "score": []}
     pending = {"generate": 0.0, "score": 0.0}

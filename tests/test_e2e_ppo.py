@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tephra.apps.ppo.main import parse_config, run
+from tephra.controller.ppo import prepare
 from tephra.controller.rewarding import RewardFailure
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
@@ -58,12 +59,14 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
 
 @pytest.mark.multiproc
 def test_ppo_with_critic_and_reference(ray_session, tmp_path):
-    summary = run(_smoke(tmp_path, "-p", "ppo_critic", "actor.objective.use_kl_loss=true",
-                         "actor.objective.kl_loss_coef=0.01",
-                         "trainer.val_after=true", "trainer.export_hf=true",
-                         "trainer.profile_steps=[2]", "trainer.val.n=4",
-                         "trainer.val.temperature=1.0", "trainer.val.ks=[1,2]",
-                         "trainer.dump_generations=1", f"trainer.run_dir={tmp_path / 'ppo'}"))
+    cfg = _smoke(tmp_path, "-p", "ppo_critic", "actor.objective.use_kl_loss=true",
+                 "actor.objective.kl_loss_coef=0.01",
+                 "trainer.val_after=true", "trainer.export_hf=true",
+                 "trainer.profile_steps=[2]", "trainer.val.n=4",
+                 "trainer.val.temperature=1.0", "trainer.val.ks=[1,2]",
+                 "trainer.dump_generations=1", f"trainer.run_dir={tmp_path / 'ppo'}")
+    summary = run(cfg)
+    tok = prepare(cfg).tokenizer
     records = read_jsonl(tmp_path / "ppo" / "metrics.jsonl")
     train = [r for r in records if "reward/mean" in r]
     assert len(train) == 2
@@ -82,6 +85,12 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
     for step in (1, 2):
         train_rows = [json.loads(x) for x in (gens / f"train_step{step}.jsonl").read_text().splitlines()]
         assert len(train_rows) == 8 and all(r["advantage"] is not None for r in train_rows)
+        for r in train_rows:  # the tokens behind the text: enough to replay the step
+            assert tok.decode(r["prompt_ids"], skip_special_tokens=True) == r["prompt"]
+            assert len(r["response_mask"]) == len(r["response_ids"]) and all(r["response_mask"])
+            assert r["finish_reason"] in ("stop", "length")
+            assert (r["response_ids"][-1] == tok.eos_token_id) == (r["finish_reason"] == "stop")
+            assert len(r["response_ids"]) <= cfg.rollout.max_tokens
     # the profiled step wrote one valid Chrome trace per stage (one rank here)
     traces = sorted(p.name for p in (tmp_path / "ppo" / "profile").glob("*.json"))
     assert traces == [f"step2_{s}_rank0.json" for s in

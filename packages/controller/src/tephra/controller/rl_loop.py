@@ -351,7 +351,7 @@ class Trainer:
         return summary["all"][f"acc@{v.n}"], flat_metrics(summary)
 
     def dump_train(self, samples: list[Sample], batch: TensorDict) -> None:
-        """The step's trained samples with their rewards and advantages, as JSONL."""
+        """The step's trained samples with their tokens, rewards and advantages, as JSONL."""
         from tephra.controller.evaluation import EvalRow
 
         mask = batch["response_mask"].bool()
@@ -364,11 +364,13 @@ class Trainer:
                 for k, (s, a) in enumerate(zip(samples, advantages))]
         path = self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:  # EvalRow plus the generating weights' version(s)
+        with open(path, "w") as f:  # EvalRow plus the tokens and the generating weights' version(s)
             for row, s in zip(rows, samples):
                 versions = {} if s.token_versions is None else {"token_versions": s.token_versions}
-                f.write(json.dumps({**asdict(row), "weight_version": s.weight_version, **versions},
-                                   default=str) + "\n")
+                tokens = {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
+                          "response_mask": s.response_mask, "finish_reason": s.finish_reason}
+                f.write(json.dumps({**asdict(row), **tokens, "weight_version": s.weight_version,
+                                    **versions}, default=str) + "\n")
 
     def collect(self, step: int, scored: bool = False) -> list[Round]:
         """The rounds of generation of step `step` (0-based; it seeds the sampling), by the
