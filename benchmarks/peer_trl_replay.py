@@ -1,7 +1,7 @@
 """Are tephra and TRL the same learner? Both train on the very same samples, then compare.
 
     uv sync --all-packages --group bench
-    uv run python benchmarks/peer_trl_replay.py            # -> results/peer_trl_replay.json
+    uv run python benchmarks/peer_trl_replay.py --steps 4 --seeds 10   # results/peer_trl_replay.json
 
 `peer_trl.py` compares the two frameworks' held-out accuracy after a few steps, but each
 samples its own responses, so that comparison carries the sampling noise of 32 responses a
@@ -139,7 +139,7 @@ def compare(steps: int, seed: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
