@@ -233,18 +233,14 @@ def machine() -> dict:
 
     from tephra.engine_api.fastest_dtype import fastest_dtype
 
-    flags = ""
+    cpuinfo: dict[str, str] = {}  # the first processor's fields
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = line
-            break
-    model = next((line.split(":", 1)[1].strip() for line in
-                  Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
-                 platform.processor())
-    family_model = [line.split(":", 1)[1].strip() for line in
-                    Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.split(":")[0].strip() in ("cpu family", "model")][:2]
-    return {"cpu": model, "cpu_family_model": "/".join(family_model), "cores": os.cpu_count(),
+        key, _, value = line.partition(":")
+        cpuinfo.setdefault(key.strip(), value.strip())
+    model = cpuinfo.get("model name") or platform.processor()
+    family_model = "/".join(cpuinfo[k] for k in ("cpu family", "model") if k in cpuinfo)
+    flags = cpuinfo.get("flags", "")
+    return {"cpu": model, "cpu_family_model": family_model, "cores": os.cpu_count(),
             "bf16_units": [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()],
             "compute_dtype": fastest_dtype("cpu"),
             "torch": torch.__version__, "python": platform.python_version(),
@@ -257,6 +253,11 @@ def versions() -> dict:
     return {p: version(p) for p in ("trl", "transformers", "torch", "accelerate")}
 
 
+def entry_settings(entries) -> dict:
+    """What each entry runs, as the JSON's settings record it (and --append compares)."""
+    return {label: {"framework": fw, "overrides": extra} for label, fw, _, extra in entries}
+
+
 def summarise(args, entries, runs: list[dict], info: dict) -> dict:
     """The JSON written to --results: settings, machine, every run and the summary figures."""
     by = {label: [r for r in runs if r["label"] == label] for label, *_ in entries}
@@ -264,8 +265,7 @@ def summarise(args, entries, runs: list[dict], info: dict) -> dict:
     result = {"settings": {**SETTINGS, "steps": args.steps, "runs_each": done,
                            "rounds_planned": args.rounds_planned,
                            "val_size": args.val_size,
-                           "entries": {label: {"framework": fw, "overrides": extra}
-                                       for label, fw, _, extra in entries},
+                           "entries": entry_settings(entries),
                            "order": "interleaved, one of each per round; fresh process each",
                            "seeds": sorted({r["seed"] for r in runs}),
                            "median_over": "steps 2.. of each run"},
@@ -305,8 +305,7 @@ def appended_to(args, entries, info: dict) -> tuple[list[dict], dict]:
     old = json.loads(Path(args.results).read_text())
     s = old["settings"]
     wanted = {"steps": args.steps, "val_size": args.val_size,
-              "entries": {label: {"framework": fw, "overrides": extra}
-                          for label, fw, _, extra in entries}}
+              "entries": entry_settings(entries)}
     differ = [f"{k}: {s[k]} there, {v} here" for k, v in wanted.items() if s[k] != v]
     differ += [f"machine {k}: {old['machine'][k]} there, {v} here" for k, v in info.items()
                if k in ("cpu", "cores", "bf16_units", "compute_dtype", "cpu_family_model", "torch")
