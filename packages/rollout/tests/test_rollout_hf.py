@@ -298,6 +298,33 @@ def test_inverse_cdf_sampling_draws_the_softmax_distribution():
         assert freq[rows[r] == -inf].sum() == 0
 
 
+def test_sampling_at_a_49k_vocabulary_with_a_long_tail():
+    """At SmolLM2's vocabulary size (49,152: 192 blocks) with a Zipf-like row whose tail
+    beyond the top 1000 tokens holds a third of the mass, 40k draws give a mean log-prob of
+    the sampled token equal to minus the entropy, and the tail its share, both within 4
+    standard errors: the sampler neither favours likely tokens nor drops the long tail."""
+    from tephra.rollout.backends.sampling_processor import sample_probs
+
+    vocab, draws = 49_152, 40_000
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randn(vocab, generator=gen, dtype=torch.float64)
+    logits = -1.05 * torch.arange(1, vocab + 1).double().log() + 0.3 * noise
+    logits = logits[torch.randperm(vocab, generator=gen)]  # likely tokens in every block
+    logp = torch.log_softmax(logits, -1)
+    probs = logp.exp()
+    tail = torch.zeros(vocab, dtype=torch.bool)
+    tail[probs.argsort(descending=True)[1000:]] = True
+    assert 0.25 < probs[tail].sum() < 0.45
+    torch.manual_seed(2)
+    rows = probs.float().expand(4_000, vocab)
+    tokens = torch.cat([sample_probs(rows) for _ in range(draws // 4_000)])
+    sampled = logp[tokens]
+    entropy = -(probs * logp).sum()
+    assert abs(sampled.mean() + entropy) < 4 * sampled.std() / draws**0.5
+    share, p_tail = tail[tokens].double().mean(), probs[tail].sum()
+    assert abs(share - p_tail) < 4 * (p_tail * (1 - p_tail) / draws) ** 0.5
+
+
 def test_two_level_sampling_across_blocks():
     """`sample_probs` picks a block of 256 tokens, then a token in it: over a 600-token
     vocabulary (3 blocks, the last one padded) with a whole block at 0 and mass at both
