@@ -18,7 +18,9 @@ AdamW. Compared, step by step and at the end:
 - the pre-clip gradient norm (at step 1 both start from the same weights and batch, so it
   agrees to float32 summation order; later steps start from weights that moved alike);
 - the weights after the last step: the cosine between the two updates (W - W0) and the
-  norm of their difference relative to the update.
+  norm of their difference relative to the update;
+- greedy held-out accuracy of both trained models and of the untrained one, all three scored
+  by the one evaluator `peer_trl.py` uses for TRL (`--val-size` items; 0 skips it).
 
 AdamW's first steps move each weight by about lr * sign(grad), so an entry whose gradient is
 float32 noise (~1e-9) can move either way in each framework: the cosine sits a little under
@@ -37,7 +39,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from peer_trl import SETTINGS, THREADS, machine, tephra_overrides, trl_records, trl_trainer  # noqa: E402
+from peer_trl import (  # noqa: E402
+    SETTINGS,
+    THREADS,
+    greedy_accuracy,
+    machine,
+    tephra_overrides,
+    trl_records,
+    trl_trainer,
+)
 
 RESULTS = Path(__file__).parent / "results" / "peer_trl_replay.json"
 
@@ -60,13 +70,13 @@ def run_tephra(steps: int, seed: int, run_dir: Path) -> tuple[list[list[dict]], 
 
 
 def run_trl_on(samples: list[list[dict]], steps: int, seed: int):
-    """TRL on tephra's samples: its prompt ids, rewards, advantages, grad norms and model."""
+    """TRL on tephra's samples: its prompt ids, rewards, advantages, grad norms and trainer."""
     import torch
 
     from tephra.controller.rewarding import Scorer
 
     prepared, train, _ = trl_records(steps, 8, seed)
-    trainer, _ = trl_trainer(prepared.model_path, train, steps, seed, Scorer())
+    trainer, tok = trl_trainer(prepared.model_path, train, steps, seed, Scorer())
     seen = {"prompt_ids": [], "rewards": [], "advantages": []}
 
     def replay(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -89,10 +99,10 @@ def run_trl_on(samples: list[list[dict]], steps: int, seed: int):
     trainer.train()
     logs = [e for e in trainer.state.log_history if "reward" in e]
     seen["rewards"] = [e["reward"] for e in logs]
-    return seen, [float(e["grad_norm"]) for e in logs], trainer.model, prepared.model_path
+    return seen, [float(e["grad_norm"]) for e in logs], trainer.model, tok, prepared.model_path
 
 
-def compare(steps: int, seed: int) -> dict:
+def compare(steps: int, seed: int, val_size: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -101,7 +111,7 @@ def compare(steps: int, seed: int) -> dict:
         t0 = time.perf_counter()
         samples, metrics = run_tephra(steps, seed, Path(tmp))
         tephra_norms = [r["actor/grad_norm"] for r in metrics]
-        trl_seen, trl_norms, trl_model, model_path = run_trl_on(samples, steps, seed)
+        trl_seen, trl_norms, trl_model, tok, model_path = run_trl_on(samples, steps, seed)
         after = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32)
         wall = time.perf_counter() - t0
     before = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -117,6 +127,13 @@ def compare(steps: int, seed: int) -> dict:
     prompts_equal = all(
         [s["prompt_ids"] for s in step] == trl_step
         for step, trl_step in zip(samples, trl_seen["prompt_ids"], strict=True))
+    accuracy = {}
+    if val_size:  # the held-out items of peer_trl.py's rounds, one evaluator for all three
+        from tephra.controller.rewarding import Scorer
+
+        val = trl_records(steps, val_size, seed)[2]
+        accuracy = {name: greedy_accuracy(model, tok, val, Scorer()) for name, model in
+                    (("tephra", after), ("trl", trl_model), ("untrained", before))}
     rewards_tephra = [sum(s["score"] for s in step) / len(step) for step in samples]
     adv_gap = max(abs(s["advantage"] - a) for step, advs in zip(samples, trl_seen["advantages"])
                   for s, a in zip(step, advs, strict=True))
@@ -133,6 +150,7 @@ def compare(steps: int, seed: int) -> dict:
         "update_cosine": dot / math.sqrt(na * nb),
         "update_diff_over_update_norm": math.sqrt(diff / nb),
         "update_norm": {"tephra": math.sqrt(na), "trl": math.sqrt(nb)},
+        "val_accuracy": accuracy,
         "wall_s": round(wall, 1),
     }
 
@@ -141,10 +159,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--val-size", type=int, default=200,
+                        help="held-out items to score the trained models on (0: none)")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
-    rounds = [compare(args.steps, seed) for seed in args.seeds]
-    result = {"settings": {**SETTINGS, "steps": args.steps}, "machine": machine(), "rounds": rounds}
+    rounds = [compare(args.steps, seed, args.val_size) for seed in args.seeds]
+    result = {"settings": {**SETTINGS, "steps": args.steps, "val_size": args.val_size}, "machine": machine(), "rounds": rounds}
     Path(args.results).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(rounds, indent=2))
 
