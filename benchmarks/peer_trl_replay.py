@@ -164,7 +164,8 @@ def main() -> None:
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     rounds = [compare(args.steps, seed, args.val_size) for seed in args.seeds]
-    result = {"settings": {**SETTINGS, "steps": args.steps, "val_size": args.val_size}, "machine": machine(), "rounds": rounds}
+    settings = {**SETTINGS, "steps": args.steps, "val_size": args.val_size}
+    result = {"settings": settings, "machine": machine(), "rounds": rounds}
     Path(args.results).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(rounds, indent=2))
 
