@@ -26,7 +26,7 @@ def test_value_role_matches_hidden_state_head(tmp_path):
     out = engine.forward(batch)
     assert set(out.keys()) == {"values"}
     ref = T.HFReference(SMALL).model
-    head = dict(w for b in engine.export_weights() for w in b)["score.weight"]
+    head = dict(w for b in engine.export_weights() for w in b)["score.weight"].cpu()
     with torch.no_grad():
         hidden = ref.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                            position_ids=batch["position_ids"]).last_hidden_state
@@ -47,7 +47,7 @@ def test_value_role_matches_hidden_state_head(tmp_path):
     assert second < first
     engine.export_hf(tmp_path / "critic")
     critic = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
-    assert torch.equal(critic.score.weight, engine.hf_weights()["score.weight"])
+    assert torch.equal(critic.score.weight, engine.hf_weights()["score.weight"].cpu())
 
 
 @pytest.mark.parametrize("overrides, field", [

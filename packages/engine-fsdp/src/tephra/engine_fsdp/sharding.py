@@ -36,8 +36,11 @@ def resolve_device(choice: str) -> torch.device:
 
 
 def ensure_process_group(device: torch.device) -> bool:
-    """Initialise a 1-rank group when none exists; returns whether this call created it."""
-    return ensure_single_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    """Initialise a 1-rank group when none exists; returns whether this call created it.
+    Where CUDA is visible the group gets NCCL for CUDA tensors whatever `device` is, so a CPU
+    engine built first in the process does not leave a later CUDA engine without it."""
+    cuda = device.type == "cuda" or torch.cuda.is_available()
+    return ensure_single_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
 
 
 def cpu_group():

@@ -3,9 +3,9 @@
 megatron-core is written for GPUs: it asks `torch.cuda.current_device()`, creates tensors on
 `device="cuda"`, builds CUDA streams/events in the MoE dispatchers and calls TransformerEngine
 GEMMs when it believes they exist. On CPU (tests, CI) these calls are answered here; the engine
-logic never branches on the device. Nothing is patched when CUDA is available.
-
-Measured obstacles and what gets past them: /work/shared/notes/megatron-on-cpu.md.
+logic never branches on the device. With CUDA available only the missing TransformerEngine
+GEMM is stood in for (megatron-core 0.16.1 names it whether or not TransformerEngine is
+installed); the engine then runs on the GPU (checked on an H100: tests marked `gpu`).
 """
 
 from __future__ import annotations
@@ -109,8 +109,15 @@ def _tensor_type(func, args, kwargs):
 
 
 def apply() -> None:
-    """Answer megatron's CUDA calls on CPU (idempotent; does nothing when CUDA is present)."""
+    """Answer megatron's CUDA calls on CPU (idempotent; with CUDA present only the
+    TransformerEngine stand-in below is set)."""
     global _APPLIED
+    # 0.16.1 leaves `te_general_gemm` undefined when TransformerEngine is missing (MoE routers
+    # fail with a NameError on any device).
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     if _APPLIED or not cuda_absent():
         return
     _APPLIED = True
@@ -123,11 +130,6 @@ def apply() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda: None
 
-    # 0.16.1 leaves `te_general_gemm` undefined when TransformerEngine is missing.
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     _patch_alltoall_split_sizes()
 
     # Activation recomputation saves and restores the CUDA RNG state around each layer;
@@ -179,4 +181,6 @@ def seed_model_parallel_rng(seed: int) -> None:
 
 
 def default_backend() -> str:
-    return "gloo" if cuda_absent() else "nccl"
+    """gloo on CPU; on GPUs NCCL for CUDA tensors and gloo for the CPU ones (token counts,
+    loss metrics and gathered outputs are reduced on the host)."""
+    return "gloo" if cuda_absent() else "cpu:gloo,cuda:nccl"

@@ -70,8 +70,9 @@ class MegatronEngine(Engine):
         self.hf_config, hf_state, self.tokenizer_path = load_hf(config.model)
         self.shape = model_shape(self.hf_config)
         self._check_shape(config)
-        device = "cpu" if cpu_compat.cuda_absent() else "cuda"
-        self.dtype = _DTYPES[config.precision.compute_dtype(device)]
+        self.device = (torch.device("cpu") if cpu_compat.cuda_absent()
+                       else torch.device("cuda", torch.cuda.current_device()))
+        self.dtype = _DTYPES[config.precision.compute_dtype(self.device.type)]
         self.tconfig = transformer_config(self.hf_config, config.parallel, self.dtype,
                                           config.parallel.moe_token_dispatcher,
                                           config.model.gradient_checkpointing)
@@ -88,6 +89,8 @@ class MegatronEngine(Engine):
         del hf_state
         self._mark_tensor_parallel()
         self._keep_padding_row()
+        for chunk in self.chunks:  # built on the CPU (use_cpu_initialization); buffers too
+            chunk.to(self.device)
         # DDP buffers + AdamW on this data-parallel rank's slice of the float32 masters
         self.optimizer = DistributedAdamW(self.chunks, self.tconfig, config.optimizer,
                                           config.scheduler)
@@ -285,7 +288,8 @@ class MegatronEngine(Engine):
     def _run(self, batch: TensorDict, loss_fn: LossFn | None, budget: int, field_name: str):
         """Run the pipeline schedule over this rank's batch. Returns (`[B, T]` outputs when
         `loss_fn` is None, metrics when it is given)."""
-        # Transformer Engine runs packed sequences natively on GPU; the CPU path needs a mask
+        # packed by default on a GPU (no padding rows through the MLPs; attention takes the
+        # block-diagonal mask), padded on CPU, where that dense mask costs more than padding
         packed = self.config.micro_batch.packing(varlen_attention=not cpu_compat.cuda_absent())
         n_rows, seq_len = batch[B.INPUT_IDS].shape
         indexed = batch.clone(False)
@@ -330,7 +334,7 @@ class MegatronEngine(Engine):
                 dist.all_reduce(dims, op=dist.ReduceOp.MAX,
                                 group=ps.get_data_parallel_group(with_context_parallel=True))
             shape = (int(dims[0]), int(dims[1]))
-        inputs = [prepare(mb, packed, sp, shape) for mb in mbs]
+        inputs = [prepare(mb, packed, sp, shape).to(self.device) for mb in mbs]
 
         def forward_step(data_iterator, model):
             idx = next(data_iterator)
@@ -341,17 +345,17 @@ class MegatronEngine(Engine):
                 nonlocal loss_sum
                 per_pos = cp_gather(out_tensor)  # [b_rows, S, k] in natural order
                 token_out = x.to_tokens(per_pos)  # [b, t, k] aligned to tokens, 0 off response
-                mb = mbs[idx]
+                mb = mbs[idx].to(self.device)
                 outputs = TensorDict({k: token_out[..., j] for j, k in enumerate(keys)},
                                      batch_size=[mb.batch_size[0]])
                 if idx >= real:  # padding micro-batch: keep the graph, contribute nothing
                     return out_tensor.sum() * 0.0, torch.tensor(1), {}
                 if loss_fn is None:
                     for k in keys:
-                        full[k][rows[idx][:, None], cols[idx][None, :]] = outputs[k].detach()
+                        full[k][rows[idx][:, None], cols[idx][None, :]] = outputs[k].detach().cpu()
                     return out_tensor.sum().detach() * 0.0, torch.tensor(1), {}
                 loss, metrics = loss_fn(outputs, mb)
-                loss_sum = loss_sum + loss.detach().float()
+                loss_sum = loss_sum + loss.detach().float().cpu()
                 for k, v in metrics.items():
                     metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
                 return loss, torch.tensor(1), {}

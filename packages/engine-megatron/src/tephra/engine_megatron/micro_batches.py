@@ -13,7 +13,7 @@ Labels: the next token of the same sequence, or -100 (no label) at a sequence's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,10 @@ class ModelInputs:
     attention_mask: torch.Tensor  # bool [rows, 1, S, S], True = may attend
     token_index: torch.Tensor  # [b, t]: flat index into [rows * S] of each token, -1 off
     response_mask: torch.Tensor  # [b, t]
+
+    def to(self, device: torch.device) -> ModelInputs:
+        """The same inputs on `device` (the model's)."""
+        return ModelInputs(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
     def to_tokens(self, per_position: torch.Tensor) -> torch.Tensor:
         """`[rows, S, k]` outputs at hidden positions -> `[b, t, k]` about tokens: the output

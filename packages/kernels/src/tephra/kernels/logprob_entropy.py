@@ -58,7 +58,9 @@ def resolve_method(method: str, device: torch.device) -> str:
     if method == "auto" and os.environ.get(METHOD_ENV_VAR):
         method, source = os.environ[METHOD_ENV_VAR], f"environment variable {METHOD_ENV_VAR}"
     if method == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "chunked"
+        # chunked on every device: on an H100 the Triton kernels (untuned) ran 2-40x slower
+        # (kernels bench, benchmarks/results/gpu_kernels.json); triton stays selectable
+        return "chunked"
     if method not in METHODS:
         raise KernelInputError(
             f"{source}={method!r} is not a kernel method; choose one of "

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU checks, in one command for a CUDA machine that has torch and triton installed but
+# no network: the `gpu`-marked tests, the RL step's stages on the GPU (benchmarks/gpu_step.py),
+# the kernels benchmark at a 151,936-token vocabulary and megatron's single-process tests
+# (megatron picks CUDA when it is visible). Each part has a time limit, so one that hangs
+# leaves the others their time.
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR] [--tests-only]     (OUT_DIR default: benchmarks/results)
+#
+# Python packages the machine lacks travel as wheels in .whl/ (downloaded on a machine with
+# the registry: tensordict, pyvers, transformers, peft, megatron-core); tephra itself runs from
+# the source tree. Logs and benchmarks/results-style JSON go to OUT_DIR.
+set -u
+out=${1:-benchmarks/results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/tephra-site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/tephra-site
+fi
+PYTHONPATH=$(printf '%s:' "$PWD"/packages/*/src)${PYTHONPATH:-}
+export PYTHONPATH
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+
+timeout 240 python3 -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rfE \
+    -m gpu packages/kernels/tests/test_kernels_gpu.py packages/engine-fsdp/tests/test_engine_fsdp_gpu.py \
+    packages/rollout/tests/test_rollout_hf_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -40
+if [ "${2:-}" != "--tests-only" ]; then
+    timeout 180 python3 benchmarks/gpu_step.py --out "$out/gpu_step.json" 2>&1 | grep -v Warning | tail -5
+    timeout 150 python3 -m tephra.kernels.bench --device cuda --json "$out/gpu_kernels.json" 2>&1 | tail -12
+fi
+timeout 120 python3 -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rfE \
+    packages/engine-megatron/tests/test_megatron_gpu.py packages/engine-megatron/tests/test_megatron_single.py 2>&1 | tee "$out/gpu_megatron.log" | tail -30
