@@ -14,6 +14,7 @@ from tephra.controller.worker_group import (
     Worker,
     WorkerGroup,
     device_from_assignment,
+    process_group_backend,
     ray_init,
 )
 from tephra.core.errors import BatchError, ConfigError
@@ -25,6 +26,9 @@ def test_device_comes_from_rays_gpu_assignment():
     assert device_from_assignment([3], "3") == ("cuda:0", 0)
     assert device_from_assignment(["5"], "4,5") == ("cuda:1", 1)
     assert device_from_assignment([2], None) == ("cuda:0", 0)  # not restricted: Ray's id order
+    # a GPU rank's group reduces CUDA tensors (NCCL) and the engines' host-side counts (gloo)
+    assert process_group_backend("cuda:1") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("cpu") == "gloo"
 
 
 def test_layout_checks():

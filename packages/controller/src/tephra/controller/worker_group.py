@@ -195,6 +195,12 @@ def device_from_assignment(gpu_ids: list, visible: str | None) -> tuple[str, int
     return f"cuda:{index}", index
 
 
+def process_group_backend(device: str) -> str:
+    """gloo on CPU. On a GPU, NCCL for CUDA tensors and gloo beside it: both engines reduce
+    host-side values (token counts, metrics) over their groups too."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+
+
 class Worker:
     """Base of every worker class: joins the group's process group on construction and
     knows its device (`self.device`: "cpu" or the "cuda:i" Ray assigned)."""
@@ -214,8 +220,8 @@ class Worker:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                           RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
         if world_size > 1 and not dist.is_initialized():
-            backend = "nccl" if self.device.startswith("cuda") else "gloo"
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+            dist.init_process_group(process_group_backend(self.device), rank=rank,
+                                    world_size=world_size)
 
     def ping(self) -> int:
         return self.rank
