@@ -61,6 +61,22 @@ def test_refused_settings_name_the_field(overrides, field):
         MegatronEngine.build(apply_overrides(T.base_config(SMALL), overrides))
 
 
+def test_the_device_asked_for_is_the_device_it_gets(monkeypatch):
+    """megatron-core takes the GPU whenever one is visible: device='cpu' there is refused
+    rather than ignored, as is device='cuda' without one (checked here with CUDA answered
+    as present, then as absent)."""
+    from tephra.engine_megatron import cpu_compat
+
+    monkeypatch.setattr(cpu_compat, "cuda_absent", lambda: False)
+    with pytest.raises(ConfigError, match=r"device='cpu'.*CUDA_VISIBLE_DEVICES"):
+        MegatronEngine.check_config(apply_overrides(T.base_config(SMALL), {"device": "cpu"}))
+    MegatronEngine.check_config(apply_overrides(T.base_config(SMALL), {"device": "auto"}))
+    monkeypatch.setattr(cpu_compat, "cuda_absent", lambda: True)
+    with pytest.raises(ConfigError, match=r"device='cuda'"):
+        MegatronEngine.check_config(apply_overrides(T.base_config(SMALL), {"device": "cuda"}))
+    MegatronEngine.check_config(apply_overrides(T.base_config(SMALL), {"device": "cpu"}))
+
+
 def test_bad_model_folder_and_checkpoint_errors(tmp_path):
     from tephra.engine_api import EngineConfig
 

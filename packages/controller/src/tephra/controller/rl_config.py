@@ -786,6 +786,8 @@ def check_engine_support(cfg: PPOConfig) -> None:
     from tephra.engine_api.registry import get_engine_class
 
     a = cfg.algorithm
+    # CPU ranks are told so; GPU ranks may sit on other nodes than this driver's ("auto")
+    device = "auto" if cfg.resources.gpus_per_rank > 0 else "cpu"
     roles = [("actor", cfg.actor, "policy")]
     if a.needs("values"):
         roles.append(("critic", cfg.critic, "value"))
@@ -795,7 +797,7 @@ def check_engine_support(cfg: PPOConfig) -> None:
         if check is None:
             continue
         try:  # the check reads settings only, so the model folder need not be resolved yet
-            check(role_cfg.engine_config(cfg.model, role, 1.0, cfg.trainer.seed),
+            check(role_cfg.engine_config(cfg.model, role, 1.0, cfg.trainer.seed, device=device),
                   world_size=cfg.resources.world_size)
         except ConfigError as exc:
             raise ConfigError(f"{section}.engine={role_cfg.engine!r}: {exc}") from None

@@ -152,6 +152,11 @@ class MegatronEngine(Engine):
                               "for images in prompts")
         if config.device == "cuda" and cpu_compat.cuda_absent():
             raise ConfigError("device='cuda' but CUDA is not available; use device=auto")
+        if config.device == "cpu" and not cpu_compat.cuda_absent():
+            raise ConfigError("device='cpu' but CUDA is visible, and engine-megatron runs on the "
+                              "GPU whenever one is visible (megatron-core has no CPU switch); give "
+                              "the ranks GPUs (resources.gpus_per_rank=1) or hide them "
+                              "(CUDA_VISIBLE_DEVICES=)")
 
     def _check_shape(self, config: EngineConfig) -> None:
         p, s = config.parallel, self.shape
