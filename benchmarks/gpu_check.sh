@@ -7,9 +7,12 @@
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR] [--tests-only]     (OUT_DIR default: benchmarks/results)
 #
-# Python packages the machine lacks travel as wheels in .whl/ (downloaded on a machine with
-# the registry: tensordict, pyvers, transformers, peft, megatron-core); tephra itself runs from
-# the source tree. Logs and benchmarks/results-style JSON go to OUT_DIR.
+# Python packages the machine lacks travel as wheels in .whl/ (git-ignored), fetched where
+# the registry is reachable, for the GPU machine's Python (3.12 here):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+#       -d .whl tensordict==0.15.3 pyvers transformers==5.23.0 peft==0.21.2 megatron-core==0.16.1
+# tephra itself runs from the source tree. Logs and JSON results go to OUT_DIR.
 set -u
 out=${1:-benchmarks/results}
 mkdir -p "$out"
