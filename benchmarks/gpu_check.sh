@@ -28,12 +28,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 
-timeout 240 python3 -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rfE \
-    -m gpu packages/kernels/tests/test_kernels_gpu.py packages/engine-fsdp/tests/test_engine_fsdp_gpu.py \
+pytest=(python3 -m pytest -p no:cacheprovider -o addopts= --import-mode=importlib -q -rfE)
+timeout 240 "${pytest[@]}" -m gpu packages/kernels/tests/test_kernels_gpu.py packages/engine-fsdp/tests/test_engine_fsdp_gpu.py \
     packages/rollout/tests/test_rollout_hf_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -40
 if [ "${2:-}" != "--tests-only" ]; then
     timeout 180 python3 benchmarks/gpu_step.py --out "$out/gpu_step.json" 2>&1 | grep -v Warning | tail -5
     timeout 150 python3 -m tephra.kernels.bench --device cuda --json "$out/gpu_kernels.json" 2>&1 | tail -12
 fi
-timeout 120 python3 -m pytest -p no:cacheprovider -o addopts="" --import-mode=importlib -q -rfE \
-    packages/engine-megatron/tests/test_megatron_gpu.py packages/engine-megatron/tests/test_megatron_single.py 2>&1 | tee "$out/gpu_megatron.log" | tail -30
+timeout 120 "${pytest[@]}" packages/engine-megatron/tests/test_megatron_gpu.py packages/engine-megatron/tests/test_megatron_single.py 2>&1 | tee "$out/gpu_megatron.log" | tail -30

@@ -44,23 +44,11 @@ def _synced() -> float:
     return time.perf_counter()
 
 
-def _batch(out) -> torch.Tensor:
-    rows = [p + r for p, r in zip(out.prompt_ids, out.response_ids)]
-    width = max(map(len, rows))
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attn, resp = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (p, r) in enumerate(zip(out.prompt_ids, out.response_ids)):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, : len(p) + len(r)] = 1
-        resp[i, len(p) : len(p) + len(r)] = 1
-    return B.make_batch(ids, attn, resp)
-
-
 def step(rollout, engine, prompts, sampling) -> dict[str, float]:
     t0 = _synced()
     out = rollout.generate(prompts, sampling)
     t1 = _synced()
-    batch = _batch(out)
+    batch = out.to_batch(pad_token_id=0)
     with engine.eval_mode():
         old = engine.forward(batch)["log_probs"]
     t2 = _synced()
@@ -71,12 +59,11 @@ def step(rollout, engine, prompts, sampling) -> dict[str, float]:
     rollout.update_weights(w for bucket in engine.export_weights() for w in bucket)
     t4 = _synced()
     mask = batch[B.RESPONSE_MASK].bool()
-    gen_lp = torch.zeros(mask.shape)
-    gen_lp[mask] = torch.tensor([x for row in out.log_probs for x in row])
+    gap = (old.float().cpu() - batch["rollout_log_probs"])[mask].abs().max()
     tokens = int(mask.sum())
     return {"generate_s": t1 - t0, "log_prob_s": t2 - t1, "update_s": t3 - t2, "sync_s": t4 - t3,
             "step_s": t4 - t0, "generated_tokens_per_s": tokens / (t1 - t0),
-            "max_abs_logprob_gap": float((old.float().cpu() - gen_lp)[mask].abs().max())}
+            "max_abs_logprob_gap": float(gap)}
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from tephra.engine_api.errors import ConfigError, RegistryError
 from tephra.rollout import RolloutConfig, RolloutError, RolloutOutput, SamplingParams, get_rollout
-from tephra.rollout.testing import perturbed_weights
+from tephra.rollout.testing import perturbed_weights, reference_greedy, teacher_forced_log_probs
 
 PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [100]]
 
@@ -27,24 +27,6 @@ def hf(tiny_model):
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     return AutoModelForCausalLM.from_pretrained(tiny_model.path, dtype=torch.float32).eval()
-
-
-def reference_greedy(model, prompt, max_new_tokens, eos=None):
-    """`model.generate` on one unpadded prompt, cut after the first EOS (None: no EOS)."""
-    model.generation_config.eos_token_id = eos
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
-                         )[0, len(prompt):].tolist()
-    return out[: out.index(eos) + 1] if eos in out else out
-
-
-def teacher_forced_log_probs(model, prompt, response, temperature):
-    """log_softmax(logits / T) of each response token, from one forward pass."""
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    scale = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
 
 
 def test_greedy_equals_model_generate_and_log_probs_equal_recompute(hf, reference, tiny_model):

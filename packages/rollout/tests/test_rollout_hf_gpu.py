@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
-from tephra.rollout.testing import perturbed_weights
+from tephra.rollout.testing import perturbed_weights, reference_greedy, teacher_forced_log_probs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,21 +25,6 @@ def _reference(path, weights=None):
     return model.to("cuda").eval()
 
 
-def _greedy(model, prompt, max_new_tokens):
-    ids = torch.tensor([prompt], device="cuda")
-    model.generation_config.eos_token_id = None
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def _teacher_forced(model, prompt, response):
-    ids = torch.tensor([prompt + response], device="cuda")
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response, device="cuda")[:, None])[:, 0]
-
-
 def test_hf_rollout_on_cuda(tiny_model):
     config = RolloutConfig(model_path=tiny_model.path, max_model_len=128, hf={"device": "cuda"})
     rollout = get_rollout("hf", config)
@@ -48,8 +33,8 @@ def test_hf_rollout_on_cuda(tiny_model):
         reference = _reference(tiny_model.path)
         out = rollout.generate(PROMPTS, greedy)
         for i, prompt in enumerate(PROMPTS):
-            assert out.response_ids[i] == _greedy(reference, prompt, 16)
-            recomputed = _teacher_forced(reference, prompt, out.response_ids[i]).cpu()
+            assert out.response_ids[i] == reference_greedy(reference, prompt, 16)
+            recomputed = teacher_forced_log_probs(reference, prompt, out.response_ids[i], 1.0)
             torch.testing.assert_close(torch.tensor(out.log_probs[i]), recomputed, atol=1e-4, rtol=0)
 
         sampled = SamplingParams(temperature=1.0, max_tokens=12, n=4, seed=7, ignore_eos=True)
@@ -62,7 +47,7 @@ def test_hf_rollout_on_cuda(tiny_model):
         after = rollout.generate(PROMPTS, greedy)
         moved = _reference(tiny_model.path, new)
         for i, prompt in enumerate(PROMPTS):
-            assert after.response_ids[i] == _greedy(moved, prompt, 16)
+            assert after.response_ids[i] == reference_greedy(moved, prompt, 16)
 
         del reference, moved
         torch.cuda.empty_cache()

@@ -237,3 +237,24 @@ class ScriptedRollout(Rollout):
 
     def close(self):
         pass
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = None):
+    """`model.generate` (greedy) on one unpadded prompt on the model's device, cut after the
+    first EOS (None: no EOS): what the `hf` backend's greedy output must equal."""
+    ids = torch.tensor([prompt], device=model.device)
+    model.generation_config.eos_token_id = eos
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, pad_token_id=0)[0, len(prompt):].tolist()
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def teacher_forced_log_probs(model, prompt: list[int], response: list[int],
+                             temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each response token from one forward pass (T = 0 counts as
+    1), on the CPU."""
+    ids = torch.tensor([prompt + response], device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float().cpu()
+    scale = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
