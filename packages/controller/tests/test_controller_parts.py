@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -212,9 +214,14 @@ class SumWorker(Worker):
     def first(self, v):
         return (self.rank, v)
 
+    @dispatch(Dispatch.BROADCAST)
+    def write_after(self, folder: str, delay_s: float) -> None:
+        time.sleep(delay_s)
+        (Path(folder) / f"rank{self.rank}").write_text("done")
+
 
 @pytest.mark.multiproc
-def test_worker_group_dispatch_on_ray():
+def test_worker_group_dispatch_on_ray(tmp_path):
     import ray
 
     ray_init(num_cpus=2)
@@ -229,7 +236,11 @@ def test_worker_group_dispatch_on_ray():
         wg.scaled(TensorDict({"x": x[:5]}, batch_size=[5]))
     with pytest.raises(ConfigError, match="needs 4 CPUs"):
         WorkerGroup(SumWorker, ResourcePool(world_size=2, cpus_per_rank=2), {"scale": 1.0})
+    # shutdown lets each rank finish what it was asked before it exits (no kill mid-call)
+    for w in wg.workers:
+        w.execute.remote("write_after", str(tmp_path), 1.0)
     wg.shutdown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
     pool.release()
     ray.shutdown()
 

@@ -683,7 +683,9 @@ class Trainer:
         return True
 
     # ----- recovery ---------------------------------------------------------------------------
-    def close_group(self) -> None:
+    def close_group(self, grace_s: float = 10.0) -> None:
+        """Close the rollout replicas and the worker group; `grace_s`: how long the ranks get
+        to exit on their own before they are killed (0 for a group that has failed)."""
         try:
             if self.replicas is not None:
                 self.replicas.close()
@@ -691,7 +693,7 @@ class Trainer:
         except Exception:  # noqa: BLE001  (a dead group cannot close; shutdown still runs)
             pass
         finally:
-            self.wg.shutdown()
+            self.wg.shutdown(grace_s)
 
     def recover(self, exc: BaseException) -> None:
         """A worker died: tear the group down, build it again and continue from the latest
@@ -704,7 +706,7 @@ class Trainer:
         cause = str(origin).strip().splitlines()[0] if str(origin).strip() else ""
         print(f"worker group failed at step {self.step + 1} ({type(origin).__name__}: {cause}); "
               f"restart {self.restarts} of {self.cfg.trainer.max_restarts}", flush=True)
-        self.close_group()
+        self.close_group(grace_s=0)  # its live ranks may be stuck in a collective
         self.wg = self.make_group()
         self.replicas = None  # closed with the group; connected again below
         self.peak_flops = sum(self.wg.measure_peak_flops())

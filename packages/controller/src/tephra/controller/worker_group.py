@@ -260,7 +260,7 @@ class WorkerGroup:
                 self._start(init_kwargs or {})
                 break
             except Exception as err:
-                self.shutdown()
+                self.shutdown(grace_s=0)  # ranks may wait on a rendezvous that never comes
                 if "EADDRINUSE" not in str(err) or attempt == 2:
                     raise
         self.dp_size = check_layout(self.layout)
@@ -317,7 +317,14 @@ class WorkerGroup:
             raise AttributeError(method)
         return lambda *args, **kwargs: self.call(method, *args, **kwargs)
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop the actors. Each first gets `grace_s` seconds to exit on its own, after the
+        calls it has queued (Ray's `exit_actor`); whatever is still alive then is killed.
+        Killed at once, a worker takes Ray's SIGTERM wherever it stands, and the SystemExit
+        that raises inside an interrupted cleanup is printed as a traceback."""
+        if grace_s > 0 and self.workers:
+            exits = [w.__ray_terminate__.remote() for w in self.workers]
+            ray.wait(exits, num_returns=len(exits), timeout=grace_s)
         for w in self.workers:
             ray.kill(w)
         self.workers = []
