@@ -8,6 +8,13 @@ at half the speed of oneDNN's linear (measured on a 2-core EPYC, fp32: 32 rows x
 `torch.ops.mkldnn._linear_pointwise`, the op torch's own compiler emits for CPU linears; where
 it is missing (a build without oneDNN) or slower, torch's `linear` runs.
 
+One choice per machine: the first process to time the two records the result in
+`$TEPHRA_CACHE/cpu_linear.json` (default `~/.cache/tephra`), keyed by CPU, torch version,
+dtype and thread count, and every later process reads it. Timed in each process instead, a
+loaded machine flipped the choice between processes (a resumed run, another rank), and the
+different summation order changed the last bits of the same training step. Delete the file to
+time again.
+
 Forward-only: nothing here records a graph. Use it in no-grad code (generation) and inside
 `autograd.Function` bodies; `use_fast_linears` routes a module's `nn.Linear` layers through it
 only while autograd is off.
@@ -22,12 +29,21 @@ per process, and costs one more copy of the linear weights in memory.
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import json
+import os
+import platform
 import time
 import types
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+CHOICES_FILE = "cpu_linear.json"
+"""Where the per-machine choices live, under `$TEPHRA_CACHE` (default `~/.cache/tephra`)."""
 
 ONEDNN_MARGIN = 0.9
 """oneDNN (and its packed weights) is chosen only when it takes under this fraction of the
@@ -76,13 +92,56 @@ def _seconds(fn, repeats: int = 3) -> float:
     return best
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def choices_path() -> Path:
+    """The file that holds this machine's timed choices."""
+    return Path(os.environ.get("TEPHRA_CACHE", Path.home() / ".cache" / "tephra")) / CHOICES_FILE
+
+
+def _decided_per_machine(question: str, dtype: torch.dtype, measure: Callable[[], bool]) -> bool:
+    """The answer recorded for this machine, or `measure()`'s, recorded for the next process.
+    One process measures at a time (a file lock), so concurrent starts agree too. Without a
+    writable cache folder, this process measures for itself."""
+    key = f"{question} | {dtype} | {_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    path = choices_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                choices = json.loads(path.read_text())
+            except (OSError, ValueError):  # none yet, or a torn / hand-edited file
+                choices = {}
+            if not isinstance(choices.get(key), bool):
+                choices[key] = bool(measure())
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
+                os.replace(tmp, path)
+            return choices[key]
+    except OSError:
+        return bool(measure())
+
+
 @functools.cache
 def onednn_is_faster(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether oneDNN's linear beats torch's on this CPU for `dtype`: timed once per process
-    on a decoding-shaped product (32 rows x 512 -> 8192; some tens of milliseconds), and
-    checked to give the same numbers."""
+    """Whether oneDNN's linear beats torch's on this CPU for `dtype`: timed once per machine
+    (see the module docstring) on a decoding-shaped product (32 rows x 512 -> 8192; some tens
+    of milliseconds), and checked to give the same numbers."""
     if _onednn_op() is None or dtype not in (torch.float32, torch.bfloat16):
         return False
+    return _decided_per_machine("onednn_is_faster", dtype, lambda: _time_onednn(dtype))
+
+
+def _time_onednn(dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 512, generator=gen).to(dtype)
     w = torch.randn(8192, 512, generator=gen).to(dtype)
@@ -100,11 +159,15 @@ def onednn_is_faster(dtype: torch.dtype = torch.float32) -> bool:
 @functools.cache
 def packing_is_faster(dtype: torch.dtype = torch.float32) -> bool:
     """Whether oneDNN runs a packed weight faster than an unpacked one on this CPU for
-    `dtype` (and oneDNN is chosen at all): timed once per process on decoding-shaped products
+    `dtype` (and oneDNN is chosen at all): timed once per machine on decoding-shaped products
     whose weights do not fit in cache (8 weights of 512 -> 2048 at 32 rows), and checked to
     give the same numbers."""
     if not onednn_is_faster(dtype):
         return False
+    return _decided_per_machine("packing_is_faster", dtype, lambda: _time_packing(dtype))
+
+
+def _time_packing(dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 512, generator=gen).to(dtype)
     weights = [torch.randn(2048, 512, generator=gen).to(dtype) for _ in range(8)]

@@ -124,12 +124,13 @@ class HFSettings:
     distributions, with different random draws."""
     cpu_linear: str = "auto"
     """Matmul kernel of the model's linear layers on a CPU: `auto` takes oneDNN's linear where
-    a timed product at start is faster than torch's (small-row products of decoding often run
-    at twice the speed), `torch` always torch's. Both are exact in the compute dtype."""
+    a product timed once per machine is faster than torch's (small-row products of decoding
+    often run at twice the speed), `torch` always torch's. Both are exact in the compute
+    dtype."""
     prepack_weights: bool = True
     """With oneDNN chosen (`cpu_linear=auto`): keep each linear weight also in oneDNN's packed
-    layout, redone after each weight update, where a timed product at start runs faster that
-    way (decoding ran 1.3x faster on a 2-core EPYC). Costs one more copy of the linear
+    layout, redone after each weight update, where a product timed once per machine runs
+    faster that way (decoding ran 1.3x faster on a 2-core EPYC). Costs one more copy of the linear
     weights in memory; `false` saves it. The numbers are the same either way."""
 
     def __post_init__(self) -> None:
