@@ -13,6 +13,7 @@ from tephra.core import (
     Registry,
     RegistryError,
     TephraError,
+    cache_root,
     load_config,
     split_cli,
 )
@@ -123,3 +124,11 @@ def test_partial_override_keeps_the_parents_default_and_rederives():
     assert cfg.bounds == Bounds(clip=0.3, low=0.3, steps=5)
     assert cfg.plain == Bounds(clip=0.4, low=0.4, steps=1)
     assert load_config(App).bounds == Bounds(steps=5)
+
+
+def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEPHRA_CACHE", str(tmp_path))
+    assert cache_root() == tmp_path
+    monkeypatch.delenv("TEPHRA_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "tephra"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tephra.core import cache_root
 from tephra.engine_api.errors import ConfigError
 
 
@@ -17,7 +18,6 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
 
         return str(smollm2_folder())
     if path == "tiny":
-        from tephra.controller.smollm2 import cache_root
         from tephra.rollout.testing import build_tiny_model
 
         folder = cache_root() / f"tiny-qwen2-seed{seed}"
@@ -25,7 +25,6 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
             build_tiny_model(folder, seed=seed)
         return str(folder)
     if path == "tiny_vlm":
-        from tephra.controller.smollm2 import cache_root
         from tephra.rollout.multimodal import build_tiny_vlm
 
         folder = cache_root() / f"tiny-qwen2-vl-seed{seed}"

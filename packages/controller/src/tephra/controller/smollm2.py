@@ -8,19 +8,14 @@ worker) load it in seconds with `from_pretrained(folder)`.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from tephra.core import cache_root
 from tephra.engine_api.errors import ConfigError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """`$TEPHRA_CACHE` or `~/.cache/tephra`."""
-    return Path(os.environ.get("TEPHRA_CACHE", Path.home() / ".cache" / "tephra"))
 
 
 def gguf_path() -> Path:

@@ -5,6 +5,7 @@
 - the error root: `TephraError` and its `ConfigError`, `InputError`, `RegistryError`, ...
 - the config loader: dataclass trees from dicts, YAML presets and dotted overrides, with type
   coercion and unknown-key errors that suggest the closest valid key.
+- `cache_root()`: the per-machine cache folder (`$TEPHRA_CACHE` or `~/.cache/tephra`).
 """
 
 from tephra.core.config import from_dict, load_config, parse_overrides, split_cli, to_dict
@@ -16,10 +17,11 @@ from tephra.core.errors import (
     RegistryError,
     TephraError,
 )
+from tephra.core.paths import cache_root
 from tephra.core.registry import Registry, unknown_name_message
 
 __all__ = [
     "BatchError", "CheckpointError", "ConfigError", "InputError", "Registry", "RegistryError",
-    "TephraError", "from_dict", "load_config", "parse_overrides", "split_cli", "to_dict",
+    "TephraError", "cache_root", "from_dict", "load_config", "parse_overrides", "split_cli", "to_dict",
     "unknown_name_message",
 ]

@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tephra.core import cache_root
+
 CHOICES_FILE = "cpu_linear.json"
 """Where the per-machine choices live, under `$TEPHRA_CACHE` (default `~/.cache/tephra`)."""
 
@@ -104,7 +106,7 @@ def _cpu_name() -> str:
 
 def choices_path() -> Path:
     """The file that holds this machine's timed choices."""
-    return Path(os.environ.get("TEPHRA_CACHE", Path.home() / ".cache" / "tephra")) / CHOICES_FILE
+    return cache_root() / CHOICES_FILE
 
 
 def _decided_per_machine(question: str, dtype: torch.dtype, measure: Callable[[], bool]) -> bool:
