@@ -10,7 +10,7 @@ samples x at most 32 new tokens per step, temperature 1, AdamW lr 3e-5 (no weigh
 grad clip 1, constant schedule), clip 0.2, no reference model / KL (beta 0), one optimizer
 step per RL step, per-sequence-then-token mean loss (TRL `loss_type="grpo"`), group-std
 normalised advantages, fp32 master weights with compute in the dtype this CPU runs fastest
-(tephra's `auto`, measured at start: bf16 with bf16 units, fp32 without; TRL gets the same
+(tephra's `auto`, timed once per machine: bf16 with bf16 units, fp32 without; TRL gets the same
 choice as `bf16=True` autocast or not),
 torch on 2 threads. Both see the same prompts in the same order (tephra's `PromptLoader`
 order, fed to TRL with `shuffle_dataset=False`) and the same reward (tephra's `Scorer`).

@@ -1,7 +1,10 @@
-"""The registry, the error tree and the loader, each against hand-written expectations."""
+"""The registry, the error tree, the loader and the per-machine choices, each against hand-written expectations."""
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -14,9 +17,11 @@ from tephra.core import (
     RegistryError,
     TephraError,
     cache_root,
+    decided_once_per_machine,
     load_config,
     split_cli,
 )
+from tephra.core.machine import CHOICES_FILE
 
 
 def test_registry_metadata_aliases_and_errors():
@@ -126,9 +131,60 @@ def test_partial_override_keeps_the_parents_default_and_rederives():
     assert load_config(App).bounds == Bounds(steps=5)
 
 
+
 def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TEPHRA_CACHE", str(tmp_path))
     assert cache_root() == tmp_path
     monkeypatch.delenv("TEPHRA_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_root() == tmp_path / "home" / ".cache" / "tephra"
+
+
+def _counting(log, answer):
+    def measure():
+        with open(log, "a") as f:
+            f.write("measured\n")
+        time.sleep(0.2)  # long enough for the other processes to be waiting on the lock
+        return answer
+    return measure
+
+
+def _decide_in_child(log, answer, queue):
+    queue.put(decided_once_per_machine("q", _counting(log, answer)))
+
+
+def test_a_choice_is_measured_once_per_machine_and_read_by_later_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEPHRA_CACHE", str(tmp_path / "cache"))
+    log, path = tmp_path / "measured.log", tmp_path / "cache" / CHOICES_FILE
+    # four processes starting together, each of which would answer differently from its
+    # neighbour: one measures, the others read its answer
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_decide_in_child, args=(log, i % 2 == 0, queue)) for i in range(4)]
+    for p in procs:
+        p.start()
+    answers = [queue.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert len(set(answers)) == 1 and log.read_text().count("measured") == 1
+    assert json.loads(path.read_text()) == {"q": answers[0]}
+    # a later process reads the record (here hand-set) and does not measure
+    path.write_text(json.dumps({"q": "recorded", "other": 1}))
+    assert decided_once_per_machine("q", _counting(log, "new")) == "recorded"
+    assert log.read_text().count("measured") == 1
+    # an answer `accept` refuses, and a torn file, are measured again and rewritten
+    assert decided_once_per_machine("q", _counting(log, "new"), accept=lambda v: v != "recorded") == "new"
+    assert json.loads(path.read_text()) == {"q": "new", "other": 1}
+    path.write_text("{not json")
+    assert decided_once_per_machine("q", _counting(log, 3)) == 3
+    assert json.loads(path.read_text()) == {"q": 3}
+    assert log.read_text().count("measured") == 3
+
+
+def test_without_a_writable_cache_each_process_measures(tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("TEPHRA_CACHE", str(tmp_path / "a_file"))  # no folder can be made here
+    log = tmp_path / "measured.log"
+    for _ in range(2):
+        assert decided_once_per_machine("q", _counting(log, False)) is False
+    assert log.read_text().count("measured") == 2

@@ -3,11 +3,13 @@ config that accepts `auto` resolves it to a concrete dtype."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import torch
 
+from tephra.core.machine import CHOICES_FILE
 from tephra.engine_api import ConfigError
 from tephra.engine_api.config import PrecisionConfig
 from tephra.engine_api.fastest_dtype import BF16_MARGIN, fastest_dtype, resolve_dtype
@@ -40,3 +42,20 @@ def test_configs_resolve_auto_and_refuse_other_names():
         PrecisionConfig(param_dtype="fp8")
     with pytest.raises(ConfigError, match="precision.reduce_dtype"):
         PrecisionConfig(reduce_dtype="auto")  # the reduction dtype is a numeric choice, not speed
+
+
+def test_the_cpu_choice_is_read_from_the_machine_record(tmp_path, monkeypatch):
+    """A run resumed in a new process (or another rank) computes in the recorded dtype, not in
+    one timed again under other load; a hand-edited record naming no dtype is timed again."""
+    monkeypatch.setenv("TEPHRA_CACHE", str(tmp_path))
+    try:
+        fastest_dtype.cache_clear()
+        measured = fastest_dtype("cpu")
+        (key,) = json.loads((tmp_path / CHOICES_FILE).read_text())
+        other = "float32" if measured == "bfloat16" else "bfloat16"
+        for recorded, want in ((other, other), ("fp8", measured)):
+            (tmp_path / CHOICES_FILE).write_text(json.dumps({key: recorded}))
+            fastest_dtype.cache_clear()
+            assert fastest_dtype("cpu") == want
+    finally:
+        fastest_dtype.cache_clear()  # later tests read the machine's own record

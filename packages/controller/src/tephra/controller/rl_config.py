@@ -105,7 +105,7 @@ class ActorConfig(EngineRoleConfig):
     precision: PrecisionConfig = field(
         default_factory=lambda: PrecisionConfig(param_dtype="auto"))
     """fp32 master weights; compute in bf16 where the device computes it faster than fp32
-    (`auto`, measured at start), else fp32 (set `param_dtype=float32` for exact tests)."""
+    (`auto`, timed once per machine), else fp32 (set `param_dtype=float32` for exact tests)."""
     micro_batch: MicroBatchConfig = field(
         default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096))
     """Token budget of one forward/backward micro-batch on one rank."""

@@ -5,7 +5,8 @@
 - the error root: `TephraError` and its `ConfigError`, `InputError`, `RegistryError`, ...
 - the config loader: dataclass trees from dicts, YAML presets and dotted overrides, with type
   coercion and unknown-key errors that suggest the closest valid key.
-- `cache_root()`: the per-machine cache folder (`$TEPHRA_CACHE` or `~/.cache/tephra`).
+- per-machine state: `cache_root()` (`$TEPHRA_CACHE` or `~/.cache/tephra`) and
+  `decided_once_per_machine`, which records a timed choice so every process makes the same.
 """
 
 from tephra.core.config import from_dict, load_config, parse_overrides, split_cli, to_dict
@@ -17,11 +18,11 @@ from tephra.core.errors import (
     RegistryError,
     TephraError,
 )
-from tephra.core.paths import cache_root
+from tephra.core.machine import cache_root, cpu_name, decided_once_per_machine
 from tephra.core.registry import Registry, unknown_name_message
 
 __all__ = [
     "BatchError", "CheckpointError", "ConfigError", "InputError", "Registry", "RegistryError",
-    "TephraError", "cache_root", "from_dict", "load_config", "parse_overrides", "split_cli", "to_dict",
-    "unknown_name_message",
+    "TephraError", "cache_root", "cpu_name", "decided_once_per_machine", "from_dict",
+    "load_config", "parse_overrides", "split_cli", "to_dict", "unknown_name_message",
 ]

@@ -167,7 +167,7 @@ class PrecisionConfig:
 
     param_dtype: str = "float32"
     """dtype of the weights used in forward/backward (`bfloat16` for mixed precision;
-    `auto`: bfloat16 where the device computes it faster than float32, measured at start,
+    `auto`: bfloat16 where the device computes it faster than float32, timed once per machine,
     see `tephra.engine_api.fastest_dtype`)."""
     reduce_dtype: str = "float32"
     """dtype of the gradient reduction across data-parallel ranks."""

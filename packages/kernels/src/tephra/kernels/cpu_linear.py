@@ -1,5 +1,5 @@
 """`linear`: `x @ weight.T (+ bias)` without autograd, on the faster of torch's CPU matmul and
-oneDNN's linear primitive, chosen by timing both once per process.
+oneDNN's linear primitive, chosen by timing both once per machine.
 
 Why: torch's CPU `linear` goes to MKL's sgemm, which on an AVX2 CPU ran small-row products
 at half the speed of oneDNN's linear (measured on a 2-core EPYC, fp32: 32 rows x 576 ->
@@ -8,12 +8,10 @@ at half the speed of oneDNN's linear (measured on a 2-core EPYC, fp32: 32 rows x
 `torch.ops.mkldnn._linear_pointwise`, the op torch's own compiler emits for CPU linears; where
 it is missing (a build without oneDNN) or slower, torch's `linear` runs.
 
-One choice per machine: the first process to time the two records the result in
-`$TEPHRA_CACHE/cpu_linear.json` (default `~/.cache/tephra`), keyed by CPU, torch version,
-dtype and thread count, and every later process reads it. Timed in each process instead, a
-loaded machine flipped the choice between processes (a resumed run, another rank), and the
-different summation order changed the last bits of the same training step. Delete the file to
-time again.
+One choice per machine (`tephra.core.decided_once_per_machine`, keyed by CPU, torch version,
+dtype and thread count): timed in each process instead, a loaded machine flipped the choice
+between processes (a resumed run, another rank), and the different summation order changed the
+last bits of the same training step.
 
 Forward-only: nothing here records a graph. Use it in no-grad code (generation) and inside
 `autograd.Function` bodies; `use_fast_linears` routes a module's `nn.Linear` layers through it
@@ -24,28 +22,20 @@ with `use_fast_linears(model, prepack=True)` keeps the reordered copy and reuses
 weight changes (an in-place update bumps the tensor's version; the copy is redone on the next
 call). Decoding's products ran 1.3x faster that way on a 2-core EPYC (Zen 1, fp32: 30 layers of
 SmolLM2-135M at 32 rows, 142 -> 110 ms per token). Like the choice of oneDNN it is timed once
-per process, and costs one more copy of the linear weights in memory.
+per machine, and costs one more copy of the linear weights in memory.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import json
-import os
-import platform
 import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tephra.core import cache_root
-
-CHOICES_FILE = "cpu_linear.json"
-"""Where the per-machine choices live, under `$TEPHRA_CACHE` (default `~/.cache/tephra`)."""
+from tephra.core import cpu_name, decided_once_per_machine
 
 ONEDNN_MARGIN = 0.9
 """oneDNN (and its packed weights) is chosen only when it takes under this fraction of the
@@ -94,43 +84,10 @@ def _seconds(fn, repeats: int = 3) -> float:
     return best
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def choices_path() -> Path:
-    """The file that holds this machine's timed choices."""
-    return cache_root() / CHOICES_FILE
-
-
 def _decided_per_machine(question: str, dtype: torch.dtype, measure: Callable[[], bool]) -> bool:
-    """The answer recorded for this machine, or `measure()`'s, recorded for the next process.
-    One process measures at a time (a file lock), so concurrent starts agree too. Without a
-    writable cache folder, this process measures for itself."""
-    key = f"{question} | {dtype} | {_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
-    path = choices_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                choices = json.loads(path.read_text())
-            except (OSError, ValueError):  # none yet, or a torn / hand-edited file
-                choices = {}
-            if not isinstance(choices.get(key), bool):
-                choices[key] = bool(measure())
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
-                os.replace(tmp, path)
-            return choices[key]
-    except OSError:
-        return bool(measure())
+    threads = torch.get_num_threads()
+    key = f"cpu_linear.{question} | {dtype} | {cpu_name()} | torch {torch.__version__} | {threads} threads"
+    return decided_once_per_machine(key, measure, accept=lambda v: isinstance(v, bool))
 
 
 @functools.cache

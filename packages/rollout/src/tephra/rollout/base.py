@@ -231,7 +231,7 @@ class RolloutConfig:
     """Local Hugging Face folder (config.json, weights, tokenizer) of the policy."""
     dtype: str = "float32"
     """Weights and compute dtype: `float32`, `bfloat16`, `float16`, or `auto`: bfloat16 where
-    the device (`hf.device`) computes it faster than float32, measured at start
+    the device (`hf.device`) computes it faster than float32, timed once per machine
     (`tephra.engine_api.fastest_dtype`)."""
     max_model_len: int = 4096
     """Most tokens of prompt + response per sample; longer requests are refused."""

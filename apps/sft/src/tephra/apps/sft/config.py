@@ -26,7 +26,7 @@ class SFTPolicy(EngineRoleConfig):
     precision: PrecisionConfig = field(
         default_factory=lambda: PrecisionConfig(param_dtype="auto"))
     """fp32 master weights; bf16 compute where the device computes it faster than fp32
-    (`auto`, measured at start), else fp32."""
+    (`auto`, timed once per machine), else fp32."""
     micro_batch: MicroBatchConfig = field(
         default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096))
     """Token budget of a micro-batch on one rank."""

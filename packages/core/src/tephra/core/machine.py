@@ -1,0 +1,68 @@
+"""Per-machine state: the cache folder, and choices timed once per machine.
+
+Why once per machine: a choice between two exact kernels or dtypes, timed in each process,
+can flip between processes on a loaded machine (a resumed run, another rank, the next run),
+and the two paths differ in summation order, so the same step gives other last bits. The
+first process to time a question records the answer; every later one reads it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+CHOICES_FILE = "timed_choices.json"
+"""The recorded answers, under `cache_root()`; delete it to time again."""
+
+T = TypeVar("T")
+
+
+def cache_root() -> Path:
+    """`$TEPHRA_CACHE` or `~/.cache/tephra`: converted models, tiny test models, timed
+    choices. Ray workers inherit the variable, so every process of a run shares the folder."""
+    return Path(os.environ.get("TEPHRA_CACHE", Path.home() / ".cache" / "tephra"))
+
+
+def cpu_name() -> str:
+    """The CPU's model name (`/proc/cpuinfo`), or what `platform` knows of it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def decided_once_per_machine(key: str, measure: Callable[[], T],
+                             accept: Callable[[Any], bool] = lambda value: True) -> T:
+    """The answer recorded under `key` in `cache_root()/CHOICES_FILE`, or `measure()`'s
+    (a JSON value), recorded for the next process. One process measures at a time (a file
+    lock), so processes starting together agree too. Put in `key` all that the answer depends
+    on (CPU, library version, thread count); a recorded answer that `accept` refuses (a
+    hand-edited file) is measured again. Without a writable cache folder, this process
+    measures for itself."""
+    path = cache_root() / CHOICES_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(CHOICES_FILE + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                choices = json.loads(path.read_text())
+            except (OSError, ValueError):  # none yet, or a torn / hand-edited file
+                choices = {}
+            if not isinstance(choices, dict):
+                choices = {}
+            if key not in choices or not accept(choices[key]):
+                choices[key] = measure()
+                tmp = path.with_name(f"{CHOICES_FILE}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
+                os.replace(tmp, path)
+            return choices[key]
+    except OSError:
+        return measure()
