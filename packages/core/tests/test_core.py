@@ -1,4 +1,5 @@
-"""The registry, the error tree, the loader and the per-machine choices, each against hand-written expectations."""
+"""The registry, the error tree, the loader and the per-machine choices, each against
+hand-written expectations."""
 
 from __future__ import annotations
 
@@ -129,7 +130,6 @@ def test_partial_override_keeps_the_parents_default_and_rederives():
     assert cfg.bounds == Bounds(clip=0.3, low=0.3, steps=5)
     assert cfg.plain == Bounds(clip=0.4, low=0.4, steps=1)
     assert load_config(App).bounds == Bounds(steps=5)
-
 
 
 def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
