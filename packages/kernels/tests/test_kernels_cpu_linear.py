@@ -71,7 +71,6 @@ def test_prepacked_linears_match_torch_and_follow_weight_updates():
     assert model[0].weight.grad is not None
 
 
-
 def test_a_recorded_choice_is_what_every_later_process_takes(tmp_path, monkeypatch):
     """The choice is read from the per-machine record (here hand-set to each answer in turn),
     so a resumed run or another rank takes the path the first process timed."""

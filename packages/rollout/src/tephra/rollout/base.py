@@ -130,8 +130,8 @@ class HFSettings:
     prepack_weights: bool = True
     """With oneDNN chosen (`cpu_linear=auto`): keep each linear weight also in oneDNN's packed
     layout, redone after each weight update, where a product timed once per machine runs
-    faster that way (decoding ran 1.3x faster on a 2-core EPYC). Costs one more copy of the linear
-    weights in memory; `false` saves it. The numbers are the same either way."""
+    faster that way (decoding ran 1.3x faster on a 2-core EPYC). Costs one more copy of the
+    linear weights in memory; `false` saves it. The numbers are the same either way."""
 
     def __post_init__(self) -> None:
         if self.cpu_linear not in ("auto", "torch"):
