@@ -3,7 +3,7 @@
 # no network: the `gpu`-marked tests, the RL step's stages on the GPU (benchmarks/gpu_step.py),
 # the kernels benchmark at a 151,936-token vocabulary and megatron's single-process tests
 # (megatron picks CUDA when it is visible). Each part has a time limit, so one that hangs
-# leaves the others their time.
+# leaves the others their time; together they fit one 10-minute call.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR] [--tests-only]     (OUT_DIR default: benchmarks/results)
 #
@@ -29,10 +29,10 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 triton.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 
 pytest=(python3 -m pytest -p no:cacheprovider -o addopts= --import-mode=importlib -q -rfE)
-timeout 240 "${pytest[@]}" -m gpu packages/kernels/tests/test_kernels_gpu.py packages/engine-fsdp/tests/test_engine_fsdp_gpu.py \
+timeout 190 "${pytest[@]}" -m gpu packages/kernels/tests/test_kernels_gpu.py packages/engine-fsdp/tests/test_engine_fsdp_gpu.py \
     packages/rollout/tests/test_rollout_hf_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -40
 if [ "${2:-}" != "--tests-only" ]; then
-    timeout 180 python3 benchmarks/gpu_step.py --out "$out/gpu_step.json" 2>&1 | grep -v Warning | tail -5
-    timeout 150 python3 -m tephra.kernels.bench --device cuda --json "$out/gpu_kernels.json" 2>&1 | tail -12
+    timeout 150 python3 benchmarks/gpu_step.py --out "$out/gpu_step.json" 2>&1 | grep -v Warning | tee "$out/gpu_step.log" | tail -5
+    timeout 100 python3 -m tephra.kernels.bench --device cuda --json "$out/gpu_kernels.json" 2>&1 | tee "$out/gpu_kernels.log" | tail -12
 fi
-timeout 120 "${pytest[@]}" packages/engine-megatron/tests/test_megatron_gpu.py packages/engine-megatron/tests/test_megatron_single.py 2>&1 | tee "$out/gpu_megatron.log" | tail -30
+timeout 110 "${pytest[@]}" packages/engine-megatron/tests/test_megatron_gpu.py packages/engine-megatron/tests/test_megatron_single.py 2>&1 | tee "$out/gpu_megatron.log" | tail -30
