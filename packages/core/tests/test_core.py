@@ -3,6 +3,7 @@ hand-written expectations."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import time
@@ -18,8 +19,10 @@ from tephra.core import (
     RegistryError,
     TephraError,
     cache_root,
+    cpu_name,
     decided_once_per_machine,
     load_config,
+    machine,
     split_cli,
 )
 from tephra.core.machine import CHOICES_FILE
@@ -138,6 +141,30 @@ def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("TEPHRA_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_root() == tmp_path / "home" / ".cache" / "tephra"
+
+
+ZEN1 = "processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 23\nmodel\t\t: 1\nflags\t\t: fpu avx2 fma\n"
+"""/proc/cpuinfo's first lines on a virtual machine that names its CPU generically"""
+
+
+def test_cpu_name_tells_apart_cpus_that_share_a_model_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(machine, "CPUINFO", tmp_path / "cpuinfo")
+    names = {}
+    for label, text in {
+        "zen1": ZEN1,
+        "zen1, second processor listed": ZEN1 + ZEN1.replace(": 0", ": 1").replace("23", "99"),
+        "zen1, flags in another order": ZEN1.replace("fpu avx2 fma", "fma fpu avx2"),
+        "zen5": ZEN1.replace("23", "26").replace(": 1\n", ": 2\n"),
+        "zen1 with avx512_bf16": ZEN1.replace("fma", "fma avx512_bf16"),
+    }.items():
+        machine.CPUINFO.write_text(text)
+        names[label] = cpu_name()
+    digest = hashlib.sha256(b"avx2 fma fpu").hexdigest()[:8]
+    assert names["zen1"] == f"AMD EPYC (cpu family 23, model 1, flags {digest})"
+    assert names["zen1"] == names["zen1, second processor listed"] == names["zen1, flags in another order"]
+    assert len({names["zen1"], names["zen5"], names["zen1 with avx512_bf16"]}) == 3
+    machine.CPUINFO.unlink()  # not Linux: what platform knows
+    assert cpu_name() and "(" not in cpu_name()
 
 
 def _counting(log, answer):

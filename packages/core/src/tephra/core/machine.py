@@ -9,6 +9,7 @@ first process to time a question records the answer; every later one reads it.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -18,6 +19,8 @@ from typing import Any, TypeVar
 
 CHOICES_FILE = "timed_choices.json"
 """The recorded answers, under `cache_root()`; delete it to time again."""
+CPUINFO = Path("/proc/cpuinfo")
+"""Where `cpu_name` reads the CPU's identity (Linux)."""
 
 T = TypeVar("T")
 
@@ -29,14 +32,25 @@ def cache_root() -> Path:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (`/proc/cpuinfo`), or what `platform` knows of it."""
+    """The CPU as the timed choices' keys name it: `/proc/cpuinfo`'s model name, family and
+    model, and a digest of its feature flags, or what `platform` knows where that file is
+    missing. Virtual machines often report one generic model name ("AMD EPYC") for CPU
+    generations that time differently; the family, model and flags tell them apart where
+    several machines share a cache folder."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        fields: dict[str, str] = {}  # the first processor's
+        for line in CPUINFO.read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    detail = [f"{k} {fields[k]}" for k in ("cpu family", "model") if fields.get(k)]
+    flags = fields.get("flags") or fields.get("Features")  # x86 / Arm
+    if flags:
+        digest = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()
+        detail.append(f"flags {digest[:8]}")
+    return f"{name} ({', '.join(detail)})" if detail else name
 
 
 def decided_once_per_machine(key: str, measure: Callable[[], T],
