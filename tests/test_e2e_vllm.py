@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -128,9 +129,10 @@ def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset
 
 def test_killed_vllm_server_is_restarted_and_the_run_matches(ray_session, tmp_path, vllm_python,
                                                              capsys):
-    """SIGKILL the rollout's vLLM server during step 3 of a 4-step run (checkpoints every 2
-    steps): the trainer rebuilds the worker group (a fresh server), continues from step 2's
-    checkpoint and ends with the metrics and weights of an uninterrupted run."""
+    """SIGKILL the rollout's vLLM server once step 2's checkpoint is written, during step 3 (or
+    4) of a 4-step run (checkpoints every 2 steps): the trainer rebuilds the worker group (a
+    fresh server), continues from step 2's checkpoint and ends with the metrics and weights of
+    an uninterrupted run."""
     import os
     import signal
     import threading
@@ -177,7 +179,10 @@ def test_killed_vllm_server_is_restarted_and_the_run_matches(ray_session, tmp_pa
     thread.join()
     assert killed and summary["steps"] == 4
     out = capsys.readouterr().out
-    assert "worker group failed at step 3 (" in out and "vllm server died" in out
+    # the kill lands in step 3, or in step 4 where a loaded machine scans /proc slower than
+    # step 3 runs: either way the run goes back to step 2's checkpoint
+    failed = re.search(r"worker group failed at step (\d+) \(", out)
+    assert failed and failed.group(1) in ("3", "4") and "vllm server died" in out, out
     assert "restart 1 of 1" in out and "step_2 at step 2" in out
 
     def rows(run_dir):

@@ -66,6 +66,9 @@ from tephra.rollout.base import (
 
 Request = tuple[str, dict]
 """(path, JSON body) of one POST."""
+REAP_WAIT_S = 5.0
+"""After a failed request, how long to wait for a managed server process to be seen dead, so
+that the error says the server died rather than that a connection broke."""
 
 ABORTED = "abort"
 """Finish reason `parse_samples` gives a sample the server aborted (its tokens so far); only
@@ -252,6 +255,17 @@ class ServerRollout(Rollout):
             return self.process.failure("died")
         return None
 
+    async def _dead_within(self, seconds: float) -> RolloutError | None:
+        """`_dead_error()` once the server process has exited, waiting up to `seconds` for
+        it: a killed server closes its socket before it can be reaped, and on a loaded
+        machine that can take a while. None if it is still running (another failure)."""
+        if self.process is None:
+            return None
+        deadline = time.monotonic() + seconds
+        while self.process.alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return self._dead_error()
+
     async def _post(self, url: str, request: Request, control: bool = False) -> dict:
         """POST on the private loop; a dead server process ends the wait within a second.
         `control`: on a client of its own, not counted against `max_in_flight` (aborts)."""
@@ -270,8 +284,7 @@ class ServerRollout(Rollout):
             try:
                 response = task.result()
             except httpx.HTTPError as exc:
-                await asyncio.sleep(0.5)  # let a killed process be reaped before asking
-                raise self._dead_error() or RolloutError(
+                raise await self._dead_within(REAP_WAIT_S) or RolloutError(
                     f"{self.protocol.name} request {path} to {url} failed: {type(exc).__name__}: {exc}"
                 ) from exc
         if response.status_code != 200:
