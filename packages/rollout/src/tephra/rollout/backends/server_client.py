@@ -257,8 +257,9 @@ class ServerRollout(Rollout):
 
     async def _dead_within(self, seconds: float) -> RolloutError | None:
         """`_dead_error()` once the server process has exited, waiting up to `seconds` for
-        it: a killed server closes its socket before it can be reaped, and on a loaded
-        machine that can take a while. None if it is still running (another failure)."""
+        it: a request's connection breaks while a killed server exits, before `poll()` sees
+        it gone, and on a loaded machine that gap can be long. None if it is still running
+        (then the request failed for another reason)."""
         if self.process is None:
             return None
         deadline = time.monotonic() + seconds
