@@ -231,12 +231,10 @@ def greedy_accuracy(model, tok, records, scorer, batch: int = 32) -> float:
 def machine() -> dict:
     import torch
 
+    from tephra.core.machine import cpu_fields
     from tephra.engine_api.fastest_dtype import fastest_dtype
 
-    cpuinfo: dict[str, str] = {}  # the first processor's fields
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        cpuinfo.setdefault(key.strip(), value.strip())
+    cpuinfo = cpu_fields()
     model = cpuinfo.get("model name") or platform.processor()
     family_model = "/".join(cpuinfo[k] for k in ("cpu family", "model") if k in cpuinfo)
     flags = cpuinfo.get("flags", "")

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 CHOICES_FILE = "timed_choices.json"
 """The recorded answers, under `cache_root()`; delete it to time again."""
 CPUINFO = Path("/proc/cpuinfo")
-"""Where `cpu_name` reads the CPU's identity (Linux)."""
+"""Where `cpu_fields` reads the CPU's identity (Linux)."""
 
 T = TypeVar("T")
 
@@ -31,19 +31,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("TEPHRA_CACHE", Path.home() / ".cache" / "tephra"))
 
 
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields in `/proc/cpuinfo` ("model name", "cpu family", "flags",
+    ...); empty where that file is missing."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():  # a blank line ends a processor
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def cpu_name() -> str:
     """The CPU as the timed choices' keys name it: `/proc/cpuinfo`'s model name, family and
     model, and a digest of its feature flags, or what `platform` knows where that file is
     missing. Virtual machines often report one generic model name ("AMD EPYC") for CPU
     generations that time differently; the family, model and flags tell them apart where
     several machines share a cache folder."""
-    try:
-        fields: dict[str, str] = {}  # the first processor's
-        for line in CPUINFO.read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or platform.machine()
+    fields = cpu_fields()
     name = fields.get("model name") or platform.processor() or platform.machine()
     detail = [f"{k} {fields[k]}" for k in ("cpu family", "model") if fields.get(k)]
     flags = fields.get("flags") or fields.get("Features")  # x86 / Arm
