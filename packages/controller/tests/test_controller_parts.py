@@ -192,8 +192,8 @@ def test_rl_worker_close_closes_the_tools_it_built(tmp_path):
 class SumWorker(Worker):
     """Each rank scales its share; an all-reduce checks the process group is real."""
 
-    def __init__(self, rank, world_size, master_addr, master_port, threads, scale):
-        super().__init__(rank, world_size, master_addr, master_port, threads)
+    def __init__(self, rank, world_size, *worker_args, scale):
+        super().__init__(rank, world_size, *worker_args)
         self.scale = scale
 
     @dispatch(Dispatch.DP_SPLIT)
@@ -215,6 +215,10 @@ class SumWorker(Worker):
         return (self.rank, v)
 
     @dispatch(Dispatch.BROADCAST)
+    def retains(self) -> bool:
+        return self.retains_freed_memory
+
+    @dispatch(Dispatch.BROADCAST)
     def write_after(self, folder: str, delay_s: float) -> None:
         time.sleep(delay_s)
         (Path(folder) / f"rank{self.rank}").write_text("done")
@@ -232,6 +236,9 @@ def test_worker_group_dispatch_on_ray(tmp_path):
     assert torch.equal(out["y"], x * 3) and torch.equal(out["rank"], torch.tensor([0, 0, 0, 1, 1, 1]))
     assert torch.all(out["total"] == x.sum())
     assert wg.whoami() == [0, 1] and wg.first("v") == (0, "v")
+    # CPU ranks keep freed memory (resources.retain_freed_memory=None: glibc took the raised
+    # thresholds; the effect itself is tested in tephra-core)
+    assert wg.retains() == [True, True]
     with pytest.raises(BatchError, match="does not split evenly over 2"):
         wg.scaled(TensorDict({"x": x[:5]}, batch_size=[5]))
     with pytest.raises(ConfigError, match="needs 4 CPUs"):

@@ -42,6 +42,22 @@ def test_layout_checks():
         ResourcePool(strategy="NEAR")
 
 
+def test_retain_freed_memory_resolves_per_device_and_needs_glibc(monkeypatch):
+    import tephra.controller.worker_group as wg
+    from tephra.controller.rl_config import ResourcesSection
+
+    monkeypatch.setattr(wg, "retain_supported", lambda: True)
+    assert ResourcePool().retains_freed_memory  # CPU ranks: on
+    assert not ResourcePool(gpus_per_rank=1).retains_freed_memory  # GPU ranks: off
+    assert ResourcePool(gpus_per_rank=1, retain_freed_memory=True).retains_freed_memory
+    assert not ResourcePool(retain_freed_memory=False).retains_freed_memory
+    # elsewhere than glibc: the automatic choice is off and an explicit true is refused
+    monkeypatch.setattr(wg, "retain_supported", lambda: False)
+    assert not ResourcePool().retains_freed_memory
+    with pytest.raises(ConfigError, match=r"resources.retain_freed_memory=true needs glibc"):
+        ResourcesSection(retain_freed_memory=True)
+
+
 class TensorParallelWorker(Worker):
     """Declares tensor parallel pairs: ranks (0, 1) are replica 0, (2, 3) replica 1; the even
     rank of a pair returns the results. Each rank tags rows with its rank and all-reduces

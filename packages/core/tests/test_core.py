@@ -25,6 +25,7 @@ from tephra.core import (
     machine,
     split_cli,
 )
+from tephra.core.host_memory import retain_supported
 from tephra.core.machine import CHOICES_FILE
 
 
@@ -215,3 +216,36 @@ def test_without_a_writable_cache_each_process_measures(tmp_path, monkeypatch):
     for _ in range(2):
         assert decided_once_per_machine("q", _counting(log, False)) is False
     assert log.read_text().count("measured") == 2
+
+
+REFAULT = """
+import resource, sys
+from tephra.core.host_memory import retain_freed_memory
+kept = sys.argv[1] == "1" and retain_freed_memory()
+for _ in range(2):
+    b"x" * (48 << 20)  # a 48 MiB block, written through, then freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+b"x" * (48 << 20)
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not retain_supported(), reason="needs glibc")
+def test_retained_memory_is_reused_without_page_faults():
+    """glibc maps a fresh 48 MiB block for each allocation by default (over its 32 MiB cap
+    on the mmap threshold), so it faults in every page again; with the thresholds raised the
+    freed block is reused. Fresh interpreters, so no earlier allocation shapes the heap."""
+    import resource
+    import subprocess
+    import sys
+
+    def faults(retain: bool) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", REFAULT, str(int(retain))],
+                             capture_output=True, text=True, check=True).stdout.split()
+        return out[0], int(out[1])
+
+    pages = (48 << 20) // resource.getpagesize()
+    kept, default = faults(False)
+    assert kept == "False" and default >= pages * 0.9
+    kept, retained = faults(True)
+    assert kept == "True" and retained < pages * 0.01

@@ -183,7 +183,8 @@ def run(cfg: PPOConfig) -> dict:
           flush=True)
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus)
-    pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement)
+    pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement,
+                        retain_freed_memory=r.retain_freed_memory)
 
     def make_group() -> WorkerGroup:
         return WorkerGroup(RLWorker, pool, {"cfg": cfg, "model_path": p.model_path,

@@ -126,7 +126,8 @@ class RolloutReplicas:
         r = cfg.resources.rollout
         self.cfg = cfg
         self.pool = ResourcePool(r.replicas, r.cpus_per_replica, r.gpus_per_replica,
-                                 strategy=cfg.resources.placement, name="rollout")
+                                 strategy=cfg.resources.placement, name="rollout",
+                                 retain_freed_memory=cfg.resources.retain_freed_memory)
         try:
             self.group = WorkerGroup(RolloutWorker, self.pool, {
                 "cfg": cfg, "model_path": model_path, "tools_file": tools_file}, name="rollout",

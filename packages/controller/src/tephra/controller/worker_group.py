@@ -31,6 +31,7 @@ from tephra.controller.dispatch import (
     dispatch_mode,
     split_args,
 )
+from tephra.core.host_memory import retain_freed_memory, retain_supported
 from tephra.engine_api.errors import ConfigError
 
 
@@ -106,6 +107,11 @@ class ResourcePool:
     ready_timeout_s: float = 60.0
     """Seconds to wait for the cluster to grant the bundles before giving up with an error
     that says what is missing (instead of waiting forever)."""
+    retain_freed_memory: bool | None = None
+    """Whether the ranks keep freed host memory for reuse (`tephra.core.retain_freed_memory`):
+    None is on for CPU ranks (no GPUs), where it saves each step's page faults on the large
+    tensors it allocates again, and off for GPU ranks, whose host memory then shrinks back
+    after loading or exporting weights. True needs glibc."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -115,7 +121,15 @@ class ResourcePool:
         if self.strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"resources.placement={self.strategy!r}: choose one of "
                               f"{list(PLACEMENT_STRATEGIES)}")
+        check_retain(self.retain_freed_memory)
         self._group = None
+
+    @property
+    def retains_freed_memory(self) -> bool:
+        """`retain_freed_memory` with None resolved: on where the ranks have no GPUs."""
+        if self.retain_freed_memory is None:
+            return self.gpus_per_rank == 0 and retain_supported()
+        return self.retain_freed_memory
 
     def bundle(self) -> dict[str, float]:
         out = {"CPU": self.cpus_per_rank}
@@ -201,17 +215,27 @@ def process_group_backend(device: str) -> str:
     return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
+def check_retain(value: bool | None) -> None:
+    """Refuse `resources.retain_freed_memory=true` where it cannot take effect."""
+    if value and not retain_supported():
+        raise ConfigError("resources.retain_freed_memory=true needs glibc (Linux); this "
+                          "C library has no such setting: leave it null or false")
+
+
 class Worker:
     """Base of every worker class: joins the group's process group on construction and
-    knows its device (`self.device`: "cpu" or the "cuda:i" Ray assigned)."""
+    knows its device (`self.device`: "cpu" or the "cuda:i" Ray assigned). Subclasses take
+    the base's positional arguments as `*worker_args` and pass them on."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
-                 threads: int) -> None:
+                 threads: int, retain_memory: bool = False) -> None:
         import torch
         import torch.distributed as dist
 
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(max(1, threads))
+        self.retains_freed_memory = retain_memory and retain_freed_memory()
+        """Whether this process keeps freed host memory (`ResourcePool.retain_freed_memory`)."""
         self.device, local_rank = device_from_assignment(
             ray.get_gpu_ids() if ray.is_initialized() else [],
             os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -277,7 +301,8 @@ class WorkerGroup:
             remote.options(num_cpus=pool.cpus_per_rank, num_gpus=pool.gpus_per_rank,
                            scheduling_strategy=pool.strategy_for(r),
                            name=f"{self.name}-{r}-{os.getpid()}-{id(self)}-{port}")
-            .remote(r, pool.world_size, master_addr, port, threads, **init_kwargs)
+            .remote(r, pool.world_size, master_addr, port, threads,
+                    pool.retains_freed_memory, **init_kwargs)
             for r in range(pool.world_size)
         ]
         # surfaces constructor errors now (rank 0's first: it is the one that listens)

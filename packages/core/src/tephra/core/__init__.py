@@ -7,6 +7,8 @@
   coercion and unknown-key errors that suggest the closest valid key.
 - per-machine state: `cache_root()` (`$TEPHRA_CACHE` or `~/.cache/tephra`) and
   `decided_once_per_machine`, which records a timed choice so every process makes the same.
+- `retain_freed_memory()`: glibc keeps freed large blocks for reuse instead of unmapping them
+  (a CPU training step's page faults, saved).
 """
 
 from tephra.core.config import from_dict, load_config, parse_overrides, split_cli, to_dict
@@ -18,11 +20,12 @@ from tephra.core.errors import (
     RegistryError,
     TephraError,
 )
+from tephra.core.host_memory import retain_freed_memory
 from tephra.core.machine import cache_root, cpu_name, decided_once_per_machine
 from tephra.core.registry import Registry, unknown_name_message
 
 __all__ = [
     "BatchError", "CheckpointError", "ConfigError", "InputError", "Registry", "RegistryError",
     "TephraError", "cache_root", "cpu_name", "decided_once_per_machine", "from_dict",
-    "load_config", "parse_overrides", "split_cli", "to_dict", "unknown_name_message",
+    "load_config", "parse_overrides", "retain_freed_memory", "split_cli", "to_dict", "unknown_name_message",
 ]

@@ -165,7 +165,8 @@ def run(cfg: SFTConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus)
-    pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement)
+    pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement,
+                        retain_freed_memory=r.retain_freed_memory)
     try:
         wg = WorkerGroup(SFTWorker, pool, {"cfg": cfg, "model_path": path}, name="sft")
     except BaseException:
