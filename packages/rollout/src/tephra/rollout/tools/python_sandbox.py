@@ -50,6 +50,7 @@ from typing import Any
 from tephra.engine_api.errors import ConfigError
 from tephra.rollout.tools.base import TOOLS, Tool, ToolError, ToolResult
 from tephra.rollout.tools.folder_tree import empty_tree, remove_tree, tree_usage
+from tephra.rollout.tools.memory_cgroup import MemoryCgroup, parent_cgroup
 
 _INIT = str(Path(__file__).with_name("sandbox_init.py"))
 
@@ -71,6 +72,10 @@ SANDBOX_UID = 1000
 # protections a host may lack, which `accept_missing` can name to run without them
 WEAKER_MODES = ("namespaces", "seccomp")
 _PRIVATE_TMPFS = ("/var/tmp", "/dev/shm", "/run/lock")
+# the kernel's limit (a memory cgroup, where the host gives one) sits this far above
+# `total_memory_mb`, for the init's own memory: the sampled limit, with its clearer message,
+# normally speaks first, and the cgroup stops what sampling cannot see or is too slow for
+_CGROUP_SLACK = 32 * 2**20
 
 # Runs as the sandbox uid: read the program from stdin (the host never writes a file the code
 # could have replaced), make the bound site-packages importable, run it as __main__.
@@ -394,7 +399,11 @@ class PythonSandbox:
     async def run(self, code: str, workdir: str, uid: int | None) -> SandboxRun:
         """Run `code` (sent through stdin) in `workdir`; never raises for anything the code
         does, and never opens a path inside `workdir`."""
-        boot = [sys.executable, "-I", "-S", _INIT, json.dumps(self._bootstrap_config(workdir, uid))]
+        cfg = self._bootstrap_config(workdir, uid)
+        group = (MemoryCgroup.create(cfg["total_memory_bytes"] + _CGROUP_SLACK)
+                 if self.namespaced else None)
+        cfg["cgroup_procs"] = group.procs if group is not None else None
+        boot = [sys.executable, "-I", "-S", _INIT, json.dumps(cfg)]
         cmd = (
             [shutil.which("unshare") or "unshare", *self.flags, "--", *boot]
             if self.namespaced
@@ -404,7 +413,17 @@ class PythonSandbox:
         if loop not in self._semaphores:
             self._semaphores[loop] = asyncio.Semaphore(self.config.max_concurrent)
         async with self._semaphores[loop]:
-            return await self._run_capped(cmd, code.encode())
+            try:
+                run = await self._run_capped(cmd, code.encode())
+            finally:
+                killed = group.oom_kills() if group is not None else 0
+                if group is not None:
+                    group.remove()
+        if killed and (run.error is None or "over the limit" not in run.error):
+            run.error = (f"the call's processes went over the memory limit of "
+                         f"{self.config.total_memory_mb} MiB together; the kernel's memory "
+                         f"cgroup killed {killed} of them")
+        return run
 
     async def _run_capped(self, cmd: list[str], program: bytes) -> SandboxRun:
         cap = self.config.max_output_bytes
@@ -574,9 +593,11 @@ class PythonTool(Tool):
 
     def describe(self) -> dict[str, Any]:
         """What isolation this host gave the tool, then its limits."""
+        group = parent_cgroup() if self.sandbox.namespaced else None
         return {"namespaced": self.sandbox.namespaced,
                 "seccomp": self.sandbox.seccomp is not None,
                 "identity": self.sandbox.identity,
+                "memory_cgroup": group[0] if group is not None else None,
                 **asdict(self.config)}
 
 

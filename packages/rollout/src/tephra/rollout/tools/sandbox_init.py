@@ -247,6 +247,10 @@ def supervise(pid):
 cfg = json.loads(sys.argv[1])
 if cfg["namespaced"]:
     try:
+        if cfg["cgroup_procs"]:
+            # join the call's memory cgroup first: everything forked later is charged to it
+            with open(cfg["cgroup_procs"], "w") as f:
+                f.write("0")
         build_root(cfg)
     except (OSError, SetupError) as exc:
         os.write(2, f"sandbox setup failed: {exc}\n".encode())
