@@ -14,6 +14,7 @@ from typing import Any
 from tephra.core.config import from_dict
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.fastest_dtype import AUTO, resolve_dtype
+from tephra.engine_api.lr_schedules import SCHEDULES
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -102,7 +103,8 @@ class SchedulerConfig:
     """`constant`, `cosine` (to `min_lr_ratio` at `total_steps`), or `wsd`
     (warmup-stable-decay: constant, then linear decay over the last `decay_ratio`)."""
     warmup_steps: int = 0
-    """Linear warmup from 0 to the peak lr, in optimizer steps."""
+    """Linear warmup over this many optimizer steps W: step s < W runs at (s + 1) / W of the
+    peak, so the first step already moves and step W - 1 runs at the peak (every engine)."""
     total_steps: int = 0
     """Length of the schedule in optimizer steps; required by `cosine` and `wsd`."""
     min_lr_ratio: float = 0.0
@@ -111,7 +113,7 @@ class SchedulerConfig:
     """`wsd` only: fraction of `total_steps` spent decaying."""
 
     def __post_init__(self) -> None:
-        _choice("scheduler", "name", self.name, ("constant", "cosine", "wsd"))
+        _choice("scheduler", "name", self.name, tuple(SCHEDULES.names()))
         _positive("scheduler", "warmup_steps", self.warmup_steps, zero_ok=True)
         if self.name != "constant" and self.total_steps <= self.warmup_steps:
             raise ConfigError(
