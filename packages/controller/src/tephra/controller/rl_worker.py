@@ -379,7 +379,8 @@ class RLWorker(Worker):
                 moved += len(bucket)
                 yield from bucket
 
-        self.rollout.wake_up()
+        # no wake_up() first: a sleeping server wakes its weights, loads, then wakes its KV
+        # cache (update_weights), so the cache is not allocated beside the buckets
         with self.actor.eval_mode():
             self.rollout.update_weights(tensors())
         return moved
@@ -394,13 +395,12 @@ class RLWorker(Worker):
 
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
-    def open_weight_group(self, address: str, port: int, world_size: int,
+    def open_weight_group(self, address: str, port: int, world_size: int, backend: str,
                           timeout_s: float) -> None:
         """Rank 0 hosts a private group with the rollout replicas (ranks 1..); others skip."""
         from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group
 
         if self.rank == 0:
-            backend = "nccl" if self.device.startswith("cuda") else "gloo"
             self._weights_group = open_group(address, port, 0, world_size, backend, timeout_s)
 
     def send_weights(self, bucket_mb: float) -> int:
