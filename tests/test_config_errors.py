@@ -127,3 +127,28 @@ def test_partial_rollout_is_accepted_with_every_built_in_backend(backend):
                         "trainer.partial_rollout=true", f"rollout.backend={backend}"])
     assert cfg.trainer.partial_rollout and cfg.rollout.backend == backend
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ([], "weight transport: trainer -> in-process hf rollout: tensors copied in place"),
+    (["rollout.backend=vllm"], "weight transport: trainer -> vllm server: gloo (auto; CPU)"),
+    # colocated on a GPU (faked: the config only says where ranks go): CUDA IPC, not NCCL
+    (["rollout.backend=vllm", "resources.gpus_per_rank=1"],
+     "weight transport: trainer -> vllm server: ipc (auto; server on the sender's GPU)"),
+    (["rollout.backend=sglang", "resources.gpus_per_rank=1", "rollout.sglang.url=http://h:1"],
+     "weight transport: trainer -> sglang server: nccl (auto; server on another GPU)"),
+    # separate GPU pools: NCCL between them, then IPC into each replica's own server
+    (["rollout.backend=vllm", "trainer.mode=async", "resources.rollout.replicas=1",
+      "resources.gpus_per_rank=1", "resources.rollout.gpus_per_replica=1"],
+     "weight transport: training rank 0 -> 1 rollout replica(s): nccl (different GPUs); "
+     "replica -> vllm server: ipc (auto; server on the sender's GPU)"),
+    (["trainer.mode=async", "resources.rollout.replicas=1"],
+     "weight transport: training rank 0 -> 1 rollout replica(s): gloo; "
+     "replica -> in-process hf rollout: tensors copied in place"),
+    (["rollout.backend=vllm", "rollout.vllm.weight_transport=gloo", "resources.gpus_per_rank=1"],
+     "weight transport: trainer -> vllm server: gloo (set; server on the sender's GPU)"),
+])
+def test_the_weight_path_follows_the_placement(overrides, line):
+    from tephra.controller.rl_config import weight_path
+
+    assert weight_path(parse_config(["-p", "smoke", *overrides])) == line

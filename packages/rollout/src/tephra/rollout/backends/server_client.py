@@ -190,9 +190,7 @@ class ServerRollout(Rollout):
         """How often `sleep`, `wake_up` and `update_weights` ran (what the trainer asked)."""
         self.asleep: set[str] = set()
         """The parts of the server (`weights`, `kv_cache`) put to sleep and not woken yet."""
-        self.transport = self._choose_transport()
-        """The transport of `memory` updates (`settings.weight_transport`, with `auto`
-        resolved by where the server runs: `tephra.rollout.weight_transport`)."""
+        self._transport = self._choose_transport()
         if self.settings.weight_sync == "disk":
             warnings.warn(f"{protocol.name}.weight_sync=disk: every weight update is written to "
                           f"{self.weights_dir} and reloaded by the server; `memory` keeps the disk "
@@ -222,6 +220,21 @@ class ServerRollout(Rollout):
         except BaseException:
             self.close()
             raise
+
+    @property
+    def transport(self) -> str:
+        """The transport of `memory` updates (`settings.weight_transport`, with `auto`
+        resolved by where the server runs: `tephra.rollout.weight_transport`)."""
+        return self._transport
+
+    @transport.setter
+    def transport(self, value: str) -> None:
+        """Another transport from the next update on (the servers are prepared for it again);
+        for tests and benchmarks, which drive ipc as CPU shared memory, refused by config."""
+        if value not in TRANSPORTS:
+            raise ValueError(f"transport={value!r}: choose one of {list(TRANSPORTS)}")
+        if value != self._transport:
+            self._transport, self._groups = value, {}
 
     def _choose_transport(self) -> str:
         settings = self.settings
@@ -459,7 +472,7 @@ class ServerRollout(Rollout):
         loop while this thread hosts the rendezvous. ipc needs no group: the server is
         only told (when its protocol asks) that handles will come."""
         workers = self.settings.tensor_parallel_size * self.settings.data_parallel_size
-        backend = self.transport
+        backend = self._transport
         for url in self.urls:
             host = self.settings.host if self.settings.url is None else _own_address(url)
             if backend == "ipc":
