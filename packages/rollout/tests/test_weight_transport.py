@@ -82,7 +82,11 @@ def _received(url: str) -> dict[str, torch.Tensor]:
 
 
 def _log(url: str) -> list[str]:
-    return [path for path, _ in httpx.get(url + "/log", timeout=30).json()]
+    return [path for path, _ in _bodies(url)]
+
+
+def _bodies(url: str) -> list[list]:
+    return httpx.get(url + "/log", timeout=30).json()
 
 
 def _weights(seed: int, tied_model_path: str) -> list[tuple[str, torch.Tensor]]:
@@ -96,10 +100,11 @@ def _weights(seed: int, tied_model_path: str) -> list[tuple[str, torch.Tensor]]:
             if name != "lm_head.weight"]
 
 
-def _sync_and_compare(url: str, model_path: str, transport: str, device: str) -> None:
-    rollout = get_rollout("vllm", RolloutConfig(
-        model_path=model_path, dtype="bfloat16", max_model_len=64,
-        vllm=ServerSettings(url=url, weight_bucket_mb=0.02)))
+def _sync_and_compare(url: str, model_path: str, transport: str, device: str,
+                      backend: str = "vllm") -> None:
+    settings = ServerSettings(url=url, weight_bucket_mb=0.02)
+    rollout = get_rollout(backend, RolloutConfig(model_path=model_path, dtype="bfloat16",
+                                                 max_model_len=64, **{backend: settings}))
     try:
         rollout.transport = transport
         for seed in (1, 2):  # twice: the second update reuses the opened transport
@@ -107,9 +112,11 @@ def _sync_and_compare(url: str, model_path: str, transport: str, device: str) ->
             sent = [(name, t.to(device)) for name, t in weights]
             rollout.update_weights(iter(sent))
             got = _received(url)
-            # every tensor, cast to the rollout dtype by the sender, bit for bit; the tied
-            # head follows the embedding
-            expected = dict(weights) | {"lm_head.weight": dict(weights)["model.embed_tokens.weight"]}
+            # every tensor, cast to the rollout dtype by the sender, bit for bit; vLLM serves
+            # a tied model untied, so its head follows the embedding
+            expected = dict(weights)
+            if backend == "vllm":
+                expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
             assert sorted(got) == sorted(expected)
             for name, tensor in expected.items():
                 assert got[name].dtype == torch.bfloat16
@@ -119,7 +126,9 @@ def _sync_and_compare(url: str, model_path: str, transport: str, device: str) ->
             assert stats["buckets"] > 3  # 0.02 MiB buckets: the memory bound held
             embedding = dict(weights)["model.embed_tokens.weight"].numel() * 2
             assert stats["max_bucket_bytes"] <= max(0.02 * 2**20, embedding)
-        assert _log(url).count("/init_weight_transfer_engine") == 1
+        init = ("/init_weight_transfer_engine" if backend == "vllm" else
+                "/init_weights_update_group")
+        assert _log(url).count(init) == (1 if backend == "vllm" or transport != "ipc" else 0)
         # the caller's tensors are untouched (CPU shared memory shares a copy)
         assert all(not t.is_shared() for _, t in sent if t.device.type == "cpu")
     finally:
@@ -131,6 +140,27 @@ def test_buckets_reach_a_receiver_process_bit_for_bit_on_cpu(receiver, tiny_tied
     """ipc here: handles of CPU shared memory, through the same `share` / `open_shared` code
     that carries CUDA IPC handles on a GPU."""
     _sync_and_compare(receiver, tiny_tied_model.path, transport, "cpu")
+
+
+@pytest.mark.parametrize("transport", ["ipc", "gloo"])
+def test_sglang_requests_carry_the_buckets_bit_for_bit(receiver, tiny_tied_model, transport):
+    """SGLang cannot run here: its request bodies go to the stand-in, which receives them as
+    SGLang documents (a pickled (name, tensor) list per TP rank; per-tensor broadcasts)."""
+    _sync_and_compare(receiver, tiny_tied_model.path, transport, "cpu", backend="sglang")
+    bodies = _bodies(receiver)
+    paths = [p for p, _ in bodies]
+    if transport == "ipc":
+        assert set(paths) == {"/update_weights_from_tensor", "/flush_cache"}
+        assert all(b == {"flush_cache": False} for p, b in bodies
+                   if p == "/update_weights_from_tensor")
+    else:
+        [init] = [b for p, b in bodies if p == "/init_weights_update_group"]
+        assert init["group_name"] == "tephra-weights" and init["backend"] == "gloo"
+        assert init["world_size"] == 2 and init["rank_offset"] == 1
+        assert all(b["group_name"] == "tephra-weights" and not b["flush_cache"]
+                   for p, b in bodies if p == "/update_weights_from_distributed")
+    # each update: its buckets, then one /flush_cache
+    assert paths.count("/flush_cache") == 2 and paths[-1] == "/flush_cache"
 
 
 @pytest.mark.gpu
@@ -182,5 +212,24 @@ def test_sleep_level_2_needs_a_sync_before_generating(receiver, tiny_tied_model)
         log = [p for p in _log(receiver) if p != "/update_weights"]
         assert log[0] == "/sleep?level=2" and log[1] == "/wake_up?tags=weights"
         assert log[-1] == "/wake_up?tags=kv_cache"
+    finally:
+        rollout.close()
+
+
+def test_sglang_wakes_weights_before_a_sync_and_the_kv_cache_after(receiver, tiny_tied_model):
+    rollout = get_rollout("sglang", RolloutConfig(
+        model_path=tiny_tied_model.path, max_model_len=64,
+        sglang=ServerSettings(url=receiver, sleep_level=1)))
+    try:
+        rollout.transport = "ipc"
+        rollout.sleep()
+        rollout.update_weights(iter(_weights(1, tiny_tied_model.path)))
+        bodies = [b for b in _bodies(receiver) if b[0] != "/update_weights_from_tensor"]
+        assert bodies == [
+            ["/release_memory_occupation", {}],
+            ["/resume_memory_occupation", {"tags": ["weights"]}],
+            ["/flush_cache", {}],
+            ["/resume_memory_occupation", {"tags": ["kv_cache"]}],
+        ]
     finally:
         rollout.close()

@@ -1,9 +1,11 @@
 """A stand-in for a server's weight-transfer endpoints, in a process of its own: it speaks
-the JSON of vLLM's four-phase protocol as tephra's `tephra` engine takes it, receives each
-bucket the way that engine does (`tephra_weight_transport`: `open_shared` of the handle for
-ipc, a broadcast for gloo), keeps a copy of every tensor, and records every request in order
-(sleep and wake included). The test reads both back: `GET /received` (the tensors, as a
-torch.save payload) and `GET /log`.
+the JSON of vLLM's four-phase protocol as tephra's `tephra` engine takes it, and SGLang's
+(`/init_weights_update_group`, `/update_weights_from_distributed`: one broadcast per tensor;
+`/update_weights_from_tensor`: a pickled list of (name, tensor) per tensor-parallel rank),
+receives each bucket the way the server would (`tephra_weight_transport`: the handle opened
+for ipc, broadcasts for gloo), keeps a copy of every tensor, and records every request in
+order (sleep and wake included). The test reads both back: `GET /received` (the tensors, as
+a torch.save payload) and `GET /log` ([path, body] pairs, handles left out).
 
 `python weight_receiver.py cpu|cuda` prints its port, then serves until killed. Like the
 server plugin it imports only torch and `tephra_weight_transport` (the plugin folder on
@@ -25,7 +27,14 @@ PLUGIN_DIR = (Path(__file__).resolve().parents[1] / "src" / "tephra" / "rollout"
               / "vllm_plugin")
 sys.path.insert(0, str(PLUGIN_DIR))
 
-from tephra_weight_transport import BucketMeta, broadcast, open_group, open_shared, unpack  # noqa: E402
+from tephra_weight_transport import (  # noqa: E402
+    BucketMeta,
+    broadcast,
+    open_group,
+    open_pickled,
+    open_shared,
+    unpack,
+)
 
 
 class Receiver(ThreadingHTTPServer):
@@ -68,14 +77,24 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         server = self.server
-        info = body.get("update_info") or body.get("init_info") or {}
+        info = body.get("update_info") or body.get("init_info") or body
         with server.lock:
-            server.log.append([self.path, {k: v for k, v in info.items() if k != "handle"}])
-        if self.path == "/init_weight_transfer_engine":
+            server.log.append([self.path, {k: v for k, v in info.items()
+                                           if k not in ("handle", "serialized_named_tensors")}])
+        if self.path in ("/init_weight_transfer_engine", "/init_weights_update_group"):
             server.transport = info["backend"]
             if server.transport != "ipc":
                 server.group = open_group(info["master_address"], info["master_port"], 1,
                                           info["world_size"], info["backend"], 60.0)
+        elif self.path == "/update_weights_from_distributed":
+            for name, dtype, shape in zip(info["names"], info["dtypes"], info["shapes"]):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=server.device)
+                broadcast(server.group, tensor)
+                server.received[name] = tensor.to("cpu", copy=True)
+        elif self.path == "/update_weights_from_tensor":
+            [handle] = info["serialized_named_tensors"]  # one tensor-parallel rank
+            for name, tensor in open_pickled(handle, server.device):
+                server.received[name] = tensor.to("cpu", copy=True)
         elif self.path == "/update_weights":
             meta = BucketMeta(info["names"], info["dtype_names"], info["shapes"])
             if "handle" in info:

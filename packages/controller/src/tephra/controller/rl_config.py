@@ -155,9 +155,10 @@ class RolloutSection:
     max_tokens: int = 32
     """Most response tokens per sample (per model turn with an agent loop)."""
     sleep_when_training: bool = True
-    """Colocated (hybrid) mode: `rollout.sleep()` after generation and `wake_up()` before
-    the weight sync, so the rollout's memory is free while the engine trains (a GPU backend
-    frees its weights / KV cache; on CPU the hf backend has nothing to free)."""
+    """Colocated (hybrid) mode: `rollout.sleep()` after generation, so the rollout's memory
+    is free while the engine trains (a GPU backend frees its weights / KV cache, a server as
+    deep as `rollout.<backend>.sleep_level` says; on CPU the hf backend has nothing to free).
+    The weight sync wakes it: a server's weights first, then its KV cache after the load."""
     hf: HFSettings = field(default_factory=HFSettings)
     """Settings of the `hf` backend (device is set from the rank's device)."""
     vllm: ServerSettings = field(default_factory=ServerSettings)

@@ -223,13 +223,23 @@ class _HandleUnpickler(pickle.Unpickler):
         return getattr(importlib.import_module(module), name)
 
 
+def _cuda_index(device: torch.device | None) -> int | None:
+    if device is None or device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def open_pickled(text: str, device: torch.device | None = None):
+    """What `pickle_shared` made, each tensor a view of the sender's memory (a CUDA tensor on
+    `device`'s GPU, which must be the sender's; CPU shared memory when the sender's was on
+    CPU). Only torch's tensor-rebuild functions may be named in it."""
+    return _HandleUnpickler(base64.b64decode(text), _cuda_index(device)).load()
+
+
 def open_shared(text: str, device: torch.device | None = None):
-    """What `share` pickled, each tensor a view of the sender's memory (on `device`'s GPU,
-    which must be the sender's; CPU shared memory when the sender's was on CPU)."""
-    index = device.index if device is not None and device.type == "cuda" else None
-    if device is not None and device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    sender_gpu, tensors = _HandleUnpickler(base64.b64decode(text), index).load()
+    """What `share` sent (`open_pickled`), checking that sender and receiver share a GPU."""
+    sender_gpu, tensors = open_pickled(text, device)
+    index = _cuda_index(device)
     here = gpu_uuid(torch.device("cuda", index)) if index is not None else None
     if sender_gpu is not None and sender_gpu != here:
         raise RuntimeError(f"weight_transport=ipc: the sender's tensors are on GPU {sender_gpu} "
