@@ -189,11 +189,12 @@ class RLWorker(Worker):
         """`sampling.n` samples of each of this rank's prompts (prompt-major), through the
         agent loop when one is configured. Scoring starts in the background (`collect_scores`
         returns the scores); `score=False` skips it."""
+        self._resend_dropped_weights()
         self.rollout.wake_up()
         samples = (self._generate_agent(items, sampling) if self.cfg.rollout.uses_agent_loop
                    else self._generate_plain(items, sampling))
-        if self.cfg.rollout.sleep_when_training:
-            self.rollout.sleep()
+        if self.cfg.rollout.sleep_when_training and self.cfg.resources.rollout.replicas == 0:
+            self.rollout.sleep()  # a replica's pool trains nothing: it stays awake
         if score:
             records = [items[i // sampling.n].record for i in range(len(samples))]
             self._scoring = self._pool.submit(self._score, samples, records)
@@ -278,7 +279,16 @@ class RLWorker(Worker):
             raise RuntimeError("generate_ahead called while a generation ahead is in flight")
         if getattr(self, "_ahead_pool", None) is None:
             self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
+        self._resend_dropped_weights()  # here, before the update that runs beside the thread
         self._ahead = self._ahead_pool.submit(self.generate, items, sampling)
+
+    def _resend_dropped_weights(self) -> None:
+        """A server at sleep_level=2 that slept since the last sync (after a validation
+        generation, a dynamic-sampling round) dropped its weights: send the actor's again,
+        which are the ones last synced (every update is followed by a sync before the
+        next generation starts)."""
+        if self.rollout.weights_dropped:
+            self.sync_weights()
 
     @dispatch(Dispatch.DP_SPLIT)
     def generated(self) -> list[Sample]:

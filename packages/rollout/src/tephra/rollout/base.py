@@ -425,6 +425,13 @@ class Rollout(abc.ABC):
     def wake_up(self) -> None:
         """Undo `sleep`."""
 
+    @property
+    def weights_dropped(self) -> bool:
+        """True while `sleep` has dropped the weights rather than kept them (a server at
+        `sleep_level=2`): the owner must send every weight with `update_weights` before the
+        next generation. False for backends that keep them."""
+        return False
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release everything (threads, server processes). Idempotent."""

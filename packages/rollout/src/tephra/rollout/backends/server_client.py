@@ -616,12 +616,16 @@ class ServerRollout(Rollout):
         """Wake everything asleep (weights, then KV cache). `update_weights` wakes a sleeping
         server itself, in the order a sync needs."""
         self.calls["wake_up"] += 1
-        if "weights" in self.asleep and self.settings.sleep_level == 2:
+        if self.weights_dropped:
             raise RolloutError(
                 f"{self.protocol.name}.sleep_level=2 dropped the server's weights; call "
                 "update_weights (which wakes them and sends every weight) before waking it to "
                 "generate, or use sleep_level=1 (weights kept in host memory)")
         self._wake(["weights", "kv_cache"])
+
+    @property
+    def weights_dropped(self) -> bool:
+        return "weights" in self.asleep and self.settings.sleep_level == 2
 
     def _wake(self, tags: list[str]) -> None:
         tags = [t for t in tags if t in self.asleep]
