@@ -233,3 +233,18 @@ def test_sglang_wakes_weights_before_a_sync_and_the_kv_cache_after(receiver, tin
         ]
     finally:
         rollout.close()
+
+
+def test_a_handle_may_name_only_torch_tensor_rebuilds():
+    """The handle comes in an HTTP body: anything but torch's rebuild functions is refused."""
+    import base64
+    import pickle
+
+    from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_pickled, share
+
+    evil = base64.b64encode(pickle.dumps(subprocess.getoutput)).decode()
+    with pytest.raises(pickle.UnpicklingError, match="may not name subprocess.getoutput"):
+        open_pickled(evil)
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    sender_gpu, opened = open_pickled(share(tensor.clone()))
+    assert sender_gpu is None and torch.equal(opened, tensor)
