@@ -52,8 +52,26 @@ CASES = [
     (["actor.engine=megatron", "model.attn_implementation=eager"],
      r"actor.engine='megatron': model.attn_implementation='eager': engine-megatron runs"),
     # server rollout settings
-    (["rollout.backend=vllm", "rollout.vllm.sleep_mode=true"],
-     r"rollout.vllm.sleep_mode=true: vLLM's CPU build refuses to start with sleep mode"),
+    (["rollout.backend=vllm", "rollout.vllm.sleep_level=1"],
+     r"rollout.vllm.sleep_level=1: vLLM's CPU build refuses to start with sleep mode"),
+    # weight transports the placement cannot carry
+    (["rollout.backend=vllm", "rollout.vllm.weight_transport=ncl"],
+     r"weight_transport='ncl' is not a weight transport \(did you mean 'nccl'\?\)"),
+    (["rollout.backend=vllm", "resources.gpus_per_rank=1", "rollout.vllm.weight_transport=nccl"],
+     r"rollout.vllm.weight_transport='nccl' with the server on the sender's GPU: NCCL refuses "
+     r"two ranks of one communicator on one GPU; use `ipc`"),
+    (["rollout.backend=vllm", "rollout.vllm.weight_transport=ipc"],
+     r"rollout.vllm.weight_transport='ipc' on CPU: .* use `gloo`"),
+    (["rollout.backend=sglang", "resources.gpus_per_rank=1", "rollout.sglang.url=http://10.0.0.5:30000",
+      "rollout.sglang.weight_transport=ipc"],
+     r"rollout.sglang.weight_transport='ipc' with a server on another GPU: CUDA IPC .* use `nccl`"),
+    (["rollout.backend=vllm", "resources.gpus_per_rank=1", "rollout.vllm.tensor_parallel_size=2",
+      "rollout.vllm.weight_transport=ipc"],
+     r"weight_transport='ipc' with a server over 2 GPUs"),
+    (["trainer.mode=async", "resources.rollout.replicas=1", "resources.gpus_per_rank=0.5",
+      "resources.rollout.gpus_per_replica=0.5"],
+     r"resources.gpus_per_rank=0.5 and resources.rollout.gpus_per_replica=0.5: with fractions "
+     r"Ray may put a rollout replica on a training rank's GPU"),
     (["rollout.backend=vllm", "rollout.vllm.weight_sync=nfs"], r"weight_sync='nfs': expected 'memory'"),
     # training modes
     (["trainer.mode=async"], r"trainer.mode=async streams samples from rollout replicas.*"
@@ -109,3 +127,28 @@ def test_partial_rollout_is_accepted_with_every_built_in_backend(backend):
                         "trainer.partial_rollout=true", f"rollout.backend={backend}"])
     assert cfg.trainer.partial_rollout and cfg.rollout.backend == backend
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ([], "weight transport: trainer -> in-process hf rollout: tensors copied in place"),
+    (["rollout.backend=vllm"], "weight transport: trainer -> vllm server: gloo (auto; CPU)"),
+    # colocated on a GPU (faked: the config only says where ranks go): CUDA IPC, not NCCL
+    (["rollout.backend=vllm", "resources.gpus_per_rank=1"],
+     "weight transport: trainer -> vllm server: ipc (auto; server on the sender's GPU)"),
+    (["rollout.backend=sglang", "resources.gpus_per_rank=1", "rollout.sglang.url=http://h:1"],
+     "weight transport: trainer -> sglang server: nccl (auto; server on another GPU)"),
+    # separate GPU pools: NCCL between them, then IPC into each replica's own server
+    (["rollout.backend=vllm", "trainer.mode=async", "resources.rollout.replicas=1",
+      "resources.gpus_per_rank=1", "resources.rollout.gpus_per_replica=1"],
+     "weight transport: training rank 0 -> 1 rollout replica(s): nccl (different GPUs); "
+     "replica -> vllm server: ipc (auto; server on the sender's GPU)"),
+    (["trainer.mode=async", "resources.rollout.replicas=1"],
+     "weight transport: training rank 0 -> 1 rollout replica(s): gloo; "
+     "replica -> in-process hf rollout: tensors copied in place"),
+    (["rollout.backend=vllm", "rollout.vllm.weight_transport=gloo", "resources.gpus_per_rank=1"],
+     "weight transport: trainer -> vllm server: gloo (set; server on the sender's GPU)"),
+])
+def test_the_weight_path_follows_the_placement(overrides, line):
+    from tephra.controller.rl_config import weight_path
+
+    assert weight_path(parse_config(["-p", "smoke", *overrides])) == line

@@ -21,7 +21,7 @@ from tephra.controller.data import (
     reasoning_gym_records,
     tokenize_prompts,
 )
-from tephra.controller.rl_config import PPOConfig, resolve_auto_dtypes
+from tephra.controller.rl_config import PPOConfig, resolve_auto_dtypes, weight_path
 from tephra.controller.rl_loop import Prompts
 from tephra.core.errors import ConfigError
 
@@ -181,6 +181,7 @@ def run(cfg: PPOConfig) -> dict:
     cfg = resolve_auto_dtypes(cfg)
     print(f"compute dtypes: actor {cfg.actor.precision.param_dtype}, rollout {cfg.rollout.dtype}",
           flush=True)
+    print(weight_path(cfg), flush=True)
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus)
     pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement,

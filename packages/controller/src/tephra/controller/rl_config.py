@@ -39,8 +39,9 @@ from tephra.engine_api.config import (
     PrecisionConfig,
 )
 from tephra.rollout.agent.base import AgentLoopConfig
-from tephra.rollout.base import HFSettings, ServerSettings
+from tephra.rollout.base import ROLLOUT_BACKENDS, HFSettings, ServerSettings
 from tephra.rollout.rewards import RewardConfig
+from tephra.rollout.weight_transport import Placement, choose_transport
 
 
 def _check_name(field_name: str, value: str, registry: Any) -> None:
@@ -155,9 +156,10 @@ class RolloutSection:
     max_tokens: int = 32
     """Most response tokens per sample (per model turn with an agent loop)."""
     sleep_when_training: bool = True
-    """Colocated (hybrid) mode: `rollout.sleep()` after generation and `wake_up()` before
-    the weight sync, so the rollout's memory is free while the engine trains (a GPU backend
-    frees its weights / KV cache; on CPU the hf backend has nothing to free)."""
+    """Colocated (hybrid) mode: `rollout.sleep()` after generation, so the rollout's memory
+    is free while the engine trains (a GPU backend frees its weights / KV cache, a server as
+    deep as `rollout.<backend>.sleep_level` says; on CPU the hf backend has nothing to free).
+    The weight sync wakes it: a server's weights first, then its KV cache after the load."""
     hf: HFSettings = field(default_factory=HFSettings)
     """Settings of the `hf` backend (device is set from the rank's device)."""
     vllm: ServerSettings = field(default_factory=ServerSettings)
@@ -781,7 +783,51 @@ def validate(cfg: PPOConfig) -> None:
             "algorithm.rollout_correction=tis (and its _level / _cap) alone")
     if cfg.data.has_images:
         check_image_support(cfg)
+    weight_path(cfg)
     check_engine_support(cfg)
+
+
+def weight_path(cfg: PPOConfig) -> str:
+    """How the weights travel after each update, in one line (the driver prints it once
+    per run); a ConfigError where a hop's transport cannot work with the placement.
+
+    Separate rollout pools first receive from training rank 0 by a broadcast of their own
+    (NCCL when both pools have GPUs, gloo otherwise); a server backend's
+    `weight_transport` then carries them from the process holding the rollout engine into
+    its server (`tephra.rollout.weight_transport.choose_transport`)."""
+    r, pool = cfg.resources, cfg.resources.rollout
+    hops = []
+    if pool.replicas:
+        both_gpu = r.gpus_per_rank > 0 and pool.gpus_per_replica > 0
+        if both_gpu and (r.gpus_per_rank < 1 or pool.gpus_per_replica < 1):
+            raise ConfigError(
+                f"resources.gpus_per_rank={r.gpus_per_rank} and resources.rollout."
+                f"gpus_per_replica={pool.gpus_per_replica}: with fractions Ray may put a "
+                "rollout replica on a training rank's GPU, where the NCCL weight broadcast "
+                "between them cannot run (NCCL refuses two ranks of one communicator on one "
+                "GPU); give both whole GPUs, or colocate (resources.rollout.replicas=0)")
+        hops.append(f"training rank 0 -> {pool.replicas} rollout replica(s): "
+                    f"{'nccl (different GPUs)' if both_gpu else 'gloo'}")
+    settings = getattr(cfg.rollout, cfg.rollout.backend, None)
+    if not isinstance(settings, ServerSettings):
+        hops.append(f"{'replica' if pool.replicas else 'trainer'} -> in-process "
+                    f"{cfg.rollout.backend} rollout: tensors copied in place")
+    elif settings.weight_sync == "disk":
+        hops.append(f"-> {cfg.rollout.backend} server: safetensors on disk (weight_sync=disk)")
+    else:
+        gpu = (pool.gpus_per_replica if pool.replicas else r.gpus_per_rank) > 0
+        placement = Placement("cuda" if gpu else "cpu", same_device=settings.url is None,
+                              server_gpus=settings.tensor_parallel_size
+                              * settings.data_parallel_size)
+        backend = cfg.rollout.backend
+        protocol = getattr(ROLLOUT_BACKENDS.get(backend), "protocol_class", None)
+        transport = choose_transport(f"rollout.{backend}.weight_transport",
+                                     settings.weight_transport, placement,
+                                     *((protocol.weight_transports, backend) if protocol else ()))
+        how = "auto" if settings.weight_transport == "auto" else "set"
+        hops.append(f"{'replica' if pool.replicas else 'trainer'} -> {backend} server: "
+                    f"{transport} ({how}; {placement.describe()})")
+    return "weight transport: " + "; ".join(hops)
 
 
 def check_image_support(cfg: PPOConfig) -> None:

@@ -189,11 +189,12 @@ class RLWorker(Worker):
         """`sampling.n` samples of each of this rank's prompts (prompt-major), through the
         agent loop when one is configured. Scoring starts in the background (`collect_scores`
         returns the scores); `score=False` skips it."""
+        self._resend_dropped_weights()
         self.rollout.wake_up()
         samples = (self._generate_agent(items, sampling) if self.cfg.rollout.uses_agent_loop
                    else self._generate_plain(items, sampling))
-        if self.cfg.rollout.sleep_when_training:
-            self.rollout.sleep()
+        if self.cfg.rollout.sleep_when_training and self.cfg.resources.rollout.replicas == 0:
+            self.rollout.sleep()  # a replica's pool trains nothing: it stays awake
         if score:
             records = [items[i // sampling.n].record for i in range(len(samples))]
             self._scoring = self._pool.submit(self._score, samples, records)
@@ -278,7 +279,16 @@ class RLWorker(Worker):
             raise RuntimeError("generate_ahead called while a generation ahead is in flight")
         if getattr(self, "_ahead_pool", None) is None:
             self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
+        self._resend_dropped_weights()  # here, before the update that runs beside the thread
         self._ahead = self._ahead_pool.submit(self.generate, items, sampling)
+
+    def _resend_dropped_weights(self) -> None:
+        """A server at sleep_level=2 that slept since the last sync (after a validation
+        generation, a dynamic-sampling round) dropped its weights: send the actor's again,
+        which are the ones last synced (every update is followed by a sync before the
+        next generation starts)."""
+        if self.rollout.weights_dropped:
+            self.sync_weights()
 
     @dispatch(Dispatch.DP_SPLIT)
     def generated(self) -> list[Sample]:
@@ -379,7 +389,8 @@ class RLWorker(Worker):
                 moved += len(bucket)
                 yield from bucket
 
-        self.rollout.wake_up()
+        # no wake_up() first: a sleeping server wakes its weights, loads, then wakes its KV
+        # cache (update_weights), so the cache is not allocated beside the buckets
         with self.actor.eval_mode():
             self.rollout.update_weights(tensors())
         return moved
@@ -394,13 +405,12 @@ class RLWorker(Worker):
 
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
-    def open_weight_group(self, address: str, port: int, world_size: int,
+    def open_weight_group(self, address: str, port: int, world_size: int, backend: str,
                           timeout_s: float) -> None:
         """Rank 0 hosts a private group with the rollout replicas (ranks 1..); others skip."""
         from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group
 
         if self.rank == 0:
-            backend = "nccl" if self.device.startswith("cuda") else "gloo"
             self._weights_group = open_group(address, port, 0, world_size, backend, timeout_s)
 
     def send_weights(self, bucket_mb: float) -> int:
