@@ -9,7 +9,10 @@ because a reward that is always 0 trains nothing and hides the bug.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import torch
 
 from tephra.controller.data import PromptRecord
 from tephra.core.errors import TephraError
@@ -18,6 +21,37 @@ from tephra.rollout.rewards import RewardConfig, RewardInput, RewardManager
 
 class RewardFailure(TephraError, RuntimeError):
     """The reward function failed on every sample of a batch."""
+
+
+class RewardRangeError(TephraError, RuntimeError):
+    """A reward beyond `reward.max_abs` (or not finite), or an advantage that is not finite:
+    training on it would make every update NaN, so the run stops naming the sample."""
+
+
+def check_rewards(scores: Sequence[float], samples: Sequence[str], max_abs: float) -> None:
+    """Raise `RewardRangeError` at the first score that is not finite or beyond `max_abs`;
+    `samples[i]` names sample i (its prompt id and data_source)."""
+    for i, score in enumerate(scores):
+        if not (math.isfinite(score) and abs(score) <= max_abs):
+            raise RewardRangeError(
+                f"the reward of sample {i} of the step ({samples[i]}) is {score:g}, beyond "
+                f"reward.max_abs={max_abs:g}; fix the reward function, or set reward.clip="
+                "[low,high] to clip scores into a range (or raise reward.max_abs)")
+
+
+def check_advantages(advantages: torch.Tensor, response_mask: torch.Tensor,
+                     samples: Sequence[str]) -> None:
+    """Raise `RewardRangeError` naming the first sample with a non-finite advantage on a
+    trained token ([B, T] tensors; `samples[i]` names row i)."""
+    bad = (~torch.isfinite(advantages) & (response_mask > 0)).any(-1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        value = float(advantages[i][~torch.isfinite(advantages[i])][0])
+        raise RewardRangeError(
+            f"the advantage of sample {i} of the step ({samples[i]}) is {value:g}, and "
+            f"{int(bad.sum())} of {len(bad)} samples have a non-finite advantage: the rewards of "
+            "the step (with the KL and length penalties) overflow the estimator; check the "
+            "reward function, or set reward.clip=[low,high] to bound the scores")
 
 
 class Scorer:

@@ -18,6 +18,7 @@ scorer) is checked against its registry when the config is built, before any pro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -204,8 +205,10 @@ class RolloutSection:
         if self.dtype not in (*DTYPES, AUTO):  # the backend checks too, but only once Ray runs
             raise ConfigError(f"rollout.dtype={self.dtype!r} is not allowed; choose one of "
                               f"{[*DTYPES, AUTO]}")
-        if self.temperature < 0:
-            raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            # NaN passes `< 0` and sampling then behaved as if it were 1.0
+            raise ConfigError(f"rollout.temperature={self.temperature} must be a finite number "
+                              ">= 0 (1.0 samples from the policy as it is; 0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
 
@@ -676,6 +679,13 @@ def validate(cfg: PPOConfig) -> None:
                 f"{cfg.data.max_prompt_tokens} + {r.response_budget} = {longest} tokens, more "
                 f"than {role}.micro_batch.max_tokens_per_microbatch={budget}; raise the budget "
                 "or lower one of the two")
+    if a.needs("groups") and r.temperature == 0:
+        raise ConfigError(
+            f"rollout.temperature=0 with algorithm.adv_estimator={a.adv_estimator!r}: greedy "
+            "sampling gives every sample of a prompt's group the same response, so the "
+            "group-relative advantages are all 0 and nothing is learnt; set rollout.temperature "
+            "> 0 (e.g. 1.0), or choose an estimator that does not compare samples of one prompt "
+            "(e.g. reinforce_plus_plus); greedy evaluation is trainer.val.temperature=0")
     if a.needs("groups") and b.samples_per_prompt < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} compares samples of one prompt; "
