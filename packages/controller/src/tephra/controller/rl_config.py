@@ -210,8 +210,9 @@ class RolloutSection:
                               f"{[*DTYPES, AUTO]}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             # NaN passes `< 0` and sampling then behaved as if it were 1.0
-            raise ConfigError(f"rollout.temperature={self.temperature} must be a finite number "
-                              ">= 0 (1.0 samples from the policy as it is; 0 is greedy)")
+            what = "" if math.isfinite(self.temperature) else "a finite number "
+            raise ConfigError(f"rollout.temperature={self.temperature} must be {what}>= 0 (1.0 "
+                              "samples from the policy as it is; 0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
 

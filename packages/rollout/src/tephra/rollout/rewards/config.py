@@ -82,14 +82,15 @@ class RewardConfig:
         if self.executor not in EXECUTORS:
             raise ConfigError(f"reward.executor={self.executor!r} is not allowed; choose one of {list(EXECUTORS)}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ConfigError(f"reward.timeout_s={self.timeout_s} must be a finite number > 0 "
-                              f"(seconds per sample; default {DEFAULT_TIMEOUT_S:g})")
+            what = "" if math.isfinite(self.timeout_s) else "a finite number "
+            raise ConfigError(f"reward.timeout_s={self.timeout_s} must be {what}> 0 (seconds per "
+                              f"sample; default {DEFAULT_TIMEOUT_S:g})")
         if not (math.isfinite(self.max_abs) and self.max_abs > 0):
             raise ConfigError(f"reward.max_abs={self.max_abs} must be a finite number > 0 "
                               "(the largest |reward| accepted; default 1e6)")
         if self.clip is not None:
-            self.clip = tuple(self.clip)  # YAML gives a list
-            low, high = self.clip
+            self.clip = tuple(float(x) for x in self.clip)  # YAML gives a list
+            low, high = self.clip if len(self.clip) == 2 else (math.nan, math.nan)
             if not (math.isfinite(low) and math.isfinite(high) and low < high):
                 raise ConfigError(f"reward.clip={list(self.clip)} must be two finite numbers "
                                   "[low, high] with low < high, e.g. reward.clip=[-1,1] (or null: "
