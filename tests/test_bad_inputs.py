@@ -787,3 +787,86 @@ def test_reward_that_never_returns_does_not_hang_training(tmp_path, caplog):
     for sample, (_, error) in zip(rnd.samples, [*results[:2], (1.0, None)], strict=True):
         sample.reward_error = error
     assert (rnd.errors, rnd.timeouts) == (2, 2)
+
+
+class CannedWorkers:
+    """The worker group's side of a step, canned: every sample of the step gets the next of
+    `outcomes` (score, scorer error, clipped); updates are counted, not run."""
+
+    world_size = dp_size = 1
+
+    def __init__(self, outcomes: list[tuple[float, str | None, bool]]) -> None:
+        self.outcomes, self.updates, self.count = outcomes, 0, 0
+
+    def generate(self, items, sampling):
+        from tephra.controller.samples import Sample
+
+        self.count = len(items) * sampling.n
+        return [Sample([1, 2], [3, 4], [1, 1], [-0.5, -0.5], "stop", text="4",
+                       sample_id=item.sample_id) for item in items for _ in range(sampling.n)]
+
+    def collect_scores(self):
+        return [(s, e, 0.0, c) for s, e, c in
+                (self.outcomes[k % len(self.outcomes)] for k in range(self.count))]
+
+    def update_actor(self, batch):
+        self.updates += 1
+        return {"pg_loss": 0.0}
+
+    def sync_weights(self):
+        pass
+
+
+class CharTokenizer:
+    eos_token_id = pad_token_id = 0
+
+
+def _trainer(tmp_path, outcomes, *overrides):
+    from tephra.controller.data import PromptRecord
+    from tephra.controller.rl_loop import Prompts, Trainer
+
+    reward = _file(tmp_path, "reward.py", "def compute_score(**kw):\n    return 0.0\n")
+    cfg = _parse(f"reward.custom_function_path={reward}", f"trainer.run_dir={tmp_path}",
+                 *overrides)
+    train = Prompts([[i] for i in range(8)], [PromptRecord([{"role": "user", "content": str(i)}],
+                                                           f"task{i}", "4") for i in range(8)])
+    wg = CannedWorkers(outcomes)
+    return Trainer(cfg, wg, CharTokenizer(), train, Prompts([], []), tmp_path, 1, 0.0), wg
+
+
+def test_trainer_stops_on_an_absurd_reward_before_the_update(tmp_path):
+    from tephra.controller.rewarding import RewardRangeError
+
+    # the step's 2 x 4 samples: the sixth (group 1, sample 1) scored 1e308
+    trainer, wg = _trainer(tmp_path, [(0.0, None, False)] * 5 + [(1e308, None, False)]
+                           + [(1.0, None, False)] * 2)
+    # the second prompt of step 0; its row's data_source is task<row> (built below)
+    with pytest.raises(RewardRangeError, match=r"^the reward of sample 5 of the step \(prompt "
+                       r"'step0-1', dataset row (\d), data_source 'task\1'\) is 1e\+308, beyond "
+                       r"reward.max_abs=1e\+06"):
+        trainer.train_step()
+    assert wg.updates == 0  # no update was made on it
+
+
+def test_trainer_stops_on_non_finite_advantages_before_the_update(tmp_path):
+    from tephra.controller.rewarding import RewardRangeError
+
+    # a raised max_abs lets 1e308 through; in float32 it is inf, and GRPO's mean is NaN
+    trainer, wg = _trainer(tmp_path, [(1e308, None, False), (0.0, None, False)],
+                           "reward.max_abs=1e308")
+    with pytest.raises(RewardRangeError, match=r"^the advantage of sample 0 of the step "
+                       r"\(prompt 'step0-0', dataset row (\d), data_source 'task\1'\) is nan, and 8 of 8 "
+                       r"samples"):
+        trainer.train_step()
+    assert wg.updates == 0
+
+
+def test_trainer_counts_reward_timeouts_and_clipped_scores(tmp_path):
+    late = "RewardTimeout: scorer 'custom' did not return within reward.timeout_s=90 s"
+    trainer, wg = _trainer(tmp_path, [(0.0, late, False), (1.0, None, True), (0.0, None, False),
+                                      (0.5, "ValueError: x", False)])
+    metrics = trainer.train_step()
+    assert wg.updates == 1
+    # 8 samples cycling through the 4 outcomes: 2 timeouts among 4 errors, 2 clipped
+    assert (metrics["reward/errors"], metrics["reward/timeouts"], metrics["reward/clipped"]) == (
+        4.0, 2.0, 2.0)

@@ -59,6 +59,8 @@ class Scorer:
 
     def __init__(self, config: RewardConfig | None = None) -> None:
         self.manager = RewardManager(config or RewardConfig(executor="serial"))
+        self.clipped: list[bool] = []
+        """Of each sample of the last `score`: whether `reward.clip` moved its score."""
 
     def score(self, texts: Sequence[str], records: Sequence[PromptRecord],
               prompts: Sequence[str] | None = None) -> list[tuple[float, str | None]]:
@@ -69,6 +71,7 @@ class Scorer:
                         **({"prompt_str": prompts[i]} if prompts is not None else {}))
             for i, (text, rec) in enumerate(zip(texts, records, strict=True))
         ])
+        self.clipped = [r.clipped for r in results]
         return [(r.score, r.error) for r in results]
 
 

@@ -107,6 +107,11 @@ class Round:
         """Samples whose scorer did not return within `reward.timeout_s` (among `errors`)."""
         return sum(is_timeout(s.reward_error) for s in self.samples)
 
+    @property
+    def clipped(self) -> int:
+        """Samples whose score `reward.clip` moved into its range."""
+        return sum(s.reward_clipped for s in self.samples)
+
     def kept_names(self) -> list[str]:
         """Each kept sample as an error message names it: prompt id, dataset row, data_source."""
         names = []
@@ -342,8 +347,9 @@ class Trainer:
     def attach_scores(self, samples: list[Sample]) -> list[Sample]:
         results = self.wg.collect_scores()
         self.reward_seconds = max((r[2] for r in results), default=0.0)
-        for sample, (score, error, _) in zip(samples, results, strict=True):
+        for sample, (score, error, _, clipped) in zip(samples, results, strict=True):
             sample.score, sample.reward_error = float(score), error
+            sample.reward_clipped = clipped
         check_not_all_failed([s.reward_error for s in samples])
         return samples
 
@@ -656,6 +662,7 @@ class Trainer:
             "reward/mean": float(scores.mean()),
             "reward/errors": float(sum(r.errors for r in rounds)),
             "reward/timeouts": float(sum(r.timeouts for r in rounds)),
+            "reward/clipped": float(sum(r.clipped for r in rounds)),
             # over every sample generated this step (dropped groups included): the policy's
             # accuracy, not the filtered batch's
             "accuracy/train": sum(accuracy_of(s.score) for s in all_samples) / len(all_samples),

@@ -126,7 +126,7 @@ def clip_scores(results: list[RewardResult], clip: tuple[float, float] | None) -
     for result in results:
         clipped = min(max(result.score, low), high)
         if clipped != result.score:
-            result.score, moved = clipped, moved + 1
+            result.score, result.clipped, moved = clipped, True, moved + 1
     return moved
 
 
