@@ -152,3 +152,21 @@ def test_partial_rollout_is_accepted_with_every_built_in_backend(backend):
                         "trainer.partial_rollout=true", f"rollout.backend={backend}"])
     assert cfg.trainer.partial_rollout and cfg.rollout.backend == backend
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.temperature=0", "algorithm.adv_estimator=reinforce_plus_plus"],  # no groups
+    ["rollout.temperature=0", "algorithm.adv_estimator=remax"],
+    ["trainer.val.temperature=0"],  # greedy validation (the default) with a sampled rollout
+])
+def test_greedy_sampling_is_accepted_where_nothing_compares_a_group(overrides):
+    import ray
+
+    cfg = parse_config(["-p", "smoke", *overrides])
+    assert cfg.trainer.val.temperature == 0 and not ray.is_initialized()
+
+
+def test_reward_limits_are_parsed_as_documented():
+    cfg = parse_config(["-p", "smoke", "reward.clip=[-1,1]", "reward.timeout_s=5"])
+    assert cfg.reward.clip == (-1.0, 1.0) and cfg.reward.timeout_s == 5.0
+    assert cfg.reward.max_abs == 1e6  # the documented default

@@ -73,7 +73,8 @@ class RewardConfig:
     clip: tuple[float, float] | None = None
     """[low, high]: clip every score into this range (in reward units) instead of stopping on
     one beyond `max_abs`; clipped scores are counted (`RewardReport.clipped`, the trainer's
-    `reward/clipped`). None (default): scores are not changed."""
+    `reward/clipped`). None (default): scores are not changed, because clipping changes what
+    is learnt and hides a scorer bug; it is the user's explicit choice."""
     raise_on_error: bool = False
     """Raise when a scorer raises; by default the item scores 0.0, the error is counted per
     data_source in the report and the first traceback of each data_source is logged."""
