@@ -155,3 +155,24 @@ def test_app_that_exits_leaves_no_mcp_server_behind(tmp_path):
     assert "could not connect to the server" in done.stdout
     for marker in (str(silent), f"{tmp_path}-helper", str(calc)):
         assert _gone_within(marker, 15) == [], marker
+
+
+def test_mcp_server_left_running_by_the_sdk_is_killed_with_its_group(tmp_path, monkeypatch):
+    """Should the SDK's shutdown not stop the server (here: made a no-op), `close` still
+    kills its process group after the grace period."""
+    import mcp.client.stdio
+
+    from tephra.rollout.tools import mcp_tools
+
+    async def leave_it_running(process):
+        return None
+
+    monkeypatch.setattr(mcp.client.stdio, "_stop_server_process", leave_it_running)
+    monkeypatch.setattr(mcp_tools, "CLOSE_GRACE_S", 1.0)
+    server = tmp_path / "calc_server.py"
+    server.write_text(CALC_MCP_SERVER)
+    toolset = MCPToolset(command=sys.executable, args=[str(server)], timeout_s=30)
+    assert [t.name for t in toolset.tools()] == ["add", "neg"]
+    assert len(live_processes(str(server))) == 1
+    toolset.close()
+    assert _gone_within(str(server), 15) == []

@@ -772,7 +772,7 @@ def validate(cfg: PPOConfig) -> None:
 
 def check_surroundings(cfg: PPOConfig) -> None:
     """What the config names outside itself, checked while it loads (before Ray starts, so
-    that a typo costs a second, not Ray's start-up and a worker's traceback): the reward
+    that a typo is one line, not Ray's start-up and then a worker's traceback): the reward
     function, the run folder, the checkpoint to resume from, the Ray cluster, and the CPUs
     and GPUs of this machine. The model folder is checked by `prepare` (it may be built or
     converted on first use)."""
@@ -840,14 +840,16 @@ def check_resources(r: ResourcesSection) -> None:
 
     if r.ray_address == "auto":
         find_local_cluster()
-    if r.ray_address is not None or os.environ.get("RAY_ADDRESS"):
+    if r.ray_address not in (None, "local") or os.environ.get("RAY_ADDRESS"):
         return  # a cluster: its other nodes may have what this one lacks
-    cpus, gpus = machine_capacity(r.num_cpus)
+    # `ray_init` passes num_cpus to a session it starts without an address
+    num_cpus = r.num_cpus if r.ray_address is None else None
+    cpus, gpus = machine_capacity(num_cpus)
     p = r.rollout
     for kind, per_rank, per_replica, have, hint in (
             ("CPUs", r.cpus_per_rank, p.cpus_per_replica, cpus,
-             f"this machine has {cpus:g}" if r.num_cpus is None
-             else f"resources.num_cpus={r.num_cpus}"),
+             f"this machine has {cpus:g}" if num_cpus is None
+             else f"resources.num_cpus={num_cpus}"),
             ("GPUs", r.gpus_per_rank, p.gpus_per_replica, gpus, f"this machine has {gpus}")):
         need = r.world_size * per_rank + p.replicas * per_replica
         if need > have:

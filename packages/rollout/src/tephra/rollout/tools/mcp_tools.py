@@ -35,17 +35,20 @@ def _close_open_toolsets() -> None:
         toolset.close()
 
 
-def _own_children() -> dict[int, int]:
-    """pid -> process group of this process's children (Linux /proc; empty elsewhere)."""
+def _own_children() -> dict[int, tuple[int, list[str]]]:
+    """pid -> (process group, argv) of this process's children (Linux /proc; empty
+    elsewhere)."""
     out = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             # the command name, in parentheses, may hold spaces: fields follow the last ')'
             fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[1]) != os.getpid():
+                continue
+            argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if int(fields[1]) == os.getpid():
-            out[int(stat.parent.name)] = int(fields[2])
+        out[int(stat.parent.name)] = (int(fields[2]), argv.split("\0")[:-1])
     return out
 
 
@@ -169,8 +172,9 @@ class MCPToolset:
                 async with transport as streams, ClientSession(streams[0], streams[1]) as session:
                     # the server was just started, in a group of its own: remember the group,
                     # to kill it whatever happens to the session
-                    self._server_groups = [g for p, g in _own_children().items()
-                                           if p not in before and g == p]
+                    argv = [self.command, *self.args]
+                    self._server_groups = [p for p, (g, a) in _own_children().items()
+                                           if p not in before and g == p and a == argv]
                     await session.initialize()
                     listed = (await session.list_tools()).tools
                     self._session = session
