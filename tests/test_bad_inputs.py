@@ -433,7 +433,9 @@ def kv_heads_model(tmp: Path, kv_heads: int) -> Path:
 
 def kv_heads_vs_tensor(kv_heads: int) -> Callable:
     def run(tmp, mp):
-        pytest.importorskip("tephra.engine_megatron")
+        cpu_compat = pytest.importorskip("tephra.engine_megatron.cpu_compat")
+        # CPU ranks: where CUDA is visible megatron would refuse device=cpu first
+        mp.setattr(cpu_compat, "cuda_absent", lambda: True)
         _parse(f"model.path={kv_heads_model(tmp, kv_heads)}", "actor.engine=megatron",
                "actor.parallel.tensor=2", "resources.world_size=2", "batch.prompts_per_step=2")
     return run

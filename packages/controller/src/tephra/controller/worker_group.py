@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 
 from tephra.controller.dispatch import (
     DataParallelInfo,
@@ -107,8 +108,6 @@ def find_local_cluster() -> str:
 def machine_capacity(num_cpus: int | None) -> tuple[float, int]:
     """(CPUs, GPUs) a private local Ray session started with `num_cpus` gets: `num_cpus`
     when given, else the CPUs Ray detects (cgroup quotas included); the visible GPUs."""
-    import torch
-
     if num_cpus is None:
         try:
             from ray._private.utils import get_num_cpus
