@@ -828,8 +828,9 @@ def _trainer(tmp_path, outcomes, *overrides):
     from tephra.controller.rl_loop import Prompts, Trainer
 
     reward = _file(tmp_path, "reward.py", "def compute_score(**kw):\n    return 0.0\n")
+    # no mismatch probe: these workers compute no log-probs (nothing here is about them)
     cfg = _parse(f"reward.custom_function_path={reward}", f"trainer.run_dir={tmp_path}",
-                 *overrides)
+                 "algorithm.mismatch_probe_rows=0", *overrides)
     train = Prompts([[i] for i in range(8)], [PromptRecord([{"role": "user", "content": str(i)}],
                                                            f"task{i}", "4") for i in range(8)])
     wg = CannedWorkers(outcomes)

@@ -302,6 +302,24 @@ class AlgorithmSection:
     tokens' ratios)."""
     rollout_correction_cap: float = 2.0
     """`tis`: truncation C of min(ratio, C), >= 1."""
+    rollout_rejection: list[str] = field(default_factory=list)
+    """Rejection sampling (verl's `rollout_rs`) from tephra.algos.REJECTION_OPTIONS, e.g.
+    [token_k1] or [seq_mean_k3]: tokens (or whole sequences for `seq_*`) whose divergence
+    between the trainer's and the rollout's log-probs leaves the bounds are dropped from the
+    response mask for the update (the trainer's log-probs are then computed). Empty: none."""
+    rollout_rejection_threshold: str | float | None = None
+    """Bounds of `rollout_rejection` (verl's `rollout_rs_threshold`): `"lower_upper"` ratio
+    bounds for *_k1 options (one number u means 1/u_u), an upper bound for k2 / k3; one for
+    all options or one per option, comma-separated."""
+    mismatch_probe_rows: int = 8
+    """Rows whose log-probs the trainer recomputes every step to log the train/rollout
+    mismatch (`rollout_corr/*`) when the step computes none of its own (one mini-batch, one
+    epoch, no correction): a random subset, rounded to the data-parallel size. 0 turns the
+    probe off. 8 rows cost a small forward pass and catch a dtype or kernel mismatch early."""
+    mismatch_alarm_kl: float | None = None
+    """Stop the run when `rollout_corr/kl_k3` (KL between the rollout's and the trainer's
+    token distributions, estimated on the sampled tokens) exceeds this; None: log only.
+    Healthy runs sit near 1e-4 to 1e-3; a wrong dtype or chat template gives 1e-2 and more."""
 
     def __post_init__(self) -> None:
         _check_name("algorithm.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS)
@@ -312,6 +330,14 @@ class AlgorithmSection:
         if not self.rollout_correction_cap >= 1:
             raise ConfigError(f"algorithm.rollout_correction_cap={self.rollout_correction_cap} "
                               "must be >= 1 (the truncation C of min(ratio, C))")
+        self.correction  # noqa: B018 - validates the rejection options and bounds
+        if self.mismatch_probe_rows < 0:
+            raise ConfigError(f"algorithm.mismatch_probe_rows={self.mismatch_probe_rows} must "
+                              "be >= 0 (0 turns the mismatch probe off)")
+        if self.mismatch_alarm_kl is not None and not (
+                math.isfinite(self.mismatch_alarm_kl) and self.mismatch_alarm_kl > 0):
+            raise ConfigError(f"algorithm.mismatch_alarm_kl={self.mismatch_alarm_kl} must be a "
+                              "positive number (e.g. 0.01), or null to log without an alarm")
         if self.max_gen_batches < 1:
             raise ConfigError(f"algorithm.max_gen_batches={self.max_gen_batches} must be >= 1")
         if self.overlong_penalty_factor < 0:
@@ -321,7 +347,9 @@ class AlgorithmSection:
     @property
     def correction(self) -> RolloutCorrectionConfig:
         return RolloutCorrectionConfig(self.rollout_correction, self.rollout_correction_level,
-                                       self.rollout_correction_cap)
+                                       self.rollout_correction_cap,
+                                       tuple(self.rollout_rejection),
+                                       self.rollout_rejection_threshold)
 
     def needs(self, what: str) -> bool:
         """Whether the estimator's registry metadata says it needs `values`, `groups`,

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction, rollout_mismatch_metrics
 from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.data import PromptLoader, PromptRecord
 from tephra.controller.rewarding import (
@@ -59,7 +60,7 @@ from tephra.controller.samples import (
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_group import WorkerGroup
 from tephra.core.config import to_dict
-from tephra.core.errors import ConfigError
+from tephra.core.errors import ConfigError, TephraError
 from tephra.engine_api.multimodal import MultimodalInputs
 from tephra.rollout.rewards import is_timeout
 
@@ -168,35 +169,86 @@ def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
 
 
 def correct_old_log_probs(batch: TensorDict, correction: Any, recompute: bool,
-                          compute_log_probs: Callable[[TensorDict], torch.Tensor],
+                          compute_log_probs: Callable[[TensorDict], torch.Tensor], *,
+                          probe_rows: int = 0, dp_size: int = 1, probe_seed: int = 0,
                           ) -> tuple[dict[str, float], int]:
-    """Set batch["old_log_probs"] (and ["rollout_is_weights"]) as `correction` (a
-    tephra.algos.RolloutCorrectionConfig) says; returns (`rollout_corr/*` metrics, forward
-    passes run). The trainer's log-probs are computed when the mode needs them or when
-    `recompute` (several mini-batches / epochs), unless the mode replaces them (bypass);
-    without them, one mini-batch and epoch use the current log-probs (in the worker). The
-    mismatch metrics come whenever the trainer's log-probs were computed."""
-    from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction
-
+    """Set batch["old_log_probs"] (and ["rollout_is_weights"], and ["rejection_keep"] when
+    rejection sampling is on) as `correction` (a tephra.algos.RolloutCorrectionConfig) says;
+    returns (`rollout_corr/*` metrics, forward passes run). The trainer's log-probs are
+    computed when the mode or rejection needs them or when `recompute` (several mini-batches
+    / epochs), unless the mode replaces them (bypass); without them, one mini-batch and epoch
+    use the current log-probs (in the worker). The mismatch metrics come whenever the
+    trainer's log-probs were computed; otherwise from a probe of `probe_rows` random rows
+    (`mismatch_probe`), so every step logs them."""
     meta = ROLLOUT_CORRECTIONS.meta(correction.mode)
+    needs_train = meta["needs_train_log_probs"] or bool(correction.rejection)
     passes = 0
-    if not meta.get("replaces_old_log_probs") and (recompute or meta["needs_train_log_probs"]):
+    if not meta.get("replaces_old_log_probs") and (recompute or needs_train):
         batch["old_log_probs"] = compute_log_probs(batch)
         passes = 1
     train = batch["old_log_probs"] if passes else None
     if "rollout_log_probs" not in batch.keys():
-        if correction.mode != "none":
-            raise ConfigError(f"algorithm.rollout_correction={correction.mode!r} needs the "
-                              "rollout's per-token log-probs, which this rollout did not return")
+        if correction.mode != "none" or correction.rejection:
+            raise ConfigError(f"algorithm.rollout_correction={correction.mode!r} (and "
+                              "algorithm.rollout_rejection) need the rollout's per-token "
+                              "log-probs, which this rollout did not return")
         return {}, passes
     if correction.mode == "none" and train is None:
-        return {}, passes
+        return mismatch_probe(batch, probe_rows, dp_size, probe_seed, compute_log_probs), passes
     out = apply_rollout_correction(correction, batch["rollout_log_probs"], batch["response_mask"],
                                    train)
     batch["old_log_probs"] = out.old_log_probs
     if out.weights is not None:
         batch["rollout_is_weights"] = out.weights.to(batch["rollout_log_probs"].dtype)
+    if out.keep is not None:
+        batch["rejection_keep"] = out.keep
     return out.metrics, passes
+
+
+def mismatch_probe(batch: TensorDict, rows: int, dp_size: int, seed: int,
+                   compute_log_probs: Callable[[TensorDict], torch.Tensor]) -> dict[str, float]:
+    """`rollout_corr/*` mismatch metrics (tephra.algos.rollout_mismatch_metrics) on `rows`
+    random rows (rounded to the data-parallel size, at least one per rank), whose trainer
+    log-probs are computed for it; {} when `rows` is 0. `rollout_corr/probe_rows` says how
+    many. The rows come from `seed`, so a resumed run probes the same ones."""
+    n = batch.batch_size[0]
+    if rows <= 0 or n == 0:
+        return {}
+    k = min(n, max(dp_size, rows - rows % dp_size))
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k].sort().values
+    sub = batch[idx]
+    metrics = rollout_mismatch_metrics(compute_log_probs(sub), sub["rollout_log_probs"],
+                                       sub["response_mask"])
+    metrics["rollout_corr/probe_rows"] = float(k)
+    return metrics
+
+
+def apply_rejection(batch: TensorDict) -> None:
+    """Drop the tokens rejection sampling rejected from batch["response_mask"], after the
+    advantages (a rejected sequence's score still counts in its group, as in verl) and before
+    the updates."""
+    if "rejection_keep" in batch.keys():
+        batch["response_mask"] = batch["response_mask"] * batch["rejection_keep"]
+        del batch["rejection_keep"]
+
+
+def check_mismatch_alarm(metrics: dict[str, float], threshold: float | None, step: int) -> None:
+    """Raise a MismatchAlarm when `rollout_corr/kl_k3` is over `threshold`."""
+    kl = metrics.get("rollout_corr/kl_k3")
+    if threshold is None or kl is None or kl <= threshold:
+        return
+    raise MismatchAlarm(
+        f"step {step}: the rollout's log-probs differ from the trainer's by KL {kl:.3g} "
+        f"(rollout_corr/kl_k3, mean |gap| {metrics['rollout_corr/log_prob_abs_gap_mean']:.3g} "
+        f"nats), over algorithm.mismatch_alarm_kl={threshold}. Likely causes: the rollout "
+        f"computes in another dtype than the trainer (rollout.dtype, actor.precision), another "
+        f"backend's kernels (rollout.backend), or another chat template or tokenizer than the "
+        f"trainer's. Raise the threshold, or correct for it with algorithm.rollout_correction="
+        f"tis or algorithm.rollout_rejection")
+
+
+class MismatchAlarm(TephraError, RuntimeError):
+    """The train/rollout mismatch went over `algorithm.mismatch_alarm_kl`."""
 
 
 def dynamic_sampling_metrics(rounds: list[Round]) -> dict[str, float]:
@@ -602,8 +654,11 @@ class Trainer:
             lap("values")
         corr_metrics, passes = correct_old_log_probs(
             batch, cfg.algorithm.correction, cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1,
-            lambda b: self.wg.compute_log_probs(b)["log_probs"])
+            lambda b: self.wg.compute_log_probs(b)["log_probs"],
+            probe_rows=cfg.algorithm.mismatch_probe_rows, dp_size=self.wg.dp_size,
+            probe_seed=self.seed_of(self.step, 0))
         metrics.update(corr_metrics)
+        check_mismatch_alarm(corr_metrics, cfg.algorithm.mismatch_alarm_kl, self.step + 1)
         if passes:
             forward_passes += passes
             lap("old_log_probs")
@@ -629,6 +684,7 @@ class Trainer:
             lap("baselines")
         self.advantages(batch, token_rewards, baselines)
         check_advantages(batch["advantages"], batch["response_mask"], names)
+        apply_rejection(batch)
         every = cfg.trainer.dump_generations
         if every and (self.step + 1) % every == 0:
             self.dump_train(samples, batch)
