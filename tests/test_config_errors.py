@@ -92,6 +92,49 @@ CASES = [
       "trainer.partial_rollout=true"],
      r"trainer.partial_rollout=true: rollout.backend='nopause' cannot interrupt a generation in "
      r"flight .* use one of \['hf', 'sglang', 'vllm'\] or set trainer.partial_rollout=false"),
+    # numbers that are not numbers (NaN compares false with every bound)
+    (["actor.optimizer.lr=nan"], r"^actor.optimizer.lr=nan must be a finite number > 0$"),
+    (["actor.optimizer.lr=inf"], r"^actor.optimizer.lr=inf must be a finite number > 0$"),
+    (["actor.optimizer.lr=-1e-5"], r"^actor.optimizer.lr=-1e-05 must be > 0$"),
+    (["algorithm.adv_estimator=gae", "critic.optimizer.lr=nan"],
+     r"^critic.optimizer.lr=nan must be a finite number > 0$"),
+    (["rollout.temperature=nan"], r"rollout.temperature=nan must be a finite number >= 0 "
+     r"\(1.0 samples from the policy as it is; 0 is greedy\)"),
+    (["rollout.temperature=inf"], r"rollout.temperature=inf must be a finite number >= 0"),
+    (["trainer.val.temperature=nan"], r"val.temperature=nan must be a finite number >= 0"),
+    # greedy sampling makes every sample of a group the same: nothing to compare
+    (["algorithm.adv_estimator=rloo", "rollout.temperature=0"],
+     r"rollout.temperature=0 with algorithm.adv_estimator='rloo': greedy sampling gives every "
+     r"sample of a prompt's group the same response.*set rollout.temperature > 0 \(e.g. 1.0\), "
+     r"or choose an estimator that does not compare samples"),
+    (["rollout.temperature=0.0"], r"rollout.temperature=0 with algorithm.adv_estimator='grpo'"),
+    # rewards
+    (["reward.timeout_s=nan"], r"reward.timeout_s=nan must be a finite number > 0 \(seconds per "
+     r"sample; default 90\)"),
+    (["reward.max_abs=0"], r"reward.max_abs=0.0 must be a finite number > 0"),
+    (["reward.clip=[1,-1]"], r"reward.clip=\[1.0, -1.0\] must be two finite numbers \[low, high\] "
+     r"with low < high, e.g. reward.clip=\[-1,1\]"),
+    (["reward.clip=[-1e9,1e9]"], r"reward.clip=\[-1000000000.0, 1000000000.0\] reaches beyond "
+     r"reward.max_abs=1e\+06"),
+    (["reward.custom_function_path=/nonexistent/reward.py"],
+     r"^reward.custom_function_path: custom reward file /nonexistent/reward.py does not exist; "
+     r"set reward.custom_function_path to an existing .py file$"),
+    (["reward.reward_model_path=/nonexistent/rm"],
+     r"reward.reward_model_path='/nonexistent/rm': no such folder"),
+    # checkpoints and the machine
+    (["trainer.resume_from=/nonexistent/step_3"],
+     r"^trainer.resume_from='/nonexistent/step_3': no such folder; give a step_<N> folder"),
+    (["resources.world_size=512", "batch.prompts_per_step=512"],
+     r"^resources.world_size=512 x resources.cpus_per_rank=1 = 512 CPUs, but this machine has "
+     r"\d+; lower world_size or cpus_per_rank, or join a cluster with resources.ray_address$"),
+    (["resources.world_size=2", "batch.prompts_per_step=2", "resources.num_cpus=1"],
+     r"= 2 CPUs, but resources.num_cpus=1"),
+    (["resources.world_size=512", "batch.prompts_per_step=512", "resources.num_cpus=1024",
+      "resources.gpus_per_rank=1"],
+     r"^resources.world_size=512 x resources.gpus_per_rank=1 = 512 GPUs, but this machine has \d+"),
+    (["resources.rollout.replicas=600", "resources.num_cpus=512"],
+     r"resources.world_size=1 x resources.cpus_per_rank=1 \+ resources.rollout.replicas=600 x "
+     r"cpus_per_replica=1 = 601 CPUs, but resources.num_cpus=512"),
 ]
 
 
@@ -152,3 +195,21 @@ def test_the_weight_path_follows_the_placement(overrides, line):
     from tephra.controller.rl_config import weight_path
 
     assert weight_path(parse_config(["-p", "smoke", *overrides])) == line
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.temperature=0", "algorithm.adv_estimator=reinforce_plus_plus"],  # no groups
+    ["rollout.temperature=0", "algorithm.adv_estimator=remax"],
+    ["trainer.val.temperature=0"],  # greedy validation (the default) with a sampled rollout
+])
+def test_greedy_sampling_is_accepted_where_nothing_compares_a_group(overrides):
+    import ray
+
+    cfg = parse_config(["-p", "smoke", *overrides])
+    assert cfg.trainer.val.temperature == 0 and not ray.is_initialized()
+
+
+def test_reward_limits_are_parsed_as_documented():
+    cfg = parse_config(["-p", "smoke", "reward.clip=[-1,1]", "reward.timeout_s=5"])
+    assert cfg.reward.clip == (-1.0, 1.0) and cfg.reward.timeout_s == 5.0
+    assert cfg.reward.max_abs == 1e6  # the documented default

@@ -19,7 +19,9 @@ scorer) is checked against its registry when the config is built, before any pro
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from tephra.algos import ActorObjectiveConfig, AdvantageConfig, CriticObjectiveConfig
@@ -28,6 +30,7 @@ from tephra.algos.kl import KL_ESTIMATORS
 from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.algos.rollout_correction import LEVELS, ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from tephra.controller.evaluation import ValidationConfig
+from tephra.controller.models import declared_model_folder
 from tephra.core.errors import ConfigError
 from tephra.engine_api.config import (
     EngineConfig,
@@ -40,7 +43,7 @@ from tephra.engine_api.config import (
 )
 from tephra.rollout.agent.base import AgentLoopConfig
 from tephra.rollout.base import ROLLOUT_BACKENDS, HFSettings, ServerSettings
-from tephra.rollout.rewards import RewardConfig
+from tephra.rollout.rewards import RewardConfig, RewardFunctionError, load_reward_function
 from tephra.rollout.weight_transport import Placement, choose_transport
 
 
@@ -207,8 +210,11 @@ class RolloutSection:
         if self.dtype not in (*DTYPES, AUTO):  # the backend checks too, but only once Ray runs
             raise ConfigError(f"rollout.dtype={self.dtype!r} is not allowed; choose one of "
                               f"{[*DTYPES, AUTO]}")
-        if self.temperature < 0:
-            raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            # NaN passes `< 0` and sampling then behaved as if it were 1.0
+            what = "" if math.isfinite(self.temperature) else "a finite number "
+            raise ConfigError(f"rollout.temperature={self.temperature} must be {what}>= 0 (1.0 "
+                              "samples from the policy as it is; 0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
 
@@ -707,6 +713,13 @@ def validate(cfg: PPOConfig) -> None:
                 f"{cfg.data.max_prompt_tokens} + {r.response_budget} = {longest} tokens, more "
                 f"than {role}.micro_batch.max_tokens_per_microbatch={budget}; raise the budget "
                 "or lower one of the two")
+    if a.needs("groups") and r.temperature == 0:
+        raise ConfigError(
+            f"rollout.temperature=0 with algorithm.adv_estimator={a.adv_estimator!r}: greedy "
+            "sampling gives every sample of a prompt's group the same response, so the "
+            "group-relative advantages are all 0 and nothing is learnt; set rollout.temperature "
+            "> 0 (e.g. 1.0), or choose an estimator that does not compare samples of one prompt "
+            "(e.g. reinforce_plus_plus); greedy evaluation is trainer.val.temperature=0")
     if a.needs("groups") and b.samples_per_prompt < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} compares samples of one prompt; "
@@ -785,6 +798,99 @@ def validate(cfg: PPOConfig) -> None:
         check_image_support(cfg)
     weight_path(cfg)
     check_engine_support(cfg)
+    check_surroundings(cfg)
+
+
+def check_surroundings(cfg: PPOConfig) -> None:
+    """What the config names outside itself, checked while it loads (before Ray starts, so
+    that a typo is one line, not Ray's start-up and then a worker's traceback): the reward
+    function, the run folder, the checkpoint to resume from, the Ray cluster, and the CPUs
+    and GPUs of this machine. The model folder is checked by `prepare` (it may be built or
+    converted on first use)."""
+    check_reward_files(cfg.reward)
+    check_run_dir(cfg.trainer.run_dir)
+    check_resume(cfg.trainer)
+    check_resources(cfg.resources)
+
+
+def check_reward_files(reward: RewardConfig) -> None:
+    """The custom reward file exists, defines the function, and its signature takes verl's
+    `compute_score(data_source, solution_str, ground_truth, extra_info)` (the file is
+    imported here, as each worker imports it later); the reward model folder exists."""
+    if reward.custom_function_path:
+        try:
+            load_reward_function(reward.custom_function_path, reward.custom_function_name,
+                                 reward.custom_function_kwargs)
+        except RewardFunctionError as exc:
+            raise ConfigError(f"reward.custom_function_path: {exc}") from None
+    if reward.reward_model_path and not Path(reward.reward_model_path).expanduser().is_dir():
+        raise ConfigError(f"reward.reward_model_path={reward.reward_model_path!r}: no such "
+                          "folder; give a Hugging Face sequence-classifier folder")
+
+
+def check_run_dir(run_dir: str) -> None:
+    """`trainer.run_dir` is a folder that exists and is writable, or can be created."""
+    path = Path(run_dir).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    fix = "set trainer.run_dir to a folder you can write"
+    if not existing.is_dir():
+        raise ConfigError(f"trainer.run_dir={run_dir!r} cannot be created: {existing} is a "
+                          f"file, not a folder; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created in {existing}"
+        raise ConfigError(f"trainer.run_dir={run_dir!r} {what} (permission denied); {fix}")
+
+
+def check_resume(t: TrainerSection) -> None:
+    """`trainer.resume_from` is a checkpoint folder; `trainer.resume=must` has a checkpoint
+    in run_dir. Only their presence: the files are checked against their manifest (SHA-256,
+    slow for big checkpoints) when the trainer resumes."""
+    from tephra.controller.checkpoints import MANIFEST, CheckpointManager
+
+    fix = "give a step_<N> folder of a run's checkpoints (run_dir/checkpoints/step_<N>)"
+    if t.resume_from:
+        folder = Path(t.resume_from).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(f"trainer.resume_from={t.resume_from!r}: no such folder; {fix}")
+        if not (folder / MANIFEST).is_file():
+            raise ConfigError(f"trainer.resume_from={t.resume_from!r}: {MANIFEST} is missing, "
+                              f"so it is no complete checkpoint; {fix}")
+    elif t.resume == "must":
+        root = Path(t.run_dir).expanduser() / "checkpoints"
+        if not CheckpointManager(root).committed():
+            raise ConfigError(f"trainer.resume=must but {root} holds no checkpoint; run once "
+                              "with trainer.save_every or trainer.save_final set, set "
+                              "trainer.resume_from, or use trainer.resume=auto")
+
+
+def check_resources(r: ResourcesSection) -> None:
+    """`ray_address=auto` finds a running cluster; a private local session (no address)
+    has the CPUs and GPUs the ranks and rollout replicas ask for: Ray would wait for them
+    forever (the pool's ready timeout then fails after Ray started)."""
+    from tephra.controller.worker_group import find_local_cluster, machine_capacity
+
+    if r.ray_address == "auto":
+        find_local_cluster()
+    if r.ray_address not in (None, "local") or os.environ.get("RAY_ADDRESS"):
+        return  # a cluster: its other nodes may have what this one lacks
+    # `ray_init` passes num_cpus to a session it starts without an address
+    num_cpus = r.num_cpus if r.ray_address is None else None
+    cpus, gpus = machine_capacity(num_cpus)
+    p = r.rollout
+    for kind, per_rank, per_replica, have, hint in (
+            ("CPUs", r.cpus_per_rank, p.cpus_per_replica, cpus,
+             f"this machine has {cpus:g}" if num_cpus is None
+             else f"resources.num_cpus={num_cpus}"),
+            ("GPUs", r.gpus_per_rank, p.gpus_per_replica, gpus, f"this machine has {gpus}")):
+        need = r.world_size * per_rank + p.replicas * per_replica
+        if need > have:
+            kind_l = kind[:-1].lower()
+            replicas = (f" + resources.rollout.replicas={p.replicas} x {kind_l}s_per_replica="
+                        f"{per_replica:g}" if p.replicas else "")
+            raise ConfigError(
+                f"resources.world_size={r.world_size} x resources.{kind_l}s_per_rank="
+                f"{per_rank:g}{replicas} = {need:g} {kind}, but {hint}; lower world_size or "
+                f"{kind_l}s_per_rank, or join a cluster with resources.ray_address")
 
 
 def weight_path(cfg: PPOConfig) -> str:
@@ -863,8 +969,10 @@ def check_image_support(cfg: PPOConfig) -> None:
             raise ConfigError(f"{what} (prompts with images): {why}")
 
 
-def check_engine_support(cfg: PPOConfig) -> None:
-    """Ask the backend whether it supports the options set (before any process starts)."""
+def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> None:
+    """Ask the backend whether it supports the options set (before any process starts).
+    `model_folder`: the resolved `model.path` (`prepare` asks again with it, once a named
+    model is built); by default its config.json is read where it already exists."""
     from tephra.engine_api.registry import get_engine_class
 
     a = cfg.algorithm
@@ -878,8 +986,12 @@ def check_engine_support(cfg: PPOConfig) -> None:
         check = getattr(engine_cls, "check_config", None)
         if check is None:
             continue
-        try:  # the check reads settings only, so the model folder need not be resolved yet
-            check(role_cfg.engine_config(cfg.model, role, 1.0, cfg.trainer.seed, device=device),
+        # the backend reads the model's config.json where there is one (its shape against the
+        # parallel layout); nothing is built or converted here
+        model = replace(cfg.model, path=model_folder or declared_model_folder(
+            cfg.model.path, cfg.trainer.seed))
+        try:
+            check(role_cfg.engine_config(model, role, 1.0, cfg.trainer.seed, device=device),
                   world_size=cfg.resources.world_size)
         except ConfigError as exc:
             raise ConfigError(f"{section}.engine={role_cfg.engine!r}: {exc}") from None

@@ -42,7 +42,12 @@ from tensordict import TensorDict
 from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction, rollout_mismatch_metrics
 from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.data import PromptLoader, PromptRecord
-from tephra.controller.rewarding import accuracy_of, check_not_all_failed
+from tephra.controller.rewarding import (
+    accuracy_of,
+    check_advantages,
+    check_not_all_failed,
+    check_rewards,
+)
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import (
     PromptItem,
@@ -57,6 +62,7 @@ from tephra.controller.worker_group import WorkerGroup
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError, TephraError
 from tephra.engine_api.multimodal import MultimodalInputs
+from tephra.rollout.rewards import is_timeout
 
 
 @dataclass
@@ -96,6 +102,26 @@ class Round:
     @property
     def errors(self) -> int:
         return sum(s.reward_error is not None for s in self.samples)
+
+    @property
+    def timeouts(self) -> int:
+        """Samples whose scorer did not return within `reward.timeout_s` (among `errors`)."""
+        return sum(is_timeout(s.reward_error) for s in self.samples)
+
+    @property
+    def clipped(self) -> int:
+        """Samples whose score `reward.clip` moved into its range."""
+        return sum(s.reward_clipped for s in self.samples)
+
+    def kept_names(self) -> list[str]:
+        """Each kept sample as an error message names it: prompt id, dataset row, data_source."""
+        names = []
+        for g in self.kept_groups:
+            item = self.items[g]
+            row = f", dataset row {self.indices[g]}" if self.indices else ""
+            names += [f"prompt {item.sample_id!r}{row}, data_source "
+                      f"{item.record.data_source!r}"] * self.n
+        return names
 
     @property
     def n_groups(self) -> int:
@@ -373,8 +399,9 @@ class Trainer:
     def attach_scores(self, samples: list[Sample]) -> list[Sample]:
         results = self.wg.collect_scores()
         self.reward_seconds = max((r[2] for r in results), default=0.0)
-        for sample, (score, error, _) in zip(samples, results, strict=True):
+        for sample, (score, error, _, clipped) in zip(samples, results, strict=True):
             sample.score, sample.reward_error = float(score), error
+            sample.reward_clipped = clipped
         check_not_all_failed([s.reward_error for s in samples])
         return samples
 
@@ -639,6 +666,9 @@ class Trainer:
             self.attach_scores(samples)
         times["time/reward_s"] = self.reward_seconds
         lap("reward_wait")
+        names = [name for r in rounds for name in r.kept_names()]
+        # before float32: a float64 score of 1e308 would already be inf there
+        check_rewards([s.score for s in samples], names, cfg.reward.max_abs)
         raw = torch.tensor([s.score for s in samples], dtype=torch.float32)
         shaping = self.length_shaping(samples)
         scores = raw + shaping
@@ -653,6 +683,7 @@ class Trainer:
             metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
             lap("baselines")
         self.advantages(batch, token_rewards, baselines)
+        check_advantages(batch["advantages"], batch["response_mask"], names)
         apply_rejection(batch)
         every = cfg.trainer.dump_generations
         if every and (self.step + 1) % every == 0:
@@ -686,6 +717,8 @@ class Trainer:
         metrics.update({
             "reward/mean": float(scores.mean()),
             "reward/errors": float(sum(r.errors for r in rounds)),
+            "reward/timeouts": float(sum(r.timeouts for r in rounds)),
+            "reward/clipped": float(sum(r.clipped for r in rounds)),
             # over every sample generated this step (dropped groups included): the policy's
             # accuracy, not the filtered batch's
             "accuracy/train": sum(accuracy_of(s.score) for s in all_samples) / len(all_samples),

@@ -245,7 +245,7 @@ class RLWorker(Worker):
                        token_versions=t.response_versions)
                 for t in trajectories]
 
-    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float]:
+    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list]:
         from tephra.controller.rewarding import Scorer
 
         start = time.perf_counter()
@@ -256,17 +256,19 @@ class RLWorker(Worker):
             tok = self.tokenizer()
             prompts = [tok.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
         results = self._scorer.score([s.text for s in samples], records, prompts)
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, self._scorer.clipped
 
     @dispatch(Dispatch.DP_SPLIT)
-    def collect_scores(self) -> list[tuple[float, str | None, float]]:
-        """(score, error, seconds this rank spent scoring) of each sample of the last
-        `generate`, in order; waits for the background scorer."""
+    def collect_scores(self) -> list[tuple[float, str | None, float, bool]]:
+        """(score, error, seconds this rank spent scoring, whether `reward.clip` moved the
+        score) of each sample of the last `generate`, in order; waits for the background
+        scorer."""
         if self._scoring is None:
             raise RuntimeError("collect_scores called without a scored generate before it")
-        results, seconds = self._scoring.result()
+        results, seconds, clipped = self._scoring.result()
         self._scoring = None
-        return [(score, error, seconds) for score, error in results]
+        return [(score, error, seconds, c) for (score, error), c in zip(results, clipped,
+                                                                        strict=True)]
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
     @dispatch(Dispatch.DP_SPLIT)

@@ -8,6 +8,7 @@ fields a backend does not support are refused by that backend, not silently igno
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +26,11 @@ def _choice(section: str, name: str, value: Any, allowed: tuple) -> None:
 
 
 def _positive(section: str, name: str, value: float, *, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
+    # NaN compares false with everything, so `value < 0` alone lets it (and inf) through
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
-        raise ConfigError(f"{section}.{name}={value!r} must be {bound}")
+        what = "" if math.isfinite(value) else "a finite number "
+        raise ConfigError(f"{section}.{name}={value!r} must be {what}{bound}")
 
 
 @dataclass
