@@ -191,9 +191,12 @@ def test_partial_rollout_is_accepted_with_every_built_in_backend(backend):
     (["rollout.backend=vllm", "rollout.vllm.weight_transport=gloo", "resources.gpus_per_rank=1"],
      "weight transport: trainer -> vllm server: gloo (set; server on the sender's GPU)"),
 ])
-def test_the_weight_path_follows_the_placement(overrides, line):
+def test_the_weight_path_follows_the_placement(overrides, line, monkeypatch):
+    from tephra.controller import worker_group
     from tephra.controller.rl_config import weight_path
 
+    # the GPU layouts are faked: a machine with 4 GPUs passes the resource check
+    monkeypatch.setattr(worker_group, "machine_capacity", lambda num_cpus: (2.0, 4))
     assert weight_path(parse_config(["-p", "smoke", *overrides])) == line
 
 
