@@ -33,7 +33,10 @@ from tephra.rollout.tools.python_sandbox import PythonTool
 
 UNPRIVILEGED_RUN = "TEPHRA_SANDBOX_TESTS_UNPRIVILEGED"
 
-LIMITS = dict(timeout_s=3.0, cpu_time_s=2, memory_mb=256, max_processes=8, max_output_bytes=32768)
+# this module's trajectory folders live here, so its mount check sees no other test's tools
+ROOT = tempfile.mkdtemp(prefix="tephra-sandbox-tests-")
+LIMITS = dict(timeout_s=3.0, cpu_time_s=2, memory_mb=256, max_processes=8, max_output_bytes=32768,
+              workdir_root=ROOT)
 
 
 def run(tool: PythonTool, code: str, instance: str = "t"):
@@ -87,15 +90,16 @@ def leftover_processes(tool: PythonTool, instance: str = "t") -> list[int]:
 
 def sandbox_mounts() -> list[str]:
     return [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
-            if "tephra-sandbox-" in line]
+            if ROOT in line]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def no_mount_is_left_behind():
-    before = sandbox_mounts()
     yield
     gc.collect()  # tools the tests dropped remove their folders when collected
-    assert sandbox_mounts() == before
+    assert sandbox_mounts() == []
+    assert os.listdir(ROOT) == []  # and no folder either
+    os.rmdir(ROOT)
 
 
 @pytest.fixture
