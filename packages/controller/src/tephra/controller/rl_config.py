@@ -214,6 +214,14 @@ class RolloutSection:
         return bool(self.agent_loop)
 
     @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks per rollout engine: a server backend's `tensor_parallel_size`, 1 for `hf`
+        (one in-process model per rank). Generation's data-parallel size is the world size
+        divided by it."""
+        settings = getattr(self, self.backend, None)
+        return settings.tensor_parallel_size if isinstance(settings, ServerSettings) else 1
+
+    @property
     def response_budget(self) -> int:
         """Most response tokens of one sample: `agent.max_response_tokens` with an agent loop,
         `max_tokens` without."""
@@ -657,8 +665,15 @@ def validate(cfg: PPOConfig) -> None:
         raise ConfigError(
             f"batch.prompts_per_step={b.prompts_per_step} must be a multiple of the data-"
             f"parallel size {dp} (resources.world_size={ws} / model-parallel "
-            f"{cfg.actor.parallel.model_parallel_size()}): each data-parallel rank generates "
-            "for an equal share of prompts")
+            f"{cfg.actor.parallel.model_parallel_size()}): each data-parallel rank trains on "
+            "an equal share of prompt groups")
+    rollout_tp = r.tensor_parallel_size
+    if cfg.resources.rollout.replicas == 0 and ws % rollout_tp:
+        raise ConfigError(
+            f"rollout.{r.backend}.tensor_parallel_size={rollout_tp} does not divide "
+            f"resources.world_size={ws}: each rollout engine takes that many consecutive "
+            "ranks; choose a divisor of the world size (or rollout replicas of their own, "
+            "resources.rollout.replicas)")
     per_rank = b.samples_per_step // dp
     if per_rank % b.mini_batches:
         raise ConfigError(

@@ -29,6 +29,7 @@ bypass, tephra.algos.rollout_correction) decides what the loss does about the la
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -171,6 +172,15 @@ def correct_old_log_probs(batch: TensorDict, correction: Any, recompute: bool,
     if out.weights is not None:
         batch["rollout_is_weights"] = out.weights.to(batch["rollout_log_probs"].dtype)
     return out.metrics, passes
+
+
+def round_seed(run_seed: int, step: int, r: int) -> int:
+    """The sampling seed of round `r` of step `step`: a 62-bit hash of the three, so that
+    rounds' seed ranges never meet (sample j of the batch's prompt i samples from seed +
+    i * n + j, `SamplingParams.seed`; consecutive seeds per step would replay one step's
+    random stream in the next)."""
+    digest = hashlib.blake2b(f"{run_seed}/{step}/{r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 def dynamic_sampling_metrics(rounds: list[Round]) -> dict[str, float]:
@@ -334,11 +344,8 @@ class Trainer:
         v = self.cfg.trainer.val
         sampling = self.greedy.replace(n=v.n, temperature=v.temperature, top_p=v.top_p,
                                        seed=self.cfg.trainer.seed)
-        dp = self.wg.dp_size
         indices = list(range(len(self.val.ids)))
-        pad = (-len(indices)) % dp  # the split needs equal shares; the padding is not scored
-        samples = self.generate(self.items(indices + indices[:pad], self.val, f"val{self.step}"),
-                                sampling)[: len(indices) * v.n]
+        samples = self.generate(self.items(indices, self.val, f"val{self.step}"), sampling)
         rows = [EvalRow(prompt=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
                         response=s.text, score=s.score,
                         ground_truth=self.val.records[k // v.n].ground_truth,
@@ -427,9 +434,9 @@ class Trainer:
         return rounds
 
     def seed_of(self, step: int, r: int) -> int:
-        """Sampling seed of round `r` of step `step` (round 0 keeps the seed of a run without
-        dynamic sampling; a batch generated ahead keeps the seed of its step)."""
-        return self.cfg.trainer.seed * 1_000_003 + step + r * 100_003
+        """Sampling seed of round `r` of step `step` (`round_seed`; a batch generated ahead
+        keeps the seed of its step)."""
+        return round_seed(self.cfg.trainer.seed, step, r)
 
     # ----- generation ahead (trainer.mode=one_step_off) --------------------------------------
     def take_batch(self) -> list[Round]:
@@ -497,8 +504,7 @@ class Trainer:
         items = [PromptItem(rnd.items[g].prompt_ids, rnd.items[g].record,
                             f"{rnd.items[g].sample_id}-greedy")
                  for rnd in rounds for g in rnd.kept_groups]
-        pad = (-len(items)) % self.wg.dp_size  # equal shares; the padding is not used
-        greedy = self.generate(items + items[:pad], self.greedy)[: len(items)]
+        greedy = self.generate(items, self.greedy)
         return torch.tensor([g.score for g in greedy for _ in range(n)], dtype=torch.float32)
 
     def length_shaping(self, samples: list[Sample]) -> torch.Tensor:

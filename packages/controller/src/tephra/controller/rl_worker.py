@@ -6,6 +6,14 @@ driver calls `wg.compute_log_probs(batch)` on the whole batch and gets the whole
 rows are split over data-parallel ranks and replicated over a rank's tensor / pipeline /
 context peers (`dp_info`, from the actor engine).
 
+Generation has a data parallelism of its own (`rollout_info`): rollout DP = world size /
+the rollout's tensor-parallel size (1 for `hf`, `rollout.<backend>.tensor_parallel_size` for
+a server). Rank r holds a rollout engine when r is a multiple of that size, and each such
+rank generates a disjoint share of the prompts (`Dispatch.ROLLOUT_SPLIT`), the trainer's
+model-parallel peers included; the driver gathers the samples and dispatches the training
+batch by `dp_info`. Sample seeds follow the prompt's place in the whole batch, so the split
+does not change the samples.
+
 Rewards are scored here, on each rank's own samples, in a background thread started right
 after generation: the log-prob passes that follow run while the scorer works (`collect_scores`
 waits for it), as in verl's "reward computed while log-probs run".
@@ -114,12 +122,15 @@ class RLWorker(Worker):
         from tephra.algos import ActorObjective, CriticObjective
         from tephra.engine_api.registry import get_engine
 
+        self.cfg = cfg
         seed = cfg.trainer.seed
         torch.manual_seed(seed + rank)
         random.seed(seed + rank)
         device = getattr(self, "device", "cpu")
-        colocated = cfg.resources.rollout.replicas == 0
-        self._init_generation(cfg, model_path, tools_file, with_rollout=colocated)
+        self.colocated = cfg.resources.rollout.replicas == 0
+        """Whether this group generates (else rollout replicas of their own do)."""
+        self._init_generation(cfg, model_path, tools_file,
+                              with_rollout=self.colocated and self.rollout_info().is_output_rank)
         model = replace(cfg.model, path=model_path, init_seed=seed)
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.actor = get_engine(cfg.actor.engine, cfg.actor.engine_config(
@@ -138,7 +149,7 @@ class RLWorker(Worker):
         # The rollout engine loaded the checkpoint from disk, but the engine may have
         # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
         # (Separate rollout replicas get the same first sync from the driver.)
-        if self.rollout is not None:
+        if self.colocated:
             self.sync_weights()
 
     def _init_generation(self, cfg: PPOConfig, model_path: str, tools_file: str | None,
@@ -172,6 +183,15 @@ class RLWorker(Worker):
         is_output = getattr(engine, "is_dp_output_rank", True)
         return DataParallelInfo(dp_rank=dp_rank, dp_size=dp_size, is_output_rank=is_output)
 
+    def rollout_info(self):
+        """Generation's data-parallel coordinates: one rollout replica per
+        `rollout.tensor_parallel_size` consecutive ranks, held by the first of them."""
+        from tephra.controller.worker_group import DataParallelInfo
+
+        tp = self.cfg.rollout.tensor_parallel_size
+        return DataParallelInfo(dp_rank=self.rank // tp, dp_size=self.world_size // tp,
+                                is_output_rank=self.rank % tp == 0)
+
     # ----- generation and scoring -----------------------------------------------------------
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -183,12 +203,17 @@ class RLWorker(Worker):
             self._tokenizer = tok
         return self._tokenizer
 
-    @dispatch(Dispatch.DP_SPLIT)
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
     @profiled("generate")
     def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
         """`sampling.n` samples of each of this rank's prompts (prompt-major), through the
         agent loop when one is configured. Scoring starts in the background (`collect_scores`
-        returns the scores); `score=False` skips it."""
+        returns the scores); `score=False` skips it. A rank without a rollout engine (a
+        rollout tensor-parallel peer) gets no prompts and returns none, as does a rank whose
+        share is empty (fewer prompts than rollout replicas)."""
+        if self.rollout is None or not items:
+            self._scoring = self._pool.submit(lambda: ([], 0.0)) if score else None
+            return []
         self.rollout.wake_up()
         samples = (self._generate_agent(items, sampling) if self.cfg.rollout.uses_agent_loop
                    else self._generate_plain(items, sampling))
@@ -257,7 +282,7 @@ class RLWorker(Worker):
         results = self._scorer.score([s.text for s in samples], records, prompts)
         return results, time.perf_counter() - start
 
-    @dispatch(Dispatch.DP_SPLIT)
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
     def collect_scores(self) -> list[tuple[float, str | None, float]]:
         """(score, error, seconds this rank spent scoring) of each sample of the last
         `generate`, in order; waits for the background scorer."""
@@ -268,7 +293,7 @@ class RLWorker(Worker):
         return [(score, error, seconds) for score, error in results]
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
-    @dispatch(Dispatch.DP_SPLIT)
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
     def generate_ahead(self, items: list[PromptItem], sampling: Any) -> None:
         """Start `generate(items, sampling)` in a background thread and return at once, so the
         rollout engine samples the next step's batch while this step's passes and update run
@@ -280,7 +305,7 @@ class RLWorker(Worker):
             self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
         self._ahead = self._ahead_pool.submit(self.generate, items, sampling)
 
-    @dispatch(Dispatch.DP_SPLIT)
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
     def generated(self) -> list[Sample]:
         """The samples of the last `generate_ahead` (waits for it; scoring runs as after
         `generate`)."""
@@ -368,8 +393,15 @@ class RLWorker(Worker):
     def sync_weights(self) -> int:
         """Stream the actor's weights into the rollout engine as one update (a server backend
         re-buckets them by its own bucket size and counts one weight version); returns
-        the tensors moved (0 without a colocated rollout: the driver broadcasts to replicas)."""
+        the tensors moved (0 without a colocated rollout: the driver broadcasts to replicas).
+        A rank without a rollout engine of its own still exports: the export may be a
+        collective of the training ranks."""
+        if not self.colocated:
+            return 0
         if self.rollout is None:
+            with self.actor.eval_mode():
+                for _ in self.actor.export_weights(untie_word_embeddings=True):
+                    pass
             return 0
         moved = 0
 
