@@ -456,6 +456,13 @@ class TrainerSection:
     and update run (the rollout engine holds its own weights until `sync_weights`). It keeps
     the rollout engine awake during training; false generates ahead serially. Same numbers
     either way; dynamic sampling and greedy baselines always generate serially."""
+    balance_batch: bool = True
+    """With several data-parallel ranks, give each rank as equal a share of the step's
+    tokens (prompt + response) as Karmarkar-Karp finds, with equal row counts, inside each
+    mini-batch (verl's `balance_batch`; `tephra.controller.balance`); false splits the rows
+    in their order. On by default: a rank that draws the long responses holds every other
+    rank up at each collective, and the update is the same either way (global normalisers).
+    Metrics `balance/max_over_min_tokens_before` / `_after`."""
     steps: int = 36
     """RL steps. The demo, measured on 2 cores with AMX: ~9.5 s per step (17-20 s on an
     AVX2-only CPU, in fp32); held-out greedy accuracy 29.5% -> 76.5% (200 items)."""

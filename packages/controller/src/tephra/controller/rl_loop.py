@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from tephra.controller.balance import balanced_order, max_over_min
 from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.data import PromptLoader, PromptRecord
 from tephra.controller.rewarding import accuracy_of, check_not_all_failed
@@ -283,6 +284,8 @@ class Trainer:
                         and not a.dynamic_sampling and not a.needs("baselines"))
         self.pending: list[Round] | None = None
         """The next step's batch, generated ahead (one_step_off) and scored."""
+        self.order = self.inverse = None
+        """The step's row order for the data-parallel ranks and its inverse (`balance`)."""
         self.ahead: Round | None = None
         """The round a worker thread is generating (overlap), until `finish_ahead`."""
         self.make_replicas = make_replicas
@@ -542,6 +545,33 @@ class Trainer:
         self.kl_ctrl.update(metrics["kl_penalty/kl"], batch.batch_size[0])
         return rewards, metrics
 
+    # ----- the data-parallel split -------------------------------------------------------
+    def balance(self, batch: TensorDict) -> dict[str, float]:
+        """Choose the order in which this step's training batch goes to the data-parallel
+        ranks (`trainer.balance_batch`: token-balanced, `tephra.controller.balance`); returns
+        the `balance/*` metrics (several data-parallel ranks only)."""
+        self.order = self.inverse = None
+        dp = self.wg.dp_size
+        if dp == 1:
+            return {}
+        tokens = batch["attention_mask"].sum(-1).tolist()
+        before = max_over_min(tokens, None, dp)
+        if self.cfg.trainer.balance_batch:
+            order = balanced_order(tokens, dp, self.cfg.batch.mini_batches)
+            self.order = torch.tensor(order)
+            self.inverse = torch.argsort(self.order)
+        return {"balance/max_over_min_tokens_before": before,
+                "balance/max_over_min_tokens_after": max_over_min(
+                    tokens, self.order.tolist() if self.order is not None else None, dp)}
+
+    def on_ranks(self, method: str, batch: TensorDict) -> Any:
+        """A `DP_SPLIT` call of the training batch in the order `balance` chose; per-row
+        results come back in the batch's own order."""
+        if self.order is None:
+            return self.wg.call(method, batch)
+        out = self.wg.call(method, batch[self.order])
+        return out[self.inverse] if isinstance(out, TensorDict) else out
+
     # ----- one RL step ---------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         cfg, times = self.cfg, {}
@@ -564,6 +594,7 @@ class Trainer:
         batch["uid"] = torch.arange(len(samples), dtype=torch.int64) // n
         lap("generate")
         metrics: dict[str, float] = staleness_metrics(samples, self.step)
+        metrics.update(self.balance(batch))
         if self.stream is not None:
             from tephra.controller.async_stream import partial_rollout_metrics
 
@@ -572,16 +603,16 @@ class Trainer:
                 metrics.update(partial_rollout_metrics(samples))
         forward_passes = 0
         if self.needs_ref:
-            batch["ref_log_probs"] = self.wg.compute_ref_log_probs(batch)["log_probs"]
+            batch["ref_log_probs"] = self.on_ranks("compute_ref_log_probs", batch)["log_probs"]
             forward_passes += 1
             lap("ref")
         if self.needs_critic:
-            batch["values"] = self.wg.compute_values(batch)["values"]
+            batch["values"] = self.on_ranks("compute_values", batch)["values"]
             forward_passes += 1
             lap("values")
         corr_metrics, passes = correct_old_log_probs(
             batch, cfg.algorithm.correction, cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1,
-            lambda b: self.wg.compute_log_probs(b)["log_probs"])
+            lambda b: self.on_ranks("compute_log_probs", b)["log_probs"])
         metrics.update(corr_metrics)
         if passes:
             forward_passes += passes
@@ -611,11 +642,11 @@ class Trainer:
         trained_passes = 0
         if self.needs_critic:
             metrics.update({f"critic/{k.split('/')[-1]}": v
-                            for k, v in self.wg.update_critic(batch).items()})
+                            for k, v in self.on_ranks("update_critic", batch).items()})
             trained_passes += cfg.batch.epochs
             lap("critic")
         metrics.update({k if k.startswith("actor/") else f"actor/{k}": v
-                        for k, v in self.wg.update_actor(batch).items()})
+                        for k, v in self.on_ranks("update_actor", batch).items()})
         trained_passes += cfg.batch.epochs
         lap("actor")
         if self.ahead is not None:
