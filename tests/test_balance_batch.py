@@ -92,9 +92,10 @@ def test_balanced_update_equals_the_plain_split_and_one_process():
         engine.forward_backward(batch, LOSS)
     reference = full_gradients(engine)
     assert max(float(g.abs().max()) for g in reference) > 1e-4
-    plain = run_distributed(share_gradients, 2, (batch, LOSS, MICRO))[0]
+    balanced = batch[torch.tensor(balanced_order(tokens, 2))]
+    plain = run_distributed(share_gradients, 2, ([batch[:16], batch[16:]], LOSS, MICRO))[0]
     balanced = run_distributed(share_gradients, 2, (
-        batch[torch.tensor(balanced_order(tokens, 2))], LOSS, MICRO))[0]
+        [balanced[:16], balanced[16:]], LOSS, MICRO))[0]
     for ref, a, b in zip(reference, plain, balanced, strict=True):
         torch.testing.assert_close(a, ref, rtol=0, atol=1e-6)
         torch.testing.assert_close(b, ref, rtol=0, atol=1e-6)

@@ -45,6 +45,7 @@ from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.data import PromptLoader, PromptRecord
 from tephra.controller.rewarding import accuracy_of, check_not_all_failed
 from tephra.controller.rl_config import PPOConfig
+from tephra.controller.rl_worker import can_skip_flat, flat_groups
 from tephra.controller.samples import (
     PromptItem,
     Sample,
@@ -284,6 +285,8 @@ class Trainer:
                         and not a.dynamic_sampling and not a.needs("baselines"))
         self.pending: list[Round] | None = None
         """The next step's batch, generated ahead (one_step_off) and scored."""
+        self.skips_flat = can_skip_flat(cfg.actor.objective)
+        """Whether the actor update leaves out zero-advantage rows (`skip_zero_advantage_rows`)."""
         self.order = self.inverse = None
         """The step's row order for the data-parallel ranks and its inverse (`balance`)."""
         self.ahead: Round | None = None
@@ -635,6 +638,8 @@ class Trainer:
             metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
             lap("baselines")
         self.advantages(batch, token_rewards, baselines)
+        if self.skips_flat:  # the workers leave these groups out of the actor update
+            metrics["actor/skipped_flat_groups"] = float(flat_groups(batch))
         every = cfg.trainer.dump_generations
         if every and (self.step + 1) % every == 0:
             self.dump_train(samples, batch)

@@ -351,11 +351,12 @@ class RLWorker(Worker):
         with engine.train_mode():
             for _ in range(self.cfg.batch.epochs):
                 for i in range(mb):
-                    part, skip_metrics = batch[i * size : (i + 1) * size], {}
+                    part = batch[i * size : (i + 1) * size]
                     if skip_flat:
-                        part, step_loss, skip_metrics = skip_zero_advantage_rows(part, loss_fn)
-                    metrics = dict(engine.forward_backward(part, step_loss if skip_flat else loss_fn))
-                    metrics.update(skip_metrics)
+                        part, left_out = skip_zero_advantage_rows(part)
+                    metrics = dict(engine.forward_backward(part, loss_fn))
+                    if skip_flat:
+                        metrics["actor/skipped_rows"] = self._replica_sum(left_out)
                     metrics["grad_norm"] = float(engine.optimizer_step())
                     # a non-finite norm means the engine skipped the update: count it
                     metrics["skipped_update_frac"] = float(not math.isfinite(metrics["grad_norm"]))
@@ -371,16 +372,19 @@ class RLWorker(Worker):
         loss = self.actor_loss
         if self.cfg.batch.mini_batches == 1 and self.cfg.batch.epochs == 1:
             loss = _on_policy_old_log_probs(loss)
-        return self._train(self.actor, loss, batch, skip_flat=self._can_skip_flat())
+        return self._train(self.actor, loss, batch,
+                           skip_flat=can_skip_flat(self.cfg.actor.objective))
 
-    def _can_skip_flat(self) -> bool:
-        """Rows with zero advantage add exactly zero to the actor's gradient when the loss is
-        the advantage times a policy term (no entropy bonus, no KL loss, no covariance-based
-        token selection, which looks at the whole micro-batch) and one data-parallel rank
-        sees the whole batch (the full-batch normalisers are then known locally)."""
-        obj = self.cfg.actor.objective
-        return (obj.policy_loss in ZERO_AT_ZERO_ADVANTAGE and obj.entropy_coeff == 0
-                and not obj.use_kl_loss and self.dp_info().dp_size == 1)
+    def _replica_sum(self, value: float) -> float:
+        """`value` summed over the data-parallel replicas (a collective of every rank; the
+        model-parallel peers of a replica hold the same rows, so they count once)."""
+        if self.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total) * self.dp_info().dp_size / self.world_size
 
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("critic")
@@ -510,39 +514,51 @@ class RLWorker(Worker):
 ZERO_AT_ZERO_ADVANTAGE = frozenset({"vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean"})
 
 
-def skip_zero_advantage_rows(batch: TensorDict, loss_fn):
+def can_skip_flat(objective: Any) -> bool:
+    """Whether rows with zero advantage add exactly zero to the actor's gradient under
+    `objective` (an `ActorObjectiveConfig`): the loss is the advantage times a policy term
+    (no entropy bonus, no KL loss, no covariance-based token selection, which looks at the
+    whole micro-batch). Any data-parallel size: the rows left out still count in the
+    engine's global normalisers (`skip_zero_advantage_rows`)."""
+    return (objective.policy_loss in ZERO_AT_ZERO_ADVANTAGE and objective.entropy_coeff == 0
+            and not objective.use_kl_loss)
+
+
+def informative_rows(batch: TensorDict) -> torch.Tensor:
+    """[B] bool: rows with a non-zero advantage on some response token."""
+    return ((batch["advantages"] != 0) & (batch["response_mask"] > 0)).any(-1)
+
+
+def flat_groups(batch: TensorDict) -> int:
+    """Groups (`uid`) none of whose rows is informative (all samples scored the same): the
+    groups that skipping leaves out whole."""
+    uid = batch["uid"]
+    return len(set(uid.tolist()) - set(uid[informative_rows(batch)].tolist()))
+
+
+def skip_zero_advantage_rows(batch: TensorDict) -> tuple[TensorDict, int]:
     """Leave out the rows whose advantage is exactly zero on every token (GRPO / RLOO groups
     whose samples all scored the same): they add nothing to the gradient but cost a forward
-    and backward. The engine sets its loss normalisers from the rows it sees, so the returned
-    loss puts back those of the full batch and the gradient is that of the full batch. One
-    row is always kept, so every parameter still gets a (zero) gradient and AdamW's step is
-    the same. Returns (rows kept, loss_fn to use, metrics)."""
-    from tephra.engine_api.batch import GLOBAL_SEQ_COUNT, GLOBAL_TOKEN_COUNT
+    and backward. Their response tokens and sequences go into the kept rows' `LEFT_OUT_*`
+    columns, which the engine adds to the step's normalisers before summing them over the
+    data-parallel ranks, so the gradient is that of the full batch at any data-parallel size
+    (the engines already give every rank as many micro-batches, padding with zero-weight
+    ones). One row is always kept, so every parameter still gets a (zero) gradient and
+    AdamW's step is the same. Returns (rows kept, rows left out)."""
+    from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
 
-    mask = batch["response_mask"]
-    informative = ((batch["advantages"] != 0) & (mask > 0)).any(-1)
+    informative = informative_rows(batch)
     if not bool(informative.any()):
         informative[0] = True
-    keep = informative.nonzero().squeeze(-1)
-    tokens = max(float(mask.sum()), 1.0)
-    seqs = max(float((mask.sum(-1) > 0).sum()), 1.0)
-    skipped = ~informative
-    flat_groups = 0
-    if "uid" in batch.keys():  # a group is skipped when all its rows are
-        uid = batch["uid"]
-        flat_groups = len(set(uid[skipped].tolist()) - set(uid[informative].tolist()))
-    metrics = {"actor/skipped_rows": float(skipped.sum()),
-               "actor/skipped_flat_groups": float(flat_groups)}
-    if len(keep) == batch.batch_size[0]:
-        return batch, loss_fn, metrics
-
-    def full_batch_normalisers(outputs: TensorDict, part: TensorDict):
-        like = part[GLOBAL_TOKEN_COUNT]
-        part[GLOBAL_TOKEN_COUNT] = torch.full_like(like, tokens)
-        part[GLOBAL_SEQ_COUNT] = torch.full_like(like, seqs)
-        return loss_fn(outputs, part)
-
-    return batch[keep], full_batch_normalisers, metrics
+    if bool(informative.all()):
+        return batch, 0
+    mask = batch["response_mask"][~informative]
+    part = batch[informative.nonzero().squeeze(-1)]
+    for key, count in ((LEFT_OUT_TOKENS, mask.sum()), (LEFT_OUT_SEQS, (mask.sum(-1) > 0).sum())):
+        column = torch.zeros(part.batch_size[0], dtype=torch.float32)
+        column[0] = float(count)
+        part[key] = column
+    return part, int((~informative).sum())
 
 
 def _engine_device(device: str) -> str:

@@ -101,17 +101,17 @@ def full_gradients(engine) -> list[torch.Tensor]:
     return out
 
 
-def share_gradients(batch, loss_fn, overrides: dict[str, Any] | None = None) -> list[torch.Tensor]:
+def share_gradients(shares: list, loss_fn,
+                    overrides: dict[str, Any] | None = None) -> list[torch.Tensor]:
     """Rank body (`run_distributed`): one `forward_backward` of `loss_fn` on this rank's
-    contiguous equal share of `batch` (as `DP_SPLIT` cuts it); returns `full_gradients`."""
+    batch, `shares[dp_rank]`, on a tiny engine (`tiny_engine_config(**overrides)`); returns
+    `full_gradients`."""
     from tephra.engine_api import batch as B
     from tephra.engine_fsdp.engine import FSDPEngine
 
     engine = FSDPEngine.build(tiny_engine_config(**(overrides or {})))
-    n = batch.batch_size[0] // engine.dp_size
-    share = B.trim_padding(batch[engine.dp_rank * n:(engine.dp_rank + 1) * n])
     with engine.train_mode():
-        engine.forward_backward(share, loss_fn)
+        engine.forward_backward(B.trim_padding(shares[engine.dp_rank]), loss_fn)
     return full_gradients(engine)
 
 
