@@ -42,6 +42,10 @@ CASES = [
      r"world size 3 is not divisible by parallel.tensor \* parallel.pipeline \* parallel.context = 2"),
     (["batch.prompts_per_step=3", "resources.world_size=2"],
      r"prompts_per_step=3 must be a multiple of the data-parallel size 2"),
+    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2", "resources.world_size=3",
+      "batch.prompts_per_step=3", "batch.samples_per_prompt=2"],
+     r"rollout.vllm.tensor_parallel_size=2 does not divide resources.world_size=3: each "
+     r"rollout engine takes that many consecutive ranks"),
     # options a backend does not support, refused by the backend before anything starts
     (["actor.engine=megatron", "actor.lora.rank=8"],
      r"actor.engine='megatron': lora.rank > 0 is not supported by engine-megatron"),
