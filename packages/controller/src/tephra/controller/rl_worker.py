@@ -185,10 +185,11 @@ class RLWorker(Worker):
 
     def rollout_info(self):
         """Generation's data-parallel coordinates: one rollout replica per
-        `rollout.tensor_parallel_size` consecutive ranks, held by the first of them."""
+        `rollout.tensor_parallel_size` consecutive ranks, held by the first of them (with
+        rollout replicas of their own, this group generates nothing: one share per rank)."""
         from tephra.controller.worker_group import DataParallelInfo
 
-        tp = self.cfg.rollout.tensor_parallel_size
+        tp = self.cfg.rollout.tensor_parallel_size if self.colocated else 1
         return DataParallelInfo(dp_rank=self.rank // tp, dp_size=self.world_size // tp,
                                 is_output_rank=self.rank % tp == 0)
 
