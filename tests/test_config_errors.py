@@ -42,6 +42,13 @@ CASES = [
      r"world size 3 is not divisible by parallel.tensor \* parallel.pipeline \* parallel.context = 2"),
     (["batch.prompts_per_step=3", "resources.world_size=2"],
      r"prompts_per_step=3 must be a multiple of the data-parallel size 2"),
+    (["resources.ref.ranks=1"], r"resources.ref.ranks=1, but nothing uses a reference: set "
+     r"actor.objective.use_kl_loss=true"),
+    (["resources.critic.ranks=1"], r"resources.critic.ranks=1, but algorithm.adv_estimator='grpo' "
+     r"uses no critic; set resources.critic.ranks=0"),
+    (["algorithm.adv_estimator=gae", "resources.critic.ranks=3"],
+     r"resources.critic.ranks=3 gives 3 data-parallel ranks, which the step's 8 samples"),
+    (["resources.critic.cpus_per_rank=-1"], r"resources.<role>: .*must be >= 0"),
     (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2", "resources.world_size=3",
       "batch.prompts_per_step=3", "batch.samples_per_prompt=2"],
      r"rollout.vllm.tensor_parallel_size=2 does not divide resources.world_size=3: each "

@@ -107,3 +107,24 @@ def test_data_parallel_layouts_equal_the_single_rank_run(ray_session, models, tm
     ep2 = first_step(tmp_path, "ep2", models["moe"], "actor.engine=megatron",
                      "resources.world_size=2", "actor.parallel.expert=2")
     assert_same_step(ref, ep2, "ep2")
+
+
+@pytest.mark.multiproc
+def test_reference_and_critic_on_pools_of_their_own_equal_the_colocated_run(
+        ray_session, models, tmp_path):
+    """PPO with a critic and a KL loss: the reference and the critic on pools of their own
+    (`resources.ref.ranks=1`, `resources.critic.ranks=1`) against all three colocated; the
+    checkpoint holds the critic and each group's RNG state."""
+    ppo = ["-p", "ppo_critic", "actor.objective.use_kl_loss=true",
+           "actor.objective.kl_loss_coef=0.01", "resources.cpus_per_rank=0.5"]
+    colocated = first_step(tmp_path, "colocated", models["dense"], *ppo)
+    pools = first_step(tmp_path, "pools", models["dense"], *ppo, "resources.ref.ranks=1",
+                       "resources.critic.ranks=1", "resources.ref.cpus_per_rank=0.5",
+                       "resources.critic.cpus_per_rank=0.5", "trainer.save_final=true")
+    assert_same_step(colocated, pools, "pools")
+    for key, tol in (("actor/kl_loss", 1e-5), ("critic/loss", 1e-5), ("critic/grad_norm", 1e-4)):
+        assert colocated[key] != 0 or key == "actor/kl_loss"
+        assert abs(colocated[key] - pools[key]) <= tol, (key, colocated[key], pools[key])
+    saved = tmp_path / "pools" / "checkpoints" / "step_1"
+    assert (saved / "critic").is_dir() and (saved / "worker_rng_critic_rank0.pt").exists()
+    assert (saved / "worker_rng_ref_rank0.pt").exists() and (saved / "worker_rng_rank0.pt").exists()

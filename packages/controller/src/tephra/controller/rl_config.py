@@ -556,6 +556,27 @@ class RolloutPoolSection:
 
 
 @dataclass
+class RolePoolSection:
+    """A pool of its own for the reference or the critic (verl's resource-pool mapping)."""
+
+    ranks: int = 0
+    """Ranks of the role's own worker group (one Ray actor each; the role's engine parallel
+    sizes divide them, data parallel is what remains). 0: the role lives in the colocated
+    worker with the actor, the default, which needs no extra processes or memory for a
+    second copy of the framework."""
+    cpus_per_rank: float = 1.0
+    """CPUs (and torch threads) per rank of the role's pool."""
+    gpus_per_rank: float = 0.0
+    """GPUs per rank of the role's pool (0 on CPU machines)."""
+
+    def __post_init__(self) -> None:
+        if self.ranks < 0 or self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
+            raise ConfigError(f"resources.<role>: ranks={self.ranks}, cpus_per_rank="
+                              f"{self.cpus_per_rank} and gpus_per_rank={self.gpus_per_rank} "
+                              "must be >= 0 (ranks=0: colocated with the actor)")
+
+
+@dataclass
 class ResourcesSection:
     """Ray placement of the ranks."""
 
@@ -584,6 +605,12 @@ class ResourcesSection:
     rollout: RolloutPoolSection = field(default_factory=RolloutPoolSection)
     """Rollout replicas on a pool of their own (`replicas` > 0), fed weights by broadcast from
     the training ranks; the training ranks then hold no rollout engine."""
+    ref: RolePoolSection = field(default_factory=RolePoolSection)
+    """The reference policy on a pool of its own (`ranks` > 0) or colocated with the actor
+    (0, the default). Its weights never change, so nothing moves to it but batches."""
+    critic: RolePoolSection = field(default_factory=RolePoolSection)
+    """The critic on a pool of its own (`ranks` > 0) or colocated with the actor (0, the
+    default)."""
 
     def __post_init__(self) -> None:
         from tephra.controller.worker_group import PLACEMENT_STRATEGIES, check_retain
@@ -772,9 +799,41 @@ def validate(cfg: PPOConfig) -> None:
             f"algorithm.rollout_correction={a.rollout_correction!r} with actor.objective."
             f"tis_level={cfg.actor.objective.tis_level!r} would correct twice; use "
             "algorithm.rollout_correction=tis (and its _level / _cap) alone")
+    check_role_pools(cfg)
     if cfg.data.has_images:
         check_image_support(cfg)
     check_engine_support(cfg)
+
+
+def check_role_pools(cfg: PPOConfig) -> None:
+    """A pool of its own for the reference or critic must have a use and must split the
+    step's samples as the actor's ranks do (equal shares that divide into mini-batches)."""
+    b = cfg.batch
+    uses = {"ref": (cfg.needs_reference and not cfg.actor.lora.enabled,
+                    "nothing uses a reference: set actor.objective.use_kl_loss=true or "
+                    "algorithm.kl_in_reward, and no actor.lora (its reference is the actor "
+                    "with the adapters off)"),
+            "critic": (cfg.algorithm.needs("values"),
+                       f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} uses no critic")}
+    for role, (used, why) in uses.items():
+        ranks = getattr(cfg.resources, role).ranks
+        if not ranks:
+            continue
+        if not used:
+            raise ConfigError(f"resources.{role}.ranks={ranks}, but {why}; set "
+                              f"resources.{role}.ranks=0")
+        parallel = (cfg.critic if role == "critic" else cfg.actor).parallel
+        try:
+            dp = parallel.data_parallel_size(ranks)
+        except ConfigError as exc:
+            raise ConfigError(f"resources.{role}.ranks={ranks}: {exc}; make it a multiple of "
+                              "the role's tensor x pipeline x context sizes") from None
+        if b.samples_per_step % dp or (b.samples_per_step // dp) % b.mini_batches:
+            raise ConfigError(
+                f"resources.{role}.ranks={ranks} gives {dp} data-parallel ranks, which the "
+                f"step's {b.samples_per_step} samples (in batch.mini_batches={b.mini_batches} "
+                "mini-batches) do not split into equal shares; choose a data-parallel size "
+                f"that divides {b.samples_per_step // b.mini_batches}")
 
 
 def check_image_support(cfg: PPOConfig) -> None:

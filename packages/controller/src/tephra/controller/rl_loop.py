@@ -253,7 +253,8 @@ class Trainer:
 
     def __init__(self, cfg: PPOConfig, wg: WorkerGroup, tokenizer: Any, train: Prompts,
                  val: Prompts, run_dir: Path, n_params: int, peak_flops: float,
-                 make_group: Any = None, make_replicas: Any = None) -> None:
+                 make_group: Any = None, make_replicas: Any = None,
+                 make_role_groups: Any = None) -> None:
         from tephra.algos import AdaptiveKLController, FixedKLController
         from tephra.rollout.base import SamplingParams
 
@@ -291,6 +292,10 @@ class Trainer:
         """The step's row order for the data-parallel ranks and its inverse (`balance`)."""
         self.ahead: Round | None = None
         """The round a worker thread is generating (overlap), until `finish_ahead`."""
+        self.make_role_groups = make_role_groups
+        """Builds the reference / critic groups of pools of their own (`resources.ref`,
+        `resources.critic`): role -> `WorkerGroup`; None: both colocated with the actor."""
+        self.role_groups: dict[str, WorkerGroup] = make_role_groups() if make_role_groups else {}
         self.make_replicas = make_replicas
         """Builds the rollout replicas of a separate pool (`resources.rollout.replicas`)."""
         self.replicas = self.stream = None
@@ -567,13 +572,19 @@ class Trainer:
                 "balance/max_over_min_tokens_after": max_over_min(
                     tokens, self.order.tolist() if self.order is not None else None, dp)}
 
-    def on_ranks(self, method: str, batch: TensorDict) -> Any:
-        """A `DP_SPLIT` call of the training batch in the order `balance` chose; per-row
-        results come back in the batch's own order."""
-        if self.order is None:
-            return self.wg.call(method, batch)
-        out = self.wg.call(method, batch[self.order])
+    def on_ranks(self, method: str, batch: TensorDict, role: str = "actor") -> Any:
+        """A `DP_SPLIT` call of the training batch on the group holding `role`, in the order
+        `balance` chose for the actor's group; per-row results come back in the batch's own
+        order."""
+        group = self.role_groups.get(role, self.wg)
+        if self.order is None or group is not self.wg:
+            return group.call(method, batch)
+        out = group.call(method, batch[self.order])
         return out[self.inverse] if isinstance(out, TensorDict) else out
+
+    def groups(self) -> list[WorkerGroup]:
+        """Every training worker group: the actor's, then the role pools'."""
+        return [self.wg, *self.role_groups.values()]
 
     # ----- one RL step ---------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -606,11 +617,11 @@ class Trainer:
                 metrics.update(partial_rollout_metrics(samples))
         forward_passes = 0
         if self.needs_ref:
-            batch["ref_log_probs"] = self.on_ranks("compute_ref_log_probs", batch)["log_probs"]
+            batch["ref_log_probs"] = self.on_ranks("compute_ref_log_probs", batch, "ref")["log_probs"]
             forward_passes += 1
             lap("ref")
         if self.needs_critic:
-            batch["values"] = self.on_ranks("compute_values", batch)["values"]
+            batch["values"] = self.on_ranks("compute_values", batch, "critic")["values"]
             forward_passes += 1
             lap("values")
         corr_metrics, passes = correct_old_log_probs(
@@ -647,7 +658,7 @@ class Trainer:
         trained_passes = 0
         if self.needs_critic:
             metrics.update({f"critic/{k.split('/')[-1]}": v
-                            for k, v in self.on_ranks("update_critic", batch).items()})
+                            for k, v in self.on_ranks("update_critic", batch, "critic").items()})
             trained_passes += cfg.batch.epochs
             lap("critic")
         metrics.update({k if k.startswith("actor/") else f"actor/{k}": v
@@ -697,7 +708,8 @@ class Trainer:
     # ----- checkpoints -----------------------------------------------------------------------
     def save(self) -> None:
         def write(folder: Path) -> None:
-            self.wg.save_checkpoint(str(folder))
+            for group in self.groups():
+                group.save_checkpoint(str(folder))
             if self.pending is not None:  # the samples themselves: resuming needs no old weights
                 (folder / PENDING_FILE).write_text(json.dumps([round_to_dict(r) for r in self.pending]))
 
@@ -711,7 +723,8 @@ class Trainer:
         if latest is None:
             return False
         state = self.ckpt.load_trainer_state(latest)
-        self.wg.load_checkpoint(str(latest))
+        for group in self.groups():
+            group.load_checkpoint(str(latest))
         if self.replicas is not None:
             self.replicas.sync(self.wg, int(state["step"]))
         self.loader.load_state_dict(state["loader"])
@@ -724,18 +737,24 @@ class Trainer:
         print(f"resumed from {latest} at step {self.step}", flush=True)
         return True
 
+    def measure_peak_flops(self) -> float:
+        """The MFU denominator: the summed matmul throughput of every training rank."""
+        return float(sum(sum(group.measure_peak_flops()) for group in self.groups()))
+
     # ----- recovery ---------------------------------------------------------------------------
     def close_group(self, grace_s: float = 10.0) -> None:
-        """Close the rollout replicas and the worker group; `grace_s`: how long the ranks get
+        """Close the rollout replicas and the worker groups; `grace_s`: how long the ranks get
         to exit on their own before they are killed (0 for a group that has failed)."""
         try:
             if self.replicas is not None:
                 self.replicas.close()
-            self.wg.close()
+            for group in self.groups():
+                group.close()
         except Exception:  # noqa: BLE001  (a dead group cannot close; shutdown still runs)
             pass
         finally:
-            self.wg.shutdown(grace_s)
+            for group in self.groups():
+                group.shutdown(grace_s)
 
     def recover(self, exc: BaseException) -> None:
         """A worker died: tear the group down, build it again and continue from the latest
@@ -750,8 +769,9 @@ class Trainer:
               f"restart {self.restarts} of {self.cfg.trainer.max_restarts}", flush=True)
         self.close_group(grace_s=0)  # its live ranks may be stuck in a collective
         self.wg = self.make_group()
+        self.role_groups = self.make_role_groups() if self.make_role_groups else {}
         self.replicas = None  # closed with the group; connected again below
-        self.peak_flops = sum(self.wg.measure_peak_flops())
+        self.peak_flops = self.measure_peak_flops()
         self.ahead = None  # a generation ahead died with the group
         if not self.maybe_resume(resume="auto"):
             self.step = 0
@@ -783,14 +803,16 @@ class Trainer:
         while self.step < cfg.steps:
             profiling = self.step + 1 in cfg.profile_steps
             if profiling:
-                self.wg.set_profile(str(self.run_dir / "profile" / f"step{self.step + 1}"))
+                for group in self.groups():
+                    group.set_profile(str(self.run_dir / "profile" / f"step{self.step + 1}"))
             try:
                 metrics = self.train_step()
             except WORKER_FAILURES as exc:
                 self.recover(exc)
                 continue
             if profiling:
-                self.wg.set_profile(None)
+                for group in self.groups():
+                    group.set_profile(None)
             self.step += 1
             if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
                 metrics["accuracy/val"], val_metrics = self.evaluate()

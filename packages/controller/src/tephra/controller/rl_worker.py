@@ -115,32 +115,48 @@ def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
                    text=tokenizer.decode(ids, skip_special_tokens=True))
 
 
+ROLES = ("actor", "ref", "critic")
+
+
+def colocated_roles(cfg: PPOConfig) -> tuple[str, ...]:
+    """The roles the actor's worker group holds: the actor, and the reference and critic
+    unless they have pools of their own (`resources.ref` / `resources.critic`)."""
+    return ("actor",) + tuple(r for r in ("ref", "critic")
+                              if getattr(cfg.resources, r).ranks == 0)
+
+
 class RLWorker(Worker):
     def __init__(self, rank: int, world_size: int, *worker_args: Any, cfg: PPOConfig,
-                 model_path: str, tools_file: str | None = None) -> None:
+                 model_path: str, tools_file: str | None = None,
+                 roles: tuple[str, ...] = ROLES) -> None:
+        """`roles`: the engines this group holds (the actor's group also generates; a
+        reference or critic pool of its own holds that role alone)."""
         super().__init__(rank, world_size, *worker_args)
         from tephra.algos import ActorObjective, CriticObjective
         from tephra.engine_api.registry import get_engine
 
-        self.cfg = cfg
+        self.cfg, self.roles = cfg, tuple(roles)
         seed = cfg.trainer.seed
         torch.manual_seed(seed + rank)
         random.seed(seed + rank)
         device = getattr(self, "device", "cpu")
-        self.colocated = cfg.resources.rollout.replicas == 0
-        """Whether this group generates (else rollout replicas of their own do)."""
+        self.colocated = cfg.resources.rollout.replicas == 0 and "actor" in self.roles
+        """Whether this group generates (else rollout replicas of their own do, or this is a
+        reference / critic pool)."""
         self._init_generation(cfg, model_path, tools_file,
                               with_rollout=self.colocated and self.rollout_info().is_output_rank)
         model = replace(cfg.model, path=model_path, init_seed=seed)
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        self.actor = get_engine(cfg.actor.engine, cfg.actor.engine_config(
-            model, "policy", temperature, seed, device=_engine_device(device)))
+        self.actor = None
+        if "actor" in self.roles:
+            self.actor = get_engine(cfg.actor.engine, cfg.actor.engine_config(
+                model, "policy", temperature, seed, device=_engine_device(device)))
         self.ref = None
-        if cfg.needs_reference and not cfg.actor.lora.enabled:
+        if "ref" in self.roles and cfg.needs_reference and not cfg.actor.lora.enabled:
             self.ref = get_engine(cfg.actor.engine, cfg.actor.engine_config(
                 model, "policy", temperature, seed, device=_engine_device(device)))
         self.critic = None
-        if cfg.algorithm.needs("values"):
+        if "critic" in self.roles and cfg.algorithm.needs("values"):
             self.critic = get_engine(cfg.critic.engine, cfg.critic.engine_config(
                 model, "value", temperature, seed, device=_engine_device(device)))
         self.actor_loss = ActorObjective(cfg.actor.objective)
@@ -173,11 +189,12 @@ class RLWorker(Worker):
         self._profile_prefix: str | None = None
 
     def dp_info(self):
-        """Data-parallel coordinates from the actor engine: rows go to data-parallel ranks,
-        tensor / pipeline / context peers get the same rows; one peer returns them."""
+        """Data-parallel coordinates from the group's first engine (the actor, else the
+        reference or critic of a pool of its own): rows go to data-parallel ranks, tensor /
+        pipeline / context peers get the same rows; one peer returns them."""
         from tephra.controller.worker_group import DataParallelInfo
 
-        engine = self.actor
+        engine = next(e for e in (self.actor, self.ref, self.critic) if e is not None)
         dp_rank = getattr(engine, "dp_rank", self.rank)
         dp_size = getattr(engine, "dp_size", self.world_size)
         is_output = getattr(engine, "is_dp_output_rank", True)
@@ -473,19 +490,26 @@ class RLWorker(Worker):
     @dispatch(Dispatch.BROADCAST)
     def save_checkpoint(self, folder: str) -> None:
         path = Path(folder)
-        self.actor.save_checkpoint(path / "actor")
+        if self.actor is not None:
+            self.actor.save_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.save_checkpoint(path / "critic")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()},
-                   path / f"worker_rng_rank{self.rank}.pt")
+                   path / self._rng_file())
+
+    def _rng_file(self) -> str:
+        # a reference / critic pool's ranks are numbered from 0 too
+        role = "" if "actor" in self.roles else "_".join(self.roles) + "_"
+        return f"worker_rng_{role}rank{self.rank}.pt"
 
     @dispatch(Dispatch.BROADCAST)
     def load_checkpoint(self, folder: str) -> None:
         path = Path(folder)
-        self.actor.load_checkpoint(path / "actor")
+        if self.actor is not None:
+            self.actor.load_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
-        state = torch.load(path / f"worker_rng_rank{self.rank}.pt", weights_only=False)
+        state = torch.load(path / self._rng_file(), weights_only=False)
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
         self.sync_weights()
