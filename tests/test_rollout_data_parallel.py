@@ -17,6 +17,7 @@ from tephra.controller.samples import PromptItem
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.worker_group import ResourcePool, WorkerGroup
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
+from tephra.rollout.testing import build_tiny_model
 
 
 class CountingWorker(RLWorker):
@@ -37,8 +38,6 @@ class CountingWorker(RLWorker):
 
 @pytest.mark.multiproc
 def test_megatron_tp2_ranks_generate_disjoint_halves(ray_session, tmp_path):
-    from tephra.rollout.testing import build_tiny_model
-
     model = build_tiny_model(tmp_path / "dense", num_heads=2, num_kv_heads=2, seed=3)
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)

@@ -565,9 +565,11 @@ class RolePoolSection:
     worker with the actor, the default, which needs no extra processes or memory for a
     second copy of the framework."""
     cpus_per_rank: float = 1.0
-    """CPUs (and torch threads) per rank of the role's pool."""
+    """CPUs (and torch threads) per rank of the role's pool; 1 by default: a forward-only
+    reference is light, raise it for a critic that trains."""
     gpus_per_rank: float = 0.0
-    """GPUs per rank of the role's pool (0 on CPU machines)."""
+    """GPUs per rank of the role's pool; 0 by default, as for the training ranks
+    (`resources.gpus_per_rank`), so the default runs on a CPU machine."""
 
     def __post_init__(self) -> None:
         if self.ranks < 0 or self.cpus_per_rank < 0 or self.gpus_per_rank < 0:

@@ -31,12 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample
 from tephra.controller.worker_group import Worker
+from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
 
 
 def run_agent_requests(loop: Any, items: list[PromptItem],
@@ -398,8 +400,6 @@ class RLWorker(Worker):
         model-parallel peers of a replica hold the same rows, so they count once)."""
         if self.world_size == 1:
             return value
-        import torch.distributed as dist
-
         total = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(total)
         return float(total) * self.dp_info().dp_size / self.world_size
@@ -570,8 +570,6 @@ def skip_zero_advantage_rows(batch: TensorDict) -> tuple[TensorDict, int]:
     (the engines already give every rank as many micro-batches, padding with zero-weight
     ones). One row is always kept, so every parameter still gets a (zero) gradient and
     AdamW's step is the same. Returns (rows kept, rows left out)."""
-    from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
-
     informative = informative_rows(batch)
     if not bool(informative.any()):
         informative[0] = True
