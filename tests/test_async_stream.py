@@ -47,7 +47,7 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
                        finish_reason="stop") for _ in items]
 
     worker.generate = generate
-    worker.collect_scores = lambda: [(1.0, None, 0.0)]
+    worker.collect_scores = lambda: [(1.0, None, 0.0, False)]
     sent = {}
     monkeypatch.setattr(tephra_weight_transport, "receive_all",
                         lambda group, device: iter([("w", torch.tensor(sent["version"]))]))

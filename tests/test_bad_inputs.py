@@ -355,6 +355,152 @@ def malformed_ray_address(tmp, mp):
     ray_init("headnode")
 
 
+def _file(tmp: Path, name: str, text: str = "") -> Path:
+    path = tmp / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def reward_file_missing_at_load(tmp, mp):
+    _parse(f"reward.custom_function_path={tmp / 'nowhere.py'}")
+
+
+def reward_signature_at_load(tmp, mp):
+    reward = _file(tmp, "reward.py", "def compute_score(solution, answer):\n    return 1.0\n")
+    _parse(f"reward.custom_function_path={reward}")
+
+
+def reward_function_name_at_load(tmp, mp):
+    reward = _file(tmp, "reward.py", "def score(data_source, solution_str, ground_truth, "
+                                     "extra_info=None):\n    return 1.0\n")
+    _parse(f"reward.custom_function_path={reward}")
+
+
+def resume_must_without_checkpoint(tmp, mp):
+    (tmp / "run" / "checkpoints" / "step_2.tmp").mkdir(parents=True)  # a save cut short
+    _parse("trainer.resume=must", f"trainer.run_dir={tmp / 'run'}")
+
+
+def resume_from_missing(tmp, mp):
+    _parse(f"trainer.resume_from={tmp / 'run' / 'checkpoints' / 'step_4'}")
+
+
+def resume_from_without_manifest(tmp, mp):
+    (tmp / "step_4").mkdir()
+    _parse(f"trainer.resume_from={tmp / 'step_4'}")
+
+
+def run_dir_under_a_file(tmp, mp):
+    _file(tmp, "results", "not a folder")
+    _parse(f"trainer.run_dir={tmp / 'results' / 'ppo'}")
+
+
+def ray_auto_without_cluster(tmp, mp):
+    import ray
+    import ray._private.services as services
+
+    # no cluster on this machine, whatever other tests left running: ray.init("auto") finds
+    # its address in RAY_ADDRESS, the last `ray start`'s file, or a running GCS process
+    mp.delenv("RAY_ADDRESS", raising=False)
+    mp.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    mp.setattr(services, "find_gcs_addresses", lambda: [])
+    try:
+        _parse("resources.ray_address=auto")
+    finally:
+        assert not ray.is_initialized()
+
+
+def truncated_safetensors(tmp, mp):
+    from tephra.controller.models import resolve_model_path
+
+    folder = _tiny_copy(tmp)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    resolve_model_path(str(folder))
+
+
+def kv_heads_model(tmp: Path, kv_heads: int) -> Path:
+    """A model folder whose config.json has `kv_heads` key/value heads (3 as SmolLM2-135M);
+    the check reads config.json alone."""
+    folder = tmp / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 64, "hidden_size": 72, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 9 if kv_heads == 3 else 4,
+        "num_key_value_heads": kv_heads}))
+    return folder
+
+
+def kv_heads_vs_tensor(kv_heads: int) -> Callable:
+    def run(tmp, mp):
+        cpu_compat = pytest.importorskip("tephra.engine_megatron.cpu_compat")
+        # CPU ranks: where CUDA is visible megatron would refuse device=cpu first
+        mp.setattr(cpu_compat, "cuda_absent", lambda: True)
+        _parse(f"model.path={kv_heads_model(tmp, kv_heads)}", "actor.engine=megatron",
+               "actor.parallel.tensor=2", "resources.world_size=2", "batch.prompts_per_step=2")
+    return run
+
+
+def _step_round(scores: list[float], n: int = 2):
+    """A step's round of one prompt group with these scores (what the trainer checks)."""
+    from tephra.controller.data import PromptRecord
+    from tephra.controller.rl_loop import Round
+    from tephra.controller.samples import PromptItem, Sample
+
+    item = PromptItem([1, 2], PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2"),
+                      "train-0")
+    samples = [Sample([1, 2], [3], [1], [0.0], "stop", score=x) for x in scores]
+    return Round([item], samples, n, kept_groups=[0], indices=[17])
+
+
+def absurd_reward(tmp, mp):
+    from tephra.controller.data import PromptRecord
+    from tephra.controller.rewarding import Scorer, check_rewards
+    from tephra.rollout.rewards import RewardConfig
+
+    file = _file(tmp, "reward.py", "def compute_score(**kw):\n    return 1e308\n")
+    config = RewardConfig(custom_function_path=str(file), executor="serial")
+    record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
+    scores = [score for score, _ in Scorer(config).score(["2", "3"], [record] * 2)]
+    assert scores == [1e308, 1e308]  # finite, so it passes the scorer's own check
+    check_rewards(scores, _step_round(scores).kept_names(), config.max_abs)
+
+
+def clipped_reward(tmp, mp):
+    from tephra.controller.data import PromptRecord
+    from tephra.controller.rewarding import Scorer, check_rewards
+    from tephra.rollout.rewards import RewardConfig
+
+    file = _file(tmp, "reward.py", "def compute_score(solution_str, **kw):\n"
+                                   "    return float(solution_str)\n")
+    config = RewardConfig(custom_function_path=str(file), executor="serial", clip=(-1, 1))
+    record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
+    scorer = Scorer(config)
+    scores = [score for score, _ in scorer.score(["1e308", "-1e308", "0.5"], [record] * 3)]
+    assert scores == [1.0, -1.0, 0.5]
+    check_rewards(scores, ["a", "b", "c"], config.max_abs)  # in range now: no error
+    assert scorer.manager.last_report.as_metrics()["reward/clipped"] == 2.0
+    return Skipped(scorer.manager.last_report.clipped, "")
+
+
+def nan_advantages(tmp, mp):
+    """Scores within a raised reward.max_abs that overflow float32: the advantages are NaN."""
+    import torch
+
+    from tephra.algos import AdvantageConfig, compute_advantages
+    from tephra.controller.rewarding import check_advantages, check_rewards
+    from tephra.controller.rl_loop import outcome_token_rewards
+
+    rnd = _step_round([1e308, -1e308])
+    check_rewards(rnd.scores, rnd.kept_names(), max_abs=1e308)
+    mask = torch.ones(2, 3)
+    adv, _ = compute_advantages("grpo", token_rewards=outcome_token_rewards(
+        torch.tensor(rnd.scores, dtype=torch.float32), mask), response_mask=mask,
+        group_ids=torch.zeros(2, dtype=torch.int64), values=None, config=AdvantageConfig())
+    assert not torch.isfinite(adv).all()  # what every optimizer step then skipped on
+    check_advantages(adv, mask, rnd.kept_names())
+
+
 LOGGED = r"reward scoring: 2 of 2 items failed and scored 0.0 \(by data_source: \{'my_task': 2\}\)"
 """The manager's warning for a batch whose scorer failed (the first traceback is logged too)."""
 
@@ -478,6 +624,52 @@ CASES = [
          (r"rollout.temperature=-0.5 must be >= 0",)),
     Case("zero reward timeout", _config("reward.timeout_s=0"), ConfigError,
          (r"reward.timeout_s=0.* must be > 0",)),
+    # --- checked while the config loads, before Ray starts (issue #49)
+    Case("reward file that does not exist, at config load", reward_file_missing_at_load,
+         ConfigError, (r"^reward.custom_function_path: custom reward file .*nowhere.py does not "
+                       r"exist; set reward.custom_function_path to an existing .py file$",)),
+    Case("reward function with the wrong signature, at config load", reward_signature_at_load,
+         ConfigError, (r"^reward.custom_function_path: custom reward file .*reward.py: function "
+                       r"'compute_score'\(solution, answer\) does not fit",
+                       r"cannot take the keyword argument\(s\) data_source, solution_str, "
+                       r"ground_truth, extra_info",
+                       r"Expected e.g. def compute_score\(data_source, solution_str, ground_truth, "
+                       r"extra_info=None, \*\*kwargs\)")),
+    Case("reward file without the function, at config load", reward_function_name_at_load,
+         ConfigError, (r"reward.py has no function 'compute_score'; it defines: score",
+                       r"Set reward.custom_function_name")),
+    Case("trainer.resume=must without a checkpoint", resume_must_without_checkpoint, ConfigError,
+         (r"^trainer.resume=must but .*run/checkpoints holds no checkpoint; run once with "
+          r"trainer.save_every or trainer.save_final set",)),
+    Case("trainer.resume_from that does not exist", resume_from_missing, ConfigError,
+         (r"^trainer.resume_from='.*step_4': no such folder; give a step_<N> folder",)),
+    Case("trainer.resume_from without a manifest", resume_from_without_manifest, ConfigError,
+         (r"^trainer.resume_from='.*step_4': manifest.json is missing",)),
+    Case("trainer.run_dir that cannot be created", run_dir_under_a_file, ConfigError,
+         (r"^trainer.run_dir='.*results/ppo' cannot be created: .*results is a file, not a "
+          r"folder; set trainer.run_dir to a folder you can write$",)),
+    Case("ray_address=auto with no cluster", ray_auto_without_cluster, ConfigError,
+         (r"^resources.ray_address=auto but no Ray cluster runs on this machine; start one "
+          r"\(`ray start --head`\)", r"or set resources.ray_address=null")),
+    Case("truncated model.safetensors", truncated_safetensors, ConfigError,
+         (r"model.path=.*model.safetensors has \d+ bytes, but its header says \d+ \(truncated\)",
+          r"copy the file again")),
+    Case("tensor=2 on a model with 3 kv heads", kv_heads_vs_tensor(3), ConfigError,
+         (r"^actor.engine='megatron': the model's num_key_value_heads=3 is not divisible by "
+          r"parallel.tensor=2 .*set parallel.tensor to one of \[1, 3\]$",)),
+    Case("tensor=2 on a model with 1 kv head", kv_heads_vs_tensor(1), ConfigError,
+         (r"num_key_value_heads=1 is not divisible by parallel.tensor=2 .*one of \[1\]$",)),
+    # --- rewards and advantages out of range (issue #49)
+    Case("reward of 1e308", absurd_reward, "RewardRangeError",
+         (r"^the reward of sample 0 of the step \(prompt 'train-0', dataset row 17, data_source "
+          r"'my_task'\) is 1e\+308, beyond reward.max_abs=1e\+06; fix the reward function, or "
+          r"set reward.clip=\[low,high\]",)),
+    Case("rewards clipped by reward.clip", clipped_reward, None,
+         (r"reward scoring: 2 of 3 scores clipped into reward.clip=\[-1.0, 1.0\]",), skipped=2),
+    Case("advantages that are not finite", nan_advantages, "RewardRangeError",
+         (r"^the advantage of sample 0 of the step \(prompt 'train-0', dataset row 17, "
+          r"data_source 'my_task'\) is nan, and 2 of 2 samples have a non-finite advantage",
+          r"set reward.clip=\[low,high\]")),
 ]
 
 
@@ -551,3 +743,133 @@ def test_disk_full_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch
     monkeypatch.undo()
     with pytest.raises(PermissionError):
         manager.save(6, lambda folder: (_ for _ in ()).throw(PermissionError("read-only")), {})
+
+
+NEVER_RETURNS = """
+import threading
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    threading.Event().wait()  # never set: the call never returns
+"""
+
+
+def test_reward_that_never_returns_does_not_hang_training(tmp_path, caplog):
+    """Issue #49: with no limit by default, one such call hung the run. The trainer's reward
+    section now has a finite default limit; a late call scores 0.0 and is counted in
+    `reward/timeouts` (the limit is lowered here only to keep the test fast)."""
+    import dataclasses
+    import math
+    import threading
+
+    from tephra.controller.data import PromptRecord
+    from tephra.controller.rewarding import Scorer
+    from tephra.rollout.rewards import RewardConfig
+
+    reward = _file(tmp_path, "reward.py", NEVER_RETURNS)
+    cfg = _parse(f"reward.custom_function_path={reward}")
+    # the limit a user gets without setting one: finite, and the documented default
+    assert math.isfinite(cfg.reward.timeout_s) and cfg.reward.timeout_s == 90.0
+    assert RewardConfig().timeout_s == 90.0
+    scorer = Scorer(dataclasses.replace(cfg.reward, timeout_s=0.2))
+    record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
+    results: list = []
+    worker = threading.Thread(target=lambda: results.extend(scorer.score(["2"] * 3, [record] * 3)),
+                              daemon=True)
+    worker.start()
+    worker.join(30)  # a generous bound: a hang, not a speed, is what this detects
+    assert not worker.is_alive(), "scoring hung"
+    assert [score for score, _ in results] == [0.0, 0.0, 0.0]
+    assert all(error.startswith("RewardTimeout: scorer 'custom' did not return within "
+                                "reward.timeout_s=0.2 s") for _, error in results)
+    report = scorer.manager.last_report
+    assert report.timeouts_by_source == {"my_task": 3} == report.errors_by_source
+    assert report.as_metrics()["reward/timeouts"] == 3.0
+    # the trainer's step metric counts the same samples
+    rnd = _step_round([0.0, 0.0, 1.0], n=3)
+    for sample, (_, error) in zip(rnd.samples, [*results[:2], (1.0, None)], strict=True):
+        sample.reward_error = error
+    assert (rnd.errors, rnd.timeouts) == (2, 2)
+
+
+class CannedWorkers:
+    """The worker group's side of a step, canned: every sample of the step gets the next of
+    `outcomes` (score, scorer error, clipped); updates are counted, not run."""
+
+    world_size = dp_size = 1
+
+    def __init__(self, outcomes: list[tuple[float, str | None, bool]]) -> None:
+        self.outcomes, self.updates, self.count = outcomes, 0, 0
+
+    def generate(self, items, sampling):
+        from tephra.controller.samples import Sample
+
+        self.count = len(items) * sampling.n
+        return [Sample([1, 2], [3, 4], [1, 1], [-0.5, -0.5], "stop", text="4",
+                       sample_id=item.sample_id) for item in items for _ in range(sampling.n)]
+
+    def collect_scores(self):
+        return [(s, e, 0.0, c) for s, e, c in
+                (self.outcomes[k % len(self.outcomes)] for k in range(self.count))]
+
+    def update_actor(self, batch):
+        self.updates += 1
+        return {"pg_loss": 0.0}
+
+    def sync_weights(self):
+        pass
+
+
+class CharTokenizer:
+    eos_token_id = pad_token_id = 0
+
+
+def _trainer(tmp_path, outcomes, *overrides):
+    from tephra.controller.data import PromptRecord
+    from tephra.controller.rl_loop import Prompts, Trainer
+
+    reward = _file(tmp_path, "reward.py", "def compute_score(**kw):\n    return 0.0\n")
+    # no mismatch probe: these workers compute no log-probs (nothing here is about them)
+    cfg = _parse(f"reward.custom_function_path={reward}", f"trainer.run_dir={tmp_path}",
+                 "algorithm.mismatch_probe_rows=0", *overrides)
+    train = Prompts([[i] for i in range(8)], [PromptRecord([{"role": "user", "content": str(i)}],
+                                                           f"task{i}", "4") for i in range(8)])
+    wg = CannedWorkers(outcomes)
+    return Trainer(cfg, wg, CharTokenizer(), train, Prompts([], []), tmp_path, 1, 0.0), wg
+
+
+def test_trainer_stops_on_an_absurd_reward_before_the_update(tmp_path):
+    from tephra.controller.rewarding import RewardRangeError
+
+    # the step's 2 x 4 samples: the sixth (group 1, sample 1) scored 1e308
+    trainer, wg = _trainer(tmp_path, [(0.0, None, False)] * 5 + [(1e308, None, False)]
+                           + [(1.0, None, False)] * 2)
+    # the second prompt of step 0; its row's data_source is task<row> (built below)
+    with pytest.raises(RewardRangeError, match=r"^the reward of sample 5 of the step \(prompt "
+                       r"'step0-1', dataset row (\d), data_source 'task\1'\) is 1e\+308, beyond "
+                       r"reward.max_abs=1e\+06"):
+        trainer.train_step()
+    assert wg.updates == 0  # no update was made on it
+
+
+def test_trainer_stops_on_non_finite_advantages_before_the_update(tmp_path):
+    from tephra.controller.rewarding import RewardRangeError
+
+    # a raised max_abs lets 1e308 through; in float32 it is inf, and GRPO's mean is NaN
+    trainer, wg = _trainer(tmp_path, [(1e308, None, False), (0.0, None, False)],
+                           "reward.max_abs=1e308")
+    with pytest.raises(RewardRangeError, match=r"^the advantage of sample 0 of the step "
+                       r"\(prompt 'step0-0', dataset row (\d), data_source 'task\1'\) is nan, and 8 of 8 "
+                       r"samples"):
+        trainer.train_step()
+    assert wg.updates == 0
+
+
+def test_trainer_counts_reward_timeouts_and_clipped_scores(tmp_path):
+    late = "RewardTimeout: scorer 'custom' did not return within reward.timeout_s=90 s"
+    trainer, wg = _trainer(tmp_path, [(0.0, late, False), (1.0, None, True), (0.0, None, False),
+                                      (0.5, "ValueError: x", False)])
+    metrics = trainer.train_step()
+    assert wg.updates == 1
+    # 8 samples cycling through the 4 outcomes: 2 timeouts among 4 errors, 2 clipped
+    assert (metrics["reward/errors"], metrics["reward/timeouts"], metrics["reward/clipped"]) == (
+        4.0, 2.0, 2.0)

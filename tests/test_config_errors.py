@@ -63,8 +63,26 @@ CASES = [
     (["actor.engine=megatron", "model.attn_implementation=eager"],
      r"actor.engine='megatron': model.attn_implementation='eager': engine-megatron runs"),
     # server rollout settings
-    (["rollout.backend=vllm", "rollout.vllm.sleep_mode=true"],
-     r"rollout.vllm.sleep_mode=true: vLLM's CPU build refuses to start with sleep mode"),
+    (["rollout.backend=vllm", "rollout.vllm.sleep_level=1"],
+     r"rollout.vllm.sleep_level=1: vLLM's CPU build refuses to start with sleep mode"),
+    # weight transports the placement cannot carry
+    (["rollout.backend=vllm", "rollout.vllm.weight_transport=ncl"],
+     r"weight_transport='ncl' is not a weight transport \(did you mean 'nccl'\?\)"),
+    (["rollout.backend=vllm", "resources.gpus_per_rank=1", "rollout.vllm.weight_transport=nccl"],
+     r"rollout.vllm.weight_transport='nccl' with the server on the sender's GPU: NCCL refuses "
+     r"two ranks of one communicator on one GPU; use `ipc`"),
+    (["rollout.backend=vllm", "rollout.vllm.weight_transport=ipc"],
+     r"rollout.vllm.weight_transport='ipc' on CPU: .* use `gloo`"),
+    (["rollout.backend=sglang", "resources.gpus_per_rank=1", "rollout.sglang.url=http://10.0.0.5:30000",
+      "rollout.sglang.weight_transport=ipc"],
+     r"rollout.sglang.weight_transport='ipc' with a server on another GPU: CUDA IPC .* use `nccl`"),
+    (["rollout.backend=vllm", "resources.gpus_per_rank=1", "rollout.vllm.tensor_parallel_size=2",
+      "rollout.vllm.weight_transport=ipc"],
+     r"weight_transport='ipc' with a server over 2 GPUs"),
+    (["trainer.mode=async", "resources.rollout.replicas=1", "resources.gpus_per_rank=0.5",
+      "resources.rollout.gpus_per_replica=0.5"],
+     r"resources.gpus_per_rank=0.5 and resources.rollout.gpus_per_replica=0.5: with fractions "
+     r"Ray may put a rollout replica on a training rank's GPU"),
     (["rollout.backend=vllm", "rollout.vllm.weight_sync=nfs"], r"weight_sync='nfs': expected 'memory'"),
     # training modes
     (["trainer.mode=async"], r"trainer.mode=async streams samples from rollout replicas.*"
@@ -85,6 +103,49 @@ CASES = [
       "trainer.partial_rollout=true"],
      r"trainer.partial_rollout=true: rollout.backend='nopause' cannot interrupt a generation in "
      r"flight .* use one of \['hf', 'sglang', 'vllm'\] or set trainer.partial_rollout=false"),
+    # numbers that are not numbers (NaN compares false with every bound)
+    (["actor.optimizer.lr=nan"], r"^actor.optimizer.lr=nan must be a finite number > 0$"),
+    (["actor.optimizer.lr=inf"], r"^actor.optimizer.lr=inf must be a finite number > 0$"),
+    (["actor.optimizer.lr=-1e-5"], r"^actor.optimizer.lr=-1e-05 must be > 0$"),
+    (["algorithm.adv_estimator=gae", "critic.optimizer.lr=nan"],
+     r"^critic.optimizer.lr=nan must be a finite number > 0$"),
+    (["rollout.temperature=nan"], r"rollout.temperature=nan must be a finite number >= 0 "
+     r"\(1.0 samples from the policy as it is; 0 is greedy\)"),
+    (["rollout.temperature=inf"], r"rollout.temperature=inf must be a finite number >= 0"),
+    (["trainer.val.temperature=nan"], r"val.temperature=nan must be a finite number >= 0"),
+    # greedy sampling makes every sample of a group the same: nothing to compare
+    (["algorithm.adv_estimator=rloo", "rollout.temperature=0"],
+     r"rollout.temperature=0 with algorithm.adv_estimator='rloo': greedy sampling gives every "
+     r"sample of a prompt's group the same response.*set rollout.temperature > 0 \(e.g. 1.0\), "
+     r"or choose an estimator that does not compare samples"),
+    (["rollout.temperature=0.0"], r"rollout.temperature=0 with algorithm.adv_estimator='grpo'"),
+    # rewards
+    (["reward.timeout_s=nan"], r"reward.timeout_s=nan must be a finite number > 0 \(seconds per "
+     r"sample; default 90\)"),
+    (["reward.max_abs=0"], r"reward.max_abs=0.0 must be a finite number > 0"),
+    (["reward.clip=[1,-1]"], r"reward.clip=\[1.0, -1.0\] must be two finite numbers \[low, high\] "
+     r"with low < high, e.g. reward.clip=\[-1,1\]"),
+    (["reward.clip=[-1e9,1e9]"], r"reward.clip=\[-1000000000.0, 1000000000.0\] reaches beyond "
+     r"reward.max_abs=1e\+06"),
+    (["reward.custom_function_path=/nonexistent/reward.py"],
+     r"^reward.custom_function_path: custom reward file /nonexistent/reward.py does not exist; "
+     r"set reward.custom_function_path to an existing .py file$"),
+    (["reward.reward_model_path=/nonexistent/rm"],
+     r"reward.reward_model_path='/nonexistent/rm': no such folder"),
+    # checkpoints and the machine
+    (["trainer.resume_from=/nonexistent/step_3"],
+     r"^trainer.resume_from='/nonexistent/step_3': no such folder; give a step_<N> folder"),
+    (["resources.world_size=512", "batch.prompts_per_step=512"],
+     r"^resources.world_size=512 x resources.cpus_per_rank=1 = 512 CPUs, but this machine has "
+     r"\d+; lower world_size or cpus_per_rank, or join a cluster with resources.ray_address$"),
+    (["resources.world_size=2", "batch.prompts_per_step=2", "resources.num_cpus=1"],
+     r"= 2 CPUs, but resources.num_cpus=1"),
+    (["resources.world_size=512", "batch.prompts_per_step=512", "resources.num_cpus=1024",
+      "resources.gpus_per_rank=1"],
+     r"^resources.world_size=512 x resources.gpus_per_rank=1 = 512 GPUs, but this machine has \d+"),
+    (["resources.rollout.replicas=600", "resources.num_cpus=512"],
+     r"resources.world_size=1 x resources.cpus_per_rank=1 \+ resources.rollout.replicas=600 x "
+     r"cpus_per_replica=1 = 601 CPUs, but resources.num_cpus=512"),
 ]
 
 
@@ -120,3 +181,49 @@ def test_partial_rollout_is_accepted_with_every_built_in_backend(backend):
                         "trainer.partial_rollout=true", f"rollout.backend={backend}"])
     assert cfg.trainer.partial_rollout and cfg.rollout.backend == backend
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ([], "weight transport: trainer -> in-process hf rollout: tensors copied in place"),
+    (["rollout.backend=vllm"], "weight transport: trainer -> vllm server: gloo (auto; CPU)"),
+    # colocated on a GPU (faked: the config only says where ranks go): CUDA IPC, not NCCL
+    (["rollout.backend=vllm", "resources.gpus_per_rank=1"],
+     "weight transport: trainer -> vllm server: ipc (auto; server on the sender's GPU)"),
+    (["rollout.backend=sglang", "resources.gpus_per_rank=1", "rollout.sglang.url=http://h:1"],
+     "weight transport: trainer -> sglang server: nccl (auto; server on another GPU)"),
+    # separate GPU pools: NCCL between them, then IPC into each replica's own server
+    (["rollout.backend=vllm", "trainer.mode=async", "resources.rollout.replicas=1",
+      "resources.gpus_per_rank=1", "resources.rollout.gpus_per_replica=1"],
+     "weight transport: training rank 0 -> 1 rollout replica(s): nccl (different GPUs); "
+     "replica -> vllm server: ipc (auto; server on the sender's GPU)"),
+    (["trainer.mode=async", "resources.rollout.replicas=1"],
+     "weight transport: training rank 0 -> 1 rollout replica(s): gloo; "
+     "replica -> in-process hf rollout: tensors copied in place"),
+    (["rollout.backend=vllm", "rollout.vllm.weight_transport=gloo", "resources.gpus_per_rank=1"],
+     "weight transport: trainer -> vllm server: gloo (set; server on the sender's GPU)"),
+])
+def test_the_weight_path_follows_the_placement(overrides, line, monkeypatch):
+    from tephra.controller import worker_group
+    from tephra.controller.rl_config import weight_path
+
+    # the GPU layouts are faked: a machine with 4 GPUs passes the resource check
+    monkeypatch.setattr(worker_group, "machine_capacity", lambda num_cpus: (2.0, 4))
+    assert weight_path(parse_config(["-p", "smoke", *overrides])) == line
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.temperature=0", "algorithm.adv_estimator=reinforce_plus_plus"],  # no groups
+    ["rollout.temperature=0", "algorithm.adv_estimator=remax"],
+    ["trainer.val.temperature=0"],  # greedy validation (the default) with a sampled rollout
+])
+def test_greedy_sampling_is_accepted_where_nothing_compares_a_group(overrides):
+    import ray
+
+    cfg = parse_config(["-p", "smoke", *overrides])
+    assert cfg.trainer.val.temperature == 0 and not ray.is_initialized()
+
+
+def test_reward_limits_are_parsed_as_documented():
+    cfg = parse_config(["-p", "smoke", "reward.clip=[-1,1]", "reward.timeout_s=5"])
+    assert cfg.reward.clip == (-1.0, 1.0) and cfg.reward.timeout_s == 5.0
+    assert cfg.reward.max_abs == 1e6  # the documented default

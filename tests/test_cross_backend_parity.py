@@ -9,8 +9,10 @@ import pytest
 import torch
 import transformers
 
-from tephra.engine_api.config import EngineConfig
+from tephra.engine_api.config import EngineConfig, SchedulerConfig
 from tephra.engine_api.testing import first_steps, random_batch, run_distributed
+from tephra.engine_fsdp.schedulers import build_scheduler
+from tephra.engine_megatron.lr_schedule import LrSchedule
 
 VOCAB = 256
 
@@ -50,3 +52,26 @@ def test_fsdp_and_megatron_tp2_agree_on_the_first_steps(hf_folder):
     assert abs(fsdp_norm - mg_norm) <= 1e-4 * max(1.0, fsdp_norm), (fsdp_norm, mg_norm)
     # the second step starts from the first step's update: the optimizers agree too
     assert abs(fsdp[0][1][0] - megatron[0][1][0]) <= 1e-5
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(name="constant", warmup_steps=4),
+    dict(name="cosine", warmup_steps=3, total_steps=12, min_lr_ratio=0.1),
+    dict(name="wsd", warmup_steps=2, total_steps=10, decay_ratio=0.3, min_lr_ratio=0.05),
+    dict(name="wsd", warmup_steps=6, total_steps=10, decay_ratio=0.8),  # decay inside warmup
+])
+def test_both_engines_run_one_learning_rate_schedule(cfg):
+    """FSDP's torch LambdaLR and Megatron's LrSchedule set the same lr at every step: the
+    engines warmed up differently ((s+1)/W against s/W) and started the wsd decay at other
+    steps, and the parity tests, run without warmup, could not see it."""
+    sched_cfg = SchedulerConfig(**cfg)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
+    fsdp = build_scheduler(opt, sched_cfg)
+    groups = [{"lr": None}]
+    megatron = LrSchedule(lambda: groups, 2e-3, sched_cfg)
+    assert groups[0]["lr"] == pytest.approx(2e-3 / sched_cfg.warmup_steps)  # the first step moves
+    for _ in range(14):
+        assert groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=0)
+        opt.step()
+        fsdp.step()
+        megatron.step()

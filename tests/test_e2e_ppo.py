@@ -13,6 +13,7 @@ import pytest
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.ppo import prepare
 from tephra.controller.rewarding import RewardFailure
+from tephra.controller.rl_loop import MismatchAlarm
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
@@ -53,6 +54,11 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
                 "actor/pg_clipfrac", "actor/grad_norm", "time/generate_s", "perf/tokens_per_s",
                 "dapo/gen_rounds", "dapo/groups_flat", "reward/overlong_penalty_mean"):
         assert key in a[0], key
+    # the train/rollout mismatch every step, from the probe (this run computes no old
+    # log-probs of its own); the same fp32 model on both sides: the gap is rounding only
+    for row in a:
+        assert row["rollout_corr/probe_rows"] == 8.0
+        assert 0 <= row["rollout_corr/kl_k3"] < 1e-4, row["rollout_corr/kl_k3"]
     assert (tmp_path / "full" / "curves.png").exists()
     assert json.loads((tmp_path / "full" / "summary.json").read_text())["steps"] == 4
 
@@ -151,6 +157,25 @@ def test_config_and_input_errors(tmp_path):
     with pytest.raises(DatasetError, match=r"row 2 of train.parquet: field 'reward_model.ground_truth' is missing"):
         run(parse_config(["-p", "smoke", "data.source=parquet",
                           f"data.train_files=[{tmp_path / 'train.parquet'}]"]))
+
+
+@pytest.mark.multiproc
+def test_a_rollout_in_another_dtype_is_rejected_token_by_token_or_stops_the_run(ray_session,
+                                                                            tmp_path):
+    """A bf16 rollout beside an fp32 trainer: rejection sampling drops the tokens whose k3
+    divergence passes the bound (fewer tokens trained), and the alarm stops a run at step 1
+    with the message naming the likely cause."""
+    bf16 = ("rollout.dtype=bfloat16", "trainer.steps=1")
+    run(_smoke(tmp_path, *bf16, "algorithm.rollout_rejection=[token_k3]",
+               "algorithm.rollout_rejection_threshold=1e-4", f"trainer.run_dir={tmp_path / 'rs'}"))
+    (row,) = read_jsonl(tmp_path / "rs" / "metrics.jsonl")
+    assert row["rollout_corr/kl_k3"] > 1e-5  # bf16 against fp32: a real gap
+    assert 0 < row["rollout_corr/rs_masked_frac"] < 1
+    assert row["rollout_corr/rs_token_k3_masked_frac"] == row["rollout_corr/rs_masked_frac"]
+    with pytest.raises(MismatchAlarm, match=r"step 1: the rollout's log-probs differ .* over "
+                       r"algorithm.mismatch_alarm_kl=1e-06\. Likely causes: .*dtype"):
+        run(_smoke(tmp_path, *bf16, "algorithm.mismatch_alarm_kl=1e-6",
+                   f"trainer.run_dir={tmp_path / 'alarm'}"))
 
 
 @pytest.mark.multiproc

@@ -18,7 +18,10 @@ from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.data import PromptRecord
 from tephra.controller.rl_loop import (
     PENDING_FILE,
+    MismatchAlarm,
     Round,
+    apply_rejection,
+    check_mismatch_alarm,
     correct_old_log_probs,
     round_from_dict,
     round_to_dict,
@@ -97,6 +100,59 @@ def test_tis_and_none_wiring_on_a_batch():
     assert metrics["rollout_corr/log_prob_gap_mean"] == pytest.approx(sum(gaps) / len(gaps))
     assert metrics["rollout_corr/kl_k3"] == pytest.approx(
         sum(math.exp(g) - 1 - g for g in gaps) / len(gaps), rel=1e-5)
+
+
+def test_the_mismatch_probe_rejection_and_the_alarm_on_a_batch():
+    """Without old log-probs of its own the step probes a seeded subset of rows (rounded to
+    the data-parallel size) for the mismatch figures; rejection drops tokens from the mask
+    only after the advantages; the alarm names the step and the causes."""
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.ones(6, 4, dtype=torch.long)
+    rollout = -torch.rand(6, 4, generator=gen)
+    train = rollout + 0.3 * torch.randn(6, 4, generator=gen)
+    batch = TensorDict({"rollout_log_probs": rollout, "response_mask": mask}, batch_size=[6])
+    seen = []
+
+    def forward(b):
+        seen.append(b["rollout_log_probs"].clone())
+        rows = [int(((rollout - r).abs().sum(-1) == 0).nonzero()[0]) for r in b["rollout_log_probs"]]
+        return train[rows]
+
+    metrics, passes = correct_old_log_probs(batch, RolloutCorrectionConfig(), False, forward,
+                                            probe_rows=3, dp_size=2, probe_seed=7)
+    assert passes == 0 and "old_log_probs" not in batch.keys()  # the update is untouched
+    assert metrics["rollout_corr/probe_rows"] == 2.0 and seen[0].shape[0] == 2
+    rows = [int(((rollout - r).abs().sum(-1) == 0).nonzero()[0]) for r in seen[0]]
+    gaps = [float(train[b, t] - rollout[b, t]) for b in rows for t in range(4)]
+    assert metrics["rollout_corr/log_prob_abs_gap_mean"] == pytest.approx(
+        sum(abs(g) for g in gaps) / len(gaps), rel=1e-5)
+    assert metrics["rollout_corr/kl_k3"] == pytest.approx(
+        sum(math.exp(g) - 1 - g for g in gaps) / len(gaps), rel=1e-4)
+    correct_old_log_probs(batch, RolloutCorrectionConfig(), False, forward, probe_rows=3,
+                          dp_size=2, probe_seed=7)
+    assert torch.equal(seen[1], seen[0])  # the same seed probes the same rows
+    assert correct_old_log_probs(batch, RolloutCorrectionConfig(), False, forward,
+                                 probe_rows=0) == ({}, 0)
+
+    # rejection: the trainer's log-probs are computed, tokens over the bound leave the mask
+    cfg = RolloutCorrectionConfig(rejection=("token_k3",), rejection_threshold=0.02)
+    metrics, passes = correct_old_log_probs(batch, cfg, False, lambda b: train)
+    assert passes == 1 and torch.equal(batch["old_log_probs"], train)
+    g = train - rollout
+    expected = (torch.expm1(g) - g <= 0.02).long()
+    assert 0 < int(expected.sum()) < expected.numel()
+    assert torch.equal(batch["response_mask"], mask)  # not yet: advantages come first
+    apply_rejection(batch)
+    assert torch.equal(batch["response_mask"], expected)
+    assert "rejection_keep" not in batch.keys()
+    assert metrics["rollout_corr/rs_masked_frac"] == pytest.approx(1 - expected.float().mean())
+
+    check_mismatch_alarm(metrics, None, 3)
+    check_mismatch_alarm(metrics, 10.0, 3)
+    with pytest.raises(MismatchAlarm, match=r"step 3: the rollout's log-probs differ from the "
+                       r"trainer's by KL .* over algorithm.mismatch_alarm_kl=0.001\. Likely "
+                       r"causes: .*dtype"):
+        check_mismatch_alarm(metrics, 1e-3, 3)
 
 
 def test_staleness_is_the_version_lag():

@@ -58,7 +58,7 @@ class CannedWorkers:
         return out
 
     def collect_scores(self):
-        return [(1.0 if s.text.startswith("R") else 0.0, None, 0.0) for s in self.last]
+        return [(1.0 if s.text.startswith("R") else 0.0, None, 0.0, False) for s in self.last]
 
 
 def _trainer(tmp_path, *overrides, prompts=30):

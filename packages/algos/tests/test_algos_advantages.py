@@ -124,9 +124,22 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
     if name == "gae":
         adv, ret = naive_gae(rewards, values, mask, cfg.gamma, cfg.lam, cfg.whiten_gae)
         return to_dense(adv, mask, True), to_dense(ret, mask, True)
-    if name in ("grpo", "grpo_vectorized", "dr_grpo"):
+    if name in ("grpo", "dr_grpo"):
         a = naive_group_baseline(scores, group_ids, name != "dr_grpo" and cfg.norm_by_std,
                                  cfg.epsilon)
+        return to_dense(a, mask), to_dense(a, mask)
+    if name == "grpo_vectorized":  # verl's groupwise.group_mean_std: variance floored at eps
+        a = [0.0] * b
+        for members in naive_groups(group_ids).values():
+            s = [scores[i] for i in members]
+            if len(s) == 1:
+                m, sd = 0.0, 1.0
+            else:
+                m = mean(s)
+                sd = (math.sqrt(max(std_unbiased(s) ** 2, cfg.epsilon)) + cfg.epsilon
+                      if cfg.norm_by_std else 1.0)
+            for i in members:
+                a[i] = (scores[i] - m) / sd
         return to_dense(a, mask), to_dense(a, mask)
     if name == "grpo_passk":  # verl's: only the first best sample, by its lead
         a = [0.0] * b
@@ -144,7 +157,9 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
         for members in naive_groups(group_ids).values():
             for i in members:
                 others = [scores[j] for j in members if j != i]
-                a[i] = scores[i] - (mean(others) if others else 0.0)
+                # verl's rloo keeps a lone sample's score, its vectorised form gives it 0
+                lone = scores[i] if name == "rloo" else 0.0
+                a[i] = scores[i] - mean(others) if others else lone
         return to_dense(a, mask), to_dense(a, mask)
     if name == "reinforce_plus_plus":
         ret = naive_discounted(rewards, mask, cfg.gamma)
@@ -166,7 +181,11 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
             for i in members:
                 a[i] = scores[i] - base
         return to_dense(a, mask), to_dense(a, mask)
-    if name == "gpg":
+    if name == "gpg":  # verl's compute_gpg_outcome_advantage: f_norm = 1
+        alpha = b / max(sum(1 for x in scores if x != 0), 1)
+        a = [alpha * x for x in naive_group_baseline(scores, group_ids, False, 0.0)]
+        return to_dense(a, mask), to_dense(a, mask)
+    if name == "gpg_paper":
         groups = naive_groups(group_ids)
         flat = sum(len(m) for m in groups.values()
                    if len(m) > 1 and len({scores[i] for i in m}) == 1)
@@ -261,10 +280,17 @@ def test_hand_rloo_opo_gpg():
     adv, _ = compute_advantages("opo", token_rewards=rewards, response_mask=mask,
                                 group_ids=torch.tensor([1, 1]))
     assert adv[0, 3] == pytest.approx(0.75) and adv[1, 1:].tolist() == pytest.approx([-.25] * 3)
-    # GPG: 4 samples, group 1 all equal (M = 2): alpha = 4 / 2; group 0: +-0.5 / std
+    # GPG (paper): 4 samples, group 1 all equal (M = 2): alpha = 4 / 2; group 0: +-0.5
     cfg = AdvantageConfig(norm_by_std=False)
-    assert adv_of("gpg", [1.0, 0.0, 2.0, 2.0], [0, 0, 1, 1], config=cfg) == pytest.approx(
+    assert adv_of("gpg_paper", [1.0, 0.0, 2.0, 2.0], [0, 0, 1, 1], config=cfg) == pytest.approx(
         [1.0, -1.0, 0.0, 0.0])
+    # GPG (verl): 3 non-zero scores of 4: alpha = 4 / 3, never divided by the std
+    assert adv_of("gpg", [1.0, 0.0, 2.0, 2.0], [0, 0, 1, 1]) == pytest.approx(
+        [4 / 3 * 0.5, -4 / 3 * 0.5, 0.0, 0.0])
+    # a lone sample: rloo keeps its score, rloo_vectorized gives 0 (verl's two functions)
+    assert adv_of("rloo", [1.0, 2.0, 5.0], [0, 0, 1]) == pytest.approx([-1.0, 1.0, 5.0])
+    assert adv_of("rloo_vectorized", [1.0, 2.0, 5.0], [0, 0, 1]) == pytest.approx(
+        [-1.0, 1.0, 0.0])
 
 
 def test_hand_gae():
@@ -404,9 +430,7 @@ def test_verl_grpo_passk_by_hand():
         adv_of("grpo_passk", [1.0, 0.0], [0, 1])
 
 
-def test_verl_aliases_are_the_same_functions():
-    assert ADVANTAGE_ESTIMATORS.get("grpo_vectorized") is ADVANTAGE_ESTIMATORS.get("grpo")
-    assert ADVANTAGE_ESTIMATORS.get("rloo_vectorized") is ADVANTAGE_ESTIMATORS.get("rloo")
+def test_registry_metadata():
     assert ADVANTAGE_ESTIMATORS.meta("gae") == {"needs_values": True}
     assert ADVANTAGE_ESTIMATORS.meta("remax") == {"needs_baselines": True}
     assert set(ADVANTAGE_ESTIMATORS.names(needs_groups=True)) >= {"grpo", "grpo_passk", "rloo"}

@@ -201,3 +201,63 @@ def test_objective_mask_invariance(seed, mode, loss, cols):
     torch.testing.assert_close(grad2[:, real[0]], grad, **TOL)
     assert (grad2[:, ~real[0]] == 0).all()
     assert metrics2 == pytest.approx(metrics)
+
+
+# ----- the trainer's path (ActorObjective) and compute_policy_loss agree ---------------------
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES.names())
+@pytest.mark.parametrize("loss", POLICY_LOSSES.names())
+def test_trainer_path_equals_compute_policy_loss(loss, mode):
+    """Every policy loss in every aggregation mode, with rollout IS weights: ActorObjective
+    (what the engines run) gives compute_policy_loss's value and gradient; a loss that fixes
+    its own aggregation (geo_mean) ignores `mode` in both, as verl does."""
+    from tephra.algos import compute_policy_loss
+
+    gen = torch.Generator().manual_seed(3)
+    mask = random_mask(gen, 5, 7)
+    rnd = lambda: torch.randn(5, 7, generator=gen, dtype=torch.float64)  # noqa: E731
+    old = -rnd().abs()
+    adv, lp0 = rnd(), old + 0.2 * rnd()
+    weights = torch.where(mask > 0, 0.5 + rnd().abs(), torch.zeros(()))
+    tokens, seqs = global_normalisers([mask])
+    policy = PolicyLossConfig(clip_cov_lb=-1, clip_cov_ub=1, clip_cov_ratio=0.05, clip_cov_seed=0)
+    cfg = ActorObjectiveConfig(policy_loss=loss, loss_agg_mode=mode, loss_agg_norm_constant=C,
+                               policy=policy)
+    lp = lp0.clone().requires_grad_(True)
+    batch = {"old_log_probs": old, "advantages": adv, "response_mask": mask,
+             "rollout_is_weights": weights, "global_token_count": torch.full((5,), tokens),
+             "global_seq_count": torch.full((5,), seqs)}
+    trainer, _ = ActorObjective(cfg)({"log_probs": lp}, batch)
+    (g_trainer,) = torch.autograd.grad(trainer, lp)
+    lp2 = lp0.clone().requires_grad_(True)
+    direct, _ = compute_policy_loss(loss, lp2, old, adv, mask, config=policy, loss_agg_mode=mode,
+                                    global_token_count=tokens, global_seq_count=seqs,
+                                    norm_constant=C, token_weights=weights)
+    (g_direct,) = torch.autograd.grad(direct, lp2)
+    torch.testing.assert_close(trainer, direct, **TOL)
+    torch.testing.assert_close(g_trainer, g_direct, **TOL)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES.names())
+def test_geo_mean_on_the_trainer_path_is_verls_in_every_mode(mode):
+    """Two rows of lengths 3 and 1, advantages +1 / -1, on-policy: verl's geo_mean loss is
+    mean_i(-A_i * 1) = (-1 + 1) / 2 = 0 whatever loss_agg_mode says (it was -0.5 with
+    token-mean and -2.0 with token-sum on the trainer path)."""
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    lp = torch.log(torch.tensor([[0.5, 0.4, 0.3], [0.2, 1.0, 1.0]], dtype=torch.float64))
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+    tokens, seqs = global_normalisers([mask])
+    batch = {"old_log_probs": lp, "advantages": adv, "response_mask": mask,
+             "global_token_count": torch.full((2,), tokens),
+             "global_seq_count": torch.full((2,), seqs)}
+    cfg = ActorObjectiveConfig(policy_loss="geo_mean", loss_agg_mode=mode,
+                               loss_agg_norm_constant=C)
+    loss, _ = ActorObjective(cfg)({"log_probs": lp.clone().requires_grad_(True)}, batch)
+    assert float(loss.detach()) == pytest.approx(0.0, abs=1e-12)
+    # and with rollout IS weights, one per sequence: their geometric means 2 and 0.5 scale
+    # the sequences' losses (verl: exp(mean_t log w_t)), -1 * 2 + 1 * 0.5 over 2 sequences
+    w = torch.tensor([[1.0, 2.0, 4.0], [0.5, 9.0, 9.0]], dtype=torch.float64)
+    loss, _ = ActorObjective(cfg)({"log_probs": lp.clone().requires_grad_(True)},
+                                  {**batch, "rollout_is_weights": w})
+    assert float(loss.detach()) == pytest.approx((-1 * 2 + 1 * 0.5) / 2, rel=1e-6)

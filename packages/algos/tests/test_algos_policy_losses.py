@@ -68,7 +68,9 @@ def naive_token(name, lp, old, a, cfg, seq_ratio=None, cov=None, selected=False)
             div = q * (old - lp) + (1 - q) * (math.log(inner) if inner > 0 else math.nan)
             valid = ((div <= cfg.clip_ratio_high or p <= q) if a > 0
                      else (div <= cfg.clip_ratio_low or p >= q))
-        w = min(r, cfg.dppo_ratio_cap)
+        # verl's dppo losses truncate at clip_ratio_c (dppo_ratio_cap None, the default)
+        cap = cfg.dppo_ratio_cap if cfg.dppo_ratio_cap is not None else cfg.clip_ratio_c
+        w = min(r, cap)
         return (-a * w * lp, -a * w) if valid else (0.0, 0.0)
     raise AssertionError(name)
 

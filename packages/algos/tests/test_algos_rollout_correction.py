@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from tephra.algos import (
+    REJECTION_OPTIONS,
     ROLLOUT_CORRECTIONS,
     ActorObjective,
     ActorObjectiveConfig,
     ConfigError,
     InputError,
+    RegistryError,
     RolloutCorrectionConfig,
     apply_rollout_correction,
     global_normalisers,
@@ -130,3 +132,90 @@ def test_actor_objective_multiplies_the_policy_loss_by_the_weights():
             pg = max(-a * r, -a * min(max(r, 0.8), 1.2))
             want += float(corr.weights[b, t]) * pg / float(tokens)
     assert float(loss) == pytest.approx(want, rel=1e-10)
+
+
+# ----- rejection sampling (verl's rollout_rs) ------------------------------------------------
+
+
+def naive_keep(train, rollout, mask, name, lower, upper):
+    """verl's compute_rollout_rejection_mask (verl/trainer/ppo/rollout_corr_helper.py), one
+    option, one row and token at a time in Python floats: g = old - rollout clamped to +-20,
+    k1 = -g within [log lower, log upper], k2 = g^2/2 and k3 = e^g - 1 - g under upper; seq_*
+    reduce over the row's response tokens (sum, mean, max) and keep or drop the whole row."""
+    b, s = mask.shape
+    keep = [[0] * s for _ in range(b)]
+    for i in range(b):
+        toks = [t for t in range(s) if mask[i, t] > 0]
+        stats = {}
+        for t in toks:
+            g = max(-20.0, min(20.0, float(train[i, t] - rollout[i, t])))
+            stats[t] = {"k1": -g, "k2": 0.5 * g * g, "k3": math.exp(g) - 1 - g}[name[-2:]]
+        if name.startswith("token"):
+            decided = {t: stats[t] for t in toks}
+        else:
+            vals = list(stats.values())
+            how = name.split("_")[1]
+            agg = (sum(vals) if how == "sum" else sum(vals) / len(vals) if how == "mean"
+                   else max(vals)) if vals else 0.0
+            decided = {t: agg for t in toks}
+        for t, v in decided.items():
+            ok = v <= (math.log(upper) if name.endswith("k1") else upper)
+            if name.endswith("k1"):
+                ok = ok and v >= math.log(lower)
+            keep[i][t] = int(ok)
+    return torch.tensor(keep)
+
+
+@pytest.mark.parametrize("name", REJECTION_OPTIONS.names())
+def test_rejection_drops_exactly_the_rows_and_tokens_over_the_bound(name):
+    """A batch with planted large gaps (a few tokens off by +-3 nats): exactly the tokens, or
+    rows, that verl's definition rejects are dropped, and the metrics count them."""
+    gen = torch.Generator().manual_seed(11)
+    mask = random_mask(gen, 8, 10)
+    rollout = -torch.rand(8, 10, generator=gen, dtype=torch.float64) * 2
+    train = rollout + 0.01 * torch.randn(8, 10, generator=gen, dtype=torch.float64)
+    train[1, response_positions(mask[1])[-1]] += 3.0  # planted: far above
+    train[4, response_positions(mask[4])[0]] -= 3.0  # and far below
+    threshold = "0.5_2.0" if name.endswith("k1") else 0.05
+    lower, upper = (0.5, 2.0) if name.endswith("k1") else (None, 0.05)
+    cfg = RolloutCorrectionConfig(mode="tis", rejection=(name,), rejection_threshold=threshold)
+    out = apply_rollout_correction(cfg, rollout, mask, train)
+    expected = naive_keep(train, rollout, mask, name, lower, upper)
+    assert torch.equal(out.keep, expected)
+    dropped = (mask > 0) & (expected == 0)
+    assert 0 < int(dropped.sum()) < int((mask > 0).sum())  # the plants, not everything
+    assert out.metrics["rollout_corr/rs_masked_frac"] == pytest.approx(
+        float(dropped.sum()) / float((mask > 0).sum()))
+    assert out.metrics[f"rollout_corr/rs_{name}_masked_frac"] == \
+        out.metrics["rollout_corr/rs_masked_frac"]
+    rows = (mask > 0).any(-1)
+    assert out.metrics["rollout_corr/rs_seq_masked_frac"] == pytest.approx(
+        float((dropped.any(-1) & rows).sum()) / float(rows.sum()))
+    assert (out.weights[expected == 0] == 0).all()  # TIS weights of dropped tokens are 0
+
+
+def test_rejection_options_combine_and_bad_thresholds_name_the_field():
+    gen = torch.Generator().manual_seed(2)
+    mask = random_mask(gen, 6, 8)
+    rollout = -torch.rand(6, 8, generator=gen, dtype=torch.float64)
+    train = rollout + 0.5 * torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    both = RolloutCorrectionConfig(rejection=("token_k1", "seq_max_k3"),
+                                   rejection_threshold="0.7_1.5,0.3")
+    keep = apply_rollout_correction(both, rollout, mask, train).keep
+    assert torch.equal(keep, naive_keep(train, rollout, mask, "token_k1", 0.7, 1.5)
+                       * naive_keep(train, rollout, mask, "seq_max_k3", None, 0.3))
+    # a single k1 number u is the pair 1/u_u
+    one = RolloutCorrectionConfig(rejection=("token_k1",), rejection_threshold=2.0)
+    assert one.bounds["token_k1"] == pytest.approx((math.log(0.5), math.log(2.0)))
+    for kwargs, message in [
+        ({"rejection": ("token_k4",)}, r"algorithm.rollout_rejection='token_k4'.*did you mean"),
+        ({"rejection": ("token_k1",)}, r"rollout_rejection_threshold is missing"),
+        ({"rejection": ("token_k2",), "rejection_threshold": "0.1_0.2"}, r"upper bound only"),
+        ({"rejection": ("token_k1", "seq_sum_k2"), "rejection_threshold": "1,2,3"},
+         r"one bound for all options or one per option \(2\)"),
+        ({"rejection": ("token_k3",), "rejection_threshold": "-1"}, r"positive"),
+        ({"mode": "bypass", "rejection": ("token_k3",), "rejection_threshold": 1.0},
+         r"needs the trainer's log-probs, which rollout_correction='bypass' skips"),
+    ]:
+        with pytest.raises((ConfigError, RegistryError), match=message):
+            RolloutCorrectionConfig(**kwargs)

@@ -296,12 +296,13 @@ def _verl_table_names() -> list[str]:
 
 
 def test_every_verl_table_name_resolves():
-    from tephra.algos import AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES
+    from tephra.algos import AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES, REJECTION_OPTIONS
 
     names = _verl_table_names()
     assert {"gdpo", "optimal_token_baseline", "tir_optimal_token_baseline", "dro", "dppo_tv",
             "dppo_kl", "bypass_mode"} <= set(names)
-    registries = [ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AGGREGATION_MODES, KL_ESTIMATORS]
+    registries = [ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AGGREGATION_MODES, KL_ESTIMATORS,
+                  REJECTION_OPTIONS]
     unresolved = [n for n in names if not any(n in r.names() for r in registries)]
     assert unresolved == [], f"README verl table names not registered: {unresolved}"
 

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensordict import TensorDict
 
 from tephra.controller.data import (
@@ -161,7 +162,14 @@ def test_trackers_write_jsonl_and_tensorboard(tmp_path, capsys):
     t.log({"loss": 1.25, "grad_norm": 3.0}, 3)  # no RL headline metric (SFT): all of them
     t.close()
     assert [r.get("reward/mean") for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.5, 0.7, None]
-    assert any((tmp_path / "tensorboard").iterdir())
+    # the scalars read back from the event files, step by step
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+              for tag in events.Tags()["scalars"]}
+    assert logged["reward/mean"] == [(1, 0.5), (2, pytest.approx(0.7))]
+    assert logged["critic/loss"] == [(1, 2.0)]
+    assert logged["grad_norm"] == [(3, 3.0)] and logged["loss"] == [(3, 1.25)]
     assert capsys.readouterr().out.splitlines() == [
         "step 1: mean=0.5", "step 2: mean=0.7", "step 3: loss=1.25 grad_norm=3"]
 

@@ -50,3 +50,24 @@ def test_bf16_on_cuda_tracks_fp32_on_cpu(overrides):
     assert exported.keys() == reference.keys()
     for name, tensor in exported.items():
         assert tensor.shape == reference[name].shape and torch.isfinite(tensor).all(), name
+
+
+@pytest.mark.parametrize("params", [True, False])
+def test_offload_keeps_the_tensors_in_host_memory_between_steps(params):
+    """offload.params keeps the parameter shards on the host (FSDP copies them in for each
+    forward); offload.optimizer keeps Adam's state there outside train_mode. The steps equal
+    the ones without offload."""
+    from torch.distributed.tensor import DTensor
+
+    batch = random_batch(TINY_VOCAB, num_sequences=4, seed=5)
+    plain = FSDPEngine.build(tiny_engine_config(device="cuda"))
+    off = FSDPEngine.build(tiny_engine_config(**{"device": "cuda", "offload.params": params,
+                                                 "offload.optimizer": True}))
+    for _ in range(2):
+        (la, ga), (lb, gb) = train_step(plain, batch), train_step(off, batch)
+        assert la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
+    shards = [p.to_local() if isinstance(p, DTensor) else p for p in off.hf_model.parameters()]
+    assert {s.device.type for s in shards} == ({"cpu"} if params else {"cuda"})
+    state = [v for s in off.optimizer.state.values() for k, v in s.items()
+             if isinstance(v, torch.Tensor) and k != "step"]
+    assert state and {v.device.type for v in state} == {"cpu"}

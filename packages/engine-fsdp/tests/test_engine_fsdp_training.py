@@ -9,8 +9,9 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from tephra.engine_api import BatchError, CheckpointError, ConfigError, SchedulerConfig
 from tephra.engine_api import batch as B
+from tephra.engine_api.lr_schedules import SCHEDULES
 from tephra.engine_api.testing import nll_loss_fn, random_batch
-from tephra.engine_fsdp import SCHEDULES, FSDPEngine
+from tephra.engine_fsdp import FSDPEngine
 from tephra.engine_fsdp.testing import TINY_VOCAB, tiny_engine_config, tiny_qwen2_config, train_step
 
 

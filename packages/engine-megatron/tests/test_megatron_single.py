@@ -11,7 +11,7 @@ from tephra.engine_api import CheckpointError, ConfigError, SchedulerConfig, app
 from tephra.engine_api.testing import nll_loss_fn, random_batch
 from tephra.engine_megatron import testing as T
 from tephra.engine_megatron.engine import MegatronEngine
-from tephra.engine_megatron.lr_schedule import lr_factor
+from tephra.engine_megatron.lr_schedule import LrSchedule
 
 SMALL = {**T.TINY_DENSE, "num_hidden_layers": 2}
 
@@ -91,13 +91,20 @@ def test_bad_model_folder_and_checkpoint_errors(tmp_path):
         engine.load_checkpoint(tmp_path / "other")
 
 
-def test_lr_schedules_by_hand():
+def test_lr_schedule_drives_megatrons_groups_by_hand():
+    """The shared schedules on Megatron's parameter groups: the first step of a warmup runs
+    at peak / W (it ran at 0 before the engines shared one schedule), and a loaded state
+    resumes the lr."""
+    groups = [{"lr": None}, {"lr": None}]
     cos = SchedulerConfig(name="cosine", warmup_steps=2, total_steps=12, min_lr_ratio=0.1)
-    assert [lr_factor(cos, s) for s in (0, 1, 2)] == [0.0, 0.5, 1.0]
-    assert lr_factor(cos, 7) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert lr_factor(cos, 12) == pytest.approx(0.1)
-    wsd = SchedulerConfig(name="wsd", total_steps=10, decay_ratio=0.2, min_lr_ratio=0.0)
-    assert [lr_factor(wsd, s) for s in (5, 8, 9, 10)] == pytest.approx([1, 1, 0.5, 0])
+    sched = LrSchedule(lambda: groups, 1e-3, cos)
+    seen = [groups[0]["lr"]] + [sched.step() for _ in range(7)]
+    assert seen[:3] == pytest.approx([0.5e-3, 1e-3, 1e-3])
+    assert seen[7] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5))))
+    assert groups[1]["lr"] == seen[7]
+    again = LrSchedule(lambda: groups, 1e-3, cos)
+    again.load_state_dict(sched.state_dict())
+    assert groups[0]["lr"] == seen[7]
 
 
 def test_bf16_compute_with_float32_master_weights(tmp_path):

@@ -287,6 +287,6 @@ def test_scorer_logs_the_first_failure_and_runs_inside_an_event_loop(caplog):
 
 def test_host_without_namespaces_names_the_scorer_setting(monkeypatch):
     monkeypatch.setattr(python_sandbox, "_unshare_works", lambda flags: "no namespaces here")
-    with pytest.raises(RewardError, match=r"cannot isolate the network: no namespaces here.*"
-                       r"CodeLimits\(allow_network=True\)"):
+    with pytest.raises(RewardError, match=r"cannot create the sandbox's namespaces: no namespaces "
+                       r"here.*CodeLimits\(accept_missing=\.\.\.\)"):
         score_code(fenced("print(3)\n"), {"inputs": [""], "outputs": ["3"]}, LIMITS)

@@ -152,22 +152,51 @@ def test_server_settings_reach_the_command_line_and_the_transfer_requests():
     assert vllm.launch_env(disk) == {}
 
     meta = BucketMeta(["a.weight", "b.bias"], ["float32", "float32"], [[2, 3], [3]])
-    assert vllm.transfer_init_request("10.0.0.1", 7, 3, "gloo") == ("/init_weight_transfer_engine", {
+    assert vllm.transfer_init_request("gloo", "10.0.0.1", 7, 3) == ("/init_weight_transfer_engine", {
         "init_info": {"master_address": "10.0.0.1", "master_port": 7, "rank_offset": 1,
                       "world_size": 3, "backend": "gloo"}})
-    assert vllm.transfer_bucket_request(meta) == ("/update_weights", {"update_info": {
+    # ipc: no group to join, the handle comes with each bucket
+    assert vllm.transfer_init_request("ipc", "10.0.0.1", 0, 2) == (
+        "/init_weight_transfer_engine", {"init_info": {"backend": "ipc"}})
+    assert vllm.transfer_bucket_request(meta, None) == ("/update_weights", {"update_info": {
         "names": ["a.weight", "b.bias"], "dtype_names": ["float32", "float32"],
         "shapes": [[2, 3], [3]]}})
+    assert vllm.transfer_bucket_request(meta, "H")[1]["update_info"]["handle"] == "H"
     assert vllm.transfer_finish_requests(4)[0] == ("/finish_weight_update", {"weight_version": "4"})
 
     text = " ".join(sglang.launch_command("py", "m", "h", 9, config, ServerSettings(
-        tensor_parallel_size=2, gpu_memory_utilization=0.5, sleep_mode=True)))
+        tensor_parallel_size=2, gpu_memory_utilization=0.5, sleep_level=1)))
     assert "--tp-size 2" in text and "--mem-fraction-static 0.5" in text
-    assert "--enable-memory-saver" in text
-    assert sglang.transfer_init_request("h", 7, 2, "nccl")[1]["group_name"] == "tephra-weights"
-    path, body = sglang.transfer_bucket_request(meta)
-    assert path == "/update_weights_from_distributed" and body["dtypes"] == ["float32", "float32"]
+    assert "--enable-memory-saver" in text and "--enable-weights-cpu-backup" in text
+    text = " ".join(sglang.launch_command("py", "m", "h", 9, config, ServerSettings(sleep_level=2)))
+    assert "--enable-memory-saver" in text and "--enable-weights-cpu-backup" not in text
+    assert sglang.transfer_init_request("nccl", "h", 7, 2)[1] == {
+        "master_address": "h", "master_port": 7, "rank_offset": 1, "world_size": 2,
+        "group_name": "tephra-weights", "backend": "nccl"}
+    assert sglang.transfer_init_request("ipc", "h", 0, 2) is None
+    path, body = sglang.transfer_bucket_request(meta, None)
+    assert (path, body) == ("/update_weights_from_distributed", {
+        "names": ["a.weight", "b.bias"], "dtypes": ["float32", "float32"], "shapes": [[2, 3], [3]],
+        "group_name": "tephra-weights", "flush_cache": False})
+    assert sglang.transfer_bucket_request(meta, "H") == ("/update_weights_from_tensor", {
+        "serialized_named_tensors": ["H"], "flush_cache": False})
     assert not sglang.packs_buckets
+
+
+def test_sleep_and_wake_requests_per_level():
+    vllm, sglang = VllmProtocol(), SglangProtocol()
+    off, one, two = (ServerSettings(sleep_level=n) for n in (0, 1, 2))
+    assert vllm.sleep_requests(off) == [] and vllm.wake_requests(off, ["weights"]) == []
+    assert vllm.sleep_requests(one) == [("/sleep?level=1", {})]
+    assert vllm.sleep_requests(two) == [("/sleep?level=2", {})]
+    # vLLM reads repeated `tags` query parameters
+    assert vllm.wake_requests(two, ["weights"]) == [("/wake_up?tags=weights", {})]
+    assert vllm.wake_requests(one, ["weights", "kv_cache"]) == [
+        ("/wake_up?tags=weights&tags=kv_cache", {})]
+    assert sglang.sleep_requests(off) == []
+    assert sglang.sleep_requests(two) == [("/release_memory_occupation", {})]
+    assert sglang.wake_requests(one, ["kv_cache"]) == [
+        ("/resume_memory_occupation", {"tags": ["kv_cache"]})]
 
 
 def test_weight_buckets_bound_their_size_and_round_trip():
@@ -191,6 +220,9 @@ def test_weight_buckets_bound_their_size_and_round_trip():
     ("weight_bucket_mb", 0, "weight_bucket_mb=0 must be > 0"),
     ("tensor_parallel_size", 0, "must be >= 1"),
     ("gpu_memory_utilization", 1.5, r"must be in \(0, 1\]"),
+    ("weight_transport", "ipcc", r"weight_transport='ipcc' is not a weight transport \(did you "
+                                 r"mean 'ipc'\?\); choose one of \['auto', 'gloo', 'nccl', 'ipc'\]"),
+    ("sleep_level", 3, r"sleep_level=3: choose 0 \(no sleep\), 1"),
 ])
 def test_bad_server_settings_name_the_field(field, value, message):
     from tephra.engine_api.errors import ConfigError

@@ -127,7 +127,23 @@ def test_vllm_matches_hf_then_follows_new_weights(rollouts, tiny_tied_model):
         assert assert_same_greedy(vllm, hf, max_tokens=8).response_ids != after.response_ids
     finally:
         vllm.settings.weight_sync = "memory"
-    assert vllm.calls["update_weights"] == vllm.update_count == 2
+
+    # ipc: each bucket as a handle the server's plugin opens (CPU shared memory here, CUDA
+    # IPC on a GPU: the same code), through the same four-phase protocol; nothing on disk
+    files_before = sorted(p.name for p in vllm.weights_dir.iterdir())
+    vllm.transport = "ipc"
+    try:
+        newest = list(perturbed_weights(tiny_tied_model.path, seed=13))
+        vllm.update_weights(iter(newest))
+        hf.update_weights(newest)
+        assert vllm.last_update_stats["buckets"] >= 4
+        assert sorted(p.name for p in vllm.weights_dir.iterdir()) == files_before
+        assert httpx.get(vllm.urls[0] + "/weight_info").json() == {"weight_version": "3"}
+        last = assert_same_greedy(vllm, hf, max_tokens=8)
+        assert last.response_ids not in (after.response_ids, before)
+    finally:
+        vllm.transport = "gloo"
+    assert vllm.calls["update_weights"] == vllm.update_count == 3
 
 
 def test_vllm_agent_loop_tool_turn_matches_hf(rollouts, tiny_tied_model):
@@ -217,10 +233,10 @@ def test_vllm_partial_rollout_resumes_under_the_new_weights(rollouts, tiny_tied_
     assert untagged.token_versions is None
 
 
-def test_vllm_sleep_mode_is_refused_on_cpu_before_start(tiny_tied_model, vllm_python):
+def test_vllm_sleep_is_refused_on_cpu_before_start(tiny_tied_model, vllm_python):
     config = RolloutConfig(model_path=tiny_tied_model.path,
-                           vllm=server_settings(vllm_python, sleep_mode=True))
-    with pytest.raises(ConfigError, match="vllm.sleep_mode=true: vLLM's CPU build"):
+                           vllm=server_settings(vllm_python, sleep_level=1))
+    with pytest.raises(ConfigError, match="vllm.sleep_level=1: vLLM's CPU build"):
         get_rollout("vllm", config)
 
 

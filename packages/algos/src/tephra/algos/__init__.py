@@ -31,18 +31,20 @@ from tephra.algos.objectives import ActorObjective, CriticObjective
 from tephra.algos.policy_losses import POLICY_LOSSES, compute_policy_loss
 from tephra.algos.registry import Registry
 from tephra.algos.rollout_correction import (
+    REJECTION_OPTIONS,
     ROLLOUT_CORRECTIONS,
     RolloutCorrection,
     RolloutCorrectionConfig,
     apply_rollout_correction,
+    rejection_mask,
     rollout_mismatch_metrics,
 )
 from tephra.algos.value_loss import clipped_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATION_MODES", "KL_ESTIMATORS", "POLICY_LOSSES",
-    "ROLLOUT_CORRECTIONS", "RolloutCorrection", "RolloutCorrectionConfig",
-    "apply_rollout_correction", "rollout_mismatch_metrics",
+    "REJECTION_OPTIONS", "ROLLOUT_CORRECTIONS", "RolloutCorrection", "RolloutCorrectionConfig",
+    "apply_rollout_correction", "rejection_mask", "rollout_mismatch_metrics",
     "ActorObjective", "ActorObjectiveConfig", "AdaptiveKLController", "AdvantageConfig",
     "ConfigError", "CriticObjective", "CriticObjectiveConfig",
     "FixedKLController", "InputError", "PolicyLossConfig", "Registry", "RegistryError",

@@ -250,9 +250,24 @@ def opo(*, token_rewards, response_mask, group_ids, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("gpg", needs_groups=True)
-def gpg(*, token_rewards, response_mask, group_ids, config, **_):
-    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for
-    Model Reasoning"): group-centred advantage rescaled for the samples that carry no signal,
+def gpg(*, token_rewards, response_mask, group_ids, **_):
+    """GPG as verl computes it (`compute_gpg_outcome_advantage`, f_norm = 1): group-centred
+    scores rescaled by the share of samples with a non-zero score,
+        A_i = alpha * (s_i - mean_g(s)),   alpha = B / max(#{j : s_j != 0}, 1)
+    B the batch size; a group of one has baseline 0. No division by the group std, whatever
+    `norm_by_std` says. The paper's own alpha is `gpg_paper`."""
+    scores = _scores(token_rewards, response_mask)
+    mean, _ = _baseline_and_scale(group_index(group_ids), scores, 0.0, False)
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
+    adv = _broadcast(alpha * (scores - mean), response_mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("gpg_paper", needs_groups=True)
+def gpg_paper(*, token_rewards, response_mask, group_ids, config, **_):
+    """GPG as the paper defines it (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement
+    Learning Baseline for Model Reasoning"): group-centred advantage rescaled for the samples
+    that carry no signal,
         A_i = alpha * (s_i - mean_g(s)) / F,   alpha = B / max(B - M, 1)
     with B the batch size, M the samples in groups whose scores are all equal (zero
     advantage), F = std_g(s) + eps when `norm_by_std` else 1. Groups of one count as
@@ -352,9 +367,35 @@ def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
 
 # verl's names for the same estimators (verl's vectorised implementations of GRPO and RLOO
 # compute the same numbers for groups of two or more samples; see the README's verl table)
-ADVANTAGE_ESTIMATORS.register("grpo_vectorized", grpo, needs_groups=True)
-ADVANTAGE_ESTIMATORS.register("rloo_vectorized", ADVANTAGE_ESTIMATORS.get("rloo"),
-                              needs_groups=True)
+@ADVANTAGE_ESTIMATORS.register("grpo_vectorized", needs_groups=True)
+def grpo_vectorized(*, token_rewards, response_mask, group_ids, config, **_):
+    """verl's vectorised GRPO (`compute_grpo_vectorized_outcome_advantage`): `grpo` with the
+    group variance floored at eps before the square root,
+        A_i = (s_i - mean_g) / (sqrt(max(var_g, eps)) + eps),   groups of one: mean 0, std 1.
+    """
+    scores = _scores(token_rewards, response_mask)
+    groups = group_index(group_ids)
+    mean, _ = _baseline_and_scale(groups, scores, config.epsilon, False)
+    if not config.norm_by_std:
+        adv = _broadcast(scores - mean, response_mask)
+        return adv, adv
+    single = groups.sizes[groups.index] == 1
+    std = groups.std(scores).square().clamp(min=config.epsilon).sqrt()[groups.index]
+    scale = torch.where(single, torch.ones_like(scores), std + config.epsilon)
+    adv = _broadcast((scores - mean) / scale, response_mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo_vectorized", needs_groups=True)
+def rloo_vectorized(*, token_rewards, response_mask, group_ids, **_):
+    """verl's vectorised RLOO (`compute_rloo_vectorized_outcome_advantage`): `rloo`, except
+    that a group of one gets 0 (plain `rloo` gives it its raw score, as verl's `rloo` does)."""
+    scores = _scores(token_rewards, response_mask)
+    groups = group_index(group_ids)
+    n = groups.sizes[groups.index].to(scores.dtype)
+    loo = (groups.sum(scores)[groups.index] - scores) / (n - 1).clamp(min=1)
+    adv = _broadcast(torch.where(n > 1, scores - loo, torch.zeros_like(scores)), response_mask)
+    return adv, adv
 
 
 def _otb_baseline(returns: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,

@@ -105,9 +105,11 @@ class PolicyLossConfig:
     dro_beta: float = 0.1
     """`dro`: weight beta of the quadratic proximity penalty (beta / 2)(log pi - log pi_old)^2;
     must be > 0 (verl's `dro_beta`)."""
-    dppo_ratio_cap: float | None = 20.0
-    """`dppo_tv`, `dppo_kl`: truncation of the importance weight min(r, cap) (DPPO's
-    truncated IS; verl reads `clip_ratio_c` for it, defaulting to 20). None: no truncation."""
+    dppo_ratio_cap: float | None = None
+    """`dppo_tv`, `dppo_kl`: truncation C of the importance weight min(r, C) (DPPO's truncated
+    IS). None (default): `clip_ratio_c`, as verl reads it (3.0 by default; 20 where
+    `clip_ratio_c` is None, verl's fallback), so a ported verl config computes the same.
+    Set it to truncate DPPO's weight apart from the dual clip."""
 
     def __post_init__(self) -> None:
         _positive("policy_loss", "clip_ratio", self.clip_ratio)

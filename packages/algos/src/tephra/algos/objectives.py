@@ -21,7 +21,7 @@ from tephra.algos.importance_sampling import truncated_importance_weights
 from tephra.algos.inputs import check_same_shape
 from tephra.algos.kl import kl_penalty
 from tephra.algos.masked import masked_mean
-from tephra.algos.policy_losses import POLICY_LOSSES
+from tephra.algos.policy_losses import POLICY_LOSSES, policy_aggregation, weigh_policy_loss
 from tephra.algos.value_loss import clipped_value_loss
 
 Tensors = Mapping[str, torch.Tensor]
@@ -48,7 +48,9 @@ class ActorObjective:
     L_pg the per-token policy loss `config.policy_loss`, w the truncated importance weights
     (1 when `tis_level` is None) times batch["rollout_is_weights"] when present (the
     controller's rollout correction, `tephra.algos.rollout_correction`), agg =
-    `config.loss_agg_mode`.
+    `config.loss_agg_mode`, except for a policy loss that fixes its own aggregation
+    (`geo_mean`: per sequence, its weights a per-sequence geometric mean), as in
+    `compute_policy_loss` and in verl.
     Reads outputs["log_probs"] (and outputs["entropy"] when present or needed),
     batch["old_log_probs"], ["advantages"], ["response_mask"], ["global_token_count"],
     ["global_seq_count"], and ["ref_log_probs"] (use_kl_loss), ["rollout_log_probs"] (tis).
@@ -57,6 +59,8 @@ class ActorObjective:
     def __init__(self, config: ActorObjectiveConfig | None = None) -> None:
         self.config = config if config is not None else ActorObjectiveConfig()
         self._policy_loss = POLICY_LOSSES.get(self.config.policy_loss)
+        self._pg_aggregation = policy_aggregation(self.config.policy_loss,
+                                                  self.config.loss_agg_mode)
 
     def __call__(self, outputs: Tensors, batch: Tensors) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
@@ -76,17 +80,22 @@ class ActorObjective:
 
         loss_mat, pg_metrics = self._policy_loss(log_probs, old, adv, mask, cfg.policy)
         metrics = {f"actor/{k}": v for k, v in pg_metrics.items()}
+        weights = None
         if cfg.tis_level is not None:
             rollout = _need(batch, "rollout_log_probs", "batch",
                             f"actor.tis_level={cfg.tis_level!r} needs the rollout engine's "
                             f"log-probs; set tis_level=None or return them from the rollout")
             weights, tis_metrics = truncated_importance_weights(
                 old, rollout, mask, level=cfg.tis_level, threshold=cfg.tis_threshold)
-            loss_mat = loss_mat * weights
             metrics.update({f"actor/{k}": v for k, v in tis_metrics.items()})
         if "rollout_is_weights" in batch.keys():  # computed once per step on the whole batch
-            loss_mat = loss_mat * batch["rollout_is_weights"]
-        pg_loss = agg(loss_mat)
+            step_weights = batch["rollout_is_weights"]
+            weights = step_weights if weights is None else weights * step_weights
+        loss_mat = weigh_policy_loss(cfg.policy_loss, loss_mat, weights, mask)
+        # the policy term takes the loss's own aggregation where it fixes one (geo_mean);
+        # the entropy and KL terms below take loss_agg_mode
+        pg_loss = aggregate_loss(loss_mat, mask, self._pg_aggregation, global_token_count=tokens,
+                                 global_seq_count=seqs, norm_constant=cfg.loss_agg_norm_constant)
         loss = pg_loss
         metrics["actor/pg_loss"] = float(pg_loss.detach())
 

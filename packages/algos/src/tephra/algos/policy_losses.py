@@ -269,7 +269,9 @@ def _dppo(log_probs, old_log_probs, advantages, response_mask, config, valid):
     log_ratio = _log_ratio(log_probs, old_log_probs, config)
     ratio = log_ratio.detach().exp()
     cap = config.dppo_ratio_cap
-    weight = ratio if cap is None else ratio.clamp(max=cap)
+    if cap is None:  # verl: clip_ratio_c, or 20 where the config has none
+        cap = config.clip_ratio_c if config.clip_ratio_c is not None else 20.0
+    weight = ratio.clamp(max=cap)
     keep = valid.detach().to(log_probs.dtype)
     loss = -advantages * weight * log_probs * keep
     metrics = _ratio_metrics(log_ratio, response_mask)
@@ -336,14 +338,33 @@ def compute_policy_loss(
                      response_mask=response_mask)
     config = config if config is not None else PolicyLossConfig()
     loss_mat, metrics = fn(log_probs, old_log_probs, advantages, response_mask, config)
-    if token_weights is not None:
-        loss_mat = loss_mat * token_weights.detach()
-    # a sequence-level loss (its value repeated on every token) fixes its own aggregation
-    loss_agg_mode = POLICY_LOSSES.meta(name).get("aggregation", loss_agg_mode)
-    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode,
+    loss_mat = weigh_policy_loss(name, loss_mat, token_weights, response_mask)
+    loss = aggregate_loss(loss_mat, response_mask, policy_aggregation(name, loss_agg_mode),
                           global_token_count=global_token_count,
                           global_seq_count=global_seq_count, norm_constant=norm_constant)
     return loss, metrics
 
 
-__all__ = ["POLICY_LOSSES", "compute_policy_loss"]
+def policy_aggregation(name: str, loss_agg_mode: str) -> str:
+    """The aggregation of policy loss `name`: a sequence-level loss (its value repeated on
+    every token, e.g. `geo_mean`) fixes its own, as verl's ignores `loss_agg_mode`; the others
+    take `loss_agg_mode`."""
+    return POLICY_LOSSES.meta(name).get("aggregation", loss_agg_mode)
+
+
+def weigh_policy_loss(name: str, loss_mat: torch.Tensor, token_weights: torch.Tensor | None,
+                      response_mask: torch.Tensor) -> torch.Tensor:
+    """loss_mat [batch, seq] times importance weights (no gradient). A sequence-level loss
+    takes the geometric mean of its tokens' weights, one per sequence, as verl's `geo_mean`
+    does with `rollout_is_weights`: exp(sum_t m_t log(w_t + 1e-10) / (sum_t m_t + 1e-8))."""
+    if token_weights is None:
+        return loss_mat
+    weights = token_weights.detach()
+    if "aggregation" in POLICY_LOSSES.meta(name):
+        m = response_mask.to(weights.dtype)
+        log_w = (torch.log(weights + 1e-10) * m).sum(-1) / (m.sum(-1) + 1e-8)
+        weights = log_w.exp().unsqueeze(-1)
+    return loss_mat * weights
+
+
+__all__ = ["POLICY_LOSSES", "compute_policy_loss", "policy_aggregation", "weigh_policy_loss"]

@@ -17,6 +17,11 @@ each token's policy loss is weighted:
     bypass  pi_old = pi_rollout: the PPO ratio is taken against the rollout's own log-probs
             and the trainer's old-log-prob forward pass is skipped; weight 1
 
+Rejection sampling (verl's `rollout_rs`, Liu et al. 2025, "When Speed Kills Stability") can
+be added to any mode that has the trainer's log-probs: tokens, or whole sequences, whose
+divergence between pi_old and pi_rollout leaves a bound are dropped from the response mask
+(`REJECTION_OPTIONS`, one statistic per name, several names all applied).
+
 Weights carry no gradient. The registry's metadata tells a caller what to do:
 `needs_train_log_probs` (compute the trainer's log-probs before the update) and
 `replaces_old_log_probs` (never compute them: the mode supplies pi_old).
@@ -54,6 +59,15 @@ class RolloutCorrectionConfig:
     cap: float = 2.0
     """`tis`: the truncation C of min(ratio, C), >= 1. 2 bounds the variance a stale or
     mismatched token can add while leaving ratios near 1 untouched."""
+    rejection: tuple[str, ...] = ()
+    """Rejection sampling options from `REJECTION_OPTIONS` (verl's `rollout_rs`, e.g.
+    `token_k1`, `seq_mean_k3`): a token, or with a `seq_*` option its whole sequence, is
+    dropped from the response mask when its statistic leaves the bound; all options apply.
+    Empty (default): no rejection."""
+    rejection_threshold: str | float | None = None
+    """Bounds, one per option or one for all (verl's `rollout_rs_threshold`): `*_k1` options
+    take ratio bounds `"lower_upper"` (a single number u means 1/u_u); k2 / k3 options an
+    upper bound on the divergence."""
 
     def __post_init__(self) -> None:
         if self.mode not in ROLLOUT_CORRECTIONS:
@@ -69,6 +83,12 @@ class RolloutCorrectionConfig:
         if not (isinstance(self.cap, (int, float)) and math.isfinite(self.cap) and self.cap >= 1):
             raise ConfigError(f"rollout_correction.cap={self.cap!r} must be a finite number "
                               ">= 1 (the truncation C of min(ratio, C))")
+        self.rejection = tuple(dict.fromkeys(self.rejection))
+        self.bounds = rejection_bounds(self.rejection, self.rejection_threshold)
+        if self.rejection and ROLLOUT_CORRECTIONS.meta(self.mode)["replaces_old_log_probs"]:
+            raise ConfigError(f"rollout_rejection={list(self.rejection)} needs the trainer's "
+                              f"log-probs, which rollout_correction={self.mode!r} skips; use "
+                              f"'none' or 'tis' with rejection")
 
 
 @dataclass
@@ -81,6 +101,122 @@ class RolloutCorrection:
     """Per-token multiplier of the policy loss [batch, seq] (0 where the mask is 0); None: 1."""
     metrics: dict[str, float]
     """`rollout_corr/*` floats about the batch."""
+    keep: torch.Tensor | None = None
+    """Rejection sampling's mask [batch, seq]: 0 for the tokens to drop from the response mask
+    (the caller multiplies it in); None: no rejection configured."""
+
+
+# ----- rejection sampling (verl's rollout_rs) ------------------------------------------------
+
+_RS_CLAMP = 20.0  # verl's SAFETY_BOUND on the log-ratio
+
+
+def _token_stat(kind: str, log_ratio: torch.Tensor) -> torch.Tensor:
+    """verl's per-token statistics of g = log pi_old - log pi_rollout (clamped to +-20):
+    k1 = -g, k2 = g^2 / 2, k3 = exp(g) - 1 - g."""
+    g = log_ratio.clamp(-_RS_CLAMP, _RS_CLAMP)
+    return {"k1": -g, "k2": 0.5 * g * g, "k3": torch.expm1(g) - g}[kind]
+
+
+def _reduce(how: str, stat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence sum / mean / max of a token statistic over mask = 1 (max of none: 0)."""
+    m = mask.to(stat.dtype)
+    if how == "sum":
+        return (stat * m).sum(-1)
+    if how == "mean":
+        return (stat * m).sum(-1) / m.sum(-1).clamp(min=1)
+    top = stat.masked_fill(mask <= 0, -torch.inf).max(-1).values
+    return torch.where(torch.isinf(top), torch.zeros_like(top), top)
+
+
+REJECTION_OPTIONS: Registry[tuple[str | None, str]] = Registry("rejection sampling option")
+"""verl's rollout_rs names -> (per-sequence reduction or None for per-token, statistic)."""
+for _kind in ("k1", "k2", "k3"):
+    REJECTION_OPTIONS.register(f"token_{_kind}", (None, _kind))
+    REJECTION_OPTIONS.register(f"seq_sum_{_kind}", ("sum", _kind))
+    REJECTION_OPTIONS.register(f"seq_mean_{_kind}", ("mean", _kind))
+for _kind in ("k2", "k3"):
+    REJECTION_OPTIONS.register(f"seq_max_{_kind}", ("max", _kind))
+
+
+def rejection_bounds(options: tuple[str, ...],
+                     threshold: str | float | None) -> dict[str, tuple[float | None, float]]:
+    """{option: (lower, upper)} from verl's threshold spec, in the statistic's own units (log
+    bounds for k1); raises a ConfigError naming the field for anything malformed."""
+    field = "algorithm.rollout_rejection_threshold"
+    for name in options:
+        REJECTION_OPTIONS.check(name, "algorithm.rollout_rejection")
+    if not options:
+        return {}
+    if threshold is None:
+        raise ConfigError(f"{field} is missing: algorithm.rollout_rejection={list(options)} "
+                          f"needs bounds, e.g. '0.5_2.0' for a *_k1 option or 0.01 for k2/k3")
+    specs = ([str(threshold)] if isinstance(threshold, (int, float))
+             else [p.strip() for p in str(threshold).split(",") if p.strip()])
+    if len(specs) == 1:
+        specs = specs * len(options)
+    if len(specs) != len(options):
+        raise ConfigError(f"{field}={threshold!r}: give one bound for all options or one per "
+                          f"option ({len(options)}), separated by commas")
+    bounds: dict[str, tuple[float | None, float]] = {}
+    for name, spec in zip(options, specs):
+        try:
+            parts = [float(x) for x in spec.split("_")]
+        except ValueError:
+            raise ConfigError(f"{field}={threshold!r}: {spec!r} (for {name}) is not a number "
+                              f"or a 'lower_upper' pair") from None
+        if not all(math.isfinite(x) and x > 0 for x in parts) or len(parts) > 2:
+            raise ConfigError(f"{field}={threshold!r}: {spec!r} (for {name}) must be one or "
+                              f"two positive numbers")
+        if name.endswith("k1"):
+            lower, upper = parts if len(parts) == 2 else (1.0 / parts[0], parts[0])
+            bounds[name] = (math.log(lower), math.log(upper))
+        elif len(parts) == 2:
+            raise ConfigError(f"{field}={threshold!r}: {name} takes an upper bound only, not "
+                              f"{spec!r}")
+        else:
+            bounds[name] = (None, parts[0])
+    return bounds
+
+
+def rejection_mask(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                   response_mask: torch.Tensor, bounds: dict[str, tuple[float | None, float]],
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
+    """(keep [batch, seq], metrics): 1 where every option in `bounds` keeps the token.
+
+    Per option, the statistic of g = log pi_old - log pi_rollout (`_token_stat`), per token or
+    reduced over the sequence, must lie in [lower, upper] (k1) or under upper (k2, k3); a
+    `seq_*` option drops its whole sequence. Metrics: `rollout_corr/rs_masked_frac` (share of
+    response tokens dropped), `rollout_corr/rs_seq_masked_frac` (share of sequences with any
+    dropped token), and both per option."""
+    check_same_shape(train_log_probs=train_log_probs, rollout_log_probs=rollout_log_probs,
+                     response_mask=response_mask)
+    on = response_mask > 0
+    has = on.any(-1)
+    log_ratio = (train_log_probs - rollout_log_probs).detach()
+    keep = torch.ones_like(on)
+    metrics: dict[str, float] = {}
+
+    def fractions(kept: torch.Tensor) -> tuple[float, float]:
+        dropped = on & ~kept
+        tok = float(dropped.sum()) / max(int(on.sum()), 1)
+        seq = float((dropped.any(-1) & has).sum()) / max(int(has.sum()), 1)
+        return tok, seq
+
+    for name, (lower, upper) in bounds.items():
+        how, kind = REJECTION_OPTIONS.get(name)
+        stat = _token_stat(kind, log_ratio)
+        if how is not None:
+            stat = _reduce(how, stat, response_mask).unsqueeze(-1).expand_as(log_ratio)
+        ok = stat <= upper
+        if lower is not None:
+            ok = ok & (stat >= lower)
+        keep = keep & ok
+        metrics[f"rollout_corr/rs_{name}_masked_frac"], \
+            metrics[f"rollout_corr/rs_{name}_seq_masked_frac"] = fractions(ok)
+    metrics["rollout_corr/rs_masked_frac"], metrics["rollout_corr/rs_seq_masked_frac"] = \
+        fractions(keep)
+    return (keep & on).to(response_mask.dtype), metrics
 
 
 class CorrectionFn(Protocol):
@@ -172,5 +308,15 @@ def apply_rollout_correction(config: RolloutCorrectionConfig, rollout_log_probs:
     if train_log_probs is not None:
         out.metrics = {**rollout_mismatch_metrics(train_log_probs, rollout_log_probs,
                                                   response_mask), **out.metrics}
+    if config.rejection:
+        if train_log_probs is None:
+            raise InputError("rejection sampling needs train_log_probs: the trainer's "
+                             "log-probs of the current weights (engine forward before the "
+                             "update)")
+        out.keep, rs_metrics = rejection_mask(train_log_probs, rollout_log_probs, response_mask,
+                                              config.bounds)
+        out.metrics.update(rs_metrics)
+        if out.weights is not None:
+            out.weights = out.weights * out.keep.to(out.weights.dtype)
     return out
 

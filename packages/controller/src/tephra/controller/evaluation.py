@@ -41,8 +41,10 @@ class ValidationConfig:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ConfigError(f"val.n={self.n} must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("val.temperature must be >= 0 and val.top_p in (0, 1]")
+        if not math.isfinite(self.temperature) or self.temperature < 0 or not 0 < self.top_p <= 1:
+            what = "" if math.isfinite(self.temperature) else "a finite number "
+            raise ConfigError(f"val.temperature={self.temperature} must be {what}>= 0 and "
+                              f"val.top_p={self.top_p} in (0, 1]")
         bad = [k for k in self.ks if not 1 <= k <= self.n]
         if bad:
             raise ConfigError(f"val.ks={self.ks}: every k must be in [1, val.n={self.n}]; "

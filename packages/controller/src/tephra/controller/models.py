@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from tephra.controller.smollm2 import FOLDER_NAME as SMOLLM2_FOLDER
 from tephra.core import cache_root
 from tephra.engine_api.errors import ConfigError
 
@@ -20,14 +22,14 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
     if path == "tiny":
         from tephra.rollout.testing import build_tiny_model
 
-        folder = cache_root() / f"tiny-qwen2-seed{seed}"
+        folder = named_model_folder(path, seed)
         if not (folder / "config.json").exists():
             build_tiny_model(folder, seed=seed)
         return str(folder)
     if path == "tiny_vlm":
         from tephra.rollout.multimodal import build_tiny_vlm
 
-        folder = cache_root() / f"tiny-qwen2-vl-seed{seed}"
+        folder = named_model_folder(path, seed)
         if not (folder / "preprocessor_config.json").exists():  # written last
             build_tiny_vlm(folder, seed=seed)
         return str(folder)
@@ -44,12 +46,52 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
         raise ConfigError(
             f"model.path={path!r} has no weights (none of {list(WEIGHT_FILES)}); save the model "
             "there with model.save_pretrained(folder), or point model.path at a complete folder")
+    for weights in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem:
+            raise ConfigError(
+                f"model.path={path!r}: {weights.name} {problem}; the copy or download was cut "
+                "short: copy the file again (or save the model again with "
+                "model.save_pretrained(folder))")
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         # transformers would build a 1-token tokenizer from the config alone, silently
         raise ConfigError(
             f"model.path={path!r} has no tokenizer (none of {list(TOKENIZER_FILES)}); save one "
             "there with tokenizer.save_pretrained(folder)")
     return str(folder)
+
+
+def named_model_folder(path: str, seed: int = 0) -> Path | None:
+    """The cache folder a named model (`smollm2`, `tiny`, `tiny_vlm`) is built into, which
+    may not exist yet; None for any other `model.path`."""
+    folders = {"smollm2": SMOLLM2_FOLDER, "tiny": f"tiny-qwen2-seed{seed}",
+               "tiny_vlm": f"tiny-qwen2-vl-seed{seed}"}
+    return cache_root() / folders[path] if path in folders else None
+
+
+def declared_model_folder(path: str, seed: int = 0) -> str:
+    """Where `model.path`'s config.json is read from while the config loads, building nothing:
+    a named model's cache folder (absent before its first use), else `path` itself."""
+    return str(named_model_folder(path, seed) or Path(path).expanduser())
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why a .safetensors file cannot be loaded, from its header and size alone (cheap for
+    any size), or None: a truncated file, a header that is not safetensors'."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or 8 + n > size:
+                return f"has {size} bytes, less than its header needs"
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
+    except (ValueError, KeyError, TypeError, IndexError):
+        return "does not start with a safetensors header"
+    if size < 8 + n + end:
+        return f"has {size} bytes, but its header says {8 + n + end} (truncated)"
+    return None
 
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")

@@ -21,7 +21,12 @@ from tephra.controller.data import (
     reasoning_gym_records,
     tokenize_prompts,
 )
-from tephra.controller.rl_config import PPOConfig, resolve_auto_dtypes
+from tephra.controller.rl_config import (
+    PPOConfig,
+    check_engine_support,
+    resolve_auto_dtypes,
+    weight_path,
+)
 from tephra.controller.rl_loop import Prompts
 from tephra.core.errors import ConfigError
 
@@ -121,9 +126,11 @@ class Prepared:
 
 def prepare(cfg: PPOConfig) -> Prepared:
     """Resolve the model, tools and data; tokenise the prompts. Fails before Ray starts."""
-    from tephra.controller.models import load_tokenizer, resolve_model_path
+    from tephra.controller.models import load_tokenizer, named_model_folder, resolve_model_path
 
     model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
+    if named_model_folder(cfg.model.path) is not None:
+        check_engine_support(cfg, model_path)  # built just now: its shape was not known yet
     tokenizer = load_tokenizer(model_path)
     r = cfg.rollout
     tools_file = resolve_tools_file(r.tools_file) if r.uses_agent_loop and r.tools_file else None
@@ -181,6 +188,7 @@ def run(cfg: PPOConfig) -> dict:
     cfg = resolve_auto_dtypes(cfg)
     print(f"compute dtypes: actor {cfg.actor.precision.param_dtype}, rollout {cfg.rollout.dtype}",
           flush=True)
+    print(weight_path(cfg), flush=True)
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus)
     pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement,

@@ -9,7 +9,10 @@ because a reward that is always 0 trains nothing and hides the bug.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import torch
 
 from tephra.controller.data import PromptRecord
 from tephra.core.errors import TephraError
@@ -20,11 +23,44 @@ class RewardFailure(TephraError, RuntimeError):
     """The reward function failed on every sample of a batch."""
 
 
+class RewardRangeError(TephraError, RuntimeError):
+    """A reward beyond `reward.max_abs` (or not finite), or an advantage that is not finite:
+    training on it would make every update NaN, so the run stops naming the sample."""
+
+
+def check_rewards(scores: Sequence[float], samples: Sequence[str], max_abs: float) -> None:
+    """Raise `RewardRangeError` at the first score that is not finite or beyond `max_abs`;
+    `samples[i]` names sample i (its prompt id and data_source)."""
+    for i, score in enumerate(scores):
+        if not (math.isfinite(score) and abs(score) <= max_abs):
+            raise RewardRangeError(
+                f"the reward of sample {i} of the step ({samples[i]}) is {score:g}, beyond "
+                f"reward.max_abs={max_abs:g}; fix the reward function, or set reward.clip="
+                "[low,high] to clip scores into a range (or raise reward.max_abs)")
+
+
+def check_advantages(advantages: torch.Tensor, response_mask: torch.Tensor,
+                     samples: Sequence[str]) -> None:
+    """Raise `RewardRangeError` naming the first sample with a non-finite advantage on a
+    trained token ([B, T] tensors; `samples[i]` names row i)."""
+    bad = (~torch.isfinite(advantages) & (response_mask > 0)).any(-1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        value = float(advantages[i][~torch.isfinite(advantages[i])][0])
+        raise RewardRangeError(
+            f"the advantage of sample {i} of the step ({samples[i]}) is {value:g}, and "
+            f"{int(bad.sum())} of {len(bad)} samples have a non-finite advantage: the rewards of "
+            "the step (with the KL and length penalties) overflow the estimator; check the "
+            "reward function, or set reward.clip=[low,high] to bound the scores")
+
+
 class Scorer:
     """Scores decoded responses against their prompt records."""
 
     def __init__(self, config: RewardConfig | None = None) -> None:
         self.manager = RewardManager(config or RewardConfig(executor="serial"))
+        self.clipped: list[bool] = []
+        """Of each sample of the last `score`: whether `reward.clip` moved its score."""
 
     def score(self, texts: Sequence[str], records: Sequence[PromptRecord],
               prompts: Sequence[str] | None = None) -> list[tuple[float, str | None]]:
@@ -35,6 +71,7 @@ class Scorer:
                         **({"prompt_str": prompts[i]} if prompts is not None else {}))
             for i, (text, rec) in enumerate(zip(texts, records, strict=True))
         ])
+        self.clipped = [r.clipped for r in results]
         return [(r.score, r.error) for r in results]
 
 

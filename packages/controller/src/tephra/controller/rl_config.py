@@ -18,7 +18,10 @@ scorer) is checked against its registry when the config is built, before any pro
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from tephra.algos import ActorObjectiveConfig, AdvantageConfig, CriticObjectiveConfig
@@ -27,6 +30,7 @@ from tephra.algos.kl import KL_ESTIMATORS
 from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.algos.rollout_correction import LEVELS, ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from tephra.controller.evaluation import ValidationConfig
+from tephra.controller.models import declared_model_folder
 from tephra.core.errors import ConfigError
 from tephra.engine_api.config import (
     EngineConfig,
@@ -38,8 +42,9 @@ from tephra.engine_api.config import (
     PrecisionConfig,
 )
 from tephra.rollout.agent.base import AgentLoopConfig
-from tephra.rollout.base import HFSettings, ServerSettings
-from tephra.rollout.rewards import RewardConfig
+from tephra.rollout.base import ROLLOUT_BACKENDS, HFSettings, ServerSettings
+from tephra.rollout.rewards import RewardConfig, RewardFunctionError, load_reward_function
+from tephra.rollout.weight_transport import Placement, choose_transport
 
 
 def _check_name(field_name: str, value: str, registry: Any) -> None:
@@ -154,9 +159,10 @@ class RolloutSection:
     max_tokens: int = 32
     """Most response tokens per sample (per model turn with an agent loop)."""
     sleep_when_training: bool = True
-    """Colocated (hybrid) mode: `rollout.sleep()` after generation and `wake_up()` before
-    the weight sync, so the rollout's memory is free while the engine trains (a GPU backend
-    frees its weights / KV cache; on CPU the hf backend has nothing to free)."""
+    """Colocated (hybrid) mode: `rollout.sleep()` after generation, so the rollout's memory
+    is free while the engine trains (a GPU backend frees its weights / KV cache, a server as
+    deep as `rollout.<backend>.sleep_level` says; on CPU the hf backend has nothing to free).
+    The weight sync wakes it: a server's weights first, then its KV cache after the load."""
     hf: HFSettings = field(default_factory=HFSettings)
     """Settings of the `hf` backend (device is set from the rank's device)."""
     vllm: ServerSettings = field(default_factory=ServerSettings)
@@ -204,8 +210,11 @@ class RolloutSection:
         if self.dtype not in (*DTYPES, AUTO):  # the backend checks too, but only once Ray runs
             raise ConfigError(f"rollout.dtype={self.dtype!r} is not allowed; choose one of "
                               f"{[*DTYPES, AUTO]}")
-        if self.temperature < 0:
-            raise ConfigError(f"rollout.temperature={self.temperature} must be >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            # NaN passes `< 0` and sampling then behaved as if it were 1.0
+            what = "" if math.isfinite(self.temperature) else "a finite number "
+            raise ConfigError(f"rollout.temperature={self.temperature} must be {what}>= 0 (1.0 "
+                              "samples from the policy as it is; 0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
 
@@ -303,6 +312,24 @@ class AlgorithmSection:
     tokens' ratios)."""
     rollout_correction_cap: float = 2.0
     """`tis`: truncation C of min(ratio, C), >= 1."""
+    rollout_rejection: list[str] = field(default_factory=list)
+    """Rejection sampling (verl's `rollout_rs`) from tephra.algos.REJECTION_OPTIONS, e.g.
+    [token_k1] or [seq_mean_k3]: tokens (or whole sequences for `seq_*`) whose divergence
+    between the trainer's and the rollout's log-probs leaves the bounds are dropped from the
+    response mask for the update (the trainer's log-probs are then computed). Empty: none."""
+    rollout_rejection_threshold: str | float | None = None
+    """Bounds of `rollout_rejection` (verl's `rollout_rs_threshold`): `"lower_upper"` ratio
+    bounds for *_k1 options (one number u means 1/u_u), an upper bound for k2 / k3; one for
+    all options or one per option, comma-separated."""
+    mismatch_probe_rows: int = 8
+    """Rows whose log-probs the trainer recomputes every step to log the train/rollout
+    mismatch (`rollout_corr/*`) when the step computes none of its own (one mini-batch, one
+    epoch, no correction): a random subset, rounded to the data-parallel size. 0 turns the
+    probe off. 8 rows cost a small forward pass and catch a dtype or kernel mismatch early."""
+    mismatch_alarm_kl: float | None = None
+    """Stop the run when `rollout_corr/kl_k3` (KL between the rollout's and the trainer's
+    token distributions, estimated on the sampled tokens) exceeds this; None: log only.
+    Healthy runs sit near 1e-4 to 1e-3; a wrong dtype or chat template gives 1e-2 and more."""
 
     def __post_init__(self) -> None:
         _check_name("algorithm.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS)
@@ -313,6 +340,14 @@ class AlgorithmSection:
         if not self.rollout_correction_cap >= 1:
             raise ConfigError(f"algorithm.rollout_correction_cap={self.rollout_correction_cap} "
                               "must be >= 1 (the truncation C of min(ratio, C))")
+        self.correction  # noqa: B018 - validates the rejection options and bounds
+        if self.mismatch_probe_rows < 0:
+            raise ConfigError(f"algorithm.mismatch_probe_rows={self.mismatch_probe_rows} must "
+                              "be >= 0 (0 turns the mismatch probe off)")
+        if self.mismatch_alarm_kl is not None and not (
+                math.isfinite(self.mismatch_alarm_kl) and self.mismatch_alarm_kl > 0):
+            raise ConfigError(f"algorithm.mismatch_alarm_kl={self.mismatch_alarm_kl} must be a "
+                              "positive number (e.g. 0.01), or null to log without an alarm")
         if self.max_gen_batches < 1:
             raise ConfigError(f"algorithm.max_gen_batches={self.max_gen_batches} must be >= 1")
         if self.overlong_penalty_factor < 0:
@@ -322,7 +357,9 @@ class AlgorithmSection:
     @property
     def correction(self) -> RolloutCorrectionConfig:
         return RolloutCorrectionConfig(self.rollout_correction, self.rollout_correction_level,
-                                       self.rollout_correction_cap)
+                                       self.rollout_correction_cap,
+                                       tuple(self.rollout_rejection),
+                                       self.rollout_rejection_threshold)
 
     def needs(self, what: str) -> bool:
         """Whether the estimator's registry metadata says it needs `values`, `groups`,
@@ -710,6 +747,14 @@ def validate(cfg: PPOConfig) -> None:
             f"resources.world_size={ws}: each rollout engine takes that many consecutive "
             "ranks; choose a divisor of the world size (or rollout replicas of their own, "
             "resources.rollout.replicas)")
+    settings = getattr(r, r.backend, None)
+    if (cfg.resources.rollout.replicas == 0 and rollout_tp > 1
+            and isinstance(settings, ServerSettings) and settings.sleep_level == 2):
+        raise ConfigError(
+            f"rollout.{r.backend}.sleep_level=2 with rollout.{r.backend}.tensor_parallel_size="
+            f"{rollout_tp} colocated: a server that dropped its weights gets them again from "
+            "its own rank's export, which the ranks without a server would not join; use "
+            f"sleep_level=1, or rollout replicas of their own (resources.rollout.replicas)")
     per_rank = b.samples_per_step // dp
     if per_rank % b.mini_batches:
         raise ConfigError(
@@ -727,6 +772,13 @@ def validate(cfg: PPOConfig) -> None:
                 f"{cfg.data.max_prompt_tokens} + {r.response_budget} = {longest} tokens, more "
                 f"than {role}.micro_batch.max_tokens_per_microbatch={budget}; raise the budget "
                 "or lower one of the two")
+    if a.needs("groups") and r.temperature == 0:
+        raise ConfigError(
+            f"rollout.temperature=0 with algorithm.adv_estimator={a.adv_estimator!r}: greedy "
+            "sampling gives every sample of a prompt's group the same response, so the "
+            "group-relative advantages are all 0 and nothing is learnt; set rollout.temperature "
+            "> 0 (e.g. 1.0), or choose an estimator that does not compare samples of one prompt "
+            "(e.g. reinforce_plus_plus); greedy evaluation is trainer.val.temperature=0")
     if a.needs("groups") and b.samples_per_prompt < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} compares samples of one prompt; "
@@ -804,7 +856,144 @@ def validate(cfg: PPOConfig) -> None:
     check_role_pools(cfg)
     if cfg.data.has_images:
         check_image_support(cfg)
+    weight_path(cfg)
     check_engine_support(cfg)
+    check_surroundings(cfg)
+
+
+def check_surroundings(cfg: PPOConfig) -> None:
+    """What the config names outside itself, checked while it loads (before Ray starts, so
+    that a typo is one line, not Ray's start-up and then a worker's traceback): the reward
+    function, the run folder, the checkpoint to resume from, the Ray cluster, and the CPUs
+    and GPUs of this machine. The model folder is checked by `prepare` (it may be built or
+    converted on first use)."""
+    check_reward_files(cfg.reward)
+    check_run_dir(cfg.trainer.run_dir)
+    check_resume(cfg.trainer)
+    check_resources(cfg.resources)
+
+
+def check_reward_files(reward: RewardConfig) -> None:
+    """The custom reward file exists, defines the function, and its signature takes verl's
+    `compute_score(data_source, solution_str, ground_truth, extra_info)` (the file is
+    imported here, as each worker imports it later); the reward model folder exists."""
+    if reward.custom_function_path:
+        try:
+            load_reward_function(reward.custom_function_path, reward.custom_function_name,
+                                 reward.custom_function_kwargs)
+        except RewardFunctionError as exc:
+            raise ConfigError(f"reward.custom_function_path: {exc}") from None
+    if reward.reward_model_path and not Path(reward.reward_model_path).expanduser().is_dir():
+        raise ConfigError(f"reward.reward_model_path={reward.reward_model_path!r}: no such "
+                          "folder; give a Hugging Face sequence-classifier folder")
+
+
+def check_run_dir(run_dir: str) -> None:
+    """`trainer.run_dir` is a folder that exists and is writable, or can be created."""
+    path = Path(run_dir).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    fix = "set trainer.run_dir to a folder you can write"
+    if not existing.is_dir():
+        raise ConfigError(f"trainer.run_dir={run_dir!r} cannot be created: {existing} is a "
+                          f"file, not a folder; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created in {existing}"
+        raise ConfigError(f"trainer.run_dir={run_dir!r} {what} (permission denied); {fix}")
+
+
+def check_resume(t: TrainerSection) -> None:
+    """`trainer.resume_from` is a checkpoint folder; `trainer.resume=must` has a checkpoint
+    in run_dir. Only their presence: the files are checked against their manifest (SHA-256,
+    slow for big checkpoints) when the trainer resumes."""
+    from tephra.controller.checkpoints import MANIFEST, CheckpointManager
+
+    fix = "give a step_<N> folder of a run's checkpoints (run_dir/checkpoints/step_<N>)"
+    if t.resume_from:
+        folder = Path(t.resume_from).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(f"trainer.resume_from={t.resume_from!r}: no such folder; {fix}")
+        if not (folder / MANIFEST).is_file():
+            raise ConfigError(f"trainer.resume_from={t.resume_from!r}: {MANIFEST} is missing, "
+                              f"so it is no complete checkpoint; {fix}")
+    elif t.resume == "must":
+        root = Path(t.run_dir).expanduser() / "checkpoints"
+        if not CheckpointManager(root).committed():
+            raise ConfigError(f"trainer.resume=must but {root} holds no checkpoint; run once "
+                              "with trainer.save_every or trainer.save_final set, set "
+                              "trainer.resume_from, or use trainer.resume=auto")
+
+
+def check_resources(r: ResourcesSection) -> None:
+    """`ray_address=auto` finds a running cluster; a private local session (no address)
+    has the CPUs and GPUs the ranks and rollout replicas ask for: Ray would wait for them
+    forever (the pool's ready timeout then fails after Ray started)."""
+    from tephra.controller.worker_group import find_local_cluster, machine_capacity
+
+    if r.ray_address == "auto":
+        find_local_cluster()
+    if r.ray_address not in (None, "local") or os.environ.get("RAY_ADDRESS"):
+        return  # a cluster: its other nodes may have what this one lacks
+    # `ray_init` passes num_cpus to a session it starts without an address
+    num_cpus = r.num_cpus if r.ray_address is None else None
+    cpus, gpus = machine_capacity(num_cpus)
+    p = r.rollout
+    for kind, per_rank, per_replica, have, hint in (
+            ("CPUs", r.cpus_per_rank, p.cpus_per_replica, cpus,
+             f"this machine has {cpus:g}" if num_cpus is None
+             else f"resources.num_cpus={num_cpus}"),
+            ("GPUs", r.gpus_per_rank, p.gpus_per_replica, gpus, f"this machine has {gpus}")):
+        need = r.world_size * per_rank + p.replicas * per_replica
+        if need > have:
+            kind_l = kind[:-1].lower()
+            replicas = (f" + resources.rollout.replicas={p.replicas} x {kind_l}s_per_replica="
+                        f"{per_replica:g}" if p.replicas else "")
+            raise ConfigError(
+                f"resources.world_size={r.world_size} x resources.{kind_l}s_per_rank="
+                f"{per_rank:g}{replicas} = {need:g} {kind}, but {hint}; lower world_size or "
+                f"{kind_l}s_per_rank, or join a cluster with resources.ray_address")
+
+
+def weight_path(cfg: PPOConfig) -> str:
+    """How the weights travel after each update, in one line (the driver prints it once
+    per run); a ConfigError where a hop's transport cannot work with the placement.
+
+    Separate rollout pools first receive from training rank 0 by a broadcast of their own
+    (NCCL when both pools have GPUs, gloo otherwise); a server backend's
+    `weight_transport` then carries them from the process holding the rollout engine into
+    its server (`tephra.rollout.weight_transport.choose_transport`)."""
+    r, pool = cfg.resources, cfg.resources.rollout
+    hops = []
+    if pool.replicas:
+        both_gpu = r.gpus_per_rank > 0 and pool.gpus_per_replica > 0
+        if both_gpu and (r.gpus_per_rank < 1 or pool.gpus_per_replica < 1):
+            raise ConfigError(
+                f"resources.gpus_per_rank={r.gpus_per_rank} and resources.rollout."
+                f"gpus_per_replica={pool.gpus_per_replica}: with fractions Ray may put a "
+                "rollout replica on a training rank's GPU, where the NCCL weight broadcast "
+                "between them cannot run (NCCL refuses two ranks of one communicator on one "
+                "GPU); give both whole GPUs, or colocate (resources.rollout.replicas=0)")
+        hops.append(f"training rank 0 -> {pool.replicas} rollout replica(s): "
+                    f"{'nccl (different GPUs)' if both_gpu else 'gloo'}")
+    settings = getattr(cfg.rollout, cfg.rollout.backend, None)
+    if not isinstance(settings, ServerSettings):
+        hops.append(f"{'replica' if pool.replicas else 'trainer'} -> in-process "
+                    f"{cfg.rollout.backend} rollout: tensors copied in place")
+    elif settings.weight_sync == "disk":
+        hops.append(f"-> {cfg.rollout.backend} server: safetensors on disk (weight_sync=disk)")
+    else:
+        gpu = (pool.gpus_per_replica if pool.replicas else r.gpus_per_rank) > 0
+        placement = Placement("cuda" if gpu else "cpu", same_device=settings.url is None,
+                              server_gpus=settings.tensor_parallel_size
+                              * settings.data_parallel_size)
+        backend = cfg.rollout.backend
+        protocol = getattr(ROLLOUT_BACKENDS.get(backend), "protocol_class", None)
+        transport = choose_transport(f"rollout.{backend}.weight_transport",
+                                     settings.weight_transport, placement,
+                                     *((protocol.weight_transports, backend) if protocol else ()))
+        how = "auto" if settings.weight_transport == "auto" else "set"
+        hops.append(f"{'replica' if pool.replicas else 'trainer'} -> {backend} server: "
+                    f"{transport} ({how}; {placement.describe()})")
+    return "weight transport: " + "; ".join(hops)
 
 
 def check_role_pools(cfg: PPOConfig) -> None:
@@ -871,8 +1060,10 @@ def check_image_support(cfg: PPOConfig) -> None:
             raise ConfigError(f"{what} (prompts with images): {why}")
 
 
-def check_engine_support(cfg: PPOConfig) -> None:
-    """Ask the backend whether it supports the options set (before any process starts)."""
+def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> None:
+    """Ask the backend whether it supports the options set (before any process starts).
+    `model_folder`: the resolved `model.path` (`prepare` asks again with it, once a named
+    model is built); by default its config.json is read where it already exists."""
     from tephra.engine_api.registry import get_engine_class
 
     a = cfg.algorithm
@@ -886,8 +1077,12 @@ def check_engine_support(cfg: PPOConfig) -> None:
         check = getattr(engine_cls, "check_config", None)
         if check is None:
             continue
-        try:  # the check reads settings only, so the model folder need not be resolved yet
-            check(role_cfg.engine_config(cfg.model, role, 1.0, cfg.trainer.seed, device=device),
+        # the backend reads the model's config.json where there is one (its shape against the
+        # parallel layout); nothing is built or converted here
+        model = replace(cfg.model, path=model_folder or declared_model_folder(
+            cfg.model.path, cfg.trainer.seed))
+        try:
+            check(role_cfg.engine_config(model, role, 1.0, cfg.trainer.seed, device=device),
                   world_size=cfg.resources.world_size)
         except ConfigError as exc:
             raise ConfigError(f"{section}.engine={role_cfg.engine!r}: {exc}") from None

@@ -40,10 +40,16 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction, rollout_mismatch_metrics
 from tephra.controller.balance import balanced_order, max_over_min
 from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.data import PromptLoader, PromptRecord
-from tephra.controller.rewarding import accuracy_of, check_not_all_failed
+from tephra.controller.rewarding import (
+    accuracy_of,
+    check_advantages,
+    check_not_all_failed,
+    check_rewards,
+)
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.rl_worker import can_skip_flat, flat_groups
 from tephra.controller.samples import (
@@ -57,8 +63,9 @@ from tephra.controller.samples import (
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_group import WorkerGroup
 from tephra.core.config import to_dict
-from tephra.core.errors import ConfigError
+from tephra.core.errors import ConfigError, TephraError
 from tephra.engine_api.multimodal import MultimodalInputs
+from tephra.rollout.rewards import is_timeout
 
 
 @dataclass
@@ -98,6 +105,26 @@ class Round:
     @property
     def errors(self) -> int:
         return sum(s.reward_error is not None for s in self.samples)
+
+    @property
+    def timeouts(self) -> int:
+        """Samples whose scorer did not return within `reward.timeout_s` (among `errors`)."""
+        return sum(is_timeout(s.reward_error) for s in self.samples)
+
+    @property
+    def clipped(self) -> int:
+        """Samples whose score `reward.clip` moved into its range."""
+        return sum(s.reward_clipped for s in self.samples)
+
+    def kept_names(self) -> list[str]:
+        """Each kept sample as an error message names it: prompt id, dataset row, data_source."""
+        names = []
+        for g in self.kept_groups:
+            item = self.items[g]
+            row = f", dataset row {self.indices[g]}" if self.indices else ""
+            names += [f"prompt {item.sample_id!r}{row}, data_source "
+                      f"{item.record.data_source!r}"] * self.n
+        return names
 
     @property
     def n_groups(self) -> int:
@@ -145,34 +172,39 @@ def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
 
 
 def correct_old_log_probs(batch: TensorDict, correction: Any, recompute: bool,
-                          compute_log_probs: Callable[[TensorDict], torch.Tensor],
+                          compute_log_probs: Callable[[TensorDict], torch.Tensor], *,
+                          probe_rows: int = 0, dp_size: int = 1, probe_seed: int = 0,
                           ) -> tuple[dict[str, float], int]:
-    """Set batch["old_log_probs"] (and ["rollout_is_weights"]) as `correction` (a
-    tephra.algos.RolloutCorrectionConfig) says; returns (`rollout_corr/*` metrics, forward
-    passes run). The trainer's log-probs are computed when the mode needs them or when
-    `recompute` (several mini-batches / epochs), unless the mode replaces them (bypass);
-    without them, one mini-batch and epoch use the current log-probs (in the worker). The
-    mismatch metrics come whenever the trainer's log-probs were computed."""
-    from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction
-
+    """Set batch["old_log_probs"] (and ["rollout_is_weights"], and ["rejection_keep"] when
+    rejection sampling is on) as `correction` (a tephra.algos.RolloutCorrectionConfig) says;
+    returns (`rollout_corr/*` metrics, forward passes run). The trainer's log-probs are
+    computed when the mode or rejection needs them or when `recompute` (several mini-batches
+    / epochs), unless the mode replaces them (bypass); without them, one mini-batch and epoch
+    use the current log-probs (in the worker). The mismatch metrics come whenever the
+    trainer's log-probs were computed; otherwise from a probe of `probe_rows` random rows
+    (`mismatch_probe`), so every step logs them."""
     meta = ROLLOUT_CORRECTIONS.meta(correction.mode)
+    needs_train = meta["needs_train_log_probs"] or bool(correction.rejection)
     passes = 0
-    if not meta.get("replaces_old_log_probs") and (recompute or meta["needs_train_log_probs"]):
+    if not meta.get("replaces_old_log_probs") and (recompute or needs_train):
         batch["old_log_probs"] = compute_log_probs(batch)
         passes = 1
     train = batch["old_log_probs"] if passes else None
     if "rollout_log_probs" not in batch.keys():
-        if correction.mode != "none":
-            raise ConfigError(f"algorithm.rollout_correction={correction.mode!r} needs the "
-                              "rollout's per-token log-probs, which this rollout did not return")
+        if correction.mode != "none" or correction.rejection:
+            raise ConfigError(f"algorithm.rollout_correction={correction.mode!r} (and "
+                              "algorithm.rollout_rejection) need the rollout's per-token "
+                              "log-probs, which this rollout did not return")
         return {}, passes
     if correction.mode == "none" and train is None:
-        return {}, passes
+        return mismatch_probe(batch, probe_rows, dp_size, probe_seed, compute_log_probs), passes
     out = apply_rollout_correction(correction, batch["rollout_log_probs"], batch["response_mask"],
                                    train)
     batch["old_log_probs"] = out.old_log_probs
     if out.weights is not None:
         batch["rollout_is_weights"] = out.weights.to(batch["rollout_log_probs"].dtype)
+    if out.keep is not None:
+        batch["rejection_keep"] = out.keep
     return out.metrics, passes
 
 
@@ -183,6 +215,52 @@ def round_seed(run_seed: int, step: int, r: int) -> int:
     random stream in the next)."""
     digest = hashlib.blake2b(f"{run_seed}/{step}/{r}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
+
+
+def mismatch_probe(batch: TensorDict, rows: int, dp_size: int, seed: int,
+                   compute_log_probs: Callable[[TensorDict], torch.Tensor]) -> dict[str, float]:
+    """`rollout_corr/*` mismatch metrics (tephra.algos.rollout_mismatch_metrics) on `rows`
+    random rows (rounded to the data-parallel size, at least one per rank), whose trainer
+    log-probs are computed for it; {} when `rows` is 0. `rollout_corr/probe_rows` says how
+    many. The rows come from `seed`, so a resumed run probes the same ones."""
+    n = batch.batch_size[0]
+    if rows <= 0 or n == 0:
+        return {}
+    k = min(n, max(dp_size, rows - rows % dp_size))
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k].sort().values
+    sub = batch[idx]
+    metrics = rollout_mismatch_metrics(compute_log_probs(sub), sub["rollout_log_probs"],
+                                       sub["response_mask"])
+    metrics["rollout_corr/probe_rows"] = float(k)
+    return metrics
+
+
+def apply_rejection(batch: TensorDict) -> None:
+    """Drop the tokens rejection sampling rejected from batch["response_mask"], after the
+    advantages (a rejected sequence's score still counts in its group, as in verl) and before
+    the updates."""
+    if "rejection_keep" in batch.keys():
+        batch["response_mask"] = batch["response_mask"] * batch["rejection_keep"]
+        del batch["rejection_keep"]
+
+
+def check_mismatch_alarm(metrics: dict[str, float], threshold: float | None, step: int) -> None:
+    """Raise a MismatchAlarm when `rollout_corr/kl_k3` is over `threshold`."""
+    kl = metrics.get("rollout_corr/kl_k3")
+    if threshold is None or kl is None or kl <= threshold:
+        return
+    raise MismatchAlarm(
+        f"step {step}: the rollout's log-probs differ from the trainer's by KL {kl:.3g} "
+        f"(rollout_corr/kl_k3, mean |gap| {metrics['rollout_corr/log_prob_abs_gap_mean']:.3g} "
+        f"nats), over algorithm.mismatch_alarm_kl={threshold}. Likely causes: the rollout "
+        f"computes in another dtype than the trainer (rollout.dtype, actor.precision), another "
+        f"backend's kernels (rollout.backend), or another chat template or tokenizer than the "
+        f"trainer's. Raise the threshold, or correct for it with algorithm.rollout_correction="
+        f"tis or algorithm.rollout_rejection")
+
+
+class MismatchAlarm(TephraError, RuntimeError):
+    """The train/rollout mismatch went over `algorithm.mismatch_alarm_kl`."""
 
 
 def dynamic_sampling_metrics(rounds: list[Round]) -> dict[str, float]:
@@ -342,8 +420,9 @@ class Trainer:
     def attach_scores(self, samples: list[Sample]) -> list[Sample]:
         results = self.wg.collect_scores()
         self.reward_seconds = max((r[2] for r in results), default=0.0)
-        for sample, (score, error, _) in zip(samples, results, strict=True):
+        for sample, (score, error, _, clipped) in zip(samples, results, strict=True):
             sample.score, sample.reward_error = float(score), error
+            sample.reward_clipped = clipped
         check_not_all_failed([s.reward_error for s in samples])
         return samples
 
@@ -575,9 +654,10 @@ class Trainer:
     def on_ranks(self, method: str, batch: TensorDict, role: str = "actor") -> Any:
         """A `DP_SPLIT` call of the training batch on the group holding `role`, in the order
         `balance` chose for the actor's group; per-row results come back in the batch's own
-        order."""
+        order. Another batch (the mismatch probe's rows) goes as it is."""
         group = self.role_groups.get(role, self.wg)
-        if self.order is None or group is not self.wg:
+        if (self.order is None or group is not self.wg
+                or batch.batch_size[0] != len(self.order)):
             return group.call(method, batch)
         out = group.call(method, batch[self.order])
         return out[self.inverse] if isinstance(out, TensorDict) else out
@@ -626,8 +706,11 @@ class Trainer:
             lap("values")
         corr_metrics, passes = correct_old_log_probs(
             batch, cfg.algorithm.correction, cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1,
-            lambda b: self.on_ranks("compute_log_probs", b)["log_probs"])
+            lambda b: self.on_ranks("compute_log_probs", b)["log_probs"],
+            probe_rows=cfg.algorithm.mismatch_probe_rows, dp_size=self.wg.dp_size,
+            probe_seed=self.seed_of(self.step, 0))
         metrics.update(corr_metrics)
+        check_mismatch_alarm(corr_metrics, cfg.algorithm.mismatch_alarm_kl, self.step + 1)
         if passes:
             forward_passes += passes
             lap("old_log_probs")
@@ -635,6 +718,9 @@ class Trainer:
             self.attach_scores(samples)
         times["time/reward_s"] = self.reward_seconds
         lap("reward_wait")
+        names = [name for r in rounds for name in r.kept_names()]
+        # before float32: a float64 score of 1e308 would already be inf there
+        check_rewards([s.score for s in samples], names, cfg.reward.max_abs)
         raw = torch.tensor([s.score for s in samples], dtype=torch.float32)
         shaping = self.length_shaping(samples)
         scores = raw + shaping
@@ -649,6 +735,8 @@ class Trainer:
             metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
             lap("baselines")
         self.advantages(batch, token_rewards, baselines)
+        check_advantages(batch["advantages"], batch["response_mask"], names)
+        apply_rejection(batch)
         if self.skips_flat:  # the workers leave these groups out of the actor update
             metrics["actor/skipped_flat_groups"] = float(flat_groups(batch))
         every = cfg.trainer.dump_generations
@@ -683,6 +771,8 @@ class Trainer:
         metrics.update({
             "reward/mean": float(scores.mean()),
             "reward/errors": float(sum(r.errors for r in rounds)),
+            "reward/timeouts": float(sum(r.timeouts for r in rounds)),
+            "reward/clipped": float(sum(r.clipped for r in rounds)),
             # over every sample generated this step (dropped groups included): the policy's
             # accuracy, not the filtered batch's
             "accuracy/train": sum(accuracy_of(s.score) for s in all_samples) / len(all_samples),

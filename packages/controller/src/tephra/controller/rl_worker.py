@@ -231,14 +231,15 @@ class RLWorker(Worker):
         returns the scores); `score=False` skips it. A rank without a rollout engine (a
         rollout tensor-parallel peer) gets no prompts and returns none, as does a rank whose
         share is empty (fewer prompts than rollout replicas)."""
+        self._resend_dropped_weights()
         if self.rollout is None or not items:
-            self._scoring = self._pool.submit(lambda: ([], 0.0)) if score else None
+            self._scoring = self._pool.submit(lambda: ([], 0.0, [])) if score else None
             return []
         self.rollout.wake_up()
         samples = (self._generate_agent(items, sampling) if self.cfg.rollout.uses_agent_loop
                    else self._generate_plain(items, sampling))
-        if self.cfg.rollout.sleep_when_training:
-            self.rollout.sleep()
+        if self.cfg.rollout.sleep_when_training and self.cfg.resources.rollout.replicas == 0:
+            self.rollout.sleep()  # a replica's pool trains nothing: it stays awake
         if score:
             records = [items[i // sampling.n].record for i in range(len(samples))]
             self._scoring = self._pool.submit(self._score, samples, records)
@@ -289,7 +290,7 @@ class RLWorker(Worker):
                        token_versions=t.response_versions)
                 for t in trajectories]
 
-    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float]:
+    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list]:
         from tephra.controller.rewarding import Scorer
 
         start = time.perf_counter()
@@ -300,17 +301,19 @@ class RLWorker(Worker):
             tok = self.tokenizer()
             prompts = [tok.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
         results = self._scorer.score([s.text for s in samples], records, prompts)
-        return results, time.perf_counter() - start
+        return results, time.perf_counter() - start, self._scorer.clipped
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
-    def collect_scores(self) -> list[tuple[float, str | None, float]]:
-        """(score, error, seconds this rank spent scoring) of each sample of the last
-        `generate`, in order; waits for the background scorer."""
+    def collect_scores(self) -> list[tuple[float, str | None, float, bool]]:
+        """(score, error, seconds this rank spent scoring, whether `reward.clip` moved the
+        score) of each sample of the last `generate`, in order; waits for the background
+        scorer."""
         if self._scoring is None:
             raise RuntimeError("collect_scores called without a scored generate before it")
-        results, seconds = self._scoring.result()
+        results, seconds, clipped = self._scoring.result()
         self._scoring = None
-        return [(score, error, seconds) for score, error in results]
+        return [(score, error, seconds, c) for (score, error), c in zip(results, clipped,
+                                                                        strict=True)]
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
     @dispatch(Dispatch.ROLLOUT_SPLIT)
@@ -323,7 +326,18 @@ class RLWorker(Worker):
             raise RuntimeError("generate_ahead called while a generation ahead is in flight")
         if getattr(self, "_ahead_pool", None) is None:
             self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
+        self._resend_dropped_weights()  # here, before the update that runs beside the thread
         self._ahead = self._ahead_pool.submit(self.generate, items, sampling)
+
+    def _resend_dropped_weights(self) -> None:
+        """A server at sleep_level=2 that slept since the last sync (after a validation
+        generation, a dynamic-sampling round) dropped its weights: send the actor's again,
+        which are the ones last synced (every update is followed by a sync before the
+        next generation starts). Ranks without a rollout engine have nothing to resend (the
+        config refuses sleep_level=2 where such ranks exist: they would miss the export's
+        collectives)."""
+        if self.rollout is not None and self.rollout.weights_dropped:
+            self.sync_weights()
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
     def generated(self) -> list[Sample]:
@@ -433,7 +447,8 @@ class RLWorker(Worker):
                 moved += len(bucket)
                 yield from bucket
 
-        self.rollout.wake_up()
+        # no wake_up() first: a sleeping server wakes its weights, loads, then wakes its KV
+        # cache (update_weights), so the cache is not allocated beside the buckets
         with self.actor.eval_mode():
             self.rollout.update_weights(tensors())
         return moved
@@ -448,13 +463,12 @@ class RLWorker(Worker):
 
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
-    def open_weight_group(self, address: str, port: int, world_size: int,
+    def open_weight_group(self, address: str, port: int, world_size: int, backend: str,
                           timeout_s: float) -> None:
         """Rank 0 hosts a private group with the rollout replicas (ranks 1..); others skip."""
         from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group
 
         if self.rank == 0:
-            backend = "nccl" if self.device.startswith("cuda") else "gloo"
             self._weights_group = open_group(address, port, 0, world_size, backend, timeout_s)
 
     def send_weights(self, bucket_mb: float) -> int:

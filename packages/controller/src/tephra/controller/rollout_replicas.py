@@ -62,11 +62,10 @@ class RolloutWorker(RLWorker):
     def rollout_info(self):
         return self.dp_info()  # each replica is a rollout engine of its own
 
-    def join_weight_group(self, address: str, port: int, world_size: int,
+    def join_weight_group(self, address: str, port: int, world_size: int, backend: str,
                           timeout_s: float) -> None:
         from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group
 
-        backend = "nccl" if self.device.startswith("cuda") else "gloo"
         self._weights_group = open_group(address, port, 1 + self.rank, world_size, backend,
                                          timeout_s)
 
@@ -76,7 +75,6 @@ class RolloutWorker(RLWorker):
         from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import receive_all
 
         device = self.device if self.device.startswith("cuda") else None
-        self.rollout.wake_up()
         received = receive_all(self._weights_group, device)
         if self.partial:  # interrupt the request in flight; it goes on under the new weights
             with self.rollout.paused():
@@ -115,8 +113,10 @@ class RolloutWorker(RLWorker):
         with self._generating:
             self._take_staged()  # weights received while the last request ran, if any
             samples = self.generate(items, sampling)
-            for sample, (score, error, _) in zip(samples, self.collect_scores(), strict=True):
+            for sample, (score, error, _, clipped) in zip(samples, self.collect_scores(),
+                                                          strict=True):
                 sample.score, sample.reward_error = float(score), error
+                sample.reward_clipped = clipped
                 sample.weight_version = (min(sample.token_versions) if sample.token_versions
                                          else self.version)
         return samples
@@ -153,9 +153,13 @@ class RolloutReplicas:
         address, port = trainers.call("weight_group_address")
         world = 1 + len(self.replicas)
         timeout = 600.0
-        ray.get([w.execute.remote("open_weight_group", address, port, world, timeout)
+        # one backend for both ends (NCCL only when both pools compute on GPUs; whole GPUs,
+        # checked at config load, so that no replica shares a training rank's device)
+        r = self.cfg.resources
+        backend = "nccl" if r.gpus_per_rank > 0 and r.rollout.gpus_per_replica > 0 else "gloo"
+        ray.get([w.execute.remote("open_weight_group", address, port, world, backend, timeout)
                  for w in trainers.workers]
-                + [w.execute.remote("join_weight_group", address, port, world, timeout)
+                + [w.execute.remote("join_weight_group", address, port, world, backend, timeout)
                    for w in self.replicas])
         self.sync(trainers, 0)
 

@@ -55,6 +55,8 @@ class Sample:
     """The reward (0 when the scorer failed; see `reward_error`)."""
     reward_error: str | None = None
     """The scorer's error for this sample, if it raised."""
+    reward_clipped: bool = False
+    """Whether `reward.clip` moved `score` into its range."""
     sample_id: str = ""
     """The prompt item's id."""
     num_turns: int = 1

@@ -16,6 +16,8 @@ from tephra.core import cache_root
 from tephra.engine_api.errors import ConfigError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FOLDER_NAME = "smollm2-135m-instruct"
+"""The converted folder, under `cache_root()`."""
 
 
 def gguf_path() -> Path:
@@ -34,7 +36,7 @@ def gguf_path() -> Path:
 
 def smollm2_folder() -> Path:
     """Path of the converted HF folder, converting on first use (1-2 minutes, ~1.2 GB RAM)."""
-    target = cache_root() / "smollm2-135m-instruct"
+    target = cache_root() / FOLDER_NAME
     if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 
 from tephra.controller.dispatch import (
     DataParallelInfo,
@@ -84,6 +85,38 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
             f"resources.ray_address={address!r}: nothing answers there ({exc}); start the "
             "cluster (`ray start --head` on that node) and check host and port, or set "
             "resources.ray_address=null for a local session") from None
+
+
+def find_local_cluster() -> str:
+    """`resources.ray_address=auto`: the address of the Ray cluster on this machine, found as
+    `ray.init("auto")` finds it (RAY_ADDRESS, the last `ray start`, a running GCS), and
+    answering there; otherwise a `ConfigError` (ray.init would raise a ConnectionError)."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        address = canonicalize_bootstrap_address("auto")
+    except ConnectionError:
+        address = None
+    if not address:
+        raise ConfigError(
+            "resources.ray_address=auto but no Ray cluster runs on this machine; start one "
+            "(`ray start --head`), give a cluster's host:port, or set resources.ray_address=null "
+            "for a private local session")
+    check_reachable(address)
+    return address
+
+
+def machine_capacity(num_cpus: int | None) -> tuple[float, int]:
+    """(CPUs, GPUs) a private local Ray session started with `num_cpus` gets: `num_cpus`
+    when given, else the CPUs Ray detects (cgroup quotas included); the visible GPUs."""
+    if num_cpus is None:
+        try:
+            from ray._private.utils import get_num_cpus
+
+            num_cpus = get_num_cpus()
+        except ImportError:  # Ray moved it: what the OS lets this process use
+            num_cpus = len(os.sched_getaffinity(0))
+    return float(num_cpus), torch.cuda.device_count()
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

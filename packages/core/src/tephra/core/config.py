@@ -227,9 +227,14 @@ def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "",
     try:
         return cls(**kwargs)
     except ConfigError as exc:  # say which section a nested dataclass's own message is about
-        where = prefix.rstrip(".")
-        if where and not str(exc).startswith(where):
-            raise ConfigError(f"{where}: {exc}") from None
+        where, message = prefix.rstrip("."), str(exc)
+        if where and not message.startswith(where):
+            # a section names its fields by its own name ("optimizer.lr=..."): give the
+            # full key ("actor.optimizer.lr=..."), which is what the user writes
+            own = where.rsplit(".", 1)[-1] + "."
+            if message.startswith(own):
+                raise ConfigError(f"{where}.{message[len(own):]}") from None
+            raise ConfigError(f"{where}: {message}") from None
         raise
 
 

@@ -8,12 +8,14 @@ fields a backend does not support are refused by that backend, not silently igno
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from tephra.core.config import from_dict
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.fastest_dtype import AUTO, resolve_dtype
+from tephra.engine_api.lr_schedules import SCHEDULES
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -24,9 +26,11 @@ def _choice(section: str, name: str, value: Any, allowed: tuple) -> None:
 
 
 def _positive(section: str, name: str, value: float, *, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
+    # NaN compares false with everything, so `value < 0` alone lets it (and inf) through
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
-        raise ConfigError(f"{section}.{name}={value!r} must be {bound}")
+        what = "" if math.isfinite(value) else "a finite number "
+        raise ConfigError(f"{section}.{name}={value!r} must be {what}{bound}")
 
 
 @dataclass
@@ -102,7 +106,8 @@ class SchedulerConfig:
     """`constant`, `cosine` (to `min_lr_ratio` at `total_steps`), or `wsd`
     (warmup-stable-decay: constant, then linear decay over the last `decay_ratio`)."""
     warmup_steps: int = 0
-    """Linear warmup from 0 to the peak lr, in optimizer steps."""
+    """Linear warmup over this many optimizer steps W: step s < W runs at (s + 1) / W of the
+    peak, so the first step already moves and step W - 1 runs at the peak (every engine)."""
     total_steps: int = 0
     """Length of the schedule in optimizer steps; required by `cosine` and `wsd`."""
     min_lr_ratio: float = 0.0
@@ -111,7 +116,7 @@ class SchedulerConfig:
     """`wsd` only: fraction of `total_steps` spent decaying."""
 
     def __post_init__(self) -> None:
-        _choice("scheduler", "name", self.name, ("constant", "cosine", "wsd"))
+        _choice("scheduler", "name", self.name, tuple(SCHEDULES.names()))
         _positive("scheduler", "warmup_steps", self.warmup_steps, zero_ok=True)
         if self.name != "constant" and self.total_steps <= self.warmup_steps:
             raise ConfigError(

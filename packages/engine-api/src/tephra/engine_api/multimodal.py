@@ -84,9 +84,10 @@ def is_vision_config(model_config: Any) -> bool:
     return getattr(model_config, "vision_config", None) is not None
 
 
-def model_has_vision(model_cfg: Any) -> bool:
-    """Whether an engine's `ModelConfig` names a vision-language model: its `hf_config` dict,
-    or the config.json in `model.path`, has a `vision_config`."""
+def declared_hf_config(model_cfg: Any) -> dict[str, Any]:
+    """The transformers config an engine's `ModelConfig` names, as a dict, read without
+    loading the model: its `hf_config`, or the config.json in `model.path`; {} when that
+    cannot be read (the engine's own checks report an unreadable folder when it loads)."""
     import json
     from pathlib import Path
 
@@ -94,10 +95,15 @@ def model_has_vision(model_cfg: Any) -> bool:
         try:
             data = json.loads((Path(model_cfg.path) / "config.json").read_text())
         except (OSError, ValueError):
-            return False  # the engine's own checks report an unreadable folder
-    else:
-        data = dict(getattr(model_cfg, "hf_config", None) or {})
-    return data.get("vision_config") is not None
+            return {}
+        return data if isinstance(data, dict) else {}
+    return dict(getattr(model_cfg, "hf_config", None) or {})
+
+
+def model_has_vision(model_cfg: Any) -> bool:
+    """Whether an engine's `ModelConfig` names a vision-language model: its `hf_config` dict,
+    or the config.json in `model.path`, has a `vision_config`."""
+    return declared_hf_config(model_cfg).get("vision_config") is not None
 
 
 def mm_token_type_ids(input_ids: torch.Tensor, image_token: int) -> torch.Tensor:

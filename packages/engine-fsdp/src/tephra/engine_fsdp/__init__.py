@@ -2,6 +2,5 @@
 
 from tephra.engine_fsdp.engine import FSDPEngine
 from tephra.engine_fsdp.model_builder import VALUE_HEAD
-from tephra.engine_fsdp.schedulers import SCHEDULES
 
-__all__ = ["FSDPEngine", "SCHEDULES", "VALUE_HEAD"]
+__all__ = ["FSDPEngine", "VALUE_HEAD"]

@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from transformers import AutoConfig
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.loss import LossFn
-from tephra.engine_api.multimodal import model_has_vision
+from tephra.engine_api.multimodal import declared_hf_config, model_has_vision
 from tephra.engine_megatron import cpu_compat
 
 cpu_compat.apply()
@@ -50,6 +52,7 @@ from tephra.engine_megatron.micro_batches import (  # noqa: E402
     prepare,
 )
 from tephra.engine_megatron.model_builder import (  # noqa: E402
+    ModelShape,
     TephraGPT,
     model_shape,
     transformer_config,
@@ -57,6 +60,44 @@ from tephra.engine_megatron.model_builder import (  # noqa: E402
 from tephra.engine_megatron.weight_export import gather_hf_weights  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_shape(p: Any, s: ModelShape) -> None:
+    """The model's shape (`s`) splits over the parallel layout `p` (a ParallelConfig)."""
+    if s.vocab_size % p.tensor:
+        raise ConfigError(f"vocab_size={s.vocab_size} is not divisible by parallel.tensor="
+                          f"{p.tensor}; choose a tensor-parallel size that divides it")
+    if s.num_kv_heads % p.tensor:
+        raise ConfigError(f"the model's num_key_value_heads={s.num_kv_heads} is not divisible by "
+                          f"parallel.tensor={p.tensor} (each tensor-parallel rank holds whole "
+                          f"key/value heads); set parallel.tensor to one of "
+                          f"{_divisors(s.num_kv_heads)}")
+    layers_per = p.pipeline * p.virtual_pipeline
+    if s.num_layers % layers_per:
+        raise ConfigError(f"num_hidden_layers={s.num_layers} is not divisible by "
+                          f"parallel.pipeline * parallel.virtual_pipeline={layers_per}")
+    if (p.expert > 1 or p.expert_tensor > 1) and not s.num_experts:
+        raise ConfigError("parallel.expert/expert_tensor > 1 needs a mixture-of-experts model")
+    if s.num_experts and s.num_experts % p.expert:
+        raise ConfigError(f"num_experts={s.num_experts} is not divisible by parallel.expert="
+                          f"{p.expert}")
+
+
+def declared_shape(model: Any) -> ModelShape | None:
+    """The shape of the model a `ModelConfig` names, from its config.json alone; None when
+    that is not readable yet (a named model built on first use: the engine checks it then)."""
+    data = declared_hf_config(model)
+    if "model_type" not in data:
+        return None
+    try:
+        hf_config = AutoConfig.for_model(**data)
+    except (ValueError, KeyError, TypeError):
+        return None  # an unknown model type: loading it reports that
+    return model_shape(hf_config)
 
 
 class MegatronEngine(Engine):
@@ -131,6 +172,9 @@ class MegatronEngine(Engine):
                 f"parallel.expert_tensor * parallel.pipeline = {expert_world}")
         if p.virtual_pipeline > 1 and p.pipeline == 1:
             raise ConfigError("parallel.virtual_pipeline > 1 needs parallel.pipeline > 1")
+        shape = declared_shape(config.model)
+        if shape is not None:  # the model's shape against the layout, before any rank starts
+            check_shape(p, shape)
 
     @staticmethod
     def _check_supported(config: EngineConfig) -> None:
@@ -159,22 +203,7 @@ class MegatronEngine(Engine):
                               "(CUDA_VISIBLE_DEVICES=)")
 
     def _check_shape(self, config: EngineConfig) -> None:
-        p, s = config.parallel, self.shape
-        if s.vocab_size % p.tensor:
-            raise ConfigError(f"vocab_size={s.vocab_size} is not divisible by parallel.tensor="
-                              f"{p.tensor}; choose a tensor-parallel size that divides it")
-        if s.num_kv_heads % p.tensor:
-            raise ConfigError(f"num_key_value_heads={s.num_kv_heads} is not divisible by "
-                              f"parallel.tensor={p.tensor}")
-        layers_per = p.pipeline * p.virtual_pipeline
-        if s.num_layers % layers_per:
-            raise ConfigError(f"num_hidden_layers={s.num_layers} is not divisible by "
-                              f"parallel.pipeline * parallel.virtual_pipeline={layers_per}")
-        if (p.expert > 1 or p.expert_tensor > 1) and not s.num_experts:
-            raise ConfigError("parallel.expert/expert_tensor > 1 needs a mixture-of-experts model")
-        if s.num_experts and s.num_experts % p.expert:
-            raise ConfigError(f"num_experts={s.num_experts} is not divisible by parallel.expert="
-                              f"{p.expert}")
+        check_shape(config.parallel, self.shape)
 
     # ----- names and groups ---------------------------------------------------------------
     def _layer_offsets(self, chunk: TephraGPT) -> dict[int, int]:

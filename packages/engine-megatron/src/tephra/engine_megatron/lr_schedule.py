@@ -1,31 +1,12 @@
-"""Learning-rate multipliers for `SchedulerConfig` (lr = peak lr * factor(step))."""
+"""Megatron's optimizer driven by the schedules every engine shares (lr = peak lr *
+`tephra.engine_api.lr_schedules.lr_factor(cfg, step)`)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from tephra.engine_api.config import SchedulerConfig
-
-
-def lr_factor(cfg: SchedulerConfig, step: int) -> float:
-    """warmup: step / warmup_steps; then
-    constant: 1; cosine: r + (1 - r) * (1 + cos(pi * p)) / 2 with p the fraction of the
-    post-warmup steps done and r = min_lr_ratio; wsd: 1 until the last decay_ratio of
-    total_steps, then linear to r."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return step / cfg.warmup_steps
-    if cfg.name == "constant":
-        return 1.0
-    r = cfg.min_lr_ratio
-    if cfg.name == "cosine":
-        p = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-        return r + (1 - r) * 0.5 * (1 + math.cos(math.pi * p))
-    decay_start = cfg.total_steps * (1 - cfg.decay_ratio)
-    if step < decay_start:
-        return 1.0
-    p = min(1.0, (step - decay_start) / max(1e-9, cfg.total_steps - decay_start))
-    return 1.0 - (1 - r) * p
+from tephra.engine_api.lr_schedules import lr_factor
 
 
 class LrSchedule:

@@ -28,6 +28,7 @@ from tephra.engine_api.batch import make_batch
 from tephra.engine_api.errors import ConfigError, TephraError
 from tephra.engine_api.fastest_dtype import AUTO, resolve_dtype
 from tephra.engine_api.registry import Registry
+from tephra.rollout.weight_transport import check_transport_name
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -206,15 +207,30 @@ class ServerSettings:
     """Fraction of GPU memory the server may take (vLLM `--gpu-memory-utilization`, SGLang
     `--mem-fraction-static`); None: the server's default. Ignored by CPU builds (vLLM CPU sizes
     its KV cache by `VLLM_CPU_KVCACHE_SPACE` in `env`)."""
-    sleep_mode: bool = False
-    """Start the server able to sleep: `sleep()` frees its weights and KV cache while the engine
-    trains, `wake_up()` restores them (vLLM `--enable-sleep-mode`; SGLang
-    `--enable-memory-saver`). vLLM's CPU build accepts the calls and frees nothing."""
+    weight_transport: str = "auto"
+    """How a `memory` update's buckets reach the server: `gloo` (a broadcast through host
+    memory), `nccl` (a GPU broadcast, between different GPUs), `ipc` (CUDA IPC handles of the
+    sender's buckets, for a server on the sender's own GPU, where NCCL cannot run) or `auto`
+    (the default, because the right one follows from where the server runs: gloo on CPU,
+    ipc for a server this process starts on its GPU, nccl for a server at `url`). Refused
+    where it cannot work, at config load (`tephra.rollout.weight_transport`)."""
+    sleep_level: int = 0
+    """Whether and how deeply the server sleeps while the engine trains: 0 (default: no
+    sleep mode, because vLLM's CPU build refuses it), 1 (weights moved to host memory, KV
+    cache dropped) or 2 (both dropped; the next update resends every weight, which tephra's
+    full syncs always do). Level 1 keeps a host copy of the weights (their size in host
+    memory); level 2 frees the most GPU memory. Starts vLLM with `--enable-sleep-mode`,
+    SGLang with `--enable-memory-saver`. A sync wakes the weights, loads, then wakes the KV
+    cache, so the two are never both allocated beside the sender's buckets."""
 
     def __post_init__(self) -> None:
         if self.weight_sync not in ("memory", "disk"):
             raise ConfigError(f"weight_sync={self.weight_sync!r}: expected 'memory' (the server's "
                               "weight-transfer API) or 'disk' (safetensors reload)")
+        check_transport_name("weight_transport", self.weight_transport)
+        if self.sleep_level not in (0, 1, 2):
+            raise ConfigError(f"sleep_level={self.sleep_level!r}: choose 0 (no sleep), 1 "
+                              "(weights to host memory, KV cache dropped) or 2 (both dropped)")
         if self.weight_bucket_mb <= 0:
             raise ConfigError(f"weight_bucket_mb={self.weight_bucket_mb!r} must be > 0")
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
@@ -418,6 +434,13 @@ class Rollout(abc.ABC):
     @abc.abstractmethod
     def wake_up(self) -> None:
         """Undo `sleep`."""
+
+    @property
+    def weights_dropped(self) -> bool:
+        """True while `sleep` has dropped the weights rather than kept them (a server at
+        `sleep_level=2`): the owner must send every weight with `update_weights` before the
+        next generation. False for backends that keep them."""
+        return False
 
     @abc.abstractmethod
     def close(self) -> None:

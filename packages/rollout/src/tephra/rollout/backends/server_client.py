@@ -63,6 +63,7 @@ from tephra.rollout.base import (
     ServerSettings,
     check_prompts,
 )
+from tephra.rollout.weight_transport import TRANSPORTS, Placement, choose_transport
 
 Request = tuple[str, dict]
 """(path, JSON body) of one POST."""
@@ -123,26 +124,38 @@ class ServerProtocol(abc.ABC):
         """Requests that load the weights in `weights_dir` and drop cached prefixes."""
 
     def sleep_requests(self, settings: ServerSettings) -> list[Request]:
+        """Requests that put the server to sleep at `settings.sleep_level` (none at 0)."""
         return []
 
-    def wake_requests(self, settings: ServerSettings) -> list[Request]:
+    def wake_requests(self, settings: ServerSettings, tags: list[str]) -> list[Request]:
+        """Requests that wake the parts of a sleeping server named by `tags` (`weights`,
+        `kv_cache`)."""
         return []
 
-    # -- in-memory weight transfer: a private process group, the trainer broadcasting as rank 0 --
+    # -- in-memory weight transfer: the trainer broadcasting as rank 0 of a private process
+    # group (gloo, nccl), or sending shared-memory handles (ipc) --
     packs_buckets: bool = True
     """One flat broadcast per bucket (True) or one broadcast per tensor of the bucket (False)."""
+    weight_transports: tuple[str, ...] = TRANSPORTS
+    """The transports this server's weight-transfer API takes."""
 
-    def transfer_init_request(self, address: str, port: int, world_size: int,
-                              backend: str) -> Request:
-        """The request that makes the server's workers join the group (ranks 1..world_size-1)."""
+    def transfer_init_request(self, transport: str, address: str, port: int,
+                              world_size: int) -> Request | None:
+        """The request that prepares the server for updates: for a group transport its
+        workers join the group (ranks 1..world_size-1) at address:port; None if none is needed."""
         raise NotImplementedError(f"{self.name} has no in-memory weight transfer")
 
     def transfer_start_requests(self) -> list[Request]:
         return []
 
     @abc.abstractmethod
-    def transfer_bucket_request(self, meta: BucketMeta) -> Request:
-        """The request announcing one bucket; the server then receives it by broadcast."""
+    def transfer_bucket_request(self, meta: BucketMeta, handle: str | None) -> Request:
+        """The request announcing one bucket; the server then receives it by broadcast, or
+        (ipc) opens `handle`, what `share_bucket` made of it."""
+
+    def share_bucket(self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None) -> str:
+        """The `handle` of one bucket for the ipc transport."""
+        raise NotImplementedError(f"{self.name} has no ipc weight transfer")
 
     def transfer_finish_requests(self, version: int) -> list[Request]:
         return []
@@ -175,6 +188,9 @@ class ServerRollout(Rollout):
         """Of the last update: `seconds`, `buckets`, `max_bucket_bytes`, `bytes`."""
         self.calls: collections.Counter[str] = collections.Counter()
         """How often `sleep`, `wake_up` and `update_weights` ran (what the trainer asked)."""
+        self.asleep: set[str] = set()
+        """The parts of the server (`weights`, `kv_cache`) put to sleep and not woken yet."""
+        self._transport = self._choose_transport()
         if self.settings.weight_sync == "disk":
             warnings.warn(f"{protocol.name}.weight_sync=disk: every weight update is written to "
                           f"{self.weights_dir} and reloaded by the server; `memory` keeps the disk "
@@ -204,6 +220,30 @@ class ServerRollout(Rollout):
         except BaseException:
             self.close()
             raise
+
+    @property
+    def transport(self) -> str:
+        """The transport of `memory` updates (`settings.weight_transport`, with `auto`
+        resolved by where the server runs: `tephra.rollout.weight_transport`)."""
+        return self._transport
+
+    @transport.setter
+    def transport(self, value: str) -> None:
+        """Another transport from the next update on (the servers are prepared for it again);
+        for tests and benchmarks, which drive ipc as CPU shared memory, refused by config."""
+        if value not in TRANSPORTS:
+            raise ValueError(f"transport={value!r}: choose one of {list(TRANSPORTS)}")
+        if value != self._transport:
+            self._transport, self._groups = value, {}
+
+    def _choose_transport(self) -> str:
+        settings = self.settings
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return choose_transport(
+            f"{self.protocol.name}.weight_transport", settings.weight_transport,
+            Placement(device, same_device=settings.url is None,
+                      server_gpus=settings.tensor_parallel_size * settings.data_parallel_size),
+            self.protocol.weight_transports, self.protocol.name)
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -404,11 +444,15 @@ class ServerRollout(Rollout):
         self.calls["update_weights"] += 1
         start = time.perf_counter()
         self.update_count += 1
+        # a sleeping server: weights first, the KV cache only after the update, so that the
+        # cache and the sender's buckets are never allocated together (verl's order)
+        self._wake(["weights"])
         if self.settings.weight_sync == "memory":
             self.last_update_stats = self._update_in_memory(self._with_untied_head(named_tensors))
         else:
             self._update_from_disk(named_tensors)
             self.last_update_stats = {}
+        self._wake(["kv_cache"])
         self.last_update_stats["seconds"] = time.perf_counter() - start
 
     def _with_untied_head(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
@@ -425,13 +469,20 @@ class ServerRollout(Rollout):
     def _open_groups(self) -> None:
         """One private group per server: this process is rank 0, the server's workers the
         rest. The server joins inside its init request, so that request runs on the HTTP
-        loop while this thread hosts the rendezvous."""
+        loop while this thread hosts the rendezvous. ipc needs no group: the server is
+        only told (when its protocol asks) that handles will come."""
         workers = self.settings.tensor_parallel_size * self.settings.data_parallel_size
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = self._transport
         for url in self.urls:
             host = self.settings.host if self.settings.url is None else _own_address(url)
+            if backend == "ipc":
+                request = self.protocol.transfer_init_request(backend, host, 0, 1 + workers)
+                if request is not None:
+                    self._call(self._post(url, request))
+                self._groups[url] = None
+                continue
             port = free_port()
-            request = self.protocol.transfer_init_request(host, port, 1 + workers, backend)
+            request = self.protocol.transfer_init_request(backend, host, port, 1 + workers)
             pending = asyncio.run_coroutine_threadsafe(self._post(url, request), self._loop)
             try:
                 self._groups[url] = open_group(host, port, 0, 1 + workers, backend,
@@ -455,9 +506,13 @@ class ServerRollout(Rollout):
             flat = flat.to(device) if device is not None else flat
             nbytes = flat.numel() * flat.element_size()
             count, total, max_bytes = count + 1, total + nbytes, max(max_bytes, nbytes)
+            if self.transport == "ipc":
+                self._send_handle(meta, flat, device)
             for url, group in self._groups.items():
+                if group is None:
+                    continue
                 pending = asyncio.run_coroutine_threadsafe(
-                    self._post(url, self.protocol.transfer_bucket_request(meta)), self._loop)
+                    self._post(url, self.protocol.transfer_bucket_request(meta, None)), self._loop)
                 if self.protocol.packs_buckets:
                     broadcast(group, flat)
                 else:
@@ -466,7 +521,19 @@ class ServerRollout(Rollout):
                 pending.result()
             del flat
         self._run_all(self.protocol.transfer_finish_requests(self.update_count))
+        if device is not None and self.transport == "ipc":
+            torch.cuda.ipc_collect()  # the server has let go of every bucket's handle
         return {"buckets": count, "max_bucket_bytes": max_bytes, "bytes": total}
+
+    def _send_handle(self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None) -> None:
+        """ipc: every server opens the bucket's handle and copies it into its weights before
+        its request returns, so the bucket may be freed afterwards (one bucket at a time)."""
+        if device is None:
+            # CPU shared memory moves the storage into a shared file: share a copy, never
+            # the caller's tensor (a bucket of one tensor is a view of the trainer's weight)
+            flat = flat.clone()
+        handle = self.protocol.share_bucket(meta, flat, device)
+        self._run_all([self.protocol.transfer_bucket_request(meta, handle)])
 
     def _update_from_disk(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write the tensors as safetensors into a fresh folder under `weights_dir`, ask each
@@ -536,12 +603,35 @@ class ServerRollout(Rollout):
             self._open.set()
 
     def sleep(self) -> None:
+        """Put the server to sleep at `sleep_level` (nothing at 0): level 1 keeps the weights
+        in host memory, level 2 drops them (the next `update_weights` must come before a
+        generation, and sends every weight anyway)."""
         self.calls["sleep"] += 1
-        self._run_all(self.protocol.sleep_requests(self.settings))
+        requests = self.protocol.sleep_requests(self.settings)
+        if requests and not self.asleep:
+            self._run_all(requests)
+            self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self) -> None:
+        """Wake everything asleep (weights, then KV cache). `update_weights` wakes a sleeping
+        server itself, in the order a sync needs."""
         self.calls["wake_up"] += 1
-        self._run_all(self.protocol.wake_requests(self.settings))
+        if self.weights_dropped:
+            raise RolloutError(
+                f"{self.protocol.name}.sleep_level=2 dropped the server's weights; call "
+                "update_weights (which wakes them and sends every weight) before waking it to "
+                "generate, or use sleep_level=1 (weights kept in host memory)")
+        self._wake(["weights", "kv_cache"])
+
+    @property
+    def weights_dropped(self) -> bool:
+        return "weights" in self.asleep and self.settings.sleep_level == 2
+
+    def _wake(self, tags: list[str]) -> None:
+        tags = [t for t in tags if t in self.asleep]
+        if tags:
+            self._run_all(self.protocol.wake_requests(self.settings, tags))
+            self.asleep -= set(tags)
 
     def _ensure_open(self) -> None:
         if self._closed:

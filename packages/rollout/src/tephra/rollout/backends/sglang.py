@@ -4,16 +4,25 @@ Verified only where SGLang runs (GPU): sglang 0.5.x needs CUDA kernels, so on CP
 only the request/response translation is tested. Started as `python -m sglang.launch_server`
 from `sglang.python`; `/generate` with `input_ids` and `return_logprob`; weights reloaded
 in memory with `/init_weights_update_group` + `/update_weights_from_distributed` (one
-broadcast per tensor), or with `/update_weights_from_disk` (`weight_sync=disk`); then
-`/flush_cache`. Partial rollout: `/abort_request {"abort_all": true}` aborts every request in
+broadcast per tensor: `weight_transport` gloo / nccl), with `/update_weights_from_tensor`
+(`ipc`: each bucket's (name, tensor) views pickled with torch's CUDA IPC reductions, as
+SGLang's `MultiprocessingSerializer` reads them), or with `/update_weights_from_disk`
+(`weight_sync=disk`); then `/flush_cache`. Sleep: `/release_memory_occupation` and
+`/resume_memory_occupation` with `tags` (`weights`, `kv_cache`). Partial rollout: `/abort_request {"abort_all": true}` aborts every request in
 flight; each returns its `output_ids` and log-probs so far with finish reason `abort` (the
 abort-and-resubmit path is the one shared with vLLM in `server_client`, tested there).
 """
 
 from __future__ import annotations
 
+import torch
+
 from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtocol, ServerRollout
-from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta
+from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import (
+    BucketMeta,
+    pickle_shared,
+    unpack,
+)
 from tephra.rollout.base import (
     ROLLOUT_BACKENDS,
     Generation,
@@ -44,7 +53,9 @@ class SglangProtocol(ServerProtocol):
             "--dp-size", str(settings.data_parallel_size),
             *(["--mem-fraction-static", str(settings.gpu_memory_utilization)]
               if settings.gpu_memory_utilization is not None else []),
-            *(["--enable-memory-saver"] if settings.sleep_mode else []),
+            # level 1 keeps a host copy of the weights (sglang >= 0.5.3), level 2 drops them
+            *(["--enable-memory-saver"] if settings.sleep_level else []),
+            *(["--enable-weights-cpu-backup"] if settings.sleep_level == 1 else []),
             *settings.extra_args,
         ]
 
@@ -97,24 +108,34 @@ class SglangProtocol(ServerProtocol):
         return [("/update_weights_from_disk", {"model_path": weights_dir}), ("/flush_cache", {})]
 
     def sleep_requests(self, settings: ServerSettings) -> list[Request]:
-        return [("/release_memory_occupation", {})] if settings.sleep_mode else []
+        return [("/release_memory_occupation", {})] if settings.sleep_level else []
 
-    def wake_requests(self, settings: ServerSettings) -> list[Request]:
-        return [("/resume_memory_occupation", {})] if settings.sleep_mode else []
+    def wake_requests(self, settings: ServerSettings, tags: list[str]) -> list[Request]:
+        return [("/resume_memory_occupation", {"tags": list(tags)})] if settings.sleep_level else []
 
     # SGLang receives one broadcast per tensor (`update_weights_from_distributed`)
     packs_buckets = False
 
-    def transfer_init_request(self, address: str, port: int, world_size: int,
-                              backend: str) -> Request:
+    def transfer_init_request(self, transport: str, address: str, port: int,
+                              world_size: int) -> Request | None:
+        if transport == "ipc":  # /update_weights_from_tensor needs no group
+            return None
         return ("/init_weights_update_group", {
             "master_address": address, "master_port": port, "rank_offset": 1,
-            "world_size": world_size, "group_name": GROUP, "backend": backend})
+            "world_size": world_size, "group_name": GROUP, "backend": transport})
 
-    def transfer_bucket_request(self, meta: BucketMeta) -> Request:
+    def transfer_bucket_request(self, meta: BucketMeta, handle: str | None) -> Request:
+        if handle is not None:
+            # one entry per tensor-parallel rank; ipc is refused for servers over several GPUs
+            return ("/update_weights_from_tensor", {
+                "serialized_named_tensors": [handle], "flush_cache": False})
         return ("/update_weights_from_distributed", {
             "names": meta.names, "dtypes": meta.dtype_names, "shapes": meta.shapes,
             "group_name": GROUP, "flush_cache": False})
+
+    def share_bucket(self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None) -> str:
+        # SGLang's own format: a pickled list of (name, tensor), each a view of the bucket
+        return pickle_shared(unpack(meta, flat))
 
     def transfer_finish_requests(self, version: int) -> list[Request]:
         return [("/flush_cache", {})]

@@ -17,8 +17,10 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtocol, ServerRollout
-from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta
+from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta, share
 from tephra.rollout.base import (
     ROLLOUT_BACKENDS,
     ConfigError,
@@ -66,14 +68,11 @@ class VllmProtocol(ServerProtocol):
         }
 
     def check_settings(self, settings: ServerSettings) -> None:
-        if settings.sleep_mode and settings.url is None:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError(
-                    "vllm.sleep_mode=true: vLLM's CPU build refuses to start with sleep mode "
-                    "('not supported on current platform'); leave it false on CPU (the rollout's "
-                    "sleep/wake calls are then no-ops)")
+        if settings.sleep_level and settings.url is None and not torch.cuda.is_available():
+            raise ConfigError(
+                f"vllm.sleep_level={settings.sleep_level}: vLLM's CPU build refuses to start "
+                "with sleep mode ('not supported on current platform'); leave it 0 on CPU (the "
+                "rollout's sleep/wake calls are then no-ops)")
 
     def launch_command(
         self, python: str, model_dir: str, host: str, port: int, config: RolloutConfig,
@@ -94,7 +93,7 @@ class VllmProtocol(ServerProtocol):
             command += ["--data-parallel-size", str(settings.data_parallel_size)]
         if settings.gpu_memory_utilization is not None:
             command += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
-        if settings.sleep_mode:
+        if settings.sleep_level:
             command.append("--enable-sleep-mode")
         if settings.weight_sync == "memory":
             command += ["--worker-extension-cls", "tephra_vllm_plugin.TephraWorkerExtension",
@@ -155,32 +154,37 @@ class VllmProtocol(ServerProtocol):
         ]
 
     def sleep_requests(self, settings: ServerSettings) -> list[Request]:
-        # level 1: weights to host memory, KV cache dropped (the CPU build frees nothing)
-        return [("/sleep?level=1", {})] if _sleeps(settings) else []
+        # 1: weights to host memory, KV cache dropped; 2: both dropped
+        return [(f"/sleep?level={settings.sleep_level}", {})] if settings.sleep_level else []
 
-    def wake_requests(self, settings: ServerSettings) -> list[Request]:
-        return [("/wake_up", {})] if _sleeps(settings) else []
+    def wake_requests(self, settings: ServerSettings, tags: list[str]) -> list[Request]:
+        if not settings.sleep_level:
+            return []
+        return [("/wake_up?" + "&".join(f"tags={t}" for t in tags), {})]
 
-    def transfer_init_request(self, address: str, port: int, world_size: int,
-                              backend: str) -> Request:
-        return ("/init_weight_transfer_engine", {"init_info": {
-            "master_address": address, "master_port": port, "rank_offset": 1,
-            "world_size": world_size, "backend": backend}})
+    def transfer_init_request(self, transport: str, address: str, port: int,
+                              world_size: int) -> Request:
+        info = {"backend": transport}
+        if transport != "ipc":  # a group to join; ipc has none
+            info.update(master_address=address, master_port=port, rank_offset=1,
+                        world_size=world_size)
+        return ("/init_weight_transfer_engine", {"init_info": info})
 
     def transfer_start_requests(self) -> list[Request]:
         return [("/start_weight_update", {})]
 
-    def transfer_bucket_request(self, meta: BucketMeta) -> Request:
-        return ("/update_weights", {"update_info": {
-            "names": meta.names, "dtype_names": meta.dtype_names, "shapes": meta.shapes}})
+    def transfer_bucket_request(self, meta: BucketMeta, handle: str | None) -> Request:
+        info = {"names": meta.names, "dtype_names": meta.dtype_names, "shapes": meta.shapes}
+        if handle is not None:
+            info["handle"] = handle
+        return ("/update_weights", {"update_info": info})
+
+    def share_bucket(self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None) -> str:
+        return share(flat, device)  # the plugin unpacks it by `meta`, as a broadcast bucket
 
     def transfer_finish_requests(self, version: int) -> list[Request]:
         return [("/finish_weight_update", {"weight_version": str(version)}),
                 ("/reset_prefix_cache", {})]
-
-
-def _sleeps(settings: ServerSettings) -> bool:
-    return settings.sleep_mode or "--enable-sleep-mode" in settings.extra_args
 
 
 @ROLLOUT_BACKENDS.register("vllm")

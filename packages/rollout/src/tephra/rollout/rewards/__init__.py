@@ -54,7 +54,10 @@ from tephra.rollout.rewards.manager import (
     RewardManager,
     RewardReport,
     RewardScoringError,
+    RewardTimeout,
+    clip_scores,
     compute_score,
+    is_timeout,
     resolve_scorer,
 )
 from tephra.rollout.rewards.math_equivalence import math_equal, math_score
@@ -73,6 +76,9 @@ __all__ = [
     "RewardConfig",
     "RewardError",
     "RewardFunctionError",
+    "RewardTimeout",
+    "clip_scores",
+    "is_timeout",
     "RewardInput",
     "RewardManager",
     "RewardModelScorer",

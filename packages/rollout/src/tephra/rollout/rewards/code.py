@@ -91,8 +91,11 @@ class CodeLimits:
     max_tests: int | None = None
     """Run only the first `max_tests` cases (verl's continuous prime score uses 10); None: all."""
     allow_network: bool = False
-    """Passed to the sandbox: True accepts a weaker sandbox where namespaces are unavailable
-    (see the python tool's security notes); by default such a host raises instead."""
+    """Passed to the sandbox: True runs the program without a network namespace of its own."""
+    accept_missing: tuple[str, ...] = ()
+    """Passed to the sandbox: protections this host may lack that you accept running without
+    ('namespaces', 'seccomp'; see the python tool's security notes); by default such a host
+    raises instead."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0 or not self.total_timeout_s > 0:
@@ -294,7 +297,7 @@ def _short(value: Any, limit: int = 80) -> str:
 # (the sandbox reads the program itself from stdin, then points fd 0 at /dev/null).
 _STDIN_HARNESS = """\
 import os as _os
-_fd = _os.memfd_create("stdin")
+_fd = _os.open("/tmp", _os.O_TMPFILE | _os.O_RDWR, 0o600)  # unnamed; the sandbox refuses memfd
 _view = memoryview({stdin!r}.encode())
 while _view:
     _view = _view[_os.write(_fd, _view):]
@@ -398,7 +401,8 @@ def _sandbox(config: SandboxConfig) -> PythonSandbox:
         # the tool's message names the tool's config; the scorer's switch is CodeLimits
         raise RewardError(
             f"code scorer: {exc}. For the code scorer that setting is "
-            "CodeLimits(allow_network=True): register CodeScorer(CodeLimits(allow_network=True)) "
+            "CodeLimits(accept_missing=...): register CodeScorer(CodeLimits(accept_missing="
+            "('namespaces',))) "
             "under a name of your own and route the data sources to it with "
             "reward.scorer_overrides") from exc
 
@@ -423,9 +427,12 @@ async def run_code_tests_async(program: str, tests: CodeTests, limits: CodeLimit
             memory_mb=limits.memory_mb,
             total_memory_mb=2 * limits.memory_mb,
             max_output_bytes=limits.max_output_bytes,
-            # the stdin memory file counts against the file-size limit
+            # the stdin file (unnamed, in the case's folder) counts against the file-size
+            # limit and the folder's quota
             max_file_size_mb=max(16, len(case.stdin.encode()) // 2**20 + 2),
+            disk_quota_mb=max(64, len(case.stdin.encode()) // 2**20 + 34),
             allow_network=limits.allow_network,
+            accept_missing=list(limits.accept_missing),
         ))
         marker = f"tephra-result-{secrets.token_hex(8)}:"
         uid = sandbox.new_uid()

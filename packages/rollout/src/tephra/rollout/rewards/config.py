@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from tephra.engine_api.errors import ConfigError
 
 EXECUTORS = ("thread", "process", "serial")
+DEFAULT_TIMEOUT_S = 90.0
+"""`RewardConfig.timeout_s`'s default, seconds per sample (see there why)."""
 
 
 @dataclass
@@ -53,10 +56,25 @@ class RewardConfig:
     but fork, a script using it needs an `if __name__ == "__main__":` guard) or `serial`."""
     num_workers: int = 4
     """Threads or processes scoring one batch (ignored by `serial`)."""
-    timeout_s: float | None = None
-    """Seconds one scorer call may take; a later one scores 0.0 and counts as an error
-    (`RewardTimeout`). Each call then runs on a daemon thread, left running when late (so
-    math-verify's own alarm-based timeout, main thread only, is off). None: no limit."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Seconds one scorer call (one sample) may take; a later one scores 0.0, counts as an
+    error (`RewardTimeout`) and in `RewardReport.timeouts_by_source` (the trainer's
+    `reward/timeouts`). Each call runs on a daemon thread, left running when late (so
+    math-verify's own alarm-based timeout, main thread only, is off). Default 90 s: above the
+    bundled code scorer's 60 s budget per response (`CodeLimits.total_timeout_s`), so no
+    bundled scorer is cut short, while a reward function that never returns costs at most
+    90 s per sample instead of hanging training."""
+    max_abs: float = 1e6
+    """Largest |reward| accepted, in reward units. A larger score is a scorer bug (1e308
+    overflows the advantages' mean and std to NaN, and every optimizer step is then skipped):
+    the trainer stops naming the sample, unless `clip` is set. Default 1e6: far above any
+    bounded reward (rule scorers give 0-1, reward models tens) and far below where float32
+    arithmetic on a batch of rewards overflows (3.4e38)."""
+    clip: tuple[float, float] | None = None
+    """[low, high]: clip every score into this range (in reward units) instead of stopping on
+    one beyond `max_abs`; clipped scores are counted (`RewardReport.clipped`, the trainer's
+    `reward/clipped`). None (default): scores are not changed, because clipping changes what
+    is learnt and hides a scorer bug; it is the user's explicit choice."""
     raise_on_error: bool = False
     """Raise when a scorer raises; by default the item scores 0.0, the error is counted per
     data_source in the report and the first traceback of each data_source is logged."""
@@ -64,8 +82,24 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
             raise ConfigError(f"reward.executor={self.executor!r} is not allowed; choose one of {list(EXECUTORS)}")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ConfigError(f"reward.timeout_s={self.timeout_s} must be > 0 (or null: no limit)")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            what = "" if math.isfinite(self.timeout_s) else "a finite number "
+            raise ConfigError(f"reward.timeout_s={self.timeout_s} must be {what}> 0 (seconds per "
+                              f"sample; default {DEFAULT_TIMEOUT_S:g})")
+        if not (math.isfinite(self.max_abs) and self.max_abs > 0):
+            raise ConfigError(f"reward.max_abs={self.max_abs} must be a finite number > 0 "
+                              "(the largest |reward| accepted; default 1e6)")
+        if self.clip is not None:
+            self.clip = tuple(float(x) for x in self.clip)  # YAML gives a list
+            low, high = self.clip if len(self.clip) == 2 else (math.nan, math.nan)
+            if not (math.isfinite(low) and math.isfinite(high) and low < high):
+                raise ConfigError(f"reward.clip={list(self.clip)} must be two finite numbers "
+                                  "[low, high] with low < high, e.g. reward.clip=[-1,1] (or null: "
+                                  "no clipping)")
+            if max(abs(low), abs(high)) > self.max_abs:
+                raise ConfigError(f"reward.clip={list(self.clip)} reaches beyond reward.max_abs="
+                                  f"{self.max_abs:g}; clip into a range inside it, or raise "
+                                  "reward.max_abs")
         if self.num_workers < 1:
             raise ConfigError(f"reward.num_workers={self.num_workers} must be >= 1")
         if self.custom_function_path is not None and self.reward_model_path is not None:

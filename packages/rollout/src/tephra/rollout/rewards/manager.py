@@ -48,6 +48,11 @@ class RewardReport:
     """data_source -> items whose scorer raised (they scored 0.0); only sources with errors."""
     mean_score_by_source: dict[str, float] = field(default_factory=dict)
     """data_source -> mean score of its items (failed items count as 0.0)."""
+    timeouts_by_source: dict[str, int] = field(default_factory=dict)
+    """data_source -> items whose scorer did not return within `reward.timeout_s` (they
+    scored 0.0 and are among the errors too); only sources with timeouts."""
+    clipped: int = 0
+    """Items whose score `reward.clip` moved into its range."""
     seconds: float = 0.0
     """Wall-clock time of `score_batch`."""
 
@@ -55,12 +60,18 @@ class RewardReport:
     def num_errors(self) -> int:
         return sum(self.errors_by_source.values())
 
+    @property
+    def num_timeouts(self) -> int:
+        return sum(self.timeouts_by_source.values())
+
     def as_metrics(self, prefix: str = "reward") -> dict[str, float]:
         """Flat metrics for a tracker: `{prefix}/score/<source>`, `{prefix}/errors/<source>`,
-        `{prefix}/errors`, `{prefix}/seconds`."""
+        `{prefix}/errors`, `{prefix}/timeouts`, `{prefix}/clipped`, `{prefix}/seconds`."""
         metrics = {f"{prefix}/score/{source}": mean for source, mean in self.mean_score_by_source.items()}
         metrics.update({f"{prefix}/errors/{source}": float(n) for source, n in self.errors_by_source.items()})
         metrics[f"{prefix}/errors"] = float(self.num_errors)
+        metrics[f"{prefix}/timeouts"] = float(self.num_timeouts)
+        metrics[f"{prefix}/clipped"] = float(self.clipped)
         metrics[f"{prefix}/seconds"] = self.seconds
         return metrics
 
@@ -101,11 +112,29 @@ class RewardTimeout(RewardError):
     """A scorer did not return within `reward.timeout_s`."""
 
 
+def is_timeout(error: str | None) -> bool:
+    """Whether a `RewardResult.error` (`Type: message`) is a `RewardTimeout`."""
+    return error is not None and error.startswith(f"{RewardTimeout.__name__}:")
+
+
+def clip_scores(results: list[RewardResult], clip: tuple[float, float] | None) -> int:
+    """Clip each result's score into `clip` ([low, high]) in place; returns how many moved."""
+    if clip is None:
+        return 0
+    low, high = clip
+    moved = 0
+    for result in results:
+        clipped = min(max(result.score, low), high)
+        if clipped != result.score:
+            result.score, result.clipped, moved = clipped, True, moved + 1
+    return moved
+
+
 def _call_scorer(scorer: Scorer, scorer_name: str, item: RewardInput, timeout_s: float | None) -> Any:
     """`scorer(item)`, bounded by `timeout_s` when set: the call runs on a daemon thread that
     is abandoned when late (Python cannot stop a thread; it ends with the process)."""
     args = (item.data_source, item.solution_str, item.ground_truth, item.extra_info)
-    if timeout_s is None:
+    if timeout_s is None:  # direct callers of `_score_one`; a RewardConfig always has a limit
         return scorer(*args)
     outcome: dict[str, Any] = {}
 
@@ -208,7 +237,8 @@ class RewardManager:
             scorers = [resolved[i.data_source][1] for i in items]
             outcomes = self._run(names, scorers, items)
         results = [result for result, _ in outcomes]
-        self._account(items, names, outcomes, time.perf_counter() - start)
+        clipped = clip_scores(results, self.config.clip)
+        self._account(items, names, outcomes, time.perf_counter() - start, clipped)
         return results
 
     def _run(self, names: list[str], scorers: list[Scorer], items: list[RewardInput]) -> list[tuple[RewardResult, str | None]]:
@@ -258,9 +288,11 @@ class RewardManager:
                 self._pool = ProcessPoolExecutor(self.config.num_workers, mp_context=context)
         return self._pool
 
-    def _account(self, items: list[RewardInput], names: list[str], outcomes: list[tuple[RewardResult, str | None]], seconds: float) -> None:
+    def _account(self, items: list[RewardInput], names: list[str], outcomes: list[tuple[RewardResult, str | None]], seconds: float,
+                 clipped: int = 0) -> None:
         counts: Counter[str] = Counter()
         errors: Counter[str] = Counter()
+        timeouts: Counter[str] = Counter()
         sums: defaultdict[str, float] = defaultdict(float)
         first_failure: tuple[int, str] | None = None
         for index, (item, name, (result, tb)) in enumerate(zip(items, names, outcomes, strict=True)):
@@ -269,6 +301,8 @@ class RewardManager:
             if result.error is None:
                 continue
             errors[item.data_source] += 1
+            if is_timeout(result.error):
+                timeouts[item.data_source] += 1
             if first_failure is None:
                 first_failure = (index, tb or "")
             if item.data_source not in self._traceback_logged:
@@ -284,8 +318,13 @@ class RewardManager:
             items_by_source=dict(counts),
             errors_by_source=dict(errors),
             mean_score_by_source={source: sums[source] / counts[source] for source in counts},
+            timeouts_by_source=dict(timeouts),
+            clipped=clipped,
             seconds=seconds,
         )
+        if clipped:
+            logger.warning("reward scoring: %d of %d scores clipped into reward.clip=%s",
+                           clipped, len(items), list(self.config.clip))
         if errors:
             logger.warning(
                 "reward scoring: %d of %d items failed and scored 0.0 (by data_source: %s)",

@@ -54,6 +54,8 @@ class RewardResult:
     """Extra numeric metrics a scorer returned beside "score" (e.g. {"acc": 1.0})."""
     error: str | None = None
     """`ExceptionType: message` of the scorer's exception, or None when it succeeded."""
+    clipped: bool = False
+    """Whether `reward.clip` moved `score` into its range."""
 
 
 # Keys already warned about, so a custom function returning e.g. "pred" strings on every

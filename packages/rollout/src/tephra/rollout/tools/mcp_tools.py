@@ -9,12 +9,56 @@ be called from any event loop (the trainer's, a test's) and are opened once, not
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import signal
 import threading
+import weakref
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from tephra.rollout.tools.base import TOOLS, Tool, ToolConfigError, ToolError, ToolResult
+
+CLOSE_GRACE_S = 10.0
+"""Seconds `close` waits for the session to end (the SDK closes the server's stdin, then
+SIGTERMs and SIGKILLs its process group within ~4 s), before and after cancelling it."""
+
+_OPEN: weakref.WeakSet[MCPToolset] = weakref.WeakSet()
+"""Toolsets with a live connection; closed at interpreter exit, because their thread is a
+daemon and a stdio server runs in a session of its own, which nothing else would stop."""
+
+
+@atexit.register
+def _close_open_toolsets() -> None:
+    for toolset in list(_OPEN):
+        toolset.close()
+
+
+def _own_children() -> dict[int, tuple[int, list[str]]]:
+    """pid -> (process group, argv) of this process's children (Linux /proc; empty
+    elsewhere)."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # the command name, in parentheses, may hold spaces: fields follow the last ')'
+            fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[1]) != os.getpid():
+                continue
+            argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        out[int(stat.parent.name)] = (int(fields[2]), argv.split("\0")[:-1])
+    return out
+
+
+def kill_process_groups(pgids: list[int]) -> None:
+    """SIGKILL each process group that still exists (a server and every child it started)."""
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already (the SDK's shutdown stopped it), or not ours
 
 
 class MCPToolset:
@@ -69,6 +113,10 @@ class MCPToolset:
         self._served: Future | None = None
         self._listed: list[Any] = []
         self._shut = False  # closed by its owner: no reconnecting
+        self._task: asyncio.Task | None = None
+        self._ended = threading.Event()  # `_serve` has left the SDK's context managers
+        self._server_groups: list[int] = []
+        """Process groups of the stdio server (it starts in a session of its own)."""
 
     def describe(self) -> str:
         return (
@@ -87,6 +135,8 @@ class MCPToolset:
             target=self._loop.run_forever, name="tephra-mcp", daemon=True
         )
         self._thread.start()
+        _OPEN.add(self)
+        self._ended.clear()
         ready: Future = Future()
         self._served = asyncio.run_coroutine_threadsafe(self._serve(ready), self._loop)
         try:
@@ -104,6 +154,8 @@ class MCPToolset:
         from mcp import ClientSession, StdioServerParameters
 
         self._closed = asyncio.Event()
+        self._task = asyncio.current_task()
+        before = _own_children()
         try:
             if self.transport == "stdio":
                 from mcp.client.stdio import stdio_client
@@ -118,6 +170,11 @@ class MCPToolset:
                 transport = streamable_http_client(self.url)
             try:
                 async with transport as streams, ClientSession(streams[0], streams[1]) as session:
+                    # the server was just started, in a group of its own: remember the group,
+                    # to kill it whatever happens to the session
+                    argv = [self.command, *self.args]
+                    self._server_groups = [p for p, (g, a) in _own_children().items()
+                                           if p not in before and g == p and a == argv]
                     await session.initialize()
                     listed = (await session.list_tools()).tools
                     self._session = session
@@ -130,6 +187,8 @@ class MCPToolset:
             if not ready.done():
                 ready.set_exception(exc)
             raise
+        finally:
+            self._ended.set()
 
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
         """Call tool `name` on the server from any event loop."""
@@ -185,18 +244,24 @@ class MCPToolset:
     def _disconnect(self) -> None:
         if self._loop is None:
             return
-        if self._closed is not None:
-            self._loop.call_soon_threadsafe(self._closed.set)
-        if self._served is not None:
-            try:
-                self._served.result(timeout=10)
-            except Exception:
-                pass
+        _OPEN.discard(self)
+        started = self._task is not None
+        if self._closed is not None and self._session is not None:
+            self._loop.call_soon_threadsafe(self._closed.set)  # a clean end of the session
+            self._ended.wait(CLOSE_GRACE_S)
+        if self._served is not None and not self._ended.is_set():
+            # stuck (a server that never answered `initialize`, or a call that never returns):
+            # cancelling runs the SDK's shutdown, which stops the server's process group
+            self._served.cancel()
+            if started:
+                self._ended.wait(CLOSE_GRACE_S)
+        kill_process_groups(self._server_groups)  # whatever the SDK's shutdown left running
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=CLOSE_GRACE_S)
         self._loop.close()
-        self._loop = self._thread = self._session = self._served = None
+        self._loop = self._thread = self._session = self._served = self._task = None
+        self._server_groups = []
 
 
 @TOOLS.register("mcp")

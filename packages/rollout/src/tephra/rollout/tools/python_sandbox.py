@@ -1,42 +1,36 @@
 """The `python` tool: model-written code run in a sandbox.
 
-Isolation, layer by layer (each one is tested in tests/test_tools_python_sandbox.py):
-- namespaces (`unshare` from util-linux): a new network namespace (only a downed loopback, so
-  no connection can be opened, not even to 127.0.0.1), a new PID namespace whose init is our
-  bootstrap (when it exits the kernel kills every process left in the namespace, which is how
-  daemonised children that called setsid and forked are removed), a new mount namespace;
-- filesystem: the call's working directory is bind-mounted on /tmp, and /var/tmp, /dev/shm,
-  /run/lock get a small private tmpfs, so the world-writable places of the host are not
-  reachable; as root the code runs under a fresh unprivileged uid so everything the host owns is
-  read-only to it; the interpreter and site-packages are bind-mounted read-only under
-  /mnt/tephra (the host's may sit under a 0700 home);
-- a scrubbed environment (only PATH, HOME, LANG, thread pins), never the parent's;
-- `setrlimit` in the child: RLIMIT_CPU (then SIGXCPU), RLIMIT_AS (memory; allocations fail with
-  MemoryError), RLIMIT_NPROC (processes of its uid: stops fork bombs; root ignores it, hence
-  the uid switch), RLIMIT_FSIZE (file size), RLIMIT_NOFILE;
-- the host side caps output (reads at most `max_output_bytes`, then kills) and wall time,
-  killing the whole process group (and so the namespace) when either is exceeded;
-- the host never opens a path inside the call's folder: the code reaches the sandbox through a
-  pipe (stdin), so a symbolic link or FIFO the code left there cannot redirect or block the
-  host, and every host-side step of a call runs under its wall-time limit;
-- a new IPC namespace per call, so SysV shared memory, semaphores and message queues die with
-  the call and no trajectory reaches another's;
-- an aggregate memory limit for the whole call: the namespace's init sums the resident memory
-  of every process in it every 20 ms and kills them all past `total_memory_mb` (per-process
-  RLIMIT_AS alone lets N forked children use N times the limit);
-- a quota on the call's folder: as root it is a tmpfs of `disk_quota_mb` and `max_files`
-  inodes, mounted for the trajectory's life (the kernel refuses writes past it);
-- a seccomp filter (libseccomp, loaded after the uid switch) refusing mount, namespace
-  creation (unshare, setns, clone with namespace flags, clone3), keyrings, bpf, perf and
-  ptrace, so the code cannot build user namespaces and mount inside them.
-Without working namespaces the tool refuses to start, unless `allow_network=True` says that a
-weaker sandbox (process group + rlimits only) is acceptable. See the package README's
-security section for what each protection relies on and what happens where it is missing.
+One sandbox for both kinds of caller, root or an ordinary user; each layer is tested in
+tests/test_tools_python_sandbox.py, and the test file runs again as an unprivileged user:
+- namespaces (`unshare` from util-linux): network (only a downed loopback: no connection, not
+  even to 127.0.0.1, and no abstract Unix socket of the host), PID (its init is
+  `sandbox_init.py`; when it exits the kernel kills every process left, daemons included),
+  mount and IPC (SysV objects die with the call). An ordinary user gets them inside a user
+  namespace of their own;
+- a new root (`pivot_root`): only the system folders (`/usr`, `/lib`, ...), the interpreter and
+  its site-packages, read-only and nosuid, a minimal `/dev` and `/etc`, the namespace's own
+  `/proc`, and the trajectory's folder on `/tmp`, the one writable place besides small private
+  tmpfs on `/var/tmp`, `/dev/shm`, `/run/lock`. The caller's home, the repository, host sockets
+  and every other host path do not exist inside;
+- the code runs as a non-root uid without capabilities: as root a fresh unprivileged uid per
+  trajectory; as an ordinary user uid 1000 of a nested user namespace (mapped to the caller);
+- a seccomp filter (libseccomp), the same in both modes: mounts, namespaces, keyrings, bpf,
+  perf, ptrace, io_uring, userfaultfd, modify_ldt, memfd_create, memfd_secret and setting the
+  personality are refused;
+- rlimits per process (CPU, address space, processes, file size, open files), an aggregate
+  memory limit for the whole call (resident memory of all its processes plus the pages of its
+  tmpfs folders and SysV shared memory), wall time and output caps on the host side;
+- a folder quota (as root a tmpfs of `disk_quota_mb`; otherwise measured after each call);
+- the program travels through a pipe: the host never opens a path the code could have planted.
+Where a layer cannot be had the tool refuses to start with a message naming what is missing,
+unless `accept_missing` names it. The package README's security table says what each
+protection relies on, for root and for an ordinary user.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
 import json
 import os
 import secrets
@@ -48,135 +42,40 @@ import sysconfig
 import tempfile
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from tephra.engine_api.errors import ConfigError
 from tephra.rollout.tools.base import TOOLS, Tool, ToolError, ToolResult
+from tephra.rollout.tools.folder_tree import empty_tree, remove_tree, tree_usage
+from tephra.rollout.tools.memory_cgroup import MemoryCgroup, parent_cgroup
 
-# Runs as init (PID 1) of the new PID namespace, as root of the mount namespace: mounts, then
-# forks the code's process, drops to the sandbox uid with rlimits set, and exits with the
-# child's status (128 + signal for a signal), which makes the kernel kill every process left.
-_BOOTSTRAP = r"""
-import ctypes, json, os, resource, sys
-cfg = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC = 2, 4, 4096, 16384
-def mount(src, tgt, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    if libc.mount(enc(src), enc(tgt), enc(fstype), flags, enc(data)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, "mount %s on %s: %s" % (src, tgt, os.strerror(err)))
-try:
-    if cfg["mounts"]:
-        # interpreter binds first: its files may live under /tmp or /var/tmp (a checkout
-        # there), which the private mounts below hide
-        mount("tmpfs", "/mnt", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-        for src, tgt in cfg["binds"]:
-            os.makedirs(tgt)
-            mount(src, tgt, None, MS_BIND | MS_REC)
-        mount(cfg["workdir"], "/tmp", None, MS_BIND | MS_REC)
-        for d in ("/var/tmp", "/dev/shm", "/run/lock"):
-            if os.path.isdir(d):
-                mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=1777" % cfg["tmpfs_bytes"])
-except OSError as exc:
-    os.write(2, ("sandbox setup failed: %s\n" % exc).encode())
-    os._exit(125)
-def seccomp_filter(lib_path):
-    # refuse (EPERM) what builds namespaces or mounts; clone3 gets ENOSYS so that libc falls
-    # back to clone, whose namespace flags the filter can see
-    lib = ctypes.CDLL(lib_path, use_errno=True)
-    class Arg(ctypes.Structure):
-        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int),
-                    ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
-    lib.seccomp_init.restype = ctypes.c_void_p
-    lib.seccomp_init.argtypes = [ctypes.c_uint32]
-    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    lib.seccomp_load.argtypes = [ctypes.c_void_p]
-    ctx = lib.seccomp_init(0x7FFF0000)  # SCMP_ACT_ALLOW
-    if not ctx:
-        raise OSError("seccomp_init failed")
-    eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
-    def rule(action, name, *args):
-        nr = lib.seccomp_syscall_resolve_name(name.encode())
-        if nr < 0:
-            return
-        if lib.seccomp_rule_add(ctypes.c_void_p(ctx), ctypes.c_uint32(action), ctypes.c_int(nr),
-                                ctypes.c_uint(len(args)), *args) != 0:
-            raise OSError("seccomp_rule_add(%s) failed" % name)
-    for name in ("mount", "umount2", "umount", "unshare", "setns", "pivot_root", "chroot",
-                 "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "ptrace",
-                 "fsopen", "fsmount", "open_tree", "move_mount"):
-        rule(eperm, name)
-    rule(enosys, "clone3")
-    for flag in (0x10000000, 0x00020000, 0x40000000, 0x20000000, 0x08000000, 0x04000000,
-                 0x02000000):  # NEWUSER NEWNS NEWNET NEWPID NEWIPC NEWUTS NEWCGROUP
-        rule(eperm, "clone", Arg(0, 7, flag, flag))  # SCMP_CMP_MASKED_EQ on the flags
-    if lib.seccomp_load(ctypes.c_void_p(ctx)) != 0:
-        raise OSError("seccomp_load failed")
-pid = os.fork()
-if pid == 0:
-    try:
-        for name, soft, hard in cfg["rlimits"]:
-            resource.setrlimit(getattr(resource, name), (soft, hard))
-        if cfg["uid"] is not None:
-            os.setgroups([])
-            os.setgid(cfg["uid"])
-            os.setuid(cfg["uid"])
-        if cfg["seccomp"]:
-            seccomp_filter(cfg["seccomp"])
-        os.chdir(cfg["cwd"])
-        os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["wrapper"], *cfg["site_dirs"]], cfg["env"])
-    except BaseException as exc:
-        os.write(2, ("sandbox setup failed: %r\n" % (exc,)).encode())
-        os._exit(125)
-os.close(0)  # the code reads its program from stdin; init holds no copy of the pipe
-status = None
-if cfg["mounts"] and cfg["total_memory_bytes"]:
-    # init of the PID namespace: reap every orphan, and kill everything when the resident
-    # memory of all the namespace's processes together passes the limit
-    import time
-    page = os.sysconf("SC_PAGE_SIZE")
-    while status is None:
-        while True:
-            try:
-                done, st = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                done = 0
-            if done == 0:
-                break
-            if done == pid:
-                status = st
-        if status is not None:
-            break
-        total = 0
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and entry != "1":
-                try:
-                    with open("/proc/%s/statm" % entry) as f:
-                        total += int(f.read().split()[1]) * page
-                except (OSError, IndexError, ValueError):
-                    pass
-        if total > cfg["total_memory_bytes"]:
-            os.kill(-1, 9)
-            os.write(2, ("\nsandbox: the call's processes held %d MiB of memory together, over "
-                         "the limit of %d MiB; all were killed\n"
-                         % (total >> 20, cfg["total_memory_bytes"] >> 20)).encode())
-            os._exit(124)
-        time.sleep(0.02)
-else:
-    _, status = os.waitpid(pid, 0)
-code = os.waitstatus_to_exitcode(status)
-if not cfg["mounts"]:
-    # no PID namespace: take the code's process group down ourselves
-    try:
-        os.killpg(pid, 9)
-    except OSError:
-        pass
-os._exit(code if code >= 0 else 128 - code)
-"""
+_INIT = str(Path(__file__).with_name("sandbox_init.py"))
+
+# What the code may not call (EPERM), beyond namespace flags of clone, clone3 (ENOSYS) and
+# setting the personality, which sandbox_init.py adds: mounts and namespaces (no nested user
+# namespace to mount in), kernel surfaces code has no use for and that served exploits
+# (Docker's default profile refuses the io_uring, userfaultfd and modify_ldt calls too), and
+# memfd files, whose pages no process's resident memory would count.
+SECCOMP_DENIED = (
+    "mount", "umount", "umount2", "unshare", "setns", "pivot_root", "chroot",
+    "fsopen", "fsconfig", "fsmount", "fspick", "open_tree", "move_mount", "mount_setattr",
+    "keyctl", "add_key", "request_key", "bpf", "perf_event_open",
+    "ptrace", "process_vm_readv", "process_vm_writev",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "userfaultfd", "modify_ldt", "memfd_create", "memfd_secret", "open_by_handle_at",
+)
+# the uid the code has inside its user namespace when the caller is not root
+SANDBOX_UID = 1000
+# protections a host may lack, which `accept_missing` can name to run without them
+WEAKER_MODES = ("namespaces", "seccomp")
+_PRIVATE_TMPFS = ("/var/tmp", "/dev/shm", "/run/lock")
+# the kernel's limit (a memory cgroup, where the host gives one) sits this far above
+# `total_memory_mb`, for the init's own memory: the sampled limit, with its clearer message,
+# normally speaks first, and the cgroup stops what sampling cannot see or is too slow for
+_CGROUP_SLACK = 32 * 2**20
 
 # Runs as the sandbox uid: read the program from stdin (the host never writes a file the code
 # could have replaced), make the bound site-packages importable, run it as __main__.
@@ -237,9 +136,13 @@ class SandboxConfig:
     max_concurrent: int = 4
     """Sandboxes one tool object runs at once (further calls wait): protects small hosts."""
     allow_network: bool = False
-    """Run without a network namespace. False (default): the tool refuses to start where no
-    network namespace can be created. True: no network isolation, and where namespaces are
-    missing entirely, a weaker sandbox (process group + rlimits, no PID namespace)."""
+    """Run without a network namespace (the code can reach the network and the host's
+    abstract Unix sockets). False (default): every call gets a network namespace of its own."""
+    accept_missing: list[str] = field(default_factory=list)
+    """Protections this host may lack that you accept running without, by name: 'namespaces'
+    (no unshare allowed: then only rlimits, a process group and the scrubbed environment; the
+    code sees the host's files and network) or 'seccomp' (libseccomp not installed: no system
+    call filter). Empty (default): the tool refuses to start, naming what is missing."""
     python: str | None = None
     """Interpreter for the code; defaults to the one running tephra (its site-packages are
     importable, e.g. sympy or numpy when installed)."""
@@ -265,6 +168,11 @@ class SandboxConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"python tool: {name}={getattr(self, name)!r} must be > 0")
+        unknown = sorted(set(self.accept_missing) - set(WEAKER_MODES))
+        if unknown:
+            raise ConfigError(f"python tool: accept_missing={self.accept_missing!r}: {unknown} "
+                              f"are not protections one can do without; choose from "
+                              f"{list(WEAKER_MODES)}")
         if self.memory_mb < 64:
             raise ConfigError(
                 f"python tool: memory_mb={self.memory_mb} is below what Python needs to start; use >= 64"
@@ -303,24 +211,7 @@ def _unshare_works(flags: tuple[str, ...]) -> str | None:
 @cache
 def _libseccomp() -> str | None:
     """Path of libseccomp's shared library, or None where it is not installed."""
-    import ctypes.util
-
     return ctypes.util.find_library("seccomp")
-
-
-def _folder_usage(folder: str) -> tuple[int, int]:
-    """(bytes, entries) under `folder`, from lstat only: nothing is opened or followed."""
-    size = count = 0
-    stack = [folder]
-    while stack:
-        with os.scandir(stack.pop()) as entries:
-            for entry in entries:
-                count += 1
-                st = entry.stat(follow_symlinks=False)
-                size += st.st_blocks * 512
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-    return size, count
 
 
 def _unshare_flags(allow_network: bool) -> list[str]:
@@ -366,21 +257,30 @@ def _describe_exit(code: int, stderr: str, cfg: SandboxConfig) -> str | None:
 
 
 class PythonSandbox:
-    """Runs code under `SandboxConfig`; `check()` first decides which isolation is possible."""
+    """Runs code under `SandboxConfig`; the constructor decides what isolation this host
+    gives and refuses to start without a protection that `accept_missing` does not name."""
 
     def __init__(self, config: SandboxConfig) -> None:
         self.config = config
         self.flags = _unshare_flags(config.allow_network)
         reason = _unshare_works(tuple(self.flags))
-        if reason is None:
-            self.namespaced = True
-        elif config.allow_network:
-            self.namespaced = False
-        else:
+        self.namespaced = reason is None
+        if reason is not None and "namespaces" not in config.accept_missing:
             raise ToolError(
-                f"python tool: cannot isolate the network: {reason}. Install util-linux and run where "
-                f"namespaces are allowed, or set allow_network: true in the tool's config to run "
-                f"without network isolation (and without a PID namespace)"
+                f"python tool: cannot create the sandbox's namespaces: {reason}. Run where "
+                f"util-linux's unshare may create {'user, ' if os.geteuid() else ''}PID, mount, "
+                f"IPC and network namespaces (for an ordinary user: unprivileged user namespaces "
+                f"enabled, e.g. sysctl kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu), "
+                f"or set accept_missing: [namespaces] in the tool's config to run with rlimits and "
+                f"a process group only (the code then sees the host's files and network)"
+            )
+        self.seccomp = _libseccomp()
+        if self.seccomp is None and "seccomp" not in config.accept_missing:
+            raise ToolError(
+                "python tool: libseccomp is not installed, so no system call filter can be "
+                "loaded. Install it (Debian/Ubuntu: apt install libseccomp2; Fedora: dnf install "
+                "libseccomp), or set accept_missing: [seccomp] in the tool's config to run "
+                "without the filter"
             )
         # one semaphore per event loop: an asyncio.Semaphore binds to the loop it first waits in,
         # and callers may run several loops over the tool's life (asyncio.run per step)
@@ -407,9 +307,18 @@ class PythonSandbox:
         else:
             self.binds, self.python, self.site_dirs = [], python, site_dirs
 
+    @property
+    def identity(self) -> str:
+        """How the code is kept from the caller's rights: 'switch_uid' (root: a fresh
+        unprivileged uid), 'user_namespace' (an ordinary user: uid 1000 of a nested user
+        namespace) or 'none' (no namespaces, accepted by name: the caller's own uid)."""
+        if not self.namespaced:
+            return "none"
+        return "switch_uid" if os.geteuid() == 0 else "user_namespace"
+
     def new_uid(self) -> int | None:
         """A fresh unprivileged uid when we can switch (root), else None (keep ours)."""
-        if os.geteuid() != 0 or not self.namespaced:
+        if self.identity != "switch_uid":
             return None
         return self.config.uid_base + secrets.randbelow(1_000_000)
 
@@ -418,15 +327,22 @@ class PythonSandbox:
         cpu = int(c.cpu_time_s)
         mem = c.memory_mb * 2**20
         fsize = c.max_file_size_mb * 2**20
+        counted = [d for d in _PRIVATE_TMPFS if os.path.isdir(d)]
+        if os.path.ismount(workdir):  # the trajectory's tmpfs (root): its pages are memory
+            counted.append("/tmp")
         return {
-            "mounts": self.namespaced,
-            "seccomp": _libseccomp() if self.namespaced and os.geteuid() == 0 else None,
+            "namespaced": self.namespaced,
+            "identity": self.identity,
+            "code_uid": uid if uid is not None else SANDBOX_UID,
+            "seccomp": self.seccomp,
+            "seccomp_denied": SECCOMP_DENIED,
             "total_memory_bytes": c.total_memory_mb * 2**20,
+            "counted_tmpfs": counted,
+            "private_tmpfs": [d for d in _PRIVATE_TMPFS if os.path.isdir(d)],
             "workdir": workdir,
             "cwd": "/tmp" if self.namespaced else workdir,
             "tmpfs_bytes": fsize,
             "binds": self.binds,
-            "uid": uid,
             "python": self.python,
             "site_dirs": self.site_dirs,
             "wrapper": _WRAPPER,
@@ -461,36 +377,33 @@ class PythonSandbox:
 
     @staticmethod
     def remove_workdir(workdir: str, mounted: bool) -> None:
+        """Unmount and remove a trajectory's folder, whatever the code left in it (deep
+        trees, many files, folders it made unreadable); never follows a link."""
         if mounted:
-            subprocess.run(["umount", "-l", workdir], capture_output=True, timeout=30)
-        shutil.rmtree(workdir, ignore_errors=True)  # never follows links
+            subprocess.run(["umount", workdir], capture_output=True, timeout=30)
+            if os.path.ismount(workdir):  # still busy: detach it so no mount outlives us
+                subprocess.run(["umount", "-l", workdir], capture_output=True, timeout=30)
+        remove_tree(workdir)
 
     def check_quota(self, workdir: str) -> str | None:
         """Without a tmpfs, the quota is checked after each call (the folder is emptied when
         the call went past it); None when within."""
         c = self.config
-        size, count = _folder_usage(workdir)
+        size, count = tree_usage(workdir)
         if size <= c.disk_quota_mb * 2**20 and count <= c.max_files:
             return None
-        for entry in os.scandir(workdir):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                os.unlink(entry.path)
+        empty_tree(workdir)
         return (f"the folder quota of {c.disk_quota_mb} MiB / {c.max_files} files was exceeded "
                 f"({size >> 20} MiB, {count} files); the folder was emptied")
 
     async def run(self, code: str, workdir: str, uid: int | None) -> SandboxRun:
         """Run `code` (sent through stdin) in `workdir`; never raises for anything the code
         does, and never opens a path inside `workdir`."""
-        boot = [
-            sys.executable,
-            "-I",
-            "-S",
-            "-c",
-            _BOOTSTRAP,
-            json.dumps(self._bootstrap_config(workdir, uid)),
-        ]
+        cfg = self._bootstrap_config(workdir, uid)
+        group = (MemoryCgroup.create(cfg["total_memory_bytes"] + _CGROUP_SLACK)
+                 if self.namespaced else None)
+        cfg["cgroup_procs"] = group.procs if group is not None else None
+        boot = [sys.executable, "-I", "-S", _INIT, json.dumps(cfg)]
         cmd = (
             [shutil.which("unshare") or "unshare", *self.flags, "--", *boot]
             if self.namespaced
@@ -500,7 +413,17 @@ class PythonSandbox:
         if loop not in self._semaphores:
             self._semaphores[loop] = asyncio.Semaphore(self.config.max_concurrent)
         async with self._semaphores[loop]:
-            return await self._run_capped(cmd, code.encode())
+            try:
+                run = await self._run_capped(cmd, code.encode())
+            finally:
+                killed = group.oom_kills() if group is not None else 0
+                if group is not None:
+                    group.remove()
+        if killed and (run.error is None or "over the limit" not in run.error):
+            run.error = (f"the call's processes went over the memory limit of "
+                         f"{self.config.total_memory_mb} MiB together; the kernel's memory "
+                         f"cgroup killed {killed} of them")
+        return run
 
     async def _run_capped(self, cmd: list[str], program: bytes) -> SandboxRun:
         cap = self.config.max_output_bytes
@@ -632,6 +555,9 @@ class PythonTool(Tool):
         self.config = SandboxConfig(**config)
         self.sandbox = PythonSandbox(self.config)
         self._instances: dict[str, tuple[str, int | None, bool]] = {}
+        # folders (and, as root, tmpfs mounts) of trajectories never released are removed when
+        # the tool is collected or the interpreter exits, even if nobody calls close()
+        self._finalizer = weakref.finalize(self, _remove_all, self._instances)
 
     async def create(self, instance_id: str, **kwargs: Any) -> None:
         if instance_id in self._instances:
@@ -663,14 +589,22 @@ class PythonTool(Tool):
     def close(self) -> None:
         """Remove the working directories of trajectories never released (no sandbox process
         outlives its call, so there is nothing else to stop)."""
-        for workdir, _, mounted in self._instances.values():
-            self.sandbox.remove_workdir(workdir, mounted)
-        self._instances.clear()
+        _remove_all(self._instances)
 
     def describe(self) -> dict[str, Any]:
+        """What isolation this host gave the tool, then its limits."""
+        group = parent_cgroup() if self.sandbox.namespaced else None
         return {"namespaced": self.sandbox.namespaced,
-                "seccomp": bool(_libseccomp()) and self.sandbox.namespaced and os.geteuid() == 0,
+                "seccomp": self.sandbox.seccomp is not None,
+                "identity": self.sandbox.identity,
+                "memory_cgroup": group[0] if group is not None else None,
                 **asdict(self.config)}
+
+
+def _remove_all(instances: dict[str, tuple[str, int | None, bool]]) -> None:
+    for workdir, _, mounted in instances.values():
+        PythonSandbox.remove_workdir(workdir, mounted)
+    instances.clear()
 
 
 __all__ = ["PythonSandbox", "PythonTool", "SandboxConfig", "SandboxRun"]

@@ -2,10 +2,12 @@
 endpoints (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
 `/finish_weight_update`).
 
-vLLM's own `nccl` engine needs CUDA; this one receives over a private torch.distributed
-group (gloo on CPU, NCCL on GPU; `tephra_weight_transport`) and loads each bucket with the
-model's `load_weights` inside vLLM's layerwise-reload lifecycle, so the weights never touch
-the disk. The server is started with `--worker-extension-cls
+vLLM's own `nccl` and `ipc` engines need CUDA; this one takes all three transports of
+`tephra_weight_transport`: a broadcast over a private torch.distributed group (`gloo`,
+`nccl`), or (`ipc`) a handle of the sender's bucket in the update request (CUDA IPC for a
+server on the sender's GPU, CPU shared memory otherwise: the same code on both). It loads each
+bucket with the model's `load_weights` inside vLLM's layerwise-reload lifecycle, so the
+weights never touch the disk. The server is started with `--worker-extension-cls
 tephra_vllm_plugin.TephraWorkerExtension` (importing this module in each worker registers the
 engine) and `--weight-transfer-config '{"backend": "tephra"}'`, with this folder on PYTHONPATH.
 """
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tephra_weight_transport import BucketMeta, broadcast, open_group, unpack
+from tephra_weight_transport import BucketMeta, broadcast, open_group, open_shared, unpack
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -29,11 +31,11 @@ BACKEND = "tephra"
 
 @dataclass
 class TephraInitInfo(WeightTransferInitInfo):
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
     backend: str = "gloo"
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 1
+    world_size: int = 1
     timeout_s: float = 300.0
 
 
@@ -42,6 +44,8 @@ class TephraUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    handle: str | None = None
+    """ipc: the bucket as `tephra_weight_transport.share` made it; None: it is broadcast."""
 
 
 class TephraWeightTransferEngine(WeightTransferEngine[TephraInitInfo, TephraUpdateInfo]):
@@ -52,8 +56,12 @@ class TephraWeightTransferEngine(WeightTransferEngine[TephraInitInfo, TephraUpda
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = None
+        self.transport: str | None = None
 
     def init_transfer_engine(self, init_info: TephraInitInfo) -> None:
+        self.transport = init_info.backend
+        if self.transport == "ipc":  # handles come with each update; no group to join
+            return
         # a unique rank per worker across data-parallel replicas, as vLLM's nccl engine does
         p = self.parallel_config
         rank = init_info.rank_offset + p.data_parallel_index * p.world_size + p.rank
@@ -77,12 +85,17 @@ class TephraWeightTransferEngine(WeightTransferEngine[TephraInitInfo, TephraUpda
             torch.cuda.synchronize()
 
     def receive_weights(self, update_info: TephraUpdateInfo) -> None:
-        if self.group is None:
+        if self.transport is None:
             raise RuntimeError("tephra weight transfer used before /init_weight_transfer_engine")
         meta = BucketMeta(update_info.names, update_info.dtype_names, update_info.shapes)
-        dtype = getattr(torch, meta.dtype_names[0]) if meta.names else torch.float32
-        flat = torch.empty(meta.numel(), dtype=dtype, device=self.device)
-        broadcast(self.group, flat)
+        if update_info.handle is not None:
+            # a view of the sender's memory, copied into the weights by load_weights; the
+            # sender keeps it alive until this request returns
+            flat = open_shared(update_info.handle, self.device)
+        else:
+            dtype = getattr(torch, meta.dtype_names[0]) if meta.names else torch.float32
+            flat = torch.empty(meta.numel(), dtype=dtype, device=self.device)
+            broadcast(self.group, flat)
         self.model.load_weights(unpack(meta, flat))
 
     def shutdown(self) -> None:
