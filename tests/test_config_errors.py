@@ -77,7 +77,7 @@ CASES = [
       "rollout.sglang.weight_transport=ipc"],
      r"rollout.sglang.weight_transport='ipc' with a server on another GPU: CUDA IPC .* use `nccl`"),
     (["rollout.backend=vllm", "resources.gpus_per_rank=1", "rollout.vllm.tensor_parallel_size=2",
-      "rollout.vllm.weight_transport=ipc"],
+      "resources.world_size=2", "rollout.vllm.weight_transport=ipc"],
      r"weight_transport='ipc' with a server over 2 GPUs"),
     (["trainer.mode=async", "resources.rollout.replicas=1", "resources.gpus_per_rank=0.5",
       "resources.rollout.gpus_per_replica=0.5"],
