@@ -42,6 +42,10 @@ CASES = [
      r"world size 3 is not divisible by parallel.tensor \* parallel.pipeline \* parallel.context = 2"),
     (["batch.prompts_per_step=3", "resources.world_size=2"],
      r"prompts_per_step=3 must be a multiple of the data-parallel size 2"),
+    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2", "resources.world_size=2",
+      "rollout.vllm.url=http://10.0.0.5:8000", "rollout.vllm.sleep_level=2"],
+     r"rollout.vllm.sleep_level=2 with rollout.vllm.tensor_parallel_size=2 colocated: .*use "
+     r"sleep_level=1"),
     (["resources.ref.ranks=1"], r"resources.ref.ranks=1, but nothing uses a reference: set "
      r"actor.objective.use_kl_loss=true"),
     (["resources.critic.ranks=1"], r"resources.critic.ranks=1, but algorithm.adv_estimator='grpo' "
