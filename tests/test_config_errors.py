@@ -42,6 +42,21 @@ CASES = [
      r"world size 3 is not divisible by parallel.tensor \* parallel.pipeline \* parallel.context = 2"),
     (["batch.prompts_per_step=3", "resources.world_size=2"],
      r"prompts_per_step=3 must be a multiple of the data-parallel size 2"),
+    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2", "resources.world_size=2",
+      "rollout.vllm.url=http://10.0.0.5:8000", "rollout.vllm.sleep_level=2"],
+     r"rollout.vllm.sleep_level=2 with rollout.vllm.tensor_parallel_size=2 colocated: .*use "
+     r"sleep_level=1"),
+    (["resources.ref.ranks=1"], r"resources.ref.ranks=1, but nothing uses a reference: set "
+     r"actor.objective.use_kl_loss=true"),
+    (["resources.critic.ranks=1"], r"resources.critic.ranks=1, but algorithm.adv_estimator='grpo' "
+     r"uses no critic; set resources.critic.ranks=0"),
+    (["algorithm.adv_estimator=gae", "resources.critic.ranks=3"],
+     r"resources.critic.ranks=3 gives 3 data-parallel ranks, which the step's 8 samples"),
+    (["resources.critic.cpus_per_rank=-1"], r"resources.<role>: .*must be >= 0"),
+    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2", "resources.world_size=3",
+      "batch.prompts_per_step=3", "batch.samples_per_prompt=2"],
+     r"rollout.vllm.tensor_parallel_size=2 does not divide resources.world_size=3: each "
+     r"rollout engine takes that many consecutive ranks"),
     # options a backend does not support, refused by the backend before anything starts
     (["actor.engine=megatron", "actor.lora.rank=8"],
      r"actor.engine='megatron': lora.rank > 0 is not supported by engine-megatron"),
@@ -66,7 +81,7 @@ CASES = [
       "rollout.sglang.weight_transport=ipc"],
      r"rollout.sglang.weight_transport='ipc' with a server on another GPU: CUDA IPC .* use `nccl`"),
     (["rollout.backend=vllm", "resources.gpus_per_rank=1", "rollout.vllm.tensor_parallel_size=2",
-      "rollout.vllm.weight_transport=ipc"],
+      "resources.world_size=2", "rollout.vllm.weight_transport=ipc"],
      r"weight_transport='ipc' with a server over 2 GPUs"),
     (["trainer.mode=async", "resources.rollout.replicas=1", "resources.gpus_per_rank=0.5",
       "resources.rollout.gpus_per_replica=0.5"],

@@ -1,17 +1,19 @@
-"""Every parallel layout trains through the app: the first step's loss and grad norm of each
-layout equal a reference run's on the same rollouts (1e-5 / 1e-4).
+"""Every parallel layout trains through the app and equals the single-rank fsdp run: the same
+samples and rewards (token ids compared exactly) and the first step's loss and grad norm
+within 1e-5 / 1e-4.
 
-- Layouts with one data-parallel rank (megatron TP=2, PP=2, CP=2, fsdp Ulysses SP=2 on 2 ranks)
-  generate exactly
-  the single-rank run's samples (each replica rank generates the whole batch with the same
-  seeds; one rank returns it), so they are compared with the fsdp single-rank run.
-- Layouts with two data-parallel ranks (fsdp on 2 ranks, megatron EP=2 on an MoE model)
-  split the prompts over the ranks, so their samples are those of any 2-rank run; megatron
-  EP=2 is compared with fsdp on 2 ranks, and fsdp on 2 ranks with its own single-rank run on
-  the same batch in the engine kit (tests of packages/engine-fsdp).
+Generation is split over the ranks by its own data parallelism (every rank of the hf rollout
+generates a disjoint share of the prompts, model-parallel peers included), and each sample
+is seeded by its place in the whole batch (`SamplingParams.seed`), so any layout on any
+number of ranks generates the single-rank run's samples:
+- one data-parallel replica over 2 ranks: megatron TP=2, PP=2, CP=2, fsdp Ulysses SP=2;
+- two data-parallel ranks: fsdp on 2 ranks (`resources.world_size=2`, the done-when check of
+  issue #39), megatron EP=2 on an MoE model.
 One Ray session for the module."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -51,16 +53,21 @@ def first_step(tmp_path, name, model, *overrides, steps=1):
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
     run(parse_config(["-p", "smoke", f"model.path={model}", f"trainer.steps={steps}",
-                      f"reward.custom_function_path={reward}",
+                      f"reward.custom_function_path={reward}", "trainer.dump_generations=1",
                       f"trainer.run_dir={tmp_path / name}", *overrides]))
     rows = read_jsonl(tmp_path / name / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["actor/grad_norm"] > 0 for r in rows)
-    return rows[0]
+    dumped = (tmp_path / name / "generations" / "train_step1.jsonl").read_text().splitlines()
+    return {**rows[0], "samples": [json.loads(line) for line in dumped]}
 
 
 def assert_same_step(ref, other, label):
     assert ref["actor/grad_norm"] > 0
+    # the samples themselves: token ids and rewards exactly
+    got = [(s["prompt_ids"], s["response_ids"], s["score"]) for s in other["samples"]]
+    assert got == [(s["prompt_ids"], s["response_ids"], s["score"]) for s in ref["samples"]], label
+    assert len({s["score"] for s in ref["samples"]}) > 1  # the rewards vary: advantages do too
     for key in ("reward/mean", "response/length_mean", "perf/trained_tokens"):
         assert ref[key] == other[key], (label, key, ref[key], other[key])
     for key, tol in (("actor/pg_loss", 1e-5), ("actor/entropy", 1e-5), ("actor/grad_norm", 1e-4)):
@@ -85,8 +92,39 @@ def test_model_parallel_layouts_equal_the_single_rank_run(ray_session, models, t
 
 
 @pytest.mark.multiproc
-def test_data_parallel_layouts_agree(ray_session, models, tmp_path):
+def test_two_data_parallel_ranks_equal_one(ray_session, models, tmp_path):
+    """`-p smoke resources.world_size=2` (fsdp, dp=2) against `resources.world_size=1`."""
+    one = first_step(tmp_path, "ws1", models["dense"])
+    two = first_step(tmp_path, "ws2", models["dense"], "resources.world_size=2")
+    assert_same_step(one, two, "ws2")
+
+
+@pytest.mark.multiproc
+def test_data_parallel_layouts_equal_the_single_rank_run(ray_session, models, tmp_path):
+    ref = first_step(tmp_path, "fsdp1", models["moe"])
     fsdp2 = first_step(tmp_path, "fsdp2", models["moe"], "resources.world_size=2")
+    assert_same_step(ref, fsdp2, "fsdp2")
     ep2 = first_step(tmp_path, "ep2", models["moe"], "actor.engine=megatron",
                      "resources.world_size=2", "actor.parallel.expert=2")
-    assert_same_step(fsdp2, ep2, "ep2")
+    assert_same_step(ref, ep2, "ep2")
+
+
+@pytest.mark.multiproc
+def test_reference_and_critic_on_pools_of_their_own_equal_the_colocated_run(
+        ray_session, models, tmp_path):
+    """PPO with a critic and a KL loss: the reference and the critic on pools of their own
+    (`resources.ref.ranks=1`, `resources.critic.ranks=1`) against all three colocated; the
+    checkpoint holds the critic and each group's RNG state."""
+    ppo = ["-p", "ppo_critic", "actor.objective.use_kl_loss=true",
+           "actor.objective.kl_loss_coef=0.01", "resources.cpus_per_rank=0.5"]
+    colocated = first_step(tmp_path, "colocated", models["dense"], *ppo)
+    pools = first_step(tmp_path, "pools", models["dense"], *ppo, "resources.ref.ranks=1",
+                       "resources.critic.ranks=1", "resources.ref.cpus_per_rank=0.5",
+                       "resources.critic.cpus_per_rank=0.5", "trainer.save_final=true")
+    assert_same_step(colocated, pools, "pools")
+    for key, tol in (("actor/kl_loss", 1e-5), ("critic/loss", 1e-5), ("critic/grad_norm", 1e-4)):
+        assert colocated[key] != 0 or key == "actor/kl_loss"
+        assert abs(colocated[key] - pools[key]) <= tol, (key, colocated[key], pools[key])
+    saved = tmp_path / "pools" / "checkpoints" / "step_1"
+    assert (saved / "critic").is_dir() and (saved / "worker_rng_critic_rank0.pt").exists()
+    assert (saved / "worker_rng_ref_rank0.pt").exists() and (saved / "worker_rng_rank0.pt").exists()

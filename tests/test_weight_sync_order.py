@@ -57,17 +57,18 @@ def test_the_worker_syncs_between_waking_weights_and_kv_cache(receiver, tmp_path
         model_path=model.path, max_model_len=64,
         vllm=ServerSettings(url=receiver, sleep_level=level)))
     worker.rollout.transport = "ipc"
-    worker.actor, worker._profile_prefix = _Actor(weights), None
+    worker.actor, worker._profile_prefix, worker.colocated = _Actor(weights), None, True
     worker.cfg = SimpleNamespace(
         rollout=SimpleNamespace(uses_agent_loop=False, sleep_when_training=True),
         resources=SimpleNamespace(rollout=SimpleNamespace(replicas=0)))
     worker._generate_plain = lambda items, sampling: []
+    prompts = [None]  # one prompt (a rank with an empty share would not wake the server)
     try:
         worker.sync_weights()                         # the first sync, awake
-        worker.generate([], None, score=False)        # generate, then sleep
-        worker.generate([], None, score=False)        # again, no update in between
+        worker.generate(prompts, None, score=False)   # generate, then sleep
+        worker.generate(prompts, None, score=False)   # again, no update in between
         worker.sync_weights()                         # after an update
-        worker.generate([], None, score=False)
+        worker.generate(prompts, None, score=False)
         paths = [p for p, _ in httpx.get(receiver + "/log", timeout=30).json()
                  if p not in ("/update_weights", "/start_weight_update", "/finish_weight_update",
                               "/reset_prefix_cache", "/init_weight_transfer_engine")]

@@ -8,7 +8,14 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tephra.controller.dispatch import DataParallelInfo, Dispatch, check_layout, dispatch
+from tephra.controller.dispatch import (
+    DataParallelInfo,
+    Dispatch,
+    check_layout,
+    dispatch,
+    rollout_shares,
+    share_bounds,
+)
 from tephra.controller.worker_group import (
     ResourcePool,
     Worker,
@@ -18,6 +25,7 @@ from tephra.controller.worker_group import (
     ray_init,
 )
 from tephra.core.errors import BatchError, ConfigError
+from tephra.rollout.base import SamplingParams
 
 
 def test_device_comes_from_rays_gpu_assignment():
@@ -77,6 +85,37 @@ class TensorParallelWorker(Worker):
         return DataParallelInfo(dp_rank=self.rank // 2, dp_size=self.world_size // 2,
                                 is_output_rank=self.rank % 2 == 0)
 
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
+    def generate(self, prompts: list[str], sampling: SamplingParams) -> list[tuple]:
+        """What this rank was asked to generate: (prompt, rank, the share's seed)."""
+        self.last_share = list(prompts)
+        return [(p, self.rank, sampling.seed) for p in prompts]
+
+    @dispatch(Dispatch.BROADCAST)
+    def shares(self) -> list[str]:
+        return self.last_share
+
+
+class RolloutPairsWorker(TensorParallelWorker):
+    """Tensor-parallel training pairs whose rollout engines also take two ranks each (a
+    server with tensor_parallel_size=2): the odd rank of a pair holds none."""
+
+    def rollout_info(self) -> DataParallelInfo:
+        return self.dp_info()
+
+
+def test_share_bounds_and_rollout_shares():
+    assert share_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert share_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    sampling = SamplingParams(n=4, seed=100)
+    shares = rollout_shares((list("abcde"), sampling), {"score": True}, 2)
+    assert [a[0] for a, _ in shares] == [list("abc"), list("de"), []]  # + the empty share
+    # a share's seed puts its samples where they are in the whole call: seed + first * n
+    assert [a[1].seed for a, _ in shares] == [100, 112, 100]
+    assert all(k == {"score": True} for _, k in shares)
+    with pytest.raises(BatchError, match="disagree on their row counts"):
+        rollout_shares((list("abc"), list("ab")), {}, 2)
+
 
 @pytest.mark.multiproc
 def test_rows_split_by_data_parallel_rank_replicated_to_tensor_peers():
@@ -95,7 +134,21 @@ def test_rows_split_by_data_parallel_rank_replicated_to_tensor_peers():
         assert torch.all(out["sum_of_ranks"] == 6)  # 0+1+2+3: one group of 4 ranks
         with pytest.raises(BatchError, match="does not split evenly over 2"):
             wg.tag(TensorDict({"x": x[:5]}, batch_size=[5]))
+        # generation: every rank is a rollout replica of its own, tensor peers included, so
+        # the 4 ranks generate disjoint shares (uneven is fine), collected in order
+        assert wg.rollout_dp_size == 4
+        got = wg.generate([f"p{i}" for i in range(6)], SamplingParams(n=2, seed=10))
+        assert got == [("p0", 0, 10), ("p1", 0, 10), ("p2", 1, 14), ("p3", 1, 14),
+                       ("p4", 2, 18), ("p5", 3, 20)]
         wg.shutdown()
+        # rollout engines of 2 ranks: the even rank of each pair generates, the odd one
+        # gets an empty share
+        pairs = WorkerGroup(RolloutPairsWorker, pool)
+        assert pairs.rollout_dp_size == 2
+        got = pairs.generate([f"p{i}" for i in range(5)], SamplingParams(n=1, seed=0))
+        assert got == [("p0", 0, 0), ("p1", 0, 0), ("p2", 0, 0), ("p3", 2, 3), ("p4", 2, 3)]
+        assert pairs.shares() == [["p0", "p1", "p2"], [], ["p3", "p4"], []]
+        pairs.shutdown()
         pool.release()
         with pytest.raises(ConfigError, match="could not place 2 bundles .* STRICT_SPREAD"):
             ResourcePool(world_size=2, cpus_per_rank=1, strategy="STRICT_SPREAD",

@@ -37,8 +37,11 @@ def test_batch_column_follows_the_rows():
                                                        [samples[2].multimodal, samples[3].multimodal]]
     batch["advantages"] = torch.zeros(batch["response_mask"].shape)
     batch["advantages"][3] = 1.0
-    kept, _, _ = skip_zero_advantage_rows(batch, lambda o, b: None)
-    assert kept[MULTIMODAL].tolist() == [samples[3].multimodal]
+    kept, left_out = skip_zero_advantage_rows(batch)
+    assert kept[MULTIMODAL].tolist() == [samples[3].multimodal] and left_out == 3
+    # a reordered batch (the token-balanced data-parallel order) carries its images along
+    order = torch.tensor([2, 0, 3, 1])
+    assert batch[order][MULTIMODAL].tolist() == [samples[k].multimodal for k in (2, 0, 3, 1)]
 
 
 def test_text_batch_has_no_column():

@@ -56,6 +56,13 @@ def test_global_normalisers_count_tokens_and_sequences():
     mbs = B.split_by_token_budget(small_batch(), 6, packed=True)
     assert B.set_global_normalisers(mbs) == (5.0, 2.0)
     assert all(float(mb[B.GLOBAL_TOKEN_COUNT][0]) == 5.0 for mb in mbs)
+    # rows left out by the caller still count: 7 tokens in 3 sequences, noted on one row
+    batch = small_batch()
+    batch[B.LEFT_OUT_TOKENS] = torch.tensor([7.0, 0.0])
+    batch[B.LEFT_OUT_SEQS] = torch.tensor([3.0, 0.0])
+    mbs = B.split_by_token_budget(batch, 6, packed=True)
+    assert len(mbs) == 2 and B.set_global_normalisers(mbs) == (12.0, 5.0)
+    assert all(float(mb[B.GLOBAL_SEQ_COUNT][0]) == 5.0 for mb in mbs)
 
 
 @pytest.mark.parametrize(

@@ -322,3 +322,42 @@ def test_two_level_sampling_across_blocks():
     freq = torch.bincount(tokens, minlength=600).double() / 40_000
     torch.testing.assert_close(freq, probs.double(), atol=0.01, rtol=0)
     assert freq[probs == 0].sum() == 0
+
+
+@pytest.mark.parametrize("top", [{}, {"top_k": 20, "top_p": 0.9}])
+def test_samples_do_not_depend_on_how_prompts_are_split(hf, tiny_model, top):
+    """Sample j of prompt i draws from its own generator (seed + i*n + j): 8 prompts of
+    different lengths as one call, as 2 and as 4 shares (`for_share`), and with 3 rows per
+    generate call give the same samples; rows finish at different steps,
+    so finished rows leave decoding at different points in each split.
+
+    Tokens are compared bitwise; log-probs to 2e-6 (float32 rounding: the softmax reductions
+    run over a padded width that depends on the batch's longest prompt)."""
+    prompts = [[5 + i, 6, 7 + 2 * i, 9, 11 + i][: 1 + i % 5] for i in range(8)]
+    sampling = SamplingParams(temperature=1.0, max_tokens=14, n=2, seed=123,
+                              stop_token_ids=tuple(range(20, 45)), **top)
+    whole = hf.generate(prompts, sampling)
+    assert len(set(map(len, whole.response_ids))) > 2
+    config = RolloutConfig(model_path=tiny_model.path, max_model_len=128, hf={"max_batch_rows": 3})
+    with get_rollout("hf", config) as small:
+        runs = {"rows3": small.generate(prompts, sampling)}
+    for shares in (2, 4):
+        size = len(prompts) // shares
+        parts = [hf.generate(prompts[k * size:(k + 1) * size], sampling.for_share(k * size))
+                 for k in range(shares)]
+        runs[f"{shares} shares"] = RolloutOutput(
+            prompt_index=[i for p in parts for i in p.prompt_index],
+            prompt_ids=[x for p in parts for x in p.prompt_ids],
+            response_ids=[x for p in parts for x in p.response_ids],
+            log_probs=[x for p in parts for x in p.log_probs],
+            finish_reasons=[x for p in parts for x in p.finish_reasons])
+    for name, run in runs.items():
+        assert run.prompt_ids == whole.prompt_ids, name
+        assert run.response_ids == whole.response_ids, name
+        torch.testing.assert_close(torch.tensor(sum(run.log_probs, [])),
+                                   torch.tensor(sum(whole.log_probs, [])), atol=2e-6, rtol=0)
+        assert run.finish_reasons == whole.finish_reasons, name
+    # a different seed gives different samples; the two samples of a prompt differ
+    other = hf.generate(prompts, sampling.replace(seed=124))
+    assert other.response_ids != whole.response_ids
+    assert sum(whole.response_ids[2 * i] != whole.response_ids[2 * i + 1] for i in range(8)) >= 4

@@ -10,6 +10,15 @@ and gets one batch back.
   rank per replica are concatenated in replica order (TensorDicts with `torch.cat`, lists by
   extending) or, for dicts of metrics, the first replica's is taken (engines already reduce
   metrics over data-parallel ranks). Each worker says where it stands with `dp_info()`.
+- `ROLLOUT_SPLIT`: generation's own data parallelism. Every list / `TensorDict` argument is
+  cut into `rollout_dp` contiguous shares whose sizes differ by at most one
+  (`share_bounds`); the output rank of rollout replica d (the rank holding its rollout
+  engine) gets share d, the other ranks of the replica (its rollout tensor-parallel peers)
+  an empty share. Arguments with a `for_share(first_row)` method (`SamplingParams`: the
+  seeds of a share's samples) get it called with their share's first row, so a sample does
+  not depend on the split. Results are collected as for `DP_SPLIT`. Each worker says where
+  it stands with `rollout_info()`: trainer model-parallel peers are separate rollout
+  replicas, so they never generate the same prompts twice.
 - `BROADCAST`: every rank gets the same arguments (SPMD collective calls such as
   `save_checkpoint`); the result is the list of every rank's result.
 - `RANK_ZERO`: every rank gets the same arguments (so collectives inside still match) and
@@ -33,6 +42,7 @@ DISPATCH_ATTR = "__tephra_dispatch__"
 
 class Dispatch(enum.Enum):
     DP_SPLIT = "dp_split"
+    ROLLOUT_SPLIT = "rollout_split"
     BROADCAST = "broadcast"
     RANK_ZERO = "rank_zero"
 
@@ -97,6 +107,43 @@ def split_args(args: tuple, kwargs: dict, world_size: int) -> list[tuple[tuple, 
         (tuple(s[r] for s in split_a), {k: s[r] for k, s in split_k.items()})
         for r in range(world_size)
     ]
+
+
+def share_bounds(n: int, shares: int) -> list[tuple[int, int]]:
+    """[start, end) of `shares` contiguous shares of `n` rows, in order, the first `n % shares`
+    one row longer (some are empty when n < shares)."""
+    size, extra = divmod(n, shares)
+    bounds, start = [], 0
+    for d in range(shares):
+        end = start + size + (d < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _rows(value: Any) -> int | None:
+    if isinstance(value, TensorDict):
+        return value.batch_size[0]
+    return len(value) if isinstance(value, list) else None
+
+
+def rollout_shares(args: tuple, kwargs: dict, shares: int) -> list[tuple[tuple, dict]]:
+    """`args` / `kwargs` cut for `ROLLOUT_SPLIT` into `shares` shares, plus one empty share
+    last (for the ranks that hold no rollout engine)."""
+    counts = {_rows(v) for v in (*args, *kwargs.values())} - {None}
+    if len(counts) > 1:
+        raise BatchError(f"the batch arguments of a rollout call disagree on their row counts: "
+                         f"{sorted(counts)}")
+    n = counts.pop() if counts else 0
+    bounds = share_bounds(n, shares) + [(0, 0)]
+
+    def cut(value: Any, start: int, end: int) -> Any:
+        if _rows(value) is not None:
+            return value[start:end]
+        return value.for_share(start) if hasattr(value, "for_share") else value
+
+    return [(tuple(cut(a, s, e) for a in args), {k: cut(v, s, e) for k, v in kwargs.items()})
+            for s, e in bounds]
 
 
 def collect(results: list[Any]) -> Any:

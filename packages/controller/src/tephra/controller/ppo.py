@@ -176,7 +176,7 @@ def run(cfg: PPOConfig) -> dict:
 
     from tephra.controller.models import count_parameters
     from tephra.controller.rl_loop import Trainer
-    from tephra.controller.rl_worker import RLWorker
+    from tephra.controller.rl_worker import RLWorker, colocated_roles
     from tephra.controller.rollout_replicas import RolloutReplicas
     from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
     from tephra.core.config import to_dict
@@ -194,9 +194,28 @@ def run(cfg: PPOConfig) -> dict:
     pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement,
                         retain_freed_memory=r.retain_freed_memory)
 
+    # the reference and critic on pools of their own (resources.ref / critic.ranks > 0)
+    role_pools = {role: ResourcePool(s.ranks, s.cpus_per_rank, s.gpus_per_rank,
+                                     strategy=r.placement, name=role,
+                                     retain_freed_memory=r.retain_freed_memory)
+                  for role in ("ref", "critic") if (s := getattr(r, role)).ranks}
+
     def make_group() -> WorkerGroup:
         return WorkerGroup(RLWorker, pool, {"cfg": cfg, "model_path": p.model_path,
-                                            "tools_file": p.tools_file}, name="rl")
+                                            "tools_file": p.tools_file,
+                                            "roles": colocated_roles(cfg)}, name="rl")
+
+    def make_role_groups() -> dict[str, WorkerGroup]:
+        groups: dict[str, WorkerGroup] = {}
+        try:
+            for role, role_pool in role_pools.items():
+                groups[role] = WorkerGroup(RLWorker, role_pool, {
+                    "cfg": cfg, "model_path": p.model_path, "roles": (role,)}, name=role)
+        except BaseException:
+            for group in groups.values():
+                group.shutdown(grace_s=0)
+            raise
+        return groups
 
     def make_replicas() -> RolloutReplicas:
         return RolloutReplicas(cfg, p.model_path, p.tools_file)
@@ -204,12 +223,14 @@ def run(cfg: PPOConfig) -> dict:
     try:
         trainer = Trainer(cfg, make_group(), p.tokenizer, p.train, p.val, p.run_dir,
                           count_parameters(p.model_path), 0.0, make_group=make_group,
-                          make_replicas=make_replicas if r.rollout.replicas else None)
+                          make_replicas=make_replicas if r.rollout.replicas else None,
+                          make_role_groups=make_role_groups if role_pools else None)
     except BaseException:
-        pool.release()
+        for each in (pool, *role_pools.values()):
+            each.release()
         raise
     try:
-        trainer.peak_flops = sum(trainer.wg.measure_peak_flops())
+        trainer.peak_flops = trainer.measure_peak_flops()
         nodes = len(set(trainer.wg.node_ids()))
         summary = trainer.fit()
         summary["nodes"] = nodes
@@ -218,4 +239,5 @@ def run(cfg: PPOConfig) -> dict:
         try:
             trainer.close_group()
         finally:
-            pool.release()
+            for each in (pool, *role_pools.values()):
+                each.release()

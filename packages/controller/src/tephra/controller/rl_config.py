@@ -223,6 +223,14 @@ class RolloutSection:
         return bool(self.agent_loop)
 
     @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks per rollout engine: a server backend's `tensor_parallel_size`, 1 for `hf`
+        (one in-process model per rank). Generation's data-parallel size is the world size
+        divided by it."""
+        settings = getattr(self, self.backend, None)
+        return settings.tensor_parallel_size if isinstance(settings, ServerSettings) else 1
+
+    @property
     def response_budget(self) -> int:
         """Most response tokens of one sample: `agent.max_response_tokens` with an agent loop,
         `max_tokens` without."""
@@ -485,6 +493,13 @@ class TrainerSection:
     and update run (the rollout engine holds its own weights until `sync_weights`). It keeps
     the rollout engine awake during training; false generates ahead serially. Same numbers
     either way; dynamic sampling and greedy baselines always generate serially."""
+    balance_batch: bool = True
+    """With several data-parallel ranks, give each rank as equal a share of the step's
+    tokens (prompt + response) as Karmarkar-Karp finds, with equal row counts, inside each
+    mini-batch (verl's `balance_batch`; `tephra.controller.balance`); false splits the rows
+    in their order. On by default: a rank that draws the long responses holds every other
+    rank up at each collective, and the update is the same either way (global normalisers).
+    Metrics `balance/max_over_min_tokens_before` / `_after`."""
     steps: int = 36
     """RL steps. The demo, measured on 2 cores with AMX: ~9.5 s per step (17-20 s on an
     AVX2-only CPU, in fp32); held-out greedy accuracy 29.5% -> 76.5% (200 items)."""
@@ -578,6 +593,29 @@ class RolloutPoolSection:
 
 
 @dataclass
+class RolePoolSection:
+    """A pool of its own for the reference or the critic (verl's resource-pool mapping)."""
+
+    ranks: int = 0
+    """Ranks of the role's own worker group (one Ray actor each; the role's engine parallel
+    sizes divide them, data parallel is what remains). 0: the role lives in the colocated
+    worker with the actor, the default, which needs no extra processes or memory for a
+    second copy of the framework."""
+    cpus_per_rank: float = 1.0
+    """CPUs (and torch threads) per rank of the role's pool; 1 by default: a forward-only
+    reference is light, raise it for a critic that trains."""
+    gpus_per_rank: float = 0.0
+    """GPUs per rank of the role's pool; 0 by default, as for the training ranks
+    (`resources.gpus_per_rank`), so the default runs on a CPU machine."""
+
+    def __post_init__(self) -> None:
+        if self.ranks < 0 or self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
+            raise ConfigError(f"resources.<role>: ranks={self.ranks}, cpus_per_rank="
+                              f"{self.cpus_per_rank} and gpus_per_rank={self.gpus_per_rank} "
+                              "must be >= 0 (ranks=0: colocated with the actor)")
+
+
+@dataclass
 class ResourcesSection:
     """Ray placement of the ranks."""
 
@@ -606,6 +644,12 @@ class ResourcesSection:
     rollout: RolloutPoolSection = field(default_factory=RolloutPoolSection)
     """Rollout replicas on a pool of their own (`replicas` > 0), fed weights by broadcast from
     the training ranks; the training ranks then hold no rollout engine."""
+    ref: RolePoolSection = field(default_factory=RolePoolSection)
+    """The reference policy on a pool of its own (`ranks` > 0) or colocated with the actor
+    (0, the default). Its weights never change, so nothing moves to it but batches."""
+    critic: RolePoolSection = field(default_factory=RolePoolSection)
+    """The critic on a pool of its own (`ranks` > 0) or colocated with the actor (0, the
+    default)."""
 
     def __post_init__(self) -> None:
         from tephra.controller.worker_group import PLACEMENT_STRATEGIES, check_retain
@@ -694,8 +738,23 @@ def validate(cfg: PPOConfig) -> None:
         raise ConfigError(
             f"batch.prompts_per_step={b.prompts_per_step} must be a multiple of the data-"
             f"parallel size {dp} (resources.world_size={ws} / model-parallel "
-            f"{cfg.actor.parallel.model_parallel_size()}): each data-parallel rank generates "
-            "for an equal share of prompts")
+            f"{cfg.actor.parallel.model_parallel_size()}): each data-parallel rank trains on "
+            "an equal share of prompt groups")
+    rollout_tp = r.tensor_parallel_size
+    if cfg.resources.rollout.replicas == 0 and ws % rollout_tp:
+        raise ConfigError(
+            f"rollout.{r.backend}.tensor_parallel_size={rollout_tp} does not divide "
+            f"resources.world_size={ws}: each rollout engine takes that many consecutive "
+            "ranks; choose a divisor of the world size (or rollout replicas of their own, "
+            "resources.rollout.replicas)")
+    settings = getattr(r, r.backend, None)
+    if (cfg.resources.rollout.replicas == 0 and rollout_tp > 1
+            and isinstance(settings, ServerSettings) and settings.sleep_level == 2):
+        raise ConfigError(
+            f"rollout.{r.backend}.sleep_level=2 with rollout.{r.backend}.tensor_parallel_size="
+            f"{rollout_tp} colocated: a server that dropped its weights gets them again from "
+            "its own rank's export, which the ranks without a server would not join; use "
+            f"sleep_level=1, or rollout replicas of their own (resources.rollout.replicas)")
     per_rank = b.samples_per_step // dp
     if per_rank % b.mini_batches:
         raise ConfigError(
@@ -794,6 +853,7 @@ def validate(cfg: PPOConfig) -> None:
             f"algorithm.rollout_correction={a.rollout_correction!r} with actor.objective."
             f"tis_level={cfg.actor.objective.tis_level!r} would correct twice; use "
             "algorithm.rollout_correction=tis (and its _level / _cap) alone")
+    check_role_pools(cfg)
     if cfg.data.has_images:
         check_image_support(cfg)
     weight_path(cfg)
@@ -934,6 +994,37 @@ def weight_path(cfg: PPOConfig) -> str:
         hops.append(f"{'replica' if pool.replicas else 'trainer'} -> {backend} server: "
                     f"{transport} ({how}; {placement.describe()})")
     return "weight transport: " + "; ".join(hops)
+
+
+def check_role_pools(cfg: PPOConfig) -> None:
+    """A pool of its own for the reference or critic must have a use and must split the
+    step's samples as the actor's ranks do (equal shares that divide into mini-batches)."""
+    b = cfg.batch
+    uses = {"ref": (cfg.needs_reference and not cfg.actor.lora.enabled,
+                    "nothing uses a reference: set actor.objective.use_kl_loss=true or "
+                    "algorithm.kl_in_reward, and no actor.lora (its reference is the actor "
+                    "with the adapters off)"),
+            "critic": (cfg.algorithm.needs("values"),
+                       f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} uses no critic")}
+    for role, (used, why) in uses.items():
+        ranks = getattr(cfg.resources, role).ranks
+        if not ranks:
+            continue
+        if not used:
+            raise ConfigError(f"resources.{role}.ranks={ranks}, but {why}; set "
+                              f"resources.{role}.ranks=0")
+        parallel = (cfg.critic if role == "critic" else cfg.actor).parallel
+        try:
+            dp = parallel.data_parallel_size(ranks)
+        except ConfigError as exc:
+            raise ConfigError(f"resources.{role}.ranks={ranks}: {exc}; make it a multiple of "
+                              "the role's tensor x pipeline x context sizes") from None
+        if b.samples_per_step % dp or (b.samples_per_step // dp) % b.mini_batches:
+            raise ConfigError(
+                f"resources.{role}.ranks={ranks} gives {dp} data-parallel ranks, which the "
+                f"step's {b.samples_per_step} samples (in batch.mini_batches={b.mini_batches} "
+                "mini-batches) do not split into equal shares; choose a data-parallel size "
+                f"that divides {b.samples_per_step // b.mini_batches}")
 
 
 def check_image_support(cfg: PPOConfig) -> None:

@@ -29,6 +29,7 @@ bypass, tephra.algos.rollout_correction) decides what the loss does about the la
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ import torch
 from tensordict import TensorDict
 
 from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction, rollout_mismatch_metrics
+from tephra.controller.balance import balanced_order, max_over_min
 from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.data import PromptLoader, PromptRecord
 from tephra.controller.rewarding import (
@@ -49,6 +51,7 @@ from tephra.controller.rewarding import (
     check_rewards,
 )
 from tephra.controller.rl_config import PPOConfig
+from tephra.controller.rl_worker import can_skip_flat, flat_groups
 from tephra.controller.samples import (
     PromptItem,
     Sample,
@@ -205,6 +208,15 @@ def correct_old_log_probs(batch: TensorDict, correction: Any, recompute: bool,
     return out.metrics, passes
 
 
+def round_seed(run_seed: int, step: int, r: int) -> int:
+    """The sampling seed of round `r` of step `step`: a 62-bit hash of the three, so that
+    rounds' seed ranges never meet (sample j of the batch's prompt i samples from seed +
+    i * n + j, `SamplingParams.seed`; consecutive seeds per step would replay one step's
+    random stream in the next)."""
+    digest = hashlib.blake2b(f"{run_seed}/{step}/{r}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
 def mismatch_probe(batch: TensorDict, rows: int, dp_size: int, seed: int,
                    compute_log_probs: Callable[[TensorDict], torch.Tensor]) -> dict[str, float]:
     """`rollout_corr/*` mismatch metrics (tephra.algos.rollout_mismatch_metrics) on `rows`
@@ -319,7 +331,8 @@ class Trainer:
 
     def __init__(self, cfg: PPOConfig, wg: WorkerGroup, tokenizer: Any, train: Prompts,
                  val: Prompts, run_dir: Path, n_params: int, peak_flops: float,
-                 make_group: Any = None, make_replicas: Any = None) -> None:
+                 make_group: Any = None, make_replicas: Any = None,
+                 make_role_groups: Any = None) -> None:
         from tephra.algos import AdaptiveKLController, FixedKLController
         from tephra.rollout.base import SamplingParams
 
@@ -351,8 +364,16 @@ class Trainer:
                         and not a.dynamic_sampling and not a.needs("baselines"))
         self.pending: list[Round] | None = None
         """The next step's batch, generated ahead (one_step_off) and scored."""
+        self.skips_flat = can_skip_flat(cfg.actor.objective)
+        """Whether the actor update leaves out zero-advantage rows (`skip_zero_advantage_rows`)."""
+        self.order = self.inverse = None
+        """The step's row order for the data-parallel ranks and its inverse (`balance`)."""
         self.ahead: Round | None = None
         """The round a worker thread is generating (overlap), until `finish_ahead`."""
+        self.make_role_groups = make_role_groups
+        """Builds the reference / critic groups of pools of their own (`resources.ref`,
+        `resources.critic`): role -> `WorkerGroup`; None: both colocated with the actor."""
+        self.role_groups: dict[str, WorkerGroup] = make_role_groups() if make_role_groups else {}
         self.make_replicas = make_replicas
         """Builds the rollout replicas of a separate pool (`resources.rollout.replicas`)."""
         self.replicas = self.stream = None
@@ -413,11 +434,8 @@ class Trainer:
         v = self.cfg.trainer.val
         sampling = self.greedy.replace(n=v.n, temperature=v.temperature, top_p=v.top_p,
                                        seed=self.cfg.trainer.seed)
-        dp = self.wg.dp_size
         indices = list(range(len(self.val.ids)))
-        pad = (-len(indices)) % dp  # the split needs equal shares; the padding is not scored
-        samples = self.generate(self.items(indices + indices[:pad], self.val, f"val{self.step}"),
-                                sampling)[: len(indices) * v.n]
+        samples = self.generate(self.items(indices, self.val, f"val{self.step}"), sampling)
         rows = [EvalRow(prompt=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
                         response=s.text, score=s.score,
                         ground_truth=self.val.records[k // v.n].ground_truth,
@@ -506,9 +524,9 @@ class Trainer:
         return rounds
 
     def seed_of(self, step: int, r: int) -> int:
-        """Sampling seed of round `r` of step `step` (round 0 keeps the seed of a run without
-        dynamic sampling; a batch generated ahead keeps the seed of its step)."""
-        return self.cfg.trainer.seed * 1_000_003 + step + r * 100_003
+        """Sampling seed of round `r` of step `step` (`round_seed`; a batch generated ahead
+        keeps the seed of its step)."""
+        return round_seed(self.cfg.trainer.seed, step, r)
 
     # ----- generation ahead (trainer.mode=one_step_off) --------------------------------------
     def take_batch(self) -> list[Round]:
@@ -576,8 +594,7 @@ class Trainer:
         items = [PromptItem(rnd.items[g].prompt_ids, rnd.items[g].record,
                             f"{rnd.items[g].sample_id}-greedy")
                  for rnd in rounds for g in rnd.kept_groups]
-        pad = (-len(items)) % self.wg.dp_size  # equal shares; the padding is not used
-        greedy = self.generate(items + items[:pad], self.greedy)[: len(items)]
+        greedy = self.generate(items, self.greedy)
         return torch.tensor([g.score for g in greedy for _ in range(n)], dtype=torch.float32)
 
     def length_shaping(self, samples: list[Sample]) -> torch.Tensor:
@@ -615,6 +632,40 @@ class Trainer:
         self.kl_ctrl.update(metrics["kl_penalty/kl"], batch.batch_size[0])
         return rewards, metrics
 
+    # ----- the data-parallel split -------------------------------------------------------
+    def balance(self, batch: TensorDict) -> dict[str, float]:
+        """Choose the order in which this step's training batch goes to the data-parallel
+        ranks (`trainer.balance_batch`: token-balanced, `tephra.controller.balance`); returns
+        the `balance/*` metrics (several data-parallel ranks only)."""
+        self.order = self.inverse = None
+        dp = self.wg.dp_size
+        if dp == 1:
+            return {}
+        tokens = batch["attention_mask"].sum(-1).tolist()
+        before = max_over_min(tokens, None, dp)
+        if self.cfg.trainer.balance_batch:
+            order = balanced_order(tokens, dp, self.cfg.batch.mini_batches)
+            self.order = torch.tensor(order)
+            self.inverse = torch.argsort(self.order)
+        return {"balance/max_over_min_tokens_before": before,
+                "balance/max_over_min_tokens_after": max_over_min(
+                    tokens, self.order.tolist() if self.order is not None else None, dp)}
+
+    def on_ranks(self, method: str, batch: TensorDict, role: str = "actor") -> Any:
+        """A `DP_SPLIT` call of the training batch on the group holding `role`, in the order
+        `balance` chose for the actor's group; per-row results come back in the batch's own
+        order. Another batch (the mismatch probe's rows) goes as it is."""
+        group = self.role_groups.get(role, self.wg)
+        if (self.order is None or group is not self.wg
+                or batch.batch_size[0] != len(self.order)):
+            return group.call(method, batch)
+        out = group.call(method, batch[self.order])
+        return out[self.inverse] if isinstance(out, TensorDict) else out
+
+    def groups(self) -> list[WorkerGroup]:
+        """Every training worker group: the actor's, then the role pools'."""
+        return [self.wg, *self.role_groups.values()]
+
     # ----- one RL step ---------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         cfg, times = self.cfg, {}
@@ -637,6 +688,7 @@ class Trainer:
         batch["uid"] = torch.arange(len(samples), dtype=torch.int64) // n
         lap("generate")
         metrics: dict[str, float] = staleness_metrics(samples, self.step)
+        metrics.update(self.balance(batch))
         if self.stream is not None:
             from tephra.controller.async_stream import partial_rollout_metrics
 
@@ -645,16 +697,16 @@ class Trainer:
                 metrics.update(partial_rollout_metrics(samples))
         forward_passes = 0
         if self.needs_ref:
-            batch["ref_log_probs"] = self.wg.compute_ref_log_probs(batch)["log_probs"]
+            batch["ref_log_probs"] = self.on_ranks("compute_ref_log_probs", batch, "ref")["log_probs"]
             forward_passes += 1
             lap("ref")
         if self.needs_critic:
-            batch["values"] = self.wg.compute_values(batch)["values"]
+            batch["values"] = self.on_ranks("compute_values", batch, "critic")["values"]
             forward_passes += 1
             lap("values")
         corr_metrics, passes = correct_old_log_probs(
             batch, cfg.algorithm.correction, cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1,
-            lambda b: self.wg.compute_log_probs(b)["log_probs"],
+            lambda b: self.on_ranks("compute_log_probs", b)["log_probs"],
             probe_rows=cfg.algorithm.mismatch_probe_rows, dp_size=self.wg.dp_size,
             probe_seed=self.seed_of(self.step, 0))
         metrics.update(corr_metrics)
@@ -685,6 +737,8 @@ class Trainer:
         self.advantages(batch, token_rewards, baselines)
         check_advantages(batch["advantages"], batch["response_mask"], names)
         apply_rejection(batch)
+        if self.skips_flat:  # the workers leave these groups out of the actor update
+            metrics["actor/skipped_flat_groups"] = float(flat_groups(batch))
         every = cfg.trainer.dump_generations
         if every and (self.step + 1) % every == 0:
             self.dump_train(samples, batch)
@@ -692,11 +746,11 @@ class Trainer:
         trained_passes = 0
         if self.needs_critic:
             metrics.update({f"critic/{k.split('/')[-1]}": v
-                            for k, v in self.wg.update_critic(batch).items()})
+                            for k, v in self.on_ranks("update_critic", batch, "critic").items()})
             trained_passes += cfg.batch.epochs
             lap("critic")
         metrics.update({k if k.startswith("actor/") else f"actor/{k}": v
-                        for k, v in self.wg.update_actor(batch).items()})
+                        for k, v in self.on_ranks("update_actor", batch).items()})
         trained_passes += cfg.batch.epochs
         lap("actor")
         if self.ahead is not None:
@@ -744,7 +798,8 @@ class Trainer:
     # ----- checkpoints -----------------------------------------------------------------------
     def save(self) -> None:
         def write(folder: Path) -> None:
-            self.wg.save_checkpoint(str(folder))
+            for group in self.groups():
+                group.save_checkpoint(str(folder))
             if self.pending is not None:  # the samples themselves: resuming needs no old weights
                 (folder / PENDING_FILE).write_text(json.dumps([round_to_dict(r) for r in self.pending]))
 
@@ -758,7 +813,8 @@ class Trainer:
         if latest is None:
             return False
         state = self.ckpt.load_trainer_state(latest)
-        self.wg.load_checkpoint(str(latest))
+        for group in self.groups():
+            group.load_checkpoint(str(latest))
         if self.replicas is not None:
             self.replicas.sync(self.wg, int(state["step"]))
         self.loader.load_state_dict(state["loader"])
@@ -771,18 +827,24 @@ class Trainer:
         print(f"resumed from {latest} at step {self.step}", flush=True)
         return True
 
+    def measure_peak_flops(self) -> float:
+        """The MFU denominator: the summed matmul throughput of every training rank."""
+        return float(sum(sum(group.measure_peak_flops()) for group in self.groups()))
+
     # ----- recovery ---------------------------------------------------------------------------
     def close_group(self, grace_s: float = 10.0) -> None:
-        """Close the rollout replicas and the worker group; `grace_s`: how long the ranks get
+        """Close the rollout replicas and the worker groups; `grace_s`: how long the ranks get
         to exit on their own before they are killed (0 for a group that has failed)."""
         try:
             if self.replicas is not None:
                 self.replicas.close()
-            self.wg.close()
+            for group in self.groups():
+                group.close()
         except Exception:  # noqa: BLE001  (a dead group cannot close; shutdown still runs)
             pass
         finally:
-            self.wg.shutdown(grace_s)
+            for group in self.groups():
+                group.shutdown(grace_s)
 
     def recover(self, exc: BaseException) -> None:
         """A worker died: tear the group down, build it again and continue from the latest
@@ -797,8 +859,9 @@ class Trainer:
               f"restart {self.restarts} of {self.cfg.trainer.max_restarts}", flush=True)
         self.close_group(grace_s=0)  # its live ranks may be stuck in a collective
         self.wg = self.make_group()
+        self.role_groups = self.make_role_groups() if self.make_role_groups else {}
         self.replicas = None  # closed with the group; connected again below
-        self.peak_flops = sum(self.wg.measure_peak_flops())
+        self.peak_flops = self.measure_peak_flops()
         self.ahead = None  # a generation ahead died with the group
         if not self.maybe_resume(resume="auto"):
             self.step = 0
@@ -830,14 +893,16 @@ class Trainer:
         while self.step < cfg.steps:
             profiling = self.step + 1 in cfg.profile_steps
             if profiling:
-                self.wg.set_profile(str(self.run_dir / "profile" / f"step{self.step + 1}"))
+                for group in self.groups():
+                    group.set_profile(str(self.run_dir / "profile" / f"step{self.step + 1}"))
             try:
                 metrics = self.train_step()
             except WORKER_FAILURES as exc:
                 self.recover(exc)
                 continue
             if profiling:
-                self.wg.set_profile(None)
+                for group in self.groups():
+                    group.set_profile(None)
             self.step += 1
             if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
                 metrics["accuracy/val"], val_metrics = self.evaluate()

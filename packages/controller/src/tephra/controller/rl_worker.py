@@ -6,6 +6,14 @@ driver calls `wg.compute_log_probs(batch)` on the whole batch and gets the whole
 rows are split over data-parallel ranks and replicated over a rank's tensor / pipeline /
 context peers (`dp_info`, from the actor engine).
 
+Generation has a data parallelism of its own (`rollout_info`): rollout DP = world size /
+the rollout's tensor-parallel size (1 for `hf`, `rollout.<backend>.tensor_parallel_size` for
+a server). Rank r holds a rollout engine when r is a multiple of that size, and each such
+rank generates a disjoint share of the prompts (`Dispatch.ROLLOUT_SPLIT`), the trainer's
+model-parallel peers included; the driver gathers the samples and dispatches the training
+batch by `dp_info`. Sample seeds follow the prompt's place in the whole batch, so the split
+does not change the samples.
+
 Rewards are scored here, on each rank's own samples, in a background thread started right
 after generation: the log-prob passes that follow run while the scorer works (`collect_scores`
 waits for it), as in verl's "reward computed while log-probs run".
@@ -23,12 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample
 from tephra.controller.worker_group import Worker
+from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
 
 
 def run_agent_requests(loop: Any, items: list[PromptItem],
@@ -107,29 +117,48 @@ def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
                    text=tokenizer.decode(ids, skip_special_tokens=True))
 
 
+ROLES = ("actor", "ref", "critic")
+
+
+def colocated_roles(cfg: PPOConfig) -> tuple[str, ...]:
+    """The roles the actor's worker group holds: the actor, and the reference and critic
+    unless they have pools of their own (`resources.ref` / `resources.critic`)."""
+    return ("actor",) + tuple(r for r in ("ref", "critic")
+                              if getattr(cfg.resources, r).ranks == 0)
+
+
 class RLWorker(Worker):
     def __init__(self, rank: int, world_size: int, *worker_args: Any, cfg: PPOConfig,
-                 model_path: str, tools_file: str | None = None) -> None:
+                 model_path: str, tools_file: str | None = None,
+                 roles: tuple[str, ...] = ROLES) -> None:
+        """`roles`: the engines this group holds (the actor's group also generates; a
+        reference or critic pool of its own holds that role alone)."""
         super().__init__(rank, world_size, *worker_args)
         from tephra.algos import ActorObjective, CriticObjective
         from tephra.engine_api.registry import get_engine
 
+        self.cfg, self.roles = cfg, tuple(roles)
         seed = cfg.trainer.seed
         torch.manual_seed(seed + rank)
         random.seed(seed + rank)
         device = getattr(self, "device", "cpu")
-        colocated = cfg.resources.rollout.replicas == 0
-        self._init_generation(cfg, model_path, tools_file, with_rollout=colocated)
+        self.colocated = cfg.resources.rollout.replicas == 0 and "actor" in self.roles
+        """Whether this group generates (else rollout replicas of their own do, or this is a
+        reference / critic pool)."""
+        self._init_generation(cfg, model_path, tools_file,
+                              with_rollout=self.colocated and self.rollout_info().is_output_rank)
         model = replace(cfg.model, path=model_path, init_seed=seed)
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        self.actor = get_engine(cfg.actor.engine, cfg.actor.engine_config(
-            model, "policy", temperature, seed, device=_engine_device(device)))
+        self.actor = None
+        if "actor" in self.roles:
+            self.actor = get_engine(cfg.actor.engine, cfg.actor.engine_config(
+                model, "policy", temperature, seed, device=_engine_device(device)))
         self.ref = None
-        if cfg.needs_reference and not cfg.actor.lora.enabled:
+        if "ref" in self.roles and cfg.needs_reference and not cfg.actor.lora.enabled:
             self.ref = get_engine(cfg.actor.engine, cfg.actor.engine_config(
                 model, "policy", temperature, seed, device=_engine_device(device)))
         self.critic = None
-        if cfg.algorithm.needs("values"):
+        if "critic" in self.roles and cfg.algorithm.needs("values"):
             self.critic = get_engine(cfg.critic.engine, cfg.critic.engine_config(
                 model, "value", temperature, seed, device=_engine_device(device)))
         self.actor_loss = ActorObjective(cfg.actor.objective)
@@ -138,7 +167,7 @@ class RLWorker(Worker):
         # The rollout engine loaded the checkpoint from disk, but the engine may have
         # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
         # (Separate rollout replicas get the same first sync from the driver.)
-        if self.rollout is not None:
+        if self.colocated:
             self.sync_weights()
 
     def _init_generation(self, cfg: PPOConfig, model_path: str, tools_file: str | None,
@@ -162,15 +191,26 @@ class RLWorker(Worker):
         self._profile_prefix: str | None = None
 
     def dp_info(self):
-        """Data-parallel coordinates from the actor engine: rows go to data-parallel ranks,
-        tensor / pipeline / context peers get the same rows; one peer returns them."""
+        """Data-parallel coordinates from the group's first engine (the actor, else the
+        reference or critic of a pool of its own): rows go to data-parallel ranks, tensor /
+        pipeline / context peers get the same rows; one peer returns them."""
         from tephra.controller.worker_group import DataParallelInfo
 
-        engine = self.actor
+        engine = next(e for e in (self.actor, self.ref, self.critic) if e is not None)
         dp_rank = getattr(engine, "dp_rank", self.rank)
         dp_size = getattr(engine, "dp_size", self.world_size)
         is_output = getattr(engine, "is_dp_output_rank", True)
         return DataParallelInfo(dp_rank=dp_rank, dp_size=dp_size, is_output_rank=is_output)
+
+    def rollout_info(self):
+        """Generation's data-parallel coordinates: one rollout replica per
+        `rollout.tensor_parallel_size` consecutive ranks, held by the first of them (with
+        rollout replicas of their own, this group generates nothing: one share per rank)."""
+        from tephra.controller.worker_group import DataParallelInfo
+
+        tp = self.cfg.rollout.tensor_parallel_size if self.colocated else 1
+        return DataParallelInfo(dp_rank=self.rank // tp, dp_size=self.world_size // tp,
+                                is_output_rank=self.rank % tp == 0)
 
     # ----- generation and scoring -----------------------------------------------------------
     def tokenizer(self) -> Any:
@@ -183,13 +223,18 @@ class RLWorker(Worker):
             self._tokenizer = tok
         return self._tokenizer
 
-    @dispatch(Dispatch.DP_SPLIT)
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
     @profiled("generate")
     def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
         """`sampling.n` samples of each of this rank's prompts (prompt-major), through the
         agent loop when one is configured. Scoring starts in the background (`collect_scores`
-        returns the scores); `score=False` skips it."""
+        returns the scores); `score=False` skips it. A rank without a rollout engine (a
+        rollout tensor-parallel peer) gets no prompts and returns none, as does a rank whose
+        share is empty (fewer prompts than rollout replicas)."""
         self._resend_dropped_weights()
+        if self.rollout is None or not items:
+            self._scoring = self._pool.submit(lambda: ([], 0.0, [])) if score else None
+            return []
         self.rollout.wake_up()
         samples = (self._generate_agent(items, sampling) if self.cfg.rollout.uses_agent_loop
                    else self._generate_plain(items, sampling))
@@ -258,7 +303,7 @@ class RLWorker(Worker):
         results = self._scorer.score([s.text for s in samples], records, prompts)
         return results, time.perf_counter() - start, self._scorer.clipped
 
-    @dispatch(Dispatch.DP_SPLIT)
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
     def collect_scores(self) -> list[tuple[float, str | None, float, bool]]:
         """(score, error, seconds this rank spent scoring, whether `reward.clip` moved the
         score) of each sample of the last `generate`, in order; waits for the background
@@ -271,7 +316,7 @@ class RLWorker(Worker):
                                                                         strict=True)]
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
-    @dispatch(Dispatch.DP_SPLIT)
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
     def generate_ahead(self, items: list[PromptItem], sampling: Any) -> None:
         """Start `generate(items, sampling)` in a background thread and return at once, so the
         rollout engine samples the next step's batch while this step's passes and update run
@@ -288,11 +333,13 @@ class RLWorker(Worker):
         """A server at sleep_level=2 that slept since the last sync (after a validation
         generation, a dynamic-sampling round) dropped its weights: send the actor's again,
         which are the ones last synced (every update is followed by a sync before the
-        next generation starts)."""
-        if self.rollout.weights_dropped:
+        next generation starts). Ranks without a rollout engine have nothing to resend (the
+        config refuses sleep_level=2 where such ranks exist: they would miss the export's
+        collectives)."""
+        if self.rollout is not None and self.rollout.weights_dropped:
             self.sync_weights()
 
-    @dispatch(Dispatch.DP_SPLIT)
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
     def generated(self) -> list[Sample]:
         """The samples of the last `generate_ahead` (waits for it; scoring runs as after
         `generate`)."""
@@ -338,11 +385,12 @@ class RLWorker(Worker):
         with engine.train_mode():
             for _ in range(self.cfg.batch.epochs):
                 for i in range(mb):
-                    part, skip_metrics = batch[i * size : (i + 1) * size], {}
+                    part = batch[i * size : (i + 1) * size]
                     if skip_flat:
-                        part, step_loss, skip_metrics = skip_zero_advantage_rows(part, loss_fn)
-                    metrics = dict(engine.forward_backward(part, step_loss if skip_flat else loss_fn))
-                    metrics.update(skip_metrics)
+                        part, left_out = skip_zero_advantage_rows(part)
+                    metrics = dict(engine.forward_backward(part, loss_fn))
+                    if skip_flat:
+                        metrics["actor/skipped_rows"] = self._replica_sum(left_out)
                     metrics["grad_norm"] = float(engine.optimizer_step())
                     # a non-finite norm means the engine skipped the update: count it
                     metrics["skipped_update_frac"] = float(not math.isfinite(metrics["grad_norm"]))
@@ -358,16 +406,17 @@ class RLWorker(Worker):
         loss = self.actor_loss
         if self.cfg.batch.mini_batches == 1 and self.cfg.batch.epochs == 1:
             loss = _on_policy_old_log_probs(loss)
-        return self._train(self.actor, loss, batch, skip_flat=self._can_skip_flat())
+        return self._train(self.actor, loss, batch,
+                           skip_flat=can_skip_flat(self.cfg.actor.objective))
 
-    def _can_skip_flat(self) -> bool:
-        """Rows with zero advantage add exactly zero to the actor's gradient when the loss is
-        the advantage times a policy term (no entropy bonus, no KL loss, no covariance-based
-        token selection, which looks at the whole micro-batch) and one data-parallel rank
-        sees the whole batch (the full-batch normalisers are then known locally)."""
-        obj = self.cfg.actor.objective
-        return (obj.policy_loss in ZERO_AT_ZERO_ADVANTAGE and obj.entropy_coeff == 0
-                and not obj.use_kl_loss and self.dp_info().dp_size == 1)
+    def _replica_sum(self, value: float) -> float:
+        """`value` summed over the data-parallel replicas (a collective of every rank; the
+        model-parallel peers of a replica hold the same rows, so they count once)."""
+        if self.world_size == 1:
+            return value
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total) * self.dp_info().dp_size / self.world_size
 
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("critic")
@@ -380,8 +429,15 @@ class RLWorker(Worker):
     def sync_weights(self) -> int:
         """Stream the actor's weights into the rollout engine as one update (a server backend
         re-buckets them by its own bucket size and counts one weight version); returns
-        the tensors moved (0 without a colocated rollout: the driver broadcasts to replicas)."""
+        the tensors moved (0 without a colocated rollout: the driver broadcasts to replicas).
+        A rank without a rollout engine of its own still exports: the export may be a
+        collective of the training ranks."""
+        if not self.colocated:
+            return 0
         if self.rollout is None:
+            with self.actor.eval_mode():
+                for _ in self.actor.export_weights(untie_word_embeddings=True):
+                    pass
             return 0
         moved = 0
 
@@ -448,19 +504,26 @@ class RLWorker(Worker):
     @dispatch(Dispatch.BROADCAST)
     def save_checkpoint(self, folder: str) -> None:
         path = Path(folder)
-        self.actor.save_checkpoint(path / "actor")
+        if self.actor is not None:
+            self.actor.save_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.save_checkpoint(path / "critic")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()},
-                   path / f"worker_rng_rank{self.rank}.pt")
+                   path / self._rng_file())
+
+    def _rng_file(self) -> str:
+        # a reference / critic pool's ranks are numbered from 0 too
+        role = "" if "actor" in self.roles else "_".join(self.roles) + "_"
+        return f"worker_rng_{role}rank{self.rank}.pt"
 
     @dispatch(Dispatch.BROADCAST)
     def load_checkpoint(self, folder: str) -> None:
         path = Path(folder)
-        self.actor.load_checkpoint(path / "actor")
+        if self.actor is not None:
+            self.actor.load_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
-        state = torch.load(path / f"worker_rng_rank{self.rank}.pt", weights_only=False)
+        state = torch.load(path / self._rng_file(), weights_only=False)
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
         self.sync_weights()
@@ -490,39 +553,49 @@ class RLWorker(Worker):
 ZERO_AT_ZERO_ADVANTAGE = frozenset({"vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean"})
 
 
-def skip_zero_advantage_rows(batch: TensorDict, loss_fn):
+def can_skip_flat(objective: Any) -> bool:
+    """Whether rows with zero advantage add exactly zero to the actor's gradient under
+    `objective` (an `ActorObjectiveConfig`): the loss is the advantage times a policy term
+    (no entropy bonus, no KL loss, no covariance-based token selection, which looks at the
+    whole micro-batch). Any data-parallel size: the rows left out still count in the
+    engine's global normalisers (`skip_zero_advantage_rows`)."""
+    return (objective.policy_loss in ZERO_AT_ZERO_ADVANTAGE and objective.entropy_coeff == 0
+            and not objective.use_kl_loss)
+
+
+def informative_rows(batch: TensorDict) -> torch.Tensor:
+    """[B] bool: rows with a non-zero advantage on some response token."""
+    return ((batch["advantages"] != 0) & (batch["response_mask"] > 0)).any(-1)
+
+
+def flat_groups(batch: TensorDict) -> int:
+    """Groups (`uid`) none of whose rows is informative (all samples scored the same): the
+    groups that skipping leaves out whole."""
+    uid = batch["uid"]
+    return len(set(uid.tolist()) - set(uid[informative_rows(batch)].tolist()))
+
+
+def skip_zero_advantage_rows(batch: TensorDict) -> tuple[TensorDict, int]:
     """Leave out the rows whose advantage is exactly zero on every token (GRPO / RLOO groups
     whose samples all scored the same): they add nothing to the gradient but cost a forward
-    and backward. The engine sets its loss normalisers from the rows it sees, so the returned
-    loss puts back those of the full batch and the gradient is that of the full batch. One
-    row is always kept, so every parameter still gets a (zero) gradient and AdamW's step is
-    the same. Returns (rows kept, loss_fn to use, metrics)."""
-    from tephra.engine_api.batch import GLOBAL_SEQ_COUNT, GLOBAL_TOKEN_COUNT
-
-    mask = batch["response_mask"]
-    informative = ((batch["advantages"] != 0) & (mask > 0)).any(-1)
+    and backward. Their response tokens and sequences go into the kept rows' `LEFT_OUT_*`
+    columns, which the engine adds to the step's normalisers before summing them over the
+    data-parallel ranks, so the gradient is that of the full batch at any data-parallel size
+    (the engines already give every rank as many micro-batches, padding with zero-weight
+    ones). One row is always kept, so every parameter still gets a (zero) gradient and
+    AdamW's step is the same. Returns (rows kept, rows left out)."""
+    informative = informative_rows(batch)
     if not bool(informative.any()):
         informative[0] = True
-    keep = informative.nonzero().squeeze(-1)
-    tokens = max(float(mask.sum()), 1.0)
-    seqs = max(float((mask.sum(-1) > 0).sum()), 1.0)
-    skipped = ~informative
-    flat_groups = 0
-    if "uid" in batch.keys():  # a group is skipped when all its rows are
-        uid = batch["uid"]
-        flat_groups = len(set(uid[skipped].tolist()) - set(uid[informative].tolist()))
-    metrics = {"actor/skipped_rows": float(skipped.sum()),
-               "actor/skipped_flat_groups": float(flat_groups)}
-    if len(keep) == batch.batch_size[0]:
-        return batch, loss_fn, metrics
-
-    def full_batch_normalisers(outputs: TensorDict, part: TensorDict):
-        like = part[GLOBAL_TOKEN_COUNT]
-        part[GLOBAL_TOKEN_COUNT] = torch.full_like(like, tokens)
-        part[GLOBAL_SEQ_COUNT] = torch.full_like(like, seqs)
-        return loss_fn(outputs, part)
-
-    return batch[keep], full_batch_normalisers, metrics
+    if bool(informative.all()):
+        return batch, 0
+    mask = batch["response_mask"][~informative]
+    part = batch[informative.nonzero().squeeze(-1)]
+    for key, count in ((LEFT_OUT_TOKENS, mask.sum()), (LEFT_OUT_SEQS, (mask.sum(-1) > 0).sum())):
+        column = torch.zeros(part.batch_size[0], dtype=torch.float32)
+        column[0] = float(count)
+        part[key] = column
+    return part, int((~informative).sum())
 
 
 def _engine_device(device: str) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from tephra.controller.dispatch import Dispatch, dispatch
+from tephra.controller.dispatch import Dispatch, dispatch, share_bounds
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.rl_worker import RLWorker
 from tephra.controller.samples import PromptItem, Sample
@@ -58,6 +58,9 @@ class RolloutWorker(RLWorker):
         from tephra.controller.worker_group import DataParallelInfo
 
         return DataParallelInfo(dp_rank=self.rank, dp_size=self.world_size)
+
+    def rollout_info(self):
+        return self.dp_info()  # each replica is a rollout engine of its own
 
     def join_weight_group(self, address: str, port: int, world_size: int, backend: str,
                           timeout_s: float) -> None:
@@ -170,17 +173,15 @@ class RolloutReplicas:
         self.version = version
 
     def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
-        """Scored samples of `items` (prompt-major), the items split evenly over the replicas
-        in order (the last shares may be smaller)."""
+        """Scored samples of `items` (prompt-major), the items split over the replicas in
+        order (`share_bounds`; each share seeded as in the whole batch: `for_share`)."""
         return ray.get(self.submit_split(items, sampling))
 
     def submit_split(self, items: list[PromptItem], sampling: Any) -> Any:
         """`generate` without waiting: one object ref that resolves to the samples."""
-        k = len(self.replicas)
-        size = -(-len(items) // k)
-        shares = [items[i * size:(i + 1) * size] for i in range(k)]
-        refs = [w.execute.remote("generate_scored", share, sampling)
-                for w, share in zip(self.replicas, shares) if share]
+        bounds = share_bounds(len(items), len(self.replicas))
+        refs = [w.execute.remote("generate_scored", items[start:end], sampling.for_share(start))
+                for w, (start, end) in zip(self.replicas, bounds) if end > start]
         return _concat.remote(*refs)
 
     # ----- the asynchronous stream -----------------------------------------------------------

@@ -30,6 +30,7 @@ from tephra.controller.dispatch import (
     check_layout,
     collect,
     dispatch_mode,
+    rollout_shares,
     split_args,
 )
 from tephra.core.host_memory import retain_freed_memory, retain_supported
@@ -291,6 +292,11 @@ class Worker:
         Workers whose engines shard the model override it (ask the engine)."""
         return DataParallelInfo(dp_rank=self.rank, dp_size=self.world_size)
 
+    def rollout_info(self) -> DataParallelInfo:
+        """Where this rank stands for `ROLLOUT_SPLIT` (generation's data parallelism); the
+        default is one rollout replica per rank."""
+        return DataParallelInfo(dp_rank=self.rank, dp_size=self.world_size)
+
     def execute(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self, method)(*args, **kwargs)
 
@@ -321,6 +327,7 @@ class WorkerGroup:
                 if "EADDRINUSE" not in str(err) or attempt == 2:
                     raise
         self.dp_size = check_layout(self.layout)
+        self.rollout_dp_size = check_layout(self.rollout_layout)
 
     def _start(self, init_kwargs: dict[str, Any]) -> None:
         pool = self.pool
@@ -340,6 +347,7 @@ class WorkerGroup:
         ]
         # surfaces constructor errors now (rank 0's first: it is the one that listens)
         self.layout = ray.get([w.execute.remote("dp_info") for w in self.workers])
+        self.rollout_layout = ray.get([w.execute.remote("rollout_info") for w in self.workers])
 
     @property
     def world_size(self) -> int:
@@ -358,12 +366,18 @@ class WorkerGroup:
                 f"{self.worker_cls.__name__}.{method} is not a dispatched worker method "
                 "(declare it with @dispatch(Dispatch.DP_SPLIT | BROADCAST | RANK_ZERO))"
             )
-        if mode is Dispatch.DP_SPLIT:
-            shares = split_args(args, kwargs, self.dp_size)
-            refs = [w.execute.remote(method, *shares[info.dp_rank][0], **shares[info.dp_rank][1])
-                    for w, info in zip(self.workers, self.layout)]
+        if mode in (Dispatch.DP_SPLIT, Dispatch.ROLLOUT_SPLIT):
+            if mode is Dispatch.DP_SPLIT:
+                layout, shares = self.layout, split_args(args, kwargs, self.dp_size)
+                share_of = [info.dp_rank for info in layout]
+            else:  # ranks without a rollout engine get the empty share, the last one
+                layout = self.rollout_layout
+                shares = rollout_shares(args, kwargs, self.rollout_dp_size)
+                share_of = [i.dp_rank if i.is_output_rank else -1 for i in layout]
+            refs = [w.execute.remote(method, *shares[d][0], **shares[d][1])
+                    for w, d in zip(self.workers, share_of)]
             results = ray.get(refs)
-            outputs = sorted(((info.dp_rank, r) for info, r in zip(self.layout, results)
+            outputs = sorted(((info.dp_rank, r) for info, r in zip(layout, results)
                               if info.is_output_rank), key=lambda pair: pair[0])
             return collect([r for _, r in outputs])
         refs = [w.execute.remote(method, *args, **kwargs) for w in self.workers]

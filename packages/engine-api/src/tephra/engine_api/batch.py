@@ -43,6 +43,12 @@ REWARDS = "rewards"
 CU_SEQLENS = "cu_seqlens"
 GLOBAL_TOKEN_COUNT = "global_token_count"
 GLOBAL_SEQ_COUNT = "global_seq_count"
+LEFT_OUT_TOKENS = "left_out_token_count"
+"""Optional `[B]` column: response tokens of rows the caller left out of this rank's batch
+(rows that add nothing to the gradient, e.g. zero-advantage rows) that still count in the
+step's normalisers. Summed over the rows: put the count on one row, zeros elsewhere."""
+LEFT_OUT_SEQS = "left_out_seq_count"
+"""Optional `[B]` column: sequences left out, as `LEFT_OUT_TOKENS`."""
 
 REQUIRED_FIELDS = (INPUT_IDS, ATTENTION_MASK, RESPONSE_MASK)
 
@@ -206,11 +212,14 @@ def set_global_normalisers(
 ) -> tuple[float, float]:
     """Write the step's response-token and sequence counts into every micro-batch.
 
-    Counts are summed over `micro_batches` and, when torch.distributed is initialised,
-    over the ranks of `process_group` (the data-parallel group). Returns the two counts.
+    Counts are summed over `micro_batches` (with the rows left out that `LEFT_OUT_TOKENS` /
+    `LEFT_OUT_SEQS` record) and, when torch.distributed is initialised, over the ranks of
+    `process_group` (the data-parallel group). Returns the two counts.
     """
-    tokens = sum(float(mb[RESPONSE_MASK].sum()) for mb in micro_batches)
-    seqs = sum(float((mb[RESPONSE_MASK].sum(-1) > 0).sum()) for mb in micro_batches)
+    tokens = sum(float(mb[RESPONSE_MASK].sum()) + _column_sum(mb, LEFT_OUT_TOKENS)
+                 for mb in micro_batches)
+    seqs = sum(float((mb[RESPONSE_MASK].sum(-1) > 0).sum()) + _column_sum(mb, LEFT_OUT_SEQS)
+               for mb in micro_batches)
     counts = torch.tensor([tokens, seqs], dtype=torch.float64)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(counts, group=process_group)
@@ -220,6 +229,10 @@ def set_global_normalisers(
         mb[GLOBAL_TOKEN_COUNT] = torch.full((n,), max(tokens, 1.0))
         mb[GLOBAL_SEQ_COUNT] = torch.full((n,), max(seqs, 1.0))
     return tokens, seqs
+
+
+def _column_sum(mb: TensorDict, key: str) -> float:
+    return float(mb[key].sum()) if key in mb.keys() else 0.0
 
 
 def label_positions(response_mask: torch.Tensor) -> torch.Tensor:

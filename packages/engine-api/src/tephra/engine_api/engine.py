@@ -76,8 +76,10 @@ class Engine(ABC):
 
         The engine splits `batch` into micro-batches by token budget, sets the global
         normalisers (`global_token_count`, `global_seq_count`: response tokens and
-        sequences over the whole step, all ranks) on each micro-batch, computes the
-        same outputs as `forward` but with a graph, and back-propagates
+        sequences over the whole step, all ranks, with the rows the caller left out that
+        the optional `left_out_token_count` / `left_out_seq_count` columns record) on each
+        micro-batch, computes the same outputs as `forward` but with a graph, and
+        back-propagates
         `loss_fn(outputs, micro_batch)`. The loss function returns each micro-batch's
         contribution to the global loss (already divided by the global normaliser); the
         engine makes the gradient equal the gradient of the sum over micro-batches and

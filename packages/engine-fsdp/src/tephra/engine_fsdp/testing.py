@@ -90,6 +90,31 @@ def train_step(engine, batch, loss_fn=None) -> tuple[float, float]:
     return metrics["loss"], grad_norm
 
 
+def full_gradients(engine) -> list[torch.Tensor]:
+    """Every parameter's accumulated gradient, unsharded (zeros where none)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for p in engine.scorer.parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out.append((g.full_tensor() if isinstance(g, DTensor) else g).detach().clone())
+    return out
+
+
+def share_gradients(shares: list, loss_fn,
+                    overrides: dict[str, Any] | None = None) -> list[torch.Tensor]:
+    """Rank body (`run_distributed`): one `forward_backward` of `loss_fn` on this rank's
+    batch, `shares[dp_rank]`, on a tiny engine (`tiny_engine_config(**overrides)`); returns
+    `full_gradients`."""
+    from tephra.engine_api import batch as B
+    from tephra.engine_fsdp.engine import FSDPEngine
+
+    engine = FSDPEngine.build(tiny_engine_config(**(overrides or {})))
+    with engine.train_mode():
+        engine.forward_backward(B.trim_padding(shares[engine.dp_rank]), loss_fn)
+    return full_gradients(engine)
+
+
 def grouped_batch(groups: int = 3, n: int = 4, seed: int = 0):
     """A GRPO-shaped batch: `groups` random prompts (left-padded, 2-7 tokens) with `n`
     sampled responses each (right-padded, 1-7 tokens), rows grouped by prompt."""

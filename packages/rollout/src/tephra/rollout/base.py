@@ -69,8 +69,11 @@ class SamplingParams:
     ignore_eos: bool = False
     """Do not stop at the model's EOS token(s) (benchmarks with fixed lengths)."""
     seed: int | None = None
-    """Seed of the sampler; the same seed, prompts and weights give the same samples on one
-    backend. None draws from the backend's running generator (different each call)."""
+    """Seed of the sampler: sample j of prompt i of a `generate` call samples from the random
+    stream seeded `seed + i * n + j` (hf: its own torch generator; vllm / sglang: the
+    request's `seed`), so the same seed, prompts and weights give the same samples on one
+    backend however the prompts are batched or split (`for_share`). None draws from the
+    backend's running generator (different each call)."""
     logprobs: bool = True
     """Return the per-token log-probs of the sampled tokens (see module docstring)."""
 
@@ -102,6 +105,13 @@ class SamplingParams:
 
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+    def for_share(self, first_prompt: int) -> SamplingParams:
+        """The settings for a share of a call's prompts that starts at prompt `first_prompt`:
+        its samples take the seeds they have in the whole call (see `seed`)."""
+        if self.seed is None or first_prompt == 0:
+            return self
+        return self.replace(seed=self.seed + first_prompt * self.n)
 
 
 @dataclass

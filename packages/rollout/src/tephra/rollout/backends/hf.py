@@ -1,7 +1,10 @@
 """`hf`: in-process generation with transformers `generate` (the embedded default).
 
 Prompts are left-padded into batches of at most `hf.max_batch_rows` rows (prompt i's n
-samples are n consecutive rows). Sampling (temperature, top-k, top-p) and the log-probs of the
+samples are n consecutive rows). Each row samples from its own `torch.Generator`, seeded
+`seed + i * n + j` for sample j of prompt i (the convention of `SamplingParams.seed`), so a
+sample does not depend on the batch it shares: one call and the same prompts split into
+shares (`SamplingParams.for_share`) give bitwise the same samples. Sampling (temperature, top-k, top-p) and the log-probs of the
 sampled tokens come from `SampledLogProbRecorder`, the only logits processor, so the log-prob
 is of the temperature-scaled distribution before truncation (see `tephra.rollout.base`).
 
@@ -43,6 +46,9 @@ from tephra.rollout.base import (
     check_prompts,
 )
 from tephra.rollout.multimodal import MultimodalInputs, hf_model_kwargs, image_token_id
+
+_SEED_MASK = 2**64 - 1
+"""torch generators take seeds in [0, 2**64); larger or negative seeds wrap."""
 
 
 def _as_id_list(value) -> list[int]:
@@ -180,10 +186,11 @@ class HFRollout(Rollout):
         seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**62)
         step = self.config.hf.max_batch_rows
         generations: list[Generation] = []
-        for chunk, start in enumerate(range(0, len(rows), step)):
+        for start in range(0, len(rows), step):
+            end = min(start + step, len(rows))
             generations += self._generate_rows(
-                rows[start : start + step], sampling, [sampling.max_tokens] * len(rows[start : start + step]),
-                seed + chunk, mm_rows[start : start + step],
+                rows[start:end], sampling, [sampling.max_tokens] * (end - start),
+                [seed + r for r in range(start, end)], mm_rows[start:end],
             )
         return RolloutOutput.from_generations(list(prompts), generations, sampling.n)
 
@@ -195,18 +202,19 @@ class HFRollout(Rollout):
 
     @torch.no_grad()
     def _generate_rows(
-        self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int], seed: int,
-        multimodal: list[MultimodalInputs | None] | None = None,
+        self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int],
+        seeds: list[int], multimodal: list[MultimodalInputs | None] | None = None,
     ) -> list[Generation]:
-        """Generate one sample per row; row r stops at its own `max_tokens[r]`.
+        """Generate one sample per row; row r stops at its own `max_tokens[r]` and samples
+        from a generator seeded `seeds[r]`.
 
         Decoding runs in segments. A segment ends when all rows finished, when
         `hf.drop_finished_fraction` of them finished (the rest continue from their KV cache
         in the next segment, without the finished rows), or when a weight update under
         `paused()` stopped it at the next token: the unfinished rows keep their tokens and
         log-probs and resume (prompt + tokens so far, the rest of their budget) under the new
-        weights, from the sampler state where they stopped, so a given schedule of updates
-        gives the same samples. Each token is tagged with the `weight_version` that produced
+        weights, from their generators' state where they stopped, so a given schedule of
+        updates gives the same samples. Each token is tagged with the `weight_version` that produced
         it (when set)."""
         if self._asleep:
             raise RolloutError("hf rollout is asleep; call wake_up() before generating")
@@ -216,7 +224,9 @@ class HFRollout(Rollout):
         log_probs: list[list[float]] = [[] for _ in rows]
         versions: list[list[int]] = [[] for _ in rows]
         reasons: list[FinishReason | None] = [None] * len(rows)
-        active, rng, carry = list(range(len(rows))), None, None
+        # CPU generators: the same draws whatever the model's device
+        generators = [torch.Generator().manual_seed(seed & _SEED_MASK) for seed in seeds]
+        active, carry = list(range(len(rows))), None
         while active:
             self._running.wait()
             with self._lock:
@@ -225,9 +235,10 @@ class HFRollout(Rollout):
                 version = self.weight_version
                 if carry is not None and carry.updates != self._updates:
                     carry = None  # new weights: the cache is stale, prefill again
-                new, new_lp, rng, carry = self._segment(
+                new, new_lp, carry = self._segment(
                     [rows[r] + tokens[r] for r in active], sampling,
-                    [max_tokens[r] - len(tokens[r]) for r in active], seed, rng,
+                    [max_tokens[r] - len(tokens[r]) for r in active],
+                    [generators[r] for r in active],
                     [multimodal[r] for r in active] if multimodal else None, carry)
             for i, r in enumerate(active):
                 budget = max_tokens[r] - len(tokens[r])
@@ -253,16 +264,16 @@ class HFRollout(Rollout):
                 for r in range(len(rows))]
 
     def _segment(
-        self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int], seed: int,
-        rng: tuple | None, multimodal: list[MultimodalInputs | None] | None,
+        self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int],
+        generators: list[torch.Generator], multimodal: list[MultimodalInputs | None] | None,
         carry: _Carry | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple, _Carry | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, _Carry | None]:
         """One `model.generate` over `rows` (left-padded; or, from `carry`, the ids, mask and
         KV cache a previous segment left them with) until every row stopped or reached its
-        budget, enough rows finished to drop them, or `paused()` interrupted it. Returns the
-        new tokens [rows, steps], their log-probs [rows, steps], the sampler's state after
-        them (`rng`: the state to start from; None seeds it with `seed`) and the carry to
-        continue every row from (None for image rows, which always prefill again)."""
+        budget, enough rows finished to drop them, or `paused()` interrupted it; row r draws
+        from `generators[r]`, which keep their state for the next segment. Returns the new
+        tokens [rows, steps], their log-probs [rows, steps] and the carry to continue every
+        row from (None for image rows, which always prefill again)."""
         if carry is None:
             width = max(len(r) for r in rows)
             ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -278,7 +289,8 @@ class HFRollout(Rollout):
         mm_kwargs = hf_model_kwargs(ids.cpu(), multimodal, image_token_id(self.model.config)) if (
             multimodal and any(m is not None for m in multimodal)) else {}
         stops = self._stop_ids(sampling)
-        recorder = SampledLogProbRecorder(sampling.temperature, sampling.top_k, sampling.top_p, width)
+        recorder = SampledLogProbRecorder(sampling.temperature, sampling.top_k, sampling.top_p,
+                                          width, generators)
         gen_config = GenerationConfig(
             # greedy: the recorder samples (temperature/top-k/top-p) and leaves one token
             max_new_tokens=max(max_tokens), do_sample=False, num_beams=1, repetition_penalty=1.0,
@@ -289,32 +301,23 @@ class HFRollout(Rollout):
         fraction = 1.0 if mm_kwargs else self.config.hf.drop_finished_fraction
         criteria = [_StopWhenPaused(self._running),
                     _StopToDropFinished(width, stops, max_tokens, fraction, self.device)]
-        cuda = self.device.type == "cuda"
-        with torch.random.fork_rng(devices=[self.device] if cuda else []):
-            # images enter with the prompt's forward, so image rows prefill in `generate`
-            past = carry.cache if carry is not None else (
-                None if mm_kwargs else self._prefill_shared_prompts(ids, attn, rows))
-            if past is None and not mm_kwargs:
-                past = growing_cache(self.model.config)
-            if rng is None:
-                torch.manual_seed(seed)
-            else:
-                torch.set_rng_state(rng[0])
-                if cuda:
-                    torch.cuda.set_rng_state(rng[1], self.device)
-            out = self.model.generate(
-                input_ids=ids, attention_mask=attn, past_key_values=past,
-                generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]),
-                stopping_criteria=StoppingCriteriaList(criteria),
-                **{k: v.to(self.device) for k, v in mm_kwargs.items()},
-            )
-            rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
+        # images enter with the prompt's forward, so image rows prefill in `generate`
+        past = carry.cache if carry is not None else (
+            None if mm_kwargs else self._prefill_shared_prompts(ids, attn, rows))
+        if past is None and not mm_kwargs:
+            past = growing_cache(self.model.config)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, past_key_values=past,
+            generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]),
+            stopping_criteria=StoppingCriteriaList(criteria),
+            **{k: v.to(self.device) for k, v in mm_kwargs.items()},
+        )
         log_probs = recorder.finish(out.sequences).cpu()
         new = out.sequences[:, width:]
         carry = None if mm_kwargs or out.past_key_values is None else _Carry(
             out.sequences, torch.cat([attn, torch.ones_like(new)], dim=1), out.past_key_values,
             self._updates)
-        return new.cpu(), log_probs, rng, carry
+        return new.cpu(), log_probs, carry
 
     def _prefill_shared_prompts(self, ids: torch.Tensor, attn: torch.Tensor,
                                 rows: list[list[int]]):
@@ -345,9 +348,9 @@ class HFRollout(Rollout):
         self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
     ) -> Generation:
         """One request; concurrent requests with the same temperature/top-k/top-p/stop ids
-        share one batched `generate` (each keeps its own max_tokens). Within a shared batch
-        the first request's seed seeds the batch, so a seeded request is reproducible only
-        when it runs alone (`generate` is the reproducible path). `session_id` is accepted for
+        share one batched `generate` (each keeps its own max_tokens and samples from its own
+        generator, seeded by its `seed`, so a seeded request gives the same sample whatever
+        batch it joins). `session_id` is accepted for
         the contract; there is only one in-process model."""
         if sampling.n != 1:
             raise RolloutError(f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)")
@@ -358,14 +361,14 @@ class HFRollout(Rollout):
 
     def _run_request_batch(self, payloads: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         first = payloads[0][1]
-        seed = first.seed if first.seed is not None else self._seeds.randrange(2**62)
+        seeds = [s.seed if s.seed is not None else self._seeds.randrange(2**62) for _, s in payloads]
         rows = [p for p, _ in payloads]
         max_tokens = [s.max_tokens for _, s in payloads]
         out: list[Generation] = []
         step = self.config.hf.max_batch_rows
-        for chunk, start in enumerate(range(0, len(rows), step)):
+        for start in range(0, len(rows), step):
             out += self._generate_rows(rows[start : start + step], first,
-                                       max_tokens[start : start + step], seed + chunk)
+                                       max_tokens[start : start + step], seeds[start : start + step])
         return out
 
     @property

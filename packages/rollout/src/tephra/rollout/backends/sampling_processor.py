@@ -11,6 +11,10 @@ Why it samples itself (generate then runs greedy and takes the one token left at
 `multinomial`, which generate's sampling calls, draws an exponential variate per vocabulary
 entry, which was 12% of a CPU generation's time with a 49k vocabulary; inverse-CDF sampling
 draws one uniform per row and is exact for the same distribution.
+
+Each row draws its uniform from its own `torch.Generator` (seeded per sample by the caller),
+so a sample's tokens do not depend on which other rows share its batch: the same prompts give
+the same samples whether generated in one call or split over data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -19,20 +23,27 @@ import torch
 from transformers import LogitsProcessor
 
 
-def sample_rows(logits: torch.Tensor) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row drawn from softmax(logits) (-inf entries never). [rows, vocab] ->
-    [rows]."""
-    return sample_probs(torch.softmax(logits.float(), dim=-1))
+    [rows]; `uniforms` as in `sample_probs`."""
+    return sample_probs(torch.softmax(logits.float(), dim=-1), uniforms)
+
+
+def row_uniforms(generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row, row r's from `generators[r]` (CPU generators:
+    the draws are the same on every device)."""
+    draws = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+    return draws.to(device)
 
 
 SAMPLE_BLOCK = 256
 """Vocabulary entries per block of the two-level inverse CDF in `sample_probs`."""
 
 
-def sample_probs(probs: torch.Tensor) -> torch.Tensor:
+def sample_probs(probs: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row drawn from probs [rows, vocab] (rows need not be normalised; zero
-    entries never come), by inverse CDF with one uniform per row from the global torch
-    generator: u in (0, 1] picks the first token whose cumulative probability reaches u times
+    entries never come), by inverse CDF with one uniform per row (`uniforms` [rows] float64
+    in [0, 1), else drawn from the global torch generator): u in (0, 1] picks the first token whose cumulative probability reaches u times
     the row's total. Two levels, so no scan runs over the whole vocabulary: the cumulative
     mass of blocks of SAMPLE_BLOCK tokens picks a block, a float64 scan inside it the token
     (rounding moves a token's probability by ~1e-7 of itself)."""
@@ -42,7 +53,9 @@ def sample_probs(probs: torch.Tensor) -> torch.Tensor:
     blocks = blocks.view(rows, -1, SAMPLE_BLOCK)
     mass = blocks.sum(-1).double()  # [rows, blocks]; fp32 sums of 256 (a float64 sum copies)
     cdf = mass.cumsum(-1)
-    u = 1.0 - torch.rand(rows, 1, dtype=torch.float64, device=probs.device)
+    if uniforms is None:
+        uniforms = torch.rand(rows, dtype=torch.float64, device=probs.device)
+    u = 1.0 - uniforms.view(rows, 1)
     target = u * cdf[:, -1:]
     # the first block reaching the target has mass > 0: cdf only grows through such blocks
     block = torch.searchsorted(cdf, target).clamp_max(blocks.shape[1] - 1)
@@ -80,10 +93,13 @@ class SampledLogProbRecorder(LogitsProcessor):
     log-probs.
 
     Call k sees the tokens sampled by calls < k in `input_ids[:, -1]`; `finish(last_tokens)`
-    gathers the final step. `log_probs()` -> [rows, steps] float32.
+    gathers the final step. `log_probs()` -> [rows, steps] float32. `generators`: row r's
+    uniforms come from `generators[r]` (None: the global torch generator).
     """
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, prompt_len: int) -> None:
+    def __init__(self, temperature: float, top_k: int, top_p: float, prompt_len: int,
+                 generators: list[torch.Generator] | None = None) -> None:
+        self.generators = generators
         self.temperature = temperature
         self.top_k = top_k
         self.top_p = top_p
@@ -100,10 +116,12 @@ class SampledLogProbRecorder(LogitsProcessor):
         self._previous = torch.log_softmax(scaled, dim=-1)
         if self.temperature == 0:
             return scores  # greedy: argmax of the raw logits
+        u = (row_uniforms(self.generators, scores.device) if self.generators is not None
+             else None)
         if self.top_k > 0 or self.top_p < 1.0:
-            tokens = sample_rows(truncate_top_k_top_p(scaled, self.top_k, self.top_p))
+            tokens = sample_rows(truncate_top_k_top_p(scaled, self.top_k, self.top_p), u)
         else:  # the untruncated distribution is the one just computed
-            tokens = sample_probs(self._previous.exp())
+            tokens = sample_probs(self._previous.exp(), u)
         # generate takes the argmax of what this returns: the sampled token, in scores' buffer
         return scores.fill_(float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
