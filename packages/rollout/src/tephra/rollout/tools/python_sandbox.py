@@ -19,7 +19,8 @@ tests/test_tools_python_sandbox.py, and the test file runs again as an unprivile
   personality are refused;
 - rlimits per process (CPU, address space, processes, file size, open files), an aggregate
   memory limit for the whole call (resident memory of all its processes plus the pages of its
-  tmpfs folders and SysV shared memory), wall time and output caps on the host side;
+  tmpfs folders and SysV shared memory; and a memory cgroup per call where the host lets us
+  make one), wall time and output caps on the host side;
 - a folder quota (as root a tmpfs of `disk_quota_mb`; otherwise measured after each call);
 - the program travels through a pipe: the host never opens a path the code could have planted.
 Where a layer cannot be had the tool refuses to start with a message naming what is missing,

@@ -31,6 +31,7 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 NEW_ROOT = "/mnt"
 
 libc = ctypes.CDLL(None, use_errno=True)
+cfg: dict = {}  # the host's settings for this call (argv[1]), read by every step below
 
 
 class SetupError(Exception):
@@ -244,33 +245,38 @@ def supervise(pid):
         time.sleep(0.02)
 
 
-cfg = json.loads(sys.argv[1])
-if cfg["namespaced"]:
-    try:
-        if cfg["cgroup_procs"]:
-            # join the call's memory cgroup first: everything forked later is charged to it
-            with open(cfg["cgroup_procs"], "w") as f:
-                f.write("0")
-        build_root(cfg)
-    except (OSError, SetupError) as exc:
-        os.write(2, f"sandbox setup failed: {exc}\n".encode())
-        os._exit(125)
-# the code may share our uid (unprivileged mode): without this it could ptrace us or write
-# our /proc/1/mem and use our capabilities over the sandbox's mounts (the code's exec makes
-# it dumpable again, so it can still read its own /proc/self)
-libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-child = os.fork()
-if child == 0:
-    try:
-        start_code()
-    except BaseException as exc:
-        os.write(2, f"sandbox setup failed: {exc!r}\n".encode())
-        os._exit(125)
-os.close(0)  # the code reads its program from stdin; init holds no copy of the pipe
-if cfg["namespaced"]:
-    status = supervise(child)
-else:
-    # weaker mode (no namespaces, accepted by name): the host kills our process group after
-    _, status = os.waitpid(child, 0)
-code = os.waitstatus_to_exitcode(status)
-os._exit(code if code >= 0 else 128 - code)
+def main() -> None:
+    cfg.update(json.loads(sys.argv[1]))
+    if cfg["namespaced"]:
+        try:
+            if cfg["cgroup_procs"]:
+                # join the call's memory cgroup first: everything forked later is charged to it
+                with open(cfg["cgroup_procs"], "w") as f:
+                    f.write("0")
+            build_root(cfg)
+        except (OSError, SetupError) as exc:
+            os.write(2, f"sandbox setup failed: {exc}\n".encode())
+            os._exit(125)
+    # the code may share our uid (unprivileged mode): without this it could ptrace us or write
+    # our /proc/1/mem and use our capabilities over the sandbox's mounts (the code's exec makes
+    # it dumpable again, so it can still read its own /proc/self)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    child = os.fork()
+    if child == 0:
+        try:
+            start_code()
+        except BaseException as exc:
+            os.write(2, f"sandbox setup failed: {exc!r}\n".encode())
+            os._exit(125)
+    os.close(0)  # the code reads its program from stdin; init holds no copy of the pipe
+    if cfg["namespaced"]:
+        status = supervise(child)
+    else:
+        # weaker mode (no namespaces, accepted by name): the host kills our process group after
+        _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+if __name__ == "__main__":  # run as a script by the sandbox; importing it does nothing
+    main()
