@@ -61,9 +61,10 @@ def test_async_never_trains_on_samples_older_than_max_staleness(ray_session, tmp
         assert min(lags) >= 0 and max(lags) <= 1
         assert r["staleness/max"] == max(lags)
     last = records[-1]
-    # both replicas were given work by the least-loaded scheduler, and every group sent was
-    # trained, dropped as stale, or is still queued or in flight (2 groups per request)
-    assert last["async/replica0_requests"] > 0 and last["async/replica1_requests"] > 0
+    # every group sent was trained, dropped as stale, or is still queued or in flight (2
+    # groups per request). Which replica answered is timing: on a loaded machine one replica
+    # can answer every request of 4 steps while the other's first is still decoding; the
+    # least-loaded choice itself is tested without timing below
     served = last["async/replica0_requests"] + last["async/replica1_requests"]
     assert 2 * served >= 4 * 2 + last["async/dropped_stale_groups"]
 

@@ -70,22 +70,31 @@ def processes_with_arg(marker: str) -> list[int]:
     return found
 
 
-def leftover_processes(tool: PythonTool, instance: str = "t") -> list[int]:
+def leftover_processes(tool: PythonTool, instance: str = "t", wait_s: float = 3.0) -> list[int]:
     """Processes of the instance's sandbox still alive on the host: as root, those of its uid;
-    unprivileged (the code runs as our own uid), ours that live in another PID namespace."""
+    unprivileged (the code runs as our own uid), ours that live in another PID namespace.
+    Polled for up to `wait_s`: on a loaded machine /proc can list a process of the ended call
+    for a moment while the kernel tears its namespace down; one that stays is a leftover."""
     uid = tool._instances[instance][1]
-    if uid is not None:
-        return processes_of_uid(uid)
     own_ns = os.readlink("/proc/self/ns/pid")
-    found = []
-    for pid in processes_of_uid(os.getuid()):
-        try:
-            if os.readlink(f"/proc/{pid}/ns/pid") != own_ns:
+
+    def alive() -> list[int]:
+        if uid is not None:
+            return processes_of_uid(uid)
+        found = []
+        for pid in processes_of_uid(os.getuid()):
+            try:
+                if os.readlink(f"/proc/{pid}/ns/pid") != own_ns:
+                    found.append(pid)
+            except PermissionError:  # not dumpable: a sandbox's init or its unshare
                 found.append(pid)
-        except PermissionError:  # a sandbox's init (not dumpable)
-            found.append(pid)
-        except OSError:
-            pass
+            except OSError:
+                pass
+        return found
+
+    deadline = time.monotonic() + wait_s
+    while (found := alive()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return found
 
 
