@@ -62,9 +62,14 @@ def main() -> None:
     torch.set_num_threads(2)
     folder = str(smollm2_folder())
     engines = {
-        name: FSDPEngine.build(EngineConfig(
-            model={"path": folder}, device="cpu", precision={"param_dtype": "bfloat16"},
-            micro_batch={"max_tokens_per_microbatch": 8192, **layout}))
+        name: FSDPEngine.build(
+            EngineConfig(
+                model={"path": folder},
+                device="cpu",
+                precision={"param_dtype": "bfloat16"},
+                micro_batch={"max_tokens_per_microbatch": 8192, **layout},
+            )
+        )
         for name, layout in LAYOUTS.items()
     }
     batch = demo_batch(engines["packed"].hf_model.config.vocab_size)
@@ -82,7 +87,8 @@ def main() -> None:
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "batch": "4 prompts x 8 samples, 45-token prompts, 20-32-token responses, bf16",
-        "seconds": seconds, "median_s": median,
+        "seconds": seconds,
+        "median_s": median,
         "ratio_packed_over": {name: median["packed"] / m for name, m in median.items()},
         "loss": losses,
     }

@@ -41,9 +41,14 @@ def one_process(retain: bool, updates: int) -> dict:
 
     torch.set_num_threads(2)
     kept = retain and retain_freed_memory()
-    engine = FSDPEngine.build(EngineConfig(
-        model={"path": str(smollm2_folder())}, device="cpu",
-        precision={"param_dtype": "bfloat16"}, optimizer={"lr": 1e-6}))
+    engine = FSDPEngine.build(
+        EngineConfig(
+            model={"path": str(smollm2_folder())},
+            device="cpu",
+            precision={"param_dtype": "bfloat16"},
+            optimizer={"lr": 1e-6},
+        )
+    )
     vocab = engine.hf_model.config.vocab_size
     seconds, faults = [], []
     for i in range(updates):
@@ -56,10 +61,14 @@ def one_process(retain: bool, updates: int) -> dict:
         seconds.append(round(time.perf_counter() - start, 3))
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return {"retained": kept, "seconds": seconds, "page_faults": faults,
-            "rss_mb": pages * resource.getpagesize() >> 20,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10,
-            "machine": f"{cpu_name()}, {torch.get_num_threads()} threads"}
+    return {
+        "retained": kept,
+        "seconds": seconds,
+        "page_faults": faults,
+        "rss_mb": pages * resource.getpagesize() >> 20,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10,
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
+    }
 
 
 def main() -> None:
@@ -76,8 +85,12 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"default": [], "retain": []}
     for _ in range(processes):
         for way in runs:
-            out = subprocess.run([sys.executable, __file__, "--child", way, "--updates",
-                                  str(updates)], check=True, capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", way, "--updates", str(updates)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             runs[way].append(json.loads(out.stdout.strip().splitlines()[-1]))
     summary = {}
     for way, rs in runs.items():
@@ -90,16 +103,20 @@ def main() -> None:
     result = {
         "machine": runs["default"][0]["machine"],
         "workload": f"SmolLM2-135M shape, bf16, demo batch (32 rows, other lengths each "
-                    f"update), {updates} updates per process (first left out), "
-                    f"{processes} processes each way, alternating",
+        f"update), {updates} updates per process (first left out), "
+        f"{processes} processes each way, alternating",
         "summary": summary,
-        "update_time_ratio_default_over_retain":
-            summary["default"]["median_update_s"] / summary["retain"]["median_update_s"],
+        "update_time_ratio_default_over_retain": summary["default"]["median_update_s"]
+        / summary["retain"]["median_update_s"],
         "runs": runs,
     }
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("machine", "summary",
-                                             "update_time_ratio_default_over_retain")}, indent=2))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("machine", "summary", "update_time_ratio_default_over_retain")},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,16 @@ from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
 from tephra.rollout.testing import build_tiny_model
 
 RESULTS = Path(__file__).parent / "results" / "gpu_step.json"
-SHAPE = dict(model_type="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
-             num_kv_heads=3, tie_word_embeddings=True, initializer_range=0.02)
+SHAPE = dict(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+)
 WORKLOADS = {"demo": (4, 8, 32, 64), "large": (32, 8, 256, 128)}
 """name: (prompts, samples per prompt, response tokens, prompt tokens)"""
 
@@ -61,44 +69,73 @@ def step(rollout, engine, prompts, sampling) -> dict[str, float]:
     mask = batch[B.RESPONSE_MASK].bool()
     gap = (old.float().cpu() - batch["rollout_log_probs"])[mask].abs().max()
     tokens = int(mask.sum())
-    return {"generate_s": t1 - t0, "log_prob_s": t2 - t1, "update_s": t3 - t2, "sync_s": t4 - t3,
-            "step_s": t4 - t0, "generated_tokens_per_s": tokens / (t1 - t0),
-            "max_abs_logprob_gap": float(gap)}
+    return {
+        "generate_s": t1 - t0,
+        "log_prob_s": t2 - t1,
+        "update_s": t3 - t2,
+        "sync_s": t4 - t3,
+        "step_s": t4 - t0,
+        "generated_tokens_per_s": tokens / (t1 - t0),
+        "max_abs_logprob_gap": float(gap),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--steps", type=int, default=3, help="timed steps per workload")
-    parser.add_argument("--quick", action="store_true",
-                        help="a 2-layer model, the demo workload only, 1 timed step (also runs "
-                             "on a CPU, to check the script)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a 2-layer model, the demo workload only, 1 timed step (also runs "
+        "on a CPU, to check the script)",
+    )
     args = parser.parse_args()
     shape = {**SHAPE, "num_layers": 2} if args.quick else SHAPE
     steps = 1 if args.quick else args.steps
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               "torch": torch.__version__, "model_shape": shape, "workloads": {}}
+    results = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model_shape": shape,
+        "workloads": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model", **shape)
-        rollout = get_rollout("hf", RolloutConfig(model_path=model.path, max_model_len=512,
-                                                  dtype="bfloat16", hf={"device": device}))
-        engine = FSDPEngine.build(EngineConfig(
-            model=ModelConfig(path=model.path), device=device,
-            precision={"param_dtype": "bfloat16"}, optimizer={"lr": 1e-6}))
+        rollout = get_rollout(
+            "hf",
+            RolloutConfig(
+                model_path=model.path, max_model_len=512, dtype="bfloat16", hf={"device": device}
+            ),
+        )
+        engine = FSDPEngine.build(
+            EngineConfig(
+                model=ModelConfig(path=model.path),
+                device=device,
+                precision={"param_dtype": "bfloat16"},
+                optimizer={"lr": 1e-6},
+            )
+        )
         gen = torch.Generator().manual_seed(0)
         workloads = {"demo": WORKLOADS["demo"]} if args.quick else WORKLOADS
         for name, (n_prompts, n, max_tokens, prompt_len) in workloads.items():
-            prompts = torch.randint(10, model.vocab_size - 10, (n_prompts, prompt_len),
-                                    generator=gen).tolist()
-            sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n, seed=1,
-                                      ignore_eos=True)
+            prompts = torch.randint(
+                10, model.vocab_size - 10, (n_prompts, prompt_len), generator=gen
+            ).tolist()
+            sampling = SamplingParams(
+                temperature=1.0, max_tokens=max_tokens, n=n, seed=1, ignore_eos=True
+            )
             step(rollout, engine, prompts, sampling)  # warm-up: kernels compile, caches fill
             timed = [step(rollout, engine, prompts, sampling) for _ in range(steps)]
             summary = {k: round(statistics.median(t[k] for t in timed), 4) for k in timed[0]}
             summary["max_abs_logprob_gap"] = max(t["max_abs_logprob_gap"] for t in timed)
-            results["workloads"][name] = {"prompts": n_prompts, "n": n, "max_tokens": max_tokens,
-                                          "prompt_tokens": prompt_len, **summary}
+            results["workloads"][name] = {
+                "prompts": n_prompts,
+                "n": n,
+                "max_tokens": max_tokens,
+                "prompt_tokens": prompt_len,
+                **summary,
+            }
             print(name, json.dumps(results["workloads"][name]), flush=True)
         rollout.close()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

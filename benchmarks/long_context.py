@@ -25,9 +25,16 @@ import json
 from pathlib import Path
 
 MODEL = dict(
-    model_type="qwen2", vocab_size=1024, hidden_size=256, intermediate_size=512,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=65536, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    model_type="qwen2",
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=65536,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
 )
 
 
@@ -48,14 +55,20 @@ def measure(sp: int, tokens: int) -> float:
 
     torch.set_num_threads(1)
     config = EngineConfig(
-        model=ModelConfig(hf_config=MODEL), device="cpu",
+        model=ModelConfig(hf_config=MODEL),
+        device="cpu",
         micro_batch={"max_tokens_per_microbatch": tokens},
         parallel={"context": sp},
     )
     engine = FSDPEngine.build(config)
     half = tokens // 2
-    batch = random_batch(MODEL["vocab_size"], num_sequences=1, prompt_lengths=(half, half + 1),
-                         response_lengths=(tokens - half, tokens - half + 1), seed=0)
+    batch = random_batch(
+        MODEL["vocab_size"],
+        num_sequences=1,
+        prompt_lengths=(half, half + 1),
+        response_lengths=(tokens - half, tokens - half + 1),
+        seed=0,
+    )
     with engine.train_mode():
         engine.forward_backward(batch, nll_loss_fn)  # warm-up: gradients, pools
         Path("/proc/self/clear_refs").write_text("5")
@@ -79,7 +92,9 @@ def main() -> None:
         peaks[sp] = max(per_rank)
         print(f"SP={sp}: peak activation memory per rank {per_rank} MiB")
     result = {
-        "tokens": tokens, "model": MODEL, "device": "cpu",
+        "tokens": tokens,
+        "model": MODEL,
+        "device": "cpu",
         "method": "VmHWM - VmRSS around one forward_backward, fresh processes per config",
         "peak_activation_mib_per_rank_sp1": round(peaks[1], 1),
         "peak_activation_mib_per_rank_sp2": round(peaks[2], 1),

@@ -59,12 +59,29 @@ def run_tephra(steps: int, seed: int, run_dir: Path) -> tuple[list[list[dict]], 
     ~0. Its weights (min(ratio, 2)) are 1 up to that gap, so the update stays TRL's."""
     from tephra.apps.ppo.main import parse_config, run
 
-    run(parse_config(tephra_overrides(steps, 8, str(run_dir), [
-        "trainer.val_after=false", "trainer.export_hf=true", "trainer.dump_generations=1",
-        "algorithm.rollout_correction=tis"], seed)))
-    samples = [[json.loads(line) for line in
-                (run_dir / "generations" / f"train_step{k}.jsonl").read_text().splitlines()]
-               for k in range(1, steps + 1)]
+    run(
+        parse_config(
+            tephra_overrides(
+                steps,
+                8,
+                str(run_dir),
+                [
+                    "trainer.val_after=false",
+                    "trainer.export_hf=true",
+                    "trainer.dump_generations=1",
+                    "algorithm.rollout_correction=tis",
+                ],
+                seed,
+            )
+        )
+    )
+    samples = [
+        [
+            json.loads(line)
+            for line in (run_dir / "generations" / f"train_step{k}.jsonl").read_text().splitlines()
+        ]
+        for k in range(1, steps + 1)
+    ]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return samples, [r for r in records if "actor/grad_norm" in r]
 
@@ -82,7 +99,9 @@ def run_trl_on(samples: list[list[dict]], steps: int, seed: int):
     def replay(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         step = samples[len(seen["prompt_ids"])]
         if len(prompt_ids) != len(step):
-            raise SystemExit(f"TRL asked for {len(prompt_ids)} completions, tephra made {len(step)}")
+            raise SystemExit(
+                f"TRL asked for {len(prompt_ids)} completions, tephra made {len(step)}"
+            )
         seen["prompt_ids"].append([list(p) for p in prompt_ids])
         return [s["response_ids"] for s in step], None
 
@@ -126,26 +145,37 @@ def compare(steps: int, seed: int, val_size: int) -> dict:
         diff += float(((a - b) ** 2).sum())
     prompts_equal = all(
         [s["prompt_ids"] for s in step] == trl_step
-        for step, trl_step in zip(samples, trl_seen["prompt_ids"], strict=True))
+        for step, trl_step in zip(samples, trl_seen["prompt_ids"], strict=True)
+    )
     accuracy = {}
     if val_size:  # the held-out items of peer_trl.py's rounds, one evaluator for all three
         from tephra.controller.rewarding import Scorer
 
         val = trl_records(steps, val_size, seed)[2]
-        accuracy = {name: greedy_accuracy(model, tok, val, Scorer()) for name, model in
-                    (("tephra", after), ("trl", trl_model), ("untrained", before))}
+        accuracy = {
+            name: greedy_accuracy(model, tok, val, Scorer())
+            for name, model in (("tephra", after), ("trl", trl_model), ("untrained", before))
+        }
     rewards_tephra = [sum(s["score"] for s in step) / len(step) for step in samples]
-    adv_gap = max(abs(s["advantage"] - a) for step, advs in zip(samples, trl_seen["advantages"])
-                  for s, a in zip(step, advs, strict=True))
+    adv_gap = max(
+        abs(s["advantage"] - a)
+        for step, advs in zip(samples, trl_seen["advantages"])
+        for s, a in zip(step, advs, strict=True)
+    )
     return {
-        "seed": seed, "steps": steps,
+        "seed": seed,
+        "steps": steps,
         "prompt_ids_equal": prompts_equal,
         "reward_mean": {"tephra": rewards_tephra, "trl": trl_seen["rewards"]},
         "advantage_max_abs_diff": adv_gap,
-        "grad_norm": {"tephra": tephra_norms, "trl": trl_norms,
-                      "relative_diff": [abs(a - b) / b for a, b in zip(tephra_norms, trl_norms)]},
-        "rollout_vs_actor_log_prob_abs_gap": [r["rollout_corr/log_prob_abs_gap_mean"]
-                                              for r in metrics],
+        "grad_norm": {
+            "tephra": tephra_norms,
+            "trl": trl_norms,
+            "relative_diff": [abs(a - b) / b for a, b in zip(tephra_norms, trl_norms)],
+        },
+        "rollout_vs_actor_log_prob_abs_gap": [
+            r["rollout_corr/log_prob_abs_gap_mean"] for r in metrics
+        ],
         "rollout_vs_actor_ratio_max": [r["rollout_corr/ratio_max"] for r in metrics],
         "update_cosine": dot / math.sqrt(na * nb),
         "update_diff_over_update_norm": math.sqrt(diff / nb),
@@ -159,8 +189,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--val-size", type=int, default=200,
-                        help="held-out items to score the trained models on (0: none)")
+    parser.add_argument(
+        "--val-size",
+        type=int,
+        default=200,
+        help="held-out items to score the trained models on (0: none)",
+    )
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     rounds = [compare(args.steps, seed, args.val_size) for seed in args.seeds]

@@ -37,8 +37,9 @@ def model_folders(names: list[str], workdir: Path) -> tuple[dict[str, str], dict
     folders, skipped = {}, {}
     for name in names:
         if name == "tiny":
-            folders[name] = build_tiny_model(workdir / "tiny", hidden_size=256, num_layers=4,
-                                             num_heads=4, num_kv_heads=2).path
+            folders[name] = build_tiny_model(
+                workdir / "tiny", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2
+            ).path
         elif name == "smollm2":
             try:
                 from tephra.controller.smollm2 import smollm2_folder
@@ -79,8 +80,11 @@ def time_syncs(rollout, weights: list, repeats: int) -> dict:
         rollout.update_weights(iter(weights))
         times.append(time.perf_counter() - start)
         peak = max(peak, peak_rss_since(base))
-    return {"s": round(sorted(times)[len(times) // 2], 3), "peak_extra_rss_mib": peak,
-            **{k: v for k, v in getattr(rollout, "last_update_stats", {}).items() if k != "seconds"}}
+    return {
+        "s": round(sorted(times)[len(times) // 2], 3),
+        "peak_extra_rss_mib": peak,
+        **{k: v for k, v in getattr(rollout, "last_update_stats", {}).items() if k != "seconds"},
+    }
 
 
 def sync_modes(backend: str, rollout, weights: list, repeats: int) -> dict:
@@ -95,13 +99,15 @@ def sync_modes(backend: str, rollout, weights: list, repeats: int) -> dict:
     return out
 
 
-def run_backend(backend: str, folder: str, prompts, sampling, threads: int,
-                sync_repeats: int = 3) -> dict:
+def run_backend(
+    backend: str, folder: str, prompts, sampling, threads: int, sync_repeats: int = 3
+) -> dict:
     from tephra.rollout import RolloutConfig, ServerSettings, get_rollout
     from tephra.rollout.testing import perturbed_weights
 
     config = RolloutConfig(
-        model_path=folder, max_model_len=1024,
+        model_path=folder,
+        max_model_len=1024,
         vllm=ServerSettings(env={"OMP_NUM_THREADS": str(threads)}),
     )
     start = time.perf_counter()
@@ -117,10 +123,14 @@ def run_backend(backend: str, folder: str, prompts, sampling, threads: int,
     finally:
         rollout.close()
     tokens = sum(len(r) for r in out.response_ids)
-    return {"startup_s": round(startup_s, 2), "wall_s": round(wall, 3), "generated_tokens": tokens,
-            "tokens_per_s": round(tokens / wall, 1),
-            "weights_mib": round(sum(t.numel() * t.element_size() for _, t in weights) / 2**20, 1),
-            "weight_sync": syncs}
+    return {
+        "startup_s": round(startup_s, 2),
+        "wall_s": round(wall, 3),
+        "generated_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 1),
+        "weights_mib": round(sum(t.numel() * t.element_size() for _, t in weights) / 2**20, 1),
+        "weight_sync": syncs,
+    }
 
 
 def main() -> None:
@@ -142,28 +152,44 @@ def main() -> None:
     from tephra.rollout.backends import default_vllm_python
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    results = {"settings": vars(args) | {"machine": platform.machine(), "cpus": os.cpu_count(),
-                                         "python": sys.version.split()[0],
-                                         "torch": torch.__version__},
-               "runs": [], "skipped": []}
+    results = {
+        "settings": vars(args)
+        | {
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+        },
+        "runs": [],
+        "skipped": [],
+    }
     if "vllm" in backends and not Path(default_vllm_python()).exists():
         backends.remove("vllm")
-        results["skipped"].append({"backend": "vllm", "why": "no vLLM environment "
-                                   "(bash scripts/build_vllm_env.sh)"})
+        results["skipped"].append(
+            {"backend": "vllm", "why": "no vLLM environment (bash scripts/build_vllm_env.sh)"}
+        )
     with tempfile.TemporaryDirectory() as tmp:
         folders, skipped = model_folders(args.models.split(","), Path(tmp))
         results["skipped"] += [{"model": m, "why": why} for m, why in skipped.items()]
         for model, folder in folders.items():
             vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
             rng = random.Random(0)
-            prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)]
-                       for _ in range(args.prompts)]
-            sampling = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+            prompts = [
+                [rng.randrange(10, vocab) for _ in range(args.prompt_len)]
+                for _ in range(args.prompts)
+            ]
+            sampling = SamplingParams(
+                temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=0
+            )
             for backend in backends:
                 print(f"{model} / {backend} ...", flush=True)
-                row = {"model": model, "backend": backend,
-                       **run_backend(backend, folder, prompts, sampling, args.threads,
-                                           args.sync_repeats)}
+                row = {
+                    "model": model,
+                    "backend": backend,
+                    **run_backend(
+                        backend, folder, prompts, sampling, args.threads, args.sync_repeats
+                    ),
+                }
                 print(json.dumps(row), flush=True)
                 results["runs"].append(row)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

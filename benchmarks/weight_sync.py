@@ -40,15 +40,23 @@ BUCKETS_MB = (4, 16, 64, 256, 1024)
 DEFAULT_MB = ServerSettings.weight_bucket_mb
 
 
-def time_syncs(model_path: str, weights: list, transport: str, bucket_mb: float,
-               repeats: int) -> dict:
-    receiver = subprocess.Popen([sys.executable, str(RECEIVER), "cpu"], stdout=subprocess.PIPE,
-                                text=True)
+def time_syncs(
+    model_path: str, weights: list, transport: str, bucket_mb: float, repeats: int
+) -> dict:
+    receiver = subprocess.Popen(
+        [sys.executable, str(RECEIVER), "cpu"], stdout=subprocess.PIPE, text=True
+    )
     try:
         url = f"http://127.0.0.1:{int(receiver.stdout.readline())}"
-        rollout = get_rollout("vllm", RolloutConfig(
-            model_path=model_path, dtype="bfloat16", max_model_len=512,
-            vllm=ServerSettings(url=url, weight_bucket_mb=bucket_mb, request_timeout_s=600)))
+        rollout = get_rollout(
+            "vllm",
+            RolloutConfig(
+                model_path=model_path,
+                dtype="bfloat16",
+                max_model_len=512,
+                vllm=ServerSettings(url=url, weight_bucket_mb=bucket_mb, request_timeout_s=600),
+            ),
+        )
         try:
             rollout.transport = transport
             seconds = []
@@ -56,10 +64,13 @@ def time_syncs(model_path: str, weights: list, transport: str, bucket_mb: float,
                 rollout.update_weights(iter(weights))
                 seconds.append(rollout.last_update_stats["seconds"])
             stats = rollout.last_update_stats
-            return {"median_s": round(statistics.median(seconds[1:]), 3),
-                    "seconds": [round(s, 3) for s in seconds[1:]],
-                    "buckets": stats["buckets"], "max_bucket_mb": round(stats["max_bucket_bytes"] / 2**20, 1),
-                    "mb": round(stats["bytes"] / 2**20, 1)}
+            return {
+                "median_s": round(statistics.median(seconds[1:]), 3),
+                "seconds": [round(s, 3) for s in seconds[1:]],
+                "buckets": stats["buckets"],
+                "max_bucket_mb": round(stats["max_bucket_bytes"] / 2**20, 1),
+                "mb": round(stats["bytes"] / 2**20, 1),
+            }
         finally:
             rollout.close()
     finally:
@@ -72,16 +83,24 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs per bucket size")
     args = parser.parse_args()
-    results = {"machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
-               "torch": torch.__version__, "model_shape": SHAPE, "dtype": "bfloat16",
-               "default_bucket_mb": DEFAULT_MB, "transports": {}}
+    results = {
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "model_shape": SHAPE,
+        "dtype": "bfloat16",
+        "default_bucket_mb": DEFAULT_MB,
+        "transports": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model", **SHAPE)
         gen = torch.Generator().manual_seed(0)
         state = load_file(str(Path(model.path) / "model.safetensors"))
         # what an engine exports: float32, the tied head left out (the rollout adds it)
-        weights = [(name, torch.randn(t.shape, generator=gen)) for name, t in state.items()
-                   if name != "lm_head.weight"]
+        weights = [
+            (name, torch.randn(t.shape, generator=gen))
+            for name, t in state.items()
+            if name != "lm_head.weight"
+        ]
         for transport in ("gloo", "ipc"):
             timings = {}
             for mb in BUCKETS_MB:
@@ -90,7 +109,9 @@ def main() -> None:
             default = timings[str(int(DEFAULT_MB))]["median_s"]
             for row in timings.values():
                 row["ratio_to_default"] = round(row["median_s"] / default, 3)
-            results["transports"]["ipc (CPU shared memory)" if transport == "ipc" else transport] = timings
+            results["transports"][
+                "ipc (CPU shared memory)" if transport == "ipc" else transport
+            ] = timings
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -43,14 +43,25 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
     def generate(items, sampling):
         worker.started.set()
         assert worker.release.wait(10)
-        return [Sample(prompt_ids=[1], response_ids=[2], response_mask=[1], log_probs=None,
-                       finish_reason="stop") for _ in items]
+        return [
+            Sample(
+                prompt_ids=[1],
+                response_ids=[2],
+                response_mask=[1],
+                log_probs=None,
+                finish_reason="stop",
+            )
+            for _ in items
+        ]
 
     worker.generate = generate
     worker.collect_scores = lambda: [(1.0, None, 0.0, False)]
     sent = {}
-    monkeypatch.setattr(tephra_weight_transport, "receive_all",
-                        lambda group, device: iter([("w", torch.tensor(sent["version"]))]))
+    monkeypatch.setattr(
+        tephra_weight_transport,
+        "receive_all",
+        lambda group, device: iter([("w", torch.tensor(sent["version"]))]),
+    )
     worker.send = lambda version: sent.update(version=version)
     return worker
 
@@ -64,8 +75,9 @@ def test_weights_received_mid_request_wait_for_the_next_one(monkeypatch):
 
     worker.release.clear()
     result = {}
-    request = threading.Thread(target=lambda: result.update(
-        first=worker.generate_scored(["p"], None)))
+    request = threading.Thread(
+        target=lambda: result.update(first=worker.generate_scored(["p"], None))
+    )
     request.start()
     assert worker.started.wait(10)
     worker.send(2)
@@ -95,10 +107,18 @@ class _Replicas:
         ref = min(refs)
         items, _ = self.requests[ref]
         self.served[0] += 1
-        return ref, [Sample(prompt_ids=list(item.prompt_ids), response_ids=[k],
-                            response_mask=[1], log_probs=None, finish_reason="stop",
-                            weight_version=0)
-                     for item in items for k in range(2)]
+        return ref, [
+            Sample(
+                prompt_ids=list(item.prompt_ids),
+                response_ids=[k],
+                response_mask=[1],
+                log_probs=None,
+                finish_reason="stop",
+                weight_version=0,
+            )
+            for item in items
+            for k in range(2)
+        ]
 
 
 @pytest.mark.parametrize("per_request", [1, 2, 3])
@@ -108,9 +128,17 @@ def test_the_stream_sends_several_groups_per_request(per_request):
     loader = SimpleNamespace(next_indices=lambda: [next(order) % 10 for _ in range(4)])
     replicas = _Replicas()
     in_flight = -(-(4 + per_request - 1) // per_request)  # the least the config accepts
-    stream = SampleStream(replicas, loader, prompts, SamplingParams(n=2, max_tokens=4), seed=0,
-                          prompts_per_step=4, in_flight=in_flight, max_staleness=1,
-                          groups_per_request=per_request)
+    stream = SampleStream(
+        replicas,
+        loader,
+        prompts,
+        SamplingParams(n=2, max_tokens=4),
+        seed=0,
+        prompts_per_step=4,
+        in_flight=in_flight,
+        max_staleness=1,
+        groups_per_request=per_request,
+    )
     drawn = []
     for _ in range(3):
         items, indices, samples = stream.next_batch(version=0)

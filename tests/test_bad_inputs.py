@@ -50,8 +50,11 @@ class Case:
 
 # ----- helpers ------------------------------------------------------------------------------
 def _row(**fields: Any) -> dict[str, Any]:
-    row = {"prompt": [{"role": "user", "content": "What is 1+1?"}], "data_source": "gsm8k",
-           "reward_model": {"ground_truth": "2"}}
+    row = {
+        "prompt": [{"role": "user", "content": "What is 1+1?"}],
+        "data_source": "gsm8k",
+        "reward_model": {"ground_truth": "2"},
+    }
     row.update(fields)
     return {k: v for k, v in row.items() if v is not ...}
 
@@ -70,6 +73,7 @@ def _load_parquet(*rows: dict[str, Any]) -> Callable:
         from tephra.controller.data import load_parquet
 
         load_parquet(_parquet(tmp, *rows))
+
     return run
 
 
@@ -103,8 +107,14 @@ def _prepare(tmp: Path, rows: list[dict], *overrides: str) -> Any:
     from tephra.controller.ppo import prepare
 
     data = _parquet(tmp, *rows)
-    return prepare(_parse("data.source=parquet", f"data.train_files=[{data}]",
-                          f"trainer.run_dir={tmp / 'run'}", *overrides))
+    return prepare(
+        _parse(
+            "data.source=parquet",
+            f"data.train_files=[{data}]",
+            f"trainer.run_dir={tmp / 'run'}",
+            *overrides,
+        )
+    )
 
 
 def _score(tmp: Path, body: str, n: int = 2, **reward: Any) -> Skipped:
@@ -131,6 +141,7 @@ def _tools(content: str) -> Callable:
         path = tmp / "tools.yaml"
         path.write_text(content)
         load_tools(path)
+
     return run
 
 
@@ -139,8 +150,9 @@ def jsonl_non_utf8(tmp, mp):
     from tephra.controller.data import load_hf_dataset
 
     path = tmp / "train.jsonl"
-    path.write_bytes(b'{"prompt": "caf\xe9?", "data_source": "gsm8k", '
-                     b'"reward_model": {"ground_truth": "1"}}\n')
+    path.write_bytes(
+        b'{"prompt": "caf\xe9?", "data_source": "gsm8k", "reward_model": {"ground_truth": "1"}}\n'
+    )
     load_hf_dataset(str(path))
 
 
@@ -204,6 +216,7 @@ def model_without(*names: str) -> Callable:
         from tephra.controller.models import resolve_model_path
 
         resolve_model_path(str(_tiny_copy(tmp, *names)))
+
     return run
 
 
@@ -229,8 +242,10 @@ def reward_fails_everywhere(tmp, mp):
 
 
 def reward_file_without_function(tmp, mp):
-    _score(tmp, "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                "    return 1.0\n")
+    _score(
+        tmp,
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n",
+    )
 
 
 def missing_tools_file(tmp, mp):
@@ -267,6 +282,7 @@ def mcp_server_dies(tmp, mp):
     toolset = MCPToolset(command=sys.executable, args=[str(tmp / "server.py")], timeout_s=20)
     tools = {t.name: t for t in toolset.tools()}
     try:
+
         async def calls():
             first = await tools["echo"].execute("i", {"text": "hi"})
             # the server dies in a call; the call after it must fail fast, not hang
@@ -293,16 +309,21 @@ def nan_loss(tmp, mp):
 
     engine = FSDPEngine.build(tiny_engine_config())
     try:
+
         def nan_loss_fn(out, batch):
             return out["log_probs"].sum() * float("nan"), {}
 
-        before = {n: p.detach().full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
-                  for n, p in engine.scorer.named_parameters()}
+        before = {
+            n: p.detach().full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+            for n, p in engine.scorer.named_parameters()
+        }
         with engine.train_mode():
             engine.forward_backward(random_batch(TINY_VOCAB, 4, seed=0), nan_loss_fn)
             norm = engine.optimizer_step()
-        after = {n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
-                 for n, p in engine.scorer.named_parameters()}
+        after = {
+            n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            for n, p in engine.scorer.named_parameters()
+        }
         assert norm != norm  # NaN
         assert all(torch.equal(before[n], after[n]) for n in before), "weights changed"
         return Skipped(engine.skipped_updates, "")
@@ -371,8 +392,11 @@ def reward_signature_at_load(tmp, mp):
 
 
 def reward_function_name_at_load(tmp, mp):
-    reward = _file(tmp, "reward.py", "def score(data_source, solution_str, ground_truth, "
-                                     "extra_info=None):\n    return 1.0\n")
+    reward = _file(
+        tmp,
+        "reward.py",
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n",
+    )
     _parse(f"reward.custom_function_path={reward}")
 
 
@@ -424,10 +448,19 @@ def kv_heads_model(tmp: Path, kv_heads: int) -> Path:
     the check reads config.json alone."""
     folder = tmp / "model"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 64, "hidden_size": 72, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 9 if kv_heads == 3 else 4,
-        "num_key_value_heads": kv_heads}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 64,
+                "hidden_size": 72,
+                "intermediate_size": 96,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 9 if kv_heads == 3 else 4,
+                "num_key_value_heads": kv_heads,
+            }
+        )
+    )
     return folder
 
 
@@ -436,8 +469,14 @@ def kv_heads_vs_tensor(kv_heads: int) -> Callable:
         cpu_compat = pytest.importorskip("tephra.engine_megatron.cpu_compat")
         # CPU ranks: where CUDA is visible megatron would refuse device=cpu first
         mp.setattr(cpu_compat, "cuda_absent", lambda: True)
-        _parse(f"model.path={kv_heads_model(tmp, kv_heads)}", "actor.engine=megatron",
-               "actor.parallel.tensor=2", "resources.world_size=2", "batch.prompts_per_step=2")
+        _parse(
+            f"model.path={kv_heads_model(tmp, kv_heads)}",
+            "actor.engine=megatron",
+            "actor.parallel.tensor=2",
+            "resources.world_size=2",
+            "batch.prompts_per_step=2",
+        )
+
     return run
 
 
@@ -447,8 +486,9 @@ def _step_round(scores: list[float], n: int = 2):
     from tephra.controller.rl_loop import Round
     from tephra.controller.samples import PromptItem, Sample
 
-    item = PromptItem([1, 2], PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2"),
-                      "train-0")
+    item = PromptItem(
+        [1, 2], PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2"), "train-0"
+    )
     samples = [Sample([1, 2], [3], [1], [0.0], "stop", score=x) for x in scores]
     return Round([item], samples, n, kept_groups=[0], indices=[17])
 
@@ -471,8 +511,9 @@ def clipped_reward(tmp, mp):
     from tephra.controller.rewarding import Scorer, check_rewards
     from tephra.rollout.rewards import RewardConfig
 
-    file = _file(tmp, "reward.py", "def compute_score(solution_str, **kw):\n"
-                                   "    return float(solution_str)\n")
+    file = _file(
+        tmp, "reward.py", "def compute_score(solution_str, **kw):\n    return float(solution_str)\n"
+    )
     config = RewardConfig(custom_function_path=str(file), executor="serial", clip=(-1, 1))
     record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
     scorer = Scorer(config)
@@ -494,9 +535,14 @@ def nan_advantages(tmp, mp):
     rnd = _step_round([1e308, -1e308])
     check_rewards(rnd.scores, rnd.kept_names(), max_abs=1e308)
     mask = torch.ones(2, 3)
-    adv, _ = compute_advantages("grpo", token_rewards=outcome_token_rewards(
-        torch.tensor(rnd.scores, dtype=torch.float32), mask), response_mask=mask,
-        group_ids=torch.zeros(2, dtype=torch.int64), values=None, config=AdvantageConfig())
+    adv, _ = compute_advantages(
+        "grpo",
+        token_rewards=outcome_token_rewards(torch.tensor(rnd.scores, dtype=torch.float32), mask),
+        response_mask=mask,
+        group_ids=torch.zeros(2, dtype=torch.int64),
+        values=None,
+        config=AdvantageConfig(),
+    )
     assert not torch.isfinite(adv).all()  # what every optimizer step then skipped on
     check_advantages(adv, mask, rnd.kept_names())
 
@@ -506,170 +552,484 @@ LOGGED = r"reward scoring: 2 of 2 items failed and scored 0.0 \(by data_source: 
 
 CASES = [
     # --- data rows (verl parquet) and files
-    Case("parquet: row without prompt", _load_parquet(_row(), _row(prompt=None)), "DatasetError",
-         (r"row 1 of train.parquet: field 'prompt' is missing", r"each row needs 'prompt'")),
-    Case("parquet: prompt of the wrong type", _load_parquet(_row(prompt=5)), "DatasetError",
-         (r"row 0 .*field 'prompt' is 5, not a non-empty list of messages",)),
-    Case("parquet: message that is a plain string", _load_parquet(_row(prompt=["hi", "there"])),
-         "DatasetError", (r"field 'prompt' holds 'hi', not a \{role, content\} message",)),
-    Case("parquet: content of the wrong type",
-         _load_parquet(_row(prompt=[{"role": "user", "content": 7}])), "DatasetError",
-         (r"field 'prompt.content' is 7, not text",)),
-    Case("parquet: empty ground truth", _load_parquet(_row(reward_model={"ground_truth": " "})),
-         "DatasetError", (r"field 'reward_model.ground_truth' is empty", r"reward_model.ground_truth")),
-    Case("parquet: no reward_model", _load_parquet(_row(reward_model=...), _row()), "DatasetError",
-         (r"row 0 .*'reward_model.ground_truth' is missing",)),
-    Case("parquet: data_source not a string", _load_parquet(_row(data_source=3)), "DatasetError",
-         (r"field 'data_source' is 3, not a name",)),
-    Case("parquet: non-UTF-8 bytes", _load_parquet(_row(prompt=[{"role": "user", "content": b"caf\xe9"}])),
-         "DatasetError", (r"field 'prompt.content' holds bytes that are not UTF-8", r"re-encode the file as UTF-8")),
-    Case("jsonl: non-UTF-8 bytes", jsonl_non_utf8, "DatasetError",
-         (r"row 0 of .*train.jsonl\[train\]: text that is not UTF-8", r"re-encode the file as UTF-8")),
-    Case("parquet: extra_info not JSON", _load_parquet(_row(extra_info="{oops")), "DatasetError",
-         (r"field 'extra_info' is a string but not JSON",)),
-    Case("parquet: file that is not parquet", not_parquet, "DatasetError",
-         (r"train.parquet cannot be read as parquet", r"set data.train_files to a parquet file")),
-    Case("parquet: file without rows", no_rows, "DatasetError",
-         (r"empty.parquet has no rows", r"remove it from data.train_files")),
-    Case("parquet: file that does not exist", missing_data_file, "DatasetError",
-         (r"nowhere.parquet does not exist", r"set data.train_files")),
-    Case("prompt longer than data.max_prompt_tokens", long_prompt_dropped, None,
-         (r"dropped 1 prompts longer than data.max_prompt_tokens=64",), skipped=1),
-    Case("empty dataset after filtering", all_prompts_too_long, "DatasetError",
-         (r"every one of 2 prompts is longer than data.max_prompt_tokens=16", r"raise it")),
-    Case("fewer prompts than a step needs", too_few_prompts, ConfigError,
-         (r"3 prompts after filtering, fewer than batch.prompts_per_step=4", r"add data or lower")),
-    Case("unknown data_source", unknown_data_source, RegistryError,
-         (r"reward data_source 'gsm9k'", r"did you mean 'gsm8k'", r"reward.custom_function_path")),
+    Case(
+        "parquet: row without prompt",
+        _load_parquet(_row(), _row(prompt=None)),
+        "DatasetError",
+        (r"row 1 of train.parquet: field 'prompt' is missing", r"each row needs 'prompt'"),
+    ),
+    Case(
+        "parquet: prompt of the wrong type",
+        _load_parquet(_row(prompt=5)),
+        "DatasetError",
+        (r"row 0 .*field 'prompt' is 5, not a non-empty list of messages",),
+    ),
+    Case(
+        "parquet: message that is a plain string",
+        _load_parquet(_row(prompt=["hi", "there"])),
+        "DatasetError",
+        (r"field 'prompt' holds 'hi', not a \{role, content\} message",),
+    ),
+    Case(
+        "parquet: content of the wrong type",
+        _load_parquet(_row(prompt=[{"role": "user", "content": 7}])),
+        "DatasetError",
+        (r"field 'prompt.content' is 7, not text",),
+    ),
+    Case(
+        "parquet: empty ground truth",
+        _load_parquet(_row(reward_model={"ground_truth": " "})),
+        "DatasetError",
+        (r"field 'reward_model.ground_truth' is empty", r"reward_model.ground_truth"),
+    ),
+    Case(
+        "parquet: no reward_model",
+        _load_parquet(_row(reward_model=...), _row()),
+        "DatasetError",
+        (r"row 0 .*'reward_model.ground_truth' is missing",),
+    ),
+    Case(
+        "parquet: data_source not a string",
+        _load_parquet(_row(data_source=3)),
+        "DatasetError",
+        (r"field 'data_source' is 3, not a name",),
+    ),
+    Case(
+        "parquet: non-UTF-8 bytes",
+        _load_parquet(_row(prompt=[{"role": "user", "content": b"caf\xe9"}])),
+        "DatasetError",
+        (r"field 'prompt.content' holds bytes that are not UTF-8", r"re-encode the file as UTF-8"),
+    ),
+    Case(
+        "jsonl: non-UTF-8 bytes",
+        jsonl_non_utf8,
+        "DatasetError",
+        (
+            r"row 0 of .*train.jsonl\[train\]: text that is not UTF-8",
+            r"re-encode the file as UTF-8",
+        ),
+    ),
+    Case(
+        "parquet: extra_info not JSON",
+        _load_parquet(_row(extra_info="{oops")),
+        "DatasetError",
+        (r"field 'extra_info' is a string but not JSON",),
+    ),
+    Case(
+        "parquet: file that is not parquet",
+        not_parquet,
+        "DatasetError",
+        (r"train.parquet cannot be read as parquet", r"set data.train_files to a parquet file"),
+    ),
+    Case(
+        "parquet: file without rows",
+        no_rows,
+        "DatasetError",
+        (r"empty.parquet has no rows", r"remove it from data.train_files"),
+    ),
+    Case(
+        "parquet: file that does not exist",
+        missing_data_file,
+        "DatasetError",
+        (r"nowhere.parquet does not exist", r"set data.train_files"),
+    ),
+    Case(
+        "prompt longer than data.max_prompt_tokens",
+        long_prompt_dropped,
+        None,
+        (r"dropped 1 prompts longer than data.max_prompt_tokens=64",),
+        skipped=1,
+    ),
+    Case(
+        "empty dataset after filtering",
+        all_prompts_too_long,
+        "DatasetError",
+        (r"every one of 2 prompts is longer than data.max_prompt_tokens=16", r"raise it"),
+    ),
+    Case(
+        "fewer prompts than a step needs",
+        too_few_prompts,
+        ConfigError,
+        (r"3 prompts after filtering, fewer than batch.prompts_per_step=4", r"add data or lower"),
+    ),
+    Case(
+        "unknown data_source",
+        unknown_data_source,
+        RegistryError,
+        (r"reward data_source 'gsm9k'", r"did you mean 'gsm8k'", r"reward.custom_function_path"),
+    ),
     # --- model folders
-    Case("model folder that does not exist", model_missing, ConfigError,
-         (r"model.path=.*no-such-model.*does not exist", r"give a local Hugging Face folder")),
-    Case("model folder without config.json", model_without("config.json"), ConfigError,
-         (r"model.path=.* has no config.json", r"save_pretrained")),
-    Case("model folder without weights", model_without("model.safetensors"), ConfigError,
-         (r"model.path=.* has no weights", r"model.save_pretrained\(folder\)")),
-    Case("model folder without tokenizer", model_without("tokenizer.json"), ConfigError,
-         (r"model.path=.* has no tokenizer", r"tokenizer.save_pretrained\(folder\)")),
-    Case("tokenizer without chat template", tokenizer_without_chat_template, ConfigError,
-         (r"tokenizer of model.path=.* has no chat template", r"chat_template.jinja")),
+    Case(
+        "model folder that does not exist",
+        model_missing,
+        ConfigError,
+        (r"model.path=.*no-such-model.*does not exist", r"give a local Hugging Face folder"),
+    ),
+    Case(
+        "model folder without config.json",
+        model_without("config.json"),
+        ConfigError,
+        (r"model.path=.* has no config.json", r"save_pretrained"),
+    ),
+    Case(
+        "model folder without weights",
+        model_without("model.safetensors"),
+        ConfigError,
+        (r"model.path=.* has no weights", r"model.save_pretrained\(folder\)"),
+    ),
+    Case(
+        "model folder without tokenizer",
+        model_without("tokenizer.json"),
+        ConfigError,
+        (r"model.path=.* has no tokenizer", r"tokenizer.save_pretrained\(folder\)"),
+    ),
+    Case(
+        "tokenizer without chat template",
+        tokenizer_without_chat_template,
+        ConfigError,
+        (r"tokenizer of model.path=.* has no chat template", r"chat_template.jinja"),
+    ),
     # --- reward functions
-    Case("reward function raises",
-         reward("def compute_score(**kw):\n    raise ValueError('no answer key')\n"), None,
-         (r"ValueError: no answer key", LOGGED), skipped=2),
-    Case("reward function returns NaN", reward("def compute_score(**kw):\n    return float('nan')\n"),
-         None, (r"scorer 'custom' returned a non-finite score \(nan\)", r"return a finite number",
-                LOGGED), skipped=2),
-    Case("reward function returns a string", reward("def compute_score(**kw):\n    return '1.0'\n"),
-         None, (r"returned score='1.0' of type str", r"return a number", LOGGED), skipped=2),
-    Case("reward function hangs",
-         reward("import time\ndef compute_score(**kw):\n    time.sleep(30)\n", timeout_s=0.2),
-         None, (r"RewardTimeout: scorer 'custom' did not return within reward.timeout_s=0.2 s",
-                r"raise reward.timeout_s", LOGGED), skipped=2),
-    Case("reward function fails on every sample", reward_fails_everywhere, "RewardFailure",
-         (r"failed on all 2 samples", r"KeyError: 'answer'", r"reward.custom_function_path")),
-    Case("reward file without compute_score", reward_file_without_function, "RewardFunctionError",
-         (r"reward.py has no function 'compute_score'; it defines: score",
-          r"Set reward.custom_function_name")),
+    Case(
+        "reward function raises",
+        reward("def compute_score(**kw):\n    raise ValueError('no answer key')\n"),
+        None,
+        (r"ValueError: no answer key", LOGGED),
+        skipped=2,
+    ),
+    Case(
+        "reward function returns NaN",
+        reward("def compute_score(**kw):\n    return float('nan')\n"),
+        None,
+        (r"scorer 'custom' returned a non-finite score \(nan\)", r"return a finite number", LOGGED),
+        skipped=2,
+    ),
+    Case(
+        "reward function returns a string",
+        reward("def compute_score(**kw):\n    return '1.0'\n"),
+        None,
+        (r"returned score='1.0' of type str", r"return a number", LOGGED),
+        skipped=2,
+    ),
+    Case(
+        "reward function hangs",
+        reward("import time\ndef compute_score(**kw):\n    time.sleep(30)\n", timeout_s=0.2),
+        None,
+        (
+            r"RewardTimeout: scorer 'custom' did not return within reward.timeout_s=0.2 s",
+            r"raise reward.timeout_s",
+            LOGGED,
+        ),
+        skipped=2,
+    ),
+    Case(
+        "reward function fails on every sample",
+        reward_fails_everywhere,
+        "RewardFailure",
+        (r"failed on all 2 samples", r"KeyError: 'answer'", r"reward.custom_function_path"),
+    ),
+    Case(
+        "reward file without compute_score",
+        reward_file_without_function,
+        "RewardFunctionError",
+        (
+            r"reward.py has no function 'compute_score'; it defines: score",
+            r"Set reward.custom_function_name",
+        ),
+    ),
     # --- tools and MCP
-    Case("tools YAML: unknown class", _tools("- class: pythn\n"), "ToolConfigError",
-         (r"tools.yaml', entry 0: class 'pythn' is neither a registered tool", r"package.module:ClassName")),
-    Case("tools YAML: class that does not import", _tools("- class: nowhere.mod:Tool\n"),
-         "ToolConfigError", (r"entry 0: cannot import module 'nowhere.mod'",)),
-    Case("tools YAML: not a list", _tools("tools: 3\n"), "ToolConfigError",
-         (r"expected a list of \{class, config\} entries",)),
-    Case("rollout.tools_file that does not exist", missing_tools_file, ConfigError,
-         (r"rollout.tools_file=.*tools.yaml.*: no such file", r"bundled names \['python'\]")),
-    Case("MCP server that dies", mcp_server_dies, None,
-         (r"mcp tool 'crash' failed: .*server: .*server.py", r"mcp tool 'echo' failed",
-          r"see its log: server_log"), skipped=2),
+    Case(
+        "tools YAML: unknown class",
+        _tools("- class: pythn\n"),
+        "ToolConfigError",
+        (
+            r"tools.yaml', entry 0: class 'pythn' is neither a registered tool",
+            r"package.module:ClassName",
+        ),
+    ),
+    Case(
+        "tools YAML: class that does not import",
+        _tools("- class: nowhere.mod:Tool\n"),
+        "ToolConfigError",
+        (r"entry 0: cannot import module 'nowhere.mod'",),
+    ),
+    Case(
+        "tools YAML: not a list",
+        _tools("tools: 3\n"),
+        "ToolConfigError",
+        (r"expected a list of \{class, config\} entries",),
+    ),
+    Case(
+        "rollout.tools_file that does not exist",
+        missing_tools_file,
+        ConfigError,
+        (r"rollout.tools_file=.*tools.yaml.*: no such file", r"bundled names \['python'\]"),
+    ),
+    Case(
+        "MCP server that dies",
+        mcp_server_dies,
+        None,
+        (
+            r"mcp tool 'crash' failed: .*server: .*server.py",
+            r"mcp tool 'echo' failed",
+            r"see its log: server_log",
+        ),
+        skipped=2,
+    ),
     # --- training and checkpoints
-    Case("NaN loss", nan_loss, None,
-         (r"optimizer step skipped: gradient norm is nan", r"weights are unchanged"), skipped=1),
-    Case("disk full while writing a checkpoint", disk_full_engine_write, CheckpointError,
-         (r"checkpoint of step 2 failed: the disk under .*run/checkpoints is full",
-          r"No space left on device", r"lower trainer.keep_checkpoints, or set trainer.run_dir")),
-    Case("resume_from a folder that is no checkpoint", resume_from_not_a_checkpoint, CheckpointError,
-         (r"trainer.resume_from=.*step_3.*manifest.json is missing", r"give a step_<N> folder")),
-    Case("export of a checkpoint that does not exist", export_missing_checkpoint, CheckpointError,
-         (r"step_9: no such folder", r"give a step_<N> folder")),
+    Case(
+        "NaN loss",
+        nan_loss,
+        None,
+        (r"optimizer step skipped: gradient norm is nan", r"weights are unchanged"),
+        skipped=1,
+    ),
+    Case(
+        "disk full while writing a checkpoint",
+        disk_full_engine_write,
+        CheckpointError,
+        (
+            r"checkpoint of step 2 failed: the disk under .*run/checkpoints is full",
+            r"No space left on device",
+            r"lower trainer.keep_checkpoints, or set trainer.run_dir",
+        ),
+    ),
+    Case(
+        "resume_from a folder that is no checkpoint",
+        resume_from_not_a_checkpoint,
+        CheckpointError,
+        (r"trainer.resume_from=.*step_3.*manifest.json is missing", r"give a step_<N> folder"),
+    ),
+    Case(
+        "export of a checkpoint that does not exist",
+        export_missing_checkpoint,
+        CheckpointError,
+        (r"step_9: no such folder", r"give a step_<N> folder"),
+    ),
     # --- the config and the cluster
-    Case("unreachable ray_address", unreachable_ray, ConfigError,
-         (r"resources.ray_address='127.0.0.1:\d+': nothing answers there", r"ray start --head",
-          r"resources.ray_address=null")),
-    Case("ray_address without a port", malformed_ray_address, ConfigError,
-         (r"resources.ray_address='headnode': write host:port",)),
-    Case("conflicting parallel sizes",
-         _config("resources.world_size=2", "actor.engine=megatron", "actor.parallel.tensor=2",
-                 "actor.parallel.pipeline=2", "batch.prompts_per_step=2"), ConfigError,
-         (r"world size 2 is not divisible by parallel.tensor \* parallel.pipeline",)),
-    Case("override without '='", _config("trainer.steps"), ConfigError,
-         (r"argument 'trainer.steps' is not an override; write key=value",)),
-    Case("override with broken YAML", _config("trainer.trackers=[jsonl"), ConfigError,
-         (r"override 'trainer.trackers=\[jsonl': the value is not valid YAML", r"close its brackets")),
-    Case("unknown preset", unknown_preset, ConfigError,
-         (r"preset 'smok' not found", r"known presets: .*'smoke'")),
-    Case("unknown tracker name", _config("trainer.trackers=[tensorbord]"), ConfigError,
-         (r"trainer.trackers='tensorbord' is not a registered tracker \(did you mean 'tensorboard'\?\)",)),
-    Case("wrong rollout dtype", _config("rollout.dtype=float33"), ConfigError,
-         (r"rollout.dtype='float33' is not allowed; choose one of \['float32'",)),
-    Case("wrong engine dtype", _config("actor.precision.param_dtype=fp8"), ConfigError,
-         (r"precision.param_dtype='fp8' is not allowed; choose one of",)),
-    Case("negative prompts_per_step", _config("batch.prompts_per_step=-2"), ConfigError,
-         (r"batch.prompts_per_step=-2 must be >= 1",)),
-    Case("negative save_every", _config("trainer.save_every=-1"), ConfigError,
-         (r"trainer.save_every=-1 must be >= 0",)),
-    Case("zero num_cpus", _config("resources.num_cpus=0"), ConfigError,
-         (r"resources.num_cpus=0 must be >= 1 \(or null: all\)",)),
-    Case("negative temperature", _config("rollout.temperature=-0.5"), ConfigError,
-         (r"rollout.temperature=-0.5 must be >= 0",)),
-    Case("zero reward timeout", _config("reward.timeout_s=0"), ConfigError,
-         (r"reward.timeout_s=0.* must be > 0",)),
+    Case(
+        "unreachable ray_address",
+        unreachable_ray,
+        ConfigError,
+        (
+            r"resources.ray_address='127.0.0.1:\d+': nothing answers there",
+            r"ray start --head",
+            r"resources.ray_address=null",
+        ),
+    ),
+    Case(
+        "ray_address without a port",
+        malformed_ray_address,
+        ConfigError,
+        (r"resources.ray_address='headnode': write host:port",),
+    ),
+    Case(
+        "conflicting parallel sizes",
+        _config(
+            "resources.world_size=2",
+            "actor.engine=megatron",
+            "actor.parallel.tensor=2",
+            "actor.parallel.pipeline=2",
+            "batch.prompts_per_step=2",
+        ),
+        ConfigError,
+        (r"world size 2 is not divisible by parallel.tensor \* parallel.pipeline",),
+    ),
+    Case(
+        "override without '='",
+        _config("trainer.steps"),
+        ConfigError,
+        (r"argument 'trainer.steps' is not an override; write key=value",),
+    ),
+    Case(
+        "override with broken YAML",
+        _config("trainer.trackers=[jsonl"),
+        ConfigError,
+        (
+            r"override 'trainer.trackers=\[jsonl': the value is not valid YAML",
+            r"close its brackets",
+        ),
+    ),
+    Case(
+        "unknown preset",
+        unknown_preset,
+        ConfigError,
+        (r"preset 'smok' not found", r"known presets: .*'smoke'"),
+    ),
+    Case(
+        "unknown tracker name",
+        _config("trainer.trackers=[tensorbord]"),
+        ConfigError,
+        (
+            r"trainer.trackers='tensorbord' is not a registered tracker \(did you mean 'tensorboard'\?\)",
+        ),
+    ),
+    Case(
+        "wrong rollout dtype",
+        _config("rollout.dtype=float33"),
+        ConfigError,
+        (r"rollout.dtype='float33' is not allowed; choose one of \['float32'",),
+    ),
+    Case(
+        "wrong engine dtype",
+        _config("actor.precision.param_dtype=fp8"),
+        ConfigError,
+        (r"precision.param_dtype='fp8' is not allowed; choose one of",),
+    ),
+    Case(
+        "negative prompts_per_step",
+        _config("batch.prompts_per_step=-2"),
+        ConfigError,
+        (r"batch.prompts_per_step=-2 must be >= 1",),
+    ),
+    Case(
+        "negative save_every",
+        _config("trainer.save_every=-1"),
+        ConfigError,
+        (r"trainer.save_every=-1 must be >= 0",),
+    ),
+    Case(
+        "zero num_cpus",
+        _config("resources.num_cpus=0"),
+        ConfigError,
+        (r"resources.num_cpus=0 must be >= 1 \(or null: all\)",),
+    ),
+    Case(
+        "negative temperature",
+        _config("rollout.temperature=-0.5"),
+        ConfigError,
+        (r"rollout.temperature=-0.5 must be >= 0",),
+    ),
+    Case(
+        "zero reward timeout",
+        _config("reward.timeout_s=0"),
+        ConfigError,
+        (r"reward.timeout_s=0.* must be > 0",),
+    ),
     # --- checked while the config loads, before Ray starts (issue #49)
-    Case("reward file that does not exist, at config load", reward_file_missing_at_load,
-         ConfigError, (r"^reward.custom_function_path: custom reward file .*nowhere.py does not "
-                       r"exist; set reward.custom_function_path to an existing .py file$",)),
-    Case("reward function with the wrong signature, at config load", reward_signature_at_load,
-         ConfigError, (r"^reward.custom_function_path: custom reward file .*reward.py: function "
-                       r"'compute_score'\(solution, answer\) does not fit",
-                       r"cannot take the keyword argument\(s\) data_source, solution_str, "
-                       r"ground_truth, extra_info",
-                       r"Expected e.g. def compute_score\(data_source, solution_str, ground_truth, "
-                       r"extra_info=None, \*\*kwargs\)")),
-    Case("reward file without the function, at config load", reward_function_name_at_load,
-         ConfigError, (r"reward.py has no function 'compute_score'; it defines: score",
-                       r"Set reward.custom_function_name")),
-    Case("trainer.resume=must without a checkpoint", resume_must_without_checkpoint, ConfigError,
-         (r"^trainer.resume=must but .*run/checkpoints holds no checkpoint; run once with "
-          r"trainer.save_every or trainer.save_final set",)),
-    Case("trainer.resume_from that does not exist", resume_from_missing, ConfigError,
-         (r"^trainer.resume_from='.*step_4': no such folder; give a step_<N> folder",)),
-    Case("trainer.resume_from without a manifest", resume_from_without_manifest, ConfigError,
-         (r"^trainer.resume_from='.*step_4': manifest.json is missing",)),
-    Case("trainer.run_dir that cannot be created", run_dir_under_a_file, ConfigError,
-         (r"^trainer.run_dir='.*results/ppo' cannot be created: .*results is a file, not a "
-          r"folder; set trainer.run_dir to a folder you can write$",)),
-    Case("ray_address=auto with no cluster", ray_auto_without_cluster, ConfigError,
-         (r"^resources.ray_address=auto but no Ray cluster runs on this machine; start one "
-          r"\(`ray start --head`\)", r"or set resources.ray_address=null")),
-    Case("truncated model.safetensors", truncated_safetensors, ConfigError,
-         (r"model.path=.*model.safetensors has \d+ bytes, but its header says \d+ \(truncated\)",
-          r"copy the file again")),
-    Case("tensor=2 on a model with 3 kv heads", kv_heads_vs_tensor(3), ConfigError,
-         (r"^actor.engine='megatron': the model's num_key_value_heads=3 is not divisible by "
-          r"parallel.tensor=2 .*set parallel.tensor to one of \[1, 3\]$",)),
-    Case("tensor=2 on a model with 1 kv head", kv_heads_vs_tensor(1), ConfigError,
-         (r"num_key_value_heads=1 is not divisible by parallel.tensor=2 .*one of \[1\]$",)),
+    Case(
+        "reward file that does not exist, at config load",
+        reward_file_missing_at_load,
+        ConfigError,
+        (
+            r"^reward.custom_function_path: custom reward file .*nowhere.py does not "
+            r"exist; set reward.custom_function_path to an existing .py file$",
+        ),
+    ),
+    Case(
+        "reward function with the wrong signature, at config load",
+        reward_signature_at_load,
+        ConfigError,
+        (
+            r"^reward.custom_function_path: custom reward file .*reward.py: function "
+            r"'compute_score'\(solution, answer\) does not fit",
+            r"cannot take the keyword argument\(s\) data_source, solution_str, "
+            r"ground_truth, extra_info",
+            r"Expected e.g. def compute_score\(data_source, solution_str, ground_truth, "
+            r"extra_info=None, \*\*kwargs\)",
+        ),
+    ),
+    Case(
+        "reward file without the function, at config load",
+        reward_function_name_at_load,
+        ConfigError,
+        (
+            r"reward.py has no function 'compute_score'; it defines: score",
+            r"Set reward.custom_function_name",
+        ),
+    ),
+    Case(
+        "trainer.resume=must without a checkpoint",
+        resume_must_without_checkpoint,
+        ConfigError,
+        (
+            r"^trainer.resume=must but .*run/checkpoints holds no checkpoint; run once with "
+            r"trainer.save_every or trainer.save_final set",
+        ),
+    ),
+    Case(
+        "trainer.resume_from that does not exist",
+        resume_from_missing,
+        ConfigError,
+        (r"^trainer.resume_from='.*step_4': no such folder; give a step_<N> folder",),
+    ),
+    Case(
+        "trainer.resume_from without a manifest",
+        resume_from_without_manifest,
+        ConfigError,
+        (r"^trainer.resume_from='.*step_4': manifest.json is missing",),
+    ),
+    Case(
+        "trainer.run_dir that cannot be created",
+        run_dir_under_a_file,
+        ConfigError,
+        (
+            r"^trainer.run_dir='.*results/ppo' cannot be created: .*results is a file, not a "
+            r"folder; set trainer.run_dir to a folder you can write$",
+        ),
+    ),
+    Case(
+        "ray_address=auto with no cluster",
+        ray_auto_without_cluster,
+        ConfigError,
+        (
+            r"^resources.ray_address=auto but no Ray cluster runs on this machine; start one "
+            r"\(`ray start --head`\)",
+            r"or set resources.ray_address=null",
+        ),
+    ),
+    Case(
+        "truncated model.safetensors",
+        truncated_safetensors,
+        ConfigError,
+        (
+            r"model.path=.*model.safetensors has \d+ bytes, but its header says \d+ \(truncated\)",
+            r"copy the file again",
+        ),
+    ),
+    Case(
+        "tensor=2 on a model with 3 kv heads",
+        kv_heads_vs_tensor(3),
+        ConfigError,
+        (
+            r"^actor.engine='megatron': the model's num_key_value_heads=3 is not divisible by "
+            r"parallel.tensor=2 .*set parallel.tensor to one of \[1, 3\]$",
+        ),
+    ),
+    Case(
+        "tensor=2 on a model with 1 kv head",
+        kv_heads_vs_tensor(1),
+        ConfigError,
+        (r"num_key_value_heads=1 is not divisible by parallel.tensor=2 .*one of \[1\]$",),
+    ),
     # --- rewards and advantages out of range (issue #49)
-    Case("reward of 1e308", absurd_reward, "RewardRangeError",
-         (r"^the reward of sample 0 of the step \(prompt 'train-0', dataset row 17, data_source "
-          r"'my_task'\) is 1e\+308, beyond reward.max_abs=1e\+06; fix the reward function, or "
-          r"set reward.clip=\[low,high\]",)),
-    Case("rewards clipped by reward.clip", clipped_reward, None,
-         (r"reward scoring: 2 of 3 scores clipped into reward.clip=\[-1.0, 1.0\]",), skipped=2),
-    Case("advantages that are not finite", nan_advantages, "RewardRangeError",
-         (r"^the advantage of sample 0 of the step \(prompt 'train-0', dataset row 17, "
-          r"data_source 'my_task'\) is nan, and 2 of 2 samples have a non-finite advantage",
-          r"set reward.clip=\[low,high\]")),
+    Case(
+        "reward of 1e308",
+        absurd_reward,
+        "RewardRangeError",
+        (
+            r"^the reward of sample 0 of the step \(prompt 'train-0', dataset row 17, data_source "
+            r"'my_task'\) is 1e\+308, beyond reward.max_abs=1e\+06; fix the reward function, or "
+            r"set reward.clip=\[low,high\]",
+        ),
+    ),
+    Case(
+        "rewards clipped by reward.clip",
+        clipped_reward,
+        None,
+        (r"reward scoring: 2 of 3 scores clipped into reward.clip=\[-1.0, 1.0\]",),
+        skipped=2,
+    ),
+    Case(
+        "advantages that are not finite",
+        nan_advantages,
+        "RewardRangeError",
+        (
+            r"^the advantage of sample 0 of the step \(prompt 'train-0', dataset row 17, "
+            r"data_source 'my_task'\) is nan, and 2 of 2 samples have a non-finite advantage",
+            r"set reward.clip=\[low,high\]",
+        ),
+    ),
 ]
 
 
@@ -717,6 +1077,7 @@ def test_disk_full_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch
 
     manager.save(2, engines, {"loader": {"epoch": 0, "position": 2}})
     if where == "driver manifest":
+
         def full(folder):  # the disk fills up while the driver writes the manifest
             (folder / checkpoints.MANIFEST).write_text("{")
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -724,6 +1085,7 @@ def test_disk_full_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch
         monkeypatch.setattr(checkpoints, "write_manifest", full)
         write = engines
     else:
+
         def write(folder: Path) -> None:
             engines(folder)
             raise _ray_wrapped_enospc(folder)
@@ -773,14 +1135,19 @@ def test_reward_that_never_returns_does_not_hang_training(tmp_path, caplog):
     scorer = Scorer(dataclasses.replace(cfg.reward, timeout_s=0.2))
     record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
     results: list = []
-    worker = threading.Thread(target=lambda: results.extend(scorer.score(["2"] * 3, [record] * 3)),
-                              daemon=True)
+    worker = threading.Thread(
+        target=lambda: results.extend(scorer.score(["2"] * 3, [record] * 3)), daemon=True
+    )
     worker.start()
     worker.join(30)  # a generous bound: a hang, not a speed, is what this detects
     assert not worker.is_alive(), "scoring hung"
     assert [score for score, _ in results] == [0.0, 0.0, 0.0]
-    assert all(error.startswith("RewardTimeout: scorer 'custom' did not return within "
-                                "reward.timeout_s=0.2 s") for _, error in results)
+    assert all(
+        error.startswith(
+            "RewardTimeout: scorer 'custom' did not return within reward.timeout_s=0.2 s"
+        )
+        for _, error in results
+    )
     report = scorer.manager.last_report
     assert report.timeouts_by_source == {"my_task": 3} == report.errors_by_source
     assert report.as_metrics()["reward/timeouts"] == 3.0
@@ -804,12 +1171,17 @@ class CannedWorkers:
         from tephra.controller.samples import Sample
 
         self.count = len(items) * sampling.n
-        return [Sample([1, 2], [3, 4], [1, 1], [-0.5, -0.5], "stop", text="4",
-                       sample_id=item.sample_id) for item in items for _ in range(sampling.n)]
+        return [
+            Sample([1, 2], [3, 4], [1, 1], [-0.5, -0.5], "stop", text="4", sample_id=item.sample_id)
+            for item in items
+            for _ in range(sampling.n)
+        ]
 
     def collect_scores(self):
-        return [(s, e, 0.0, c) for s, e, c in
-                (self.outcomes[k % len(self.outcomes)] for k in range(self.count))]
+        return [
+            (s, e, 0.0, c)
+            for s, e, c in (self.outcomes[k % len(self.outcomes)] for k in range(self.count))
+        ]
 
     def update_actor(self, batch):
         self.updates += 1
@@ -832,10 +1204,16 @@ def _trainer(tmp_path, outcomes, *overrides):
 
     reward = _file(tmp_path, "reward.py", "def compute_score(**kw):\n    return 0.0\n")
     # no mismatch probe: these workers compute no log-probs (nothing here is about them)
-    cfg = _parse(f"reward.custom_function_path={reward}", f"trainer.run_dir={tmp_path}",
-                 "algorithm.mismatch_probe_rows=0", *overrides)
-    train = Prompts([[i] for i in range(8)], [PromptRecord([{"role": "user", "content": str(i)}],
-                                                           f"task{i}", "4") for i in range(8)])
+    cfg = _parse(
+        f"reward.custom_function_path={reward}",
+        f"trainer.run_dir={tmp_path}",
+        "algorithm.mismatch_probe_rows=0",
+        *overrides,
+    )
+    train = Prompts(
+        [[i] for i in range(8)],
+        [PromptRecord([{"role": "user", "content": str(i)}], f"task{i}", "4") for i in range(8)],
+    )
     wg = CannedWorkers(outcomes)
     return Trainer(cfg, wg, CharTokenizer(), train, Prompts([], []), tmp_path, 1, 0.0), wg
 
@@ -844,12 +1222,16 @@ def test_trainer_stops_on_an_absurd_reward_before_the_update(tmp_path):
     from tephra.controller.rewarding import RewardRangeError
 
     # the step's 2 x 4 samples: the sixth (group 1, sample 1) scored 1e308
-    trainer, wg = _trainer(tmp_path, [(0.0, None, False)] * 5 + [(1e308, None, False)]
-                           + [(1.0, None, False)] * 2)
+    trainer, wg = _trainer(
+        tmp_path, [(0.0, None, False)] * 5 + [(1e308, None, False)] + [(1.0, None, False)] * 2
+    )
     # the second prompt of step 0; its row's data_source is task<row> (built below)
-    with pytest.raises(RewardRangeError, match=r"^the reward of sample 5 of the step \(prompt "
-                       r"'step0-1', dataset row (\d), data_source 'task\1'\) is 1e\+308, beyond "
-                       r"reward.max_abs=1e\+06"):
+    with pytest.raises(
+        RewardRangeError,
+        match=r"^the reward of sample 5 of the step \(prompt "
+        r"'step0-1', dataset row (\d), data_source 'task\1'\) is 1e\+308, beyond "
+        r"reward.max_abs=1e\+06",
+    ):
         trainer.train_step()
     assert wg.updates == 0  # no update was made on it
 
@@ -858,21 +1240,30 @@ def test_trainer_stops_on_non_finite_advantages_before_the_update(tmp_path):
     from tephra.controller.rewarding import RewardRangeError
 
     # a raised max_abs lets 1e308 through; in float32 it is inf, and GRPO's mean is NaN
-    trainer, wg = _trainer(tmp_path, [(1e308, None, False), (0.0, None, False)],
-                           "reward.max_abs=1e308")
-    with pytest.raises(RewardRangeError, match=r"^the advantage of sample 0 of the step "
-                       r"\(prompt 'step0-0', dataset row (\d), data_source 'task\1'\) is nan, and 8 of 8 "
-                       r"samples"):
+    trainer, wg = _trainer(
+        tmp_path, [(1e308, None, False), (0.0, None, False)], "reward.max_abs=1e308"
+    )
+    with pytest.raises(
+        RewardRangeError,
+        match=r"^the advantage of sample 0 of the step "
+        r"\(prompt 'step0-0', dataset row (\d), data_source 'task\1'\) is nan, and 8 of 8 "
+        r"samples",
+    ):
         trainer.train_step()
     assert wg.updates == 0
 
 
 def test_trainer_counts_reward_timeouts_and_clipped_scores(tmp_path):
     late = "RewardTimeout: scorer 'custom' did not return within reward.timeout_s=90 s"
-    trainer, wg = _trainer(tmp_path, [(0.0, late, False), (1.0, None, True), (0.0, None, False),
-                                      (0.5, "ValueError: x", False)])
+    trainer, wg = _trainer(
+        tmp_path,
+        [(0.0, late, False), (1.0, None, True), (0.0, None, False), (0.5, "ValueError: x", False)],
+    )
     metrics = trainer.train_step()
     assert wg.updates == 1
     # 8 samples cycling through the 4 outcomes: 2 timeouts among 4 errors, 2 clipped
     assert (metrics["reward/errors"], metrics["reward/timeouts"], metrics["reward/clipped"]) == (
-        4.0, 2.0, 2.0)
+        4.0,
+        2.0,
+        2.0,
+    )

@@ -38,8 +38,12 @@ LONG = (3, 7, 11, 14, 20)
 def long_tail_lengths(n: int = ROWS, seed: int = 0) -> list[int]:
     """Response lengths: 1-6 tokens for most rows, 40-60 for the `LONG` ones."""
     g = torch.Generator().manual_seed(seed)
-    return [int(torch.randint(40, 61, (1,), generator=g)) if i in LONG else
-            int(torch.randint(1, 7, (1,), generator=g)) for i in range(n)]
+    return [
+        int(torch.randint(40, 61, (1,), generator=g))
+        if i in LONG
+        else int(torch.randint(1, 7, (1,), generator=g))
+        for i in range(n)
+    ]
 
 
 def skewed_batch(seed: int = 0):
@@ -50,9 +54,9 @@ def skewed_batch(seed: int = 0):
     ids = torch.zeros(len(responses), width_p + width_r, dtype=torch.int64)
     attn, resp = torch.zeros_like(ids), torch.zeros_like(ids)
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids[i, width_p - p: width_p + r] = torch.randint(1, TINY_VOCAB, (p + r,), generator=g)
-        attn[i, width_p - p: width_p + r] = 1
-        resp[i, width_p: width_p + r] = 1
+        ids[i, width_p - p : width_p + r] = torch.randint(1, TINY_VOCAB, (p + r,), generator=g)
+        attn[i, width_p - p : width_p + r] = 1
+        resp[i, width_p : width_p + r] = 1
     batch = B.make_batch(ids, attn, resp)
     batch["advantages"] = torch.randn(len(responses), 1, generator=g) * resp
     engine = FSDPEngine.build(tiny_engine_config())
@@ -77,7 +81,7 @@ def test_karmarkar_karp_balances_a_long_tail_with_equal_counts():
     # each rank's half of a mini-batch comes from that mini-batch's rows
     order = balanced_order(tokens, 2, chunks=2)
     for d in range(2):
-        share = order[d * 16:(d + 1) * 16]
+        share = order[d * 16 : (d + 1) * 16]
         assert all(r < 16 for r in share[:8]) and all(r >= 16 for r in share[8:])
     with pytest.raises(ValueError, match="do not split into 3 equal parts"):
         karmarkar_karp([1, 2], 3)
@@ -94,8 +98,7 @@ def test_balanced_update_equals_the_plain_split_and_one_process():
     assert max(float(g.abs().max()) for g in reference) > 1e-4
     balanced = batch[torch.tensor(balanced_order(tokens, 2))]
     plain = run_distributed(share_gradients, 2, ([batch[:16], batch[16:]], LOSS, MICRO))[0]
-    balanced = run_distributed(share_gradients, 2, (
-        [balanced[:16], balanced[16:]], LOSS, MICRO))[0]
+    balanced = run_distributed(share_gradients, 2, ([balanced[:16], balanced[16:]], LOSS, MICRO))[0]
     for ref, a, b in zip(reference, plain, balanced, strict=True):
         torch.testing.assert_close(a, ref, rtol=0, atol=1e-6)
         torch.testing.assert_close(b, ref, rtol=0, atol=1e-6)

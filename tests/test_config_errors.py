@@ -10,146 +10,298 @@ from tephra.core.errors import ConfigError
 
 CASES = [
     # typo'd registry names, each naming the closest registered one
-    (["algorithm.adv_estimator=grpoo"],
-     r"algorithm.adv_estimator='grpoo' is not a registered advantage estimator \(did you mean 'grpo'\?\)"),
-    (["actor.objective.policy_loss=vanila"],
-     r"actor.objective: .*policy_loss='vanila' is not registered \(did you mean 'vanilla'\?\)"),
-    (["actor.objective.loss_agg_mode=seq-mean-token-sum-nrm"],
-     r"loss_agg_mode='seq-mean-token-sum-nrm' is not registered \(did you mean 'seq-mean-token-sum-norm'\?\)"),
+    (
+        ["algorithm.adv_estimator=grpoo"],
+        r"algorithm.adv_estimator='grpoo' is not a registered advantage estimator \(did you mean 'grpo'\?\)",
+    ),
+    (
+        ["actor.objective.policy_loss=vanila"],
+        r"actor.objective: .*policy_loss='vanila' is not registered \(did you mean 'vanilla'\?\)",
+    ),
+    (
+        ["actor.objective.loss_agg_mode=seq-mean-token-sum-nrm"],
+        r"loss_agg_mode='seq-mean-token-sum-nrm' is not registered \(did you mean 'seq-mean-token-sum-norm'\?\)",
+    ),
     (["actor.objective.kl_loss_type=k4"], r"kl_loss_type='k4' is not registered"),
-    (["algorithm.kl_in_reward.estimator=k9"], r"algorithm.kl_in_reward.estimator='k9' is not a registered KL estimator"),
-    (["rollout.backend=vlm"], r"rollout.backend='vlm' is not a registered rollout backend \(did you mean 'vllm'\?\)"),
-    (["rollout.agent_loop=tool_agnt", "rollout.tools_file=python"],
-     r"rollout.agent_loop='tool_agnt' is not a registered agent loop"),
-    (["trainer.trackers=[wandbb]"], r"trainer.trackers='wandbb' is not a registered tracker \(did you mean 'wandb'\?\)"),
+    (
+        ["algorithm.kl_in_reward.estimator=k9"],
+        r"algorithm.kl_in_reward.estimator='k9' is not a registered KL estimator",
+    ),
+    (
+        ["rollout.backend=vlm"],
+        r"rollout.backend='vlm' is not a registered rollout backend \(did you mean 'vllm'\?\)",
+    ),
+    (
+        ["rollout.agent_loop=tool_agnt", "rollout.tools_file=python"],
+        r"rollout.agent_loop='tool_agnt' is not a registered agent loop",
+    ),
+    (
+        ["trainer.trackers=[wandbb]"],
+        r"trainer.trackers='wandbb' is not a registered tracker \(did you mean 'wandb'\?\)",
+    ),
     (["actor.engine=deepspeed"], r"actor: engine='deepspeed' is not an installed engine backend"),
     # estimators whose needs the batch cannot meet
-    (["algorithm.adv_estimator=passk_expectation", "algorithm.advantage.passk_k=8"],
-     r"passk_k=8 needs at least k samples per prompt; batch.samples_per_prompt=4"),
-    (["algorithm.adv_estimator=rloo", "batch.samples_per_prompt=1"],
-     r"'rloo' compares samples of one prompt; batch.samples_per_prompt=1 must be >= 2"),
-    (["algorithm.adv_estimator=remax", "rollout.agent_loop=tool_agent", "rollout.tools_file=python"],
-     r"'remax' takes the greedy response's reward as the baseline.*not supported with rollout.agent_loop"),
-    (["actor.objective.loss_agg_mode=seq-mean-token-sum-norm"],
-     r"loss_agg_norm_constant=None: loss_agg_mode 'seq-mean-token-sum-norm' needs a positive constant"),
+    (
+        ["algorithm.adv_estimator=passk_expectation", "algorithm.advantage.passk_k=8"],
+        r"passk_k=8 needs at least k samples per prompt; batch.samples_per_prompt=4",
+    ),
+    (
+        ["algorithm.adv_estimator=rloo", "batch.samples_per_prompt=1"],
+        r"'rloo' compares samples of one prompt; batch.samples_per_prompt=1 must be >= 2",
+    ),
+    (
+        [
+            "algorithm.adv_estimator=remax",
+            "rollout.agent_loop=tool_agent",
+            "rollout.tools_file=python",
+        ],
+        r"'remax' takes the greedy response's reward as the baseline.*not supported with rollout.agent_loop",
+    ),
+    (
+        ["actor.objective.loss_agg_mode=seq-mean-token-sum-norm"],
+        r"loss_agg_norm_constant=None: loss_agg_mode 'seq-mean-token-sum-norm' needs a positive constant",
+    ),
     # unknown keys and wrong types
-    (["actor.optimizer.lrr=1e-4"], r"unknown config key 'actor.optimizer.lrr'; did you mean 'actor.optimizer.lr'"),
+    (
+        ["actor.optimizer.lrr=1e-4"],
+        r"unknown config key 'actor.optimizer.lrr'; did you mean 'actor.optimizer.lr'",
+    ),
     (["batch.prompts_per_step=four"], r"batch.prompts_per_step='four' must be an integer"),
     (["actor.lora.rank=-1"], r"lora.rank=-1 must be >= 0"),
     (["algorithm.advantage.gamma=1.5"], r"advantage.gamma=1.5 must be in \[0.0, 1.0\]"),
     # parallel sizes
-    (["resources.world_size=3", "actor.engine=megatron", "actor.parallel.tensor=2"],
-     r"world size 3 is not divisible by parallel.tensor \* parallel.pipeline \* parallel.context = 2"),
-    (["batch.prompts_per_step=3", "resources.world_size=2"],
-     r"prompts_per_step=3 must be a multiple of the data-parallel size 2"),
-    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2", "resources.world_size=2",
-      "rollout.vllm.url=http://10.0.0.5:8000", "rollout.vllm.sleep_level=2"],
-     r"rollout.vllm.sleep_level=2 with rollout.vllm.tensor_parallel_size=2 colocated: .*use "
-     r"sleep_level=1"),
-    (["resources.ref.ranks=1"], r"resources.ref.ranks=1, but nothing uses a reference: set "
-     r"actor.objective.use_kl_loss=true"),
-    (["resources.critic.ranks=1"], r"resources.critic.ranks=1, but algorithm.adv_estimator='grpo' "
-     r"uses no critic; set resources.critic.ranks=0"),
-    (["algorithm.adv_estimator=gae", "resources.critic.ranks=3"],
-     r"resources.critic.ranks=3 gives 3 data-parallel ranks, which the step's 8 samples"),
+    (
+        ["resources.world_size=3", "actor.engine=megatron", "actor.parallel.tensor=2"],
+        r"world size 3 is not divisible by parallel.tensor \* parallel.pipeline \* parallel.context = 2",
+    ),
+    (
+        ["batch.prompts_per_step=3", "resources.world_size=2"],
+        r"prompts_per_step=3 must be a multiple of the data-parallel size 2",
+    ),
+    (
+        [
+            "rollout.backend=vllm",
+            "rollout.vllm.tensor_parallel_size=2",
+            "resources.world_size=2",
+            "rollout.vllm.url=http://10.0.0.5:8000",
+            "rollout.vllm.sleep_level=2",
+        ],
+        r"rollout.vllm.sleep_level=2 with rollout.vllm.tensor_parallel_size=2 colocated: .*use "
+        r"sleep_level=1",
+    ),
+    (
+        ["resources.ref.ranks=1"],
+        r"resources.ref.ranks=1, but nothing uses a reference: set "
+        r"actor.objective.use_kl_loss=true",
+    ),
+    (
+        ["resources.critic.ranks=1"],
+        r"resources.critic.ranks=1, but algorithm.adv_estimator='grpo' "
+        r"uses no critic; set resources.critic.ranks=0",
+    ),
+    (
+        ["algorithm.adv_estimator=gae", "resources.critic.ranks=3"],
+        r"resources.critic.ranks=3 gives 3 data-parallel ranks, which the step's 8 samples",
+    ),
     (["resources.critic.cpus_per_rank=-1"], r"resources.<role>: .*must be >= 0"),
-    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2", "resources.world_size=3",
-      "batch.prompts_per_step=3", "batch.samples_per_prompt=2"],
-     r"rollout.vllm.tensor_parallel_size=2 does not divide resources.world_size=3: each "
-     r"rollout engine takes that many consecutive ranks"),
+    (
+        [
+            "rollout.backend=vllm",
+            "rollout.vllm.tensor_parallel_size=2",
+            "resources.world_size=3",
+            "batch.prompts_per_step=3",
+            "batch.samples_per_prompt=2",
+        ],
+        r"rollout.vllm.tensor_parallel_size=2 does not divide resources.world_size=3: each "
+        r"rollout engine takes that many consecutive ranks",
+    ),
     # options a backend does not support, refused by the backend before anything starts
-    (["actor.engine=megatron", "actor.lora.rank=8"],
-     r"actor.engine='megatron': lora.rank > 0 is not supported by engine-megatron"),
-    (["actor.engine=megatron", "actor.precision.reduce_dtype=bfloat16"],
-     r"actor.engine='megatron': precision.reduce_dtype='bfloat16': engine-megatron reduces"),
-    (["actor.parallel.tensor=2", "resources.world_size=2", "batch.prompts_per_step=2"],
-     r"actor.engine='fsdp': parallel.tensor=2: engine=fsdp has data and sequence"),
-    (["actor.engine=megatron", "model.attn_implementation=eager"],
-     r"actor.engine='megatron': model.attn_implementation='eager': engine-megatron runs"),
+    (
+        ["actor.engine=megatron", "actor.lora.rank=8"],
+        r"actor.engine='megatron': lora.rank > 0 is not supported by engine-megatron",
+    ),
+    (
+        ["actor.engine=megatron", "actor.precision.reduce_dtype=bfloat16"],
+        r"actor.engine='megatron': precision.reduce_dtype='bfloat16': engine-megatron reduces",
+    ),
+    (
+        ["actor.parallel.tensor=2", "resources.world_size=2", "batch.prompts_per_step=2"],
+        r"actor.engine='fsdp': parallel.tensor=2: engine=fsdp has data and sequence",
+    ),
+    (
+        ["actor.engine=megatron", "model.attn_implementation=eager"],
+        r"actor.engine='megatron': model.attn_implementation='eager': engine-megatron runs",
+    ),
     # server rollout settings
-    (["rollout.backend=vllm", "rollout.vllm.sleep_level=1"],
-     r"rollout.vllm.sleep_level=1: vLLM's CPU build refuses to start with sleep mode"),
+    (
+        ["rollout.backend=vllm", "rollout.vllm.sleep_level=1"],
+        r"rollout.vllm.sleep_level=1: vLLM's CPU build refuses to start with sleep mode",
+    ),
     # weight transports the placement cannot carry
-    (["rollout.backend=vllm", "rollout.vllm.weight_transport=ncl"],
-     r"weight_transport='ncl' is not a weight transport \(did you mean 'nccl'\?\)"),
-    (["rollout.backend=vllm", "resources.gpus_per_rank=1", "rollout.vllm.weight_transport=nccl"],
-     r"rollout.vllm.weight_transport='nccl' with the server on the sender's GPU: NCCL refuses "
-     r"two ranks of one communicator on one GPU; use `ipc`"),
-    (["rollout.backend=vllm", "rollout.vllm.weight_transport=ipc"],
-     r"rollout.vllm.weight_transport='ipc' on CPU: .* use `gloo`"),
-    (["rollout.backend=sglang", "resources.gpus_per_rank=1", "rollout.sglang.url=http://10.0.0.5:30000",
-      "rollout.sglang.weight_transport=ipc"],
-     r"rollout.sglang.weight_transport='ipc' with a server on another GPU: CUDA IPC .* use `nccl`"),
-    (["rollout.backend=vllm", "resources.gpus_per_rank=1", "rollout.vllm.tensor_parallel_size=2",
-      "resources.world_size=2", "rollout.vllm.weight_transport=ipc"],
-     r"weight_transport='ipc' with a server over 2 GPUs"),
-    (["trainer.mode=async", "resources.rollout.replicas=1", "resources.gpus_per_rank=0.5",
-      "resources.rollout.gpus_per_replica=0.5"],
-     r"resources.gpus_per_rank=0.5 and resources.rollout.gpus_per_replica=0.5: with fractions "
-     r"Ray may put a rollout replica on a training rank's GPU"),
-    (["rollout.backend=vllm", "rollout.vllm.weight_sync=nfs"], r"weight_sync='nfs': expected 'memory'"),
+    (
+        ["rollout.backend=vllm", "rollout.vllm.weight_transport=ncl"],
+        r"weight_transport='ncl' is not a weight transport \(did you mean 'nccl'\?\)",
+    ),
+    (
+        ["rollout.backend=vllm", "resources.gpus_per_rank=1", "rollout.vllm.weight_transport=nccl"],
+        r"rollout.vllm.weight_transport='nccl' with the server on the sender's GPU: NCCL refuses "
+        r"two ranks of one communicator on one GPU; use `ipc`",
+    ),
+    (
+        ["rollout.backend=vllm", "rollout.vllm.weight_transport=ipc"],
+        r"rollout.vllm.weight_transport='ipc' on CPU: .* use `gloo`",
+    ),
+    (
+        [
+            "rollout.backend=sglang",
+            "resources.gpus_per_rank=1",
+            "rollout.sglang.url=http://10.0.0.5:30000",
+            "rollout.sglang.weight_transport=ipc",
+        ],
+        r"rollout.sglang.weight_transport='ipc' with a server on another GPU: CUDA IPC .* use `nccl`",
+    ),
+    (
+        [
+            "rollout.backend=vllm",
+            "resources.gpus_per_rank=1",
+            "rollout.vllm.tensor_parallel_size=2",
+            "resources.world_size=2",
+            "rollout.vllm.weight_transport=ipc",
+        ],
+        r"weight_transport='ipc' with a server over 2 GPUs",
+    ),
+    (
+        [
+            "trainer.mode=async",
+            "resources.rollout.replicas=1",
+            "resources.gpus_per_rank=0.5",
+            "resources.rollout.gpus_per_replica=0.5",
+        ],
+        r"resources.gpus_per_rank=0.5 and resources.rollout.gpus_per_replica=0.5: with fractions "
+        r"Ray may put a rollout replica on a training rank's GPU",
+    ),
+    (
+        ["rollout.backend=vllm", "rollout.vllm.weight_sync=nfs"],
+        r"weight_sync='nfs': expected 'memory'",
+    ),
     # training modes
-    (["trainer.mode=async"], r"trainer.mode=async streams samples from rollout replicas.*"
-     r"resources.rollout.replicas >= 1"),
-    (["trainer.mode=async", "resources.rollout.replicas=1", "-p", "dapo"],
-     r"trainer.mode=async: algorithm.dynamic_sampling"),
+    (
+        ["trainer.mode=async"],
+        r"trainer.mode=async streams samples from rollout replicas.*"
+        r"resources.rollout.replicas >= 1",
+    ),
+    (
+        ["trainer.mode=async", "resources.rollout.replicas=1", "-p", "dapo"],
+        r"trainer.mode=async: algorithm.dynamic_sampling",
+    ),
     (["trainer.mode=asynch"], r"trainer.mode='asynch': choose one of"),
-    (["trainer.mode=async", "resources.rollout.replicas=1", "trainer.async_in_flight=1"],
-     r"async_in_flight x resources.rollout.replicas x trainer.async_groups_per_request = "
-     r"1 x 1 x 1 = 1 groups .* fewer than the batch.prompts_per_step \+ "
-     r"async_groups_per_request - 1 = 2"),
-    (["trainer.mode=async", "resources.rollout.replicas=1", "trainer.async_in_flight=1",
-      "trainer.async_groups_per_request=2"], r"1 x 1 x 2 = 2 groups .* - 1 = 3 a step needs"),
+    (
+        ["trainer.mode=async", "resources.rollout.replicas=1", "trainer.async_in_flight=1"],
+        r"async_in_flight x resources.rollout.replicas x trainer.async_groups_per_request = "
+        r"1 x 1 x 1 = 1 groups .* fewer than the batch.prompts_per_step \+ "
+        r"async_groups_per_request - 1 = 2",
+    ),
+    (
+        [
+            "trainer.mode=async",
+            "resources.rollout.replicas=1",
+            "trainer.async_in_flight=1",
+            "trainer.async_groups_per_request=2",
+        ],
+        r"1 x 1 x 2 = 2 groups .* - 1 = 3 a step needs",
+    ),
     (["trainer.async_groups_per_request=0"], r"trainer.async_groups_per_request=0 >= 1"),
-    (["trainer.mode=one_step_off", "trainer.partial_rollout=true"],
-     r"trainer.partial_rollout=true .* needs trainer.mode=async \(now 'one_step_off'\)"),
-    (["trainer.mode=async", "resources.rollout.replicas=1", "rollout.backend=nopause",
-      "trainer.partial_rollout=true"],
-     r"trainer.partial_rollout=true: rollout.backend='nopause' cannot interrupt a generation in "
-     r"flight .* use one of \['hf', 'sglang', 'vllm'\] or set trainer.partial_rollout=false"),
+    (
+        ["trainer.mode=one_step_off", "trainer.partial_rollout=true"],
+        r"trainer.partial_rollout=true .* needs trainer.mode=async \(now 'one_step_off'\)",
+    ),
+    (
+        [
+            "trainer.mode=async",
+            "resources.rollout.replicas=1",
+            "rollout.backend=nopause",
+            "trainer.partial_rollout=true",
+        ],
+        r"trainer.partial_rollout=true: rollout.backend='nopause' cannot interrupt a generation in "
+        r"flight .* use one of \['hf', 'sglang', 'vllm'\] or set trainer.partial_rollout=false",
+    ),
     # numbers that are not numbers (NaN compares false with every bound)
     (["actor.optimizer.lr=nan"], r"^actor.optimizer.lr=nan must be a finite number > 0$"),
     (["actor.optimizer.lr=inf"], r"^actor.optimizer.lr=inf must be a finite number > 0$"),
     (["actor.optimizer.lr=-1e-5"], r"^actor.optimizer.lr=-1e-05 must be > 0$"),
-    (["algorithm.adv_estimator=gae", "critic.optimizer.lr=nan"],
-     r"^critic.optimizer.lr=nan must be a finite number > 0$"),
-    (["rollout.temperature=nan"], r"rollout.temperature=nan must be a finite number >= 0 "
-     r"\(1.0 samples from the policy as it is; 0 is greedy\)"),
+    (
+        ["algorithm.adv_estimator=gae", "critic.optimizer.lr=nan"],
+        r"^critic.optimizer.lr=nan must be a finite number > 0$",
+    ),
+    (
+        ["rollout.temperature=nan"],
+        r"rollout.temperature=nan must be a finite number >= 0 "
+        r"\(1.0 samples from the policy as it is; 0 is greedy\)",
+    ),
     (["rollout.temperature=inf"], r"rollout.temperature=inf must be a finite number >= 0"),
     (["trainer.val.temperature=nan"], r"val.temperature=nan must be a finite number >= 0"),
     # greedy sampling makes every sample of a group the same: nothing to compare
-    (["algorithm.adv_estimator=rloo", "rollout.temperature=0"],
-     r"rollout.temperature=0 with algorithm.adv_estimator='rloo': greedy sampling gives every "
-     r"sample of a prompt's group the same response.*set rollout.temperature > 0 \(e.g. 1.0\), "
-     r"or choose an estimator that does not compare samples"),
+    (
+        ["algorithm.adv_estimator=rloo", "rollout.temperature=0"],
+        r"rollout.temperature=0 with algorithm.adv_estimator='rloo': greedy sampling gives every "
+        r"sample of a prompt's group the same response.*set rollout.temperature > 0 \(e.g. 1.0\), "
+        r"or choose an estimator that does not compare samples",
+    ),
     (["rollout.temperature=0.0"], r"rollout.temperature=0 with algorithm.adv_estimator='grpo'"),
     # rewards
-    (["reward.timeout_s=nan"], r"reward.timeout_s=nan must be a finite number > 0 \(seconds per "
-     r"sample; default 90\)"),
+    (
+        ["reward.timeout_s=nan"],
+        r"reward.timeout_s=nan must be a finite number > 0 \(seconds per "
+        r"sample; default 90\)",
+    ),
     (["reward.max_abs=0"], r"reward.max_abs=0.0 must be a finite number > 0"),
-    (["reward.clip=[1,-1]"], r"reward.clip=\[1.0, -1.0\] must be two finite numbers \[low, high\] "
-     r"with low < high, e.g. reward.clip=\[-1,1\]"),
-    (["reward.clip=[-1e9,1e9]"], r"reward.clip=\[-1000000000.0, 1000000000.0\] reaches beyond "
-     r"reward.max_abs=1e\+06"),
-    (["reward.custom_function_path=/nonexistent/reward.py"],
-     r"^reward.custom_function_path: custom reward file /nonexistent/reward.py does not exist; "
-     r"set reward.custom_function_path to an existing .py file$"),
-    (["reward.reward_model_path=/nonexistent/rm"],
-     r"reward.reward_model_path='/nonexistent/rm': no such folder"),
+    (
+        ["reward.clip=[1,-1]"],
+        r"reward.clip=\[1.0, -1.0\] must be two finite numbers \[low, high\] "
+        r"with low < high, e.g. reward.clip=\[-1,1\]",
+    ),
+    (
+        ["reward.clip=[-1e9,1e9]"],
+        r"reward.clip=\[-1000000000.0, 1000000000.0\] reaches beyond "
+        r"reward.max_abs=1e\+06",
+    ),
+    (
+        ["reward.custom_function_path=/nonexistent/reward.py"],
+        r"^reward.custom_function_path: custom reward file /nonexistent/reward.py does not exist; "
+        r"set reward.custom_function_path to an existing .py file$",
+    ),
+    (
+        ["reward.reward_model_path=/nonexistent/rm"],
+        r"reward.reward_model_path='/nonexistent/rm': no such folder",
+    ),
     # checkpoints and the machine
-    (["trainer.resume_from=/nonexistent/step_3"],
-     r"^trainer.resume_from='/nonexistent/step_3': no such folder; give a step_<N> folder"),
-    (["resources.world_size=512", "batch.prompts_per_step=512"],
-     r"^resources.world_size=512 x resources.cpus_per_rank=1 = 512 CPUs, but this machine has "
-     r"\d+; lower world_size or cpus_per_rank, or join a cluster with resources.ray_address$"),
-    (["resources.world_size=2", "batch.prompts_per_step=2", "resources.num_cpus=1"],
-     r"= 2 CPUs, but resources.num_cpus=1"),
-    (["resources.world_size=512", "batch.prompts_per_step=512", "resources.num_cpus=1024",
-      "resources.gpus_per_rank=1"],
-     r"^resources.world_size=512 x resources.gpus_per_rank=1 = 512 GPUs, but this machine has \d+"),
-    (["resources.rollout.replicas=600", "resources.num_cpus=512"],
-     r"resources.world_size=1 x resources.cpus_per_rank=1 \+ resources.rollout.replicas=600 x "
-     r"cpus_per_replica=1 = 601 CPUs, but resources.num_cpus=512"),
+    (
+        ["trainer.resume_from=/nonexistent/step_3"],
+        r"^trainer.resume_from='/nonexistent/step_3': no such folder; give a step_<N> folder",
+    ),
+    (
+        ["resources.world_size=512", "batch.prompts_per_step=512"],
+        r"^resources.world_size=512 x resources.cpus_per_rank=1 = 512 CPUs, but this machine has "
+        r"\d+; lower world_size or cpus_per_rank, or join a cluster with resources.ray_address$",
+    ),
+    (
+        ["resources.world_size=2", "batch.prompts_per_step=2", "resources.num_cpus=1"],
+        r"= 2 CPUs, but resources.num_cpus=1",
+    ),
+    (
+        [
+            "resources.world_size=512",
+            "batch.prompts_per_step=512",
+            "resources.num_cpus=1024",
+            "resources.gpus_per_rank=1",
+        ],
+        r"^resources.world_size=512 x resources.gpus_per_rank=1 = 512 GPUs, but this machine has \d+",
+    ),
+    (
+        ["resources.rollout.replicas=600", "resources.num_cpus=512"],
+        r"resources.world_size=1 x resources.cpus_per_rank=1 \+ resources.rollout.replicas=600 x "
+        r"cpus_per_replica=1 = 601 CPUs, but resources.num_cpus=512",
+    ),
 ]
 
 
@@ -181,31 +333,65 @@ def test_bad_option_is_one_clear_error_before_ray(overrides, message):
 def test_partial_rollout_is_accepted_with_every_built_in_backend(backend):
     import ray
 
-    cfg = parse_config(["-p", "smoke", "trainer.mode=async", "resources.rollout.replicas=1",
-                        "trainer.partial_rollout=true", f"rollout.backend={backend}"])
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "trainer.mode=async",
+            "resources.rollout.replicas=1",
+            "trainer.partial_rollout=true",
+            f"rollout.backend={backend}",
+        ]
+    )
     assert cfg.trainer.partial_rollout and cfg.rollout.backend == backend
     assert not ray.is_initialized()
 
 
-@pytest.mark.parametrize("overrides, line", [
-    ([], "weight transport: trainer -> in-process hf rollout: tensors copied in place"),
-    (["rollout.backend=vllm"], "weight transport: trainer -> vllm server: gloo (auto; CPU)"),
-    # colocated on a GPU (faked: the config only says where ranks go): CUDA IPC, not NCCL
-    (["rollout.backend=vllm", "resources.gpus_per_rank=1"],
-     "weight transport: trainer -> vllm server: ipc (auto; server on the sender's GPU)"),
-    (["rollout.backend=sglang", "resources.gpus_per_rank=1", "rollout.sglang.url=http://h:1"],
-     "weight transport: trainer -> sglang server: nccl (auto; server on another GPU)"),
-    # separate GPU pools: NCCL between them, then IPC into each replica's own server
-    (["rollout.backend=vllm", "trainer.mode=async", "resources.rollout.replicas=1",
-      "resources.gpus_per_rank=1", "resources.rollout.gpus_per_replica=1"],
-     "weight transport: training rank 0 -> 1 rollout replica(s): nccl (different GPUs); "
-     "replica -> vllm server: ipc (auto; server on the sender's GPU)"),
-    (["trainer.mode=async", "resources.rollout.replicas=1"],
-     "weight transport: training rank 0 -> 1 rollout replica(s): gloo; "
-     "replica -> in-process hf rollout: tensors copied in place"),
-    (["rollout.backend=vllm", "rollout.vllm.weight_transport=gloo", "resources.gpus_per_rank=1"],
-     "weight transport: trainer -> vllm server: gloo (set; server on the sender's GPU)"),
-])
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        ([], "weight transport: trainer -> in-process hf rollout: tensors copied in place"),
+        (["rollout.backend=vllm"], "weight transport: trainer -> vllm server: gloo (auto; CPU)"),
+        # colocated on a GPU (faked: the config only says where ranks go): CUDA IPC, not NCCL
+        (
+            ["rollout.backend=vllm", "resources.gpus_per_rank=1"],
+            "weight transport: trainer -> vllm server: ipc (auto; server on the sender's GPU)",
+        ),
+        (
+            [
+                "rollout.backend=sglang",
+                "resources.gpus_per_rank=1",
+                "rollout.sglang.url=http://h:1",
+            ],
+            "weight transport: trainer -> sglang server: nccl (auto; server on another GPU)",
+        ),
+        # separate GPU pools: NCCL between them, then IPC into each replica's own server
+        (
+            [
+                "rollout.backend=vllm",
+                "trainer.mode=async",
+                "resources.rollout.replicas=1",
+                "resources.gpus_per_rank=1",
+                "resources.rollout.gpus_per_replica=1",
+            ],
+            "weight transport: training rank 0 -> 1 rollout replica(s): nccl (different GPUs); "
+            "replica -> vllm server: ipc (auto; server on the sender's GPU)",
+        ),
+        (
+            ["trainer.mode=async", "resources.rollout.replicas=1"],
+            "weight transport: training rank 0 -> 1 rollout replica(s): gloo; "
+            "replica -> in-process hf rollout: tensors copied in place",
+        ),
+        (
+            [
+                "rollout.backend=vllm",
+                "rollout.vllm.weight_transport=gloo",
+                "resources.gpus_per_rank=1",
+            ],
+            "weight transport: trainer -> vllm server: gloo (set; server on the sender's GPU)",
+        ),
+    ],
+)
 def test_the_weight_path_follows_the_placement(overrides, line, monkeypatch):
     from tephra.controller import worker_group
     from tephra.controller.rl_config import weight_path
@@ -215,11 +401,14 @@ def test_the_weight_path_follows_the_placement(overrides, line, monkeypatch):
     assert weight_path(parse_config(["-p", "smoke", *overrides])) == line
 
 
-@pytest.mark.parametrize("overrides", [
-    ["rollout.temperature=0", "algorithm.adv_estimator=reinforce_plus_plus"],  # no groups
-    ["rollout.temperature=0", "algorithm.adv_estimator=remax"],
-    ["trainer.val.temperature=0"],  # greedy validation (the default) with a sampled rollout
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.temperature=0", "algorithm.adv_estimator=reinforce_plus_plus"],  # no groups
+        ["rollout.temperature=0", "algorithm.adv_estimator=remax"],
+        ["trainer.val.temperature=0"],  # greedy validation (the default) with a sampled rollout
+    ],
+)
 def test_greedy_sampling_is_accepted_where_nothing_compares_a_group(overrides):
     import ray
 

@@ -21,9 +21,15 @@ VOCAB = 256
 def hf_folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("parity-qwen2")
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False, torch_dtype="float32",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
     )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(path)
@@ -54,12 +60,15 @@ def test_fsdp_and_megatron_tp2_agree_on_the_first_steps(hf_folder):
     assert abs(fsdp[0][1][0] - megatron[0][1][0]) <= 1e-5
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(name="constant", warmup_steps=4),
-    dict(name="cosine", warmup_steps=3, total_steps=12, min_lr_ratio=0.1),
-    dict(name="wsd", warmup_steps=2, total_steps=10, decay_ratio=0.3, min_lr_ratio=0.05),
-    dict(name="wsd", warmup_steps=6, total_steps=10, decay_ratio=0.8),  # decay inside warmup
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(name="constant", warmup_steps=4),
+        dict(name="cosine", warmup_steps=3, total_steps=12, min_lr_ratio=0.1),
+        dict(name="wsd", warmup_steps=2, total_steps=10, decay_ratio=0.3, min_lr_ratio=0.05),
+        dict(name="wsd", warmup_steps=6, total_steps=10, decay_ratio=0.8),  # decay inside warmup
+    ],
+)
 def test_both_engines_run_one_learning_rate_schedule(cfg):
     """FSDP's torch LambdaLR and Megatron's LrSchedule set the same lr at every step: the
     engines warmed up differently ((s+1)/W against s/W) and started the wsd decay at other

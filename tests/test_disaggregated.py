@@ -17,8 +17,17 @@ pytestmark = pytest.mark.multiproc
 def _run(tmp_path, name, *overrides):
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
-    run(parse_config(["-p", "smoke", f"reward.custom_function_path={reward}",
-                      f"trainer.run_dir={tmp_path / name}", *overrides]))
+    run(
+        parse_config(
+            [
+                "-p",
+                "smoke",
+                f"reward.custom_function_path={reward}",
+                f"trainer.run_dir={tmp_path / name}",
+                *overrides,
+            ]
+        )
+    )
     return read_jsonl(tmp_path / name / "metrics.jsonl")
 
 
@@ -40,23 +49,37 @@ def test_async_never_trains_on_samples_older_than_max_staleness(ray_session, tmp
     """Multi-turn agent loops (the python tool) on 2 replicas, 4 steps, with partial rollout
     and 2 prompt groups per request: every token of a trajectory carries the version that
     produced it, and a sample counts as old as its oldest token."""
-    records = _run(tmp_path, "async", "-p", "smoke_tools", "trainer.mode=async", "trainer.steps=4",
-                   "trainer.max_staleness=1", "trainer.dump_generations=1",
-                   "trainer.partial_rollout=true", "trainer.async_groups_per_request=2",
-                   "resources.rollout.replicas=2", "resources.rollout.cpus_per_replica=0.5")
+    records = _run(
+        tmp_path,
+        "async",
+        "-p",
+        "smoke_tools",
+        "trainer.mode=async",
+        "trainer.steps=4",
+        "trainer.max_staleness=1",
+        "trainer.dump_generations=1",
+        "trainer.partial_rollout=true",
+        "trainer.async_groups_per_request=2",
+        "resources.rollout.replicas=2",
+        "resources.rollout.cpus_per_replica=0.5",
+    )
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         step = r["step"]
-        rows = [json.loads(line) for line in
-                (tmp_path / "async" / "generations" / f"train_step{step}.jsonl").read_text()
-                .splitlines()]
+        rows = [
+            json.loads(line)
+            for line in (tmp_path / "async" / "generations" / f"train_step{step}.jsonl")
+            .read_text()
+            .splitlines()
+        ]
         assert len(rows) == 8  # prompts_per_step x samples_per_prompt
         for row in rows:
             v = row["token_versions"]
             assert v and v == sorted(v)
             assert row["weight_version"] == v[0]
-        assert r["async/resumed_tokens"] == sum(t != row["token_versions"][0] for row in rows
-                                                for t in row["token_versions"])
+        assert r["async/resumed_tokens"] == sum(
+            t != row["token_versions"][0] for row in rows for t in row["token_versions"]
+        )
         lags = [(step - 1) - row["weight_version"] for row in rows]
         assert min(lags) >= 0 and max(lags) <= 1
         assert r["staleness/max"] == max(lags)
@@ -75,17 +98,29 @@ def test_partial_rollout_resumes_a_request_under_the_new_weights(ray_session, tm
     continues under version 1 and is trained in step 2 (the first to finish then). The dumped
     per-token versions must agree with each sample's `weight_version`, the staleness bound and
     the `async/*` counts."""
-    records = _run(tmp_path, "partial", "trainer.mode=async", "trainer.partial_rollout=true",
-                   "trainer.steps=2", "trainer.max_staleness=1", "trainer.async_in_flight=2",
-                   "trainer.dump_generations=1", "resources.rollout.replicas=1",
-                   "rollout.max_tokens=400", "actor.micro_batch.max_tokens_per_microbatch=1024",
-                   "algorithm.rollout_correction=tis")
+    records = _run(
+        tmp_path,
+        "partial",
+        "trainer.mode=async",
+        "trainer.partial_rollout=true",
+        "trainer.steps=2",
+        "trainer.max_staleness=1",
+        "trainer.async_in_flight=2",
+        "trainer.dump_generations=1",
+        "resources.rollout.replicas=1",
+        "rollout.max_tokens=400",
+        "actor.micro_batch.max_tokens_per_microbatch=1024",
+        "algorithm.rollout_correction=tis",
+    )
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         step = r["step"]
-        rows = [json.loads(line) for line in
-                (tmp_path / "partial" / "generations" / f"train_step{step}.jsonl").read_text()
-                .splitlines()]
+        rows = [
+            json.loads(line)
+            for line in (tmp_path / "partial" / "generations" / f"train_step{step}.jsonl")
+            .read_text()
+            .splitlines()
+        ]
         versions = [row["token_versions"] for row in rows]
         for row, v in zip(rows, versions):
             assert v == sorted(v) and row["weight_version"] == v[0]

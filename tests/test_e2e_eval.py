@@ -38,11 +38,21 @@ def test_a_runs_checkpoints_are_evaluated_and_plotted(tmp_path):
     from tephra.apps.ppo.main import parse_config as ppo_config
     from tephra.apps.ppo.main import run as train
 
-    train(ppo_config(["-p", "smoke", "trainer.save_every=1", "trainer.keep_checkpoints=2",
-                      f"trainer.run_dir={tmp_path / 'run'}"]))
+    train(
+        ppo_config(
+            [
+                "-p",
+                "smoke",
+                "trainer.save_every=1",
+                "trainer.keep_checkpoints=2",
+                f"trainer.run_dir={tmp_path / 'run'}",
+            ]
+        )
+    )
     ray.shutdown()
-    results = run(parse_config(["-p", "smoke", f"run_dir={tmp_path / 'run'}",
-                                f"out_dir={tmp_path / 'eval'}"]))
+    results = run(
+        parse_config(["-p", "smoke", f"run_dir={tmp_path / 'run'}", f"out_dir={tmp_path / 'eval'}"])
+    )
     assert list(results) == ["step_0", "step_1", "step_2", "hf"]
     assert [r["step"] for r in results.values()] == [0, 1, 2, None]
     # step 0 is the model the run started from: the same numbers as evaluating it directly
@@ -65,8 +75,10 @@ def test_a_runs_start_model_is_step_0_and_read_from_its_config(tmp_path):
         models_to_evaluate(parse_config(args), tmp_path)
     (run_dir / "config.yaml").write_text("model:\n  path: tiny\ntrainer:\n  seed: 3\n")
     found = models_to_evaluate(parse_config(args), tmp_path)
-    assert found == [("step_0", resolve_model_path("tiny", 3), 0),
-                     ("hf", str(run_dir / "hf"), None)]
+    assert found == [
+        ("step_0", resolve_model_path("tiny", 3), 0),
+        ("hf", str(run_dir / "hf"), None),
+    ]
     only = models_to_evaluate(parse_config(args + ["start_model=false"]), tmp_path)
     assert [label for label, _, _ in only] == ["hf"]
 
@@ -92,8 +104,9 @@ def test_a_second_evaluation_keeps_numbers_of_unchanged_models_only(tmp_path, mo
     first = run(parse_config(args))
     calls = []
     real = app.evaluate_model
-    monkeypatch.setattr(app, "evaluate_model",
-                        lambda cfg, path: calls.append(path) or real(cfg, path))
+    monkeypatch.setattr(
+        app, "evaluate_model", lambda cfg, path: calls.append(path) or real(cfg, path)
+    )
     assert run(parse_config(args)) == first and calls == []
     changed = run(parse_config(args + ["seed=1"]))  # another setting: evaluated again
     assert len(calls) == 1 and changed["m"]["settings"]["seed"] == 1

@@ -34,13 +34,28 @@ def models(tmp_path_factory):
     dense = build_tiny_model(root / "dense", num_heads=2, num_kv_heads=2, seed=3)
     tok = AutoTokenizer.from_pretrained(dense.path)
     torch.manual_seed(0)
-    moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        max_position_embeddings=1024, tie_word_embeddings=False, norm_topk_prob=False,
-        decoder_sparse_step=1, mlp_only_layers=[], initializer_range=0.1,
-        eos_token_id=dense.eos_token_id, pad_token_id=dense.pad_token_id))
+    moe = Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            initializer_range=0.1,
+            eos_token_id=dense.eos_token_id,
+            pad_token_id=dense.pad_token_id,
+        )
+    )
     moe.generation_config.eos_token_id = dense.eos_token_id
     moe.generation_config.pad_token_id = dense.pad_token_id
     moe.save_pretrained(root / "moe")
@@ -52,9 +67,20 @@ def first_step(tmp_path, name, model, *overrides, steps=1):
     """The first step's metrics of a run of `steps` steps (the later ones must be finite)."""
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
-    run(parse_config(["-p", "smoke", f"model.path={model}", f"trainer.steps={steps}",
-                      f"reward.custom_function_path={reward}", "trainer.dump_generations=1",
-                      f"trainer.run_dir={tmp_path / name}", *overrides]))
+    run(
+        parse_config(
+            [
+                "-p",
+                "smoke",
+                f"model.path={model}",
+                f"trainer.steps={steps}",
+                f"reward.custom_function_path={reward}",
+                "trainer.dump_generations=1",
+                f"trainer.run_dir={tmp_path / name}",
+                *overrides,
+            ]
+        )
+    )
     rows = read_jsonl(tmp_path / name / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["actor/grad_norm"] > 0 for r in rows)
@@ -82,12 +108,25 @@ def test_model_parallel_layouts_equal_the_single_rank_run(ray_session, models, t
         ("pp2", ["actor.parallel.pipeline=2"]),
         ("cp2", ["actor.parallel.context=2"]),
     ]:
-        row = first_step(tmp_path, name, models["dense"], "actor.engine=megatron",
-                         "resources.world_size=2", *overrides, steps=2 if name == "cp2" else 1)
+        row = first_step(
+            tmp_path,
+            name,
+            models["dense"],
+            "actor.engine=megatron",
+            "resources.world_size=2",
+            *overrides,
+            steps=2 if name == "cp2" else 1,
+        )
         assert_same_step(ref, row, name)
     # fsdp with Ulysses sequence parallelism over the 2 ranks: one data-parallel replica
-    sp2 = first_step(tmp_path, "fsdp_sp2", models["dense"], "resources.world_size=2",
-                     "actor.parallel.context=2", steps=2)
+    sp2 = first_step(
+        tmp_path,
+        "fsdp_sp2",
+        models["dense"],
+        "resources.world_size=2",
+        "actor.parallel.context=2",
+        steps=2,
+    )
     assert_same_step(ref, sp2, "fsdp_sp2")
 
 
@@ -104,23 +143,43 @@ def test_data_parallel_layouts_equal_the_single_rank_run(ray_session, models, tm
     ref = first_step(tmp_path, "fsdp1", models["moe"])
     fsdp2 = first_step(tmp_path, "fsdp2", models["moe"], "resources.world_size=2")
     assert_same_step(ref, fsdp2, "fsdp2")
-    ep2 = first_step(tmp_path, "ep2", models["moe"], "actor.engine=megatron",
-                     "resources.world_size=2", "actor.parallel.expert=2")
+    ep2 = first_step(
+        tmp_path,
+        "ep2",
+        models["moe"],
+        "actor.engine=megatron",
+        "resources.world_size=2",
+        "actor.parallel.expert=2",
+    )
     assert_same_step(ref, ep2, "ep2")
 
 
 @pytest.mark.multiproc
 def test_reference_and_critic_on_pools_of_their_own_equal_the_colocated_run(
-        ray_session, models, tmp_path):
+    ray_session, models, tmp_path
+):
     """PPO with a critic and a KL loss: the reference and the critic on pools of their own
     (`resources.ref.ranks=1`, `resources.critic.ranks=1`) against all three colocated; the
     checkpoint holds the critic and each group's RNG state."""
-    ppo = ["-p", "ppo_critic", "actor.objective.use_kl_loss=true",
-           "actor.objective.kl_loss_coef=0.01", "resources.cpus_per_rank=0.5"]
+    ppo = [
+        "-p",
+        "ppo_critic",
+        "actor.objective.use_kl_loss=true",
+        "actor.objective.kl_loss_coef=0.01",
+        "resources.cpus_per_rank=0.5",
+    ]
     colocated = first_step(tmp_path, "colocated", models["dense"], *ppo)
-    pools = first_step(tmp_path, "pools", models["dense"], *ppo, "resources.ref.ranks=1",
-                       "resources.critic.ranks=1", "resources.ref.cpus_per_rank=0.5",
-                       "resources.critic.cpus_per_rank=0.5", "trainer.save_final=true")
+    pools = first_step(
+        tmp_path,
+        "pools",
+        models["dense"],
+        *ppo,
+        "resources.ref.ranks=1",
+        "resources.critic.ranks=1",
+        "resources.ref.cpus_per_rank=0.5",
+        "resources.critic.cpus_per_rank=0.5",
+        "trainer.save_final=true",
+    )
     assert_same_step(colocated, pools, "pools")
     for key, tol in (("actor/kl_loss", 1e-5), ("critic/loss", 1e-5), ("critic/grad_norm", 1e-4)):
         assert colocated[key] != 0 or key == "actor/kl_loss"

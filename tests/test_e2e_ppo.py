@@ -27,8 +27,10 @@ def _smoke(tmp_path, *overrides):
 
 def _compared(records):
     # wall-clock metrics differ run to run; everything computed from data must not
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))}
-            for r in records]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))}
+        for r in records
+    ]
 
 
 @pytest.mark.multiproc
@@ -36,13 +38,34 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
     # with the DAPO preset on top: dynamic sampling's extra rounds move the prompt loader,
     # which the checkpoint must restore too
     dapo = ("-p", "dapo", "algorithm.max_gen_batches=2")
-    full = run(_smoke(tmp_path, *dapo, "trainer.steps=4", "trainer.save_every=2",
-                      f"trainer.run_dir={tmp_path / 'full'}"))
+    full = run(
+        _smoke(
+            tmp_path,
+            *dapo,
+            "trainer.steps=4",
+            "trainer.save_every=2",
+            f"trainer.run_dir={tmp_path / 'full'}",
+        )
+    )
     assert full["steps"] == 4
-    run(_smoke(tmp_path, *dapo, "trainer.steps=2", "trainer.save_every=2",
-               f"trainer.run_dir={tmp_path / 'split'}"))
-    resumed = run(_smoke(tmp_path, *dapo, "trainer.steps=4", "trainer.save_every=2",
-                         f"trainer.run_dir={tmp_path / 'split'}"))
+    run(
+        _smoke(
+            tmp_path,
+            *dapo,
+            "trainer.steps=2",
+            "trainer.save_every=2",
+            f"trainer.run_dir={tmp_path / 'split'}",
+        )
+    )
+    resumed = run(
+        _smoke(
+            tmp_path,
+            *dapo,
+            "trainer.steps=4",
+            "trainer.save_every=2",
+            f"trainer.run_dir={tmp_path / 'split'}",
+        )
+    )
     assert resumed["steps"] == 4
     a = read_jsonl(tmp_path / "full" / "metrics.jsonl")
     b = read_jsonl(tmp_path / "split" / "metrics.jsonl")
@@ -50,9 +73,19 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
     # the test means something only if training moved the weights
     assert any(r["actor/grad_norm"] > 0 for r in a) and len({r["reward/mean"] for r in a}) > 1
     assert _compared(a) == _compared(b)  # bitwise: floats compared with ==
-    for key in ("reward/mean", "accuracy/train", "response/length_mean", "actor/entropy",
-                "actor/pg_clipfrac", "actor/grad_norm", "time/generate_s", "perf/tokens_per_s",
-                "dapo/gen_rounds", "dapo/groups_flat", "reward/overlong_penalty_mean"):
+    for key in (
+        "reward/mean",
+        "accuracy/train",
+        "response/length_mean",
+        "actor/entropy",
+        "actor/pg_clipfrac",
+        "actor/grad_norm",
+        "time/generate_s",
+        "perf/tokens_per_s",
+        "dapo/gen_rounds",
+        "dapo/groups_flat",
+        "reward/overlong_penalty_mean",
+    ):
         assert key in a[0], key
     # the train/rollout mismatch every step, from the probe (this run computes no old
     # log-probs of its own); the same fp32 model on both sides: the gap is rounding only
@@ -65,12 +98,21 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
 
 @pytest.mark.multiproc
 def test_ppo_with_critic_and_reference(ray_session, tmp_path):
-    cfg = _smoke(tmp_path, "-p", "ppo_critic", "actor.objective.use_kl_loss=true",
-                 "actor.objective.kl_loss_coef=0.01",
-                 "trainer.val_after=true", "trainer.export_hf=true",
-                 "trainer.profile_steps=[2]", "trainer.val.n=4",
-                 "trainer.val.temperature=1.0", "trainer.val.ks=[1,2]",
-                 "trainer.dump_generations=1", f"trainer.run_dir={tmp_path / 'ppo'}")
+    cfg = _smoke(
+        tmp_path,
+        "-p",
+        "ppo_critic",
+        "actor.objective.use_kl_loss=true",
+        "actor.objective.kl_loss_coef=0.01",
+        "trainer.val_after=true",
+        "trainer.export_hf=true",
+        "trainer.profile_steps=[2]",
+        "trainer.val.n=4",
+        "trainer.val.temperature=1.0",
+        "trainer.val.ks=[1,2]",
+        "trainer.dump_generations=1",
+        f"trainer.run_dir={tmp_path / 'ppo'}",
+    )
     summary = run(cfg)
     tok = prepare(cfg).tokenizer
     records = read_jsonl(tmp_path / "ppo" / "metrics.jsonl")
@@ -89,7 +131,9 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
     assert len(val_rows) == 32 and {r["prompt_index"] for r in val_rows} == set(range(8))
     assert sum(r["score"] >= 1 for r in val_rows) / 32 == pytest.approx(last["val/acc@4"])
     for step in (1, 2):
-        train_rows = [json.loads(x) for x in (gens / f"train_step{step}.jsonl").read_text().splitlines()]
+        train_rows = [
+            json.loads(x) for x in (gens / f"train_step{step}.jsonl").read_text().splitlines()
+        ]
         assert len(train_rows) == 8 and all(r["advantage"] is not None for r in train_rows)
         for r in train_rows:  # the tokens behind the text: enough to replay the step
             assert tok.decode(r["prompt_ids"], skip_special_tokens=True) == r["prompt"]
@@ -99,12 +143,16 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
             assert len(r["response_ids"]) <= cfg.rollout.max_tokens
     # the profiled step wrote one valid Chrome trace per stage (one rank here)
     traces = sorted(p.name for p in (tmp_path / "ppo" / "profile").glob("*.json"))
-    assert traces == [f"step2_{s}_rank0.json" for s in
-                      sorted(["actor", "critic", "generate", "old_log_probs", "ref", "sync", "values"])]
+    assert traces == [
+        f"step2_{s}_rank0.json"
+        for s in sorted(["actor", "critic", "generate", "old_log_probs", "ref", "sync", "values"])
+    ]
     for name in traces:
         assert json.loads((tmp_path / "ppo" / "profile" / name).read_text())["traceEvents"]
     share = summary["time_share"]
-    assert {"generate", "actor", "critic", "sync"} <= set(share) and 0.9 < sum(share.values()) <= 1.0
+    assert {"generate", "actor", "critic", "sync"} <= set(share) and 0.9 < sum(
+        share.values()
+    ) <= 1.0
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "ppo" / "hf")
@@ -116,8 +164,14 @@ def test_smoke_preset_on_megatron_matches_fsdp(ray_session, tmp_path):
     (same initial weights and seeds) and the update agrees with FSDP's to parity tolerance."""
     first = {}
     for engine in ("fsdp", "megatron"):
-        run(_smoke(tmp_path, f"actor.engine={engine}", "trainer.steps=1",
-                   f"trainer.run_dir={tmp_path / engine}"))
+        run(
+            _smoke(
+                tmp_path,
+                f"actor.engine={engine}",
+                "trainer.steps=1",
+                f"trainer.run_dir={tmp_path / engine}",
+            )
+        )
         (first[engine],) = read_jsonl(tmp_path / engine / "metrics.jsonl")
     fsdp, mega = first["fsdp"], first["megatron"]
     assert fsdp["actor/grad_norm"] > 0
@@ -130,52 +184,97 @@ def test_smoke_preset_on_megatron_matches_fsdp(ray_session, tmp_path):
 @pytest.mark.multiproc
 def test_reward_failing_everywhere_is_one_clear_error(ray_session, tmp_path):
     bad = tmp_path / "bad_reward.py"
-    bad.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                   "    raise ValueError('no answer key')\n")
-    cfg = parse_config(["-p", "smoke", f"reward.custom_function_path={bad}",
-                        f"trainer.run_dir={tmp_path / 'bad'}"])
+    bad.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise ValueError('no answer key')\n"
+    )
+    cfg = parse_config(
+        ["-p", "smoke", f"reward.custom_function_path={bad}", f"trainer.run_dir={tmp_path / 'bad'}"]
+    )
     with pytest.raises(RewardFailure, match=r"failed on all 8 samples.*ValueError: no answer key"):
         run(cfg)
 
 
 def test_config_and_input_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm.adv_estimater'; did you mean 'algorithm.adv_estimator'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'algorithm.adv_estimater'; did you mean 'algorithm.adv_estimator'",
+    ):
         parse_config(["algorithm.adv_estimater=grpo"])
-    with pytest.raises(ConfigError, match=r"2 x 4 / 1 = 8 samples, which batch.mini_batches=3 does not divide"):
+    with pytest.raises(
+        ConfigError, match=r"2 x 4 / 1 = 8 samples, which batch.mini_batches=3 does not divide"
+    ):
         parse_config(["-p", "smoke", "batch.mini_batches=3"])
-    with pytest.raises(ConfigError, match=r"prompts_per_step=3 must be a multiple of the data-parallel size 2"):
+    with pytest.raises(
+        ConfigError, match=r"prompts_per_step=3 must be a multiple of the data-parallel size 2"
+    ):
         parse_config(["batch.prompts_per_step=3", "resources.world_size=2"])
-    with pytest.raises(ConfigError, match=r"96 \+ 8 = 104 tokens, more than actor.micro_batch.max_tokens_per_microbatch=100"):
+    with pytest.raises(
+        ConfigError,
+        match=r"96 \+ 8 = 104 tokens, more than actor.micro_batch.max_tokens_per_microbatch=100",
+    ):
         parse_config(["-p", "smoke", "actor.micro_batch.max_tokens_per_microbatch=100"])
-    with pytest.raises(ConfigError, match=r"model.path='/nonexistent/model': folder does not exist"):
+    with pytest.raises(
+        ConfigError, match=r"model.path='/nonexistent/model': folder does not exist"
+    ):
         run(parse_config(["-p", "smoke", "model.path=/nonexistent/model"]))
-    rows = {"prompt": [[{"role": "user", "content": "2+2?"}]] * 3, "data_source": ["gsm8k"] * 3,
-            "reward_model": [{"ground_truth": "4"}, {"ground_truth": "4"}, {"style": "rule"}]}
+    rows = {
+        "prompt": [[{"role": "user", "content": "2+2?"}]] * 3,
+        "data_source": ["gsm8k"] * 3,
+        "reward_model": [{"ground_truth": "4"}, {"ground_truth": "4"}, {"style": "rule"}],
+    }
     pq.write_table(pa.table(rows), tmp_path / "train.parquet")
     from tephra.controller.data import DatasetError
 
-    with pytest.raises(DatasetError, match=r"row 2 of train.parquet: field 'reward_model.ground_truth' is missing"):
-        run(parse_config(["-p", "smoke", "data.source=parquet",
-                          f"data.train_files=[{tmp_path / 'train.parquet'}]"]))
+    with pytest.raises(
+        DatasetError, match=r"row 2 of train.parquet: field 'reward_model.ground_truth' is missing"
+    ):
+        run(
+            parse_config(
+                [
+                    "-p",
+                    "smoke",
+                    "data.source=parquet",
+                    f"data.train_files=[{tmp_path / 'train.parquet'}]",
+                ]
+            )
+        )
 
 
 @pytest.mark.multiproc
-def test_a_rollout_in_another_dtype_is_rejected_token_by_token_or_stops_the_run(ray_session,
-                                                                            tmp_path):
+def test_a_rollout_in_another_dtype_is_rejected_token_by_token_or_stops_the_run(
+    ray_session, tmp_path
+):
     """A bf16 rollout beside an fp32 trainer: rejection sampling drops the tokens whose k3
     divergence passes the bound (fewer tokens trained), and the alarm stops a run at step 1
     with the message naming the likely cause."""
     bf16 = ("rollout.dtype=bfloat16", "trainer.steps=1")
-    run(_smoke(tmp_path, *bf16, "algorithm.rollout_rejection=[token_k3]",
-               "algorithm.rollout_rejection_threshold=1e-4", f"trainer.run_dir={tmp_path / 'rs'}"))
+    run(
+        _smoke(
+            tmp_path,
+            *bf16,
+            "algorithm.rollout_rejection=[token_k3]",
+            "algorithm.rollout_rejection_threshold=1e-4",
+            f"trainer.run_dir={tmp_path / 'rs'}",
+        )
+    )
     (row,) = read_jsonl(tmp_path / "rs" / "metrics.jsonl")
     assert row["rollout_corr/kl_k3"] > 1e-5  # bf16 against fp32: a real gap
     assert 0 < row["rollout_corr/rs_masked_frac"] < 1
     assert row["rollout_corr/rs_token_k3_masked_frac"] == row["rollout_corr/rs_masked_frac"]
-    with pytest.raises(MismatchAlarm, match=r"step 1: the rollout's log-probs differ .* over "
-                       r"algorithm.mismatch_alarm_kl=1e-06\. Likely causes: .*dtype"):
-        run(_smoke(tmp_path, *bf16, "algorithm.mismatch_alarm_kl=1e-6",
-                   f"trainer.run_dir={tmp_path / 'alarm'}"))
+    with pytest.raises(
+        MismatchAlarm,
+        match=r"step 1: the rollout's log-probs differ .* over "
+        r"algorithm.mismatch_alarm_kl=1e-06\. Likely causes: .*dtype",
+    ):
+        run(
+            _smoke(
+                tmp_path,
+                *bf16,
+                "algorithm.mismatch_alarm_kl=1e-6",
+                f"trainer.run_dir={tmp_path / 'alarm'}",
+            )
+        )
 
 
 @pytest.mark.multiproc
@@ -184,19 +283,34 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
     the -norm aggregation, adaptive KL in the reward, LoRA on named modules with the KL loss
     against the adapters-off reference, and a reward model: each through the app, checked
     against the numbers it must produce."""
-    remax = run(_smoke(tmp_path, "algorithm.adv_estimator=remax", "trainer.steps=1",
-                       f"trainer.run_dir={tmp_path / 'remax'}"))
+    remax = run(
+        _smoke(
+            tmp_path,
+            "algorithm.adv_estimator=remax",
+            "trainer.steps=1",
+            f"trainer.run_dir={tmp_path / 'remax'}",
+        )
+    )
     (row,) = read_jsonl(tmp_path / "remax" / "metrics.jsonl")
     assert remax["steps"] == 1 and "reward/greedy_baseline_mean" in row
     assert 0.0 <= row["reward/greedy_baseline_mean"] <= 1.0 and "time/baselines_s" in row
 
-    run(_smoke(tmp_path, "algorithm.adv_estimator=grpo_passk", "algorithm.advantage.passk_k=2",
-               "actor.objective.tis_level=token", "actor.objective.tis_threshold=2.0",
-               "actor.objective.loss_agg_mode=seq-mean-token-sum-norm",
-               "actor.objective.loss_agg_norm_constant=8",
-               "algorithm.kl_in_reward.coef=0.05", "algorithm.kl_in_reward.controller=adaptive",
-               "algorithm.kl_in_reward.target_kl=0.01", "algorithm.kl_in_reward.horizon=100",
-               f"trainer.run_dir={tmp_path / 'kl'}"))
+    run(
+        _smoke(
+            tmp_path,
+            "algorithm.adv_estimator=grpo_passk",
+            "algorithm.advantage.passk_k=2",
+            "actor.objective.tis_level=token",
+            "actor.objective.tis_threshold=2.0",
+            "actor.objective.loss_agg_mode=seq-mean-token-sum-norm",
+            "actor.objective.loss_agg_norm_constant=8",
+            "algorithm.kl_in_reward.coef=0.05",
+            "algorithm.kl_in_reward.controller=adaptive",
+            "algorithm.kl_in_reward.target_kl=0.01",
+            "algorithm.kl_in_reward.horizon=100",
+            f"trainer.run_dir={tmp_path / 'kl'}",
+        )
+    )
     first, second = read_jsonl(tmp_path / "kl" / "metrics.jsonl")
     assert first["kl_penalty/coef"] == pytest.approx(0.05)
     # Ziegler et al.'s controller by hand: beta *= 1 + clip(kl / target - 1, +-0.2) * n / horizon
@@ -205,16 +319,31 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
     assert "time/ref_s" in first and math.isfinite(first["actor/grad_norm"])
 
     # a verl config's names, unchanged: vectorised GRPO, GMPO, kl+ and token-sum
-    run(_smoke(tmp_path, "algorithm.adv_estimator=grpo_vectorized",
-               "actor.objective.policy_loss=geo_mean", "actor.objective.use_kl_loss=true",
-               "actor.objective.kl_loss_type=kl+", "actor.objective.loss_agg_mode=token-sum",
-               "trainer.steps=1", f"trainer.run_dir={tmp_path / 'verl'}"))
+    run(
+        _smoke(
+            tmp_path,
+            "algorithm.adv_estimator=grpo_vectorized",
+            "actor.objective.policy_loss=geo_mean",
+            "actor.objective.use_kl_loss=true",
+            "actor.objective.kl_loss_type=kl+",
+            "actor.objective.loss_agg_mode=token-sum",
+            "trainer.steps=1",
+            f"trainer.run_dir={tmp_path / 'verl'}",
+        )
+    )
     (verl,) = read_jsonl(tmp_path / "verl" / "metrics.jsonl")
     assert math.isfinite(verl["actor/kl_loss"]) and verl["actor/grad_norm"] > 0
     # verl's bypass_mode: old log-probs are the rollout's, so 2 mini-batches run no recompute
-    run(_smoke(tmp_path, "actor.objective.policy_loss=bypass_mode",
-               "algorithm.rollout_correction=bypass", "batch.mini_batches=2", "trainer.steps=1",
-               f"trainer.run_dir={tmp_path / 'bypass'}"))
+    run(
+        _smoke(
+            tmp_path,
+            "actor.objective.policy_loss=bypass_mode",
+            "algorithm.rollout_correction=bypass",
+            "batch.mini_batches=2",
+            "trainer.steps=1",
+            f"trainer.run_dir={tmp_path / 'bypass'}",
+        )
+    )
     (bypass,) = read_jsonl(tmp_path / "bypass" / "metrics.jsonl")
     assert not [k for k in bypass if "old_log_probs" in k] and bypass["actor/grad_norm"] > 0
 
@@ -228,16 +357,34 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
     rm_dir = tmp_path / "rm"
     tok = AutoTokenizer.from_pretrained(policy)
     torch.manual_seed(0)
-    Qwen2ForSequenceClassification(Qwen2Config(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, num_labels=1,
-        pad_token_id=tok.pad_token_id)).save_pretrained(rm_dir)
+    Qwen2ForSequenceClassification(
+        Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_labels=1,
+            pad_token_id=tok.pad_token_id,
+        )
+    ).save_pretrained(rm_dir)
     tok.save_pretrained(rm_dir)
-    lora = run(parse_config([
-        "-p", "smoke", "actor.lora.rank=4", "actor.lora.target_modules=[q_proj,v_proj]",
-        "actor.objective.use_kl_loss=true", "actor.objective.kl_loss_coef=0.1",
-        f"reward.reward_model_path={rm_dir}", "trainer.export_hf=true",
-        f"trainer.run_dir={tmp_path / 'lora'}"]))
+    lora = run(
+        parse_config(
+            [
+                "-p",
+                "smoke",
+                "actor.lora.rank=4",
+                "actor.lora.target_modules=[q_proj,v_proj]",
+                "actor.objective.use_kl_loss=true",
+                "actor.objective.kl_loss_coef=0.1",
+                f"reward.reward_model_path={rm_dir}",
+                "trainer.export_hf=true",
+                f"trainer.run_dir={tmp_path / 'lora'}",
+            ]
+        )
+    )
     rows = read_jsonl(tmp_path / "lora" / "metrics.jsonl")
     assert lora["steps"] == 2 and all("actor/kl_loss" in r for r in rows)
     # a reward model's logits are not 0/1 rule scores
@@ -249,5 +396,6 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
     assert not torch.equal(base[f"{layer}.q_proj.weight"], tuned[f"{layer}.q_proj.weight"])
     assert not torch.equal(base[f"{layer}.v_proj.weight"], tuned[f"{layer}.v_proj.weight"])
     assert torch.equal(base[f"{layer}.k_proj.weight"], tuned[f"{layer}.k_proj.weight"])
-    assert torch.equal(base["model.layers.0.mlp.up_proj.weight"],
-                       tuned["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(
+        base["model.layers.0.mlp.up_proj.weight"], tuned["model.layers.0.mlp.up_proj.weight"]
+    )

@@ -22,8 +22,13 @@ from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 from tephra.rollout.base import Generation, Rollout
 
-AGENT_KEYS = ("agent/turns_mean", "agent/tool_calls_mean", "agent/tool_errors_mean",
-              "agent/generated_tokens", "agent/tool_tokens")
+AGENT_KEYS = (
+    "agent/turns_mean",
+    "agent/tool_calls_mean",
+    "agent/tool_errors_mean",
+    "agent/generated_tokens",
+    "agent/tool_tokens",
+)
 
 
 @pytest.mark.multiproc
@@ -35,9 +40,16 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
     # two ranks: each runs the agent loop on its share of prompts, FSDP over gloo trains
-    cfg = parse_config(["-p", "smoke_tools", f"reward.custom_function_path={reward}",
-                        "trainer.val_after=true", "resources.world_size=2",
-                        f"trainer.run_dir={tmp_path / 'run'}"])
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke_tools",
+            f"reward.custom_function_path={reward}",
+            "trainer.val_after=true",
+            "resources.world_size=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
     ray_init(num_cpus=2)
     try:
         summary = run(cfg)
@@ -72,7 +84,9 @@ class FirstTurnScripted(Rollout):
 
     def __init__(self, tokenizer, text: str, model: Rollout) -> None:
         self.tokenizer, self.model, self.config = tokenizer, model, model.config
-        self.scripted = list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
+        self.scripted = list(tokenizer.encode(text, add_special_tokens=False)) + [
+            tokenizer.eos_token_id
+        ]
         self.turns: dict[str, int] = {}
         self.generated: dict[str, list[list[int]]] = {}
 
@@ -116,25 +130,42 @@ def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
     call = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
     model = get_rollout("hf", RolloutConfig(model_path=tiny.path, max_model_len=256))
     scripted = FirstTurnScripted(tok, call, model)
-    sampling = SamplingParams(n=1, temperature=1.0, max_tokens=8, seed=3,
-                              stop_token_ids=(tok.eos_token_id,))
+    sampling = SamplingParams(
+        n=1, temperature=1.0, max_tokens=8, seed=3, stop_token_ids=(tok.eos_token_id,)
+    )
     loop = AGENT_LOOPS.get("tool_agent")(
-        scripted, tok, sampling, AgentLoopConfig(max_turns=2, max_response_tokens=96),
-        load_tools(resolve_tools_file("python")))
+        scripted,
+        tok,
+        sampling,
+        AgentLoopConfig(max_turns=2, max_response_tokens=96),
+        load_tools(resolve_tools_file("python")),
+    )
     messages = [{"role": "user", "content": "What is 6 * 7?"}]
-    prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                    tokenize=False), add_special_tokens=False)
+    prompt_ids = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     record = PromptRecord(messages, "test", "42")
     items = [PromptItem(prompt_ids, record, f"p0-{k}") for k in range(2)]
     try:
         trajectories = run_agent_requests(loop, items)
     finally:
         scripted.close()
-    samples = [Sample(prompt_ids=t.prompt_ids, response_ids=t.response_ids,
-                      response_mask=t.response_mask, log_probs=t.response_log_probs,
-                      finish_reason=t.finish_reason, text=final_answer(t), sample_id=t.sample_id,
-                      num_turns=t.num_turns, tool_calls=t.tool_calls, tool_errors=t.tool_errors)
-               for t in trajectories]
+    samples = [
+        Sample(
+            prompt_ids=t.prompt_ids,
+            response_ids=t.response_ids,
+            response_mask=t.response_mask,
+            log_probs=t.response_log_probs,
+            finish_reason=t.finish_reason,
+            text=final_answer(t),
+            sample_id=t.sample_id,
+            num_turns=t.num_turns,
+            tool_calls=t.tool_calls,
+            tool_errors=t.tool_errors,
+        )
+        for t in trajectories
+    ]
 
     # the tool turn, written by hand from the tiny model's ChatML template
     tool_turn = "\n<|im_start|>tool\n42\n<|im_end|>\n<|im_start|>assistant\n"
@@ -158,15 +189,21 @@ def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
     # tool tokens and a nonzero one on the model's tokens.
     mask = batch["response_mask"]
     rewards = outcome_token_rewards(torch.tensor([0.0, 1.0]), mask)
-    adv, _ = compute_advantages("grpo", token_rewards=rewards, response_mask=mask,
-                                group_ids=batch["prompt_index"])
+    adv, _ = compute_advantages(
+        "grpo", token_rewards=rewards, response_mask=mask, group_ids=batch["prompt_index"]
+    )
     log_probs = batch["rollout_log_probs"].clone().requires_grad_(True)
     tokens = torch.full((2,), float(mask.sum()))
     loss, _ = ActorObjective()(
         {"log_probs": log_probs},
-        {"old_log_probs": batch["rollout_log_probs"], "advantages": adv.float(),
-         "response_mask": mask, "global_token_count": tokens,
-         "global_seq_count": torch.full((2,), 2.0)})
+        {
+            "old_log_probs": batch["rollout_log_probs"],
+            "advantages": adv.float(),
+            "response_mask": mask,
+            "global_token_count": tokens,
+            "global_seq_count": torch.full((2,), 2.0),
+        },
+    )
     loss.backward()
     tool_positions = (batch["attention_mask"] == 1) & (mask == 0)
     tool_positions[:, : len(prompt_ids)] = False  # [B, P + R]: the prompt fills the first P
@@ -176,11 +213,18 @@ def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
 
 
 def test_agent_config_errors():
-    with pytest.raises(ConfigError, match=r"rollout.agent_loop='tool_agent' needs rollout.tools_file"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.agent_loop='tool_agent' needs rollout.tools_file"
+    ):
         parse_config(["-p", "smoke_tools", "rollout.tools_file=null"])
-    with pytest.raises(ConfigError, match=r"rollout.agent_loop='tool_agnt' is not a registered agent loop"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.agent_loop='tool_agnt' is not a registered agent loop"
+    ):
         parse_config(["-p", "smoke_tools", "rollout.agent_loop=tool_agnt"])
-    with pytest.raises(ConfigError, match=r"96 \+ 500 = 596 tokens, more than actor.micro_batch.max_tokens_per_microbatch=512"):
+    with pytest.raises(
+        ConfigError,
+        match=r"96 \+ 500 = 596 tokens, more than actor.micro_batch.max_tokens_per_microbatch=512",
+    ):
         parse_config(["-p", "smoke_tools", "rollout.agent.max_response_tokens=500"])
     with pytest.raises(ConfigError, match=r"rollout.tools_file='nope': no such file.*\['python'\]"):
         resolve_tools_file("nope")

@@ -16,9 +16,13 @@ from tephra.rollout.testing import build_tiny_tokenizer
 
 def test_assistant_mask_covers_exactly_the_assistant_turns():
     tok = build_tiny_tokenizer()
-    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"},
-            {"role": "assistant", "content": "5"}, {"role": "user", "content": "sure?"},
-            {"role": "assistant", "content": "Yes, 5."}]
+    conv = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "sure?"},
+        {"role": "assistant", "content": "Yes, 5."},
+    ]
     ids, mask = tokenize_conversation(tok, conv)
     trained = tok.decode([t for t, m in zip(ids, mask) if m])
     # hand-written expectation: each assistant content and its end-of-turn marker, nothing else
@@ -34,17 +38,43 @@ def test_sft_lowers_loss_and_export_loads(tmp_path):
     ray_init(num_cpus=2)
     try:
         convs = tmp_path / "chats.jsonl"
-        convs.write_text("\n".join(json.dumps({"messages": [
-            {"role": "user", "content": f"What is {a} plus {b}?"},
-            {"role": "assistant", "content": f"The answer is {a + b}."}]})
-            for a in range(4) for b in range(4)))
-        summary = run(parse_config(["-p", "smoke", f"data.train_files=[{convs}]",
-                                    "policy.scheduler.name=cosine", "policy.scheduler.total_steps=8",
-                                    f"train.run_dir={tmp_path / 'sft'}"]))
+        convs.write_text(
+            "\n".join(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"What is {a} plus {b}?"},
+                            {"role": "assistant", "content": f"The answer is {a + b}."},
+                        ]
+                    }
+                )
+                for a in range(4)
+                for b in range(4)
+            )
+        )
+        summary = run(
+            parse_config(
+                [
+                    "-p",
+                    "smoke",
+                    f"data.train_files=[{convs}]",
+                    "policy.scheduler.name=cosine",
+                    "policy.scheduler.total_steps=8",
+                    f"train.run_dir={tmp_path / 'sft'}",
+                ]
+            )
+        )
         # resume: 4 steps, a checkpoint, then the same command to 8 steps continues from it
-        split = ["-p", "smoke", f"data.train_files=[{convs}]", "policy.scheduler.name=cosine",
-                 "policy.scheduler.total_steps=8", "train.save_every=4", "train.export_hf=false",
-                 f"train.run_dir={tmp_path / 'split'}"]
+        split = [
+            "-p",
+            "smoke",
+            f"data.train_files=[{convs}]",
+            "policy.scheduler.name=cosine",
+            "policy.scheduler.total_steps=8",
+            "train.save_every=4",
+            "train.export_hf=false",
+            f"train.run_dir={tmp_path / 'split'}",
+        ]
         run(parse_config([*split, "train.steps=4"]))
         resumed = run(parse_config(split))
     finally:
@@ -52,8 +82,11 @@ def test_sft_lowers_loss_and_export_loads(tmp_path):
     from tephra.controller.trackers import read_jsonl
 
     def train_rows(path):  # the first run's closing val/loss shares step 4's row: left out
-        return [{k: v for k, v in r.items() if k != "val/loss"}
-                for r in read_jsonl(path / "metrics.jsonl") if "loss" in r]
+        return [
+            {k: v for k, v in r.items() if k != "val/loss"}
+            for r in read_jsonl(path / "metrics.jsonl")
+            if "loss" in r
+        ]
 
     full, parts = train_rows(tmp_path / "sft"), train_rows(tmp_path / "split")
     assert [r["step"] for r in parts] == list(range(1, 9))
@@ -75,7 +108,9 @@ def test_sft_lowers_loss_and_export_loads(tmp_path):
     batch = pad_batch([tokenize_conversation(tok, c) for c in rows], tok.pad_token_id)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(
+        -1, batch["input_ids"][:, 1:, None]
+    )[..., 0]
     mask = batch["response_mask"][:, 1:].float()
     nll = float(-(logp * mask).sum() / mask.sum())
     assert abs(nll - summary["loss_after"]) < 1e-3, (nll, summary["loss_after"])

@@ -30,17 +30,30 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    out = subprocess.run(["bash", str(REPO / "scripts" / "build_vllm_env.sh")], capture_output=True,
-                         text=True, timeout=1800, check=True)
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts" / "build_vllm_env.sh")],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
     return out.stdout.strip().splitlines()[-1]
 
 
 def _config(tmp_path, vllm_python, *overrides):
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
-    return parse_config(["-p", "smoke", f"reward.custom_function_path={reward}",
-                         "rollout.backend=vllm", f"rollout.vllm.python={vllm_python}",
-                         f"trainer.run_dir={tmp_path / 'run'}", *overrides])
+    return parse_config(
+        [
+            "-p",
+            "smoke",
+            f"reward.custom_function_path={reward}",
+            "rollout.backend=vllm",
+            f"rollout.vllm.python={vllm_python}",
+            f"trainer.run_dir={tmp_path / 'run'}",
+            *overrides,
+        ]
+    )
 
 
 def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_python):
@@ -52,10 +65,12 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_py
         rollout = worker.rollout
         assert rollout.update_count == 1 and rollout.last_update_stats["buckets"] > 1
         tok = prepared.tokenizer
-        items = [PromptItem(prepared.train.ids[i], prepared.train.records[i], f"p{i}")
-                 for i in range(2)]
-        sampling = SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=5,
-                                  stop_token_ids=(tok.eos_token_id,))
+        items = [
+            PromptItem(prepared.train.ids[i], prepared.train.records[i], f"p{i}") for i in range(2)
+        ]
+        sampling = SamplingParams(
+            n=4, temperature=1.0, max_tokens=8, seed=5, stop_token_ids=(tok.eos_token_id,)
+        )
         samples = worker.generate(items, sampling, score=False)
         batch = samples_to_batch(samples, tok.pad_token_id, n=4, multi_turn=False)
         mask = batch["response_mask"].bool()
@@ -80,16 +95,25 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_py
         # the server generates what HF generates with the engine's updated weights
         hf = get_rollout("hf", RolloutConfig(model_path=prepared.model_path, max_model_len=256))
         with worker.actor.eval_mode():
-            hf.update_weights(itertools.chain.from_iterable(
-                worker.actor.export_weights(untie_word_embeddings=True)))
+            hf.update_weights(
+                itertools.chain.from_iterable(
+                    worker.actor.export_weights(untie_word_embeddings=True)
+                )
+            )
         greedy = SamplingParams(temperature=0.0, max_tokens=8)
         prompts = [list(i.prompt_ids) for i in items]
         ours, reference = rollout.generate(prompts, greedy), hf.generate(prompts, greedy)
         assert ours.response_ids == reference.response_ids
         for a, b in zip(ours.log_probs, reference.log_probs):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=TOL, rtol=0)
-        after = worker.compute_log_probs(samples_to_batch(
-            worker.generate(items, sampling, score=False), tok.pad_token_id, n=4, multi_turn=False))
+        after = worker.compute_log_probs(
+            samples_to_batch(
+                worker.generate(items, sampling, score=False),
+                tok.pad_token_id,
+                n=4,
+                multi_turn=False,
+            )
+        )
         assert not torch.equal(after["log_probs"], trainer)
     finally:
         worker.rollout.close()
@@ -101,9 +125,18 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_py
 def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset):
     """Validation goes through the same server: greedy before training (smoke), 2 samples per
     prompt at temperature 1 after it (smoke_tools, multi-turn)."""
-    extra = (["-p", "smoke_tools", "trainer.val_after=true", "trainer.val.n=2",
-              "trainer.val.temperature=1.0", "trainer.val.ks=[1,2]"]
-             if preset == "smoke_tools" else ["trainer.val_before=true"])
+    extra = (
+        [
+            "-p",
+            "smoke_tools",
+            "trainer.val_after=true",
+            "trainer.val.n=2",
+            "trainer.val.temperature=1.0",
+            "trainer.val.ks=[1,2]",
+        ]
+        if preset == "smoke_tools"
+        else ["trainer.val_before=true"]
+    )
     result = run(_config(tmp_path, vllm_python, *extra))
     assert result["steps"] == 2
     accuracy = result["accuracy_after" if preset == "smoke_tools" else "accuracy_before"]
@@ -127,8 +160,9 @@ def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset
     assert ours.response_ids == theirs.response_ids
 
 
-def test_killed_vllm_server_is_restarted_and_the_run_matches(ray_session, tmp_path, vllm_python,
-                                                             capsys):
+def test_killed_vllm_server_is_restarted_and_the_run_matches(
+    ray_session, tmp_path, vllm_python, capsys
+):
     """SIGKILL the rollout's vLLM server once step 2's checkpoint is written, during step 3 (or
     4) of a 4-step run (checkpoints every 2 steps): the trainer rebuilds the worker group (a
     fresh server), continues from step 2's checkpoint and ends with the metrics and weights of
@@ -169,8 +203,13 @@ def test_killed_vllm_server_is_restarted_and_the_run_matches(ray_session, tmp_pa
         killed.extend(pids)
 
     def cfg(run_dir):
-        return _config(tmp_path, vllm_python, "trainer.steps=4", "trainer.save_every=2",
-                       f"trainer.run_dir={tmp_path / run_dir}")
+        return _config(
+            tmp_path,
+            vllm_python,
+            "trainer.steps=4",
+            "trainer.save_every=2",
+            f"trainer.run_dir={tmp_path / run_dir}",
+        )
 
     run(cfg("uninterrupted"))
     thread = threading.Thread(target=killer, daemon=True)
@@ -186,8 +225,10 @@ def test_killed_vllm_server_is_restarted_and_the_run_matches(ray_session, tmp_pa
     assert "restart 1 of 1" in out and "step_2 at step 2" in out
 
     def rows(run_dir):
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
-                for r in read_jsonl(tmp_path / run_dir / "metrics.jsonl")]
+        return [
+            {k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
+            for r in read_jsonl(tmp_path / run_dir / "metrics.jsonl")
+        ]
 
     assert rows("killed") == rows("uninterrupted")
     a = load_file(tmp_path / "killed" / "hf" / "model.safetensors")

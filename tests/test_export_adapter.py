@@ -25,14 +25,24 @@ def _lora_checkpoint(tmp_path, *overrides):
     from tephra.engine_api.testing.batches import nll_loss_fn, random_batch
 
     run = tmp_path / "run"
-    cfg = parse_config(["-p", "smoke", "actor.lora.rank=4", "actor.lora.alpha=8",
-                        "actor.optimizer.lr=0.05", f"trainer.run_dir={run}", *overrides])
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "actor.lora.rank=4",
+            "actor.lora.alpha=8",
+            "actor.optimizer.lr=0.05",
+            f"trainer.run_dir={run}",
+            *overrides,
+        ]
+    )
     run.mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
     model = replace(cfg.model, path=model_path, init_seed=cfg.trainer.seed)
-    engine = get_engine("fsdp", cfg.actor.engine_config(model, "policy", 1.0, cfg.trainer.seed,
-                                                        device="cpu"))
+    engine = get_engine(
+        "fsdp", cfg.actor.engine_config(model, "policy", 1.0, cfg.trainer.seed, device="cpu")
+    )
     try:
         with engine.train_mode():
             for step in range(2):
@@ -59,8 +69,10 @@ def test_lora_checkpoint_exports_merged_and_as_a_peft_adapter(tmp_path):
     merged = export_checkpoint(step, tmp_path / "merged")
     main([str(step), str(tmp_path / "adapter"), "--adapter"])  # the command line
     adapter = tmp_path / "adapter"
-    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json",
-                                                         "adapter_model.safetensors"]
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
 
     def log_probs(model):
         ids = torch.tensor([[3, 17, 42, 8, 99, 5, 61, 23]])
@@ -81,6 +93,9 @@ def test_lora_checkpoint_exports_merged_and_as_a_peft_adapter(tmp_path):
     data = yaml.safe_load(config.read_text())
     data["actor"]["lora"]["rank"] = 0
     config.write_text(yaml.safe_dump(data))
-    with pytest.raises(CheckpointError, match=r"--adapter writes the LoRA adapter .* asked for "
-                       r"role 'actor' .* actor.lora.rank=0. Export without --adapter"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"--adapter writes the LoRA adapter .* asked for "
+        r"role 'actor' .* actor.lora.rank=0. Export without --adapter",
+    ):
         export_checkpoint(step, tmp_path / "never", adapter=True)

@@ -24,7 +24,9 @@ def _fake_checkpoint(manager, step, payload=b"weights" * 100):
 def test_manifest_catches_torn_files_and_resume_modes(tmp_path, capsys):
     manager = CheckpointManager(tmp_path / "ckpt", keep_last=3)
     assert manager.resolve("auto") is None
-    with pytest.raises(CheckpointError, match="trainer.resume='must' but .* holds no intact checkpoint"):
+    with pytest.raises(
+        CheckpointError, match="trainer.resume='must' but .* holds no intact checkpoint"
+    ):
         manager.resolve("must")
     for step in (2, 4, 6):
         _fake_checkpoint(manager, step)
@@ -33,7 +35,9 @@ def test_manifest_catches_torn_files_and_resume_modes(tmp_path, capsys):
     # truncate a file of the latest: same name, fewer bytes
     weights = manager.step_dir(6) / "actor" / "model.bin"
     weights.write_bytes(weights.read_bytes()[:10])
-    assert check_manifest(manager.step_dir(6)) == "actor/model.bin has 10 bytes, the manifest says 700"
+    assert (
+        check_manifest(manager.step_dir(6)) == "actor/model.bin has 10 bytes, the manifest says 700"
+    )
     # flip bytes of the next one: same size, other content
     other = manager.step_dir(4) / "actor" / "model.bin"
     other.write_bytes(b"x" * 700)
@@ -58,9 +62,17 @@ def test_run_falls_back_to_the_previous_checkpoint_and_matches(tmp_path, capsys)
     reward.write_text(SMOKE_REWARD)
 
     def cfg(run_dir, *extra):
-        return parse_config(["-p", "smoke", f"reward.custom_function_path={reward}",
-                             "trainer.steps=4", "trainer.save_every=2",
-                             f"trainer.run_dir={tmp_path / run_dir}", *extra])
+        return parse_config(
+            [
+                "-p",
+                "smoke",
+                f"reward.custom_function_path={reward}",
+                "trainer.steps=4",
+                "trainer.save_every=2",
+                f"trainer.run_dir={tmp_path / run_dir}",
+                *extra,
+            ]
+        )
 
     ray_init(num_cpus=2)
     try:
@@ -68,8 +80,10 @@ def test_run_falls_back_to_the_previous_checkpoint_and_matches(tmp_path, capsys)
         run(cfg("torn"))
         # the latest checkpoint (step 4) is torn: a file of the actor's state loses its tail
         step4 = tmp_path / "torn" / "checkpoints" / "step_4"
-        victim = max((p for p in step4.rglob("*") if p.is_file() and p.suffix != ".json"),
-                     key=lambda p: p.stat().st_size)
+        victim = max(
+            (p for p in step4.rglob("*") if p.is_file() and p.suffix != ".json"),
+            key=lambda p: p.stat().st_size,
+        )
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
         capsys.readouterr()
         run(cfg("torn", "trainer.steps=4", "trainer.resume=must"))
@@ -77,11 +91,23 @@ def test_run_falls_back_to_the_previous_checkpoint_and_matches(tmp_path, capsys)
         ray.shutdown()
     out = capsys.readouterr().out
     assert "step_4 is damaged" in out and "resumed from" in out and "step_2 at step 2" in out
-    full = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
-    torn = [json.loads(line) for line in (tmp_path / "torn" / "metrics.jsonl").read_text().splitlines()]
+    full = [
+        json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    ]
+    torn = [
+        json.loads(line) for line in (tmp_path / "torn" / "metrics.jsonl").read_text().splitlines()
+    ]
+
     def data(rows):
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))}
-                for r in rows]
+        return [
+            {
+                k: v
+                for k, v in r.items()
+                if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))
+            }
+            for r in rows
+        ]
+
     # the torn run logged steps 1-4, then steps 3-4 again after falling back to step 2
     assert [r["step"] for r in torn] == [1, 2, 3, 4, 3, 4]
     assert data(torn[4:]) == data(full[2:]) == data(torn[2:4])
@@ -129,9 +155,16 @@ def test_killed_worker_is_restarted_and_the_run_matches(tmp_path, capsys):
     reward.write_text(SMOKE_REWARD)
 
     def cfg(run_dir):
-        return parse_config(["-p", "smoke", f"reward.custom_function_path={reward}",
-                             "trainer.steps=6", "trainer.save_every=2",
-                             f"trainer.run_dir={tmp_path / run_dir}"])
+        return parse_config(
+            [
+                "-p",
+                "smoke",
+                f"reward.custom_function_path={reward}",
+                "trainer.steps=6",
+                "trainer.save_every=2",
+                f"trainer.run_dir={tmp_path / run_dir}",
+            ]
+        )
 
     killed: list[int] = []
 
@@ -173,8 +206,11 @@ def test_killed_worker_is_restarted_and_the_run_matches(tmp_path, capsys):
         rows = {}
         for line in (tmp_path / run_dir / "metrics.jsonl").read_text().splitlines():
             r = json.loads(line)
-            rows[r["step"]] = {k: v for k, v in r.items()
-                               if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))}
+            rows[r["step"]] = {
+                k: v
+                for k, v in r.items()
+                if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))
+            }
         return rows
 
     assert last_rows("killed") == last_rows("uninterrupted")

@@ -38,17 +38,23 @@ CAP = 1.5
 def test_bad_names_are_refused_before_ray_starts():
     import ray
 
-    with pytest.raises(ConfigError, match=r"trainer.mode='asnyc': choose one of \['sync', 'one_step_off', 'async'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.mode='asnyc': choose one of \['sync', 'one_step_off', 'async'\]",
+    ):
         parse_config(["-p", "smoke", "trainer.mode=asnyc"])
-    with pytest.raises(ConfigError, match=r"algorithm.rollout_correction='tiss'.*did you mean 'tis'"):
+    with pytest.raises(
+        ConfigError, match=r"algorithm.rollout_correction='tiss'.*did you mean 'tis'"
+    ):
         parse_config(["-p", "smoke", "algorithm.rollout_correction=tiss"])
     with pytest.raises(ConfigError, match=r"algorithm.rollout_correction_level='seq'"):
         parse_config(["-p", "smoke", "algorithm.rollout_correction_level=seq"])
     with pytest.raises(ConfigError, match=r"algorithm.rollout_correction_cap=0.5 must be >= 1"):
         parse_config(["-p", "smoke", "algorithm.rollout_correction_cap=0.5"])
     with pytest.raises(ConfigError, match=r"would correct twice"):
-        parse_config(["-p", "smoke", "algorithm.rollout_correction=tis",
-                      "actor.objective.tis_level=token"])
+        parse_config(
+            ["-p", "smoke", "algorithm.rollout_correction=tis", "actor.objective.tis_level=token"]
+        )
     assert not ray.is_initialized()
 
 
@@ -66,8 +72,9 @@ def test_bypass_uses_the_rollout_log_probs_and_skips_the_recompute():
 
     batch, _ = _batch()
     for recompute in (False, True):  # several mini-batches would otherwise recompute them
-        metrics, passes = correct_old_log_probs(batch, RolloutCorrectionConfig("bypass"),
-                                                recompute, never)
+        metrics, passes = correct_old_log_probs(
+            batch, RolloutCorrectionConfig("bypass"), recompute, never
+        )
         assert passes == 0 and metrics == {}
         assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])
         assert "rollout_is_weights" not in batch.keys()
@@ -75,8 +82,9 @@ def test_bypass_uses_the_rollout_log_probs_and_skips_the_recompute():
 
 def test_tis_and_none_wiring_on_a_batch():
     batch, train = _batch(1)
-    metrics, passes = correct_old_log_probs(batch, RolloutCorrectionConfig("tis", "token", CAP),
-                                            False, lambda b: train)
+    metrics, passes = correct_old_log_probs(
+        batch, RolloutCorrectionConfig("tis", "token", CAP), False, lambda b: train
+    )
     assert passes == 1 and torch.equal(batch["old_log_probs"], train)
     w, mask = batch["rollout_is_weights"], batch["response_mask"]
     for b in range(3):
@@ -84,22 +92,30 @@ def test_tis_and_none_wiring_on_a_batch():
             want = min(math.exp(float(train[b, t]) - float(batch["rollout_log_probs"][b, t])), CAP)
             assert float(w[b, t]) == pytest.approx(want if mask[b, t] else 0.0, rel=1e-6)
     assert float(w.max()) == CAP  # this batch has ratios above the cap
-    gaps = [float(train[b, t] - batch["rollout_log_probs"][b, t])
-            for b in range(3) for t in range(5) if mask[b, t]]
+    gaps = [
+        float(train[b, t] - batch["rollout_log_probs"][b, t])
+        for b in range(3)
+        for t in range(5)
+        if mask[b, t]
+    ]
     assert metrics["rollout_corr/ratio_max"] == pytest.approx(math.exp(max(gaps)), rel=1e-6)
     # none: one mini-batch leaves old log-probs to the worker; several recompute them
     batch, train = _batch(2)
     assert correct_old_log_probs(batch, RolloutCorrectionConfig(), False, None) == ({}, 0)
     assert "old_log_probs" not in batch.keys()
-    metrics, passes = correct_old_log_probs(batch, RolloutCorrectionConfig(), True,
-                                            lambda b: train)
+    metrics, passes = correct_old_log_probs(batch, RolloutCorrectionConfig(), True, lambda b: train)
     assert passes == 1 and torch.equal(batch["old_log_probs"], train)
     assert "rollout_is_weights" not in batch.keys()
-    gaps = [float(train[b, t] - batch["rollout_log_probs"][b, t])
-            for b in range(3) for t in range(5) if batch["response_mask"][b, t]]
+    gaps = [
+        float(train[b, t] - batch["rollout_log_probs"][b, t])
+        for b in range(3)
+        for t in range(5)
+        if batch["response_mask"][b, t]
+    ]
     assert metrics["rollout_corr/log_prob_gap_mean"] == pytest.approx(sum(gaps) / len(gaps))
     assert metrics["rollout_corr/kl_k3"] == pytest.approx(
-        sum(math.exp(g) - 1 - g for g in gaps) / len(gaps), rel=1e-5)
+        sum(math.exp(g) - 1 - g for g in gaps) / len(gaps), rel=1e-5
+    )
 
 
 def test_the_mismatch_probe_rejection_and_the_alarm_on_a_batch():
@@ -115,24 +131,31 @@ def test_the_mismatch_probe_rejection_and_the_alarm_on_a_batch():
 
     def forward(b):
         seen.append(b["rollout_log_probs"].clone())
-        rows = [int(((rollout - r).abs().sum(-1) == 0).nonzero()[0]) for r in b["rollout_log_probs"]]
+        rows = [
+            int(((rollout - r).abs().sum(-1) == 0).nonzero()[0]) for r in b["rollout_log_probs"]
+        ]
         return train[rows]
 
-    metrics, passes = correct_old_log_probs(batch, RolloutCorrectionConfig(), False, forward,
-                                            probe_rows=3, dp_size=2, probe_seed=7)
+    metrics, passes = correct_old_log_probs(
+        batch, RolloutCorrectionConfig(), False, forward, probe_rows=3, dp_size=2, probe_seed=7
+    )
     assert passes == 0 and "old_log_probs" not in batch.keys()  # the update is untouched
     assert metrics["rollout_corr/probe_rows"] == 2.0 and seen[0].shape[0] == 2
     rows = [int(((rollout - r).abs().sum(-1) == 0).nonzero()[0]) for r in seen[0]]
     gaps = [float(train[b, t] - rollout[b, t]) for b in rows for t in range(4)]
     assert metrics["rollout_corr/log_prob_abs_gap_mean"] == pytest.approx(
-        sum(abs(g) for g in gaps) / len(gaps), rel=1e-5)
+        sum(abs(g) for g in gaps) / len(gaps), rel=1e-5
+    )
     assert metrics["rollout_corr/kl_k3"] == pytest.approx(
-        sum(math.exp(g) - 1 - g for g in gaps) / len(gaps), rel=1e-4)
-    correct_old_log_probs(batch, RolloutCorrectionConfig(), False, forward, probe_rows=3,
-                          dp_size=2, probe_seed=7)
+        sum(math.exp(g) - 1 - g for g in gaps) / len(gaps), rel=1e-4
+    )
+    correct_old_log_probs(
+        batch, RolloutCorrectionConfig(), False, forward, probe_rows=3, dp_size=2, probe_seed=7
+    )
     assert torch.equal(seen[1], seen[0])  # the same seed probes the same rows
-    assert correct_old_log_probs(batch, RolloutCorrectionConfig(), False, forward,
-                                 probe_rows=0) == ({}, 0)
+    assert correct_old_log_probs(
+        batch, RolloutCorrectionConfig(), False, forward, probe_rows=0
+    ) == ({}, 0)
 
     # rejection: the trainer's log-probs are computed, tokens over the bound leave the mask
     cfg = RolloutCorrectionConfig(rejection=("token_k3",), rejection_threshold=0.02)
@@ -149,17 +172,23 @@ def test_the_mismatch_probe_rejection_and_the_alarm_on_a_batch():
 
     check_mismatch_alarm(metrics, None, 3)
     check_mismatch_alarm(metrics, 10.0, 3)
-    with pytest.raises(MismatchAlarm, match=r"step 3: the rollout's log-probs differ from the "
-                       r"trainer's by KL .* over algorithm.mismatch_alarm_kl=0.001\. Likely "
-                       r"causes: .*dtype"):
+    with pytest.raises(
+        MismatchAlarm,
+        match=r"step 3: the rollout's log-probs differ from the "
+        r"trainer's by KL .* over algorithm.mismatch_alarm_kl=0.001\. Likely "
+        r"causes: .*dtype",
+    ):
         check_mismatch_alarm(metrics, 1e-3, 3)
 
 
 def test_staleness_is_the_version_lag():
     samples = [Sample([1], [2], [1], None, "stop", weight_version=v) for v in (3, 3, 2, 3)]
     assert staleness_metrics(samples, 4) == {
-        "staleness/mean": 1.25, "staleness/max": 2.0,
-        "staleness/weight_version_min": 2.0, "staleness/weight_version_max": 3.0}
+        "staleness/mean": 1.25,
+        "staleness/max": 2.0,
+        "staleness/weight_version_min": 2.0,
+        "staleness/weight_version_max": 3.0,
+    }
 
 
 def test_a_pending_batch_survives_its_json_file_exactly():
@@ -168,12 +197,26 @@ def test_a_pending_batch_survives_its_json_file_exactly():
     lp = torch.randn(2, 3, generator=torch.Generator().manual_seed(0)).tolist()
     rounds = []
     for r in range(2):
-        items = [PromptItem([1, 2, r], PromptRecord([], "src", "4"), f"step3r{r}-{j}")
-                 for j in range(2)]
-        samples = [Sample([1, 2, r], [5, 6, 7], [1, 0, 1], lp[k], "length", text="x y",
-                          score=1 / 3 + k, sample_id=f"s{k}", num_turns=2, tool_calls=1,
-                          tool_rewards={"python": 0.1}, weight_version=7 + r)
-                   for k in range(2)]
+        items = [
+            PromptItem([1, 2, r], PromptRecord([], "src", "4"), f"step3r{r}-{j}") for j in range(2)
+        ]
+        samples = [
+            Sample(
+                [1, 2, r],
+                [5, 6, 7],
+                [1, 0, 1],
+                lp[k],
+                "length",
+                text="x y",
+                score=1 / 3 + k,
+                sample_id=f"s{k}",
+                num_turns=2,
+                tool_calls=1,
+                tool_rewards={"python": 0.1},
+                weight_version=7 + r,
+            )
+            for k in range(2)
+        ]
         rnd = Round(items, samples, 1, indices=[4 + r, 9], tag=f"step3r{r}", scored=True)
         rnd.informative = r
         rnd.keep([r], filler=r == 1)
@@ -186,22 +229,33 @@ def test_a_pending_batch_survives_its_json_file_exactly():
 
 def _compared(records):
     # wall-clock metrics differ run to run; everything computed from data must not
-    return [{k: v for k, v in r.items()
-             if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))} for r in records]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))}
+        for r in records
+    ]
 
 
 @pytest.mark.multiproc
-def test_one_step_off_resumes_exactly_and_trains_on_one_version_old_samples(ray_session,
-                                                                             tmp_path):
+def test_one_step_off_resumes_exactly_and_trains_on_one_version_old_samples(ray_session, tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
 
     def cfg(run_dir, *extra):
-        return parse_config([
-            "-p", "smoke", f"reward.custom_function_path={reward}", "trainer.mode=one_step_off",
-            "algorithm.rollout_correction=tis", f"algorithm.rollout_correction_cap={CAP}",
-            "trainer.steps=4", "trainer.save_every=2", "trainer.dump_generations=1",
-            f"trainer.run_dir={tmp_path / run_dir}", *extra])
+        return parse_config(
+            [
+                "-p",
+                "smoke",
+                f"reward.custom_function_path={reward}",
+                "trainer.mode=one_step_off",
+                "algorithm.rollout_correction=tis",
+                f"algorithm.rollout_correction_cap={CAP}",
+                "trainer.steps=4",
+                "trainer.save_every=2",
+                "trainer.dump_generations=1",
+                f"trainer.run_dir={tmp_path / run_dir}",
+                *extra,
+            ]
+        )
 
     full = run(cfg("full"))
     assert full["steps"] == 4
@@ -212,8 +266,9 @@ def test_one_step_off_resumes_exactly_and_trains_on_one_version_old_samples(ray_
     assert {s["weight_version"] for s in pending[0]["samples"]} == {1}
     # a second run continues from step 2's checkpoint (as if the first had stopped there),
     # generating ahead serially: the worker thread's overlap must not change a number
-    resumed = run(cfg("resumed", f"trainer.resume_from={step2}",
-                      "trainer.overlap_generation=false"))
+    resumed = run(
+        cfg("resumed", f"trainer.resume_from={step2}", "trainer.overlap_generation=false")
+    )
     assert resumed["steps"] == 4
     a = read_jsonl(tmp_path / "full" / "metrics.jsonl")
     b = read_jsonl(tmp_path / "resumed" / "metrics.jsonl")
@@ -224,16 +279,23 @@ def test_one_step_off_resumes_exactly_and_trains_on_one_version_old_samples(ray_
     # step k trains on samples of weight version max(k - 2, 0): generated during step k-1,
     # before its update (step 1's batch is generated at the start, by version 0)
     for run_dir in ("full", "resumed"):
-        for step in ((1, 2, 3, 4) if run_dir == "full" else (3, 4)):
-            rows = [json.loads(x) for x in (tmp_path / run_dir / "generations" /
-                                            f"train_step{step}.jsonl").read_text().splitlines()]
+        for step in (1, 2, 3, 4) if run_dir == "full" else (3, 4):
+            rows = [
+                json.loads(x)
+                for x in (tmp_path / run_dir / "generations" / f"train_step{step}.jsonl")
+                .read_text()
+                .splitlines()
+            ]
             assert len(rows) == 8
             assert {r["weight_version"] for r in rows} == {max(step - 2, 0)}, (run_dir, step)
     for r in a:
         lag = 0.0 if r["step"] == 1 else 1.0
         assert r["staleness/mean"] == r["staleness/max"] == lag
-        assert r["staleness/weight_version_min"] == r["staleness/weight_version_max"] == max(
-            r["step"] - 2, 0)
+        assert (
+            r["staleness/weight_version_min"]
+            == r["staleness/weight_version_max"]
+            == max(r["step"] - 2, 0)
+        )
         # tis: mismatch metrics every step, weights never above the cap
         assert r["rollout_corr/kl_k3"] >= 0 and r["rollout_corr/tis_weight_mean"] <= CAP
         assert (r["rollout_corr/tis_capped_frac"] > 0) == (r["rollout_corr/ratio_max"] > CAP)

@@ -13,10 +13,10 @@ from tephra.controller.rl_loop import Prompts, Trainer
 from tephra.controller.samples import Sample
 from tephra.core.errors import ConfigError
 
-REWARD = '''
+REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if solution_str.startswith("R") else 0.0
-'''
+"""
 N = 4  # samples per prompt
 KINDS = ("all wrong", "all right", "mixed")
 
@@ -51,9 +51,16 @@ class CannedWorkers:
             for k in range(sampling.n):
                 right = {"all wrong": False, "all right": True, "mixed": k < sampling.n // 2}
                 ids = [ord("R" if right[kind(p[0])] else "W")] + [ord("x")] * (2 * k + 1)
-                out.append(Sample(prompt_ids=p, response_ids=ids, response_mask=[1] * len(ids),
-                                  log_probs=[0.0] * len(ids), finish_reason="stop",
-                                  text="".join(map(chr, ids))))
+                out.append(
+                    Sample(
+                        prompt_ids=p,
+                        response_ids=ids,
+                        response_mask=[1] * len(ids),
+                        log_probs=[0.0] * len(ids),
+                        finish_reason="stop",
+                        text="".join(map(chr, ids)),
+                    )
+                )
         self.last = out
         return out
 
@@ -64,12 +71,20 @@ class CannedWorkers:
 def _trainer(tmp_path, *overrides, prompts=30):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    cfg = parse_config(["-p", "smoke", f"reward.custom_function_path={reward}",
-                        f"batch.samples_per_prompt={N}", "batch.prompts_per_step=3",
-                        *overrides])
-    train = Prompts([[i] for i in range(prompts)],
-                    [PromptRecord([{"role": "user", "content": str(i)}], "test", "R")
-                     for i in range(prompts)])
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            f"reward.custom_function_path={reward}",
+            f"batch.samples_per_prompt={N}",
+            "batch.prompts_per_step=3",
+            *overrides,
+        ]
+    )
+    train = Prompts(
+        [[i] for i in range(prompts)],
+        [PromptRecord([{"role": "user", "content": str(i)}], "test", "R") for i in range(prompts)],
+    )
     wg = CannedWorkers()
     return Trainer(cfg, wg, CharTokenizer(), train, Prompts([], []), tmp_path, 1, 0.0), wg
 
@@ -96,8 +111,9 @@ def _expected(order_seed_prompts, want, max_rounds):
 
 
 def test_dynamic_sampling_keeps_informative_groups(tmp_path):
-    trainer, wg = _trainer(tmp_path, "algorithm.dynamic_sampling=true",
-                           "algorithm.max_gen_batches=5")
+    trainer, wg = _trainer(
+        tmp_path, "algorithm.dynamic_sampling=true", "algorithm.max_gen_batches=5"
+    )
     rounds_want, kept_want, filled_want = _expected(30, 3, 5)
     rounds = trainer.collect(0, scored=True)
     assert wg.calls == rounds_want
@@ -110,8 +126,9 @@ def test_dynamic_sampling_keeps_informative_groups(tmp_path):
 
 def test_dynamic_sampling_fills_a_short_batch_with_flat_groups(tmp_path):
     # one round only: the mixed groups of that round, then flat ones of the same round
-    trainer, wg = _trainer(tmp_path, "algorithm.dynamic_sampling=true",
-                           "algorithm.max_gen_batches=1")
+    trainer, wg = _trainer(
+        tmp_path, "algorithm.dynamic_sampling=true", "algorithm.max_gen_batches=1"
+    )
     rounds = trainer.collect(0, scored=True)
     (idx,) = wg.calls
     rnd = rounds[0]
@@ -130,20 +147,27 @@ def test_without_dynamic_sampling_one_round_is_kept_whole(tmp_path):
 
 def test_overlong_shaping_by_hand(tmp_path):
     # smoke: rollout.max_tokens=8, buffer 4: lengths 2, 4 -> 0; 6 -> -0.5; 8 -> -1 (x 0.5)
-    trainer, _ = _trainer(tmp_path, "algorithm.overlong_buffer=4",
-                          "algorithm.overlong_penalty_factor=0.5")
+    trainer, _ = _trainer(
+        tmp_path, "algorithm.overlong_buffer=4", "algorithm.overlong_penalty_factor=0.5"
+    )
     samples = trainer.collect(0, scored=True)[0].kept[:N]
     assert trainer.length_shaping(samples).tolist() == [0.0, 0.0, -0.25, -0.5]
     off, _ = _trainer(tmp_path)
     assert torch.equal(off.length_shaping(samples), torch.zeros(N))
 
 
-@pytest.mark.parametrize("override, message", [
-    ("algorithm.overlong_buffer=9", r"overlong_buffer=9 must be between 0 \(off\) and the "
-                                    r"response budget rollout.max_tokens=8"),
-    ("algorithm.max_gen_batches=0", r"algorithm.max_gen_batches=0 must be >= 1"),
-    ("algorithm.overlong_penalty_factor=-1", r"overlong_penalty_factor=-1.0 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "algorithm.overlong_buffer=9",
+            r"overlong_buffer=9 must be between 0 \(off\) and the "
+            r"response budget rollout.max_tokens=8",
+        ),
+        ("algorithm.max_gen_batches=0", r"algorithm.max_gen_batches=0 must be >= 1"),
+        ("algorithm.overlong_penalty_factor=-1", r"overlong_penalty_factor=-1.0 must be >= 0"),
+    ],
+)
 def test_dapo_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(["-p", "smoke", override])

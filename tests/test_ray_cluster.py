@@ -22,10 +22,19 @@ def test_smoke_preset_trains_across_two_nodes(tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
     try:
-        summary = run(parse_config([
-            "-p", "smoke", f"reward.custom_function_path={reward}",
-            f"resources.ray_address={cluster.address}", "resources.world_size=2",
-            "resources.placement=STRICT_SPREAD", f"trainer.run_dir={tmp_path / 'run'}"]))
+        summary = run(
+            parse_config(
+                [
+                    "-p",
+                    "smoke",
+                    f"reward.custom_function_path={reward}",
+                    f"resources.ray_address={cluster.address}",
+                    "resources.world_size=2",
+                    "resources.placement=STRICT_SPREAD",
+                    f"trainer.run_dir={tmp_path / 'run'}",
+                ]
+            )
+        )
         assert len(ray.nodes()) == 2
     finally:
         ray.shutdown()

@@ -33,7 +33,11 @@ def test_readme_example_runs(readme, tmp_path):
     body = "\n".join(blocks).replace("\n", "\n    ")
     script.write_text(f"if __name__ == '__main__':\n    {body}\n")
     result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=900,
     )
     assert result.returncode == 0, (

@@ -30,8 +30,9 @@ def grpo_batch(scores: list[float], seed: int = 0):
     (s - mean_group) / (std_group + 1e-6), std unbiased, broadcast over response tokens."""
     engine = FSDPEngine.build(tiny_engine_config())
     vocab = engine.config.model.hf_config["vocab_size"]
-    batch = random_batch(vocab, num_sequences=len(scores), prompt_lengths=(2, 9),
-                         response_lengths=(1, 9), seed=seed)
+    batch = random_batch(
+        vocab, num_sequences=len(scores), prompt_lengths=(2, 9), response_lengths=(1, 9), seed=seed
+    )
     s = torch.tensor(scores, dtype=torch.float32).view(-1, GROUP)
     adv = ((s - s.mean(1, keepdim=True)) / (s.std(1, keepdim=True) + 1e-6)).view(-1)
     mask = batch["response_mask"]
@@ -46,13 +47,18 @@ def grpo_batch(scores: list[float], seed: int = 0):
 
 
 def params(engine) -> list[torch.Tensor]:
-    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for p in engine.scorer.parameters()]
+    return [
+        (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for p in engine.scorer.parameters()
+    ]
 
 
 def step(batch, loss_fn, skip: bool, micro_tokens: int):
-    engine = FSDPEngine.build(tiny_engine_config(**{
-        "micro_batch.max_tokens_per_microbatch": micro_tokens, "optimizer.lr": 1e-2}))
+    engine = FSDPEngine.build(
+        tiny_engine_config(
+            **{"micro_batch.max_tokens_per_microbatch": micro_tokens, "optimizer.lr": 1e-2}
+        )
+    )
     metrics = {}
     with engine.train_mode():
         part = batch

@@ -43,19 +43,23 @@ def test_transcripts_answer_the_colour_and_train_only_the_answer(processor):
 def test_warmup_transcripts_are_disjoint_from_the_rl_held_out_items():
     warm, demo = sft_config(["-p", "vlm_warmup"]), parse_config(["-p", "vlm_demo"])
     assert warm.data.seed not in (demo.data.val_seed, demo.data.train_seed)
-    held_out = {r["images"][0].tobytes() for r in colour_square_rows(demo.data.val_size,
-                                                                    demo.data.val_seed)}
+    held_out = {
+        r["images"][0].tobytes() for r in colour_square_rows(demo.data.val_size, demo.data.val_seed)
+    }
     transcripts = colour_square_rows(warm.data.size, warm.data.seed)
     assert not any(r["images"][0].tobytes() in held_out for r in transcripts)
     with pytest.raises(ConfigError, match="data.seed=9999 draws the RL trainer's held-out"):
         sft_config(["-p", "vlm_warmup", "data.seed=9999"])
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("data.source=pictures", "data.source='pictures': choose one of"),
-    ("data.train_files=[x.parquet]", "data.source=colour_squares generates its transcripts"),
-    ("data.images=true", "data.source=colour_squares generates its transcripts"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.source=pictures", "data.source='pictures': choose one of"),
+        ("data.train_files=[x.parquet]", "data.source=colour_squares generates its transcripts"),
+        ("data.images=true", "data.source=colour_squares generates its transcripts"),
+    ],
+)
 def test_sft_colour_squares_source_is_validated(override, message):
     with pytest.raises(ConfigError, match=message):
         sft_config(["-p", "vlm_warmup", override])
@@ -63,15 +67,16 @@ def test_sft_colour_squares_source_is_validated(override, message):
 
 def test_sft_colour_squares_needs_a_vision_model(tmp_path):
     with pytest.raises(ConfigError, match="data.source=colour_squares but model.path='tiny'"):
-        sft_run(sft_config(["-p", "vlm_warmup", "model.path=tiny",
-                            f"train.run_dir={tmp_path}"]))
+        sft_run(sft_config(["-p", "vlm_warmup", "model.path=tiny", f"train.run_dir={tmp_path}"]))
 
 
 def test_vlm_demo_starts_from_the_warmup_export():
     warm, demo = sft_config(["-p", "vlm_warmup"]), parse_config(["-p", "vlm_demo"])
     assert demo.model.path == f"{warm.train.run_dir}/hf" and warm.train.export_hf
     assert MADE_BY[demo.model.path] == "uv run apps/sft -p vlm_warmup"
-    assert warm.model.path == "tiny_vlm" and warm.data.source == demo.data.source == "colour_squares"
+    assert (
+        warm.model.path == "tiny_vlm" and warm.data.source == demo.data.source == "colour_squares"
+    )
     assert demo.algorithm.adv_estimator == "grpo" and demo.batch.samples_per_prompt >= 2
     assert demo.trainer.val_before and demo.trainer.val_after and demo.trainer.val.n == 1
 
@@ -90,17 +95,41 @@ def test_missing_warmup_folder_names_the_sft_command(tmp_path, monkeypatch):
 
 @pytest.mark.multiproc
 def test_warmup_then_grpo_end_to_end(ray_session, tmp_path):
-    warm = sft_run(sft_config([
-        "-p", "vlm_warmup", "data.size=20", "data.val_size=4", "train.steps=2",
-        "train.sequences_per_step=4", "train.trackers=[jsonl]", "resources.cpus_per_rank=1",
-        f"train.run_dir={tmp_path / 'warm'}"]))
+    warm = sft_run(
+        sft_config(
+            [
+                "-p",
+                "vlm_warmup",
+                "data.size=20",
+                "data.val_size=4",
+                "train.steps=2",
+                "train.sequences_per_step=4",
+                "train.trackers=[jsonl]",
+                "resources.cpus_per_rank=1",
+                f"train.run_dir={tmp_path / 'warm'}",
+            ]
+        )
+    )
     assert warm["steps"] == 2 and warm["loss_after"] < warm["loss_before"]
-    summary = run(parse_config([
-        "-p", "vlm_demo", f"model.path={tmp_path / 'warm' / 'hf'}", "data.train_size=8",
-        "data.val_size=4", "batch.prompts_per_step=2", "batch.samples_per_prompt=4",
-        "trainer.steps=1", "trainer.progress_bar=false", "trainer.trackers=[jsonl]",
-        "trainer.export_hf=false", "resources.cpus_per_rank=1",
-        f"trainer.run_dir={tmp_path / 'rl'}"]))
+    summary = run(
+        parse_config(
+            [
+                "-p",
+                "vlm_demo",
+                f"model.path={tmp_path / 'warm' / 'hf'}",
+                "data.train_size=8",
+                "data.val_size=4",
+                "batch.prompts_per_step=2",
+                "batch.samples_per_prompt=4",
+                "trainer.steps=1",
+                "trainer.progress_bar=false",
+                "trainer.trackers=[jsonl]",
+                "trainer.export_hf=false",
+                "resources.cpus_per_rank=1",
+                f"trainer.run_dir={tmp_path / 'rl'}",
+            ]
+        )
+    )
     assert summary["steps"] == 1
     assert summary["accuracy_before"] is not None and summary["accuracy_after"] is not None
 
@@ -109,12 +138,23 @@ def test_warmup_then_grpo_end_to_end(ray_session, tmp_path):
 @pytest.mark.multiproc
 def test_grpo_raises_held_out_accuracy_after_the_warmup(ray_session, tmp_path):
     # the two commands of the apps' READMEs, as measured there
-    sft_run(sft_config(["-p", "vlm_warmup", "resources.cpus_per_rank=1",
-                        f"train.run_dir={tmp_path / 'warm'}"]))
-    summary = run(parse_config(["-p", "vlm_demo", f"model.path={tmp_path / 'warm' / 'hf'}",
-                                "resources.cpus_per_rank=1", "trainer.progress_bar=false",
-                                f"trainer.run_dir={tmp_path / 'rl'}"]))
+    sft_run(
+        sft_config(
+            ["-p", "vlm_warmup", "resources.cpus_per_rank=1", f"train.run_dir={tmp_path / 'warm'}"]
+        )
+    )
+    summary = run(
+        parse_config(
+            [
+                "-p",
+                "vlm_demo",
+                f"model.path={tmp_path / 'warm' / 'hf'}",
+                "resources.cpus_per_rank=1",
+                "trainer.progress_bar=false",
+                f"trainer.run_dir={tmp_path / 'rl'}",
+            ]
+        )
+    )
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     assert before < 0.7, "the warm-up should leave room for RL"
     assert after >= before + 0.1, summary  # measured: 0.61 -> 0.76
-

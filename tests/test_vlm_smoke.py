@@ -27,16 +27,27 @@ def _vision_weights(folder) -> dict[str, torch.Tensor]:
     weights = {}
     for f in sorted(folder.glob("*.safetensors")):
         # transformers saves `visual.*` or `model.visual.*` (versions differ); both load
-        weights.update({k[k.index("visual."):]: v for k, v in load_file(f).items()
-                        if "visual." in k})
+        weights.update(
+            {k[k.index("visual.") :]: v for k, v in load_file(f).items() if "visual." in k}
+        )
     return weights
 
 
 @pytest.mark.multiproc
 def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path):
     # two mini-batches: the trainer recomputes the old log-probs of the sampled images
-    summary = run(parse_config(["-p", "vlm_smoke", "batch.mini_batches=2", "trainer.val_after=true",
-                                "trainer.export_hf=true", f"trainer.run_dir={tmp_path}"]))
+    summary = run(
+        parse_config(
+            [
+                "-p",
+                "vlm_smoke",
+                "batch.mini_batches=2",
+                "trainer.val_after=true",
+                "trainer.export_hf=true",
+                f"trainer.run_dir={tmp_path}",
+            ]
+        )
+    )
     assert summary["steps"] == 2 and summary["accuracy_after"] is not None
     records = read_jsonl(tmp_path / "metrics.jsonl")
     train = [r for r in records if "reward/mean" in r]
@@ -68,25 +79,37 @@ def _parquet(path, size, seed) -> None:
 def test_multimodal_parquet_trains_and_validates(ray_session, tmp_path):
     _parquet(tmp_path / "train.parquet", 8, 1)
     _parquet(tmp_path / "val.parquet", 2, 2)
-    cfg = parse_config(["-p", "vlm_smoke", "data.source=parquet", "data.images=true",
-                        f"data.train_files=[{tmp_path / 'train.parquet'}]",
-                        f"data.val_files=[{tmp_path / 'val.parquet'}]", "trainer.steps=1",
-                        "trainer.val_before=true", f"trainer.run_dir={tmp_path / 'run'}"])
+    cfg = parse_config(
+        [
+            "-p",
+            "vlm_smoke",
+            "data.source=parquet",
+            "data.images=true",
+            f"data.train_files=[{tmp_path / 'train.parquet'}]",
+            f"data.val_files=[{tmp_path / 'val.parquet'}]",
+            "trainer.steps=1",
+            "trainer.val_before=true",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
     summary = run(cfg)
     assert summary["steps"] == 1 and summary["accuracy_before"] is not None
     (record,) = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
     assert record["actor/grad_norm"] > 0
 
 
-@pytest.mark.parametrize(("override", "field"), [
-    ("rollout.backend=vllm", "rollout.backend='vllm'"),
-    ("actor.engine=megatron", "actor.engine='megatron'"),
-    ("rollout.agent_loop=single_turn", "rollout.agent_loop='single_turn'"),
-    ("trainer.mode=one_step_off", "trainer.mode='one_step_off'"),
-    ("algorithm.adv_estimator=gae", "algorithm.adv_estimator='gae'"),
-    ("algorithm.adv_estimator=remax", "algorithm.adv_estimator='remax'"),
-    ("actor.lora.rank=4", "actor.lora"),
-])
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("rollout.backend=vllm", "rollout.backend='vllm'"),
+        ("actor.engine=megatron", "actor.engine='megatron'"),
+        ("rollout.agent_loop=single_turn", "rollout.agent_loop='single_turn'"),
+        ("trainer.mode=one_step_off", "trainer.mode='one_step_off'"),
+        ("algorithm.adv_estimator=gae", "algorithm.adv_estimator='gae'"),
+        ("algorithm.adv_estimator=remax", "algorithm.adv_estimator='remax'"),
+        ("actor.lora.rank=4", "actor.lora"),
+    ],
+)
 def test_unsupported_combinations_are_refused(override, field):
     with pytest.raises(ConfigError, match="prompts with images") as err:
         parse_config(["-p", "vlm_smoke", override])
@@ -97,8 +120,7 @@ def test_images_need_parquet_and_a_vision_model(tmp_path):
     with pytest.raises(ConfigError, match="data.images=true reads the `images` column"):
         parse_config(["-p", "vlm_smoke", "data.images=true"])
     with pytest.raises(ConfigError, match="text-only model"):
-        prepare(parse_config(["-p", "vlm_smoke", "model.path=tiny",
-                              f"trainer.run_dir={tmp_path}"]))
+        prepare(parse_config(["-p", "vlm_smoke", "model.path=tiny", f"trainer.run_dir={tmp_path}"]))
 
 
 def _sft_parquet(path, size, seed) -> None:
@@ -106,9 +128,13 @@ def _sft_parquet(path, size, seed) -> None:
     for row in colour_square_rows(size, seed):
         png = io.BytesIO()
         row["images"][0].save(png, format="PNG")
-        rows.append({"messages": row["prompt"] + [
-            {"role": "assistant", "content": row["reward_model"]["ground_truth"]}],
-            "images": [{"bytes": png.getvalue(), "path": None}]})
+        rows.append(
+            {
+                "messages": row["prompt"]
+                + [{"role": "assistant", "content": row["reward_model"]["ground_truth"]}],
+                "images": [{"bytes": png.getvalue(), "path": None}],
+            }
+        )
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
@@ -131,10 +157,20 @@ def test_sft_on_image_rows_lowers_the_loss(ray_session, tmp_path):
 
     _sft_parquet(tmp_path / "train.parquet", 16, 1)
     _sft_parquet(tmp_path / "val.parquet", 4, 2)
-    summary = sft_run(sft_config([
-        "-p", "smoke", "model.path=tiny_vlm", "data.images=true",
-        f"data.train_files=[{tmp_path / 'train.parquet'}]",
-        f"data.val_files=[{tmp_path / 'val.parquet'}]", "train.steps=6", "train.export_hf=false",
-        f"train.run_dir={tmp_path / 'sft'}"]))
+    summary = sft_run(
+        sft_config(
+            [
+                "-p",
+                "smoke",
+                "model.path=tiny_vlm",
+                "data.images=true",
+                f"data.train_files=[{tmp_path / 'train.parquet'}]",
+                f"data.val_files=[{tmp_path / 'val.parquet'}]",
+                "train.steps=6",
+                "train.export_hf=false",
+                f"train.run_dir={tmp_path / 'sft'}",
+            ]
+        )
+    )
     assert summary["steps"] == 6
     assert summary["loss_after"] < 0.8 * summary["loss_before"], summary

@@ -39,8 +39,9 @@ class _Actor:
 
 @pytest.fixture
 def receiver():
-    process = subprocess.Popen([sys.executable, str(RECEIVER), "cpu"], stdout=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(RECEIVER), "cpu"], stdout=subprocess.PIPE, text=True
+    )
     try:
         yield f"http://127.0.0.1:{int(process.stdout.readline())}"
     finally:
@@ -53,32 +54,52 @@ def test_the_worker_syncs_between_waking_weights_and_kv_cache(receiver, tmp_path
     model = build_tiny_model(tmp_path / "model")
     weights = list(load_file(str(Path(model.path) / "model.safetensors")).items())
     worker = RLWorker.__new__(RLWorker)
-    worker.rollout = get_rollout("vllm", RolloutConfig(
-        model_path=model.path, max_model_len=64,
-        vllm=ServerSettings(url=receiver, sleep_level=level)))
+    worker.rollout = get_rollout(
+        "vllm",
+        RolloutConfig(
+            model_path=model.path,
+            max_model_len=64,
+            vllm=ServerSettings(url=receiver, sleep_level=level),
+        ),
+    )
     worker.rollout.transport = "ipc"
     worker.actor, worker._profile_prefix, worker.colocated = _Actor(weights), None, True
     worker.cfg = SimpleNamespace(
         rollout=SimpleNamespace(uses_agent_loop=False, sleep_when_training=True),
-        resources=SimpleNamespace(rollout=SimpleNamespace(replicas=0)))
+        resources=SimpleNamespace(rollout=SimpleNamespace(replicas=0)),
+    )
     worker._generate_plain = lambda items, sampling: []
     prompts = [None]  # one prompt (a rank with an empty share would not wake the server)
     try:
-        worker.sync_weights()                         # the first sync, awake
-        worker.generate(prompts, None, score=False)   # generate, then sleep
-        worker.generate(prompts, None, score=False)   # again, no update in between
-        worker.sync_weights()                         # after an update
+        worker.sync_weights()  # the first sync, awake
+        worker.generate(prompts, None, score=False)  # generate, then sleep
+        worker.generate(prompts, None, score=False)  # again, no update in between
+        worker.sync_weights()  # after an update
         worker.generate(prompts, None, score=False)
-        paths = [p for p, _ in httpx.get(receiver + "/log", timeout=30).json()
-                 if p not in ("/update_weights", "/start_weight_update", "/finish_weight_update",
-                              "/reset_prefix_cache", "/init_weight_transfer_engine")]
+        paths = [
+            p
+            for p, _ in httpx.get(receiver + "/log", timeout=30).json()
+            if p
+            not in (
+                "/update_weights",
+                "/start_weight_update",
+                "/finish_weight_update",
+                "/reset_prefix_cache",
+                "/init_weight_transfer_engine",
+            )
+        ]
         sync_when_asleep = ["/wake_up?tags=weights", "/wake_up?tags=kv_cache"]
         if level == 1:  # the weights were kept: the second generation only wakes the server
             second = ["/wake_up?tags=weights&tags=kv_cache"]
         else:  # dropped: sent again before it generates
             second = sync_when_asleep
-        assert paths == ([f"/sleep?level={level}"] + second + [f"/sleep?level={level}"]
-                         + sync_when_asleep + [f"/sleep?level={level}"])
+        assert paths == (
+            [f"/sleep?level={level}"]
+            + second
+            + [f"/sleep?level={level}"]
+            + sync_when_asleep
+            + [f"/sleep?level={level}"]
+        )
         # every sync delivered the actor's weights
         syncs = 3 if level == 2 else 2
         assert worker.rollout.update_count == syncs

@@ -30,9 +30,11 @@ TOL = dict(atol=1e-6, rtol=1e-6)
 
 # ----- naive references: python floats, one sample at a time ---------------------------
 
+
 def naive_scores(rewards, mask):
-    return [sum(float(rewards[b, t]) for t in response_positions(mask[b]))
-            for b in range(mask.shape[0])]
+    return [
+        sum(float(rewards[b, t]) for t in response_positions(mask[b])) for b in range(mask.shape[0])
+    ]
 
 
 def naive_groups(group_ids):
@@ -125,8 +127,9 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
         adv, ret = naive_gae(rewards, values, mask, cfg.gamma, cfg.lam, cfg.whiten_gae)
         return to_dense(adv, mask, True), to_dense(ret, mask, True)
     if name in ("grpo", "dr_grpo"):
-        a = naive_group_baseline(scores, group_ids, name != "dr_grpo" and cfg.norm_by_std,
-                                 cfg.epsilon)
+        a = naive_group_baseline(
+            scores, group_ids, name != "dr_grpo" and cfg.norm_by_std, cfg.epsilon
+        )
         return to_dense(a, mask), to_dense(a, mask)
     if name == "grpo_vectorized":  # verl's groupwise.group_mean_std: variance floored at eps
         a = [0.0] * b
@@ -136,8 +139,11 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
                 m, sd = 0.0, 1.0
             else:
                 m = mean(s)
-                sd = (math.sqrt(max(std_unbiased(s) ** 2, cfg.epsilon)) + cfg.epsilon
-                      if cfg.norm_by_std else 1.0)
+                sd = (
+                    math.sqrt(max(std_unbiased(s) ** 2, cfg.epsilon)) + cfg.epsilon
+                    if cfg.norm_by_std
+                    else 1.0
+                )
             for i in members:
                 a[i] = (scores[i] - m) / sd
         return to_dense(a, mask), to_dense(a, mask)
@@ -146,7 +152,7 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
         for members in naive_groups(group_ids).values():
             s = [scores[i] for i in members]
             best = s.index(max(s))
-            lead = max(s) - max(s[:best] + s[best + 1:])
+            lead = max(s) - max(s[:best] + s[best + 1 :])
             if cfg.norm_by_std:
                 centre = sum(s) / len(s)
                 lead /= math.sqrt(sum((x - centre) ** 2 for x in s) / (len(s) - 1)) + cfg.epsilon
@@ -176,8 +182,11 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
         a = [0.0] * b
         for members in naive_groups(group_ids).values():
             lens = [len(response_positions(mask[i])) for i in members]
-            base = (0.0 if len(members) == 1 else
-                    sum(n * scores[i] for n, i in zip(lens, members)) / sum(lens))
+            base = (
+                0.0
+                if len(members) == 1
+                else sum(n * scores[i] for n, i in zip(lens, members)) / sum(lens)
+            )
             for i in members:
                 a[i] = scores[i] - base
         return to_dense(a, mask), to_dense(a, mask)
@@ -187,11 +196,13 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
         return to_dense(a, mask), to_dense(a, mask)
     if name == "gpg_paper":
         groups = naive_groups(group_ids)
-        flat = sum(len(m) for m in groups.values()
-                   if len(m) > 1 and len({scores[i] for i in m}) == 1)
+        flat = sum(
+            len(m) for m in groups.values() if len(m) > 1 and len({scores[i] for i in m}) == 1
+        )
         alpha = b / max(b - flat, 1)
-        a = [alpha * x for x in naive_group_baseline(scores, group_ids, cfg.norm_by_std,
-                                                     cfg.epsilon)]
+        a = [
+            alpha * x for x in naive_group_baseline(scores, group_ids, cfg.norm_by_std, cfg.epsilon)
+        ]
         return to_dense(a, mask), to_dense(a, mask)
     if name == "passk_expectation":
         a = naive_passk(scores, group_ids, cfg.passk_k, cfg.norm_by_std, cfg.epsilon)
@@ -205,8 +216,11 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
 
 # estimators that need the sampling policy's token statistics (old_log_probs,
 # sum_pi_squared) are tested on their own in test_algos_verl_names.py
-PLAIN = [n for n in ADVANTAGE_ESTIMATORS.names()
-         if not ADVANTAGE_ESTIMATORS.meta(n).get("needs_token_stats")]
+PLAIN = [
+    n
+    for n in ADVANTAGE_ESTIMATORS.names()
+    if not ADVANTAGE_ESTIMATORS.meta(n).get("needs_token_stats")
+]
 
 
 def make_case(seed, batch=12, seq=10, n_groups=4, binary=False, min_group=1):
@@ -219,15 +233,18 @@ def make_case(seed, batch=12, seq=10, n_groups=4, binary=False, min_group=1):
         group_ids = random_group_ids(gen, batch, n_groups)
     rewards = outcome_rewards(gen, mask, binary=binary)
     # dense per-token rewards too (as a KL penalty would add), for the token-level estimators
-    rewards = rewards + torch.where(mask > 0, 0.1 * torch.randn(batch, seq, generator=gen,
-                                                                dtype=torch.float64), 0.0)
+    rewards = rewards + torch.where(
+        mask > 0, 0.1 * torch.randn(batch, seq, generator=gen, dtype=torch.float64), 0.0
+    )
     values = torch.randn(batch, seq, generator=gen, dtype=torch.float64)
     baselines = torch.randn(batch, generator=gen, dtype=torch.float64)
     return rewards, mask, group_ids, values, baselines
 
 
-CONFIGS = [AdvantageConfig(), AdvantageConfig(gamma=0.9, lam=0.8, norm_by_std=False,
-                                              whiten_gae=False, passk_k=2)]
+CONFIGS = [
+    AdvantageConfig(),
+    AdvantageConfig(gamma=0.9, lam=0.8, norm_by_std=False, whiten_gae=False, passk_k=2),
+]
 
 
 @pytest.mark.parametrize("name", PLAIN)
@@ -237,16 +254,24 @@ def test_matches_naive_loop(name, cfg_index, seed):
     cfg = CONFIGS[cfg_index]
     passk = name in ("passk_expectation", "grpo_passk")
     rewards, mask, gids, values, baselines = make_case(
-        seed, n_groups=3 if passk else 4, min_group=4 if passk else 1, binary=seed == 2)
-    adv, ret = compute_advantages(name, token_rewards=rewards, response_mask=mask,
-                                  group_ids=gids, values=values, config=cfg,
-                                  baselines=baselines)
+        seed, n_groups=3 if passk else 4, min_group=4 if passk else 1, binary=seed == 2
+    )
+    adv, ret = compute_advantages(
+        name,
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=gids,
+        values=values,
+        config=cfg,
+        baselines=baselines,
+    )
     want_adv, want_ret = naive(name, rewards, mask, gids, values, baselines, cfg)
     torch.testing.assert_close(adv, want_adv, **TOL)
     torch.testing.assert_close(ret, want_ret, **TOL)
 
 
 # ----- hand-computed cases ---------------------------------------------------------------
+
 
 def one_token(scores):
     """Each sample: one prompt token then one response token holding its score."""
@@ -259,8 +284,14 @@ def one_token(scores):
 def adv_of(name, scores, ids, **kw):
     rewards, mask = one_token(scores)
     cfg = kw.pop("config", AdvantageConfig())
-    adv, _ = compute_advantages(name, token_rewards=rewards, response_mask=mask,
-                                group_ids=torch.tensor(ids), config=cfg, **kw)
+    adv, _ = compute_advantages(
+        name,
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=torch.tensor(ids),
+        config=cfg,
+        **kw,
+    )
     return adv[:, 1].tolist()
 
 
@@ -277,20 +308,22 @@ def test_hand_rloo_opo_gpg():
     # OPO: lengths 1 and 3, scores 1 and 0: baseline (1*1 + 3*0) / 4 = .25
     rewards = torch.tensor([[0, 0, 0, 1.0], [0, 0, 0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[0, 0, 0, 1], [0, 1, 1, 1]])
-    adv, _ = compute_advantages("opo", token_rewards=rewards, response_mask=mask,
-                                group_ids=torch.tensor([1, 1]))
-    assert adv[0, 3] == pytest.approx(0.75) and adv[1, 1:].tolist() == pytest.approx([-.25] * 3)
+    adv, _ = compute_advantages(
+        "opo", token_rewards=rewards, response_mask=mask, group_ids=torch.tensor([1, 1])
+    )
+    assert adv[0, 3] == pytest.approx(0.75) and adv[1, 1:].tolist() == pytest.approx([-0.25] * 3)
     # GPG (paper): 4 samples, group 1 all equal (M = 2): alpha = 4 / 2; group 0: +-0.5
     cfg = AdvantageConfig(norm_by_std=False)
     assert adv_of("gpg_paper", [1.0, 0.0, 2.0, 2.0], [0, 0, 1, 1], config=cfg) == pytest.approx(
-        [1.0, -1.0, 0.0, 0.0])
+        [1.0, -1.0, 0.0, 0.0]
+    )
     # GPG (verl): 3 non-zero scores of 4: alpha = 4 / 3, never divided by the std
     assert adv_of("gpg", [1.0, 0.0, 2.0, 2.0], [0, 0, 1, 1]) == pytest.approx(
-        [4 / 3 * 0.5, -4 / 3 * 0.5, 0.0, 0.0])
+        [4 / 3 * 0.5, -4 / 3 * 0.5, 0.0, 0.0]
+    )
     # a lone sample: rloo keeps its score, rloo_vectorized gives 0 (verl's two functions)
     assert adv_of("rloo", [1.0, 2.0, 5.0], [0, 0, 1]) == pytest.approx([-1.0, 1.0, 5.0])
-    assert adv_of("rloo_vectorized", [1.0, 2.0, 5.0], [0, 0, 1]) == pytest.approx(
-        [-1.0, 1.0, 0.0])
+    assert adv_of("rloo_vectorized", [1.0, 2.0, 5.0], [0, 0, 1]) == pytest.approx([-1.0, 1.0, 0.0])
 
 
 def test_hand_gae():
@@ -299,8 +332,14 @@ def test_hand_gae():
     values = torch.tensor([[9.0, 0.5, 0.25, 9.0]], dtype=torch.float64)
     mask = torch.tensor([[0, 1, 1, 0]])
     cfg = AdvantageConfig(gamma=0.5, lam=0.5, whiten_gae=False)
-    adv, ret = compute_advantages("gae", token_rewards=rewards, response_mask=mask,
-                                  group_ids=torch.tensor([0]), values=values, config=cfg)
+    adv, ret = compute_advantages(
+        "gae",
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=torch.tensor([0]),
+        values=values,
+        config=cfg,
+    )
     # A2 = 1 - .25 = .75; delta1 = 0 + .5*.25 - .5 = -.375; A1 = -.375 + .25*.75 = -.1875
     assert adv[0].tolist() == pytest.approx([0, -0.1875, 0.75, 0])
     assert ret[0].tolist() == pytest.approx([0, 0.3125, 1.0, 0])
@@ -309,13 +348,21 @@ def test_hand_gae():
 def test_hand_reinforce_pp_and_remax():
     rewards = torch.tensor([[0.0, 1.0, 2.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1]])
-    _, ret = compute_advantages("reinforce_plus_plus", token_rewards=rewards,
-                                response_mask=mask, group_ids=torch.tensor([0]),
-                                config=AdvantageConfig(gamma=0.5))
+    _, ret = compute_advantages(
+        "reinforce_plus_plus",
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=torch.tensor([0]),
+        config=AdvantageConfig(gamma=0.5),
+    )
     assert ret[0].tolist() == pytest.approx([1.0, 2.0, 2.0])
-    adv, ret = compute_advantages("remax", token_rewards=rewards, response_mask=mask,
-                                  group_ids=torch.tensor([0]),
-                                  baselines=torch.tensor([1.0], dtype=torch.float64))
+    adv, ret = compute_advantages(
+        "remax",
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=torch.tensor([0]),
+        baselines=torch.tensor([1.0], dtype=torch.float64),
+    )
     assert ret[0].tolist() == pytest.approx([3.0, 3.0, 2.0])
     assert adv[0].tolist() == pytest.approx([2.0, 2.0, 1.0])
 
@@ -323,46 +370,56 @@ def test_hand_reinforce_pp_and_remax():
 def test_hand_passk_binary_matches_analytic_form():
     # n = 4, c = 1 correct, k = 2: R = 1 - C(3,2)/C(4,2) = .5, sigma = .5
     # correct: (1 - .5)/.5 = 1; wrong: (1 - C(2,1)/C(3,1) - .5)/.5 = -1/3
-    got = adv_of("passk_expectation", [1.0, 0.0, 0.0, 0.0], [0] * 4,
-                 config=AdvantageConfig(passk_k=2, epsilon=1e-12))
+    got = adv_of(
+        "passk_expectation",
+        [1.0, 0.0, 0.0, 0.0],
+        [0] * 4,
+        config=AdvantageConfig(passk_k=2, epsilon=1e-12),
+    )
     assert got == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3], abs=1e-9)
     # k = 1 is GRPO with the population std
-    got = adv_of("passk_expectation", [1.0, 0.0], [0, 0], config=AdvantageConfig(passk_k=1,
-                                                                           epsilon=1e-12))
+    got = adv_of(
+        "passk_expectation", [1.0, 0.0], [0, 0], config=AdvantageConfig(passk_k=1, epsilon=1e-12)
+    )
     assert got == pytest.approx([1.0, -1.0], abs=1e-9)
 
 
 # ----- invariances -----------------------------------------------------------------------
 
+
 def _insert_padding(t: torch.Tensor, cols: list[int], fill: torch.Tensor) -> torch.Tensor:
     pieces, prev = [], 0
     for j, c in enumerate(sorted(cols)):
-        pieces += [t[:, prev:c], fill[:, j:j + 1]]
+        pieces += [t[:, prev:c], fill[:, j : j + 1]]
         prev = c
     pieces.append(t[:, prev:])
     return torch.cat(pieces, dim=1)
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 10_000), name=st.sampled_from(PLAIN),
-       n_new=st.integers(1, 4))
+@given(seed=st.integers(0, 10_000), name=st.sampled_from(PLAIN), n_new=st.integers(1, 4))
 def test_mask_invariance(seed, name, n_new):
     """Inserting masked-out columns (garbage values) anywhere changes nothing at the
     response tokens and gives 0 in the new columns."""
-    rewards, mask, gids, values, baselines = make_case(seed, batch=8, seq=8, n_groups=2,
-                                                       min_group=4)
+    rewards, mask, gids, values, baselines = make_case(
+        seed, batch=8, seq=8, n_groups=2, min_group=4
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     cols = torch.randint(0, 9, (n_new,), generator=gen).tolist()
     garbage = torch.randn(8, n_new, generator=gen, dtype=torch.float64) * 100
     zeros = torch.zeros(8, n_new, dtype=torch.int64)
     cfg = AdvantageConfig(passk_k=2)
     kw = dict(group_ids=gids, baselines=baselines, config=cfg)
-    adv, ret = compute_advantages(name, token_rewards=rewards, response_mask=mask,
-                                  values=values, **kw)
+    adv, ret = compute_advantages(
+        name, token_rewards=rewards, response_mask=mask, values=values, **kw
+    )
     adv2, ret2 = compute_advantages(
-        name, token_rewards=_insert_padding(rewards, cols, garbage),
+        name,
+        token_rewards=_insert_padding(rewards, cols, garbage),
         response_mask=_insert_padding(mask, cols, zeros),
-        values=_insert_padding(values, cols, garbage), **kw)
+        values=_insert_padding(values, cols, garbage),
+        **kw,
+    )
     keep = _insert_padding(torch.ones_like(mask), cols, zeros) > 0
     torch.testing.assert_close(adv2[:, keep.all(0)], adv, **TOL)
     torch.testing.assert_close(ret2[:, keep.all(0)], ret, **TOL)
@@ -373,25 +430,38 @@ def test_mask_invariance(seed, name, n_new):
 @given(seed=st.integers(0, 10_000), name=st.sampled_from(PLAIN))
 def test_group_permutation_invariance(seed, name):
     """Shuffling the samples and renaming the group ids permutes the result, nothing else."""
-    rewards, mask, gids, values, baselines = make_case(seed, batch=9, seq=7, n_groups=3,
-                                                       min_group=3)
+    rewards, mask, gids, values, baselines = make_case(
+        seed, batch=9, seq=7, n_groups=3, min_group=3
+    )
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(9, generator=gen)
-    rename = {int(g): int(v) for g, v in zip(gids.unique(), torch.randperm(100,
-                                                                       generator=gen)[:3])}
+    rename = {int(g): int(v) for g, v in zip(gids.unique(), torch.randperm(100, generator=gen)[:3])}
     new_ids = torch.tensor([rename[int(g)] for g in gids[perm]])
     cfg = AdvantageConfig(passk_k=2)
-    adv, ret = compute_advantages(name, token_rewards=rewards, response_mask=mask,
-                                  group_ids=gids, values=values, baselines=baselines,
-                                  config=cfg)
-    adv_p, ret_p = compute_advantages(name, token_rewards=rewards[perm], response_mask=mask[perm],
-                                      group_ids=new_ids, values=values[perm],
-                                      baselines=baselines[perm], config=cfg)
+    adv, ret = compute_advantages(
+        name,
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=gids,
+        values=values,
+        baselines=baselines,
+        config=cfg,
+    )
+    adv_p, ret_p = compute_advantages(
+        name,
+        token_rewards=rewards[perm],
+        response_mask=mask[perm],
+        group_ids=new_ids,
+        values=values[perm],
+        baselines=baselines[perm],
+        config=cfg,
+    )
     torch.testing.assert_close(adv_p, adv[perm], **TOL)
     torch.testing.assert_close(ret_p, ret[perm], **TOL)
 
 
 # ----- errors ------------------------------------------------------------------------------
+
 
 def test_errors_name_the_problem():
     rewards, mask = one_token([1.0, 0.0])
@@ -403,14 +473,15 @@ def test_errors_name_the_problem():
     with pytest.raises(InputError, match="needs baselines="):
         compute_advantages("remax", token_rewards=rewards, response_mask=mask, group_ids=ids)
     with pytest.raises(InputError, match="group_ids must hold integer"):
-        compute_advantages("grpo", token_rewards=rewards, response_mask=mask,
-                           group_ids=ids.double())
+        compute_advantages(
+            "grpo", token_rewards=rewards, response_mask=mask, group_ids=ids.double()
+        )
     with pytest.raises(InputError, match="response_mask has shape"):
-        compute_advantages("grpo", token_rewards=rewards, response_mask=mask[:, :1],
-                           group_ids=ids)
+        compute_advantages("grpo", token_rewards=rewards, response_mask=mask[:, :1], group_ids=ids)
     with pytest.raises(InputError, match="fewer than AdvantageConfig.passk_k=4"):
-        compute_advantages("passk_expectation", token_rewards=rewards, response_mask=mask,
-                           group_ids=ids)
+        compute_advantages(
+            "passk_expectation", token_rewards=rewards, response_mask=mask, group_ids=ids
+        )
     with pytest.raises(ConfigError, match="advantage.gamma=1.5"):
         AdvantageConfig(gamma=1.5)
     with pytest.raises(ConfigError, match="advantage.passk_k=0"):
@@ -424,7 +495,7 @@ def test_verl_grpo_passk_by_hand():
     tie = adv_of("grpo_passk", [1.0, 0.5, 1.0, 0.0], [0] * 4)
     assert tie == [0.0, 0.0, 0.0, 0.0]
     got = adv_of("grpo_passk", [1.0, 0.5, 0.0, 0.0], [0] * 4)
-    std = math.sqrt(((1 - .375) ** 2 + (.5 - .375) ** 2 + 2 * .375 ** 2) / 3)
+    std = math.sqrt(((1 - 0.375) ** 2 + (0.5 - 0.375) ** 2 + 2 * 0.375**2) / 3)
     assert got == pytest.approx([0.5 / (std + 1e-6), 0.0, 0.0, 0.0])
     with pytest.raises(InputError, match="needs at least 2 per group"):
         adv_of("grpo_passk", [1.0, 0.0], [0, 1])

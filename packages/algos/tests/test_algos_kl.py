@@ -26,8 +26,14 @@ NAIVE = {
     "k2": lambda lp, ref: 0.5 * (lp - ref) ** 2,
     "k3": lambda lp, ref: math.exp(ref - lp) - (ref - lp) - 1,
 }
-ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "low_var_kl+": "k3+", "kl+": "k1+",
-           "mse+": "k2+"}
+ALIASES = {
+    "kl": "k1",
+    "mse": "k2",
+    "low_var_kl": "k3",
+    "low_var_kl+": "k3+",
+    "kl+": "k1+",
+    "mse+": "k2+",
+}
 PER_TOKEN = [n for n in KL_ESTIMATORS.names() if not n.startswith("full")]
 
 
@@ -39,8 +45,18 @@ def pair(seed, shape=(5, 7)):
 
 
 def test_registered_names():
-    assert set(KL_ESTIMATORS.names()) == {"k1", "abs", "k2", "k3", "full", "k1+", "abs+",
-                                          "k2+", "k3+", *ALIASES}
+    assert set(KL_ESTIMATORS.names()) == {
+        "k1",
+        "abs",
+        "k2",
+        "k3",
+        "full",
+        "k1+",
+        "abs+",
+        "k2+",
+        "k3+",
+        *ALIASES,
+    }
 
 
 @pytest.mark.parametrize("name", PER_TOKEN)
@@ -48,8 +64,10 @@ def test_values_match_naive(name):
     lp, ref = pair(0)
     base = ALIASES.get(name, name).rstrip("+")
     got = kl_penalty(lp, ref, name)
-    want = torch.tensor([[NAIVE[base](float(a), float(b)) for a, b in zip(ra, rb)]
-                         for ra, rb in zip(lp, ref)], dtype=torch.float64)
+    want = torch.tensor(
+        [[NAIVE[base](float(a), float(b)) for a, b in zip(ra, rb)] for ra, rb in zip(lp, ref)],
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -76,11 +94,14 @@ def test_full_matches_naive_and_gradcheck():
     p = torch.softmax(logits.detach(), -1)
     for b in range(2):
         for t in range(3):
-            want = sum(float(p[b, t, v]) * (math.log(float(p[b, t, v])) - float(ref[b, t, v]))
-                       for v in range(5))
+            want = sum(
+                float(p[b, t, v]) * (math.log(float(p[b, t, v])) - float(ref[b, t, v]))
+                for v in range(5)
+            )
             assert float(got[b, t]) == pytest.approx(want, abs=1e-9)
     assert torch.autograd.gradcheck(
-        lambda z: kl_penalty(torch.log_softmax(z, -1), ref, "full"), (logits,))
+        lambda z: kl_penalty(torch.log_softmax(z, -1), ref, "full"), (logits,)
+    )
 
 
 @pytest.mark.parametrize("name", ["k1", "abs", "k2", "k3"])
@@ -97,8 +118,9 @@ def test_straight_through_value_and_gradient(name):
     lp.requires_grad_(True)
     ref.requires_grad_(True)
     out = kl_penalty(lp, ref, name)
-    torch.testing.assert_close(out.detach(), kl_penalty(lp.detach(), ref.detach(),
-                                                        name.rstrip("+")), **TOL)
+    torch.testing.assert_close(
+        out.detach(), kl_penalty(lp.detach(), ref.detach(), name.rstrip("+")), **TOL
+    )
     w = torch.rand(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     g_lp, g_ref = torch.autograd.grad((out * w).sum(), (lp, ref))
     torch.testing.assert_close(g_lp, w * (lp - ref).detach(), **TOL)
@@ -121,8 +143,9 @@ def test_straight_through_gradient_is_unbiased_for_reverse_kl():
     logits = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
     ref_logp = torch.log_softmax(torch.randn(6, generator=gen, dtype=torch.float64), -1)
     logp = torch.log_softmax(logits, -1)
-    (g_reverse,) = torch.autograd.grad((logp.exp() * (logp - ref_logp)).sum(), logits,
-                                       retain_graph=True)
+    (g_reverse,) = torch.autograd.grad(
+        (logp.exp() * (logp - ref_logp)).sum(), logits, retain_graph=True
+    )
     (g_forward,) = torch.autograd.grad((ref_logp.exp() * (ref_logp - logp)).sum(), logits)
     for name in ["k1+", "abs+", "k2+", "k3+", "k2"]:
         torch.testing.assert_close(_expected_gradient(name, logits, ref_logp), g_reverse, **TOL)

@@ -44,6 +44,7 @@ def tensors(seed, batch=6, seq=8):
 
 # ----- value loss ----------------------------------------------------------------------
 
+
 def test_value_loss_matches_naive():
     _, mask, rnd = tensors(0)
     values, old, returns = rnd(), rnd(), rnd()
@@ -73,6 +74,7 @@ def test_value_loss_hand():
 
 # ----- entropy -------------------------------------------------------------------------
 
+
 def test_entropy_from_logits():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64)
@@ -87,6 +89,7 @@ def test_entropy_from_logits():
 
 
 # ----- DAPO ----------------------------------------------------------------------------
+
 
 def test_filter_groups_hand_and_naive():
     scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.7, 0.3])
@@ -111,8 +114,9 @@ def test_filter_groups_hand_and_naive():
 
 def test_overlong_penalty():
     lengths = torch.tensor([10, 12, 14, 16, 20])
-    got = overlong_penalty(lengths, max_response_length=16, overlong_buffer_len=4,
-                           penalty_factor=0.5)
+    got = overlong_penalty(
+        lengths, max_response_length=16, overlong_buffer_len=4, penalty_factor=0.5
+    )
     # expected 12: 0, 0, -(2/4), -(4/4), beyond the max: -1; all times .5
     assert got.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -0.5])
     with pytest.raises(InputError, match="overlong_buffer_len=0"):
@@ -120,6 +124,7 @@ def test_overlong_penalty():
 
 
 # ----- truncated importance sampling ---------------------------------------------------
+
 
 def test_truncated_importance_weights_match_naive():
     _, mask, rnd = tensors(3)
@@ -147,32 +152,50 @@ def test_truncated_importance_weights_match_naive():
     pos = [(b, t) for b in range(6) for t in response_positions(mask[b])]
     k1 = sum(float(rollout[p] - old[p]) for p in pos) / len(pos)
     assert m["mismatch/k1"] == pytest.approx(k1)
-    k3 = sum(math.exp(float(old[p] - rollout[p])) - 1 - float(old[p] - rollout[p])
-             for p in pos) / len(pos)
+    k3 = sum(
+        math.exp(float(old[p] - rollout[p])) - 1 - float(old[p] - rollout[p]) for p in pos
+    ) / len(pos)
     assert m["mismatch/k3"] == pytest.approx(k3)
 
 
 # ----- objectives vs a naive composition ------------------------------------------------
 
+
 def _objective_case(seed):
     gen, mask, rnd = tensors(seed, batch=5, seq=7)
     old = -rnd().abs()
-    batch = {"old_log_probs": old, "advantages": rnd(), "response_mask": mask,
-             "ref_log_probs": old + 0.2 * rnd(), "rollout_log_probs": old + 0.3 * rnd(),
-             "values": rnd(), "returns": rnd()}
+    batch = {
+        "old_log_probs": old,
+        "advantages": rnd(),
+        "response_mask": mask,
+        "ref_log_probs": old + 0.2 * rnd(),
+        "rollout_log_probs": old + 0.3 * rnd(),
+        "values": rnd(),
+        "returns": rnd(),
+    }
     tokens, seqs = global_normalisers([mask])
     batch["global_token_count"] = torch.full((5,), tokens)
     batch["global_seq_count"] = torch.full((5,), seqs)
-    outputs = {"log_probs": (old + 0.2 * rnd()).requires_grad_(True),
-               "entropy": rnd().abs(), "values": (batch["values"] + 0.4 * rnd())}
+    outputs = {
+        "log_probs": (old + 0.2 * rnd()).requires_grad_(True),
+        "entropy": rnd().abs(),
+        "values": (batch["values"] + 0.4 * rnd()),
+    }
     return outputs, batch, tokens, seqs
 
 
 def test_actor_objective_matches_naive_composition():
     outputs, batch, tokens, seqs = _objective_case(4)
-    cfg = ActorObjectiveConfig(policy_loss="vanilla", loss_agg_mode="seq-mean-token-mean",
-                               entropy_coeff=0.02, use_kl_loss=True, kl_loss_coef=0.3,
-                               kl_loss_type="k3+", tis_level="token", tis_threshold=1.3)
+    cfg = ActorObjectiveConfig(
+        policy_loss="vanilla",
+        loss_agg_mode="seq-mean-token-mean",
+        entropy_coeff=0.02,
+        use_kl_loss=True,
+        kl_loss_coef=0.3,
+        kl_loss_type="k3+",
+        tis_level="token",
+        tis_threshold=1.3,
+    )
     loss, metrics = ActorObjective(cfg)(outputs, batch)
     mask = batch["response_mask"]
     want = 0.0
@@ -193,8 +216,15 @@ def test_actor_objective_matches_naive_composition():
             acc += w * pg - 0.02 * float(outputs["entropy"][b, t]) + 0.3 * k3
         want += acc / len(pos) / seqs
     assert float(loss.detach()) == pytest.approx(want, abs=1e-9)
-    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
-            "actor/kl_loss", "actor/tis/weight_mean", "actor/mismatch/k1"} <= set(metrics)
+    assert {
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/tis/weight_mean",
+        "actor/mismatch/k1",
+    } <= set(metrics)
     assert all(isinstance(v, float) for v in metrics.values())
 
 
@@ -205,8 +235,11 @@ def test_critic_objective_matches_naive():
     mask = batch["response_mask"]
     for b in range(5):
         for t in response_positions(mask[b]):
-            v, o, r = (float(outputs["values"][b, t]), float(batch["values"][b, t]),
-                       float(batch["returns"][b, t]))
+            v, o, r = (
+                float(outputs["values"][b, t]),
+                float(batch["values"][b, t]),
+                float(batch["returns"][b, t]),
+            )
             vc = o + min(max(v - o, -0.2), 0.2)
             want += 0.5 * max((v - r) ** 2, (vc - r) ** 2) / tokens
     assert float(loss) == pytest.approx(want, abs=1e-9)
@@ -220,10 +253,12 @@ def test_objectives_name_missing_inputs():
         ActorObjective(ActorObjectiveConfig(entropy_coeff=0.1))(no_entropy, batch)
     loss, metrics = ActorObjective()(no_entropy, batch)  # entropy is optional otherwise
     assert "actor/entropy" not in metrics
-    for key, cfg in [("ref_log_probs", ActorObjectiveConfig(use_kl_loss=True)),
-                     ("rollout_log_probs", ActorObjectiveConfig(tis_level="token")),
-                     ("global_token_count", ActorObjectiveConfig()),
-                     ("advantages", ActorObjectiveConfig())]:
+    for key, cfg in [
+        ("ref_log_probs", ActorObjectiveConfig(use_kl_loss=True)),
+        ("rollout_log_probs", ActorObjectiveConfig(tis_level="token")),
+        ("global_token_count", ActorObjectiveConfig()),
+        ("advantages", ActorObjectiveConfig()),
+    ]:
         partial = {k: v for k, v in batch.items() if k != key}
         with pytest.raises(InputError, match=rf"batch\['{key}'\] is missing"):
             ActorObjective(cfg)(outputs, partial)
@@ -233,20 +268,26 @@ def test_objectives_name_missing_inputs():
 
 # ----- configs -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: PolicyLossConfig(clip_ratio_c=0.9), "policy_loss.clip_ratio_c=0.9 must be > 1"),
-    (lambda: PolicyLossConfig(clip_ratio=-1), "policy_loss.clip_ratio=-1"),
-    (lambda: PolicyLossConfig(clip_cov_lb=5, clip_cov_ub=1), "policy_loss.clip_cov_lb=5"),
-    (lambda: ActorObjectiveConfig(policy_loss="ppo"), "actor.policy_loss='ppo'"),
-    (lambda: ActorObjectiveConfig(loss_agg_mode="token-summ"), "actor.loss_agg_mode"),
-    (lambda: ActorObjectiveConfig(kl_loss_type="k5"), "actor.kl_loss_type='k5'"),
-    (lambda: ActorObjectiveConfig(kl_loss_type="full"), "needs full-vocabulary"),
-    (lambda: ActorObjectiveConfig(loss_agg_mode="seq-mean-token-sum-norm"),
-     "actor.loss_agg_norm_constant=None"),
-    (lambda: ActorObjectiveConfig(tis_level="seq"), "actor.tis_level='seq'"),
-    (lambda: ActorObjectiveConfig(tis_threshold=1.0), "actor.tis_threshold=1.0"),
-    (lambda: CriticObjectiveConfig(cliprange_value=0), "critic.cliprange_value=0"),
-])
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: PolicyLossConfig(clip_ratio_c=0.9), "policy_loss.clip_ratio_c=0.9 must be > 1"),
+        (lambda: PolicyLossConfig(clip_ratio=-1), "policy_loss.clip_ratio=-1"),
+        (lambda: PolicyLossConfig(clip_cov_lb=5, clip_cov_ub=1), "policy_loss.clip_cov_lb=5"),
+        (lambda: ActorObjectiveConfig(policy_loss="ppo"), "actor.policy_loss='ppo'"),
+        (lambda: ActorObjectiveConfig(loss_agg_mode="token-summ"), "actor.loss_agg_mode"),
+        (lambda: ActorObjectiveConfig(kl_loss_type="k5"), "actor.kl_loss_type='k5'"),
+        (lambda: ActorObjectiveConfig(kl_loss_type="full"), "needs full-vocabulary"),
+        (
+            lambda: ActorObjectiveConfig(loss_agg_mode="seq-mean-token-sum-norm"),
+            "actor.loss_agg_norm_constant=None",
+        ),
+        (lambda: ActorObjectiveConfig(tis_level="seq"), "actor.tis_level='seq'"),
+        (lambda: ActorObjectiveConfig(tis_threshold=1.0), "actor.tis_threshold=1.0"),
+        (lambda: CriticObjectiveConfig(cliprange_value=0), "critic.cliprange_value=0"),
+    ],
+)
 def test_config_errors_name_the_field(make, match):
     with pytest.raises(ConfigError, match=match):
         make()
@@ -261,6 +302,7 @@ def test_config_defaults_and_dict_policy():
 
 # ----- registry ------------------------------------------------------------------------
 
+
 def test_registry_semantics():
     reg: Registry = Registry("widget")
 
@@ -269,7 +311,7 @@ def test_registry_semantics():
         return 1
 
     reg.register("alias", a)  # the same object under a second name is fine
-    reg.register("a", a)      # re-registering the same object is fine
+    reg.register("a", a)  # re-registering the same object is fine
     with pytest.raises(RegistryError, match="widget 'a' is already registered"):
         reg.register("a", lambda: 2)
     assert reg.get("a") is a and reg.names() == ["a", "alias"] and "a" in reg and len(reg) == 2
@@ -307,8 +349,9 @@ def test_micro_batch_without_response_tokens_contributes_zero(name):
     """A micro-batch of padding rows (ranks can get one) gives loss 0 and zero gradient."""
     outputs, batch, _, _ = _objective_case(8)
     batch["response_mask"] = torch.zeros_like(batch["response_mask"])
-    cfg = ActorObjectiveConfig(policy_loss=name, entropy_coeff=0.01, use_kl_loss=True,
-                               tis_level="sequence")
+    cfg = ActorObjectiveConfig(
+        policy_loss=name, entropy_coeff=0.01, use_kl_loss=True, tis_level="sequence"
+    )
     loss, metrics = ActorObjective(cfg)(outputs, batch)
     (grad,) = torch.autograd.grad(loss, outputs["log_probs"])
     assert float(loss.detach()) == 0.0 and (grad == 0).all()

@@ -17,9 +17,16 @@ from tephra.algos import (
 from tephra.algos.testing import random_mask, response_positions
 
 TOL = dict(atol=1e-6, rtol=1e-6)
-CONFIG = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                          clip_cov_ratio=1.0, clip_cov_lb=-0.05, clip_cov_ub=0.05,
-                          kl_cov_ratio=0.1, kl_cov_coef=0.7)
+CONFIG = PolicyLossConfig(
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=3.0,
+    clip_cov_ratio=1.0,
+    clip_cov_lb=-0.05,
+    clip_cov_ub=0.05,
+    kl_cov_ratio=0.1,
+    kl_cov_coef=0.7,
+)
 
 
 def sigmoid(x):
@@ -66,8 +73,11 @@ def naive_token(name, lp, old, a, cfg, seq_ratio=None, cov=None, selected=False)
             inner = (1 - q + 1e-8) / (1 - p + 1e-8)
             # log of a negative number (p > 1 from an off-policy lp > 0) is NaN in torch
             div = q * (old - lp) + (1 - q) * (math.log(inner) if inner > 0 else math.nan)
-            valid = ((div <= cfg.clip_ratio_high or p <= q) if a > 0
-                     else (div <= cfg.clip_ratio_low or p >= q))
+            valid = (
+                (div <= cfg.clip_ratio_high or p <= q)
+                if a > 0
+                else (div <= cfg.clip_ratio_low or p >= q)
+            )
         # verl's dppo losses truncate at clip_ratio_c (dppo_ratio_cap None, the default)
         cap = cfg.dppo_ratio_cap if cfg.dppo_ratio_cap is not None else cfg.clip_ratio_c
         w = min(r, cap)
@@ -113,9 +123,17 @@ def test_matches_naive_loop(name, seed):
     lp, old, adv, mask = make_case(seed)
     lp = lp.requires_grad_(True)
     tokens, seqs = global_normalisers([mask])
-    loss, metrics = compute_policy_loss(name, lp, old, adv, mask, config=CONFIG,
-                                        loss_agg_mode="token-mean",
-                                        global_token_count=tokens, global_seq_count=seqs)
+    loss, metrics = compute_policy_loss(
+        name,
+        lp,
+        old,
+        adv,
+        mask,
+        config=CONFIG,
+        loss_agg_mode="token-mean",
+        global_token_count=tokens,
+        global_seq_count=seqs,
+    )
     loss.backward()
     got_grad, lp, loss = lp.grad, lp.detach(), loss.detach()
     name = "vanilla" if name == "bypass_mode" else name  # verl's name for it on rollout log-probs
@@ -126,25 +144,38 @@ def test_matches_naive_loop(name, seed):
         pos = response_positions(mask[b])
         seq_ratio = math.exp(sum(float(lp[b, t] - old[b, t]) for t in pos) / len(pos))
         for t in pos:
-            value, grad = naive_token(name, float(lp[b, t]), float(old[b, t]),
-                                      float(adv[b, t]), CONFIG, seq_ratio=seq_ratio,
-                                      selected=(b, t) in selected)
+            value, grad = naive_token(
+                name,
+                float(lp[b, t]),
+                float(old[b, t]),
+                float(adv[b, t]),
+                CONFIG,
+                seq_ratio=seq_ratio,
+                selected=(b, t) in selected,
+            )
             want_loss += value / tokens
             want_grad[b, t] = grad / tokens
             r = seq_ratio if name == "gspo" else math.exp(float(lp[b, t] - old[b, t]))
             clipped += not (1 - CONFIG.clip_ratio_low <= r <= 1 + CONFIG.clip_ratio_high) and (
-                -float(adv[b, t]) * min(max(r, 0.8), 1.28) > -float(adv[b, t]) * r)
+                -float(adv[b, t]) * min(max(r, 0.8), 1.28) > -float(adv[b, t]) * r
+            )
     assert float(loss) == pytest.approx(want_loss, abs=1e-6, rel=1e-6)
     torch.testing.assert_close(got_grad, want_grad, **TOL)
     if name in ("vanilla", "gspo", "clip_cov"):
         assert metrics["pg_clipfrac"] == pytest.approx(clipped / tokens)
-    ratio = [math.exp(float(lp[b, t] - old[b, t])) for b in range(mask.shape[0])
-             for t in response_positions(mask[b])]
+    ratio = [
+        math.exp(float(lp[b, t] - old[b, t]))
+        for b in range(mask.shape[0])
+        for t in response_positions(mask[b])
+    ]
     if name != "gspo":
         assert metrics["ratio_max"] == pytest.approx(max(ratio))
         assert metrics["ratio_mean"] == pytest.approx(sum(ratio) / len(ratio))
-    kl = [float(old[b, t] - lp[b, t]) for b in range(mask.shape[0])
-          for t in response_positions(mask[b])]
+    kl = [
+        float(old[b, t] - lp[b, t])
+        for b in range(mask.shape[0])
+        for t in response_positions(mask[b])
+    ]
     assert metrics["ppo_kl"] == pytest.approx(sum(kl) / len(kl))
 
 
@@ -163,13 +194,14 @@ def test_naive_exercises_every_branch():
 
 def test_clip_cov_random_choice_is_among_candidates_and_sized():
     lp, old, adv, mask = make_case(3, batch=16, seq=12)
-    cfg = PolicyLossConfig(clip_cov_ratio=0.02, clip_cov_lb=-0.05, clip_cov_ub=0.05,
-                           clip_cov_seed=5)
+    cfg = PolicyLossConfig(
+        clip_cov_ratio=0.02, clip_cov_lb=-0.05, clip_cov_ub=0.05, clip_cov_seed=5
+    )
     n_valid = int((mask > 0).sum())
     per_tok, _ = POLICY_LOSSES.get("clip_cov")(lp, old, adv, mask, cfg)
-    full, _ = POLICY_LOSSES.get("clip_cov")(lp, old, adv, mask,
-                                            PolicyLossConfig(**{**cfg.__dict__,
-                                                                "clip_cov_ratio": 1.0}))
+    full, _ = POLICY_LOSSES.get("clip_cov")(
+        lp, old, adv, mask, PolicyLossConfig(**{**cfg.__dict__, "clip_cov_ratio": 1.0})
+    )
     removed = (per_tok == 0) & (mask > 0) & (adv != 0)
     candidates = (full == 0) & (mask > 0) & (adv != 0)
     assert int(removed.sum()) == max(int(0.02 * n_valid), 1)
@@ -180,29 +212,44 @@ def test_clip_cov_random_choice_is_among_candidates_and_sized():
 
 def _one(name, lp, old, a, cfg=None):
     t = lambda x: torch.tensor([[x]], dtype=torch.float64)  # noqa: E731
-    loss, _ = compute_policy_loss(name, t(lp), t(old), t(a), torch.ones(1, 1),
-                                  config=cfg or PolicyLossConfig(), global_token_count=1.0,
-                                  global_seq_count=1.0)
+    loss, _ = compute_policy_loss(
+        name,
+        t(lp),
+        t(old),
+        t(a),
+        torch.ones(1, 1),
+        config=cfg or PolicyLossConfig(),
+        global_token_count=1.0,
+        global_seq_count=1.0,
+    )
     return float(loss)
 
 
 def test_hand_cases():
     ln = math.log
-    assert _one("vanilla", ln(1.5), 0.0, 1.0) == pytest.approx(-1.2)      # clipped at 1 + .2
-    assert _one("vanilla", ln(1.1), 0.0, 1.0) == pytest.approx(-1.1)      # inside the range
-    assert _one("vanilla", ln(5.0), 0.0, -1.0) == pytest.approx(3.0)      # dual clip c = 3
-    assert _one("vanilla", ln(5.0), 0.0, -1.0,
-                PolicyLossConfig(clip_ratio_c=None)) == pytest.approx(5.0)
-    assert _one("vanilla", ln(1.25), 0.0, 1.0,
-                PolicyLossConfig(clip_ratio_high=0.28)) == pytest.approx(-1.25)  # clip-higher
+    assert _one("vanilla", ln(1.5), 0.0, 1.0) == pytest.approx(-1.2)  # clipped at 1 + .2
+    assert _one("vanilla", ln(1.1), 0.0, 1.0) == pytest.approx(-1.1)  # inside the range
+    assert _one("vanilla", ln(5.0), 0.0, -1.0) == pytest.approx(3.0)  # dual clip c = 3
+    assert _one(
+        "vanilla", ln(5.0), 0.0, -1.0, PolicyLossConfig(clip_ratio_c=None)
+    ) == pytest.approx(5.0)
+    assert _one(
+        "vanilla", ln(1.25), 0.0, 1.0, PolicyLossConfig(clip_ratio_high=0.28)
+    ) == pytest.approx(-1.25)  # clip-higher
     assert _one("cispo", -1.0, -1.0 - ln(2.0), 1.0) == pytest.approx(1.2)  # -1.2 * 1 * -1
-    assert _one("sapo", -0.5, -0.5, 2.0) == pytest.approx(-4.0)            # -A * 4/1 * 1/2
+    assert _one("sapo", -0.5, -0.5, 2.0) == pytest.approx(-4.0)  # -A * 4/1 * 1/2
     assert _one("gpg", -2.0, -9.0, 0.5) == pytest.approx(1.0)
     # GSPO: token log-ratios ln 2 and 0 -> s = sqrt 2, clipped to 1.2 for A = 1
     lp = torch.tensor([[math.log(2.0), 0.0]], dtype=torch.float64)
-    loss, m = compute_policy_loss("gspo", lp, torch.zeros_like(lp), torch.ones_like(lp),
-                                  torch.ones(1, 2), global_token_count=2.0,
-                                  global_seq_count=1.0)
+    loss, m = compute_policy_loss(
+        "gspo",
+        lp,
+        torch.zeros_like(lp),
+        torch.ones_like(lp),
+        torch.ones(1, 2),
+        global_token_count=2.0,
+        global_seq_count=1.0,
+    )
     assert float(loss) == pytest.approx(-1.2) and m["pg_clipfrac"] == 1.0
 
 
@@ -221,8 +268,7 @@ def test_masked_positions_never_matter():
 
 def test_unknown_loss_lists_registered():
     with pytest.raises(RegistryError, match="did you mean 'vanilla'.*cispo, clip_cov"):
-        compute_policy_loss("vanila", *make_case(0), global_token_count=1.0,
-                            global_seq_count=1.0)
+        compute_policy_loss("vanila", *make_case(0), global_token_count=1.0, global_seq_count=1.0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -234,9 +280,17 @@ def test_geo_mean_matches_naive_loop(seed, mode):
     lp, old, adv, mask = make_case(seed)
     lp = lp.double().requires_grad_(True)
     tokens, seqs = global_normalisers([mask])
-    loss, metrics = compute_policy_loss("geo_mean", lp, old, adv, mask, config=CONFIG,
-                                        loss_agg_mode=mode, global_token_count=tokens,
-                                        global_seq_count=seqs)
+    loss, metrics = compute_policy_loss(
+        "geo_mean",
+        lp,
+        old,
+        adv,
+        mask,
+        config=CONFIG,
+        loss_agg_mode=mode,
+        global_token_count=tokens,
+        global_seq_count=seqs,
+    )
     loss.backward()
     lo, hi = CONFIG.clip_ratio_low, CONFIG.clip_ratio_high
     want_loss, want_grad = 0.0, torch.zeros_like(lp)
@@ -268,8 +322,9 @@ def test_sapo_temperatures_follow_the_ratio_dtype():
     adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
     mask = torch.ones(1, 2)
     cfg = PolicyLossConfig(sapo_tau_pos=1.0, sapo_tau_neg=1.05)
-    loss, _ = compute_policy_loss("sapo", lp, old, adv, mask, config=cfg,
-                                  global_token_count=2.0, global_seq_count=1.0)
+    loss, _ = compute_policy_loss(
+        "sapo", lp, old, adv, mask, config=cfg, global_token_count=2.0, global_seq_count=1.0
+    )
     want = 0.0
     for d, a in ((0.1, 1.0), (-0.1, -1.0)):
         tau = 1.0 if a > 0 else 1.05

@@ -38,8 +38,7 @@ def case(seed: int, spread: float = 0.8):
 @pytest.mark.parametrize("cap", [1.0, 1.5, 4.0])
 def test_tis_weights_match_a_naive_loop_and_clip_at_the_cap(level, cap):
     train, rollout, mask = case(1, spread=1.5)
-    out = apply_rollout_correction(RolloutCorrectionConfig("tis", level, cap), rollout, mask,
-                                   train)
+    out = apply_rollout_correction(RolloutCorrectionConfig("tis", level, cap), rollout, mask, train)
     assert out.old_log_probs is train
     capped = units = 0
     weights = []
@@ -65,20 +64,26 @@ def test_tis_weights_match_a_naive_loop_and_clip_at_the_cap(level, cap):
     assert (out.weights[mask > 0] == cap).sum() > 0
     assert out.metrics["rollout_corr/tis_capped_frac"] == pytest.approx(capped / units)
     assert out.metrics["rollout_corr/tis_weight_mean"] == pytest.approx(
-        sum(weights) / len(weights), rel=1e-12)
+        sum(weights) / len(weights), rel=1e-12
+    )
 
 
 def test_mismatch_metrics_match_a_naive_loop():
     train, rollout, mask = case(2, spread=0.3)
     for mode in ROLLOUT_CORRECTIONS.names():
         m = apply_rollout_correction(RolloutCorrectionConfig(mode), rollout, mask, train).metrics
-        gaps = [float(train[b, t] - rollout[b, t]) for b in range(B)
-                for t in response_positions(mask[b])]
+        gaps = [
+            float(train[b, t] - rollout[b, t])
+            for b in range(B)
+            for t in response_positions(mask[b])
+        ]
         assert m["rollout_corr/log_prob_gap_mean"] == pytest.approx(sum(gaps) / len(gaps))
         assert m["rollout_corr/log_prob_abs_gap_mean"] == pytest.approx(
-            sum(abs(g) for g in gaps) / len(gaps))
+            sum(abs(g) for g in gaps) / len(gaps)
+        )
         assert m["rollout_corr/kl_k3"] == pytest.approx(
-            sum(math.exp(g) - 1 - g for g in gaps) / len(gaps))
+            sum(math.exp(g) - 1 - g for g in gaps) / len(gaps)
+        )
         assert m["rollout_corr/ratio_max"] == pytest.approx(max(math.exp(g) for g in gaps))
         assert m["rollout_corr/kl_k3"] >= 0
     # equal policies: no gap, ratio 1, KL 0, every weight 1
@@ -93,10 +98,14 @@ def test_bypass_uses_the_rollout_log_probs_and_none_the_trainers():
     assert by.old_log_probs is rollout and by.weights is None and by.metrics == {}
     none = apply_rollout_correction(RolloutCorrectionConfig("none"), rollout, mask, train)
     assert none.old_log_probs is train and none.weights is None
-    assert ROLLOUT_CORRECTIONS.meta("tis") == {"needs_train_log_probs": True,
-                                               "replaces_old_log_probs": False}
-    assert ROLLOUT_CORRECTIONS.meta("bypass") == {"needs_train_log_probs": False,
-                                                  "replaces_old_log_probs": True}
+    assert ROLLOUT_CORRECTIONS.meta("tis") == {
+        "needs_train_log_probs": True,
+        "replaces_old_log_probs": False,
+    }
+    assert ROLLOUT_CORRECTIONS.meta("bypass") == {
+        "needs_train_log_probs": False,
+        "replaces_old_log_probs": True,
+    }
     with pytest.raises(InputError, match="'tis' needs train_log_probs"):
         apply_rollout_correction(RolloutCorrectionConfig("tis"), rollout, mask)
 
@@ -114,14 +123,19 @@ def test_actor_objective_multiplies_the_policy_loss_by_the_weights():
     train, rollout, mask = case(4)
     gen = torch.Generator().manual_seed(5)
     adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
-    new = (train + 0.1 * torch.randn(B, T, generator=gen, dtype=torch.float64))
-    corr = apply_rollout_correction(RolloutCorrectionConfig("tis", "token", 1.5), rollout,
-                                    mask, train)
+    new = train + 0.1 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    corr = apply_rollout_correction(
+        RolloutCorrectionConfig("tis", "token", 1.5), rollout, mask, train
+    )
     tokens, seqs = global_normalisers([mask])
-    batch = {"old_log_probs": corr.old_log_probs, "advantages": adv, "response_mask": mask,
-             "rollout_is_weights": corr.weights,
-             "global_token_count": torch.full((B,), tokens),
-             "global_seq_count": torch.full((B,), seqs)}
+    batch = {
+        "old_log_probs": corr.old_log_probs,
+        "advantages": adv,
+        "response_mask": mask,
+        "rollout_is_weights": corr.weights,
+        "global_token_count": torch.full((B,), tokens),
+        "global_seq_count": torch.full((B,), seqs),
+    }
     cfg = ActorObjectiveConfig(loss_agg_mode="token-mean", policy=dict(clip_ratio_c=None))
     loss, _ = ActorObjective(cfg)({"log_probs": new}, batch)
     want = 0.0
@@ -155,8 +169,17 @@ def naive_keep(train, rollout, mask, name, lower, upper):
         else:
             vals = list(stats.values())
             how = name.split("_")[1]
-            agg = (sum(vals) if how == "sum" else sum(vals) / len(vals) if how == "mean"
-                   else max(vals)) if vals else 0.0
+            agg = (
+                (
+                    sum(vals)
+                    if how == "sum"
+                    else sum(vals) / len(vals)
+                    if how == "mean"
+                    else max(vals)
+                )
+                if vals
+                else 0.0
+            )
             decided = {t: agg for t in toks}
         for t, v in decided.items():
             ok = v <= (math.log(upper) if name.endswith("k1") else upper)
@@ -185,12 +208,16 @@ def test_rejection_drops_exactly_the_rows_and_tokens_over_the_bound(name):
     dropped = (mask > 0) & (expected == 0)
     assert 0 < int(dropped.sum()) < int((mask > 0).sum())  # the plants, not everything
     assert out.metrics["rollout_corr/rs_masked_frac"] == pytest.approx(
-        float(dropped.sum()) / float((mask > 0).sum()))
-    assert out.metrics[f"rollout_corr/rs_{name}_masked_frac"] == \
-        out.metrics["rollout_corr/rs_masked_frac"]
+        float(dropped.sum()) / float((mask > 0).sum())
+    )
+    assert (
+        out.metrics[f"rollout_corr/rs_{name}_masked_frac"]
+        == out.metrics["rollout_corr/rs_masked_frac"]
+    )
     rows = (mask > 0).any(-1)
     assert out.metrics["rollout_corr/rs_seq_masked_frac"] == pytest.approx(
-        float((dropped.any(-1) & rows).sum()) / float(rows.sum()))
+        float((dropped.any(-1) & rows).sum()) / float(rows.sum())
+    )
     assert (out.weights[expected == 0] == 0).all()  # TIS weights of dropped tokens are 0
 
 
@@ -199,11 +226,15 @@ def test_rejection_options_combine_and_bad_thresholds_name_the_field():
     mask = random_mask(gen, 6, 8)
     rollout = -torch.rand(6, 8, generator=gen, dtype=torch.float64)
     train = rollout + 0.5 * torch.randn(6, 8, generator=gen, dtype=torch.float64)
-    both = RolloutCorrectionConfig(rejection=("token_k1", "seq_max_k3"),
-                                   rejection_threshold="0.7_1.5,0.3")
+    both = RolloutCorrectionConfig(
+        rejection=("token_k1", "seq_max_k3"), rejection_threshold="0.7_1.5,0.3"
+    )
     keep = apply_rollout_correction(both, rollout, mask, train).keep
-    assert torch.equal(keep, naive_keep(train, rollout, mask, "token_k1", 0.7, 1.5)
-                       * naive_keep(train, rollout, mask, "seq_max_k3", None, 0.3))
+    assert torch.equal(
+        keep,
+        naive_keep(train, rollout, mask, "token_k1", 0.7, 1.5)
+        * naive_keep(train, rollout, mask, "seq_max_k3", None, 0.3),
+    )
     # a single k1 number u is the pair 1/u_u
     one = RolloutCorrectionConfig(rejection=("token_k1",), rejection_threshold=2.0)
     assert one.bounds["token_k1"] == pytest.approx((math.log(0.5), math.log(2.0)))
@@ -211,11 +242,15 @@ def test_rejection_options_combine_and_bad_thresholds_name_the_field():
         ({"rejection": ("token_k4",)}, r"algorithm.rollout_rejection='token_k4'.*did you mean"),
         ({"rejection": ("token_k1",)}, r"rollout_rejection_threshold is missing"),
         ({"rejection": ("token_k2",), "rejection_threshold": "0.1_0.2"}, r"upper bound only"),
-        ({"rejection": ("token_k1", "seq_sum_k2"), "rejection_threshold": "1,2,3"},
-         r"one bound for all options or one per option \(2\)"),
+        (
+            {"rejection": ("token_k1", "seq_sum_k2"), "rejection_threshold": "1,2,3"},
+            r"one bound for all options or one per option \(2\)",
+        ),
         ({"rejection": ("token_k3",), "rejection_threshold": "-1"}, r"positive"),
-        ({"mode": "bypass", "rejection": ("token_k3",), "rejection_threshold": 1.0},
-         r"needs the trainer's log-probs, which rollout_correction='bypass' skips"),
+        (
+            {"mode": "bypass", "rejection": ("token_k3",), "rejection_threshold": 1.0},
+            r"needs the trainer's log-probs, which rollout_correction='bypass' skips",
+        ),
     ]:
         with pytest.raises((ConfigError, RegistryError), match=message):
             RolloutCorrectionConfig(**kwargs)

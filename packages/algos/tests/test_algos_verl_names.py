@@ -24,8 +24,9 @@ def _batch(seed: int, batch: int = 7, seq: int = 12, n_groups: int = 3):
     mask = random_mask(gen, batch, seq)
     rewards = outcome_rewards(gen, mask)
     # a few dense per-token terms too, so reward-to-go is not just the outcome
-    rewards = rewards + torch.where(mask > 0, 0.1 * torch.randn(batch, seq, generator=gen,
-                                                                 dtype=torch.float64), 0.0)
+    rewards = rewards + torch.where(
+        mask > 0, 0.1 * torch.randn(batch, seq, generator=gen, dtype=torch.float64), 0.0
+    )
     groups = random_group_ids(gen, batch, n_groups)
     old_lp = -torch.rand(batch, seq, generator=gen, dtype=torch.float64) * 3
     q = torch.rand(batch, seq, generator=gen, dtype=torch.float64)
@@ -34,12 +35,15 @@ def _batch(seed: int, batch: int = 7, seq: int = 12, n_groups: int = 3):
 
 # ----- optimal token baseline ------------------------------------------------------------
 
+
 def naive_otb(rewards, mask, groups, old_lp, q, *, aligned: bool, zero_tail: bool):
     """verl's formulas, one sample and one position at a time, in Python floats."""
     b, s = mask.shape
     m = [[float(mask[i, t]) for t in range(s)] for i in range(b)]
-    ret = [[sum(float(rewards[i, u]) * m[i][u] for u in range(t, s)) for t in range(s)]
-           for i in range(b)]
+    ret = [
+        [sum(float(rewards[i, u]) * m[i][u] for u in range(t, s)) for t in range(s)]
+        for i in range(b)
+    ]
     cum = []
     for i in range(b):
         acc, row = 0.0, []
@@ -48,8 +52,7 @@ def naive_otb(rewards, mask, groups, old_lp, q, *, aligned: bool, zero_tail: boo
             row.append(acc)
         cum.append(row)
     # the sequences a baseline column runs over: absolute positions, or response tokens
-    cols = [[t for t in range(s) if m[i][t] > 0] if aligned else list(range(s))
-            for i in range(b)]
+    cols = [[t for t in range(s) if m[i][t] > 0] if aligned else list(range(s)) for i in range(b)]
     on = [[m[i][t] > 0 for t in cols[i]] for i in range(b)]
     members: dict[int, list[int]] = {}
     for i, g in enumerate(groups.tolist()):
@@ -72,8 +75,13 @@ def naive_otb(rewards, mask, groups, old_lp, q, *, aligned: bool, zero_tail: boo
                             den += cum[j][cols[j][k]]
                     base = num / (den + 1e-8)
                     srt = sorted(lens)
-                    if (zero_tail and lens.count(srt[-1]) == 1 and srt[-1] > srt[-2]
-                            and sum(m[i]) == srt[-1] and k >= srt[-2]):
+                    if (
+                        zero_tail
+                        and lens.count(srt[-1]) == 1
+                        and srt[-1] > srt[-2]
+                        and sum(m[i]) == srt[-1]
+                        and k >= srt[-2]
+                    ):
                         base = 0.0
                 adv[i][t] = ret[i][t] - base
     ret = [[ret[i][t] * m[i][t] for t in range(s)] for i in range(b)]  # 0 off the mask
@@ -85,10 +93,15 @@ def naive_otb(rewards, mask, groups, old_lp, q, *, aligned: bool, zero_tail: boo
 def test_optimal_token_baseline_matches_naive(name, seed):
     rewards, mask, groups, old_lp, q = _batch(seed)
     tir = name.startswith("tir")
-    adv, ret = compute_advantages(name, token_rewards=rewards, response_mask=mask,
-                                  group_ids=groups, old_log_probs=old_lp, sum_pi_squared=q)
-    want_adv, want_ret = naive_otb(rewards, mask, groups, old_lp, q, aligned=tir,
-                                   zero_tail=tir)
+    adv, ret = compute_advantages(
+        name,
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=groups,
+        old_log_probs=old_lp,
+        sum_pi_squared=q,
+    )
+    want_adv, want_ret = naive_otb(rewards, mask, groups, old_lp, q, aligned=tir, zero_tail=tir)
     torch.testing.assert_close(adv, want_adv, **TOL)
     torch.testing.assert_close(ret, want_ret, **TOL)
 
@@ -99,9 +112,14 @@ def test_tir_otb_zero_tail_by_hand():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     rewards = torch.tensor([[0.0, 0.0, 2.0], [4.0, 0.0, 0.0]], dtype=torch.float64)
     half = torch.full((2, 3), 0.5, dtype=torch.float64)
-    adv, _ = compute_advantages("tir_optimal_token_baseline", token_rewards=rewards,
-                                response_mask=mask, group_ids=torch.tensor([5, 5]),
-                                old_log_probs=half.log(), sum_pi_squared=half)
+    adv, _ = compute_advantages(
+        "tir_optimal_token_baseline",
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=torch.tensor([5, 5]),
+        old_log_probs=half.log(),
+        sum_pi_squared=half,
+    )
     b0 = (2.0 + 4.0) / (2 + 1e-8)
     want = torch.tensor([[2.0 - b0, 2.0, 2.0], [4.0 - b0, 0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(adv, want, **TOL)
@@ -110,15 +128,27 @@ def test_tir_otb_zero_tail_by_hand():
 def test_otb_needs_token_stats():
     rewards, mask, groups, old_lp, q = _batch(0)
     with pytest.raises(InputError, match="sum_pi_squared=\\[batch, seq\\]"):
-        compute_advantages("optimal_token_baseline", token_rewards=rewards, response_mask=mask,
-                           group_ids=groups, old_log_probs=old_lp)
+        compute_advantages(
+            "optimal_token_baseline",
+            token_rewards=rewards,
+            response_mask=mask,
+            group_ids=groups,
+            old_log_probs=old_lp,
+        )
     with pytest.raises(InputError, match="sum_pi_squared"):
-        compute_advantages("optimal_token_baseline", token_rewards=rewards, response_mask=mask,
-                           group_ids=groups, old_log_probs=old_lp, sum_pi_squared=q[:, :-1])
+        compute_advantages(
+            "optimal_token_baseline",
+            token_rewards=rewards,
+            response_mask=mask,
+            group_ids=groups,
+            old_log_probs=old_lp,
+            sum_pi_squared=q[:, :-1],
+        )
     assert ADVANTAGE_ESTIMATORS.meta("optimal_token_baseline")["needs_token_stats"]
 
 
 # ----- GDPO ------------------------------------------------------------------------------
+
 
 def naive_gdpo(mask, groups, comps, weights, eps=1e-6, by_std=True):
     b = mask.shape[0]
@@ -138,9 +168,16 @@ def naive_gdpo(mask, groups, comps, weights, eps=1e-6, by_std=True):
     vals = [total[i] for i in range(b) for t in range(mask.shape[1]) if mask[i, t]]
     mu = sum(vals) / len(vals)
     var = sum((v - mu) ** 2 for v in vals) / (len(vals) - 1)
-    return torch.tensor([[(total[i] - mu) / (var + 1e-8) ** 0.5 if mask[i, t] else 0.0
-                          for t in range(mask.shape[1])] for i in range(b)],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [
+            [
+                (total[i] - mu) / (var + 1e-8) ** 0.5 if mask[i, t] else 0.0
+                for t in range(mask.shape[1])
+            ]
+            for i in range(b)
+        ],
+        dtype=torch.float64,
+    )
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -153,17 +190,26 @@ def test_gdpo_matches_naive(seed, by_std):
     comps = torch.randint(0, 3, (mask.shape[0], 3), generator=gen).to(torch.float64)
     weights = [1.0, 0.5, 2.0]
     cfg = AdvantageConfig(gdpo_reward_weights=weights, norm_by_std=by_std)
-    adv, ret = compute_advantages("gdpo", token_rewards=rewards, response_mask=mask,
-                                  group_ids=groups, reward_components=comps, config=cfg)
-    torch.testing.assert_close(adv, naive_gdpo(mask, groups, comps, weights, by_std=by_std),
-                               **TOL)
+    adv, ret = compute_advantages(
+        "gdpo",
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=groups,
+        reward_components=comps,
+        config=cfg,
+    )
+    torch.testing.assert_close(adv, naive_gdpo(mask, groups, comps, weights, by_std=by_std), **TOL)
     torch.testing.assert_close(ret, adv)
     # without components: one component, the score (verl's fallback: whitened GRPO)
-    adv1, _ = compute_advantages("gdpo", token_rewards=rewards, response_mask=mask,
-                                 group_ids=groups, config=AdvantageConfig(norm_by_std=by_std))
+    adv1, _ = compute_advantages(
+        "gdpo",
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=groups,
+        config=AdvantageConfig(norm_by_std=by_std),
+    )
     scores = (rewards * mask).sum(-1, keepdim=True)
-    torch.testing.assert_close(adv1, naive_gdpo(mask, groups, scores, [1.0], by_std=by_std),
-                               **TOL)
+    torch.testing.assert_close(adv1, naive_gdpo(mask, groups, scores, [1.0], by_std=by_std), **TOL)
 
 
 def test_gdpo_bad_input_names_the_field():
@@ -172,15 +218,26 @@ def test_gdpo_bad_input_names_the_field():
     rewards, mask, groups, _, _ = _batch(0)
     comps = torch.zeros(mask.shape[0], 2, dtype=torch.float64)
     with pytest.raises(InputError, match="gdpo_reward_weights has 3 weights for 2 reward"):
-        compute_advantages("gdpo", token_rewards=rewards, response_mask=mask, group_ids=groups,
-                           reward_components=comps,
-                           config=AdvantageConfig(gdpo_reward_weights=[1.0, 1.0, 1.0]))
+        compute_advantages(
+            "gdpo",
+            token_rewards=rewards,
+            response_mask=mask,
+            group_ids=groups,
+            reward_components=comps,
+            config=AdvantageConfig(gdpo_reward_weights=[1.0, 1.0, 1.0]),
+        )
     with pytest.raises(InputError, match=r"reward_components must be a floating \[batch=7, K\]"):
-        compute_advantages("gdpo", token_rewards=rewards, response_mask=mask, group_ids=groups,
-                           reward_components=comps[:3])
+        compute_advantages(
+            "gdpo",
+            token_rewards=rewards,
+            response_mask=mask,
+            group_ids=groups,
+            reward_components=comps[:3],
+        )
 
 
 # ----- DRO, DPPO ---------------------------------------------------------------------------
+
 
 def naive_loss_token(name, lp, old, a, cfg):
     """(loss value, d loss / d log pi) of one token, from the formulas."""
@@ -192,8 +249,11 @@ def naive_loss_token(name, lp, old, a, cfg):
         valid = (p - q <= cfg.clip_ratio_high) if a > 0 else (p - q >= -cfg.clip_ratio_low)
     else:
         div = q * (old - lp) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
-        valid = ((div <= cfg.clip_ratio_high or p <= q) if a > 0
-                 else (div <= cfg.clip_ratio_low or p >= q))
+        valid = (
+            (div <= cfg.clip_ratio_high or p <= q)
+            if a > 0
+            else (div <= cfg.clip_ratio_low or p >= q)
+        )
     w = min(math.exp(lp - old), cfg.dppo_ratio_cap)
     return (-a * w * lp if valid else 0.0), (-a * w if valid else 0.0)
 
@@ -201,8 +261,9 @@ def naive_loss_token(name, lp, old, a, cfg):
 def _loss_cfg():
     from tephra.algos import PolicyLossConfig
 
-    return PolicyLossConfig(clip_ratio_low=0.1, clip_ratio_high=0.15, dro_beta=0.3,
-                            dppo_ratio_cap=1.5)
+    return PolicyLossConfig(
+        clip_ratio_low=0.1, clip_ratio_high=0.15, dro_beta=0.3, dppo_ratio_cap=1.5
+    )
 
 
 def _loss_batch(seed, batch=5, seq=9):
@@ -224,16 +285,25 @@ def test_losses_match_naive_values_and_gradients(name, seed):
     lp, old, adv, mask = _loss_batch(seed)
     lp = lp.requires_grad_(True)
     n_tok = float(mask.sum())
-    loss, metrics = compute_policy_loss(name, lp, old, adv, mask, config=cfg,
-                                        loss_agg_mode="token-mean", global_token_count=n_tok,
-                                        global_seq_count=float(mask.shape[0]))
+    loss, metrics = compute_policy_loss(
+        name,
+        lp,
+        old,
+        adv,
+        mask,
+        config=cfg,
+        loss_agg_mode="token-mean",
+        global_token_count=n_tok,
+        global_seq_count=float(mask.shape[0]),
+    )
     loss.backward()
     want_loss, want_grad = 0.0, torch.zeros_like(lp)
     for i in range(mask.shape[0]):
         for t in range(mask.shape[1]):
             if mask[i, t]:
-                v, g = naive_loss_token(name, float(lp.detach()[i, t]), float(old[i, t]),
-                                        float(adv[i, t]), cfg)
+                v, g = naive_loss_token(
+                    name, float(lp.detach()[i, t]), float(old[i, t]), float(adv[i, t]), cfg
+                )
                 want_loss += v / n_tok
                 want_grad[i, t] = g / n_tok
     assert float(loss.detach()) == pytest.approx(want_loss, abs=1e-6, rel=1e-6)
@@ -251,8 +321,9 @@ def test_dro_gradcheck():
     cfg = _loss_cfg()
     lp, old, adv, mask = _loss_batch(11)
     fn = POLICY_LOSSES.get("dro")
-    torch.autograd.gradcheck(lambda x: (fn(x, old, adv, mask, cfg)[0] * mask).sum(),
-                             (lp.clone().requires_grad_(True),))
+    torch.autograd.gradcheck(
+        lambda x: (fn(x, old, adv, mask, cfg)[0] * mask).sum(), (lp.clone().requires_grad_(True),)
+    )
 
 
 def test_dppo_tv_mask_by_hand():
@@ -299,23 +370,38 @@ def test_every_verl_table_name_resolves():
     from tephra.algos import AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES, REJECTION_OPTIONS
 
     names = _verl_table_names()
-    assert {"gdpo", "optimal_token_baseline", "tir_optimal_token_baseline", "dro", "dppo_tv",
-            "dppo_kl", "bypass_mode"} <= set(names)
-    registries = [ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AGGREGATION_MODES, KL_ESTIMATORS,
-                  REJECTION_OPTIONS]
+    assert {
+        "gdpo",
+        "optimal_token_baseline",
+        "tir_optimal_token_baseline",
+        "dro",
+        "dppo_tv",
+        "dppo_kl",
+        "bypass_mode",
+    } <= set(names)
+    registries = [
+        ADVANTAGE_ESTIMATORS,
+        POLICY_LOSSES,
+        AGGREGATION_MODES,
+        KL_ESTIMATORS,
+        REJECTION_OPTIONS,
+    ]
     unresolved = [n for n in names if not any(n in r.names() for r in registries)]
     assert unresolved == [], f"README verl table names not registered: {unresolved}"
 
 
-@pytest.mark.parametrize("overrides, ok", [
-    (["algorithm.adv_estimator=gdpo"], True),
-    (["actor.objective.policy_loss=dro"], True),
-    (["actor.objective.policy_loss=dppo_tv"], True),
-    (["actor.objective.policy_loss=dppo_kl"], True),
-    (["actor.objective.policy_loss=bypass_mode", "algorithm.rollout_correction=bypass"], True),
-    (["algorithm.adv_estimator=optimal_token_baseline"], False),
-    (["algorithm.adv_estimator=tir_optimal_token_baseline"], False),
-])
+@pytest.mark.parametrize(
+    "overrides, ok",
+    [
+        (["algorithm.adv_estimator=gdpo"], True),
+        (["actor.objective.policy_loss=dro"], True),
+        (["actor.objective.policy_loss=dppo_tv"], True),
+        (["actor.objective.policy_loss=dppo_kl"], True),
+        (["actor.objective.policy_loss=bypass_mode", "algorithm.rollout_correction=bypass"], True),
+        (["algorithm.adv_estimator=optimal_token_baseline"], False),
+        (["algorithm.adv_estimator=tir_optimal_token_baseline"], False),
+    ],
+)
 def test_app_config_accepts_or_refuses_clearly(overrides, ok):
     main = pytest.importorskip("tephra.apps.ppo.main")
     from tephra.core.errors import ConfigError
@@ -323,8 +409,11 @@ def test_app_config_accepts_or_refuses_clearly(overrides, ok):
     if ok:
         main.parse_config(["-p", "smoke", *overrides])
     else:
-        with pytest.raises(ConfigError, match=r"algorithm.adv_estimator='.*optimal_token_baseline'"
-                           r" needs sum_pi_squared.*choose e.g. algorithm.adv_estimator=grpo"):
+        with pytest.raises(
+            ConfigError,
+            match=r"algorithm.adv_estimator='.*optimal_token_baseline'"
+            r" needs sum_pi_squared.*choose e.g. algorithm.adv_estimator=grpo",
+        ):
             main.parse_config(["-p", "smoke", *overrides])
 
 
@@ -338,8 +427,9 @@ def test_bypass_mode_is_the_clipped_surrogate_on_rollout_log_probs():
     cfg = PolicyLossConfig(clip_ratio_c=None)  # dual clip off: the plain clip by hand below
     loss, _ = POLICY_LOSSES.get("bypass_mode")(lp, rollout, adv, mask, cfg)
     ratio = (lp - rollout).exp()  # by hand: max(-A r, -A clip(r, 1 - 0.2, 1 + 0.2))
-    want = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_ratio_low,
-                                                          1 + cfg.clip_ratio_high))
+    want = torch.maximum(
+        -adv * ratio, -adv * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    )
     assert torch.allclose(loss, want, atol=1e-12)
     assert POLICY_LOSSES.meta("bypass_mode")["old_log_probs"] == "rollout"
 
@@ -348,6 +438,9 @@ def test_bypass_mode_without_the_bypass_correction_is_refused():
     main = pytest.importorskip("tephra.apps.ppo.main")
     from tephra.core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"policy_loss='bypass_mode'.*set "
-                       r"algorithm.rollout_correction=bypass with it \(now 'none'\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"policy_loss='bypass_mode'.*set "
+        r"algorithm.rollout_correction=bypass with it \(now 'none'\)",
+    ):
         main.parse_config(["-p", "smoke", "actor.objective.policy_loss=bypass_mode"])

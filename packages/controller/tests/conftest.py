@@ -17,8 +17,9 @@ def network_guard(monkeypatch):
     real_connect, real_getaddrinfo = socket.socket.connect, socket.getaddrinfo
 
     def connect(sock, address):
-        if sock.family == socket.AF_UNIX or (isinstance(address, tuple)
-                                             and address[0] in LOCAL_HOSTS):
+        if sock.family == socket.AF_UNIX or (
+            isinstance(address, tuple) and address[0] in LOCAL_HOSTS
+        ):
             return real_connect(sock, address)
         attempts.append(("connect", address))
         raise OSError(f"test: network access refused ({address})")

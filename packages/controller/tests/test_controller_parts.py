@@ -53,10 +53,13 @@ class Outer:
 
 def test_config_presets_overrides_and_unknown_keys(tmp_path):
     (tmp_path / "p.yaml").write_text("steps: 3\ninner:\n  lr: 0.5\n")
-    cfg = load_config(Outer, ["p"], ["inner.lr=2e-2", "inner.names=[x,y]", "path=/m"],
-                      preset_dir=tmp_path)
+    cfg = load_config(
+        Outer, ["p"], ["inner.lr=2e-2", "inner.names=[x,y]", "path=/m"], preset_dir=tmp_path
+    )
     assert cfg == Outer(steps=3, path="/m", inner=Inner(lr=0.02, names=["x", "y"]))
-    with pytest.raises(ConfigError, match=r"unknown config key 'inner\.lrr'; did you mean 'inner\.lr'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'inner\.lrr'; did you mean 'inner\.lr'"
+    ):
         load_config(Outer, [], ["inner.lrr=1"])
     (tmp_path / "bad.yaml").write_text("inner:\n  lx: 1\n")
     with pytest.raises(ConfigError, match=r"'inner\.lx'; did you mean 'lr'"):
@@ -67,42 +70,68 @@ def test_config_presets_overrides_and_unknown_keys(tmp_path):
 
 
 def test_parquet_rows_are_validated_with_row_and_field(tmp_path):
-    good = {"prompt": [[{"role": "user", "content": "1+1?"}]], "data_source": ["gsm8k"],
-            "reward_model": [{"ground_truth": "2", "style": "rule"}], "extra_info": [{"i": 0}]}
+    good = {
+        "prompt": [[{"role": "user", "content": "1+1?"}]],
+        "data_source": ["gsm8k"],
+        "reward_model": [{"ground_truth": "2", "style": "rule"}],
+        "extra_info": [{"i": 0}],
+    }
     pq.write_table(pa.table(good), tmp_path / "good.parquet")
     (rec,) = load_parquet(tmp_path / "good.parquet")
-    assert rec.ground_truth == "2" and rec.prompt[0]["content"] == "1+1?" and rec.extra_info == {"i": 0}
-    bad = {"prompt": [[{"role": "user", "content": "q"}]] * 2, "data_source": ["a", "a"],
-           "reward_model": [{"ground_truth": "1"}, {"style": "rule"}]}
+    assert (
+        rec.ground_truth == "2"
+        and rec.prompt[0]["content"] == "1+1?"
+        and rec.extra_info == {"i": 0}
+    )
+    bad = {
+        "prompt": [[{"role": "user", "content": "q"}]] * 2,
+        "data_source": ["a", "a"],
+        "reward_model": [{"ground_truth": "1"}, {"style": "rule"}],
+    }
     pq.write_table(pa.table(bad), tmp_path / "bad.parquet")
-    with pytest.raises(DatasetError, match=r"row 1 of bad.parquet: field 'reward_model.ground_truth' is missing"):
+    with pytest.raises(
+        DatasetError, match=r"row 1 of bad.parquet: field 'reward_model.ground_truth' is missing"
+    ):
         load_parquet(tmp_path / "bad.parquet")
 
 
 VERL_ROWS = [
-    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}],
-     "data_source": "gsm8k", "reward_model": {"ground_truth": "2", "style": "rule"},
-     "extra_info": {"index": 0, "split": "train"}},
-    {"prompt": [{"role": "user", "content": "3*4?"}], "data_source": "math",
-     "reward_model": {"ground_truth": "12", "style": "rule"}, "extra_info": {"index": 1, "split": "x"}},
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}],
+        "data_source": "gsm8k",
+        "reward_model": {"ground_truth": "2", "style": "rule"},
+        "extra_info": {"index": 0, "split": "train"},
+    },
+    {
+        "prompt": [{"role": "user", "content": "3*4?"}],
+        "data_source": "math",
+        "reward_model": {"ground_truth": "12", "style": "rule"},
+        "extra_info": {"index": 1, "split": "x"},
+    },
 ]
 
 
 def records_by_hand(rows):
-    return [PromptRecord(r["prompt"], r["data_source"], r["reward_model"]["ground_truth"],
-                         r["extra_info"]) for r in rows]
+    return [
+        PromptRecord(
+            r["prompt"], r["data_source"], r["reward_model"]["ground_truth"], r["extra_info"]
+        )
+        for r in rows
+    ]
 
 
-def test_hf_datasets_offline_folders_files_splits_and_row_errors(tmp_path, monkeypatch,
-                                                                 network_guard):
+def test_hf_datasets_offline_folders_files_splits_and_row_errors(
+    tmp_path, monkeypatch, network_guard
+):
     import datasets
 
     # load_dataset converts data files into its cache: keep that under tmp_path
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     train, test = VERL_ROWS, [dict(VERL_ROWS[1], data_source="held_out")]
     datasets.Dataset.from_list(train).save_to_disk(str(tmp_path / "single"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(train),
-                          "test": datasets.Dataset.from_list(test)}).save_to_disk(str(tmp_path / "dict"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(train), "test": datasets.Dataset.from_list(test)}
+    ).save_to_disk(str(tmp_path / "dict"))
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     (tmp_path / "files").mkdir()
     pq.write_table(pa.Table.from_pylist(test), tmp_path / "files" / "part-0.parquet")
@@ -119,7 +148,9 @@ def test_hf_datasets_offline_folders_files_splits_and_row_errors(tmp_path, monke
         load_hf_dataset(str(tmp_path / "files"), "valid")
     with pytest.raises(DatasetError, match=r"missing does not exist; set data.train_files"):
         load_hf_dataset(str(tmp_path / "missing"), "train")
-    with pytest.raises(DatasetError, match=r"a single file holds only the split 'train', not 'test'"):
+    with pytest.raises(
+        DatasetError, match=r"a single file holds only the split 'train', not 'test'"
+    ):
         load_hf_dataset(str(tmp_path / "rows.jsonl"), "test")
     (tmp_path / "rows.txt").write_text("x")
     with pytest.raises(DatasetError, match=r"cannot read '.txt' files"):
@@ -128,15 +159,24 @@ def test_hf_datasets_offline_folders_files_splits_and_row_errors(tmp_path, monke
     # each broken row is named by its index in the split, with the field and the fix
     bad = {
         "no_source": (dict(VERL_ROWS[1], data_source=None), "data_source", "is missing"),
-        "no_truth": (dict(VERL_ROWS[1], reward_model={"style": "rule", "ground_truth": None}),
-                     "reward_model.ground_truth", "is missing"),
-        "no_content": (dict(VERL_ROWS[1], prompt=[{"role": "user", "content": None}]),
-                       "prompt", "holds .*, not a {role, content} message"),
+        "no_truth": (
+            dict(VERL_ROWS[1], reward_model={"style": "rule", "ground_truth": None}),
+            "reward_model.ground_truth",
+            "is missing",
+        ),
+        "no_content": (
+            dict(VERL_ROWS[1], prompt=[{"role": "user", "content": None}]),
+            "prompt",
+            "holds .*, not a {role, content} message",
+        ),
     }
     for folder, (row, field_name, why) in bad.items():
         datasets.Dataset.from_list([VERL_ROWS[0], row]).save_to_disk(str(tmp_path / folder))
-        with pytest.raises(DatasetError, match=rf"row 1 of .*{folder}\[train\]: field "
-                           rf"'{re.escape(field_name)}' {why}; each row needs 'prompt'"):
+        with pytest.raises(
+            DatasetError,
+            match=rf"row 1 of .*{folder}\[train\]: field "
+            rf"'{re.escape(field_name)}' {why}; each row needs 'prompt'",
+        ):
             load_hf_dataset(str(tmp_path / folder), "train")
     assert network_guard == []
 
@@ -144,7 +184,9 @@ def test_hf_datasets_offline_folders_files_splits_and_row_errors(tmp_path, monke
 def test_reasoning_gym_is_reproducible_and_loader_resumes():
     a = reasoning_gym_records("basic_arithmetic", 5, seed=3)
     b = reasoning_gym_records("basic_arithmetic", 5, seed=3)
-    assert [r.prompt for r in a] == [r.prompt for r in b] and a[0].data_source.endswith("basic_arithmetic")
+    assert [r.prompt for r in a] == [r.prompt for r in b] and a[0].data_source.endswith(
+        "basic_arithmetic"
+    )
     full = PromptLoader(10, 4, seed=1)
     seq = [full.next_indices() for _ in range(5)]
     part = PromptLoader(10, 4, seed=1)
@@ -161,17 +203,25 @@ def test_trackers_write_jsonl_and_tensorboard(tmp_path, capsys):
     t.log({"reward/mean": 0.7}, 2)
     t.log({"loss": 1.25, "grad_norm": 3.0}, 3)  # no RL headline metric (SFT): all of them
     t.close()
-    assert [r.get("reward/mean") for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0.5, 0.7, None]
+    assert [r.get("reward/mean") for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
+        0.5,
+        0.7,
+        None,
+    ]
     # the scalars read back from the event files, step by step
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    logged = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
-              for tag in events.Tags()["scalars"]}
+    logged = {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
     assert logged["reward/mean"] == [(1, 0.5), (2, pytest.approx(0.7))]
     assert logged["critic/loss"] == [(1, 2.0)]
     assert logged["grad_norm"] == [(3, 3.0)] and logged["loss"] == [(3, 1.25)]
     assert capsys.readouterr().out.splitlines() == [
-        "step 1: mean=0.5", "step 2: mean=0.7", "step 3: loss=1.25 grad_norm=3"]
+        "step 1: mean=0.5",
+        "step 2: mean=0.7",
+        "step 3: loss=1.25 grad_norm=3",
+    ]
 
 
 class EngineGone:
@@ -188,7 +238,8 @@ def test_rl_worker_close_closes_the_tools_it_built(tmp_path):
     server = tmp_path / "worker_mcp_server.py"
     server.write_text(CALC_MCP_SERVER)
     (tmp_path / "tools.yaml").write_text(
-        f"- class: mcp\n  config: {{command: {sys.executable}, args: [{server}]}}\n")
+        f"- class: mcp\n  config: {{command: {sys.executable}, args: [{server}]}}\n"
+    )
     worker = RLWorker.__new__(RLWorker)  # no engines: only the shutdown path is under test
     worker.rollout, worker._tools = EngineGone(), load_tools(tmp_path / "tools.yaml")
     assert len(live_processes(str(server))) == 1
@@ -210,9 +261,14 @@ class SumWorker(Worker):
 
         total = batch["x"].sum().clone()
         dist.all_reduce(total)
-        return TensorDict({"y": batch["x"] * self.scale, "total": total.expand(batch.batch_size[0]),
-                           "rank": torch.full((batch.batch_size[0],), self.rank)},
-                          batch_size=batch.batch_size)
+        return TensorDict(
+            {
+                "y": batch["x"] * self.scale,
+                "total": total.expand(batch.batch_size[0]),
+                "rank": torch.full((batch.batch_size[0],), self.rank),
+            },
+            batch_size=batch.batch_size,
+        )
 
     @dispatch(Dispatch.BROADCAST)
     def whoami(self) -> int:
@@ -241,7 +297,9 @@ def test_worker_group_dispatch_on_ray(tmp_path):
     wg = WorkerGroup(SumWorker, pool, {"scale": 3.0})
     x = torch.arange(6, dtype=torch.float32)
     out = wg.scaled(TensorDict({"x": x}, batch_size=[6]))
-    assert torch.equal(out["y"], x * 3) and torch.equal(out["rank"], torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert torch.equal(out["y"], x * 3) and torch.equal(
+        out["rank"], torch.tensor([0, 0, 0, 1, 1, 1])
+    )
     assert torch.all(out["total"] == x.sum())
     assert wg.whoami() == [0, 1] and wg.first("v") == (0, "v")
     # CPU ranks keep freed memory (resources.retain_freed_memory=None: glibc took the raised
@@ -269,10 +327,15 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
     cfg = load_config(PPOConfig, [], [])
     assert (cfg.actor.precision.param_dtype, cfg.rollout.dtype) == ("auto", "auto")
     cpu = resolve_auto_dtypes(cfg)
-    assert cpu.actor.precision.param_dtype == cpu.critic.precision.param_dtype == fastest_dtype("cpu")
+    assert (
+        cpu.actor.precision.param_dtype == cpu.critic.precision.param_dtype == fastest_dtype("cpu")
+    )
     assert cpu.rollout.dtype == fastest_dtype("cpu")
-    fixed = resolve_auto_dtypes(load_config(PPOConfig, [], [
-        "actor.precision.param_dtype=float32", "rollout.dtype=bfloat16"]))
+    fixed = resolve_auto_dtypes(
+        load_config(
+            PPOConfig, [], ["actor.precision.param_dtype=float32", "rollout.dtype=bfloat16"]
+        )
+    )
     assert (fixed.actor.precision.param_dtype, fixed.rollout.dtype) == ("float32", "bfloat16")
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         gpu = resolve_auto_dtypes(load_config(PPOConfig, [], ["resources.gpus_per_rank=1"]))

@@ -78,12 +78,15 @@ class TensorParallelWorker(Worker):
         ranks = torch.tensor(float(self.rank))
         dist.all_reduce(ranks)
         n = batch.batch_size[0]
-        return TensorDict({"x": batch["x"], "rank": torch.full((n,), self.rank),
-                           "sum_of_ranks": ranks.expand(n)}, batch_size=[n])
+        return TensorDict(
+            {"x": batch["x"], "rank": torch.full((n,), self.rank), "sum_of_ranks": ranks.expand(n)},
+            batch_size=[n],
+        )
 
     def dp_info(self) -> DataParallelInfo:
-        return DataParallelInfo(dp_rank=self.rank // 2, dp_size=self.world_size // 2,
-                                is_output_rank=self.rank % 2 == 0)
+        return DataParallelInfo(
+            dp_rank=self.rank // 2, dp_size=self.world_size // 2, is_output_rank=self.rank % 2 == 0
+        )
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
     def generate(self, prompts: list[str], sampling: SamplingParams) -> list[tuple]:
@@ -138,8 +141,14 @@ def test_rows_split_by_data_parallel_rank_replicated_to_tensor_peers():
         # the 4 ranks generate disjoint shares (uneven is fine), collected in order
         assert wg.rollout_dp_size == 4
         got = wg.generate([f"p{i}" for i in range(6)], SamplingParams(n=2, seed=10))
-        assert got == [("p0", 0, 10), ("p1", 0, 10), ("p2", 1, 14), ("p3", 1, 14),
-                       ("p4", 2, 18), ("p5", 3, 20)]
+        assert got == [
+            ("p0", 0, 10),
+            ("p1", 0, 10),
+            ("p2", 1, 14),
+            ("p3", 1, 14),
+            ("p4", 2, 18),
+            ("p5", 3, 20),
+        ]
         wg.shutdown()
         # rollout engines of 2 ranks: the even rank of each pair generates, the odd one
         # gets an empty share
@@ -151,7 +160,8 @@ def test_rows_split_by_data_parallel_rank_replicated_to_tensor_peers():
         pairs.shutdown()
         pool.release()
         with pytest.raises(ConfigError, match="could not place 2 bundles .* STRICT_SPREAD"):
-            ResourcePool(world_size=2, cpus_per_rank=1, strategy="STRICT_SPREAD",
-                         ready_timeout_s=3).placement_group()
+            ResourcePool(
+                world_size=2, cpus_per_rank=1, strategy="STRICT_SPREAD", ready_timeout_s=3
+            ).placement_group()
     finally:
         ray.shutdown()

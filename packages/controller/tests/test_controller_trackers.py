@@ -32,7 +32,8 @@ def expected_rows(skip_non_finite: bool) -> dict[int, dict[str, float]]:
     rows: dict[int, dict[str, float]] = {}
     for metrics, step in LOGGED:
         rows.setdefault(step, {}).update(
-            {k: v for k, v in metrics.items() if not (skip_non_finite and not math.isfinite(v))})
+            {k: v for k, v in metrics.items() if not (skip_non_finite and not math.isfinite(v))}
+        )
     return rows
 
 
@@ -41,8 +42,14 @@ def user_dirs() -> dict[str, list[str]]:
     home and their sockets / port files in the real temp dir."""
     home = Path.home()
     seen = {}
-    for d in (home / ".cache/wandb", home / ".config/wandb", home / ".local/share/wandb",
-              home / ".config/mlflow", Path.cwd() / "wandb", Path.cwd() / "mlruns"):
+    for d in (
+        home / ".cache/wandb",
+        home / ".config/wandb",
+        home / ".local/share/wandb",
+        home / ".config/mlflow",
+        Path.cwd() / "wandb",
+        Path.cwd() / "mlruns",
+    ):
         seen[str(d)] = sorted(str(p) for p in d.rglob("*")) if d.exists() else []
     tmp = Path(tempfile.gettempdir())
     seen[str(tmp)] = sorted(p.name for p in tmp.glob("wandb-*"))
@@ -68,12 +75,17 @@ def offline(tmp_path, monkeypatch, network_guard):
     trap.bind(("127.0.0.1", 0))
     trap.listen(8)
     env = {
-        "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false",
-        "WANDB_DIR": str(tmp_path / "run"), "WANDB_CACHE_DIR": str(home / "wandb-cache"),
-        "WANDB_CONFIG_DIR": str(home / "wandb-config"), "WANDB_DATA_DIR": str(home / "wandb-data"),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_ERROR_REPORTING": "false",
+        "WANDB_DIR": str(tmp_path / "run"),
+        "WANDB_CACHE_DIR": str(home / "wandb-cache"),
+        "WANDB_CONFIG_DIR": str(home / "wandb-config"),
+        "WANDB_DATA_DIR": str(home / "wandb-data"),
         "WANDB_ARTIFACT_DIR": str(home / "wandb-artifacts"),
         "WANDB_BASE_URL": f"http://127.0.0.1:{trap.getsockname()[1]}",
-        "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "true",
     }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -102,8 +114,12 @@ def test_wandb_offline_history_matches_what_was_logged(offline):
         wandb.teardown()  # stops the service process this test started
     (folder,) = (run_dir / "wandb").glob("offline-run-*")
     # wandb's own reader of the run's transaction log (`run-<id>.wandb`)
-    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(folder)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     history = {}
@@ -154,8 +170,9 @@ def test_mlflow_sqlite_metric_history_matches_what_was_logged(offline, sqlite_wi
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
     rows = expected_rows(skip_non_finite=True)
     keys = sorted({k for row in rows.values() for k in row})
-    got = {k: [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, k)]
-           for k in keys}
+    got = {
+        k: [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, k)] for k in keys
+    }
     want = {k: [(s, row[k]) for s, row in sorted(rows.items()) if k in row] for k in keys}
     assert got == want  # exact steps and values
     assert client.get_metric_history(tracker.run_id, "actor/grad_norm") == []  # NaN skipped
@@ -169,23 +186,30 @@ def test_mlflow_sqlite_metric_history_matches_what_was_logged(offline, sqlite_wi
     again.close()
     second = again.items[0]
     assert client.get_run(second.run_id).info.experiment_id == run.info.experiment_id
-    assert [(m.step, m.value) for m in client.get_metric_history(second.run_id, "reward/mean")] \
-        == [(4, 0.5)]
+    assert [(m.step, m.value) for m in client.get_metric_history(second.run_id, "reward/mean")] == [
+        (4, 0.5)
+    ]
     assert attempts == []
 
 
-@pytest.mark.parametrize(("tracker", "modules"), [
-    ("wandb", ["wandb"]),
-    ("mlflow", ["mlflow", "mlflow.entities", "mlflow.tracking"]),
-    ("mlflow", ["sqlalchemy"]),
-])
+@pytest.mark.parametrize(
+    ("tracker", "modules"),
+    [
+        ("wandb", ["wandb"]),
+        ("mlflow", ["mlflow", "mlflow.entities", "mlflow.tracking"]),
+        ("mlflow", ["sqlalchemy"]),
+    ],
+)
 def test_missing_library_names_the_extra(tmp_path, monkeypatch, tracker, modules):
     closed = []
     real_close = JsonlTracker.close
     monkeypatch.setattr(JsonlTracker, "close", lambda self: (closed.append(self), real_close(self)))
     for name in modules:
         monkeypatch.setitem(sys.modules, name, None)  # makes `import name` fail
-    with pytest.raises(ConfigError, match=rf"trainer.trackers has '{tracker}' but .* is not "
-                       rf"installed; install the extra: pip install 'tephra-controller\[{tracker}\]'"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"trainer.trackers has '{tracker}' but .* is not "
+        rf"installed; install the extra: pip install 'tephra-controller\[{tracker}\]'",
+    ):
         Trackers(["jsonl", tracker], tmp_path, "proj", "run", {})
     assert len(closed) == 1  # the tracker built before the failing one was closed

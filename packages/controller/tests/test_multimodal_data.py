@@ -29,17 +29,28 @@ def proc(tmp_path_factory):
 
 
 def _row(content, images):
-    return {"prompt": [{"role": "user", "content": content}], "data_source": "colours",
-            "reward_model": {"ground_truth": "red"}, "images": images}
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "data_source": "colours",
+        "reward_model": {"ground_truth": "red"},
+        "images": images,
+    }
 
 
 def test_parquet_rows_align_image_tokens_with_grids(proc, tmp_path):
     Image.new("RGB", (224, 112), "blue").save(tmp_path / "blue.png")
     rows = [
         # a parquet column holds one type: datasets' Image struct {bytes, path}
-        _row("<image>What colour is the square?", [{"bytes": _png((112, 112), "red"), "path": None}]),
-        _row("Compare <image> and <image>.", [{"bytes": _png((168, 112), "green"), "path": None},
-                                              {"bytes": None, "path": "blue.png"}]),
+        _row(
+            "<image>What colour is the square?", [{"bytes": _png((112, 112), "red"), "path": None}]
+        ),
+        _row(
+            "Compare <image> and <image>.",
+            [
+                {"bytes": _png((168, 112), "green"), "path": None},
+                {"bytes": None, "path": "blue.png"},
+            ],
+        ),
         _row("No image here.", []),
     ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mm.parquet")
@@ -55,29 +66,49 @@ def test_parquet_rows_align_image_tokens_with_grids(proc, tmp_path):
         assert p.multimodal.image_grid_thw.tolist() == grid
         assert p.multimodal.pixel_values.shape[0] == sum(t * h * w for t, h, w in grid)
         # each image's tokens are one run between vision_start and vision_end
-        starts = [i for i, t in enumerate(p.prompt_ids)
-                  if t == proc.tokenizer.convert_tokens_to_ids("<|vision_start|>")]
-        runs = [p.prompt_ids[s + 1 : s + 1 + c] for s, c in
-                zip(starts, p.multimodal.image_token_counts(2), strict=True)]
+        starts = [
+            i
+            for i, t in enumerate(p.prompt_ids)
+            if t == proc.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+        ]
+        runs = [
+            p.prompt_ids[s + 1 : s + 1 + c]
+            for s, c in zip(starts, p.multimodal.image_token_counts(2), strict=True)
+        ]
         assert all(set(r) == {proc.image_token_id} for r in runs)
     # the second row's first image is the green one (order kept)
     green = proc.images([Image.new("RGB", (168, 112), "green")])
-    torch.testing.assert_close(prompts[1].multimodal.pixel_values[:green.pixel_values.shape[0]],
-                               green.pixel_values)
+    torch.testing.assert_close(
+        prompts[1].multimodal.pixel_values[: green.pixel_values.shape[0]], green.pixel_values
+    )
     assert prompts[0].record.ground_truth == "red"
 
 
-@pytest.mark.parametrize(("content", "images", "match"), [
-    ("<image>?", [b"not an image"], r"row 3 of t: field 'images' holds 12 bytes that are not a readable image"),
-    ("<image>?", ["missing.png"], r"'missing.png', which does not exist .* fix the path"),
-    ("<image><image>?", [_png((112, 112), "red")], r"1 image\(s\) but the prompt has 2 <image>.*add the missing images"),
-    ("?", [_png((112, 112), "red")], r"1 image\(s\) but the prompt has 0 .*add a <image>"),
-    ("<image>?", [_png((112, 112), "red")], None),  # raw bytes are fine
-    ("<image>?", [3], r"holds a int, not image bytes"),
-])
+@pytest.mark.parametrize(
+    ("content", "images", "match"),
+    [
+        (
+            "<image>?",
+            [b"not an image"],
+            r"row 3 of t: field 'images' holds 12 bytes that are not a readable image",
+        ),
+        ("<image>?", ["missing.png"], r"'missing.png', which does not exist .* fix the path"),
+        (
+            "<image><image>?",
+            [_png((112, 112), "red")],
+            r"1 image\(s\) but the prompt has 2 <image>.*add the missing images",
+        ),
+        ("?", [_png((112, 112), "red")], r"1 image\(s\) but the prompt has 0 .*add a <image>"),
+        ("<image>?", [_png((112, 112), "red")], None),  # raw bytes are fine
+        ("<image>?", [3], r"holds a int, not image bytes"),
+    ],
+)
 def test_bad_images_name_the_row_and_the_fix(proc, tmp_path, content, images, match):
     if match is None:
-        assert multimodal_prompt_from_row(_row(content, images), 3, "t", proc).multimodal.num_images == 1
+        assert (
+            multimodal_prompt_from_row(_row(content, images), 3, "t", proc).multimodal.num_images
+            == 1
+        )
         return
     with pytest.raises(DatasetError, match=match):
         multimodal_prompt_from_row(_row(content, images), 3, "t", proc, tmp_path)

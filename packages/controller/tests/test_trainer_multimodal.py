@@ -23,8 +23,18 @@ def _images(k: int) -> MultimodalInputs:
 
 def _samples() -> list[Sample]:
     mm = [_images(0), None, _images(2), _images(3)]
-    return [Sample([1, 2, 3][: 2 + k % 2], [5] * (k + 1), [1] * (k + 1), [-0.5] * (k + 1), "stop",
-                   sample_id=f"s{k}", multimodal=mm[k]) for k in range(4)]
+    return [
+        Sample(
+            [1, 2, 3][: 2 + k % 2],
+            [5] * (k + 1),
+            [1] * (k + 1),
+            [-0.5] * (k + 1),
+            "stop",
+            sample_id=f"s{k}",
+            multimodal=mm[k],
+        )
+        for k in range(4)
+    ]
 
 
 def test_batch_column_follows_the_rows():
@@ -33,8 +43,10 @@ def test_batch_column_follows_the_rows():
     assert batch[MULTIMODAL].tolist() == [s.multimodal for s in samples]
     assert batch[1:3][MULTIMODAL].tolist() == [None, samples[2].multimodal]
     halves = split_value(batch, 2, "batch")
-    assert [h[MULTIMODAL].tolist() for h in halves] == [[samples[0].multimodal, None],
-                                                       [samples[2].multimodal, samples[3].multimodal]]
+    assert [h[MULTIMODAL].tolist() for h in halves] == [
+        [samples[0].multimodal, None],
+        [samples[2].multimodal, samples[3].multimodal],
+    ]
     batch["advantages"] = torch.zeros(batch["response_mask"].shape)
     batch["advantages"][3] = 1.0
     kept, left_out = skip_zero_advantage_rows(batch)
@@ -51,13 +63,17 @@ def test_text_batch_has_no_column():
 
 def test_pending_round_gets_its_images_back_from_the_prompts():
     samples = _samples()
-    items = [PromptItem([1, 2], PromptRecord([], "src", "x"), "p0", samples[0].multimodal),
-             PromptItem([1, 2], PromptRecord([], "src", "x"), "p1", samples[2].multimodal)]
+    items = [
+        PromptItem([1, 2], PromptRecord([], "src", "x"), "p0", samples[0].multimodal),
+        PromptItem([1, 2], PromptRecord([], "src", "x"), "p1", samples[2].multimodal),
+    ]
     rnd = Round(items, samples, 2, kept_groups=[0, 1], indices=[0, 1], tag="step1")
     data = round_to_dict(rnd)
     assert "multimodal" not in data["samples"][0]
     back = round_from_dict(data, items)
-    assert [s.multimodal for s in back.samples] == [items[0].multimodal] * 2 + [items[1].multimodal] * 2
+    assert [s.multimodal for s in back.samples] == [items[0].multimodal] * 2 + [
+        items[1].multimodal
+    ] * 2
 
 
 class _Decoder:
@@ -67,8 +83,15 @@ class _Decoder:
 
 def test_response_ends_before_a_sampled_image_placeholder():
     image_token = 9
-    sample = Sample([1, 9, 9, 2], [5, 6, 9, 7], [1] * 4, [-0.1, -0.2, -0.3, -0.4], "stop",
-                    text="5 6 9 7", multimodal=_images(0))
+    sample = Sample(
+        [1, 9, 9, 2],
+        [5, 6, 9, 7],
+        [1] * 4,
+        [-0.1, -0.2, -0.3, -0.4],
+        "stop",
+        text="5 6 9 7",
+        multimodal=_images(0),
+    )
     cut = end_before_token(sample, image_token, _Decoder())
     assert (cut.response_ids, cut.response_mask, cut.log_probs) == ([5, 6], [1, 1], [-0.1, -0.2])
     assert cut.finish_reason == "image_token" and cut.text == "5 6"

@@ -82,10 +82,23 @@ class Outer:
 def test_loader_coerces_merges_and_refuses(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("inner:\n  lr: 0.5\n  steps: 4\nname: from-preset\n")
-    cfg = load_config(Outer, [str(preset)], ["inner.steps=7", "flag=yes", "inner.betas=[0.8, 0.9]",
-                                             "inner.targets=[q_proj,v_proj]", "maybe=3"])
-    assert cfg == Outer(name="from-preset", flag=True, maybe=3,
-                        inner=Inner(lr=0.5, betas=(0.8, 0.9), targets=["q_proj", "v_proj"], steps=7))
+    cfg = load_config(
+        Outer,
+        [str(preset)],
+        [
+            "inner.steps=7",
+            "flag=yes",
+            "inner.betas=[0.8, 0.9]",
+            "inner.targets=[q_proj,v_proj]",
+            "maybe=3",
+        ],
+    )
+    assert cfg == Outer(
+        name="from-preset",
+        flag=True,
+        maybe=3,
+        inner=Inner(lr=0.5, betas=(0.8, 0.9), targets=["q_proj", "v_proj"], steps=7),
+    )
     assert load_config(Outer).inner.targets == "all-linear"  # a str stays a str in list | str
     # a str field takes the override as written: YAML would make `off` False, `1e-3` a float
     assert load_config(Outer, overrides=["name=off"]).name == "off"
@@ -162,7 +175,11 @@ def test_cpu_name_tells_apart_cpus_that_share_a_model_name(tmp_path, monkeypatch
         names[label] = cpu_name()
     digest = hashlib.sha256(b"avx2 fma fpu").hexdigest()[:8]
     assert names["zen1"] == f"AMD EPYC (cpu family 23, model 1, flags {digest})"
-    assert names["zen1"] == names["zen1, second processor listed"] == names["zen1, flags in another order"]
+    assert (
+        names["zen1"]
+        == names["zen1, second processor listed"]
+        == names["zen1, flags in another order"]
+    )
     assert len({names["zen1"], names["zen5"], names["zen1 with avx512_bf16"]}) == 3
     machine.CPUINFO.unlink()  # not Linux: what platform knows
     assert cpu_name() and "(" not in cpu_name()
@@ -174,6 +191,7 @@ def _counting(log, answer):
             f.write("measured\n")
         time.sleep(0.2)  # long enough for the other processes to be waiting on the lock
         return answer
+
     return measure
 
 
@@ -201,7 +219,10 @@ def test_a_choice_is_measured_once_per_machine_and_read_by_later_processes(tmp_p
     assert decided_once_per_machine("q", _counting(log, "new")) == "recorded"
     assert log.read_text().count("measured") == 1
     # an answer `accept` refuses, and a torn file, are measured again and rewritten
-    assert decided_once_per_machine("q", _counting(log, "new"), accept=lambda v: v != "recorded") == "new"
+    assert (
+        decided_once_per_machine("q", _counting(log, "new"), accept=lambda v: v != "recorded")
+        == "new"
+    )
     assert json.loads(path.read_text()) == {"q": "new", "other": 1}
     path.write_text("{not json")
     assert decided_once_per_machine("q", _counting(log, 3)) == 3
@@ -240,8 +261,12 @@ def test_retained_memory_is_reused_without_page_faults():
     import sys
 
     def faults(retain: bool) -> tuple[str, int]:
-        out = subprocess.run([sys.executable, "-c", REFAULT, str(int(retain))],
-                             capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", REFAULT, str(int(retain))],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         return out[0], int(out[1])
 
     pages = (48 << 20) // resource.getpagesize()

@@ -70,7 +70,9 @@ class ReferenceEngine(Engine):
         self.config = config
         self.model = TinyCausalLM(config.model.init_seed)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.optimizer.lr, betas=config.optimizer.betas,
+            self.model.parameters(),
+            lr=config.optimizer.lr,
+            betas=config.optimizer.betas,
             weight_decay=config.optimizer.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
@@ -128,7 +130,9 @@ class ReferenceEngine(Engine):
     def forward_backward(self, batch, loss_fn):
         B.validate_batch(batch)
         mbs = B.split_by_token_budget(
-            batch, self.config.micro_batch.max_tokens_per_microbatch, self.config.micro_batch.packing(True)
+            batch,
+            self.config.micro_batch.max_tokens_per_microbatch,
+            self.config.micro_batch.packing(True),
         )
         B.set_global_normalisers(mbs)
         total = 0.0
@@ -156,8 +160,12 @@ class ReferenceEngine(Engine):
         torch.save(self._state(), Path(path) / "state.pt")
 
     def _state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
 
     def load_checkpoint(self, path) -> None:
         file = Path(path) / "state.pt"
@@ -193,7 +201,9 @@ def make_spec(tmp_path):
 
     def build(engine_cls=ReferenceEngine) -> ConformanceSpec:
         return ConformanceSpec(
-            make_engine=lambda overrides: engine_cls.build(apply_overrides(base_config(), overrides)),
+            make_engine=lambda overrides: engine_cls.build(
+                apply_overrides(base_config(), overrides)
+            ),
             make_reference=TinyReference,
             vocab_size=VOCAB,
             workdir=tmp_path,

@@ -14,8 +14,9 @@ def small_batch():
     ids = torch.tensor([[0, 0, 5, 6, 7, 0], [3, 4, 5, 6, 7, 8]])
     attn = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
     resp = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]])
-    return B.make_batch(ids, attn, resp, advantages=torch.arange(12.0).view(2, 6),
-                        uid=torch.tensor([7, 9]))
+    return B.make_batch(
+        ids, attn, resp, advantages=torch.arange(12.0).view(2, 6), uid=torch.tensor([7, 9])
+    )
 
 
 def test_positions_restart_over_real_tokens():
@@ -71,8 +72,12 @@ def test_global_normalisers_count_tokens_and_sequences():
         (lambda b: b.exclude(B.RESPONSE_MASK), "response_mask"),
         (lambda b: b.set(B.INPUT_IDS, b[B.INPUT_IDS].float()), "integer token ids"),
         (lambda b: b.set(B.RESPONSE_MASK, torch.ones_like(b[B.RESPONSE_MASK])), "padding position"),
-        (lambda b: b.set(B.ATTENTION_MASK, torch.zeros_like(b[B.ATTENTION_MASK]))
-         .set(B.RESPONSE_MASK, torch.zeros_like(b[B.RESPONSE_MASK])), "all 0"),
+        (
+            lambda b: b.set(B.ATTENTION_MASK, torch.zeros_like(b[B.ATTENTION_MASK])).set(
+                B.RESPONSE_MASK, torch.zeros_like(b[B.RESPONSE_MASK])
+            ),
+            "all 0",
+        ),
     ],
 )
 def test_validation_names_the_problem(mutate, needle):

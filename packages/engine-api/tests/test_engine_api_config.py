@@ -18,14 +18,26 @@ def cfg(**kw):
         (lambda: ModelConfig(), "set exactly one of model.path"),
         (lambda: ModelConfig(path="x", hf_config={"model_type": "a"}), "set exactly one"),
         (lambda: ModelConfig(hf_config={}), "model.hf_config must hold 'model_type'"),
-        (lambda: ModelConfig(path="x", role="critic"), r"model.role='critic' is not allowed; choose one of \['policy', 'value'\]"),
+        (
+            lambda: ModelConfig(path="x", role="critic"),
+            r"model.role='critic' is not allowed; choose one of \['policy', 'value'\]",
+        ),
         (lambda: cfg(optimizer={"lr": -1}), r"optimizer.lr=-1.0 must be > 0"),
         (lambda: cfg(optimizer={"betas": [0.9, 1.5]}), "optimizer.betas"),
-        (lambda: cfg(scheduler={"name": "cosine", "warmup_steps": 5}), "scheduler.total_steps=0 must be > scheduler.warmup_steps=5"),
-        (lambda: cfg(micro_batch={"max_tokens_per_microbatch": 0}), "micro_batch.max_tokens_per_microbatch=0"),
+        (
+            lambda: cfg(scheduler={"name": "cosine", "warmup_steps": 5}),
+            "scheduler.total_steps=0 must be > scheduler.warmup_steps=5",
+        ),
+        (
+            lambda: cfg(micro_batch={"max_tokens_per_microbatch": 0}),
+            "micro_batch.max_tokens_per_microbatch=0",
+        ),
         (lambda: cfg(precision={"param_dtype": "fp8"}), "precision.param_dtype='fp8'"),
         (lambda: cfg(parallel={"sequence_parallel": True}), "needs parallel.tensor > 1"),
-        (lambda: cfg(micro_batch={"max_token_per_microbatch": 5}), "did you mean 'max_tokens_per_microbatch'"),
+        (
+            lambda: cfg(micro_batch={"max_token_per_microbatch": 5}),
+            "did you mean 'max_tokens_per_microbatch'",
+        ),
         (lambda: cfg(temperature=0), "engine.temperature=0 must be > 0"),
     ],
 )

@@ -27,7 +27,9 @@ def _broken(reference_engine_cls, name):
     class MeanPerMicroBatch(base):  # ignores the global normaliser: per-micro-batch means
         def forward_backward(self, batch, loss_fn):
             B.validate_batch(batch)
-            mbs = B.split_by_token_budget(batch, self.config.micro_batch.max_tokens_per_microbatch, True)
+            mbs = B.split_by_token_budget(
+                batch, self.config.micro_batch.max_tokens_per_microbatch, True
+            )
             total = 0.0
             for mb in mbs:
                 out = self._outputs(mb)
@@ -80,8 +82,15 @@ def _broken(reference_engine_cls, name):
 
 @pytest.mark.parametrize(
     "breakage",
-    ["off_by_one", "mean_per_micro_batch", "forgets_optimizer_state", "graph_in_forward",
-     "no_validation", "stale_export", "forgets_packing"],
+    [
+        "off_by_one",
+        "mean_per_micro_batch",
+        "forgets_optimizer_state",
+        "graph_in_forward",
+        "no_validation",
+        "stale_export",
+        "forgets_packing",
+    ],
 )
 def test_kit_catches_broken_engine(make_spec, reference_engine_cls, breakage):
     engine_cls, check = _broken(reference_engine_cls, breakage)

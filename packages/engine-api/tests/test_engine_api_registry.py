@@ -24,7 +24,9 @@ def test_registry_refuses_rebinding_and_lists_names_on_unknown():
     reg.register("grpo", grpo)  # the same object again is fine
     with pytest.raises(RegistryError, match="already registered"):
         reg.register("grpo", lambda: 2)
-    with pytest.raises(RegistryError, match=r"unknown estimator 'grp'; did you mean 'grpo'\? registered: grpo"):
+    with pytest.raises(
+        RegistryError, match=r"unknown estimator 'grp'; did you mean 'grpo'\? registered: grpo"
+    ):
         reg.get("grp")
     assert reg.get("grpo") is grpo and "grpo" in reg and len(reg) == 1
 
@@ -45,7 +47,10 @@ def test_engine_api_base_install_pulls_no_heavy_dependency():
     root = Path(__file__).resolve().parents[3]
     tree = subprocess.run(
         [uv, "tree", "--package", "tephra-engine-api", "--no-dev", "--frozen"],
-        cwd=root, capture_output=True, text=True, check=True,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "tensordict" in tree and "torch" in tree
     for heavy in ("ray", "vllm", "megatron", "transformers"):

@@ -24,9 +24,12 @@ def _vision_batch(vlm_path: str, seed: int = 0):
     proc = VisionProcessor.from_pretrained(vlm_path)
     span = "<|vision_start|><|image_pad|><|vision_end|>"
     chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-    prompts = [proc(chat.format(f"{span}what colour?"), [Image.new("RGB", (112, 112), "red")]),
-               proc(chat.format(f"{span}and this?"), [Image.new("RGB", (140, 112), "blue")]),
-               proc(chat.format("text only"), []), proc(chat.format("more text"), [])]
+    prompts = [
+        proc(chat.format(f"{span}what colour?"), [Image.new("RGB", (112, 112), "red")]),
+        proc(chat.format(f"{span}and this?"), [Image.new("RGB", (140, 112), "blue")]),
+        proc(chat.format("text only"), []),
+        proc(chat.format("more text"), []),
+    ]
     gen = torch.Generator().manual_seed(seed)
     seqs, resp_len = [], []
     for k, (ids, _) in enumerate(prompts):
@@ -41,8 +44,9 @@ def _vision_batch(vlm_path: str, seed: int = 0):
         input_ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
         resp[i, len(seq) - r : len(seq)] = 1
-    batch = TensorDict({B.INPUT_IDS: input_ids, B.ATTENTION_MASK: attn, B.RESPONSE_MASK: resp},
-                       batch_size=[n])
+    batch = TensorDict(
+        {B.INPUT_IDS: input_ids, B.ATTENTION_MASK: attn, B.RESPONSE_MASK: resp}, batch_size=[n]
+    )
     batch[MULTIMODAL] = multimodal_column([m for _, m in prompts])
     return batch
 

@@ -25,16 +25,20 @@ def test_conformance_on_cuda(tmp_path):
     assert next(engine.hf_model.parameters()).device.type == "cuda"
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"micro_batch.use_packing": True},
-    {"model.gradient_checkpointing": True, "lora.rank": 4},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"micro_batch.use_packing": True},
+        {"model.gradient_checkpointing": True, "lora.rank": 4},
+    ],
+)
 def test_bf16_on_cuda_tracks_fp32_on_cpu(overrides):
     batch = random_batch(TINY_VOCAB, num_sequences=8, seed=3)
     cpu = FSDPEngine.build(tiny_engine_config(**overrides))
-    gpu = FSDPEngine.build(tiny_engine_config(**overrides, device="cuda",
-                                              **{"precision.param_dtype": "bfloat16"}))
+    gpu = FSDPEngine.build(
+        tiny_engine_config(**overrides, device="cuda", **{"precision.param_dtype": "bfloat16"})
+    )
     assert gpu.device.type == "cuda"
     for _ in range(3):
         (loss, norm), (want_loss, want_norm) = train_step(gpu, batch), train_step(cpu, batch)
@@ -61,13 +65,20 @@ def test_offload_keeps_the_tensors_in_host_memory_between_steps(params):
 
     batch = random_batch(TINY_VOCAB, num_sequences=4, seed=5)
     plain = FSDPEngine.build(tiny_engine_config(device="cuda"))
-    off = FSDPEngine.build(tiny_engine_config(**{"device": "cuda", "offload.params": params,
-                                                 "offload.optimizer": True}))
+    off = FSDPEngine.build(
+        tiny_engine_config(
+            **{"device": "cuda", "offload.params": params, "offload.optimizer": True}
+        )
+    )
     for _ in range(2):
         (la, ga), (lb, gb) = train_step(plain, batch), train_step(off, batch)
         assert la == pytest.approx(lb, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
     shards = [p.to_local() if isinstance(p, DTensor) else p for p in off.hf_model.parameters()]
     assert {s.device.type for s in shards} == ({"cpu"} if params else {"cuda"})
-    state = [v for s in off.optimizer.state.values() for k, v in s.items()
-             if isinstance(v, torch.Tensor) and k != "step"]
+    state = [
+        v
+        for s in off.optimizer.state.values()
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor) and k != "step"
+    ]
     assert state and {v.device.type for v in state} == {"cpu"}

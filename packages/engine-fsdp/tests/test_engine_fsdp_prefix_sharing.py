@@ -29,8 +29,7 @@ def test_find_by_hand():
 
 
 def _engine(share: bool, **overrides):
-    return FSDPEngine.build(tiny_engine_config(**{"micro_batch.share_prefix": share,
-                                                   **overrides}))
+    return FSDPEngine.build(tiny_engine_config(**{"micro_batch.share_prefix": share, **overrides}))
 
 
 @pytest.mark.parametrize("overrides", [{}, {"model.gradient_checkpointing": True}])
@@ -44,19 +43,25 @@ def test_shared_prefix_equals_whole_rows(monkeypatch, overrides):
         engine = _engine(share, **overrides)
         # shared rows attend per block (`tree_attention`), the others through SDPA
         assert engine.hf_model.config._attn_implementation == (
-            "tephra_tree_sdpa" if share else "sdpa")
+            "tephra_tree_sdpa" if share else "sdpa"
+        )
         with engine.eval_mode():
             out[share] = engine.forward(batch)
         with engine.train_mode():
             engine.forward_backward(batch, nll_loss_fn)
-        grads[share] = {n: p.grad.full_tensor().clone()
-                        for n, p in engine.model.named_parameters() if p.grad is not None}
+        grads[share] = {
+            n: p.grad.full_tensor().clone()
+            for n, p in engine.model.named_parameters()
+            if p.grad is not None
+        }
         engine.optimizer.zero_grad(set_to_none=True)
         steps[share] = [train_step(engine, batch) for _ in range(2)]
     # forward, forward_backward + 2 training steps: one micro-batch each, 12 rows, 3 prefixes,
     # laid out flat (one row, no padding) for the block attention
-    assert len(calls) == 4 and all(c.input_ids.shape[0] == 1 and c.attention_mask is None
-                                   and c.blocks[0].query.shape[0] == 3 for c in calls)
+    assert len(calls) == 4 and all(
+        c.input_ids.shape[0] == 1 and c.attention_mask is None and c.blocks[0].query.shape[0] == 3
+        for c in calls
+    )
     mask = batch[B.RESPONSE_MASK].bool()
     for key in ("log_probs", "entropy"):
         assert out[True][key][mask].abs().min() > 0
@@ -69,10 +74,13 @@ def test_shared_prefix_equals_whole_rows(monkeypatch, overrides):
         torch.testing.assert_close(grads[True][name], grad, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ({"model.role": "value"}, "values"),
-    ({"model.attn_implementation": "eager"}, "log_probs"),  # the mask as 0 / min additive
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"model.role": "value"}, "values"),
+        ({"model.attn_implementation": "eager"}, "log_probs"),  # the mask as 0 / min additive
+    ],
+)
 def test_value_model_and_eager_attention_share_too(overrides, key):
     batch = grouped_batch(groups=2, n=3, seed=2)
     out = {}
@@ -84,10 +92,13 @@ def test_value_model_and_eager_attention_share_too(overrides, key):
     torch.testing.assert_close(out[True], out[False], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("overrides", [
-    {"micro_batch.use_packing": True},
-    {"model.attn_implementation": "flash_attention_2"},  # packs by default
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"micro_batch.use_packing": True},
+        {"model.attn_implementation": "flash_attention_2"},  # packs by default
+    ],
+)
 def test_forced_where_unsupported_is_refused(overrides):
     with pytest.raises(ConfigError, match=r"micro_batch.share_prefix=true needs padded"):
         _engine(True, **overrides)
@@ -98,12 +109,18 @@ def test_long_segments_run_whole():
     # make a tree row of 83 tokens, 83^2 <= 4 x 2 x 42^2: shared; 8 rows make 329 tokens,
     # 329^2 > 4 x 8 x 42^2: the rows run whole
     def rows(n):
-        ids = torch.cat([torch.tensor([[3, 4]]).expand(n, 2),
-                         torch.randint(5, 200, (n, 40), generator=torch.Generator().manual_seed(0))], 1)
+        ids = torch.cat(
+            [
+                torch.tensor([[3, 4]]).expand(n, 2),
+                torch.randint(5, 200, (n, 40), generator=torch.Generator().manual_seed(0)),
+            ],
+            1,
+        )
         resp = torch.zeros_like(ids)
         resp[:, 2:] = 1
         attn = torch.ones_like(ids)
         return ids, attn, B.positions_from_mask(attn), B.label_positions(resp) * attn
+
     assert prefix_sharing.layout(*rows(2)) is not None
     assert prefix_sharing.layout(*rows(8)) is None
     # the flat layout has no dense mask: its blocks attend over less than the rows do
@@ -130,7 +147,10 @@ def test_flat_layout_by_hand():
     prefix, segments = tree.blocks
     assert prefix.target.tolist() == [0]
     assert [k[m.any(0)].tolist() for k, m in zip(segments.key, segments.mask[:, 0])] == [
-        [0, 1, 2, 3, 4], [0, 5, 6], [7, 8, 9]]
+        [0, 1, 2, 3, 4],
+        [0, 5, 6],
+        [7, 8, 9],
+    ]
 
 
 def test_tree_attention_blocks_equal_the_dense_mask():
@@ -139,15 +159,17 @@ def test_tree_attention_blocks_equal_the_dense_mask():
     and segments of different lengths, padding); padding positions get zeros."""
     from tephra.engine_fsdp import tree_attention
 
-    seg = torch.tensor([[-1, -1, -1, 0, 0, 1, 1, 1, -2],
-                        [-1, -1, 2, 2, 2, 3, -2, -2, -2]])
+    seg = torch.tensor([[-1, -1, -1, 0, 0, 1, 1, 1, -2], [-1, -1, 2, 2, 2, 3, -2, -2, -2]])
     blocks = tree_attention.tree_blocks([seg[0, :8], seg[1, :6]], [0, 9])
     prefix, segments = blocks
     assert prefix.query.shape == (2, 3) and segments.query.shape == (4, 3)
     # segment 1 (row 0, positions 5-7) sees the prefix 0-2 and itself causally
     assert segments.key[1].tolist() == [0, 1, 2, 5, 6, 7]
-    assert segments.mask[1, 0].int().tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0],
-                                                  [1, 1, 1, 1, 1, 1]]
+    assert segments.mask[1, 0].int().tolist() == [
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1, 1],
+    ]
     real = (seg != -2).flatten()
     assert sorted(torch.cat([b.target for b in blocks]).tolist()) == real.nonzero()[:, 0].tolist()
 
@@ -159,7 +181,8 @@ def test_tree_attention_blocks_equal_the_dense_mask():
     dense = torch.ones(9, 9, dtype=torch.bool).tril() & (ks != -2) & ((ks == -1) | (ks == qs))
     dense |= torch.eye(9, dtype=torch.bool) & (qs == -2)
     want = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=dense[:, None], enable_gqa=True).transpose(1, 2)
+        q, k, v, attn_mask=dense[:, None], enable_gqa=True
+    ).transpose(1, 2)
     got_real, want_real = got.flatten(0, 1)[real], want.flatten(0, 1)[real]
     torch.testing.assert_close(got_real, want_real, atol=1e-6, rtol=1e-5)
     assert got.flatten(0, 1)[~real].abs().max() == 0

@@ -10,15 +10,24 @@ from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp.engine import FSDPEngine
 from tephra.engine_fsdp.sharding import release_process_group
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=2)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+)
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"parallel": {"tensor": 2}}, r"parallel.tensor=2: engine=fsdp has data and sequence"),
-    ({"parallel": {"context": 3}}, r"parallel.context=3 must divide the world size 2"),
-    ({"parallel": {"moe_token_dispatcher": "allgather"}}, r"moe_token_dispatcher='allgather'"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"parallel": {"tensor": 2}}, r"parallel.tensor=2: engine=fsdp has data and sequence"),
+        ({"parallel": {"context": 3}}, r"parallel.context=3 must divide the world size 2"),
+        ({"parallel": {"moe_token_dispatcher": "allgather"}}, r"moe_token_dispatcher='allgather'"),
+    ],
+)
 def test_check_config_refuses_before_building(section, message):
     config = EngineConfig(model=ModelConfig(hf_config={"model_type": "qwen2", **TINY}), **section)
     with pytest.raises(ConfigError, match=message):

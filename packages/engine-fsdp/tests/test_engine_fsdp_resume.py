@@ -10,10 +10,14 @@ from tephra.engine_api.testing import random_batch
 from tephra.engine_fsdp import FSDPEngine
 from tephra.engine_fsdp.testing import TINY_VOCAB, tiny_engine_config, train_step
 
-OVERRIDES = {"scheduler.name": "cosine", "scheduler.warmup_steps": 1, "scheduler.total_steps": 5,
-             "micro_batch.max_tokens_per_microbatch": 24}
+OVERRIDES = {
+    "scheduler.name": "cosine",
+    "scheduler.warmup_steps": 1,
+    "scheduler.total_steps": 5,
+    "micro_batch.max_tokens_per_microbatch": 24,
+}
 
-TRAIN_SAVE_DIE = textwrap.dedent('''
+TRAIN_SAVE_DIE = textwrap.dedent("""
     import os, signal, sys, torch
     torch.set_num_threads(1)
     from tephra.engine_api.testing import random_batch
@@ -24,13 +28,17 @@ TRAIN_SAVE_DIE = textwrap.dedent('''
         train_step(engine, random_batch(TINY_VOCAB, num_sequences=8, seed=seed))
     engine.save_checkpoint(sys.argv[1])
     os.kill(os.getpid(), signal.SIGKILL)
-''').format(overrides=OVERRIDES)
+""").format(overrides=OVERRIDES)
 
 
 def test_save_kill_load_step_is_bitwise(tmp_path):
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.run([sys.executable, "-c", TRAIN_SAVE_DIE, str(ckpt)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAIN_SAVE_DIE, str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     uninterrupted = FSDPEngine.build(tiny_engine_config(**OVERRIDES))
     for seed in (1, 2):

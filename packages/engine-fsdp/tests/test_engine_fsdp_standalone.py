@@ -16,7 +16,7 @@ import pytest
 
 PACKAGES = Path(__file__).resolve().parents[2]
 
-SFT_SCRIPT = textwrap.dedent('''
+SFT_SCRIPT = textwrap.dedent("""
     import importlib.util, json, torch
     torch.set_num_threads(1)
     from tephra.engine_api import EngineConfig, ModelConfig, get_engine, make_batch
@@ -39,7 +39,7 @@ SFT_SCRIPT = textwrap.dedent('''
             engine.optimizer_step()
     absent = {m: importlib.util.find_spec(m) is None for m in ("ray", "vllm", "megatron")}
     print(json.dumps({"losses": losses, "absent": absent}))
-''')
+""")
 
 
 def test_project_depending_only_on_engine_fsdp_trains(tmp_path):
@@ -48,7 +48,8 @@ def test_project_depending_only_on_engine_fsdp_trains(tmp_path):
         pytest.skip("uv is not on PATH")
     project = tmp_path / "fsdp-user"
     project.mkdir()
-    (project / "pyproject.toml").write_text(textwrap.dedent(f'''
+    (project / "pyproject.toml").write_text(
+        textwrap.dedent(f'''
         [project]
         name = "fsdp-user"
         version = "0.0.0"
@@ -61,23 +62,37 @@ def test_project_depending_only_on_engine_fsdp_trains(tmp_path):
         environments = ["sys_platform == 'linux'"]
 
         [tool.uv.sources]
-        tephra-engine-fsdp = {{ path = "{PACKAGES / 'engine-fsdp'}" }}
-        tephra-engine-api = {{ path = "{PACKAGES / 'engine-api'}" }}
-        tephra-core = {{ path = "{PACKAGES / 'core'}" }}
-        tephra-kernels = {{ path = "{PACKAGES / 'kernels'}" }}
-    '''))
+        tephra-engine-fsdp = {{ path = "{PACKAGES / "engine-fsdp"}" }}
+        tephra-engine-api = {{ path = "{PACKAGES / "engine-api"}" }}
+        tephra-core = {{ path = "{PACKAGES / "core"}" }}
+        tephra-kernels = {{ path = "{PACKAGES / "kernels"}" }}
+    ''')
+    )
     (project / "sft.py").write_text(SFT_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "UV_PROJECT"))}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    sync = subprocess.run([uv, "sync", "--python", "3.11"], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=600)
+    sync = subprocess.run(
+        [uv, "sync", "--python", "3.11"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if sync.returncode != 0:  # no registry reachable: the shared uv cache has everything
-        sync = subprocess.run([uv, "sync", "--offline", "--python", "3.11"], cwd=project,
-                              env=env, capture_output=True, text=True, timeout=600)
+        sync = subprocess.run(
+            [uv, "sync", "--offline", "--python", "3.11"],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert sync.returncode == 0, sync.stderr
     python = project / ".venv" / "bin" / "python"
-    run = subprocess.run([str(python), "sft.py"], cwd=project, env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [str(python), "sft.py"], cwd=project, env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["absent"] == {"ray": True, "vllm": True, "megatron": True}

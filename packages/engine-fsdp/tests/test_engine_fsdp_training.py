@@ -33,8 +33,15 @@ def test_bf16_mixed_precision_trains(batch):
 
 def test_checkpointing_and_offload_change_nothing(batch):
     plain = FSDPEngine.build(tiny_engine_config())
-    other = FSDPEngine.build(tiny_engine_config(**{
-        "model.gradient_checkpointing": True, "offload.params": True, "offload.optimizer": True}))
+    other = FSDPEngine.build(
+        tiny_engine_config(
+            **{
+                "model.gradient_checkpointing": True,
+                "offload.params": True,
+                "offload.optimizer": True,
+            }
+        )
+    )
     assert other.hf_model.is_activation_checkpointing
     for _ in range(2):
         (la, ga), (lb, gb) = train_step(plain, batch), train_step(other, batch)
@@ -77,8 +84,11 @@ def test_value_model_trains_and_exports_as_token_classifier(batch, tmp_path):
     critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic").eval()
     assert critic.score.weight.shape == (1, 64)
     with torch.no_grad():
-        scores = critic(input_ids=data[B.INPUT_IDS], attention_mask=data[B.ATTENTION_MASK],
-                        position_ids=data[B.POSITION_IDS]).logits[..., 0]
+        scores = critic(
+            input_ids=data[B.INPUT_IDS],
+            attention_mask=data[B.ATTENTION_MASK],
+            position_ids=data[B.POSITION_IDS],
+        ).logits[..., 0]
     want = B.align_to_tokens(scores) * data[B.RESPONSE_MASK]
     torch.testing.assert_close(values, want, atol=1e-5, rtol=0)
 
@@ -86,9 +96,15 @@ def test_value_model_trains_and_exports_as_token_classifier(batch, tmp_path):
 def test_value_model_packed_equals_padded(batch):
     values = {}
     for packing in (True, False):
-        engine = FSDPEngine.build(tiny_engine_config(**{
-            "model.role": "value", "micro_batch.use_packing": packing,
-            "micro_batch.max_tokens_per_microbatch": 40}))
+        engine = FSDPEngine.build(
+            tiny_engine_config(
+                **{
+                    "model.role": "value",
+                    "micro_batch.use_packing": packing,
+                    "micro_batch.max_tokens_per_microbatch": 40,
+                }
+            )
+        )
         with engine.eval_mode():
             values[packing] = engine.forward(batch)["values"]
     assert values[True].abs().max() > 0
@@ -104,8 +120,11 @@ def test_export_hf_loads_in_transformers_and_back_into_the_engine(batch, tmp_pat
     engine.export_hf(src)
     model = AutoModelForCausalLM.from_pretrained(src).eval()
     with torch.no_grad():
-        logits = model(input_ids=batch[B.INPUT_IDS], attention_mask=batch[B.ATTENTION_MASK],
-                       position_ids=batch[B.POSITION_IDS]).logits
+        logits = model(
+            input_ids=batch[B.INPUT_IDS],
+            attention_mask=batch[B.ATTENTION_MASK],
+            position_ids=batch[B.POSITION_IDS],
+        ).logits
     logp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch[B.INPUT_IDS][:, 1:, None])[..., 0]
     with engine.eval_mode():
         got = engine.forward(batch)["log_probs"]
@@ -115,7 +134,9 @@ def test_export_hf_loads_in_transformers_and_back_into_the_engine(batch, tmp_pat
     # a folder with a tokenizer: the engine builds from it and exports the tokenizer too
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.save(str(src / "tokenizer.json"))
-    reloaded = FSDPEngine.build(tiny_engine_config(**{"model.path": str(src), "model.hf_config": None}))
+    reloaded = FSDPEngine.build(
+        tiny_engine_config(**{"model.path": str(src), "model.hf_config": None})
+    )
     with reloaded.eval_mode():
         torch.testing.assert_close(reloaded.forward(batch)["log_probs"], got, atol=1e-6, rtol=0)
     reloaded.export_hf(tmp_path / "again")
@@ -123,8 +144,9 @@ def test_export_hf_loads_in_transformers_and_back_into_the_engine(batch, tmp_pat
     # tied embeddings: lm_head only on request, and then equal to the embeddings
     with engine.eval_mode():
         plain = dict(w for b in engine.export_weights() for w in b)
-        untied = dict(w for b in engine.export_weights(bucket_bytes=1, untie_word_embeddings=True)
-                      for w in b)
+        untied = dict(
+            w for b in engine.export_weights(bucket_bytes=1, untie_word_embeddings=True) for w in b
+        )
     assert "lm_head.weight" not in plain
     assert torch.equal(untied["lm_head.weight"], plain["model.embed_tokens.weight"])
 
@@ -132,22 +154,33 @@ def test_export_hf_loads_in_transformers_and_back_into_the_engine(batch, tmp_pat
 def test_schedules_match_hand_computed_values():
     cos = SchedulerConfig(name="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
     assert [SCHEDULES.get("cosine")(s, cos) for s in (0, 1, 2, 4, 6, 9)] == pytest.approx(
-        [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), 0.1, 0.1])
+        [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), 0.1, 0.1]
+    )
     wsd = SchedulerConfig(name="wsd", warmup_steps=1, total_steps=10, decay_ratio=0.2)
     assert [SCHEDULES.get("wsd")(s, wsd) for s in (0, 1, 7, 8, 9, 10)] == pytest.approx(
-        [1.0, 1.0, 1.0, 1.0, 0.5, 0.0])
+        [1.0, 1.0, 1.0, 1.0, 0.5, 0.0]
+    )
     const = SchedulerConfig(name="constant", warmup_steps=4)
     assert [SCHEDULES.get("constant")(s, const) for s in (0, 3, 50)] == [0.25, 1.0, 1.0]
-    engine = FSDPEngine.build(tiny_engine_config(**{
-        "scheduler.name": "wsd", "scheduler.warmup_steps": 1, "scheduler.total_steps": 10,
-        "scheduler.decay_ratio": 0.2}))
+    engine = FSDPEngine.build(
+        tiny_engine_config(
+            **{
+                "scheduler.name": "wsd",
+                "scheduler.warmup_steps": 1,
+                "scheduler.total_steps": 10,
+                "scheduler.decay_ratio": 0.2,
+            }
+        )
+    )
     lrs = [engine.lr_scheduler_step() for _ in range(10)]
     assert lrs[-2:] == pytest.approx([0.5e-2, 0.0])
 
 
 def test_bad_inputs_give_clear_errors(batch, tmp_path):
     with pytest.raises(ConfigError, match="model.path='/no/such/folder'"):
-        FSDPEngine.build(tiny_engine_config(**{"model.path": "/no/such/folder", "model.hf_config": None}))
+        FSDPEngine.build(
+            tiny_engine_config(**{"model.path": "/no/such/folder", "model.hf_config": None})
+        )
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"model_type": "not-a-model"}))
@@ -166,8 +199,9 @@ def test_bad_inputs_give_clear_errors(batch, tmp_path):
         engine.forward(big_vocab)
     with pytest.raises(CheckpointError, match="nothing-here"):
         engine.load_checkpoint(tmp_path / "nothing-here")
-    other = FSDPEngine.build(tiny_engine_config(
-        **{"model.hf_config": tiny_qwen2_config(intermediate_size=96)}))
+    other = FSDPEngine.build(
+        tiny_engine_config(**{"model.hf_config": tiny_qwen2_config(intermediate_size=96)})
+    )
     other.save_checkpoint(tmp_path / "other-model")
     with pytest.raises(CheckpointError, match="other-model.*another model"):
         engine.load_checkpoint(tmp_path / "other-model")

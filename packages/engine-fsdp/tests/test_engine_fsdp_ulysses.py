@@ -22,11 +22,19 @@ def test_unsupported_options_are_refused_at_build():
     with pytest.raises(ConfigError, match="parallel.tensor=2"):
         FSDPEngine.build(tiny_engine_config(**{"parallel.tensor": 2}))
     with pytest.raises(ConfigError, match="moe_token_dispatcher"):
-        FSDPEngine.check_config(tiny_engine_config(**{"parallel.moe_token_dispatcher": "allgather"}))
+        FSDPEngine.check_config(
+            tiny_engine_config(**{"parallel.moe_token_dispatcher": "allgather"})
+        )
     gemma2 = tiny_engine_config(**{"model.attn_implementation": "eager"})
     gemma2.model.hf_config = dict(
-        model_type="gemma2", vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        model_type="gemma2",
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
         final_logit_softcapping=30.0,
     )
     with pytest.raises(ConfigError, match="final_logit_softcapping=30.0"):

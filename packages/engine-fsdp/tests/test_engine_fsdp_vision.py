@@ -28,11 +28,15 @@ def _batch(vlm) -> tuple[TensorDict, list[list[int]], list]:
     proc = VisionProcessor.from_pretrained(vlm.path)
     span = "<|vision_start|><|image_pad|><|vision_end|>"
     prompts = [
-        proc(f"<|im_start|>user\n{span}what colour?<|im_end|>\n<|im_start|>assistant\n",
-             [Image.new("RGB", (112, 112), "red")]),
+        proc(
+            f"<|im_start|>user\n{span}what colour?<|im_end|>\n<|im_start|>assistant\n",
+            [Image.new("RGB", (112, 112), "red")],
+        ),
         proc("<|im_start|>user\ntext only<|im_end|>\n<|im_start|>assistant\n", []),
-        proc(f"<|im_start|>user\n{span}{span}and?<|im_end|>\n<|im_start|>assistant\n",
-             [Image.new("RGB", (140, 112), "green"), Image.new("RGB", (112, 168), "blue")]),
+        proc(
+            f"<|im_start|>user\n{span}{span}and?<|im_end|>\n<|im_start|>assistant\n",
+            [Image.new("RGB", (140, 112), "green"), Image.new("RGB", (112, 168), "blue")],
+        ),
     ]
     gen = torch.Generator().manual_seed(0)
     rows, mm = [], []
@@ -49,15 +53,22 @@ def _batch(vlm) -> tuple[TensorDict, list[list[int]], list]:
         input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
         attn[i, : len(p) + len(r)] = 1
         resp[i, len(p) : len(p) + len(r)] = 1
-    batch = TensorDict({B.INPUT_IDS: input_ids, B.ATTENTION_MASK: attn, B.RESPONSE_MASK: resp},
-                       batch_size=[n])
+    batch = TensorDict(
+        {B.INPUT_IDS: input_ids, B.ATTENTION_MASK: attn, B.RESPONSE_MASK: resp}, batch_size=[n]
+    )
     batch[MULTIMODAL] = multimodal_column(mm)
     return batch, [p + r for p, r in rows], mm
 
 
 def _engine(vlm, **overrides) -> FSDPEngine:
-    cfg = apply_overrides(EngineConfig(model=ModelConfig(path=vlm.path), device="cpu",
-                                       optimizer={"lr": 1e-2, "weight_decay": 0.0}), overrides)
+    cfg = apply_overrides(
+        EngineConfig(
+            model=ModelConfig(path=vlm.path),
+            device="cpu",
+            optimizer={"lr": 1e-2, "weight_decay": 0.0},
+        ),
+        overrides,
+    )
     return FSDPEngine.build(cfg)
 
 
@@ -66,7 +77,9 @@ def _reference(vlm, model, seqs, mm, resp) -> torch.Tensor:
     for i, (seq, images) in enumerate(zip(seqs, mm, strict=True)):
         ids = torch.tensor([seq])
         with torch.no_grad():
-            logits = model(input_ids=ids, **hf_model_kwargs(ids, [images], vlm.image_token_id)).logits[0]
+            logits = model(
+                input_ids=ids, **hf_model_kwargs(ids, [images], vlm.image_token_id)
+            ).logits[0]
         lp = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
         out[i, 1 : len(seq)] = lp
     return out * resp
@@ -77,8 +90,9 @@ def test_vision_log_probs_match_unpacked_hf_forward(vlm, packing):
     from transformers import AutoModelForImageTextToText
 
     batch, seqs, mm = _batch(vlm)
-    engine = _engine(vlm, **{"micro_batch.use_packing": packing,
-                             "micro_batch.max_tokens_per_microbatch": 4096})
+    engine = _engine(
+        vlm, **{"micro_batch.use_packing": packing, "micro_batch.max_tokens_per_microbatch": 4096}
+    )
     with engine.eval_mode():
         got = engine.forward(batch)["log_probs"] * batch[B.RESPONSE_MASK]
     model = AutoModelForImageTextToText.from_pretrained(vlm.path, dtype=torch.float32).eval()
@@ -86,8 +100,9 @@ def test_vision_log_probs_match_unpacked_hf_forward(vlm, packing):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # the images matter: other pixels, other log-probs
     other = batch.clone()
-    other[MULTIMODAL] = multimodal_column([
-        None if m is None else type(m)(m.pixel_values.flip(0), m.image_grid_thw) for m in mm])
+    other[MULTIMODAL] = multimodal_column(
+        [None if m is None else type(m)(m.pixel_values.flip(0), m.image_grid_thw) for m in mm]
+    )
     with engine.eval_mode():
         moved = engine.forward(other)["log_probs"] * batch[B.RESPONSE_MASK]
     assert (moved - got).abs().max() > 1e-4

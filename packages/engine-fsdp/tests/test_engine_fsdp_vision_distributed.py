@@ -18,8 +18,9 @@ def test_two_ranks_with_images_equal_one_rank(tmp_path, packing, vision_batch):
     vlm = build_tiny_vlm(tmp_path / "vlm")
     overrides = {"micro_batch.use_packing": packing}
     batch = vision_batch(vlm.path)
-    ranks = run_distributed(vision_steps, world_size=2, args=(vlm.path, batch, overrides),
-                            timeout=300)
+    ranks = run_distributed(
+        vision_steps, world_size=2, args=(vlm.path, batch, overrides), timeout=300
+    )
     want = vision_steps(vlm.path, batch, overrides)
     assert want["steps"][0][1] > 0
     for rank in ranks:

@@ -6,6 +6,7 @@ from tephra.core.testing import run_readme_section
 
 
 def test_readme_images_example_runs():
-    printed, claimed = run_readme_section(Path(__file__).resolve().parents[1] / "README.md",
-                                          "## Images (vision-language models)")
+    printed, claimed = run_readme_section(
+        Path(__file__).resolve().parents[1] / "README.md", "## Images (vision-language models)"
+    )
     assert printed and printed == claimed[: len(printed)]

@@ -56,8 +56,9 @@ def test_tp2_sp_dp2_distributed_optimizer_equals_dp1(tmp_path):
     model = {**T.TINY_DENSE, "num_hidden_layers": 2}
     batch = random_batch(model["vocab_size"], num_sequences=8, seed=7)
     parallel = {"tensor": 2, "sequence_parallel": True}
-    ranks = run_distributed(T.rank_dp_steps, 4,
-                            (model, batch, str(tmp_path / "tp2dp2"), 3, 2, parallel))
+    ranks = run_distributed(
+        T.rank_dp_steps, 4, (model, batch, str(tmp_path / "tp2dp2"), 3, 2, parallel)
+    )
     ref = T.rank_dp_steps(model, batch, str(tmp_path / "dp1"))
     assert all(r["dp_size"] == 2 for r in ranks)
     assert sum(r["local_numel"] for r in ranks) * 2 == sum(r["param_numel"] for r in ranks)

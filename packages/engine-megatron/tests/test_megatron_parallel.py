@@ -24,8 +24,11 @@ def _hf_folder(tmp_path):
 def _reference_first_step(model, batch):
     """Plain autograd on the transformers model with the kit's NLL loss."""
     model.zero_grad()
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"]).logits.float()
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+    ).logits.float()
     logp = torch.log_softmax(logits, -1)
     ids = batch["input_ids"]
     lp = torch.zeros(ids.shape)
@@ -50,12 +53,13 @@ def test_tp2_conformance_parity_and_round_trip(tmp_path):
     ids[batch["response_mask"].bool() & (torch.arange(ids.shape[1]) % 4 == 0)] = 3
     want_loss, want_norm, want_lp, want_ent = _reference_first_step(ref.model, batch)
     parallel = {"tensor": 2, "sequence_parallel": True}
-    results = run_distributed(T.rank_conformance, 2,
-                              (T.TINY_DENSE, parallel, str(tmp_path / "ck")))
+    results = run_distributed(T.rank_conformance, 2, (T.TINY_DENSE, parallel, str(tmp_path / "ck")))
     assert all(len(r) == 8 for r in results)
-    results = run_distributed(T.rank_first_step, 2,
-                              (str(folder), {"tensor": 2, "sequence_parallel": True}, batch,
-                               str(tmp_path / "out")))
+    results = run_distributed(
+        T.rank_first_step,
+        2,
+        (str(folder), {"tensor": 2, "sequence_parallel": True}, batch, str(tmp_path / "out")),
+    )
     for loss, norm, out in results:
         assert abs(loss - want_loss) <= 1e-5
         assert abs(norm - want_norm) <= 1e-4
@@ -78,23 +82,37 @@ def test_pp2_conformance_interleaved_and_1f1b(tmp_path):
     """PP=2 with 2 virtual stages per rank (interleaved 1F1B): the whole kit; plain 1F1B with
     tied embeddings (first stage's embedding = last stage's output layer): log-probs, a step,
     gradient accumulation and export after the step (the two copies stay equal)."""
-    _kit(tmp_path, [
-        ("dense", {"pipeline": 2, "virtual_pipeline": 2}, "alltoall", None),
-        ("dense_tied", {"pipeline": 2}, "alltoall",
-         ["forward_matches_reference", "optimizer_step_lowers_loss", "grad_accumulation_matches",
-          "exported_weights_match"]),
-    ])
+    _kit(
+        tmp_path,
+        [
+            ("dense", {"pipeline": 2, "virtual_pipeline": 2}, "alltoall", None),
+            (
+                "dense_tied",
+                {"pipeline": 2},
+                "alltoall",
+                [
+                    "forward_matches_reference",
+                    "optimizer_step_lowers_loss",
+                    "grad_accumulation_matches",
+                    "exported_weights_match",
+                ],
+            ),
+        ],
+    )
 
 
 def test_ep2_moe_conformance(tmp_path):
     """Qwen2-MoE, EP=2 with the alltoall dispatcher: the whole kit; the allgather dispatcher
     and expert tensor parallel (ETP=2): log-probs, gradient accumulation and export."""
     core = ["forward_matches_reference", "grad_accumulation_matches", "exported_weights_match"]
-    _kit(tmp_path, [
-        ("moe", {"expert": 2}, "alltoall", None),
-        ("moe", {"expert": 2}, "allgather", core),
-        ("moe", {"expert_tensor": 2}, "alltoall", core),
-    ])
+    _kit(
+        tmp_path,
+        [
+            ("moe", {"expert": 2}, "alltoall", None),
+            ("moe", {"expert": 2}, "allgather", core),
+            ("moe", {"expert_tensor": 2}, "alltoall", core),
+        ],
+    )
 
 
 def test_cp2_conformance(tmp_path):

@@ -28,8 +28,11 @@ def test_value_role_matches_hidden_state_head(tmp_path):
     ref = T.HFReference(SMALL).model
     head = dict(w for b in engine.export_weights() for w in b)["score.weight"].cpu()
     with torch.no_grad():
-        hidden = ref.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           position_ids=batch["position_ids"]).last_hidden_state
+        hidden = ref.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+        ).last_hidden_state
     want = torch.zeros(batch["input_ids"].shape)
     want[:, 1:] = (hidden @ head.T)[:, :-1, 0]
     want = want * batch["response_mask"]
@@ -50,12 +53,15 @@ def test_value_role_matches_hidden_state_head(tmp_path):
     assert torch.equal(critic.score.weight, engine.hf_weights()["score.weight"].cpu())
 
 
-@pytest.mark.parametrize("overrides, field", [
-    ({"lora.rank": 8}, "lora.rank"),
-    ({"precision.param_dtype": "float16"}, "precision.param_dtype"),
-    ({"parallel.tensor": 3}, "parallel.tensor"),
-    ({"parallel.expert": 2}, "parallel.expert"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"lora.rank": 8}, "lora.rank"),
+        ({"precision.param_dtype": "float16"}, "precision.param_dtype"),
+        ({"parallel.tensor": 3}, "parallel.tensor"),
+        ({"parallel.expert": 2}, "parallel.expert"),
+    ],
+)
 def test_refused_settings_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         MegatronEngine.build(apply_overrides(T.base_config(SMALL), overrides))
@@ -141,10 +147,12 @@ def test_gradient_checkpointing_gives_the_same_step():
     results = []
     for ckpt in (False, True):
         engine = MegatronEngine.build(
-            apply_overrides(T.base_config(SMALL), {"model.gradient_checkpointing": ckpt}))
+            apply_overrides(T.base_config(SMALL), {"model.gradient_checkpointing": ckpt})
+        )
         with engine.train_mode():
-            results.append((engine.forward_backward(batch, nll_loss_fn)["loss"],
-                            engine.optimizer_step()))
+            results.append(
+                (engine.forward_backward(batch, nll_loss_fn)["loss"], engine.optimizer_step())
+            )
     assert results[0][0] == pytest.approx(results[1][0], abs=1e-6)
     assert results[0][1] == pytest.approx(results[1][1], rel=1e-5)
 
@@ -172,8 +180,9 @@ def test_non_finite_grad_norm_skips_the_update():
         with e.train_mode():
             results.append((e.forward_backward(batch, nll_loss_fn)["loss"], e.optimizer_step()))
     assert results[0] == results[1]
-    assert all(torch.equal(a, b) for a, b in zip(engine.hf_weights().values(),
-                                                  fresh.hf_weights().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(engine.hf_weights().values(), fresh.hf_weights().values())
+    )
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -190,8 +199,14 @@ def test_padding_row_of_the_embedding_is_not_trained(tied):
     ids[batch["response_mask"].bool() & (torch.arange(ids.shape[1]) % 3 == 0)] = 3
     before = engine.hf_weights()["model.embed_tokens.weight"].clone()
 
-    logp = torch.log_softmax(ref(input_ids=ids, attention_mask=batch["attention_mask"],
-                                 position_ids=batch["position_ids"]).logits.float(), -1)
+    logp = torch.log_softmax(
+        ref(
+            input_ids=ids,
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+        ).logits.float(),
+        -1,
+    )
     lp = torch.zeros(ids.shape)
     lp[:, 1:] = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     mask = batch["response_mask"].float()

@@ -27,13 +27,16 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.detach().double() - want.detach()).norm() / want.detach().norm())
 
 
-@pytest.mark.parametrize("dtype, tokens, hidden, vocab, temperature, bound", [
-    # fp32 inputs use IEEE dots: fp32 accuracy. bf16 inputs: the result is compared with the
-    # float64 math on the same bf16 values, so only the final roundings remain.
-    (torch.float32, 300, 256, 151936, 0.7, 1e-5),
-    (torch.float32, 257, 96, 5003, 1.0, 1e-5),
-    (torch.bfloat16, 300, 256, 151936, 1.3, 1e-2),
-])
+@pytest.mark.parametrize(
+    "dtype, tokens, hidden, vocab, temperature, bound",
+    [
+        # fp32 inputs use IEEE dots: fp32 accuracy. bf16 inputs: the result is compared with the
+        # float64 math on the same bf16 values, so only the final roundings remain.
+        (torch.float32, 300, 256, 151936, 0.7, 1e-5),
+        (torch.float32, 257, 96, 5003, 1.0, 1e-5),
+        (torch.bfloat16, 300, 256, 151936, 1.3, 1e-2),
+    ],
+)
 def test_compiled_triton_matches_float64(dtype, tokens, hidden, vocab, temperature, bound):
     dev = torch.device("cuda")
     assert resolve_method("auto", dev) == "chunked"  # triton is chosen by name
@@ -73,5 +76,9 @@ def test_compiled_triton_matches_naive_in_fp32_and_frozen_weight():
     lp, _ = linear_logprob_entropy(h, w, y, 0.9, compute_entropy=False, method="triton")
     ref_lp, _ = naive_logprob_entropy(h, w, y, 0.9, compute_entropy=False)
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.autograd.grad(lp.sum(), h)[0],
-                               torch.autograd.grad(ref_lp.sum(), h)[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.autograd.grad(lp.sum(), h)[0],
+        torch.autograd.grad(ref_lp.sum(), h)[0],
+        atol=1e-5,
+        rtol=0,
+    )

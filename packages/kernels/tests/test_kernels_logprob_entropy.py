@@ -63,8 +63,9 @@ def test_kept_log_probs_give_the_recomputed_gradients(entropy):
     h, w, labels, g_lp, g_ent = make_problem()
     g_ent = g_ent if entropy else torch.zeros_like(g_ent)
     kw = dict(temperature=0.7, chunk_size=8, compute_entropy=entropy)
-    ref = outputs_and_grads(chunked_logprob_entropy, h, w, labels, g_lp, g_ent,
-                            keep_logits_bytes=0, **kw)
+    ref = outputs_and_grads(
+        chunked_logprob_entropy, h, w, labels, g_lp, g_ent, keep_logits_bytes=0, **kw
+    )
     lp, ent = chunked_logprob_entropy(h, w, labels, **kw)
     loss = (lp * g_lp + ent * g_ent).sum()
     first = torch.autograd.grad(loss, [h, w], retain_graph=True)

@@ -22,8 +22,9 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_tied_model(tmp_path_factory):
     """A tiny llama with tied input/output embeddings (the case vLLM reloads get wrong)."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-tied"), model_type="llama",
-                            tie_word_embeddings=True, seed=3)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-tied"), model_type="llama", tie_word_embeddings=True, seed=3
+    )
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +34,9 @@ def vllm_python() -> str:
     if os.environ.get("TEPHRA_VLLM_PYTHON"):
         return os.environ["TEPHRA_VLLM_PYTHON"]
     result = subprocess.run(
-        ["bash", str(REPO / "scripts" / "build_vllm_env.sh")], capture_output=True, text=True,
+        ["bash", str(REPO / "scripts" / "build_vllm_env.sh")],
+        capture_output=True,
+        text=True,
         timeout=1800,
     )
     if result.returncode != 0:

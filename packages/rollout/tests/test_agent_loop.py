@@ -329,16 +329,20 @@ def test_token_versions_follow_each_turn_and_tool_tokens_take_their_turns(tokeni
         return turns[k]
 
     model = ScriptedRollout(tokenizer, script)
-    loop = AGENT_LOOPS.get("tool_agent")(model, tokenizer, GREEDY, AgentLoopConfig(max_turns=4),
-                                         {"echo": EchoTool()})
+    loop = AGENT_LOOPS.get("tool_agent")(
+        model, tokenizer, GREEDY, AgentLoopConfig(max_turns=4), {"echo": EchoTool()}
+    )
     traj = asyncio.run(loop.run(AgentSample(question(), sample_id="s0")))
     (_, _, g0), (_, ctx1, g1) = model.requests
     tool = len(ctx1) - len(traj.prompt_ids) - len(g0.response_ids)
     assert tool > 0 and traj.response_mask[len(g0.response_ids)] == 0
-    assert traj.response_versions == [0] * (len(g0.response_ids) + tool) + [1] * len(g1.response_ids)
+    assert traj.response_versions == [0] * (len(g0.response_ids) + tool) + [1] * len(
+        g1.response_ids
+    )
     untagged = ScriptedRollout(tokenizer, lambda s, k: turns[k])
-    loop = AGENT_LOOPS.get("tool_agent")(untagged, tokenizer, GREEDY, AgentLoopConfig(max_turns=4),
-                                         {"echo": EchoTool()})
+    loop = AGENT_LOOPS.get("tool_agent")(
+        untagged, tokenizer, GREEDY, AgentLoopConfig(max_turns=4), {"echo": EchoTool()}
+    )
     assert asyncio.run(loop.run(AgentSample(question(), sample_id="s1"))).response_versions is None
     single = ScriptedRollout(tokenizer, lambda s, k: turns[1])
     single.weight_version = 3

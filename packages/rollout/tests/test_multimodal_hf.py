@@ -42,15 +42,21 @@ def test_hf_rollout_logprobs_match_teacher_forced_forward(vlm):
     proc = VisionProcessor.from_pretrained(vlm.path)
     prompts = [
         _prompt(proc, "what colour is the square?", [Image.new("RGB", (112, 112), "red")]),
-        _prompt(proc, "and these?", [Image.new("RGB", (140, 112), "green"),
-                                      Image.new("RGB", (112, 112), "blue")]),
+        _prompt(
+            proc,
+            "and these?",
+            [Image.new("RGB", (140, 112), "green"), Image.new("RGB", (112, 112), "blue")],
+        ),
         _prompt(proc, "no image here, a longer text prompt", []),
     ]
     ids = [p[0] for p in prompts]
     mm = [p[1] for p in prompts]
     rollout = HFRollout(RolloutConfig(model_path=vlm.path))
-    out = rollout.generate(ids, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=3,
-                                               ignore_eos=True), multimodal=mm)
+    out = rollout.generate(
+        ids,
+        SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=3, ignore_eos=True),
+        multimodal=mm,
+    )
     rollout.close()
     model = AutoModelForImageTextToText.from_pretrained(vlm.path, dtype=torch.float32).eval()
     # a response that sampled the image placeholder has no image behind it, so no forward
@@ -61,7 +67,9 @@ def test_hf_rollout_logprobs_match_teacher_forced_forward(vlm):
         p = out.prompt_index[i]
         full = torch.tensor([ids[p] + out.response_ids[i]])
         with torch.no_grad():
-            logits = model(input_ids=full, **hf_model_kwargs(full, [mm[p]], vlm.image_token_id)).logits[0]
+            logits = model(
+                input_ids=full, **hf_model_kwargs(full, [mm[p]], vlm.image_token_id)
+            ).logits[0]
         start = len(ids[p])
         ref = torch.log_softmax(logits[start - 1 : -1].float(), -1)
         ref = ref.gather(-1, full[0, start:, None])[:, 0]
@@ -69,7 +77,11 @@ def test_hf_rollout_logprobs_match_teacher_forced_forward(vlm):
     # the images matter: the same prompt ids without them give other log-probs
     full = torch.tensor([ids[0] + out.response_ids[0]])
     with torch.no_grad():
-        other = model(input_ids=full, **hf_model_kwargs(
-            full, [proc.images([Image.new("RGB", (112, 112), "white")])], vlm.image_token_id)).logits
+        other = model(
+            input_ids=full,
+            **hf_model_kwargs(
+                full, [proc.images([Image.new("RGB", (112, 112), "white")])], vlm.image_token_id
+            ),
+        ).logits
         same = model(input_ids=full, **hf_model_kwargs(full, [mm[0]], vlm.image_token_id)).logits
     assert (other - same).abs().max() > 1e-3

@@ -79,7 +79,9 @@ def test_resumed_with_the_same_weights_equals_an_uninterrupted_run(hf):
     # sampling: the sampler resumes from its state at the interruption, so the same seed
     # gives the same samples (every row was still running, so the draws line up)
     sampled = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=3)
-    assert generate_interrupted(hf, sampled).response_ids == hf.generate(PROMPTS, sampled).response_ids
+    assert (
+        generate_interrupted(hf, sampled).response_ids == hf.generate(PROMPTS, sampled).response_ids
+    )
 
 
 def test_resumed_with_new_weights_continues_under_them(hf, tiny_model):
@@ -93,8 +95,9 @@ def test_resumed_with_new_weights_continues_under_them(hf, tiny_model):
         head, head_lp = greedy_loop(old, prompt, K)
         tail, tail_lp = greedy_loop(new, prompt + head, MAX_TOKENS - K)
         assert out.response_ids[i] == head + tail
-        torch.testing.assert_close(torch.tensor(out.log_probs[i]), torch.tensor(head_lp + tail_lp),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(out.log_probs[i]), torch.tensor(head_lp + tail_lp), atol=1e-5, rtol=0
+        )
         assert out.token_versions[i] == [0] * K + [1] * (MAX_TOKENS - K)
         assert out.finish_reasons[i] == "length"
     # the new model's continuation differs from the old one's (the update mattered)

@@ -34,7 +34,7 @@ def uninterrupted(prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(next_token(ids))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 class FakeSglang(ThreadingHTTPServer):
@@ -111,9 +111,14 @@ class Handler(BaseHTTPRequestHandler):
             with fake.lock:
                 fake.running -= 1
         log_prob = -(version + 1) / 10
-        return {"text": "", "output_ids": out, "meta_info": {
-            "finish_reason": reason,
-            "output_token_logprobs": [[log_prob, t, None] for t in out]}}
+        return {
+            "text": "",
+            "output_ids": out,
+            "meta_info": {
+                "finish_reason": reason,
+                "output_token_logprobs": [[log_prob, t, None] for t in out],
+            },
+        }
 
 
 @pytest.fixture
@@ -121,8 +126,11 @@ def served(tiny_model):
     fake = FakeSglang()
     thread = threading.Thread(target=fake.serve_forever, daemon=True)
     thread.start()
-    config = RolloutConfig(model_path=tiny_model.path, max_model_len=256, sglang=ServerSettings(
-        url=fake.url, weight_sync="disk", request_timeout_s=60))
+    config = RolloutConfig(
+        model_path=tiny_model.path,
+        max_model_len=256,
+        sglang=ServerSettings(url=fake.url, weight_sync="disk", request_timeout_s=60),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # weight_sync=disk warns
         rollout = get_rollout("sglang", config)
@@ -192,6 +200,7 @@ def test_an_abort_the_rollout_did_not_ask_for_is_an_error(served):
             time.sleep(0.005)
         with fake.lock:
             fake.aborts += 1  # as if another client had called /abort_request
-        with pytest.raises(RolloutError, match="sglang aborted a sample that this rollout did not "
-                                               "pause"):
+        with pytest.raises(
+            RolloutError, match="sglang aborted a sample that this rollout did not pause"
+        ):
             future.result(timeout=60)

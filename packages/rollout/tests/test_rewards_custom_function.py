@@ -39,9 +39,12 @@ def test_rewards_custom_function_scores_for_every_data_source(tmp_path):
         results = manager.score_batch(items)
     # hand-computed: hit + bonus; the string "pred" extra is dropped (extras are numeric)
     assert [(r.score, r.extras) for r in results] == [(1.5, {"acc": 1.0}), (0.5, {"acc": 0.0})]
-    assert load_reward_function(path, "other")(
-        data_source="x", solution_str="abcd", ground_truth="", extra_info=None
-    ) == 4
+    assert (
+        load_reward_function(path, "other")(
+            data_source="x", solution_str="abcd", ground_truth="", extra_info=None
+        )
+        == 4
+    )
 
 
 def test_rewards_custom_function_pickles_by_path(tmp_path):
@@ -90,7 +93,15 @@ def test_rewards_custom_function_pickles_by_path(tmp_path):
             r"reward_fn\.py raised ModuleNotFoundError: .*not_a_module_anywhere.* while being imported",
         ),
     ],
-    ids=["syntax", "signature", "positional-only", "extra-required", "missing", "not-callable", "import"],
+    ids=[
+        "syntax",
+        "signature",
+        "positional-only",
+        "extra-required",
+        "missing",
+        "not-callable",
+        "import",
+    ],
 )
 def test_rewards_custom_function_errors_name_the_file(tmp_path, source, name, match):
     path = write(tmp_path, source)
@@ -100,12 +111,17 @@ def test_rewards_custom_function_errors_name_the_file(tmp_path, source, name, ma
 
 
 def test_rewards_custom_function_missing_file(tmp_path):
-    with pytest.raises(RewardFunctionError, match=r"nope\.py does not exist; set reward.custom_function_path"):
+    with pytest.raises(
+        RewardFunctionError, match=r"nope\.py does not exist; set reward.custom_function_path"
+    ):
         load_reward_function(tmp_path / "nope.py")
 
 
 def test_rewards_custom_function_kwargs_fill_required_parameter(tmp_path):
-    path = write(tmp_path, "def f(data_source, solution_str, ground_truth, extra_info, scale):\n    return scale\n")
+    path = write(
+        tmp_path,
+        "def f(data_source, solution_str, ground_truth, extra_info, scale):\n    return scale\n",
+    )
     assert FileRewardFunction(path, "f", {"scale": 2.0})("d", "s", "g", None) == 2.0
     with pytest.raises(RewardFunctionError, match="cannot take the keyword argument\\(s\\) scale"):
         load_reward_function(write(tmp_path, GOOD, "g.py"), "compute_score", {"scale": 2.0})

@@ -51,8 +51,25 @@ def mixed_batch():
         (RewardInput("countdown", "2*3+4", countdown), 0.0, {"acc": 0.0}),
     ]
     for row in rg:
-        table.append((RewardInput(row["data_source"], f"It is {row['ground_truth']}.", row["ground_truth"], row["extra_info"]), 1.0, {}))
-        table.append((RewardInput(row["data_source"], "no idea", row["ground_truth"], row["extra_info"]), 0.0, {}))
+        table.append(
+            (
+                RewardInput(
+                    row["data_source"],
+                    f"It is {row['ground_truth']}.",
+                    row["ground_truth"],
+                    row["extra_info"],
+                ),
+                1.0,
+                {},
+            )
+        )
+        table.append(
+            (
+                RewardInput(row["data_source"], "no idea", row["ground_truth"], row["extra_info"]),
+                0.0,
+                {},
+            )
+        )
     return table * 3  # 39 items, so that every worker gets several
 
 
@@ -82,10 +99,12 @@ def test_rewards_process_pool_equals_serial(tmp_path):
         assert manager.score_batch(items[:5]) == serial[:5]  # the pool is reused
 
     path = tmp_path / "fn.py"
-    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                    "    if solution_str == 'boom':\n        raise ValueError('bad item')\n"
-                    "    if solution_str == 'exit':\n        import os; os._exit(3)\n"
-                    "    return len(solution_str)\n")
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'boom':\n        raise ValueError('bad item')\n"
+        "    if solution_str == 'exit':\n        import os; os._exit(3)\n"
+        "    return len(solution_str)\n"
+    )
     texts = ["a", "boom", "abc", "", "boom", "ab"]
     config = RewardConfig(custom_function_path=str(path), executor="process", num_workers=2)
     with RewardManager(config) as manager:
@@ -96,12 +115,16 @@ def test_rewards_process_pool_equals_serial(tmp_path):
         # a worker that dies gives a clear error, and the next batch gets a fresh pool
         with pytest.raises(RewardError, match="a reward worker process died"):
             manager.score_batch([RewardInput("src", t, None) for t in ["exit", "a"]])
-        assert [r.score for r in manager.score_batch([RewardInput("src", t, None) for t in ["ab", "a"]])] == [2.0, 1.0]
+        assert [
+            r.score for r in manager.score_batch([RewardInput("src", t, None) for t in ["ab", "a"]])
+        ] == [2.0, 1.0]
 
 
 @pytest.mark.parametrize("executor", ["serial", "thread"])
 def test_rewards_errors_are_counted_logged_once_and_score_zero(executor, caplog):
-    config = RewardConfig(executor=executor, num_workers=2, scorer_overrides={"flaky": "test_rewards_flaky"})
+    config = RewardConfig(
+        executor=executor, num_workers=2, scorer_overrides={"flaky": "test_rewards_flaky"}
+    )
     items = [
         RewardInput("flaky", "ok", None),
         RewardInput("flaky", "boom", None),
@@ -111,7 +134,10 @@ def test_rewards_errors_are_counted_logged_once_and_score_zero(executor, caplog)
         RewardInput("flaky", "no score", None),
         RewardInput("flaky", "text", None),
     ]
-    with caplog.at_level(logging.WARNING, logger="tephra.rollout.rewards"), RewardManager(config) as manager:
+    with (
+        caplog.at_level(logging.WARNING, logger="tephra.rollout.rewards"),
+        RewardManager(config) as manager,
+    ):
         results = manager.score_batch(items)
         manager.score_batch(items)
     assert [r.score for r in results] == [0.25, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
@@ -123,13 +149,19 @@ def test_rewards_errors_are_counted_logged_once_and_score_zero(executor, caplog)
     assert manager.last_report.errors_by_source == {"flaky": 5}
     assert manager.total_errors == {"flaky": 10}
     tracebacks = [r for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(tracebacks) == 1 and "scorer exploded" in tracebacks[0].getMessage()  # first traceback, once
-    summaries = [r for r in caplog.records if r.levelno == logging.WARNING and "failed" in r.getMessage()]
+    assert (
+        len(tracebacks) == 1 and "scorer exploded" in tracebacks[0].getMessage()
+    )  # first traceback, once
+    summaries = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "failed" in r.getMessage()
+    ]
     assert len(summaries) == 2 and "5 of 7 items" in summaries[0].getMessage()
 
 
 def test_rewards_raise_on_error():
-    config = RewardConfig(executor="thread", raise_on_error=True, scorer_overrides={"flaky": "test_rewards_flaky"})
+    config = RewardConfig(
+        executor="thread", raise_on_error=True, scorer_overrides={"flaky": "test_rewards_flaky"}
+    )
     items = [RewardInput("flaky", "ok", None), RewardInput("flaky", "boom", None)]
     with RewardManager(config) as manager, pytest.raises(RewardScoringError) as error:
         manager.score_batch(items)
@@ -140,7 +172,10 @@ def test_rewards_raise_on_error():
 
 def test_rewards_unknown_data_source_fails_before_scoring():
     items = [RewardInput("gsm8k", "#### 1", "1"), RewardInput("mystery", "x", "y")]
-    with RewardManager(RewardConfig(executor="serial")) as manager, pytest.raises(RegistryError, match="'mystery'.*gsm8k"):
+    with (
+        RewardManager(RewardConfig(executor="serial")) as manager,
+        pytest.raises(RegistryError, match="'mystery'.*gsm8k"),
+    ):
         manager.score_batch(items)
 
 
@@ -159,14 +194,20 @@ def test_rewards_config_validation(kwargs, error, match):
 
 
 def test_rewards_config_names_must_be_registered():
-    with pytest.raises(RegistryError, match=r"scorer_overrides\['gsm8k'\].*'gsm8k_flexibel'.*did you mean 'gsm8k_flexible'"):
+    with pytest.raises(
+        RegistryError,
+        match=r"scorer_overrides\['gsm8k'\].*'gsm8k_flexibel'.*did you mean 'gsm8k_flexible'",
+    ):
         RewardManager(RewardConfig(scorer_overrides={"gsm8k": "gsm8k_flexibel"}))
 
 
 def test_rewards_process_pool_refuses_unpicklable_scorer():
     REWARD_SCORERS.register("test_rewards_lambda", lambda_scorer)
     config = RewardConfig(executor="process", scorer_overrides={"l": "test_rewards_lambda"})
-    with RewardManager(config) as manager, pytest.raises(RewardError, match="needs picklable scorers.*'test_rewards_lambda'"):
+    with (
+        RewardManager(config) as manager,
+        pytest.raises(RewardError, match="needs picklable scorers.*'test_rewards_lambda'"),
+    ):
         manager.score_batch([RewardInput("l", "a", None), RewardInput("l", "b", None)])
 
 

@@ -8,7 +8,11 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrained
 from tephra.rollout.rewards import RewardConfig, RewardError, RewardInput, RewardManager
 from tephra.rollout.rewards.reward_model import RewardModelScorer
 
-CORPUS = ["The answer is 42.", "Question: what is 6 times 7?", "I think it is 41, or maybe 43."] * 20
+CORPUS = [
+    "The answer is 42.",
+    "Question: what is 6 times 7?",
+    "I think it is 41, or maybe 43.",
+] * 20
 
 
 def save_tiny_reward_model(folder, num_labels=1):
@@ -20,8 +24,14 @@ def save_tiny_reward_model(folder, num_labels=1):
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, num_labels=num_labels, pad_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=num_labels,
+        pad_token_id=None,
     )
     LlamaForSequenceClassification(config).save_pretrained(folder)
     return folder
@@ -32,8 +42,20 @@ def reward_model_dir(tmp_path_factory):
     return save_tiny_reward_model(tmp_path_factory.mktemp("rm"))
 
 
-PROMPTS = ["Question: what is 6 times 7?", "Q: 6*7?", "", "Question: what is 6 times 7? Think.", "x"]
-RESPONSES = [" The answer is 42.", " 41", "I think it is 43, or maybe 42.", " 42", " The answer is 42. The answer is 42."]
+PROMPTS = [
+    "Question: what is 6 times 7?",
+    "Q: 6*7?",
+    "",
+    "Question: what is 6 times 7? Think.",
+    "x",
+]
+RESPONSES = [
+    " The answer is 42.",
+    " 41",
+    "I think it is 43, or maybe 42.",
+    " 42",
+    " The answer is 42. The answer is 42.",
+]
 
 
 def direct_scores(folder):
@@ -49,7 +71,9 @@ def direct_scores(folder):
 
 def test_rewards_reward_model_matches_direct_call(reward_model_dir):
     expected = direct_scores(reward_model_dir)
-    assert len(set(round(s, 4) for s in expected)) == len(expected)  # distinct texts, distinct scores
+    assert len(set(round(s, 4) for s in expected)) == len(
+        expected
+    )  # distinct texts, distinct scores
     # batch_size 3 over 5 texts of different lengths: two padded batches
     scorer = RewardModelScorer(reward_model_dir, batch_size=3)
     assert scorer.score(PROMPTS, RESPONSES) == pytest.approx(expected, abs=1e-5)

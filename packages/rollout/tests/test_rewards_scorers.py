@@ -132,7 +132,10 @@ COUNTDOWN_TABLE = [
 @pytest.mark.parametrize(("response", "score", "acc"), COUNTDOWN_TABLE)
 def test_rewards_countdown_table(response, score, acc):
     assert compute_score("countdown", response, COUNTDOWN_TRUTH) == {"score": score, "acc": acc}
-    assert compute_score("countdown", response, json.dumps(COUNTDOWN_TRUTH)) == {"score": score, "acc": acc}
+    assert compute_score("countdown", response, json.dumps(COUNTDOWN_TRUTH)) == {
+        "score": score,
+        "acc": acc,
+    }
 
 
 def test_rewards_countdown_bad_truth():
@@ -195,7 +198,9 @@ def test_rewards_reasoning_gym_decimal_checker_and_regeneration():
 
     entry = reasoning_gym.create_dataset("arc_agi", seed=0, size=2)[1]
     response = f"<answer>{entry['answer']}</answer>"
-    regenerated = {"reasoning_gym": {"task": "arc_agi", "seed": 0, "size": 2, "index": 1, "config_json": "{}"}}
+    regenerated = {
+        "reasoning_gym": {"task": "arc_agi", "seed": 0, "size": 2, "index": 1, "config_json": "{}"}
+    }
     stored = {"reasoning_gym": {"task": "arc_agi", "entry_json": json.dumps(entry)}}
     assert compute_score("reasoning_gym/arc_agi", response, None, regenerated) == 1.0
     assert compute_score("reasoning_gym/arc_agi", response, None, stored) < 1.0
@@ -206,8 +211,14 @@ def test_rewards_reasoning_gym_decimal_checker_and_regeneration():
     [
         (None, "needs extra_info\\['reasoning_gym'\\]"),
         ({"reasoning_gym": {"task": "basic_arithmetic"}}, "needs 'entry_json'"),
-        ({"reasoning_gym": {"task": "basic_arithmetc", "entry_json": "{}"}}, "did you mean 'basic_arithmetic'"),
-        ({"reasoning_gym": {"task": "basic_arithmetic", "entry_json": "{}", "extract": "last"}}, "extract'\\]='last'"),
+        (
+            {"reasoning_gym": {"task": "basic_arithmetc", "entry_json": "{}"}},
+            "did you mean 'basic_arithmetic'",
+        ),
+        (
+            {"reasoning_gym": {"task": "basic_arithmetic", "entry_json": "{}", "extract": "last"}},
+            "extract'\\]='last'",
+        ),
     ],
 )
 def test_rewards_reasoning_gym_bad_extra_info(extra_info, match):
@@ -227,8 +238,13 @@ def test_rewards_unknown_data_source_lists_scorers():
 
 def test_rewards_resolution_order():
     assert resolve_scorer("reasoning_gym/leg_counting")[0] == "reasoning_gym"
-    assert resolve_scorer("gsm8k", scorer_overrides={"gsm8k": "gsm8k_flexible"})[0] == "gsm8k_flexible"
-    assert resolve_scorer("rg:chain_sum", prefix_scorers={"rg:": "reasoning_gym"})[0] == "reasoning_gym"
+    assert (
+        resolve_scorer("gsm8k", scorer_overrides={"gsm8k": "gsm8k_flexible"})[0] == "gsm8k_flexible"
+    )
+    assert (
+        resolve_scorer("rg:chain_sum", prefix_scorers={"rg:": "reasoning_gym"})[0]
+        == "reasoning_gym"
+    )
     with pytest.raises(RegistryError):
         resolve_scorer("reasoning_gym/chain_sum", prefix_scorers={})
 
@@ -240,7 +256,9 @@ def test_rewards_reasoning_gym_rows_survive_parquet(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     rows = reasoning_gym_rows("basic_arithmetic", 2, seed=5, extract="last_number")
     rows += reasoning_gym_rows("chain_sum", 2, seed=6, extract="answer_tag")
-    rows.append({"data_source": "gsm8k", "question": "q", "ground_truth": "7", "extra_info": {"index": 0}})
+    rows.append(
+        {"data_source": "gsm8k", "question": "q", "ground_truth": "7", "extra_info": {"index": 0}}
+    )
     # the regeneration form of the first row, without "extract" (defaults to answer_tag)
     regenerate = {"task": "basic_arithmetic", "seed": 5, "size": 2, "index": 0, "config_json": "{}"}
     rows.append({**rows[0], "extra_info": {"index": 0, "reasoning_gym": regenerate}})
@@ -255,7 +273,14 @@ def test_rewards_reasoning_gym_rows_survive_parquet(tmp_path):
     ]
     pq.write_table(pa.Table.from_pylist(table), tmp_path / "train.parquet")
     read = pq.read_table(tmp_path / "train.parquet").to_pylist()
-    responses = ["so 1 + 2 is {gt}", "so 1 + 2 is {gt}", "<answer>{gt}</answer>", "{gt}", "#### {gt}", "<answer>{gt}</answer>"]
+    responses = [
+        "so 1 + 2 is {gt}",
+        "so 1 + 2 is {gt}",
+        "<answer>{gt}</answer>",
+        "{gt}",
+        "#### {gt}",
+        "<answer>{gt}</answer>",
+    ]
     expected = [1.0, 1.0, 1.0, 0.0, 1.0, 1.0]  # the fourth has no <answer> tag
     assert read[-1]["extra_info"]["reasoning_gym"]["entry_json"] is None  # null-filled by parquet
     assert len(read) == len(responses)

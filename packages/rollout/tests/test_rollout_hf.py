@@ -35,14 +35,17 @@ def test_greedy_equals_model_generate_and_log_probs_equal_recompute(hf, referenc
     for i, prompt in enumerate(PROMPTS):
         expected = reference_greedy(reference, prompt, 24, tiny_model.eos_token_id)
         assert out.response_ids[i] == expected
-        assert out.finish_reasons[i] == ("stop" if expected[-1] == tiny_model.eos_token_id else "length")
+        assert out.finish_reasons[i] == (
+            "stop" if expected[-1] == tiny_model.eos_token_id else "length"
+        )
         recomputed = teacher_forced_log_probs(reference, prompt, out.response_ids[i], 0.0)
         torch.testing.assert_close(torch.tensor(out.log_probs[i]), recomputed, atol=1e-5, rtol=0)
 
 
 def test_sampled_log_probs_are_temperature_scaled_and_untruncated(hf, reference):
-    sampling = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=20, n=2, seed=11,
-                              ignore_eos=True)
+    sampling = SamplingParams(
+        temperature=0.7, top_k=20, top_p=0.9, max_tokens=20, n=2, seed=11, ignore_eos=True
+    )
     out = hf.generate(PROMPTS, sampling)
     assert len(out) == 6 and out.prompt_index == [0, 0, 1, 1, 2, 2]
     for i in range(len(out)):
@@ -62,15 +65,21 @@ def test_sampled_log_probs_are_temperature_scaled_and_untruncated(hf, reference)
 
 
 def test_stop_tokens_max_tokens_n_and_seeds(hf):
-    greedy = hf.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    greedy = hf.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )
     full = greedy.response_ids[0]
     assert len(full) == 16 and greedy.finish_reasons == ["length"]
     stop = full[5]
     cut = full.index(stop) + 1
-    stopped = hf.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=16,
-                                                       stop_token_ids=(stop,), ignore_eos=True))
+    stopped = hf.generate(
+        [PROMPTS[1]],
+        SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(stop,), ignore_eos=True),
+    )
     assert stopped.response_ids[0] == full[:cut] and stopped.finish_reasons == ["stop"]
-    short = hf.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    short = hf.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    )
     assert short.response_ids[0] == full[:3] and short.finish_reasons == ["length"]
 
     sampling = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=7, ignore_eos=True)
@@ -85,16 +94,22 @@ def test_stop_tokens_max_tokens_n_and_seeds(hf):
 
 
 def test_to_batch_layout_by_hand():
-    out = RolloutOutput(prompt_index=[0, 1], prompt_ids=[[11, 12], [21, 22, 23]],
-                        response_ids=[[13, 14, 15], [24]], log_probs=[[-0.1, -0.2, -0.3], [-0.4]],
-                        finish_reasons=["length", "stop"])
+    out = RolloutOutput(
+        prompt_index=[0, 1],
+        prompt_ids=[[11, 12], [21, 22, 23]],
+        response_ids=[[13, 14, 15], [24]],
+        log_probs=[[-0.1, -0.2, -0.3], [-0.4]],
+        finish_reasons=["length", "stop"],
+    )
     batch = out.to_batch(pad_token_id=0)
     assert batch["input_ids"].tolist() == [[0, 11, 12, 13, 14, 15], [21, 22, 23, 24, 0, 0]]
     assert batch["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
     assert batch["position_ids"].tolist() == [[0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 3, 3]]
     assert batch["response_mask"].tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 0, 0]]
-    torch.testing.assert_close(batch["rollout_log_probs"], torch.tensor(
-        [[0, 0, 0, -0.1, -0.2, -0.3], [0, 0, 0, -0.4, 0, 0]]))
+    torch.testing.assert_close(
+        batch["rollout_log_probs"],
+        torch.tensor([[0, 0, 0, -0.1, -0.2, -0.3], [0, 0, 0, -0.4, 0, 0]]),
+    )
     assert batch["prompt_index"].tolist() == [0, 1]
 
 
@@ -106,10 +121,12 @@ def test_agenerate_batches_concurrent_requests(hf):
     before = hf.batches_run
 
     async def main():
-        return await asyncio.gather(*(
-            hf.agenerate(p, SamplingParams(temperature=0.0, max_tokens=n), session_id=f"s{i}")
-            for i, (p, n) in enumerate(zip(prompts, lengths))
-        ))
+        return await asyncio.gather(
+            *(
+                hf.agenerate(p, SamplingParams(temperature=0.0, max_tokens=n), session_id=f"s{i}")
+                for i, (p, n) in enumerate(zip(prompts, lengths))
+            )
+        )
 
     results = asyncio.run(main())
     assert hf.batches_run - before < 16
@@ -117,8 +134,9 @@ def test_agenerate_batches_concurrent_requests(hf):
         alone = hf.generate([p], SamplingParams(temperature=0.0, max_tokens=n))
         assert got.response_ids == alone.response_ids[0]
         assert got.finish_reason == alone.finish_reasons[0]
-        torch.testing.assert_close(torch.tensor(got.log_probs), torch.tensor(alone.log_probs[0]),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(got.log_probs), torch.tensor(alone.log_probs[0]), atol=1e-5, rtol=0
+        )
     with pytest.raises(RolloutError, match="n=2"):
         asyncio.run(hf.agenerate([1, 2], SamplingParams(n=2)))
 
@@ -139,10 +157,14 @@ def test_agenerate_keeps_the_event_loop_free(hf):
         timer = asyncio.create_task(ticker(stop))
         loop = asyncio.get_running_loop()
         start = loop.time()
-        results = await asyncio.gather(*(
-            hf.agenerate([7, i + 1], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
-            for i in range(32)
-        ))
+        results = await asyncio.gather(
+            *(
+                hf.agenerate(
+                    [7, i + 1], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+                )
+                for i in range(32)
+            )
+        )
         elapsed = loop.time() - start
         stop.set()
         await timer
@@ -161,9 +183,13 @@ def test_update_weights_follows_new_weights(tiny_model, tiny_tied_model, tmp_pat
             assert "lm_head.weight" not in dict(new)
         reference.load_state_dict(dict(new), strict=False)
         with get_rollout("hf", RolloutConfig(model_path=model.path)) as rollout:
-            before = rollout.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+            before = rollout.generate(
+                PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+            )
             rollout.update_weights(iter(new))
-            after = rollout.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+            after = rollout.generate(
+                PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+            )
             assert after.response_ids != before.response_ids
             for i, prompt in enumerate(PROMPTS):
                 assert after.response_ids[i] == reference_greedy(reference, prompt, 10)
@@ -234,8 +260,9 @@ def test_finished_rows_leave_decoding(hf, reference, tiny_model):
     """Rows that finished (a stop token or their own budget) are dropped from decoding once a
     quarter of the batch has: greedy outputs equal the keep-every-row path's, sampled tokens'
     log-probs equal a teacher-forced forward, and later forward passes see fewer rows."""
-    config = RolloutConfig(model_path=tiny_model.path, max_model_len=128,
-                           hf={"drop_finished_fraction": 1.0})
+    config = RolloutConfig(
+        model_path=tiny_model.path, max_model_len=128, hf={"drop_finished_fraction": 1.0}
+    )
     prompts = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [100], [7, 8], [9], [11, 12, 13, 14]]
     full = hf.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     # stop tokens that end rows at different steps
@@ -253,12 +280,20 @@ def test_finished_rows_leave_decoding(hf, reference, tiny_model):
     assert len(dropped_rows) == len(kept_rows)  # one forward per token either way
     assert dropped_rows == sorted(dropped_rows, reverse=True) and dropped_rows[-1] < len(prompts)
     assert sum(dropped_rows) < sum(kept_rows)
-    sampled = hf.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, n=3, seed=4,
-                                                  stop_token_ids=tuple(range(20, 40))))
+    sampled = hf.generate(
+        prompts,
+        SamplingParams(
+            temperature=1.0, max_tokens=16, n=3, seed=4, stop_token_ids=tuple(range(20, 40))
+        ),
+    )
     assert len(set(map(len, sampled.response_ids))) > 1
     for i in range(len(sampled)):
-        recomputed = teacher_forced_log_probs(reference, sampled.prompt_ids[i], sampled.response_ids[i], 1.0)
-        torch.testing.assert_close(torch.tensor(sampled.log_probs[i]), recomputed, atol=1e-5, rtol=0)
+        recomputed = teacher_forced_log_probs(
+            reference, sampled.prompt_ids[i], sampled.response_ids[i], 1.0
+        )
+        torch.testing.assert_close(
+            torch.tensor(sampled.log_probs[i]), recomputed, atol=1e-5, rtol=0
+        )
     with pytest.raises(ConfigError, match="hf.drop_finished_fraction"):
         RolloutConfig(model_path=tiny_model.path, hf={"drop_finished_fraction": 0})
     with pytest.raises(ConfigError, match="hf.cpu_linear='mkl'; choose 'auto'"):
@@ -334,8 +369,9 @@ def test_samples_do_not_depend_on_how_prompts_are_split(hf, tiny_model, top):
     Tokens are compared bitwise; log-probs to 2e-6 (float32 rounding: the softmax reductions
     run over a padded width that depends on the batch's longest prompt)."""
     prompts = [[5 + i, 6, 7 + 2 * i, 9, 11 + i][: 1 + i % 5] for i in range(8)]
-    sampling = SamplingParams(temperature=1.0, max_tokens=14, n=2, seed=123,
-                              stop_token_ids=tuple(range(20, 45)), **top)
+    sampling = SamplingParams(
+        temperature=1.0, max_tokens=14, n=2, seed=123, stop_token_ids=tuple(range(20, 45)), **top
+    )
     whole = hf.generate(prompts, sampling)
     assert len(set(map(len, whole.response_ids))) > 2
     config = RolloutConfig(model_path=tiny_model.path, max_model_len=128, hf={"max_batch_rows": 3})
@@ -343,19 +379,26 @@ def test_samples_do_not_depend_on_how_prompts_are_split(hf, tiny_model, top):
         runs = {"rows3": small.generate(prompts, sampling)}
     for shares in (2, 4):
         size = len(prompts) // shares
-        parts = [hf.generate(prompts[k * size:(k + 1) * size], sampling.for_share(k * size))
-                 for k in range(shares)]
+        parts = [
+            hf.generate(prompts[k * size : (k + 1) * size], sampling.for_share(k * size))
+            for k in range(shares)
+        ]
         runs[f"{shares} shares"] = RolloutOutput(
             prompt_index=[i for p in parts for i in p.prompt_index],
             prompt_ids=[x for p in parts for x in p.prompt_ids],
             response_ids=[x for p in parts for x in p.response_ids],
             log_probs=[x for p in parts for x in p.log_probs],
-            finish_reasons=[x for p in parts for x in p.finish_reasons])
+            finish_reasons=[x for p in parts for x in p.finish_reasons],
+        )
     for name, run in runs.items():
         assert run.prompt_ids == whole.prompt_ids, name
         assert run.response_ids == whole.response_ids, name
-        torch.testing.assert_close(torch.tensor(sum(run.log_probs, [])),
-                                   torch.tensor(sum(whole.log_probs, [])), atol=2e-6, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(sum(run.log_probs, [])),
+            torch.tensor(sum(whole.log_probs, [])),
+            atol=2e-6,
+            rtol=0,
+        )
         assert run.finish_reasons == whole.finish_reasons, name
     # a different seed gives different samples; the two samples of a prompt differ
     other = hf.generate(prompts, sampling.replace(seed=124))

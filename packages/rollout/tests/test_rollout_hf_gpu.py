@@ -35,7 +35,9 @@ def test_hf_rollout_on_cuda(tiny_model):
         for i, prompt in enumerate(PROMPTS):
             assert out.response_ids[i] == reference_greedy(reference, prompt, 16)
             recomputed = teacher_forced_log_probs(reference, prompt, out.response_ids[i], 1.0)
-            torch.testing.assert_close(torch.tensor(out.log_probs[i]), recomputed, atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(out.log_probs[i]), recomputed, atol=1e-4, rtol=0
+            )
 
         sampled = SamplingParams(temperature=1.0, max_tokens=12, n=4, seed=7, ignore_eos=True)
         first, again = rollout.generate(PROMPTS, sampled), rollout.generate(PROMPTS, sampled)

@@ -19,21 +19,48 @@ from tephra.rollout.backends.weights_folder import is_tied, untied_copy, write_u
 
 def test_vllm_request_and_response_translation(tiny_model):
     protocol = VllmProtocol()
-    sampling = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, max_tokens=5,
-                              stop_token_ids=(3,), seed=4)
+    sampling = SamplingParams(
+        n=2, temperature=0.5, top_p=0.9, top_k=7, max_tokens=5, stop_token_ids=(3,), seed=4
+    )
     [(path, body)] = protocol.sample_requests([1, 2, 3], sampling)
     assert path == "/v1/completions"
     assert body == {
-        "model": "tephra-policy", "prompt": [1, 2, 3], "n": 2, "max_tokens": 5, "temperature": 0.5,
-        "top_p": 0.9, "top_k": 7, "stop_token_ids": [3], "ignore_eos": False,
-        "return_token_ids": True, "skip_special_tokens": False, "seed": 4, "logprobs": 1,
+        "model": "tephra-policy",
+        "prompt": [1, 2, 3],
+        "n": 2,
+        "max_tokens": 5,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "stop_token_ids": [3],
+        "ignore_eos": False,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "seed": 4,
+        "logprobs": 1,
     }
-    response = {"choices": [
-        {"index": 1, "text": "x", "token_ids": [9, 3], "finish_reason": "stop",
-         "logprobs": {"token_logprobs": [-0.5, -0.25], "tokens": ["a", "b"], "top_logprobs": []}},
-        {"index": 0, "text": "y", "token_ids": [8, 8, 8, 8, 8], "finish_reason": "length",
-         "logprobs": {"token_logprobs": [-1.0] * 5, "tokens": ["c"] * 5, "top_logprobs": []}},
-    ]}
+    response = {
+        "choices": [
+            {
+                "index": 1,
+                "text": "x",
+                "token_ids": [9, 3],
+                "finish_reason": "stop",
+                "logprobs": {
+                    "token_logprobs": [-0.5, -0.25],
+                    "tokens": ["a", "b"],
+                    "top_logprobs": [],
+                },
+            },
+            {
+                "index": 0,
+                "text": "y",
+                "token_ids": [8, 8, 8, 8, 8],
+                "finish_reason": "length",
+                "logprobs": {"token_logprobs": [-1.0] * 5, "tokens": ["c"] * 5, "top_logprobs": []},
+            },
+        ]
+    }
     samples = protocol.parse_samples(response, sampling)
     assert [s.response_ids for s in samples] == [[8, 8, 8, 8, 8], [9, 3]]
     assert [s.finish_reason for s in samples] == ["length", "stop"]
@@ -42,22 +69,36 @@ def test_vllm_request_and_response_translation(tiny_model):
         bad = {"choices": [{**response["choices"][0], "logprobs": {"token_logprobs": [0, 0, 0]}}]}
         protocol.parse_samples(bad, sampling)
     # an aborted sample (partial rollout) keeps its tokens and log-probs so far
-    [aborted] = protocol.parse_samples({"choices": [{**response["choices"][0], "finish_reason": "abort"}]},
-                                       sampling)
-    assert (aborted.response_ids, aborted.log_probs, aborted.finish_reason) == ([9, 3], [-0.5, -0.25], "abort")
+    [aborted] = protocol.parse_samples(
+        {"choices": [{**response["choices"][0], "finish_reason": "abort"}]}, sampling
+    )
+    assert (aborted.response_ids, aborted.log_probs, aborted.finish_reason) == (
+        [9, 3],
+        [-0.5, -0.25],
+        "abort",
+    )
     with pytest.raises(RolloutError, match="finished with 'error'; expected stop, length or abort"):
-        protocol.parse_samples({"choices": [{**response["choices"][0], "finish_reason": "error"}]}, sampling)
+        protocol.parse_samples(
+            {"choices": [{**response["choices"][0], "finish_reason": "error"}]}, sampling
+        )
     assert protocol.abort_request() == ("/abort_requests", {})
 
     assert protocol.reload_requests("/w") == [
         ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/w"}}),
         ("/reset_prefix_cache", {}),
     ]
-    config = RolloutConfig(model_path=tiny_model.path, max_model_len=64, vllm=ServerSettings(extra_args=["--x"]))
+    config = RolloutConfig(
+        model_path=tiny_model.path, max_model_len=64, vllm=ServerSettings(extra_args=["--x"])
+    )
     command = protocol.launch_command("/py", "/m", "127.0.0.1", 9, config, config.vllm)
     assert command[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
-    for flag, value in (("--model", "/m"), ("--port", "9"), ("--max-model-len", "64"),
-                        ("--logprobs-mode", "processed_logprobs"), ("--dtype", "float32")):
+    for flag, value in (
+        ("--model", "/m"),
+        ("--port", "9"),
+        ("--max-model-len", "64"),
+        ("--logprobs-mode", "processed_logprobs"),
+        ("--dtype", "float32"),
+    ):
         assert command[command.index(flag) + 1] == value
     assert "--enforce-eager" in command and command[-1] == "--x"
     assert protocol.default_env()["VLLM_SERVER_DEV_MODE"] == "1"
@@ -69,22 +110,40 @@ def test_sglang_request_and_response_translation():
     requests = protocol.sample_requests([4, 5], sampling)
     assert [path for path, _ in requests] == ["/generate", "/generate"]
     assert requests[1][1] == {
-        "input_ids": [4, 5], "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
-                            "stop_token_ids": [], "ignore_eos": True, "skip_special_tokens": False,
-                            "sampling_seed": 11},
+        "input_ids": [4, 5],
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": 3,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "stop_token_ids": [],
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "sampling_seed": 11,
+        },
     }
-    response = {"text": "ab", "output_ids": [7, 2],
-                "meta_info": {"output_token_logprobs": [[-0.1, 7, None], [-0.2, 2, None]],
-                              "finish_reason": {"type": "stop", "matched": 2}}}
+    response = {
+        "text": "ab",
+        "output_ids": [7, 2],
+        "meta_info": {
+            "output_token_logprobs": [[-0.1, 7, None], [-0.2, 2, None]],
+            "finish_reason": {"type": "stop", "matched": 2},
+        },
+    }
     [sample] = protocol.parse_samples(response, sampling)
     assert sample.response_ids == [7, 2] and sample.log_probs == [-0.1, -0.2]
     assert sample.finish_reason == "stop"
-    aborted = {**response, "meta_info": {**response["meta_info"], "finish_reason": {"type": "abort"}}}
+    aborted = {
+        **response,
+        "meta_info": {**response["meta_info"], "finish_reason": {"type": "abort"}},
+    }
     assert protocol.parse_samples(aborted, sampling)[0].finish_reason == "abort"
     assert protocol.abort_request() == ("/abort_request", {"abort_all": True})
-    assert protocol.reload_requests("/w") == [("/update_weights_from_disk", {"model_path": "/w"}),
-                                              ("/flush_cache", {})]
+    assert protocol.reload_requests("/w") == [
+        ("/update_weights_from_disk", {"model_path": "/w"}),
+        ("/flush_cache", {}),
+    ]
 
 
 def test_untied_copy_and_weight_update_files(tiny_tied_model, tmp_path):
@@ -99,8 +158,13 @@ def test_untied_copy_and_weight_update_files(tiny_tied_model, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(tied(ids).logits, untied(ids).logits, atol=0, rtol=0)
     embed = torch.randn(tiny_tied_model.vocab_size, 64)
-    folder = write_update([("model.embed_tokens.weight", embed), ("model.norm.weight", torch.ones(64))],
-                          tmp_path / "update", torch.bfloat16, config_from=copy, add_untied_head=True)
+    folder = write_update(
+        [("model.embed_tokens.weight", embed), ("model.norm.weight", torch.ones(64))],
+        tmp_path / "update",
+        torch.bfloat16,
+        config_from=copy,
+        add_untied_head=True,
+    )
     tensors = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert set(tensors) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     assert tensors["lm_head.weight"].dtype == torch.bfloat16
@@ -110,12 +174,17 @@ def test_untied_copy_and_weight_update_files(tiny_tied_model, tmp_path):
 
 def test_server_process_failures_are_quick_and_clear(tmp_path):
     start = time.monotonic()
-    crashing = ServerProcess("demo", [sys.executable, "-c", "print('loading'); raise SystemExit('bad model path')"],
-                             {}, str(tmp_path / "a.log"))
+    crashing = ServerProcess(
+        "demo",
+        [sys.executable, "-c", "print('loading'); raise SystemExit('bad model path')"],
+        {},
+        str(tmp_path / "a.log"),
+    )
     with pytest.raises(RolloutError, match="(?s)exited during start-up.*bad model path"):
         crashing.wait_healthy("http://127.0.0.1:9", timeout_s=60)
-    silent = ServerProcess("demo", [sys.executable, "-c", "import time; time.sleep(60)"], {},
-                           str(tmp_path / "b.log"))
+    silent = ServerProcess(
+        "demo", [sys.executable, "-c", "import time; time.sleep(60)"], {}, str(tmp_path / "b.log")
+    )
     with pytest.raises(RolloutError, match="not healthy .* after 2 s"):
         silent.wait_healthy("http://127.0.0.1:9", timeout_s=2)
     assert not silent.alive()  # killed, not left behind
@@ -125,8 +194,12 @@ def test_server_process_failures_are_quick_and_clear(tmp_path):
 
 
 def test_connecting_to_a_missing_server_names_the_url(tiny_model):
-    config = RolloutConfig(model_path=tiny_model.path, vllm=ServerSettings(url="http://127.0.0.1:9"))
-    with pytest.raises(RolloutError, match="vllm.url: no healthy server at http://127.0.0.1:9/health"):
+    config = RolloutConfig(
+        model_path=tiny_model.path, vllm=ServerSettings(url="http://127.0.0.1:9")
+    )
+    with pytest.raises(
+        RolloutError, match="vllm.url: no healthy server at http://127.0.0.1:9/health"
+    ):
         get_rollout("vllm", config)
 
 
@@ -135,7 +208,9 @@ def test_server_settings_reach_the_command_line_and_the_transfer_requests():
     from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta
 
     config = RolloutConfig(model_path="m", max_model_len=64)
-    settings = ServerSettings(tensor_parallel_size=2, data_parallel_size=3, gpu_memory_utilization=0.4)
+    settings = ServerSettings(
+        tensor_parallel_size=2, data_parallel_size=3, gpu_memory_utilization=0.4
+    )
     vllm, sglang = VllmProtocol(), SglangProtocol()
     command = vllm.launch_command("py", "m", "127.0.0.1", 9, config, settings)
     text = " ".join(command)
@@ -144,7 +219,8 @@ def test_server_settings_reach_the_command_line_and_the_transfer_requests():
     i = command.index("--weight-transfer-config")
     assert command[i + 1] == '{"backend": "tephra"}'
     assert command[command.index("--worker-extension-cls") + 1] == (
-        "tephra_vllm_plugin.TephraWorkerExtension")
+        "tephra_vllm_plugin.TephraWorkerExtension"
+    )
     assert vllm.launch_env(settings) == {"PYTHONPATH": str(PLUGIN_DIR)}
     assert (PLUGIN_DIR / "tephra_vllm_plugin.py").is_file()
     disk = ServerSettings(weight_sync="disk")
@@ -152,34 +228,74 @@ def test_server_settings_reach_the_command_line_and_the_transfer_requests():
     assert vllm.launch_env(disk) == {}
 
     meta = BucketMeta(["a.weight", "b.bias"], ["float32", "float32"], [[2, 3], [3]])
-    assert vllm.transfer_init_request("gloo", "10.0.0.1", 7, 3) == ("/init_weight_transfer_engine", {
-        "init_info": {"master_address": "10.0.0.1", "master_port": 7, "rank_offset": 1,
-                      "world_size": 3, "backend": "gloo"}})
+    assert vllm.transfer_init_request("gloo", "10.0.0.1", 7, 3) == (
+        "/init_weight_transfer_engine",
+        {
+            "init_info": {
+                "master_address": "10.0.0.1",
+                "master_port": 7,
+                "rank_offset": 1,
+                "world_size": 3,
+                "backend": "gloo",
+            }
+        },
+    )
     # ipc: no group to join, the handle comes with each bucket
     assert vllm.transfer_init_request("ipc", "10.0.0.1", 0, 2) == (
-        "/init_weight_transfer_engine", {"init_info": {"backend": "ipc"}})
-    assert vllm.transfer_bucket_request(meta, None) == ("/update_weights", {"update_info": {
-        "names": ["a.weight", "b.bias"], "dtype_names": ["float32", "float32"],
-        "shapes": [[2, 3], [3]]}})
+        "/init_weight_transfer_engine",
+        {"init_info": {"backend": "ipc"}},
+    )
+    assert vllm.transfer_bucket_request(meta, None) == (
+        "/update_weights",
+        {
+            "update_info": {
+                "names": ["a.weight", "b.bias"],
+                "dtype_names": ["float32", "float32"],
+                "shapes": [[2, 3], [3]],
+            }
+        },
+    )
     assert vllm.transfer_bucket_request(meta, "H")[1]["update_info"]["handle"] == "H"
     assert vllm.transfer_finish_requests(4)[0] == ("/finish_weight_update", {"weight_version": "4"})
 
-    text = " ".join(sglang.launch_command("py", "m", "h", 9, config, ServerSettings(
-        tensor_parallel_size=2, gpu_memory_utilization=0.5, sleep_level=1)))
+    text = " ".join(
+        sglang.launch_command(
+            "py",
+            "m",
+            "h",
+            9,
+            config,
+            ServerSettings(tensor_parallel_size=2, gpu_memory_utilization=0.5, sleep_level=1),
+        )
+    )
     assert "--tp-size 2" in text and "--mem-fraction-static 0.5" in text
     assert "--enable-memory-saver" in text and "--enable-weights-cpu-backup" in text
     text = " ".join(sglang.launch_command("py", "m", "h", 9, config, ServerSettings(sleep_level=2)))
     assert "--enable-memory-saver" in text and "--enable-weights-cpu-backup" not in text
     assert sglang.transfer_init_request("nccl", "h", 7, 2)[1] == {
-        "master_address": "h", "master_port": 7, "rank_offset": 1, "world_size": 2,
-        "group_name": "tephra-weights", "backend": "nccl"}
+        "master_address": "h",
+        "master_port": 7,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "tephra-weights",
+        "backend": "nccl",
+    }
     assert sglang.transfer_init_request("ipc", "h", 0, 2) is None
     path, body = sglang.transfer_bucket_request(meta, None)
-    assert (path, body) == ("/update_weights_from_distributed", {
-        "names": ["a.weight", "b.bias"], "dtypes": ["float32", "float32"], "shapes": [[2, 3], [3]],
-        "group_name": "tephra-weights", "flush_cache": False})
-    assert sglang.transfer_bucket_request(meta, "H") == ("/update_weights_from_tensor", {
-        "serialized_named_tensors": ["H"], "flush_cache": False})
+    assert (path, body) == (
+        "/update_weights_from_distributed",
+        {
+            "names": ["a.weight", "b.bias"],
+            "dtypes": ["float32", "float32"],
+            "shapes": [[2, 3], [3]],
+            "group_name": "tephra-weights",
+            "flush_cache": False,
+        },
+    )
+    assert sglang.transfer_bucket_request(meta, "H") == (
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": ["H"], "flush_cache": False},
+    )
     assert not sglang.packs_buckets
 
 
@@ -192,11 +308,13 @@ def test_sleep_and_wake_requests_per_level():
     # vLLM reads repeated `tags` query parameters
     assert vllm.wake_requests(two, ["weights"]) == [("/wake_up?tags=weights", {})]
     assert vllm.wake_requests(one, ["weights", "kv_cache"]) == [
-        ("/wake_up?tags=weights&tags=kv_cache", {})]
+        ("/wake_up?tags=weights&tags=kv_cache", {})
+    ]
     assert sglang.sleep_requests(off) == []
     assert sglang.sleep_requests(two) == [("/release_memory_occupation", {})]
     assert sglang.wake_requests(one, ["kv_cache"]) == [
-        ("/resume_memory_occupation", {"tags": ["kv_cache"]})]
+        ("/resume_memory_occupation", {"tags": ["kv_cache"]})
+    ]
 
 
 def test_weight_buckets_bound_their_size_and_round_trip():
@@ -211,19 +329,32 @@ def test_weight_buckets_bound_their_size_and_round_trip():
     assert [n for n, _ in back] == [n for n, _ in named]
     for (_, a), (_, b) in zip(back, named):
         assert torch.equal(a, b)
-    [(meta, flat)] = buckets([("x", torch.ones(2, 2, dtype=torch.float64))], torch.bfloat16, 1 << 20)
-    assert flat.dtype == torch.bfloat16 and meta.shapes == [[2, 2]] and meta.dtype_names == ["bfloat16"]
+    [(meta, flat)] = buckets(
+        [("x", torch.ones(2, 2, dtype=torch.float64))], torch.bfloat16, 1 << 20
+    )
+    assert (
+        flat.dtype == torch.bfloat16
+        and meta.shapes == [[2, 2]]
+        and meta.dtype_names == ["bfloat16"]
+    )
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("weight_sync", "nfs", "expected 'memory'"),
-    ("weight_bucket_mb", 0, "weight_bucket_mb=0 must be > 0"),
-    ("tensor_parallel_size", 0, "must be >= 1"),
-    ("gpu_memory_utilization", 1.5, r"must be in \(0, 1\]"),
-    ("weight_transport", "ipcc", r"weight_transport='ipcc' is not a weight transport \(did you "
-                                 r"mean 'ipc'\?\); choose one of \['auto', 'gloo', 'nccl', 'ipc'\]"),
-    ("sleep_level", 3, r"sleep_level=3: choose 0 \(no sleep\), 1"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("weight_sync", "nfs", "expected 'memory'"),
+        ("weight_bucket_mb", 0, "weight_bucket_mb=0 must be > 0"),
+        ("tensor_parallel_size", 0, "must be >= 1"),
+        ("gpu_memory_utilization", 1.5, r"must be in \(0, 1\]"),
+        (
+            "weight_transport",
+            "ipcc",
+            r"weight_transport='ipcc' is not a weight transport \(did you "
+            r"mean 'ipc'\?\); choose one of \['auto', 'gloo', 'nccl', 'ipc'\]",
+        ),
+        ("sleep_level", 3, r"sleep_level=3: choose 0 \(no sleep\), 1"),
+    ],
+)
 def test_bad_server_settings_name_the_field(field, value, message):
     from tephra.engine_api.errors import ConfigError
 

@@ -42,16 +42,20 @@ BUCKET_MB = 0.05
 
 
 def server_settings(python: str, **changes) -> ServerSettings:
-    return ServerSettings(**{"python": python, "startup_timeout_s": 300, "request_timeout_s": 120,
-                             **changes})
+    return ServerSettings(
+        **{"python": python, "startup_timeout_s": 300, "request_timeout_s": 120, **changes}
+    )
 
 
 @pytest.fixture(scope="module")
 def rollouts(tiny_tied_model, vllm_python):
     """One vLLM server for the module (a tied model: the case that needs the untied copy)
     and an `hf` rollout on the same folder."""
-    config = RolloutConfig(model_path=tiny_tied_model.path, max_model_len=512,
-                           vllm=server_settings(vllm_python, weight_bucket_mb=BUCKET_MB))
+    config = RolloutConfig(
+        model_path=tiny_tied_model.path,
+        max_model_len=512,
+        vllm=server_settings(vllm_python, weight_bucket_mb=BUCKET_MB),
+    )
     vllm = get_rollout("vllm", config)
     hf = get_rollout("hf", config)
     yield vllm, hf
@@ -62,7 +66,11 @@ def rollouts(tiny_tied_model, vllm_python):
 def teacher_forced(model, prompt, response, temperature):
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+    return (
+        torch.log_softmax(logits / temperature, -1)
+        .gather(1, torch.tensor(response)[:, None])
+        .squeeze(1)
+    )
 
 
 def assert_same_greedy(vllm, hf, max_tokens=16):
@@ -80,7 +88,9 @@ def test_vllm_matches_hf_then_follows_new_weights(rollouts, tiny_tied_model):
     assert_same_greedy(vllm, hf)
 
     # sampled tokens: vLLM's log-probs are the temperature-scaled ones HF recomputes
-    reference = AutoModelForCausalLM.from_pretrained(tiny_tied_model.path, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        tiny_tied_model.path, dtype=torch.float32
+    ).eval()
     sampling = SamplingParams(temperature=0.7, max_tokens=12, n=2, seed=3, ignore_eos=True)
     sampled = vllm.generate(PROMPTS, sampling)
     assert sampled.prompt_index == [0, 0, 1, 1, 2, 2]
@@ -88,14 +98,20 @@ def test_vllm_matches_hf_then_follows_new_weights(rollouts, tiny_tied_model):
     for i in range(len(sampled)):
         assert len(sampled.response_ids[i]) == 12 and sampled.finish_reasons[i] == "length"
         expected = teacher_forced(reference, sampled.prompt_ids[i], sampled.response_ids[i], 0.7)
-        torch.testing.assert_close(torch.tensor(sampled.log_probs[i]), expected, atol=LOGPROB_TOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(sampled.log_probs[i]), expected, atol=LOGPROB_TOL, rtol=0
+        )
 
     # many requests in flight, sessions pinned: same as the batch call
     async def many():
-        return await asyncio.gather(*(
-            vllm.agenerate(p, SamplingParams(temperature=0.0, max_tokens=8), session_id=f"t{i % 3}")
-            for i, p in enumerate(PROMPTS * 4)
-        ))
+        return await asyncio.gather(
+            *(
+                vllm.agenerate(
+                    p, SamplingParams(temperature=0.0, max_tokens=8), session_id=f"t{i % 3}"
+                )
+                for i, p in enumerate(PROMPTS * 4)
+            )
+        )
 
     singles = asyncio.run(many())
     batch = vllm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
@@ -110,7 +126,8 @@ def test_vllm_matches_hf_then_follows_new_weights(rollouts, tiny_tied_model):
     hf.update_weights(new)
     stats = vllm.last_update_stats
     assert stats["buckets"] >= 4 and stats["max_bucket_bytes"] <= max(
-        BUCKET_MB * 1024**2, max(t.numel() * 4 for _, t in new))
+        BUCKET_MB * 1024**2, max(t.numel() * 4 for _, t in new)
+    )
     assert stats["bytes"] == sum(t.numel() * 4 for _, t in new) + new[0][1].numel() * 4  # + head
     assert sorted(p.name for p in vllm.weights_dir.iterdir()) == files_before
     assert httpx.get(vllm.urls[0] + "/weight_info").json() == {"weight_version": "1"}
@@ -159,16 +176,27 @@ def test_vllm_agent_loop_tool_turn_matches_hf(rollouts, tiny_tied_model):
     for backend in (vllm, hf):
         model = ScriptedRollout(tok, lambda s, k: call if k == 0 else None, fallback=backend)
         loop = AGENT_LOOPS.get("tool_agent")(
-            model, tok, SamplingParams(temperature=0.0, max_tokens=96),
-            AgentLoopConfig(max_turns=2), {"python": PythonTool(timeout_s=10, memory_mb=256)})
-        trajectories.append(asyncio.run(run_agent_loops(
-            loop, [AgentSample(messages, sample_id=f"s{i}") for i in range(3)])))
+            model,
+            tok,
+            SamplingParams(temperature=0.0, max_tokens=96),
+            AgentLoopConfig(max_turns=2),
+            {"python": PythonTool(timeout_s=10, memory_mb=256)},
+        )
+        trajectories.append(
+            asyncio.run(
+                run_agent_loops(loop, [AgentSample(messages, sample_id=f"s{i}") for i in range(3)])
+            )
+        )
     for a, b in zip(*trajectories):
         assert a.num_turns == b.num_turns == 2 and a.tool_calls == 1
         assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
         assert a.response_mask == b.response_mask and 0 in a.response_mask
-        torch.testing.assert_close(torch.tensor(a.response_log_probs),
-                                   torch.tensor(b.response_log_probs), atol=LOGPROB_TOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(a.response_log_probs),
+            torch.tensor(b.response_log_probs),
+            atol=LOGPROB_TOL,
+            rtol=0,
+        )
         assert "42" in a.messages[2]["content"]
 
 
@@ -181,8 +209,9 @@ def test_vllm_partial_rollout_resumes_under_the_new_weights(rollouts, tiny_tied_
     weights = {v: list(perturbed_weights(tiny_tied_model.path, seed=21 + v)) for v in range(6)}
     models = {}
     for version, named in weights.items():
-        models[version] = AutoModelForCausalLM.from_pretrained(tiny_tied_model.path,
-                                                               dtype=torch.float32).eval()
+        models[version] = AutoModelForCausalLM.from_pretrained(
+            tiny_tied_model.path, dtype=torch.float32
+        ).eval()
         models[version].load_state_dict(dict(named), strict=False)
     sampling = SamplingParams(temperature=0.7, max_tokens=400, n=2, seed=5, ignore_eos=True)
     vllm.update_weights(weights[0])
@@ -234,8 +263,9 @@ def test_vllm_partial_rollout_resumes_under_the_new_weights(rollouts, tiny_tied_
 
 
 def test_vllm_sleep_is_refused_on_cpu_before_start(tiny_tied_model, vllm_python):
-    config = RolloutConfig(model_path=tiny_tied_model.path,
-                           vllm=server_settings(vllm_python, sleep_level=1))
+    config = RolloutConfig(
+        model_path=tiny_tied_model.path, vllm=server_settings(vllm_python, sleep_level=1)
+    )
     with pytest.raises(ConfigError, match="vllm.sleep_level=1: vLLM's CPU build"):
         get_rollout("vllm", config)
 
@@ -243,10 +273,16 @@ def test_vllm_sleep_is_refused_on_cpu_before_start(tiny_tied_model, vllm_python)
 def test_vllm_bad_model_path_fails_fast_with_its_log(tmp_path, vllm_python):
     bad = tmp_path / "not-a-model"
     bad.mkdir()
-    (bad / "config.json").write_text('{"model_type": "qwen2", "architectures": ["NoSuchForCausalLM"]}')
-    config = RolloutConfig(model_path=str(bad), vllm=server_settings(vllm_python, startup_timeout_s=240))
+    (bad / "config.json").write_text(
+        '{"model_type": "qwen2", "architectures": ["NoSuchForCausalLM"]}'
+    )
+    config = RolloutConfig(
+        model_path=str(bad), vllm=server_settings(vllm_python, startup_timeout_s=240)
+    )
     start = time.monotonic()
-    with pytest.raises(RolloutError, match="(?s)vllm server exited during start-up.*Last lines") as info:
+    with pytest.raises(
+        RolloutError, match="(?s)vllm server exited during start-up.*Last lines"
+    ) as info:
         get_rollout("vllm", config)
     assert time.monotonic() - start < 180
     assert "NoSuchForCausalLM" in str(info.value) or "Error" in str(info.value)

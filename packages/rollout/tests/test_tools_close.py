@@ -94,7 +94,9 @@ class Plain(Tool):
 
 def test_close_tools_closes_each_once_and_names_the_failures():
     first, broken, last = Counted("first"), Counted("broken", fail=True), Counted("last")
-    with pytest.raises(ToolError, match=r"closing tools failed: broken: RuntimeError\('disk gone'\)"):
+    with pytest.raises(
+        ToolError, match=r"closing tools failed: broken: RuntimeError\('disk gone'\)"
+    ):
         close_tools([first, broken, first, last])
     assert (first.closes, broken.closes, last.closes) == (1, 1, 1)
     assert Plain().close() is None  # the base class holds nothing

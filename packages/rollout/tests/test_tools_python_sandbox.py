@@ -36,8 +36,14 @@ UNPRIVILEGED_RUN = "TEPHRA_SANDBOX_TESTS_UNPRIVILEGED"
 # this module's trajectory folders live here, so its mount check sees no other test's tools
 ROOT = tempfile.mkdtemp(prefix="tephra-sandbox-tests-")
 # wall time: generous, as a loaded 2-core machine can take a second to start one sandbox
-LIMITS = dict(timeout_s=5.0, cpu_time_s=2, memory_mb=256, max_processes=8, max_output_bytes=32768,
-              workdir_root=ROOT)
+LIMITS = dict(
+    timeout_s=5.0,
+    cpu_time_s=2,
+    memory_mb=256,
+    max_processes=8,
+    max_output_bytes=32768,
+    workdir_root=ROOT,
+)
 
 
 def run(tool: PythonTool, code: str, instance: str = "t"):
@@ -99,8 +105,7 @@ def leftover_processes(tool: PythonTool, instance: str = "t", wait_s: float = 3.
 
 
 def sandbox_mounts() -> list[str]:
-    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
-            if ROOT in line]
+    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if ROOT in line]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -283,10 +288,14 @@ def test_killing_the_parent_or_everything_harms_nobody_else(tool):
     try:
         # the parent is the namespace's init: another uid (root), or ours unprivileged, where
         # the kernel drops a signal sent to an init from inside its namespace
-        parent = run(tool, "import os\nos.kill(os.getppid(), 9)\nimport time\ntime.sleep(0.1)\n"
-                           "print('init alive')")
+        parent = run(
+            tool,
+            "import os\nos.kill(os.getppid(), 9)\nimport time\ntime.sleep(0.1)\n"
+            "print('init alive')",
+        )
         assert (parent.error is not None and "PermissionError" in parent.error) or (
-            parent.error is None and parent.text == "init alive\n")
+            parent.error is None and parent.text == "init alive\n"
+        )
         host_pid = run(tool, f"import os\nos.kill({sentinel.pid}, 9)")
         assert host_pid.error is not None and (
             "ProcessLookupError" in host_pid.error or "PermissionError" in host_pid.error
@@ -336,8 +345,11 @@ def test_deep_recursion_is_contained(tool):
 def test_a_missing_protection_refuses_the_tool_unless_accepted_by_name(monkeypatch, make_tool):
     monkeypatch.setattr(python_sandbox, "_unshare_works", lambda flags: "unshare: not permitted")
     for weaker in ({}, {"allow_network": True}, {"accept_missing": ["seccomp"]}):
-        with pytest.raises(ToolError, match=r"cannot create the sandbox's namespaces: unshare: "
-                           r"not permitted.*set accept_missing: \[namespaces\]"):
+        with pytest.raises(
+            ToolError,
+            match=r"cannot create the sandbox's namespaces: unshare: "
+            r"not permitted.*set accept_missing: \[namespaces\]",
+        ):
             PythonTool(**LIMITS, **weaker)
     weak = make_tool(accept_missing=["namespaces"])
     assert not weak.sandbox.namespaced and weak.describe()["identity"] == "none"
@@ -345,14 +357,20 @@ def test_a_missing_protection_refuses_the_tool_unless_accepted_by_name(monkeypat
     assert result.error is None and result.text == "42\n"
     monkeypatch.undo()
     monkeypatch.setattr(python_sandbox, "_libseccomp", lambda: None)
-    with pytest.raises(ToolError, match=r"libseccomp is not installed.*apt install libseccomp2.*"
-                       r"set accept_missing: \[seccomp\]"):
+    with pytest.raises(
+        ToolError,
+        match=r"libseccomp is not installed.*apt install libseccomp2.*"
+        r"set accept_missing: \[seccomp\]",
+    ):
         PythonTool(**LIMITS)
     unfiltered = make_tool(accept_missing=["seccomp"])
     assert unfiltered.describe()["seccomp"] is False
     assert_next_call_works(unfiltered)
-    with pytest.raises(Exception, match=r"accept_missing=\['network'\]: \['network'\] are not "
-                       r"protections one can do without; choose from \['namespaces', 'seccomp'\]"):
+    with pytest.raises(
+        Exception,
+        match=r"accept_missing=\['network'\]: \['network'\] are not "
+        r"protections one can do without; choose from \['namespaces', 'seccomp'\]",
+    ):
         PythonTool(accept_missing=["network"])
 
 
@@ -404,8 +422,11 @@ def test_a_link_or_fifo_left_in_the_folder_cannot_redirect_or_block_the_host(too
     victim.write_text("host data")
     os.chmod(tmp_path, 0o755)
     os.chmod(victim, 0o644)
-    link = run(tool, f"import os\nos.symlink({str(victim)!r}, 'main.py')\nos.mkfifo('pipe')\n"
-                     "os.symlink('/etc/passwd', 'code.py')\nprint('planted')")
+    link = run(
+        tool,
+        f"import os\nos.symlink({str(victim)!r}, 'main.py')\nos.mkfifo('pipe')\n"
+        "os.symlink('/etc/passwd', 'code.py')\nprint('planted')",
+    )
     assert link.error is None and link.text == "planted\n"
     start = time.monotonic()
     assert_next_call_works(tool)
@@ -418,8 +439,10 @@ def test_a_link_or_fifo_left_in_the_folder_cannot_redirect_or_block_the_host(too
 
 def test_shared_memory_does_not_outlive_the_call_or_reach_another_trajectory(make_tool):
     tool = make_tool()
-    create = ("import ctypes\nlibc = ctypes.CDLL(None)\n"
-              "seg = libc.shmget(0x7E9A, 1 << 20, 0o1000 | 0o666)\nprint(seg >= 0)")
+    create = (
+        "import ctypes\nlibc = ctypes.CDLL(None)\n"
+        "seg = libc.shmget(0x7E9A, 1 << 20, 0o1000 | 0o666)\nprint(seg >= 0)"
+    )
     find = "import ctypes\nprint(ctypes.CDLL(None).shmget(0x7E9A, 0, 0o666))"
     before = Path("/proc/sysvipc/shm").read_text().count("\n")
     assert run(tool, create, "a").text == "True\n"
@@ -433,15 +456,17 @@ def test_forked_children_share_one_memory_limit(make_tool):
     """Four children of 150 MiB each stay under the per-process limit (256 MiB) but not
     under the call's total (300 MiB): all are killed, with a message saying so."""
     tool = make_tool(memory_mb=256, total_memory_mb=300, timeout_s=10.0, cpu_time_s=8)
-    code = ("import os, time\n"
-            "for _ in range(4):\n"
-            "    if os.fork() == 0:\n"
-            "        block = bytearray(150 * 2**20)\n"
-            "        for i in range(0, len(block), 4096):\n"
-            "            block[i] = 1\n"
-            "        time.sleep(30)\n"
-            "        os._exit(0)\n"
-            "time.sleep(30)")
+    code = (
+        "import os, time\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        block = bytearray(150 * 2**20)\n"
+        "        for i in range(0, len(block), 4096):\n"
+        "            block[i] = 1\n"
+        "        time.sleep(30)\n"
+        "        os._exit(0)\n"
+        "time.sleep(30)"
+    )
     result = run(tool, code)
     assert result.error is not None and "over the limit of 300 MiB" in result.error
     assert "all were killed" in result.error
@@ -452,13 +477,16 @@ def test_forked_children_share_one_memory_limit(make_tool):
 def test_the_folder_quota_bounds_bytes_and_files(make_tool):
     tool = make_tool(disk_quota_mb=8, max_files=200)
     mounted = os.geteuid() == 0  # a tmpfs refuses the write; otherwise the folder is emptied
-    big = run(tool, "data = b'x' * 2**20\nfor i in range(20):\n"
-                    "    open(f'f{i}', 'wb').write(data)\n")
+    big = run(
+        tool, "data = b'x' * 2**20\nfor i in range(20):\n    open(f'f{i}', 'wb').write(data)\n"
+    )
     assert big.error is not None and (
-        "No space left on device" in big.text if mounted else "quota of 8 MiB" in big.error)
+        "No space left on device" in big.text if mounted else "quota of 8 MiB" in big.error
+    )
     many = run(tool, "import os\nfor i in range(1000):\n    open(f'e{i}', 'w').close()\n")
     assert many.error is not None and (
-        "No space left on device" in many.text if mounted else "200 files" in many.error)
+        "No space left on device" in many.text if mounted else "200 files" in many.error
+    )
     workdir = tool._instances["t"][0]
     size = sum(p.stat().st_size for p in Path(workdir).iterdir())
     assert size <= 8 * 2**20 and len(list(Path(workdir).iterdir())) <= 200
@@ -469,15 +497,17 @@ def test_the_folder_quota_bounds_bytes_and_files(make_tool):
 
 def test_nested_user_namespaces_and_mounts_are_refused(tool):
     assert tool.describe()["seccomp"]  # the tool refuses to start without it
-    code = ("import ctypes, subprocess\n"
-            "libc = ctypes.CDLL(None, use_errno=True)\n"
-            "for name, flag in [('user', 0x10000000), ('mount_ns', 0x00020000)]:\n"
-            "    print(name, libc.unshare(flag), ctypes.get_errno())\n"
-            "p = subprocess.run(['unshare', '-U', '-r', 'mount', '-t', 'tmpfs', 'x', '/tmp'],\n"
-            "                   capture_output=True)\n"
-            "print('unshare-mount', p.returncode != 0)\n"
-            "import ctypes\n"
-            "print('mount', ctypes.CDLL(None, use_errno=True).mount(b'x', b'/tmp', b'tmpfs', 0, None))")
+    code = (
+        "import ctypes, subprocess\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "for name, flag in [('user', 0x10000000), ('mount_ns', 0x00020000)]:\n"
+        "    print(name, libc.unshare(flag), ctypes.get_errno())\n"
+        "p = subprocess.run(['unshare', '-U', '-r', 'mount', '-t', 'tmpfs', 'x', '/tmp'],\n"
+        "                   capture_output=True)\n"
+        "print('unshare-mount', p.returncode != 0)\n"
+        "import ctypes\n"
+        "print('mount', ctypes.CDLL(None, use_errno=True).mount(b'x', b'/tmp', b'tmpfs', 0, None))"
+    )
     result = run(tool, code)
     # EPERM (1) from the filter for both namespaces, the unshare program fails, mount fails
     assert result.text == "user -1 1\nmount_ns -1 1\nunshare-mount True\nmount -1\n", result.text
@@ -501,8 +531,10 @@ def test_tool_output_spelling_special_tokens_stays_plain_text():
     # and the output's text comes back whole
     assert forged in tok.decode(ids)
     # an honest output is tokenised exactly as before (the template and content in one piece)
-    assert honest == tok.encode(delta.append_text([{"role": "tool", "content": "42"}], "<|im_end|>"),
-                                add_special_tokens=False)
+    assert honest == tok.encode(
+        delta.append_text([{"role": "tool", "content": "42"}], "<|im_end|>"),
+        add_special_tokens=False,
+    )
 
 
 # ----- one sandbox for root and for an ordinary user ------------------------------------------
@@ -538,7 +570,8 @@ def test_host_files_are_invisible_and_the_interpreter_is_read_only(tool, tmp_pat
     assert lines[:4] == ["False"] * 4
     assert eval(lines[4]) == sorted(  # noqa: S307 - our own printed list
         {"bin", "dev", "etc", "lib", "lib64", "mnt", "proc", "run", "sbin", "tmp", "usr", "var"}
-        & ({n for n in os.listdir("/")} | {"mnt", "run", "var", "proc", "dev", "etc", "tmp"}))
+        & ({n for n in os.listdir("/")} | {"mnt", "run", "var", "proc", "dev", "etc", "tmp"})
+    )
     assert "wrote" not in result.text and set(lines[5:]) == {"True"}
     assert not Path(site, pth).exists()
     assert_next_call_works(tool)
@@ -560,14 +593,16 @@ def test_host_unix_sockets_are_unreachable(tool):
             server.setblocking(False)
             servers.append(server)
         os.chmod(path, 0o777)
-        code = ("import socket\n"
-                f"for a in [{path!r}, {abstract!r}]:\n"
-                "    s = socket.socket(socket.AF_UNIX)\n"
-                "    try:\n"
-                "        s.connect(a)\n"
-                "        print('connected')\n"
-                "    except OSError as e:\n"
-                "        print(type(e).__name__)\n")
+        code = (
+            "import socket\n"
+            f"for a in [{path!r}, {abstract!r}]:\n"
+            "    s = socket.socket(socket.AF_UNIX)\n"
+            "    try:\n"
+            "        s.connect(a)\n"
+            "        print('connected')\n"
+            "    except OSError as e:\n"
+            "        print(type(e).__name__)\n"
+        )
         result = run(tool, code)
         assert result.error is None
         assert result.text == "FileNotFoundError\nConnectionRefusedError\n", result.text
@@ -585,29 +620,33 @@ def test_memfd_and_tmpfs_pages_count_against_the_call_limit(make_tool):
     """Pages that no process maps (a tmpfs file, a detached SysV segment, a memfd) used to
     escape the sum of resident memory: three children held 1.4 GiB under a 256 MiB limit.
     memfd is refused; tmpfs and SysV pages count, and the call is killed."""
-    tool = make_tool(memory_mb=256, total_memory_mb=200, max_file_size_mb=100, timeout_s=15.0,
-                     cpu_time_s=10)
-    memfd = run(tool, "import os\ntry:\n    os.memfd_create('x')\nexcept OSError as e:\n"
-                      "    print(e.errno)")
+    tool = make_tool(
+        memory_mb=256, total_memory_mb=200, max_file_size_mb=100, timeout_s=15.0, cpu_time_s=10
+    )
+    memfd = run(
+        tool, "import os\ntry:\n    os.memfd_create('x')\nexcept OSError as e:\n    print(e.errno)"
+    )
     assert memfd.text == "1\n"  # EPERM
-    code = ("import ctypes, os, time\n"
-            "libc = ctypes.CDLL(None, use_errno=True)\n"
-            "libc.shmat.restype = ctypes.c_void_p\n"
-            "size = 80 * 2**20\n"
-            "for where in ('/dev/shm/a', '/var/tmp/b', 'sysv'):\n"
-            "    if os.fork() == 0:\n"
-            "        if where == 'sysv':\n"
-            "            seg = libc.shmget(0, size, 0o1000 | 0o600)\n"
-            "            addr = libc.shmat(seg, None, 0)\n"
-            "            ctypes.memset(addr, 1, size)\n"
-            "            libc.shmdt(ctypes.c_void_p(addr))\n"
-            "        else:\n"
-            "            with open(where, 'wb') as f:\n"
-            "                for _ in range(80):\n"
-            "                    f.write(b'x' * 2**20)\n"
-            "        time.sleep(30)\n"
-            "        os._exit(0)\n"
-            "time.sleep(30)\n")
+    code = (
+        "import ctypes, os, time\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.shmat.restype = ctypes.c_void_p\n"
+        "size = 80 * 2**20\n"
+        "for where in ('/dev/shm/a', '/var/tmp/b', 'sysv'):\n"
+        "    if os.fork() == 0:\n"
+        "        if where == 'sysv':\n"
+        "            seg = libc.shmget(0, size, 0o1000 | 0o600)\n"
+        "            addr = libc.shmat(seg, None, 0)\n"
+        "            ctypes.memset(addr, 1, size)\n"
+        "            libc.shmdt(ctypes.c_void_p(addr))\n"
+        "        else:\n"
+        "            with open(where, 'wb') as f:\n"
+        "                for _ in range(80):\n"
+        "                    f.write(b'x' * 2**20)\n"
+        "        time.sleep(30)\n"
+        "        os._exit(0)\n"
+        "time.sleep(30)\n"
+    )
     result = run(tool, code)
     assert result.error is not None and "over the limit of 200 MiB" in result.error, result
     assert leftover_processes(tool) == []
@@ -619,21 +658,29 @@ def test_a_memory_cgroup_stops_what_sampling_cannot_see(make_tool, monkeypatch):
     """memfd pages (allowed here with the filter off) sit in no process's resident memory and
     in no folder: only the kernel's cgroup sees them. With the cgroup (150 MiB) three children
     holding 80 MiB each are killed; without it (the reference) the same call ends normally."""
-    code = ("import os, time\n"
-            "for _ in range(3):\n"
-            "    if os.fork() == 0:\n"
-            "        fd = os.memfd_create('x')\n"
-            "        for _ in range(80):\n"
-            "            os.write(fd, b'x' * 2**20)\n"
-            "        time.sleep(1)\n"
-            "        os._exit(0)\n"
-            "print([os.waitstatus_to_exitcode(os.wait()[1]) for _ in range(3)])\n")
+    code = (
+        "import os, time\n"
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        fd = os.memfd_create('x')\n"
+        "        for _ in range(80):\n"
+        "            os.write(fd, b'x' * 2**20)\n"
+        "        time.sleep(1)\n"
+        "        os._exit(0)\n"
+        "print([os.waitstatus_to_exitcode(os.wait()[1]) for _ in range(3)])\n"
+    )
     real = python_sandbox.MemoryCgroup.create
     results = {}
     for name, create in (("cgroup", lambda limit: real(150 * 2**20)), ("none", lambda limit: None)):
         monkeypatch.setattr(python_sandbox.MemoryCgroup, "create", staticmethod(create))
-        tool = make_tool(total_memory_mb=4000, memory_mb=512, max_file_size_mb=100,
-                         timeout_s=15.0, cpu_time_s=10, accept_missing=["seccomp"])
+        tool = make_tool(
+            total_memory_mb=4000,
+            memory_mb=512,
+            max_file_size_mb=100,
+            timeout_s=15.0,
+            cpu_time_s=10,
+            accept_missing=["seccomp"],
+        )
         tool.sandbox.seccomp = None
         results[name] = run(tool, code)
     assert results["none"].error is None and results["none"].text == "[0, 0, 0]\n"
@@ -648,17 +695,24 @@ def _syscall_errnos(tool: PythonTool) -> dict[str, int]:
     lib = ctypes.CDLL(ctypes.util.find_library("seccomp"))
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
     calls = {  # name: arguments that succeed, or fail for a reason of their own, unfiltered
-        "io_uring_setup": (0, 0), "io_uring_enter": (0, 0, 0, 0, 0),
-        "io_uring_register": (0, 0, 0, 0), "userfaultfd": (1,), "modify_ldt": (0, 0, 0),
-        "memfd_secret": (0,), "memfd_create": (0, 0), "personality": (0x0040000,),
+        "io_uring_setup": (0, 0),
+        "io_uring_enter": (0, 0, 0, 0, 0),
+        "io_uring_register": (0, 0, 0, 0),
+        "userfaultfd": (1,),
+        "modify_ldt": (0, 0, 0),
+        "memfd_secret": (0,),
+        "memfd_create": (0, 0),
+        "personality": (0x0040000,),
     }
     numbers = {n: lib.seccomp_syscall_resolve_name(n.encode()) for n in calls}
-    code = ("import ctypes, json\nlibc = ctypes.CDLL(None, use_errno=True)\nout = {}\n"
-            f"for name, nr, args in {[(n, numbers[n], a) for n, a in calls.items()]!r}:\n"
-            "    ctypes.set_errno(0)\n"
-            "    r = libc.syscall(nr, *[ctypes.c_long(a) for a in args])\n"
-            "    out[name] = ctypes.get_errno() if r == -1 else 0\n"
-            "print(json.dumps(out))\n")
+    code = (
+        "import ctypes, json\nlibc = ctypes.CDLL(None, use_errno=True)\nout = {}\n"
+        f"for name, nr, args in {[(n, numbers[n], a) for n, a in calls.items()]!r}:\n"
+        "    ctypes.set_errno(0)\n"
+        "    r = libc.syscall(nr, *[ctypes.c_long(a) for a in args])\n"
+        "    out[name] = ctypes.get_errno() if r == -1 else 0\n"
+        "print(json.dumps(out))\n"
+    )
     result = run(tool, code)
     assert result.error is None, result.text
     return __import__("json").loads(result.text)
@@ -673,9 +727,17 @@ def test_each_listed_syscall_is_refused(make_tool):
     unfiltered.sandbox.seccomp = None
     others = _syscall_errnos(unfiltered)
     assert {name for name, err in others.items() if err != 1} >= {
-        "io_uring_setup", "io_uring_enter", "modify_ldt", "memfd_create", "personality"}
+        "io_uring_setup",
+        "io_uring_enter",
+        "modify_ldt",
+        "memfd_create",
+        "personality",
+    }
     # querying the personality stays allowed
-    query = run(make_tool(), "import ctypes\nprint(ctypes.CDLL(None).personality(ctypes.c_ulong(0xffffffff)) >= 0)")
+    query = run(
+        make_tool(),
+        "import ctypes\nprint(ctypes.CDLL(None).personality(ctypes.c_ulong(0xffffffff)) >= 0)",
+    )
     assert query.text == "True\n"
 
 
@@ -683,16 +745,18 @@ def test_deep_many_and_locked_trees_cannot_break_the_trajectory_or_its_cleanup(m
     """A tree 3000 folders deep (paths far over PATH_MAX), 1000 files, and folders the code
     made unreadable: later calls work, the quota check copes, and release removes it all."""
     tool = make_tool(timeout_s=20.0, cpu_time_s=15, max_files=8000)
-    code = ("import os\n"
-            "os.mkdir('deep')\nos.chdir('deep')\n"
-            "for _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\n"
-            "open('bottom', 'w').write('x')\n"
-            "os.chdir('/tmp')\n"
-            "os.mkdir('many')\n"
-            "for i in range(1000):\n    open(f'many/{i}', 'w').close()\n"
-            "os.makedirs('locked/inner')\nopen('locked/inner/f', 'w').write('x')\n"
-            "os.chmod('locked/inner', 0)\nos.chmod('locked', 0)\n"
-            "print('planted')\n")
+    code = (
+        "import os\n"
+        "os.mkdir('deep')\nos.chdir('deep')\n"
+        "for _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\n"
+        "open('bottom', 'w').write('x')\n"
+        "os.chdir('/tmp')\n"
+        "os.mkdir('many')\n"
+        "for i in range(1000):\n    open(f'many/{i}', 'w').close()\n"
+        "os.makedirs('locked/inner')\nopen('locked/inner/f', 'w').write('x')\n"
+        "os.chmod('locked/inner', 0)\nos.chmod('locked', 0)\n"
+        "print('planted')\n"
+    )
     result = run(tool, code)
     assert result.error is None and result.text == "planted\n", result
     assert_next_call_works(tool)
@@ -729,35 +793,53 @@ def test_folder_tree_walks_any_depth_without_following_links(tmp_path):
     assert stat.S_ISDIR(os.lstat(outside).st_mode)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or os.environ.get(UNPRIVILEGED_RUN) == "1",
-                    reason="only a root test run can run the file again as another user")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or os.environ.get(UNPRIVILEGED_RUN) == "1",
+    reason="only a root test run can run the file again as another user",
+)
 def test_the_same_attacks_are_contained_for_an_unprivileged_user(tmp_path):
     """This whole file again as uid 65534 (`setpriv`), every test passing there too. The
     interpreter may live under a 0700 home (pyenv in /root): a private mount namespace makes
     its folders reachable for that run only, changing nothing on the host."""
     python = os.path.realpath(sys.executable)
-    hidden = next((str(p) for p in reversed(Path(python).parents)
-                   if p != Path("/") and not os.stat(p).st_mode & stat.S_IXOTH), None)
+    hidden = next(
+        (
+            str(p)
+            for p in reversed(Path(python).parents)
+            if p != Path("/") and not os.stat(p).st_mode & stat.S_IXOTH
+        ),
+        None,
+    )
     reveal = ""
     if hidden is not None:
         # show the interpreter's prefix alone, at its own path, under an empty 0755 folder
         prefix = os.path.realpath(sys.base_prefix)
-        reveal = (f"mkdir -p {tmp_path}/view && mount --bind {prefix} {tmp_path}/view && "
-                  f"mount -t tmpfs -o mode=755 tmpfs {hidden} && mkdir -p {prefix} && "
-                  f"mount --bind {tmp_path}/view {prefix} && ")
+        reveal = (
+            f"mkdir -p {tmp_path}/view && mount --bind {prefix} {tmp_path}/view && "
+            f"mount -t tmpfs -o mode=755 tmpfs {hidden} && mkdir -p {prefix} && "
+            f"mount --bind {tmp_path}/view {prefix} && "
+        )
     # the unprivileged caller's home (pytest's own folders are root's, 0700)
     home = Path(tempfile.mkdtemp(prefix="tephra-home-"))
     (home / ".bashrc").write_text("# the caller's\n")
     os.chown(home, 65534, 65534)
     os.chown(home / ".bashrc", 65534, 65534)
     env = dict(os.environ, **{UNPRIVILEGED_RUN: "1"}, HOME=str(home))
-    inner = (f"{reveal}exec setpriv --reuid=65534 --regid=65534 --clear-groups -- "
-             f"{sys.executable} -m pytest {__file__} -p no:xdist -p no:cacheprovider -q -rs "
-             f"-o addopts='' --import-mode=importlib --rootdir=/tmp "
-             f"-p no:randomly -W ignore::DeprecationWarning")
+    inner = (
+        f"{reveal}exec setpriv --reuid=65534 --regid=65534 --clear-groups -- "
+        f"{sys.executable} -m pytest {__file__} -p no:xdist -p no:cacheprovider -q -rs "
+        f"-o addopts='' --import-mode=importlib --rootdir=/tmp "
+        f"-p no:randomly -W ignore::DeprecationWarning"
+    )
     try:
-        done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", inner],
-                              capture_output=True, text=True, timeout=600, env=env, cwd="/")
+        done = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+            cwd="/",
+        )
     finally:
         remove_tree(str(home))
     tail = done.stdout[-3000:] + done.stderr[-2000:]
@@ -766,5 +848,7 @@ def test_the_same_attacks_are_contained_for_an_unprivileged_user(tmp_path):
     assert passed and int(passed.group(1)) >= 25, tail
     # only this test, and the cgroup one where the host delegates none to ordinary users, skip
     skipped = set(re.findall(r"SKIPPED \[\d+\] [^:]+:\d+: (.*)", done.stdout))
-    assert skipped <= {"only a root test run can run the file again as another user",
-                       "no writable memory cgroup for this user"}, tail
+    assert skipped <= {
+        "only a root test run can run the file again as another user",
+        "no writable memory cgroup for this user",
+    }, tail

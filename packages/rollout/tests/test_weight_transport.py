@@ -28,27 +28,41 @@ RECEIVER = Path(__file__).with_name("weight_receiver.py")
 CPU, OWN_GPU, OTHER_GPU = Placement("cpu", True), Placement("cuda", True), Placement("cuda", False)
 
 
-@pytest.mark.parametrize("placement, expected", [
-    (CPU, "gloo"),                                 # no GPU: a host broadcast
-    (Placement("cpu", False), "gloo"),
-    (OWN_GPU, "ipc"),                              # colocated on the sender's GPU: CUDA IPC
-    (OTHER_GPU, "nccl"),                           # separate GPUs: NCCL
-    (Placement("cuda", True, server_gpus=2), "gloo"),  # one rank shares the GPU, one does not
-])
+@pytest.mark.parametrize(
+    "placement, expected",
+    [
+        (CPU, "gloo"),  # no GPU: a host broadcast
+        (Placement("cpu", False), "gloo"),
+        (OWN_GPU, "ipc"),  # colocated on the sender's GPU: CUDA IPC
+        (OTHER_GPU, "nccl"),  # separate GPUs: NCCL
+        (Placement("cuda", True, server_gpus=2), "gloo"),  # one rank shares the GPU, one does not
+    ],
+)
 def test_auto_picks_the_transport_by_placement(placement, expected):
     assert choose_transport("vllm.weight_transport", "auto", placement) == expected
 
 
-@pytest.mark.parametrize("requested, placement, message", [
-    ("nccl", OWN_GPU, r"vllm.weight_transport='nccl' with the server on the sender's GPU: NCCL "
-                      r"refuses two ranks of one communicator on one GPU; use `ipc`"),
-    ("nccl", CPU, r"'nccl' on CPU: NCCL needs CUDA; use `gloo`"),
-    ("ipc", CPU, r"'ipc' on CPU: .* use `gloo`"),
-    ("ipc", OTHER_GPU, r"'ipc' with a server on another GPU: .* use `nccl`"),
-    ("ipc", Placement("cuda", True, server_gpus=4), r"'ipc' with a server over 4 GPUs"),
-    ("nccl", Placement("cuda", True, server_gpus=2), r"'nccl' with the server on the sender's GPU"),
-    ("nccI", OTHER_GPU, r"'nccI' is not a weight transport \(did you mean 'nccl'\?\)"),
-])
+@pytest.mark.parametrize(
+    "requested, placement, message",
+    [
+        (
+            "nccl",
+            OWN_GPU,
+            r"vllm.weight_transport='nccl' with the server on the sender's GPU: NCCL "
+            r"refuses two ranks of one communicator on one GPU; use `ipc`",
+        ),
+        ("nccl", CPU, r"'nccl' on CPU: NCCL needs CUDA; use `gloo`"),
+        ("ipc", CPU, r"'ipc' on CPU: .* use `gloo`"),
+        ("ipc", OTHER_GPU, r"'ipc' with a server on another GPU: .* use `nccl`"),
+        ("ipc", Placement("cuda", True, server_gpus=4), r"'ipc' with a server over 4 GPUs"),
+        (
+            "nccl",
+            Placement("cuda", True, server_gpus=2),
+            r"'nccl' with the server on the sender's GPU",
+        ),
+        ("nccI", OTHER_GPU, r"'nccI' is not a weight transport \(did you mean 'nccl'\?\)"),
+    ],
+)
 def test_transports_that_cannot_work_are_refused(requested, placement, message):
     with pytest.raises(ConfigError, match=message):
         choose_transport("vllm.weight_transport", requested, placement)
@@ -58,16 +72,20 @@ def test_explicit_transports_that_work_are_kept_and_unoffered_ones_refused():
     assert choose_transport("f", "nccl", OTHER_GPU) == "nccl"
     assert choose_transport("f", "ipc", OWN_GPU) == "ipc"
     assert choose_transport("f", "gloo", OWN_GPU) == "gloo"  # slow on GPU, but it works
-    with pytest.raises(ConfigError, match=r"f='ipc': demo does not offer it \(it offers "
-                                          r"\['gloo', 'nccl'\]\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"f='ipc': demo does not offer it \(it offers "
+        r"\['gloo', 'nccl'\]\)",
+    ):
         choose_transport("f", "ipc", OWN_GPU, offered=("gloo", "nccl"), server="demo")
 
 
 @pytest.fixture
 def receiver(request):
     device = getattr(request, "param", "cpu")
-    process = subprocess.Popen([sys.executable, str(RECEIVER), device], stdout=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(RECEIVER), device], stdout=subprocess.PIPE, text=True
+    )
     try:
         port = int(process.stdout.readline())
         yield f"http://127.0.0.1:{port}"
@@ -96,15 +114,23 @@ def _weights(seed: int, tied_model_path: str) -> list[tuple[str, torch.Tensor]]:
 
     state = load_file(str(Path(tied_model_path) / "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
-    return [(name, torch.randn(t.shape, generator=gen)) for name, t in state.items()
-            if name != "lm_head.weight"]
+    return [
+        (name, torch.randn(t.shape, generator=gen))
+        for name, t in state.items()
+        if name != "lm_head.weight"
+    ]
 
 
-def _sync_and_compare(url: str, model_path: str, transport: str, device: str,
-                      backend: str = "vllm") -> None:
+def _sync_and_compare(
+    url: str, model_path: str, transport: str, device: str, backend: str = "vllm"
+) -> None:
     settings = ServerSettings(url=url, weight_bucket_mb=0.02)
-    rollout = get_rollout(backend, RolloutConfig(model_path=model_path, dtype="bfloat16",
-                                                 max_model_len=64, **{backend: settings}))
+    rollout = get_rollout(
+        backend,
+        RolloutConfig(
+            model_path=model_path, dtype="bfloat16", max_model_len=64, **{backend: settings}
+        ),
+    )
     try:
         rollout.transport = transport
         for seed in (1, 2):  # twice: the second update reuses the opened transport
@@ -120,14 +146,14 @@ def _sync_and_compare(url: str, model_path: str, transport: str, device: str,
             assert sorted(got) == sorted(expected)
             for name, tensor in expected.items():
                 assert got[name].dtype == torch.bfloat16
-                assert torch.equal(got[name].view(torch.int16),
-                                   tensor.to(torch.bfloat16).view(torch.int16)), name
+                assert torch.equal(
+                    got[name].view(torch.int16), tensor.to(torch.bfloat16).view(torch.int16)
+                ), name
             stats = rollout.last_update_stats
             assert stats["buckets"] > 3  # 0.02 MiB buckets: the memory bound held
             embedding = dict(weights)["model.embed_tokens.weight"].numel() * 2
             assert stats["max_bucket_bytes"] <= max(0.02 * 2**20, embedding)
-        init = ("/init_weight_transfer_engine" if backend == "vllm" else
-                "/init_weights_update_group")
+        init = "/init_weight_transfer_engine" if backend == "vllm" else "/init_weights_update_group"
         assert _log(url).count(init) == (1 if backend == "vllm" or transport != "ipc" else 0)
         # the caller's tensors are untouched (CPU shared memory shares a copy)
         assert all(not t.is_shared() for _, t in sent if t.device.type == "cpu")
@@ -151,14 +177,18 @@ def test_sglang_requests_carry_the_buckets_bit_for_bit(receiver, tiny_tied_model
     paths = [p for p, _ in bodies]
     if transport == "ipc":
         assert set(paths) == {"/update_weights_from_tensor", "/flush_cache"}
-        assert all(b == {"flush_cache": False} for p, b in bodies
-                   if p == "/update_weights_from_tensor")
+        assert all(
+            b == {"flush_cache": False} for p, b in bodies if p == "/update_weights_from_tensor"
+        )
     else:
         [init] = [b for p, b in bodies if p == "/init_weights_update_group"]
         assert init["group_name"] == "tephra-weights" and init["backend"] == "gloo"
         assert init["world_size"] == 2 and init["rank_offset"] == 1
-        assert all(b["group_name"] == "tephra-weights" and not b["flush_cache"]
-                   for p, b in bodies if p == "/update_weights_from_distributed")
+        assert all(
+            b["group_name"] == "tephra-weights" and not b["flush_cache"]
+            for p, b in bodies
+            if p == "/update_weights_from_distributed"
+        )
     # each update: its buckets, then one /flush_cache
     assert paths.count("/flush_cache") == 2 and paths[-1] == "/flush_cache"
 
@@ -172,9 +202,14 @@ def test_cuda_ipc_buckets_reach_a_receiver_on_the_same_gpu_bit_for_bit(receiver,
 
 def test_a_sync_wakes_the_weights_first_and_the_kv_cache_after(receiver, tiny_tied_model):
     """verl's order: wake_up(tags=[weights]), sync, wake_up(tags=[kv_cache])."""
-    rollout = get_rollout("vllm", RolloutConfig(
-        model_path=tiny_tied_model.path, max_model_len=64,
-        vllm=ServerSettings(url=receiver, sleep_level=1)))
+    rollout = get_rollout(
+        "vllm",
+        RolloutConfig(
+            model_path=tiny_tied_model.path,
+            max_model_len=64,
+            vllm=ServerSettings(url=receiver, sleep_level=1),
+        ),
+    )
     try:
         rollout.transport = "ipc"
         rollout.sleep()
@@ -187,7 +222,9 @@ def test_a_sync_wakes_the_weights_first_and_the_kv_cache_after(receiver, tiny_ti
         assert log == [
             "/sleep?level=1",
             "/wake_up?tags=weights",
-            "/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
+            "/init_weight_transfer_engine",
+            "/start_weight_update",
+            "/finish_weight_update",
             "/reset_prefix_cache",
             "/wake_up?tags=kv_cache",
             "/sleep?level=1",
@@ -199,9 +236,14 @@ def test_a_sync_wakes_the_weights_first_and_the_kv_cache_after(receiver, tiny_ti
 
 
 def test_sleep_level_2_needs_a_sync_before_generating(receiver, tiny_tied_model):
-    rollout = get_rollout("vllm", RolloutConfig(
-        model_path=tiny_tied_model.path, max_model_len=64,
-        vllm=ServerSettings(url=receiver, sleep_level=2)))
+    rollout = get_rollout(
+        "vllm",
+        RolloutConfig(
+            model_path=tiny_tied_model.path,
+            max_model_len=64,
+            vllm=ServerSettings(url=receiver, sleep_level=2),
+        ),
+    )
     try:
         rollout.transport = "ipc"
         rollout.sleep()
@@ -217,9 +259,14 @@ def test_sleep_level_2_needs_a_sync_before_generating(receiver, tiny_tied_model)
 
 
 def test_sglang_wakes_weights_before_a_sync_and_the_kv_cache_after(receiver, tiny_tied_model):
-    rollout = get_rollout("sglang", RolloutConfig(
-        model_path=tiny_tied_model.path, max_model_len=64,
-        sglang=ServerSettings(url=receiver, sleep_level=1)))
+    rollout = get_rollout(
+        "sglang",
+        RolloutConfig(
+            model_path=tiny_tied_model.path,
+            max_model_len=64,
+            sglang=ServerSettings(url=receiver, sleep_level=1),
+        ),
+    )
     try:
         rollout.transport = "ipc"
         rollout.sleep()

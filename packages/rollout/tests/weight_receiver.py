@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-PLUGIN_DIR = (Path(__file__).resolve().parents[1] / "src" / "tephra" / "rollout" / "backends"
-              / "vllm_plugin")
+PLUGIN_DIR = (
+    Path(__file__).resolve().parents[1] / "src" / "tephra" / "rollout" / "backends" / "vllm_plugin"
+)
 sys.path.insert(0, str(PLUGIN_DIR))
 
 from tephra_weight_transport import (  # noqa: E402
@@ -79,13 +80,27 @@ class Handler(BaseHTTPRequestHandler):
         server = self.server
         info = body.get("update_info") or body.get("init_info") or body
         with server.lock:
-            server.log.append([self.path, {k: v for k, v in info.items()
-                                           if k not in ("handle", "serialized_named_tensors")}])
+            server.log.append(
+                [
+                    self.path,
+                    {
+                        k: v
+                        for k, v in info.items()
+                        if k not in ("handle", "serialized_named_tensors")
+                    },
+                ]
+            )
         if self.path in ("/init_weight_transfer_engine", "/init_weights_update_group"):
             server.transport = info["backend"]
             if server.transport != "ipc":
-                server.group = open_group(info["master_address"], info["master_port"], 1,
-                                          info["world_size"], info["backend"], 60.0)
+                server.group = open_group(
+                    info["master_address"],
+                    info["master_port"],
+                    1,
+                    info["world_size"],
+                    info["backend"],
+                    60.0,
+                )
         elif self.path == "/update_weights_from_distributed":
             for name, dtype, shape in zip(info["names"], info["dtypes"], info["shapes"]):
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=server.device)
@@ -100,8 +115,9 @@ class Handler(BaseHTTPRequestHandler):
             if "handle" in info:
                 flat = open_shared(info["handle"], server.device)
             else:
-                flat = torch.empty(meta.numel(), dtype=getattr(torch, meta.dtype_names[0]),
-                                   device=server.device)
+                flat = torch.empty(
+                    meta.numel(), dtype=getattr(torch, meta.dtype_names[0]), device=server.device
+                )
                 broadcast(server.group, flat)
             for name, tensor in unpack(meta, flat):
                 server.received[name] = tensor.to("cpu", copy=True)

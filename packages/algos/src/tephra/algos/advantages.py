@@ -76,22 +76,36 @@ def compute_advantages(
     if ADVANTAGE_ESTIMATORS.meta(name).get("needs_token_stats"):
         for field, t in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared)):
             if t is None:
-                raise InputError(f"advantage estimator {name!r} needs {field}=[batch, seq] of the "
-                                 "sampling policy; pass it or choose e.g. 'grpo'")
-        check_same_shape(token_rewards=token_rewards, old_log_probs=old_log_probs,
-                         sum_pi_squared=sum_pi_squared)
+                raise InputError(
+                    f"advantage estimator {name!r} needs {field}=[batch, seq] of the "
+                    "sampling policy; pass it or choose e.g. 'grpo'"
+                )
+        check_same_shape(
+            token_rewards=token_rewards, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared
+        )
         extra = {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared}
     if reward_components is not None:
-        if (reward_components.dim() != 2 or reward_components.shape[0] != token_rewards.shape[0]
-                or not reward_components.is_floating_point()):
+        if (
+            reward_components.dim() != 2
+            or reward_components.shape[0] != token_rewards.shape[0]
+            or not reward_components.is_floating_point()
+        ):
             raise InputError(
                 f"reward_components must be a floating [batch={token_rewards.shape[0]}, K] "
                 f"tensor (one column per reward), got {reward_components.dtype} "
-                f"{tuple(reward_components.shape)}")
+                f"{tuple(reward_components.shape)}"
+            )
         extra["reward_components"] = reward_components
     with torch.no_grad():
-        return fn(token_rewards=token_rewards, response_mask=response_mask,
-                  group_ids=group_ids, values=values, baselines=baselines, config=config, **extra)
+        return fn(
+            token_rewards=token_rewards,
+            response_mask=response_mask,
+            group_ids=group_ids,
+            values=values,
+            baselines=baselines,
+            config=config,
+            **extra,
+        )
 
 
 def _scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -102,8 +116,9 @@ def _broadcast(per_sample: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     return per_sample.unsqueeze(-1) * float_mask(response_mask, per_sample)
 
 
-def _baseline_and_scale(groups: Groups, scores: torch.Tensor, eps: float,
-                        by_std: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _baseline_and_scale(
+    groups: Groups, scores: torch.Tensor, eps: float, by_std: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample group mean and (std + eps, or 1): singletons get mean 0 and scale 1."""
     single = groups.sizes[groups.index] == 1
     mean = torch.where(single, torch.zeros_like(scores), groups.mean(scores)[groups.index])
@@ -136,8 +151,10 @@ def gae(*, token_rewards, response_mask, values, config, **_) -> tuple[torch.Ten
         returns_t = A_t + V_t;  advantages = whiten(A) over the batch (`whiten_gae`).
     """
     if values is None:
-        raise InputError("advantage estimator 'gae' needs values=[batch, seq] from the critic; "
-                         "pass values= or choose an estimator without a critic (e.g. 'grpo')")
+        raise InputError(
+            "advantage estimator 'gae' needs values=[batch, seq] from the critic; "
+            "pass values= or choose an estimator without a critic (e.g. 'grpo')"
+        )
     g, lam = config.gamma, config.lam
     rewards = torch.where(response_mask > 0, token_rewards, torch.zeros_like(token_rewards))
     on = response_mask > 0
@@ -164,8 +181,9 @@ def grpo(*, token_rewards, response_mask, group_ids, config, **_):
     Broadcast to every response token; returns = advantages.
     """
     scores = _scores(token_rewards, response_mask)
-    mean, scale = _baseline_and_scale(group_index(group_ids), scores, config.epsilon,
-                                      config.norm_by_std)
+    mean, scale = _baseline_and_scale(
+        group_index(group_ids), scores, config.epsilon, config.norm_by_std
+    )
     adv = _broadcast((scores - mean) / scale, response_mask)
     return adv, adv
 
@@ -203,8 +221,9 @@ def reinforce_plus_plus(*, token_rewards, response_mask, config, **_):
     returns = G (before whitening).
     """
     rewards = torch.where(response_mask > 0, token_rewards, torch.zeros_like(token_rewards))
-    returns = _reverse_scan(rewards, response_mask,
-                            lambda t, carry: rewards[:, t] + config.gamma * carry)
+    returns = _reverse_scan(
+        rewards, response_mask, lambda t, carry: rewards[:, t] + config.gamma * carry
+    )
     return masked_whiten(returns, response_mask), returns
 
 
@@ -225,8 +244,10 @@ def remax(*, token_rewards, response_mask, baselines, **_):
         G_t = sum_{t' >= t} r_t' (response tokens),  A_t = G_t - b_i.   returns = G.
     """
     if baselines is None:
-        raise InputError("advantage estimator 'remax' needs baselines=[batch]: the reward of "
-                         "the greedy (argmax) response to each sample's prompt")
+        raise InputError(
+            "advantage estimator 'remax' needs baselines=[batch]: the reward of "
+            "the greedy (argmax) response to each sample's prompt"
+        )
     rewards = torch.where(response_mask > 0, token_rewards, torch.zeros_like(token_rewards))
     returns = _reverse_scan(rewards, response_mask, lambda t, carry: rewards[:, t] + carry)
     adv = returns - _broadcast(baselines.to(returns.dtype), response_mask)
@@ -243,8 +264,9 @@ def opo(*, token_rewards, response_mask, group_ids, **_):
     groups = group_index(group_ids)
     lengths = (response_mask > 0).sum(-1).to(scores.dtype)
     baseline = groups.sum(lengths * scores) / groups.sum(lengths).clamp(min=1)
-    baseline = torch.where(groups.sizes[groups.index] == 1, torch.zeros_like(scores),
-                           baseline[groups.index])
+    baseline = torch.where(
+        groups.sizes[groups.index] == 1, torch.zeros_like(scores), baseline[groups.index]
+    )
     adv = _broadcast(scores - baseline, response_mask)
     return adv, adv
 
@@ -287,8 +309,7 @@ def _max_at_k_weights(n: int, k: int, dtype, device) -> torch.Tensor:
     """P(the largest of a uniformly random k-subset of n sorted values is the j-th smallest)
     = C(j - 1, k - 1) / C(n, k), j = 1..n."""
     total = math.comb(n, k)
-    return torch.tensor([math.comb(j, k - 1) / total for j in range(n)], dtype=dtype,
-                        device=device)
+    return torch.tensor([math.comb(j, k - 1) / total for j in range(n)], dtype=dtype, device=device)
 
 
 @ADVANTAGE_ESTIMATORS.register("passk_expectation", needs_groups=True, needs_k=True)
@@ -326,8 +347,11 @@ def passk_expectation(*, token_rewards, response_mask, group_ids, config, **_):
             # Given i in S, the other k - 1 members are a random (k-1)-subset of the other
             # n - 1 scores: E[max(s_i, max of them)].
             w_rest = _max_at_k_weights(n - 1, k - 1, s.dtype, s.device)
-            others = s.unsqueeze(0).expand(n, n)[~torch.eye(n, dtype=torch.bool,
-                                                             device=s.device)].view(n, n - 1)
+            others = (
+                s.unsqueeze(0)
+                .expand(n, n)[~torch.eye(n, dtype=torch.bool, device=s.device)]
+                .view(n, n - 1)
+            )
             others, _ = torch.sort(others, dim=-1)
             conditional = (w_rest * torch.maximum(others, s.unsqueeze(-1))).sum(-1)
         scale = var.sqrt() + config.epsilon if config.norm_by_std else 1.0
@@ -352,11 +376,13 @@ def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
     for g in range(groups.n_groups):
         members = groups.members(g)
         if members.numel() < 2:
-            raise InputError(f"grpo_passk: group with id {int(groups.ids[g])} has "
-                             f"{members.numel()} sample; it needs at least 2 per group")
+            raise InputError(
+                f"grpo_passk: group with id {int(groups.ids[g])} has "
+                f"{members.numel()} sample; it needs at least 2 per group"
+            )
         s = scores[members]
         best = int(torch.argmax(s))  # the first index of the maximum
-        runner_up = torch.cat([s[:best], s[best + 1:]]).max()
+        runner_up = torch.cat([s[:best], s[best + 1 :]]).max()
         lead = s[best] - runner_up
         if config.norm_by_std:
             lead = lead / (s.std() + config.epsilon)
@@ -398,8 +424,14 @@ def rloo_vectorized(*, token_rewards, response_mask, group_ids, **_):
     return adv, adv
 
 
-def _otb_baseline(returns: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
-                  groups: Groups, zero_tail: bool, eps: float) -> torch.Tensor:
+def _otb_baseline(
+    returns: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    groups: Groups,
+    zero_tail: bool,
+    eps: float,
+) -> torch.Tensor:
     """Per-group, per-column B_t = sum_j G_jt W_jt m_jt / (sum_j W_jt m_jt + eps); groups of
     one get B = 0. With `zero_tail`, a group's unique longest sample (by mask count) gets
     B = 0 from column L2 on, L2 the second-longest length: no other sample informs it."""
@@ -417,14 +449,14 @@ def _otb_baseline(returns: torch.Tensor, weights: torch.Tensor, mask: torch.Tens
             lens = lengths[members]
             top2 = torch.sort(lens).values[-2:]
             if top2[1] > top2[0]:
-                base[members[int(torch.argmax(lens))], int(top2[0]):] = 0.0
+                base[members[int(torch.argmax(lens))], int(top2[0]) :] = 0.0
     return base
 
 
-@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", needs_groups=True,
-                               needs_token_stats=True)
-def optimal_token_baseline(*, token_rewards, response_mask, group_ids, old_log_probs,
-                           sum_pi_squared, **_):
+@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", needs_groups=True, needs_token_stats=True)
+def optimal_token_baseline(
+    *, token_rewards, response_mask, group_ids, old_log_probs, sum_pi_squared, **_
+):
     """Optimal token baseline (verl's `optimal_token_baseline`): a baseline per token position
     that minimises the variance of the token-level policy gradient within a prompt group.
     With pi_t = exp(old_log_probs) and q_t = sum_v pi_old(v | .)^2 (`sum_pi_squared`),
@@ -449,10 +481,12 @@ def _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared):
     return returns, (w * m).cumsum(-1)
 
 
-@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline", needs_groups=True,
-                               needs_token_stats=True)
-def tir_optimal_token_baseline(*, token_rewards, response_mask, group_ids, old_log_probs,
-                               sum_pi_squared, **_):
+@ADVANTAGE_ESTIMATORS.register(
+    "tir_optimal_token_baseline", needs_groups=True, needs_token_stats=True
+)
+def tir_optimal_token_baseline(
+    *, token_rewards, response_mask, group_ids, old_log_probs, sum_pi_squared, **_
+):
     """Optimal token baseline for multi-turn / tool-integrated rollouts (verl's
     `tir_optimal_token_baseline`): as `optimal_token_baseline`, but samples are aligned by
     the index k of a token among the sample's response tokens (tool output and padding
@@ -475,8 +509,9 @@ def tir_optimal_token_baseline(*, token_rewards, response_mask, group_ids, old_l
     if bool(keep.any()):
         rows = torch.nonzero(keep, as_tuple=True)[0]
         base = torch.zeros_like(packed_g)
-        base[rows] = _otb_baseline(packed_g[rows], packed_w[rows], packed_m[rows],
-                                   group_index(group_ids[rows]), True, 1e-8)
+        base[rows] = _otb_baseline(
+            packed_g[rows], packed_w[rows], packed_m[rows], group_index(group_ids[rows]), True, 1e-8
+        )
         adv[on] = (packed_g - base)[packed_m]
     return adv, returns * response_mask.to(returns.dtype)
 
@@ -494,19 +529,22 @@ def gdpo(*, token_rewards, response_mask, group_ids, config, reward_components=N
     s_i = sum_t r_it (then GDPO is whitened GRPO, as verl's fallback). w =
     `gdpo_reward_weights` (default all 1). returns = advantages.
     """
-    comps = (_scores(token_rewards, response_mask).unsqueeze(-1) if reward_components is None
-             else reward_components.to(token_rewards.dtype))
+    comps = (
+        _scores(token_rewards, response_mask).unsqueeze(-1)
+        if reward_components is None
+        else reward_components.to(token_rewards.dtype)
+    )
     weights = config.gdpo_reward_weights
     if weights is not None and len(weights) != comps.shape[1]:
         raise InputError(
             f"gdpo: AdvantageConfig.gdpo_reward_weights has {len(weights)} weights for "
             f"{comps.shape[1]} reward components; give one weight per column of "
-            "reward_components (or None for all 1)")
+            "reward_components (or None for all 1)"
+        )
     groups = group_index(group_ids)
     total = torch.zeros_like(comps[:, 0])
     for k in range(comps.shape[1]):
-        mean, scale = _baseline_and_scale(groups, comps[:, k], config.epsilon,
-                                          config.norm_by_std)
+        mean, scale = _baseline_and_scale(groups, comps[:, k], config.epsilon, config.norm_by_std)
         total = total + (1.0 if weights is None else weights[k]) * (comps[:, k] - mean) / scale
     adv = masked_whiten(_broadcast(total, response_mask), response_mask)
     adv = adv * float_mask(response_mask, adv)

@@ -76,14 +76,18 @@ def _seq_mean_token_sum_norm(loss_mat, mask, tokens, seqs, norm_constant):
 def _as_count(name: str, value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     t = torch.as_tensor(value, device=like.device)
     if t.numel() != 1:
-        raise InputError(f"{name} must be a scalar (one number for the whole step), got shape "
-                         f"{tuple(t.shape)}; pass batch['{name}'][0]")
+        raise InputError(
+            f"{name} must be a scalar (one number for the whole step), got shape "
+            f"{tuple(t.shape)}; pass batch['{name}'][0]"
+        )
     t = t.reshape(()).to(like.dtype)
     # Checking positivity of a device tensor would sync the device every micro-batch;
     # plain numbers are checked, tensors are trusted (engines compute them).
     if not isinstance(value, torch.Tensor) and not value > 0:
-        raise InputError(f"{name}={value!r} must be > 0 (count over the whole step); use "
-                         f"global_normalisers(masks) to compute it")
+        raise InputError(
+            f"{name}={value!r} must be > 0 (count over the whole step); use "
+            f"global_normalisers(masks) to compute it"
+        )
     return t
 
 
@@ -121,6 +125,7 @@ def global_normalisers(masks: Sequence[torch.Tensor]) -> tuple[float, float]:
     tokens = sum(int(masked_count(m)) for m in masks)
     seqs = sum(int(((m > 0).any(dim=-1)).sum()) for m in masks)
     if tokens == 0:
-        raise InputError("global_normalisers: the masks hold no response token; nothing to "
-                         "train on in this step")
+        raise InputError(
+            "global_normalisers: the masks hold no response token; nothing to train on in this step"
+        )
     return float(tokens), float(seqs)

@@ -31,8 +31,7 @@ def _registered(section: str, name: str, value: str, registry: Any) -> None:
         close = difflib.get_close_matches(str(value), registry.names(), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(
-            f"{section}.{name}={value!r} is not registered{hint}; choose one of "
-            f"{registry.names()}"
+            f"{section}.{name}={value!r} is not registered{hint}; choose one of {registry.names()}"
         )
 
 

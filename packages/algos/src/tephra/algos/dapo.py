@@ -10,8 +10,9 @@ from tephra.algos.groups import group_index
 from tephra.algos.inputs import check_per_sample
 
 
-def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor, *,
-                  keep_singletons: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+def filter_groups(
+    scores: torch.Tensor, group_ids: torch.Tensor, *, keep_singletons: bool = True
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Dynamic sampling: drop the groups (samples sharing a group id) whose scores are all
     equal, since their group-relative advantages are all 0 and they only dilute the batch.
 
@@ -23,8 +24,9 @@ def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor, *,
     batch's max / min score: solved by every sample / by none), `frac_groups_dropped`,
     `n_samples_kept`. The caller samples more prompts until it has enough groups (DAPO).
     """
-    check_per_sample("group_ids", group_ids, group_ids.shape[0] if group_ids.dim() == 1 else -1,
-                     integer=True)
+    check_per_sample(
+        "group_ids", group_ids, group_ids.shape[0] if group_ids.dim() == 1 else -1, integer=True
+    )
     check_per_sample("scores", scores, group_ids.shape[0])
     groups = group_index(group_ids)
     gmax, gmin = groups.max(scores), groups.min(scores)
@@ -46,8 +48,12 @@ def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor, *,
     return keep, report
 
 
-def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int,
-                     overlong_buffer_len: int, penalty_factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    response_lengths: torch.Tensor,
+    max_response_length: int,
+    overlong_buffer_len: int,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
     """Soft overlong punishment (DAPO, Eq. 13), with L_max = max_response_length, L_buf =
     overlong_buffer_len, |y| the response length in tokens:
         R(y) = 0                                   |y| <= L_max - L_buf

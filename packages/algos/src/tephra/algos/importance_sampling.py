@@ -22,23 +22,28 @@ from tephra.algos.inputs import check_same_shape
 from tephra.algos.masked import masked_max, masked_mean, masked_sum
 
 
-def mismatch_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                     response_mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
     """How far the rollout engine's probabilities are from the trainer's ([batch, seq]):
     `mismatch/k1` and `mismatch/k3`: estimates of KL(pi_rollout || pi_old) from the rollout
     samples (k1 = mean(log pi_rollout - log pi_old), k3 = mean(rho - 1 - log rho) with
     rho = pi_old / pi_rollout); `mismatch/max_abs_log_ratio`; `mismatch/seq_log_ratio_mean`
     (mean over sequences of sum_t log rho_t); `mismatch/ppl_ratio` (trainer perplexity /
     rollout perplexity over all response tokens)."""
-    check_same_shape(old_log_probs=old_log_probs, rollout_log_probs=rollout_log_probs,
-                     response_mask=response_mask)
+    check_same_shape(
+        old_log_probs=old_log_probs,
+        rollout_log_probs=rollout_log_probs,
+        response_mask=response_mask,
+    )
     log_rho = (old_log_probs - rollout_log_probs).detach()
     has = (response_mask > 0).any(-1)
     seq = masked_sum(log_rho, response_mask, dim=-1)
     return {
         "mismatch/k1": float(masked_mean(-log_rho, response_mask)),
-        "mismatch/k3": float(masked_mean(torch.expm1(log_rho.clamp(max=20.0)) - log_rho,
-                                         response_mask)),
+        "mismatch/k3": float(
+            masked_mean(torch.expm1(log_rho.clamp(max=20.0)) - log_rho, response_mask)
+        ),
         "mismatch/max_abs_log_ratio": float(masked_max(log_rho.abs(), response_mask)),
         "mismatch/seq_log_ratio_mean": float(seq[has].sum() / has.sum().clamp(min=1)),
         "mismatch/ppl_ratio": float(torch.exp(-masked_mean(log_rho, response_mask))),
@@ -61,14 +66,18 @@ def truncated_importance_weights(
     if not threshold > 1.0:
         raise InputError(f"threshold={threshold!r} must be > 1 (the truncation C)")
     metrics = mismatch_metrics(old_log_probs, rollout_log_probs, response_mask)
-    log_rho = torch.where(response_mask > 0, (old_log_probs - rollout_log_probs).detach(),
-                          torch.zeros_like(old_log_probs))
+    log_rho = torch.where(
+        response_mask > 0,
+        (old_log_probs - rollout_log_probs).detach(),
+        torch.zeros_like(old_log_probs),
+    )
     log_c = math.log(threshold)
     if level == "token":
         truncated = log_rho > log_c
         weights = torch.exp(log_rho.clamp(max=log_c))
-        metrics["tis/frac_truncated"] = float(masked_mean(truncated.to(weights.dtype),
-                                                          response_mask))
+        metrics["tis/frac_truncated"] = float(
+            masked_mean(truncated.to(weights.dtype), response_mask)
+        )
     else:
         seq = log_rho.sum(-1)
         has = (response_mask > 0).any(-1)

@@ -12,9 +12,7 @@ def check_same_shape(**tensors: torch.Tensor) -> None:
     items = list(tensors.items())
     first_name, first = items[0]
     if first.dim() != 2:
-        raise InputError(
-            f"{first_name} must be [batch, seq] (2-D), got shape {tuple(first.shape)}"
-        )
+        raise InputError(f"{first_name} must be [batch, seq] (2-D), got shape {tuple(first.shape)}")
     for name, t in items[1:]:
         if t.shape != first.shape:
             raise InputError(
@@ -26,11 +24,14 @@ def check_same_shape(**tensors: torch.Tensor) -> None:
 def check_per_sample(name: str, t: torch.Tensor, batch: int, *, integer: bool = False) -> None:
     """Raise when `t` is not a `[batch]` vector (of integers when `integer`)."""
     if t.dim() != 1 or t.shape[0] != batch:
-        raise InputError(f"{name} must be a [batch] vector of length {batch}, got shape "
-                         f"{tuple(t.shape)}")
+        raise InputError(
+            f"{name} must be a [batch] vector of length {batch}, got shape {tuple(t.shape)}"
+        )
     if integer and (t.is_floating_point() or t.is_complex()):
-        raise InputError(f"{name} must hold integer group ids (int64 prompt uids), got dtype "
-                         f"{t.dtype}; convert with .long()")
+        raise InputError(
+            f"{name} must hold integer group ids (int64 prompt uids), got dtype "
+            f"{t.dtype}; convert with .long()"
+        )
 
 
 def float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -84,12 +84,12 @@ def kl_full(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tenso
 
 def _straight_through_variant(value_fn: KLEstimator) -> KLEstimator:
     def estimator(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-        return straight_through(value_fn(log_probs, ref_log_probs),
-                                kl_k2(log_probs, ref_log_probs))
+        return straight_through(value_fn(log_probs, ref_log_probs), kl_k2(log_probs, ref_log_probs))
 
     estimator.__name__ = f"{value_fn.__name__}_plus"
-    estimator.__doc__ = (f"Value of `{value_fn.__name__}`, gradient of k2 (unbiased for "
-                         f"grad KL(pi || pi_ref)).")
+    estimator.__doc__ = (
+        f"Value of `{value_fn.__name__}`, gradient of k2 (unbiased for grad KL(pi || pi_ref))."
+    )
     return estimator
 
 
@@ -105,8 +105,9 @@ KL_ESTIMATORS.register("kl+", KL_ESTIMATORS.get("k1+"))
 KL_ESTIMATORS.register("mse+", KL_ESTIMATORS.get("k2+"))
 
 
-def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
-               estimator: str) -> torch.Tensor:
+def kl_penalty(
+    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str
+) -> torch.Tensor:
     """Per-token KL estimate [batch, seq] of KL(pi || pi_ref) by the named estimator.
 
     log_probs, ref_log_probs: [batch, seq] log-probs of the sampled tokens under pi and
@@ -118,8 +119,9 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
     return fn(log_probs, ref_log_probs)
 
 
-def apply_kl_penalty(token_rewards: torch.Tensor, response_mask: torch.Tensor,
-                     kl: torch.Tensor, coef: float) -> tuple[torch.Tensor, dict[str, float]]:
+def apply_kl_penalty(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor, coef: float
+) -> tuple[torch.Tensor, dict[str, float]]:
     """KL as a reward penalty (Ziegler et al. 2019; InstructGPT, Ouyang et al. 2022):
         r'[b, t] = r[b, t] - coef * kl[b, t] * m[b, t]
 

@@ -34,10 +34,14 @@ def _need(mapping: Tensors, key: str, where: str, why: str) -> torch.Tensor:
 
 
 def _normalisers(batch: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
-    why = ("engines set it on every micro-batch (the step's total); without an engine use "
-           "tephra.algos.global_normalisers(masks)")
-    return (_need(batch, "global_token_count", "batch", why)[0],
-            _need(batch, "global_seq_count", "batch", why)[0])
+    why = (
+        "engines set it on every micro-batch (the step's total); without an engine use "
+        "tephra.algos.global_normalisers(masks)"
+    )
+    return (
+        _need(batch, "global_token_count", "batch", why)[0],
+        _need(batch, "global_seq_count", "batch", why)[0],
+    )
 
 
 class ActorObjective:
@@ -59,34 +63,54 @@ class ActorObjective:
     def __init__(self, config: ActorObjectiveConfig | None = None) -> None:
         self.config = config if config is not None else ActorObjectiveConfig()
         self._policy_loss = POLICY_LOSSES.get(self.config.policy_loss)
-        self._pg_aggregation = policy_aggregation(self.config.policy_loss,
-                                                  self.config.loss_agg_mode)
+        self._pg_aggregation = policy_aggregation(
+            self.config.policy_loss, self.config.loss_agg_mode
+        )
 
     def __call__(self, outputs: Tensors, batch: Tensors) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
-        log_probs = _need(outputs, "log_probs", "outputs", "the engine's forward must return "
-                          "per-token log-probs of the response")
-        old = _need(batch, "old_log_probs", "batch", "recompute them with engine.forward "
-                    "before the update (or copy log_probs.detach() when fully on-policy)")
+        log_probs = _need(
+            outputs,
+            "log_probs",
+            "outputs",
+            "the engine's forward must return per-token log-probs of the response",
+        )
+        old = _need(
+            batch,
+            "old_log_probs",
+            "batch",
+            "recompute them with engine.forward "
+            "before the update (or copy log_probs.detach() when fully on-policy)",
+        )
         adv = _need(batch, "advantages", "batch", "run tephra.algos.compute_advantages first")
         mask = _need(batch, "response_mask", "batch", "1 where a token is trained on")
-        check_same_shape(log_probs=log_probs, old_log_probs=old, advantages=adv,
-                         response_mask=mask)
+        check_same_shape(log_probs=log_probs, old_log_probs=old, advantages=adv, response_mask=mask)
         tokens, seqs = _normalisers(batch)
 
         def agg(mat: torch.Tensor) -> torch.Tensor:
-            return aggregate_loss(mat, mask, cfg.loss_agg_mode, global_token_count=tokens,
-                                  global_seq_count=seqs, norm_constant=cfg.loss_agg_norm_constant)
+            return aggregate_loss(
+                mat,
+                mask,
+                cfg.loss_agg_mode,
+                global_token_count=tokens,
+                global_seq_count=seqs,
+                norm_constant=cfg.loss_agg_norm_constant,
+            )
 
         loss_mat, pg_metrics = self._policy_loss(log_probs, old, adv, mask, cfg.policy)
         metrics = {f"actor/{k}": v for k, v in pg_metrics.items()}
         weights = None
         if cfg.tis_level is not None:
-            rollout = _need(batch, "rollout_log_probs", "batch",
-                            f"actor.tis_level={cfg.tis_level!r} needs the rollout engine's "
-                            f"log-probs; set tis_level=None or return them from the rollout")
+            rollout = _need(
+                batch,
+                "rollout_log_probs",
+                "batch",
+                f"actor.tis_level={cfg.tis_level!r} needs the rollout engine's "
+                f"log-probs; set tis_level=None or return them from the rollout",
+            )
             weights, tis_metrics = truncated_importance_weights(
-                old, rollout, mask, level=cfg.tis_level, threshold=cfg.tis_threshold)
+                old, rollout, mask, level=cfg.tis_level, threshold=cfg.tis_threshold
+            )
             metrics.update({f"actor/{k}": v for k, v in tis_metrics.items()})
         if "rollout_is_weights" in batch.keys():  # computed once per step on the whole batch
             step_weights = batch["rollout_is_weights"]
@@ -94,8 +118,14 @@ class ActorObjective:
         loss_mat = weigh_policy_loss(cfg.policy_loss, loss_mat, weights, mask)
         # the policy term takes the loss's own aggregation where it fixes one (geo_mean);
         # the entropy and KL terms below take loss_agg_mode
-        pg_loss = aggregate_loss(loss_mat, mask, self._pg_aggregation, global_token_count=tokens,
-                                 global_seq_count=seqs, norm_constant=cfg.loss_agg_norm_constant)
+        pg_loss = aggregate_loss(
+            loss_mat,
+            mask,
+            self._pg_aggregation,
+            global_token_count=tokens,
+            global_seq_count=seqs,
+            norm_constant=cfg.loss_agg_norm_constant,
+        )
         loss = pg_loss
         metrics["actor/pg_loss"] = float(pg_loss.detach())
 
@@ -112,8 +142,13 @@ class ActorObjective:
                 loss = loss - cfg.entropy_coeff * agg(entropy)
 
         if cfg.use_kl_loss:
-            ref = _need(batch, "ref_log_probs", "batch", "actor.use_kl_loss=True needs the "
-                        "reference policy's log-probs; compute them or set use_kl_loss=False")
+            ref = _need(
+                batch,
+                "ref_log_probs",
+                "batch",
+                "actor.use_kl_loss=True needs the "
+                "reference policy's log-probs; compute them or set use_kl_loss=False",
+            )
             kl = kl_penalty(log_probs, ref, cfg.kl_loss_type)
             kl_loss = agg(kl)
             loss = loss + cfg.kl_loss_coef * kl_loss
@@ -134,16 +169,25 @@ class CriticObjective:
 
     def __call__(self, outputs: Tensors, batch: Tensors) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
-        values = _need(outputs, "values", "outputs", "the critic engine (model.role='value') "
-                       "must return per-token values")
+        values = _need(
+            outputs,
+            "values",
+            "outputs",
+            "the critic engine (model.role='value') must return per-token values",
+        )
         old = _need(batch, "values", "batch", "the critic's values at rollout time")
         returns = _need(batch, "returns", "batch", "run tephra.algos.compute_advantages first")
         mask = _need(batch, "response_mask", "batch", "1 where a token is trained on")
         tokens, seqs = _normalisers(batch)
-        loss_mat, vf_metrics = clipped_value_loss(values, old, returns, mask,
-                                                  cfg.cliprange_value)
-        loss = aggregate_loss(loss_mat, mask, cfg.loss_agg_mode, global_token_count=tokens,
-                              global_seq_count=seqs, norm_constant=cfg.loss_agg_norm_constant)
+        loss_mat, vf_metrics = clipped_value_loss(values, old, returns, mask, cfg.cliprange_value)
+        loss = aggregate_loss(
+            loss_mat,
+            mask,
+            cfg.loss_agg_mode,
+            global_token_count=tokens,
+            global_seq_count=seqs,
+            norm_constant=cfg.loss_agg_norm_constant,
+        )
         metrics = {f"critic/{k}": v for k, v in vf_metrics.items()}
         metrics["critic/vf_loss"] = float(loss.detach())
         return loss, metrics

@@ -94,8 +94,7 @@ def gspo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLoss
         L_t = max(-A s_{i,t}, -A clip(s_{i,t}, 1 - eps_l, 1 + eps_h))
     The paper aggregates with `seq-mean-token-mean` and uses eps around 3e-4 / 4e-4.
     """
-    raw = torch.where(response_mask > 0, log_probs - old_log_probs,
-                      torch.zeros_like(log_probs))
+    raw = torch.where(response_mask > 0, log_probs - old_log_probs, torch.zeros_like(log_probs))
     n = masked_count(response_mask, dim=-1).clamp(min=1).to(log_probs.dtype)
     seq_log_ratio = (raw.sum(-1) / n).clamp(max=10.0)  # exp(10): beyond any clip range
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_probs - log_probs.detach()
@@ -135,8 +134,11 @@ def sapo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLoss
     log_ratio = _log_ratio(log_probs, old_log_probs, config)
     ratio = log_ratio.exp()
     # built in the ratio's dtype: Python floats in torch.where would round through float32
-    tau = torch.where(advantages > 0, torch.full_like(ratio, config.sapo_tau_pos),
-                      torch.full_like(ratio, config.sapo_tau_neg))
+    tau = torch.where(
+        advantages > 0,
+        torch.full_like(ratio, config.sapo_tau_pos),
+        torch.full_like(ratio, config.sapo_tau_neg),
+    )
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss = -advantages * gate * (4.0 / tau)
     metrics = _ratio_metrics(log_ratio, response_mask)
@@ -292,8 +294,7 @@ def dppo_tv(log_probs, old_log_probs, advantages, response_mask, config: PolicyL
     valid tokens whose weight was truncated.
     """
     dp = log_probs.detach().exp() - old_log_probs.exp()
-    valid = torch.where(advantages > 0, dp <= config.clip_ratio_high,
-                        dp >= -config.clip_ratio_low)
+    valid = torch.where(advantages > 0, dp <= config.clip_ratio_high, dp >= -config.clip_ratio_low)
     return _dppo(log_probs, old_log_probs, advantages, response_mask, config, valid)
 
 
@@ -309,8 +310,11 @@ def dppo_kl(log_probs, old_log_probs, advantages, response_mask, config: PolicyL
     lp = log_probs.detach()
     p, q = lp.exp(), old_log_probs.exp()
     div = q * (old_log_probs - lp) + (1.0 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
-    valid = torch.where(advantages > 0, (div <= config.clip_ratio_high) | (p <= q),
-                        (div <= config.clip_ratio_low) | (p >= q))
+    valid = torch.where(
+        advantages > 0,
+        (div <= config.clip_ratio_high) | (p <= q),
+        (div <= config.clip_ratio_low) | (p >= q),
+    )
     return _dppo(log_probs, old_log_probs, advantages, response_mask, config, valid)
 
 
@@ -334,14 +338,23 @@ def compute_policy_loss(
     multiply the per-token loss before aggregation.
     """
     fn = POLICY_LOSSES.get(name)
-    check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages,
-                     response_mask=response_mask)
+    check_same_shape(
+        log_probs=log_probs,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        response_mask=response_mask,
+    )
     config = config if config is not None else PolicyLossConfig()
     loss_mat, metrics = fn(log_probs, old_log_probs, advantages, response_mask, config)
     loss_mat = weigh_policy_loss(name, loss_mat, token_weights, response_mask)
-    loss = aggregate_loss(loss_mat, response_mask, policy_aggregation(name, loss_agg_mode),
-                          global_token_count=global_token_count,
-                          global_seq_count=global_seq_count, norm_constant=norm_constant)
+    loss = aggregate_loss(
+        loss_mat,
+        response_mask,
+        policy_aggregation(name, loss_agg_mode),
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        norm_constant=norm_constant,
+    )
     return loss, metrics
 
 
@@ -352,8 +365,12 @@ def policy_aggregation(name: str, loss_agg_mode: str) -> str:
     return POLICY_LOSSES.meta(name).get("aggregation", loss_agg_mode)
 
 
-def weigh_policy_loss(name: str, loss_mat: torch.Tensor, token_weights: torch.Tensor | None,
-                      response_mask: torch.Tensor) -> torch.Tensor:
+def weigh_policy_loss(
+    name: str,
+    loss_mat: torch.Tensor,
+    token_weights: torch.Tensor | None,
+    response_mask: torch.Tensor,
+) -> torch.Tensor:
     """loss_mat [batch, seq] times importance weights (no gradient). A sequence-level loss
     takes the geometric mean of its tokens' weights, one per sequence, as verl's `geo_mean`
     does with `rollout_is_weights`: exp(sum_t m_t log(w_t + 1e-10) / (sum_t m_t + 1e-8))."""

@@ -75,20 +75,27 @@ class RolloutCorrectionConfig:
 
             close = difflib.get_close_matches(str(self.mode), ROLLOUT_CORRECTIONS.names(), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"rollout_correction.mode={self.mode!r} is not registered{hint}; "
-                              f"choose one of {ROLLOUT_CORRECTIONS.names()}")
+            raise ConfigError(
+                f"rollout_correction.mode={self.mode!r} is not registered{hint}; "
+                f"choose one of {ROLLOUT_CORRECTIONS.names()}"
+            )
         if self.level not in LEVELS:
-            raise ConfigError(f"rollout_correction.level={self.level!r}: choose one of "
-                              f"{list(LEVELS)}")
+            raise ConfigError(
+                f"rollout_correction.level={self.level!r}: choose one of {list(LEVELS)}"
+            )
         if not (isinstance(self.cap, (int, float)) and math.isfinite(self.cap) and self.cap >= 1):
-            raise ConfigError(f"rollout_correction.cap={self.cap!r} must be a finite number "
-                              ">= 1 (the truncation C of min(ratio, C))")
+            raise ConfigError(
+                f"rollout_correction.cap={self.cap!r} must be a finite number "
+                ">= 1 (the truncation C of min(ratio, C))"
+            )
         self.rejection = tuple(dict.fromkeys(self.rejection))
         self.bounds = rejection_bounds(self.rejection, self.rejection_threshold)
         if self.rejection and ROLLOUT_CORRECTIONS.meta(self.mode)["replaces_old_log_probs"]:
-            raise ConfigError(f"rollout_rejection={list(self.rejection)} needs the trainer's "
-                              f"log-probs, which rollout_correction={self.mode!r} skips; use "
-                              f"'none' or 'tis' with rejection")
+            raise ConfigError(
+                f"rollout_rejection={list(self.rejection)} needs the trainer's "
+                f"log-probs, which rollout_correction={self.mode!r} skips; use "
+                f"'none' or 'tis' with rejection"
+            )
 
 
 @dataclass
@@ -139,8 +146,9 @@ for _kind in ("k2", "k3"):
     REJECTION_OPTIONS.register(f"seq_max_{_kind}", ("max", _kind))
 
 
-def rejection_bounds(options: tuple[str, ...],
-                     threshold: str | float | None) -> dict[str, tuple[float | None, float]]:
+def rejection_bounds(
+    options: tuple[str, ...], threshold: str | float | None
+) -> dict[str, tuple[float | None, float]]:
     """{option: (lower, upper)} from verl's threshold spec, in the statistic's own units (log
     bounds for k1); raises a ConfigError naming the field for anything malformed."""
     field = "algorithm.rollout_rejection_threshold"
@@ -149,39 +157,53 @@ def rejection_bounds(options: tuple[str, ...],
     if not options:
         return {}
     if threshold is None:
-        raise ConfigError(f"{field} is missing: algorithm.rollout_rejection={list(options)} "
-                          f"needs bounds, e.g. '0.5_2.0' for a *_k1 option or 0.01 for k2/k3")
-    specs = ([str(threshold)] if isinstance(threshold, (int, float))
-             else [p.strip() for p in str(threshold).split(",") if p.strip()])
+        raise ConfigError(
+            f"{field} is missing: algorithm.rollout_rejection={list(options)} "
+            f"needs bounds, e.g. '0.5_2.0' for a *_k1 option or 0.01 for k2/k3"
+        )
+    specs = (
+        [str(threshold)]
+        if isinstance(threshold, (int, float))
+        else [p.strip() for p in str(threshold).split(",") if p.strip()]
+    )
     if len(specs) == 1:
         specs = specs * len(options)
     if len(specs) != len(options):
-        raise ConfigError(f"{field}={threshold!r}: give one bound for all options or one per "
-                          f"option ({len(options)}), separated by commas")
+        raise ConfigError(
+            f"{field}={threshold!r}: give one bound for all options or one per "
+            f"option ({len(options)}), separated by commas"
+        )
     bounds: dict[str, tuple[float | None, float]] = {}
     for name, spec in zip(options, specs):
         try:
             parts = [float(x) for x in spec.split("_")]
         except ValueError:
-            raise ConfigError(f"{field}={threshold!r}: {spec!r} (for {name}) is not a number "
-                              f"or a 'lower_upper' pair") from None
+            raise ConfigError(
+                f"{field}={threshold!r}: {spec!r} (for {name}) is not a number "
+                f"or a 'lower_upper' pair"
+            ) from None
         if not all(math.isfinite(x) and x > 0 for x in parts) or len(parts) > 2:
-            raise ConfigError(f"{field}={threshold!r}: {spec!r} (for {name}) must be one or "
-                              f"two positive numbers")
+            raise ConfigError(
+                f"{field}={threshold!r}: {spec!r} (for {name}) must be one or two positive numbers"
+            )
         if name.endswith("k1"):
             lower, upper = parts if len(parts) == 2 else (1.0 / parts[0], parts[0])
             bounds[name] = (math.log(lower), math.log(upper))
         elif len(parts) == 2:
-            raise ConfigError(f"{field}={threshold!r}: {name} takes an upper bound only, not "
-                              f"{spec!r}")
+            raise ConfigError(
+                f"{field}={threshold!r}: {name} takes an upper bound only, not {spec!r}"
+            )
         else:
             bounds[name] = (None, parts[0])
     return bounds
 
 
-def rejection_mask(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                   response_mask: torch.Tensor, bounds: dict[str, tuple[float | None, float]],
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
+def rejection_mask(
+    train_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    bounds: dict[str, tuple[float | None, float]],
+) -> tuple[torch.Tensor, dict[str, float]]:
     """(keep [batch, seq], metrics): 1 where every option in `bounds` keeps the token.
 
     Per option, the statistic of g = log pi_old - log pi_rollout (`_token_stat`), per token or
@@ -189,8 +211,11 @@ def rejection_mask(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
     `seq_*` option drops its whole sequence. Metrics: `rollout_corr/rs_masked_frac` (share of
     response tokens dropped), `rollout_corr/rs_seq_masked_frac` (share of sequences with any
     dropped token), and both per option."""
-    check_same_shape(train_log_probs=train_log_probs, rollout_log_probs=rollout_log_probs,
-                     response_mask=response_mask)
+    check_same_shape(
+        train_log_probs=train_log_probs,
+        rollout_log_probs=rollout_log_probs,
+        response_mask=response_mask,
+    )
     on = response_mask > 0
     has = on.any(-1)
     log_ratio = (train_log_probs - rollout_log_probs).detach()
@@ -212,31 +237,42 @@ def rejection_mask(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tenso
         if lower is not None:
             ok = ok & (stat >= lower)
         keep = keep & ok
-        metrics[f"rollout_corr/rs_{name}_masked_frac"], \
-            metrics[f"rollout_corr/rs_{name}_seq_masked_frac"] = fractions(ok)
-    metrics["rollout_corr/rs_masked_frac"], metrics["rollout_corr/rs_seq_masked_frac"] = \
-        fractions(keep)
+        (
+            metrics[f"rollout_corr/rs_{name}_masked_frac"],
+            metrics[f"rollout_corr/rs_{name}_seq_masked_frac"],
+        ) = fractions(ok)
+    metrics["rollout_corr/rs_masked_frac"], metrics["rollout_corr/rs_seq_masked_frac"] = fractions(
+        keep
+    )
     return (keep & on).to(response_mask.dtype), metrics
 
 
 class CorrectionFn(Protocol):
-    def __call__(self, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
-                 config: RolloutCorrectionConfig,
-                 train_log_probs: torch.Tensor | None) -> RolloutCorrection: ...
+    def __call__(
+        self,
+        rollout_log_probs: torch.Tensor,
+        response_mask: torch.Tensor,
+        config: RolloutCorrectionConfig,
+        train_log_probs: torch.Tensor | None,
+    ) -> RolloutCorrection: ...
 
 
 ROLLOUT_CORRECTIONS: Registry[CorrectionFn] = Registry("rollout correction")
 
 
-def rollout_mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                             response_mask: torch.Tensor) -> dict[str, float]:
+def rollout_mismatch_metrics(
+    train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
     """How far the rollout policy is from the trainer's ([batch, seq], over mask=1 tokens),
     with g = log pi_old - log pi_rollout and rho = exp(g):
     `rollout_corr/log_prob_gap_mean` mean g; `rollout_corr/log_prob_abs_gap_mean` mean |g|;
     `rollout_corr/kl_k3` mean (rho - 1 - g), Schulman's k3 estimate of KL(pi_rollout ||
     pi_old) from the rollout's samples (>= 0); `rollout_corr/ratio_max` max rho."""
-    check_same_shape(train_log_probs=train_log_probs, rollout_log_probs=rollout_log_probs,
-                     response_mask=response_mask)
+    check_same_shape(
+        train_log_probs=train_log_probs,
+        rollout_log_probs=rollout_log_probs,
+        response_mask=response_mask,
+    )
     gap = (train_log_probs - rollout_log_probs).detach().clamp(-_LOG_CLAMP, _LOG_CLAMP)
     return {
         "rollout_corr/log_prob_gap_mean": float(masked_mean(gap, response_mask)),
@@ -247,9 +283,12 @@ def rollout_mismatch_metrics(train_log_probs: torch.Tensor, rollout_log_probs: t
 
 
 @ROLLOUT_CORRECTIONS.register("none", needs_train_log_probs=False, replaces_old_log_probs=False)
-def no_correction(rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
-                  config: RolloutCorrectionConfig,
-                  train_log_probs: torch.Tensor | None) -> RolloutCorrection:
+def no_correction(
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    train_log_probs: torch.Tensor | None,
+) -> RolloutCorrection:
     """The trainer's log-probs as pi_old (when the caller has them; without them the engine
     uses the current log-probs, which equal them for one mini-batch and one epoch)."""
     old = train_log_probs if train_log_probs is not None else rollout_log_probs
@@ -257,21 +296,31 @@ def no_correction(rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
 
 
 @ROLLOUT_CORRECTIONS.register("tis", needs_train_log_probs=True, replaces_old_log_probs=False)
-def truncated_is(rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
-                 config: RolloutCorrectionConfig,
-                 train_log_probs: torch.Tensor | None) -> RolloutCorrection:
+def truncated_is(
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    train_log_probs: torch.Tensor | None,
+) -> RolloutCorrection:
     """Truncated importance weights min(pi_old / pi_rollout, cap) at `config.level`, plus
     `rollout_corr/tis_weight_mean` and `rollout_corr/tis_capped_frac` (share of tokens, or
     of sequences, whose ratio exceeded the cap)."""
     if train_log_probs is None:
-        raise InputError("rollout correction 'tis' needs train_log_probs: the trainer's "
-                         "log-probs of the current weights (engine forward before the update)")
-    check_same_shape(train_log_probs=train_log_probs, rollout_log_probs=rollout_log_probs,
-                     response_mask=response_mask)
+        raise InputError(
+            "rollout correction 'tis' needs train_log_probs: the trainer's "
+            "log-probs of the current weights (engine forward before the update)"
+        )
+    check_same_shape(
+        train_log_probs=train_log_probs,
+        rollout_log_probs=rollout_log_probs,
+        response_mask=response_mask,
+    )
     mask = response_mask > 0
-    gap = torch.where(mask, (train_log_probs - rollout_log_probs).detach(),
-                      torch.zeros((), dtype=train_log_probs.dtype,
-                                  device=train_log_probs.device))
+    gap = torch.where(
+        mask,
+        (train_log_probs - rollout_log_probs).detach(),
+        torch.zeros((), dtype=train_log_probs.dtype, device=train_log_probs.device),
+    )
     log_cap = math.log(config.cap)
     if config.level == "token":
         log_w = gap
@@ -282,41 +331,57 @@ def truncated_is(rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
         log_w = seq.unsqueeze(-1).expand_as(gap)
         capped = float(((seq > log_cap) & has).sum() / has.sum().clamp(min=1))
     # min(exp(g), C) = exp(min(g, log C)): the clamp first, so exp never overflows
-    weights = torch.where(mask, torch.exp(log_w.clamp(max=log_cap)),
-                          torch.zeros((), dtype=gap.dtype, device=gap.device))
-    metrics = {"rollout_corr/tis_weight_mean": float(masked_mean(weights, response_mask)),
-               "rollout_corr/tis_capped_frac": capped}
+    weights = torch.where(
+        mask,
+        torch.exp(log_w.clamp(max=log_cap)),
+        torch.zeros((), dtype=gap.dtype, device=gap.device),
+    )
+    metrics = {
+        "rollout_corr/tis_weight_mean": float(masked_mean(weights, response_mask)),
+        "rollout_corr/tis_capped_frac": capped,
+    }
     return RolloutCorrection(train_log_probs, weights, metrics)
 
 
 @ROLLOUT_CORRECTIONS.register("bypass", needs_train_log_probs=False, replaces_old_log_probs=True)
-def bypass(rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
-           config: RolloutCorrectionConfig,
-           train_log_probs: torch.Tensor | None) -> RolloutCorrection:
+def bypass(
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: RolloutCorrectionConfig,
+    train_log_probs: torch.Tensor | None,
+) -> RolloutCorrection:
     """The rollout's log-probs as pi_old: no forward pass for them, and the PPO ratio clips
     the update against the policy that actually sampled."""
     return RolloutCorrection(rollout_log_probs, None, {})
 
 
-def apply_rollout_correction(config: RolloutCorrectionConfig, rollout_log_probs: torch.Tensor,
-                             response_mask: torch.Tensor,
-                             train_log_probs: torch.Tensor | None = None) -> RolloutCorrection:
+def apply_rollout_correction(
+    config: RolloutCorrectionConfig,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    train_log_probs: torch.Tensor | None = None,
+) -> RolloutCorrection:
     """Run `config.mode`; with `train_log_probs` the mismatch metrics
     (`rollout_mismatch_metrics`) are added whatever the mode."""
-    out = ROLLOUT_CORRECTIONS.get(config.mode)(rollout_log_probs, response_mask, config,
-                                               train_log_probs)
+    out = ROLLOUT_CORRECTIONS.get(config.mode)(
+        rollout_log_probs, response_mask, config, train_log_probs
+    )
     if train_log_probs is not None:
-        out.metrics = {**rollout_mismatch_metrics(train_log_probs, rollout_log_probs,
-                                                  response_mask), **out.metrics}
+        out.metrics = {
+            **rollout_mismatch_metrics(train_log_probs, rollout_log_probs, response_mask),
+            **out.metrics,
+        }
     if config.rejection:
         if train_log_probs is None:
-            raise InputError("rejection sampling needs train_log_probs: the trainer's "
-                             "log-probs of the current weights (engine forward before the "
-                             "update)")
-        out.keep, rs_metrics = rejection_mask(train_log_probs, rollout_log_probs, response_mask,
-                                              config.bounds)
+            raise InputError(
+                "rejection sampling needs train_log_probs: the trainer's "
+                "log-probs of the current weights (engine forward before the "
+                "update)"
+            )
+        out.keep, rs_metrics = rejection_mask(
+            train_log_probs, rollout_log_probs, response_mask, config.bounds
+        )
         out.metrics.update(rs_metrics)
         if out.weights is not None:
             out.weights = out.weights * out.keep.to(out.weights.dtype)
     return out
-

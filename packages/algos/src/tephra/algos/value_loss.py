@@ -14,12 +14,17 @@ from tephra.algos.inputs import check_same_shape
 from tephra.algos.masked import masked_mean
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                       response_mask: torch.Tensor, cliprange_value: float | None
-                       ) -> tuple[torch.Tensor, dict[str, float]]:
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """(per-token loss [batch, seq], metrics `vf_clipfrac`, `vpred_mean`, `vf_explained_var`)."""
-    check_same_shape(values=values, old_values=old_values, returns=returns,
-                     response_mask=response_mask)
+    check_same_shape(
+        values=values, old_values=old_values, returns=returns, response_mask=response_mask
+    )
     unclipped = (values - returns).square()
     if cliprange_value is None:
         loss = 0.5 * unclipped
@@ -30,10 +35,10 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
         loss = 0.5 * torch.maximum(unclipped, clipped)
         clipfrac = float(masked_mean((clipped > unclipped).to(values.dtype), response_mask))
     v = values.detach()
-    resid_var = masked_mean((returns - v - masked_mean(returns - v, response_mask)).square(),
-                            response_mask)
-    ret_var = masked_mean((returns - masked_mean(returns, response_mask)).square(),
-                          response_mask)
+    resid_var = masked_mean(
+        (returns - v - masked_mean(returns - v, response_mask)).square(), response_mask
+    )
+    ret_var = masked_mean((returns - masked_mean(returns, response_mask)).square(), response_mask)
     metrics = {
         "vf_clipfrac": clipfrac,
         "vpred_mean": float(masked_mean(v, response_mask)),

@@ -22,9 +22,18 @@ from tephra.controller.samples import PromptItem, Sample
 
 
 class SampleStream:
-    def __init__(self, replicas: Any, loader: PromptLoader, prompts: Any, sampling: Any,
-                 seed: int, prompts_per_step: int, in_flight: int, max_staleness: int,
-                 groups_per_request: int = 1) -> None:
+    def __init__(
+        self,
+        replicas: Any,
+        loader: PromptLoader,
+        prompts: Any,
+        sampling: Any,
+        seed: int,
+        prompts_per_step: int,
+        in_flight: int,
+        max_staleness: int,
+        groups_per_request: int = 1,
+    ) -> None:
         self.replicas, self.loader, self.prompts = replicas, loader, prompts
         self.sampling, self.seed = sampling, seed
         self.want, self.max_staleness = prompts_per_step, max_staleness
@@ -47,8 +56,16 @@ class SampleStream:
                 if not self.queue:
                     self.queue.extend(self.loader.next_indices())
                 index = self.queue.popleft()
-                groups.append((PromptItem(self.prompts.ids[index], self.prompts.records[index],
-                                          f"async{self.sent + len(groups)}"), index))
+                groups.append(
+                    (
+                        PromptItem(
+                            self.prompts.ids[index],
+                            self.prompts.records[index],
+                            f"async{self.sent + len(groups)}",
+                        ),
+                        index,
+                    )
+                )
             # seeded by the request's first group (one group per request: as before)
             sampling = self.sampling.replace(seed=self.seed * 1_000_003 + 7_919 * self.sent)
             self.requests[self.replicas.submit([g[0] for g in groups], sampling)] = groups
@@ -65,23 +82,29 @@ class SampleStream:
             ref, samples = self.replicas.wait_any(list(self.requests))
             groups = self.requests.pop(ref)
             n = len(samples) // len(groups)  # prompt-major: each group's samples in turn
-            self.ready.extend((item, index, samples[k * n:(k + 1) * n])
-                              for k, (item, index) in enumerate(groups))
+            self.ready.extend(
+                (item, index, samples[k * n : (k + 1) * n])
+                for k, (item, index) in enumerate(groups)
+            )
         taken = [self.ready.popleft() for _ in range(self.want)]
         self.fill()  # the replicas go on generating while this batch trains
-        return ([t[0] for t in taken], [t[1] for t in taken],
-                [s for t in taken for s in t[2]])
+        return ([t[0] for t in taken], [t[1] for t in taken], [s for t in taken for s in t[2]])
 
     def _drop_stale(self, version: int) -> None:
-        fresh = [g for g in self.ready
-                 if version - min(s.weight_version for s in g[2]) <= self.max_staleness]
+        fresh = [
+            g
+            for g in self.ready
+            if version - min(s.weight_version for s in g[2]) <= self.max_staleness
+        ]
         self.dropped += len(self.ready) - len(fresh)
         self.ready = deque(fresh)
 
     def metrics(self) -> dict[str, float]:
-        out = {"async/dropped_stale_groups": float(self.dropped),
-               "async/buffered_groups": float(len(self.ready)),
-               "async/in_flight_requests": float(len(self.requests))}
+        out = {
+            "async/dropped_stale_groups": float(self.dropped),
+            "async/buffered_groups": float(len(self.ready)),
+            "async/in_flight_requests": float(len(self.requests)),
+        }
         for i, served in enumerate(self.replicas.served):
             out[f"async/replica{i}_requests"] = float(served)
         return out
@@ -92,5 +115,7 @@ def partial_rollout_metrics(samples: list[Sample]) -> dict[str, float]:
     (interrupted by an update and resumed under the new weights; each update brings a new
     version); `async/resumed_tokens`: their tokens produced after the first update."""
     spans = [s.token_versions for s in samples if s.token_versions]
-    return {"async/partial_samples": float(sum(v[-1] != v[0] for v in spans)),
-            "async/resumed_tokens": float(sum(t != v[0] for v in spans for t in v))}
+    return {
+        "async/partial_samples": float(sum(v[-1] != v[0] for v in spans)),
+        "async/resumed_tokens": float(sum(t != v[0] for v in spans for t in v)),
+    }

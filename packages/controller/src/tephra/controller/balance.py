@@ -27,18 +27,20 @@ def karmarkar_karp(weights: list[int], parts: int) -> list[list[int]]:
     a 32-row long-tail batch that swaps bring to 252 vs 251). Deterministic (ties broken by
     index)."""
     if parts < 1 or len(weights) % parts:
-        raise ValueError(f"karmarkar_karp: {len(weights)} items do not split into {parts} "
-                         "equal parts")
+        raise ValueError(
+            f"karmarkar_karp: {len(weights)} items do not split into {parts} equal parts"
+        )
     order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
     heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
     for k in range(0, len(order), parts):
-        sets = sorted(((weights[i], [i]) for i in order[k:k + parts]), reverse=True)
+        sets = sorted(((weights[i], [i]) for i in order[k : k + parts]), reverse=True)
         heapq.heappush(heap, (-(sets[0][0] - sets[-1][0]), k, sets))
     while len(heap) > 1:
         _, k, a = heapq.heappop(heap)
         _, _, b = heapq.heappop(heap)
-        merged = sorted(((wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, reversed(b))),
-                        reverse=True)
+        merged = sorted(
+            ((wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, reversed(b))), reverse=True
+        )
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), k, merged))
     if not heap:
         return [[] for _ in range(parts)]
@@ -53,8 +55,10 @@ def _narrow(weights: list[int], sets: list[list[int]]) -> None:
     ends)."""
     while True:
         sums = [sum(weights[i] for i in s) for s in sets]
-        hi, lo = max(range(len(sets)), key=sums.__getitem__), min(range(len(sets)),
-                                                                   key=sums.__getitem__)
+        hi, lo = (
+            max(range(len(sets)), key=sums.__getitem__),
+            min(range(len(sets)), key=sums.__getitem__),
+        )
         gap = sums[hi] - sums[lo]
         best, swap = gap, None
         for a in sets[hi]:
@@ -76,14 +80,17 @@ def balanced_order(tokens: list[int], parts: int, chunks: int = 1) -> list[int]:
     of parts x chunks."""
     n = len(tokens)
     if n % (parts * chunks):
-        raise ValueError(f"balanced_order: {n} rows do not split into {chunks} mini-batches "
-                         f"of {parts} equal shares")
+        raise ValueError(
+            f"balanced_order: {n} rows do not split into {chunks} mini-batches "
+            f"of {parts} equal shares"
+        )
     size = n // chunks
     per_chunk = []
     for c in range(chunks):
         rows = list(range(c * size, (c + 1) * size))
-        per_chunk.append([[rows[i] for i in part]
-                          for part in karmarkar_karp([tokens[r] for r in rows], parts)])
+        per_chunk.append(
+            [[rows[i] for i in part] for part in karmarkar_karp([tokens[r] for r in rows], parts)]
+        )
     # which rank takes which set: lightest first in even mini-batches, heaviest first in odd
     # ones, so that the ranks' totals over the step stay close too
     for c, sets in enumerate(per_chunk):
@@ -96,5 +103,5 @@ def max_over_min(tokens: list[int], order: list[int] | None, parts: int) -> floa
     of the rows in `order` (None: as they are); 1.0 is perfect balance."""
     rows = order if order is not None else list(range(len(tokens)))
     share = len(rows) // parts
-    sums = [sum(tokens[r] for r in rows[d * share:(d + 1) * share]) for d in range(parts)]
+    sums = [sum(tokens[r] for r in rows[d * share : (d + 1) * share]) for d in range(parts)]
     return max(sums) / max(min(sums), 1)

@@ -45,8 +45,10 @@ def is_disk_full(exc: BaseException) -> bool:
     if isinstance(cause, BaseException) and cause is not exc and is_disk_full(cause):
         return True
     return isinstance(exc, OSError) and (
-        exc.errno in DISK_FULL or "No space left on device" in str(exc)
-        or "Disk quota exceeded" in str(exc))
+        exc.errno in DISK_FULL
+        or "No space left on device" in str(exc)
+        or "Disk quota exceeded" in str(exc)
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -59,8 +61,11 @@ def _sha256(path: Path) -> str:
 
 def write_manifest(folder: Path) -> None:
     """Record every file's size and SHA-256 under `folder` (paths relative to it)."""
-    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    files = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
     (folder / MANIFEST).write_text(json.dumps(files, indent=1))
 
 
@@ -118,7 +123,8 @@ class CheckpointManager:
                 f"({free / 2**20:.0f} MiB free; {type(cause).__name__}: "
                 f"{str(cause).strip().splitlines()[0]}). Free space there, lower "
                 "trainer.keep_checkpoints, or set trainer.run_dir to a bigger disk; the "
-                f"previous checkpoint ({self.latest()}) is intact") from exc
+                f"previous checkpoint ({self.latest()}) is intact"
+            ) from exc
 
     def commit(self, step: int, state: dict[str, Any]) -> Path:
         """Add the driver's state and the manifest to step `step`'s temporary folder and
@@ -126,8 +132,9 @@ class CheckpointManager:
         tmp = self.root / f"step_{step}.tmp"
         if not tmp.is_dir():
             raise CheckpointError(f"commit of step {step} without begin: {tmp} does not exist")
-        torch.save({"python": random.getstate(), "torch": torch.get_rng_state()},
-                   tmp / "driver_rng.pt")
+        torch.save(
+            {"python": random.getstate(), "torch": torch.get_rng_state()}, tmp / "driver_rng.pt"
+        )
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
         write_manifest(tmp)
         final = self.step_dir(step)
@@ -141,8 +148,11 @@ class CheckpointManager:
         """Committed checkpoint folders, newest first (not yet checked against manifests)."""
         if not self.root.exists():
             return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir()
-                 if (m := re.fullmatch(r"step_(\d+)", p.name)) and p.is_dir()]
+        found = [
+            (int(m.group(1)), p)
+            for p in self.root.iterdir()
+            if (m := re.fullmatch(r"step_(\d+)", p.name)) and p.is_dir()
+        ]
         return sorted(found, reverse=True)
 
     def latest(self) -> Path | None:
@@ -167,15 +177,19 @@ class CheckpointManager:
             folder = Path(resume_from).expanduser()
             problem = check_manifest(folder) if folder.is_dir() else "no such folder"
             if problem is not None:
-                raise CheckpointError(f"trainer.resume_from={resume_from!r}: {problem}; give a "
-                                      "step_<N> folder of a run's checkpoints")
+                raise CheckpointError(
+                    f"trainer.resume_from={resume_from!r}: {problem}; give a "
+                    "step_<N> folder of a run's checkpoints"
+                )
             return folder
         if resume == "off":
             return None
         latest = self.latest()
         if latest is None and resume == "must":
-            raise CheckpointError(f"trainer.resume='must' but {self.root} holds no intact "
-                                  "checkpoint; run once with trainer.save_every set, or use auto")
+            raise CheckpointError(
+                f"trainer.resume='must' but {self.root} holds no intact "
+                "checkpoint; run once with trainer.save_every set, or use auto"
+            )
         return latest
 
     def load_trainer_state(self, folder: Path) -> dict[str, Any]:
@@ -187,5 +201,5 @@ class CheckpointManager:
     def _prune(self) -> None:
         if self.keep_last <= 0:
             return
-        for _, folder in self.committed()[self.keep_last:]:
+        for _, folder in self.committed()[self.keep_last :]:
             shutil.rmtree(folder, ignore_errors=True)

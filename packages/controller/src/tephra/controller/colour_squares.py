@@ -12,9 +12,16 @@ from __future__ import annotations
 import random
 from typing import Any
 
-COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220),
-           "yellow": (235, 220, 40), "orange": (240, 140, 20), "purple": (140, 40, 180),
-           "pink": (240, 120, 190), "cyan": (40, 200, 220)}
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 180, 40),
+    "blue": (30, 60, 220),
+    "yellow": (235, 220, 40),
+    "orange": (240, 140, 20),
+    "purple": (140, 40, 180),
+    "pink": (240, 120, 190),
+    "cyan": (40, 200, 220),
+}
 """Colour name -> RGB of the square."""
 
 QUESTION = "<image>What colour is the square? Answer with one word."
@@ -33,7 +40,12 @@ def colour_square_rows(size: int, seed: int, image_size: int = 112) -> list[dict
         side = rng.randint(image_size // 4, image_size // 2)
         x, y = rng.randint(0, image_size - side), rng.randint(0, image_size - side)
         ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=COLOURS[name])
-        rows.append({"prompt": [{"role": "user", "content": QUESTION}],
-                     "data_source": "colour_squares", "reward_model": {"ground_truth": name},
-                     "images": [image]})
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": QUESTION}],
+                "data_source": "colour_squares",
+                "reward_model": {"ground_truth": name},
+                "images": [image],
+            }
+        )
     return rows

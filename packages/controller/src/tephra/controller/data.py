@@ -54,7 +54,11 @@ def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord
     messages = []
     for m in prompt:
         # a struct column fills a missing key with None, so None counts as missing
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m.get("content") is None:
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or m.get("content") is None
+        ):
             raise fail("prompt", f"holds {m!r}, not a {{role, content}} message")
         content = _text(m.get("content"), fail, "prompt.content")
         if not isinstance(content, str | list):  # a list: multimodal content parts
@@ -68,7 +72,9 @@ def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord
     truth = _text(truth, fail, "reward_model.ground_truth")
     if truth is None:
         raise fail("reward_model.ground_truth", "is missing")
-    if isinstance(truth, str | list | dict) and not (truth.strip() if isinstance(truth, str) else truth):
+    if isinstance(truth, str | list | dict) and not (
+        truth.strip() if isinstance(truth, str) else truth
+    ):
         # an empty answer scores every response wrong (or right): the row trains nothing
         raise fail("reward_model.ground_truth", f"is empty ({truth!r})")
     extra = row.get("extra_info") or {}
@@ -89,8 +95,11 @@ def _text(value: Any, fail: Callable[[str, str], DatasetError], field_name: str)
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise fail(field_name, f"holds bytes that are not UTF-8 ({exc.reason} at byte "
-                               f"{exc.start}); re-encode the file as UTF-8") from None
+        raise fail(
+            field_name,
+            f"holds bytes that are not UTF-8 ({exc.reason} at byte "
+            f"{exc.start}); re-encode the file as UTF-8",
+        ) from None
 
 
 def load_parquet(path: str | Path) -> list[PromptRecord]:
@@ -99,15 +108,21 @@ def load_parquet(path: str | Path) -> list[PromptRecord]:
 
     path = Path(path)
     if not path.exists():
-        raise DatasetError(f"data file {path} does not exist; set data.train_files to a parquet file")
+        raise DatasetError(
+            f"data file {path} does not exist; set data.train_files to a parquet file"
+        )
     try:
         rows = pq.read_table(path).to_pylist()
     except (OSError, ValueError) as exc:  # pyarrow: not parquet, truncated, bad UTF-8
-        raise DatasetError(f"data file {path} cannot be read as parquet ({exc}); set "
-                           "data.train_files to a parquet file (verl row format)") from None
+        raise DatasetError(
+            f"data file {path} cannot be read as parquet ({exc}); set "
+            "data.train_files to a parquet file (verl row format)"
+        ) from None
     if not rows:
-        raise DatasetError(f"data file {path} has no rows; add rows or remove it from "
-                           "data.train_files / data.val_files")
+        raise DatasetError(
+            f"data file {path} has no rows; add rows or remove it from "
+            "data.train_files / data.val_files"
+        )
     return [record_from_row(r, i, path.name) for i, r in enumerate(rows)]
 
 
@@ -133,17 +148,23 @@ def load_hf_dataset(name: str, split: str = "train") -> list[PromptRecord]:
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise DatasetError(f"hf dataset {name}: no split {split!r}; it has "
-                                   f"{sorted(ds)} (write data.train_files as 'path:split')")
+                raise DatasetError(
+                    f"hf dataset {name}: no split {split!r}; it has "
+                    f"{sorted(ds)} (write data.train_files as 'path:split')"
+                )
             ds = ds[split]
     elif path.is_file():
         builder = DATA_FILE_BUILDERS.get(path.suffix)
         if builder is None:
-            raise DatasetError(f"hf dataset {name}: cannot read {path.suffix!r} files; use one of "
-                               f"{sorted(DATA_FILE_BUILDERS)}, a save_to_disk folder or a Hub name")
+            raise DatasetError(
+                f"hf dataset {name}: cannot read {path.suffix!r} files; use one of "
+                f"{sorted(DATA_FILE_BUILDERS)}, a save_to_disk folder or a Hub name"
+            )
         if split != "train":
-            raise DatasetError(f"hf dataset {name}: a single file holds only the split 'train', "
-                               f"not {split!r}; give one file per split")
+            raise DatasetError(
+                f"hf dataset {name}: a single file holds only the split 'train', "
+                f"not {split!r}; give one file per split"
+            )
         ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     elif path.is_dir() or not (path.is_absolute() or name.startswith((".", "~"))):
         try:
@@ -151,15 +172,19 @@ def load_hf_dataset(name: str, split: str = "train") -> list[PromptRecord]:
         except ValueError as exc:  # an unknown split names the splits it has
             raise DatasetError(f"hf dataset {where}: {exc}") from exc
     else:
-        raise DatasetError(f"hf dataset {name} does not exist; set data.train_files to a "
-                           "save_to_disk folder, a data file or folder, or a Hub name")
+        raise DatasetError(
+            f"hf dataset {name} does not exist; set data.train_files to a "
+            "save_to_disk folder, a data file or folder, or a Hub name"
+        )
     records = []
     try:
         for i, row in enumerate(ds):
             records.append(record_from_row(row, i, where))
     except UnicodeDecodeError as exc:  # pyarrow decodes strings lazily, row by row
-        raise DatasetError(f"row {len(records)} of {where}: text that is not UTF-8 ({exc}); "
-                           "re-encode the file as UTF-8") from None
+        raise DatasetError(
+            f"row {len(records)} of {where}: text that is not UTF-8 ({exc}); "
+            "re-encode the file as UTF-8"
+        ) from None
     return records
 
 
@@ -168,28 +193,41 @@ REASONING_GYM_PREFIX = "reasoning_gym/"
 DEFAULT_INSTRUCTION = "Answer with just the final number."
 
 
-def reasoning_gym_records(task: str, size: int, seed: int,
-                          task_config: dict[str, Any] | None = None,
-                          instruction: str = DEFAULT_INSTRUCTION) -> list[PromptRecord]:
+def reasoning_gym_records(
+    task: str,
+    size: int,
+    seed: int,
+    task_config: dict[str, Any] | None = None,
+    instruction: str = DEFAULT_INSTRUCTION,
+) -> list[PromptRecord]:
     """`size` items of a reasoning-gym task, generated offline and reproducibly by `seed`."""
     import reasoning_gym
 
     try:
         ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **(task_config or {}))
     except Exception as exc:  # reasoning-gym raises various types for unknown tasks/options
-        raise ConfigError(f"data: reasoning-gym task {task!r} with {task_config} failed: {exc}") from exc
+        raise ConfigError(
+            f"data: reasoning-gym task {task!r} with {task_config} failed: {exc}"
+        ) from exc
     out = []
     for item in ds:
         content = f"{item['question']}\n{instruction}" if instruction else item["question"]
-        out.append(PromptRecord(
-            prompt=[{"role": "user", "content": content}],
-            data_source=REASONING_GYM_PREFIX + task,
-            ground_truth=str(item["answer"]),
-            # the entry travels as JSON (the rollout package's reasoning_gym scorer format);
-            # the prompt asks for just the number, so the last number is the answer
-            extra_info={"reasoning_gym": {"task": task, "entry_json": json.dumps(item, default=str),
-                                          "extract": "last_number"}},
-        ))
+        out.append(
+            PromptRecord(
+                prompt=[{"role": "user", "content": content}],
+                data_source=REASONING_GYM_PREFIX + task,
+                ground_truth=str(item["answer"]),
+                # the entry travels as JSON (the rollout package's reasoning_gym scorer format);
+                # the prompt asks for just the number, so the last number is the answer
+                extra_info={
+                    "reasoning_gym": {
+                        "task": task,
+                        "entry_json": json.dumps(item, default=str),
+                        "extract": "last_number",
+                    }
+                },
+            )
+        )
     return out
 
 
@@ -201,9 +239,12 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     return list(toks)
 
 
-def tokenize_prompts(records: list[PromptRecord], tokenizer: Any, max_prompt_tokens: int,
-                     render: Callable[[list[dict]], list[int]] | None = None,
-                     ) -> tuple[list[list[int]], list[PromptRecord], int]:
+def tokenize_prompts(
+    records: list[PromptRecord],
+    tokenizer: Any,
+    max_prompt_tokens: int,
+    render: Callable[[list[dict]], list[int]] | None = None,
+) -> tuple[list[list[int]], list[PromptRecord], int]:
     """Chat-template token ids of each prompt; returns (ids, kept records, number dropped).
 
     `render` turns a prompt's messages into ids (default: the tokenizer's chat template; an

@@ -66,8 +66,10 @@ def check_layout(infos: list[DataParallelInfo]) -> int:
     dp = sizes.pop()
     outputs = sorted(i.dp_rank for i in infos if i.is_output_rank)
     if outputs != list(range(dp)):
-        raise BatchError(f"each of the {dp} data-parallel replicas needs exactly one output "
-                         f"rank; the ranks' output replicas are {outputs}")
+        raise BatchError(
+            f"each of the {dp} data-parallel replicas needs exactly one output "
+            f"rank; the ranks' output replicas are {outputs}"
+        )
     return dp
 
 
@@ -132,8 +134,9 @@ def rollout_shares(args: tuple, kwargs: dict, shares: int) -> list[tuple[tuple, 
     last (for the ranks that hold no rollout engine)."""
     counts = {_rows(v) for v in (*args, *kwargs.values())} - {None}
     if len(counts) > 1:
-        raise BatchError(f"the batch arguments of a rollout call disagree on their row counts: "
-                         f"{sorted(counts)}")
+        raise BatchError(
+            f"the batch arguments of a rollout call disagree on their row counts: {sorted(counts)}"
+        )
     n = counts.pop() if counts else 0
     bounds = share_bounds(n, shares) + [(0, 0)]
 
@@ -142,8 +145,10 @@ def rollout_shares(args: tuple, kwargs: dict, shares: int) -> list[tuple[tuple, 
             return value[start:end]
         return value.for_share(start) if hasattr(value, "for_share") else value
 
-    return [(tuple(cut(a, s, e) for a in args), {k: cut(v, s, e) for k, v in kwargs.items()})
-            for s, e in bounds]
+    return [
+        (tuple(cut(a, s, e) for a in args), {k: cut(v, s, e) for k, v in kwargs.items()})
+        for s, e in bounds
+    ]
 
 
 def collect(results: list[Any]) -> Any:

@@ -43,15 +43,20 @@ class ValidationConfig:
             raise ConfigError(f"val.n={self.n} must be >= 1")
         if not math.isfinite(self.temperature) or self.temperature < 0 or not 0 < self.top_p <= 1:
             what = "" if math.isfinite(self.temperature) else "a finite number "
-            raise ConfigError(f"val.temperature={self.temperature} must be {what}>= 0 and "
-                              f"val.top_p={self.top_p} in (0, 1]")
+            raise ConfigError(
+                f"val.temperature={self.temperature} must be {what}>= 0 and "
+                f"val.top_p={self.top_p} in (0, 1]"
+            )
         bad = [k for k in self.ks if not 1 <= k <= self.n]
         if bad:
-            raise ConfigError(f"val.ks={self.ks}: every k must be in [1, val.n={self.n}]; "
-                              f"{bad} is not")
+            raise ConfigError(
+                f"val.ks={self.ks}: every k must be in [1, val.n={self.n}]; {bad} is not"
+            )
         if self.n > 1 and self.temperature == 0:
-            raise ConfigError(f"val.n={self.n} greedy samples would all be the same; set "
-                              "val.temperature > 0 (e.g. 0.6) or val.n=1")
+            raise ConfigError(
+                f"val.n={self.n} greedy samples would all be the same; set "
+                "val.temperature > 0 (e.g. 0.6) or val.n=1"
+            )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -95,16 +100,23 @@ def summarise(rows: list[EvalRow], n: int, ks: list[int]) -> dict[str, dict[str,
         scores = [s.score for s in samples]
         correct = [s.score >= 1.0 for s in samples]
         c = sum(correct)
-        m = {f"mean@{n}": sum(scores) / len(scores), f"acc@{n}": c / len(samples),
-             f"best@{n}": max(scores)}
+        m = {
+            f"mean@{n}": sum(scores) / len(scores),
+            f"acc@{n}": c / len(samples),
+            f"best@{n}": max(scores),
+        }
         for k in ks:
             m[f"pass@{k}"] = pass_at_k(len(samples), c, k)
             m[f"maj@{k}"] = majority_correct([s.answer for s in samples[:k]], correct[:k])
         per_source[samples[0].data_source].append(m)
         per_source["all"].append(m)
-    return {source: {**{key: sum(m[key] for m in ms) / len(ms) for key in ms[0]},
-                     "prompts": float(len(ms))}
-            for source, ms in sorted(per_source.items())}
+    return {
+        source: {
+            **{key: sum(m[key] for m in ms) / len(ms) for key in ms[0]},
+            "prompts": float(len(ms)),
+        }
+        for source, ms in sorted(per_source.items())
+    }
 
 
 def flat_metrics(summary: dict[str, dict[str, float]], prefix: str = "val") -> dict[str, float]:
@@ -128,10 +140,10 @@ def markdown_table(summary: dict[str, dict[str, float]]) -> str:
     """The summary as a markdown table, one row per data source (`all` last)."""
     sources = [s for s in summary if s != "all"] + ["all"]
     keys = [k for k in summary["all"] if k != "prompts"]
-    lines = ["| source | prompts | " + " | ".join(keys) + " |",
-             "|---|---|" + "---|" * len(keys)]
+    lines = ["| source | prompts | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for s in sources:
         m = summary[s]
-        lines.append(f"| {s} | {int(m['prompts'])} | " +
-                     " | ".join(f"{m[k]:.3f}" for k in keys) + " |")
+        lines.append(
+            f"| {s} | {int(m['prompts'])} | " + " | ".join(f"{m[k]:.3f}" for k in keys) + " |"
+        )
     return "\n".join(lines) + "\n"

@@ -28,8 +28,9 @@ from tephra.core.config import from_dict
 from tephra.core.errors import CheckpointError, TephraError
 
 
-def _export_rank(cfg, model_path: str, role: str, checkpoint: str, out: str,
-                 adapter: bool = False) -> str:
+def _export_rank(
+    cfg, model_path: str, role: str, checkpoint: str, out: str, adapter: bool = False
+) -> str:
     """One rank: build the role's engine as the run did, load the checkpoint, export."""
     import torch
 
@@ -38,8 +39,12 @@ def _export_rank(cfg, model_path: str, role: str, checkpoint: str, out: str,
     torch.set_num_threads(1)
     section = cfg.actor if role == "actor" else cfg.critic
     model = replace(cfg.model, path=model_path, init_seed=cfg.trainer.seed)
-    engine = get_engine(section.engine, section.engine_config(
-        model, "policy" if role == "actor" else "value", 1.0, cfg.trainer.seed, device="cpu"))
+    engine = get_engine(
+        section.engine,
+        section.engine_config(
+            model, "policy" if role == "actor" else "value", 1.0, cfg.trainer.seed, device="cpu"
+        ),
+    )
     engine.load_checkpoint(Path(checkpoint) / role)
     with engine.eval_mode():
         if adapter:
@@ -69,14 +74,20 @@ def _write_adapter(engine, lora_cfg, base_path: str, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         # the modules that hold adapters, by name ("all-linear" would be re-resolved on load)
-        LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                   target_modules=sorted(targets), base_model_name_or_path=base_path,
-                   task_type="CAUSAL_LM").save_pretrained(str(out))
+        LoraConfig(
+            r=lora_cfg.rank,
+            lora_alpha=lora_cfg.alpha,
+            lora_dropout=lora_cfg.dropout,
+            target_modules=sorted(targets),
+            base_model_name_or_path=base_path,
+            task_type="CAUSAL_LM",
+        ).save_pretrained(str(out))
     dist.barrier()
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, role: str = "actor",
-                      adapter: bool = False) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path, out: str | Path, role: str = "actor", adapter: bool = False
+) -> Path:
     """Write the `role` engine of `checkpoint` (a `step_<N>` folder) as a HF folder `out`,
     or with `adapter` the actor's LoRA adapter as a peft folder."""
     from tephra.controller.models import resolve_model_path
@@ -86,37 +97,50 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, role: str = "acto
     checkpoint = Path(checkpoint).expanduser().resolve()
     problem = check_manifest(checkpoint) if checkpoint.is_dir() else "no such folder"
     if problem is not None:
-        raise CheckpointError(f"checkpoint {checkpoint}: {problem}; give a step_<N> folder "
-                              "under a run's checkpoints/")
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: {problem}; give a step_<N> folder under a run's checkpoints/"
+        )
     if not (checkpoint / role).is_dir():
-        raise CheckpointError(f"checkpoint {checkpoint} holds no {role!r} state "
-                              f"(it has: {sorted(p.name for p in checkpoint.iterdir() if p.is_dir())})")
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds no {role!r} state "
+            f"(it has: {sorted(p.name for p in checkpoint.iterdir() if p.is_dir())})"
+        )
     config_file = checkpoint.parent.parent / "config.yaml"
     if not config_file.exists():
-        raise CheckpointError(f"{config_file} is missing: the run's config says how the engine "
-                              "was built (model, backend, parallel layout)")
+        raise CheckpointError(
+            f"{config_file} is missing: the run's config says how the engine "
+            "was built (model, backend, parallel layout)"
+        )
     cfg = from_dict(PPOConfig, yaml.safe_load(config_file.read_text()))
     if adapter and (role != "actor" or not cfg.actor.lora.enabled or cfg.actor.engine != "fsdp"):
         raise CheckpointError(
             f"--adapter writes the LoRA adapter of an actor trained with engine=fsdp and "
             f"actor.lora.rank > 0; asked for role {role!r} of a run with actor.engine="
             f"{cfg.actor.engine!r}, actor.lora.rank={cfg.actor.lora.rank}. Export without "
-            "--adapter for the full (merged) model")
+            "--adapter for the full (merged) model"
+        )
     model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
     out = Path(out).expanduser().resolve()
-    run_distributed(_export_rank, cfg.resources.world_size,
-                    args=(cfg, model_path, role, str(checkpoint), str(out), adapter))
+    run_distributed(
+        _export_rank,
+        cfg.resources.world_size,
+        args=(cfg, model_path, role, str(checkpoint), str(out), adapter),
+    )
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tephra.controller.export",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tephra.controller.export", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("checkpoint", help="a step_<N> folder under a run's checkpoints/")
     parser.add_argument("out", help="the Hugging Face folder to write")
     parser.add_argument("--role", default="actor", choices=["actor", "critic"])
-    parser.add_argument("--adapter", action="store_true",
-                        help="write only the LoRA adapter (peft folder) of a LoRA-trained actor")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="write only the LoRA adapter (peft folder) of a LoRA-trained actor",
+    )
     args = parser.parse_args(argv)
     try:
         print(export_checkpoint(args.checkpoint, args.out, args.role, args.adapter))

@@ -37,35 +37,43 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
     if not folder.is_dir():
         raise ConfigError(
             f"model.path={path!r}: folder does not exist; give a local Hugging Face folder "
-            "(config.json, weights, tokenizer), or `smollm2` for the bundled model")
+            "(config.json, weights, tokenizer), or `smollm2` for the bundled model"
+        )
     if not (folder / "config.json").exists():
         raise ConfigError(
             f"model.path={path!r} has no config.json; it must be a Hugging Face model folder "
-            "(save one with model.save_pretrained(folder) and tokenizer.save_pretrained(folder))")
+            "(save one with model.save_pretrained(folder) and tokenizer.save_pretrained(folder))"
+        )
     if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
         raise ConfigError(
             f"model.path={path!r} has no weights (none of {list(WEIGHT_FILES)}); save the model "
-            "there with model.save_pretrained(folder), or point model.path at a complete folder")
+            "there with model.save_pretrained(folder), or point model.path at a complete folder"
+        )
     for weights in sorted(folder.glob("*.safetensors")):
         problem = safetensors_problem(weights)
         if problem:
             raise ConfigError(
                 f"model.path={path!r}: {weights.name} {problem}; the copy or download was cut "
                 "short: copy the file again (or save the model again with "
-                "model.save_pretrained(folder))")
+                "model.save_pretrained(folder))"
+            )
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         # transformers would build a 1-token tokenizer from the config alone, silently
         raise ConfigError(
             f"model.path={path!r} has no tokenizer (none of {list(TOKENIZER_FILES)}); save one "
-            "there with tokenizer.save_pretrained(folder)")
+            "there with tokenizer.save_pretrained(folder)"
+        )
     return str(folder)
 
 
 def named_model_folder(path: str, seed: int = 0) -> Path | None:
     """The cache folder a named model (`smollm2`, `tiny`, `tiny_vlm`) is built into, which
     may not exist yet; None for any other `model.path`."""
-    folders = {"smollm2": SMOLLM2_FOLDER, "tiny": f"tiny-qwen2-seed{seed}",
-               "tiny_vlm": f"tiny-qwen2-vl-seed{seed}"}
+    folders = {
+        "smollm2": SMOLLM2_FOLDER,
+        "tiny": f"tiny-qwen2-seed{seed}",
+        "tiny_vlm": f"tiny-qwen2-vl-seed{seed}",
+    }
     return cache_root() / folders[path] if path in folders else None
 
 
@@ -85,8 +93,9 @@ def safetensors_problem(file: Path) -> str | None:
             if size < 8 or 8 + n > size:
                 return f"has {size} bytes, less than its header needs"
             header = json.loads(f.read(n))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
-                  default=0)
+        end = max(
+            (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0
+        )
     except (ValueError, KeyError, TypeError, IndexError):
         return "does not start with a safetensors header"
     if size < 8 + n + end:
@@ -110,7 +119,8 @@ def load_tokenizer(model_path: str) -> Any:
         raise ConfigError(
             f"the tokenizer of model.path={model_path!r} has no chat template, and prompts are "
             "chat-formatted; use an instruct model, or add one (a chat_template.jinja file in "
-            "the folder, or tokenizer.chat_template = ... then tokenizer.save_pretrained)")
+            "the folder, or tokenizer.chat_template = ... then tokenizer.save_pretrained)"
+        )
     return tokenizer
 
 

@@ -54,36 +54,63 @@ def decode_image(value: Any, index: int, where: str, base_dir: Path | None = Non
         try:
             return Image.open(io.BytesIO(value)).convert("RGB")
         except (UnidentifiedImageError, OSError) as exc:
-            raise _fail(index, where, f"holds {len(value)} bytes that are not a readable image "
-                                      f"({exc}); store PNG/JPEG bytes or a file path") from None
+            raise _fail(
+                index,
+                where,
+                f"holds {len(value)} bytes that are not a readable image "
+                f"({exc}); store PNG/JPEG bytes or a file path",
+            ) from None
     if isinstance(value, str | Path):
         path = Path(value)
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
         if not path.exists():
-            raise _fail(index, where, f"names {str(value)!r}, which does not exist (looked at "
-                                      f"{path}); fix the path (relative paths are relative to "
-                                      "the data file) or store the image bytes")
+            raise _fail(
+                index,
+                where,
+                f"names {str(value)!r}, which does not exist (looked at "
+                f"{path}); fix the path (relative paths are relative to "
+                "the data file) or store the image bytes",
+            )
         try:
             return Image.open(path).convert("RGB")
         except (UnidentifiedImageError, OSError) as exc:
-            raise _fail(index, where, f"names {str(path)!r}, which is not a readable image "
-                                      f"({exc}); replace the file") from None
-    raise _fail(index, where, f"holds a {type(value).__name__}, not image bytes, a path, a "
-                              "{bytes, path} struct or a PIL image")
+            raise _fail(
+                index,
+                where,
+                f"names {str(path)!r}, which is not a readable image ({exc}); replace the file",
+            ) from None
+    raise _fail(
+        index,
+        where,
+        f"holds a {type(value).__name__}, not image bytes, a path, a "
+        "{bytes, path} struct or a PIL image",
+    )
 
 
 def with_vision_spans(messages: list[dict], index: int, where: str, n_images: int) -> list[dict]:
     """Messages with each `<image>` replaced by the vision span; counts must match."""
-    count = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages
-                if isinstance(m["content"], str))
+    count = sum(
+        m["content"].count(IMAGE_PLACEHOLDER) for m in messages if isinstance(m["content"], str)
+    )
     if count != n_images:
-        fix = ("add the missing images to 'images'" if count > n_images else
-               f"add a {IMAGE_PLACEHOLDER} to the prompt for each image")
-        raise _fail(index, where, f"holds {n_images} image(s) but the prompt has {count} "
-                                  f"{IMAGE_PLACEHOLDER} placeholder(s); {fix}")
-    return [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, VISION_SPAN)}
-            if isinstance(m["content"], str) else m for m in messages]
+        fix = (
+            "add the missing images to 'images'"
+            if count > n_images
+            else f"add a {IMAGE_PLACEHOLDER} to the prompt for each image"
+        )
+        raise _fail(
+            index,
+            where,
+            f"holds {n_images} image(s) but the prompt has {count} "
+            f"{IMAGE_PLACEHOLDER} placeholder(s); {fix}",
+        )
+    return [
+        {**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, VISION_SPAN)}
+        if isinstance(m["content"], str)
+        else m
+        for m in messages
+    ]
 
 
 def row_images(row: dict[str, Any], index: int, where: str, base_dir: Path | None = None) -> list:
@@ -95,7 +122,10 @@ def row_images(row: dict[str, Any], index: int, where: str, base_dir: Path | Non
 
 
 def multimodal_prompt_from_row(
-    row: dict[str, Any], index: int, where: str, processor: VisionProcessor,
+    row: dict[str, Any],
+    index: int,
+    where: str,
+    processor: VisionProcessor,
     base_dir: Path | None = None,
 ) -> MultimodalPrompt:
     """Validate a verl multimodal row and process its images and prompt."""
@@ -105,8 +135,9 @@ def multimodal_prompt_from_row(
     if not images:
         return MultimodalPrompt(record, chat_prompt_ids(processor.tokenizer, messages), None)
     # render as text, then expand: each image gets exactly its grid's number of tokens
-    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                   tokenize=False)
+    text = processor.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     ids, mm = processor(text, images)
     return MultimodalPrompt(record, ids, mm)
 
@@ -117,12 +148,16 @@ def load_multimodal_parquet(path: str | Path, processor: VisionProcessor) -> lis
 
     path = Path(path)
     if not path.exists():
-        raise DatasetError(f"data file {path} does not exist; set data.train_files to a parquet file")
+        raise DatasetError(
+            f"data file {path} does not exist; set data.train_files to a parquet file"
+        )
     try:
         rows = pq.read_table(path).to_pylist()
     except (OSError, ValueError) as exc:
         raise DatasetError(f"data file {path} cannot be read as parquet ({exc})") from None
     if not rows:
         raise DatasetError(f"data file {path} has no rows")
-    return [multimodal_prompt_from_row(r, i, path.name, processor, path.parent)
-            for i, r in enumerate(rows)]
+    return [
+        multimodal_prompt_from_row(r, i, path.name, processor, path.parent)
+        for i, r in enumerate(rows)
+    ]

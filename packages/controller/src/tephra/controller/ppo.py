@@ -37,10 +37,10 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
     """Training and held-out records of `cfg.data`."""
     d = cfg.data
     if d.source == "reasoning_gym":
-        return (reasoning_gym_records(d.task, d.train_size, d.train_seed, d.task_config,
-                                      d.instruction),
-                reasoning_gym_records(d.task, d.val_size, d.val_seed, d.task_config,
-                                      d.instruction))
+        return (
+            reasoning_gym_records(d.task, d.train_size, d.train_seed, d.task_config, d.instruction),
+            reasoning_gym_records(d.task, d.val_size, d.val_seed, d.task_config, d.instruction),
+        )
 
     if not d.train_files:
         raise ConfigError(f"data.source={d.source!r} needs data.train_files to train on")
@@ -51,8 +51,7 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
         name, _, split = spec.partition(":")
         return load_hf_dataset(name, split or "train")
 
-    return ([r for f in d.train_files for r in load(f)],
-            [r for f in d.val_files for r in load(f)])
+    return ([r for f in d.train_files for r in load(f)], [r for f in d.val_files for r in load(f)])
 
 
 def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompts, int]:
@@ -70,17 +69,23 @@ def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompt
 
     d = cfg.data
     if not is_vision_config(AutoConfig.from_pretrained(model_path)):
-        raise ConfigError(f"data has images but model.path={cfg.model.path!r} is a text-only "
-                          "model (its config has no vision_config); use a vision-language "
-                          "model (Qwen2-VL family, or model.path=tiny_vlm to test)")
+        raise ConfigError(
+            f"data has images but model.path={cfg.model.path!r} is a text-only "
+            "model (its config has no vision_config); use a vision-language "
+            "model (Qwen2-VL family, or model.path=tiny_vlm to test)"
+        )
     processor = VisionProcessor.from_pretrained(model_path)
     if d.source == "colour_squares":
         from tephra.controller.colour_squares import colour_square_rows
 
-        train = [multimodal_prompt_from_row(r, i, "colour_squares", processor)
-                 for i, r in enumerate(colour_square_rows(d.train_size, d.train_seed))]
-        val = [multimodal_prompt_from_row(r, i, "colour_squares", processor)
-               for i, r in enumerate(colour_square_rows(d.val_size, d.val_seed))]
+        train = [
+            multimodal_prompt_from_row(r, i, "colour_squares", processor)
+            for i, r in enumerate(colour_square_rows(d.train_size, d.train_seed))
+        ]
+        val = [
+            multimodal_prompt_from_row(r, i, "colour_squares", processor)
+            for i, r in enumerate(colour_square_rows(d.val_size, d.val_seed))
+        ]
     else:
         if not d.train_files:
             raise ConfigError("data.images=true needs data.train_files to train on")
@@ -92,8 +97,9 @@ def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompt
         nonlocal dropped
         kept = [p for p in prompts if len(p.prompt_ids) <= limit]
         dropped += len(prompts) - len(kept)
-        return Prompts([p.prompt_ids for p in kept], [p.record for p in kept],
-                       [p.multimodal for p in kept])
+        return Prompts(
+            [p.prompt_ids for p in kept], [p.record for p in kept], [p.multimodal for p in kept]
+        )
 
     return fit(train), fit(val), dropped
 
@@ -108,8 +114,10 @@ def resolve_tools_file(spec: str) -> str:
     if not path.suffix and bundled.is_file():
         return str(bundled)
     known = sorted(p.stem for p in BUNDLED_TOOLS.glob("*.yaml"))
-    raise ConfigError(f"rollout.tools_file={spec!r}: no such file; give a tools YAML path or one "
-                      f"of the bundled names {known}")
+    raise ConfigError(
+        f"rollout.tools_file={spec!r}: no such file; give a tools YAML path or one "
+        f"of the bundled names {known}"
+    )
 
 
 @dataclass
@@ -159,12 +167,16 @@ def prepare(cfg: PPOConfig) -> Prepared:
     if dropped:
         print(f"dropped {dropped} prompts longer than data.max_prompt_tokens={limit}", flush=True)
     if not train.ids:
-        raise ConfigError(f"no training prompt is left after dropping those longer than "
-                          f"data.max_prompt_tokens={limit}; raise it or check data.train_files")
+        raise ConfigError(
+            f"no training prompt is left after dropping those longer than "
+            f"data.max_prompt_tokens={limit}; raise it or check data.train_files"
+        )
     t = cfg.trainer
     if (t.val_before or t.val_after or t.val_every) and not val.ids:
-        raise ConfigError("validation is on but the held-out set is empty; set data.val_files "
-                          "(or data.val_size) or turn off trainer.val_before/val_after/val_every")
+        raise ConfigError(
+            "validation is on but the held-out set is empty; set data.val_files "
+            "(or data.val_size) or turn off trainer.val_before/val_after/val_every"
+        )
     run_dir = Path(t.run_dir).expanduser().resolve()
     return Prepared(model_path, tokenizer, train, val, tools_file, run_dir)
 
@@ -186,31 +198,58 @@ def run(cfg: PPOConfig) -> dict:
     p.run_dir.mkdir(parents=True, exist_ok=True)
     (p.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     cfg = resolve_auto_dtypes(cfg)
-    print(f"compute dtypes: actor {cfg.actor.precision.param_dtype}, rollout {cfg.rollout.dtype}",
-          flush=True)
+    print(
+        f"compute dtypes: actor {cfg.actor.precision.param_dtype}, rollout {cfg.rollout.dtype}",
+        flush=True,
+    )
     print(weight_path(cfg), flush=True)
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus)
-    pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement,
-                        retain_freed_memory=r.retain_freed_memory)
+    pool = ResourcePool(
+        r.world_size,
+        r.cpus_per_rank,
+        r.gpus_per_rank,
+        strategy=r.placement,
+        retain_freed_memory=r.retain_freed_memory,
+    )
 
     # the reference and critic on pools of their own (resources.ref / critic.ranks > 0)
-    role_pools = {role: ResourcePool(s.ranks, s.cpus_per_rank, s.gpus_per_rank,
-                                     strategy=r.placement, name=role,
-                                     retain_freed_memory=r.retain_freed_memory)
-                  for role in ("ref", "critic") if (s := getattr(r, role)).ranks}
+    role_pools = {
+        role: ResourcePool(
+            s.ranks,
+            s.cpus_per_rank,
+            s.gpus_per_rank,
+            strategy=r.placement,
+            name=role,
+            retain_freed_memory=r.retain_freed_memory,
+        )
+        for role in ("ref", "critic")
+        if (s := getattr(r, role)).ranks
+    }
 
     def make_group() -> WorkerGroup:
-        return WorkerGroup(RLWorker, pool, {"cfg": cfg, "model_path": p.model_path,
-                                            "tools_file": p.tools_file,
-                                            "roles": colocated_roles(cfg)}, name="rl")
+        return WorkerGroup(
+            RLWorker,
+            pool,
+            {
+                "cfg": cfg,
+                "model_path": p.model_path,
+                "tools_file": p.tools_file,
+                "roles": colocated_roles(cfg),
+            },
+            name="rl",
+        )
 
     def make_role_groups() -> dict[str, WorkerGroup]:
         groups: dict[str, WorkerGroup] = {}
         try:
             for role, role_pool in role_pools.items():
-                groups[role] = WorkerGroup(RLWorker, role_pool, {
-                    "cfg": cfg, "model_path": p.model_path, "roles": (role,)}, name=role)
+                groups[role] = WorkerGroup(
+                    RLWorker,
+                    role_pool,
+                    {"cfg": cfg, "model_path": p.model_path, "roles": (role,)},
+                    name=role,
+                )
         except BaseException:
             for group in groups.values():
                 group.shutdown(grace_s=0)
@@ -221,10 +260,19 @@ def run(cfg: PPOConfig) -> dict:
         return RolloutReplicas(cfg, p.model_path, p.tools_file)
 
     try:
-        trainer = Trainer(cfg, make_group(), p.tokenizer, p.train, p.val, p.run_dir,
-                          count_parameters(p.model_path), 0.0, make_group=make_group,
-                          make_replicas=make_replicas if r.rollout.replicas else None,
-                          make_role_groups=make_role_groups if role_pools else None)
+        trainer = Trainer(
+            cfg,
+            make_group(),
+            p.tokenizer,
+            p.train,
+            p.val,
+            p.run_dir,
+            count_parameters(p.model_path),
+            0.0,
+            make_group=make_group,
+            make_replicas=make_replicas if r.rollout.replicas else None,
+            make_role_groups=make_role_groups if role_pools else None,
+        )
     except BaseException:
         for each in (pool, *role_pools.values()):
             each.release()

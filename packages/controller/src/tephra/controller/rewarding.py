@@ -36,11 +36,13 @@ def check_rewards(scores: Sequence[float], samples: Sequence[str], max_abs: floa
             raise RewardRangeError(
                 f"the reward of sample {i} of the step ({samples[i]}) is {score:g}, beyond "
                 f"reward.max_abs={max_abs:g}; fix the reward function, or set reward.clip="
-                "[low,high] to clip scores into a range (or raise reward.max_abs)")
+                "[low,high] to clip scores into a range (or raise reward.max_abs)"
+            )
 
 
-def check_advantages(advantages: torch.Tensor, response_mask: torch.Tensor,
-                     samples: Sequence[str]) -> None:
+def check_advantages(
+    advantages: torch.Tensor, response_mask: torch.Tensor, samples: Sequence[str]
+) -> None:
     """Raise `RewardRangeError` naming the first sample with a non-finite advantage on a
     trained token ([B, T] tensors; `samples[i]` names row i)."""
     bad = (~torch.isfinite(advantages) & (response_mask > 0)).any(-1)
@@ -51,7 +53,8 @@ def check_advantages(advantages: torch.Tensor, response_mask: torch.Tensor,
             f"the advantage of sample {i} of the step ({samples[i]}) is {value:g}, and "
             f"{int(bad.sum())} of {len(bad)} samples have a non-finite advantage: the rewards of "
             "the step (with the KL and length penalties) overflow the estimator; check the "
-            "reward function, or set reward.clip=[low,high] to bound the scores")
+            "reward function, or set reward.clip=[low,high] to bound the scores"
+        )
 
 
 class Scorer:
@@ -62,15 +65,26 @@ class Scorer:
         self.clipped: list[bool] = []
         """Of each sample of the last `score`: whether `reward.clip` moved its score."""
 
-    def score(self, texts: Sequence[str], records: Sequence[PromptRecord],
-              prompts: Sequence[str] | None = None) -> list[tuple[float, str | None]]:
+    def score(
+        self,
+        texts: Sequence[str],
+        records: Sequence[PromptRecord],
+        prompts: Sequence[str] | None = None,
+    ) -> list[tuple[float, str | None]]:
         """(score, error or None) of `texts[i]` against `records[i]`; `prompts` are the
         prompt texts a reward model reads."""
-        results = self.manager.score_batch([
-            RewardInput(rec.data_source, text, rec.ground_truth, rec.extra_info,
-                        **({"prompt_str": prompts[i]} if prompts is not None else {}))
-            for i, (text, rec) in enumerate(zip(texts, records, strict=True))
-        ])
+        results = self.manager.score_batch(
+            [
+                RewardInput(
+                    rec.data_source,
+                    text,
+                    rec.ground_truth,
+                    rec.extra_info,
+                    **({"prompt_str": prompts[i]} if prompts is not None else {}),
+                )
+                for i, (text, rec) in enumerate(zip(texts, records, strict=True))
+            ]
+        )
         self.clipped = [r.clipped for r in results]
         return [(r.score, r.error) for r in results]
 

@@ -54,8 +54,10 @@ def _check_name(field_name: str, value: str, registry: Any) -> None:
 
         close = difflib.get_close_matches(str(value), registry.names(), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{field_name}={value!r} is not a registered {registry.kind}{hint}; "
-                          f"choose one of {registry.names()}")
+        raise ConfigError(
+            f"{field_name}={value!r} is not a registered {registry.kind}{hint}; "
+            f"choose one of {registry.names()}"
+        )
 
 
 @dataclass
@@ -78,18 +80,26 @@ class EngineRoleConfig(EngineSections):
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
                 f"engine={self.engine!r} is not an installed engine backend{hint}; installed: "
-                f"{sorted(engines)} (install e.g. tephra-engine-megatron for `megatron`)")
+                f"{sorted(engines)} (install e.g. tephra-engine-megatron for `megatron`)"
+            )
 
-    def engine_config(self, model: ModelConfig, role: str, temperature: float, seed: int,
-                      device: str = "auto") -> EngineConfig:
+    def engine_config(
+        self, model: ModelConfig, role: str, temperature: float, seed: int, device: str = "auto"
+    ) -> EngineConfig:
         """The `EngineConfig` this role builds on every rank."""
         from dataclasses import replace
 
         sections = self.sections()
         if role != "policy":
             sections["lora"] = LoraConfig()  # a value head has no base weights to adapt
-        return EngineConfig(model=replace(model, role=role), **sections, temperature=temperature,
-                            compute_entropy=role == "policy", seed=seed, device=device)
+        return EngineConfig(
+            model=replace(model, role=role),
+            **sections,
+            temperature=temperature,
+            compute_entropy=role == "policy",
+            seed=seed,
+            device=device,
+        )
 
 
 def _demo_actor_objective() -> ActorObjectiveConfig:
@@ -105,14 +115,15 @@ class ActorConfig(EngineRoleConfig):
     """The policy: its engine and its loss."""
 
     optimizer: OptimizerConfig = field(
-        default_factory=lambda: OptimizerConfig(lr=3e-5, weight_decay=0.0))
+        default_factory=lambda: OptimizerConfig(lr=3e-5, weight_decay=0.0)
+    )
     """AdamW; the demo's lr 3e-5 (5e-5 made responses hit the length cap within 9 steps)."""
-    precision: PrecisionConfig = field(
-        default_factory=lambda: PrecisionConfig(param_dtype="auto"))
+    precision: PrecisionConfig = field(default_factory=lambda: PrecisionConfig(param_dtype="auto"))
     """fp32 master weights; compute in bf16 where the device computes it faster than fp32
     (`auto`, timed once per machine), else fp32 (set `param_dtype=float32` for exact tests)."""
     micro_batch: MicroBatchConfig = field(
-        default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096))
+        default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096)
+    )
     """Token budget of one forward/backward micro-batch on one rank."""
     objective: ActorObjectiveConfig = field(default_factory=_demo_actor_objective)
     """Policy loss, aggregation, entropy bonus, KL loss, truncated importance sampling
@@ -125,13 +136,14 @@ class CriticConfig(EngineRoleConfig):
     """The value model (built only when the estimator needs values, e.g. `gae`)."""
 
     optimizer: OptimizerConfig = field(
-        default_factory=lambda: OptimizerConfig(lr=1e-5, weight_decay=0.0))
+        default_factory=lambda: OptimizerConfig(lr=1e-5, weight_decay=0.0)
+    )
     """AdamW of the critic."""
-    precision: PrecisionConfig = field(
-        default_factory=lambda: PrecisionConfig(param_dtype="auto"))
+    precision: PrecisionConfig = field(default_factory=lambda: PrecisionConfig(param_dtype="auto"))
     """Compute dtype of the critic (`auto`: as the actor's)."""
     micro_batch: MicroBatchConfig = field(
-        default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096))
+        default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096)
+    )
     """Token budget of one critic micro-batch on one rank."""
     objective: CriticObjectiveConfig = field(default_factory=CriticObjectiveConfig)
     """Clipped value loss (tephra.algos.CriticObjectiveConfig)."""
@@ -177,8 +189,11 @@ class RolloutSection:
     """Tools YAML of the agent loop, or `python` for the bundled sandboxed interpreter."""
     max_in_flight: int = 64
     """Agent loop: most trajectories in flight per rank (their turns are batched together)."""
-    agent: AgentLoopConfig = field(default_factory=lambda: AgentLoopConfig(
-        max_turns=3, max_response_tokens=128, max_tool_response_chars=500))
+    agent: AgentLoopConfig = field(
+        default_factory=lambda: AgentLoopConfig(
+            max_turns=3, max_response_tokens=128, max_tool_response_chars=500
+        )
+    )
     """Agent-loop budgets (tephra.rollout.agent.AgentLoopConfig): max_turns,
     max_response_tokens (the trained response length), max_tool_response_chars, ..."""
 
@@ -192,8 +207,10 @@ class RolloutSection:
 
             _check_name("rollout.agent_loop", self.agent_loop, AGENT_LOOPS)
             if self.agent_loop == "tool_agent" and not self.tools_file:
-                raise ConfigError("rollout.agent_loop='tool_agent' needs rollout.tools_file: a "
-                                  "tools YAML, or `python` for the bundled sandboxed interpreter")
+                raise ConfigError(
+                    "rollout.agent_loop='tool_agent' needs rollout.tools_file: a "
+                    "tools YAML, or `python` for the bundled sandboxed interpreter"
+                )
         if self.max_in_flight < 1:
             raise ConfigError(f"rollout.max_in_flight={self.max_in_flight} must be >= 1")
         protocol = getattr(ROLLOUT_BACKENDS.get(self.backend), "protocol_class", None)
@@ -208,13 +225,16 @@ class RolloutSection:
         from tephra.rollout.base import DTYPES
 
         if self.dtype not in (*DTYPES, AUTO):  # the backend checks too, but only once Ray runs
-            raise ConfigError(f"rollout.dtype={self.dtype!r} is not allowed; choose one of "
-                              f"{[*DTYPES, AUTO]}")
+            raise ConfigError(
+                f"rollout.dtype={self.dtype!r} is not allowed; choose one of {[*DTYPES, AUTO]}"
+            )
         if not math.isfinite(self.temperature) or self.temperature < 0:
             # NaN passes `< 0` and sampling then behaved as if it were 1.0
             what = "" if math.isfinite(self.temperature) else "a finite number "
-            raise ConfigError(f"rollout.temperature={self.temperature} must be {what}>= 0 (1.0 "
-                              "samples from the policy as it is; 0 is greedy)")
+            raise ConfigError(
+                f"rollout.temperature={self.temperature} must be {what}>= 0 (1.0 "
+                "samples from the policy as it is; 0 is greedy)"
+            )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
 
@@ -264,11 +284,15 @@ class KLInRewardConfig:
             raise ConfigError(f"algorithm.kl_in_reward.coef={self.coef} must be >= 0 (0 = off)")
         _check_name("algorithm.kl_in_reward.estimator", self.estimator, KL_ESTIMATORS)
         if self.estimator.startswith("full"):
-            raise ConfigError("algorithm.kl_in_reward.estimator='full' needs full-vocabulary "
-                              "log-probs, which engines do not return; use 'k1' or 'k3'")
+            raise ConfigError(
+                "algorithm.kl_in_reward.estimator='full' needs full-vocabulary "
+                "log-probs, which engines do not return; use 'k1' or 'k3'"
+            )
         if self.controller not in ("fixed", "adaptive"):
-            raise ConfigError(f"algorithm.kl_in_reward.controller={self.controller!r}: choose "
-                              "'fixed' or 'adaptive'")
+            raise ConfigError(
+                f"algorithm.kl_in_reward.controller={self.controller!r}: choose "
+                "'fixed' or 'adaptive'"
+            )
         if self.target_kl <= 0 or self.horizon < 1:
             raise ConfigError("algorithm.kl_in_reward.target_kl must be > 0 and horizon >= 1")
 
@@ -335,31 +359,44 @@ class AlgorithmSection:
         _check_name("algorithm.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS)
         _check_name("algorithm.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         if self.rollout_correction_level not in LEVELS:
-            raise ConfigError(f"algorithm.rollout_correction_level="
-                              f"{self.rollout_correction_level!r}: choose one of {list(LEVELS)}")
+            raise ConfigError(
+                f"algorithm.rollout_correction_level="
+                f"{self.rollout_correction_level!r}: choose one of {list(LEVELS)}"
+            )
         if not self.rollout_correction_cap >= 1:
-            raise ConfigError(f"algorithm.rollout_correction_cap={self.rollout_correction_cap} "
-                              "must be >= 1 (the truncation C of min(ratio, C))")
+            raise ConfigError(
+                f"algorithm.rollout_correction_cap={self.rollout_correction_cap} "
+                "must be >= 1 (the truncation C of min(ratio, C))"
+            )
         self.correction  # noqa: B018 - validates the rejection options and bounds
         if self.mismatch_probe_rows < 0:
-            raise ConfigError(f"algorithm.mismatch_probe_rows={self.mismatch_probe_rows} must "
-                              "be >= 0 (0 turns the mismatch probe off)")
+            raise ConfigError(
+                f"algorithm.mismatch_probe_rows={self.mismatch_probe_rows} must "
+                "be >= 0 (0 turns the mismatch probe off)"
+            )
         if self.mismatch_alarm_kl is not None and not (
-                math.isfinite(self.mismatch_alarm_kl) and self.mismatch_alarm_kl > 0):
-            raise ConfigError(f"algorithm.mismatch_alarm_kl={self.mismatch_alarm_kl} must be a "
-                              "positive number (e.g. 0.01), or null to log without an alarm")
+            math.isfinite(self.mismatch_alarm_kl) and self.mismatch_alarm_kl > 0
+        ):
+            raise ConfigError(
+                f"algorithm.mismatch_alarm_kl={self.mismatch_alarm_kl} must be a "
+                "positive number (e.g. 0.01), or null to log without an alarm"
+            )
         if self.max_gen_batches < 1:
             raise ConfigError(f"algorithm.max_gen_batches={self.max_gen_batches} must be >= 1")
         if self.overlong_penalty_factor < 0:
-            raise ConfigError(f"algorithm.overlong_penalty_factor={self.overlong_penalty_factor} "
-                              "must be >= 0")
+            raise ConfigError(
+                f"algorithm.overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0"
+            )
 
     @property
     def correction(self) -> RolloutCorrectionConfig:
-        return RolloutCorrectionConfig(self.rollout_correction, self.rollout_correction_level,
-                                       self.rollout_correction_cap,
-                                       tuple(self.rollout_rejection),
-                                       self.rollout_rejection_threshold)
+        return RolloutCorrectionConfig(
+            self.rollout_correction,
+            self.rollout_correction_level,
+            self.rollout_correction_cap,
+            tuple(self.rollout_rejection),
+            self.rollout_rejection_threshold,
+        )
 
     def needs(self, what: str) -> bool:
         """Whether the estimator's registry metadata says it needs `values`, `groups`,
@@ -381,9 +418,17 @@ class DataSection:
     task generated by seed: name the colour of the square; a vision-language model)."""
     task: str = "basic_arithmetic"
     """reasoning-gym task name."""
-    task_config: dict[str, Any] = field(default_factory=lambda: {
-        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-        "allow_negation": False, "allow_parentheses": False, "operators": ["+", "-", "*"]})
+    task_config: dict[str, Any] = field(
+        default_factory=lambda: {
+            "min_terms": 2,
+            "max_terms": 2,
+            "min_digits": 1,
+            "max_digits": 1,
+            "allow_negation": False,
+            "allow_parentheses": False,
+            "operators": ["+", "-", "*"],
+        }
+    )
     """reasoning-gym task options; the default is basic_arithmetic at its easiest settings
     without division: in reasoning-gym 0.1.25 a division item's answer does not match its
     question ('6 / 2' -> 4, '5 / 8' -> 35): 53 of the 200 held-out items, unanswerable."""
@@ -410,17 +455,25 @@ class DataSection:
 
     def __post_init__(self) -> None:
         if self.source not in DATA_SOURCES:
-            raise ConfigError(f"data.source={self.source!r}: choose one of {', '.join(DATA_SOURCES)}")
+            raise ConfigError(
+                f"data.source={self.source!r}: choose one of {', '.join(DATA_SOURCES)}"
+            )
         if self.images and self.source != "parquet":
-            raise ConfigError(f"data.images=true reads the `images` column of parquet files; "
-                              f"data.source={self.source!r} is not parquet (set "
-                              "data.source=parquet, or data.images=false)")
+            raise ConfigError(
+                f"data.images=true reads the `images` column of parquet files; "
+                f"data.source={self.source!r} is not parquet (set "
+                "data.source=parquet, or data.images=false)"
+            )
         if self.source in ("parquet", "hf") and not (self.train_files or self.val_files):
-            raise ConfigError(f"data.source={self.source!r} needs data.train_files (training) "
-                              "or data.val_files (evaluation)")
+            raise ConfigError(
+                f"data.source={self.source!r} needs data.train_files (training) "
+                "or data.val_files (evaluation)"
+            )
         if self.source in ("reasoning_gym", "colour_squares") and self.train_seed == self.val_seed:
-            raise ConfigError("data.train_seed and data.val_seed must differ, or the held-out "
-                              "items are training items")
+            raise ConfigError(
+                "data.train_seed and data.val_seed must differ, or the held-out "
+                "items are training items"
+            )
         if self.max_prompt_tokens < 1:
             raise ConfigError(f"data.max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
 
@@ -557,17 +610,25 @@ class TrainerSection:
         if self.mode not in TRAINING_MODES:
             raise ConfigError(f"trainer.mode={self.mode!r}: choose one of {list(TRAINING_MODES)}")
         if self.max_staleness < 0 or self.async_in_flight < 1 or self.async_groups_per_request < 1:
-            raise ConfigError(f"trainer.max_staleness={self.max_staleness} must be >= 0, "
-                              f"trainer.async_in_flight={self.async_in_flight} >= 1 and "
-                              f"trainer.async_groups_per_request={self.async_groups_per_request} "
-                              ">= 1")
+            raise ConfigError(
+                f"trainer.max_staleness={self.max_staleness} must be >= 0, "
+                f"trainer.async_in_flight={self.async_in_flight} >= 1 and "
+                f"trainer.async_groups_per_request={self.async_groups_per_request} "
+                ">= 1"
+            )
         if self.resume not in RESUME_MODES:
             raise ConfigError(f"trainer.resume={self.resume!r}: choose one of {list(RESUME_MODES)}")
         if any(s < 1 for s in self.profile_steps):
             raise ConfigError(f"trainer.profile_steps={self.profile_steps}: steps are 1-based")
 
-        for name in ("steps", "max_restarts", "save_every", "keep_checkpoints", "val_every",
-                     "dump_generations"):
+        for name in (
+            "steps",
+            "max_restarts",
+            "save_every",
+            "keep_checkpoints",
+            "val_every",
+            "dump_generations",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 0")
         for name in self.trackers:
@@ -588,8 +649,9 @@ class RolloutPoolSection:
 
     def __post_init__(self) -> None:
         if self.replicas < 0 or self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
-            raise ConfigError("resources.rollout.replicas, cpus_per_replica and gpus_per_replica "
-                              "must be >= 0")
+            raise ConfigError(
+                "resources.rollout.replicas, cpus_per_replica and gpus_per_replica must be >= 0"
+            )
 
 
 @dataclass
@@ -610,9 +672,11 @@ class RolePoolSection:
 
     def __post_init__(self) -> None:
         if self.ranks < 0 or self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
-            raise ConfigError(f"resources.<role>: ranks={self.ranks}, cpus_per_rank="
-                              f"{self.cpus_per_rank} and gpus_per_rank={self.gpus_per_rank} "
-                              "must be >= 0 (ranks=0: colocated with the actor)")
+            raise ConfigError(
+                f"resources.<role>: ranks={self.ranks}, cpus_per_rank="
+                f"{self.cpus_per_rank} and gpus_per_rank={self.gpus_per_rank} "
+                "must be >= 0 (ranks=0: colocated with the actor)"
+            )
 
 
 @dataclass
@@ -655,8 +719,10 @@ class ResourcesSection:
         from tephra.controller.worker_group import PLACEMENT_STRATEGIES, check_retain
 
         if self.placement not in PLACEMENT_STRATEGIES:
-            raise ConfigError(f"resources.placement={self.placement!r}: choose one of "
-                              f"{list(PLACEMENT_STRATEGIES)}")
+            raise ConfigError(
+                f"resources.placement={self.placement!r}: choose one of "
+                f"{list(PLACEMENT_STRATEGIES)}"
+            )
         if self.world_size < 1:
             raise ConfigError(f"resources.world_size={self.world_size} must be >= 1")
         if self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
@@ -715,14 +781,22 @@ def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:
     r = cfg.resources
     train = "cuda" if r.gpus_per_rank > 0 else "cpu"
     # rollout replicas of their own (disaggregated) generate on their pool's device
-    rollout = train if not r.rollout.replicas else "cuda" if r.rollout.gpus_per_replica > 0 else "cpu"
+    rollout = (
+        train if not r.rollout.replicas else "cuda" if r.rollout.gpus_per_replica > 0 else "cpu"
+    )
 
     def role(section):
         p = section.precision
-        return replace(section, precision=replace(p, param_dtype=resolve_dtype(p.param_dtype, train)))
+        return replace(
+            section, precision=replace(p, param_dtype=resolve_dtype(p.param_dtype, train))
+        )
 
-    return replace(cfg, actor=role(cfg.actor), critic=role(cfg.critic),
-                   rollout=replace(cfg.rollout, dtype=resolve_dtype(cfg.rollout.dtype, rollout)))
+    return replace(
+        cfg,
+        actor=role(cfg.actor),
+        critic=role(cfg.critic),
+        rollout=replace(cfg.rollout, dtype=resolve_dtype(cfg.rollout.dtype, rollout)),
+    )
 
 
 def validate(cfg: PPOConfig) -> None:
@@ -732,35 +806,45 @@ def validate(cfg: PPOConfig) -> None:
     try:
         dp = cfg.data_parallel_size()
     except ConfigError as exc:
-        raise ConfigError(f"resources.world_size={ws} with the actor's parallel sizes: {exc}; "
-                          "make world_size a multiple of tensor x pipeline x context") from None
+        raise ConfigError(
+            f"resources.world_size={ws} with the actor's parallel sizes: {exc}; "
+            "make world_size a multiple of tensor x pipeline x context"
+        ) from None
     if b.prompts_per_step % dp:
         raise ConfigError(
             f"batch.prompts_per_step={b.prompts_per_step} must be a multiple of the data-"
             f"parallel size {dp} (resources.world_size={ws} / model-parallel "
             f"{cfg.actor.parallel.model_parallel_size()}): each data-parallel rank trains on "
-            "an equal share of prompt groups")
+            "an equal share of prompt groups"
+        )
     rollout_tp = r.tensor_parallel_size
     if cfg.resources.rollout.replicas == 0 and ws % rollout_tp:
         raise ConfigError(
             f"rollout.{r.backend}.tensor_parallel_size={rollout_tp} does not divide "
             f"resources.world_size={ws}: each rollout engine takes that many consecutive "
             "ranks; choose a divisor of the world size (or rollout replicas of their own, "
-            "resources.rollout.replicas)")
+            "resources.rollout.replicas)"
+        )
     settings = getattr(r, r.backend, None)
-    if (cfg.resources.rollout.replicas == 0 and rollout_tp > 1
-            and isinstance(settings, ServerSettings) and settings.sleep_level == 2):
+    if (
+        cfg.resources.rollout.replicas == 0
+        and rollout_tp > 1
+        and isinstance(settings, ServerSettings)
+        and settings.sleep_level == 2
+    ):
         raise ConfigError(
             f"rollout.{r.backend}.sleep_level=2 with rollout.{r.backend}.tensor_parallel_size="
             f"{rollout_tp} colocated: a server that dropped its weights gets them again from "
             "its own rank's export, which the ranks without a server would not join; use "
-            f"sleep_level=1, or rollout replicas of their own (resources.rollout.replicas)")
+            f"sleep_level=1, or rollout replicas of their own (resources.rollout.replicas)"
+        )
     per_rank = b.samples_per_step // dp
     if per_rank % b.mini_batches:
         raise ConfigError(
             f"each data-parallel rank holds batch.prompts_per_step x samples_per_prompt / dp = "
             f"{b.prompts_per_step} x {b.samples_per_prompt} / {dp} = {per_rank} samples, which "
-            f"batch.mini_batches={b.mini_batches} does not divide; choose a divisor of {per_rank}")
+            f"batch.mini_batches={b.mini_batches} does not divide; choose a divisor of {per_rank}"
+        )
     longest = cfg.data.max_prompt_tokens + r.response_budget
     for role in ("actor", "critic"):
         budget = getattr(cfg, role).micro_batch.max_tokens_per_microbatch
@@ -771,38 +855,46 @@ def validate(cfg: PPOConfig) -> None:
                 f"a sample can reach data.max_prompt_tokens + {r.budget_name} = "
                 f"{cfg.data.max_prompt_tokens} + {r.response_budget} = {longest} tokens, more "
                 f"than {role}.micro_batch.max_tokens_per_microbatch={budget}; raise the budget "
-                "or lower one of the two")
+                "or lower one of the two"
+            )
     if a.needs("groups") and r.temperature == 0:
         raise ConfigError(
             f"rollout.temperature=0 with algorithm.adv_estimator={a.adv_estimator!r}: greedy "
             "sampling gives every sample of a prompt's group the same response, so the "
             "group-relative advantages are all 0 and nothing is learnt; set rollout.temperature "
             "> 0 (e.g. 1.0), or choose an estimator that does not compare samples of one prompt "
-            "(e.g. reinforce_plus_plus); greedy evaluation is trainer.val.temperature=0")
+            "(e.g. reinforce_plus_plus); greedy evaluation is trainer.val.temperature=0"
+        )
     if a.needs("groups") and b.samples_per_prompt < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} compares samples of one prompt; "
-            f"batch.samples_per_prompt={b.samples_per_prompt} must be >= 2")
+            f"batch.samples_per_prompt={b.samples_per_prompt} must be >= 2"
+        )
     if a.needs("k") and b.samples_per_prompt < a.advantage.passk_k:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} with algorithm.advantage.passk_k="
             f"{a.advantage.passk_k} needs at least k samples per prompt; "
-            f"batch.samples_per_prompt={b.samples_per_prompt}: raise it or lower passk_k")
+            f"batch.samples_per_prompt={b.samples_per_prompt}: raise it or lower passk_k"
+        )
     if a.needs("token_stats"):
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} needs sum_pi_squared (sum over the "
             "vocabulary of pi_old^2 per token), which the trainer does not compute; choose "
-            "e.g. algorithm.adv_estimator=grpo or opo")
+            "e.g. algorithm.adv_estimator=grpo or opo"
+        )
     if a.needs("baselines") and r.uses_agent_loop:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator!r} takes the greedy response's reward "
             "as the baseline, which the trainer generates with plain `generate`; it is not "
-            "supported with rollout.agent_loop")
+            "supported with rollout.agent_loop"
+        )
     replicas = cfg.resources.rollout.replicas
     if cfg.trainer.mode == "async":
         if replicas < 1:
-            raise ConfigError("trainer.mode=async streams samples from rollout replicas on a pool "
-                              "of their own; set resources.rollout.replicas >= 1")
+            raise ConfigError(
+                "trainer.mode=async streams samples from rollout replicas on a pool "
+                "of their own; set resources.rollout.replicas >= 1"
+            )
         t = cfg.trainer
         per = t.async_groups_per_request
         capacity = t.async_in_flight * replicas * per
@@ -815,44 +907,61 @@ def validate(cfg: PPOConfig) -> None:
                 f"= {capacity} groups in flight or waiting, fewer than the "
                 f"batch.prompts_per_step + async_groups_per_request - 1 = "
                 f"{b.prompts_per_step + per - 1} a step needs; raise async_in_flight or the "
-                "replicas")
+                "replicas"
+            )
         if a.dynamic_sampling or a.needs("baselines"):
-            raise ConfigError("trainer.mode=async: algorithm.dynamic_sampling and greedy-baseline "
-                              f"estimators ({a.adv_estimator!r}) need the sync or one_step_off mode")
+            raise ConfigError(
+                "trainer.mode=async: algorithm.dynamic_sampling and greedy-baseline "
+                f"estimators ({a.adv_estimator!r}) need the sync or one_step_off mode"
+            )
     if cfg.trainer.partial_rollout:
         if cfg.trainer.mode != "async":
-            raise ConfigError(f"trainer.partial_rollout=true interrupts generations in flight on "
-                              f"rollout replicas when weights arrive; it needs trainer.mode=async "
-                              f"(now {cfg.trainer.mode!r})")
+            raise ConfigError(
+                f"trainer.partial_rollout=true interrupts generations in flight on "
+                f"rollout replicas when weights arrive; it needs trainer.mode=async "
+                f"(now {cfg.trainer.mode!r})"
+            )
         from tephra.rollout.base import ROLLOUT_BACKENDS, can_pause
 
         if not can_pause(ROLLOUT_BACKENDS.get(r.backend)):
             pausable = [n for n in ROLLOUT_BACKENDS if can_pause(ROLLOUT_BACKENDS.get(n))]
-            raise ConfigError(f"trainer.partial_rollout=true: rollout.backend={r.backend!r} cannot "
-                              "interrupt a generation in flight for a weight update (it has no "
-                              f"`paused()`); use one of {pausable} or set "
-                              "trainer.partial_rollout=false")
+            raise ConfigError(
+                f"trainer.partial_rollout=true: rollout.backend={r.backend!r} cannot "
+                "interrupt a generation in flight for a weight update (it has no "
+                f"`paused()`); use one of {pausable} or set "
+                "trainer.partial_rollout=false"
+            )
     if a.dynamic_sampling and b.samples_per_prompt < 2:
-        raise ConfigError("algorithm.dynamic_sampling drops groups whose samples all scored the "
-                          f"same; batch.samples_per_prompt={b.samples_per_prompt} must be >= 2")
+        raise ConfigError(
+            "algorithm.dynamic_sampling drops groups whose samples all scored the "
+            f"same; batch.samples_per_prompt={b.samples_per_prompt} must be >= 2"
+        )
     if not 0 <= a.overlong_buffer <= r.response_budget:
         raise ConfigError(
             f"algorithm.overlong_buffer={a.overlong_buffer} must be between 0 (off) and the "
-            f"response budget {r.budget_name}={r.response_budget}")
+            f"response budget {r.budget_name}={r.response_budget}"
+        )
     if a.needs("values") and cfg.critic.engine != cfg.actor.engine:
-        raise ConfigError(f"critic.engine={cfg.critic.engine!r} differs from actor.engine="
-                          f"{cfg.actor.engine!r}; the colocated worker runs one backend")
+        raise ConfigError(
+            f"critic.engine={cfg.critic.engine!r} differs from actor.engine="
+            f"{cfg.actor.engine!r}; the colocated worker runs one backend"
+        )
     loss = cfg.actor.objective.policy_loss
-    if POLICY_LOSSES.meta(loss).get("old_log_probs") == "rollout" and a.rollout_correction != "bypass":
+    if (
+        POLICY_LOSSES.meta(loss).get("old_log_probs") == "rollout"
+        and a.rollout_correction != "bypass"
+    ):
         raise ConfigError(
             f"actor.objective.policy_loss={loss!r} takes the rollout log-probs as the old "
             f"log-probs; set algorithm.rollout_correction=bypass with it (now "
-            f"{a.rollout_correction!r})")
+            f"{a.rollout_correction!r})"
+        )
     if a.rollout_correction != "none" and cfg.actor.objective.tis_level is not None:
         raise ConfigError(
             f"algorithm.rollout_correction={a.rollout_correction!r} with actor.objective."
             f"tis_level={cfg.actor.objective.tis_level!r} would correct twice; use "
-            "algorithm.rollout_correction=tis (and its _level / _cap) alone")
+            "algorithm.rollout_correction=tis (and its _level / _cap) alone"
+        )
     check_role_pools(cfg)
     if cfg.data.has_images:
         check_image_support(cfg)
@@ -879,13 +988,18 @@ def check_reward_files(reward: RewardConfig) -> None:
     imported here, as each worker imports it later); the reward model folder exists."""
     if reward.custom_function_path:
         try:
-            load_reward_function(reward.custom_function_path, reward.custom_function_name,
-                                 reward.custom_function_kwargs)
+            load_reward_function(
+                reward.custom_function_path,
+                reward.custom_function_name,
+                reward.custom_function_kwargs,
+            )
         except RewardFunctionError as exc:
             raise ConfigError(f"reward.custom_function_path: {exc}") from None
     if reward.reward_model_path and not Path(reward.reward_model_path).expanduser().is_dir():
-        raise ConfigError(f"reward.reward_model_path={reward.reward_model_path!r}: no such "
-                          "folder; give a Hugging Face sequence-classifier folder")
+        raise ConfigError(
+            f"reward.reward_model_path={reward.reward_model_path!r}: no such "
+            "folder; give a Hugging Face sequence-classifier folder"
+        )
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -894,8 +1008,10 @@ def check_run_dir(run_dir: str) -> None:
     existing = next(p for p in (path, *path.parents) if p.exists())
     fix = "set trainer.run_dir to a folder you can write"
     if not existing.is_dir():
-        raise ConfigError(f"trainer.run_dir={run_dir!r} cannot be created: {existing} is a "
-                          f"file, not a folder; {fix}")
+        raise ConfigError(
+            f"trainer.run_dir={run_dir!r} cannot be created: {existing} is a "
+            f"file, not a folder; {fix}"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == path else f"cannot be created in {existing}"
         raise ConfigError(f"trainer.run_dir={run_dir!r} {what} (permission denied); {fix}")
@@ -913,14 +1029,18 @@ def check_resume(t: TrainerSection) -> None:
         if not folder.is_dir():
             raise ConfigError(f"trainer.resume_from={t.resume_from!r}: no such folder; {fix}")
         if not (folder / MANIFEST).is_file():
-            raise ConfigError(f"trainer.resume_from={t.resume_from!r}: {MANIFEST} is missing, "
-                              f"so it is no complete checkpoint; {fix}")
+            raise ConfigError(
+                f"trainer.resume_from={t.resume_from!r}: {MANIFEST} is missing, "
+                f"so it is no complete checkpoint; {fix}"
+            )
     elif t.resume == "must":
         root = Path(t.run_dir).expanduser() / "checkpoints"
         if not CheckpointManager(root).committed():
-            raise ConfigError(f"trainer.resume=must but {root} holds no checkpoint; run once "
-                              "with trainer.save_every or trainer.save_final set, set "
-                              "trainer.resume_from, or use trainer.resume=auto")
+            raise ConfigError(
+                f"trainer.resume=must but {root} holds no checkpoint; run once "
+                "with trainer.save_every or trainer.save_final set, set "
+                "trainer.resume_from, or use trainer.resume=auto"
+            )
 
 
 def check_resources(r: ResourcesSection) -> None:
@@ -938,19 +1058,29 @@ def check_resources(r: ResourcesSection) -> None:
     cpus, gpus = machine_capacity(num_cpus)
     p = r.rollout
     for kind, per_rank, per_replica, have, hint in (
-            ("CPUs", r.cpus_per_rank, p.cpus_per_replica, cpus,
-             f"this machine has {cpus:g}" if num_cpus is None
-             else f"resources.num_cpus={num_cpus}"),
-            ("GPUs", r.gpus_per_rank, p.gpus_per_replica, gpus, f"this machine has {gpus}")):
+        (
+            "CPUs",
+            r.cpus_per_rank,
+            p.cpus_per_replica,
+            cpus,
+            f"this machine has {cpus:g}" if num_cpus is None else f"resources.num_cpus={num_cpus}",
+        ),
+        ("GPUs", r.gpus_per_rank, p.gpus_per_replica, gpus, f"this machine has {gpus}"),
+    ):
         need = r.world_size * per_rank + p.replicas * per_replica
         if need > have:
             kind_l = kind[:-1].lower()
-            replicas = (f" + resources.rollout.replicas={p.replicas} x {kind_l}s_per_replica="
-                        f"{per_replica:g}" if p.replicas else "")
+            replicas = (
+                f" + resources.rollout.replicas={p.replicas} x {kind_l}s_per_replica="
+                f"{per_replica:g}"
+                if p.replicas
+                else ""
+            )
             raise ConfigError(
                 f"resources.world_size={r.world_size} x resources.{kind_l}s_per_rank="
                 f"{per_rank:g}{replicas} = {need:g} {kind}, but {hint}; lower world_size or "
-                f"{kind_l}s_per_rank, or join a cluster with resources.ray_address")
+                f"{kind_l}s_per_rank, or join a cluster with resources.ray_address"
+            )
 
 
 def weight_path(cfg: PPOConfig) -> str:
@@ -971,28 +1101,40 @@ def weight_path(cfg: PPOConfig) -> str:
                 f"gpus_per_replica={pool.gpus_per_replica}: with fractions Ray may put a "
                 "rollout replica on a training rank's GPU, where the NCCL weight broadcast "
                 "between them cannot run (NCCL refuses two ranks of one communicator on one "
-                "GPU); give both whole GPUs, or colocate (resources.rollout.replicas=0)")
-        hops.append(f"training rank 0 -> {pool.replicas} rollout replica(s): "
-                    f"{'nccl (different GPUs)' if both_gpu else 'gloo'}")
+                "GPU); give both whole GPUs, or colocate (resources.rollout.replicas=0)"
+            )
+        hops.append(
+            f"training rank 0 -> {pool.replicas} rollout replica(s): "
+            f"{'nccl (different GPUs)' if both_gpu else 'gloo'}"
+        )
     settings = getattr(cfg.rollout, cfg.rollout.backend, None)
     if not isinstance(settings, ServerSettings):
-        hops.append(f"{'replica' if pool.replicas else 'trainer'} -> in-process "
-                    f"{cfg.rollout.backend} rollout: tensors copied in place")
+        hops.append(
+            f"{'replica' if pool.replicas else 'trainer'} -> in-process "
+            f"{cfg.rollout.backend} rollout: tensors copied in place"
+        )
     elif settings.weight_sync == "disk":
         hops.append(f"-> {cfg.rollout.backend} server: safetensors on disk (weight_sync=disk)")
     else:
         gpu = (pool.gpus_per_replica if pool.replicas else r.gpus_per_rank) > 0
-        placement = Placement("cuda" if gpu else "cpu", same_device=settings.url is None,
-                              server_gpus=settings.tensor_parallel_size
-                              * settings.data_parallel_size)
+        placement = Placement(
+            "cuda" if gpu else "cpu",
+            same_device=settings.url is None,
+            server_gpus=settings.tensor_parallel_size * settings.data_parallel_size,
+        )
         backend = cfg.rollout.backend
         protocol = getattr(ROLLOUT_BACKENDS.get(backend), "protocol_class", None)
-        transport = choose_transport(f"rollout.{backend}.weight_transport",
-                                     settings.weight_transport, placement,
-                                     *((protocol.weight_transports, backend) if protocol else ()))
+        transport = choose_transport(
+            f"rollout.{backend}.weight_transport",
+            settings.weight_transport,
+            placement,
+            *((protocol.weight_transports, backend) if protocol else ()),
+        )
         how = "auto" if settings.weight_transport == "auto" else "set"
-        hops.append(f"{'replica' if pool.replicas else 'trainer'} -> {backend} server: "
-                    f"{transport} ({how}; {placement.describe()})")
+        hops.append(
+            f"{'replica' if pool.replicas else 'trainer'} -> {backend} server: "
+            f"{transport} ({how}; {placement.describe()})"
+        )
     return "weight transport: " + "; ".join(hops)
 
 
@@ -1000,60 +1142,96 @@ def check_role_pools(cfg: PPOConfig) -> None:
     """A pool of its own for the reference or critic must have a use and must split the
     step's samples as the actor's ranks do (equal shares that divide into mini-batches)."""
     b = cfg.batch
-    uses = {"ref": (cfg.needs_reference and not cfg.actor.lora.enabled,
-                    "nothing uses a reference: set actor.objective.use_kl_loss=true or "
-                    "algorithm.kl_in_reward, and no actor.lora (its reference is the actor "
-                    "with the adapters off)"),
-            "critic": (cfg.algorithm.needs("values"),
-                       f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} uses no critic")}
+    uses = {
+        "ref": (
+            cfg.needs_reference and not cfg.actor.lora.enabled,
+            "nothing uses a reference: set actor.objective.use_kl_loss=true or "
+            "algorithm.kl_in_reward, and no actor.lora (its reference is the actor "
+            "with the adapters off)",
+        ),
+        "critic": (
+            cfg.algorithm.needs("values"),
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} uses no critic",
+        ),
+    }
     for role, (used, why) in uses.items():
         ranks = getattr(cfg.resources, role).ranks
         if not ranks:
             continue
         if not used:
-            raise ConfigError(f"resources.{role}.ranks={ranks}, but {why}; set "
-                              f"resources.{role}.ranks=0")
+            raise ConfigError(
+                f"resources.{role}.ranks={ranks}, but {why}; set resources.{role}.ranks=0"
+            )
         parallel = (cfg.critic if role == "critic" else cfg.actor).parallel
         try:
             dp = parallel.data_parallel_size(ranks)
         except ConfigError as exc:
-            raise ConfigError(f"resources.{role}.ranks={ranks}: {exc}; make it a multiple of "
-                              "the role's tensor x pipeline x context sizes") from None
+            raise ConfigError(
+                f"resources.{role}.ranks={ranks}: {exc}; make it a multiple of "
+                "the role's tensor x pipeline x context sizes"
+            ) from None
         if b.samples_per_step % dp or (b.samples_per_step // dp) % b.mini_batches:
             raise ConfigError(
                 f"resources.{role}.ranks={ranks} gives {dp} data-parallel ranks, which the "
                 f"step's {b.samples_per_step} samples (in batch.mini_batches={b.mini_batches} "
                 "mini-batches) do not split into equal shares; choose a data-parallel size "
-                f"that divides {b.samples_per_step // b.mini_batches}")
+                f"that divides {b.samples_per_step // b.mini_batches}"
+            )
 
 
 def check_image_support(cfg: PPOConfig) -> None:
     """Images travel through the hf rollout and the fsdp engine in the sync loop only."""
-    what = ("data.source=colour_squares" if cfg.data.source == "colour_squares"
-            else "data.images=true")
+    what = (
+        "data.source=colour_squares" if cfg.data.source == "colour_squares" else "data.images=true"
+    )
     r, a = cfg.rollout, cfg.algorithm
     refused = [
-        (r.backend != "hf", f"rollout.backend={r.backend!r}: only the hf backend generates "
-                            "with images; set rollout.backend=hf"),
-        (cfg.actor.engine != "fsdp", f"actor.engine={cfg.actor.engine!r}: only the fsdp engine "
-                                     "trains vision-language models; set actor.engine=fsdp"),
-        (r.uses_agent_loop, f"rollout.agent_loop={r.agent_loop!r}: agent loops do not take "
-                            "images yet; leave rollout.agent_loop unset"),
-        (cfg.trainer.mode != "sync", f"trainer.mode={cfg.trainer.mode!r}: images are supported "
-                                     "in the sync mode only; set trainer.mode=sync"),
-        (cfg.resources.rollout.replicas > 0,
-         f"resources.rollout.replicas={cfg.resources.rollout.replicas}: separate rollout "
-         "replicas do not take images yet; set resources.rollout.replicas=0"),
-        (a.needs("values"), f"algorithm.adv_estimator={a.adv_estimator!r} needs a critic, and "
-                            "a value model on a vision-language model is not supported; "
-                            "choose e.g. grpo"),
-        (a.needs("baselines"), f"algorithm.adv_estimator={a.adv_estimator!r} generates greedy "
-                               "baselines, not supported with images yet; choose e.g. grpo"),
-        (cfg.actor.lora.enabled, "actor.lora: LoRA on a vision-language model is not supported "
-                                 "yet; set actor.lora.rank=0"),
-        (cfg.actor.parallel.context > 1,
-         f"actor.parallel.context={cfg.actor.parallel.context}: Ulysses does not take images "
-         "yet; set actor.parallel.context=1"),
+        (
+            r.backend != "hf",
+            f"rollout.backend={r.backend!r}: only the hf backend generates "
+            "with images; set rollout.backend=hf",
+        ),
+        (
+            cfg.actor.engine != "fsdp",
+            f"actor.engine={cfg.actor.engine!r}: only the fsdp engine "
+            "trains vision-language models; set actor.engine=fsdp",
+        ),
+        (
+            r.uses_agent_loop,
+            f"rollout.agent_loop={r.agent_loop!r}: agent loops do not take "
+            "images yet; leave rollout.agent_loop unset",
+        ),
+        (
+            cfg.trainer.mode != "sync",
+            f"trainer.mode={cfg.trainer.mode!r}: images are supported "
+            "in the sync mode only; set trainer.mode=sync",
+        ),
+        (
+            cfg.resources.rollout.replicas > 0,
+            f"resources.rollout.replicas={cfg.resources.rollout.replicas}: separate rollout "
+            "replicas do not take images yet; set resources.rollout.replicas=0",
+        ),
+        (
+            a.needs("values"),
+            f"algorithm.adv_estimator={a.adv_estimator!r} needs a critic, and "
+            "a value model on a vision-language model is not supported; "
+            "choose e.g. grpo",
+        ),
+        (
+            a.needs("baselines"),
+            f"algorithm.adv_estimator={a.adv_estimator!r} generates greedy "
+            "baselines, not supported with images yet; choose e.g. grpo",
+        ),
+        (
+            cfg.actor.lora.enabled,
+            "actor.lora: LoRA on a vision-language model is not supported "
+            "yet; set actor.lora.rank=0",
+        ),
+        (
+            cfg.actor.parallel.context > 1,
+            f"actor.parallel.context={cfg.actor.parallel.context}: Ulysses does not take images "
+            "yet; set actor.parallel.context=1",
+        ),
     ]
     for bad, why in refused:
         if bad:
@@ -1079,10 +1257,13 @@ def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> Non
             continue
         # the backend reads the model's config.json where there is one (its shape against the
         # parallel layout); nothing is built or converted here
-        model = replace(cfg.model, path=model_folder or declared_model_folder(
-            cfg.model.path, cfg.trainer.seed))
+        model = replace(
+            cfg.model, path=model_folder or declared_model_folder(cfg.model.path, cfg.trainer.seed)
+        )
         try:
-            check(role_cfg.engine_config(model, role, 1.0, cfg.trainer.seed, device=device),
-                  world_size=cfg.resources.world_size)
+            check(
+                role_cfg.engine_config(model, role, 1.0, cfg.trainer.seed, device=device),
+                world_size=cfg.resources.world_size,
+            )
         except ConfigError as exc:
             raise ConfigError(f"{section}.engine={role_cfg.engine!r}: {exc}") from None

@@ -122,8 +122,9 @@ class Round:
         for g in self.kept_groups:
             item = self.items[g]
             row = f", dataset row {self.indices[g]}" if self.indices else ""
-            names += [f"prompt {item.sample_id!r}{row}, data_source "
-                      f"{item.record.data_source!r}"] * self.n
+            names += [
+                f"prompt {item.sample_id!r}{row}, data_source {item.record.data_source!r}"
+            ] * self.n
         return names
 
     @property
@@ -145,9 +146,16 @@ PENDING_FILE = "pending_batch.json"
 
 def round_to_dict(rnd: Round) -> dict[str, Any]:
     """A round as JSON data; its items are rebuilt from `indices` and `tag` on load."""
-    return {"indices": rnd.indices, "tag": rnd.tag, "n": rnd.n, "kept_groups": rnd.kept_groups,
-            "informative": rnd.informative, "filler": rnd.filler, "scored": rnd.scored,
-            "samples": [sample_to_dict(s) for s in rnd.samples]}
+    return {
+        "indices": rnd.indices,
+        "tag": rnd.tag,
+        "n": rnd.n,
+        "kept_groups": rnd.kept_groups,
+        "informative": rnd.informative,
+        "filler": rnd.filler,
+        "scored": rnd.scored,
+        "samples": [sample_to_dict(s) for s in rnd.samples],
+    }
 
 
 def round_from_dict(data: dict[str, Any], items: list[PromptItem]) -> Round:
@@ -155,10 +163,17 @@ def round_from_dict(data: dict[str, Any], items: list[PromptItem]) -> Round:
     samples = [sample_from_dict(s) for s in data["samples"]]
     for k, s in enumerate(samples):  # images are not in the JSON: they come from the prompts
         s.multimodal = items[k // data["n"]].multimodal
-    return Round(items, samples, data["n"],
-                 kept_groups=list(data["kept_groups"]), informative=data["informative"],
-                 filler=data["filler"], indices=list(data["indices"]), tag=data["tag"],
-                 scored=data["scored"])
+    return Round(
+        items,
+        samples,
+        data["n"],
+        kept_groups=list(data["kept_groups"]),
+        informative=data["informative"],
+        filler=data["filler"],
+        indices=list(data["indices"]),
+        tag=data["tag"],
+        scored=data["scored"],
+    )
 
 
 def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
@@ -166,15 +181,24 @@ def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
     each sample's `weight_version`) mean and max, and the samples' versions min and max."""
     versions = [s.weight_version for s in samples]
     lags = [version - v for v in versions]
-    return {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags)),
-            "staleness/weight_version_min": float(min(versions)),
-            "staleness/weight_version_max": float(max(versions))}
+    return {
+        "staleness/mean": sum(lags) / len(lags),
+        "staleness/max": float(max(lags)),
+        "staleness/weight_version_min": float(min(versions)),
+        "staleness/weight_version_max": float(max(versions)),
+    }
 
 
-def correct_old_log_probs(batch: TensorDict, correction: Any, recompute: bool,
-                          compute_log_probs: Callable[[TensorDict], torch.Tensor], *,
-                          probe_rows: int = 0, dp_size: int = 1, probe_seed: int = 0,
-                          ) -> tuple[dict[str, float], int]:
+def correct_old_log_probs(
+    batch: TensorDict,
+    correction: Any,
+    recompute: bool,
+    compute_log_probs: Callable[[TensorDict], torch.Tensor],
+    *,
+    probe_rows: int = 0,
+    dp_size: int = 1,
+    probe_seed: int = 0,
+) -> tuple[dict[str, float], int]:
     """Set batch["old_log_probs"] (and ["rollout_is_weights"], and ["rejection_keep"] when
     rejection sampling is on) as `correction` (a tephra.algos.RolloutCorrectionConfig) says;
     returns (`rollout_corr/*` metrics, forward passes run). The trainer's log-probs are
@@ -192,14 +216,17 @@ def correct_old_log_probs(batch: TensorDict, correction: Any, recompute: bool,
     train = batch["old_log_probs"] if passes else None
     if "rollout_log_probs" not in batch.keys():
         if correction.mode != "none" or correction.rejection:
-            raise ConfigError(f"algorithm.rollout_correction={correction.mode!r} (and "
-                              "algorithm.rollout_rejection) need the rollout's per-token "
-                              "log-probs, which this rollout did not return")
+            raise ConfigError(
+                f"algorithm.rollout_correction={correction.mode!r} (and "
+                "algorithm.rollout_rejection) need the rollout's per-token "
+                "log-probs, which this rollout did not return"
+            )
         return {}, passes
     if correction.mode == "none" and train is None:
         return mismatch_probe(batch, probe_rows, dp_size, probe_seed, compute_log_probs), passes
-    out = apply_rollout_correction(correction, batch["rollout_log_probs"], batch["response_mask"],
-                                   train)
+    out = apply_rollout_correction(
+        correction, batch["rollout_log_probs"], batch["response_mask"], train
+    )
     batch["old_log_probs"] = out.old_log_probs
     if out.weights is not None:
         batch["rollout_is_weights"] = out.weights.to(batch["rollout_log_probs"].dtype)
@@ -217,8 +244,13 @@ def round_seed(run_seed: int, step: int, r: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
-def mismatch_probe(batch: TensorDict, rows: int, dp_size: int, seed: int,
-                   compute_log_probs: Callable[[TensorDict], torch.Tensor]) -> dict[str, float]:
+def mismatch_probe(
+    batch: TensorDict,
+    rows: int,
+    dp_size: int,
+    seed: int,
+    compute_log_probs: Callable[[TensorDict], torch.Tensor],
+) -> dict[str, float]:
     """`rollout_corr/*` mismatch metrics (tephra.algos.rollout_mismatch_metrics) on `rows`
     random rows (rounded to the data-parallel size, at least one per rank), whose trainer
     log-probs are computed for it; {} when `rows` is 0. `rollout_corr/probe_rows` says how
@@ -229,8 +261,9 @@ def mismatch_probe(batch: TensorDict, rows: int, dp_size: int, seed: int,
     k = min(n, max(dp_size, rows - rows % dp_size))
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k].sort().values
     sub = batch[idx]
-    metrics = rollout_mismatch_metrics(compute_log_probs(sub), sub["rollout_log_probs"],
-                                       sub["response_mask"])
+    metrics = rollout_mismatch_metrics(
+        compute_log_probs(sub), sub["rollout_log_probs"], sub["response_mask"]
+    )
     metrics["rollout_corr/probe_rows"] = float(k)
     return metrics
 
@@ -256,7 +289,8 @@ def check_mismatch_alarm(metrics: dict[str, float], threshold: float | None, ste
         f"computes in another dtype than the trainer (rollout.dtype, actor.precision), another "
         f"backend's kernels (rollout.backend), or another chat template or tokenizer than the "
         f"trainer's. Raise the threshold, or correct for it with algorithm.rollout_correction="
-        f"tis or algorithm.rollout_rejection")
+        f"tis or algorithm.rollout_rejection"
+    )
 
 
 class MismatchAlarm(TephraError, RuntimeError):
@@ -267,10 +301,12 @@ def dynamic_sampling_metrics(rounds: list[Round]) -> dict[str, float]:
     """`dapo/*`: generation rounds, prompt groups generated, flat ones among them (all samples
     scored the same), and flat groups trained on to fill the batch (0 when enough came)."""
     generated = sum(r.n_groups for r in rounds)
-    return {"dapo/gen_rounds": float(len(rounds)),
-            "dapo/groups_generated": float(generated),
-            "dapo/groups_flat": float(generated - sum(r.informative for r in rounds)),
-            "dapo/groups_filled": float(sum(r.filler for r in rounds))}
+    return {
+        "dapo/gen_rounds": float(len(rounds)),
+        "dapo/groups_generated": float(generated),
+        "dapo/groups_flat": float(generated - sum(r.informative for r in rounds)),
+        "dapo/groups_filled": float(sum(r.filler for r in rounds)),
+    }
 
 
 def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -283,14 +319,21 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
     return out
 
 
-def step_flops(n_params: int, batch: TensorDict, forward_passes: int, trained_passes: int,
-               generated_tokens: int) -> float:
+def step_flops(
+    n_params: int,
+    batch: TensorDict,
+    forward_passes: int,
+    trained_passes: int,
+    generated_tokens: int,
+) -> float:
     """Model FLOPs of one step: 2N per token of every forward-only pass (generation, reference,
     values, old log-probs) and 6N per token of every trained pass (forward + backward)."""
     tokens = int(batch["attention_mask"].sum())
     prompt_tokens = tokens - int((batch["attention_mask"] * batch["response_mask"]).sum())
     generation = 2 * n_params * (prompt_tokens + generated_tokens)
-    return generation + 2 * n_params * tokens * forward_passes + 6 * n_params * tokens * trained_passes
+    return (
+        generation + 2 * n_params * tokens * forward_passes + 6 * n_params * tokens * trained_passes
+    )
 
 
 def time_share(records: list[dict[str, Any]]) -> dict[str, float]:
@@ -301,7 +344,7 @@ def time_share(records: list[dict[str, Any]]) -> dict[str, float]:
     for r in records:
         for key, value in r.items():
             if key.startswith("time/") and key not in ("time/step_s", "time/reward_s"):
-                stage = key[len("time/"):-len("_s")]
+                stage = key[len("time/") : -len("_s")]
                 stages[stage] = stages.get(stage, 0.0) + value
     return {k: v / total for k, v in sorted(stages.items(), key=lambda kv: -kv[1])} if total else {}
 
@@ -329,10 +372,20 @@ driver."""
 class Trainer:
     """Runs `cfg.trainer.steps` RL steps on a worker group of `RLWorker`s."""
 
-    def __init__(self, cfg: PPOConfig, wg: WorkerGroup, tokenizer: Any, train: Prompts,
-                 val: Prompts, run_dir: Path, n_params: int, peak_flops: float,
-                 make_group: Any = None, make_replicas: Any = None,
-                 make_role_groups: Any = None) -> None:
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        wg: WorkerGroup,
+        tokenizer: Any,
+        train: Prompts,
+        val: Prompts,
+        run_dir: Path,
+        n_params: int,
+        peak_flops: float,
+        make_group: Any = None,
+        make_replicas: Any = None,
+        make_role_groups: Any = None,
+    ) -> None:
         from tephra.algos import AdaptiveKLController, FixedKLController
         from tephra.rollout.base import SamplingParams
 
@@ -344,15 +397,24 @@ class Trainer:
         a = cfg.algorithm
         self.needs_critic, self.needs_ref = a.needs("values"), cfg.needs_reference
         kl = a.kl_in_reward
-        self.kl_ctrl = (AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon)
-                        if kl.controller == "adaptive" else FixedKLController(kl.coef))
+        self.kl_ctrl = (
+            AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon)
+            if kl.controller == "adaptive"
+            else FixedKLController(kl.coef)
+        )
         stops = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
         r = cfg.rollout
-        self.sampling = SamplingParams(n=cfg.batch.samples_per_prompt, temperature=r.temperature,
-                                       top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                                       stop_token_ids=stops)
-        self.greedy = SamplingParams(n=1, temperature=0.0, max_tokens=r.max_tokens,
-                                     stop_token_ids=stops, logprobs=False)
+        self.sampling = SamplingParams(
+            n=cfg.batch.samples_per_prompt,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_tokens,
+            stop_token_ids=stops,
+        )
+        self.greedy = SamplingParams(
+            n=1, temperature=0.0, max_tokens=r.max_tokens, stop_token_ids=stops, logprobs=False
+        )
         self.multi_turn = r.uses_agent_loop
         self.step = 0
         self.make_group = make_group
@@ -360,8 +422,12 @@ class Trainer:
         self.restarts = 0
         self.one_step_off = cfg.trainer.mode == "one_step_off"
         # a worker thread generates ahead only when one plain `generate` makes the batch
-        self.overlap = (self.one_step_off and cfg.trainer.overlap_generation
-                        and not a.dynamic_sampling and not a.needs("baselines"))
+        self.overlap = (
+            self.one_step_off
+            and cfg.trainer.overlap_generation
+            and not a.dynamic_sampling
+            and not a.needs("baselines")
+        )
         self.pending: list[Round] | None = None
         """The next step's batch, generated ahead (one_step_off) and scored."""
         self.skips_flat = can_skip_flat(cfg.actor.objective)
@@ -395,16 +461,27 @@ class Trainer:
         self.replicas.version = self.step
         t = self.cfg.trainer
         if t.mode == "async":
-            self.stream = SampleStream(self.replicas, self.loader, self.train, self.sampling,
-                                       t.seed, self.cfg.batch.prompts_per_step, t.async_in_flight,
-                                       t.max_staleness, t.async_groups_per_request)
+            self.stream = SampleStream(
+                self.replicas,
+                self.loader,
+                self.train,
+                self.sampling,
+                t.seed,
+                self.cfg.batch.prompts_per_step,
+                t.async_in_flight,
+                t.max_staleness,
+                t.async_groups_per_request,
+            )
 
     # ----- stages ------------------------------------------------------------------------
     def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]:
         mm = prompts.multimodal
-        return [PromptItem(prompts.ids[i], prompts.records[i], f"{tag}-{j}",
-                           mm[i] if mm is not None else None)
-                for j, i in enumerate(indices)]
+        return [
+            PromptItem(
+                prompts.ids[i], prompts.records[i], f"{tag}-{j}", mm[i] if mm is not None else None
+            )
+            for j, i in enumerate(indices)
+        ]
 
     def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
         """Samples of `items` (prompt-major, `sampling.n` each) with their scores."""
@@ -432,16 +509,23 @@ class Trainer:
         from tephra.controller.evaluation import EvalRow, flat_metrics, summarise, write_jsonl
 
         v = self.cfg.trainer.val
-        sampling = self.greedy.replace(n=v.n, temperature=v.temperature, top_p=v.top_p,
-                                       seed=self.cfg.trainer.seed)
+        sampling = self.greedy.replace(
+            n=v.n, temperature=v.temperature, top_p=v.top_p, seed=self.cfg.trainer.seed
+        )
         indices = list(range(len(self.val.ids)))
         samples = self.generate(self.items(indices, self.val, f"val{self.step}"), sampling)
-        rows = [EvalRow(prompt=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
-                        response=s.text, score=s.score,
-                        ground_truth=self.val.records[k // v.n].ground_truth,
-                        data_source=self.val.records[k // v.n].data_source,
-                        answer=s.text.strip(), prompt_index=k // v.n)
-                for k, s in enumerate(samples)]
+        rows = [
+            EvalRow(
+                prompt=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
+                response=s.text,
+                score=s.score,
+                ground_truth=self.val.records[k // v.n].ground_truth,
+                data_source=self.val.records[k // v.n].data_source,
+                answer=s.text.strip(),
+                prompt_index=k // v.n,
+            )
+            for k, s in enumerate(samples)
+        ]
         summary = summarise(rows, v.n, v.ks)
         if self.cfg.trainer.dump_generations:
             write_jsonl(rows, self.run_dir / "generations" / f"val_step{self.step}.jsonl")
@@ -452,22 +536,42 @@ class Trainer:
         from tephra.controller.evaluation import EvalRow
 
         mask = batch["response_mask"].bool()
-        advantages = [float(batch["advantages"][i][mask[i]].mean()) if mask[i].any() else 0.0
-                      for i in range(len(samples))]
+        advantages = [
+            float(batch["advantages"][i][mask[i]].mean()) if mask[i].any() else 0.0
+            for i in range(len(samples))
+        ]
         n = self.cfg.batch.samples_per_prompt
-        rows = [EvalRow(prompt=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
-                        response=s.text, score=s.score, ground_truth=None, data_source="",
-                        answer=s.text.strip(), prompt_index=k // n, advantage=a)
-                for k, (s, a) in enumerate(zip(samples, advantages))]
+        rows = [
+            EvalRow(
+                prompt=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
+                response=s.text,
+                score=s.score,
+                ground_truth=None,
+                data_source="",
+                answer=s.text.strip(),
+                prompt_index=k // n,
+                advantage=a,
+            )
+            for k, (s, a) in enumerate(zip(samples, advantages))
+        ]
         path = self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:  # EvalRow plus the tokens and the generating weights' version(s)
             for row, s in zip(rows, samples):
                 versions = {} if s.token_versions is None else {"token_versions": s.token_versions}
-                tokens = {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
-                          "response_mask": s.response_mask, "finish_reason": s.finish_reason}
-                f.write(json.dumps({**asdict(row), **tokens, "weight_version": s.weight_version,
-                                    **versions}, default=str) + "\n")
+                tokens = {
+                    "prompt_ids": s.prompt_ids,
+                    "response_ids": s.response_ids,
+                    "response_mask": s.response_mask,
+                    "finish_reason": s.finish_reason,
+                }
+                f.write(
+                    json.dumps(
+                        {**asdict(row), **tokens, "weight_version": s.weight_version, **versions},
+                        default=str,
+                    )
+                    + "\n"
+                )
 
     def collect(self, step: int, scored: bool = False) -> list[Round]:
         """The rounds of generation of step `step` (0-based; it seeds the sampling), by the
@@ -496,8 +600,7 @@ class Trainer:
                 samples = self.wg.generate(items, sampling)
                 for s in samples:
                     s.weight_version = self.step
-            rnd = Round(items, samples, n, indices=idx, tag=tag,
-                        scored=self.replicas is not None)
+            rnd = Round(items, samples, n, indices=idx, tag=tag, scored=self.replicas is not None)
             rounds.append(rnd)
             if not cfg.algorithm.dynamic_sampling:
                 rnd.keep(list(range(len(idx))))
@@ -508,8 +611,9 @@ class Trainer:
             if not rnd.scored:
                 self.attach_scores(samples)
             rnd.scored = True
-            keep, _ = filter_groups(torch.tensor(rnd.scores, dtype=torch.float32),
-                                    torch.arange(len(samples)) // n)
+            keep, _ = filter_groups(
+                torch.tensor(rnd.scores, dtype=torch.float32), torch.arange(len(samples)) // n
+            )
             informative = [g for g in range(len(idx)) if bool(keep[g * n])]
             rnd.informative = len(informative)
             rnd.keep(informative[: want - kept_groups])
@@ -537,8 +641,14 @@ class Trainer:
             return rounds
         if self.stream is not None:
             items, indices, samples = self.stream.next_batch(self.step)
-            rnd = Round(items, self.check_scores(samples), self.cfg.batch.samples_per_prompt,
-                        indices=indices, tag=f"step{self.step}", scored=True)
+            rnd = Round(
+                items,
+                self.check_scores(samples),
+                self.cfg.batch.samples_per_prompt,
+                indices=indices,
+                tag=f"step{self.step}",
+                scored=True,
+            )
             rnd.keep(list(range(len(items))))
             return [rnd]
         return self.collect(self.step, scored=self.one_step_off)
@@ -591,9 +701,13 @@ class Trainer:
     def greedy_baselines(self, rounds: list[Round]) -> torch.Tensor:
         """ReMax's baseline: the reward of the greedy response to each sample's prompt [B]."""
         n = self.cfg.batch.samples_per_prompt
-        items = [PromptItem(rnd.items[g].prompt_ids, rnd.items[g].record,
-                            f"{rnd.items[g].sample_id}-greedy")
-                 for rnd in rounds for g in rnd.kept_groups]
+        items = [
+            PromptItem(
+                rnd.items[g].prompt_ids, rnd.items[g].record, f"{rnd.items[g].sample_id}-greedy"
+            )
+            for rnd in rounds
+            for g in rnd.kept_groups
+        ]
         greedy = self.generate(items, self.greedy)
         return torch.tensor([g.score for g in greedy for _ in range(n)], dtype=torch.float32)
 
@@ -606,29 +720,43 @@ class Trainer:
         if not a.overlong_buffer:
             return torch.zeros(len(samples))
         lengths = torch.tensor([len(s.response_ids) for s in samples])
-        return overlong_penalty(lengths, self.cfg.rollout.response_budget, a.overlong_buffer,
-                                a.overlong_penalty_factor)
+        return overlong_penalty(
+            lengths, self.cfg.rollout.response_budget, a.overlong_buffer, a.overlong_penalty_factor
+        )
 
-    def advantages(self, batch: TensorDict, token_rewards: torch.Tensor,
-                   baselines: torch.Tensor | None) -> None:
+    def advantages(
+        self, batch: TensorDict, token_rewards: torch.Tensor, baselines: torch.Tensor | None
+    ) -> None:
         from tephra.algos import compute_advantages
 
         a = self.cfg.algorithm
         adv, ret = compute_advantages(
-            a.adv_estimator, token_rewards=token_rewards, response_mask=batch["response_mask"],
-            group_ids=batch["uid"], values=batch["values"] if self.needs_critic else None,
-            config=a.advantage, baselines=baselines)
+            a.adv_estimator,
+            token_rewards=token_rewards,
+            response_mask=batch["response_mask"],
+            group_ids=batch["uid"],
+            values=batch["values"] if self.needs_critic else None,
+            config=a.advantage,
+            baselines=baselines,
+        )
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
 
-    def kl_reward(self, batch: TensorDict, token_rewards: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def kl_reward(
+        self, batch: TensorDict, token_rewards: torch.Tensor
+    ) -> tuple[torch.Tensor, dict]:
         """KL to the reference as a per-token reward penalty (algorithm.kl_in_reward)."""
         from tephra.algos import apply_kl_penalty, kl_penalty
 
-        kl = kl_penalty(batch["rollout_log_probs"] if "old_log_probs" not in batch.keys()
-                        else batch["old_log_probs"], batch["ref_log_probs"],
-                        self.cfg.algorithm.kl_in_reward.estimator)
-        rewards, metrics = apply_kl_penalty(token_rewards, batch["response_mask"], kl,
-                                            self.kl_ctrl.value)
+        kl = kl_penalty(
+            batch["rollout_log_probs"]
+            if "old_log_probs" not in batch.keys()
+            else batch["old_log_probs"],
+            batch["ref_log_probs"],
+            self.cfg.algorithm.kl_in_reward.estimator,
+        )
+        rewards, metrics = apply_kl_penalty(
+            token_rewards, batch["response_mask"], kl, self.kl_ctrl.value
+        )
         self.kl_ctrl.update(metrics["kl_penalty/kl"], batch.batch_size[0])
         return rewards, metrics
 
@@ -647,17 +775,19 @@ class Trainer:
             order = balanced_order(tokens, dp, self.cfg.batch.mini_batches)
             self.order = torch.tensor(order)
             self.inverse = torch.argsort(self.order)
-        return {"balance/max_over_min_tokens_before": before,
-                "balance/max_over_min_tokens_after": max_over_min(
-                    tokens, self.order.tolist() if self.order is not None else None, dp)}
+        return {
+            "balance/max_over_min_tokens_before": before,
+            "balance/max_over_min_tokens_after": max_over_min(
+                tokens, self.order.tolist() if self.order is not None else None, dp
+            ),
+        }
 
     def on_ranks(self, method: str, batch: TensorDict, role: str = "actor") -> Any:
         """A `DP_SPLIT` call of the training batch on the group holding `role`, in the order
         `balance` chose for the actor's group; per-row results come back in the batch's own
         order. Another batch (the mismatch probe's rows) goes as it is."""
         group = self.role_groups.get(role, self.wg)
-        if (self.order is None or group is not self.wg
-                or batch.batch_size[0] != len(self.order)):
+        if self.order is None or group is not self.wg or batch.batch_size[0] != len(self.order):
             return group.call(method, batch)
         out = group.call(method, batch[self.order])
         return out[self.inverse] if isinstance(out, TensorDict) else out
@@ -697,7 +827,9 @@ class Trainer:
                 metrics.update(partial_rollout_metrics(samples))
         forward_passes = 0
         if self.needs_ref:
-            batch["ref_log_probs"] = self.on_ranks("compute_ref_log_probs", batch, "ref")["log_probs"]
+            batch["ref_log_probs"] = self.on_ranks("compute_ref_log_probs", batch, "ref")[
+                "log_probs"
+            ]
             forward_passes += 1
             lap("ref")
         if self.needs_critic:
@@ -705,10 +837,14 @@ class Trainer:
             forward_passes += 1
             lap("values")
         corr_metrics, passes = correct_old_log_probs(
-            batch, cfg.algorithm.correction, cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1,
+            batch,
+            cfg.algorithm.correction,
+            cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1,
             lambda b: self.on_ranks("compute_log_probs", b)["log_probs"],
-            probe_rows=cfg.algorithm.mismatch_probe_rows, dp_size=self.wg.dp_size,
-            probe_seed=self.seed_of(self.step, 0))
+            probe_rows=cfg.algorithm.mismatch_probe_rows,
+            dp_size=self.wg.dp_size,
+            probe_seed=self.seed_of(self.step, 0),
+        )
         metrics.update(corr_metrics)
         check_mismatch_alarm(corr_metrics, cfg.algorithm.mismatch_alarm_kl, self.step + 1)
         if passes:
@@ -745,12 +881,20 @@ class Trainer:
         lap("advantages")
         trained_passes = 0
         if self.needs_critic:
-            metrics.update({f"critic/{k.split('/')[-1]}": v
-                            for k, v in self.on_ranks("update_critic", batch, "critic").items()})
+            metrics.update(
+                {
+                    f"critic/{k.split('/')[-1]}": v
+                    for k, v in self.on_ranks("update_critic", batch, "critic").items()
+                }
+            )
             trained_passes += cfg.batch.epochs
             lap("critic")
-        metrics.update({k if k.startswith("actor/") else f"actor/{k}": v
-                        for k, v in self.on_ranks("update_actor", batch).items()})
+        metrics.update(
+            {
+                k if k.startswith("actor/") else f"actor/{k}": v
+                for k, v in self.on_ranks("update_actor", batch).items()
+            }
+        )
         trained_passes += cfg.batch.epochs
         lap("actor")
         if self.ahead is not None:
@@ -768,23 +912,26 @@ class Trainer:
         total_tokens = int(batch["attention_mask"].sum())
         generated = int(sum(len(s.response_ids) for s in all_samples))
         flops = step_flops(self.n_params, batch, forward_passes, trained_passes, generated)
-        metrics.update({
-            "reward/mean": float(scores.mean()),
-            "reward/errors": float(sum(r.errors for r in rounds)),
-            "reward/timeouts": float(sum(r.timeouts for r in rounds)),
-            "reward/clipped": float(sum(r.clipped for r in rounds)),
-            # over every sample generated this step (dropped groups included): the policy's
-            # accuracy, not the filtered batch's
-            "accuracy/train": sum(accuracy_of(s.score) for s in all_samples) / len(all_samples),
-            "response/length_mean": float(resp_len.mean()),
-            "response/clip_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            "perf/tokens_per_s": total_tokens / step_s,
-            "perf/trained_tokens": float(batch["response_mask"].sum()),
-            "perf/flops": float(flops),
-            "perf/mfu": flops / step_s / self.peak_flops if self.peak_flops else 0.0,
-            "time/step_s": step_s,
-            **times,
-        })
+        metrics.update(
+            {
+                "reward/mean": float(scores.mean()),
+                "reward/errors": float(sum(r.errors for r in rounds)),
+                "reward/timeouts": float(sum(r.timeouts for r in rounds)),
+                "reward/clipped": float(sum(r.clipped for r in rounds)),
+                # over every sample generated this step (dropped groups included): the policy's
+                # accuracy, not the filtered batch's
+                "accuracy/train": sum(accuracy_of(s.score) for s in all_samples) / len(all_samples),
+                "response/length_mean": float(resp_len.mean()),
+                "response/clip_frac": sum(s.finish_reason == "length" for s in samples)
+                / len(samples),
+                "perf/tokens_per_s": total_tokens / step_s,
+                "perf/trained_tokens": float(batch["response_mask"].sum()),
+                "perf/flops": float(flops),
+                "perf/mfu": flops / step_s / self.peak_flops if self.peak_flops else 0.0,
+                "time/step_s": step_s,
+                **times,
+            }
+        )
         if self.multi_turn:
             metrics.update(agent_metrics(samples))
         if cfg.algorithm.overlong_buffer:
@@ -801,15 +948,21 @@ class Trainer:
             for group in self.groups():
                 group.save_checkpoint(str(folder))
             if self.pending is not None:  # the samples themselves: resuming needs no old weights
-                (folder / PENDING_FILE).write_text(json.dumps([round_to_dict(r) for r in self.pending]))
+                (folder / PENDING_FILE).write_text(
+                    json.dumps([round_to_dict(r) for r in self.pending])
+                )
 
-        self.ckpt.save(self.step, write, {"loader": self.loader.state_dict(),
-                                          "kl_coef": self.kl_ctrl.value})
+        self.ckpt.save(
+            self.step, write, {"loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+        )
 
     def maybe_resume(self, resume: str | None = None) -> bool:
         t = self.cfg.trainer
-        latest = (self.ckpt.resolve(resume) if resume is not None
-                  else self.ckpt.resolve(t.resume, t.resume_from))
+        latest = (
+            self.ckpt.resolve(resume)
+            if resume is not None
+            else self.ckpt.resolve(t.resume, t.resume_from)
+        )
         if latest is None:
             return False
         state = self.ckpt.load_trainer_state(latest)
@@ -821,8 +974,14 @@ class Trainer:
         self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
         self.step = int(state["step"])
         pending = latest / PENDING_FILE
-        self.pending = ([round_from_dict(r, self.items(r["indices"], self.train, r["tag"]))
-                         for r in json.loads(pending.read_text())] if pending.exists() else None)
+        self.pending = (
+            [
+                round_from_dict(r, self.items(r["indices"], self.train, r["tag"]))
+                for r in json.loads(pending.read_text())
+            ]
+            if pending.exists()
+            else None
+        )
         self.ahead = None
         print(f"resumed from {latest} at step {self.step}", flush=True)
         return True
@@ -855,8 +1014,11 @@ class Trainer:
             raise exc
         origin = getattr(exc, "cause", None) or exc  # a worker's own exception inside Ray's
         cause = str(origin).strip().splitlines()[0] if str(origin).strip() else ""
-        print(f"worker group failed at step {self.step + 1} ({type(origin).__name__}: {cause}); "
-              f"restart {self.restarts} of {self.cfg.trainer.max_restarts}", flush=True)
+        print(
+            f"worker group failed at step {self.step + 1} ({type(origin).__name__}: {cause}); "
+            f"restart {self.restarts} of {self.cfg.trainer.max_restarts}",
+            flush=True,
+        )
         self.close_group(grace_s=0)  # its live ranks may be stuck in a collective
         self.wg = self.make_group()
         self.role_groups = self.make_role_groups() if self.make_role_groups else {}
@@ -866,8 +1028,9 @@ class Trainer:
         if not self.maybe_resume(resume="auto"):
             self.step = 0
             self.pending = None
-            self.loader = PromptLoader(len(self.train.ids), self.cfg.batch.prompts_per_step,
-                                       self.cfg.trainer.seed)
+            self.loader = PromptLoader(
+                len(self.train.ids), self.cfg.batch.prompts_per_step, self.cfg.trainer.seed
+            )
         if self.make_replicas is not None:
             self.connect_replicas()
 
@@ -875,16 +1038,20 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, t0 = self.cfg.trainer, time.perf_counter()
         resumed = self.maybe_resume()
-        trackers = Trackers(cfg.trackers, self.run_dir, cfg.project, self.run_dir.name,
-                            to_dict(self.cfg))
+        trackers = Trackers(
+            cfg.trackers, self.run_dir, cfg.project, self.run_dir.name, to_dict(self.cfg)
+        )
         acc_before = None
         what = "greedy accuracy" if cfg.val.n == 1 else f"acc@{cfg.val.n}"
         if cfg.val_before and not resumed:
             t = time.perf_counter()
             acc_before, val_metrics = self.evaluate()
             trackers.log({"accuracy/val": acc_before, **val_metrics}, self.step)
-            print(f"held-out {what} before training: {acc_before:.3f} "
-                  f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)", flush=True)
+            print(
+                f"held-out {what} before training: {acc_before:.3f} "
+                f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)",
+                flush=True,
+            )
         bar = None
         if cfg.progress_bar:
             from tqdm import tqdm
@@ -922,14 +1089,21 @@ class Trainer:
             t = time.perf_counter()
             acc_after, val_metrics = self.evaluate()
             trackers.log({"accuracy/val": acc_after, **val_metrics}, self.step)
-            print(f"held-out {what} after training: {acc_after:.3f} "
-                  f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)", flush=True)
+            print(
+                f"held-out {what} after training: {acc_after:.3f} "
+                f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)",
+                flush=True,
+            )
         trackers.close()
         if cfg.export_hf:
             self.wg.export_hf(str(self.run_dir / "hf"))
-        summary = {"accuracy_before": acc_before, "accuracy_after": acc_after,
-                   "steps": self.step, "seconds": round(time.perf_counter() - t0, 1),
-                   "run_dir": str(self.run_dir)}
+        summary = {
+            "accuracy_before": acc_before,
+            "accuracy_after": acc_after,
+            "steps": self.step,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "run_dir": str(self.run_dir),
+        }
         if "jsonl" in cfg.trackers:
             records = read_jsonl(self.run_dir / "metrics.jsonl")
             if records:

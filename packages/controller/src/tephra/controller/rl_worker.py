@@ -41,17 +41,21 @@ from tephra.controller.worker_group import Worker
 from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
 
 
-def run_agent_requests(loop: Any, items: list[PromptItem],
-                       max_in_flight: int | None = None) -> list[Any]:
+def run_agent_requests(
+    loop: Any, items: list[PromptItem], max_in_flight: int | None = None
+) -> list[Any]:
     """Run `loop` (an `AgentLoop`) on every item concurrently; one `Trajectory` per item, in
     order."""
     import asyncio
 
     from tephra.rollout.agent import AgentSample, run_agent_loops
 
-    samples = [AgentSample(messages=list(i.record.prompt), sample_id=i.sample_id,
-                           prompt_ids=list(i.prompt_ids))
-               for i in items]
+    samples = [
+        AgentSample(
+            messages=list(i.record.prompt), sample_id=i.sample_id, prompt_ids=list(i.prompt_ids)
+        )
+        for i in items
+    ]
     # The hf backend generates on its own thread, so a fresh event loop per call is fine.
     return asyncio.run(run_agent_loops(loop, samples, max_in_flight))
 
@@ -59,8 +63,9 @@ def run_agent_requests(loop: Any, items: list[PromptItem],
 def final_answer(trajectory: Any) -> str:
     """The last assistant message of a trajectory: what its reward scores (earlier turns are
     tool calls)."""
-    return next((m["content"] for m in reversed(trajectory.messages)
-                 if m.get("role") == "assistant"), "")
+    return next(
+        (m["content"] for m in reversed(trajectory.messages) if m.get("role") == "assistant"), ""
+    )
 
 
 def profiled(stage: str):
@@ -109,12 +114,15 @@ def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
         return sample
     n = sample.response_ids.index(token)
     ids = sample.response_ids[:n]
-    return replace(sample, response_ids=ids, response_mask=sample.response_mask[:n],
-                   log_probs=sample.log_probs[:n] if sample.log_probs is not None else None,
-                   token_versions=(sample.token_versions[:n]
-                                   if sample.token_versions is not None else None),
-                   finish_reason="image_token",
-                   text=tokenizer.decode(ids, skip_special_tokens=True))
+    return replace(
+        sample,
+        response_ids=ids,
+        response_mask=sample.response_mask[:n],
+        log_probs=sample.log_probs[:n] if sample.log_probs is not None else None,
+        token_versions=(sample.token_versions[:n] if sample.token_versions is not None else None),
+        finish_reason="image_token",
+        text=tokenizer.decode(ids, skip_special_tokens=True),
+    )
 
 
 ROLES = ("actor", "ref", "critic")
@@ -123,14 +131,20 @@ ROLES = ("actor", "ref", "critic")
 def colocated_roles(cfg: PPOConfig) -> tuple[str, ...]:
     """The roles the actor's worker group holds: the actor, and the reference and critic
     unless they have pools of their own (`resources.ref` / `resources.critic`)."""
-    return ("actor",) + tuple(r for r in ("ref", "critic")
-                              if getattr(cfg.resources, r).ranks == 0)
+    return ("actor",) + tuple(r for r in ("ref", "critic") if getattr(cfg.resources, r).ranks == 0)
 
 
 class RLWorker(Worker):
-    def __init__(self, rank: int, world_size: int, *worker_args: Any, cfg: PPOConfig,
-                 model_path: str, tools_file: str | None = None,
-                 roles: tuple[str, ...] = ROLES) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *worker_args: Any,
+        cfg: PPOConfig,
+        model_path: str,
+        tools_file: str | None = None,
+        roles: tuple[str, ...] = ROLES,
+    ) -> None:
         """`roles`: the engines this group holds (the actor's group also generates; a
         reference or critic pool of its own holds that role alone)."""
         super().__init__(rank, world_size, *worker_args)
@@ -145,22 +159,38 @@ class RLWorker(Worker):
         self.colocated = cfg.resources.rollout.replicas == 0 and "actor" in self.roles
         """Whether this group generates (else rollout replicas of their own do, or this is a
         reference / critic pool)."""
-        self._init_generation(cfg, model_path, tools_file,
-                              with_rollout=self.colocated and self.rollout_info().is_output_rank)
+        self._init_generation(
+            cfg,
+            model_path,
+            tools_file,
+            with_rollout=self.colocated and self.rollout_info().is_output_rank,
+        )
         model = replace(cfg.model, path=model_path, init_seed=seed)
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.actor = None
         if "actor" in self.roles:
-            self.actor = get_engine(cfg.actor.engine, cfg.actor.engine_config(
-                model, "policy", temperature, seed, device=_engine_device(device)))
+            self.actor = get_engine(
+                cfg.actor.engine,
+                cfg.actor.engine_config(
+                    model, "policy", temperature, seed, device=_engine_device(device)
+                ),
+            )
         self.ref = None
         if "ref" in self.roles and cfg.needs_reference and not cfg.actor.lora.enabled:
-            self.ref = get_engine(cfg.actor.engine, cfg.actor.engine_config(
-                model, "policy", temperature, seed, device=_engine_device(device)))
+            self.ref = get_engine(
+                cfg.actor.engine,
+                cfg.actor.engine_config(
+                    model, "policy", temperature, seed, device=_engine_device(device)
+                ),
+            )
         self.critic = None
         if "critic" in self.roles and cfg.algorithm.needs("values"):
-            self.critic = get_engine(cfg.critic.engine, cfg.critic.engine_config(
-                model, "value", temperature, seed, device=_engine_device(device)))
+            self.critic = get_engine(
+                cfg.critic.engine,
+                cfg.critic.engine_config(
+                    model, "value", temperature, seed, device=_engine_device(device)
+                ),
+            )
         self.actor_loss = ActorObjective(cfg.actor.objective)
         self.critic_loss = CriticObjective(cfg.critic.objective) if self.critic else None
         self._weights_group = None
@@ -170,8 +200,9 @@ class RLWorker(Worker):
         if self.colocated:
             self.sync_weights()
 
-    def _init_generation(self, cfg: PPOConfig, model_path: str, tools_file: str | None,
-                         with_rollout: bool) -> None:
+    def _init_generation(
+        self, cfg: PPOConfig, model_path: str, tools_file: str | None, with_rollout: bool
+    ) -> None:
         """The rollout engine (when this process generates), tokenizer, tools and scorer."""
         from tephra.rollout.base import RolloutConfig, get_rollout
 
@@ -179,11 +210,18 @@ class RLWorker(Worker):
         self.rollout = None
         if with_rollout:
             r = cfg.rollout
-            self.rollout = get_rollout(r.backend, RolloutConfig(
-                model_path=model_path, dtype=r.dtype,
-                max_model_len=cfg.data.max_prompt_tokens + r.response_budget + 8,
-                seed=cfg.trainer.seed, hf=replace(r.hf, device=getattr(self, "device", "cpu")),
-                vllm=r.vllm, sglang=r.sglang))
+            self.rollout = get_rollout(
+                r.backend,
+                RolloutConfig(
+                    model_path=model_path,
+                    dtype=r.dtype,
+                    max_model_len=cfg.data.max_prompt_tokens + r.response_budget + 8,
+                    seed=cfg.trainer.seed,
+                    hf=replace(r.hf, device=getattr(self, "device", "cpu")),
+                    vllm=r.vllm,
+                    sglang=r.sglang,
+                ),
+            )
         self._tokenizer = self._tools = None
         self._scoring: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
@@ -209,8 +247,11 @@ class RLWorker(Worker):
         from tephra.controller.worker_group import DataParallelInfo
 
         tp = self.cfg.rollout.tensor_parallel_size if self.colocated else 1
-        return DataParallelInfo(dp_rank=self.rank // tp, dp_size=self.world_size // tp,
-                                is_output_rank=self.rank % tp == 0)
+        return DataParallelInfo(
+            dp_rank=self.rank // tp,
+            dp_size=self.world_size // tp,
+            is_output_rank=self.rank % tp == 0,
+        )
 
     # ----- generation and scoring -----------------------------------------------------------
     def tokenizer(self) -> Any:
@@ -236,8 +277,11 @@ class RLWorker(Worker):
             self._scoring = self._pool.submit(lambda: ([], 0.0, [])) if score else None
             return []
         self.rollout.wake_up()
-        samples = (self._generate_agent(items, sampling) if self.cfg.rollout.uses_agent_loop
-                   else self._generate_plain(items, sampling))
+        samples = (
+            self._generate_agent(items, sampling)
+            if self.cfg.rollout.uses_agent_loop
+            else self._generate_plain(items, sampling)
+        )
         if self.cfg.rollout.sleep_when_training and self.cfg.resources.rollout.replicas == 0:
             self.rollout.sleep()  # a replica's pool trains nothing: it stays awake
         if score:
@@ -251,16 +295,20 @@ class RLWorker(Worker):
         extra = {"multimodal": images} if any(m is not None for m in images) else {}
         out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling, **extra)
         tok = self.tokenizer()
-        samples = [Sample(prompt_ids=out.prompt_ids[k], response_ids=out.response_ids[k],
-                          response_mask=[1] * len(out.response_ids[k]),
-                          log_probs=out.log_probs[k] if out.log_probs is not None else None,
-                          finish_reason=out.finish_reasons[k],
-                          text=tok.decode(out.response_ids[k], skip_special_tokens=True),
-                          sample_id=items[k // sampling.n].sample_id,
-                          multimodal=images[k // sampling.n],
-                          token_versions=(out.token_versions[k] if out.token_versions is not None
-                                          else None))
-                   for k in range(len(out))]
+        samples = [
+            Sample(
+                prompt_ids=out.prompt_ids[k],
+                response_ids=out.response_ids[k],
+                response_mask=[1] * len(out.response_ids[k]),
+                log_probs=out.log_probs[k] if out.log_probs is not None else None,
+                finish_reason=out.finish_reasons[k],
+                text=tok.decode(out.response_ids[k], skip_special_tokens=True),
+                sample_id=items[k // sampling.n].sample_id,
+                multimodal=images[k // sampling.n],
+                token_versions=(out.token_versions[k] if out.token_versions is not None else None),
+            )
+            for k in range(len(out))
+        ]
         if extra:  # the rollout engine is hf (images go nowhere else): its config has the id
             from tephra.engine_api.multimodal import image_token_id
 
@@ -276,19 +324,33 @@ class RLWorker(Worker):
 
             self._tools = load_tools(self.tools_file) if self.tools_file else {}
         r = self.cfg.rollout
-        loop = AGENT_LOOPS.get(r.agent_loop)(self.rollout, self.tokenizer(),
-                                             sampling.replace(n=1), r.agent, self._tools)
+        loop = AGENT_LOOPS.get(r.agent_loop)(
+            self.rollout, self.tokenizer(), sampling.replace(n=1), r.agent, self._tools
+        )
         n = sampling.n
-        expanded = [PromptItem(i.prompt_ids, i.record, f"{i.sample_id}-{k}")
-                    for i in items for k in range(n)]
+        expanded = [
+            PromptItem(i.prompt_ids, i.record, f"{i.sample_id}-{k}")
+            for i in items
+            for k in range(n)
+        ]
         trajectories = run_agent_requests(loop, expanded, r.max_in_flight)
-        return [Sample(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
-                       response_mask=list(t.response_mask), log_probs=list(t.response_log_probs),
-                       finish_reason=t.finish_reason, text=final_answer(t),
-                       sample_id=t.sample_id, num_turns=t.num_turns, tool_calls=t.tool_calls,
-                       tool_errors=t.tool_errors, tool_rewards=dict(t.tool_rewards),
-                       token_versions=t.response_versions)
-                for t in trajectories]
+        return [
+            Sample(
+                prompt_ids=list(t.prompt_ids),
+                response_ids=list(t.response_ids),
+                response_mask=list(t.response_mask),
+                log_probs=list(t.response_log_probs),
+                finish_reason=t.finish_reason,
+                text=final_answer(t),
+                sample_id=t.sample_id,
+                num_turns=t.num_turns,
+                tool_calls=t.tool_calls,
+                tool_errors=t.tool_errors,
+                tool_rewards=dict(t.tool_rewards),
+                token_versions=t.response_versions,
+            )
+            for t in trajectories
+        ]
 
     def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list]:
         from tephra.controller.rewarding import Scorer
@@ -312,8 +374,9 @@ class RLWorker(Worker):
             raise RuntimeError("collect_scores called without a scored generate before it")
         results, seconds, clipped = self._scoring.result()
         self._scoring = None
-        return [(score, error, seconds, c) for (score, error), c in zip(results, clipped,
-                                                                        strict=True)]
+        return [
+            (score, error, seconds, c) for (score, error), c in zip(results, clipped, strict=True)
+        ]
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
     @dispatch(Dispatch.ROLLOUT_SPLIT)
@@ -375,8 +438,9 @@ class RLWorker(Worker):
         return out.select("values")
 
     # ----- updates ---------------------------------------------------------------------
-    def _train(self, engine, loss_fn, batch: TensorDict,
-               skip_flat: bool = False) -> dict[str, float]:
+    def _train(
+        self, engine, loss_fn, batch: TensorDict, skip_flat: bool = False
+    ) -> dict[str, float]:
         n = batch.batch_size[0]
         mb = self.cfg.batch.mini_batches
         size = n // mb
@@ -406,8 +470,9 @@ class RLWorker(Worker):
         loss = self.actor_loss
         if self.cfg.batch.mini_batches == 1 and self.cfg.batch.epochs == 1:
             loss = _on_policy_old_log_probs(loss)
-        return self._train(self.actor, loss, batch,
-                           skip_flat=can_skip_flat(self.cfg.actor.objective))
+        return self._train(
+            self.actor, loss, batch, skip_flat=can_skip_flat(self.cfg.actor.objective)
+        )
 
     def _replica_sum(self, value: float) -> float:
         """`value` summed over the data-parallel replicas (a collective of every rank; the
@@ -463,8 +528,9 @@ class RLWorker(Worker):
 
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
-    def open_weight_group(self, address: str, port: int, world_size: int, backend: str,
-                          timeout_s: float) -> None:
+    def open_weight_group(
+        self, address: str, port: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
         """Rank 0 hosts a private group with the rollout replicas (ranks 1..); others skip."""
         from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group
 
@@ -477,8 +543,11 @@ class RLWorker(Worker):
         from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import send_all
 
         with self.actor.eval_mode():
-            named = (pair for bucket in self.actor.export_weights(untie_word_embeddings=True)
-                     for pair in bucket)
+            named = (
+                pair
+                for bucket in self.actor.export_weights(untie_word_embeddings=True)
+                for pair in bucket
+            )
             if self.rank != 0:
                 for _ in named:  # take part in the export's collectives
                     pass
@@ -508,8 +577,9 @@ class RLWorker(Worker):
             self.actor.save_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.save_checkpoint(path / "critic")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()},
-                   path / self._rng_file())
+        torch.save(
+            {"torch": torch.get_rng_state(), "python": random.getstate()}, path / self._rng_file()
+        )
 
     def _rng_file(self) -> str:
         # a reference / critic pool's ranks are numbered from 0 too
@@ -559,8 +629,11 @@ def can_skip_flat(objective: Any) -> bool:
     (no entropy bonus, no KL loss, no covariance-based token selection, which looks at the
     whole micro-batch). Any data-parallel size: the rows left out still count in the
     engine's global normalisers (`skip_zero_advantage_rows`)."""
-    return (objective.policy_loss in ZERO_AT_ZERO_ADVANTAGE and objective.entropy_coeff == 0
-            and not objective.use_kl_loss)
+    return (
+        objective.policy_loss in ZERO_AT_ZERO_ADVANTAGE
+        and objective.entropy_coeff == 0
+        and not objective.use_kl_loss
+    )
 
 
 def informative_rows(batch: TensorDict) -> torch.Tensor:

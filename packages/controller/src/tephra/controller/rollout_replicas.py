@@ -38,8 +38,15 @@ class RolloutWorker(RLWorker):
     """A rollout replica: the rollout engine, tokenizer, tools and scorer of `RLWorker`
     without its training engines."""
 
-    def __init__(self, rank: int, world_size: int, *worker_args: Any, cfg: PPOConfig,
-                 model_path: str, tools_file: str | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *worker_args: Any,
+        cfg: PPOConfig,
+        model_path: str,
+        tools_file: str | None = None,
+    ) -> None:
         Worker.__init__(self, rank, world_size, *worker_args)
         self._init_generation(cfg, model_path, tools_file, with_rollout=True)
         self.version = 0
@@ -62,12 +69,14 @@ class RolloutWorker(RLWorker):
     def rollout_info(self):
         return self.dp_info()  # each replica is a rollout engine of its own
 
-    def join_weight_group(self, address: str, port: int, world_size: int, backend: str,
-                          timeout_s: float) -> None:
+    def join_weight_group(
+        self, address: str, port: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
         from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group
 
-        self._weights_group = open_group(address, port, 1 + self.rank, world_size, backend,
-                                         timeout_s)
+        self._weights_group = open_group(
+            address, port, 1 + self.rank, world_size, backend, timeout_s
+        )
 
     def receive_weights(self, version: int) -> int:
         """Take one broadcast update (in the `weights` concurrency group, beside a request in
@@ -113,12 +122,14 @@ class RolloutWorker(RLWorker):
         with self._generating:
             self._take_staged()  # weights received while the last request ran, if any
             samples = self.generate(items, sampling)
-            for sample, (score, error, _, clipped) in zip(samples, self.collect_scores(),
-                                                          strict=True):
+            for sample, (score, error, _, clipped) in zip(
+                samples, self.collect_scores(), strict=True
+            ):
                 sample.score, sample.reward_error = float(score), error
                 sample.reward_clipped = clipped
-                sample.weight_version = (min(sample.token_versions) if sample.token_versions
-                                         else self.version)
+                sample.weight_version = (
+                    min(sample.token_versions) if sample.token_versions else self.version
+                )
         return samples
 
 
@@ -128,13 +139,22 @@ class RolloutReplicas:
     def __init__(self, cfg: PPOConfig, model_path: str, tools_file: str | None) -> None:
         r = cfg.resources.rollout
         self.cfg = cfg
-        self.pool = ResourcePool(r.replicas, r.cpus_per_replica, r.gpus_per_replica,
-                                 strategy=cfg.resources.placement, name="rollout",
-                                 retain_freed_memory=cfg.resources.retain_freed_memory)
+        self.pool = ResourcePool(
+            r.replicas,
+            r.cpus_per_replica,
+            r.gpus_per_replica,
+            strategy=cfg.resources.placement,
+            name="rollout",
+            retain_freed_memory=cfg.resources.retain_freed_memory,
+        )
         try:
-            self.group = WorkerGroup(RolloutWorker, self.pool, {
-                "cfg": cfg, "model_path": model_path, "tools_file": tools_file}, name="rollout",
-                concurrency_groups={"weights": 1})
+            self.group = WorkerGroup(
+                RolloutWorker,
+                self.pool,
+                {"cfg": cfg, "model_path": model_path, "tools_file": tools_file},
+                name="rollout",
+                concurrency_groups={"weights": 1},
+            )
         except BaseException:
             self.pool.release()
             raise
@@ -157,10 +177,16 @@ class RolloutReplicas:
         # checked at config load, so that no replica shares a training rank's device)
         r = self.cfg.resources
         backend = "nccl" if r.gpus_per_rank > 0 and r.rollout.gpus_per_replica > 0 else "gloo"
-        ray.get([w.execute.remote("open_weight_group", address, port, world, backend, timeout)
-                 for w in trainers.workers]
-                + [w.execute.remote("join_weight_group", address, port, world, backend, timeout)
-                   for w in self.replicas])
+        ray.get(
+            [
+                w.execute.remote("open_weight_group", address, port, world, backend, timeout)
+                for w in trainers.workers
+            ]
+            + [
+                w.execute.remote("join_weight_group", address, port, world, backend, timeout)
+                for w in self.replicas
+            ]
+        )
         self.sync(trainers, 0)
 
     def sync(self, trainers: WorkerGroup, version: int) -> None:
@@ -168,8 +194,10 @@ class RolloutReplicas:
         replica busy generating takes them before its next request, or, with partial rollout,
         at once (its request continues under the new weights)."""
         receive = [w.execute.options(concurrency_group="weights") for w in self.replicas]
-        ray.get([w.execute.remote("send_weights", self.bucket_mb) for w in trainers.workers]
-                + [method.remote("receive_weights", version) for method in receive])
+        ray.get(
+            [w.execute.remote("send_weights", self.bucket_mb) for w in trainers.workers]
+            + [method.remote("receive_weights", version) for method in receive]
+        )
         self.version = version
 
     def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
@@ -180,8 +208,11 @@ class RolloutReplicas:
     def submit_split(self, items: list[PromptItem], sampling: Any) -> Any:
         """`generate` without waiting: one object ref that resolves to the samples."""
         bounds = share_bounds(len(items), len(self.replicas))
-        refs = [w.execute.remote("generate_scored", items[start:end], sampling.for_share(start))
-                for w, (start, end) in zip(self.replicas, bounds) if end > start]
+        refs = [
+            w.execute.remote("generate_scored", items[start:end], sampling.for_share(start))
+            for w, (start, end) in zip(self.replicas, bounds)
+            if end > start
+        ]
         return _concat.remote(*refs)
 
     # ----- the asynchronous stream -----------------------------------------------------------

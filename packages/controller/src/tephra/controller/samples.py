@@ -80,8 +80,9 @@ class Sample:
     then its oldest entry."""
 
 
-def samples_to_batch(samples: list[Sample], pad_token_id: int, n: int,
-                     multi_turn: bool) -> TensorDict:
+def samples_to_batch(
+    samples: list[Sample], pad_token_id: int, n: int, multi_turn: bool
+) -> TensorDict:
     """Prompt-major samples (`n` per prompt) as the padded batch of tephra.engine_api:
     `input_ids`, `attention_mask`, `position_ids`, `response_mask` (1 on model tokens only),
     `rollout_log_probs`, `prompt_index` [B]; multi-turn adds num_turns / tool_calls /
@@ -92,18 +93,31 @@ def samples_to_batch(samples: list[Sample], pad_token_id: int, n: int,
     return batch
 
 
-def _text_batch(samples: list[Sample], pad_token_id: int, n: int,
-                multi_turn: bool) -> TensorDict:
+def _text_batch(samples: list[Sample], pad_token_id: int, n: int, multi_turn: bool) -> TensorDict:
     from tephra.rollout.base import RolloutOutput
 
     if multi_turn:
         from tephra.rollout.agent import Trajectory, trajectories_to_batch
 
-        batch = trajectories_to_batch([
-            Trajectory(s.sample_id, s.prompt_ids, s.response_ids, s.response_mask,
-                       s.log_probs or [0.0] * len(s.response_ids), s.num_turns, s.tool_calls,
-                       s.tool_errors, s.finish_reason, [], tool_rewards=s.tool_rewards)
-            for s in samples], pad_token_id)
+        batch = trajectories_to_batch(
+            [
+                Trajectory(
+                    s.sample_id,
+                    s.prompt_ids,
+                    s.response_ids,
+                    s.response_mask,
+                    s.log_probs or [0.0] * len(s.response_ids),
+                    s.num_turns,
+                    s.tool_calls,
+                    s.tool_errors,
+                    s.finish_reason,
+                    [],
+                    tool_rewards=s.tool_rewards,
+                )
+                for s in samples
+            ],
+            pad_token_id,
+        )
         batch["prompt_index"] = torch.arange(len(samples), dtype=torch.int64) // n
         return batch
     out = RolloutOutput(
@@ -111,7 +125,8 @@ def _text_batch(samples: list[Sample], pad_token_id: int, n: int,
         prompt_ids=[s.prompt_ids for s in samples],
         response_ids=[s.response_ids for s in samples],
         log_probs=[s.log_probs for s in samples] if samples[0].log_probs is not None else None,
-        finish_reasons=[s.finish_reason for s in samples])
+        finish_reasons=[s.finish_reason for s in samples],
+    )
     return out.to_batch(pad_token_id)
 
 
@@ -133,8 +148,11 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
 
 def record_payload(record: PromptRecord) -> dict[str, Any]:
     """The parts of a record a worker's scorer reads (plain data, cheap to ship)."""
-    return {"data_source": record.data_source, "ground_truth": record.ground_truth,
-            "extra_info": record.extra_info}
+    return {
+        "data_source": record.data_source,
+        "ground_truth": record.ground_truth,
+        "extra_info": record.extra_info,
+    }
 
 
 def sample_to_dict(sample: Sample) -> dict[str, Any]:

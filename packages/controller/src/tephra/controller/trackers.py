@@ -51,13 +51,24 @@ class ConsoleTracker(Tracker):
     """A short line per step with the headline metrics (RL runs), or every metric when none
     of them is logged (e.g. SFT's loss and grad norm)."""
 
-    KEYS = ("reward/mean", "accuracy/train", "accuracy/val", "actor/kl", "actor/entropy",
-            "response/length_mean", "actor/grad_norm", "time/step_s")
+    KEYS = (
+        "reward/mean",
+        "accuracy/train",
+        "accuracy/val",
+        "actor/kl",
+        "actor/entropy",
+        "response/length_mean",
+        "actor/grad_norm",
+        "time/step_s",
+    )
 
     def log(self, metrics, step):
         keys = [k for k in self.KEYS if k in metrics] or list(metrics)
-        parts = [f"{k.split('/')[-1] if k != 'accuracy/val' else 'val_acc'}={metrics[k]:.4g}"
-                 for k in keys if isinstance(metrics[k], (int, float))]
+        parts = [
+            f"{k.split('/')[-1] if k != 'accuracy/val' else 'val_acc'}={metrics[k]:.4g}"
+            for k in keys
+            if isinstance(metrics[k], (int, float))
+        ]
         print(f"step {step}: " + " ".join(parts), flush=True)
 
 
@@ -105,8 +116,9 @@ class WandbTracker(Tracker):
             import wandb
         except ImportError:
             raise missing_extra("wandb", "wandb") from None
-        self.run = wandb.init(project=project, name=run_name, config=config, mode="offline",
-                              dir=str(run_dir))
+        self.run = wandb.init(
+            project=project, name=run_name, config=config, mode="offline", dir=str(run_dir)
+        )
 
     def log(self, metrics, step):
         self.run.log(metrics, step=step)
@@ -139,16 +151,23 @@ class MlflowTracker(Tracker):
         self.tracking_uri = "sqlite:///" + str((run_dir / "mlflow.db").resolve())
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         experiment = self.client.get_experiment_by_name(project)
-        experiment_id = (experiment.experiment_id if experiment is not None else
-                         self.client.create_experiment(
-                             project, artifact_location=(run_dir / "mlartifacts").resolve().as_uri()))
+        experiment_id = (
+            experiment.experiment_id
+            if experiment is not None
+            else self.client.create_experiment(
+                project, artifact_location=(run_dir / "mlartifacts").resolve().as_uri()
+            )
+        )
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         self.client.log_text(self.run_id, json.dumps(config, indent=1, default=str), "config.json")
 
     def log(self, metrics, step):
         now_ms = int(time.time() * 1000)
-        batch = [self._metric(k, float(v), now_ms, step) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and math.isfinite(v)]
+        batch = [
+            self._metric(k, float(v), now_ms, step)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and math.isfinite(v)
+        ]
         if batch:
             self.client.log_batch(self.run_id, metrics=batch)
 
@@ -159,8 +178,9 @@ class MlflowTracker(Tracker):
 class Trackers:
     """All configured trackers behind one `log`."""
 
-    def __init__(self, names: list[str], run_dir: Path, project: str, run_name: str,
-                 config: dict[str, Any]) -> None:
+    def __init__(
+        self, names: list[str], run_dir: Path, project: str, run_name: str, config: dict[str, Any]
+    ) -> None:
         self.items: list[Tracker] = []
         try:
             for name in names:
@@ -190,8 +210,11 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def plot_curves(records: list[dict[str, Any]], path: Path,
-                keys: tuple[str, ...] = ("reward/mean", "accuracy/train", "accuracy/val")) -> None:
+def plot_curves(
+    records: list[dict[str, Any]],
+    path: Path,
+    keys: tuple[str, ...] = ("reward/mean", "accuracy/train", "accuracy/val"),
+) -> None:
     """Reward/accuracy against step as a PNG."""
     import matplotlib
 

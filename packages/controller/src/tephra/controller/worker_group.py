@@ -76,15 +76,18 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     host_port = address.split("://", 1)[-1].rstrip("/")
     host, _, port = host_port.rpartition(":")
     if not host or not port.isdigit():
-        raise ConfigError(f"resources.ray_address={address!r}: write host:port (e.g. "
-                          "10.0.0.5:6379 or ray://10.0.0.5:10001), or null for a local session")
+        raise ConfigError(
+            f"resources.ray_address={address!r}: write host:port (e.g. "
+            "10.0.0.5:6379 or ray://10.0.0.5:10001), or null for a local session"
+        )
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
         raise ConfigError(
             f"resources.ray_address={address!r}: nothing answers there ({exc}); start the "
             "cluster (`ray start --head` on that node) and check host and port, or set "
-            "resources.ray_address=null for a local session") from None
+            "resources.ray_address=null for a local session"
+        ) from None
 
 
 def find_local_cluster() -> str:
@@ -101,7 +104,8 @@ def find_local_cluster() -> str:
         raise ConfigError(
             "resources.ray_address=auto but no Ray cluster runs on this machine; start one "
             "(`ray start --head`), give a cluster's host:port, or set resources.ray_address=null "
-            "for a private local session")
+            "for a private local session"
+        )
     check_reachable(address)
     return address
 
@@ -153,8 +157,9 @@ class ResourcePool:
         if self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
             raise ConfigError("resources.cpus_per_rank and gpus_per_rank must be >= 0")
         if self.strategy not in PLACEMENT_STRATEGIES:
-            raise ConfigError(f"resources.placement={self.strategy!r}: choose one of "
-                              f"{list(PLACEMENT_STRATEGIES)}")
+            raise ConfigError(
+                f"resources.placement={self.strategy!r}: choose one of {list(PLACEMENT_STRATEGIES)}"
+            )
         check_retain(self.retain_freed_memory)
         self._group = None
 
@@ -193,8 +198,11 @@ class ResourcePool:
             from ray.util.placement_group import placement_group
 
             self.check_fits()
-            group = placement_group([self.bundle()] * self.world_size, strategy=self.strategy,
-                                    name=f"tephra-{self.name}-{os.getpid()}-{id(self)}")
+            group = placement_group(
+                [self.bundle()] * self.world_size,
+                strategy=self.strategy,
+                name=f"tephra-{self.name}-{os.getpid()}-{id(self)}",
+            )
             ready, _ = ray.wait([group.ready()], timeout=self.ready_timeout_s)
             if not ready:
                 ray.util.remove_placement_group(group)
@@ -202,7 +210,8 @@ class ResourcePool:
                     f"Ray could not place {self.world_size} bundles of {self.bundle()} with "
                     f"strategy {self.strategy} within {self.ready_timeout_s:g} s (free: "
                     f"{ray.available_resources()}, nodes: {len(ray.nodes())}); lower "
-                    "resources.world_size / cpus_per_rank, or use a less strict placement")
+                    "resources.world_size / cpus_per_rank, or use a less strict placement"
+                )
             self._group = group
         return self._group
 
@@ -215,8 +224,10 @@ class ResourcePool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return PlacementGroupSchedulingStrategy(
-            placement_group=self.placement_group(), placement_group_bundle_index=rank,
-            placement_group_capture_child_tasks=True)
+            placement_group=self.placement_group(),
+            placement_group_bundle_index=rank,
+            placement_group_capture_child_tasks=True,
+        )
 
 
 def _free_port() -> int:
@@ -252,8 +263,10 @@ def process_group_backend(device: str) -> str:
 def check_retain(value: bool | None) -> None:
     """Refuse `resources.retain_freed_memory=true` where it cannot take effect."""
     if value and not retain_supported():
-        raise ConfigError("resources.retain_freed_memory=true needs glibc (Linux); this "
-                          "C library has no such setting: leave it null or false")
+        raise ConfigError(
+            "resources.retain_freed_memory=true needs glibc (Linux); this "
+            "C library has no such setting: leave it null or false"
+        )
 
 
 class Worker:
@@ -261,8 +274,15 @@ class Worker:
     knows its device (`self.device`: "cpu" or the "cuda:i" Ray assigned). Subclasses take
     the base's positional arguments as `*worker_args` and pass them on."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
-                 threads: int, retain_memory: bool = False) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        threads: int,
+        retain_memory: bool = False,
+    ) -> None:
         import torch
         import torch.distributed as dist
 
@@ -272,14 +292,21 @@ class Worker:
         """Whether this process keeps freed host memory (`ResourcePool.retain_freed_memory`)."""
         self.device, local_rank = device_from_assignment(
             ray.get_gpu_ids() if ray.is_initialized() else [],
-            os.environ.get("CUDA_VISIBLE_DEVICES"))
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+        )
         if self.device.startswith("cuda"):
             torch.cuda.set_device(local_rank)
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-                          RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(local_rank),
+        )
         if world_size > 1 and not dist.is_initialized():
-            dist.init_process_group(process_group_backend(self.device), rank=rank,
-                                    world_size=world_size)
+            dist.init_process_group(
+                process_group_backend(self.device), rank=rank, world_size=world_size
+            )
 
     def ping(self) -> int:
         return self.rank
@@ -304,9 +331,14 @@ class Worker:
 class WorkerGroup:
     """`world_size` Ray actors of `worker_cls` on `pool`, called through their dispatch modes."""
 
-    def __init__(self, worker_cls: type[Worker], pool: ResourcePool,
-                 init_kwargs: dict[str, Any] | None = None, name: str = "workers",
-                 concurrency_groups: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        worker_cls: type[Worker],
+        pool: ResourcePool,
+        init_kwargs: dict[str, Any] | None = None,
+        name: str = "workers",
+        concurrency_groups: dict[str, int] | None = None,
+    ) -> None:
         """`concurrency_groups`: Ray concurrency groups of the actors (name -> threads), for
         methods called with `execute.options(concurrency_group=name)`; the default group keeps
         one call at a time."""
@@ -331,18 +363,31 @@ class WorkerGroup:
 
     def _start(self, init_kwargs: dict[str, Any]) -> None:
         pool = self.pool
-        master_addr, port = ray.get(_rendezvous_address.options(
-            scheduling_strategy=pool.strategy_for(0)).remote())
+        master_addr, port = ray.get(
+            _rendezvous_address.options(scheduling_strategy=pool.strategy_for(0)).remote()
+        )
         # Ray takes concurrency groups on the class, not in `.options()`
-        remote = (ray.remote(concurrency_groups=self.concurrency_groups)(self.worker_cls)
-                  if self.concurrency_groups else ray.remote(self.worker_cls))
+        remote = (
+            ray.remote(concurrency_groups=self.concurrency_groups)(self.worker_cls)
+            if self.concurrency_groups
+            else ray.remote(self.worker_cls)
+        )
         threads = max(1, int(pool.cpus_per_rank))
         self.workers = [
-            remote.options(num_cpus=pool.cpus_per_rank, num_gpus=pool.gpus_per_rank,
-                           scheduling_strategy=pool.strategy_for(r),
-                           name=f"{self.name}-{r}-{os.getpid()}-{id(self)}-{port}")
-            .remote(r, pool.world_size, master_addr, port, threads,
-                    pool.retains_freed_memory, **init_kwargs)
+            remote.options(
+                num_cpus=pool.cpus_per_rank,
+                num_gpus=pool.gpus_per_rank,
+                scheduling_strategy=pool.strategy_for(r),
+                name=f"{self.name}-{r}-{os.getpid()}-{id(self)}-{port}",
+            ).remote(
+                r,
+                pool.world_size,
+                master_addr,
+                port,
+                threads,
+                pool.retains_freed_memory,
+                **init_kwargs,
+            )
             for r in range(pool.world_size)
         ]
         # surfaces constructor errors now (rank 0's first: it is the one that listens)
@@ -374,11 +419,15 @@ class WorkerGroup:
                 layout = self.rollout_layout
                 shares = rollout_shares(args, kwargs, self.rollout_dp_size)
                 share_of = [i.dp_rank if i.is_output_rank else -1 for i in layout]
-            refs = [w.execute.remote(method, *shares[d][0], **shares[d][1])
-                    for w, d in zip(self.workers, share_of)]
+            refs = [
+                w.execute.remote(method, *shares[d][0], **shares[d][1])
+                for w, d in zip(self.workers, share_of)
+            ]
             results = ray.get(refs)
-            outputs = sorted(((info.dp_rank, r) for info, r in zip(layout, results)
-                              if info.is_output_rank), key=lambda pair: pair[0])
+            outputs = sorted(
+                ((info.dp_rank, r) for info, r in zip(layout, results) if info.is_output_rank),
+                key=lambda pair: pair[0],
+            )
             return collect([r for _, r in outputs])
         refs = [w.execute.remote(method, *args, **kwargs) for w in self.workers]
         results = ray.get(refs)

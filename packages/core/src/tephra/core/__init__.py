@@ -25,7 +25,21 @@ from tephra.core.machine import cache_root, cpu_name, decided_once_per_machine
 from tephra.core.registry import Registry, unknown_name_message
 
 __all__ = [
-    "BatchError", "CheckpointError", "ConfigError", "InputError", "Registry", "RegistryError",
-    "TephraError", "cache_root", "cpu_name", "decided_once_per_machine", "from_dict",
-    "load_config", "parse_overrides", "retain_freed_memory", "split_cli", "to_dict", "unknown_name_message",
+    "BatchError",
+    "CheckpointError",
+    "ConfigError",
+    "InputError",
+    "Registry",
+    "RegistryError",
+    "TephraError",
+    "cache_root",
+    "cpu_name",
+    "decided_once_per_machine",
+    "from_dict",
+    "load_config",
+    "parse_overrides",
+    "retain_freed_memory",
+    "split_cli",
+    "to_dict",
+    "unknown_name_message",
 ]

@@ -189,8 +189,7 @@ def _default_of(f: dataclasses.Field) -> Any:
     return None if f.default is dataclasses.MISSING else f.default
 
 
-def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "",
-              base: Any = None) -> C:
+def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "", base: Any = None) -> C:
     """Build dataclass `cls` (recursively) from nested dicts; unknown keys are errors.
 
     Sections absent from `data` keep their defaults, and a section given in part keeps the
@@ -198,8 +197,7 @@ def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "",
     itself in `__post_init__`, so a bad value fails here, before anything is started.
     """
     if data is not None and not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, "
-                          f"got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping, got {data!r}")
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
@@ -218,8 +216,9 @@ def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "",
         sub = _dataclass_of(tp)
         if sub is not None and isinstance(value, dict):
             current = kwargs[f.name] if f.name in kwargs else _default_of(f)
-            kwargs[f.name] = from_dict(sub, value, where + ".",
-                                       current if isinstance(current, sub) else None)
+            kwargs[f.name] = from_dict(
+                sub, value, where + ".", current if isinstance(current, sub) else None
+            )
         elif sub is not None and dataclasses.is_dataclass(value):
             kwargs[f.name] = value
         else:
@@ -233,7 +232,7 @@ def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "",
             # full key ("actor.optimizer.lr=..."), which is what the user writes
             own = where.rsplit(".", 1)[-1] + "."
             if message.startswith(own):
-                raise ConfigError(f"{where}.{message[len(own):]}") from None
+                raise ConfigError(f"{where}.{message[len(own) :]}") from None
             raise ConfigError(f"{where}: {message}") from None
         raise
 
@@ -278,14 +277,17 @@ def parse_overrides(cls: type, args: list[str]) -> dict[str, Any]:
                 problem = getattr(exc, "problem", None) or "bad YAML"
                 raise ConfigError(
                     f"override {arg!r}: the value is not valid YAML ({problem}); quote it or "
-                    "close its brackets, e.g. trainer.trackers=[console,jsonl]") from None
+                    "close its brackets, e.g. trainer.trackers=[console,jsonl]"
+                ) from None
         node = out
         parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {arg!r} sets a field inside {part!r}, which an "
-                                  "earlier override set to a plain value")
+                raise ConfigError(
+                    f"override {arg!r} sets a field inside {part!r}, which an "
+                    "earlier override set to a plain value"
+                )
         node[parts[-1]] = value
     return out
 
@@ -297,8 +299,9 @@ def read_preset(preset: str | Path, preset_dir: Path | None = None) -> dict[str,
         path = preset_dir / f"{preset}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in preset_dir.glob("*.yaml")) if preset_dir else []
-        raise ConfigError(f"preset {str(preset)!r} not found (looked for {path}); "
-                          f"known presets: {known}")
+        raise ConfigError(
+            f"preset {str(preset)!r} not found (looked for {path}); known presets: {known}"
+        )
     try:
         loaded = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:

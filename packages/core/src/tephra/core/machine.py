@@ -61,8 +61,9 @@ def cpu_name() -> str:
     return f"{name} ({', '.join(detail)})" if detail else name
 
 
-def decided_once_per_machine(key: str, measure: Callable[[], T],
-                             accept: Callable[[Any], bool] = lambda value: True) -> T:
+def decided_once_per_machine(
+    key: str, measure: Callable[[], T], accept: Callable[[Any], bool] = lambda value: True
+) -> T:
     """The answer recorded under `key` in `cache_root()/CHOICES_FILE`, or `measure()`'s
     (a JSON value), recorded for the next process. One process measures at a time (a file
     lock), so processes starting together agree too. Put in `key` all that the answer depends

@@ -70,8 +70,11 @@ class Registry(Generic[T]):
 
     def names(self, **where: Any) -> list[str]:
         """Registered names, sorted; `names(needs_values=True)` filters on metadata."""
-        return sorted(n for n in self._items
-                      if all(self._meta.get(n, {}).get(k) == v for k, v in where.items()))
+        return sorted(
+            n
+            for n in self._items
+            if all(self._meta.get(n, {}).get(k) == v for k, v in where.items())
+        )
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

@@ -15,10 +15,10 @@ def run_readme_section(readme: Path, heading: str) -> tuple[list[str], list[str]
     README says what the example prints."""
     text = readme.read_text()
     start = text.index(heading)
-    section = text[start: text.find("\n## ", start + 1)]
+    section = text[start : text.find("\n## ", start + 1)]
     (block,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(block, str(readme), "exec"), {"__name__": "readme"})  # noqa: S102 (our docs)
-    claimed = re.findall(r"`([^`]+)`", section[section.index("```\nprints") + 4:])
+    claimed = re.findall(r"`([^`]+)`", section[section.index("```\nprints") + 4 :])
     return out.getvalue().strip().splitlines(), claimed

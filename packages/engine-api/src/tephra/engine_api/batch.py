@@ -61,8 +61,12 @@ def make_batch(
 ) -> TensorDict:
     """A validated padded batch; position ids are filled in when not given."""
     batch = TensorDict(
-        {INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask, RESPONSE_MASK: response_mask,
-         **fields},
+        {
+            INPUT_IDS: input_ids,
+            ATTENTION_MASK: attention_mask,
+            RESPONSE_MASK: response_mask,
+            **fields,
+        },
         batch_size=[input_ids.shape[0]],
     )
     if POSITION_IDS not in batch.keys():
@@ -216,10 +220,13 @@ def set_global_normalisers(
     `LEFT_OUT_SEQS` record) and, when torch.distributed is initialised, over the ranks of
     `process_group` (the data-parallel group). Returns the two counts.
     """
-    tokens = sum(float(mb[RESPONSE_MASK].sum()) + _column_sum(mb, LEFT_OUT_TOKENS)
-                 for mb in micro_batches)
-    seqs = sum(float((mb[RESPONSE_MASK].sum(-1) > 0).sum()) + _column_sum(mb, LEFT_OUT_SEQS)
-               for mb in micro_batches)
+    tokens = sum(
+        float(mb[RESPONSE_MASK].sum()) + _column_sum(mb, LEFT_OUT_TOKENS) for mb in micro_batches
+    )
+    seqs = sum(
+        float((mb[RESPONSE_MASK].sum(-1) > 0).sum()) + _column_sum(mb, LEFT_OUT_SEQS)
+        for mb in micro_batches
+    )
     counts = torch.tensor([tokens, seqs], dtype=torch.float64)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(counts, group=process_group)

@@ -22,7 +22,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def _choice(section: str, name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
-        raise ConfigError(f"{section}.{name}={value!r} is not allowed; choose one of {list(allowed)}")
+        raise ConfigError(
+            f"{section}.{name}={value!r} is not allowed; choose one of {list(allowed)}"
+        )
 
 
 def _positive(section: str, name: str, value: float, *, zero_ok: bool = False) -> None:
@@ -67,8 +69,12 @@ class ModelConfig:
         if self.hf_config is not None and "model_type" not in self.hf_config:
             raise ConfigError("model.hf_config must hold 'model_type' (e.g. 'qwen2' or 'llama')")
         _choice("model", "role", self.role, ("policy", "value"))
-        _choice("model", "attn_implementation", self.attn_implementation,
-                ("sdpa", "eager", "flash_attention_2", "flex_attention"))
+        _choice(
+            "model",
+            "attn_implementation",
+            self.attn_implementation,
+            ("sdpa", "eager", "flash_attention_2", "flex_attention"),
+        )
 
 
 @dataclass
@@ -153,8 +159,11 @@ class MicroBatchConfig:
     def __post_init__(self) -> None:
         _positive("micro_batch", "max_tokens_per_microbatch", self.max_tokens_per_microbatch)
         if self.forward_max_tokens_per_microbatch is not None:
-            _positive("micro_batch", "forward_max_tokens_per_microbatch",
-                      self.forward_max_tokens_per_microbatch)
+            _positive(
+                "micro_batch",
+                "forward_max_tokens_per_microbatch",
+                self.forward_max_tokens_per_microbatch,
+            )
 
     @property
     def forward_budget(self) -> int:
@@ -257,11 +266,19 @@ class ParallelConfig:
     `allgather` (Megatron; backends without expert parallelism accept only the default)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "virtual_pipeline", "context", "expert", "expert_tensor"):
+        for name in (
+            "tensor",
+            "pipeline",
+            "virtual_pipeline",
+            "context",
+            "expert",
+            "expert_tensor",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
-        _choice("parallel", "moe_token_dispatcher", self.moe_token_dispatcher,
-                ("alltoall", "allgather"))
+        _choice(
+            "parallel", "moe_token_dispatcher", self.moe_token_dispatcher, ("alltoall", "allgather")
+        )
         if self.sequence_parallel and self.tensor == 1:
             raise ConfigError("parallel.sequence_parallel=True needs parallel.tensor > 1")
 

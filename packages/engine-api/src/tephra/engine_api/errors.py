@@ -9,5 +9,11 @@ from tephra.core.errors import (
     TephraError,
 )
 
-__all__ = ["BatchError", "CheckpointError", "ConfigError", "InputError", "RegistryError",
-           "TephraError"]
+__all__ = [
+    "BatchError",
+    "CheckpointError",
+    "ConfigError",
+    "InputError",
+    "RegistryError",
+    "TephraError",
+]

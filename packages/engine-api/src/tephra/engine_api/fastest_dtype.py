@@ -41,9 +41,13 @@ def fastest_dtype(device_type: str = "cpu") -> str:
     measured once per machine (a few hundred milliseconds on a CPU)."""
     if device_type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    key = (f"fastest_dtype | cpu | {cpu_name()} | torch {torch.__version__} | "
-           f"{torch.get_num_threads()} threads")
-    return decided_once_per_machine(key, _time_cpu_dtypes, accept=lambda v: v in ("bfloat16", "float32"))
+    key = (
+        f"fastest_dtype | cpu | {cpu_name()} | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads"
+    )
+    return decided_once_per_machine(
+        key, _time_cpu_dtypes, accept=lambda v: v in ("bfloat16", "float32")
+    )
 
 
 def _time_cpu_dtypes() -> str:
@@ -53,4 +57,6 @@ def _time_cpu_dtypes() -> str:
 
 def resolve_dtype(name: str, device_type: str = "cpu") -> str:
     """`name`, or for `auto` the measured `fastest_dtype` of the device."""
-    return fastest_dtype("cuda" if device_type.startswith("cuda") else "cpu") if name == AUTO else name
+    return (
+        fastest_dtype("cuda" if device_type.startswith("cuda") else "cpu") if name == AUTO else name
+    )

@@ -128,7 +128,10 @@ def hf_model_kwargs(
 
 
 def check_image_tokens(
-    prompt_ids: list[int], images: MultimodalInputs | None, image_token: int, merge_size: int,
+    prompt_ids: list[int],
+    images: MultimodalInputs | None,
+    image_token: int,
+    merge_size: int,
     where: str,
 ) -> None:
     """The prompt holds exactly as many image tokens as its images need."""

@@ -17,8 +17,13 @@ if TYPE_CHECKING:
     from tephra.engine_api.config import EngineConfig
     from tephra.engine_api.engine import Engine
 
-__all__ = ["Registry", "get_engine", "get_engine_class", "installed_engines",
-           "unknown_name_message"]
+__all__ = [
+    "Registry",
+    "get_engine",
+    "get_engine_class",
+    "installed_engines",
+    "unknown_name_message",
+]
 
 ENGINE_ENTRY_POINT_GROUP = "tephra.engines"
 

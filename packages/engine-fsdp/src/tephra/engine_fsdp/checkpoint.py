@@ -35,16 +35,26 @@ def _rng_state(device: torch.device) -> dict:
     return state
 
 
-def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler, step: int, device: torch.device) -> None:
+def save(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    step: int,
+    device: torch.device,
+) -> None:
     rank = dist.get_rank()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
     (path / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(_rng_state(device), path / "rng" / f"rank{rank}.pt")
     if rank == 0:
-        meta = {"params": fingerprint(model), "step": step, "scheduler": scheduler.state_dict(),
-                "world_size": dist.get_world_size()}
+        meta = {
+            "params": fingerprint(model),
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "world_size": dist.get_world_size(),
+        }
         (path / META).write_text(json.dumps(meta, indent=1))
     dist.barrier()
 
@@ -62,9 +72,14 @@ def _check_same_model(path: Path, model: nn.Module) -> dict:
     extra = sorted(set(saved) - set(ours))
     changed = sorted(n for n in set(ours) & set(saved) if saved[n] != ours[n])
     if missing or extra or changed:
-        detail = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra
-                  else f"{changed[0]}: saved [shape, trainable] {saved[changed[0]]}, "
-                       f"this model {ours[changed[0]]}")
+        detail = (
+            f"missing {missing[:3]}"
+            if missing
+            else f"unexpected {extra[:3]}"
+            if extra
+            else f"{changed[0]}: saved [shape, trainable] {saved[changed[0]]}, "
+            f"this model {ours[changed[0]]}"
+        )
         raise CheckpointError(
             f"checkpoint {str(path)!r} was written for another model ({detail}; "
             f"{len(missing)} missing, {len(extra)} unexpected, {len(changed)} different "
@@ -73,16 +88,18 @@ def _check_same_model(path: Path, model: nn.Module) -> dict:
     return meta
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler, device: torch.device) -> int:
+def load(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, device: torch.device
+) -> int:
     """Restore everything `save` wrote; returns the step count."""
     meta = _check_same_model(path, model)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
     except Exception as exc:  # DCP raises many types; the path is what people need
         raise CheckpointError(f"checkpoint {str(path)!r} could not be loaded: {exc}") from exc
     scheduler.load_state_dict(meta["scheduler"])

@@ -47,7 +47,8 @@ def packs(config: EngineConfig) -> bool:
     """Whether micro-batches are packed: flash and flex attention run packed sequences
     natively; SDPA and eager would need a dense mask over the whole packed stream."""
     return config.micro_batch.packing(
-        config.model.attn_implementation in ("flash_attention_2", "flex_attention"))
+        config.model.attn_implementation in ("flash_attention_2", "flex_attention")
+    )
 
 
 def sharing_supported(config: EngineConfig) -> bool:
@@ -76,7 +77,8 @@ class FSDPEngine(Engine):
         # flash/flex attention run packed sequences natively; SDPA and eager need a dense mask
         self.packed = packs(config)
         self.share_prefix = config.micro_batch.share_prefix is not False and (
-            sharing_supported(config))
+            sharing_supported(config)
+        )
         self.sp_group = self.dp_group = self.cpu_group
         if self.sp > 1:
             self.sp_group, self.dp_group = ulysses.groups(self.sp, self.device)
@@ -96,10 +98,12 @@ class FSDPEngine(Engine):
         """Shared-prefix micro-batches run as one unpadded row (`prefix_sharing.layout`)."""
         trained = hf_model
         if config.lora.enabled:
-            trained = lora.apply_lora(hf_model, config.lora, config.model.role,
-                                      seed=config.model.init_seed)
-        self.scorer = TokenScorer(trained, hf_model, config.model.role, config.temperature,
-                                  config.compute_entropy)
+            trained = lora.apply_lora(
+                hf_model, config.lora, config.model.role, seed=config.model.init_seed
+            )
+        self.scorer = TokenScorer(
+            trained, hf_model, config.model.role, config.temperature, config.compute_entropy
+        )
         sharding.shard_model(self.scorer, layers, self.mesh, config, self.device)
         self.model = self.scorer
         self.hf_model = hf_model
@@ -108,7 +112,11 @@ class FSDPEngine(Engine):
         params = [p for p in self.scorer.parameters() if p.requires_grad]
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
-            params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+            params,
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
             # one fused kernel per step: 4x faster than the per-parameter loop on a CPU
             # (0.56 -> 0.14 s for 135M parameters); the list-wide foreach kernels are not
             # portable over DTensors of uneven shards
@@ -127,13 +135,16 @@ class FSDPEngine(Engine):
     def check_config(cls, config: EngineConfig, world_size: int = 1) -> None:
         """Refuse every option engine=fsdp does not implement (see the README, Options)."""
         if config.optimizer.name != "adamw":
-            raise ConfigError(f"optimizer.name={config.optimizer.name!r}: engine=fsdp has adamw only")
+            raise ConfigError(
+                f"optimizer.name={config.optimizer.name!r}: engine=fsdp has adamw only"
+            )
         sharding.check_parallel(config, world_size)
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(
                 "micro_batch.share_prefix=true needs padded micro-batches (micro_batch."
                 "use_packing=false, or null with sdpa/eager attention) and "
-                "parallel.context=1; set share_prefix=null")
+                "parallel.context=1; set share_prefix=null"
+            )
 
     @classmethod
     def build(cls, config: EngineConfig) -> FSDPEngine:
@@ -168,7 +179,11 @@ class FSDPEngine(Engine):
     def _offload_optimizer(self) -> None:
         # FSDP's param offload already keeps the optimizer state (built on the CPU
         # shards) in CPU memory; this covers offloading the optimizer alone.
-        if self.config.offload.optimizer and self.device.type == "cuda" and self._optimizer_on_device:
+        if (
+            self.config.offload.optimizer
+            and self.device.type == "cuda"
+            and self._optimizer_on_device
+        ):
             self._move_optimizer_state(torch.device("cpu"))
             self._optimizer_on_device = False
 
@@ -234,30 +249,42 @@ class FSDPEngine(Engine):
             return self._sequence_parallel_outputs(mb)
         pos, pixels = None, {}
         if self.vlm:  # pixel inputs and mRoPE position ids
-            pos, pixels = vision.model_inputs(backbone(self.hf_model), self.hf_model.config, mb,
-                                              self.packed, self.device)
+            pos, pixels = vision.model_inputs(
+                backbone(self.hf_model), self.hf_model.config, mb, self.packed, self.device
+            )
             if not pixels and self.idle_vision:
                 pixels = {"idle_vision": vision.idle_inputs(self.hf_model.config, self.device)}
         if self.packed:
-            packed = B.pack(mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK))
+            packed = B.pack(
+                mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK)
+            )
             ids = packed[B.INPUT_IDS][None]
             label_mask = B.label_positions(packed[B.RESPONSE_MASK])[None]
             # attention_mask=None + restarting position ids is how HF models see packing
             pos = packed[B.POSITION_IDS][None] if pos is None else pos
-            out = self.scorer(ids.to(self.device), pos.to(self.device), None,
-                              label_mask.to(self.device), **pixels)
+            out = self.scorer(
+                ids.to(self.device), pos.to(self.device), None, label_mask.to(self.device), **pixels
+            )
             sel = label_mask[0].bool()
             size = ids.shape[1]
         else:
             label_mask = B.label_positions(resp) * attn
             pos = mb[B.POSITION_IDS] if pos is None else pos
-            tree = (prefix_sharing.layout(mb[B.INPUT_IDS], attn, pos, label_mask, self.flat_tree)
-                    if self.share_prefix and not self.vlm else None)
+            tree = (
+                prefix_sharing.layout(mb[B.INPUT_IDS], attn, pos, label_mask, self.flat_tree)
+                if self.share_prefix and not self.vlm
+                else None
+            )
             if tree is not None:
                 tree = tree.to(self.device)
-            out = self.scorer(mb[B.INPUT_IDS].to(self.device), pos.to(self.device),
-                              attn.to(self.device), label_mask.to(self.device),
-                              tree=tree, **pixels)
+            out = self.scorer(
+                mb[B.INPUT_IDS].to(self.device),
+                pos.to(self.device),
+                attn.to(self.device),
+                label_mask.to(self.device),
+                tree=tree,
+                **pixels,
+            )
             sel = label_mask.bool()
             size = None
         result = {}
@@ -272,8 +299,9 @@ class FSDPEngine(Engine):
             result[key] = per_token
         return result, out["anchor"]
 
-    def _sequence_parallel_outputs(self, mb: TensorDict
-                                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _sequence_parallel_outputs(
+        self, mb: TensorDict
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """`_outputs` under Ulysses: the packed stream `[N]` is padded to `T = sp * t`
         (the padding is a segment of its own, never labelled), this rank scores tokens
         `[r t, (r + 1) t)` and the per-token floats `[t]` are all-gathered into `[T]`.
@@ -294,9 +322,13 @@ class FSDPEngine(Engine):
         r = dist.get_rank(self.sp_group)
         local = slice(r * t, (r + 1) * t)
         with ulysses.sequence_context(self.sp_group, self.sp, pos):
-            out = self.scorer(ids[local][None].to(self.device), pos[local][None].to(self.device),
-                              None, label_mask[local][None].to(self.device),
-                              next_tokens[local][None].to(self.device))
+            out = self.scorer(
+                ids[local][None].to(self.device),
+                pos[local][None].to(self.device),
+                None,
+                label_mask[local][None].to(self.device),
+                next_tokens[local][None].to(self.device),
+            )
         sel = label_mask[local].bool()
         result = {}
         for key, values in out.items():
@@ -312,11 +344,12 @@ class FSDPEngine(Engine):
     def forward(self, batch: TensorDict) -> TensorDict:
         batch = self._validate(batch)
         budget = self.config.micro_batch.forward_budget
-        field = ("forward_max_tokens_per_microbatch"
-                 if self.config.micro_batch.forward_max_tokens_per_microbatch else
-                 "max_tokens_per_microbatch")
-        plan = microbatches.plan(batch, budget, self.packed, field,
-                                 self.cpu_group)
+        field = (
+            "forward_max_tokens_per_microbatch"
+            if self.config.micro_batch.forward_max_tokens_per_microbatch
+            else "max_tokens_per_microbatch"
+        )
+        plan = microbatches.plan(batch, budget, self.packed, field, self.cpu_group)
         packed_parts: dict[str, list[torch.Tensor]] = {}
         with torch.no_grad():
             for mb in plan:
@@ -332,9 +365,13 @@ class FSDPEngine(Engine):
 
     def forward_backward(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
         batch = self._validate(batch)
-        plan = microbatches.plan(batch, self.config.micro_batch.max_tokens_per_microbatch,
-                                 self.packed, "max_tokens_per_microbatch",
-                                 self.cpu_group)
+        plan = microbatches.plan(
+            batch,
+            self.config.micro_batch.max_tokens_per_microbatch,
+            self.packed,
+            "max_tokens_per_microbatch",
+            self.cpu_group,
+        )
         real = [mb.data for mb in plan if not mb.filler]
         B.set_global_normalisers(real, process_group=self.dp_group)
         total_loss = 0.0
@@ -379,10 +416,13 @@ class FSDPEngine(Engine):
             self.step += 1
         else:  # a NaN/inf loss or gradient: keep the weights, count and say so
             self.skipped_updates += 1
-            logger.warning("optimizer step skipped: gradient norm is %s (a NaN or inf loss); "
-                           "the weights are unchanged (%d skipped so far). Look for inf "
-                           "rewards or advantages, or lower optimizer.lr", grad_norm,
-                           self.skipped_updates)
+            logger.warning(
+                "optimizer step skipped: gradient norm is %s (a NaN or inf loss); "
+                "the weights are unchanged (%d skipped so far). Look for inf "
+                "rewards or advantages, or lower optimizer.lr",
+                grad_norm,
+                self.skipped_updates,
+            )
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
@@ -404,12 +444,14 @@ class FSDPEngine(Engine):
 
     def save_checkpoint(self, path: str | Path) -> None:
         self._onload_optimizer()
-        checkpoint.save(Path(path), self.scorer, self.optimizer, self.scheduler, self.step,
-                        self.device)
+        checkpoint.save(
+            Path(path), self.scorer, self.optimizer, self.scheduler, self.step, self.device
+        )
         self._offload_optimizer()
 
     def load_checkpoint(self, path: str | Path) -> None:
         self._onload_optimizer()
-        self.step = checkpoint.load(Path(path), self.scorer, self.optimizer, self.scheduler,
-                                    self.device)
+        self.step = checkpoint.load(
+            Path(path), self.scorer, self.optimizer, self.scheduler, self.device
+        )
         self._offload_optimizer()

@@ -36,7 +36,9 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, role: str, seed: int) ->
     from peft import get_peft_model
 
     peft_cfg = PeftLoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         exclude_modules=[VALUE_HEAD] if role == "value" else None,
     )

@@ -34,8 +34,9 @@ def _max_over_ranks(n: int, group) -> int:
     return int(t[0])
 
 
-def plan(batch: TensorDict, max_tokens: int, packed: bool, field_name: str,
-         group=None) -> list[MicroBatch]:
+def plan(
+    batch: TensorDict, max_tokens: int, packed: bool, field_name: str, group=None
+) -> list[MicroBatch]:
     """Micro-batches of `batch` within `max_tokens`, as many on every rank of `group`."""
     parts = B.split_by_token_budget(batch, max_tokens, packed, field_name)
     target = _max_over_ranks(len(parts), group)

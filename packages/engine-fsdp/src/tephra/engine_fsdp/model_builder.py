@@ -52,7 +52,9 @@ def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
     try:
         return AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError) as exc:
-        raise ConfigError(f"model.hf_config: model_type={model_type!r} is not usable: {exc}") from exc
+        raise ConfigError(
+            f"model.hf_config: model_type={model_type!r} is not usable: {exc}"
+        ) from exc
 
 
 def build_model(cfg: ModelConfig) -> PreTrainedModel:
@@ -66,19 +68,25 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
     if getattr(hf_config, "vision_config", None) is not None:
         # a vision-language model (Qwen2-VL family): its causal LM is image-text-to-text
         if cfg.role != "policy":
-            raise ConfigError("model.role='value' with a vision-language model: not supported "
-                              "yet; train a VLM policy with a critic-free algorithm (GRPO)")
+            raise ConfigError(
+                "model.role='value' with a vision-language model: not supported "
+                "yet; train a VLM policy with a critic-free algorithm (GRPO)"
+            )
         auto = AutoModelForImageTextToText
     if cfg.role == "value":
         hf_config.num_labels = 1
         # the critic is deterministic: no dropout between the backbone and the head
         hf_config.classifier_dropout = 0.0
-    kwargs = dict(attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code)
+    kwargs = dict(
+        attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
         try:
             if cfg.path is not None:
-                model = auto.from_pretrained(cfg.path, config=hf_config, dtype=torch.float32, **kwargs)
+                model = auto.from_pretrained(
+                    cfg.path, config=hf_config, dtype=torch.float32, **kwargs
+                )
             else:
                 model = auto.from_config(hf_config, dtype=torch.float32, **kwargs)
         except (ValueError, KeyError, OSError, ImportError) as exc:
@@ -89,9 +97,13 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
     if cfg.gradient_checkpointing:
         # non-reentrant checkpointing composes with FSDP2 hooks and frozen (LoRA) weights
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
         else:  # transformers before the rename
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     model.config.use_cache = False
     return model
 

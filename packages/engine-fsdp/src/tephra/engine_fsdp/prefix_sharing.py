@@ -63,12 +63,18 @@ class TreeLayout:
 
     def to(self, device: torch.device) -> TreeLayout:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return TreeLayout(self.input_ids.to(device), self.position_ids.to(device), mask,
-                          self.scored.to(device), tuple(b.to(device) for b in self.blocks))
+        return TreeLayout(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            mask,
+            self.scored.to(device),
+            tuple(b.to(device) for b in self.blocks),
+        )
 
 
-def find(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-         label_mask: torch.Tensor) -> SharedPrefix | None:
+def find(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, label_mask: torch.Tensor
+) -> SharedPrefix | None:
     """The cut and the sharing of a padded micro-batch; None when no two rows share their
     prefix (or nothing is scored): the rows then run as they are."""
     b = input_ids.shape[0]
@@ -92,8 +98,13 @@ def find(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return SharedPrefix(cut, first[order], rank[owner])
 
 
-def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-           label_mask: torch.Tensor, flat: bool = False) -> TreeLayout | None:
+def layout(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    label_mask: torch.Tensor,
+    flat: bool = False,
+) -> TreeLayout | None:
     """The tree layout of a padded micro-batch, or None when nothing is shared. `flat`: one
     unpadded row and no dense mask, for `tree_attention`."""
     shared = find(input_ids, attention_mask, label_mask)
@@ -114,8 +125,8 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: 
             count = int(tail.sum())
             if count and not bool(tail[:count].all()):
                 return None  # padding inside the tail: keep the plain layout
-            ids.append(input_ids[r, cut:cut + count])
-            pos.append(position_ids[r, cut:cut + count])
+            ids.append(input_ids[r, cut : cut + count])
+            pos.append(position_ids[r, cut : cut + count])
             seg.append(torch.full((count,), r))
             length += count
         rows_ids.append(torch.cat(ids))
@@ -123,13 +134,23 @@ def layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: 
         rows_seg.append(torch.cat(seg))
 
     def scored(starts: list[int]) -> torch.Tensor:  # tree row u begins at starts[u]
-        return torch.tensor([starts[where[r][0]] + c + where[r][1]
-                             for r, c in label_mask.bool().nonzero().tolist()], dtype=torch.long)
+        return torch.tensor(
+            [
+                starts[where[r][0]] + c + where[r][1]
+                for r, c in label_mask.bool().nonzero().tolist()
+            ],
+            dtype=torch.long,
+        )
 
     if flat:
         starts = torch.tensor([0] + [len(x) for x in rows_ids]).cumsum(0).tolist()
-        return TreeLayout(torch.cat(rows_ids)[None], torch.cat(rows_pos)[None], None,
-                          scored(starts), tree_blocks(rows_seg, starts))
+        return TreeLayout(
+            torch.cat(rows_ids)[None],
+            torch.cat(rows_pos)[None],
+            None,
+            scored(starts),
+            tree_blocks(rows_seg, starts),
+        )
     width = max(len(x) for x in rows_ids)
     n_rows = len(rows_ids)
     b, t = input_ids.shape

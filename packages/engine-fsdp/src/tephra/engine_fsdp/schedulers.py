@@ -9,6 +9,7 @@ from tephra.engine_api.config import SchedulerConfig
 from tephra.engine_api.lr_schedules import lr_factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer,
-                    cfg: SchedulerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step))

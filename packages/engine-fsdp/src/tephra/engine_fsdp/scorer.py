@@ -54,8 +54,14 @@ class TokenScorer(nn.Module):
     micro-batch has no trained position (FSDP's reduce-scatter needs that).
     """
 
-    def __init__(self, model: nn.Module, hf_model: PreTrainedModel, role: str,
-                 temperature: float, compute_entropy: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        hf_model: PreTrainedModel,
+        role: str,
+        temperature: float,
+        compute_entropy: bool,
+    ) -> None:
         super().__init__()
         self.model = model
         self.role = role
@@ -73,8 +79,17 @@ class TokenScorer(nn.Module):
             return self._hf.get_output_embeddings()
         return getattr(self._hf, VALUE_HEAD)
 
-    def forward(self, input_ids, position_ids, attention_mask, label_mask, next_tokens=None,
-                tree=None, idle_vision=None, **vision):
+    def forward(
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        label_mask,
+        next_tokens=None,
+        tree=None,
+        idle_vision=None,
+        **vision,
+    ):
         # vision: pixel_values / image_grid_thw of a vision-language model (see `vision`);
         # idle_vision: a blank image run through the tower only to join the ranks' collectives
         model = backbone(self._hf)
@@ -88,19 +103,27 @@ class TokenScorer(nn.Module):
             next_tokens[..., :-1] = input_ids[..., 1:]
         if tree is not None:  # one row per shared prefix (`prefix_sharing`)
             if tree.attention_mask is None:  # flat: the blocks are the attention
-                mask, blocks = tree_attention.placeholder_mask(tree.input_ids), {
-                    "tree_blocks": tree.blocks}
+                mask, blocks = (
+                    tree_attention.placeholder_mask(tree.input_ids),
+                    {"tree_blocks": tree.blocks},
+                )
             else:
                 mask, blocks = self._tree_mask(tree.attention_mask), {}
             hidden = model(
-                input_ids=tree.input_ids, position_ids=tree.position_ids,
-                attention_mask=mask, use_cache=False, **blocks,
+                input_ids=tree.input_ids,
+                position_ids=tree.position_ids,
+                attention_mask=mask,
+                use_cache=False,
+                **blocks,
             ).last_hidden_state
             h = hidden.flatten(0, 1)[tree.scored]
         else:
             hidden = model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=False, **vision,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                **vision,
             ).last_hidden_state  # [b, t, hidden]
             h = hidden[select]  # [n, hidden]
         head = self.head()
@@ -116,7 +139,10 @@ class TokenScorer(nn.Module):
                 result["entropy"] = empty
             return result
         log_probs, entropy = kernels.linear_logprob_entropy(
-            h, head.weight, next_tokens[select], self.temperature,
+            h,
+            head.weight,
+            next_tokens[select],
+            self.temperature,
             compute_entropy=self.compute_entropy,
         )
         # clones: FSDP2 warns about views returned from a wrapped module
@@ -131,4 +157,5 @@ class TokenScorer(nn.Module):
             return allowed
         dtype = self._hf.get_input_embeddings().weight.dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min)
+            ~allowed, torch.finfo(dtype).min
+        )

@@ -85,8 +85,9 @@ def build_mesh(config: EngineConfig, device: torch.device) -> DeviceMesh:
         )
     if shard == world:
         return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-    return init_device_mesh(device.type, (world // shard, shard),
-                            mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(
+        device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def check_ulysses(config: EngineConfig, hf_model: nn.Module, where: str) -> None:
@@ -108,8 +109,13 @@ def check_ulysses(config: EngineConfig, hf_model: nn.Module, where: str) -> None
             )
 
 
-def shard_model(root: nn.Module, layers: list[nn.Module], mesh: DeviceMesh,
-                config: EngineConfig, device: torch.device) -> None:
+def shard_model(
+    root: nn.Module,
+    layers: list[nn.Module],
+    mesh: DeviceMesh,
+    config: EngineConfig,
+    device: torch.device,
+) -> None:
     """`fully_shard` each decoder layer, then the root (embeddings, norm, output head).
 
     Mixed precision: parameters are cast to `precision.param_dtype` (`auto` resolved for the

@@ -18,9 +18,16 @@ TINY_VOCAB = 256
 def tiny_qwen2_config(**overrides: Any) -> dict[str, Any]:
     """A 2-layer Qwen2 (hidden 64, vocab 256) as an `hf_config` dict: builds in milliseconds."""
     cfg = dict(
-        model_type="qwen2", vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        model_type="qwen2",
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
     )
     cfg.update(overrides)
     return cfg
@@ -44,20 +51,27 @@ class HFReference:
         config = AutoConfig.for_model(data.pop("model_type"), **data)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(init_seed)
-            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                          attn_implementation="eager")
+            self.model = AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation="eager"
+            )
         self.model.eval()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         state = {name: t.detach().cpu() for name, t in weights}
         missing, unexpected = self.model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if m != "lm_head.weight" or not self.model.config.tie_word_embeddings]
+        missing = [
+            m for m in missing if m != "lm_head.weight" or not self.model.config.tie_word_embeddings
+        ]
         assert not missing and not unexpected, f"missing {missing}, unexpected {unexpected}"
 
     def logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         with torch.no_grad():
-            return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, use_cache=False).logits.float()
+            return self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+            ).logits.float()
 
 
 def conformance_spec(workdir: Path, **base_overrides: Any):
@@ -71,7 +85,9 @@ def conformance_spec(workdir: Path, **base_overrides: Any):
     return ConformanceSpec(
         make_engine=make_engine,
         make_reference=lambda: HFReference(tiny_qwen2_config()),
-        vocab_size=TINY_VOCAB, workdir=Path(workdir), atol=1e-5,
+        vocab_size=TINY_VOCAB,
+        workdir=Path(workdir),
+        atol=1e-5,
     )
 
 
@@ -101,8 +117,9 @@ def full_gradients(engine) -> list[torch.Tensor]:
     return out
 
 
-def share_gradients(shares: list, loss_fn,
-                    overrides: dict[str, Any] | None = None) -> list[torch.Tensor]:
+def share_gradients(
+    shares: list, loss_fn, overrides: dict[str, Any] | None = None
+) -> list[torch.Tensor]:
     """Rank body (`run_distributed`): one `forward_backward` of `loss_fn` on this rank's
     batch, `shares[dp_rank]`, on a tiny engine (`tiny_engine_config(**overrides)`); returns
     `full_gradients`."""
@@ -121,17 +138,27 @@ def grouped_batch(groups: int = 3, n: int = 4, seed: int = 0):
     from tephra.engine_api import batch as B
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, TINY_VOCAB, (int(length),), generator=g)
-               for length in torch.randint(2, 8, (groups,), generator=g)]
-    rows = [(p, torch.randint(1, TINY_VOCAB, (int(torch.randint(1, 8, (1,), generator=g)),),
-                              generator=g)) for p in prompts for _ in range(n)]
+    prompts = [
+        torch.randint(1, TINY_VOCAB, (int(length),), generator=g)
+        for length in torch.randint(2, 8, (groups,), generator=g)
+    ]
+    rows = [
+        (
+            p,
+            torch.randint(
+                1, TINY_VOCAB, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g
+            ),
+        )
+        for p in prompts
+        for _ in range(n)
+    ]
     width_p, width_r = max(len(p) for p in prompts), max(len(r) for _, r in rows)
     ids = torch.zeros(len(rows), width_p + width_r, dtype=torch.int64)
     attn, resp = torch.zeros_like(ids), torch.zeros_like(ids)
     for i, (p, r) in enumerate(rows):
-        ids[i, width_p - len(p): width_p + len(r)] = torch.cat([p, r])
-        attn[i, width_p - len(p): width_p + len(r)] = 1
-        resp[i, width_p: width_p + len(r)] = 1
+        ids[i, width_p - len(p) : width_p + len(r)] = torch.cat([p, r])
+        attn[i, width_p - len(p) : width_p + len(r)] = 1
+        resp[i, width_p : width_p + len(r)] = 1
     return B.make_batch(ids, attn, resp)
 
 
@@ -186,25 +213,38 @@ def distributed_ulysses(workdir: str) -> dict[str, Any]:
     # gradient checkpointing re-runs the all-to-alls in the backward
     out["checkpointed"] = ulysses_outputs(
         FSDPEngine.build(tiny_engine_config(**ULYSSES, **{"model.gradient_checkpointing": True})),
-        batch)
+        batch,
+    )
     out["lora"] = ulysses_outputs(
-        FSDPEngine.build(tiny_engine_config(**ULYSSES, **{"lora.rank": 4})), batch)
+        FSDPEngine.build(tiny_engine_config(**ULYSSES, **{"lora.rank": 4})), batch
+    )
     return out
 
 
-def vision_steps(vlm_path: str, batch: Any, overrides: dict[str, Any] | None = None,
-                 steps: int = 2) -> dict[str, Any]:
+def vision_steps(
+    vlm_path: str, batch: Any, overrides: dict[str, Any] | None = None, steps: int = 2
+) -> dict[str, Any]:
     """`steps` training steps of an fsdp engine on the tiny Qwen2-VL at `vlm_path` with `batch`
     (a batch with images; each rank on its share), then the log-probs of the whole batch and
     the vision tower's full weights: what the 2-rank vs 1-rank parity test compares."""
     from tephra.engine_fsdp.engine import FSDPEngine
 
-    cfg = apply_overrides(EngineConfig(model=ModelConfig(path=vlm_path), device="cpu",
-                                       optimizer={"lr": 1e-2, "weight_decay": 0.0}), overrides or {})
+    cfg = apply_overrides(
+        EngineConfig(
+            model=ModelConfig(path=vlm_path),
+            device="cpu",
+            optimizer={"lr": 1e-2, "weight_decay": 0.0},
+        ),
+        overrides or {},
+    )
     engine = FSDPEngine.build(cfg)
     out: dict[str, Any] = {"steps": [train_step(engine, batch) for _ in range(steps)]}
     with engine.eval_mode():
         out["log_probs"] = engine.forward(batch)["log_probs"]
-        out["visual"] = {name: t.clone() for bucket in engine.export_weights()
-                         for name, t in bucket if "visual" in name}
+        out["visual"] = {
+            name: t.clone()
+            for bucket in engine.export_weights()
+            for name, t in bucket
+            if "visual" in name
+        }
     return out

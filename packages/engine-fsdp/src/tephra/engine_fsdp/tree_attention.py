@@ -84,8 +84,9 @@ def tree_blocks(rows: list[torch.Tensor], starts: list[int]) -> tuple[Blocks, ..
             seg_q.append(own)
             seg_k.append(torch.cat([prefix, own]))
             seg_n.append(len(prefix))
-    return tuple(_blocks(q, k, n) for q, k, n in
-                 ((pre_q, pre_k, pre_n), (seg_q, seg_k, seg_n)) if q)
+    return tuple(
+        _blocks(q, k, n) for q, k, n in ((pre_q, pre_k, pre_n), (seg_q, seg_k, seg_n)) if q
+    )
 
 
 def placeholder_mask(input_ids: torch.Tensor) -> torch.Tensor:
@@ -95,15 +96,23 @@ def placeholder_mask(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.ones((), dtype=torch.bool, device=input_ids.device).expand(1, 1, t, t)
 
 
-def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, attention_mask: torch.Tensor | None,
-                   dropout: float = 0.0, scaling: float | None = None,
-                   tree_blocks: tuple[Blocks, ...] | None = None, **kwargs):
+def tree_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    tree_blocks: tuple[Blocks, ...] | None = None,
+    **kwargs,
+):
     """transformers' attention interface: `query [b, h, L, d]`, `key`/`value [b, kv, L, d]`
     -> `[b, L, h, d]`. Without `tree_blocks`: transformers' SDPA."""
     if tree_blocks is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     b, heads, length, dim = query.shape
     q = query.transpose(1, 2).reshape(b * length, heads, dim)
     k = key.transpose(1, 2).reshape(b * length, key.shape[1], dim)
@@ -112,11 +121,19 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     for blk in tree_blocks:
         # index_select, not indexing: its backward is index_add (indexing's accumulating
         # index_put ran 10x slower on a CPU)
-        qb, kb, vb = (x.index_select(0, idx.flatten()).unflatten(0, idx.shape).transpose(1, 2)
-                      for x, idx in ((q, blk.query), (k, blk.key), (v, blk.key)))
+        qb, kb, vb = (
+            x.index_select(0, idx.flatten()).unflatten(0, idx.shape).transpose(1, 2)
+            for x, idx in ((q, blk.query), (k, blk.key), (v, blk.key))
+        )
         o = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=blk.mask, scale=scaling, enable_gqa=query.shape[1] > key.shape[1],
-            dropout_p=dropout if module.training else 0.0)
+            qb,
+            kb,
+            vb,
+            attn_mask=blk.mask,
+            scale=scaling,
+            enable_gqa=query.shape[1] > key.shape[1],
+            dropout_p=dropout if module.training else 0.0,
+        )
         out = out.index_copy(0, blk.target, o.transpose(1, 2).flatten(0, 1)[blk.valid])
     return out.view(b, length, heads, dim), None
 

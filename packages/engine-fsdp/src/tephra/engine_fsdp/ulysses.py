@@ -93,8 +93,9 @@ def head_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(b, sp * hs, t, d)
 
 
-def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                       **kwargs):
+def _ulysses_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
     """Attention function registered as `ATTENTION_NAME` (transformers' interface:
     query `[b, heads, t, d]`, key/value `[b, kv_heads, t, d]`; returns `[b, t, heads, d]`)."""
     if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
@@ -118,11 +119,20 @@ def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, 
     # varlen attention as one causal SDPA per packed segment: no [T, T] mask is built, so
     # the fused (flash / memory-efficient) SDPA kernels apply
     drop = dropout if module.training else 0.0
-    out = torch.cat([
-        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                       dropout_p=drop, scale=scaling)
-        for a, b in _STATE.bounds
-    ], dim=2)
+    out = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q[:, :, a:b],
+                k[:, :, a:b],
+                v[:, :, a:b],
+                is_causal=True,
+                dropout_p=drop,
+                scale=scaling,
+            )
+            for a, b in _STATE.bounds
+        ],
+        dim=2,
+    )
     out = _HeadToSeq.apply(out, group, sp)  # [b, heads, t, d]
     return out.transpose(1, 2).contiguous(), None
 
@@ -191,4 +201,4 @@ class GatherShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[ctx.rank * ctx.t:(ctx.rank + 1) * ctx.t], None, None, None
+        return grad[ctx.rank * ctx.t : (ctx.rank + 1) * ctx.t], None, None, None

@@ -48,12 +48,16 @@ def check_batch(batch: TensorDict, model_config, sp: int) -> None:
     if items is None:
         return
     if not is_vision_config(model_config):
-        raise BatchError(f"batch[{MULTIMODAL!r}] holds images but the model "
-                         f"({type(model_config).__name__}) has no vision tower; use a "
-                         "Qwen2-VL-family model or drop the images")
+        raise BatchError(
+            f"batch[{MULTIMODAL!r}] holds images but the model "
+            f"({type(model_config).__name__}) has no vision tower; use a "
+            "Qwen2-VL-family model or drop the images"
+        )
     if sp > 1:
-        raise ConfigError("images in the batch with parallel.context > 1 (Ulysses): not "
-                          "supported yet; set parallel.context=1 for vision-language models")
+        raise ConfigError(
+            "images in the batch with parallel.context > 1 (Ulysses): not "
+            "supported yet; set parallel.context=1 for vision-language models"
+        )
     tid = image_token_id(model_config)
     merge = int(model_config.vision_config.spatial_merge_size)
     ids, attn = batch[B.INPUT_IDS], batch[B.ATTENTION_MASK].bool()
@@ -65,8 +69,9 @@ def _rope_index(backbone, ids: torch.Tensor, mm: MultimodalInputs | None, tid: i
     """mRoPE ids `[3, n]` of one unpadded sequence (the model's `get_rope_index`)."""
     if mm is None:  # text only: the three rows are the plain positions
         return torch.arange(ids.shape[0]).expand(3, -1)
-    pos, _ = backbone.get_rope_index(ids[None], mm_token_type_ids(ids[None], tid),
-                                     image_grid_thw=mm.image_grid_thw)
+    pos, _ = backbone.get_rope_index(
+        ids[None], mm_token_type_ids(ids[None], tid), image_grid_thw=mm.image_grid_thw
+    )
     return pos[:, 0]
 
 
@@ -84,12 +89,16 @@ def model_inputs(
     if not present and not packed:  # padded text: the plain positions and the mask
         return mb[B.POSITION_IDS].to(device), {}
     if not present:
-        parts = [torch.cat([torch.arange(int(a.sum()))[None],
-                            torch.arange(int(a.sum())).expand(3, -1)]) for a in attn]
+        parts = [
+            torch.cat([torch.arange(int(a.sum()))[None], torch.arange(int(a.sum())).expand(3, -1)])
+            for a in attn
+        ]
         return torch.cat(parts, dim=1)[:, None].to(device), {}
     images = MultimodalInputs.concat(present)
-    pixel = {"pixel_values": images.pixel_values.to(device),
-             "image_grid_thw": images.image_grid_thw.to(device)}
+    pixel = {
+        "pixel_values": images.pixel_values.to(device),
+        "image_grid_thw": images.image_grid_thw.to(device),
+    }
     with torch.no_grad():
         if packed:
             parts = []
@@ -98,9 +107,12 @@ def model_inputs(
                 text = torch.arange(real.shape[0])[None]
                 parts.append(torch.cat([text, _rope_index(backbone, real, mm, tid)]))
             return torch.cat(parts, dim=1)[:, None].to(device), pixel
-        pos, _ = backbone.get_rope_index(ids, mm_token_type_ids(ids, tid),
-                                         image_grid_thw=images.image_grid_thw,
-                                         attention_mask=attn.long())
+        pos, _ = backbone.get_rope_index(
+            ids,
+            mm_token_type_ids(ids, tid),
+            image_grid_thw=images.image_grid_thw,
+            attention_mask=attn.long(),
+        )
     return pos.to(device), pixel
 
 
@@ -110,5 +122,7 @@ def idle_inputs(model_config, device: torch.device) -> dict[str, torch.Tensor]:
     v = model_config.vision_config
     merge = int(v.spatial_merge_size)
     dim = int(getattr(v, "in_channels", 3)) * int(v.temporal_patch_size) * int(v.patch_size) ** 2
-    return {"pixel_values": torch.zeros(merge * merge, dim, device=device),
-            "image_grid_thw": torch.tensor([[1, merge, merge]], device=device)}
+    return {
+        "pixel_values": torch.zeros(merge * merge, dim, device=device),
+        "image_grid_thw": torch.tensor([[1, merge, merge]], device=device),
+    }

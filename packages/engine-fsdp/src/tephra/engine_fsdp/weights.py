@@ -18,11 +18,18 @@ from transformers import PreTrainedModel
 from tephra.engine_fsdp import lora
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
     "chat_template.json",
     # a vision-language model's image processor: without it the export cannot read images
-    "preprocessor_config.json", "processor_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 
 
@@ -41,8 +48,9 @@ def _tied(model: PreTrainedModel) -> bool:
     return out is not None and out.weight is model.get_input_embeddings().weight
 
 
-def iter_full_weights(model: PreTrainedModel, device: torch.device,
-                      untie_word_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_weights(
+    model: PreTrainedModel, device: torch.device, untie_word_embeddings: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     """`(hf_name, full tensor)` for every parameter and persistent buffer, in module order,
     with LoRA merged: W + (alpha / rank) * B @ A, computed in float32.
 
@@ -65,11 +73,15 @@ def iter_full_weights(model: PreTrainedModel, device: torch.device,
         for buf_name, buf in module.named_buffers(recurse=False):
             if buf_name in module._non_persistent_buffers_set:
                 continue
-            yield lora.base_name(f"{mod_name}.{buf_name}" if mod_name else buf_name), _full(buf, device)
+            yield (
+                lora.base_name(f"{mod_name}.{buf_name}" if mod_name else buf_name),
+                _full(buf, device),
+            )
 
 
-def buckets(items: Iterator[tuple[str, torch.Tensor]],
-            bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(
+    items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group `(name, tensor)` into lists of about `bucket_bytes` (a tensor larger than the
     budget is a bucket on its own)."""
     bucket: list[tuple[str, torch.Tensor]] = []
@@ -85,8 +97,9 @@ def buckets(items: Iterator[tuple[str, torch.Tensor]],
         yield bucket
 
 
-def write_hf_folder(path: Path, model: PreTrainedModel, device: torch.device,
-                    tokenizer_dir: str | None) -> None:
+def write_hf_folder(
+    path: Path, model: PreTrainedModel, device: torch.device, tokenizer_dir: str | None
+) -> None:
     """Write `config.json`, `model.safetensors` (and the tokenizer and image processor files)
     that transformers loads into the same architecture. Collective: every rank gathers, rank 0 writes."""
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -57,7 +57,8 @@ def load(engine, path: Path) -> None:
         if meta.get(key) != expected[key]:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was written for {key}={meta.get(key)!r}, but this "
-                f"engine has {key}={expected[key]!r}; load it with the same model and layout")
+                f"engine has {key}={expected[key]!r}; load it with the same model and layout"
+            )
     shard = path / f"rank_{dist.get_rank():05d}.pt"
     if not shard.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} has no shard {shard.name}")
@@ -67,8 +68,9 @@ def load(engine, path: Path) -> None:
     try:
         engine.optimizer.load_state_dict(state["optimizer"])
     except ValueError as err:
-        raise CheckpointError(f"checkpoint {str(path)!r}, {shard.name}: {err}; load it with the "
-                              "same model and layout") from err
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}, {shard.name}: {err}; load it with the same model and layout"
+        ) from err
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     dist.barrier()

@@ -39,9 +39,18 @@ class TorchCoreAttention(MegatronModule):
     """Drop-in `core_attention` (same constructor and forward as megatron's
     `DotProductAttention`). `attention_mask`: bool `[b, 1, S, S]`, True = may attend."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None, **_):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **_,
+    ):
         super().__init__(config=config)
         from megatron.core import parallel_state
 
@@ -50,13 +59,23 @@ class TorchCoreAttention(MegatronModule):
         self.groups = config.num_query_groups // tp
         self.head_dim = config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
         self.cp_group = parallel_state.get_context_parallel_group()
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         # query [sq, b, np, hn]; key/value [sk, b, ng, hn]
         if packed_seq_params is not None:
             raise NotImplementedError("TorchCoreAttention takes packed sequences as a mask")
@@ -73,7 +92,11 @@ class TorchCoreAttention(MegatronModule):
         k = key.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
         v = value.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
             scale=self.scale,
         )
         b = out.shape[0]
@@ -86,5 +109,3 @@ class TorchCoreAttention(MegatronModule):
         stacked = torch.cat(parts, dim=0)
         order = torch.argsort(cp_full_order(self.cp_size, stacked.shape[0]))
         return stacked.index_select(0, order)
-
-

@@ -48,8 +48,13 @@ class DistributedAdamW:
     this rank's slice and gathers the parameters; it returns the norm before clipping.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], tconfig: TransformerConfig,
-                 optimizer: OptimizerConfig, scheduler: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        tconfig: TransformerConfig,
+        optimizer: OptimizerConfig,
+        scheduler: SchedulerConfig,
+    ) -> None:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,  # micro-batch gradients accumulate in float32
             overlap_grad_reduce=False,  # one reduce-scatter per step, after the last backward
@@ -73,8 +78,9 @@ class DistributedAdamW:
             # config_overrides={}: one parameter group, weight decay on every weight (as the
             # other tephra engines do); gloo side groups are only for megatron's own
             # checkpoint format, which is not used (each rank saves its slice).
-            self.optimizer = get_megatron_optimizer(config, self.ddp_chunks, config_overrides={},
-                                                    use_gloo_process_groups=False)
+            self.optimizer = get_megatron_optimizer(
+                config, self.ddp_chunks, config_overrides={}, use_gloo_process_groups=False
+            )
         self.grad_clip = optimizer.grad_clip
         self.schedule = LrSchedule(lambda: self.optimizer.param_groups, optimizer.lr, scheduler)
 
@@ -129,7 +135,8 @@ class DistributedAdamW:
     def load_state_dict(self, state: dict) -> None:
         master = self.master_params()
         if len(master) != len(state["master"]) or any(
-                p.shape != s.shape for p, s in zip(master, state["master"])):
+            p.shape != s.shape for p, s in zip(master, state["master"])
+        ):
             raise ValueError("optimizer slices do not match this layout")
         with torch.no_grad():
             for p, saved in zip(master, state["master"]):

@@ -69,22 +69,29 @@ def _divisors(n: int) -> list[int]:
 def check_shape(p: Any, s: ModelShape) -> None:
     """The model's shape (`s`) splits over the parallel layout `p` (a ParallelConfig)."""
     if s.vocab_size % p.tensor:
-        raise ConfigError(f"vocab_size={s.vocab_size} is not divisible by parallel.tensor="
-                          f"{p.tensor}; choose a tensor-parallel size that divides it")
+        raise ConfigError(
+            f"vocab_size={s.vocab_size} is not divisible by parallel.tensor="
+            f"{p.tensor}; choose a tensor-parallel size that divides it"
+        )
     if s.num_kv_heads % p.tensor:
-        raise ConfigError(f"the model's num_key_value_heads={s.num_kv_heads} is not divisible by "
-                          f"parallel.tensor={p.tensor} (each tensor-parallel rank holds whole "
-                          f"key/value heads); set parallel.tensor to one of "
-                          f"{_divisors(s.num_kv_heads)}")
+        raise ConfigError(
+            f"the model's num_key_value_heads={s.num_kv_heads} is not divisible by "
+            f"parallel.tensor={p.tensor} (each tensor-parallel rank holds whole "
+            f"key/value heads); set parallel.tensor to one of "
+            f"{_divisors(s.num_kv_heads)}"
+        )
     layers_per = p.pipeline * p.virtual_pipeline
     if s.num_layers % layers_per:
-        raise ConfigError(f"num_hidden_layers={s.num_layers} is not divisible by "
-                          f"parallel.pipeline * parallel.virtual_pipeline={layers_per}")
+        raise ConfigError(
+            f"num_hidden_layers={s.num_layers} is not divisible by "
+            f"parallel.pipeline * parallel.virtual_pipeline={layers_per}"
+        )
     if (p.expert > 1 or p.expert_tensor > 1) and not s.num_experts:
         raise ConfigError("parallel.expert/expert_tensor > 1 needs a mixture-of-experts model")
     if s.num_experts and s.num_experts % p.expert:
-        raise ConfigError(f"num_experts={s.num_experts} is not divisible by parallel.expert="
-                          f"{p.expert}")
+        raise ConfigError(
+            f"num_experts={s.num_experts} is not divisible by parallel.expert={p.expert}"
+        )
 
 
 def declared_shape(model: Any) -> ModelShape | None:
@@ -111,19 +118,31 @@ class MegatronEngine(Engine):
         self.hf_config, hf_state, self.tokenizer_path = load_hf(config.model)
         self.shape = model_shape(self.hf_config)
         self._check_shape(config)
-        self.device = (torch.device("cpu") if cpu_compat.cuda_absent()
-                       else torch.device("cuda", torch.cuda.current_device()))
+        self.device = (
+            torch.device("cpu")
+            if cpu_compat.cuda_absent()
+            else torch.device("cuda", torch.cuda.current_device())
+        )
         self.dtype = _DTYPES[config.precision.compute_dtype(self.device.type)]
-        self.tconfig = transformer_config(self.hf_config, config.parallel, self.dtype,
-                                          config.parallel.moe_token_dispatcher,
-                                          config.model.gradient_checkpointing)
+        self.tconfig = transformer_config(
+            self.hf_config,
+            config.parallel,
+            self.dtype,
+            config.parallel.moe_token_dispatcher,
+            config.model.gradient_checkpointing,
+        )
         vpp = config.parallel.virtual_pipeline
         with cpu_compat.device_scope():
             self.chunks = [
-                TephraGPT(self.tconfig, self.hf_config, config.model.role,
-                          vp if vpp > 1 else None, config.temperature,
-                          value_head_seed=config.model.init_seed,
-                          compute_entropy=config.compute_entropy)
+                TephraGPT(
+                    self.tconfig,
+                    self.hf_config,
+                    config.model.role,
+                    vp if vpp > 1 else None,
+                    config.temperature,
+                    value_head_seed=config.model.init_seed,
+                    compute_entropy=config.compute_entropy,
+                )
                 for vp in range(vpp)
             ]
         self._load_hf_state(hf_state)
@@ -133,8 +152,9 @@ class MegatronEngine(Engine):
         for chunk in self.chunks:  # built on the CPU (use_cpu_initialization); buffers too
             chunk.to(self.device)
         # DDP buffers + AdamW on this data-parallel rank's slice of the float32 masters
-        self.optimizer = DistributedAdamW(self.chunks, self.tconfig, config.optimizer,
-                                          config.scheduler)
+        self.optimizer = DistributedAdamW(
+            self.chunks, self.tconfig, config.optimizer, config.scheduler
+        )
         self._fb_func = get_forward_backward_func()
         self._training = False
 
@@ -150,26 +170,35 @@ class MegatronEngine(Engine):
         default (megatron-core runs its own attention), parallel sizes that do not divide."""
         cls._check_supported(config)
         if config.micro_batch.share_prefix:
-            raise ConfigError("micro_batch.share_prefix=true is an engine-fsdp feature; "
-                              "engine-megatron runs every row whole; set share_prefix=null")
+            raise ConfigError(
+                "micro_batch.share_prefix=true is an engine-fsdp feature; "
+                "engine-megatron runs every row whole; set share_prefix=null"
+            )
         p = config.parallel
         if config.precision.reduce_dtype != "float32":
-            raise ConfigError(f"precision.reduce_dtype={config.precision.reduce_dtype!r}: "
-                              "engine-megatron reduces gradients in float32; set float32")
+            raise ConfigError(
+                f"precision.reduce_dtype={config.precision.reduce_dtype!r}: "
+                "engine-megatron reduces gradients in float32; set float32"
+            )
         if p.fsdp_size != -1:
-            raise ConfigError(f"parallel.fsdp_size={p.fsdp_size} is an engine-fsdp setting; "
-                              "engine-megatron shards the optimizer over data-parallel ranks "
-                              "(distributed optimizer): leave it at -1")
+            raise ConfigError(
+                f"parallel.fsdp_size={p.fsdp_size} is an engine-fsdp setting; "
+                "engine-megatron shards the optimizer over data-parallel ranks "
+                "(distributed optimizer): leave it at -1"
+            )
         if config.model.attn_implementation != "sdpa":
-            raise ConfigError(f"model.attn_implementation={config.model.attn_implementation!r}: "
-                              "engine-megatron runs megatron-core's attention, not transformers'; "
-                              "leave it at 'sdpa'")
+            raise ConfigError(
+                f"model.attn_implementation={config.model.attn_implementation!r}: "
+                "engine-megatron runs megatron-core's attention, not transformers'; "
+                "leave it at 'sdpa'"
+            )
         p.data_parallel_size(world_size)
         expert_world = p.expert * p.expert_tensor * p.pipeline
         if world_size % expert_world:
             raise ConfigError(
                 f"world size {world_size} is not divisible by parallel.expert * "
-                f"parallel.expert_tensor * parallel.pipeline = {expert_world}")
+                f"parallel.expert_tensor * parallel.pipeline = {expert_world}"
+            )
         if p.virtual_pipeline > 1 and p.pipeline == 1:
             raise ConfigError("parallel.virtual_pipeline > 1 needs parallel.pipeline > 1")
         shape = declared_shape(config.model)
@@ -179,28 +208,40 @@ class MegatronEngine(Engine):
     @staticmethod
     def _check_supported(config: EngineConfig) -> None:
         if config.lora.enabled:
-            raise ConfigError("lora.rank > 0 is not supported by engine-megatron; use engine=fsdp "
-                              "for LoRA or set lora.rank=0")
+            raise ConfigError(
+                "lora.rank > 0 is not supported by engine-megatron; use engine=fsdp "
+                "for LoRA or set lora.rank=0"
+            )
         if config.offload.params or config.offload.optimizer:
-            raise ConfigError("offload.params / offload.optimizer are not supported by "
-                              "engine-megatron; set them to false")
+            raise ConfigError(
+                "offload.params / offload.optimizer are not supported by "
+                "engine-megatron; set them to false"
+            )
         if config.precision.param_dtype == "float16":
-            raise ConfigError("precision.param_dtype='float16' is not supported by "
-                              "engine-megatron (no loss scaling); use bfloat16 or float32")
+            raise ConfigError(
+                "precision.param_dtype='float16' is not supported by "
+                "engine-megatron (no loss scaling); use bfloat16 or float32"
+            )
         if config.precision.master_dtype != "float32":
-            raise ConfigError(f"precision.master_dtype={config.precision.master_dtype!r}: "
-                              "engine-megatron keeps float32 master weights; set float32")
+            raise ConfigError(
+                f"precision.master_dtype={config.precision.master_dtype!r}: "
+                "engine-megatron keeps float32 master weights; set float32"
+            )
         if model_has_vision(config.model):
-            raise ConfigError("model: a vision-language model (its config has vision_config, e.g. "
-                              "Qwen2-VL) is not supported by engine-megatron; use engine=fsdp "
-                              "for images in prompts")
+            raise ConfigError(
+                "model: a vision-language model (its config has vision_config, e.g. "
+                "Qwen2-VL) is not supported by engine-megatron; use engine=fsdp "
+                "for images in prompts"
+            )
         if config.device == "cuda" and cpu_compat.cuda_absent():
             raise ConfigError("device='cuda' but CUDA is not available; use device=auto")
         if config.device == "cpu" and not cpu_compat.cuda_absent():
-            raise ConfigError("device='cpu' but CUDA is visible, and engine-megatron runs on the "
-                              "GPU whenever one is visible (megatron-core has no CPU switch); give "
-                              "the ranks GPUs (resources.gpus_per_rank=1) or hide them "
-                              "(CUDA_VISIBLE_DEVICES=)")
+            raise ConfigError(
+                "device='cpu' but CUDA is visible, and engine-megatron runs on the "
+                "GPU whenever one is visible (megatron-core has no CPU switch); give "
+                "the ranks GPUs (resources.gpus_per_rank=1) or hide them "
+                "(CUDA_VISIBLE_DEVICES=)"
+            )
 
     def _check_shape(self, config: EngineConfig) -> None:
         check_shape(config.parallel, self.shape)
@@ -212,10 +253,16 @@ class MegatronEngine(Engine):
     def _shard_coords(self, m: conv.Match) -> tuple[int, int, object]:
         """(rank, size, group) of the tensor-parallel group that splits this weight."""
         if m.is_expert:
-            return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
-                    ps.get_expert_tensor_parallel_group())
-        return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-                ps.get_tensor_model_parallel_group())
+            return (
+                ps.get_expert_tensor_parallel_rank(),
+                ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group(),
+            )
+        return (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group(),
+        )
 
     def _global_expert(self, m: conv.Match) -> int | None:
         if m.local_expert is None:
@@ -238,12 +285,14 @@ class MegatronEngine(Engine):
                     if name == "value_head.weight" and "score.weight" not in hf_state:
                         continue  # a fresh critic head (seeded by model.init_seed)
                     rank, size, _ = self._shard_coords(m)
-                    value = conv.to_megatron(m, hf_state, rank, size, self._heads,
-                                             self._global_expert(m))
+                    value = conv.to_megatron(
+                        m, hf_state, rank, size, self._heads, self._global_expert(m)
+                    )
                     if value.shape != param.shape:
                         raise ConfigError(
                             f"weight {m.hf_names} gives shape {list(value.shape)} for megatron "
-                            f"{name} {list(param.shape)}: the HF folder does not match its config")
+                            f"{name} {list(param.shape)}: the HF folder does not match its config"
+                        )
                     param.copy_(value.to(param.dtype))
 
     def _mark_tensor_parallel(self) -> None:
@@ -273,7 +322,7 @@ class MegatronEngine(Engine):
             if module.reduce_scatter_embeddings:  # sequence parallel: output is [s / tp, b, h]
                 is_pad = is_pad.transpose(0, 1)
                 n = is_pad.shape[0] // module.tp_group.size()
-                is_pad = is_pad[module.tp_group.rank() * n:(module.tp_group.rank() + 1) * n]
+                is_pad = is_pad[module.tp_group.rank() * n : (module.tp_group.rank() + 1) * n]
             return torch.where(is_pad[..., None], output.detach(), output)
 
         for chunk in self.chunks:
@@ -302,16 +351,22 @@ class MegatronEngine(Engine):
     def forward(self, batch: TensorDict) -> TensorDict:
         B.validate_batch(batch)
         with torch.no_grad():
-            outputs, _ = self._run(batch, loss_fn=None,
-                                   budget=self.config.micro_batch.forward_budget,
-                                   field_name="forward_max_tokens_per_microbatch")
+            outputs, _ = self._run(
+                batch,
+                loss_fn=None,
+                budget=self.config.micro_batch.forward_budget,
+                field_name="forward_max_tokens_per_microbatch",
+            )
         return outputs
 
     def forward_backward(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
         B.validate_batch(batch)
-        _, metrics = self._run(batch, loss_fn=loss_fn,
-                               budget=self.config.micro_batch.max_tokens_per_microbatch,
-                               field_name="max_tokens_per_microbatch")
+        _, metrics = self._run(
+            batch,
+            loss_fn=loss_fn,
+            budget=self.config.micro_batch.max_tokens_per_microbatch,
+            field_name="max_tokens_per_microbatch",
+        )
         return metrics
 
     def _output_keys(self) -> list[str]:
@@ -338,8 +393,11 @@ class MegatronEngine(Engine):
         # every rank must run the same number of them (extra ones carry no trained token
         # and their outputs are dropped).
         count = torch.tensor([real])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX,
-                        group=ps.get_data_parallel_group(with_context_parallel=True))
+        dist.all_reduce(
+            count,
+            op=dist.ReduceOp.MAX,
+            group=ps.get_data_parallel_group(with_context_parallel=True),
+        )
         target = int(count)
         if len(self.chunks) > 1:
             # the interleaved schedule needs a multiple of the number of stages
@@ -358,15 +416,19 @@ class MegatronEngine(Engine):
         shape = None
         allgather_moe = bool(self.shape.num_experts) and (
             self.tconfig.moe_token_dispatcher_type == "allgather"
-            or self.config.parallel.expert_tensor > 1)
+            or self.config.parallel.expert_tensor > 1
+        )
         if ps.get_pipeline_model_parallel_world_size() > 1 or allgather_moe:
             # pipeline stages exchange fixed shapes; the allgather dispatcher (and expert
             # tensor parallelism) gather equal token counts across data-parallel ranks
             shapes = [natural_shape(mb, packed, sp) for mb in mbs]
             dims = torch.tensor([max(r for r, _ in shapes), max(s for _, s in shapes)])
             if allgather_moe:
-                dist.all_reduce(dims, op=dist.ReduceOp.MAX,
-                                group=ps.get_data_parallel_group(with_context_parallel=True))
+                dist.all_reduce(
+                    dims,
+                    op=dist.ReduceOp.MAX,
+                    group=ps.get_data_parallel_group(with_context_parallel=True),
+                )
             shape = (int(dims[0]), int(dims[1]))
         inputs = [prepare(mb, packed, sp, shape).to(self.device) for mb in mbs]
 
@@ -380,8 +442,10 @@ class MegatronEngine(Engine):
                 per_pos = cp_gather(out_tensor)  # [b_rows, S, k] in natural order
                 token_out = x.to_tokens(per_pos)  # [b, t, k] aligned to tokens, 0 off response
                 mb = mbs[idx].to(self.device)
-                outputs = TensorDict({k: token_out[..., j] for j, k in enumerate(keys)},
-                                     batch_size=[mb.batch_size[0]])
+                outputs = TensorDict(
+                    {k: token_out[..., j] for j, k in enumerate(keys)},
+                    batch_size=[mb.batch_size[0]],
+                )
                 if idx >= real:  # padding micro-batch: keep the graph, contribute nothing
                     return out_tensor.sum() * 0.0, torch.tensor(1), {}
                 if loss_fn is None:
@@ -415,15 +479,15 @@ class MegatronEngine(Engine):
             stacked = torch.stack([full[k] for k in keys])
             if ps.get_pipeline_model_parallel_world_size() > 1:
                 dist.broadcast(stacked, src=last_pp_rank, group=pp_group)
-            return TensorDict({k: stacked[j] for j, k in enumerate(keys)},
-                              batch_size=[n_rows]), {}
+            return TensorDict({k: stacked[j] for j, k in enumerate(keys)}, batch_size=[n_rows]), {}
         result = [float(loss_sum), metric_sums]
         if ps.get_pipeline_model_parallel_world_size() > 1:
             # only the last stage ran the loss (and knows the metric names)
             dist.broadcast_object_list(result, src=last_pp_rank, group=pp_group)
         names = sorted(result[1])
-        vec = torch.tensor([result[0], float(real)] + [result[1][n] for n in names],
-                           dtype=torch.float64)
+        vec = torch.tensor(
+            [result[0], float(real)] + [result[1][n] for n in names], dtype=torch.float64
+        )
         dist.all_reduce(vec, group=ps.get_data_parallel_group())
         metrics = {"loss": float(vec[0])}
         for j, n in enumerate(names):
@@ -485,6 +549,8 @@ class MegatronEngine(Engine):
     def is_dp_output_rank(self) -> bool:
         """Every rank of a data-parallel replica returns the same outputs (the last pipeline
         stage broadcasts them); its first tensor/pipeline/context rank hands them back."""
-        return (ps.get_tensor_model_parallel_rank() == 0
-                and ps.get_pipeline_model_parallel_rank() == 0
-                and ps.get_context_parallel_rank() == 0)
+        return (
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_pipeline_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+        )

@@ -46,24 +46,47 @@ RULES = (
     _rule(r"value_head\.weight", "rep", "score.weight"),
     _rule(_L + r"input_layernorm\.weight", "rep", _HL + "input_layernorm.weight"),
     _rule(_L + r"pre_mlp_layernorm\.weight", "rep", _HL + "post_attention_layernorm.weight"),
-    _rule(_L + r"self_attention\.linear_qkv\.weight", "qkv",
-          *(_HL + f"self_attn.{p}_proj.weight" for p in "qkv")),
-    _rule(_L + r"self_attention\.linear_qkv\.bias", "qkv",
-          *(_HL + f"self_attn.{p}_proj.bias" for p in "qkv")),
+    _rule(
+        _L + r"self_attention\.linear_qkv\.weight",
+        "qkv",
+        *(_HL + f"self_attn.{p}_proj.weight" for p in "qkv"),
+    ),
+    _rule(
+        _L + r"self_attention\.linear_qkv\.bias",
+        "qkv",
+        *(_HL + f"self_attn.{p}_proj.bias" for p in "qkv"),
+    ),
     _rule(_L + r"self_attention\.linear_proj\.weight", "row", _HL + "self_attn.o_proj.weight"),
-    _rule(_L + r"mlp\.linear_fc1\.weight", "gate_up",
-          _HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"),
+    _rule(
+        _L + r"mlp\.linear_fc1\.weight",
+        "gate_up",
+        _HL + "mlp.gate_proj.weight",
+        _HL + "mlp.up_proj.weight",
+    ),
     _rule(_L + r"mlp\.linear_fc2\.weight", "row", _HL + "mlp.down_proj.weight"),
     _rule(_L + r"mlp\.router\.weight", "rep", _HL + "mlp.gate.weight"),
-    _rule(_L + r"mlp\.shared_experts\.linear_fc1\.weight", "gate_up",
-          _HL + "mlp.shared_expert.gate_proj.weight", _HL + "mlp.shared_expert.up_proj.weight"),
-    _rule(_L + r"mlp\.shared_experts\.linear_fc2\.weight", "row",
-          _HL + "mlp.shared_expert.down_proj.weight"),
+    _rule(
+        _L + r"mlp\.shared_experts\.linear_fc1\.weight",
+        "gate_up",
+        _HL + "mlp.shared_expert.gate_proj.weight",
+        _HL + "mlp.shared_expert.up_proj.weight",
+    ),
+    _rule(
+        _L + r"mlp\.shared_experts\.linear_fc2\.weight",
+        "row",
+        _HL + "mlp.shared_expert.down_proj.weight",
+    ),
     _rule(_L + r"mlp\.shared_experts\.gate_weight", "rep", _HL + "mlp.shared_expert_gate.weight"),
-    _rule(_L + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc1\.weight",
-          "expert_gate_up", _HL + "mlp.experts.gate_up_proj"),
-    _rule(_L + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc2\.weight",
-          "expert_down", _HL + "mlp.experts.down_proj"),
+    _rule(
+        _L + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc1\.weight",
+        "expert_gate_up",
+        _HL + "mlp.experts.gate_up_proj",
+    ),
+    _rule(
+        _L + r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc2\.weight",
+        "expert_down",
+        _HL + "mlp.experts.down_proj",
+    ),
 )
 
 
@@ -93,8 +116,12 @@ def match(name: str, layer_offset: dict[int, int]) -> Match:
         groups = m.groupdict()
         local = int(groups["layer"]) if "layer" in groups else None
         layer = layer_offset[local] if local is not None else None
-        return Match(rule, tuple(h.format(layer=layer) for h in rule.hf), local,
-                     int(groups["expert"]) if groups.get("expert") is not None else None)
+        return Match(
+            rule,
+            tuple(h.format(layer=layer) for h in rule.hf),
+            local,
+            int(groups["expert"]) if groups.get("expert") is not None else None,
+        )
     raise KeyError(f"no HF mapping for megatron parameter {name!r}")
 
 
@@ -105,8 +132,14 @@ class Heads:
     head_dim: int
 
 
-def to_megatron(m: Match, hf: dict[str, torch.Tensor], rank: int, size: int, heads: Heads,
-                global_expert: int | None = None) -> torch.Tensor:
+def to_megatron(
+    m: Match,
+    hf: dict[str, torch.Tensor],
+    rank: int,
+    size: int,
+    heads: Heads,
+    global_expert: int | None = None,
+) -> torch.Tensor:
     """This rank's megatron tensor for match `m` from full HF tensors `hf`."""
     tensors = [hf[n] for n in m.hf_names]
     kind = m.kind
@@ -120,8 +153,9 @@ def to_megatron(m: Match, hf: dict[str, torch.Tensor], rank: int, size: int, hea
         q, k, v = tensors
         ng = heads.num_kv_heads
         tail = q.shape[1:]
-        fused = torch.cat([q.reshape(ng, -1, *tail), k.reshape(ng, -1, *tail),
-                           v.reshape(ng, -1, *tail)], dim=1)
+        fused = torch.cat(
+            [q.reshape(ng, -1, *tail), k.reshape(ng, -1, *tail), v.reshape(ng, -1, *tail)], dim=1
+        )
         return fused.chunk(size, dim=0)[rank].reshape(-1, *tail)
     if kind == "gate_up":
         gate, up = tensors

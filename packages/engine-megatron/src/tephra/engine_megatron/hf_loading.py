@@ -15,10 +15,13 @@ def hf_config_of(model: ModelConfig):
     if model.path is not None:
         folder = Path(model.path)
         if not (folder / "config.json").is_file():
-            raise ConfigError(f"model.path={model.path!r} is not a Hugging Face folder (no "
-                              "config.json); point it at a folder written by save_pretrained")
+            raise ConfigError(
+                f"model.path={model.path!r} is not a Hugging Face folder (no "
+                "config.json); point it at a folder written by save_pretrained"
+            )
         return transformers.AutoConfig.from_pretrained(
-            folder, trust_remote_code=model.trust_remote_code)
+            folder, trust_remote_code=model.trust_remote_code
+        )
     data = dict(model.hf_config)
     return transformers.AutoConfig.for_model(data.pop("model_type"), **data)
 
@@ -32,7 +35,8 @@ def load_hf(model: ModelConfig):
     cfg = hf_config_of(model)
     if model.path is not None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            model.path, dtype=torch.float32, trust_remote_code=model.trust_remote_code)
+            model.path, dtype=torch.float32, trust_remote_code=model.trust_remote_code
+        )
     else:
         hf = reference_model(cfg, model.init_seed)
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}

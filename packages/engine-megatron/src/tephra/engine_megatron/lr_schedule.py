@@ -15,8 +15,9 @@ class LrSchedule:
     not a torch Optimizer). `param_groups` is called each time: loading optimizer state
     replaces the group dicts."""
 
-    def __init__(self, param_groups: Callable[[], list[dict]], peak_lr: float,
-                 cfg: SchedulerConfig) -> None:
+    def __init__(
+        self, param_groups: Callable[[], list[dict]], peak_lr: float, cfg: SchedulerConfig
+    ) -> None:
         self.param_groups = param_groups
         self.peak_lr = peak_lr
         self.cfg = cfg

@@ -47,7 +47,7 @@ class ModelInputs:
         b, t = self.token_index.shape
         prev = torch.full_like(self.token_index, -1)
         prev[:, 1:] = self.token_index[:, :-1]
-        take = (self.response_mask.bool() & (prev >= 0))
+        take = self.response_mask.bool() & (prev >= 0)
         gathered = flat[prev.clamp(min=0).reshape(-1)].reshape(b, t, k)
         return gathered * take[..., None].to(gathered.dtype)
 
@@ -70,8 +70,9 @@ def natural_shape(mb: TensorDict, packed: bool, sp_size: int) -> tuple[int, int]
     return attn.shape[0], padded_length(attn.shape[1], sp_size)
 
 
-def prepare(mb: TensorDict, packed: bool, sp_size: int,
-            shape: tuple[int, int] | None = None) -> ModelInputs:
+def prepare(
+    mb: TensorDict, packed: bool, sp_size: int, shape: tuple[int, int] | None = None
+) -> ModelInputs:
     """Lay out `mb` for the model; `shape` = (rows, S) pads it to a fixed shape (pipeline
     stages exchange fixed shapes: gloo mismatched megatron's variable-shape handshake)."""
     cp = ps.get_context_parallel_world_size()
@@ -111,8 +112,7 @@ def prepare(mb: TensorDict, packed: bool, sp_size: int,
         rows_seg = torch.cat([rows_seg, rows_seg.new_full((rows, pad), -1)], 1)
         if not packed:
             # token_index counts positions of rows of length t; re-base to rows of length s
-            token_index = torch.where(
-                token_index >= 0, token_index // t * s + token_index % t, -1)
+            token_index = torch.where(token_index >= 0, token_index // t * s + token_index % t, -1)
     same = (rows_seg[:, :, None] == rows_seg[:, None, :]) & (rows_seg[:, None, :] >= 0)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     mask = (same & causal) | torch.eye(s, dtype=torch.bool)
@@ -122,8 +122,7 @@ def prepare(mb: TensorDict, packed: bool, sp_size: int,
     if cp > 1:
         keep = cp_chunk_index(ps.get_context_parallel_rank(), cp, s)
         rows_ids, rows_pos, labels = rows_ids[:, keep], rows_pos[:, keep], labels[:, keep]
-    return ModelInputs(rows_ids, rows_pos, labels, mask[:, None], token_index,
-                       mb[B.RESPONSE_MASK])
+    return ModelInputs(rows_ids, rows_pos, labels, mask[:, None], token_index, mb[B.RESPONSE_MASK])
 
 
 class _CPGather(torch.autograd.Function):

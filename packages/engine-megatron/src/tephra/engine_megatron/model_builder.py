@@ -90,20 +90,28 @@ def model_shape(hf_config) -> ModelShape:
         head_dim=head_dim,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         num_experts=int(getattr(hf_config, "num_experts", 0) or 0),
-        qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(getattr(hf_config, "attention_bias", False)),
+        qkv_bias=model_type in ("qwen2", "qwen2_moe")
+        or bool(getattr(hf_config, "attention_bias", False)),
     )
 
 
-def transformer_config(hf_config, parallel: ParallelConfig, params_dtype: torch.dtype,
-                       moe_dispatcher: str, gradient_checkpointing: bool = False
-                       ) -> TransformerConfig:
+def transformer_config(
+    hf_config,
+    parallel: ParallelConfig,
+    params_dtype: torch.dtype,
+    moe_dispatcher: str,
+    gradient_checkpointing: bool = False,
+) -> TransformerConfig:
     """megatron TransformerConfig equal in function to the HF config (dropout off: RL
     fine-tuning of these models runs without it, and the contract compares exactly)."""
     shape = model_shape(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act={hf_config.hidden_act!r}: only silu (SwiGLU) is supported")
     rope_scaling = getattr(hf_config, "rope_scaling", None)
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
+        None,
+        "default",
+    ):
         raise ConfigError(f"rope_scaling={rope_scaling!r} is not supported by engine-megatron")
     kwargs: dict[str, Any] = dict(
         num_layers=shape.num_layers,
@@ -123,7 +131,8 @@ def transformer_config(hf_config, parallel: ParallelConfig, params_dtype: torch.
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=(
-            parallel.virtual_pipeline if parallel.virtual_pipeline > 1 else None),
+            parallel.virtual_pipeline if parallel.virtual_pipeline > 1 else None
+        ),
         context_parallel_size=parallel.context,
         expert_model_parallel_size=parallel.expert,
         expert_tensor_parallel_size=parallel.expert_tensor,
@@ -151,12 +160,15 @@ def transformer_config(hf_config, parallel: ParallelConfig, params_dtype: torch.
     )
     if gradient_checkpointing:
         # recompute every layer in backward (megatron's full, uniform recomputation)
-        kwargs.update(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=1)
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     if shape.num_experts:
         if moe_dispatcher == "allgather" and parallel.pipeline > 1:
-            raise ConfigError("the allgather MoE dispatcher cannot run with parallel.pipeline > 1 "
-                              "(megatron needs fixed shapes for it); use the alltoall dispatcher")
+            raise ConfigError(
+                "the allgather MoE dispatcher cannot run with parallel.pipeline > 1 "
+                "(megatron needs fixed shapes for it); use the alltoall dispatcher"
+            )
         shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
         kwargs.update(
             num_moe_experts=shape.num_experts,
@@ -173,15 +185,20 @@ def transformer_config(hf_config, parallel: ParallelConfig, params_dtype: torch.
         )
         if shared:
             kwargs.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
-        if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(hf_config, "mlp_only_layers", []):
-            raise ConfigError("qwen2_moe with dense layers (decoder_sparse_step != 1 or "
-                              "mlp_only_layers) is not supported by engine-megatron")
+        if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(
+            hf_config, "mlp_only_layers", []
+        ):
+            raise ConfigError(
+                "qwen2_moe with dense layers (decoder_sparse_step != 1 or "
+                "mlp_only_layers) is not supported by engine-megatron"
+            )
     return TransformerConfig(**kwargs)
 
 
 def block_spec(config: TransformerConfig, vp_stage: int | None) -> TransformerBlockSubmodules:
     spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm")
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+    )
     spec = copy.deepcopy(spec)
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
@@ -193,8 +210,16 @@ def block_spec(config: TransformerConfig, vp_stage: int | None) -> TransformerBl
 class TephraGPT(torch.nn.Module):
     """One pipeline chunk: a megatron GPTModel plus the policy or value head."""
 
-    def __init__(self, config: TransformerConfig, hf_config, role: str, vp_stage: int | None,
-                 temperature: float, value_head_seed: int, compute_entropy: bool = True):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hf_config,
+        role: str,
+        vp_stage: int | None,
+        temperature: float,
+        value_head_seed: int,
+        compute_entropy: bool = True,
+    ):
         super().__init__()
         self.config = config
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
@@ -226,8 +251,10 @@ class TephraGPT(torch.nn.Module):
             with torch.no_grad():
                 head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.02)
             self.value_head = head
-        inv = 1.0 / (float(getattr(hf_config, "rope_theta", 10000.0)) ** (
-            torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim))
+        inv = 1.0 / (
+            float(getattr(hf_config, "rope_theta", 10000.0))
+            ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim)
+        )
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -255,26 +282,36 @@ class TephraGPT(torch.nn.Module):
         if self.pre_process:
             decoder_input = self.gpt.embedding(input_ids=input_ids, position_ids=None)
         hidden = self.gpt.decoder(
-            hidden_states=decoder_input, attention_mask=attention_mask,
-            rotary_pos_emb=self.rotary(position_ids))
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            rotary_pos_emb=self.rotary(position_ids),
+        )
         if not self.post_process:
             return hidden
         # hidden [s, b, h] (sequence-sharded under sequence parallel)
         if self.role == "value":
             if self.config.sequence_parallel:
                 hidden = gather_from_sequence_parallel_region(
-                    hidden, tensor_parallel_output_grad=False)
+                    hidden, tensor_parallel_output_grad=False
+                )
             return self.value_head(hidden).float().transpose(0, 1)  # [b, s, 1]
         if self.config.sequence_parallel:
             # the kernel's hidden gradient is already summed over TP: split it, do not reduce
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-        weight = (self.gpt.shared_embedding_or_output_weight()
-                  if self.gpt.share_embeddings_and_output_weights else self.gpt.output_layer.weight)
+        weight = (
+            self.gpt.shared_embedding_or_output_weight()
+            if self.gpt.share_embeddings_and_output_weights
+            else self.gpt.output_layer.weight
+        )
         s, b, h = hidden.shape
         logp, ent = vocab_parallel_logprob_entropy(
-            hidden.transpose(0, 1).reshape(b * s, h), weight, labels.reshape(b * s),
-            parallel_state.get_tensor_model_parallel_group(), temperature=self.temperature,
-            compute_entropy=self.compute_entropy)
+            hidden.transpose(0, 1).reshape(b * s, h),
+            weight,
+            labels.reshape(b * s),
+            parallel_state.get_tensor_model_parallel_group(),
+            temperature=self.temperature,
+            compute_entropy=self.compute_entropy,
+        )
         if ent is None:
             ent = torch.zeros_like(logp)
         return torch.stack([logp, ent], dim=-1).reshape(b, s, 2)

@@ -30,7 +30,8 @@ def ensure_process_group() -> None:
         return
     ensure_single_process_group(
         cpu_compat.default_backend(),
-        store=dist.FileStore(tempfile.mktemp(prefix="tephra_megatron_store_"), 1))
+        store=dist.FileStore(tempfile.mktemp(prefix="tephra_megatron_store_"), 1),
+    )
 
 
 def release_process_group() -> bool:
@@ -51,8 +52,15 @@ def initialize(parallel: ParallelConfig) -> None:
     world = dist.get_world_size()
     dp = parallel.data_parallel_size(world)
     # the sizes were checked against the world by MegatronEngine.check_config
-    key = (parallel.tensor, parallel.pipeline, parallel.virtual_pipeline, parallel.context,
-           parallel.expert, parallel.expert_tensor, world)
+    key = (
+        parallel.tensor,
+        parallel.pipeline,
+        parallel.virtual_pipeline,
+        parallel.context,
+        parallel.expert,
+        parallel.expert_tensor,
+        world,
+    )
     if _CURRENT == key and ps.model_parallel_is_initialized():
         return
     if ps.model_parallel_is_initialized():
@@ -61,7 +69,8 @@ def initialize(parallel: ParallelConfig) -> None:
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         virtual_pipeline_model_parallel_size=(
-            parallel.virtual_pipeline if parallel.virtual_pipeline > 1 else None),
+            parallel.virtual_pipeline if parallel.virtual_pipeline > 1 else None
+        ),
         context_parallel_size=parallel.context,
         expert_model_parallel_size=parallel.expert,
         expert_tensor_parallel_size=parallel.expert_tensor,

@@ -12,24 +12,42 @@ import torch
 from tephra.engine_api.config import EngineConfig, apply_overrides
 
 TINY_DENSE: dict[str, Any] = dict(
-    model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=256, tie_word_embeddings=False,
+    model_type="qwen2",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
 )
 """A tiny Qwen2 (GQA, qkv bias, SwiGLU): 4 layers so that PP=2 with 2 virtual stages fits."""
 
 TINY_MOE: dict[str, Any] = dict(
-    model_type="qwen2_moe", vocab_size=128, hidden_size=64, intermediate_size=128,
-    moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
-    num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=256, tie_word_embeddings=False, norm_topk_prob=False,
-    decoder_sparse_step=1, mlp_only_layers=[],
+    model_type="qwen2_moe",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    norm_topk_prob=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
 )
 """A tiny Qwen2-MoE: 4 experts, top-2, a gated shared expert."""
 
 
-def base_config(hf_config: dict[str, Any], parallel: dict[str, Any] | None = None,
-                **sections: Any) -> EngineConfig:
+def base_config(
+    hf_config: dict[str, Any], parallel: dict[str, Any] | None = None, **sections: Any
+) -> EngineConfig:
     """fp32, lr 1e-2 (one step visibly lowers the loss), no clipping surprises."""
     return EngineConfig(
         model={"hf_config": dict(hf_config), "init_seed": 0},
@@ -63,12 +81,14 @@ class HFReference:
 
     def logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         with torch.no_grad():
-            return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids).logits.float()
+            return self.model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            ).logits.float()
 
 
-def conformance_spec(hf_config: dict[str, Any], parallel: dict[str, Any], workdir: Path,
-                     dispatcher: str = "alltoall"):
+def conformance_spec(
+    hf_config: dict[str, Any], parallel: dict[str, Any], workdir: Path, dispatcher: str = "alltoall"
+):
     from tephra.engine_api.testing import ConformanceSpec
     from tephra.engine_megatron.engine import MegatronEngine
 
@@ -83,24 +103,34 @@ def conformance_spec(hf_config: dict[str, Any], parallel: dict[str, Any], workdi
 
 
 # ----- functions run on every rank by `run_distributed` (must be importable) --------------
-def rank_conformance(hf_config: dict[str, Any], parallel: dict[str, Any], workdir: str,
-                     dispatcher: str = "alltoall", checks: list[str] | None = None) -> list[str]:
+def rank_conformance(
+    hf_config: dict[str, Any],
+    parallel: dict[str, Any],
+    workdir: str,
+    dispatcher: str = "alltoall",
+    checks: list[str] | None = None,
+) -> list[str]:
     """Run the conformance kit on this rank; returns the names of the checks that passed."""
     from tephra.engine_api.testing import run_conformance
 
-    return run_conformance(conformance_spec(hf_config, parallel, Path(workdir), dispatcher),
-                           checks)
+    return run_conformance(conformance_spec(hf_config, parallel, Path(workdir), dispatcher), checks)
 
 
-def rank_conformance_runs(runs: list[tuple[str, dict[str, Any], str, list[str] | None]],
-                          workdir: str) -> list[list[str]]:
+def rank_conformance_runs(
+    runs: list[tuple[str, dict[str, Any], str, list[str] | None]], workdir: str
+) -> list[list[str]]:
     """Several kit runs in one process group (megatron's groups are rebuilt between layouts):
     each run is (model: "dense" | "dense_tied" | "moe", parallel overrides, MoE dispatcher,
     checks or None)."""
-    models = {"dense": TINY_DENSE, "moe": TINY_MOE,
-              "dense_tied": {**TINY_DENSE, "tie_word_embeddings": True}}
-    return [rank_conformance(models[m], parallel, str(Path(workdir) / f"run{i}"), disp, checks)
-            for i, (m, parallel, disp, checks) in enumerate(runs)]
+    models = {
+        "dense": TINY_DENSE,
+        "moe": TINY_MOE,
+        "dense_tied": {**TINY_DENSE, "tie_word_embeddings": True},
+    }
+    return [
+        rank_conformance(models[m], parallel, str(Path(workdir) / f"run{i}"), disp, checks)
+        for i, (m, parallel, disp, checks) in enumerate(runs)
+    ]
 
 
 def rank_first_step(model_path: str, parallel: dict[str, Any], batch, export_to: str | None):
@@ -110,9 +140,11 @@ def rank_first_step(model_path: str, parallel: dict[str, Any], batch, export_to:
     from tephra.engine_api import get_engine
     from tephra.engine_api.testing import nll_loss_fn
 
-    config = EngineConfig(model={"path": model_path},
-                          optimizer={"lr": 1e-2, "weight_decay": 0.0, "grad_clip": 1.0},
-                          parallel=parallel)
+    config = EngineConfig(
+        model={"path": model_path},
+        optimizer={"lr": 1e-2, "weight_decay": 0.0, "grad_clip": 1.0},
+        parallel=parallel,
+    )
     engine = get_engine("megatron", config)
     with engine.eval_mode():
         out = engine.forward(batch)
@@ -124,8 +156,14 @@ def rank_first_step(model_path: str, parallel: dict[str, Any], batch, export_to:
     return metrics["loss"], norm, {k: out[k] for k in out.keys()}
 
 
-def rank_dp_steps(hf_config: dict[str, Any], batch, workdir: str, steps: int = 3,
-                  save_after: int = 2, parallel: dict[str, Any] | None = None) -> dict[str, Any]:
+def rank_dp_steps(
+    hf_config: dict[str, Any],
+    batch,
+    workdir: str,
+    steps: int = 3,
+    save_after: int = 2,
+    parallel: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Data parallelism over the ranks that `parallel` leaves (all of them by default; a world
     of one gives the DP=1 reference):
     `steps` AdamW steps (cosine lr) on this rank's contiguous share of `batch`, a checkpoint
@@ -144,13 +182,17 @@ def rank_dp_steps(hf_config: dict[str, Any], batch, workdir: str, steps: int = 3
     # eps amplifies fp32 summation-order differences (DP=2 adds two shares' gradients, DP=1
     # one); the weight difference scales with lr, and 1e-3 keeps it well under 1e-5
     config = apply_overrides(
-        base_config(hf_config, parallel, scheduler={"name": "cosine", "total_steps": steps + 1,
-                                          "min_lr_ratio": 0.1}),
-        {"optimizer.lr": 1e-3})
+        base_config(
+            hf_config,
+            parallel,
+            scheduler={"name": "cosine", "total_steps": steps + 1, "min_lr_ratio": 0.1},
+        ),
+        {"optimizer.lr": 1e-3},
+    )
 
     def step(engine) -> tuple[float, float]:
         rows = batch.batch_size[0] // engine.dp_size
-        share = B.trim_padding(batch[engine.dp_rank * rows:(engine.dp_rank + 1) * rows])
+        share = B.trim_padding(batch[engine.dp_rank * rows : (engine.dp_rank + 1) * rows])
         with engine.train_mode():
             loss = engine.forward_backward(share, nll_loss_fn)["loss"]
             norm = engine.optimizer_step()

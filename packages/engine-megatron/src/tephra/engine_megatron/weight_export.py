@@ -18,10 +18,13 @@ from tephra.engine_megatron import hf_conversion as conv
 def gather_hf_weights(engine, untie_word_embeddings: bool = False) -> dict[str, torch.Tensor]:
     owned: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, int], torch.Tensor] = {}
-    keep_local = (ps.get_data_parallel_rank(with_context_parallel=True) == 0
-                  and ps.get_tensor_model_parallel_rank() == 0)
-    keep_expert = (ps.get_expert_data_parallel_rank() == 0
-                   and ps.get_expert_tensor_parallel_rank() == 0)
+    keep_local = (
+        ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        and ps.get_tensor_model_parallel_rank() == 0
+    )
+    keep_expert = (
+        ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
+    )
     with torch.no_grad():
         for chunk in engine.chunks:
             offsets = engine._layer_offsets(chunk)

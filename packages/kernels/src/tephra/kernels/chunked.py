@@ -98,8 +98,7 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         lse = torch.empty_like(log_probs)
         entropy = torch.zeros_like(log_probs)
         # backward gets each chunk's log p from here instead of recomputing it, when they fit
-        keep = (any(ctx.needs_input_grad[:2])
-                and 4 * n * weight.shape[0] <= keep_logits_bytes)
+        keep = any(ctx.needs_input_grad[:2]) and 4 * n * weight.shape[0] <= keep_logits_bytes
         kept: list[torch.Tensor] = []
         for start in range(0, n, chunk_size):
             sl = slice(start, min(start + chunk_size, n))
@@ -197,6 +196,12 @@ def chunked_logprob_entropy(
     if chunk_size is None:
         chunk_size = auto_chunk_tokens(weight.shape[0], hidden.shape[0])
     return ChunkedLogprobEntropy.apply(
-        hidden, weight, labels, temperature, ignore_index, compute_entropy, chunk_size,
+        hidden,
+        weight,
+        labels,
+        temperature,
+        ignore_index,
+        compute_entropy,
+        chunk_size,
         keep_logits_bytes,
     )

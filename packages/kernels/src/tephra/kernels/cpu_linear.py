@@ -57,7 +57,9 @@ def _onednn_op():
         return None
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -112,7 +114,9 @@ def _time_onednn(dtype: torch.dtype) -> bool:
     if not torch.allclose(fast.float(), F.linear(x, w).float(), atol=tol, rtol=1e-2):
         return False
     with torch.no_grad():
-        return _seconds(lambda: _onednn_linear(x, w, None)) < ONEDNN_MARGIN * _seconds(lambda: F.linear(x, w))
+        return _seconds(lambda: _onednn_linear(x, w, None)) < ONEDNN_MARGIN * _seconds(
+            lambda: F.linear(x, w)
+        )
 
 
 @functools.cache
@@ -133,18 +137,27 @@ def _time_packing(dtype: torch.dtype) -> bool:
     packed = [_pack(w) for w in weights]
     if any(p is None for p in packed):
         return False
-    if not torch.allclose(_onednn_linear(x, packed[0], None).float(),
-                          F.linear(x, weights[0]).float(), atol=1e-3, rtol=1e-2):
+    if not torch.allclose(
+        _onednn_linear(x, packed[0], None).float(),
+        F.linear(x, weights[0]).float(),
+        atol=1e-3,
+        rtol=1e-2,
+    ):
         return False
     with torch.no_grad():
-        return (_seconds(lambda: [_onednn_linear(x, p, None) for p in packed])
-                < ONEDNN_MARGIN * _seconds(lambda: [_onednn_linear(x, w, None) for w in weights]))
+        return _seconds(
+            lambda: [_onednn_linear(x, p, None) for p in packed]
+        ) < ONEDNN_MARGIN * _seconds(lambda: [_onednn_linear(x, w, None) for w in weights])
 
 
 def _onednn_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and onednn_is_faster(x.dtype))
+    return (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and onednn_is_faster(x.dtype)
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

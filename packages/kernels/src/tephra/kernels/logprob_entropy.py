@@ -41,7 +41,9 @@ def _naive(hidden, weight, labels, temperature, ignore_index, *, compute_entropy
     )
 
 
-METHODS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = Registry("kernel method")
+METHODS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = Registry(
+    "kernel method"
+)
 METHODS.register("naive", _naive)
 METHODS.register("chunked", chunked_logprob_entropy)
 METHODS.register("triton", _triton_logprob_entropy)
@@ -168,8 +170,11 @@ def linear_logprob_entropy(
     name = resolve_method(method, hidden.device)
     if keep_logits_bytes is not None and keep_logits_bytes < 0:
         raise KernelInputError(f"keep_logits_bytes={keep_logits_bytes}; expected >= 0 or None")
-    extra = {"keep_logits_bytes": keep_logits_bytes} if (
-        name == "chunked" and keep_logits_bytes is not None) else {}
+    extra = (
+        {"keep_logits_bytes": keep_logits_bytes}
+        if (name == "chunked" and keep_logits_bytes is not None)
+        else {}
+    )
     lead = labels.shape
     log_probs, entropy = METHODS.get(name)(
         hidden.reshape(-1, hidden.shape[-1]),

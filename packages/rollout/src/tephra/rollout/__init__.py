@@ -15,6 +15,15 @@ from tephra.rollout.base import (
 )
 
 __all__ = [
-    "ROLLOUT_BACKENDS", "Generation", "HFSettings", "Rollout", "RolloutConfig", "RolloutError",
-    "RolloutOutput", "SamplingParams", "ServerDiedError", "ServerSettings", "get_rollout",
+    "ROLLOUT_BACKENDS",
+    "Generation",
+    "HFSettings",
+    "Rollout",
+    "RolloutConfig",
+    "RolloutError",
+    "RolloutOutput",
+    "SamplingParams",
+    "ServerDiedError",
+    "ServerSettings",
+    "get_rollout",
 ]

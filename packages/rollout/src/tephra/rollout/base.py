@@ -146,13 +146,17 @@ class HFSettings:
 
     def __post_init__(self) -> None:
         if self.cpu_linear not in ("auto", "torch"):
-            raise ConfigError(f"hf.cpu_linear={self.cpu_linear!r}; choose 'auto' (the faster of "
-                              "oneDNN and torch, measured) or 'torch'")
+            raise ConfigError(
+                f"hf.cpu_linear={self.cpu_linear!r}; choose 'auto' (the faster of "
+                "oneDNN and torch, measured) or 'torch'"
+            )
         if self.max_batch_rows < 1:
             raise ConfigError(f"hf.max_batch_rows={self.max_batch_rows!r} must be >= 1")
         if not 0 < self.drop_finished_fraction <= 1:
-            raise ConfigError(f"hf.drop_finished_fraction={self.drop_finished_fraction!r} must be "
-                              "in (0, 1]; 1.0 keeps every row to the end")
+            raise ConfigError(
+                f"hf.drop_finished_fraction={self.drop_finished_fraction!r} must be "
+                "in (0, 1]; 1.0 keeps every row to the end"
+            )
         if self.batch_wait_ms < 0:
             raise ConfigError(f"hf.batch_wait_ms={self.batch_wait_ms!r} must be >= 0")
 
@@ -225,20 +229,28 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         if self.weight_sync not in ("memory", "disk"):
-            raise ConfigError(f"weight_sync={self.weight_sync!r}: expected 'memory' (the server's "
-                              "weight-transfer API) or 'disk' (safetensors reload)")
+            raise ConfigError(
+                f"weight_sync={self.weight_sync!r}: expected 'memory' (the server's "
+                "weight-transfer API) or 'disk' (safetensors reload)"
+            )
         check_transport_name("weight_transport", self.weight_transport)
         if self.sleep_level not in (0, 1, 2):
-            raise ConfigError(f"sleep_level={self.sleep_level!r}: choose 0 (no sleep), 1 "
-                              "(weights to host memory, KV cache dropped) or 2 (both dropped)")
+            raise ConfigError(
+                f"sleep_level={self.sleep_level!r}: choose 0 (no sleep), 1 "
+                "(weights to host memory, KV cache dropped) or 2 (both dropped)"
+            )
         if self.weight_bucket_mb <= 0:
             raise ConfigError(f"weight_bucket_mb={self.weight_bucket_mb!r} must be > 0")
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
-            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size!r} and "
-                              f"data_parallel_size={self.data_parallel_size!r} must be >= 1")
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size!r} and "
+                f"data_parallel_size={self.data_parallel_size!r} must be >= 1"
+            )
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in "
-                              "(0, 1] (or None for the server's default)")
+            raise ConfigError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in "
+                "(0, 1] (or None for the server's default)"
+            )
         if self.startup_timeout_s <= 0:
             raise ConfigError(f"startup_timeout_s={self.startup_timeout_s!r} must be > 0")
         if self.request_timeout_s <= 0:
@@ -274,11 +286,16 @@ class RolloutConfig:
         if not self.model_path:
             raise ConfigError("rollout.model_path is empty; give a local Hugging Face folder")
         if self.dtype not in (*DTYPES, AUTO):
-            raise ConfigError(f"rollout.dtype={self.dtype!r} is not allowed; choose one of "
-                              f"{[*DTYPES, AUTO]}")
+            raise ConfigError(
+                f"rollout.dtype={self.dtype!r} is not allowed; choose one of {[*DTYPES, AUTO]}"
+            )
         if self.max_model_len < 2:
             raise ConfigError(f"rollout.max_model_len={self.max_model_len!r} must be >= 2")
-        for name, kind in (("hf", HFSettings), ("vllm", ServerSettings), ("sglang", ServerSettings)):
+        for name, kind in (
+            ("hf", HFSettings),
+            ("vllm", ServerSettings),
+            ("sglang", ServerSettings),
+        ):
             value = getattr(self, name)
             if isinstance(value, dict):
                 setattr(self, name, kind(**value))
@@ -454,7 +471,9 @@ class Rollout(abc.ABC):
 
 
 def check_prompts(
-    prompts: list[list[int]], sampling: SamplingParams, max_model_len: int,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    max_model_len: int,
     vocab_size: int | None = None,
 ) -> None:
     """Refuse prompts a backend cannot serve, naming the prompt and the fix."""

@@ -63,8 +63,9 @@ class VisionProcessor:
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
-        return cls(AutoTokenizer.from_pretrained(path),
-                   Qwen2VLImageProcessorPil.from_pretrained(path))
+        return cls(
+            AutoTokenizer.from_pretrained(path), Qwen2VLImageProcessorPil.from_pretrained(path)
+        )
 
     def images(self, images: list[Any]) -> MultimodalInputs:
         """PIL images -> `MultimodalInputs`."""
@@ -110,8 +111,14 @@ class TinyVLM:
     """`<|image_pad|>`."""
 
 
-def build_tiny_vlm(path: str | Path, *, seed: int = 0, hidden_size: int = 64,
-                   num_layers: int = 2, initializer_range: float = 0.1) -> TinyVLM:
+def build_tiny_vlm(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    initializer_range: float = 0.1,
+) -> TinyVLM:
     """Build, initialise (seeded) and save a tiny random `Qwen2VLForConditionalGeneration`
     with a byte-level tokenizer (the vision tokens added) and a Qwen2-VL image processor
     (14-pixel patches merged 2x2; images are resized to 112..448 pixels a side)."""
@@ -129,19 +136,43 @@ def build_tiny_vlm(path: str | Path, *, seed: int = 0, hidden_size: int = 64,
     head = hidden_size // 2
     config = Qwen2VLConfig(
         text_config=dict(
-            vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-            num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
-            max_position_embeddings=2048, initializer_range=initializer_range,
+            vocab_size=len(tok),
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=num_layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
+            initializer_range=initializer_range,
             # mRoPE: (time, height, width) sections of the head's rotary half
-            rope_scaling={"type": "mrope", "mrope_section": [head // 8, head * 3 // 16, head * 3 // 16]},
-            eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+            rope_scaling={
+                "type": "mrope",
+                "mrope_section": [head // 8, head * 3 // 16, head * 3 // 16],
+            },
+            eos_token_id=eos,
+            pad_token_id=pad,
+            bos_token_id=None,
         ),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=hidden_size, num_heads=2,
-                           mlp_ratio=2, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2, in_channels=3, initializer_range=initializer_range),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=eos, pad_token_id=pad, bos_token_id=None, tie_word_embeddings=False,
+        vision_config=dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=hidden_size,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+            initializer_range=initializer_range,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
@@ -149,7 +180,10 @@ def build_tiny_vlm(path: str | Path, *, seed: int = 0, hidden_size: int = 64,
     model.save_pretrained(path)
     tok.save_pretrained(path)
     Qwen2VLImageProcessorPil(
-        min_pixels=112 * 112, max_pixels=448 * 448, patch_size=14, merge_size=2,
+        min_pixels=112 * 112,
+        max_pixels=448 * 448,
+        patch_size=14,
+        merge_size=2,
         temporal_patch_size=2,
     ).save_pretrained(path)
     return TinyVLM(str(path), len(tok), eos, pad, ids["<|image_pad|>"])

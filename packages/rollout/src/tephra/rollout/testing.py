@@ -15,8 +15,13 @@ import torch
 from tephra.rollout.base import Generation, Rollout
 
 SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
 )
 """Special tokens of the tiny tokenizer (Qwen/Hermes names, so chat templates and tool-call
 parsers written for Qwen work). `<|endoftext|>` pads, `<|im_end|>` is EOS."""
@@ -32,7 +37,7 @@ _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "What is 12 plus 30? The answer is 42.",
     "Compute 7 times 6 and answer with just the number.",
-    "<tool_call>{\"name\": \"python\", \"arguments\": {\"code\": \"print(2 + 2)\"}}</tool_call>",
+    '<tool_call>{"name": "python", "arguments": {"code": "print(2 + 2)"}}</tool_call>',
     "Paris is the capital of France. Berlin is the capital of Germany.",
     "def add(a, b):\n    return a + b\n",
     "user assistant system tool answer question number result",
@@ -62,12 +67,16 @@ def build_tiny_tokenizer(vocab_size: int = 384):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         additional_special_tokens=list(SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:]),
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -105,11 +114,20 @@ def build_tiny_model(
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = AutoConfig.for_model(
-        model_type, vocab_size=vocab, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
-        eos_token_id=eos, pad_token_id=pad, bos_token_id=None, torch_dtype="float32",
+        model_type,
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -215,8 +233,9 @@ class ScriptedRollout(Rollout):
                 ]
                 ids.append(self.tokenizer.eos_token_id)
                 versions = None if self.weight_version is None else [self.weight_version] * len(ids)
-                gen = Generation(ids, [-0.01 * (i + 1) for i in range(len(ids))], "stop",
-                                 token_versions=versions)
+                gen = Generation(
+                    ids, [-0.01 * (i + 1) for i in range(len(ids))], "stop", token_versions=versions
+                )
         finally:
             self.in_flight -= 1
         self.events.append(("gen_end", session_id, turn))
@@ -244,17 +263,25 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | N
     first EOS (None: no EOS): what the `hf` backend's greedy output must equal."""
     ids = torch.tensor([prompt], device=model.device)
     model.generation_config.eos_token_id = eos
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=max_new_tokens, pad_token_id=0)[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     return out[: out.index(eos) + 1] if eos in out else out
 
 
-def teacher_forced_log_probs(model, prompt: list[int], response: list[int],
-                             temperature: float) -> torch.Tensor:
+def teacher_forced_log_probs(
+    model, prompt: list[int], response: list[int], temperature: float
+) -> torch.Tensor:
     """log_softmax(logits / T) of each response token from one forward pass (T = 0 counts as
     1), on the CPU."""
     ids = torch.tensor([prompt + response], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float().cpu()
     scale = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+    return (
+        torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+    )

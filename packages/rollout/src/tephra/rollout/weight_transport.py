@@ -52,12 +52,19 @@ def check_transport_name(field: str, value: str) -> None:
     if value not in WEIGHT_TRANSPORTS:
         close = difflib.get_close_matches(str(value), WEIGHT_TRANSPORTS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{field}={value!r} is not a weight transport{hint}; choose one of "
-                          f"{list(WEIGHT_TRANSPORTS)}")
+        raise ConfigError(
+            f"{field}={value!r} is not a weight transport{hint}; choose one of "
+            f"{list(WEIGHT_TRANSPORTS)}"
+        )
 
 
-def choose_transport(field: str, requested: str, placement: Placement,
-                     offered: tuple[str, ...] = TRANSPORTS, server: str = "the server") -> str:
+def choose_transport(
+    field: str,
+    requested: str,
+    placement: Placement,
+    offered: tuple[str, ...] = TRANSPORTS,
+    server: str = "the server",
+) -> str:
     """The transport to use (`requested`, or the placement's for `auto`), or a ConfigError
     naming `field`, the value and the fix when it cannot work there (module docstring)."""
     check_transport_name(field, requested)
@@ -68,26 +75,35 @@ def choose_transport(field: str, requested: str, placement: Placement,
             return "nccl"
         return "ipc" if placement.server_gpus == 1 else "gloo"
     if requested not in offered:
-        raise ConfigError(f"{field}={requested!r}: {server} does not offer it (it offers "
-                          f"{list(offered)}); choose one of those or `auto`")
+        raise ConfigError(
+            f"{field}={requested!r}: {server} does not offer it (it offers "
+            f"{list(offered)}); choose one of those or `auto`"
+        )
     where = placement.describe()
     if requested == "ipc" and placement.device == "cpu":
-        raise ConfigError(f"{field}='ipc' on CPU: ipc shares GPU memory by CUDA IPC handles; "
-                          "on CPU use `gloo` (what `auto` picks)")
+        raise ConfigError(
+            f"{field}='ipc' on CPU: ipc shares GPU memory by CUDA IPC handles; "
+            "on CPU use `gloo` (what `auto` picks)"
+        )
     if requested == "ipc" and not placement.same_device:
-        raise ConfigError(f"{field}='ipc' with a {where}: CUDA IPC shares memory only "
-                          "between processes on one GPU of one node; use `nccl` (what `auto` "
-                          "picks) between different GPUs")
+        raise ConfigError(
+            f"{field}='ipc' with a {where}: CUDA IPC shares memory only "
+            "between processes on one GPU of one node; use `nccl` (what `auto` "
+            "picks) between different GPUs"
+        )
     if requested == "ipc" and placement.server_gpus > 1:
-        raise ConfigError(f"{field}='ipc' with a server over {placement.server_gpus} GPUs "
-                          "(tensor_parallel_size x data_parallel_size): the handles of the "
-                          "sender's GPU reach only the server rank on that GPU; use `gloo` "
-                          "(what `auto` picks) or a one-GPU server")
+        raise ConfigError(
+            f"{field}='ipc' with a server over {placement.server_gpus} GPUs "
+            "(tensor_parallel_size x data_parallel_size): the handles of the "
+            "sender's GPU reach only the server rank on that GPU; use `gloo` "
+            "(what `auto` picks) or a one-GPU server"
+        )
     if requested == "nccl" and placement.device == "cpu":
-        raise ConfigError(f"{field}='nccl' on CPU: NCCL needs CUDA; use `gloo` (what `auto` "
-                          "picks)")
+        raise ConfigError(f"{field}='nccl' on CPU: NCCL needs CUDA; use `gloo` (what `auto` picks)")
     if requested == "nccl" and placement.same_device:
-        raise ConfigError(f"{field}='nccl' with the {where}: NCCL refuses two ranks of one "
-                          "communicator on one GPU; use `ipc` (what `auto` picks) for a "
-                          "colocated server")
+        raise ConfigError(
+            f"{field}='nccl' with the {where}: NCCL refuses two ranks of one "
+            "communicator on one GPU; use `ipc` (what `auto` picks) for a "
+            "colocated server"
+        )
     return requested

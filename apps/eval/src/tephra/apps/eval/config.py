@@ -33,8 +33,9 @@ class EvalConfig:
     """Held-out prompts (`data.val_files`, or the demo's reasoning-gym held-out items)."""
     rollout: RolloutSection = field(default_factory=RolloutSection)
     """Generation backend and its settings (`hf`, `vllm`, `sglang`), dtype, max_tokens."""
-    val: ValidationConfig = field(default_factory=lambda: ValidationConfig(
-        n=4, temperature=1.0, ks=[1, 2, 4]))
+    val: ValidationConfig = field(
+        default_factory=lambda: ValidationConfig(n=4, temperature=1.0, ks=[1, 2, 4])
+    )
     """Samples per prompt, temperature, top_p, and the k of pass@k / maj@k."""
     reward: RewardConfig = field(default_factory=lambda: RewardConfig(executor="serial"))
     """Scoring: rule scorers by data_source, a custom function, or a reward model."""

@@ -43,8 +43,10 @@ def models_to_evaluate(cfg: EvalConfig, out: Path) -> list[tuple[str, str, int |
     if (run / "hf" / "config.json").exists():
         found.append(("hf", str(run / "hf"), None))
     if len(found) == int(cfg.start_model):
-        raise ConfigError(f"run_dir={cfg.run_dir!r} holds neither checkpoints/ nor hf/; train "
-                          "with trainer.save_every or trainer.export_hf")
+        raise ConfigError(
+            f"run_dir={cfg.run_dir!r} holds neither checkpoints/ nor hf/; train "
+            "with trainer.save_every or trainer.export_hf"
+        )
     return found
 
 
@@ -57,13 +59,17 @@ def start_model_path(run: Path) -> str:
 
     config_file = run / "config.yaml"
     if not config_file.exists():
-        raise ConfigError(f"{config_file} is missing: the run's config names the model it "
-                          "started from; set start_model=false to evaluate the checkpoints only")
+        raise ConfigError(
+            f"{config_file} is missing: the run's config names the model it "
+            "started from; set start_model=false to evaluate the checkpoints only"
+        )
     saved = yaml.safe_load(config_file.read_text()) or {}
     path = (saved.get("model") or {}).get("path")
     if not path:
-        raise ConfigError(f"{config_file} has no model.path; set start_model=false to evaluate "
-                          "the checkpoints only")
+        raise ConfigError(
+            f"{config_file} has no model.path; set start_model=false to evaluate "
+            "the checkpoints only"
+        )
     return resolve_model_path(path, (saved.get("trainer") or {}).get("seed", 0))
 
 
@@ -83,16 +89,23 @@ def evaluate_model(cfg: EvalConfig, model_path: str):
     if d.source == "reasoning_gym":
         from tephra.controller.data import reasoning_gym_records
 
-        records = reasoning_gym_records(d.task, d.val_size, d.val_seed, d.task_config,
-                                        d.instruction)
+        records = reasoning_gym_records(
+            d.task, d.val_size, d.val_seed, d.task_config, d.instruction
+        )
     else:
         if not d.val_files:
             raise ConfigError(f"data.source={d.source!r}: set data.val_files to evaluate on")
         from tephra.controller.data import load_hf_dataset, load_parquet
 
-        records = [r for f in d.val_files for r in (
-            load_parquet(f) if d.source == "parquet"
-            else load_hf_dataset(f.partition(":")[0], f.partition(":")[2] or "train"))]
+        records = [
+            r
+            for f in d.val_files
+            for r in (
+                load_parquet(f)
+                if d.source == "parquet"
+                else load_hf_dataset(f.partition(":")[0], f.partition(":")[2] or "train")
+            )
+        ]
     ids, records, dropped = tokenize_prompts(records, tok, d.max_prompt_tokens)
     if dropped:
         print(f"dropped {dropped} prompts longer than data.max_prompt_tokens", flush=True)
@@ -100,22 +113,41 @@ def evaluate_model(cfg: EvalConfig, model_path: str):
         raise ConfigError("no held-out prompt left to evaluate")
     r, v = cfg.rollout, cfg.val
     stops = tuple(t for t in {tok.eos_token_id} if t is not None)
-    sampling = SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p,
-                              max_tokens=r.max_tokens, stop_token_ids=stops, seed=cfg.seed,
-                              logprobs=False)
-    config = RolloutConfig(model_path=model_path, dtype=r.dtype,
-                           max_model_len=d.max_prompt_tokens + r.max_tokens + 8, seed=cfg.seed,
-                           hf=r.hf, vllm=r.vllm, sglang=r.sglang)
+    sampling = SamplingParams(
+        n=v.n,
+        temperature=v.temperature,
+        top_p=v.top_p,
+        max_tokens=r.max_tokens,
+        stop_token_ids=stops,
+        seed=cfg.seed,
+        logprobs=False,
+    )
+    config = RolloutConfig(
+        model_path=model_path,
+        dtype=r.dtype,
+        max_model_len=d.max_prompt_tokens + r.max_tokens + 8,
+        seed=cfg.seed,
+        hf=r.hf,
+        vllm=r.vllm,
+        sglang=r.sglang,
+    )
     with get_rollout(r.backend, config) as rollout:
         out = rollout.generate(ids, sampling)
     texts = [tok.decode(resp, skip_special_tokens=True) for resp in out.response_ids]
     recs = [records[out.prompt_index[k]] for k in range(len(out))]
     scored = Scorer(cfg.reward).score(texts, recs)
-    rows = [EvalRow(prompt=tok.decode(out.prompt_ids[k], skip_special_tokens=True),
-                    response=texts[k], score=float(scored[k][0]), ground_truth=recs[k].ground_truth,
-                    data_source=recs[k].data_source, answer=texts[k].strip(),
-                    prompt_index=out.prompt_index[k])
-            for k in range(len(out))]
+    rows = [
+        EvalRow(
+            prompt=tok.decode(out.prompt_ids[k], skip_special_tokens=True),
+            response=texts[k],
+            score=float(scored[k][0]),
+            ground_truth=recs[k].ground_truth,
+            data_source=recs[k].data_source,
+            answer=texts[k].strip(),
+            prompt_index=out.prompt_index[k],
+        )
+        for k in range(len(out))
+    ]
     return summarise(rows, v.n, v.ks), rows
 
 
@@ -128,8 +160,9 @@ def plot_across(results: dict, out: Path, metrics: list[str], title: str = "") -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = sorted((r["step"], r["summary"]["all"]) for r in results.values()
-                    if r["step"] is not None)
+    points = sorted(
+        (r["step"], r["summary"]["all"]) for r in results.values() if r["step"] is not None
+    )
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, metric in enumerate(metrics):
         color = f"C{i}"
@@ -138,12 +171,24 @@ def plot_across(results: dict, out: Path, metrics: list[str], title: str = "") -
             values = [summary[metric] for _, summary in points]
             ax.plot(steps, values, marker="o", c=color, label=f"{metric}, checkpoints")
             for x, y in zip(steps, values):
-                ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 6),
-                            ha="center", fontsize=8, color=color)
+                ax.annotate(
+                    f"{y:.3f}",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                    fontsize=8,
+                    color=color,
+                )
             ax.set_xticks(steps)
         if "hf" in results:
-            ax.axhline(results["hf"]["summary"]["all"][metric], ls="--", c=color, alpha=0.5,
-                       label=f"{metric}, final export (hf/)")
+            ax.axhline(
+                results["hf"]["summary"]["all"][metric],
+                ls="--",
+                c=color,
+                alpha=0.5,
+                label=f"{metric}, final export (hf/)",
+            )
     ax.set_xlabel("RL step (0: the model before training)")
     ax.set_ylabel("score on the held-out prompts")
     ax.set_ylim(0, 1.08)  # room for the value labels above 1.0
@@ -180,9 +225,18 @@ def eval_settings(cfg: EvalConfig) -> dict:
     """What a model's numbers depend on besides its weights (compared before reusing them)."""
     from dataclasses import asdict
 
-    return json.loads(json.dumps({"data": asdict(cfg.data), "rollout": asdict(cfg.rollout),
-                                  "val": asdict(cfg.val), "reward": asdict(cfg.reward),
-                                  "seed": cfg.seed}, default=str))
+    return json.loads(
+        json.dumps(
+            {
+                "data": asdict(cfg.data),
+                "rollout": asdict(cfg.rollout),
+                "val": asdict(cfg.val),
+                "reward": asdict(cfg.reward),
+                "seed": cfg.seed,
+            },
+            default=str,
+        )
+    )
 
 
 def run(cfg: EvalConfig) -> dict:
@@ -198,28 +252,42 @@ def run(cfg: EvalConfig) -> dict:
     for label, path, step in models_to_evaluate(cfg, out):
         fingerprint = folder_fingerprint(path)
         old = previous.get(label, {})
-        if (old.get("model") == path and old.get("step") == step
-                and old.get("fingerprint") == fingerprint and old.get("settings") == settings):
+        if (
+            old.get("model") == path
+            and old.get("step") == step
+            and old.get("fingerprint") == fingerprint
+            and old.get("settings") == settings
+        ):
             results[label] = old
             print(f"## {label}: kept from {saved} (same model files and settings)", flush=True)
         else:
             t = time.perf_counter()
             summary, rows = evaluate_model(cfg, path)
             write_jsonl(rows, out / f"generations_{label}.jsonl")
-            results[label] = {"model": path, "step": step, "summary": summary,
-                              "seconds": round(time.perf_counter() - t, 1),
-                              "fingerprint": fingerprint, "settings": settings}
-            print(f"## {label} ({results[label]['seconds']} s)\n"
-                  f"{markdown_table(summary)}", flush=True)
+            results[label] = {
+                "model": path,
+                "step": step,
+                "summary": summary,
+                "seconds": round(time.perf_counter() - t, 1),
+                "fingerprint": fingerprint,
+                "settings": settings,
+            }
+            print(
+                f"## {label} ({results[label]['seconds']} s)\n{markdown_table(summary)}", flush=True
+            )
         tables.append(f"## {label}\n\n{markdown_table(results[label]['summary'])}")
         # written after every model, so a stopped evaluation keeps what it finished
         saved.write_text(json.dumps(results, indent=1, default=str))
     (out / "eval.md").write_text("\n".join(tables))
     if cfg.run_dir is not None:
         prompts = next(iter(results.values()))["summary"]["all"]["prompts"]
-        plot_across(results, out, curve_metrics(cfg),
-                    f"{Path(cfg.run_dir).name}: {int(prompts)} held-out prompts, {cfg.val.n} samples "
-                    f"each at temperature {cfg.val.temperature:g}")
+        plot_across(
+            results,
+            out,
+            curve_metrics(cfg),
+            f"{Path(cfg.run_dir).name}: {int(prompts)} held-out prompts, {cfg.val.n} samples "
+            f"each at temperature {cfg.val.temperature:g}",
+        )
     return results
 
 

@@ -30,7 +30,8 @@ def check_model_made(cfg: PPOConfig) -> None:
     if command and not (Path(cfg.model.path) / "config.json").exists():
         raise ConfigError(
             f"model.path={cfg.model.path!r} does not exist yet: it is the model that "
-            f"`{command}` writes; run that first (from the same directory), then this again")
+            f"`{command}` writes; run that first (from the same directory), then this again"
+        )
 
 
 __all__ = ["MADE_BY", "PRESETS", "PPOConfig", "check_model_made", "parse_config"]

@@ -21,15 +21,17 @@ from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs, multimoda
 
 
 def _ids(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                        tokenize=True)
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=True
+    )
     if hasattr(out, "keys"):
         out = out["input_ids"]
     return list(out)
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict], index: int = 0
-                          ) -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    tokenizer: Any, messages: list[dict], index: int = 0
+) -> tuple[list[int], list[int]]:
     """(token ids, assistant mask) of one conversation."""
     full = _ids(tokenizer, messages, False)
     mask = [0] * len(full)
@@ -42,7 +44,8 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict], index: int = 0
             raise DatasetError(
                 f"conversation {index}: the chat template renders a prefix of the conversation "
                 "differently from the start of the whole conversation, so assistant tokens "
-                "cannot be located; use a template without history-dependent rendering")
+                "cannot be located; use a template without history-dependent rendering"
+            )
         for t in range(start, len(end_ids)):
             mask[t] = 1
     if mask and mask[0]:
@@ -73,12 +76,16 @@ def _conversations(rows: list[dict], where: str) -> list[list[dict]]:
     for i, row in enumerate(rows):
         messages = row.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise DatasetError(f"row {i} of {where}: field 'messages' is missing or empty; "
-                               "each row needs messages=[{role, content}, ...]")
+            raise DatasetError(
+                f"row {i} of {where}: field 'messages' is missing or empty; "
+                "each row needs messages=[{role, content}, ...]"
+            )
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise DatasetError(f"row {i} of {where}: field 'messages' holds {m!r}, "
-                                   "not a {role, content} message")
+                raise DatasetError(
+                    f"row {i} of {where}: field 'messages' holds {m!r}, "
+                    "not a {role, content} message"
+                )
         out.append(messages)
     return out
 
@@ -87,13 +94,24 @@ def arithmetic_conversations(size: int, seed: int) -> list[list[dict]]:
     """Two-turn chats about reasoning-gym basic_arithmetic (the default SFT data)."""
     import reasoning_gym
 
-    ds = reasoning_gym.create_dataset("basic_arithmetic", size=size, seed=seed, min_terms=2,
-                                      max_terms=2, min_digits=1, max_digits=1)
-    return [[{"role": "user", "content": f"{item['question']}\nAnswer with just the final number."},
-             {"role": "assistant", "content": str(item["answer"])},
-             {"role": "user", "content": "Are you sure?"},
-             {"role": "assistant", "content": f"Yes, the answer is {item['answer']}."}]
-            for item in ds]
+    ds = reasoning_gym.create_dataset(
+        "basic_arithmetic",
+        size=size,
+        seed=seed,
+        min_terms=2,
+        max_terms=2,
+        min_digits=1,
+        max_digits=1,
+    )
+    return [
+        [
+            {"role": "user", "content": f"{item['question']}\nAnswer with just the final number."},
+            {"role": "assistant", "content": str(item["answer"])},
+            {"role": "user", "content": "Are you sure?"},
+            {"role": "assistant", "content": f"Yes, the answer is {item['answer']}."},
+        ]
+        for item in ds
+    ]
 
 
 def pad_batch(examples: list[tuple], pad_id: int):
@@ -129,8 +147,9 @@ def load_image_conversations(path: str | Path, processor: Any) -> list[Example]:
     return image_conversations(_rows(path), path.name, processor, path.parent)
 
 
-def image_conversations(rows: list[dict], where: str, processor: Any,
-                        base_dir: Path | None = None) -> list[Example]:
+def image_conversations(
+    rows: list[dict], where: str, processor: Any, base_dir: Path | None = None
+) -> list[Example]:
     """`load_image_conversations` of rows already read (`where` names them in errors)."""
     from tephra.controller.multimodal_data import row_images, with_vision_spans
 
@@ -158,7 +177,12 @@ def colour_square_conversations(size: int, seed: int, processor: Any) -> list[Ex
     rows drawn by `seed`, each question answered with the row's ground truth (the colour)."""
     from tephra.controller.colour_squares import colour_square_rows
 
-    rows = [{"messages": r["prompt"] + [{"role": "assistant",
-                                         "content": r["reward_model"]["ground_truth"]}],
-             "images": r["images"]} for r in colour_square_rows(size, seed)]
+    rows = [
+        {
+            "messages": r["prompt"]
+            + [{"role": "assistant", "content": r["reward_model"]["ground_truth"]}],
+            "images": r["images"],
+        }
+        for r in colour_square_rows(size, seed)
+    ]
     return image_conversations(rows, "colour_squares", processor)

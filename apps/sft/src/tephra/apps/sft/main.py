@@ -34,8 +34,9 @@ def nll_loss(outputs: TensorDict, batch: TensorDict):
 
 
 class SFTWorker(Worker):
-    def __init__(self, rank: int, world_size: int, *worker_args: Any, cfg: SFTConfig,
-                 model_path: str) -> None:
+    def __init__(
+        self, rank: int, world_size: int, *worker_args: Any, cfg: SFTConfig, model_path: str
+    ) -> None:
         super().__init__(rank, world_size, *worker_args)
         from dataclasses import replace
 
@@ -43,16 +44,26 @@ class SFTWorker(Worker):
 
         model = replace(cfg.model, path=model_path)
         device = getattr(self, "device", "cpu")
-        self.engine = get_engine(cfg.policy.engine, cfg.policy.engine_config(
-            model, "policy", 1.0, cfg.data.seed, device="cuda" if device.startswith("cuda") else "cpu"))
+        self.engine = get_engine(
+            cfg.policy.engine,
+            cfg.policy.engine_config(
+                model,
+                "policy",
+                1.0,
+                cfg.data.seed,
+                device="cuda" if device.startswith("cuda") else "cpu",
+            ),
+        )
 
     def dp_info(self):
         from tephra.controller.worker_group import DataParallelInfo
 
         e = self.engine
-        return DataParallelInfo(dp_rank=getattr(e, "dp_rank", self.rank),
-                                dp_size=getattr(e, "dp_size", self.world_size),
-                                is_output_rank=getattr(e, "is_dp_output_rank", True))
+        return DataParallelInfo(
+            dp_rank=getattr(e, "dp_rank", self.rank),
+            dp_size=getattr(e, "dp_size", self.world_size),
+            is_output_rank=getattr(e, "is_dp_output_rank", True),
+        )
 
     @dispatch(Dispatch.DP_SPLIT)
     def train_step(self, batch: TensorDict) -> dict[str, float]:
@@ -113,8 +124,10 @@ def load_examples(cfg: SFTConfig, tok: Any, model_path: str) -> tuple[list, list
         val = []
     elif d.images:
         if not d.train_files:
-            raise ConfigError("data.images=true needs data.train_files (verl multimodal rows: "
-                              "messages and images)")
+            raise ConfigError(
+                "data.images=true needs data.train_files (verl multimodal rows: "
+                "messages and images)"
+            )
         processor = vision_processor(cfg, model_path)
 
         def read(files: list[str]) -> list:
@@ -122,8 +135,11 @@ def load_examples(cfg: SFTConfig, tok: Any, model_path: str) -> tuple[list, list
 
         train, val = read(d.train_files), read(d.val_files)
     else:
-        convs = ([c for f in d.train_files for c in load_conversations(f)]
-                 if d.train_files else arithmetic_conversations(d.size, d.seed))
+        convs = (
+            [c for f in d.train_files for c in load_conversations(f)]
+            if d.train_files
+            else arithmetic_conversations(d.size, d.seed)
+        )
         val_convs = [c for f in d.val_files for c in load_conversations(f)]
         train = [tokenize_conversation(tok, c, i) for i, c in enumerate(convs)]
         val = [tokenize_conversation(tok, c, i) for i, c in enumerate(val_convs)]
@@ -135,14 +151,18 @@ def load_examples(cfg: SFTConfig, tok: Any, model_path: str) -> tuple[list, list
     train, val = fit(train), fit(val)
     dropped -= len(train) + len(val)
     if dropped:
-        print(f"dropped {dropped} conversations longer than "
-              f"data.max_seq_tokens={d.max_seq_tokens}", flush=True)
+        print(
+            f"dropped {dropped} conversations longer than data.max_seq_tokens={d.max_seq_tokens}",
+            flush=True,
+        )
     if not d.val_files:
         cut = max(len(train) - d.val_size, 0)
         train, val = train[:cut], train[cut:]
     if not train:
-        raise ConfigError("no training conversation is left (after data.val_size held out and "
-                          "long ones dropped); add data or lower data.val_size")
+        raise ConfigError(
+            "no training conversation is left (after data.val_size held out and "
+            "long ones dropped); add data or lower data.val_size"
+        )
     return train, val
 
 
@@ -165,8 +185,13 @@ def run(cfg: SFTConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus)
-    pool = ResourcePool(r.world_size, r.cpus_per_rank, r.gpus_per_rank, strategy=r.placement,
-                        retain_freed_memory=r.retain_freed_memory)
+    pool = ResourcePool(
+        r.world_size,
+        r.cpus_per_rank,
+        r.gpus_per_rank,
+        strategy=r.placement,
+        retain_freed_memory=r.retain_freed_memory,
+    )
     try:
         wg = WorkerGroup(SFTWorker, pool, {"cfg": cfg, "model_path": path}, name="sft")
     except BaseException:
@@ -210,8 +235,13 @@ def run(cfg: SFTConfig) -> dict:
         trackers.close()
         wg.shutdown()
         pool.release()
-    summary = {"loss_before": loss_before, "loss_after": loss_after, "steps": step,
-               "seconds": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}
+    summary = {
+        "loss_before": loss_before,
+        "loss_after": loss_after,
+        "steps": step,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "run_dir": str(run_dir),
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -224,14 +254,19 @@ def vision_processor(cfg: SFTConfig, model_path: str):
     from tephra.engine_api.multimodal import is_vision_config
     from tephra.rollout.multimodal import VisionProcessor
 
-    what = ("data.source=colour_squares" if cfg.data.source == "colour_squares"
-            else "data.images=true")
+    what = (
+        "data.source=colour_squares" if cfg.data.source == "colour_squares" else "data.images=true"
+    )
     if cfg.policy.engine != "fsdp":
-        raise ConfigError(f"{what} with policy.engine={cfg.policy.engine!r}: only the fsdp "
-                          "engine trains vision-language models; set policy.engine=fsdp")
+        raise ConfigError(
+            f"{what} with policy.engine={cfg.policy.engine!r}: only the fsdp "
+            "engine trains vision-language models; set policy.engine=fsdp"
+        )
     if not is_vision_config(AutoConfig.from_pretrained(model_path)):
-        raise ConfigError(f"{what} but model.path={cfg.model.path!r} is a text-only model; use "
-                          "a vision-language model (Qwen2-VL family, or tiny_vlm)")
+        raise ConfigError(
+            f"{what} but model.path={cfg.model.path!r} is a text-only model; use "
+            "a vision-language model (Qwen2-VL family, or tiny_vlm)"
+        )
     return VisionProcessor.from_pretrained(model_path)
 
 

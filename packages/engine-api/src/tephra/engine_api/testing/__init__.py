@@ -13,6 +13,15 @@ from tephra.engine_api.testing.distributed import free_port, run_distributed
 from tephra.engine_api.testing.parity import first_steps
 
 __all__ = [
-    "CHECKS", "ConformanceFailure", "ConformanceSpec", "ReferenceModel", "first_steps", "free_port",
-    "nll_loss_fn", "random_batch", "reference_log_probs", "run_conformance", "run_distributed",
+    "CHECKS",
+    "ConformanceFailure",
+    "ConformanceSpec",
+    "ReferenceModel",
+    "first_steps",
+    "free_port",
+    "nll_loss_fn",
+    "random_batch",
+    "reference_log_probs",
+    "run_conformance",
+    "run_distributed",
 ]

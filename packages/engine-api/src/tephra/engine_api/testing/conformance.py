@@ -127,7 +127,9 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> Non
 
 def _rel_close(name: str, got: float, want: float, rtol: float) -> None:
     assert math.isfinite(got) and math.isfinite(want), f"{name}: non-finite {got} vs {want}"
-    assert abs(got - want) <= rtol * max(abs(want), 1e-12), f"{name}: {got!r} != {want!r} (rtol {rtol:g})"
+    assert abs(got - want) <= rtol * max(abs(want), 1e-12), (
+        f"{name}: {got!r} != {want!r} (rtol {rtol:g})"
+    )
 
 
 # ----- checks -----------------------------------------------------------------------------
@@ -269,7 +271,9 @@ def check_malformed_batches_raise(spec: ConformanceSpec) -> None:
         with tight.train_mode():
             tight.forward_backward(good, nll_loss_fn)
     except BatchError as exc:
-        assert "max_tokens_per_microbatch" in str(exc), f"budget error does not name the field: {exc}"
+        assert "max_tokens_per_microbatch" in str(exc), (
+            f"budget error does not name the field: {exc}"
+        )
     else:
         raise AssertionError("a sequence longer than the token budget was accepted")
 
@@ -306,5 +310,7 @@ def run_conformance(spec: ConformanceSpec, checks: list[str] | None = None) -> l
             failures.append(f"{name}: raised\n{traceback.format_exc()}")
     if failures:
         rank = _world()[0]
-        raise ConformanceFailure(f"rank {rank}: {len(failures)} check(s) failed:\n" + "\n".join(failures))
+        raise ConformanceFailure(
+            f"rank {rank}: {len(failures)} check(s) failed:\n" + "\n".join(failures)
+        )
     return names

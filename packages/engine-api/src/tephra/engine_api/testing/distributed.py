@@ -30,8 +30,12 @@ def free_port() -> int:
 def _rank_main(fn, rank, world_size, port, args, results, env) -> None:
     os.environ.update(env)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
     import torch
@@ -75,7 +79,9 @@ def run_distributed(
             try:
                 rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                dead = [
+                    r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out
+                ]
                 if dead:
                     raise RuntimeError(
                         f"run_distributed: rank {dead[0]} exited with code {procs[dead[0]].exitcode} "

@@ -82,8 +82,11 @@ class Trajectory:
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
-        if len(self.response_mask) != n or len(self.response_log_probs) != n or (
-                self.response_versions is not None and len(self.response_versions) != n):
+        if (
+            len(self.response_mask) != n
+            or len(self.response_log_probs) != n
+            or (self.response_versions is not None and len(self.response_versions) != n)
+        ):
             raise ValueError(
                 f"trajectory {self.sample_id}: response_ids ({n}), response_mask "
                 f"({len(self.response_mask)}), response_log_probs ({len(self.response_log_probs)}) "

@@ -84,18 +84,23 @@ class ChatTemplateDelta:
         text, never as that token, so a tool cannot forge turns. Such messages are rendered
         with a placeholder and their text is spliced in, tokenised on its own."""
         controls = self.control_texts()
-        if not any(isinstance(m.get("content"), str) and any(t in m["content"] for t in controls)
-                   for m in messages):
+        if not any(
+            isinstance(m.get("content"), str) and any(t in m["content"] for t in controls)
+            for m in messages
+        ):
             return self.encode(self.append_text(messages, stop_text))
         marks = [f"TEPHRA_TOOL_CONTENT_{i}_SENTINEL" for i in range(len(messages))]
-        text = self.append_text([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                stop_text)
+        text = self.append_text(
+            [{**m, "content": mark} for m, mark in zip(messages, marks)], stop_text
+        )
         ids: list[int] = []
         for message, mark in zip(messages, marks):
             before, found, text = text.partition(mark)
             if not found:
-                raise ConfigError("agent loop: the chat template changes tool message content "
-                                  "(a placeholder did not survive rendering)")
+                raise ConfigError(
+                    "agent loop: the chat template changes tool message content "
+                    "(a placeholder did not survive rendering)"
+                )
             ids += self.encode(before) + self.encode_plain(str(message.get("content", "")))
         return ids + self.encode(text)
 
@@ -108,11 +113,11 @@ class ChatTemplateDelta:
     def encode_plain(self, text: str) -> list[int]:
         """`text` as ordinary tokens: every occurrence of an added token's string is cut after
         its first character, so no piece can match it, and the pieces are tokenised apart."""
-        cuts = sorted({at + 1 for t in self.control_texts() if t
-                       for at in _occurrences(text, t)})
+        cuts = sorted({at + 1 for t in self.control_texts() if t for at in _occurrences(text, t)})
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if b > a]
-        return [i for piece in pieces
-                for i in self.tokenizer.encode(piece, add_special_tokens=False)]
+        return [
+            i for piece in pieces for i in self.tokenizer.encode(piece, add_special_tokens=False)
+        ]
 
 
 def _occurrences(text: str, needle: str) -> list[int]:

@@ -163,8 +163,11 @@ class ToolAgentLoop(_TokenLoop):
                     if gen.log_probs is not None
                     else [0.0] * len(gen.response_ids)
                 )
-                versions = (versions + list(gen.token_versions)
-                            if versions is not None and gen.token_versions is not None else None)
+                versions = (
+                    versions + list(gen.token_versions)
+                    if versions is not None and gen.token_versions is not None
+                    else None
+                )
                 content, stop_text = self.text_of_turn(gen.response_ids, gen.finish_reason)
                 messages.append({"role": "assistant", "content": content})
                 if gen.finish_reason == "length":

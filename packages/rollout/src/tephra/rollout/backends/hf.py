@@ -66,7 +66,9 @@ def _auto_class(model_path: str):
         cfg = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError):
         return AutoModelForCausalLM  # from_pretrained reports the problem
-    return AutoModelForImageTextToText if getattr(cfg, "vision_config", None) else AutoModelForCausalLM
+    return (
+        AutoModelForImageTextToText if getattr(cfg, "vision_config", None) else AutoModelForCausalLM
+    )
 
 
 class _StopWhenPaused(StoppingCriteria):
@@ -85,8 +87,14 @@ class _StopToDropFinished(StoppingCriteria):
     their own budget): `generate` would keep computing the finished rows to the end, so the
     caller drops them and continues the others from the KV cache."""
 
-    def __init__(self, width: int, stops: list[int], budgets: list[int], fraction: float,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        width: int,
+        stops: list[int],
+        budgets: list[int],
+        fraction: float,
+        device: torch.device,
+    ) -> None:
         self.width, self.fraction = width, fraction
         self.stops = torch.tensor(stops, dtype=torch.long, device=device)
         self.budgets = torch.tensor(budgets, dtype=torch.long, device=device)
@@ -128,7 +136,8 @@ class HFRollout(Rollout):
         settings = config.hf
         try:
             self.model = _auto_class(config.model_path).from_pretrained(
-                config.model_path, dtype=config.torch_dtype,
+                config.model_path,
+                dtype=config.torch_dtype,
                 attn_implementation=settings.attn_implementation,
             )
         except (OSError, ValueError) as exc:
@@ -143,9 +152,15 @@ class HFRollout(Rollout):
         self.eos_token_ids = _as_id_list(gen_cfg.eos_token_id) or _as_id_list(
             self.model.config.eos_token_id
         )
-        pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else self.model.config.pad_token_id
-        self.pad_token_id = int(_as_id_list(pad)[0]) if pad is not None else (
-            self.eos_token_ids[0] if self.eos_token_ids else 0
+        pad = (
+            gen_cfg.pad_token_id
+            if gen_cfg.pad_token_id is not None
+            else self.model.config.pad_token_id
+        )
+        self.pad_token_id = (
+            int(_as_id_list(pad)[0])
+            if pad is not None
+            else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         )
         # generate() fills unset options from the model's generation_config (e.g. a shipped
         # top_p=0.8 or repetition_penalty); every option is set explicitly per call instead.
@@ -165,7 +180,9 @@ class HFRollout(Rollout):
         self._seeds = random.Random(config.seed)
         self._asleep = False
         self._batcher = RequestBatcher(
-            self._run_request_batch, settings.max_batch_rows, settings.batch_wait_ms / 1000.0,
+            self._run_request_batch,
+            settings.max_batch_rows,
+            settings.batch_wait_ms / 1000.0,
             name="tephra-hf-rollout-batcher",
         )
         self._closed = False
@@ -173,14 +190,18 @@ class HFRollout(Rollout):
     # -- synchronous batch generation -------------------------------------------------------
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams,
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
         multimodal: list[MultimodalInputs | None] | None = None,
     ) -> RolloutOutput:
         """`multimodal[i]`: prompt i's images (a vision-language model), None for none."""
         check_prompts(prompts, sampling, self.config.max_model_len, self.vocab_size)
         if multimodal is not None and len(multimodal) != len(prompts):
-            raise RolloutError(f"generate: multimodal has {len(multimodal)} entries for "
-                               f"{len(prompts)} prompts; give one (or None) per prompt")
+            raise RolloutError(
+                f"generate: multimodal has {len(multimodal)} entries for "
+                f"{len(prompts)} prompts; give one (or None) per prompt"
+            )
         rows = [list(p) for p in prompts for _ in range(sampling.n)]
         mm_rows = [m for m in (multimodal or [None] * len(prompts)) for _ in range(sampling.n)]
         seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**62)
@@ -189,8 +210,11 @@ class HFRollout(Rollout):
         for start in range(0, len(rows), step):
             end = min(start + step, len(rows))
             generations += self._generate_rows(
-                rows[start:end], sampling, [sampling.max_tokens] * (end - start),
-                [seed + r for r in range(start, end)], mm_rows[start:end],
+                rows[start:end],
+                sampling,
+                [sampling.max_tokens] * (end - start),
+                [seed + r for r in range(start, end)],
+                mm_rows[start:end],
             )
         return RolloutOutput.from_generations(list(prompts), generations, sampling.n)
 
@@ -202,8 +226,12 @@ class HFRollout(Rollout):
 
     @torch.no_grad()
     def _generate_rows(
-        self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int],
-        seeds: list[int], multimodal: list[MultimodalInputs | None] | None = None,
+        self,
+        rows: list[list[int]],
+        sampling: SamplingParams,
+        max_tokens: list[int],
+        seeds: list[int],
+        multimodal: list[MultimodalInputs | None] | None = None,
     ) -> list[Generation]:
         """Generate one sample per row; row r stops at its own `max_tokens[r]` and samples
         from a generator seeded `seeds[r]`.
@@ -236,10 +264,13 @@ class HFRollout(Rollout):
                 if carry is not None and carry.updates != self._updates:
                     carry = None  # new weights: the cache is stale, prefill again
                 new, new_lp, carry = self._segment(
-                    [rows[r] + tokens[r] for r in active], sampling,
+                    [rows[r] + tokens[r] for r in active],
+                    sampling,
                     [max_tokens[r] - len(tokens[r]) for r in active],
                     [generators[r] for r in active],
-                    [multimodal[r] for r in active] if multimodal else None, carry)
+                    [multimodal[r] for r in active] if multimodal else None,
+                    carry,
+                )
             for i, r in enumerate(active):
                 budget = max_tokens[r] - len(tokens[r])
                 hits = torch.isin(new[i], stop_set).nonzero() if stops else torch.empty(0)
@@ -256,16 +287,24 @@ class HFRollout(Rollout):
             going = [i for i, r in enumerate(active) if reasons[r] is None]
             active = [active[i] for i in going]
             carry = carry.keep(going) if carry is not None and going else None
-        return [Generation(response_ids=tokens[r],
-                           log_probs=log_probs[r] if sampling.logprobs else None,
-                           finish_reason=reasons[r],
-                           # untagged when any segment ran without a version set
-                           token_versions=versions[r] if len(versions[r]) == len(tokens[r]) else None)
-                for r in range(len(rows))]
+        return [
+            Generation(
+                response_ids=tokens[r],
+                log_probs=log_probs[r] if sampling.logprobs else None,
+                finish_reason=reasons[r],
+                # untagged when any segment ran without a version set
+                token_versions=versions[r] if len(versions[r]) == len(tokens[r]) else None,
+            )
+            for r in range(len(rows))
+        ]
 
     def _segment(
-        self, rows: list[list[int]], sampling: SamplingParams, max_tokens: list[int],
-        generators: list[torch.Generator], multimodal: list[MultimodalInputs | None] | None,
+        self,
+        rows: list[list[int]],
+        sampling: SamplingParams,
+        max_tokens: list[int],
+        generators: list[torch.Generator],
+        multimodal: list[MultimodalInputs | None] | None,
         carry: _Carry | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, _Carry | None]:
         """One `model.generate` over `rows` (left-padded; or, from `carry`, the ids, mask and
@@ -286,41 +325,65 @@ class HFRollout(Rollout):
             ids, attn = carry.ids, carry.attn
             width = ids.shape[1]
         # images (vision-language model): pixel inputs of the rows, in row order
-        mm_kwargs = hf_model_kwargs(ids.cpu(), multimodal, image_token_id(self.model.config)) if (
-            multimodal and any(m is not None for m in multimodal)) else {}
+        mm_kwargs = (
+            hf_model_kwargs(ids.cpu(), multimodal, image_token_id(self.model.config))
+            if (multimodal and any(m is not None for m in multimodal))
+            else {}
+        )
         stops = self._stop_ids(sampling)
-        recorder = SampledLogProbRecorder(sampling.temperature, sampling.top_k, sampling.top_p,
-                                          width, generators)
+        recorder = SampledLogProbRecorder(
+            sampling.temperature, sampling.top_k, sampling.top_p, width, generators
+        )
         gen_config = GenerationConfig(
             # greedy: the recorder samples (temperature/top-k/top-p) and leaves one token
-            max_new_tokens=max(max_tokens), do_sample=False, num_beams=1, repetition_penalty=1.0,
-            no_repeat_ngram_size=0, eos_token_id=stops or None, pad_token_id=self.pad_token_id,
-            return_dict_in_generate=True, use_cache=True,
+            max_new_tokens=max(max_tokens),
+            do_sample=False,
+            num_beams=1,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            eos_token_id=stops or None,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            use_cache=True,
         )
         # image rows keep every row to the end: their mRoPE offsets live in the model's state
         fraction = 1.0 if mm_kwargs else self.config.hf.drop_finished_fraction
-        criteria = [_StopWhenPaused(self._running),
-                    _StopToDropFinished(width, stops, max_tokens, fraction, self.device)]
+        criteria = [
+            _StopWhenPaused(self._running),
+            _StopToDropFinished(width, stops, max_tokens, fraction, self.device),
+        ]
         # images enter with the prompt's forward, so image rows prefill in `generate`
-        past = carry.cache if carry is not None else (
-            None if mm_kwargs else self._prefill_shared_prompts(ids, attn, rows))
+        past = (
+            carry.cache
+            if carry is not None
+            else (None if mm_kwargs else self._prefill_shared_prompts(ids, attn, rows))
+        )
         if past is None and not mm_kwargs:
             past = growing_cache(self.model.config)
         out = self.model.generate(
-            input_ids=ids, attention_mask=attn, past_key_values=past,
-            generation_config=gen_config, logits_processor=LogitsProcessorList([recorder]),
+            input_ids=ids,
+            attention_mask=attn,
+            past_key_values=past,
+            generation_config=gen_config,
+            logits_processor=LogitsProcessorList([recorder]),
             stopping_criteria=StoppingCriteriaList(criteria),
             **{k: v.to(self.device) for k, v in mm_kwargs.items()},
         )
         log_probs = recorder.finish(out.sequences).cpu()
         new = out.sequences[:, width:]
-        carry = None if mm_kwargs or out.past_key_values is None else _Carry(
-            out.sequences, torch.cat([attn, torch.ones_like(new)], dim=1), out.past_key_values,
-            self._updates)
+        carry = (
+            None
+            if mm_kwargs or out.past_key_values is None
+            else _Carry(
+                out.sequences,
+                torch.cat([attn, torch.ones_like(new)], dim=1),
+                out.past_key_values,
+                self._updates,
+            )
+        )
         return new.cpu(), log_probs, carry
 
-    def _prefill_shared_prompts(self, ids: torch.Tensor, attn: torch.Tensor,
-                                rows: list[list[int]]):
+    def _prefill_shared_prompts(self, ids: torch.Tensor, attn: torch.Tensor, rows: list[list[int]]):
         """The KV cache of every prompt but its last token, computed once per run of equal
         consecutive rows (a prompt's n samples) and repeated for each row; `generate` then
         starts from it. Prefill is most of the compute of short responses and n rows of the
@@ -337,8 +400,14 @@ class HFRollout(Rollout):
         # the position ids `generate` gives left-padded rows (pads at 1; never attended to)
         positions = (u_attn.cumsum(-1) - 1).masked_fill(u_attn == 0, 1)
         cache = growing_cache(self.model.config)
-        self.model(input_ids=u_ids, attention_mask=u_attn, position_ids=positions,
-                   past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.model(
+            input_ids=u_ids,
+            attention_mask=u_attn,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache.batch_select_indices(torch.tensor(owner, device=ids.device))
         return cache
 
@@ -353,22 +422,38 @@ class HFRollout(Rollout):
         batch it joins). `session_id` is accepted for
         the contract; there is only one in-process model."""
         if sampling.n != 1:
-            raise RolloutError(f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)")
+            raise RolloutError(
+                f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)"
+            )
         check_prompts([prompt_ids], sampling, self.config.max_model_len, self.vocab_size)
-        key = (sampling.temperature, sampling.top_k, sampling.top_p, sampling.stop_token_ids,
-               sampling.ignore_eos, sampling.logprobs)
+        key = (
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            sampling.stop_token_ids,
+            sampling.ignore_eos,
+            sampling.logprobs,
+        )
         return await self._batcher.submit((list(prompt_ids), sampling), key)
 
-    def _run_request_batch(self, payloads: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+    def _run_request_batch(
+        self, payloads: list[tuple[list[int], SamplingParams]]
+    ) -> list[Generation]:
         first = payloads[0][1]
-        seeds = [s.seed if s.seed is not None else self._seeds.randrange(2**62) for _, s in payloads]
+        seeds = [
+            s.seed if s.seed is not None else self._seeds.randrange(2**62) for _, s in payloads
+        ]
         rows = [p for p, _ in payloads]
         max_tokens = [s.max_tokens for _, s in payloads]
         out: list[Generation] = []
         step = self.config.hf.max_batch_rows
         for start in range(0, len(rows), step):
-            out += self._generate_rows(rows[start : start + step], first,
-                                       max_tokens[start : start + step], seeds[start : start + step])
+            out += self._generate_rows(
+                rows[start : start + step],
+                first,
+                max_tokens[start : start + step],
+                seeds[start : start + step],
+            )
         return out
 
     @property

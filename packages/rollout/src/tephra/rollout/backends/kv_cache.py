@@ -26,8 +26,9 @@ class GrowingLayer(DynamicLayer):
     def _length(self) -> int:
         return 0 if self._key_buffer is None else self.keys.shape[-2]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self._length()
@@ -40,8 +41,9 @@ class GrowingLayer(DynamicLayer):
         self.values = self._value_buffer[..., :end, :]
         return self.keys, self.values
 
-    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int,
-              length: int) -> None:
+    def _grow(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int, length: int
+    ) -> None:
         keys = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
         values = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
         if length:
@@ -60,8 +62,10 @@ class GrowingLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length() > 0:
-            self._refit(self.keys.repeat_interleave(repeats, dim=0),
-                        self.values.repeat_interleave(repeats, dim=0))
+            self._refit(
+                self.keys.repeat_interleave(repeats, dim=0),
+                self.values.repeat_interleave(repeats, dim=0),
+            )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -75,6 +79,7 @@ def growing_cache(config) -> DynamicCache:
     """An empty `DynamicCache` for `config` whose full-attention layers grow in place (sliding
     window and other special layers keep transformers' own classes)."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer
-                    for layer in cache.layers]
+    cache.layers = [
+        GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers
+    ]
     return cache

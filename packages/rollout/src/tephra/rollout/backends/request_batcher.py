@@ -64,8 +64,10 @@ class RequestBatcher:
         while len(batch) < self._max_rows:
             remaining = deadline - time.monotonic()
             try:
-                item = self._queue.get(timeout=max(remaining, 0)) if remaining > 0 else (
-                    self._queue.get_nowait()
+                item = (
+                    self._queue.get(timeout=max(remaining, 0))
+                    if remaining > 0
+                    else (self._queue.get_nowait())
                 )
             except queue.Empty:
                 break

@@ -62,7 +62,7 @@ def sample_probs(probs: torch.Tensor, uniforms: torch.Tensor | None = None) -> t
     inner = blocks[torch.arange(rows, device=probs.device), block.squeeze(1)].double().cumsum(-1)
     # what is left of the target inside the block, kept in (0, the block's sum] against
     # rounding, so that the first token reaching it has probability > 0
-    rest = (target - (cdf.gather(1, block) - mass.gather(1, block)))
+    rest = target - (cdf.gather(1, block) - mass.gather(1, block))
     rest = torch.minimum(rest, inner[:, -1:]).clamp_min(torch.finfo(torch.float64).tiny)
     token = torch.searchsorted(inner, rest).clamp_max(SAMPLE_BLOCK - 1)
     return (block * SAMPLE_BLOCK + token).squeeze(1).clamp_max(vocab - 1)
@@ -97,8 +97,14 @@ class SampledLogProbRecorder(LogitsProcessor):
     uniforms come from `generators[r]` (None: the global torch generator).
     """
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, prompt_len: int,
-                 generators: list[torch.Generator] | None = None) -> None:
+    def __init__(
+        self,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        prompt_len: int,
+        generators: list[torch.Generator] | None = None,
+    ) -> None:
         self.generators = generators
         self.temperature = temperature
         self.top_k = top_k
@@ -116,8 +122,7 @@ class SampledLogProbRecorder(LogitsProcessor):
         self._previous = torch.log_softmax(scaled, dim=-1)
         if self.temperature == 0:
             return scores  # greedy: argmax of the raw logits
-        u = (row_uniforms(self.generators, scores.device) if self.generators is not None
-             else None)
+        u = row_uniforms(self.generators, scores.device) if self.generators is not None else None
         if self.top_k > 0 or self.top_p < 1.0:
             tokens = sample_rows(truncate_top_k_top_p(scaled, self.top_k, self.top_p), u)
         else:  # the untruncated distribution is the one just computed

@@ -89,7 +89,12 @@ class ServerProtocol(abc.ABC):
 
     @abc.abstractmethod
     def launch_command(
-        self, python: str, model_dir: str, host: str, port: int, config: RolloutConfig,
+        self,
+        python: str,
+        model_dir: str,
+        host: str,
+        port: int,
+        config: RolloutConfig,
         settings: ServerSettings,
     ) -> list[str]: ...
 
@@ -139,8 +144,9 @@ class ServerProtocol(abc.ABC):
     weight_transports: tuple[str, ...] = TRANSPORTS
     """The transports this server's weight-transfer API takes."""
 
-    def transfer_init_request(self, transport: str, address: str, port: int,
-                              world_size: int) -> Request | None:
+    def transfer_init_request(
+        self, transport: str, address: str, port: int, world_size: int
+    ) -> Request | None:
         """The request that prepares the server for updates: for a group transport its
         workers join the group (ranks 1..world_size-1) at address:port; None if none is needed."""
         raise NotImplementedError(f"{self.name} has no in-memory weight transfer")
@@ -153,7 +159,9 @@ class ServerProtocol(abc.ABC):
         """The request announcing one bucket; the server then receives it by broadcast, or
         (ipc) opens `handle`, what `share_bucket` made of it."""
 
-    def share_bucket(self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None) -> str:
+    def share_bucket(
+        self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None
+    ) -> str:
         """The `handle` of one bucket for the ipc transport."""
         raise NotImplementedError(f"{self.name} has no ipc weight transfer")
 
@@ -172,7 +180,9 @@ class ServerRollout(Rollout):
         self.process: ServerProcess | None = None
         self._closed = False
         self._own_dir = self.settings.weights_dir is None
-        self.weights_dir = Path(self.settings.weights_dir or tempfile.mkdtemp(prefix=f"tephra-{protocol.name}-"))
+        self.weights_dir = Path(
+            self.settings.weights_dir or tempfile.mkdtemp(prefix=f"tephra-{protocol.name}-")
+        )
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self._updates = itertools.count()
         self._last_update: Path | None = None
@@ -192,9 +202,12 @@ class ServerRollout(Rollout):
         """The parts of the server (`weights`, `kv_cache`) put to sleep and not woken yet."""
         self._transport = self._choose_transport()
         if self.settings.weight_sync == "disk":
-            warnings.warn(f"{protocol.name}.weight_sync=disk: every weight update is written to "
-                          f"{self.weights_dir} and reloaded by the server; `memory` keeps the disk "
-                          "off the hot path", stacklevel=2)
+            warnings.warn(
+                f"{protocol.name}.weight_sync=disk: every weight update is written to "
+                f"{self.weights_dir} and reloaded by the server; `memory` keeps the disk "
+                "off the hot path",
+                stacklevel=2,
+            )
         model_dir = config.model_path
         if not (Path(model_dir) / "config.json").is_file():
             raise RolloutError(
@@ -203,13 +216,16 @@ class ServerRollout(Rollout):
             )
         self._tied = protocol.needs_untied_head and is_tied(model_dir)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"tephra-{protocol.name}-http",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"tephra-{protocol.name}-http", daemon=True
+        )
         self._thread.start()
         self._client = self._call(self._make_client())
         try:
             if self.settings.url:
-                self.urls = [u.strip().rstrip("/") for u in self.settings.url.split(",") if u.strip()]
+                self.urls = [
+                    u.strip().rstrip("/") for u in self.settings.url.split(",") if u.strip()
+                ]
                 for url in self.urls:
                     self._check_reachable(url)
             else:
@@ -240,10 +256,16 @@ class ServerRollout(Rollout):
         settings = self.settings
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return choose_transport(
-            f"{self.protocol.name}.weight_transport", settings.weight_transport,
-            Placement(device, same_device=settings.url is None,
-                      server_gpus=settings.tensor_parallel_size * settings.data_parallel_size),
-            self.protocol.weight_transports, self.protocol.name)
+            f"{self.protocol.name}.weight_transport",
+            settings.weight_transport,
+            Placement(
+                device,
+                same_device=settings.url is None,
+                server_gpus=settings.tensor_parallel_size * settings.data_parallel_size,
+            ),
+            self.protocol.weight_transports,
+            self.protocol.name,
+        )
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -258,9 +280,13 @@ class ServerRollout(Rollout):
         self._in_flight = self._pauses = 0
         # aborts must not queue behind the generation requests they are meant to end
         self._control = httpx.AsyncClient(timeout=httpx.Timeout(self.settings.request_timeout_s))
-        limits = httpx.Limits(max_connections=self.settings.max_in_flight,
-                              max_keepalive_connections=self.settings.max_in_flight)
-        return httpx.AsyncClient(timeout=httpx.Timeout(self.settings.request_timeout_s), limits=limits)
+        limits = httpx.Limits(
+            max_connections=self.settings.max_in_flight,
+            max_keepalive_connections=self.settings.max_in_flight,
+        )
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(self.settings.request_timeout_s), limits=limits
+        )
 
     def _call(self, coro):
         """Run a coroutine on the private loop and wait for it (from synchronous code)."""
@@ -270,11 +296,17 @@ class ServerRollout(Rollout):
         settings = self.settings
         python = settings.python or self.protocol.default_python()
         port = settings.port or free_port(settings.host)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+        }
         env.update(self.protocol.default_env())
         env.update(self.protocol.launch_env(settings))
         env.update(settings.env)
-        command = self.protocol.launch_command(python, model_dir, settings.host, port, self.config, settings)
+        command = self.protocol.launch_command(
+            python, model_dir, settings.host, port, self.config, settings
+        )
         log_path = settings.log_path or str(self.weights_dir / "server.log")
         self.process = ServerProcess(self.protocol.name, command, env, log_path)
         url = f"http://{settings.host}:{port}"
@@ -342,19 +374,30 @@ class ServerRollout(Rollout):
             return self.urls[index % len(self.urls)]
         return self.urls[zlib.crc32(session_id.encode()) % len(self.urls)]
 
-    async def _sample(self, url: str, prompt_ids: list[int], sampling: SamplingParams) -> list[Generation]:
+    async def _sample(
+        self, url: str, prompt_ids: list[int], sampling: SamplingParams
+    ) -> list[Generation]:
         """`sampling.n` samples of one prompt; a sample aborted by `paused()` goes on from its
         tokens under the weights set meanwhile (`_resume`)."""
         samples, paused = await self._send(url, list(prompt_ids), sampling)
         if len(samples) != sampling.n:
-            raise RolloutError(f"{self.protocol.name} returned {len(samples)} samples, asked n={sampling.n}")
-        return list(await asyncio.gather(*(
-            self._resume(url, list(prompt_ids), sampling, j, g) if g.finish_reason == ABORTED
-            else asyncio.sleep(0, g)
-            for j, g in enumerate(self._check_abort(samples, paused)))))
+            raise RolloutError(
+                f"{self.protocol.name} returned {len(samples)} samples, asked n={sampling.n}"
+            )
+        return list(
+            await asyncio.gather(
+                *(
+                    self._resume(url, list(prompt_ids), sampling, j, g)
+                    if g.finish_reason == ABORTED
+                    else asyncio.sleep(0, g)
+                    for j, g in enumerate(self._check_abort(samples, paused))
+                )
+            )
+        )
 
-    async def _send(self, url: str, prompt_ids: list[int],
-                    sampling: SamplingParams) -> tuple[list[Generation], bool]:
+    async def _send(
+        self, url: str, prompt_ids: list[int], sampling: SamplingParams
+    ) -> tuple[list[Generation], bool]:
         """The samples of one prompt's requests, sent once generation is open (not inside
         `paused()`), each token tagged with the `weight_version` current when they were sent
         (no update can start before they return); and whether a pause began meanwhile."""
@@ -364,8 +407,9 @@ class ServerRollout(Rollout):
         self._in_flight += 1
         self._idle.clear()
         try:
-            responses = await asyncio.gather(*(
-                self._post(url, r) for r in self.protocol.sample_requests(prompt_ids, sampling)))
+            responses = await asyncio.gather(
+                *(self._post(url, r) for r in self.protocol.sample_requests(prompt_ids, sampling))
+            )
         finally:
             self._in_flight -= 1
             if not self._in_flight:
@@ -380,11 +424,13 @@ class ServerRollout(Rollout):
         if not paused and any(g.finish_reason == ABORTED for g in samples):
             raise RolloutError(
                 f"{self.protocol.name} aborted a sample that this rollout did not pause (another "
-                "client aborted it, or the server is shutting down); expected stop or length")
+                "client aborted it, or the server is shutting down); expected stop or length"
+            )
         return samples
 
-    async def _resume(self, url: str, prompt_ids: list[int], sampling: SamplingParams, j: int,
-                      partial: Generation) -> Generation:
+    async def _resume(
+        self, url: str, prompt_ids: list[int], sampling: SamplingParams, j: int, partial: Generation
+    ) -> Generation:
         """Sample `j` of a prompt, aborted after `partial`'s tokens: resubmit prompt + tokens
         with the rest of `max_tokens` (one sample, seed `seed + j + 1_000_003 * k` on the k-th
         resumption) until it stops or reaches its budget."""
@@ -397,13 +443,17 @@ class ServerRollout(Rollout):
                 return Generation(tokens, log_probs, "length", versions)
             resumes += 1
             seed = None if sampling.seed is None else sampling.seed + j + 1_000_003 * resumes
-            more, paused = await self._send(url, prompt_ids + tokens,
-                                            sampling.replace(n=1, max_tokens=rest, seed=seed))
+            more, paused = await self._send(
+                url, prompt_ids + tokens, sampling.replace(n=1, max_tokens=rest, seed=seed)
+            )
             [partial] = self._check_abort(more, paused)
             tokens += partial.response_ids
             log_probs = None if log_probs is None else log_probs + (partial.log_probs or [])
-            versions = (None if versions is None or partial.token_versions is None
-                        else versions + partial.token_versions)
+            versions = (
+                None
+                if versions is None or partial.token_versions is None
+                else versions + partial.token_versions
+            )
         return Generation(tokens, log_probs, partial.finish_reason, versions)
 
     # -- the contract ---------------------------------------------------------------------------
@@ -414,25 +464,35 @@ class ServerRollout(Rollout):
 
         def seeded(i: int) -> SamplingParams:
             # prompt i's samples take seeds seed + i*n ... seed + i*n + n-1 (no two share one)
-            return sampling if sampling.seed is None else sampling.replace(seed=sampling.seed + i * sampling.n)
+            return (
+                sampling
+                if sampling.seed is None
+                else sampling.replace(seed=sampling.seed + i * sampling.n)
+            )
 
         async def run() -> list[list[Generation]]:
-            return await asyncio.gather(*(
-                self._sample(self._url_for(None, i), p, seeded(i)) for i, p in enumerate(prompts)
-            ))
+            return await asyncio.gather(
+                *(self._sample(self._url_for(None, i), p, seeded(i)) for i, p in enumerate(prompts))
+            )
 
         per_prompt = self._call(run())
-        return RolloutOutput.from_generations(list(prompts), [g for gs in per_prompt for g in gs], sampling.n)
+        return RolloutOutput.from_generations(
+            list(prompts), [g for gs in per_prompt for g in gs], sampling.n
+        )
 
     async def agenerate(
         self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
     ) -> Generation:
         if sampling.n != 1:
-            raise RolloutError(f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)")
+            raise RolloutError(
+                f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)"
+            )
         check_prompts([prompt_ids], sampling, self.config.max_model_len)
         self._ensure_open()
         url = self._url_for(session_id, 0)
-        future = asyncio.run_coroutine_threadsafe(self._sample(url, prompt_ids, sampling), self._loop)
+        future = asyncio.run_coroutine_threadsafe(
+            self._sample(url, prompt_ids, sampling), self._loop
+        )
         return (await asyncio.wrap_future(future))[0]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -485,20 +545,26 @@ class ServerRollout(Rollout):
             request = self.protocol.transfer_init_request(backend, host, port, 1 + workers)
             pending = asyncio.run_coroutine_threadsafe(self._post(url, request), self._loop)
             try:
-                self._groups[url] = open_group(host, port, 0, 1 + workers, backend,
-                                               self.settings.startup_timeout_s)
+                self._groups[url] = open_group(
+                    host, port, 0, 1 + workers, backend, self.settings.startup_timeout_s
+                )
             except Exception as exc:
                 pending.cancel()
                 raise RolloutError(
                     f"{self.protocol.name}.weight_sync=memory: the server at {url} did not join "
                     f"the weight-transfer group at {host}:{port} ({exc}); start it with tephra's "
-                    "transfer plugin (see the rollout README) or set weight_sync=disk") from exc
+                    "transfer plugin (see the rollout README) or set weight_sync=disk"
+                ) from exc
             pending.result()
 
-    def _update_in_memory(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    def _update_in_memory(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> dict[str, float]:
         if not self._groups:
             self._open_groups()
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        )
         self._run_all(self.protocol.transfer_start_requests())
         bucket_bytes = int(self.settings.weight_bucket_mb * 1024**2)
         count = max_bytes = total = 0
@@ -512,7 +578,8 @@ class ServerRollout(Rollout):
                 if group is None:
                     continue
                 pending = asyncio.run_coroutine_threadsafe(
-                    self._post(url, self.protocol.transfer_bucket_request(meta, None)), self._loop)
+                    self._post(url, self.protocol.transfer_bucket_request(meta, None)), self._loop
+                )
                 if self.protocol.packs_buckets:
                     broadcast(group, flat)
                 else:
@@ -525,7 +592,9 @@ class ServerRollout(Rollout):
             torch.cuda.ipc_collect()  # the server has let go of every bucket's handle
         return {"buckets": count, "max_bucket_bytes": max_bytes, "bytes": total}
 
-    def _send_handle(self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None) -> None:
+    def _send_handle(
+        self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None
+    ) -> None:
         """ipc: every server opens the bucket's handle and copies it into its weights before
         its request returns, so the bucket may be freed afterwards (one bucket at a time)."""
         if device is None:
@@ -539,9 +608,13 @@ class ServerRollout(Rollout):
         """Write the tensors as safetensors into a fresh folder under `weights_dir`, ask each
         server to reload from it and to drop its prefix cache; the previous folder is removed."""
         folder = self.weights_dir / f"update-{next(self._updates):06d}"
-        write_update(named_tensors, folder, self.config.torch_dtype,
-                     config_from=getattr(self, "model_dir", self.config.model_path),
-                     add_untied_head=self._tied)
+        write_update(
+            named_tensors,
+            folder,
+            self.config.torch_dtype,
+            config_from=getattr(self, "model_dir", self.config.model_path),
+            add_untied_head=self._tied,
+        )
 
         async def reload() -> None:
             for url in self.urls:
@@ -593,7 +666,8 @@ class ServerRollout(Rollout):
                         f"{self.protocol.name}: aborting the requests in flight for a weight "
                         f"update (trainer.partial_rollout) failed: {exc}; {self.protocol.name} "
                         f"servers started elsewhere ({self.protocol.name}.url) must serve "
-                        f"{self.protocol.abort_request()[0]} (see the rollout README)") from exc
+                        f"{self.protocol.abort_request()[0]} (see the rollout README)"
+                    ) from exc
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=0.25)
 
@@ -620,7 +694,8 @@ class ServerRollout(Rollout):
             raise RolloutError(
                 f"{self.protocol.name}.sleep_level=2 dropped the server's weights; call "
                 "update_weights (which wakes them and sends every weight) before waking it to "
-                "generate, or use sleep_level=1 (weights kept in host memory)")
+                "generate, or use sleep_level=1 (weights kept in host memory)"
+            )
         self._wake(["weights", "kv_cache"])
 
     @property

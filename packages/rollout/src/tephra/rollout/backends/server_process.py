@@ -46,8 +46,12 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== tephra starting: {' '.join(command)}\n".encode())
             self.proc = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                command,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         _LIVE.add(self)
 
@@ -84,8 +88,10 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        error = self.failure(f"was not healthy at {url}{health_path} after {timeout_s:.0f} s "
-                             "(raise startup_timeout_s if it is just slow)")
+        error = self.failure(
+            f"was not healthy at {url}{health_path} after {timeout_s:.0f} s "
+            "(raise startup_timeout_s if it is just slow)"
+        )
         self.kill()
         raise error
 

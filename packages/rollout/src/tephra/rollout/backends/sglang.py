@@ -42,17 +42,39 @@ class SglangProtocol(ServerProtocol):
         return "python"
 
     def launch_command(
-        self, python: str, model_dir: str, host: str, port: int, config: RolloutConfig,
+        self,
+        python: str,
+        model_dir: str,
+        host: str,
+        port: int,
+        config: RolloutConfig,
         settings: ServerSettings,
     ) -> list[str]:
         return [
-            python, "-m", "sglang.launch_server", "--model-path", model_dir,
-            "--host", host, "--port", str(port), "--dtype", config.resolved_dtype,
-            "--context-length", str(config.max_model_len), "--random-seed", str(config.seed),
-            "--tp-size", str(settings.tensor_parallel_size),
-            "--dp-size", str(settings.data_parallel_size),
-            *(["--mem-fraction-static", str(settings.gpu_memory_utilization)]
-              if settings.gpu_memory_utilization is not None else []),
+            python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model_dir,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--dtype",
+            config.resolved_dtype,
+            "--context-length",
+            str(config.max_model_len),
+            "--random-seed",
+            str(config.seed),
+            "--tp-size",
+            str(settings.tensor_parallel_size),
+            "--dp-size",
+            str(settings.data_parallel_size),
+            *(
+                ["--mem-fraction-static", str(settings.gpu_memory_utilization)]
+                if settings.gpu_memory_utilization is not None
+                else []
+            ),
             # level 1 keeps a host copy of the weights (sglang >= 0.5.3), level 2 drops them
             *(["--enable-memory-saver"] if settings.sleep_level else []),
             *(["--enable-weights-cpu-backup"] if settings.sleep_level == 1 else []),
@@ -74,10 +96,16 @@ class SglangProtocol(ServerProtocol):
             }
             if sampling.seed is not None:
                 params["sampling_seed"] = sampling.seed + j
-            requests.append(("/generate", {
-                "input_ids": prompt_ids, "sampling_params": params,
-                "return_logprob": sampling.logprobs,
-            }))
+            requests.append(
+                (
+                    "/generate",
+                    {
+                        "input_ids": prompt_ids,
+                        "sampling_params": params,
+                        "return_logprob": sampling.logprobs,
+                    },
+                )
+            )
         return requests
 
     def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Generation]:
@@ -92,12 +120,15 @@ class SglangProtocol(ServerProtocol):
             if sampling.logprobs:
                 log_probs = [float(entry[0]) for entry in meta.get("output_token_logprobs", [])]
                 if len(log_probs) != len(ids):
-                    raise RolloutError(f"sglang returned {len(log_probs)} log-probs for {len(ids)} tokens")
+                    raise RolloutError(
+                        f"sglang returned {len(log_probs)} log-probs for {len(ids)} tokens"
+                    )
             finish = meta.get("finish_reason") or {}
             reason = finish.get("type") if isinstance(finish, dict) else finish
             if reason not in ("stop", "length", ABORTED):
-                raise RolloutError(f"sglang sample finished with {finish!r}; expected stop, length "
-                                   "or abort")
+                raise RolloutError(
+                    f"sglang sample finished with {finish!r}; expected stop, length or abort"
+                )
             out.append(Generation(list(ids), log_probs, reason))
         return out
 
@@ -116,24 +147,44 @@ class SglangProtocol(ServerProtocol):
     # SGLang receives one broadcast per tensor (`update_weights_from_distributed`)
     packs_buckets = False
 
-    def transfer_init_request(self, transport: str, address: str, port: int,
-                              world_size: int) -> Request | None:
+    def transfer_init_request(
+        self, transport: str, address: str, port: int, world_size: int
+    ) -> Request | None:
         if transport == "ipc":  # /update_weights_from_tensor needs no group
             return None
-        return ("/init_weights_update_group", {
-            "master_address": address, "master_port": port, "rank_offset": 1,
-            "world_size": world_size, "group_name": GROUP, "backend": transport})
+        return (
+            "/init_weights_update_group",
+            {
+                "master_address": address,
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": world_size,
+                "group_name": GROUP,
+                "backend": transport,
+            },
+        )
 
     def transfer_bucket_request(self, meta: BucketMeta, handle: str | None) -> Request:
         if handle is not None:
             # one entry per tensor-parallel rank; ipc is refused for servers over several GPUs
-            return ("/update_weights_from_tensor", {
-                "serialized_named_tensors": [handle], "flush_cache": False})
-        return ("/update_weights_from_distributed", {
-            "names": meta.names, "dtypes": meta.dtype_names, "shapes": meta.shapes,
-            "group_name": GROUP, "flush_cache": False})
+            return (
+                "/update_weights_from_tensor",
+                {"serialized_named_tensors": [handle], "flush_cache": False},
+            )
+        return (
+            "/update_weights_from_distributed",
+            {
+                "names": meta.names,
+                "dtypes": meta.dtype_names,
+                "shapes": meta.shapes,
+                "group_name": GROUP,
+                "flush_cache": False,
+            },
+        )
 
-    def share_bucket(self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None) -> str:
+    def share_bucket(
+        self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None
+    ) -> str:
         # SGLang's own format: a pickled list of (name, tensor), each a view of the bucket
         return pickle_shared(unpack(meta, flat))
 

@@ -56,7 +56,11 @@ class VllmProtocol(ServerProtocol):
         return default_vllm_python()
 
     def default_env(self) -> dict[str, str]:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
         return {
             "VLLM_SERVER_DEV_MODE": "1",
             # CPU build: use every core (vLLM reserves one by default), 1 GiB of KV cache
@@ -72,18 +76,40 @@ class VllmProtocol(ServerProtocol):
             raise ConfigError(
                 f"vllm.sleep_level={settings.sleep_level}: vLLM's CPU build refuses to start "
                 "with sleep mode ('not supported on current platform'); leave it 0 on CPU (the "
-                "rollout's sleep/wake calls are then no-ops)")
+                "rollout's sleep/wake calls are then no-ops)"
+            )
 
     def launch_command(
-        self, python: str, model_dir: str, host: str, port: int, config: RolloutConfig,
+        self,
+        python: str,
+        model_dir: str,
+        host: str,
+        port: int,
+        config: RolloutConfig,
         settings: ServerSettings,
     ) -> list[str]:
         command = [
-            python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model_dir, "--served-model-name", SERVED_MODEL_NAME,
-            "--host", host, "--port", str(port), "--dtype", config.resolved_dtype,
-            "--max-model-len", str(config.max_model_len), "--seed", str(config.seed),
-            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_dir,
+            "--served-model-name",
+            SERVED_MODEL_NAME,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--dtype",
+            config.resolved_dtype,
+            "--max-model-len",
+            str(config.max_model_len),
+            "--seed",
+            str(config.seed),
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--generation-config",
+            "vllm",
         ]
         if settings.enforce_eager:
             command.append("--enforce-eager")
@@ -96,8 +122,12 @@ class VllmProtocol(ServerProtocol):
         if settings.sleep_level:
             command.append("--enable-sleep-mode")
         if settings.weight_sync == "memory":
-            command += ["--worker-extension-cls", "tephra_vllm_plugin.TephraWorkerExtension",
-                        "--weight-transfer-config", json.dumps({"backend": "tephra"})]
+            command += [
+                "--worker-extension-cls",
+                "tephra_vllm_plugin.TephraWorkerExtension",
+                "--weight-transfer-config",
+                json.dumps({"backend": "tephra"}),
+            ]
         return command + list(settings.extra_args)
 
     def launch_env(self, settings: ServerSettings) -> dict[str, str]:
@@ -129,17 +159,24 @@ class VllmProtocol(ServerProtocol):
         for choice in sorted(response.get("choices", []), key=lambda c: c["index"]):
             ids = choice.get("token_ids")
             if ids is None:
-                raise RolloutError("vllm response has no 'token_ids'; the server must support "
-                                   f"return_token_ids (vLLM >= 0.10; this client targets {VLLM_VERSION})")
+                raise RolloutError(
+                    "vllm response has no 'token_ids'; the server must support "
+                    f"return_token_ids (vLLM >= 0.10; this client targets {VLLM_VERSION})"
+                )
             log_probs = None
             if sampling.logprobs:
-                log_probs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs", [])]
+                log_probs = [
+                    float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs", [])
+                ]
                 if len(log_probs) != len(ids):
-                    raise RolloutError(f"vllm returned {len(log_probs)} log-probs for {len(ids)} tokens")
+                    raise RolloutError(
+                        f"vllm returned {len(log_probs)} log-probs for {len(ids)} tokens"
+                    )
             reason = choice.get("finish_reason")
             if reason not in ("stop", "length", ABORTED):
-                raise RolloutError(f"vllm sample finished with {reason!r}; expected stop, length "
-                                   "or abort")
+                raise RolloutError(
+                    f"vllm sample finished with {reason!r}; expected stop, length or abort"
+                )
             out.append(Generation(list(ids), log_probs, reason))
         return out
 
@@ -149,7 +186,10 @@ class VllmProtocol(ServerProtocol):
 
     def reload_requests(self, weights_dir: str) -> list[Request]:
         return [
-            ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}}),
+            (
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}},
+            ),
             ("/reset_prefix_cache", {}),
         ]
 
@@ -162,12 +202,14 @@ class VllmProtocol(ServerProtocol):
             return []
         return [("/wake_up?" + "&".join(f"tags={t}" for t in tags), {})]
 
-    def transfer_init_request(self, transport: str, address: str, port: int,
-                              world_size: int) -> Request:
+    def transfer_init_request(
+        self, transport: str, address: str, port: int, world_size: int
+    ) -> Request:
         info = {"backend": transport}
         if transport != "ipc":  # a group to join; ipc has none
-            info.update(master_address=address, master_port=port, rank_offset=1,
-                        world_size=world_size)
+            info.update(
+                master_address=address, master_port=port, rank_offset=1, world_size=world_size
+            )
         return ("/init_weight_transfer_engine", {"init_info": info})
 
     def transfer_start_requests(self) -> list[Request]:
@@ -179,12 +221,16 @@ class VllmProtocol(ServerProtocol):
             info["handle"] = handle
         return ("/update_weights", {"update_info": info})
 
-    def share_bucket(self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None) -> str:
+    def share_bucket(
+        self, meta: BucketMeta, flat: torch.Tensor, device: torch.device | None
+    ) -> str:
         return share(flat, device)  # the plugin unpacks it by `meta`, as a broadcast bucket
 
     def transfer_finish_requests(self, version: int) -> list[Request]:
-        return [("/finish_weight_update", {"weight_version": str(version)}),
-                ("/reset_prefix_cache", {})]
+        return [
+            ("/finish_weight_update", {"weight_version": str(version)}),
+            ("/reset_prefix_cache", {}),
+        ]
 
 
 @ROLLOUT_BACKENDS.register("vllm")

@@ -38,21 +38,27 @@ def untied_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
     tensors: dict[str, torch.Tensor] = {}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise RolloutError(f"{model_dir} holds no *.safetensors weights; save the model with "
-                           "save_pretrained(safe_serialization=True)")
+        raise RolloutError(
+            f"{model_dir} holds no *.safetensors weights; save the model with "
+            "save_pretrained(safe_serialization=True)"
+        )
     for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
     embed = next((k for k in EMBEDDINGS if k in tensors), None)
     if embed is None:
-        raise RolloutError(f"{model_dir}: tied model without a known embedding name {EMBEDDINGS}; "
-                           "save it untied (tie_word_embeddings=False) for the server backend")
+        raise RolloutError(
+            f"{model_dir}: tied model without a known embedding name {EMBEDDINGS}; "
+            "save it untied (tie_word_embeddings=False) for the server backend"
+        )
     tensors.setdefault(HEAD, tensors[embed].clone())
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     for item in model_dir.iterdir():
-        if item.is_file() and not item.name.endswith(".safetensors") and item.name != (
-            "model.safetensors.index.json"
+        if (
+            item.is_file()
+            and not item.name.endswith(".safetensors")
+            and item.name != ("model.safetensors.index.json")
         ):
             shutil.copy2(item, out_dir / item.name)
     config = json.loads((out_dir / "config.json").read_text())
@@ -64,8 +70,11 @@ def untied_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
 
 
 def write_update(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path, dtype: torch.dtype,
-    config_from: str | Path, add_untied_head: bool,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    dtype: torch.dtype,
+    config_from: str | Path,
+    add_untied_head: bool,
 ) -> Path:
     """Write (name, tensor) pairs as safetensors files (at most `BUCKET_BYTES` each) plus the
     model's config.json into the empty folder `out_dir`; returns `out_dir`."""
@@ -79,7 +88,9 @@ def write_update(
     def flush() -> None:
         nonlocal bucket, size, part
         if bucket:
-            save_file(bucket, str(out_dir / f"model-{part:05d}.safetensors"), metadata={"format": "pt"})
+            save_file(
+                bucket, str(out_dir / f"model-{part:05d}.safetensors"), metadata={"format": "pt"}
+            )
             part += 1
             bucket, size = {}, 0
 

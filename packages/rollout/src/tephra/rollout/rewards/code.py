@@ -63,15 +63,24 @@ from tephra.rollout.tools.python_sandbox import PythonSandbox, SandboxConfig, Sa
 
 logger = logging.getLogger(__name__)
 
-CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco", "primeintellect", "livecodebench")
+CODE_DATA_SOURCES = (
+    "codecontests",
+    "apps",
+    "codeforces",
+    "taco",
+    "primeintellect",
+    "livecodebench",
+)
 """Data sources scored by `code_score`: verl's code sources (`default_compute_score`) plus
 PrimeIntellect and LiveCodeBench. It is also registered as `code`, for `scorer_overrides`."""
 
 STATUSES = ("passed", "wrong_answer", "timeout", "runtime_error", "not_run")
 """What can happen to one test case."""
 
-GROUND_TRUTH_SHAPE = ('{"inputs": [...], "outputs": [...]} (stdin -> stdout) or '
-                      '{"fn_name": "f", "inputs": [...], "outputs": [...]} (call -> return value)')
+GROUND_TRUTH_SHAPE = (
+    '{"inputs": [...], "outputs": [...]} (stdin -> stdout) or '
+    '{"fn_name": "f", "inputs": [...], "outputs": [...]} (call -> return value)'
+)
 
 
 @dataclass(frozen=True)
@@ -99,8 +108,10 @@ class CodeLimits:
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0 or not self.total_timeout_s > 0:
-            raise RewardError(f"CodeLimits: timeout_s={self.timeout_s} and total_timeout_s="
-                              f"{self.total_timeout_s} must be > 0")
+            raise RewardError(
+                f"CodeLimits: timeout_s={self.timeout_s} and total_timeout_s="
+                f"{self.total_timeout_s} must be > 0"
+            )
         if self.max_tests is not None and self.max_tests < 1:
             raise RewardError(f"CodeLimits: max_tests={self.max_tests} must be >= 1 or None")
 
@@ -161,15 +172,23 @@ class CodeReport:
         """Reason of the first failing case (or of the missing program), None if all passed."""
         if self.no_code:
             return NO_CODE_REASON
-        return next((f"test {i}: {c.reason}" for i, c in enumerate(self.cases) if not c.passed), None)
+        return next(
+            (f"test {i}: {c.reason}" for i, c in enumerate(self.cases) if not c.passed), None
+        )
 
     def as_score_dict(self) -> dict[str, float]:
         counts = {status: 0.0 for status in STATUSES[1:]}
         for case in self.cases:
             if not case.passed:
                 counts[case.status] += 1
-        return {"score": self.score, "passed": float(self.passed), "failed": float(self.failed),
-                "total": float(self.total), **counts, "no_code": float(self.no_code)}
+        return {
+            "score": self.score,
+            "passed": float(self.passed),
+            "failed": float(self.failed),
+            "total": float(self.total),
+            **counts,
+            "no_code": float(self.no_code),
+        }
 
 
 NO_CODE_REASON = "no ```python (or bare ```) code block in the response"
@@ -195,7 +214,11 @@ def extract_program(response: str) -> str | None:
 
 def _as_list(value: Any) -> Any:
     # pandas/pyarrow give a parquet list column as a numpy array
-    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (str, bytes)) else value
+    return (
+        value.tolist()
+        if hasattr(value, "tolist") and not isinstance(value, (str, bytes))
+        else value
+    )
 
 
 def _lines(value: Any, where: str) -> str:
@@ -209,8 +232,10 @@ def _lines(value: Any, where: str) -> str:
         return "\n".join(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    raise RewardError(f"code ground truth: {where} is a {type(value).__name__} ({_short(value)}); "
-                      "in the stdin format it must be text or a list of lines")
+    raise RewardError(
+        f"code ground truth: {where} is a {type(value).__name__} ({_short(value)}); "
+        "in the stdin format it must be text or a list of lines"
+    )
 
 
 def _call_args(value: Any, where: str) -> list[Any]:
@@ -227,10 +252,13 @@ def _call_args(value: Any, where: str) -> list[Any]:
                     raise RewardError(
                         f"code ground truth: {where}, line {number} ({_short(line)}) is not JSON "
                         f"({exc.msg}); with fn_name each input holds one JSON value per line "
-                        "(one per argument) or is a list of the arguments") from None
+                        "(one per argument) or is a list of the arguments"
+                    ) from None
         return args
-    raise RewardError(f"code ground truth: {where} is a {type(value).__name__}; with fn_name it "
-                      "must be a string of JSON lines (one per argument) or a list of arguments")
+    raise RewardError(
+        f"code ground truth: {where} is a {type(value).__name__}; with fn_name it "
+        "must be a string of JSON lines (one per argument) or a list of arguments"
+    )
 
 
 def _expected_value(value: Any) -> Any:
@@ -251,35 +279,49 @@ def parse_code_tests(ground_truth: Any) -> CodeTests:
         try:
             data = json.loads(data)
         except json.JSONDecodeError as exc:
-            raise RewardError(f"code ground truth is not valid JSON ({exc}: {_short(ground_truth)}); "
-                              f"expected {GROUND_TRUTH_SHAPE}") from None
+            raise RewardError(
+                f"code ground truth is not valid JSON ({exc}: {_short(ground_truth)}); "
+                f"expected {GROUND_TRUTH_SHAPE}"
+            ) from None
     if not isinstance(data, dict):
-        raise RewardError(f"code ground truth is a {type(data).__name__}, not a dict; expected "
-                          f"{GROUND_TRUTH_SHAPE}")
+        raise RewardError(
+            f"code ground truth is a {type(data).__name__}, not a dict; expected "
+            f"{GROUND_TRUTH_SHAPE}"
+        )
     lists = {}
     for key in ("inputs", "outputs"):
         value = _as_list(data.get(key))
         if not isinstance(value, list):
             found = "missing" if key not in data else f"a {type(value).__name__}"
-            raise RewardError(f"code ground truth: {key!r} is {found}, not a list (keys: "
-                              f"{sorted(data)}); expected {GROUND_TRUTH_SHAPE}")
+            raise RewardError(
+                f"code ground truth: {key!r} is {found}, not a list (keys: "
+                f"{sorted(data)}); expected {GROUND_TRUTH_SHAPE}"
+            )
         lists[key] = value
     inputs, outputs = lists["inputs"], lists["outputs"]
     if len(inputs) != len(outputs):
-        raise RewardError(f"code ground truth: 'inputs' has {len(inputs)} entries but 'outputs' "
-                          f"{len(outputs)}; each input needs its expected output")
+        raise RewardError(
+            f"code ground truth: 'inputs' has {len(inputs)} entries but 'outputs' "
+            f"{len(outputs)}; each input needs its expected output"
+        )
     if not inputs:
-        raise RewardError("code ground truth: 'inputs' and 'outputs' are empty; a problem needs "
-                          "at least one test case")
+        raise RewardError(
+            "code ground truth: 'inputs' and 'outputs' are empty; a problem needs "
+            "at least one test case"
+        )
     fn_name = data.get("fn_name") or None  # rows of mixed sources hold null or ""
     if fn_name is not None and not (isinstance(fn_name, str) and fn_name.isidentifier()):
         raise RewardError(f"code ground truth: 'fn_name' = {fn_name!r} is not a function name")
     if fn_name is None:
-        cases = [CodeCase(stdin=_lines(i, f"inputs[{n}]"), expected=_lines(o, f"outputs[{n}]"))
-                 for n, (i, o) in enumerate(zip(inputs, outputs, strict=True))]
+        cases = [
+            CodeCase(stdin=_lines(i, f"inputs[{n}]"), expected=_lines(o, f"outputs[{n}]"))
+            for n, (i, o) in enumerate(zip(inputs, outputs, strict=True))
+        ]
     else:
-        cases = [CodeCase(args=_call_args(i, f"inputs[{n}]"), expected=_expected_value(o))
-                 for n, (i, o) in enumerate(zip(inputs, outputs, strict=True))]
+        cases = [
+            CodeCase(args=_call_args(i, f"inputs[{n}]"), expected=_expected_value(o))
+            for n, (i, o) in enumerate(zip(inputs, outputs, strict=True))
+        ]
     return CodeTests(cases=cases, fn_name=fn_name)
 
 
@@ -351,8 +393,13 @@ _os.write(1, ("\\n" + {marker!r} + _json.dumps(_result, default=_plain) + "\\n")
 def _harness(program: str, case: CodeCase, fn_name: str | None, marker: str) -> str:
     if fn_name is None:
         return _STDIN_HARNESS.format(stdin=case.stdin, program=program)
-    return _CALL_HARNESS.format(prelude=_CALL_PRELUDE, program=program, fn_name=fn_name,
-                                args=json.dumps(case.args), marker=marker)
+    return _CALL_HARNESS.format(
+        prelude=_CALL_PRELUDE,
+        program=program,
+        fn_name=fn_name,
+        args=json.dumps(case.args),
+        marker=marker,
+    )
 
 
 def _returned(stdout: str, marker: str) -> tuple[bool, Any]:
@@ -360,7 +407,7 @@ def _returned(stdout: str, marker: str) -> tuple[bool, Any]:
     at = stdout.rfind(marker)
     if at < 0:
         return False, None
-    line = stdout[at + len(marker):].split("\n", 1)[0]
+    line = stdout[at + len(marker) :].split("\n", 1)[0]
     try:
         return True, json.loads(line)
     except json.JSONDecodeError:
@@ -382,16 +429,26 @@ def _judge(run: SandboxRun, case: CodeCase, fn_name: str | None, marker: str) ->
         got = normalise_stdout(run.stdout)
         if got == normalise_stdout(case.expected):
             return CaseResult("passed", None, run.wall_s)
-        return CaseResult("wrong_answer", f"wrong answer: expected stdout {_short(case.expected)}, "
-                          f"got {_short(run.stdout)}", run.wall_s)
+        return CaseResult(
+            "wrong_answer",
+            f"wrong answer: expected stdout {_short(case.expected)}, got {_short(run.stdout)}",
+            run.wall_s,
+        )
     found, value = _returned(run.stdout, marker)
     if not found:
-        return CaseResult("runtime_error", f"{fn_name} returned no readable value "
-                          f"(stdout: {_short(run.stdout)})", run.wall_s)
+        return CaseResult(
+            "runtime_error",
+            f"{fn_name} returned no readable value (stdout: {_short(run.stdout)})",
+            run.wall_s,
+        )
     if _values_equal(value, case.expected):
         return CaseResult("passed", None, run.wall_s)
-    return CaseResult("wrong_answer", f"wrong answer: {fn_name}(*{_short(case.args)}) returned "
-                      f"{_short(value)}, expected {_short(case.expected)}", run.wall_s)
+    return CaseResult(
+        "wrong_answer",
+        f"wrong answer: {fn_name}(*{_short(case.args)}) returned "
+        f"{_short(value)}, expected {_short(case.expected)}",
+        run.wall_s,
+    )
 
 
 def _sandbox(config: SandboxConfig) -> PythonSandbox:
@@ -404,10 +461,13 @@ def _sandbox(config: SandboxConfig) -> PythonSandbox:
             "CodeLimits(accept_missing=...): register CodeScorer(CodeLimits(accept_missing="
             "('namespaces',))) "
             "under a name of your own and route the data sources to it with "
-            "reward.scorer_overrides") from exc
+            "reward.scorer_overrides"
+        ) from exc
 
 
-async def run_code_tests_async(program: str, tests: CodeTests, limits: CodeLimits | None = None) -> CodeReport:
+async def run_code_tests_async(
+    program: str, tests: CodeTests, limits: CodeLimits | None = None
+) -> CodeReport:
     """Run `program` on every case of `tests`, one sandbox per case, in order."""
     limits = limits or CodeLimits()
     cases = tests.cases[: limits.max_tests]  # [:None] is all
@@ -416,24 +476,29 @@ async def run_code_tests_async(program: str, tests: CodeTests, limits: CodeLimit
     for case in cases:
         remaining = limits.total_timeout_s - (time.monotonic() - start)
         if remaining <= 0:
-            report.cases.append(CaseResult("not_run", f"not run: the total budget of "
-                                           f"{limits.total_timeout_s} s was spent"))
+            report.cases.append(
+                CaseResult(
+                    "not_run", f"not run: the total budget of {limits.total_timeout_s} s was spent"
+                )
+            )
             continue
         timeout = min(limits.timeout_s, remaining)
         # a fresh sandbox (uid, folder) per case: one case cannot leave files for the next
-        sandbox = _sandbox(SandboxConfig(
-            timeout_s=timeout,
-            cpu_time_s=max(1, math.ceil(timeout)),
-            memory_mb=limits.memory_mb,
-            total_memory_mb=2 * limits.memory_mb,
-            max_output_bytes=limits.max_output_bytes,
-            # the stdin file (unnamed, in the case's folder) counts against the file-size
-            # limit and the folder's quota
-            max_file_size_mb=max(16, len(case.stdin.encode()) // 2**20 + 2),
-            disk_quota_mb=max(64, len(case.stdin.encode()) // 2**20 + 34),
-            allow_network=limits.allow_network,
-            accept_missing=list(limits.accept_missing),
-        ))
+        sandbox = _sandbox(
+            SandboxConfig(
+                timeout_s=timeout,
+                cpu_time_s=max(1, math.ceil(timeout)),
+                memory_mb=limits.memory_mb,
+                total_memory_mb=2 * limits.memory_mb,
+                max_output_bytes=limits.max_output_bytes,
+                # the stdin file (unnamed, in the case's folder) counts against the file-size
+                # limit and the folder's quota
+                max_file_size_mb=max(16, len(case.stdin.encode()) // 2**20 + 2),
+                disk_quota_mb=max(64, len(case.stdin.encode()) // 2**20 + 34),
+                allow_network=limits.allow_network,
+                accept_missing=list(limits.accept_missing),
+            )
+        )
         marker = f"tephra-result-{secrets.token_hex(8)}:"
         uid = sandbox.new_uid()
         workdir, mounted = sandbox.make_workdir(uid)
@@ -456,7 +521,9 @@ def run_code_tests(program: str, tests: CodeTests, limits: CodeLimits | None = N
         return pool.submit(asyncio.run, run_code_tests_async(program, tests, limits)).result()
 
 
-def score_code(solution_str: str, ground_truth: Any, limits: CodeLimits | None = None) -> CodeReport:
+def score_code(
+    solution_str: str, ground_truth: Any, limits: CodeLimits | None = None
+) -> CodeReport:
     """Extract the program from the response and run it on the ground truth's tests.
 
     The ground truth is parsed first, so a malformed one raises even for a response without
@@ -480,12 +547,18 @@ class CodeScorer:
     def __init__(self, limits: CodeLimits | None = None) -> None:
         self.limits = limits or CodeLimits()
 
-    def __call__(self, data_source: str, solution_str: str, ground_truth: Any,
-                 extra_info: dict | None = None) -> dict[str, float]:
+    def __call__(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    ) -> dict[str, float]:
         report = score_code(solution_str, ground_truth, self.limits)
         if report.first_failure is not None:
-            logger.debug("%s: %d/%d tests passed; first failure: %s", data_source,
-                         report.passed, report.total, report.first_failure)
+            logger.debug(
+                "%s: %d/%d tests passed; first failure: %s",
+                data_source,
+                report.passed,
+                report.total,
+                report.first_failure,
+            )
         return report.as_score_dict()
 
     def __repr__(self) -> str:

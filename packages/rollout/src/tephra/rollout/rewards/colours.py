@@ -19,8 +19,9 @@ def _normalise(text: str) -> str:
     return re.sub(r"[^a-z]", "", text.lower())
 
 
-def colour_score(data_source: str, solution_str: str, ground_truth: Any,
-                 extra_info: dict | None = None) -> dict[str, float]:
+def colour_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> dict[str, float]:
     """{"score": 1 on the exact colour else 0.5 x similarity, "acc": 1 or 0}."""
     answer, truth = _normalise(solution_str), _normalise(str(ground_truth))
     if answer == truth:

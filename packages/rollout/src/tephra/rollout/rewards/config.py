@@ -43,8 +43,13 @@ class RewardConfig:
     scorer_overrides: dict[str, str] = field(default_factory=dict)
     """data_source -> registered scorer name, checked before the registry, e.g.
     {"gsm8k": "gsm8k_flexible"} or {"my_arithmetic": "reasoning_gym"}."""
-    prefix_scorers: dict[str, str] = field(default_factory=lambda: {
-        "reasoning_gym/": "reasoning_gym", "searchR1_": "search_qa", "aime": "math_dapo"})
+    prefix_scorers: dict[str, str] = field(
+        default_factory=lambda: {
+            "reasoning_gym/": "reasoning_gym",
+            "searchR1_": "search_qa",
+            "aime": "math_dapo",
+        }
+    )
     """data_source prefix -> registered scorer name, used when the data_source is not a
     registered name itself (so `reasoning_gym/<any task>` needs no registration per task)."""
     executor: str = "thread"
@@ -81,25 +86,35 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
-            raise ConfigError(f"reward.executor={self.executor!r} is not allowed; choose one of {list(EXECUTORS)}")
+            raise ConfigError(
+                f"reward.executor={self.executor!r} is not allowed; choose one of {list(EXECUTORS)}"
+            )
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             what = "" if math.isfinite(self.timeout_s) else "a finite number "
-            raise ConfigError(f"reward.timeout_s={self.timeout_s} must be {what}> 0 (seconds per "
-                              f"sample; default {DEFAULT_TIMEOUT_S:g})")
+            raise ConfigError(
+                f"reward.timeout_s={self.timeout_s} must be {what}> 0 (seconds per "
+                f"sample; default {DEFAULT_TIMEOUT_S:g})"
+            )
         if not (math.isfinite(self.max_abs) and self.max_abs > 0):
-            raise ConfigError(f"reward.max_abs={self.max_abs} must be a finite number > 0 "
-                              "(the largest |reward| accepted; default 1e6)")
+            raise ConfigError(
+                f"reward.max_abs={self.max_abs} must be a finite number > 0 "
+                "(the largest |reward| accepted; default 1e6)"
+            )
         if self.clip is not None:
             self.clip = tuple(float(x) for x in self.clip)  # YAML gives a list
             low, high = self.clip if len(self.clip) == 2 else (math.nan, math.nan)
             if not (math.isfinite(low) and math.isfinite(high) and low < high):
-                raise ConfigError(f"reward.clip={list(self.clip)} must be two finite numbers "
-                                  "[low, high] with low < high, e.g. reward.clip=[-1,1] (or null: "
-                                  "no clipping)")
+                raise ConfigError(
+                    f"reward.clip={list(self.clip)} must be two finite numbers "
+                    "[low, high] with low < high, e.g. reward.clip=[-1,1] (or null: "
+                    "no clipping)"
+                )
             if max(abs(low), abs(high)) > self.max_abs:
-                raise ConfigError(f"reward.clip={list(self.clip)} reaches beyond reward.max_abs="
-                                  f"{self.max_abs:g}; clip into a range inside it, or raise "
-                                  "reward.max_abs")
+                raise ConfigError(
+                    f"reward.clip={list(self.clip)} reaches beyond reward.max_abs="
+                    f"{self.max_abs:g}; clip into a range inside it, or raise "
+                    "reward.max_abs"
+                )
         if self.num_workers < 1:
             raise ConfigError(f"reward.num_workers={self.num_workers} must be >= 1")
         if self.custom_function_path is not None and self.reward_model_path is not None:
@@ -113,6 +128,10 @@ class RewardConfig:
                 "choose one of ['float32', 'bfloat16', 'float16']"
             )
         if self.reward_model_batch_size < 1:
-            raise ConfigError(f"reward.reward_model_batch_size={self.reward_model_batch_size} must be >= 1")
+            raise ConfigError(
+                f"reward.reward_model_batch_size={self.reward_model_batch_size} must be >= 1"
+            )
         if self.reward_model_max_length < 1:
-            raise ConfigError(f"reward.reward_model_max_length={self.reward_model_max_length} must be >= 1")
+            raise ConfigError(
+                f"reward.reward_model_max_length={self.reward_model_max_length} must be >= 1"
+            )

@@ -29,7 +29,9 @@ class RewardFunctionError(RewardError):
     """A custom reward function file or function that cannot be used."""
 
 
-def load_reward_function(path: str | Path, name: str = "compute_score", kwargs: dict[str, Any] | None = None) -> Callable:
+def load_reward_function(
+    path: str | Path, name: str = "compute_score", kwargs: dict[str, Any] | None = None
+) -> Callable:
     """Import `path` and return its function `name`, checked against the scorer signature.
 
     `kwargs` are the extra keyword arguments the caller will pass on every call (verl's
@@ -47,7 +49,8 @@ def load_reward_function(path: str | Path, name: str = "compute_score", kwargs: 
     except SyntaxError as exc:
         line = (exc.text or "").rstrip()
         raise RewardFunctionError(
-            f"{where}, line {exc.lineno}: syntax error: {exc.msg}" + (f"\n    {line}" if line else "")
+            f"{where}, line {exc.lineno}: syntax error: {exc.msg}"
+            + (f"\n    {line}" if line else "")
         ) from exc
 
     # A unique module name per file, registered in sys.modules so that dataclasses and
@@ -68,8 +71,11 @@ def load_reward_function(path: str | Path, name: str = "compute_score", kwargs: 
     fn = getattr(module, name, None)
     if fn is None:
         defined = sorted(
-            attr for attr, value in vars(module).items()
-            if inspect.isfunction(value) and value.__module__ == module_name and not attr.startswith("_")
+            attr
+            for attr, value in vars(module).items()
+            if inspect.isfunction(value)
+            and value.__module__ == module_name
+            and not attr.startswith("_")
         )
         raise RewardFunctionError(
             f"{where} has no function {name!r}; it defines: {', '.join(defined) or '(no functions)'}. "
@@ -93,20 +99,25 @@ def check_scorer_signature(fn: Callable, where: str, provided: set[str] = frozen
     keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     passed = [*SCORER_ARGUMENTS, *sorted(set(provided) - set(SCORER_ARGUMENTS))]
     missing = [
-        arg for arg in passed
+        arg
+        for arg in passed
         if not takes_any_keyword and not (arg in params and params[arg].kind in keyword_kinds)
     ]
     unfilled = [
-        p.name for p in params.values()
+        p.name
+        for p in params.values()
         if p.kind in (*keyword_kinds, inspect.Parameter.POSITIONAL_ONLY)
-        and p.default is inspect.Parameter.empty and p.name not in passed
+        and p.default is inspect.Parameter.empty
+        and p.name not in passed
     ]
     if missing or unfilled:
         problems = []
         if missing:
             problems.append(f"it cannot take the keyword argument(s) {', '.join(missing)}")
         if unfilled:
-            problems.append(f"its parameter(s) {', '.join(unfilled)} have no default and are never passed")
+            problems.append(
+                f"its parameter(s) {', '.join(unfilled)} have no default and are never passed"
+            )
         raise RewardFunctionError(
             f"{where}{signature} does not fit the reward function signature: {'; '.join(problems)}. "
             f"Expected e.g. def {getattr(fn, '__name__', 'fn')}(data_source, solution_str, "
@@ -126,13 +137,17 @@ class FileRewardFunction:
     is not an importable module.
     """
 
-    def __init__(self, path: str | Path, name: str = "compute_score", kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, path: str | Path, name: str = "compute_score", kwargs: dict[str, Any] | None = None
+    ) -> None:
         self.path = str(path)
         self.name = name
         self.kwargs = dict(kwargs or {})
         self._fn: Callable | None = load_reward_function(self.path, name, self.kwargs)
 
-    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> Any:
+    def __call__(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    ) -> Any:
         if self._fn is None:
             self._fn = load_reward_function(self.path, self.name, self.kwargs)
         result = self._fn(

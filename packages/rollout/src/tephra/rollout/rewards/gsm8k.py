@@ -25,7 +25,9 @@ TAIL_CHARS = 300
 _STRICT = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
 
 
-def extract_gsm8k_answer(solution_str: str, method: Literal["strict", "flexible"] = "strict") -> str | None:
+def extract_gsm8k_answer(
+    solution_str: str, method: Literal["strict", "flexible"] = "strict"
+) -> str | None:
     """The final answer of a GSM8K response (commas removed), or None when there is none."""
     tail = solution_str[-TAIL_CHARS:]
     if method == "strict":
@@ -52,12 +54,16 @@ def gsm8k_score(
     return correct_score if numbers_equal(answer, str(ground_truth)) else format_score
 
 
-def gsm8k_strict(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def gsm8k_strict(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """GSM8K, strict: the answer must follow `####`."""
     return gsm8k_score(solution_str, ground_truth, method="strict")
 
 
-def gsm8k_flexible(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def gsm8k_flexible(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """GSM8K, flexible: the last number in the response is the answer."""
     return gsm8k_score(solution_str, ground_truth, method="flexible")
 

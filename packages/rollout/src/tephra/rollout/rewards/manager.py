@@ -67,8 +67,12 @@ class RewardReport:
     def as_metrics(self, prefix: str = "reward") -> dict[str, float]:
         """Flat metrics for a tracker: `{prefix}/score/<source>`, `{prefix}/errors/<source>`,
         `{prefix}/errors`, `{prefix}/timeouts`, `{prefix}/clipped`, `{prefix}/seconds`."""
-        metrics = {f"{prefix}/score/{source}": mean for source, mean in self.mean_score_by_source.items()}
-        metrics.update({f"{prefix}/errors/{source}": float(n) for source, n in self.errors_by_source.items()})
+        metrics = {
+            f"{prefix}/score/{source}": mean for source, mean in self.mean_score_by_source.items()
+        }
+        metrics.update(
+            {f"{prefix}/errors/{source}": float(n) for source, n in self.errors_by_source.items()}
+        )
         metrics[f"{prefix}/errors"] = float(self.num_errors)
         metrics[f"{prefix}/timeouts"] = float(self.num_timeouts)
         metrics[f"{prefix}/clipped"] = float(self.clipped)
@@ -102,7 +106,9 @@ def resolve_scorer(
     return name, REWARD_SCORERS.get(name)
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> Any:
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> Any:
     """verl's `default_compute_score`: the registered scorer of `data_source`, called once."""
     _, scorer = resolve_scorer(data_source)
     return scorer(data_source, solution_str, ground_truth, extra_info)
@@ -130,7 +136,9 @@ def clip_scores(results: list[RewardResult], clip: tuple[float, float] | None) -
     return moved
 
 
-def _call_scorer(scorer: Scorer, scorer_name: str, item: RewardInput, timeout_s: float | None) -> Any:
+def _call_scorer(
+    scorer: Scorer, scorer_name: str, item: RewardInput, timeout_s: float | None
+) -> Any:
     """`scorer(item)`, bounded by `timeout_s` when set: the call runs on a daemon thread that
     is abandoned when late (Python cannot stop a thread; it ends with the process)."""
     args = (item.data_source, item.solution_str, item.ground_truth, item.extra_info)
@@ -150,14 +158,16 @@ def _call_scorer(scorer: Scorer, scorer_name: str, item: RewardInput, timeout_s:
     if thread.is_alive():
         raise RewardTimeout(
             f"scorer {scorer_name!r} did not return within reward.timeout_s={timeout_s:g} s on "
-            f"data_source {item.data_source!r}; fix the scorer's loop, or raise reward.timeout_s")
+            f"data_source {item.data_source!r}; fix the scorer's loop, or raise reward.timeout_s"
+        )
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
 
 
-def _score_one(scorer: Scorer, scorer_name: str, item: RewardInput,
-               timeout_s: float | None = None) -> tuple[RewardResult, str | None]:
+def _score_one(
+    scorer: Scorer, scorer_name: str, item: RewardInput, timeout_s: float | None = None
+) -> tuple[RewardResult, str | None]:
     """Score one item, turning an exception into (0.0 with its message, formatted traceback).
 
     Module-level so that process-pool workers can run it; the traceback travels as text
@@ -170,9 +180,15 @@ def _score_one(scorer: Scorer, scorer_name: str, item: RewardInput,
         return RewardResult(score=0.0, error=f"{type(exc).__name__}: {exc}"), traceback.format_exc()
 
 
-def _score_chunk(scorer_names: list[str], scorers: list[Scorer], items: list[RewardInput],
-                 timeout_s: float | None = None) -> list[tuple[RewardResult, str | None]]:
-    return [_score_one(s, n, i, timeout_s) for s, n, i in zip(scorers, scorer_names, items, strict=True)]
+def _score_chunk(
+    scorer_names: list[str],
+    scorers: list[Scorer],
+    items: list[RewardInput],
+    timeout_s: float | None = None,
+) -> list[tuple[RewardResult, str | None]]:
+    return [
+        _score_one(s, n, i, timeout_s) for s, n, i in zip(scorers, scorer_names, items, strict=True)
+    ]
 
 
 class RewardManager:
@@ -187,7 +203,9 @@ class RewardManager:
         self._reward_model = None
         if self.config.custom_function_path is not None:
             self._custom = FileRewardFunction(
-                self.config.custom_function_path, self.config.custom_function_name, self.config.custom_function_kwargs
+                self.config.custom_function_path,
+                self.config.custom_function_name,
+                self.config.custom_function_kwargs,
             )
         if self.config.reward_model_path is not None:
             from tephra.rollout.rewards.reward_model import RewardModelScorer
@@ -200,11 +218,15 @@ class RewardManager:
                 dtype=self.config.reward_model_dtype,
                 use_chat_template=self.config.reward_model_chat_template,
             )
-        for where, names in (("scorer_overrides", self.config.scorer_overrides), ("prefix_scorers", self.config.prefix_scorers)):
+        for where, names in (
+            ("scorer_overrides", self.config.scorer_overrides),
+            ("prefix_scorers", self.config.prefix_scorers),
+        ):
             for key, name in names.items():
                 if name not in REWARD_SCORERS:
                     raise RegistryError(
-                        f"reward.{where}[{key!r}]: " + unknown_name_message("reward scorer", name, REWARD_SCORERS.names())
+                        f"reward.{where}[{key!r}]: "
+                        + unknown_name_message("reward scorer", name, REWARD_SCORERS.names())
                     )
         self._pool: Executor | None = None
         self._traceback_logged: set[str] = set()
@@ -228,7 +250,9 @@ class RewardManager:
         start = time.perf_counter()
         items = list(items)
         if self._reward_model is not None:
-            scores = self._reward_model.score([i.prompt_str for i in items], [i.solution_str for i in items])
+            scores = self._reward_model.score(
+                [i.prompt_str for i in items], [i.solution_str for i in items]
+            )
             outcomes = [(RewardResult(score=s), None) for s in scores]
             names = [REWARD_MODEL_SCORER_NAME] * len(items)
         else:
@@ -241,7 +265,9 @@ class RewardManager:
         self._account(items, names, outcomes, time.perf_counter() - start, clipped)
         return results
 
-    def _run(self, names: list[str], scorers: list[Scorer], items: list[RewardInput]) -> list[tuple[RewardResult, str | None]]:
+    def _run(
+        self, names: list[str], scorers: list[Scorer], items: list[RewardInput]
+    ) -> list[tuple[RewardResult, str | None]]:
         timeout = self.config.timeout_s
         if self.config.executor == "serial" or len(items) <= 1:
             return _score_chunk(names, scorers, items, timeout)
@@ -259,7 +285,9 @@ class RewardManager:
         # Chunks amortise the pickling round trip; 4 chunks per worker balance uneven items.
         size = max(1, -(-len(items) // (4 * self.config.num_workers)))
         chunks = [slice(i, i + size) for i in range(0, len(items), size)]
-        futures = [pool.submit(_score_chunk, names[c], scorers[c], items[c], timeout) for c in chunks]
+        futures = [
+            pool.submit(_score_chunk, names[c], scorers[c], items[c], timeout) for c in chunks
+        ]
         try:
             return [outcome for future in futures for outcome in future.result()]
         except BrokenProcessPool as exc:
@@ -276,7 +304,9 @@ class RewardManager:
     def _get_pool(self) -> Executor:
         if self._pool is None:
             if self.config.executor == "thread":
-                self._pool = ThreadPoolExecutor(self.config.num_workers, thread_name_prefix="reward")
+                self._pool = ThreadPoolExecutor(
+                    self.config.num_workers, thread_name_prefix="reward"
+                )
             else:
                 # forkserver, not fork: the trainer process holds threads (torch, Ray) that
                 # fork would copy in an arbitrary state. Not spawn either: every spawned worker
@@ -288,14 +318,22 @@ class RewardManager:
                 self._pool = ProcessPoolExecutor(self.config.num_workers, mp_context=context)
         return self._pool
 
-    def _account(self, items: list[RewardInput], names: list[str], outcomes: list[tuple[RewardResult, str | None]], seconds: float,
-                 clipped: int = 0) -> None:
+    def _account(
+        self,
+        items: list[RewardInput],
+        names: list[str],
+        outcomes: list[tuple[RewardResult, str | None]],
+        seconds: float,
+        clipped: int = 0,
+    ) -> None:
         counts: Counter[str] = Counter()
         errors: Counter[str] = Counter()
         timeouts: Counter[str] = Counter()
         sums: defaultdict[str, float] = defaultdict(float)
         first_failure: tuple[int, str] | None = None
-        for index, (item, name, (result, tb)) in enumerate(zip(items, names, outcomes, strict=True)):
+        for index, (item, name, (result, tb)) in enumerate(
+            zip(items, names, outcomes, strict=True)
+        ):
             counts[item.data_source] += 1
             sums[item.data_source] += result.score
             if result.error is None:
@@ -310,7 +348,10 @@ class RewardManager:
                 logger.error(
                     "reward scorer %r raised on data_source %r (item %d); it scores 0.0 and later "
                     "errors of this data_source are only counted:\n%s",
-                    name, item.data_source, index, tb,
+                    name,
+                    item.data_source,
+                    index,
+                    tb,
                 )
         self.total_errors.update(errors)
         self.last_report = RewardReport(
@@ -323,12 +364,18 @@ class RewardManager:
             seconds=seconds,
         )
         if clipped:
-            logger.warning("reward scoring: %d of %d scores clipped into reward.clip=%s",
-                           clipped, len(items), list(self.config.clip))
+            logger.warning(
+                "reward scoring: %d of %d scores clipped into reward.clip=%s",
+                clipped,
+                len(items),
+                list(self.config.clip),
+            )
         if errors:
             logger.warning(
                 "reward scoring: %d of %d items failed and scored 0.0 (by data_source: %s)",
-                sum(errors.values()), len(items), dict(errors),
+                sum(errors.values()),
+                len(items),
+                dict(errors),
             )
         if errors and self.config.raise_on_error:
             index, tb = first_failure

@@ -70,10 +70,14 @@ def math_equal(answer_latex: str, ground_truth: str) -> bool:
     return bool(verify(gold, predicted, timeout_seconds=timeout))
 
 
-def math_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+def math_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float:
     """1.0 if the last boxed answer of `solution_str` equals `ground_truth`, else 0.0."""
     if ground_truth is None or str(ground_truth).strip() == "":
-        raise RewardError("math: ground_truth is empty; expected the reference answer, e.g. '\\frac{1}{2}'")
+        raise RewardError(
+            "math: ground_truth is empty; expected the reference answer, e.g. '\\frac{1}{2}'"
+        )
     boxed = extract_last_boxed(solution_str)
     if boxed is None or boxed == "":
         return 0.0

@@ -137,7 +137,9 @@ def reasoning_gym_rows(
     import reasoning_gym
 
     if extract not in EXTRACTORS:
-        raise RewardError(f"reasoning_gym_rows: extract={extract!r} is not allowed; choose one of {list(EXTRACTORS)}")
+        raise RewardError(
+            f"reasoning_gym_rows: extract={extract!r} is not allowed; choose one of {list(EXTRACTORS)}"
+        )
     _score_answer_fn(task)  # unknown task -> RewardError with suggestions
     dataset = reasoning_gym.create_dataset(task, seed=seed, size=size, **(config or {}))
     rows = []
@@ -150,7 +152,11 @@ def reasoning_gym_rows(
                 "ground_truth": "" if entry.get("answer") is None else str(entry["answer"]),
                 "extra_info": {
                     "index": index,
-                    "reasoning_gym": {"task": task, "entry_json": json.dumps(entry), "extract": extract},
+                    "reasoning_gym": {
+                        "task": task,
+                        "entry_json": json.dumps(entry),
+                        "extract": extract,
+                    },
                 },
             }
         )

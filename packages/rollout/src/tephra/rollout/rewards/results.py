@@ -87,7 +87,9 @@ def normalize_score(value: Any, scorer: str) -> RewardResult:
                 _warned_non_numeric.add(key)
                 logger.warning(
                     "scorer %r returned extra %r of type %s; only numeric extras are kept",
-                    scorer, key, type(extra).__name__,
+                    scorer,
+                    key,
+                    type(extra).__name__,
                 )
         return RewardResult(score=score, extras=extras)
     return RewardResult(score=_as_finite_float(value, scorer, "score"))
@@ -111,6 +113,8 @@ def _as_finite_float(value: Any, scorer: str, what: str) -> float:
         ) from None
     if not math.isfinite(number):
         # A NaN reward silently poisons every advantage of its group.
-        raise RewardError(f"scorer {scorer!r} returned a non-finite {what} ({number}); return a "
-                          f"finite number (guard divisions by zero, map NaN to 0.0)")
+        raise RewardError(
+            f"scorer {scorer!r} returned a non-finite {what} ({number}); return a "
+            f"finite number (guard divisions by zero, map NaN to 0.0)"
+        )
     return number

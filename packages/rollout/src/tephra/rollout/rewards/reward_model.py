@@ -40,7 +40,9 @@ class RewardModelScorer:
                 f"(no config.json); save the model with save_pretrained(folder)"
             )
         if dtype not in DTYPES:
-            raise RewardError(f"reward.reward_model_dtype={dtype!r} is not allowed; choose one of {list(DTYPES)}")
+            raise RewardError(
+                f"reward.reward_model_dtype={dtype!r} is not allowed; choose one of {list(DTYPES)}"
+            )
         if batch_size <= 0 or max_length <= 0:
             raise RewardError(
                 f"reward model batch_size={batch_size} and max_length={max_length} must be > 0"
@@ -50,9 +52,13 @@ class RewardModelScorer:
         self.device = torch.device(device)
         self.use_chat_template = use_chat_template
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            folder, torch_dtype=getattr(torch, dtype)
-        ).to(self.device).eval()
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(
+                folder, torch_dtype=getattr(torch, dtype)
+            )
+            .to(self.device)
+            .eval()
+        )
         if self.model.config.num_labels != 1:
             raise RewardError(
                 f"reward model {folder} has num_labels={self.model.config.num_labels}; a reward "
@@ -78,7 +84,10 @@ class RewardModelScorer:
     def text(self, prompt: str, response: str) -> str:
         """The text the classifier reads for one (prompt, response) pair."""
         if self.use_chat_template:
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            messages = [
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": response},
+            ]
             return self.tokenizer.apply_chat_template(messages, tokenize=False)
         return prompt + response
 
@@ -87,7 +96,9 @@ class RewardModelScorer:
         import torch
 
         if len(prompts) != len(responses):
-            raise RewardError(f"reward model: {len(prompts)} prompts but {len(responses)} responses")
+            raise RewardError(
+                f"reward model: {len(prompts)} prompts but {len(responses)} responses"
+            )
         texts = [self.text(p, r) for p, r in zip(prompts, responses, strict=True)]
         scores: list[float] = []
         with torch.no_grad():

@@ -40,8 +40,9 @@ def dapo_answer(response: str) -> str | None:
     return boxed if boxed else None
 
 
-def math_dapo_score(data_source: str, solution_str: str, ground_truth: Any,
-                    extra_info: dict | None = None) -> dict[str, float]:
+def math_dapo_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> dict[str, float]:
     """{"score": +1 correct / -1 otherwise, "acc": 1/0}."""
     if ground_truth is None or str(ground_truth).strip() == "":
         raise RewardError(f"{data_source}: ground_truth is empty; expected the reference answer")
@@ -65,8 +66,10 @@ def _targets(ground_truth: Any) -> list[str]:
         ground_truth = [ground_truth]
     answers = [str(t) for t in (ground_truth or []) if str(t).strip()]
     if not answers:
-        raise RewardError("search QA: ground_truth holds no answer; expected a string, a list "
-                          "of strings or {'target': [...]}")
+        raise RewardError(
+            "search QA: ground_truth holds no answer; expected a string, a list "
+            "of strings or {'target': [...]}"
+        )
     return answers
 
 
@@ -80,8 +83,9 @@ def token_f1(prediction: str, target: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def search_qa_score(data_source: str, solution_str: str, ground_truth: Any,
-                    extra_info: dict | None = None) -> dict[str, float]:
+def search_qa_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> dict[str, float]:
     """{"score": exact match 1/0, "f1": best token F1} against any accepted answer."""
     targets = _targets(ground_truth)
     answer = extract_answer_tag(solution_str)
@@ -90,8 +94,15 @@ def search_qa_score(data_source: str, solution_str: str, ground_truth: Any,
     return {"score": 1.0 if exact else 0.0, "f1": max(token_f1(answer, t) for t in targets)}
 
 
-for _name in ("math_dapo", "math_dapo_reasoning", "aime", "aime24", "aime25", "aime2024",
-              "aime2025"):
+for _name in (
+    "math_dapo",
+    "math_dapo_reasoning",
+    "aime",
+    "aime24",
+    "aime25",
+    "aime2024",
+    "aime2025",
+):
     REWARD_SCORERS.register(_name, math_dapo_score)
 for _name in ("search_qa", "nq", "hotpotqa", "triviaqa"):
     REWARD_SCORERS.register(_name, search_qa_score)

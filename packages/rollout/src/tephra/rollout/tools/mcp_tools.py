@@ -126,8 +126,10 @@ class MCPToolset:
     def start(self) -> list[Any]:
         """Connect (once) and return the server's tool descriptions."""
         if self._shut:
-            raise ToolError(f"mcp: the connection to {self.describe()} was closed; "
-                            "load the tools again to use the server")
+            raise ToolError(
+                f"mcp: the connection to {self.describe()} was closed; "
+                "load the tools again to use the server"
+            )
         if self._thread is not None:
             return self._listed
         self._loop = asyncio.new_event_loop()
@@ -173,8 +175,11 @@ class MCPToolset:
                     # the server was just started, in a group of its own: remember the group,
                     # to kill it whatever happens to the session
                     argv = [self.command, *self.args]
-                    self._server_groups = [p for p, (g, a) in _own_children().items()
-                                           if p not in before and g == p and a == argv]
+                    self._server_groups = [
+                        p
+                        for p, (g, a) in _own_children().items()
+                        if p not in before and g == p and a == argv
+                    ]
                     await session.initialize()
                     listed = (await session.list_tools()).tools
                     self._session = session
@@ -207,8 +212,11 @@ class MCPToolset:
         except Exception as exc:
             # a dead server fails every later call at once (no hang): the model sees the
             # error, and the message says where to look
-            return ToolResult("", error=f"mcp tool {name!r} failed: {exc} (server: "
-                              f"{self.describe()}; if it exited, see its log: server_log)")
+            return ToolResult(
+                "",
+                error=f"mcp tool {name!r} failed: {exc} (server: "
+                f"{self.describe()}; if it exited, see its log: server_log)",
+            )
         parts = [
             getattr(c, "text", None) or f"[{getattr(c, 'type', 'content')}]"
             for c in (result.content or [])

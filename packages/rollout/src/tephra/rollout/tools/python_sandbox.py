@@ -61,12 +61,36 @@ _INIT = str(Path(__file__).with_name("sandbox_init.py"))
 # (Docker's default profile refuses the io_uring, userfaultfd and modify_ldt calls too), and
 # memfd files, whose pages no process's resident memory would count.
 SECCOMP_DENIED = (
-    "mount", "umount", "umount2", "unshare", "setns", "pivot_root", "chroot",
-    "fsopen", "fsconfig", "fsmount", "fspick", "open_tree", "move_mount", "mount_setattr",
-    "keyctl", "add_key", "request_key", "bpf", "perf_event_open",
-    "ptrace", "process_vm_readv", "process_vm_writev",
-    "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "userfaultfd", "modify_ldt", "memfd_create", "memfd_secret", "open_by_handle_at",
+    "mount",
+    "umount",
+    "umount2",
+    "unshare",
+    "setns",
+    "pivot_root",
+    "chroot",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "open_tree",
+    "move_mount",
+    "mount_setattr",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "userfaultfd",
+    "modify_ldt",
+    "memfd_create",
+    "memfd_secret",
+    "open_by_handle_at",
 )
 # the uid the code has inside its user namespace when the caller is not root
 SANDBOX_UID = 1000
@@ -171,9 +195,11 @@ class SandboxConfig:
                 raise ConfigError(f"python tool: {name}={getattr(self, name)!r} must be > 0")
         unknown = sorted(set(self.accept_missing) - set(WEAKER_MODES))
         if unknown:
-            raise ConfigError(f"python tool: accept_missing={self.accept_missing!r}: {unknown} "
-                              f"are not protections one can do without; choose from "
-                              f"{list(WEAKER_MODES)}")
+            raise ConfigError(
+                f"python tool: accept_missing={self.accept_missing!r}: {unknown} "
+                f"are not protections one can do without; choose from "
+                f"{list(WEAKER_MODES)}"
+            )
         if self.memory_mb < 64:
             raise ConfigError(
                 f"python tool: memory_mb={self.memory_mb} is below what Python needs to start; use >= 64"
@@ -367,9 +393,19 @@ class PythonSandbox:
         if os.geteuid() == 0 and self.namespaced:
             owner = f",uid={uid},gid={uid}" if uid is not None else ""
             done = subprocess.run(
-                ["mount", "-t", "tmpfs", "-o",
-                 f"size={c.disk_quota_mb}m,nr_inodes={c.max_files},mode=0700,nosuid,nodev{owner}",
-                 "tmpfs", workdir], capture_output=True, text=True, timeout=30)
+                [
+                    "mount",
+                    "-t",
+                    "tmpfs",
+                    "-o",
+                    f"size={c.disk_quota_mb}m,nr_inodes={c.max_files},mode=0700,nosuid,nodev{owner}",
+                    "tmpfs",
+                    workdir,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             if done.returncode == 0:
                 return workdir, True
         if uid is not None:
@@ -394,15 +430,20 @@ class PythonSandbox:
         if size <= c.disk_quota_mb * 2**20 and count <= c.max_files:
             return None
         empty_tree(workdir)
-        return (f"the folder quota of {c.disk_quota_mb} MiB / {c.max_files} files was exceeded "
-                f"({size >> 20} MiB, {count} files); the folder was emptied")
+        return (
+            f"the folder quota of {c.disk_quota_mb} MiB / {c.max_files} files was exceeded "
+            f"({size >> 20} MiB, {count} files); the folder was emptied"
+        )
 
     async def run(self, code: str, workdir: str, uid: int | None) -> SandboxRun:
         """Run `code` (sent through stdin) in `workdir`; never raises for anything the code
         does, and never opens a path inside `workdir`."""
         cfg = self._bootstrap_config(workdir, uid)
-        group = (MemoryCgroup.create(cfg["total_memory_bytes"] + _CGROUP_SLACK)
-                 if self.namespaced else None)
+        group = (
+            MemoryCgroup.create(cfg["total_memory_bytes"] + _CGROUP_SLACK)
+            if self.namespaced
+            else None
+        )
         cfg["cgroup_procs"] = group.procs if group is not None else None
         boot = [sys.executable, "-I", "-S", _INIT, json.dumps(cfg)]
         cmd = (
@@ -421,9 +462,11 @@ class PythonSandbox:
                 if group is not None:
                     group.remove()
         if killed and (run.error is None or "over the limit" not in run.error):
-            run.error = (f"the call's processes went over the memory limit of "
-                         f"{self.config.total_memory_mb} MiB together; the kernel's memory "
-                         f"cgroup killed {killed} of them")
+            run.error = (
+                f"the call's processes went over the memory limit of "
+                f"{self.config.total_memory_mb} MiB together; the kernel's memory "
+                f"cgroup killed {killed} of them"
+            )
         return run
 
     async def _run_capped(self, cmd: list[str], program: bytes) -> SandboxRun:
@@ -595,11 +638,13 @@ class PythonTool(Tool):
     def describe(self) -> dict[str, Any]:
         """What isolation this host gave the tool, then its limits."""
         group = parent_cgroup() if self.sandbox.namespaced else None
-        return {"namespaced": self.sandbox.namespaced,
-                "seccomp": self.sandbox.seccomp is not None,
-                "identity": self.sandbox.identity,
-                "memory_cgroup": group[0] if group is not None else None,
-                **asdict(self.config)}
+        return {
+            "namespaced": self.sandbox.namespaced,
+            "seccomp": self.sandbox.seccomp is not None,
+            "identity": self.sandbox.identity,
+            "memory_cgroup": group[0] if group is not None else None,
+            **asdict(self.config),
+        }
 
 
 def _remove_all(instances: dict[str, tuple[str, int | None, bool]]) -> None:

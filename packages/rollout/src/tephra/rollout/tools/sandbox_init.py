@@ -46,8 +46,7 @@ def _check(result, what):
 
 def mount(src, tgt, fstype, flags, data=None):
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
-    _check(libc.mount(enc(src), enc(tgt), enc(fstype), flags, enc(data)),
-           f"mount {src} on {tgt}")
+    _check(libc.mount(enc(src), enc(tgt), enc(fstype), flags, enc(data)), f"mount {src} on {tgt}")
 
 
 def bind(src, tgt, writable=False, devices=False):
@@ -102,8 +101,12 @@ def build_root(cfg):
     tmpfs(r + "/dev", 1 << 16, "755")
     for name in DEVICES:
         bind("/dev/" + name, r + "/dev/" + name, writable=True, devices=True)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, r + "/dev/" + name)
     for d in cfg["private_tmpfs"]:
         tmpfs(r + d, cfg["tmpfs_bytes"], "1777")
@@ -128,8 +131,12 @@ def seccomp_filter(lib_path):
     lib = ctypes.CDLL(lib_path, use_errno=True)
 
     class Arg(ctypes.Structure):
-        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int),
-                    ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+        _fields_ = [
+            ("arg", ctypes.c_uint),
+            ("op", ctypes.c_int),
+            ("datum_a", ctypes.c_uint64),
+            ("datum_b", ctypes.c_uint64),
+        ]
 
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
@@ -144,15 +151,30 @@ def seccomp_filter(lib_path):
         nr = lib.seccomp_syscall_resolve_name(name.encode())
         if nr < 0:
             return
-        if lib.seccomp_rule_add(ctypes.c_void_p(ctx), ctypes.c_uint32(action), ctypes.c_int(nr),
-                                ctypes.c_uint(len(args)), *args) != 0:
+        if (
+            lib.seccomp_rule_add(
+                ctypes.c_void_p(ctx),
+                ctypes.c_uint32(action),
+                ctypes.c_int(nr),
+                ctypes.c_uint(len(args)),
+                *args,
+            )
+            != 0
+        ):
             raise SetupError(f"seccomp_rule_add({name}) failed")
 
     for name in cfg["seccomp_denied"]:
         rule(eperm, name)
     rule(enosys, "clone3")
-    for flag in (0x10000000, 0x00020000, 0x40000000, 0x20000000, 0x08000000, 0x04000000,
-                 0x02000000):  # NEWUSER NEWNS NEWNET NEWPID NEWIPC NEWUTS NEWCGROUP
+    for flag in (
+        0x10000000,
+        0x00020000,
+        0x40000000,
+        0x20000000,
+        0x08000000,
+        0x04000000,
+        0x02000000,
+    ):  # NEWUSER NEWNS NEWNET NEWPID NEWIPC NEWUTS NEWCGROUP
         rule(eperm, "clone", Arg(0, 7, flag, flag))  # SCMP_CMP_MASKED_EQ on the flags
     # personality may only be queried (0xffffffff): setting it turns off ASLR, among others
     rule(eperm, "personality", Arg(0, 1, 0xFFFFFFFF, 0))  # SCMP_CMP_NE
@@ -191,8 +213,9 @@ def start_code():
     if cfg["seccomp"]:
         seccomp_filter(cfg["seccomp"])
     os.chdir(cfg["cwd"])
-    os.execve(cfg["python"], [cfg["python"], "-I", "-c", cfg["wrapper"], *cfg["site_dirs"]],
-              cfg["env"])
+    os.execve(
+        cfg["python"], [cfg["python"], "-I", "-c", cfg["wrapper"], *cfg["site_dirs"]], cfg["env"]
+    )
 
 
 def memory_in_use(page):
@@ -239,8 +262,13 @@ def supervise(pid):
         used = memory_in_use(page)
         if used > limit:
             os.kill(-1, 9)
-            os.write(2, (f"\nsandbox: the call's processes held {used >> 20} MiB of memory together, "
-                         f"over the limit of {limit >> 20} MiB; all were killed\n").encode())
+            os.write(
+                2,
+                (
+                    f"\nsandbox: the call's processes held {used >> 20} MiB of memory together, "
+                    f"over the limit of {limit >> 20} MiB; all were killed\n"
+                ).encode(),
+            )
             os._exit(124)
         time.sleep(0.02)
 

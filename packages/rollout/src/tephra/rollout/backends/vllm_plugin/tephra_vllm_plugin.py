@@ -65,8 +65,14 @@ class TephraWeightTransferEngine(WeightTransferEngine[TephraInitInfo, TephraUpda
         # a unique rank per worker across data-parallel replicas, as vLLM's nccl engine does
         p = self.parallel_config
         rank = init_info.rank_offset + p.data_parallel_index * p.world_size + p.rank
-        self.group = open_group(init_info.master_address, init_info.master_port, rank,
-                                init_info.world_size, init_info.backend, init_info.timeout_s)
+        self.group = open_group(
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            init_info.backend,
+            init_info.timeout_s,
+        )
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

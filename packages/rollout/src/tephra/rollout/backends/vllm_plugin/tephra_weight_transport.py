@@ -50,19 +50,22 @@ class BucketMeta:
         return sum(math.prod(s) for s in self.shapes)
 
 
-def open_group(address: str, port: int, rank: int, world_size: int, backend: str,
-               timeout_s: float) -> dist.ProcessGroup:
+def open_group(
+    address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+) -> dist.ProcessGroup:
     """Join (rank 0: host) a private process group of `world_size` ranks at `address:port`."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
     store = dist.PrefixStore("tephra-weights", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world_size)
-    raise ValueError(f"weight transport backend {backend!r}: a group is 'gloo' or 'nccl' "
-                     "('ipc' needs none)")
+    raise ValueError(
+        f"weight transport backend {backend!r}: a group is 'gloo' or 'nccl' ('ipc' needs none)"
+    )
 
 
 def broadcast(group: dist.ProcessGroup, flat: torch.Tensor) -> None:
@@ -72,16 +75,20 @@ def broadcast(group: dist.ProcessGroup, flat: torch.Tensor) -> None:
     group.broadcast([flat], opts).wait()
 
 
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-            bucket_bytes: int) -> Iterator[tuple[BucketMeta, torch.Tensor]]:
+def buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, bucket_bytes: int
+) -> Iterator[tuple[BucketMeta, torch.Tensor]]:
     """Group (name, tensor) pairs into flat `dtype` buffers of at most `bucket_bytes` (a tensor
     larger than that travels alone), yielding (meta, buffer) as each fills."""
     pending: list[tuple[str, torch.Tensor]] = []
     size = 0
 
     def flush() -> tuple[BucketMeta, torch.Tensor]:
-        meta = BucketMeta([n for n, _ in pending], [str(dtype).removeprefix("torch.")] * len(pending),
-                          [list(t.shape) for _, t in pending])
+        meta = BucketMeta(
+            [n for n, _ in pending],
+            [str(dtype).removeprefix("torch.")] * len(pending),
+            [list(t.shape) for _, t in pending],
+        )
         if len(pending) == 1:  # a tensor alone (often the embedding, the largest) is not copied
             flat = pending[0][1].reshape(-1)
         else:
@@ -105,12 +112,14 @@ def unpack(meta: BucketMeta, flat: torch.Tensor) -> list[tuple[str, torch.Tensor
     out, offset = [], 0
     for name, shape in zip(meta.names, meta.shapes):
         n = math.prod(shape)
-        out.append((name, flat[offset:offset + n].view(shape)))
+        out.append((name, flat[offset : offset + n].view(shape)))
         offset += n
     return out
 
 
-def broadcast_meta(group: dist.ProcessGroup, meta: BucketMeta | None, device=None) -> BucketMeta | None:
+def broadcast_meta(
+    group: dist.ProcessGroup, meta: BucketMeta | None, device=None
+) -> BucketMeta | None:
     """Rank 0 sends `meta` (None: the end of an update) as JSON; every rank returns it."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
     payload = b""
@@ -129,8 +138,13 @@ def broadcast_meta(group: dist.ProcessGroup, meta: BucketMeta | None, device=Non
     return BucketMeta(names, dtype_names, shapes)
 
 
-def send_all(group: dist.ProcessGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             dtype: torch.dtype, bucket_bytes: int, device=None) -> int:
+def send_all(
+    group: dist.ProcessGroup,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    device=None,
+) -> int:
     """Rank 0: every (name, tensor) in buckets (meta, then the flat buffer), then the end
     marker. Returns the bytes sent."""
     sent = 0
@@ -152,6 +166,7 @@ def receive_all(group: dist.ProcessGroup, device=None) -> Iterator[tuple[str, to
 
 
 # -- ipc: shared-memory handles instead of a group ---------------------------------------------
+
 
 @contextlib.contextmanager
 def _file_sharing():
@@ -191,9 +206,13 @@ def share(tensors, device: torch.device | None = None) -> str:
 
 
 _HANDLE_GLOBALS = {
-    ("torch.multiprocessing.reductions", name) for name in (
-        "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage",
-        "rebuild_storage_filename")
+    ("torch.multiprocessing.reductions", name)
+    for name in (
+        "rebuild_tensor",
+        "rebuild_cuda_tensor",
+        "rebuild_typed_storage",
+        "rebuild_storage_filename",
+    )
 } | {("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage")}
 """What a pickled handle may name (anything else is refused: the body comes over HTTP)."""
 
@@ -242,7 +261,9 @@ def open_shared(text: str, device: torch.device | None = None):
     index = _cuda_index(device)
     here = gpu_uuid(torch.device("cuda", index)) if index is not None else None
     if sender_gpu is not None and sender_gpu != here:
-        raise RuntimeError(f"weight_transport=ipc: the sender's tensors are on GPU {sender_gpu} "
-                           f"and this receiver is on {here}; CUDA IPC shares one GPU's memory "
-                           "between processes on it, use nccl between different GPUs")
+        raise RuntimeError(
+            f"weight_transport=ipc: the sender's tensors are on GPU {sender_gpu} "
+            f"and this receiver is on {here}; CUDA IPC shares one GPU's memory "
+            "between processes on it, use nccl between different GPUs"
+        )
     return tensors
