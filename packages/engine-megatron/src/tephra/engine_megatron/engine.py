@@ -18,6 +18,7 @@ state (ZeRO-1, `distributed_optimizer`).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from tephra.engine_megatron import checkpoint as ckpt  # noqa: E402
 from tephra.engine_megatron import hf_conversion as conv  # noqa: E402
 from tephra.engine_megatron import parallel_setup  # noqa: E402
+from tephra.engine_megatron.core_attention import choose_kernel  # noqa: E402
 from tephra.engine_megatron.distributed_optimizer import DistributedAdamW  # noqa: E402
 from tephra.engine_megatron.hf_loading import load_hf  # noqa: E402
 from tephra.engine_megatron.micro_batches import (  # noqa: E402
@@ -131,6 +133,12 @@ class MegatronEngine(Engine):
             config.parallel.moe_token_dispatcher,
             config.model.gradient_checkpointing,
         )
+        self.attention_kernel = choose_kernel(
+            config.model.attn_implementation,
+            self.dtype,
+            self.device.type == "cuda",
+            config.parallel.context,
+        )
         vpp = config.parallel.virtual_pipeline
         with cpu_compat.device_scope():
             self.chunks = [
@@ -142,6 +150,7 @@ class MegatronEngine(Engine):
                     config.temperature,
                     value_head_seed=config.model.init_seed,
                     compute_entropy=config.compute_entropy,
+                    attention_kernel=self.attention_kernel,
                 )
                 for vp in range(vpp)
             ]
@@ -186,12 +195,23 @@ class MegatronEngine(Engine):
                 "engine-megatron shards the optimizer over data-parallel ranks "
                 "(distributed optimizer): leave it at -1"
             )
-        if config.model.attn_implementation != "sdpa":
+        if config.model.attn_implementation not in ("sdpa", "flash_attention_2"):
             raise ConfigError(
                 f"model.attn_implementation={config.model.attn_implementation!r}: "
-                "engine-megatron runs megatron-core's attention, not transformers'; "
-                "leave it at 'sdpa'"
+                "engine-megatron runs its own per-sequence attention: 'sdpa' (the best "
+                "installed kernel) or 'flash_attention_2' (flash-attn only)"
             )
+        if config.model.attn_implementation == "flash_attention_2":
+            if importlib.util.find_spec("flash_attn") is None:
+                raise ConfigError(
+                    "model.attn_implementation='flash_attention_2' but flash-attn is not "
+                    "installed; install flash-attn (CUDA) or set model.attn_implementation=sdpa"
+                )
+            if p.context > 1:
+                raise ConfigError(
+                    "model.attn_implementation='flash_attention_2' with parallel.context > 1: "
+                    "context parallel runs the torch kernel; set model.attn_implementation=sdpa"
+                )
         p.data_parallel_size(world_size)
         expert_world = p.expert * p.expert_tensor * p.pipeline
         if world_size % expert_world:
@@ -377,9 +397,9 @@ class MegatronEngine(Engine):
     def _run(self, batch: TensorDict, loss_fn: LossFn | None, budget: int, field_name: str):
         """Run the pipeline schedule over this rank's batch. Returns (`[B, T]` outputs when
         `loss_fn` is None, metrics when it is given)."""
-        # packed by default on a GPU (no padding rows through the MLPs; attention takes the
-        # block-diagonal mask), padded on CPU, where that dense mask costs more than padding
-        packed = self.config.micro_batch.packing(varlen_attention=not cpu_compat.cuda_absent())
+        # packed by default (no padding through the MLPs): attention runs per sequence from
+        # the attention plan on every kernel, so packing costs no dense mask anywhere
+        packed = self.config.micro_batch.packing(varlen_attention=True)
         n_rows, seq_len = batch[B.INPUT_IDS].shape
         indexed = batch.clone(False)
         indexed["_row"] = torch.arange(n_rows)
@@ -435,7 +455,7 @@ class MegatronEngine(Engine):
         def forward_step(data_iterator, model):
             idx = next(data_iterator)
             x: ModelInputs = inputs[idx]
-            out = model(x.input_ids, x.position_ids, x.attention_mask, x.labels)
+            out = model(x.input_ids, x.position_ids, x.attention_plan, x.labels)
 
             def loss_func(out_tensor):
                 nonlocal loss_sum
@@ -469,7 +489,7 @@ class MegatronEngine(Engine):
                 data_iterator=iters if vpp > 1 else iters[0],
                 model=model if vpp > 1 else model[0],
                 num_microbatches=len(inputs),
-                seq_length=max(x.attention_mask.shape[-1] for x in inputs),
+                seq_length=max(x.seq_length for x in inputs),
                 micro_batch_size=max(x.input_ids.shape[0] for x in inputs),
                 forward_only=loss_fn is None,
             )

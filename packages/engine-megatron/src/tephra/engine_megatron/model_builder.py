@@ -1,7 +1,8 @@
 """Build megatron `GPTModel` chunks (policy or value) from a Hugging Face config.
 
 Layer spec: megatron's local (TransformerEngine-free) spec, with two substitutions:
-- `TorchCoreAttention` (mask-driven, context parallel) in place of `DotProductAttention`;
+- `SegmentAttention` (per-sequence blocks from an attention plan, no dense mask; torch,
+  flash-attn or TransformerEngine kernel; context parallel) in place of `DotProductAttention`;
 - `RMSNorm` below in place of torch's norm, which refuses sequence parallelism: with
   sequence parallel its weight sees only this rank's tokens, so it is tagged
   `sequence_parallel=True` and its gradient is summed over the TP group by the engine.
@@ -25,6 +26,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
@@ -32,7 +34,7 @@ from megatron.core.transformer.transformer_block import (
 
 from tephra.engine_api.config import ParallelConfig
 from tephra.engine_api.errors import ConfigError
-from tephra.engine_megatron.core_attention import TorchCoreAttention
+from tephra.engine_megatron.core_attention import SegmentAttention
 from tephra.kernels import vocab_parallel_logprob_entropy
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen2_moe")
@@ -195,14 +197,18 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def block_spec(config: TransformerConfig, vp_stage: int | None) -> TransformerBlockSubmodules:
+def block_spec(
+    config: TransformerConfig, vp_stage: int | None, attention_kernel: str = "torch"
+) -> TransformerBlockSubmodules:
     spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
     )
     spec = copy.deepcopy(spec)
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
-    spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=SegmentAttention, params={"kernel": attention_kernel}
+    )
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
 
@@ -219,6 +225,7 @@ class TephraGPT(torch.nn.Module):
         temperature: float,
         value_head_seed: int,
         compute_entropy: bool = True,
+        attention_kernel: str = "torch",
     ):
         super().__init__()
         self.config = config
@@ -232,7 +239,7 @@ class TephraGPT(torch.nn.Module):
         self.pre_process, self.post_process = pre, post
         self.gpt = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(config, vp_stage),
+            transformer_layer_spec=block_spec(config, vp_stage, attention_kernel),
             vocab_size=shape.vocab_size,
             max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
             pre_process=pre,
@@ -277,7 +284,7 @@ class TephraGPT(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, labels):
         """input_ids, position_ids, labels `[b, s]` (this CP rank's positions);
-        attention_mask bool `[b, 1, S, S]` over the full sequence (True = may attend)."""
+        attention_mask: the attention plan `[n, 5]` (`core_attention.attention_plan`)."""
         decoder_input = None
         if self.pre_process:
             decoder_input = self.gpt.embedding(input_ids=input_ids, position_ids=None)
