@@ -59,7 +59,7 @@ from tephra.engine_megatron.model_builder import (  # noqa: E402
     model_shape,
     transformer_config,
 )
-from tephra.engine_megatron.weight_export import gather_hf_weights  # noqa: E402
+from tephra.engine_megatron.weight_export import HFStream, gather_hf_weights  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -534,10 +534,11 @@ class MegatronEngine(Engine):
         return gather_hf_weights(self, untie_word_embeddings)
 
     def export_weights(self, bucket_bytes: int = 512 << 20, untie_word_embeddings: bool = False):
-        weights = self.hf_weights(untie_word_embeddings)
+        """Streamed (`weight_export.HFStream`): no rank holds more than its shards and about
+        one bucket; every rank iterates and receives every tensor."""
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, tensor in weights.items():
+        for name, tensor in HFStream(self, None, untie_word_embeddings):
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket
