@@ -30,7 +30,7 @@ from transformers import AutoConfig
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
-from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import declared_hf_config, model_has_vision
 from tephra.engine_megatron import cpu_compat
@@ -401,6 +401,13 @@ class MegatronEngine(Engine):
         # the attention plan on every kernel, so packing costs no dense mask anywhere
         packed = self.config.micro_batch.packing(varlen_attention=True)
         n_rows, seq_len = batch[B.INPUT_IDS].shape
+        window = self.shape.sliding_window
+        if window is not None and int(B.sequence_lengths(batch).max()) > window:
+            raise BatchError(
+                f"a sequence of {int(B.sequence_lengths(batch).max())} tokens is longer than "
+                f"the model's sliding_window={window}; engine-megatron attends to every "
+                "earlier token: shorten the sequences (or use engine=fsdp)"
+            )
         indexed = batch.clone(False)
         indexed["_row"] = torch.arange(n_rows)
         indexed["_col"] = torch.arange(seq_len).expand(n_rows, seq_len)

@@ -37,7 +37,8 @@ from tephra.engine_api.errors import ConfigError
 from tephra.engine_megatron.core_attention import SegmentAttention
 from tephra.kernels import vocab_parallel_logprob_entropy
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+_QK_NORM = ("qwen3", "qwen3_moe")
 
 
 class RMSNorm(torch.nn.Module):
@@ -71,6 +72,17 @@ class ModelShape:
     tie_word_embeddings: bool
     num_experts: int
     qkv_bias: bool
+    qk_norm: bool = False
+    """RMSNorm on each query and key head before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Mistral's attention window: sequences up to this length see every earlier token
+    (longer ones are refused)."""
+
+
+def rope_theta(hf_config) -> float:
+    """RoPE base: transformers 5 keeps it in `rope_parameters`, older configs in `rope_theta`."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
 
 
 def model_shape(hf_config) -> ModelShape:
@@ -94,7 +106,21 @@ def model_shape(hf_config) -> ModelShape:
         num_experts=int(getattr(hf_config, "num_experts", 0) or 0),
         qkv_bias=model_type in ("qwen2", "qwen2_moe")
         or bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=model_type in _QK_NORM,
+        sliding_window=_sliding_window(hf_config),
     )
+
+
+def _sliding_window(hf_config) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if hf_config.model_type == "mistral":
+        return window
+    if getattr(hf_config, "use_sliding_window", False) and window is not None:
+        raise ConfigError(
+            f"{hf_config.model_type} with use_sliding_window=true is not supported by "
+            "engine-megatron (windowed layers); use engine=fsdp"
+        )
+    return None
 
 
 def transformer_config(
@@ -128,6 +154,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tensor,
@@ -191,7 +218,7 @@ def transformer_config(
             hf_config, "mlp_only_layers", []
         ):
             raise ConfigError(
-                "qwen2_moe with dense layers (decoder_sparse_step != 1 or "
+                f"{shape.model_type} with dense layers (decoder_sparse_step != 1 or "
                 "mlp_only_layers) is not supported by engine-megatron"
             )
     return TransformerConfig(**kwargs)
@@ -201,11 +228,17 @@ def block_spec(
     config: TransformerConfig, vp_stage: int | None, attention_kernel: str = "torch"
 ) -> TransformerBlockSubmodules:
     spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=config.qk_layernorm,
     )
     spec = copy.deepcopy(spec)
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    if config.qk_layernorm:
+        spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=SegmentAttention, params={"kernel": attention_kernel}
     )
@@ -246,7 +279,7 @@ class TephraGPT(torch.nn.Module):
             post_process=post,
             share_embeddings_and_output_weights=shape.tie_word_embeddings and role == "policy",
             position_embedding_type="rope",
-            rotary_base=float(getattr(hf_config, "rope_theta", 10000.0)),
+            rotary_base=rope_theta(hf_config),
             parallel_output=True,
             vp_stage=vp_stage,
         )
@@ -259,7 +292,7 @@ class TephraGPT(torch.nn.Module):
                 head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.02)
             self.value_head = head
         inv = 1.0 / (
-            float(getattr(hf_config, "rope_theta", 10000.0))
+            rope_theta(hf_config)
             ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim)
         )
         self.register_buffer("inv_freq", inv, persistent=False)

@@ -362,3 +362,19 @@ def rank_streamed_export(runs: list[tuple[str, dict[str, Any]]], workdir: str) -
             )
         out.append(result)
     return out
+
+
+def rank_step(hf_config: dict[str, Any], parallel: dict[str, Any], batch, overrides=None):
+    """Forward log-probs, then one step's loss and grad norm, of an engine built from
+    `hf_config` with `parallel` (every rank gets the same batch)."""
+    from tephra.engine_api.testing import nll_loss_fn
+    from tephra.engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine.build(
+        apply_overrides(base_config(hf_config, parallel), overrides or {})
+    )
+    log_probs = engine.forward(batch)["log_probs"]
+    with engine.train_mode():
+        loss = engine.forward_backward(batch, nll_loss_fn)["loss"]
+        norm = engine.optimizer_step()
+    return loss, norm, log_probs
