@@ -17,9 +17,12 @@ through the kernel's own grouped heads (no `repeat_interleave` of keys/values):
 - `flash_attn`: `flash_attn_varlen_func` over the THD layout with `cu_seqlens` (CUDA, bf16/fp16).
 - `transformer_engine`: TransformerEngine's `DotProductAttention` in `thd` format (CUDA).
 
-Context parallel (cp > 1): the sequence is laid out as in megatron (load balanced): cut into
-2*cp chunks, CP rank r holds chunks r and 2*cp-1-r; K and V are all-gathered over the CP group
-into natural order, and the plan's blocks say which keys each local query run sees.
+Context parallel (cp > 1, torch kernel): the sequence is laid out as in megatron (load
+balanced): cut into 2*cp chunks, CP rank r holds chunks r and 2*cp-1-r. Attention runs as a
+ring: each rank's keys and values pass from rank to rank (cp - 1 shifts, gradients flowing
+back the same way), each rank attends its queries to every chunk as it passes (only the
+keys each plan block may see: its own sequence, causally) and merges the partial results by
+their log-sum-exp. No rank holds the full K/V.
 
 Math per block: out = softmax(q k^T * scale + causal) v, the heads of one query group sharing
 one key/value head.
@@ -32,7 +35,7 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
@@ -102,6 +105,83 @@ def _torch_blocks(q, k, v, plan: list[list[int]], scale: float, dropout_p: float
             enable_gqa=True,
         )
         per_row.setdefault(row, []).append(out[0].transpose(0, 1))  # [lq, np, hn]
+    return torch.stack([torch.cat(per_row[r]) for r in range(q.shape[1])], dim=1)
+
+
+class _RingShift(torch.autograd.Function):
+    """Send `x` to the next CP rank and receive the previous rank's; the backward sends
+    the gradient the other way round."""
+
+    @staticmethod
+    def forward(ctx, x, ranks: list[int], me: int):
+        ctx.ranks, ctx.me = ranks, me
+        return _shift(x.contiguous(), ranks, me, +1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _shift(grad.contiguous(), ctx.ranks, ctx.me, -1), None, None
+
+
+def _shift(x: torch.Tensor, ranks: list[int], me: int, step: int) -> torch.Tensor:
+    cp = len(ranks)
+    out = torch.empty_like(x)
+    ops = [
+        dist.P2POp(dist.isend, x, ranks[(me + step) % cp]),
+        dist.P2POp(dist.irecv, out, ranks[(me - step) % cp]),
+    ]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return out
+
+
+def _ring_blocks(q, kv_chunks, plan: list[list[int]], local: torch.Tensor, seq_len: int, scale):
+    """Ring attention: `kv_chunks` yields `(src, k, v)`, CP rank src's keys/values
+    `[s_local, b, ng, hn]` (its positions `cp_chunk_index(src, ...)`), one rank after the
+    other. Each plan block's queries attend to the part of every chunk they may see; the
+    partial results merge by their log-sum-exp:
+        lse = log(exp(lse_a) + exp(lse_b)),  out = out_a e^(lse_a - lse) + out_b e^(lse_b - lse)
+    so the result equals softmax over all keys at once. Returns `[sq, b, np, hn]`."""
+    np_, hn = q.shape[2], q.shape[3]
+    cp = seq_len // len(local)
+    acc: list = [None] * len(plan)  # per block: (out [ng, rep, lq, hn], lse [ng, rep, lq])
+    for src, k, v in kv_chunks:
+        ng = k.shape[2]
+        rep = np_ // ng
+        nat = cp_chunk_index(src, cp, seq_len)
+        half = len(nat) // 2
+        for j, (row, q0, q1, k0, k1) in enumerate(plan):
+            p0, lq = int(local[q0]), q1 - q0
+            if acc[j] is None:
+                acc[j] = (
+                    q.new_zeros(ng, rep, lq, hn),
+                    q.new_full((ng, rep, lq), float("-inf")),
+                )
+            for off in (0, half):  # the chunk's two contiguous runs of positions
+                a0 = int(nat[off])
+                a, b = max(k0, a0), min(k1, a0 + half)
+                qs = max(0, a - p0)  # queries before key a see nothing of this run
+                if a >= b or qs >= lq:
+                    continue
+                qb = q[q0 + qs : q1, row].transpose(0, 1).reshape(ng, rep, lq - qs, hn)
+                kb = k[off + a - a0 : off + b - a0, row].transpose(0, 1)[:, None]
+                vb = v[off + a - a0 : off + b - a0, row].transpose(0, 1)[:, None]
+                scores = (qb @ kb.transpose(-1, -2)) * scale  # [ng, rep, lq', lk']
+                qpos = torch.arange(p0 + qs, p0 + lq, device=q.device)
+                kpos = torch.arange(a, b, device=q.device)
+                scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+                lse_part = torch.logsumexp(scores, -1)
+                out_part = torch.softmax(scores, -1) @ vb
+                out_acc, lse_acc = acc[j]
+                new = torch.logaddexp(lse_acc[..., qs:], lse_part)
+                merged = out_acc[..., qs:, :] * (lse_acc[..., qs:] - new).exp()[..., None]
+                merged = merged + out_part * (lse_part - new).exp()[..., None]
+                acc[j] = (
+                    torch.cat([out_acc[..., :qs, :], merged], dim=2),
+                    torch.cat([lse_acc[..., :qs], new], dim=2),
+                )
+    per_row: dict[int, list[torch.Tensor]] = {}
+    for (row, *_), (out, _) in zip(plan, acc):
+        per_row.setdefault(row, []).append(out.reshape(np_, -1, hn).transpose(0, 1))
     return torch.stack([torch.cat(per_row[r]) for r in range(q.shape[1])], dim=1)
 
 
@@ -188,6 +268,7 @@ class SegmentAttention(MegatronModule):
         )
         self.cp_group = parallel_state.get_context_parallel_group()
         self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
         self._te: Any = None
         if kernel == "transformer_engine":
             # optional heavy dependency, only where installed (CUDA machines)
@@ -218,9 +299,16 @@ class SegmentAttention(MegatronModule):
             raise NotImplementedError("SegmentAttention takes packed sequences as its plan")
         sq, b = query.shape[:2]
         dropout_p = self.dropout_p if self.training else 0.0
-        if self.kernel == "torch":
-            if self.cp_size > 1:
-                key, value = self._gather_kv(key), self._gather_kv(value)
+        if self.kernel == "torch" and self.cp_size > 1:
+            out = _ring_blocks(
+                query,
+                self._ring(key, value),
+                attention_mask.tolist(),
+                cp_chunk_index(self.cp_rank, self.cp_size, sq * self.cp_size),
+                sq * self.cp_size,
+                self.scale,
+            )
+        elif self.kernel == "torch":
             out = _torch_blocks(query, key, value, attention_mask.tolist(), self.scale, dropout_p)
         else:
             cu, max_len = _cu_seqlens(attention_mask, sq, query.device)
@@ -245,10 +333,13 @@ class SegmentAttention(MegatronModule):
             out = out.reshape(b, sq, self.heads, self.head_dim).transpose(0, 1)
         return out.reshape(sq, b, self.heads * self.head_dim)
 
-    def _gather_kv(self, local: torch.Tensor) -> torch.Tensor:
-        """[s_local, ...] on each CP rank -> [S, ...] in natural order. Backward sums the
-        gradients of every rank's queries into each rank's own chunk."""
-        parts = dist_fn.all_gather(local.contiguous(), group=self.cp_group)
-        stacked = torch.cat(parts, dim=0)
-        order = torch.argsort(cp_full_order(self.cp_size, stacked.shape[0]))
-        return stacked.index_select(0, order)
+    def _ring(self, key: torch.Tensor, value: torch.Tensor):
+        """This rank's keys/values, then each other CP rank's in turn, passed around the ring
+        (one message of K and V together per step: gloo may swap two sends to one peer)."""
+        ranks = parallel_state.get_context_parallel_global_ranks()
+        kv = torch.cat([key, value], dim=-1)
+        hn = key.shape[-1]
+        for step in range(self.cp_size):
+            if step:
+                kv = _RingShift.apply(kv, ranks, self.cp_rank)
+            yield (self.cp_rank - step) % self.cp_size, kv[..., :hn], kv[..., hn:]
