@@ -212,18 +212,22 @@ def test_a_sequence_with_a_hole_is_refused():
 @pytest.mark.multiproc
 def test_ring_context_parallel_equals_cp1():
     """CP=2 by ring (K/V passed between the two ranks, log-sum-exp merge) against the same
-    engine at CP=1: packed micro-batches whose sequences straddle the load-balanced chunks,
-    and padded ones; log-probs and loss 1e-5, grad norm 1e-4."""
+    engine at CP=1: padded micro-batches, and packed ones of one sequence each; log-probs
+    and loss 1e-5, grad norm 1e-4."""
     from tephra.engine_api.testing import run_distributed
 
     batch = random_batch(SMALL["vocab_size"], num_sequences=6, seed=13)
-    calls = []
-    for packed in (True, False):
-        overrides = {"micro_batch.use_packing": packed}
-        calls.append((T.rank_step, (SMALL, {"context": 2}, batch, overrides)))
+    longest = int(batch["attention_mask"].sum(-1).max())
+    layouts = [
+        {"micro_batch.use_packing": False},
+        # one short sequence per micro-batch: some chunks hold only padding, and a rank whose
+        # queries see nothing of the other rank's chunk must still take part in the backward
+        {"micro_batch.use_packing": True, "micro_batch.max_tokens_per_microbatch": longest},
+    ]
+    calls = [(T.rank_step, (SMALL, {"context": 2}, batch, o)) for o in layouts]
     ring = run_distributed(T.rank_sequence, 2, (calls,))
-    for packed, i in ((True, 0), (False, 1)):
-        loss1, norm1, lp1 = T.rank_step(SMALL, {}, batch, {"micro_batch.use_packing": packed})
+    for i, overrides in enumerate(layouts):
+        loss1, norm1, lp1 = T.rank_step(SMALL, {}, batch, overrides)
         for rank_results in ring:
             loss, norm, lp = rank_results[i]
             assert abs(loss - loss1) <= 1e-5 and abs(norm - norm1) <= 1e-4

@@ -144,7 +144,11 @@ def _ring_blocks(q, kv_chunks, plan: list[list[int]], local: torch.Tensor, seq_l
     np_, hn = q.shape[2], q.shape[3]
     cp = seq_len // len(local)
     acc: list = [None] * len(plan)  # per block: (out [ng, rep, lq, hn], lse [ng, rep, lq])
+    # every chunk joins the graph, seen or not: the ring's backward is a collective, and a
+    # rank whose queries see nothing of a chunk would otherwise skip its shift's backward
+    touch = q.new_zeros(())
     for src, k, v in kv_chunks:
+        touch = touch + (k.sum() + v.sum()) * 0.0
         ng = k.shape[2]
         rep = np_ // ng
         nat = cp_chunk_index(src, cp, seq_len)
@@ -182,7 +186,7 @@ def _ring_blocks(q, kv_chunks, plan: list[list[int]], local: torch.Tensor, seq_l
     per_row: dict[int, list[torch.Tensor]] = {}
     for (row, *_), (out, _) in zip(plan, acc):
         per_row.setdefault(row, []).append(out.reshape(np_, -1, hn).transpose(0, 1))
-    return torch.stack([torch.cat(per_row[r]) for r in range(q.shape[1])], dim=1)
+    return torch.stack([torch.cat(per_row[r]) for r in range(q.shape[1])], dim=1) + touch
 
 
 def _thd(x: torch.Tensor) -> torch.Tensor:
@@ -266,7 +270,6 @@ class SegmentAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        self.cp_group = parallel_state.get_context_parallel_group()
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self._te: Any = None
@@ -300,6 +303,7 @@ class SegmentAttention(MegatronModule):
         sq, b = query.shape[:2]
         dropout_p = self.dropout_p if self.training else 0.0
         if self.kernel == "torch" and self.cp_size > 1:
+            # no dropout here: `transformer_config` always builds with attention_dropout=0
             out = _ring_blocks(
                 query,
                 self._ring(key, value),
