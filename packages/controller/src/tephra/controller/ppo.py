@@ -204,7 +204,7 @@ def run(cfg: PPOConfig) -> dict:
     )
     print(weight_path(cfg), flush=True)
     r = cfg.resources
-    ray_init(r.ray_address, r.num_cpus)
+    ray_init(r.ray_address, r.num_cpus, dashboard=r.ray_dashboard)
     pool = ResourcePool(
         r.world_size,
         r.cpus_per_rank,
