@@ -363,3 +363,14 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
         assert (gpu.actor.precision.param_dtype, gpu.rollout.dtype) == ("bfloat16", "bfloat16")
     with pytest.raises(ConfigError, match=r"rollout.dtype='fp8'.*'auto'"):
         load_config(PPOConfig, [], ["rollout.dtype=fp8"])
+
+
+def test_a_server_key_never_reaches_the_run_folder():
+    from tephra.controller.ppo import config_to_save
+    from tephra.controller.rl_config import PPOConfig
+
+    cfg = load_config(PPOConfig, [], ["rollout.vllm.api_key=s3cret", "rollout.sglang.api_key=auto"])
+    saved = config_to_save(cfg)
+    assert saved["rollout"]["vllm"]["api_key"].startswith("<redacted")
+    assert saved["rollout"]["sglang"]["api_key"] == "auto"
+    assert "s3cret" not in json.dumps(saved) and cfg.rollout.vllm.api_key == "s3cret"

@@ -28,6 +28,7 @@ from tephra.controller.rl_config import (
     weight_path,
 )
 from tephra.controller.rl_loop import Prompts
+from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
 
 BUNDLED_TOOLS = Path(__file__).parent / "tools"
@@ -181,6 +182,16 @@ def prepare(cfg: PPOConfig) -> Prepared:
     return Prepared(model_path, tokenizer, train, val, tools_file, run_dir)
 
 
+def config_to_save(cfg: PPOConfig) -> dict:
+    """The run's config as written to its folder: a server's explicit key is a secret and is
+    redacted (`auto` and none are kept)."""
+    saved = to_dict(cfg)
+    for server in ("vllm", "sglang"):
+        if saved["rollout"][server]["api_key"] not in (None, "auto"):
+            saved["rollout"][server]["api_key"] = "<redacted: pass it on the command line>"
+    return saved
+
+
 def run(cfg: PPOConfig) -> dict:
     """Train as `cfg` says; returns the summary dict."""
     import torch
@@ -191,12 +202,11 @@ def run(cfg: PPOConfig) -> dict:
     from tephra.controller.rl_worker import RLWorker, colocated_roles
     from tephra.controller.rollout_replicas import RolloutReplicas
     from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
-    from tephra.core.config import to_dict
 
     torch.set_num_threads(1)  # the driver only moves batches; the workers compute
     p = prepare(cfg)
     p.run_dir.mkdir(parents=True, exist_ok=True)
-    (p.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    (p.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_save(cfg), sort_keys=False))
     cfg = resolve_auto_dtypes(cfg)
     print(
         f"compute dtypes: actor {cfg.actor.precision.param_dtype}, rollout {cfg.rollout.dtype}",
