@@ -87,6 +87,9 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
         "reward/overlong_penalty_mean",
     ):
         assert key in a[0], key
+    # model FLOPs over a CPU's measured peak: named so, and a utilisation (never above 1)
+    steps = [r for r in a + b if "perf/flops" in r]
+    assert steps and all(0 < r["perf/mfu_measured_peak"] < 1 and "perf/mfu" not in r for r in steps)
     # the train/rollout mismatch every step, from the probe (this run computes no old
     # log-probs of its own); the same fp32 model on both sides: the gap is rounding only
     for row in a:

@@ -197,7 +197,7 @@ def run(cfg: PPOConfig) -> dict:
     import torch
     import yaml
 
-    from tephra.controller.models import count_parameters
+    from tephra.controller.flops import model_shape
     from tephra.controller.rl_loop import Trainer
     from tephra.controller.rl_worker import RLWorker, colocated_roles
     from tephra.controller.rollout_replicas import RolloutReplicas
@@ -277,7 +277,7 @@ def run(cfg: PPOConfig) -> dict:
             p.train,
             p.val,
             p.run_dir,
-            count_parameters(p.model_path),
+            model_shape(p.model_path),
             0.0,
             make_group=make_group,
             make_replicas=make_replicas if r.rollout.replicas else None,
