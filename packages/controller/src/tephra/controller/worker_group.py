@@ -16,6 +16,7 @@ process (actor, reference, rollout, critic) live in one worker class; that is wh
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -59,6 +60,11 @@ def ray_init(
         # at import); a token in the environment keeps it from writing one to ~/.ray, and the
         # workers inherit it
         os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        # Ray announces the mode it turned on with a warning on every start: it is the
+        # intended state here, said once in the README
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+            logging.ERROR
+        )
     # Under `uv run`, Ray would otherwise copy the working tree and build a fresh virtual
     # environment for the workers on every session (a minute on 2 cores); the driver's
     # environment already has everything, so workers reuse its interpreter.
