@@ -48,6 +48,18 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
         )
     )
     assert full["steps"] == 4
+    # the start-up timeline: every phase from the process's start to the first step
+    startup = full["startup"]
+    assert list(startup) == [
+        "imports_s",
+        "prepare_s",
+        "dtypes_s",
+        "ray_s",
+        "workers_s",
+        "peak_flops_s",
+        "total_s",
+    ]
+    assert startup["total_s"] == pytest.approx(sum(list(startup.values())[:-1]), abs=0.05)
     run(
         _smoke(
             tmp_path,

@@ -1,4 +1,4 @@
-"""Model FLOPs against a count by hand, and the peak MFU divides by."""
+"""Model FLOPs against a count by hand, the peak MFU divides by, and the start-up timeline."""
 
 from __future__ import annotations
 
@@ -100,3 +100,19 @@ def test_published_peaks_and_the_measured_one(tmp_path, monkeypatch):
     # the cache keeps the best rate seen: a planted higher one is returned, not lowered
     (tmp_path / "peak_flops.json").write_text(json.dumps({key: peak * 100}))
     assert device_peak("cpu", "float32") == (peak * 100, False)
+
+
+def test_startup_timeline_starts_at_the_process_start():
+    import time
+
+    from tephra.controller.startup import Timeline, process_age_s
+
+    age = process_age_s()
+    assert 0 < age < 3600  # this pytest process started before the test, not at boot
+    clock = Timeline()
+    time.sleep(0.05)
+    clock.lap("a")
+    summary = clock.summary()
+    assert list(summary) == ["imports_s", "a_s", "total_s"]
+    assert summary["imports_s"] >= round(age, 2) and summary["a_s"] >= 0.05
+    assert summary["total_s"] == pytest.approx(summary["imports_s"] + summary["a_s"], abs=0.02)

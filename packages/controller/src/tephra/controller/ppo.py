@@ -28,6 +28,7 @@ from tephra.controller.rl_config import (
     weight_path,
 )
 from tephra.controller.rl_loop import Prompts
+from tephra.controller.startup import Timeline
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
 
@@ -203,8 +204,10 @@ def run(cfg: PPOConfig) -> dict:
     from tephra.controller.rollout_replicas import RolloutReplicas
     from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
 
+    clock = Timeline()
     torch.set_num_threads(1)  # the driver only moves batches; the workers compute
     p = prepare(cfg)
+    clock.lap("prepare")  # model folder, tokenizer, data
     p.run_dir.mkdir(parents=True, exist_ok=True)
     (p.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_save(cfg), sort_keys=False))
     cfg = resolve_auto_dtypes(cfg)
@@ -213,8 +216,10 @@ def run(cfg: PPOConfig) -> dict:
         flush=True,
     )
     print(weight_path(cfg), flush=True)
+    clock.lap("dtypes")
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus, dashboard=r.ray_dashboard)
+    clock.lap("ray")
     pool = ResourcePool(
         r.world_size,
         r.cpus_per_rank,
@@ -287,9 +292,17 @@ def run(cfg: PPOConfig) -> dict:
         for each in (pool, *role_pools.values()):
             each.release()
         raise
+    clock.lap("workers")  # Ray actors started, engines and rollout built, weights loaded
     try:
         trainer.peak_flops = trainer.measure_peak_flops()
+        clock.lap("peak_flops")
         nodes = len(set(trainer.wg.node_ids()))
+        trainer.startup = clock.summary()
+        print(
+            f"start-up {trainer.startup['total_s']:.1f} s: "
+            + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in trainer.startup.items() if k != "total_s"),
+            flush=True,
+        )
         summary = trainer.fit()
         summary["nodes"] = nodes
         return summary

@@ -379,6 +379,8 @@ class Trainer:
         self.ckpt = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
         self.model, self.peak_flops = model, peak_flops
         self.peak_published = False
+        self.startup: dict[str, float] = {}
+        """Seconds of each start-up phase (`tephra.controller.startup`), for the summary."""
         """Whether `peak_flops` is the devices' published figure (else measured here)."""
         a = cfg.algorithm
         self.needs_critic, self.needs_ref = a.needs("values"), cfg.needs_reference
@@ -1093,6 +1095,7 @@ class Trainer:
             "steps": self.step,
             "seconds": round(time.perf_counter() - t0, 1),
             "run_dir": str(self.run_dir),
+            "startup": self.startup,
         }
         if "jsonl" in cfg.trackers:
             records = read_jsonl(self.run_dir / "metrics.jsonl")
