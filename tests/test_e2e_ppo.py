@@ -69,6 +69,18 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
             f"trainer.run_dir={tmp_path / 'split'}",
         )
     )
+    # the checkpoint's place in the data belongs to its data: other prompts are refused
+    # before Ray does anything (fewer prompts: a different set and order)
+    with pytest.raises(ConfigError, match=r"was trained on other data \(32 prompts.*now 24"):
+        run(
+            _smoke(
+                tmp_path,
+                *dapo,
+                "trainer.steps=4",
+                "data.train_size=24",
+                f"trainer.run_dir={tmp_path / 'split'}",
+            )
+        )
     resumed = run(
         _smoke(
             tmp_path,

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.data import (
     PromptRecord,
+    check_same_data,
+    dataset_fingerprint,
     load_hf_dataset,
     load_parquet,
     reasoning_gym_records,
@@ -183,6 +186,17 @@ def prepare(cfg: PPOConfig) -> Prepared:
     return Prepared(model_path, tokenizer, train, val, tools_file, run_dir)
 
 
+def check_resumed_data(cfg: PPOConfig, p: Prepared) -> None:
+    """Refuse, before Ray starts, to resume a checkpoint over other training prompts than it
+    was saved on (unless `trainer.accept_changed_data`)."""
+    t = cfg.trainer
+    latest = CheckpointManager(p.run_dir / "checkpoints").resolve(t.resume, t.resume_from)
+    if latest is None or t.accept_changed_data:
+        return
+    saved = CheckpointManager(p.run_dir / "checkpoints").load_trainer_state(latest)["loader"]
+    check_same_data(saved, dataset_fingerprint(p.train.ids), len(p.train.ids), str(latest))
+
+
 def config_to_save(cfg: PPOConfig) -> dict:
     """The run's config as written to its folder: a server's explicit key is a secret and is
     redacted (`auto` and none are kept)."""
@@ -207,6 +221,7 @@ def run(cfg: PPOConfig) -> dict:
     clock = Timeline()
     torch.set_num_threads(1)  # the driver only moves batches; the workers compute
     p = prepare(cfg)
+    check_resumed_data(cfg, p)
     clock.lap("prepare")  # model folder, tokenizer, data
     p.run_dir.mkdir(parents=True, exist_ok=True)
     (p.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_save(cfg), sort_keys=False))

@@ -569,6 +569,10 @@ class TrainerSection:
     run continues from the latest intact checkpoint, at most this many times (0: fail)."""
     resume_from: str | None = None
     """A `step_<N>` checkpoint folder (of this or another run) to continue from instead."""
+    accept_changed_data: bool = False
+    """Continue a checkpoint's position in the data although the training prompts changed
+    since it was saved (their fingerprint differs). Off: such a resume is refused before Ray
+    starts, since the saved position would repeat some prompts and skip others."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end when `save_final`)."""
     save_final: bool = False

@@ -43,7 +43,7 @@ from tensordict import TensorDict
 from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction, rollout_mismatch_metrics
 from tephra.controller.balance import balanced_order, max_over_min
 from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.data import PromptLoader, PromptRecord
+from tephra.controller.data import PromptLoader, PromptRecord, dataset_fingerprint
 from tephra.controller.flops import ModelShape, step_flops
 from tephra.controller.rewarding import (
     accuracy_of,
@@ -375,7 +375,10 @@ class Trainer:
 
         self.cfg, self.wg, self.tok, self.train, self.val = cfg, wg, tokenizer, train, val
         self.run_dir = run_dir
-        self.loader = PromptLoader(len(train.ids), cfg.batch.prompts_per_step, cfg.trainer.seed)
+        self.data_fingerprint = dataset_fingerprint(train.ids)
+        self.loader = PromptLoader(
+            len(train.ids), cfg.batch.prompts_per_step, cfg.trainer.seed, self.data_fingerprint
+        )
         self.ckpt = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
         self.model, self.peak_flops = model, peak_flops
         self.peak_published = False
@@ -1021,7 +1024,10 @@ class Trainer:
             self.step = 0
             self.pending = None
             self.loader = PromptLoader(
-                len(self.train.ids), self.cfg.batch.prompts_per_step, self.cfg.trainer.seed
+                len(self.train.ids),
+                self.cfg.batch.prompts_per_step,
+                self.cfg.trainer.seed,
+                self.data_fingerprint,
             )
         if self.make_replicas is not None:
             self.connect_replicas()
