@@ -688,6 +688,10 @@ class ResourcesSection:
     None joins the cluster the RAY_ADDRESS variable names, else starts a private local session."""
     num_cpus: int | None = None
     """CPUs of the local Ray session (None: all)."""
+    ray_dashboard: bool = False
+    """Start Ray's dashboard (an HTTP server on 127.0.0.1:8265) with a local session; off by
+    default: nothing outside the run needs it. A local session always has Ray's token
+    authentication on, with a token made per session."""
     world_size: int = 1
     """Ranks of the colocated worker group (one Ray actor each): data parallel times the
     actor's tensor x pipeline x context parallel sizes."""
