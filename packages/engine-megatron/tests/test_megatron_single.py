@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tephra.engine_api import CheckpointError, ConfigError, SchedulerConfig, apply_overrides
-from tephra.engine_api.testing import nll_loss_fn, random_batch
+from tephra.engine_api.testing import nll_loss_fn, random_batch, run_conformance
 from tephra.engine_megatron import testing as T
 from tephra.engine_megatron.engine import MegatronEngine
 from tephra.engine_megatron.lr_schedule import LrSchedule
@@ -51,6 +51,21 @@ def test_value_role_matches_hidden_state_head(tmp_path):
     engine.export_hf(tmp_path / "critic")
     critic = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
     assert torch.equal(critic.score.weight, engine.hf_weights()["score.weight"].cpu())
+
+
+def test_sum_pi_squared_on_request_matches_hf(tmp_path):
+    """forward(extra_outputs=("sum_pi_squared",)) gives sum_v p_v^2 of the HF model's float64
+    softmax (the kit's check), with and without entropy; a critic refuses it by name."""
+    for overrides in ({}, {"compute_entropy": False}):
+        spec = T.conformance_spec(SMALL, {}, tmp_path)
+        base = spec.make_engine
+        spec.make_engine = lambda o, base=base, extra=overrides: base({**o, **extra})
+        checks = ["forward_sum_pi_squared", "forward_matches_reference"]
+        assert run_conformance(spec, checks) == checks
+    critic = MegatronEngine.build(apply_overrides(T.base_config(SMALL), {"model.role": "value"}))
+    batch = random_batch(SMALL["vocab_size"], num_sequences=2, seed=1)
+    with pytest.raises(ConfigError, match="only an engine with model.role='policy'"):
+        critic.forward(batch, extra_outputs=("sum_pi_squared",))
 
 
 @pytest.mark.parametrize(
