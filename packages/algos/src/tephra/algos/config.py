@@ -58,8 +58,19 @@ class AdvantageConfig:
     gdpo_reward_weights: list[float] | None = None
     """`gdpo`: weight w_k of each reward component (the columns of `reward_components`, in
     order); None: all 1 (verl's `gdpo_reward_weights`)."""
+    handle_zero_tail: bool | None = None
+    """`optimal_token_baseline`, `tir_optimal_token_baseline`: give the baseline 0 on the
+    part of a group's unique longest sample beyond its second-longest (there the baseline
+    would be that sample's own return, so its advantage would be 0). None: each estimator's
+    verl default (False for `optimal_token_baseline`, True for `tir_optimal_token_baseline`;
+    verl's `handle_zero_tail` argument)."""
 
     def __post_init__(self) -> None:
+        if self.handle_zero_tail is not None and not isinstance(self.handle_zero_tail, bool):
+            raise ConfigError(
+                f"advantage.handle_zero_tail={self.handle_zero_tail!r} must be true, false or "
+                "null (null: the estimator's verl default)"
+            )
         _in_range("advantage", "gamma", self.gamma, 0.0, 1.0)
         _in_range("advantage", "lam", self.lam, 0.0, 1.0)
         _positive("advantage", "epsilon", self.epsilon)

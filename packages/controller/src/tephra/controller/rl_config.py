@@ -400,7 +400,7 @@ class AlgorithmSection:
 
     def needs(self, what: str) -> bool:
         """Whether the estimator's registry metadata says it needs `values`, `groups`,
-        `baselines` or `k`."""
+        `baselines`, `k` or `token_stats` (the trainer's log-probs and sum pi^2)."""
         return bool(ADVANTAGE_ESTIMATORS.meta(self.adv_estimator).get(f"needs_{what}"))
 
 
@@ -875,12 +875,6 @@ def validate(cfg: PPOConfig) -> None:
             f"algorithm.adv_estimator={a.adv_estimator!r} with algorithm.advantage.passk_k="
             f"{a.advantage.passk_k} needs at least k samples per prompt; "
             f"batch.samples_per_prompt={b.samples_per_prompt}: raise it or lower passk_k"
-        )
-    if a.needs("token_stats"):
-        raise ConfigError(
-            f"algorithm.adv_estimator={a.adv_estimator!r} needs sum_pi_squared (sum over the "
-            "vocabulary of pi_old^2 per token), which the trainer does not compute; choose "
-            "e.g. algorithm.adv_estimator=grpo or opo"
         )
     if a.needs("baselines") and r.uses_agent_loop:
         raise ConfigError(

@@ -414,10 +414,14 @@ class RLWorker(Worker):
     # ----- forward passes --------------------------------------------------------------
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("old_log_probs")
-    def compute_log_probs(self, batch: TensorDict) -> TensorDict:
+    def compute_log_probs(self, batch: TensorDict, sum_pi_squared: bool = False) -> TensorDict:
+        """The actor's `log_probs` (and `entropy`), plus `sum_pi_squared` when asked (the
+        optimal-token-baseline estimators' input, from the same forward pass)."""
+        extra = ("sum_pi_squared",) if sum_pi_squared else ()
         with self.actor.eval_mode():
-            out = self.actor.forward(batch)
-        return out.select(*[k for k in ("log_probs", "entropy") if k in out.keys()])
+            out = self.actor.forward(batch, extra_outputs=extra)
+        keys = ("log_probs", "entropy", *extra)
+        return out.select(*[k for k in keys if k in out.keys()])
 
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("ref")
