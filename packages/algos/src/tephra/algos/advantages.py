@@ -555,7 +555,7 @@ def tir_optimal_token_baseline(
     return adv, returns * response_mask.to(returns.dtype)
 
 
-@ADVANTAGE_ESTIMATORS.register("gdpo", needs_groups=True)
+@ADVANTAGE_ESTIMATORS.register("gdpo", needs_groups=True, reads_reward_components=True)
 def gdpo(*, token_rewards, response_mask, group_ids, config, reward_components=None, **_):
     """GDPO (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
     Optimization", arXiv 2601.05242; verl's `gdpo`): each reward component is normalised

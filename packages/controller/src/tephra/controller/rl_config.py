@@ -400,7 +400,12 @@ class AlgorithmSection:
 
     def needs(self, what: str) -> bool:
         """Whether the estimator's registry metadata says it needs `values`, `groups`,
-        `baselines`, `k` or `token_stats` (the trainer's log-probs and sum pi^2)."""
+        `baselines`, `k`, `token_stats` (the trainer's log-probs and sum pi^2) or
+        `reward_components` (metadata `reads_reward_components`)."""
+        if what == "reward_components":
+            return bool(
+                ADVANTAGE_ESTIMATORS.meta(self.adv_estimator).get("reads_reward_components")
+            )
         return bool(ADVANTAGE_ESTIMATORS.meta(self.adv_estimator).get(f"needs_{what}"))
 
 
@@ -875,6 +880,12 @@ def validate(cfg: PPOConfig) -> None:
             f"algorithm.adv_estimator={a.adv_estimator!r} with algorithm.advantage.passk_k="
             f"{a.advantage.passk_k} needs at least k samples per prompt; "
             f"batch.samples_per_prompt={b.samples_per_prompt}: raise it or lower passk_k"
+        )
+    if a.advantage.gdpo_reward_keys is not None and not a.needs("reward_components"):
+        raise ConfigError(
+            f"algorithm.advantage.gdpo_reward_keys={a.advantage.gdpo_reward_keys} is read by "
+            f"algorithm.adv_estimator=gdpo only, not {a.adv_estimator!r}; remove it or set "
+            "algorithm.adv_estimator=gdpo"
         )
     if a.needs("baselines") and r.uses_agent_loop:
         raise ConfigError(

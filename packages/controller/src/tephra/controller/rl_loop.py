@@ -59,6 +59,7 @@ from tephra.controller.samples import (
     sample_from_dict,
     sample_to_dict,
     samples_to_batch,
+    set_score,
 )
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_group import WorkerGroup
@@ -497,9 +498,8 @@ class Trainer:
     def attach_scores(self, samples: list[Sample]) -> list[Sample]:
         results = self.wg.collect_scores()
         self.reward_seconds = max((r[2] for r in results), default=0.0)
-        for sample, (score, error, _, clipped) in zip(samples, results, strict=True):
-            sample.score, sample.reward_error = float(score), error
-            sample.reward_clipped = clipped
+        for sample, result in zip(samples, results, strict=True):
+            set_score(sample, result)
         check_not_all_failed([s.reward_error for s in samples])
         return samples
 
@@ -724,8 +724,32 @@ class Trainer:
             lengths, self.cfg.rollout.response_budget, a.overlong_buffer, a.overlong_penalty_factor
         )
 
+    def reward_components(self, samples: list[Sample]) -> torch.Tensor | None:
+        """GDPO's reward components [B, K]: each sample's reward dict entries named by
+        `algorithm.advantage.gdpo_reward_keys` ("score": the score), 0 for a sample whose
+        scorer failed; None without keys (GDPO then takes the score alone)."""
+        keys = self.cfg.algorithm.advantage.gdpo_reward_keys
+        if keys is None or not self.cfg.algorithm.needs("reward_components"):
+            return None
+        rows = []
+        for i, s in enumerate(samples):
+            values = {**s.reward_extras, "score": s.score}
+            missing = [k for k in keys if k not in values]
+            if missing and s.reward_error is None:
+                raise ConfigError(
+                    f"algorithm.advantage.gdpo_reward_keys={keys} but the reward of sample {i} "
+                    f"has no {missing} (its reward dict held {sorted(values)}); return those "
+                    "keys from the reward function, or list the keys it returns"
+                )
+            rows.append([float(values.get(k, 0.0)) for k in keys])
+        return torch.tensor(rows, dtype=torch.float32)
+
     def advantages(
-        self, batch: TensorDict, token_rewards: torch.Tensor, baselines: torch.Tensor | None
+        self,
+        batch: TensorDict,
+        token_rewards: torch.Tensor,
+        baselines: torch.Tensor | None,
+        components: torch.Tensor | None = None,
     ) -> None:
         from tephra.algos import compute_advantages
 
@@ -746,6 +770,7 @@ class Trainer:
             values=batch["values"] if self.needs_critic else None,
             config=a.advantage,
             baselines=baselines,
+            reward_components=components,
             **stats,
         )
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
@@ -899,7 +924,7 @@ class Trainer:
             baselines = self.greedy_baselines(rounds)
             metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
             lap("baselines")
-        self.advantages(batch, token_rewards, baselines)
+        self.advantages(batch, token_rewards, baselines, self.reward_components(samples))
         check_advantages(batch["advantages"], batch["response_mask"], names)
         apply_rejection(batch)
         if self.skips_flat:  # the workers leave these groups out of the actor update

@@ -274,7 +274,7 @@ class RLWorker(Worker):
         share is empty (fewer prompts than rollout replicas)."""
         self._resend_dropped_weights()
         if self.rollout is None or not items:
-            self._scoring = self._pool.submit(lambda: ([], 0.0, [])) if score else None
+            self._scoring = self._pool.submit(lambda: ([], 0.0, [], [])) if score else None
             return []
         self.rollout.wake_up()
         samples = (
@@ -352,7 +352,7 @@ class RLWorker(Worker):
             for t in trajectories
         ]
 
-    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list]:
+    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list, list]:
         from tephra.controller.rewarding import Scorer
 
         start = time.perf_counter()
@@ -363,19 +363,20 @@ class RLWorker(Worker):
             tok = self.tokenizer()
             prompts = [tok.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
         results = self._scorer.score([s.text for s in samples], records, prompts)
-        return results, time.perf_counter() - start, self._scorer.clipped
+        return results, time.perf_counter() - start, self._scorer.clipped, self._scorer.extras
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
-    def collect_scores(self) -> list[tuple[float, str | None, float, bool]]:
+    def collect_scores(self) -> list[tuple[float, str | None, float, bool, dict[str, float]]]:
         """(score, error, seconds this rank spent scoring, whether `reward.clip` moved the
-        score) of each sample of the last `generate`, in order; waits for the background
-        scorer."""
+        score, the reward dict's numeric entries beside "score") of each sample of the last
+        `generate`, in order; waits for the background scorer."""
         if self._scoring is None:
             raise RuntimeError("collect_scores called without a scored generate before it")
-        results, seconds, clipped = self._scoring.result()
+        results, seconds, clipped, extras = self._scoring.result()
         self._scoring = None
         return [
-            (score, error, seconds, c) for (score, error), c in zip(results, clipped, strict=True)
+            (score, error, seconds, c, x)
+            for (score, error), c, x in zip(results, clipped, extras, strict=True)
         ]
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
