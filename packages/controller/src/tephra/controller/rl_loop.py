@@ -729,7 +729,7 @@ class Trainer:
         `algorithm.advantage.gdpo_reward_keys` ("score": the score), 0 for a sample whose
         scorer failed; None without keys (GDPO then takes the score alone)."""
         keys = self.cfg.algorithm.advantage.gdpo_reward_keys
-        if keys is None or not self.cfg.algorithm.needs("reward_components"):
+        if keys is None or not self.cfg.algorithm.reads("reward_components"):
             return None
         rows = []
         for i, s in enumerate(samples):
@@ -758,7 +758,7 @@ class Trainer:
         if a.needs("token_stats"):
             stats = {
                 "old_log_probs": batch["old_log_probs"],
-                "sum_pi_squared": batch["sum_pi_squared"],
+                "sum_pi_squared": batch.pop("sum_pi_squared"),  # read here only
                 # verl scales OTB's W by the rollout IS weights squared when they exist
                 "rollout_is_weights": batch.get("rollout_is_weights", None),
             }

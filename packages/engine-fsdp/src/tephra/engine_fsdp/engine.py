@@ -252,7 +252,7 @@ class FSDPEngine(Engine):
         if self.sp > 1:
             return self._sequence_parallel_outputs(mb, extra)
         # the kernel computes sum pi^2 in its pass over the vocabulary, only when asked
-        asked = {"sum_pi_squared": True} if "sum_pi_squared" in extra else {}
+        sum_sq = "sum_pi_squared" in extra
         pos, pixels = None, {}
         if self.vlm:  # pixel inputs and mRoPE position ids
             pos, pixels = vision.model_inputs(
@@ -274,7 +274,7 @@ class FSDPEngine(Engine):
                 None,
                 label_mask.to(self.device),
                 **pixels,
-                **asked,
+                sum_pi_squared=sum_sq,
             )
             sel = label_mask[0].bool()
             size = ids.shape[1]
@@ -295,7 +295,7 @@ class FSDPEngine(Engine):
                 label_mask.to(self.device),
                 tree=tree,
                 **pixels,
-                **asked,
+                sum_pi_squared=sum_sq,
             )
             sel = label_mask.bool()
             size = None
