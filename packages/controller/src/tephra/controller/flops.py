@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from tephra.core.machine import cache_root, cpu_name
+
 PUBLISHED_PEAK_FLOPS: dict[tuple[str, str], float] = {
     # dense (no 2:4 sparsity) tensor-core rates from NVIDIA's data sheets; float32 is the
     # non-tensor-core rate, what torch's default (TF32 off) matmuls get
@@ -142,8 +144,7 @@ def published_peak(device_name: str, dtype: str) -> float | None:
 
 
 def peak_cache_file() -> Path:
-    root = Path(os.environ.get("TEPHRA_CACHE", Path.home() / ".cache" / "tephra"))
-    return root / "peak_flops.json"
+    return cache_root() / "peak_flops.json"
 
 
 def measured_peak(device: str, dtype: str, seconds: float = 0.3) -> float:
@@ -183,7 +184,7 @@ def measured_peak(device: str, dtype: str, seconds: float = 0.3) -> float:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu:{os.cpu_count()}"
+    return cpu_name()
 
 
 def device_peak(device: str, dtype: str) -> tuple[float, bool]:

@@ -36,6 +36,7 @@ from tephra.controller.dispatch import (
     split_args,
 )
 from tephra.core.host_memory import retain_freed_memory, retain_supported
+from tephra.core.quiet import quiet_third_party_warnings
 from tephra.engine_api.errors import ConfigError
 
 
@@ -308,6 +309,7 @@ class Worker:
         import torch
         import torch.distributed as dist
 
+        quiet_third_party_warnings()  # before this worker imports reward or agent packages
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(max(1, threads))
         self.retains_freed_memory = retain_memory and retain_freed_memory()
