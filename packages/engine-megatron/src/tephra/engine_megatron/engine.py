@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
+from tephra.engine_api.forward_outputs import check_extra_outputs
 from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import declared_hf_config, model_has_vision
 from tephra.engine_megatron import cpu_compat
@@ -374,15 +376,23 @@ class MegatronEngine(Engine):
         yield
 
     # ----- compute ------------------------------------------------------------------------
-    def forward(self, batch: TensorDict) -> TensorDict:
+    def forward(self, batch: TensorDict, *, extra_outputs: Collection[str] = ()) -> TensorDict:
+        extra = check_extra_outputs(extra_outputs, self.config.model.role)
         B.validate_batch(batch)
-        with torch.no_grad():
-            outputs, _ = self._run(
-                batch,
-                loss_fn=None,
-                budget=self.config.micro_batch.forward_budget,
-                field_name="forward_max_tokens_per_microbatch",
-            )
+        asked = "sum_pi_squared" in extra
+        for c in self.chunks:
+            c.sum_pi_squared = asked
+        try:
+            with torch.no_grad():
+                outputs, _ = self._run(
+                    batch,
+                    loss_fn=None,
+                    budget=self.config.micro_batch.forward_budget,
+                    field_name="forward_max_tokens_per_microbatch",
+                )
+        finally:
+            for c in self.chunks:
+                c.sum_pi_squared = False
         return outputs
 
     def forward_backward(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
@@ -395,10 +405,16 @@ class MegatronEngine(Engine):
         )
         return metrics
 
-    def _output_keys(self) -> list[str]:
+    def _output_keys(self) -> list[str | None]:
+        """The name of each slot of the model's last dimension: values, or log-probs,
+        entropy (None: a slot of zeros without compute_entropy) and sum pi^2 when forward
+        was asked for it."""
         if self.config.model.role == "value":
             return ["values"]
-        return ["log_probs", "entropy"] if self.config.compute_entropy else ["log_probs"]
+        keys = ["log_probs", "entropy" if self.config.compute_entropy else None]
+        if self.chunks[-1].sum_pi_squared:
+            keys.append("sum_pi_squared")
+        return keys
 
     def _run(self, batch: TensorDict, loss_fn: LossFn | None, budget: int, field_name: str):
         """Run the pipeline schedule over this rank's batch. Returns (`[B, T]` outputs when
@@ -441,7 +457,8 @@ class MegatronEngine(Engine):
             dummy[B.RESPONSE_MASK] = torch.zeros_like(dummy[B.RESPONSE_MASK])
             mbs.append(dummy)
 
-        keys = self._output_keys()
+        slots = self._output_keys()
+        keys = [k for k in slots if k is not None]
         full = {k: torch.zeros(n_rows, seq_len) for k in keys}
         loss_sum = torch.zeros(())
         metric_sums: dict[str, float] = {}
@@ -476,7 +493,7 @@ class MegatronEngine(Engine):
                 token_out = x.to_tokens(per_pos)  # [b, t, k] aligned to tokens, 0 off response
                 mb = mbs[idx].to(self.device)
                 outputs = TensorDict(
-                    {k: token_out[..., j] for j, k in enumerate(keys)},
+                    {k: token_out[..., j] for j, k in enumerate(slots) if k is not None},
                     batch_size=[mb.batch_size[0]],
                 )
                 if idx >= real:  # padding micro-batch: keep the graph, contribute nothing

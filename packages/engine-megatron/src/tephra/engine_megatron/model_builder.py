@@ -266,6 +266,8 @@ class TephraGPT(torch.nn.Module):
         self.role = role
         self.temperature = temperature
         self.compute_entropy = compute_entropy
+        # set by the engine's forward for one call when the caller asks for sum_pi_squared
+        self.sum_pi_squared = False
         shape = model_shape(hf_config)
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -344,14 +346,17 @@ class TephraGPT(torch.nn.Module):
             else self.gpt.output_layer.weight
         )
         s, b, h = hidden.shape
-        logp, ent = vocab_parallel_logprob_entropy(
+        outs = vocab_parallel_logprob_entropy(
             hidden.transpose(0, 1).reshape(b * s, h),
             weight,
             labels.reshape(b * s),
             parallel_state.get_tensor_model_parallel_group(),
             temperature=self.temperature,
             compute_entropy=self.compute_entropy,
+            compute_sum_pi_squared=self.sum_pi_squared,
         )
+        logp, ent = outs[0], outs[1]
         if ent is None:
             ent = torch.zeros_like(logp)
-        return torch.stack([logp, ent], dim=-1).reshape(b, s, 2)
+        # [b, s, k]: log-probs, entropy, then sum pi^2 when asked (the engine's output keys)
+        return torch.stack([logp, ent, *outs[2:]], dim=-1).reshape(b, s, -1)
