@@ -1200,6 +1200,7 @@ class CharTokenizer:
 
 def _trainer(tmp_path, outcomes, *overrides):
     from tephra.controller.data import PromptRecord
+    from tephra.controller.flops import ModelShape
     from tephra.controller.rl_loop import Prompts, Trainer
 
     reward = _file(tmp_path, "reward.py", "def compute_score(**kw):\n    return 0.0\n")
@@ -1215,7 +1216,8 @@ def _trainer(tmp_path, outcomes, *overrides):
         [PromptRecord([{"role": "user", "content": str(i)}], f"task{i}", "4") for i in range(8)],
     )
     wg = CannedWorkers(outcomes)
-    return Trainer(cfg, wg, CharTokenizer(), train, Prompts([], []), tmp_path, 1, 0.0), wg
+    shape = ModelShape(matmul_params=1, layers=1, attn_width=1)
+    return Trainer(cfg, wg, CharTokenizer(), train, Prompts([], []), tmp_path, shape, 0.0), wg
 
 
 def test_trainer_stops_on_an_absurd_reward_before_the_update(tmp_path):
