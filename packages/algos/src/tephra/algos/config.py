@@ -110,6 +110,16 @@ class PolicyLossConfig:
     `clip_ratio_c` is None, verl's fallback), so a ported verl config computes the same.
     Set it to truncate DPPO's weight apart from the dual clip."""
 
+    @property
+    def eps_low(self) -> float:
+        """The lower clip epsilon: `clip_ratio_low`, or `clip_ratio` where that is None."""
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def eps_high(self) -> float:
+        """The upper clip epsilon: `clip_ratio_high`, or `clip_ratio` where that is None."""
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
     def __post_init__(self) -> None:
         _positive("policy_loss", "clip_ratio", self.clip_ratio)
         if self.clip_ratio_low is None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tensordict import NonTensorData, NonTensorStack
 
 from tephra.engine_api.errors import ConfigError
 
@@ -61,10 +62,8 @@ MULTIMODAL = "multimodal"
 (or None), so slicing the batch keeps each row's pixels with its tokens."""
 
 
-def multimodal_column(items: list[MultimodalInputs | None]):
+def multimodal_column(items: list[MultimodalInputs | None]) -> NonTensorStack:
     """The `multimodal` field of a batch whose rows have these images."""
-    from tensordict import NonTensorData, NonTensorStack
-
     return NonTensorStack(*[NonTensorData(m) for m in items])
 
 

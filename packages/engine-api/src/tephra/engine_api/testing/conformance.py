@@ -172,7 +172,7 @@ def check_optimizer_step_lowers_loss(spec: ConformanceSpec) -> None:
         f"forward_backward reported loss {loss} but the batch's NLL is {before}"
     )
     assert math.isfinite(grad_norm) and grad_norm > 0, f"grad norm {grad_norm}"
-    norms = [grad_norm]
+    norms: list[float | None] = [grad_norm]
     if _world()[1] > 1:
         norms = [None] * _world()[1]
         dist.all_gather_object(norms, grad_norm)
