@@ -1,7 +1,7 @@
 """Writes docs/config.md, the reference of the apps' configs, from their field docstrings.
 
-    uv run python scripts/config_docs.py           # rewrite docs/config.md
-    uv run python scripts/config_docs.py --check   # exit 1 when docs/config.md is stale
+uv run python scripts/config_docs.py           # rewrite docs/config.md
+uv run python scripts/config_docs.py --check   # exit 1 when docs/config.md is stale
 """
 
 from __future__ import annotations
