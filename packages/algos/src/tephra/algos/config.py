@@ -12,7 +12,9 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
+from tephra.algos.aggregation import AGGREGATION_MODES
 from tephra.algos.errors import ConfigError
+from tephra.algos.kl import KL_ESTIMATORS
 
 
 def _in_range(section: str, name: str, value: float, lo: float, hi: float) -> None:
@@ -181,8 +183,7 @@ class ActorObjectiveConfig:
     """Truncation C of the importance weight min(pi_old / pi_rollout, C)."""
 
     def __post_init__(self) -> None:
-        from tephra.algos.aggregation import AGGREGATION_MODES
-        from tephra.algos.kl import KL_ESTIMATORS
+        # not at the top: policy_losses imports this module (PolicyLossConfig), a cycle
         from tephra.algos.policy_losses import POLICY_LOSSES
 
         if isinstance(self.policy, dict):  # YAML gives dicts
@@ -220,8 +221,6 @@ class CriticObjectiveConfig:
     """`seq-mean-token-sum-norm` only: the constant dividing each sequence's token sum."""
 
     def __post_init__(self) -> None:
-        from tephra.algos.aggregation import AGGREGATION_MODES
-
         if self.cliprange_value is not None:
             _positive("critic", "cliprange_value", self.cliprange_value)
         _registered("critic", "loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)

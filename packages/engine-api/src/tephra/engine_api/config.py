@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
+
 from tephra.core.config import from_dict
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.fastest_dtype import AUTO, resolve_dtype
@@ -200,8 +202,6 @@ class PrecisionConfig:
         0's measurement is every rank's choice, so all ranks compute in one dtype."""
         choice = resolve_dtype(self.param_dtype, device_type)
         if self.param_dtype == AUTO:
-            import torch.distributed as dist
-
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 box = [choice]
                 dist.broadcast_object_list(box, src=0)

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tephra.kernels.chunked import chunked_logprob_entropy
+
 # Untuned defaults for GPUs (no GPU was available while writing this); tests pass smaller
 # blocks so that tiny shapes still span several blocks and partial tails.
 DEFAULT_BLOCKS = {"block_n": 64, "block_v": 64, "block_h": 64}
@@ -402,8 +404,6 @@ def triton_logprob_entropy(
     """Triton path on validated 2-D inputs. chunk_size is unused (the kernels tile by blocks);
     blocks overrides DEFAULT_BLOCKS (keys block_n, block_v, block_h; powers of two >= 16)."""
     if hidden.shape[0] == 0:  # an empty grid is not a valid launch; nothing to fuse anyway
-        from tephra.kernels.chunked import chunked_logprob_entropy
-
         return chunked_logprob_entropy(
             hidden, weight, labels, temperature, ignore_index, compute_entropy=compute_entropy
         )

@@ -115,9 +115,6 @@ def run_distributed(
 def all_reduce_probe(fail_on_rank: int | None = None) -> tuple[float, int]:
     """Sum of (rank + 1) over the group, and this rank: a check that a group works.
     With `fail_on_rank`, that rank raises instead (to test error reporting)."""
-    import torch
-    import torch.distributed as dist
-
     if dist.get_rank() == fail_on_rank:
         raise ValueError(f"deliberate failure on rank {fail_on_rank}")
     t = torch.tensor([float(dist.get_rank() + 1)])
