@@ -35,7 +35,7 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
     """A RolloutWorker whose generate blocks until `release` is set, and whose broadcast
     receive yields one weight holding the version number."""
     worker = rollout_replicas.RolloutWorker.__new__(rollout_replicas.RolloutWorker)
-    worker.rollout, worker.device, worker._weights_group = _Engine(), "cpu", None
+    worker.device, worker._weights_group = "cpu", None
     worker.version, worker.partial, worker._staged = 0, False, None
     worker._generating, worker._staging = threading.Lock(), threading.Lock()
     worker.started, worker.release = threading.Event(), threading.Event()
@@ -54,8 +54,12 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
             for _ in items
         ]
 
-    worker.generate = generate
-    worker.collect_scores = lambda: [(1.0, None, 0.0, False)]
+    # the replica's generation part: this engine, the blocking generate, one score per request
+    worker.generation = SimpleNamespace(
+        rollout=_Engine(),
+        generate=generate,
+        collect_scores=lambda: [(1.0, None, 0.0, False)],
+    )
     sent = {}
     monkeypatch.setattr(
         tephra_weight_transport,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tephra.controller.rl_worker import RLWorker
+from tephra.controller.rl_worker import Generator, RLWorker
 from tephra.rollout import RolloutConfig, ServerSettings, get_rollout
 from tephra.rollout.testing import build_tiny_model
 
@@ -54,7 +54,7 @@ def test_the_worker_syncs_between_waking_weights_and_kv_cache(receiver, tmp_path
     model = build_tiny_model(tmp_path / "model")
     weights = list(load_file(str(Path(model.path) / "model.safetensors")).items())
     worker = RLWorker.__new__(RLWorker)
-    worker.rollout = get_rollout(
+    rollout = get_rollout(
         "vllm",
         RolloutConfig(
             model_path=model.path,
@@ -62,13 +62,14 @@ def test_the_worker_syncs_between_waking_weights_and_kv_cache(receiver, tmp_path
             vllm=ServerSettings(url=receiver, sleep_level=level),
         ),
     )
-    worker.rollout.transport = "ipc"
+    rollout.transport = "ipc"
     worker.actor, worker._profile_prefix, worker.colocated = _Actor(weights), None, True
     worker.cfg = SimpleNamespace(
         rollout=SimpleNamespace(uses_agent_loop=False, sleep_when_training=True),
         resources=SimpleNamespace(rollout=SimpleNamespace(replicas=0)),
     )
-    worker._generate_plain = lambda items, sampling: []
+    worker.generation = Generator(worker.cfg, model.path, None, rollout)
+    worker.generation._generate_plain = lambda items, sampling: []
     prompts = [None]  # one prompt (a rank with an empty share would not wake the server)
     try:
         worker.sync_weights()  # the first sync, awake

@@ -99,6 +99,10 @@ class ReferenceEngine(Engine):
     def dp_size(self) -> int:
         return 1
 
+    @property
+    def is_dp_output_rank(self) -> bool:
+        return True
+
     def _outputs(self, batch: TensorDict) -> TensorDict:
         ids, attn, pos = batch[B.INPUT_IDS], batch[B.ATTENTION_MASK], batch[B.POSITION_IDS]
         lp = torch.zeros(ids.shape)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tephra.engine_api import Capability, ConfigError, apply_overrides
 from tephra.engine_api import batch as B
 from tephra.engine_api.testing import (
     CHECKS,
@@ -75,7 +76,19 @@ def _broken(reference_engine_cls, name):
             shifted[B.POSITION_IDS] = shifted[B.POSITION_IDS] + 1
             return super()._outputs(shifted)
 
+    class SilentAboutLora(base):  # no Capability.LORA, yet its check_config accepts lora.rank
+        @classmethod
+        def check_config(cls, config, world_size=1):
+            pass
+
+    class NoOutputRank(base):  # nobody hands the results back
+        @property
+        def is_dp_output_rank(self):
+            return False
+
     return {
+        "silent_about_lora": (SilentAboutLora, "reference_mode_is_base_model"),
+        "no_output_rank": (NoOutputRank, "data_parallel_coordinates"),
         "off_by_one": (OffByOne, "forward_matches_reference"),
         "mean_per_micro_batch": (MeanPerMicroBatch, "grad_accumulation_matches"),
         "forgets_optimizer_state": (ForgetsOptimizerState, "checkpoint_resume_identical"),
@@ -96,6 +109,8 @@ def _broken(reference_engine_cls, name):
         "no_validation",
         "stale_export",
         "forgets_packing",
+        "silent_about_lora",
+        "no_output_rank",
     ],
 )
 def test_kit_catches_broken_engine(make_spec, reference_engine_cls, breakage):
@@ -117,3 +132,18 @@ def test_kit_reference_log_probs_are_hand_checkable(make_spec):
         logits = ref.logits(batch[B.INPUT_IDS], batch[B.ATTENTION_MASK], batch[B.POSITION_IDS])
     want = F.log_softmax(logits[i, t - 1].double() / 0.5, -1)[batch[B.INPUT_IDS][i, t]]
     assert abs(float(lp[i, t]) - float(want)) < 1e-12
+
+
+def test_the_contract_refuses_what_a_backend_does_not_declare(make_spec):
+    """The `Engine` defaults: without `Capability.LORA`, `lora.rank > 0`, `reference_mode()`
+    and `export_adapter()` raise ConfigErrors naming the option or method and the capability."""
+
+    engine = make_spec().make_engine({})
+    assert engine.capabilities == frozenset()
+    with pytest.raises(ConfigError, match=r"lora.rank=4: ReferenceEngine has no LoRA support"):
+        type(engine).check_config(apply_overrides(engine.config, {"lora.rank": 4}))
+    with pytest.raises(ConfigError, match=r"reference_mode\(\) needs Capability.LORA"):
+        engine.reference_mode()
+    with pytest.raises(ConfigError, match=r"export_adapter\(\) needs Capability.LORA"):
+        engine.export_adapter("unused")
+    assert Capability("lora") is Capability.LORA

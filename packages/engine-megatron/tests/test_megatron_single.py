@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tephra.engine_api import CheckpointError, ConfigError, SchedulerConfig, apply_overrides
-from tephra.engine_api.testing import nll_loss_fn, random_batch
+from tephra.engine_api.testing import nll_loss_fn, random_batch, run_conformance
 from tephra.engine_megatron import testing as T
 from tephra.engine_megatron.engine import MegatronEngine
 from tephra.engine_megatron.lr_schedule import LrSchedule
@@ -81,6 +81,23 @@ def test_the_device_asked_for_is_the_device_it_gets(monkeypatch):
     with pytest.raises(ConfigError, match=r"device='cuda'"):
         MegatronEngine.check_config(apply_overrides(T.base_config(SMALL), {"device": "cuda"}))
     MegatronEngine.check_config(apply_overrides(T.base_config(SMALL), {"device": "cpu"}))
+
+
+def test_contract_kit_coordinates_and_refused_lora(tmp_path):
+    """The kit's checks of the contract's coordinates and optional parts at one rank:
+    `dp_rank` 0 of 1, its own output rank; no `Capability.LORA`, so `lora.rank > 0`,
+    `reference_mode()` and `export_adapter()` are refused with ConfigErrors naming them."""
+    checks = [
+        "data_parallel_coordinates",
+        "reference_mode_is_base_model",
+        "adapter_export_matches",
+    ]
+    spec = T.conformance_spec(SMALL, {}, tmp_path)
+    assert run_conformance(spec, checks) == checks
+    engine = spec.make_engine({})
+    assert (engine.dp_rank, engine.dp_size, engine.is_dp_output_rank) == (0, 1, True)
+    with pytest.raises(ConfigError, match=r"reference_mode\(\) needs Capability.LORA"):
+        engine.reference_mode()
 
 
 def test_bad_model_folder_and_checkpoint_errors(tmp_path):

@@ -8,8 +8,9 @@ as many local CPU processes (gloo) as the run had ranks, in the same parallel la
 DCP or Megatron, any layout), loads the checkpoint and writes `export_hf` (LoRA merged into
 the base weights). The folder loads in transformers and vLLM.
 
-`--adapter` (an actor trained with `actor.lora.rank > 0`) writes the LoRA adapter alone, as
-peft saves it (`adapter_config.json`, `adapter_model.safetensors`):
+`--adapter` (an actor trained with `actor.lora.rank > 0`, on an engine that declares
+`Capability.LORA`) writes the LoRA adapter alone through `Engine.export_adapter`, as peft
+saves it (`adapter_config.json`, `adapter_model.safetensors`):
 `peft.PeftModel.from_pretrained(base, folder)` over the run's base model gives the merged
 export's outputs.
 """
@@ -26,6 +27,8 @@ import yaml
 from tephra.controller.checkpoints import check_manifest
 from tephra.core.config import from_dict
 from tephra.core.errors import CheckpointError, TephraError
+from tephra.engine_api.capabilities import Capability
+from tephra.engine_api.registry import get_engine, get_engine_class
 
 
 def _export_rank(
@@ -33,8 +36,6 @@ def _export_rank(
 ) -> str:
     """One rank: build the role's engine as the run did, load the checkpoint, export."""
     import torch
-
-    from tephra.engine_api.registry import get_engine
 
     torch.set_num_threads(1)
     section = cfg.actor if role == "actor" else cfg.critic
@@ -48,41 +49,10 @@ def _export_rank(
     engine.load_checkpoint(Path(checkpoint) / role)
     with engine.eval_mode():
         if adapter:
-            _write_adapter(engine, section.lora, model_path, Path(out))
+            engine.export_adapter(out)
         else:
             engine.export_hf(out)
     return out
-
-
-def _write_adapter(engine, lora_cfg, base_path: str, out: Path) -> None:
-    """The LoRA matrices in peft's file layout (collective: every rank gathers, rank 0
-    writes). Keys: `base_model.model.<module>.lora_A.weight` (peft drops the adapter name)."""
-    import torch.distributed as dist
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
-    from tephra.engine_fsdp import lora
-    from tephra.engine_fsdp.weights import _full
-
-    state, targets = {}, set()
-    for name, param in engine.hf_model.named_parameters():
-        if lora.is_adapter_param(name):
-            full = _full(param, engine.device).float().cpu().contiguous()
-            state["base_model.model." + name.replace(f".{lora.ADAPTER}.", ".")] = full
-            targets.add(name.split(".lora_")[0].rsplit(".", 1)[-1])
-    if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-        # the modules that hold adapters, by name ("all-linear" would be re-resolved on load)
-        LoraConfig(
-            r=lora_cfg.rank,
-            lora_alpha=lora_cfg.alpha,
-            lora_dropout=lora_cfg.dropout,
-            target_modules=sorted(targets),
-            base_model_name_or_path=base_path,
-            task_type="CAUSAL_LM",
-        ).save_pretrained(str(out))
-    dist.barrier()
 
 
 def export_checkpoint(
@@ -112,12 +82,16 @@ def export_checkpoint(
             "was built (model, backend, parallel layout)"
         )
     cfg = from_dict(PPOConfig, yaml.safe_load(config_file.read_text()))
-    if adapter and (role != "actor" or not cfg.actor.lora.enabled or cfg.actor.engine != "fsdp"):
+    if adapter and (
+        role != "actor"
+        or not cfg.actor.lora.enabled
+        or Capability.LORA not in get_engine_class(cfg.actor.engine).capabilities
+    ):
         raise CheckpointError(
-            f"--adapter writes the LoRA adapter of an actor trained with engine=fsdp and "
-            f"actor.lora.rank > 0; asked for role {role!r} of a run with actor.engine="
-            f"{cfg.actor.engine!r}, actor.lora.rank={cfg.actor.lora.rank}. Export without "
-            "--adapter for the full (merged) model"
+            f"--adapter writes the LoRA adapter of an actor trained with actor.lora.rank > 0 "
+            f"on an engine with LoRA support (e.g. engine=fsdp); asked for role {role!r} of a "
+            f"run with actor.engine={cfg.actor.engine!r}, actor.lora.rank="
+            f"{cfg.actor.lora.rank}. Export without --adapter for the full (merged) model"
         )
     model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
     out = Path(out).expanduser().resolve()

@@ -1260,16 +1260,13 @@ def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> Non
         roles.append(("critic", cfg.critic, "value"))
     for section, role_cfg, role in roles:
         engine_cls = get_engine_class(role_cfg.engine)
-        check = getattr(engine_cls, "check_config", None)
-        if check is None:
-            continue
         # the backend reads the model's config.json where there is one (its shape against the
         # parallel layout); nothing is built or converted here
         model = replace(
             cfg.model, path=model_folder or declared_model_folder(cfg.model.path, cfg.trainer.seed)
         )
         try:
-            check(
+            engine_cls.check_config(
                 role_cfg.engine_config(model, role, 1.0, cfg.trainer.seed, device=device),
                 world_size=cfg.resources.world_size,
             )

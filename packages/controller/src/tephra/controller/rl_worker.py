@@ -14,7 +14,11 @@ model-parallel peers included; the driver gathers the samples and dispatches the
 batch by `dp_info`. Sample seeds follow the prompt's place in the whole batch, so the split
 does not change the samples.
 
-Rewards are scored here, on each rank's own samples, in a background thread started right
+Generation is a part the worker holds (`Generator`: rollout engine, tokenizer, tools, scorer),
+the same part a rollout replica of its own pool holds (`rollout_replicas.RolloutWorker`); the
+worker adds the dispatch modes, profiling and the weight sync around it.
+
+Rewards are scored by that part, on each rank's own samples, in a background thread started right
 after generation: the log-prob passes that follow run while the scorer works (`collect_scores`
 waits for it), as in verl's "reward computed while log-probs run".
 """
@@ -135,124 +139,50 @@ def colocated_roles(cfg: PPOConfig) -> tuple[str, ...]:
     return ("actor",) + tuple(r for r in ("ref", "critic") if getattr(cfg.resources, r).ranks == 0)
 
 
-class RLWorker(Worker):
+class Generator:
+    """The generation part that the training worker (colocated generation) and a rollout
+    replica both hold: the rollout engine (None on a rank that does not generate), the
+    tokenizer, the agent loop's tools, and the reward scorer with its background thread."""
+
     def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        *worker_args: Any,
+        self, cfg: PPOConfig, model_path: str, tools_file: str | None, rollout: Any
+    ) -> None:
+        self.cfg, self.model_path, self.tools_file = cfg, model_path, tools_file
+        self.rollout = rollout
+        self._tokenizer = self._tools = None
+        self._scoring: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        self._scorer = None
+
+    @classmethod
+    def build(
+        cls,
         cfg: PPOConfig,
         model_path: str,
-        tools_file: str | None = None,
-        roles: tuple[str, ...] = ROLES,
-    ) -> None:
-        """`roles`: the engines this group holds (the actor's group also generates; a
-        reference or critic pool of its own holds that role alone)."""
-        super().__init__(rank, world_size, *worker_args)
-        from tephra.algos import ActorObjective, CriticObjective
-        from tephra.engine_api.registry import get_engine
-
-        self.cfg, self.roles = cfg, tuple(roles)
-        seed = cfg.trainer.seed
-        torch.manual_seed(seed + rank)
-        random.seed(seed + rank)
-        device = getattr(self, "device", "cpu")
-        self.colocated = cfg.resources.rollout.replicas == 0 and "actor" in self.roles
-        """Whether this group generates (else rollout replicas of their own do, or this is a
-        reference / critic pool)."""
-        self._init_generation(
-            cfg,
-            model_path,
-            tools_file,
-            with_rollout=self.colocated and self.rollout_info().is_output_rank,
-        )
-        model = replace(cfg.model, path=model_path, init_seed=seed)
-        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        self.actor = None
-        if "actor" in self.roles:
-            self.actor = get_engine(
-                cfg.actor.engine,
-                cfg.actor.engine_config(
-                    model, "policy", temperature, seed, device=_engine_device(device)
-                ),
-            )
-        self.ref = None
-        if "ref" in self.roles and cfg.needs_reference and not cfg.actor.lora.enabled:
-            self.ref = get_engine(
-                cfg.actor.engine,
-                cfg.actor.engine_config(
-                    model, "policy", temperature, seed, device=_engine_device(device)
-                ),
-            )
-        self.critic = None
-        if "critic" in self.roles and cfg.algorithm.needs("values"):
-            self.critic = get_engine(
-                cfg.critic.engine,
-                cfg.critic.engine_config(
-                    model, "value", temperature, seed, device=_engine_device(device)
-                ),
-            )
-        self.actor_loss = ActorObjective(cfg.actor.objective)
-        self.critic_loss = CriticObjective(cfg.critic.objective) if self.critic else None
-        self._weights_group = None
-        # The rollout engine loaded the checkpoint from disk, but the engine may have
-        # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
-        # (Separate rollout replicas get the same first sync from the driver.)
-        if self.colocated:
-            self.sync_weights()
-
-    def _init_generation(
-        self, cfg: PPOConfig, model_path: str, tools_file: str | None, with_rollout: bool
-    ) -> None:
-        """The rollout engine (when this process generates), tokenizer, tools and scorer."""
+        tools_file: str | None,
+        device: str,
+        with_rollout: bool,
+    ) -> Generator:
+        """The part with a rollout engine of `rollout.backend` on `device` when
+        `with_rollout` (this process generates), else without one."""
         from tephra.rollout.base import RolloutConfig, get_rollout
 
-        self.cfg, self.model_path, self.tools_file = cfg, model_path, tools_file
-        self.rollout = None
+        rollout = None
         if with_rollout:
             r = cfg.rollout
-            self.rollout = get_rollout(
+            rollout = get_rollout(
                 r.backend,
                 RolloutConfig(
                     model_path=model_path,
                     dtype=r.dtype,
                     max_model_len=cfg.data.max_prompt_tokens + r.response_budget + 8,
                     seed=cfg.trainer.seed,
-                    hf=replace(r.hf, device=getattr(self, "device", "cpu")),
+                    hf=replace(r.hf, device=device),
                     vllm=r.vllm,
                     sglang=r.sglang,
                 ),
             )
-        self._tokenizer = self._tools = None
-        self._scoring: Future | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        self._scorer = None
-        self._profile_prefix: str | None = None
-
-    def dp_info(self):
-        """Data-parallel coordinates from the group's first engine (the actor, else the
-        reference or critic of a pool of its own): rows go to data-parallel ranks, tensor /
-        pipeline / context peers get the same rows; one peer returns them."""
-        from tephra.controller.worker_group import DataParallelInfo
-
-        engine = next(e for e in (self.actor, self.ref, self.critic) if e is not None)
-        dp_rank = getattr(engine, "dp_rank", self.rank)
-        dp_size = getattr(engine, "dp_size", self.world_size)
-        is_output = getattr(engine, "is_dp_output_rank", True)
-        return DataParallelInfo(dp_rank=dp_rank, dp_size=dp_size, is_output_rank=is_output)
-
-    def rollout_info(self):
-        """Generation's data-parallel coordinates: one rollout replica per
-        `rollout.tensor_parallel_size` consecutive ranks, held by the first of them (with
-        rollout replicas of their own, this group generates nothing: one share per rank)."""
-        from tephra.controller.worker_group import DataParallelInfo
-
-        tp = self.cfg.rollout.tensor_parallel_size if self.colocated else 1
-        return DataParallelInfo(
-            dp_rank=self.rank // tp,
-            dp_size=self.world_size // tp,
-            is_output_rank=self.rank % tp == 0,
-        )
+        return cls(cfg, model_path, tools_file, rollout)
 
     # ----- generation and scoring -----------------------------------------------------------
     def tokenizer(self) -> Any:
@@ -265,15 +195,12 @@ class RLWorker(Worker):
             self._tokenizer = tok
         return self._tokenizer
 
-    @dispatch(Dispatch.ROLLOUT_SPLIT)
-    @profiled("generate")
     def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
         """`sampling.n` samples of each of this rank's prompts (prompt-major), through the
         agent loop when one is configured. Scoring starts in the background (`collect_scores`
         returns the scores); `score=False` skips it. A rank without a rollout engine (a
         rollout tensor-parallel peer) gets no prompts and returns none, as does a rank whose
         share is empty (fewer prompts than rollout replicas)."""
-        self._resend_dropped_weights()
         if self.rollout is None or not items:
             self._scoring = self._pool.submit(lambda: ([], 0.0, [])) if score else None
             return []
@@ -366,7 +293,6 @@ class RLWorker(Worker):
         results = self._scorer.score([s.text for s in samples], records, prompts)
         return results, time.perf_counter() - start, self._scorer.clipped
 
-    @dispatch(Dispatch.ROLLOUT_SPLIT)
     def collect_scores(self) -> list[tuple[float, str | None, float, bool]]:
         """(score, error, seconds this rank spent scoring, whether `reward.clip` moved the
         score) of each sample of the last `generate`, in order; waits for the background
@@ -378,6 +304,134 @@ class RLWorker(Worker):
         return [
             (score, error, seconds, c) for (score, error), c in zip(results, clipped, strict=True)
         ]
+
+    def close(self) -> None:
+        """Stop the rollout engine, the scorer thread and the agent loop's tools (MCP servers
+        and their processes, sandbox folders)."""
+        try:
+            if self.rollout is not None:
+                self.rollout.close()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            if self._tools:
+                from tephra.rollout.tools import close_tools
+
+                tools, self._tools = self._tools, {}
+                close_tools(tools.values())
+
+
+class RLWorker(Worker):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *worker_args: Any,
+        cfg: PPOConfig,
+        model_path: str,
+        tools_file: str | None = None,
+        roles: tuple[str, ...] = ROLES,
+    ) -> None:
+        """`roles`: the engines this group holds (the actor's group also generates; a
+        reference or critic pool of its own holds that role alone)."""
+        super().__init__(rank, world_size, *worker_args)
+        from tephra.algos import ActorObjective, CriticObjective
+        from tephra.engine_api.registry import get_engine
+
+        self.cfg, self.roles = cfg, tuple(roles)
+        seed = cfg.trainer.seed
+        torch.manual_seed(seed + rank)
+        random.seed(seed + rank)
+        device = getattr(self, "device", "cpu")
+        self.colocated = cfg.resources.rollout.replicas == 0 and "actor" in self.roles
+        """Whether this group generates (else rollout replicas of their own do, or this is a
+        reference / critic pool)."""
+        self.generation = Generator.build(
+            cfg,
+            model_path,
+            tools_file,
+            device,
+            with_rollout=self.colocated and self.rollout_info().is_output_rank,
+        )
+        self._profile_prefix: str | None = None
+        model = replace(cfg.model, path=model_path, init_seed=seed)
+        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.actor = None
+        if "actor" in self.roles:
+            self.actor = get_engine(
+                cfg.actor.engine,
+                cfg.actor.engine_config(
+                    model, "policy", temperature, seed, device=_engine_device(device)
+                ),
+            )
+        self.ref = None
+        if "ref" in self.roles and cfg.needs_reference and not cfg.actor.lora.enabled:
+            self.ref = get_engine(
+                cfg.actor.engine,
+                cfg.actor.engine_config(
+                    model, "policy", temperature, seed, device=_engine_device(device)
+                ),
+            )
+        self.critic = None
+        if "critic" in self.roles and cfg.algorithm.needs("values"):
+            self.critic = get_engine(
+                cfg.critic.engine,
+                cfg.critic.engine_config(
+                    model, "value", temperature, seed, device=_engine_device(device)
+                ),
+            )
+        self.actor_loss = ActorObjective(cfg.actor.objective)
+        self.critic_loss = CriticObjective(cfg.critic.objective) if self.critic else None
+        self._weights_group = None
+        # The rollout engine loaded the checkpoint from disk, but the engine may have
+        # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
+        # (Separate rollout replicas get the same first sync from the driver.)
+        if self.colocated:
+            self.sync_weights()
+
+    def dp_info(self):
+        """Data-parallel coordinates from the group's first engine (the actor, else the
+        reference or critic of a pool of its own): rows go to data-parallel ranks, tensor /
+        pipeline / context peers get the same rows; one peer returns them."""
+        from tephra.controller.worker_group import DataParallelInfo
+
+        engine = next(e for e in (self.actor, self.ref, self.critic) if e is not None)
+        return DataParallelInfo(
+            dp_rank=engine.dp_rank,
+            dp_size=engine.dp_size,
+            is_output_rank=engine.is_dp_output_rank,
+        )
+
+    def rollout_info(self):
+        """Generation's data-parallel coordinates: one rollout replica per
+        `rollout.tensor_parallel_size` consecutive ranks, held by the first of them (with
+        rollout replicas of their own, this group generates nothing: one share per rank)."""
+        from tephra.controller.worker_group import DataParallelInfo
+
+        tp = self.cfg.rollout.tensor_parallel_size if self.colocated else 1
+        return DataParallelInfo(
+            dp_rank=self.rank // tp,
+            dp_size=self.world_size // tp,
+            is_output_rank=self.rank % tp == 0,
+        )
+
+    @property
+    def rollout(self) -> Any:
+        """The rollout engine of the generation part (None on a rank that does not generate)."""
+        return self.generation.rollout
+
+    # ----- generation and scoring (the generation part's, with this worker's dispatch) -------
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
+    @profiled("generate")
+    def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
+        """`Generator.generate` on this rank's share of the prompts, after sending the weights
+        again where a sleeping server dropped them."""
+        self._resend_dropped_weights()
+        return self.generation.generate(items, sampling, score)
+
+    @dispatch(Dispatch.ROLLOUT_SPLIT)
+    def collect_scores(self) -> list[tuple[float, str | None, float, bool]]:
+        """`Generator.collect_scores` of this rank's last `generate`."""
+        return self.generation.collect_scores()
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
     @dispatch(Dispatch.ROLLOUT_SPLIT)
@@ -607,18 +661,8 @@ class RLWorker(Worker):
 
     @dispatch(Dispatch.RANK_ZERO)
     def close(self) -> None:
-        """Stop the rollout engine, the scorer thread and the agent loop's tools (MCP servers
-        and their processes, sandbox folders); runs on every rank."""
-        try:
-            if self.rollout is not None:
-                self.rollout.close()
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        finally:
-            if self._tools:
-                from tephra.rollout.tools import close_tools
-
-                tools, self._tools = self._tools, {}
-                close_tools(tools.values())
+        """Stop the generation part (`Generator.close`); runs on every rank."""
+        self.generation.close()
 
 
 # policy losses whose per-token loss is (advantage x something): zero advantage, zero gradient

@@ -29,14 +29,15 @@ import ray
 
 from tephra.controller.dispatch import Dispatch, dispatch, share_bounds
 from tephra.controller.rl_config import PPOConfig
-from tephra.controller.rl_worker import RLWorker
+from tephra.controller.rl_worker import Generator
 from tephra.controller.samples import PromptItem, Sample
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup
 
 
-class RolloutWorker(RLWorker):
-    """A rollout replica: the rollout engine, tokenizer, tools and scorer of `RLWorker`
-    without its training engines."""
+class RolloutWorker(Worker):
+    """A rollout replica: the generation part (`Generator`: rollout engine, tokenizer, tools
+    and scorer) that the training worker holds too, without its training engines, and the
+    receiving end of the weight broadcast."""
 
     def __init__(
         self,
@@ -47,8 +48,10 @@ class RolloutWorker(RLWorker):
         model_path: str,
         tools_file: str | None = None,
     ) -> None:
-        Worker.__init__(self, rank, world_size, *worker_args)
-        self._init_generation(cfg, model_path, tools_file, with_rollout=True)
+        super().__init__(rank, world_size, *worker_args)
+        self.generation = Generator.build(
+            cfg, model_path, tools_file, self.device, with_rollout=True
+        )
         self.version = 0
         self._weights_group = None
         self._generating = threading.Lock()
@@ -61,13 +64,13 @@ class RolloutWorker(RLWorker):
         if self.partial:  # the engine tags each token with the version it holds
             self.rollout.weight_version = 0
 
-    def dp_info(self):
-        from tephra.controller.worker_group import DataParallelInfo
+    @property
+    def rollout(self) -> Any:
+        """The replica's rollout engine (the generation part's)."""
+        return self.generation.rollout
 
-        return DataParallelInfo(dp_rank=self.rank, dp_size=self.world_size)
-
-    def rollout_info(self):
-        return self.dp_info()  # each replica is a rollout engine of its own
+    # dp_info / rollout_info: `Worker`'s defaults, one share per replica (each is a rollout
+    # engine of its own)
 
     def join_weight_group(
         self, address: str, port: int, world_size: int, backend: str, timeout_s: float
@@ -121,9 +124,9 @@ class RolloutWorker(RLWorker):
         partial rollout: the oldest version among its tokens, the one it started under)."""
         with self._generating:
             self._take_staged()  # weights received while the last request ran, if any
-            samples = self.generate(items, sampling)
+            samples = self.generation.generate(items, sampling)
             for sample, (score, error, _, clipped) in zip(
-                samples, self.collect_scores(), strict=True
+                samples, self.generation.collect_scores(), strict=True
             ):
                 sample.score, sample.reward_error = float(score), error
                 sample.reward_clipped = clipped
@@ -131,6 +134,10 @@ class RolloutWorker(RLWorker):
                     min(sample.token_versions) if sample.token_versions else self.version
                 )
         return samples
+
+    def close(self) -> None:
+        """Stop the generation part (`Generator.close`)."""
+        self.generation.close()
 
 
 class RolloutReplicas:

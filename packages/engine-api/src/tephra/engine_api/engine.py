@@ -1,10 +1,15 @@
 """The training-engine contract: the only thing algorithms and the controller see of a backend.
 
 Who calls what: the controller builds one engine per rank (SPMD; every rank makes the same
-calls in the same order), hands each rank its data-parallel share of the batch, and calls
-`forward` for log-probs/values, `forward_backward` + `optimizer_step` + `lr_scheduler_step`
-to train, and `export_weights` to refresh the rollout engine. Losses come from
-`tephra.algos` through the `loss_fn` argument; a backend never imports an algorithm.
+calls in the same order), asks it for its data-parallel coordinates (`dp_rank`, `dp_size`,
+`is_dp_output_rank`) to hand each rank its share of the batch, and calls `forward` for
+log-probs/values, `forward_backward` + `optimizer_step` + `lr_scheduler_step` to train, and
+`export_weights` to refresh the rollout engine. Losses come from `tephra.algos` through the
+`loss_fn` argument; a backend never imports an algorithm.
+
+Optional parts (`tephra.engine_api.capabilities.Capability`) are methods here too: a backend
+that implements one lists it in `capabilities`; for the others the defaults below refuse with
+a `ConfigError` naming the option, so a caller never probes an engine for a method.
 
 Batches follow `tephra.engine_api.batch` (padded `[batch, seq]` TensorDicts).
 """
@@ -15,11 +20,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from tensordict import TensorDict
 
+from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import EngineConfig
+from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.loss import LossFn
 
 
@@ -27,6 +35,9 @@ class Engine(ABC):
     """A model being trained, sharded however the backend likes, behind one API."""
 
     config: EngineConfig
+
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    """The optional parts of the contract this backend implements (none by default)."""
 
     @classmethod
     @abstractmethod
@@ -38,12 +49,29 @@ class Engine(ABC):
         setting the backend does not support.
         """
 
-    @classmethod  # noqa: B027  (a deliberate default: backends override what they refuse)
+    @classmethod
     def check_config(cls, config: EngineConfig, world_size: int = 1) -> None:
         """Refuse, with a `ConfigError` naming the field and the fix, every option of
         `config` this backend does not support at `world_size` ranks, without building
         anything: apps call it when their config loads, before any process starts, and
-        `build` calls it again. The default accepts everything the config validated."""
+        `build` calls it again. The default refuses the options of the capabilities the
+        backend does not declare (`lora.rank > 0` without `Capability.LORA`) and accepts
+        everything else the config validated; a backend that overrides it calls it too."""
+        if config.lora.enabled and Capability.LORA not in cls.capabilities:
+            raise ConfigError(
+                f"lora.rank={config.lora.rank}: {cls.__name__} has no LoRA support "
+                f"({cls.__name__}.capabilities lacks Capability.LORA); set lora.rank=0 or use "
+                "an engine that declares it"
+            )
+
+    @classmethod
+    def _refuse(cls, capability: Capability, method: str) -> ConfigError:
+        """The error of calling `method`, part of `capability`, on a backend without it."""
+        return ConfigError(
+            f"{method} needs Capability.{capability.name}, which {cls.__name__} does not "
+            f"declare ({cls.__name__}.capabilities = "
+            f"{sorted(c.name for c in cls.capabilities)}); use an engine that declares it"
+        )
 
     # ----- lifecycle -------------------------------------------------------------------
     @abstractmethod
@@ -55,6 +83,13 @@ class Engine(ABC):
     def eval_mode(self) -> AbstractContextManager[None]:
         """Context in which `forward` / `export_weights` run: parameters on the device,
         optimizer state may stay offloaded, dropout off."""
+
+    def reference_mode(self) -> AbstractContextManager[None]:
+        """Context in which `forward` runs the base model with the LoRA adapters off: the
+        reference policy's log-probs, with no second model in memory. Entered inside
+        `eval_mode()`. Part of `Capability.LORA` (the default refuses); a backend with it
+        raises `ConfigError` naming `lora.rank` when the engine was built without adapters."""
+        raise self._refuse(Capability.LORA, "reference_mode()")
 
     # ----- compute ---------------------------------------------------------------------
     @abstractmethod
@@ -134,6 +169,14 @@ class Engine(ABC):
         """Write a Hugging Face folder (config, safetensors, tokenizer when known) that
         transformers and vLLM load with identical logits. Collective; rank 0 writes."""
 
+    def export_adapter(self, path: str | Path) -> None:
+        """Write the LoRA adapter alone as peft saves it (`adapter_config.json`,
+        `adapter_model.safetensors`, `base_model_name_or_path` = `config.model.path`):
+        `peft.PeftModel.from_pretrained(base, path)` over the base model gives this engine's
+        outputs. Collective; rank 0 writes. Part of `Capability.LORA` (the default refuses);
+        a backend with it raises `ConfigError` naming `lora.rank` without adapters."""
+        raise self._refuse(Capability.LORA, "export_adapter()")
+
     # ----- topology --------------------------------------------------------------------
     @property
     @abstractmethod
@@ -144,3 +187,10 @@ class Engine(ABC):
     @abstractmethod
     def dp_size(self) -> int:
         """Number of data-parallel ranks (how many shares a batch is split into)."""
+
+    @property
+    @abstractmethod
+    def is_dp_output_rank(self) -> bool:
+        """Whether this rank hands its share's results back to the controller: exactly one
+        rank per `dp_rank` does (its tensor / pipeline / context peers compute the same
+        outputs and return nothing)."""

@@ -20,6 +20,7 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from tephra.engine_api import batch as B
+from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
@@ -59,11 +60,13 @@ def sharing_supported(config: EngineConfig) -> bool:
 class FSDPEngine(Engine):
     """FSDP2 engine. Build with `FSDPEngine.build(config)` (or `get_engine("fsdp", config)`).
 
-    Beyond the `Engine` contract:
-      - `reference_mode()`: context in which `forward` runs the base model with the LoRA
-        adapters disabled, i.e. the reference policy (LoRA only).
-      - `model`: the FSDP-wrapped root module; `hf_model`: the transformers model inside it.
+    Declares `Capability.LORA` (peft adapters): `reference_mode()` and `export_adapter()`.
+    Beyond the `Engine` contract (for this package's tests and helpers, not for callers of
+    the contract): `model`, the FSDP-wrapped root module; `hf_model`, the transformers model
+    inside it.
     """
+
+    capabilities = frozenset({Capability.LORA})
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -134,6 +137,7 @@ class FSDPEngine(Engine):
     @classmethod
     def check_config(cls, config: EngineConfig, world_size: int = 1) -> None:
         """Refuse every option engine=fsdp does not implement (see the README, Options)."""
+        super().check_config(config, world_size)
         if config.optimizer.name != "adamw":
             raise ConfigError(
                 f"optimizer.name={config.optimizer.name!r}: engine=fsdp has adamw only"
@@ -212,16 +216,20 @@ class FSDPEngine(Engine):
         return self._mode(False)
 
     @contextmanager
-    def reference_mode(self):
-        """Forward passes inside run the base model (adapters disabled): the reference
+    def reference_mode(self) -> Iterator[None]:
+        """Forward passes inside run the base model (peft's adapters disabled): the reference
         policy's log-probs, with no second model in memory. Needs `lora.rank > 0`."""
-        if not self.config.lora.enabled:
-            raise ConfigError(
-                "reference_mode() needs LoRA (lora.rank > 0): without adapters the base "
-                "model is being trained, so build a separate engine for the reference policy"
-            )
+        self._need_adapters(
+            "reference_mode()",
+            "without adapters the base model is being trained, so build a separate engine "
+            "for the reference policy",
+        )
         with self.scorer.model.disable_adapter():
             yield
+
+    def _need_adapters(self, method: str, fix: str) -> None:
+        if not self.config.lora.enabled:
+            raise ConfigError(f"{method} needs LoRA (lora.rank > 0): {fix}")
 
     # ----- compute ---------------------------------------------------------------------
     def _validate(self, batch: TensorDict) -> TensorDict:
@@ -441,6 +449,14 @@ class FSDPEngine(Engine):
         model_cfg = self.config.model
         tokenizer_dir = model_cfg.tokenizer_path or model_cfg.path
         weights.write_hf_folder(Path(path), self.hf_model, self.device, tokenizer_dir)
+
+    def export_adapter(self, path: str | Path) -> None:
+        self._need_adapters(
+            "export_adapter()", "without adapters there is none; export the model with export_hf"
+        )
+        weights.write_adapter_folder(
+            Path(path), self.hf_model, self.device, self.config.lora, self.config.model.path
+        )
 
     def save_checkpoint(self, path: str | Path) -> None:
         self._onload_optimizer()

@@ -64,6 +64,13 @@ class HFReference:
         ]
         assert not missing and not unexpected, f"missing {missing}, unexpected {unexpected}"
 
+    def load_adapter(self, folder: Path) -> None:
+        """Wrap the model in the peft adapter `FSDPEngine.export_adapter` wrote to `folder`."""
+        # imported here: peft takes seconds to import and only LoRA checks need it
+        from peft import PeftModel
+
+        self.model = PeftModel.from_pretrained(self.model, str(folder)).eval()
+
     def logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         with torch.no_grad():
             return self.model(
@@ -88,6 +95,7 @@ def conformance_spec(workdir: Path, **base_overrides: Any):
         vocab_size=TINY_VOCAB,
         workdir=Path(workdir),
         atol=1e-5,
+        load_adapter=lambda ref, folder: ref.load_adapter(folder),
     )
 
 

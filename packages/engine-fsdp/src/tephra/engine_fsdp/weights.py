@@ -1,5 +1,5 @@
-"""Full, Hugging Face-named weights out of a sharded model: buckets for the rollout engine
-and a transformers folder on disk.
+"""Full, Hugging Face-named weights out of a sharded model: buckets for the rollout engine,
+a transformers folder on disk, and a LoRA adapter alone as a peft folder.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from tephra.engine_api.config import LoraConfig
 from tephra.engine_fsdp import lora
 
 TOKENIZER_FILES = (
@@ -121,5 +122,37 @@ def write_hf_folder(
                 src = Path(tokenizer_dir) / fname
                 if src.is_file():
                     shutil.copy2(src, path / fname)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def write_adapter_folder(
+    path: Path, model: PreTrainedModel, device: torch.device, cfg: LoraConfig, base_path: str | None
+) -> None:
+    """Write the LoRA matrices in peft's file layout (`adapter_model.safetensors`, keys
+    `base_model.model.<module>.lora_A.weight`: peft drops the adapter name) and its
+    `adapter_config.json`. Collective: every rank gathers, rank 0 writes."""
+    # imported here: peft takes seconds to import and only LoRA runs need it
+    from peft import LoraConfig as PeftLoraConfig
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state, targets = {}, set()
+    for name, param in model.named_parameters():
+        if lora.is_adapter_param(name):
+            full = _full(param, device).float().cpu().contiguous()
+            state["base_model.model." + name.replace(f".{lora.ADAPTER}.", ".")] = full
+            targets.add(name.split(".lora_")[0].rsplit(".", 1)[-1])
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        # the modules that hold adapters, by name ("all-linear" would be re-resolved on load)
+        PeftLoraConfig(
+            r=cfg.rank,
+            lora_alpha=cfg.alpha,
+            lora_dropout=cfg.dropout,
+            target_modules=sorted(targets),
+            base_model_name_or_path=base_path,
+            task_type="CAUSAL_LM",
+        ).save_pretrained(str(path))
     if dist.is_initialized():
         dist.barrier()

@@ -108,7 +108,12 @@ def declared_shape(model: Any) -> ModelShape | None:
 
 
 class MegatronEngine(Engine):
-    """megatron-core backend. Build with `MegatronEngine.build(config)` on every rank."""
+    """megatron-core backend. Build with `MegatronEngine.build(config)` on every rank.
+
+    Declares no optional capability: LoRA is refused at `check_config`, and the contract's
+    defaults refuse `reference_mode()` / `export_adapter()`."""
+
+    capabilities = frozenset()
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -169,6 +174,7 @@ class MegatronEngine(Engine):
         gradient reduction, FSDP shard groups, a transformers attention kernel other than the
         default (megatron-core runs its own attention), parallel sizes that do not divide."""
         cls._check_supported(config)
+        super().check_config(config, world_size)
         if config.micro_batch.share_prefix:
             raise ConfigError(
                 "micro_batch.share_prefix=true is an engine-fsdp feature; "

@@ -77,9 +77,7 @@ class SFTWorker(Worker):
     def dp_info(self):
         e = self.engine
         return DataParallelInfo(
-            dp_rank=getattr(e, "dp_rank", self.rank),
-            dp_size=getattr(e, "dp_size", self.world_size),
-            is_output_rank=getattr(e, "is_dp_output_rank", True),
+            dp_rank=e.dp_rank, dp_size=e.dp_size, is_output_rank=e.is_dp_output_rank
         )
 
     @dispatch(Dispatch.DP_SPLIT)

@@ -4,7 +4,9 @@ A backend's tests build a `ConformanceSpec` (an engine factory and a single-proc
 reference-model factory with the same initial weights) and call `run_conformance(spec)`,
 once in a single process and once on every rank of a multi-process group (each rank then
 checks its data-parallel share of the kit's batches). engine-api itself needs no
-transformers: the reference model is the caller's.
+transformers: the reference model is the caller's. The optional parts of the contract
+(`Capability`) are checked both ways: a backend that declares one is held to its numbers, one
+that does not must refuse it with a `ConfigError` naming the option or the method.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
+from tephra.engine_api.capabilities import Capability
+from tephra.engine_api.config import apply_overrides
 from tephra.engine_api.engine import Engine
-from tephra.engine_api.errors import BatchError
+from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.testing.batches import nll_loss_fn, random_batch
 
 
@@ -54,6 +58,9 @@ class ConformanceSpec:
     """Absolute tolerance of log-prob, entropy and loss comparisons (fp32)."""
     rtol_grad_norm: float = 1e-5
     """Relative tolerance of grad-norm comparisons."""
+    load_adapter: Callable[[ReferenceModel, Path], None] | None = None
+    """Apply a folder written by `Engine.export_adapter` to a reference model (e.g. through
+    peft); required when the engine declares `Capability.LORA`."""
 
 
 class ConformanceFailure(AssertionError):
@@ -278,6 +285,124 @@ def check_malformed_batches_raise(spec: ConformanceSpec) -> None:
         raise AssertionError("a sequence longer than the token budget was accepted")
 
 
+def check_data_parallel_coordinates(spec: ConformanceSpec) -> None:
+    """`dp_rank` / `dp_size` / `is_dp_output_rank` partition the ranks: one `dp_size` on every
+    rank, dividing the world size; every data-parallel rank in `range(dp_size)` is held by
+    world / dp_size ranks, exactly one of which hands results back."""
+    engine = spec.make_engine({})
+    mine = (int(engine.dp_rank), int(engine.dp_size), bool(engine.is_dp_output_rank))
+    world = _world()[1]
+    everyone: list[Any] = [mine]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+    sizes = {size for _, size, _ in everyone}
+    assert len(sizes) == 1, f"dp_size differs across ranks: {[s for _, s, _ in everyone]}"
+    size = sizes.pop()
+    assert size >= 1 and world % size == 0, f"dp_size {size} does not divide world size {world}"
+    holders = sorted(r for r, _, _ in everyone)
+    assert holders == sorted(list(range(size)) * (world // size)), (
+        f"dp_rank over the ranks is {[r for r, _, _ in everyone]}; expected each of "
+        f"0..{size - 1} held by {world // size} rank(s)"
+    )
+    outputs = sorted(r for r, _, out in everyone if out)
+    assert outputs == list(range(size)), (
+        f"output ranks hold dp_rank {outputs}; expected exactly one per data-parallel rank "
+        f"0..{size - 1}"
+    )
+
+
+def _refuses(call: Callable[[], Any], needle: str, what: str) -> None:
+    try:
+        call()
+    except ConfigError as exc:
+        assert needle in str(exc), f"{what}: ConfigError {exc!s} does not name {needle!r}"
+    else:
+        raise AssertionError(f"{what} was accepted")
+
+
+def _refuses_lora(engine: Engine, method: str, call: Callable[[], Any]) -> None:
+    """An engine without `Capability.LORA`: `check_config` refuses `lora.rank > 0` and
+    `method` raises a ConfigError naming itself."""
+    lora = apply_overrides(engine.config, {"lora.rank": 4})
+    what = "without Capability.LORA, {}"
+    _refuses(
+        lambda: type(engine).check_config(lora, _world()[1]),
+        "lora.rank",
+        what.format("lora.rank=4"),
+    )
+    _refuses(call, method, what.format(method))
+
+
+_LORA = {"lora.rank": 4, "lora.alpha": 8.0}
+
+
+def _lora_engine_after_a_step(spec: ConformanceSpec) -> tuple[Engine, TensorDict]:
+    """An engine with adapters after one step (the adapters are no longer a no-op) and this
+    rank's share of the kit batch."""
+    engine = spec.make_engine(_LORA)
+    batch = _kit_batch(spec)
+    _train_step(engine, batch)
+    return engine, _share(engine, batch)
+
+
+def check_reference_mode_is_base_model(spec: ConformanceSpec) -> None:
+    """With `Capability.LORA`: after a step, `forward` inside `reference_mode()` equals the
+    plain reference model with the initial weights (the base; only adapters train), while
+    the adapted `forward` differs from it, before and after the context; an engine built
+    without adapters refuses naming `lora.rank`. Without the capability: `reference_mode()`
+    and `lora.rank > 0` are refused."""
+    engine = spec.make_engine({})
+
+    def enter() -> None:
+        with engine.eval_mode(), engine.reference_mode():
+            pass
+
+    if Capability.LORA not in engine.capabilities:
+        _refuses_lora(engine, "reference_mode()", enter)
+        return
+    _refuses(enter, "lora.rank", "reference_mode() without adapters")
+    engine, share = _lora_engine_after_a_step(spec)
+    with engine.eval_mode():
+        adapted = engine.forward(share)["log_probs"]
+        with engine.reference_mode():
+            base = engine.forward(share)["log_probs"]
+        again = engine.forward(share)["log_probs"]
+    lp, _ = reference_log_probs(spec.make_reference(), share, engine.config.temperature)
+    _close("log_probs in reference_mode vs the base model", base, lp, spec.atol)
+    _close("log_probs after reference_mode vs before", again, adapted, 0.0)
+    moved = float((adapted.double() - lp).abs().max())
+    assert moved > 10 * spec.atol, (
+        f"the adapters changed the log-probs by only {moved:.3g} after a step; the check "
+        "cannot tell reference_mode from the adapted model"
+    )
+
+
+def check_adapter_export_matches(spec: ConformanceSpec) -> None:
+    """With `Capability.LORA`: after a step, the folder `export_adapter` writes, applied to
+    the plain reference model by `spec.load_adapter`, gives the engine's log-probs; an
+    engine built without adapters refuses naming `lora.rank`. Without the capability:
+    `export_adapter()` and `lora.rank > 0` are refused."""
+    path = Path(spec.workdir) / "conformance-adapter"
+    engine = spec.make_engine({})
+    if Capability.LORA not in engine.capabilities:
+        _refuses_lora(engine, "export_adapter()", lambda: engine.export_adapter(path))
+        return
+    _refuses(lambda: engine.export_adapter(path), "lora.rank", "export_adapter() without adapters")
+    assert spec.load_adapter is not None, (
+        f"{type(engine).__name__} declares Capability.LORA but the spec has no load_adapter "
+        "to apply its exported adapter to the reference model"
+    )
+    engine, share = _lora_engine_after_a_step(spec)
+    with engine.eval_mode():
+        engine.export_adapter(path)
+        want = engine.forward(share)["log_probs"]
+    ref = spec.make_reference()
+    spec.load_adapter(ref, path)
+    lp, _ = reference_log_probs(ref, share, engine.config.temperature)
+    _close("log_probs of the exported adapter over the base model", want, lp, spec.atol)
+
+
 CHECKS: dict[str, Callable[[ConformanceSpec], None]] = {
     "forward_matches_reference": check_forward_matches_reference,
     "forward_builds_no_graph": check_forward_builds_no_graph,
@@ -287,6 +412,9 @@ CHECKS: dict[str, Callable[[ConformanceSpec], None]] = {
     "exported_weights_match": check_exported_weights_match,
     "checkpoint_resume_identical": check_checkpoint_resume_identical,
     "malformed_batches_raise": check_malformed_batches_raise,
+    "data_parallel_coordinates": check_data_parallel_coordinates,
+    "reference_mode_is_base_model": check_reference_mode_is_base_model,
+    "adapter_export_matches": check_adapter_export_matches,
 }
 
 
