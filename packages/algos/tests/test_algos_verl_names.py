@@ -48,8 +48,11 @@ def _batch(seed: int, batch: int = 7, seq: int = 12, n_groups: int = 3):
 # ----- optimal token baseline ------------------------------------------------------------
 
 
-def naive_otb(rewards, mask, groups, old_lp, q, *, aligned: bool, zero_tail: bool):
-    """verl's formulas, one sample and one position at a time, in Python floats."""
+def naive_otb(rewards, mask, groups, old_lp, q, *, aligned: bool, zero_tail: bool, rho=None):
+    """verl's formulas (verl/trainer/ppo/core_algos.py,
+    compute_optimal_token_baseline_advantage and, aligned, its multi-turn form
+    compute_multi_turn_optimal_token_baseline_advantage), one sample and one position at a
+    time, in Python floats; rho: rollout IS weights (w scaled by rho^2)."""
     b, s = mask.shape
     m = [[float(mask[i, t]) for t in range(s)] for i in range(b)]
     ret = [
@@ -60,7 +63,10 @@ def naive_otb(rewards, mask, groups, old_lp, q, *, aligned: bool, zero_tail: boo
     for i in range(b):
         acc, row = 0.0, []
         for t in range(s):
-            acc += (1 - 2 * float(old_lp[i, t].exp()) + float(q[i, t])) * m[i][t]
+            w = 1 - 2 * math.exp(float(old_lp[i, t])) + float(q[i, t])
+            if rho is not None:
+                w *= float(rho[i, t]) ** 2
+            acc += w * m[i][t]
             row.append(acc)
         cum.append(row)
     # the sequences a baseline column runs over: absolute positions, or response tokens
@@ -101,9 +107,13 @@ def naive_otb(rewards, mask, groups, old_lp, q, *, aligned: bool, zero_tail: boo
 
 
 @pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("zero_tail", [None, False, True])
+@pytest.mark.parametrize("with_is", [False, True])
 @pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
-def test_optimal_token_baseline_matches_naive(name, seed):
+def test_optimal_token_baseline_matches_naive(name, with_is, zero_tail, seed):
     rewards, mask, groups, old_lp, q = _batch(seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    rho = 0.5 + torch.rand(*mask.shape, generator=gen, dtype=torch.float64) if with_is else None
     tir = name.startswith("tir")
     adv, ret = compute_advantages(
         name,
@@ -112,8 +122,13 @@ def test_optimal_token_baseline_matches_naive(name, seed):
         group_ids=groups,
         old_log_probs=old_lp,
         sum_pi_squared=q,
+        rollout_is_weights=rho,
+        config=AdvantageConfig(handle_zero_tail=zero_tail),
     )
-    want_adv, want_ret = naive_otb(rewards, mask, groups, old_lp, q, aligned=tir, zero_tail=tir)
+    tail = tir if zero_tail is None else zero_tail  # verl's defaults: OTB False, TIR True
+    want_adv, want_ret = naive_otb(
+        rewards, mask, groups, old_lp, q, aligned=tir, zero_tail=tail, rho=rho
+    )
     torch.testing.assert_close(adv, want_adv, **TOL)
     torch.testing.assert_close(ret, want_ret, **TOL)
 
@@ -135,6 +150,38 @@ def test_tir_otb_zero_tail_by_hand():
     b0 = (2.0 + 4.0) / (2 + 1e-8)
     want = torch.tensor([[2.0 - b0, 2.0, 2.0], [4.0 - b0, 0.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(adv, want, **TOL)
+
+
+def test_otb_handle_zero_tail_and_is_weights_by_hand():
+    """optimal_token_baseline on one group of lengths 3 and 1, pi = 1/2 and q = 1/2 (w = 1)
+    everywhere, rewards G_0 = (2, 2, 2), G_1 = (4, 0, 0):
+    W_0 = (1, 2, 3), W_1 = (1, 1, 1) (cumulative over columns, masked)
+    column 0: B = (2 * 1 + 4 * 1) / (1 + 1) = 3 -> A = (-1, 1)
+    columns 1, 2: only sample 0 -> B = 2 -> A_0 = 0; with handle_zero_tail B = 0 -> A_0 = 2.
+    IS weights rho = 2 on sample 1 scale its w by 4: column 0: B = (2 + 16) / 5 = 3.6."""
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    rewards = torch.tensor([[0.0, 0.0, 2.0], [4.0, 0.0, 0.0]], dtype=torch.float64)
+    half = torch.full((2, 3), 0.5, dtype=torch.float64)
+    kw = dict(
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=torch.tensor([1, 1]),
+        old_log_probs=half.log(),
+        sum_pi_squared=half,
+    )
+    tol = dict(atol=1e-7, rtol=0)
+    adv, _ = compute_advantages("optimal_token_baseline", **kw)
+    torch.testing.assert_close(adv, torch.tensor([[-1.0, 0, 0], [1, 0, 0]]).double(), **tol)
+    cfg = AdvantageConfig(handle_zero_tail=True)
+    adv, _ = compute_advantages("optimal_token_baseline", config=cfg, **kw)
+    torch.testing.assert_close(adv, torch.tensor([[-1.0, 2, 2], [1, 0, 0]]).double(), **tol)
+    rho = torch.tensor([[1.0, 1, 1], [2, 2, 2]], dtype=torch.float64)
+    adv, _ = compute_advantages("optimal_token_baseline", rollout_is_weights=rho, **kw)
+    torch.testing.assert_close(adv, torch.tensor([[-1.6, 0, 0], [0.4, 0, 0]]).double(), **tol)
+    with pytest.raises(InputError, match="rollout_is_weights"):
+        compute_advantages("optimal_token_baseline", rollout_is_weights=rho[:, :2], **kw)
+    with pytest.raises(ConfigError, match="advantage.handle_zero_tail='yes'"):
+        AdvantageConfig(handle_zero_tail="yes")
 
 
 def test_otb_needs_token_stats():
@@ -395,8 +442,16 @@ def test_every_verl_table_name_resolves():
         (["actor.objective.policy_loss=dppo_tv"], True),
         (["actor.objective.policy_loss=dppo_kl"], True),
         (["actor.objective.policy_loss=bypass_mode", "algorithm.rollout_correction=bypass"], True),
-        (["algorithm.adv_estimator=optimal_token_baseline"], False),
-        (["algorithm.adv_estimator=tir_optimal_token_baseline"], False),
+        (["algorithm.adv_estimator=optimal_token_baseline"], True),
+        (
+            [
+                "algorithm.adv_estimator=tir_optimal_token_baseline",
+                "algorithm.advantage.handle_zero_tail=false",
+                "algorithm.rollout_correction=tis",
+            ],
+            True,
+        ),
+        (["algorithm.advantage.handle_zero_tail=3"], False),
     ],
 )
 def test_app_config_accepts_or_refuses_clearly(overrides, ok):
@@ -405,11 +460,7 @@ def test_app_config_accepts_or_refuses_clearly(overrides, ok):
     if ok:
         main.parse_config(["-p", "smoke", *overrides])
     else:
-        with pytest.raises(
-            ConfigError,
-            match=r"algorithm.adv_estimator='.*optimal_token_baseline'"
-            r" needs sum_pi_squared.*choose e.g. algorithm.adv_estimator=grpo",
-        ):
+        with pytest.raises(ConfigError, match=r"advantage.handle_zero_tail"):
             main.parse_config(["-p", "smoke", *overrides])
 
 

@@ -20,6 +20,7 @@ from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, OptimizerConfig, apply_overrides
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import CheckpointError
+from tephra.engine_api.forward_outputs import check_extra_outputs
 from tephra.engine_api.testing import ConformanceSpec
 
 VOCAB, HIDDEN, MAX_POS = 50, 16, 64
@@ -103,11 +104,9 @@ class ReferenceEngine(Engine):
     def is_dp_output_rank(self) -> bool:
         return True
 
-    def _outputs(self, batch: TensorDict) -> TensorDict:
+    def _outputs(self, batch: TensorDict, extra_outputs=()) -> TensorDict:
         ids, attn, pos = batch[B.INPUT_IDS], batch[B.ATTENTION_MASK], batch[B.POSITION_IDS]
-        lp = torch.zeros(ids.shape)
-        ent = torch.zeros(ids.shape)
-        lp_rows, ent_rows = [], []
+        lp_rows, ent_rows, q_rows = [], [], []
         for i in range(ids.shape[0]):
             real = attn[i].bool()
             logits = self.model(ids[i, real], pos[i, real]) / self.config.temperature
@@ -117,19 +116,25 @@ class ReferenceEngine(Engine):
             tok_ent = torch.cat([zero, -(logp[:-1].exp() * logp[:-1]).sum(-1)])
             lp_rows.append(self._place(real, tok_lp))
             ent_rows.append(self._place(real, tok_ent))
+            tok_q = torch.cat([zero, logp[:-1].exp().pow(2).sum(-1)])
+            q_rows.append(self._place(real, tok_q))
         mask = batch[B.RESPONSE_MASK].float()
         lp, ent = torch.stack(lp_rows) * mask, torch.stack(ent_rows) * mask
-        return TensorDict({"log_probs": lp, "entropy": ent}, batch_size=batch.batch_size)
+        out = {"log_probs": lp, "entropy": ent}
+        if "sum_pi_squared" in extra_outputs:
+            out["sum_pi_squared"] = torch.stack(q_rows) * mask
+        return TensorDict(out, batch_size=batch.batch_size)
 
     @staticmethod
     def _place(real: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(real.shape, dtype=values.dtype)
         return out.masked_scatter(real, values)
 
-    def forward(self, batch: TensorDict) -> TensorDict:
+    def forward(self, batch: TensorDict, *, extra_outputs=()) -> TensorDict:
         B.validate_batch(batch)
+        extra = check_extra_outputs(extra_outputs, self.config.model.role)
         with torch.no_grad():
-            return self._outputs(batch)
+            return self._outputs(batch, extra)
 
     def forward_backward(self, batch, loss_fn):
         B.validate_batch(batch)

@@ -26,8 +26,8 @@ def _broken(reference_engine_cls, name):
     base = reference_engine_cls
 
     class OffByOne(base):  # log-prob of token t computed from the hidden state at t
-        def _outputs(self, batch):
-            out = super()._outputs(batch)
+        def _outputs(self, batch, extra_outputs=()):
+            out = super()._outputs(batch, extra_outputs)
             out["log_probs"] = torch.roll(out["log_probs"], 1, dims=1) * batch[B.RESPONSE_MASK]
             return out
 
@@ -64,17 +64,28 @@ def _broken(reference_engine_cls, name):
         def forward_backward(self, batch, loss_fn):
             return {"loss": 0.0}
 
+    class SquaresWithoutTemperature(base):  # sum_pi_squared of the unscaled logits
+        def forward(self, batch, *, extra_outputs=()):
+            out = super().forward(batch, extra_outputs=extra_outputs)
+            if "sum_pi_squared" in out.keys():
+                self.config.temperature, t = 1.0, self.config.temperature
+                out["sum_pi_squared"] = super().forward(batch, extra_outputs=extra_outputs)[
+                    "sum_pi_squared"
+                ]
+                self.config.temperature = t
+            return out
+
     class StaleExport(base):  # exports the initial weights, not the trained ones
         def export_weights(self, bucket_bytes=0, untie_word_embeddings=False):
             yield list(type(self.model)(0).state_dict().items())
 
     class ForgetsPacking(base):  # packs by concatenating without restarting positions
-        def _outputs(self, batch):
+        def _outputs(self, batch, extra_outputs=()):
             if not self.config.micro_batch.use_packing:
-                return super()._outputs(batch)
+                return super()._outputs(batch, extra_outputs)
             shifted = batch.clone()
             shifted[B.POSITION_IDS] = shifted[B.POSITION_IDS] + 1
-            return super()._outputs(shifted)
+            return super()._outputs(shifted, extra_outputs)
 
     class SilentAboutLora(base):  # no Capability.LORA, yet its check_config accepts lora.rank
         @classmethod
@@ -95,6 +106,7 @@ def _broken(reference_engine_cls, name):
         "graph_in_forward": (GraphInForward, "forward_builds_no_graph"),
         "no_validation": (NoValidation, "malformed_batches_raise"),
         "stale_export": (StaleExport, "exported_weights_match"),
+        "squares_without_temperature": (SquaresWithoutTemperature, "forward_sum_pi_squared"),
         "forgets_packing": (ForgetsPacking, "packed_equals_padded"),
     }[name]
 
@@ -109,6 +121,7 @@ def _broken(reference_engine_cls, name):
         "no_validation",
         "stale_export",
         "forgets_packing",
+        "squares_without_temperature",
         "silent_about_lora",
         "no_output_rank",
     ],

@@ -53,6 +53,21 @@ def test_value_role_matches_hidden_state_head(tmp_path):
     assert torch.equal(critic.score.weight, engine.hf_weights()["score.weight"].cpu())
 
 
+def test_sum_pi_squared_on_request_matches_hf(tmp_path):
+    """forward(extra_outputs=("sum_pi_squared",)) gives sum_v p_v^2 of the HF model's float64
+    softmax (the kit's check), with and without entropy; a critic refuses it by name."""
+    for overrides in ({}, {"compute_entropy": False}):
+        spec = T.conformance_spec(SMALL, {}, tmp_path)
+        base = spec.make_engine
+        spec.make_engine = lambda o, base=base, extra=overrides: base({**o, **extra})
+        checks = ["forward_sum_pi_squared", "forward_matches_reference"]
+        assert run_conformance(spec, checks) == checks
+    critic = MegatronEngine.build(apply_overrides(T.base_config(SMALL), {"model.role": "value"}))
+    batch = random_batch(SMALL["vocab_size"], num_sequences=2, seed=1)
+    with pytest.raises(ConfigError, match="only an engine with model.role='policy'"):
+        critic.forward(batch, extra_outputs=("sum_pi_squared",))
+
+
 @pytest.mark.parametrize(
     "overrides, field",
     [

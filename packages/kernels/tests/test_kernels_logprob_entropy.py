@@ -1,5 +1,7 @@
 """The chunked torch path and the dispatcher against the naive full-logits reference."""
 
+import math
+
 import pytest
 import torch
 
@@ -161,3 +163,64 @@ def test_empty_batch():
     assert lp.shape == ent.shape == (0,)
     gh, gw = torch.autograd.grad((lp.sum() + ent.sum()), [h, w])
     assert torch.all(gh == 0) and torch.all(gw == 0)
+
+
+def naive_sum_pi_squared_f64(h, w, temperature):
+    """sum_v softmax(z)_v^2 written out in float64, row by row (the independent reference)."""
+    z = (h.detach().double() @ w.detach().double().T) / temperature
+    out = []
+    for row in z:
+        e = [float(x) for x in (row - row.max()).exp()]
+        total = sum(e)
+        out.append(sum((x / total) ** 2 for x in e))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("method", ["naive", "chunked"])
+@pytest.mark.parametrize("chunk_size", [None, 5])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sum_pi_squared_matches_float64_softmax(method, chunk_size, temperature):
+    """sum_pi_squared comes from the same pass, changes no other output or gradient, has no
+    gradient itself, and is computed at ignored positions too."""
+    h, w, labels, g_lp, g_ent = make_problem()
+    lp, ent, q = linear_logprob_entropy(
+        h,
+        w,
+        labels,
+        temperature,
+        method=method,
+        chunk_size=chunk_size,
+        compute_sum_pi_squared=True,
+    )
+    assert q.dtype == torch.float32 and q.shape == labels.shape and not q.requires_grad
+    ref_q = naive_sum_pi_squared_f64(h, w, temperature)
+    torch.testing.assert_close(q.double(), ref_q, atol=1e-6, rtol=1e-5)
+    lp0, ent0 = linear_logprob_entropy(
+        h, w, labels, temperature, method=method, chunk_size=chunk_size
+    )
+    torch.testing.assert_close(lp, lp0, atol=0, rtol=0)
+    torch.testing.assert_close(ent, ent0, atol=0, rtol=0)
+    got = torch.autograd.grad((lp * g_lp + ent * g_ent).sum(), [h, w])
+    ref = torch.autograd.grad((lp0 * g_lp + ent0 * g_ent).sum(), [h, w])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    # without entropy, and over leading dims: [3, 4] tokens
+    _, none, q2 = linear_logprob_entropy(
+        h[:12].reshape(3, 4, -1),
+        w,
+        labels[:12].reshape(3, 4),
+        temperature,
+        method=method,
+        compute_entropy=False,
+        compute_sum_pi_squared=True,
+    )
+    assert none is None and q2.shape == (3, 4)
+    torch.testing.assert_close(q2.reshape(-1).double(), ref_q[:12], atol=1e-6, rtol=1e-5)
+
+
+def test_sum_pi_squared_by_hand():
+    """Two logits [0, log 3] -> p = (1/4, 3/4), sum p^2 = 1/16 + 9/16 = 0.625."""
+    h = torch.tensor([[1.0]])
+    w = torch.tensor([[0.0], [math.log(3.0)]])
+    _, _, q = chunked_logprob_entropy(h, w, torch.tensor([1]), compute_sum_pi_squared=True)
+    assert abs(q.item() - 0.625) < 1e-6

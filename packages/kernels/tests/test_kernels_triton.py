@@ -63,6 +63,16 @@ ref_lp, _ = naive_logprob_entropy(h32, w32, y, 0.9, compute_entropy=False)
 torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
 torch.testing.assert_close(torch.autograd.grad(lp.sum(), h32)[0],
                            torch.autograd.grad(ref_lp.sum(), h32)[0], atol=1e-5, rtol=0)
+# sum_pi_squared from the same online pass, against a float64 softmax
+for temp in (1.0, 0.7):
+    lp, ent, q = triton_logprob_entropy(
+        h32, w32, y, temp, blocks=blocks, compute_sum_pi_squared=True
+    )
+    ref_q = torch.softmax((h32.detach().double() @ w32.double().T) / temp, -1).pow(2).sum(-1)
+    torch.testing.assert_close(q.double(), ref_q, atol=1e-6, rtol=1e-5)
+    ref_lp, ref_ent = naive_logprob_entropy(h32, w32, y, temp)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
 print("ok")
 """
 

@@ -20,7 +20,10 @@ def test_two_gloo_ranks_match_unsharded():
     mp.spawn(vocab_parallel_worker, args=(2, port, queue), nprocs=2, join=True)
     results = dict(queue.get() for _ in range(2))
     assert sorted(results) == [0, 1]
-    assert all(sorted(errors) == ["even", "no_entropy", "uneven"] for errors in results.values())
+    assert all(
+        sorted(errors) == ["even", "no_entropy", "sum_pi_squared", "uneven"]
+        for errors in results.values()
+    )
     for rank, errors in results.items():
         for case, errs in errors.items():
             # logp, entropy, grad hidden (all-reduced), this rank's rows of grad weight

@@ -52,6 +52,7 @@ def compute_advantages(
     old_log_probs: torch.Tensor | None = None,
     sum_pi_squared: torch.Tensor | None = None,
     reward_components: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [batch, seq], returns [batch, seq]) by the estimator registered as `name`.
 
@@ -61,6 +62,8 @@ def compute_advantages(
     baselines: [batch] reward of the greedy response (`remax` only).
     old_log_probs, sum_pi_squared: [batch, seq] log pi_old(y_t) and sum_v pi_old(v)^2 of the
     sampling policy (the optimal-token-baseline estimators only, metadata needs_token_stats).
+    rollout_is_weights: [batch, seq] rollout importance weights rho (the optimal-token-baseline
+    estimators scale their path weights by rho^2, as verl; None: no scaling; others ignore it).
     reward_components: [batch, K] per-sample reward components (`gdpo` only; None: the one
     component sum_t token_rewards).
     Computed without a graph: advantages are constants of the policy loss.
@@ -87,6 +90,9 @@ def compute_advantages(
             token_rewards=token_rewards, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared
         )
         extra = {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared}
+        if rollout_is_weights is not None:
+            check_same_shape(token_rewards=token_rewards, rollout_is_weights=rollout_is_weights)
+            extra["rollout_is_weights"] = rollout_is_weights
     if reward_components is not None:
         if (
             reward_components.dim() != 2
@@ -557,21 +563,29 @@ def optimal_token_baseline(
     group_ids: torch.Tensor,
     old_log_probs: torch.Tensor,
     sum_pi_squared: torch.Tensor,
+    config: AdvantageConfig,
+    rollout_is_weights: torch.Tensor | None = None,
     **_unused: object,
 ) -> AdvantagePair:
     """Optimal token baseline (verl's `optimal_token_baseline`): a baseline per token position
     that minimises the variance of the token-level policy gradient within a prompt group.
     With pi_t = exp(old_log_probs) and q_t = sum_v pi_old(v | .)^2 (`sum_pi_squared`),
-        w_t = 1 - 2 pi_t + q_t           (||grad log pi(y_t)||^2 proxy of the softmax logits)
+        w_t = (1 - 2 pi_t + q_t) rho_t^2 (||grad log pi(y_t)||^2 proxy of the softmax logits;
+                                         rho = `rollout_is_weights`, 1 when None)
         W_t = sum_{t' <= t} m_t' w_t'    (cumulative over columns)
         G_t = sum_{t' >= t} m_t' r_t'    (reward-to-go over columns)
         B_t = sum_{j in g} m_jt G_jt W_jt / (sum_{j in g} m_jt W_jt + 1e-8)
         A_t = m_t (G_t - B_t);  returns = m_t G_t (verl keeps G at masked columns too).
     Columns are absolute positions (samples are aligned by index, not by response-token
     count; see `tir_optimal_token_baseline` for the aligned form). Groups of one: B = 0.
+    `handle_zero_tail` (default False here): B = 0 on the unique longest sample's columns
+    from the second-longest's length on.
     """
-    returns, weights = _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared)
-    base = _otb_baseline(returns, weights, response_mask, group_index(group_ids), False, 1e-8)
+    returns, weights = _otb_inputs(
+        token_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights
+    )
+    zero_tail = bool(config.handle_zero_tail)  # None: verl's default for this one, False
+    base = _otb_baseline(returns, weights, response_mask, group_index(group_ids), zero_tail, 1e-8)
     m = response_mask.to(returns.dtype)
     return (returns - base) * m, returns * m
 
@@ -581,10 +595,13 @@ def _otb_inputs(
     response_mask: torch.Tensor,
     old_log_probs: torch.Tensor,
     sum_pi_squared: torch.Tensor,
+    is_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = response_mask.to(token_rewards.dtype)
     returns = (token_rewards * m).flip(-1).cumsum(-1).flip(-1)
     w = 1.0 - 2.0 * old_log_probs.to(returns.dtype).exp() + sum_pi_squared.to(returns.dtype)
+    if is_weights is not None:  # truncated IS: W scaled by rho^2 (verl's MSE-optimal form)
+        w = w * is_weights.to(returns.dtype).square()
     return returns, (w * m).cumsum(-1)
 
 
@@ -598,16 +615,22 @@ def tir_optimal_token_baseline(
     group_ids: torch.Tensor,
     old_log_probs: torch.Tensor,
     sum_pi_squared: torch.Tensor,
+    config: AdvantageConfig,
+    rollout_is_weights: torch.Tensor | None = None,
     **_unused: object,
 ) -> AdvantagePair:
     """Optimal token baseline for multi-turn / tool-integrated rollouts (verl's
     `tir_optimal_token_baseline`): as `optimal_token_baseline`, but samples are aligned by
     the index k of a token among the sample's response tokens (tool output and padding
     skipped), so the k-th generated token of each sample shares B_k; and the tail of a
-    group's unique longest sample beyond the second-longest gets B = 0 (verl's
-    handle_zero_tail=True). Samples with no response token are left out of their group.
+    group's unique longest sample beyond the second-longest gets B = 0 (`handle_zero_tail`,
+    default True here, as verl). Samples with no response token are left out of their group.
+    `rollout_is_weights` scale w as in `optimal_token_baseline`.
     """
-    returns, weights = _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared)
+    returns, weights = _otb_inputs(
+        token_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights
+    )
+    zero_tail = config.handle_zero_tail is not False  # None: verl's default for this one, True
     on = response_mask > 0
     lengths = on.sum(-1)
     width = int(lengths.max()) if lengths.numel() else 0
@@ -623,13 +646,18 @@ def tir_optimal_token_baseline(
         rows = torch.nonzero(keep, as_tuple=True)[0]
         base = torch.zeros_like(packed_g)
         base[rows] = _otb_baseline(
-            packed_g[rows], packed_w[rows], packed_m[rows], group_index(group_ids[rows]), True, 1e-8
+            packed_g[rows],
+            packed_w[rows],
+            packed_m[rows],
+            group_index(group_ids[rows]),
+            zero_tail,
+            1e-8,
         )
         adv[on] = (packed_g - base)[packed_m]
     return adv, returns * response_mask.to(returns.dtype)
 
 
-@ADVANTAGE_ESTIMATORS.register("gdpo", needs_groups=True)
+@ADVANTAGE_ESTIMATORS.register("gdpo", needs_groups=True, reads_reward_components=True)
 def gdpo(
     *,
     token_rewards: torch.Tensor,

@@ -57,11 +57,43 @@ class AdvantageConfig:
     passk_k: int = 4
     """`grpo_passk`: the k of pass@k (max@k for non-binary rewards); every group must hold at
     least k samples. k=1 is GRPO with the population standard deviation."""
+    gdpo_reward_keys: list[str] | None = None
+    """`gdpo`: names of the reward function's dict entries that are GDPO's reward components,
+    in order (e.g. [format, accuracy] for a function returning {"score": ..., "format": ...,
+    "accuracy": ...}; "score" names the score itself). None: the one component is the score
+    (then GDPO is whitened GRPO). The reward components of samples whose scorer failed are 0."""
     gdpo_reward_weights: list[float] | None = None
     """`gdpo`: weight w_k of each reward component (the columns of `reward_components`, in
-    order); None: all 1 (verl's `gdpo_reward_weights`)."""
+    order: `gdpo_reward_keys`'s order in the app); None: all 1 (verl's
+    `gdpo_reward_weights`)."""
+    handle_zero_tail: bool | None = None
+    """`optimal_token_baseline`, `tir_optimal_token_baseline`: give the baseline 0 on the
+    part of a group's unique longest sample beyond its second-longest (there the baseline
+    would be that sample's own return, so its advantage would be 0). None: each estimator's
+    verl default (False for `optimal_token_baseline`, True for `tir_optimal_token_baseline`;
+    verl's `handle_zero_tail` argument)."""
 
     def __post_init__(self) -> None:
+        if self.handle_zero_tail is not None and not isinstance(self.handle_zero_tail, bool):
+            raise ConfigError(
+                f"advantage.handle_zero_tail={self.handle_zero_tail!r} must be true, false or "
+                "null (null: the estimator's verl default)"
+            )
+        keys, weights = self.gdpo_reward_keys, self.gdpo_reward_weights
+        if keys is not None and (
+            not keys
+            or not all(isinstance(k, str) and k for k in keys)
+            or len(set(keys)) < len(keys)
+        ):
+            raise ConfigError(
+                f"advantage.gdpo_reward_keys={keys!r} must be a non-empty list of distinct "
+                "reward dict keys (e.g. [format, accuracy]), or null for the score alone"
+            )
+        if keys is not None and weights is not None and len(weights) != len(keys):
+            raise ConfigError(
+                f"advantage.gdpo_reward_weights has {len(weights)} weights for "
+                f"{len(keys)} gdpo_reward_keys {keys}; give one weight per key (or null for all 1)"
+            )
         _in_range("advantage", "gamma", self.gamma, 0.0, 1.0)
         _in_range("advantage", "lam", self.lam, 0.0, 1.0)
         _positive("advantage", "epsilon", self.epsilon)

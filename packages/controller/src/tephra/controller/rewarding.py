@@ -64,6 +64,9 @@ class Scorer:
         self.manager = RewardManager(config or RewardConfig(executor="serial"))
         self.clipped: list[bool] = []
         """Of each sample of the last `score`: whether `reward.clip` moved its score."""
+        self.extras: list[dict[str, float]] = []
+        """Of each sample of the last `score`: the scorer's numeric dict entries beside
+        "score" (GDPO's reward components)."""
 
     def score(
         self,
@@ -86,6 +89,7 @@ class Scorer:
             ]
         )
         self.clipped = [r.clipped for r in results]
+        self.extras = [dict(r.extras) for r in results]
         return [(r.score, r.error) for r in results]
 
 

@@ -400,8 +400,13 @@ class AlgorithmSection:
 
     def needs(self, what: str) -> bool:
         """Whether the estimator's registry metadata says it needs `values`, `groups`,
-        `baselines` or `k`."""
+        `baselines`, `k` or `token_stats` (the trainer's log-probs and sum pi^2)."""
         return bool(ADVANTAGE_ESTIMATORS.meta(self.adv_estimator).get(f"needs_{what}"))
+
+    def reads(self, what: str) -> bool:
+        """Whether the estimator's registry metadata says it uses `what` when given
+        (`reward_components`: `gdpo`), without needing it."""
+        return bool(ADVANTAGE_ESTIMATORS.meta(self.adv_estimator).get(f"reads_{what}"))
 
 
 DATA_SOURCES = ("reasoning_gym", "parquet", "hf", "colour_squares")
@@ -884,11 +889,11 @@ def validate(cfg: PPOConfig) -> None:
             f"{a.advantage.passk_k} needs at least k samples per prompt; "
             f"batch.samples_per_prompt={b.samples_per_prompt}: raise it or lower passk_k"
         )
-    if a.needs("token_stats"):
+    if a.advantage.gdpo_reward_keys is not None and not a.reads("reward_components"):
         raise ConfigError(
-            f"algorithm.adv_estimator={a.adv_estimator!r} needs sum_pi_squared (sum over the "
-            "vocabulary of pi_old^2 per token), which the trainer does not compute; choose "
-            "e.g. algorithm.adv_estimator=grpo or opo"
+            f"algorithm.advantage.gdpo_reward_keys={a.advantage.gdpo_reward_keys} is read by "
+            f"algorithm.adv_estimator=gdpo only, not {a.adv_estimator!r}; remove it or set "
+            "algorithm.adv_estimator=gdpo"
         )
     if a.needs("baselines") and r.uses_agent_loop:
         raise ConfigError(

@@ -60,6 +60,7 @@ from tephra.controller.samples import (
     sample_from_dict,
     sample_to_dict,
     samples_to_batch,
+    set_score,
 )
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_group import WorkerGroup
@@ -488,9 +489,8 @@ class Trainer:
     def attach_scores(self, samples: list[Sample]) -> list[Sample]:
         results = self.wg.collect_scores()
         self.reward_seconds = max((r[2] for r in results), default=0.0)
-        for sample, (score, error, _, clipped) in zip(samples, results, strict=True):
-            sample.score, sample.reward_error = float(score), error
-            sample.reward_clipped = clipped
+        for sample, result in zip(samples, results, strict=True):
+            set_score(sample, result)
         check_not_all_failed([s.reward_error for s in samples])
         return samples
 
@@ -715,12 +715,44 @@ class Trainer:
             lengths, self.cfg.rollout.response_budget, a.overlong_buffer, a.overlong_penalty_factor
         )
 
+    def reward_components(self, samples: list[Sample]) -> torch.Tensor | None:
+        """GDPO's reward components [B, K]: each sample's reward dict entries named by
+        `algorithm.advantage.gdpo_reward_keys` ("score": the score), 0 for a sample whose
+        scorer failed; None without keys (GDPO then takes the score alone)."""
+        keys = self.cfg.algorithm.advantage.gdpo_reward_keys
+        if keys is None or not self.cfg.algorithm.reads("reward_components"):
+            return None
+        rows = []
+        for i, s in enumerate(samples):
+            values = {**s.reward_extras, "score": s.score}
+            missing = [k for k in keys if k not in values]
+            if missing and s.reward_error is None:
+                raise ConfigError(
+                    f"algorithm.advantage.gdpo_reward_keys={keys} but the reward of sample {i} "
+                    f"has no {missing} (its reward dict held {sorted(values)}); return those "
+                    "keys from the reward function, or list the keys it returns"
+                )
+            rows.append([float(values.get(k, 0.0)) for k in keys])
+        return torch.tensor(rows, dtype=torch.float32)
+
     def advantages(
-        self, batch: TensorDict, token_rewards: torch.Tensor, baselines: torch.Tensor | None
+        self,
+        batch: TensorDict,
+        token_rewards: torch.Tensor,
+        baselines: torch.Tensor | None,
+        components: torch.Tensor | None = None,
     ) -> None:
         from tephra.algos import compute_advantages
 
         a = self.cfg.algorithm
+        stats = {}
+        if a.needs("token_stats"):
+            stats = {
+                "old_log_probs": batch["old_log_probs"],
+                "sum_pi_squared": batch.pop("sum_pi_squared"),  # read here only
+                # verl scales OTB's W by the rollout IS weights squared when they exist
+                "rollout_is_weights": batch.get("rollout_is_weights", None),
+            }
         adv, ret = compute_advantages(
             a.adv_estimator,
             token_rewards=token_rewards,
@@ -729,6 +761,8 @@ class Trainer:
             values=batch["values"] if self.needs_critic else None,
             config=a.advantage,
             baselines=baselines,
+            reward_components=components,
+            **stats,
         )
         batch["advantages"], batch["returns"] = adv.float(), ret.float()
 
@@ -773,14 +807,15 @@ class Trainer:
             ),
         }
 
-    def on_ranks(self, method: str, batch: TensorDict, role: str = "actor") -> Any:
+    def on_ranks(self, method: str, batch: TensorDict, role: str = "actor", **options: Any) -> Any:
         """A `DP_SPLIT` call of the training batch on the group holding `role`, in the order
         `balance` chose for the actor's group; per-row results come back in the batch's own
-        order. Another batch (the mismatch probe's rows) goes as it is."""
+        order. Another batch (the mismatch probe's rows) goes as it is. `options` (scalars:
+        every rank gets them whole) go to the method as keywords."""
         group = self.role_groups.get(role, self.wg)
         if self.order is None or group is not self.wg or batch.batch_size[0] != len(self.order):
-            return group.call(method, batch)
-        out = group.call(method, batch[self.order])
+            return group.call(method, batch, **options)
+        out = group.call(method, batch[self.order], **options)
         return out[self.inverse] if isinstance(out, TensorDict) else out
 
     def groups(self) -> list[WorkerGroup]:
@@ -827,17 +862,36 @@ class Trainer:
             batch["values"] = self.on_ranks("compute_values", batch, "critic")["values"]
             forward_passes += 1
             lap("values")
+        token_stats = cfg.algorithm.needs("token_stats")
+
+        def trainer_log_probs(b: TensorDict) -> torch.Tensor:
+            # the whole batch's pass also gives the optimal-token-baseline's sum pi^2
+            # (not the mismatch probe's rows, another TensorDict)
+            if token_stats and b is batch:
+                out = self.on_ranks("compute_log_probs", b, sum_pi_squared=True)
+                batch["sum_pi_squared"] = out["sum_pi_squared"]
+                return out["log_probs"]
+            return self.on_ranks("compute_log_probs", b)["log_probs"]
+
         corr_metrics, passes = correct_old_log_probs(
             batch,
             cfg.algorithm.correction,
-            cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1,
-            lambda b: self.on_ranks("compute_log_probs", b)["log_probs"],
+            # the optimal-token-baseline estimators read pi_old and sum pi_old^2 of one pass
+            cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1 or token_stats,
+            trainer_log_probs,
             probe_rows=cfg.algorithm.mismatch_probe_rows,
             dp_size=self.wg.dp_size,
             probe_seed=self.seed_of(self.step, 0),
         )
         metrics.update(corr_metrics)
         check_mismatch_alarm(corr_metrics, cfg.algorithm.mismatch_alarm_kl, self.step + 1)
+        if token_stats and "sum_pi_squared" not in batch.keys():
+            # a mode that replaces the old log-probs (bypass) ran no trainer pass: sum pi^2
+            # comes from the trainer's weights, which are the sampling policy's on-policy
+            batch["sum_pi_squared"] = self.on_ranks(
+                "compute_log_probs", batch, sum_pi_squared=True
+            )["sum_pi_squared"]
+            passes += 1
         if passes:
             forward_passes += passes
             lap("old_log_probs")
@@ -861,7 +915,7 @@ class Trainer:
             baselines = self.greedy_baselines(rounds)
             metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
             lap("baselines")
-        self.advantages(batch, token_rewards, baselines)
+        self.advantages(batch, token_rewards, baselines, self.reward_components(samples))
         check_advantages(batch["advantages"], batch["response_mask"], names)
         apply_rejection(batch)
         if self.skips_flat:  # the workers leave these groups out of the actor update

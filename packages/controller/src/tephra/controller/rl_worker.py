@@ -202,7 +202,7 @@ class Generator:
         rollout tensor-parallel peer) gets no prompts and returns none, as does a rank whose
         share is empty (fewer prompts than rollout replicas)."""
         if self.rollout is None or not items:
-            self._scoring = self._pool.submit(lambda: ([], 0.0, [])) if score else None
+            self._scoring = self._pool.submit(lambda: ([], 0.0, [], [])) if score else None
             return []
         self.rollout.wake_up()
         samples = (
@@ -280,7 +280,7 @@ class Generator:
             for t in trajectories
         ]
 
-    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list]:
+    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list, list]:
         from tephra.controller.rewarding import Scorer
 
         start = time.perf_counter()
@@ -291,18 +291,19 @@ class Generator:
             tok = self.tokenizer()
             prompts = [tok.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
         results = self._scorer.score([s.text for s in samples], records, prompts)
-        return results, time.perf_counter() - start, self._scorer.clipped
+        return results, time.perf_counter() - start, self._scorer.clipped, self._scorer.extras
 
-    def collect_scores(self) -> list[tuple[float, str | None, float, bool]]:
+    def collect_scores(self) -> list[tuple[float, str | None, float, bool, dict[str, float]]]:
         """(score, error, seconds this rank spent scoring, whether `reward.clip` moved the
-        score) of each sample of the last `generate`, in order; waits for the background
-        scorer."""
+        score, the reward dict's numeric entries beside "score") of each sample of the last
+        `generate`, in order; waits for the background scorer."""
         if self._scoring is None:
             raise RuntimeError("collect_scores called without a scored generate before it")
-        results, seconds, clipped = self._scoring.result()
+        results, seconds, clipped, extras = self._scoring.result()
         self._scoring = None
         return [
-            (score, error, seconds, c) for (score, error), c in zip(results, clipped, strict=True)
+            (score, error, seconds, c, x)
+            for (score, error), c, x in zip(results, clipped, extras, strict=True)
         ]
 
     def close(self) -> None:
@@ -429,7 +430,7 @@ class RLWorker(Worker):
         return self.generation.generate(items, sampling, score)
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
-    def collect_scores(self) -> list[tuple[float, str | None, float, bool]]:
+    def collect_scores(self) -> list[tuple[float, str | None, float, bool, dict[str, float]]]:
         """`Generator.collect_scores` of this rank's last `generate`."""
         return self.generation.collect_scores()
 
@@ -469,10 +470,14 @@ class RLWorker(Worker):
     # ----- forward passes --------------------------------------------------------------
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("old_log_probs")
-    def compute_log_probs(self, batch: TensorDict) -> TensorDict:
+    def compute_log_probs(self, batch: TensorDict, sum_pi_squared: bool = False) -> TensorDict:
+        """The actor's `log_probs` (and `entropy`), plus `sum_pi_squared` when asked (the
+        optimal-token-baseline estimators' input, from the same forward pass)."""
+        extra = ("sum_pi_squared",) if sum_pi_squared else ()
         with self.actor.eval_mode():
-            out = self.actor.forward(batch)
-        return out.select(*[k for k in ("log_probs", "entropy") if k in out.keys()])
+            out = self.actor.forward(batch, extra_outputs=extra)
+        keys = ("log_probs", "entropy", *extra)
+        return out.select(*[k for k in keys if k in out.keys()])
 
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("ref")

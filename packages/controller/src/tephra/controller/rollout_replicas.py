@@ -30,7 +30,7 @@ import ray
 from tephra.controller.dispatch import Dispatch, dispatch, share_bounds
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.rl_worker import Generator
-from tephra.controller.samples import PromptItem, Sample
+from tephra.controller.samples import PromptItem, Sample, set_score
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup
 
 
@@ -125,11 +125,8 @@ class RolloutWorker(Worker):
         with self._generating:
             self._take_staged()  # weights received while the last request ran, if any
             samples = self.generation.generate(items, sampling)
-            for sample, (score, error, _, clipped) in zip(
-                samples, self.generation.collect_scores(), strict=True
-            ):
-                sample.score, sample.reward_error = float(score), error
-                sample.reward_clipped = clipped
+            for sample, result in zip(samples, self.generation.collect_scores(), strict=True):
+                set_score(sample, result)
                 sample.weight_version = (
                     min(sample.token_versions) if sample.token_versions else self.version
                 )

@@ -57,6 +57,9 @@ class Sample:
     """The scorer's error for this sample, if it raised."""
     reward_clipped: bool = False
     """Whether `reward.clip` moved `score` into its range."""
+    reward_extras: dict[str, float] = field(default_factory=dict)
+    """The reward function's numeric dict entries beside "score" (e.g. {"format": 1.0,
+    "accuracy": 0.0}); `algorithm.advantage.gdpo_reward_keys` picks GDPO's components here."""
     sample_id: str = ""
     """The prompt item's id."""
     num_turns: int = 1
@@ -78,6 +81,15 @@ class Sample:
     """Weight version of each response token (`trainer.partial_rollout`: a sample interrupted
     by a weight update continues under the new version); None otherwise. `weight_version` is
     then its oldest entry."""
+
+
+def set_score(sample: Sample, result: tuple) -> None:
+    """Set `sample`'s reward fields from one `collect_scores` entry: (score, error, seconds,
+    clipped[, extras]); extras may be absent (a worker whose scorer returns plain numbers)."""
+    score, error, _, clipped, *extras = result
+    sample.score, sample.reward_error = float(score), error
+    sample.reward_clipped = clipped
+    sample.reward_extras = dict(extras[0]) if extras else {}
 
 
 def samples_to_batch(

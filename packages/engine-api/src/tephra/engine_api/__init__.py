@@ -33,6 +33,8 @@ _EXPORTS = {
     "ConfigError": "errors",
     "RegistryError": "errors",
     "TephraError": "errors",
+    "EXTRA_FORWARD_OUTPUTS": "forward_outputs",
+    "check_extra_outputs": "forward_outputs",
     "LossFn": "loss",
     "Registry": "registry",
     "get_engine": "registry",

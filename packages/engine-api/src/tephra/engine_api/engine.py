@@ -17,7 +17,7 @@ Batches follow `tephra.engine_api.batch` (padded `[batch, seq]` TensorDicts).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import ClassVar
@@ -93,13 +93,17 @@ class Engine(ABC):
 
     # ----- compute ---------------------------------------------------------------------
     @abstractmethod
-    def forward(self, batch: TensorDict) -> TensorDict:
+    def forward(self, batch: TensorDict, *, extra_outputs: Collection[str] = ()) -> TensorDict:
         """Per-token outputs of this rank's `batch` without building a graph.
 
         batch: padded layout, `[B, T]` (see `tephra.engine_api.batch`).
+        extra_outputs: names from `tephra.engine_api.forward_outputs.EXTRA_FORWARD_OUTPUTS`
+          to compute as well (`sum_pi_squared`); `check_extra_outputs` refuses others.
         returns: TensorDict `[B]` with, aligned to `batch["input_ids"]` (`[B, T]`, float32):
           - policy: `log_probs` (log p(token_t | tokens_<t) / temperature-scaled) and, if
             `config.compute_entropy`, `entropy` of the distribution token_t was drawn from;
+            each requested extra output (`sum_pi_squared`: sum_v p(v | tokens_<t)^2 of that
+            distribution, computed with the log-probs, never as a `[T, vocab]` tensor);
           - value: `values` (V of the state before token_t).
         Positions where `response_mask` is 0 hold 0. Micro-batching by
         `config.micro_batch.forward_budget` happens inside.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
+from tephra.engine_api.forward_outputs import check_extra_outputs
 from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import is_vision_config
 from tephra.engine_fsdp import (
@@ -248,13 +249,18 @@ class FSDPEngine(Engine):
         vision.check_batch(batch, self.hf_model.config, self.sp)
         return batch
 
-    def _outputs(self, mb: TensorDict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _outputs(
+        self, mb: TensorDict, extra: tuple[str, ...] = ()
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Per-token outputs `[b, t]` of one padded micro-batch (aligned to tokens, 0 off
-        the response), plus the zero `anchor` for the loss."""
+        the response), plus the zero `anchor` for the loss; `extra`: the requested
+        `EXTRA_FORWARD_OUTPUTS` (checked by `forward`)."""
         attn = mb[B.ATTENTION_MASK]
         resp = mb[B.RESPONSE_MASK]
         if self.sp > 1:
-            return self._sequence_parallel_outputs(mb)
+            return self._sequence_parallel_outputs(mb, extra)
+        # the kernel computes sum pi^2 in its pass over the vocabulary, only when asked
+        sum_sq = "sum_pi_squared" in extra
         pos, pixels = None, {}
         if self.vlm:  # pixel inputs and mRoPE position ids
             pos, pixels = vision.model_inputs(
@@ -271,7 +277,12 @@ class FSDPEngine(Engine):
             # attention_mask=None + restarting position ids is how HF models see packing
             pos = packed[B.POSITION_IDS][None] if pos is None else pos
             out = self.scorer(
-                ids.to(self.device), pos.to(self.device), None, label_mask.to(self.device), **pixels
+                ids.to(self.device),
+                pos.to(self.device),
+                None,
+                label_mask.to(self.device),
+                **pixels,
+                sum_pi_squared=sum_sq,
             )
             sel = label_mask[0].bool()
             size = ids.shape[1]
@@ -292,6 +303,7 @@ class FSDPEngine(Engine):
                 label_mask.to(self.device),
                 tree=tree,
                 **pixels,
+                sum_pi_squared=sum_sq,
             )
             sel = label_mask.bool()
             size = None
@@ -308,7 +320,7 @@ class FSDPEngine(Engine):
         return result, out["anchor"]
 
     def _sequence_parallel_outputs(
-        self, mb: TensorDict
+        self, mb: TensorDict, extra: tuple[str, ...] = ()
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """`_outputs` under Ulysses: the packed stream `[N]` is padded to `T = sp * t`
         (the padding is a segment of its own, never labelled), this rank scores tokens
@@ -336,6 +348,7 @@ class FSDPEngine(Engine):
                 None,
                 label_mask[local][None].to(self.device),
                 next_tokens[local][None].to(self.device),
+                sum_pi_squared="sum_pi_squared" in extra,
             )
         sel = label_mask[local].bool()
         result = {}
@@ -349,7 +362,8 @@ class FSDPEngine(Engine):
             result[key] = B.unpack(per_token, attn.to(values.device))
         return result, out["anchor"]
 
-    def forward(self, batch: TensorDict) -> TensorDict:
+    def forward(self, batch: TensorDict, *, extra_outputs: Collection[str] = ()) -> TensorDict:
+        extra = check_extra_outputs(extra_outputs, self.config.model.role)
         batch = self._validate(batch)
         budget = self.config.micro_batch.forward_budget
         field = (
@@ -361,7 +375,7 @@ class FSDPEngine(Engine):
         packed_parts: dict[str, list[torch.Tensor]] = {}
         with torch.no_grad():
             for mb in plan:
-                outputs, _ = self._outputs(mb.data)
+                outputs, _ = self._outputs(mb.data, extra)
                 if mb.filler:
                     continue
                 attn = mb.data[B.ATTENTION_MASK].bool()

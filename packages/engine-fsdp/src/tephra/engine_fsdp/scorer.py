@@ -47,7 +47,8 @@ class TokenScorer(nn.Module):
             left by one), tree: a `prefix_sharing.TreeLayout` of these rows or None)
     -> dict of `[n]` float32 tensors for the n positions where `label_mask` is 1 (hidden state t, predicting token t + 1), in row-major order:
       policy: `log_probs` = log softmax(W h_t / temperature)[token_{t+1}], `entropy`
-              = -sum_v p_v log p_v of that distribution (when `compute_entropy`);
+              = -sum_v p_v log p_v of that distribution (when `compute_entropy`),
+              `sum_pi_squared` = sum_v p_v^2 (when the `sum_pi_squared` argument is True);
       value:  `values` = score(h_t).
     `anchor` is a zero that depends on every output weight and on the hidden states; adding
     it to the loss gives every rank gradients for the same parameters even when its
@@ -88,6 +89,7 @@ class TokenScorer(nn.Module):
         next_tokens=None,
         tree=None,
         idle_vision=None,
+        sum_pi_squared=False,
         **vision,
     ):
         # vision: pixel_values / image_grid_thw of a vision-language model (see `vision`);
@@ -137,18 +139,24 @@ class TokenScorer(nn.Module):
             result = {"log_probs": empty, "anchor": anchor}
             if self.compute_entropy:
                 result["entropy"] = empty
+            if sum_pi_squared:
+                result["sum_pi_squared"] = empty
             return result
-        log_probs, entropy = kernels.linear_logprob_entropy(
+        outs = kernels.linear_logprob_entropy(
             h,
             head.weight,
             next_tokens[select],
             self.temperature,
             compute_entropy=self.compute_entropy,
+            compute_sum_pi_squared=sum_pi_squared,
         )
+        log_probs, entropy = outs[0], outs[1]
         # clones: FSDP2 warns about views returned from a wrapped module
         result = {"log_probs": log_probs.float().clone(), "anchor": anchor}
         if self.compute_entropy:
             result["entropy"] = entropy.float().clone()
+        if sum_pi_squared:
+            result["sum_pi_squared"] = outs[2].float().clone()
         return result
 
     def _tree_mask(self, allowed: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 from tephra.engine_api.errors import CheckpointError
+from tephra.engine_megatron import hf_conversion as conv
+from tephra.engine_megatron.safetensors_stream import SafetensorsWriter
+from tephra.engine_megatron.weight_export import HFStream
 
 
 def _meta(engine) -> dict:
@@ -77,11 +80,15 @@ def load(engine, path: Path) -> None:
 
 
 def export_hf(engine, path: Path) -> None:
-    """rank 0 writes config, safetensors and tokenizer (when known); every rank gathers."""
+    """rank 0 writes config, `model.safetensors` and tokenizer (when known); every rank takes
+    part in the streamed gather (`weight_export.HFStream` to rank 0), so no rank holds more
+    than its own shards and one tensor in flight, and rank 0 writes each tensor as it comes."""
     import transformers
 
-    weights = engine.hf_weights()
-    if dist.get_rank() == 0:
+    stream = HFStream(engine, dest=0, per_expert=True)
+    entries = stream.names()
+    rank = dist.get_rank()
+    if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         cfg = engine.hf_config
         if engine.config.model.role == "value":
@@ -89,23 +96,36 @@ def export_hf(engine, path: Path) -> None:
             cfg = transformers.AutoConfig.for_model(**{**data, "num_labels": 1})
             with torch.device("meta"):
                 model = transformers.AutoModelForTokenClassification.from_config(cfg)
-            # the critic head has no bias; transformers' token-classification head does
-            if "score.bias" in model.state_dict():
-                weights = {**weights, "score.bias": torch.zeros(1)}
         else:
             with torch.device("meta"):
                 model = transformers.AutoModelForCausalLM.from_config(cfg)
-        model.load_state_dict(weights, strict=False, assign=True)
+        expected = conv.checkpoint_format(dict(model.state_dict()))
         if getattr(cfg, "tie_word_embeddings", False):
-            model.tie_weights()
-        missing = [n for n, p in model.state_dict().items() if p.is_meta]
-        if missing:
-            raise CheckpointError(f"export_hf: weights {missing[:5]} were not produced")
-        model.save_pretrained(path)
+            expected.pop("lm_head.weight", None)
+        # the critic head has no bias; transformers' token-classification head does
+        extra = {"score.bias": torch.zeros(1)} if "score.bias" in expected else {}
+        names = {n for n, _, _ in entries} | set(extra)
+        if names != set(expected):
+            raise CheckpointError(
+                f"export_hf: weights {sorted(set(expected) - names)[:5]} were not produced, "
+                f"{sorted(names - set(expected))[:5]} are not the model's"
+            )
+        cfg.save_pretrained(path)
+        if model.can_generate():
+            model.generation_config.save_pretrained(path)
+        entries += [(n, tuple(t.shape), t.dtype) for n, t in extra.items()]
+        with SafetensorsWriter(path / "model.safetensors", entries) as out:
+            for name, tensor in extra.items():
+                out.write(name, tensor)
+            for name, tensor in stream:
+                out.write(name, tensor)
         if engine.tokenizer_path:
             try:
                 tok = transformers.AutoTokenizer.from_pretrained(engine.tokenizer_path)
                 tok.save_pretrained(path)
             except (OSError, ValueError):
                 pass  # a folder without a tokenizer: config and weights are still complete
+    else:
+        for _ in stream:  # take part in the transfers
+            pass
     dist.barrier()

@@ -1,24 +1,48 @@
-"""A plain-torch core attention for megatron's `SelfAttention`, with context parallelism.
+"""Per-segment causal attention for megatron's `SelfAttention` (no dense mask), with kernels.
 
-megatron-core only offers context parallelism through TransformerEngine's attention, which
-needs CUDA. This module takes the same place in the layer spec (`core_attention`) and:
-- attends with an explicit boolean mask (True = may attend) `[b, 1, S, S]` over the FULL
-  sequence, which is how padded rows and packed sequences (block-diagonal causal) are told
-  apart;
-- with context parallel size cp > 1, all-gathers K and V over the CP group. The sequence is
-  laid out as in megatron (load balanced): cut into 2*cp chunks, CP rank r holds chunks r and
-  2*cp-1-r. Queries are this rank's two chunks; keys are the whole sequence.
+The model is told which positions attend to which by an attention *plan*, never by a
+`[b, 1, S, S]` mask: an int64 tensor `[n, 5]` of blocks `(row, q0, q1, k0, k1)`. Block j says
+that local query positions `q0 .. q1-1` of row `row` (a contiguous run inside one sequence)
+attend causally to key positions `k0 .. k1-1` of the full sequence, bottom-right aligned (the
+last query sees key `k1-1`). Without context parallelism a block is one whole sequence
+(`q0 = k0`, `q1 = k1`): plain causal attention over that sequence. Padding positions form
+blocks of their own (their outputs are never read). The plan is a tensor, not an object, so
+that megatron's activation recomputation can save it like any other argument.
 
-Math: out = softmax(q k^T * scale + log(mask)) v, heads of a query group share k and v (GQA).
+Kernels (chosen once per engine, see `choose_kernel`), all with grouped-query attention
+through the kernel's own grouped heads (no `repeat_interleave` of keys/values):
+- `torch`: one `scaled_dot_product_attention(..., enable_gqa=True)` per block. On CPU it runs
+  torch's flash kernel (no `[L, L]` scores; logsumexp kept for backward), on CUDA torch's own
+  flash/memory-efficient kernels. Runs everywhere and is the only one with context parallel.
+- `flash_attn`: `flash_attn_varlen_func` over the THD layout with `cu_seqlens` (CUDA, bf16/fp16).
+- `transformer_engine`: TransformerEngine's `DotProductAttention` in `thd` format (CUDA).
+
+Context parallel (cp > 1, torch kernel): the sequence is laid out as in megatron (load
+balanced): cut into 2*cp chunks, CP rank r holds chunks r and 2*cp-1-r. Attention runs as a
+ring: each rank's keys and values pass from rank to rank (cp - 1 shifts, gradients flowing
+back the same way), each rank attends its queries to every chunk as it passes (only the
+keys each plan block may see: its own sequence, causally) and merges the partial results by
+their log-sum-exp. No rank holds the full K/V.
+
+Math per block: out = softmax(q k^T * scale + causal) v, the heads of one query group sharing
+one key/value head.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from typing import Any
 
 import torch
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
+
+from tephra.engine_api.errors import ConfigError
+
+KERNELS = ("torch", "flash_attn", "transformer_engine")
 
 
 def cp_chunk_index(cp_rank: int, cp_size: int, seq_len: int) -> torch.Tensor:
@@ -35,9 +59,191 @@ def cp_full_order(cp_size: int, seq_len: int) -> torch.Tensor:
     return torch.cat([cp_chunk_index(r, cp_size, seq_len) for r in range(cp_size)])
 
 
-class TorchCoreAttention(MegatronModule):
+def attention_plan(segments: torch.Tensor, local: torch.Tensor | None = None) -> torch.Tensor:
+    """The blocks `[n, 5]` = (row, q0, q1, k0, k1) for `segments` `[rows, S]` (a sequence id
+    per position, -1 for padding; each sequence contiguous within its row). `local`: the
+    natural positions this rank holds, in local order (context parallel); None = all."""
+    rows, s = segments.shape
+    idx = torch.arange(s)
+    nat = idx if local is None else local
+    blocks = []
+    for r in range(rows):
+        seg = segments[r]
+        new_run = torch.ones(s, dtype=torch.bool)
+        new_run[1:] = seg[1:] != seg[:-1]
+        run_start = torch.cummax(torch.where(new_run, idx, 0), 0).values
+        # a local run breaks where the natural position jumps or a new sequence starts
+        brk = torch.ones(len(nat), dtype=torch.bool)
+        brk[1:] = (nat[1:] != nat[:-1] + 1) | (run_start[nat[1:]] != run_start[nat[:-1]])
+        q0 = brk.nonzero().flatten()
+        q1 = torch.cat([q0[1:], torch.tensor([len(nat)])])
+        k0 = run_start[nat[q0]]
+        k1 = nat[q1 - 1] + 1
+        blocks.append(torch.stack([torch.full_like(q0, r), q0, q1, k0, k1], dim=1))
+    return torch.cat(blocks)
+
+
+def _torch_blocks(q, k, v, plan: list[list[int]], scale: float, dropout_p: float):
+    """q `[sq, b, np, hn]`, k/v `[sk, b, ng, hn]` -> `[sq, b, np, hn]`, one SDPA per block."""
+    per_row: dict[int, list[torch.Tensor]] = {}
+    for row, q0, q1, k0, k1 in plan:
+        qb = q[q0:q1, row].transpose(0, 1)[None]  # [1, np, lq, hn]
+        kb = k[k0:k1, row].transpose(0, 1)[None]
+        vb = v[k0:k1, row].transpose(0, 1)[None]
+        lq, lk = q1 - q0, k1 - k0
+        mask = None
+        if lq != lk:  # bottom-right causal: a query run that starts inside its sequence
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        out = F.scaled_dot_product_attention(
+            qb,
+            kb,
+            vb,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=True,
+        )
+        per_row.setdefault(row, []).append(out[0].transpose(0, 1))  # [lq, np, hn]
+    return torch.stack([torch.cat(per_row[r]) for r in range(q.shape[1])], dim=1)
+
+
+class _RingShift(torch.autograd.Function):
+    """Send `x` to the next CP rank and receive the previous rank's; the backward sends
+    the gradient the other way round."""
+
+    @staticmethod
+    def forward(ctx, x, ranks: list[int], me: int):
+        ctx.ranks, ctx.me = ranks, me
+        return _shift(x.contiguous(), ranks, me, +1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _shift(grad.contiguous(), ctx.ranks, ctx.me, -1), None, None
+
+
+def _shift(x: torch.Tensor, ranks: list[int], me: int, step: int) -> torch.Tensor:
+    cp = len(ranks)
+    out = torch.empty_like(x)
+    ops = [
+        dist.P2POp(dist.isend, x, ranks[(me + step) % cp]),
+        dist.P2POp(dist.irecv, out, ranks[(me - step) % cp]),
+    ]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return out
+
+
+def _ring_blocks(q, kv_chunks, plan: list[list[int]], local: torch.Tensor, seq_len: int, scale):
+    """Ring attention: `kv_chunks` yields `(src, k, v)`, CP rank src's keys/values
+    `[s_local, b, ng, hn]` (its positions `cp_chunk_index(src, ...)`), one rank after the
+    other. Each plan block's queries attend to the part of every chunk they may see; the
+    partial results merge by their log-sum-exp:
+        lse = log(exp(lse_a) + exp(lse_b)),  out = out_a e^(lse_a - lse) + out_b e^(lse_b - lse)
+    so the result equals softmax over all keys at once. Returns `[sq, b, np, hn]`."""
+    np_, hn = q.shape[2], q.shape[3]
+    cp = seq_len // len(local)
+    acc: list = [None] * len(plan)  # per block: (out [ng, rep, lq, hn], lse [ng, rep, lq])
+    # every chunk joins the graph, seen or not: the ring's backward is a collective, and a
+    # rank whose queries see nothing of a chunk would otherwise skip its shift's backward
+    touch = q.new_zeros(())
+    for src, k, v in kv_chunks:
+        touch = touch + (k.sum() + v.sum()) * 0.0
+        ng = k.shape[2]
+        rep = np_ // ng
+        nat = cp_chunk_index(src, cp, seq_len)
+        half = len(nat) // 2
+        for j, (row, q0, q1, k0, k1) in enumerate(plan):
+            p0, lq = int(local[q0]), q1 - q0
+            if acc[j] is None:
+                acc[j] = (
+                    q.new_zeros(ng, rep, lq, hn),
+                    q.new_full((ng, rep, lq), float("-inf")),
+                )
+            for off in (0, half):  # the chunk's two contiguous runs of positions
+                a0 = int(nat[off])
+                a, b = max(k0, a0), min(k1, a0 + half)
+                qs = max(0, a - p0)  # queries before key a see nothing of this run
+                if a >= b or qs >= lq:
+                    continue
+                qb = q[q0 + qs : q1, row].transpose(0, 1).reshape(ng, rep, lq - qs, hn)
+                kb = k[off + a - a0 : off + b - a0, row].transpose(0, 1)[:, None]
+                vb = v[off + a - a0 : off + b - a0, row].transpose(0, 1)[:, None]
+                scores = (qb @ kb.transpose(-1, -2)) * scale  # [ng, rep, lq', lk']
+                qpos = torch.arange(p0 + qs, p0 + lq, device=q.device)
+                kpos = torch.arange(a, b, device=q.device)
+                scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+                lse_part = torch.logsumexp(scores, -1)
+                out_part = torch.softmax(scores, -1) @ vb
+                out_acc, lse_acc = acc[j]
+                new = torch.logaddexp(lse_acc[..., qs:], lse_part)
+                merged = out_acc[..., qs:, :] * (lse_acc[..., qs:] - new).exp()[..., None]
+                merged = merged + out_part * (lse_part - new).exp()[..., None]
+                acc[j] = (
+                    torch.cat([out_acc[..., :qs, :], merged], dim=2),
+                    torch.cat([lse_acc[..., :qs], new], dim=2),
+                )
+    per_row: dict[int, list[torch.Tensor]] = {}
+    for (row, *_), (out, _) in zip(plan, acc):
+        per_row.setdefault(row, []).append(out.reshape(np_, -1, hn).transpose(0, 1))
+    return torch.stack([torch.cat(per_row[r]) for r in range(q.shape[1])], dim=1) + touch
+
+
+def _thd(x: torch.Tensor) -> torch.Tensor:
+    """`[s, b, h, d]` -> `[b * s, h, d]` (rows one after the other)."""
+    return x.transpose(0, 1).reshape(-1, *x.shape[2:])
+
+
+def _cu_seqlens(plan: torch.Tensor, s: int, device) -> tuple[torch.Tensor, int]:
+    """THD boundaries of the blocks (each a whole sequence without context parallel)."""
+    starts = plan[:, 0] * s + plan[:, 1]
+    total = torch.tensor([int(plan[:, 0].max() + 1) * s])
+    cu = torch.cat([starts, total]).to(device=device, dtype=torch.int32)
+    return cu, int((plan[:, 2] - plan[:, 1]).max())
+
+
+def choose_kernel(requested: str, dtype: torch.dtype, on_cuda: bool, cp_size: int) -> str:
+    """The kernel for `model.attn_implementation` = `requested`: `sdpa` picks the best one
+    installed (flash-attn, then TransformerEngine, on CUDA in bf16/fp16 without context
+    parallel; torch otherwise); `flash_attention_2` insists on flash-attn and is refused
+    clearly where it cannot run."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    if requested == "flash_attention_2":
+        why = (
+            "flash-attn is not installed"
+            if not has_flash
+            else "there is no CUDA device"
+            if not on_cuda
+            else "flash-attn needs bf16 or fp16 (set precision.param_dtype=bfloat16)"
+            if not half
+            else "context parallel runs the torch kernel (set parallel.context=1)"
+            if cp_size > 1
+            else None
+        )
+        if why:
+            raise ConfigError(
+                f"model.attn_implementation='flash_attention_2' cannot run here: {why}; "
+                "or set model.attn_implementation=sdpa (picks the best installed kernel)"
+            )
+        return "flash_attn"
+    if requested != "sdpa":
+        raise ConfigError(
+            f"model.attn_implementation={requested!r}: engine-megatron runs 'sdpa' (the best "
+            "installed kernel) or 'flash_attention_2' (flash-attn only)"
+        )
+    if on_cuda and half and cp_size == 1:
+        if has_flash:
+            return "flash_attn"
+        if has_te:
+            return "transformer_engine"
+    return "torch"
+
+
+class SegmentAttention(MegatronModule):
     """Drop-in `core_attention` (same constructor and forward as megatron's
-    `DotProductAttention`). `attention_mask`: bool `[b, 1, S, S]`, True = may attend."""
+    `DotProductAttention`); `attention_mask` is the plan `[n, 5]` (see the module doc)."""
 
     def __init__(
         self,
@@ -49,12 +255,14 @@ class TorchCoreAttention(MegatronModule):
         softmax_scale=None,
         cp_comm_type=None,
         pg_collection=None,
+        kernel: str = "torch",
         **_,
     ):
         super().__init__(config=config)
-        from megatron.core import parallel_state
-
+        if kernel not in KERNELS:
+            raise ConfigError(f"attention kernel {kernel!r}: expected one of {list(KERNELS)}")
         tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.kernel = kernel
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         self.head_dim = config.kv_channels
@@ -62,9 +270,22 @@ class TorchCoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        self.cp_group = parallel_state.get_context_parallel_group()
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
+        self._te: Any = None
+        if kernel == "transformer_engine":
+            # optional heavy dependency, only where installed (CUDA machines)
+            import transformer_engine.pytorch as te
+
+            self._te = te.DotProductAttention(
+                self.heads,
+                self.head_dim,
+                num_gqa_groups=self.groups,
+                attention_dropout=self.dropout_p,
+                qkv_format="thd",
+                attn_mask_type="padding_causal",
+                softmax_scale=self.scale,
+            )
 
     def forward(
         self,
@@ -76,36 +297,53 @@ class TorchCoreAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        # query [sq, b, np, hn]; key/value [sk, b, ng, hn]
+        # query [sq, b, np, hn]; key/value [sk, b, ng, hn]; attention_mask: the plan [n, 5]
         if packed_seq_params is not None:
-            raise NotImplementedError("TorchCoreAttention takes packed sequences as a mask")
-        sq = query.shape[0]
-        if self.cp_size > 1:
-            key, value = self._gather_kv(key), self._gather_kv(value)
-            full = key.shape[0]
-            rows = cp_chunk_index(self.cp_rank, self.cp_size, full)
-            mask = attention_mask[:, :, rows, :]
+            raise NotImplementedError("SegmentAttention takes packed sequences as its plan")
+        sq, b = query.shape[:2]
+        dropout_p = self.dropout_p if self.training else 0.0
+        if self.kernel == "torch" and self.cp_size > 1:
+            # no dropout here: `transformer_config` always builds with attention_dropout=0
+            out = _ring_blocks(
+                query,
+                self._ring(key, value),
+                attention_mask.tolist(),
+                cp_chunk_index(self.cp_rank, self.cp_size, sq * self.cp_size),
+                sq * self.cp_size,
+                self.scale,
+            )
+        elif self.kernel == "torch":
+            out = _torch_blocks(query, key, value, attention_mask.tolist(), self.scale, dropout_p)
         else:
-            mask = attention_mask
-        rep = self.heads // self.groups
-        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
-        k = key.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
-        v = value.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            scale=self.scale,
-        )
-        b = out.shape[0]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+            cu, max_len = _cu_seqlens(attention_mask, sq, query.device)
+            q, k, v = _thd(query), _thd(key), _thd(value)
+            if self.kernel == "flash_attn":
+                # optional heavy dependency, only where installed (CUDA machines)
+                from flash_attn import flash_attn_varlen_func
 
-    def _gather_kv(self, local: torch.Tensor) -> torch.Tensor:
-        """[s_local, ...] on each CP rank -> [S, ...] in natural order. Backward sums the
-        gradients of every rank's queries into each rank's own chunk."""
-        parts = dist_fn.all_gather(local.contiguous(), group=self.cp_group)
-        stacked = torch.cat(parts, dim=0)
-        order = torch.argsort(cp_full_order(self.cp_size, stacked.shape[0]))
-        return stacked.index_select(0, order)
+                out = flash_attn_varlen_func(
+                    q, k, v, cu, cu, max_len, max_len, dropout_p, self.scale, causal=True
+                )
+            else:
+                out = self._te(
+                    q,
+                    k,
+                    v,
+                    cu_seqlens_q=cu,
+                    cu_seqlens_kv=cu,
+                    max_seqlen_q=max_len,
+                    max_seqlen_kv=max_len,
+                )
+            out = out.reshape(b, sq, self.heads, self.head_dim).transpose(0, 1)
+        return out.reshape(sq, b, self.heads * self.head_dim)
+
+    def _ring(self, key: torch.Tensor, value: torch.Tensor):
+        """This rank's keys/values, then each other CP rank's in turn, passed around the ring
+        (one message of K and V together per step: gloo may swap two sends to one peer)."""
+        ranks = parallel_state.get_context_parallel_global_ranks()
+        kv = torch.cat([key, value], dim=-1)
+        hn = key.shape[-1]
+        for step in range(self.cp_size):
+            if step:
+                kv = _RingShift.apply(kv, ranks, self.cp_rank)
+            yield (self.cp_rank - step) % self.cp_size, kv[..., :hn], kv[..., hn:]

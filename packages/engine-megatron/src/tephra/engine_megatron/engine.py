@@ -18,6 +18,8 @@ state (ZeRO-1, `distributed_optimizer`).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,8 @@ from transformers import AutoConfig
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
-from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.errors import BatchError, ConfigError
+from tephra.engine_api.forward_outputs import check_extra_outputs
 from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import declared_hf_config, model_has_vision
 from tephra.engine_megatron import cpu_compat
@@ -43,6 +46,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from tephra.engine_megatron import checkpoint as ckpt  # noqa: E402
 from tephra.engine_megatron import hf_conversion as conv  # noqa: E402
 from tephra.engine_megatron import parallel_setup  # noqa: E402
+from tephra.engine_megatron.core_attention import choose_kernel  # noqa: E402
 from tephra.engine_megatron.distributed_optimizer import DistributedAdamW  # noqa: E402
 from tephra.engine_megatron.hf_loading import load_hf  # noqa: E402
 from tephra.engine_megatron.micro_batches import (  # noqa: E402
@@ -57,7 +61,7 @@ from tephra.engine_megatron.model_builder import (  # noqa: E402
     model_shape,
     transformer_config,
 )
-from tephra.engine_megatron.weight_export import gather_hf_weights  # noqa: E402
+from tephra.engine_megatron.weight_export import HFStream, gather_hf_weights  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -136,6 +140,12 @@ class MegatronEngine(Engine):
             config.parallel.moe_token_dispatcher,
             config.model.gradient_checkpointing,
         )
+        self.attention_kernel = choose_kernel(
+            config.model.attn_implementation,
+            self.dtype,
+            self.device.type == "cuda",
+            config.parallel.context,
+        )
         vpp = config.parallel.virtual_pipeline
         with cpu_compat.device_scope():
             self.chunks = [
@@ -147,6 +157,7 @@ class MegatronEngine(Engine):
                     config.temperature,
                     value_head_seed=config.model.init_seed,
                     compute_entropy=config.compute_entropy,
+                    attention_kernel=self.attention_kernel,
                 )
                 for vp in range(vpp)
             ]
@@ -192,12 +203,23 @@ class MegatronEngine(Engine):
                 "engine-megatron shards the optimizer over data-parallel ranks "
                 "(distributed optimizer): leave it at -1"
             )
-        if config.model.attn_implementation != "sdpa":
+        if config.model.attn_implementation not in ("sdpa", "flash_attention_2"):
             raise ConfigError(
                 f"model.attn_implementation={config.model.attn_implementation!r}: "
-                "engine-megatron runs megatron-core's attention, not transformers'; "
-                "leave it at 'sdpa'"
+                "engine-megatron runs its own per-sequence attention: 'sdpa' (the best "
+                "installed kernel) or 'flash_attention_2' (flash-attn only)"
             )
+        if config.model.attn_implementation == "flash_attention_2":
+            if importlib.util.find_spec("flash_attn") is None:
+                raise ConfigError(
+                    "model.attn_implementation='flash_attention_2' but flash-attn is not "
+                    "installed; install flash-attn (CUDA) or set model.attn_implementation=sdpa"
+                )
+            if p.context > 1:
+                raise ConfigError(
+                    "model.attn_implementation='flash_attention_2' with parallel.context > 1: "
+                    "context parallel runs the torch kernel; set model.attn_implementation=sdpa"
+                )
         p.data_parallel_size(world_size)
         expert_world = p.expert * p.expert_tensor * p.pipeline
         if world_size % expert_world:
@@ -354,15 +376,23 @@ class MegatronEngine(Engine):
         yield
 
     # ----- compute ------------------------------------------------------------------------
-    def forward(self, batch: TensorDict) -> TensorDict:
+    def forward(self, batch: TensorDict, *, extra_outputs: Collection[str] = ()) -> TensorDict:
+        extra = check_extra_outputs(extra_outputs, self.config.model.role)
         B.validate_batch(batch)
-        with torch.no_grad():
-            outputs, _ = self._run(
-                batch,
-                loss_fn=None,
-                budget=self.config.micro_batch.forward_budget,
-                field_name="forward_max_tokens_per_microbatch",
-            )
+        asked = "sum_pi_squared" in extra
+        for c in self.chunks:
+            c.sum_pi_squared = asked
+        try:
+            with torch.no_grad():
+                outputs, _ = self._run(
+                    batch,
+                    loss_fn=None,
+                    budget=self.config.micro_batch.forward_budget,
+                    field_name="forward_max_tokens_per_microbatch",
+                )
+        finally:
+            for c in self.chunks:
+                c.sum_pi_squared = False
         return outputs
 
     def forward_backward(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
@@ -375,18 +405,31 @@ class MegatronEngine(Engine):
         )
         return metrics
 
-    def _output_keys(self) -> list[str]:
+    def _output_keys(self) -> list[str | None]:
+        """The name of each slot of the model's last dimension: values, or log-probs,
+        entropy (None: a slot of zeros without compute_entropy) and sum pi^2 when forward
+        was asked for it."""
         if self.config.model.role == "value":
             return ["values"]
-        return ["log_probs", "entropy"] if self.config.compute_entropy else ["log_probs"]
+        keys = ["log_probs", "entropy" if self.config.compute_entropy else None]
+        if self.chunks[-1].sum_pi_squared:
+            keys.append("sum_pi_squared")
+        return keys
 
     def _run(self, batch: TensorDict, loss_fn: LossFn | None, budget: int, field_name: str):
         """Run the pipeline schedule over this rank's batch. Returns (`[B, T]` outputs when
         `loss_fn` is None, metrics when it is given)."""
-        # packed by default on a GPU (no padding rows through the MLPs; attention takes the
-        # block-diagonal mask), padded on CPU, where that dense mask costs more than padding
-        packed = self.config.micro_batch.packing(varlen_attention=not cpu_compat.cuda_absent())
+        # packed by default (no padding through the MLPs): attention runs per sequence from
+        # the attention plan on every kernel, so packing costs no dense mask anywhere
+        packed = self.config.micro_batch.packing(varlen_attention=True)
         n_rows, seq_len = batch[B.INPUT_IDS].shape
+        window = self.shape.sliding_window
+        if window is not None and int(B.sequence_lengths(batch).max()) > window:
+            raise BatchError(
+                f"a sequence of {int(B.sequence_lengths(batch).max())} tokens is longer than "
+                f"the model's sliding_window={window}; engine-megatron attends to every "
+                "earlier token: shorten the sequences (or use engine=fsdp)"
+            )
         indexed = batch.clone(False)
         indexed["_row"] = torch.arange(n_rows)
         indexed["_col"] = torch.arange(seq_len).expand(n_rows, seq_len)
@@ -414,7 +457,8 @@ class MegatronEngine(Engine):
             dummy[B.RESPONSE_MASK] = torch.zeros_like(dummy[B.RESPONSE_MASK])
             mbs.append(dummy)
 
-        keys = self._output_keys()
+        slots = self._output_keys()
+        keys = [k for k in slots if k is not None]
         full = {k: torch.zeros(n_rows, seq_len) for k in keys}
         loss_sum = torch.zeros(())
         metric_sums: dict[str, float] = {}
@@ -441,7 +485,7 @@ class MegatronEngine(Engine):
         def forward_step(data_iterator, model):
             idx = next(data_iterator)
             x: ModelInputs = inputs[idx]
-            out = model(x.input_ids, x.position_ids, x.attention_mask, x.labels)
+            out = model(x.input_ids, x.position_ids, x.attention_plan, x.labels)
 
             def loss_func(out_tensor):
                 nonlocal loss_sum
@@ -449,7 +493,7 @@ class MegatronEngine(Engine):
                 token_out = x.to_tokens(per_pos)  # [b, t, k] aligned to tokens, 0 off response
                 mb = mbs[idx].to(self.device)
                 outputs = TensorDict(
-                    {k: token_out[..., j] for j, k in enumerate(keys)},
+                    {k: token_out[..., j] for j, k in enumerate(slots) if k is not None},
                     batch_size=[mb.batch_size[0]],
                 )
                 if idx >= real:  # padding micro-batch: keep the graph, contribute nothing
@@ -475,7 +519,7 @@ class MegatronEngine(Engine):
                 data_iterator=iters if vpp > 1 else iters[0],
                 model=model if vpp > 1 else model[0],
                 num_microbatches=len(inputs),
-                seq_length=max(x.attention_mask.shape[-1] for x in inputs),
+                seq_length=max(x.seq_length for x in inputs),
                 micro_batch_size=max(x.input_ids.shape[0] for x in inputs),
                 forward_only=loss_fn is None,
             )
@@ -520,10 +564,11 @@ class MegatronEngine(Engine):
         return gather_hf_weights(self, untie_word_embeddings)
 
     def export_weights(self, bucket_bytes: int = 512 << 20, untie_word_embeddings: bool = False):
-        weights = self.hf_weights(untie_word_embeddings)
+        """Streamed (`weight_export.HFStream`): no rank holds more than its shards and about
+        one bucket; every rank iterates and receives every tensor."""
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, tensor in weights.items():
+        for name, tensor in HFStream(self, None, untie_word_embeddings):
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket

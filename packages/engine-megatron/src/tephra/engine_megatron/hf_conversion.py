@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron weight conversion for Llama / Qwen2 dense and Qwen2-MoE models.
+"""Hugging Face <-> megatron weight conversion for Llama, Mistral, Qwen2, Qwen3 (dense and MoE).
 
 Our own mapping rather than megatron-bridge: bridge 0.3.1 (the last release for Python 3.11)
 hard-depends on transformer-engine, which a CPU install cannot satisfy without overriding the
@@ -57,6 +57,8 @@ RULES = (
         *(_HL + f"self_attn.{p}_proj.bias" for p in "qkv"),
     ),
     _rule(_L + r"self_attention\.linear_proj\.weight", "row", _HL + "self_attn.o_proj.weight"),
+    _rule(_L + r"self_attention\.q_layernorm\.weight", "rep", _HL + "self_attn.q_norm.weight"),
+    _rule(_L + r"self_attention\.k_layernorm\.weight", "rep", _HL + "self_attn.k_norm.weight"),
     _rule(
         _L + r"mlp\.linear_fc1\.weight",
         "gate_up",
@@ -194,3 +196,36 @@ def from_megatron(m: Match, shards: list[torch.Tensor], heads: Heads) -> dict[st
             return {m.hf_names[0]: torch.cat([gate, up])}
         return {m.hf_names[0]: gate, m.hf_names[1]: up}
     raise AssertionError(kind)
+
+
+_FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def expert_checkpoint_split(hf_name: str, expert: int, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One expert's slice of a fused tensor (`[2f, h]` gate rows first, or `[h, f]`) under the
+    names a checkpoint stores: transformers 5 fuses a layer's experts in memory but saves
+    them per expert, as checkpoints on the Hub have them and vLLM reads them."""
+    prefix = hf_name.rsplit(".", 1)[0]  # model.layers.{i}.mlp.experts
+    if hf_name.endswith("gate_up_proj"):
+        gate, up = t.chunk(2, dim=0)
+        return {
+            f"{prefix}.{expert}.gate_proj.weight": gate,
+            f"{prefix}.{expert}.up_proj.weight": up,
+        }
+    return {f"{prefix}.{expert}.down_proj.weight": t}
+
+
+def is_fused_experts(hf_name: str) -> bool:
+    return hf_name.endswith(_FUSED_EXPERTS)
+
+
+def checkpoint_format(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers 5 state dict (fused experts `[E, ...]`) in checkpoint naming."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if not is_fused_experts(name):
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            out.update(expert_checkpoint_split(name, e, t[e]))
+    return out

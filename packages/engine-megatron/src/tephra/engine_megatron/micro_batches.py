@@ -3,11 +3,13 @@ outputs laid back onto tokens.
 
 Layouts the model sees (S = sequence length after padding for CP/SP divisibility):
 - padded: one row per sequence, `[b, S]`; a query attends to earlier real tokens of its row;
-- packed: the real tokens of every sequence in one row `[1, S]`, position ids restarting at
-  0 per sequence and a block-diagonal causal mask, so no compute is spent on padding.
-Every position may attend to itself, so rows of padding have a defined (unused) output.
+- packed (THD): the real tokens of every sequence in one row `[1, S]`, position ids
+  restarting at 0 per sequence, so no compute is spent on padding.
+Who attends to whom is an attention plan (`core_attention.attention_plan`: one causal block
+per sequence), never a dense `[S, S]` mask. Runs of padding are blocks of their own, so they
+have a defined (unused) output.
 With context parallel size cp, positions are cut into 2*cp chunks and this rank keeps chunks
-r and 2*cp-1-r (megatron's load-balanced layout); the mask stays over all S positions.
+r and 2*cp-1-r (megatron's load-balanced layout); the plan's keys index all S positions.
 Labels: the next token of the same sequence, or -100 (no label) at a sequence's end.
 """
 
@@ -21,7 +23,8 @@ from megatron.core import parallel_state as ps
 from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
-from tephra.engine_megatron.core_attention import cp_chunk_index, cp_full_order
+from tephra.engine_api.errors import BatchError
+from tephra.engine_megatron.core_attention import attention_plan, cp_chunk_index, cp_full_order
 
 IGNORE = -100
 
@@ -31,13 +34,23 @@ class ModelInputs:
     input_ids: torch.Tensor  # [rows, s_local]
     position_ids: torch.Tensor  # [rows, s_local]
     labels: torch.Tensor  # [rows, s_local], IGNORE where no next token
-    attention_mask: torch.Tensor  # bool [rows, 1, S, S], True = may attend
+    attention_plan: torch.Tensor  # int64 [n, 5] blocks (row, q0, q1, k0, k1), on the CPU
     token_index: torch.Tensor  # [b, t]: flat index into [rows * S] of each token, -1 off
     response_mask: torch.Tensor  # [b, t]
+    seq_length: int  # S, the full sequence length (all context-parallel ranks together)
 
     def to(self, device: torch.device) -> ModelInputs:
-        """The same inputs on `device` (the model's)."""
-        return ModelInputs(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        """The same inputs on `device` (the model's); the plan stays on the CPU (kernels read
+        it as Python numbers)."""
+        keep = ("attention_plan", "seq_length")
+        return ModelInputs(
+            **{
+                f.name: getattr(self, f.name)
+                if f.name in keep
+                else getattr(self, f.name).to(device)
+                for f in fields(self)
+            }
+        )
 
     def to_tokens(self, per_position: torch.Tensor) -> torch.Tensor:
         """`[rows, S, k]` outputs at hidden positions -> `[b, t, k]` about tokens: the output
@@ -92,6 +105,14 @@ def prepare(
         token_index[attn] = torch.arange(n)
         s_real = n
     else:
+        first, last = attn.long().argmax(-1), t - 1 - attn.flip(-1).long().argmax(-1)
+        holes = (last - first + 1) != attn.sum(-1)
+        if holes.any():
+            row = int(holes.nonzero()[0])
+            raise BatchError(
+                f"row {row}: attention_mask has a 0 between real tokens; engine-megatron "
+                "needs each sequence contiguous (padding only on the left or right)"
+            )
         rows_ids, rows_pos = ids, pos
         rows_seg = torch.where(attn, torch.arange(b)[:, None].expand(b, t), -1)
         s_real = t
@@ -113,16 +134,15 @@ def prepare(
         if not packed:
             # token_index counts positions of rows of length t; re-base to rows of length s
             token_index = torch.where(token_index >= 0, token_index // t * s + token_index % t, -1)
-    same = (rows_seg[:, :, None] == rows_seg[:, None, :]) & (rows_seg[:, None, :] >= 0)
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
-    mask = (same & causal) | torch.eye(s, dtype=torch.bool)
     labels = torch.full_like(rows_ids, IGNORE)
     has_next = (rows_seg[:, :-1] == rows_seg[:, 1:]) & (rows_seg[:, :-1] >= 0)
     labels[:, :-1] = torch.where(has_next, rows_ids[:, 1:], IGNORE)
+    keep = None
     if cp > 1:
         keep = cp_chunk_index(ps.get_context_parallel_rank(), cp, s)
         rows_ids, rows_pos, labels = rows_ids[:, keep], rows_pos[:, keep], labels[:, keep]
-    return ModelInputs(rows_ids, rows_pos, labels, mask[:, None], token_index, mb[B.RESPONSE_MASK])
+    plan = attention_plan(rows_seg, keep)
+    return ModelInputs(rows_ids, rows_pos, labels, plan, token_index, mb[B.RESPONSE_MASK], s)
 
 
 class _CPGather(torch.autograd.Function):

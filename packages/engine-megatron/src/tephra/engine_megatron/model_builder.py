@@ -1,7 +1,8 @@
 """Build megatron `GPTModel` chunks (policy or value) from a Hugging Face config.
 
 Layer spec: megatron's local (TransformerEngine-free) spec, with two substitutions:
-- `TorchCoreAttention` (mask-driven, context parallel) in place of `DotProductAttention`;
+- `SegmentAttention` (per-sequence blocks from an attention plan, no dense mask; torch,
+  flash-attn or TransformerEngine kernel; context parallel) in place of `DotProductAttention`;
 - `RMSNorm` below in place of torch's norm, which refuses sequence parallelism: with
   sequence parallel its weight sees only this rank's tokens, so it is tagged
   `sequence_parallel=True` and its gradient is summed over the TP group by the engine.
@@ -25,6 +26,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
@@ -32,10 +34,11 @@ from megatron.core.transformer.transformer_block import (
 
 from tephra.engine_api.config import ParallelConfig
 from tephra.engine_api.errors import ConfigError
-from tephra.engine_megatron.core_attention import TorchCoreAttention
+from tephra.engine_megatron.core_attention import SegmentAttention
 from tephra.kernels import vocab_parallel_logprob_entropy
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+_QK_NORM = ("qwen3", "qwen3_moe")
 
 
 class RMSNorm(torch.nn.Module):
@@ -69,6 +72,17 @@ class ModelShape:
     tie_word_embeddings: bool
     num_experts: int
     qkv_bias: bool
+    qk_norm: bool = False
+    """RMSNorm on each query and key head before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Mistral's attention window: sequences up to this length see every earlier token
+    (longer ones are refused)."""
+
+
+def rope_theta(hf_config) -> float:
+    """RoPE base: transformers 5 keeps it in `rope_parameters`, older configs in `rope_theta`."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
 
 
 def model_shape(hf_config) -> ModelShape:
@@ -92,7 +106,21 @@ def model_shape(hf_config) -> ModelShape:
         num_experts=int(getattr(hf_config, "num_experts", 0) or 0),
         qkv_bias=model_type in ("qwen2", "qwen2_moe")
         or bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=model_type in _QK_NORM,
+        sliding_window=_sliding_window(hf_config),
     )
+
+
+def _sliding_window(hf_config) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if hf_config.model_type == "mistral":
+        return window
+    if getattr(hf_config, "use_sliding_window", False) and window is not None:
+        raise ConfigError(
+            f"{hf_config.model_type} with use_sliding_window=true is not supported by "
+            "engine-megatron (windowed layers); use engine=fsdp"
+        )
+    return None
 
 
 def transformer_config(
@@ -126,6 +154,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tensor,
@@ -189,20 +218,30 @@ def transformer_config(
             hf_config, "mlp_only_layers", []
         ):
             raise ConfigError(
-                "qwen2_moe with dense layers (decoder_sparse_step != 1 or "
+                f"{shape.model_type} with dense layers (decoder_sparse_step != 1 or "
                 "mlp_only_layers) is not supported by engine-megatron"
             )
     return TransformerConfig(**kwargs)
 
 
-def block_spec(config: TransformerConfig, vp_stage: int | None) -> TransformerBlockSubmodules:
+def block_spec(
+    config: TransformerConfig, vp_stage: int | None, attention_kernel: str = "torch"
+) -> TransformerBlockSubmodules:
     spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=config.qk_layernorm,
     )
     spec = copy.deepcopy(spec)
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
-    spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+    if config.qk_layernorm:
+        spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=SegmentAttention, params={"kernel": attention_kernel}
+    )
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
 
@@ -219,6 +258,7 @@ class TephraGPT(torch.nn.Module):
         temperature: float,
         value_head_seed: int,
         compute_entropy: bool = True,
+        attention_kernel: str = "torch",
     ):
         super().__init__()
         self.config = config
@@ -226,20 +266,22 @@ class TephraGPT(torch.nn.Module):
         self.role = role
         self.temperature = temperature
         self.compute_entropy = compute_entropy
+        # set by the engine's forward for one call when the caller asks for sum_pi_squared
+        self.sum_pi_squared = False
         shape = model_shape(hf_config)
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         self.pre_process, self.post_process = pre, post
         self.gpt = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(config, vp_stage),
+            transformer_layer_spec=block_spec(config, vp_stage, attention_kernel),
             vocab_size=shape.vocab_size,
             max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
             pre_process=pre,
             post_process=post,
             share_embeddings_and_output_weights=shape.tie_word_embeddings and role == "policy",
             position_embedding_type="rope",
-            rotary_base=float(getattr(hf_config, "rope_theta", 10000.0)),
+            rotary_base=rope_theta(hf_config),
             parallel_output=True,
             vp_stage=vp_stage,
         )
@@ -252,7 +294,7 @@ class TephraGPT(torch.nn.Module):
                 head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.02)
             self.value_head = head
         inv = 1.0 / (
-            float(getattr(hf_config, "rope_theta", 10000.0))
+            rope_theta(hf_config)
             ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim)
         )
         self.register_buffer("inv_freq", inv, persistent=False)
@@ -277,7 +319,7 @@ class TephraGPT(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, attention_mask, labels):
         """input_ids, position_ids, labels `[b, s]` (this CP rank's positions);
-        attention_mask bool `[b, 1, S, S]` over the full sequence (True = may attend)."""
+        attention_mask: the attention plan `[n, 5]` (`core_attention.attention_plan`)."""
         decoder_input = None
         if self.pre_process:
             decoder_input = self.gpt.embedding(input_ids=input_ids, position_ids=None)
@@ -304,14 +346,17 @@ class TephraGPT(torch.nn.Module):
             else self.gpt.output_layer.weight
         )
         s, b, h = hidden.shape
-        logp, ent = vocab_parallel_logprob_entropy(
+        outs = vocab_parallel_logprob_entropy(
             hidden.transpose(0, 1).reshape(b * s, h),
             weight,
             labels.reshape(b * s),
             parallel_state.get_tensor_model_parallel_group(),
             temperature=self.temperature,
             compute_entropy=self.compute_entropy,
+            compute_sum_pi_squared=self.sum_pi_squared,
         )
+        logp, ent = outs[0], outs[1]
         if ent is None:
             ent = torch.zeros_like(logp)
-        return torch.stack([logp, ent], dim=-1).reshape(b, s, 2)
+        # [b, s, k]: log-probs, entropy, then sum pi^2 when asked (the engine's output keys)
+        return torch.stack([logp, ent, *outs[2:]], dim=-1).reshape(b, s, -1)

@@ -44,6 +44,39 @@ TINY_MOE: dict[str, Any] = dict(
 )
 """A tiny Qwen2-MoE: 4 experts, top-2, a gated shared expert."""
 
+_TINY_COMMON: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rope_theta=1e6,  # not the default: a model that ignored it would differ
+)
+TINY_QWEN3: dict[str, Any] = dict(model_type="qwen3", **_TINY_COMMON)
+"""A tiny Qwen3: RMSNorm on each query and key head, no qkv bias."""
+TINY_MISTRAL: dict[str, Any] = dict(model_type="mistral", sliding_window=64, **_TINY_COMMON)
+"""A tiny Mistral (Llama-like, no bias) with a 64-token sliding window."""
+TINY_QWEN3_MOE: dict[str, Any] = dict(
+    model_type="qwen3_moe",
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    **_TINY_COMMON,
+)
+"""A tiny Qwen3-MoE: q/k norm, 4 experts, top-2 with renormalised weights, no shared expert."""
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3": TINY_QWEN3,
+    "mistral": TINY_MISTRAL,
+    "qwen3_moe": TINY_QWEN3_MOE,
+}
+
 
 def base_config(
     hf_config: dict[str, Any], parallel: dict[str, Any] | None = None, **sections: Any
@@ -126,6 +159,7 @@ def rank_conformance_runs(
         "dense": TINY_DENSE,
         "moe": TINY_MOE,
         "dense_tied": {**TINY_DENSE, "tie_word_embeddings": True},
+        **FAMILIES,
     }
     return [
         rank_conformance(models[m], parallel, str(Path(workdir) / f"run{i}"), disp, checks)
@@ -224,3 +258,123 @@ def rank_sequence(calls: list[tuple[Any, tuple]]) -> list[Any]:
     """Several rank functions `(fn, args)` one after the other in one process group (saves a
     process start, ~10 s of importing megatron per rank, per call)."""
     return [fn(*args) for fn, args in calls]
+
+
+def gathered_hf_weights(engine) -> dict[str, torch.Tensor]:
+    """The export as it was before streaming, kept as the tests' reference: every rank
+    completes its weights over TP, then `all_gather_object` hands the whole model to every
+    rank (peak host memory: the model, pickled, on every rank)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from tephra.engine_megatron import hf_conversion as conv
+
+    owned: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, int], torch.Tensor] = {}
+    keep_local = (
+        ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        and ps.get_tensor_model_parallel_rank() == 0
+    )
+    keep_expert = (
+        ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
+    )
+    with torch.no_grad():
+        for chunk in engine.chunks:
+            offsets = engine._layer_offsets(chunk)
+            for name, param in chunk.named_parameters():
+                m = conv.match(name, offsets)
+                _, size, group = engine._shard_coords(m)
+                if m.kind == "rep" or size == 1:
+                    shards = [param.detach()]
+                else:
+                    shards = [torch.empty_like(param) for _ in range(size)]
+                    dist.all_gather(shards, param.detach().contiguous(), group=group)
+                pieces = conv.from_megatron(m, [s.clone() for s in shards], engine._heads)
+                if m.is_expert:
+                    if keep_expert:
+                        for hf_name, t in pieces.items():
+                            experts[(hf_name, engine._global_expert(m))] = t
+                elif keep_local:
+                    owned.update(pieces)
+    everything: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, (owned, experts))
+    full: dict[str, torch.Tensor] = {}
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    for rank_owned, rank_experts in everything:
+        full.update(rank_owned)
+        for (hf_name, e), t in rank_experts.items():
+            stacked.setdefault(hf_name, {})[e] = t
+    for hf_name, by_expert in stacked.items():
+        full[hf_name] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    if engine.shape.tie_word_embeddings and engine.config.model.role == "policy":
+        full.pop("lm_head.weight", None)
+    return full
+
+
+def rank_streamed_export(runs: list[tuple[str, dict[str, Any]]], workdir: str) -> list[dict]:
+    """For each (model, parallel) run: build, take one AdamW step (the weights then differ
+    from the HF init on every shard), then compare the streamed `export_weights` (tiny
+    buckets, with and without the untied head) and `export_hf` against
+    `gathered_hf_weights`. Returns per run: whether every rank's export equals it bitwise,
+    the bucket count, and (rank 0) whether the written safetensors equal it bitwise."""
+    from safetensors.torch import load_file
+
+    from tephra.engine_api.testing import nll_loss_fn, random_batch
+    from tephra.engine_megatron.engine import MegatronEngine
+    from tephra.engine_megatron.hf_conversion import checkpoint_format
+
+    models = {
+        "dense": TINY_DENSE,
+        "moe": TINY_MOE,
+        "dense_tied": {**TINY_DENSE, "tie_word_embeddings": True},
+    }
+    out = []
+    for i, (model, parallel) in enumerate(runs):
+        cfg = models[model]
+        engine = MegatronEngine.build(base_config(cfg, parallel))
+        batch = random_batch(cfg["vocab_size"], num_sequences=4, seed=i)
+        with engine.train_mode():
+            engine.forward_backward(batch, nll_loss_fn)
+            engine.optimizer_step()
+        want = gathered_hf_weights(engine)
+        buckets = list(engine.export_weights(bucket_bytes=20_000))
+        got = [pair for bucket in buckets for pair in bucket]
+        names = [n for n, _ in got]
+        streamed = dict(got)
+        untied = dict(w for b in engine.export_weights(untie_word_embeddings=True) for w in b)
+        folder = Path(workdir) / f"run{i}"
+        engine.export_hf(folder)
+        result = {
+            "unique_names": len(names) == len(set(names)),
+            "export_equal": streamed.keys() == want.keys()
+            and all(torch.equal(streamed[k].cpu(), want[k].cpu()) for k in want),
+            # tied: the head is yielded only when asked for, as the embedding
+            "untied_head": torch.equal(untied["lm_head.weight"], want["model.embed_tokens.weight"])
+            if engine.shape.tie_word_embeddings
+            else untied.keys() == want.keys(),
+            "buckets": len(buckets),
+        }
+        if torch.distributed.get_rank() == 0:
+            written = load_file(folder / "model.safetensors")
+            want = checkpoint_format(want)  # experts one by one, as checkpoints store them
+            result["hf_equal"] = written.keys() == want.keys() and all(
+                torch.equal(written[k], want[k].cpu()) for k in want
+            )
+        out.append(result)
+    return out
+
+
+def rank_step(hf_config: dict[str, Any], parallel: dict[str, Any], batch, overrides=None):
+    """Forward log-probs, then one step's loss and grad norm, of an engine built from
+    `hf_config` with `parallel` (every rank gets the same batch)."""
+    from tephra.engine_api.testing import nll_loss_fn
+    from tephra.engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine.build(
+        apply_overrides(base_config(hf_config, parallel), overrides or {})
+    )
+    log_probs = engine.forward(batch)["log_probs"]
+    with engine.train_mode():
+        loss = engine.forward_backward(batch, nll_loss_fn)["loss"]
+        norm = engine.optimizer_step()
+    return loss, norm, log_probs

@@ -3,6 +3,8 @@
 Forward, per chunk of C tokens (all in fp32):
     z = (h_c @ W.T) / T,   lse = logsumexp(z),   logp = z[label] - lse,
     H = -sum_v p_v log p_v    with log p = z - lse
+    Q = sum_v p_v^2 = sum_v exp(2 log p_v)    (on request; no gradient: a statistic of the
+                                               policy that advantage estimators read)
 Only lse and H ([tokens] each) are kept for backward; backward recomputes z chunk by chunk,
 except when all of log p fits in KEEP_LOGITS_BYTES: then forward keeps it and backward skips
 one of the head's four [tokens, hidden] x [hidden, vocab] products.
@@ -88,7 +90,8 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         compute_entropy: bool,
         chunk_size: int,
         keep_logits_bytes: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        compute_sum_pi_squared: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         inv_temp = 1.0 / temperature
         weight32 = weight.float()  # no copy for fp32 weights
@@ -97,6 +100,7 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(log_probs)
         entropy = torch.zeros_like(log_probs)
+        sum_pi_squared = torch.zeros_like(log_probs)
         # backward gets each chunk's log p from here instead of recomputing it, when they fit
         keep = any(ctx.needs_input_grad[:2]) and 4 * n * weight.shape[0] <= keep_logits_bytes
         kept: list[torch.Tensor] = []
@@ -111,6 +115,8 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
             if compute_entropy:
                 # -sum p log p, not lse - sum p z: the latter cancels two large numbers
                 entropy[sl] = log_p.exp().mul_(log_p).sum(-1).neg_()
+            if compute_sum_pi_squared:
+                sum_pi_squared[sl] = log_p.mul(2.0).exp_().sum(-1)
             if keep:
                 kept.append(log_p)
             del z, log_p
@@ -122,14 +128,15 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         ctx.chunk_size = chunk_size
         if not compute_entropy:
             ctx.mark_non_differentiable(entropy)
-        return log_probs, entropy
+        ctx.mark_non_differentiable(sum_pi_squared)
+        return log_probs, entropy, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor):
+    def backward(ctx, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor, _grad_q=None):
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
-            return (None,) * 8
+            return (None,) * 9
         n = hidden.shape[0]
         inv_temp = 1.0 / ctx.temperature
         weight32 = weight.float()
@@ -176,6 +183,7 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -189,13 +197,15 @@ def chunked_logprob_entropy(
     compute_entropy: bool = True,
     chunk_size: int | None = None,
     keep_logits_bytes: int = KEEP_LOGITS_BYTES,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked path on validated 2-D inputs; returns (log_probs, entropy), both fp32 [tokens].
+    compute_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Chunked path on validated 2-D inputs; returns (log_probs, entropy), both fp32 [tokens],
+    and sum_pi_squared [tokens] fp32 as a third element when `compute_sum_pi_squared`.
     Forward keeps the log-probs for backward when [tokens, vocab] fp32 is at most
     `keep_logits_bytes` (0: always recompute, the least memory)."""
     if chunk_size is None:
         chunk_size = auto_chunk_tokens(weight.shape[0], hidden.shape[0])
-    return ChunkedLogprobEntropy.apply(
+    log_probs, entropy, sum_pi_squared = ChunkedLogprobEntropy.apply(
         hidden,
         weight,
         labels,
@@ -204,4 +214,8 @@ def chunked_logprob_entropy(
         compute_entropy,
         chunk_size,
         keep_logits_bytes,
+        compute_sum_pi_squared,
     )
+    if compute_sum_pi_squared:
+        return log_probs, entropy, sum_pi_squared
+    return log_probs, entropy

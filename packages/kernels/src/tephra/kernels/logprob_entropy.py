@@ -34,11 +34,9 @@ def _triton_logprob_entropy(*args, **kwargs):
     return triton_logprob_entropy(*args, **kwargs)
 
 
-def _naive(hidden, weight, labels, temperature, ignore_index, *, compute_entropy, chunk_size):
+def _naive(hidden, weight, labels, temperature, ignore_index, *, chunk_size, **flags):
     del chunk_size  # the reference has no chunks
-    return naive_logprob_entropy(
-        hidden, weight, labels, temperature, ignore_index, compute_entropy=compute_entropy
-    )
+    return naive_logprob_entropy(hidden, weight, labels, temperature, ignore_index, **flags)
 
 
 METHODS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = Registry(
@@ -142,7 +140,8 @@ def linear_logprob_entropy(
     method: str = "auto",
     chunk_size: int | None = None,
     keep_logits_bytes: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    compute_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Log-prob of each label and entropy of softmax((hidden @ weight.T) / temperature).
 
     hidden [..., hidden_size] (fp32 or bf16), weight [vocab, hidden_size] (same dtype),
@@ -154,7 +153,10 @@ def linear_logprob_entropy(
     Ignored positions get no gradient through log_probs; mask entropy yourself if needed.
     Gradients flow to hidden and weight; the [tokens, vocab] logits are never held whole
     (except by method="naive"). All math is fp32 inside; gradients come back in the input
-    dtype. chunk_size is tokens per chunk for "chunked" (None: about 32 MiB of logits);
+    dtype. With `compute_sum_pi_squared`, a third element
+        sum_pi_squared = sum_v softmax(z)_v^2                  [...] fp32, every position,
+    computed in the same pass over the vocabulary (no gradient: a statistic of the policy,
+    e.g. for the optimal-token-baseline advantage estimators). chunk_size is tokens per chunk for "chunked" (None: about 32 MiB of logits);
     keep_logits_bytes is how large the [tokens, vocab] log-probs may be for "chunked" to keep
     them from forward to backward instead of recomputing (None: KEEP_LOGITS_BYTES, 0: never).
     """
@@ -176,7 +178,7 @@ def linear_logprob_entropy(
         else {}
     )
     lead = labels.shape
-    log_probs, entropy = METHODS.get(name)(
+    outs = METHODS.get(name)(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         labels.reshape(-1).long(),
@@ -185,5 +187,15 @@ def linear_logprob_entropy(
         compute_entropy=compute_entropy,
         chunk_size=chunk_size,
         **extra,
+        **({"compute_sum_pi_squared": True} if compute_sum_pi_squared else {}),
     )
-    return log_probs.reshape(lead), entropy.reshape(lead) if compute_entropy else None
+    log_probs, entropy = outs[0].reshape(lead), outs[1]
+    entropy = entropy.reshape(lead) if compute_entropy else None
+    return (
+        (log_probs, entropy, outs[2].reshape(lead))
+        if compute_sum_pi_squared
+        else (
+            log_probs,
+            entropy,
+        )
+    )

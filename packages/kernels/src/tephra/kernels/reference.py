@@ -6,6 +6,7 @@ statement of the contract:
     z      = (hidden @ weight.T) / temperature          [tokens, vocab], computed in fp32
     logp_i = z[i, labels_i] - logsumexp(z[i])           0 where labels_i == ignore_index
     H_i    = -sum_v softmax(z[i])_v * log_softmax(z[i])_v   (for every position)
+    Q_i    = sum_v softmax(z[i])_v ** 2                      (on request; every position)
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ def naive_logprob_entropy(
     ignore_index: int = -100,
     *,
     compute_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    compute_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Per-token log-prob of `labels` and entropy, materialising the logits.
 
     hidden [tokens, hidden], weight [vocab, hidden], labels [tokens] ->
-    (log_probs [tokens] fp32, entropy [tokens] fp32 or None). Plain autograd gives the gradients.
+    (log_probs [tokens] fp32, entropy [tokens] fp32 or None), plus sum_pi_squared [tokens]
+    fp32 (no gradient) as a third element when `compute_sum_pi_squared`. Plain autograd gives
+    the gradients.
     """
     logits = (hidden.float() @ weight.float().T) / temperature
     log_p = torch.log_softmax(logits, dim=-1)
@@ -33,4 +37,6 @@ def naive_logprob_entropy(
     picked = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
     log_probs = torch.where(valid, picked, torch.zeros_like(picked))
     entropy = -(log_p.exp() * log_p).sum(-1) if compute_entropy else None
+    if compute_sum_pi_squared:
+        return log_probs, entropy, (2 * log_p.detach()).exp().sum(-1)
     return log_probs, entropy

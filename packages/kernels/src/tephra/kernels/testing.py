@@ -68,6 +68,13 @@ def vocab_parallel_worker(rank: int, world: int, port: int, queue) -> None:
                 (gh - ref_gh).abs().max().item(),
                 (gw - ref_gw[lo:hi]).abs().max().item(),
             ]
+        # sum_pi_squared rides on the forward's all-reduce: against a float64 softmax
+        lo, hi = [0, 52, 70][rank], [0, 52, 70][rank + 1]
+        _, _, q = vocab_parallel_logprob_entropy(
+            h, w[lo:hi], y, None, 0.8, vocab_start=lo, compute_sum_pi_squared=True
+        )
+        ref_q = torch.softmax((h.double() @ w.double().T) / 0.8, -1).pow(2).sum(-1)
+        errors["sum_pi_squared"] = [(q.double() - ref_q).abs().max().item()]
         queue.put((rank, errors))
     finally:
         dist.destroy_process_group()

@@ -8,6 +8,7 @@ Forward, one program per block of BLOCK_N tokens, looping over vocab blocks of B
     m' = max(m, max_v z);  a = exp(m - m')
     s  = s a + sum_v exp(z - m')           (running sum-exp)
     t  = a (t + s (m - m')) + sum_v exp(z - m') (z - m')    (sum of e (z - m), for H)
+    u  = u a^2 + sum_v exp(z - m')^2       (on request, for Q = sum_v p_v^2 = u / s^2)
     lse = m + log s,  logp = z[label] - lse,  H = -sum p log p = log s - t / s
 (t is kept relative to the running max: lse - sum p z would cancel two large numbers)
 Backward recomputes z tile by tile (see chunked.py for dL/dz) in two kernels that each own
@@ -88,6 +89,7 @@ def _forward_kernel(
     lse_ptr,
     logp_ptr,
     ent_ptr,
+    q_ptr,
     N,
     V,
     H,
@@ -98,6 +100,7 @@ def _forward_kernel(
     inv_temp,
     ignore_index,
     COMPUTE_ENTROPY: tl.constexpr,
+    COMPUTE_SUM_PI_SQUARED: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -109,6 +112,7 @@ def _forward_kernel(
     m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     t = tl.zeros([BLOCK_N], dtype=tl.float32)
+    u = tl.zeros([BLOCK_N], dtype=tl.float32)
     label_z = tl.zeros([BLOCK_N], dtype=tl.float32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
@@ -143,6 +147,8 @@ def _forward_kernel(
             t = alpha * (t + shift) + tl.sum(
                 e * tl.where(col_mask[None, :], z - m_new[:, None], 0.0), axis=1
             )
+        if COMPUTE_SUM_PI_SQUARED:
+            u = u * alpha * alpha + tl.sum(e * e, axis=1)
         label_z += tl.sum(tl.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
         m = m_new
     lse = m + tl.log(s)
@@ -151,6 +157,8 @@ def _forward_kernel(
     tl.store(logp_ptr + rows, tl.where(valid, label_z - lse, 0.0), mask=row_mask)
     if COMPUTE_ENTROPY:
         tl.store(ent_ptr + rows, tl.log(s) - t / s, mask=row_mask)
+    if COMPUTE_SUM_PI_SQUARED:
+        tl.store(q_ptr + rows, u / (s * s), mask=row_mask)
 
 
 @triton.jit
@@ -293,13 +301,16 @@ class TritonLogprobEntropy(torch.autograd.Function):
     """autograd.Function around the three kernels above."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, ignore_index, compute_entropy, blocks):
+    def forward(
+        ctx, hidden, weight, labels, temperature, ignore_index, compute_entropy, blocks, sum_sq
+    ):
         n, h = hidden.shape
         v = weight.shape[0]
         labels = labels.contiguous()
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         log_probs = torch.empty_like(lse)
         entropy = torch.zeros_like(lse)
+        sum_pi_squared = torch.zeros_like(lse)
         bn, bv, bh = blocks["block_n"], blocks["block_v"], blocks["block_h"]
         _forward_kernel[(triton.cdiv(n, bn),)](
             hidden,
@@ -308,6 +319,7 @@ class TritonLogprobEntropy(torch.autograd.Function):
             lse,
             log_probs,
             entropy,
+            sum_pi_squared,
             n,
             v,
             h,
@@ -318,6 +330,7 @@ class TritonLogprobEntropy(torch.autograd.Function):
             1.0 / temperature,
             ignore_index,
             COMPUTE_ENTROPY=compute_entropy,
+            COMPUTE_SUM_PI_SQUARED=sum_sq,
             PRECISION=_precision(hidden.dtype),
             BLOCK_N=bn,
             BLOCK_V=bv,
@@ -328,14 +341,15 @@ class TritonLogprobEntropy(torch.autograd.Function):
         ctx.compute_entropy, ctx.blocks = compute_entropy, blocks
         if not compute_entropy:
             ctx.mark_non_differentiable(entropy)
-        return log_probs, entropy
+        ctx.mark_non_differentiable(sum_pi_squared)
+        return log_probs, entropy, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
+    def backward(ctx, grad_log_probs, grad_entropy, _grad_q=None):
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
-            return (None,) * 7
+            return (None,) * 8
         n, h = hidden.shape
         v = weight.shape[0]
         valid = labels != ctx.ignore_index
@@ -387,7 +401,7 @@ class TritonLogprobEntropy(torch.autograd.Function):
                 **common,
             )
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def triton_logprob_entropy(
@@ -400,15 +414,23 @@ def triton_logprob_entropy(
     compute_entropy: bool = True,
     chunk_size: int | None = None,
     blocks: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    compute_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Triton path on validated 2-D inputs. chunk_size is unused (the kernels tile by blocks);
-    blocks overrides DEFAULT_BLOCKS (keys block_n, block_v, block_h; powers of two >= 16)."""
+    blocks overrides DEFAULT_BLOCKS (keys block_n, block_v, block_h; powers of two >= 16).
+    With `compute_sum_pi_squared`, sum_pi_squared [tokens] fp32 is a third element."""
     if hidden.shape[0] == 0:  # an empty grid is not a valid launch; nothing to fuse anyway
         return chunked_logprob_entropy(
-            hidden, weight, labels, temperature, ignore_index, compute_entropy=compute_entropy
+            hidden,
+            weight,
+            labels,
+            temperature,
+            ignore_index,
+            compute_entropy=compute_entropy,
+            compute_sum_pi_squared=compute_sum_pi_squared,
         )
     del chunk_size
-    return TritonLogprobEntropy.apply(
+    log_probs, entropy, sum_pi_squared = TritonLogprobEntropy.apply(
         hidden,
         weight,
         labels,
@@ -416,4 +438,8 @@ def triton_logprob_entropy(
         ignore_index,
         compute_entropy,
         {**DEFAULT_BLOCKS, **(blocks or {})},
+        compute_sum_pi_squared,
     )
+    if compute_sum_pi_squared:
+        return log_probs, entropy, sum_pi_squared
+    return log_probs, entropy

@@ -8,6 +8,8 @@ chunk by chunk (never the whole [tokens, V_r] at once). Per token it keeps
 and two collectives over the whole batch combine them (a_r = e^(m_r - M)):
     M = all_reduce_max(m_r);   S, T, L = all_reduce_sum(s_r a_r, (t_r + s_r (m_r - M)) a_r, l_r)
     lse = M + log S,   logp = L - lse,   H = -sum p log p = log S - T / S
+On request, also u_r = sum_v exp(2 (z_v - m_r)) and U = all_reduce_sum(u_r a_r^2) in the same
+all-reduce, for Q = sum_v p_v^2 = U / S^2 (no gradient).
 Backward recomputes the shard's logits and uses the same dL/dz as chunked.py (the one-hot
 term only where the label lives in this shard):
     grad W_r = dz_r.T @ h    (local)       grad h = all_reduce_sum(dz_r @ W_r)
@@ -40,6 +42,7 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         vocab_start,
         compute_entropy,
         chunk_size,
+        compute_sum_pi_squared=False,
     ):
         n = hidden.shape[0]
         v_shard = weight_shard.shape[0]
@@ -49,7 +52,7 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         local = labels - vocab_start
         in_shard = valid & (local >= 0) & (local < v_shard)
         local = torch.where(in_shard, local, 0)
-        stats = torch.zeros(4, n, dtype=torch.float32, device=hidden.device)  # m, s, t, l
+        stats = torch.zeros(5, n, dtype=torch.float32, device=hidden.device)  # m, s, t, l, u
         for start in range(0, n, chunk_size):
             sl = slice(start, min(start + chunk_size, n))
             z = chunk_logits(hidden[sl], weight32, inv_temp)
@@ -60,6 +63,8 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
             e = shifted.exp()
             stats[0, sl] = m
             stats[1, sl] = e.sum(-1)
+            if compute_sum_pi_squared:
+                stats[4, sl] = (e * e).sum(-1)
             if compute_entropy:
                 stats[2, sl] = e.mul_(shifted).sum(-1)
             del e
@@ -68,13 +73,14 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         dist.all_reduce(big_m, op=dist.ReduceOp.MAX, group=group)
         scale = torch.exp(stats[0] - big_m)
         shifted_t = (stats[2] + stats[1] * (stats[0] - big_m)) * scale
-        sums = torch.stack([stats[1] * scale, shifted_t, stats[3]])
+        sums = torch.stack([stats[1] * scale, shifted_t, stats[3], stats[4] * scale * scale])
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         lse = big_m + torch.log(sums[0])
         log_probs = torch.where(valid, sums[2] - lse, 0.0)
         entropy = (
             torch.log(sums[0]) - sums[1] / sums[0] if compute_entropy else torch.zeros_like(lse)
         )
+        sum_pi_squared = sums[3] / (sums[0] * sums[0])
         ctx.save_for_backward(hidden, weight_shard, labels, lse, entropy)
         ctx.group, ctx.temperature, ctx.ignore_index = group, temperature, ignore_index
         ctx.vocab_start, ctx.compute_entropy, ctx.chunk_size = (
@@ -84,10 +90,11 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         )
         if not compute_entropy:
             ctx.mark_non_differentiable(entropy)
-        return log_probs, entropy
+        ctx.mark_non_differentiable(sum_pi_squared)
+        return log_probs, entropy, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy):
+    def backward(ctx, grad_log_probs, grad_entropy, _grad_q=None):
         hidden, weight_shard, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = hidden.shape[0]
@@ -136,6 +143,7 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -150,7 +158,8 @@ def vocab_parallel_logprob_entropy(
     vocab_start: int | None = None,
     compute_entropy: bool = True,
     chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    compute_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """linear_logprob_entropy with the weight split along the vocabulary over `group`.
 
     hidden [..., hidden_size] (the same on every rank of `group`), weight_shard
@@ -160,6 +169,8 @@ def vocab_parallel_logprob_entropy(
     default group. vocab_start=None assumes equal shards in rank order:
     rank_in_group * vocab_shard. Collective: every rank of `group` must call it, and call
     backward. The returned hidden gradient is already summed over the group.
+    With `compute_sum_pi_squared`, a third element sum_pi_squared [...] fp32 (sum_v p_v^2 of
+    the full softmax, no gradient) rides on the forward's all-reduce.
     """
     check_inputs(hidden, weight_shard, labels, temperature, chunk_size, weight_name="weight_shard")
     if not dist.is_available() or not dist.is_initialized():
@@ -181,7 +192,7 @@ def vocab_parallel_logprob_entropy(
     flat = hidden.reshape(-1, n_hidden)
     if chunk_size is None:
         chunk_size = auto_chunk_tokens(weight_shard.shape[0], flat.shape[0])
-    log_probs, entropy = VocabParallelLogprobEntropy.apply(
+    log_probs, entropy, sum_pi_squared = VocabParallelLogprobEntropy.apply(
         flat,
         weight_shard,
         labels.reshape(-1).long(),
@@ -191,6 +202,8 @@ def vocab_parallel_logprob_entropy(
         vocab_start,
         compute_entropy,
         chunk_size,
+        compute_sum_pi_squared,
     )
     lead = labels.shape
-    return log_probs.reshape(lead), entropy.reshape(lead) if compute_entropy else None
+    out = (log_probs.reshape(lead), entropy.reshape(lead) if compute_entropy else None)
+    return (*out, sum_pi_squared.reshape(lead)) if compute_sum_pi_squared else out

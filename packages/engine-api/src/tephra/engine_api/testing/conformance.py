@@ -157,6 +157,45 @@ def check_forward_matches_reference(spec: ConformanceSpec) -> None:
         _close("entropy", out["entropy"], ent, spec.atol)
 
 
+def reference_sum_pi_squared(
+    ref: ReferenceModel, batch: TensorDict, temperature: float
+) -> torch.Tensor:
+    """Naive sum_v p_v^2 `[B, T]` (float64 softmax of the full logits) aligned to tokens, zero
+    off-response: the `sum_pi_squared` extra output of `Engine.forward`."""
+    with torch.no_grad():
+        logits = ref.logits(batch[B.INPUT_IDS], batch[B.ATTENTION_MASK], batch[B.POSITION_IDS])
+        p = F.softmax(logits.double() / temperature, dim=-1)
+        q = torch.zeros(batch[B.INPUT_IDS].shape, dtype=torch.float64)
+        q[:, 1:] = p[:, :-1].pow(2).sum(-1)
+    mask: torch.Tensor = batch[B.RESPONSE_MASK]
+    return q * mask.bool()
+
+
+def check_forward_sum_pi_squared(spec: ConformanceSpec) -> None:
+    """`forward(batch, extra_outputs=("sum_pi_squared",))` adds sum_v p_v^2 per response
+    token (a plain model's, in float64) and leaves the other outputs as they were; an
+    unknown extra output is refused with a ConfigError naming it."""
+    engine = spec.make_engine({})
+    if engine.config.model.role != "policy":
+        return
+    share = _share(engine, _kit_batch(spec))
+    with engine.eval_mode():
+        plain = engine.forward(share)
+        out = engine.forward(share, extra_outputs=("sum_pi_squared",))
+        try:
+            engine.forward(share, extra_outputs=("sum_pi_cubed",))
+        except ConfigError as exc:
+            assert "sum_pi_cubed" in str(exc), f"the error does not name the output: {exc}"
+        else:
+            raise AssertionError("forward accepted extra_outputs=('sum_pi_cubed',)")
+    assert "sum_pi_squared" in out.keys(), "forward returned no 'sum_pi_squared' when asked"
+    assert "sum_pi_squared" not in plain.keys(), "forward returned 'sum_pi_squared' unasked"
+    assert out["sum_pi_squared"].dtype == torch.float32, "sum_pi_squared is not float32"
+    want = reference_sum_pi_squared(spec.make_reference(), share, engine.config.temperature)
+    _close("sum_pi_squared", out["sum_pi_squared"], want, spec.atol)
+    _close("log_probs with sum_pi_squared", out["log_probs"], plain["log_probs"], 0.0)
+
+
 def check_forward_builds_no_graph(spec: ConformanceSpec) -> None:
     """`forward` returns tensors without autograd history."""
     engine = spec.make_engine({})
@@ -406,6 +445,7 @@ def check_adapter_export_matches(spec: ConformanceSpec) -> None:
 CHECKS: dict[str, Callable[[ConformanceSpec], None]] = {
     "forward_matches_reference": check_forward_matches_reference,
     "forward_builds_no_graph": check_forward_builds_no_graph,
+    "forward_sum_pi_squared": check_forward_sum_pi_squared,
     "optimizer_step_lowers_loss": check_optimizer_step_lowers_loss,
     "grad_accumulation_matches": check_grad_accumulation_matches,
     "packed_equals_padded": check_packed_equals_padded,
