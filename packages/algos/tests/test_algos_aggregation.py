@@ -18,6 +18,7 @@ from tephra.algos import (
     PolicyLossConfig,
     RegistryError,
     aggregate_loss,
+    compute_policy_loss,
     global_normalisers,
 )
 from tephra.algos.testing import random_mask, response_positions
@@ -252,7 +253,6 @@ def test_trainer_path_equals_compute_policy_loss(loss, mode):
     """Every policy loss in every aggregation mode, with rollout IS weights: ActorObjective
     (what the engines run) gives compute_policy_loss's value and gradient; a loss that fixes
     its own aggregation (geo_mean) ignores `mode` in both, as verl does."""
-    from tephra.algos import compute_policy_loss
 
     gen = torch.Generator().manual_seed(3)
     mask = random_mask(gen, 5, 7)

@@ -15,10 +15,16 @@ import torch
 
 from tephra.algos import (
     ADVANTAGE_ESTIMATORS,
+    AGGREGATION_MODES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    REJECTION_OPTIONS,
     AdvantageConfig,
     ConfigError,
     InputError,
+    PolicyLossConfig,
     compute_advantages,
+    compute_policy_loss,
 )
 from tephra.algos.testing import outcome_rewards, random_group_ids, random_mask
 
@@ -236,8 +242,6 @@ def naive_gdpo(mask, groups, comps, weights, eps=1e-6, by_std=True):
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("by_std", [True, False])
 def test_gdpo_matches_naive(seed, by_std):
-    from tephra.algos import AdvantageConfig
-
     rewards, mask, groups, _, _ = _batch(seed)
     gen = torch.Generator().manual_seed(100 + seed)
     comps = torch.randint(0, 3, (mask.shape[0], 3), generator=gen).to(torch.float64)
@@ -266,8 +270,6 @@ def test_gdpo_matches_naive(seed, by_std):
 
 
 def test_gdpo_bad_input_names_the_field():
-    from tephra.algos import AdvantageConfig
-
     rewards, mask, groups, _, _ = _batch(0)
     comps = torch.zeros(mask.shape[0], 2, dtype=torch.float64)
     with pytest.raises(InputError, match="gdpo_reward_weights has 3 weights for 2 reward"):
@@ -312,8 +314,6 @@ def naive_loss_token(name, lp, old, a, cfg):
 
 
 def _loss_cfg():
-    from tephra.algos import PolicyLossConfig
-
     return PolicyLossConfig(
         clip_ratio_low=0.1, clip_ratio_high=0.15, dro_beta=0.3, dppo_ratio_cap=1.5
     )
@@ -332,8 +332,6 @@ def _loss_batch(seed, batch=5, seq=9):
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("name", ["dro", "dppo_tv", "dppo_kl"])
 def test_losses_match_naive_values_and_gradients(name, seed):
-    from tephra.algos import POLICY_LOSSES, compute_policy_loss
-
     cfg = _loss_cfg()
     lp, old, adv, mask = _loss_batch(seed)
     lp = lp.requires_grad_(True)
@@ -369,7 +367,6 @@ def test_dro_gradcheck():
     # DRO has no stop-gradient, so finite differences see the autograd gradient. (DPPO's
     # weight sg(min(r, C)) is a constant of autograd but not of a finite difference: its
     # gradient is checked against the hand-derived -A min(r, C) valid above.)
-    from tephra.algos.policy_losses import POLICY_LOSSES
 
     cfg = _loss_cfg()
     lp, old, adv, mask = _loss_batch(11)
@@ -380,8 +377,6 @@ def test_dro_gradcheck():
 
 
 def test_dppo_tv_mask_by_hand():
-    from tephra.algos.policy_losses import POLICY_LOSSES
-
     cfg = _loss_cfg()  # eps_l = 0.1, eps_h = 0.15
     old = torch.tensor([[0.5, 0.5, 0.5, 0.5]], dtype=torch.float64).log()
     new = torch.tensor([[0.7, 0.6, 0.3, 0.45]], dtype=torch.float64).log()
@@ -393,8 +388,6 @@ def test_dppo_tv_mask_by_hand():
 
 
 def test_new_loss_config_fields_are_checked():
-    from tephra.algos import ConfigError, PolicyLossConfig
-
     with pytest.raises(ConfigError, match="dro_beta"):
         PolicyLossConfig(dro_beta=0.0)
     with pytest.raises(ConfigError, match="dppo_ratio_cap"):
@@ -420,8 +413,6 @@ def _verl_table_names() -> list[str]:
 
 
 def test_every_verl_table_name_resolves():
-    from tephra.algos import AGGREGATION_MODES, KL_ESTIMATORS, POLICY_LOSSES, REJECTION_OPTIONS
-
     names = _verl_table_names()
     assert {
         "gdpo",
@@ -465,7 +456,6 @@ def test_every_verl_table_name_resolves():
 )
 def test_app_config_accepts_or_refuses_clearly(overrides, ok):
     main = pytest.importorskip("tephra.apps.ppo.main")
-    from tephra.core.errors import ConfigError
 
     if ok:
         main.parse_config(["-p", "smoke", *overrides])
@@ -475,9 +465,6 @@ def test_app_config_accepts_or_refuses_clearly(overrides, ok):
 
 
 def test_bypass_mode_is_the_clipped_surrogate_on_rollout_log_probs():
-    from tephra.algos import POLICY_LOSSES
-    from tephra.algos.config import PolicyLossConfig
-
     g = torch.Generator().manual_seed(3)
     lp, rollout, adv = (torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.ones(4, 6, dtype=torch.float64)
@@ -493,7 +480,6 @@ def test_bypass_mode_is_the_clipped_surrogate_on_rollout_log_probs():
 
 def test_bypass_mode_without_the_bypass_correction_is_refused():
     main = pytest.importorskip("tephra.apps.ppo.main")
-    from tephra.core.errors import ConfigError
 
     with pytest.raises(
         ConfigError,

@@ -6,6 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import resource
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -256,9 +259,6 @@ def test_retained_memory_is_reused_without_page_faults():
     """glibc maps a fresh 48 MiB block for each allocation by default (over its 32 MiB cap
     on the mmap threshold), so it faults in every page again; with the thresholds raised the
     freed block is reused. Fresh interpreters, so no earlier allocation shapes the heap."""
-    import resource
-    import subprocess
-    import sys
 
     def faults(retain: bool) -> tuple[str, int]:
         out = subprocess.run(
@@ -277,9 +277,6 @@ def test_retained_memory_is_reused_without_page_faults():
 
 
 def test_third_party_syntax_warnings_are_dropped_and_the_users_kept(tmp_path):
-    import subprocess
-    import sys
-
     for folder in ("site-packages/noisy", "mine"):
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "__init__.py").write_text('x = 1\nflag = x is "recursive"\n')

@@ -6,8 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tephra.engine_api import Capability, ConfigError, apply_overrides
 from tephra.engine_api import batch as B
-from tephra.engine_api.testing import CHECKS, ConformanceFailure, run_conformance
+from tephra.engine_api.testing import (
+    CHECKS,
+    ConformanceFailure,
+    random_batch,
+    reference_log_probs,
+    run_conformance,
+)
 
 
 def test_reference_engine_passes_every_check(make_spec):
@@ -128,7 +135,6 @@ def test_kit_catches_broken_engine(make_spec, reference_engine_cls, breakage):
 
 def test_kit_reference_log_probs_are_hand_checkable(make_spec):
     """The kit's naive log-prob equals log_softmax by hand on one position."""
-    from tephra.engine_api.testing import random_batch, reference_log_probs
 
     spec = make_spec()
     ref = spec.make_reference()
@@ -144,7 +150,6 @@ def test_kit_reference_log_probs_are_hand_checkable(make_spec):
 def test_the_contract_refuses_what_a_backend_does_not_declare(make_spec):
     """The `Engine` defaults: without `Capability.LORA`, `lora.rank > 0`, `reference_mode()`
     and `export_adapter()` raise ConfigErrors naming the option or method and the capability."""
-    from tephra.engine_api import Capability, ConfigError, apply_overrides
 
     engine = make_spec().make_engine({})
     assert engine.capabilities == frozenset()

@@ -32,7 +32,10 @@ from tephra.algos.inputs import check_per_sample, check_same_shape, float_mask
 from tephra.algos.masked import masked_sum, masked_whiten
 from tephra.algos.registry import Registry
 
-Estimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (advantages [batch, seq], returns [batch, seq])
+AdvantagePair = tuple[torch.Tensor, torch.Tensor]
+# called with keyword arguments only (see the module docstring)
+Estimator = Callable[..., AdvantagePair]
 
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 
@@ -75,14 +78,14 @@ def compute_advantages(
         check_same_shape(token_rewards=token_rewards, values=values)
     if baselines is not None:
         check_per_sample("baselines", baselines, token_rewards.shape[0])
-    extra = {}
+    extra: dict[str, torch.Tensor] = {}
     if ADVANTAGE_ESTIMATORS.meta(name).get("needs_token_stats"):
-        for field, t in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared)):
-            if t is None:
-                raise InputError(
-                    f"advantage estimator {name!r} needs {field}=[batch, seq] of the "
-                    "sampling policy; pass it or choose e.g. 'grpo'"
-                )
+        if old_log_probs is None or sum_pi_squared is None:
+            field = "old_log_probs" if old_log_probs is None else "sum_pi_squared"
+            raise InputError(
+                f"advantage estimator {name!r} needs {field}=[batch, seq] of the "
+                "sampling policy; pass it or choose e.g. 'grpo'"
+            )
         check_same_shape(
             token_rewards=token_rewards, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared
         )
@@ -135,7 +138,9 @@ def _baseline_and_scale(
     return mean, scale
 
 
-def _reverse_scan(x: torch.Tensor, mask: torch.Tensor, step) -> torch.Tensor:
+def _reverse_scan(
+    x: torch.Tensor, mask: torch.Tensor, step: Callable[[int, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """Right-to-left recursion over response tokens; masked positions carry the state
     through unchanged and output 0."""
     out = torch.zeros_like(x)
@@ -149,7 +154,14 @@ def _reverse_scan(x: torch.Tensor, mask: torch.Tensor, step) -> torch.Tensor:
 
 
 @ADVANTAGE_ESTIMATORS.register("gae", needs_values=True)
-def gae(*, token_rewards, response_mask, values, config, **_) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None,
+    config: AdvantageConfig,
+    **_unused: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous
     Control Using Generalized Advantage Estimation"), over response tokens t < t' < ...:
         delta_t = r_t + gamma * V_{next(t)} - V_t      (V after the last response token = 0)
@@ -180,7 +192,14 @@ def gae(*, token_rewards, response_mask, values, config, **_) -> tuple[torch.Ten
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo", needs_groups=True)
-def grpo(*, token_rewards, response_mask, group_ids, config, **_):
+def grpo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: AdvantageConfig,
+    **_unused: object,
+) -> AdvantagePair:
     """GRPO (Shao et al. 2024, "DeepSeekMath"): outcome advantage relative to the group,
         A_i = (s_i - mean_g(s)) / (std_g(s) + eps)    (std: unbiased, within the group)
     or, with `norm_by_std=False`, A_i = s_i - mean_g(s) (Dr. GRPO, Liu et al. 2025).
@@ -195,7 +214,14 @@ def grpo(*, token_rewards, response_mask, group_ids, config, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo", needs_groups=True)
-def dr_grpo(*, token_rewards, response_mask, group_ids, config, **_):
+def dr_grpo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: AdvantageConfig,
+    **_unused: object,
+) -> AdvantagePair:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = s_i - mean_g(s),
     GRPO without the std division whatever `norm_by_std` says (pair it with the
     `seq-mean-token-sum-norm` aggregation)."""
@@ -206,7 +232,13 @@ def dr_grpo(*, token_rewards, response_mask, group_ids, config, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo", needs_groups=True)
-def rloo(*, token_rewards, response_mask, group_ids, **_):
+def rloo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    **_unused: object,
+) -> AdvantagePair:
     """RLOO (Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian
     et al. 2024): leave-one-out baseline,
         A_i = s_i - (1 / (n - 1)) sum_{j != i} s_j = n / (n - 1) * (s_i - mean_g(s)).
@@ -221,7 +253,13 @@ def rloo(*, token_rewards, response_mask, group_ids, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
-def reinforce_plus_plus(*, token_rewards, response_mask, config, **_):
+def reinforce_plus_plus(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AdvantageConfig,
+    **_unused: object,
+) -> AdvantagePair:
     """REINFORCE++ (Hu 2025, "REINFORCE++"): discounted return over response tokens,
         G_t = r_t + gamma * G_{next(t)},  A = whiten(G) over the batch's response tokens.
     returns = G (before whitening).
@@ -234,7 +272,13 @@ def reinforce_plus_plus(*, token_rewards, response_mask, config, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", needs_groups=True)
-def reinforce_plus_plus_baseline(*, token_rewards, response_mask, group_ids, **_):
+def reinforce_plus_plus_baseline(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    **_unused: object,
+) -> AdvantagePair:
     """REINFORCE++ with a group baseline (Hu 2025): A_i = s_i - mean_g(s) on every response
     token, then whitened over the batch's response tokens (token-weighted). returns = A."""
     scores = _scores(token_rewards, response_mask)
@@ -244,7 +288,13 @@ def reinforce_plus_plus_baseline(*, token_rewards, response_mask, group_ids, **_
 
 
 @ADVANTAGE_ESTIMATORS.register("remax", needs_baselines=True)
-def remax(*, token_rewards, response_mask, baselines, **_):
+def remax(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    baselines: torch.Tensor | None,
+    **_unused: object,
+) -> AdvantagePair:
     """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient RL Method for
     Aligning LLMs"): the baseline is the reward b_i of the greedy response to the same prompt,
         G_t = sum_{t' >= t} r_t' (response tokens),  A_t = G_t - b_i.   returns = G.
@@ -261,7 +311,13 @@ def remax(*, token_rewards, response_mask, baselines, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("opo", needs_groups=True)
-def opo(*, token_rewards, response_mask, group_ids, **_):
+def opo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    **_unused: object,
+) -> AdvantagePair:
     """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"): the
     length-weighted group baseline, optimal for sequence-level policy gradients,
         b_g = sum_{j in g} |y_j| s_j / sum_{j in g} |y_j|,   A_i = s_i - b_g
@@ -278,7 +334,13 @@ def opo(*, token_rewards, response_mask, group_ids, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("gpg", needs_groups=True)
-def gpg(*, token_rewards, response_mask, group_ids, **_):
+def gpg(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    **_unused: object,
+) -> AdvantagePair:
     """GPG as verl computes it (`compute_gpg_outcome_advantage`, f_norm = 1): group-centred
     scores rescaled by the share of samples with a non-zero score,
         A_i = alpha * (s_i - mean_g(s)),   alpha = B / max(#{j : s_j != 0}, 1)
@@ -292,7 +354,14 @@ def gpg(*, token_rewards, response_mask, group_ids, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("gpg_paper", needs_groups=True)
-def gpg_paper(*, token_rewards, response_mask, group_ids, config, **_):
+def gpg_paper(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: AdvantageConfig,
+    **_unused: object,
+) -> AdvantagePair:
     """GPG as the paper defines it (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement
     Learning Baseline for Model Reasoning"): group-centred advantage rescaled for the samples
     that carry no signal,
@@ -311,7 +380,7 @@ def gpg_paper(*, token_rewards, response_mask, group_ids, config, **_):
     return adv, adv
 
 
-def _max_at_k_weights(n: int, k: int, dtype, device) -> torch.Tensor:
+def _max_at_k_weights(n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """P(the largest of a uniformly random k-subset of n sorted values is the j-th smallest)
     = C(j - 1, k - 1) / C(n, k), j = 1..n."""
     total = math.comb(n, k)
@@ -319,7 +388,14 @@ def _max_at_k_weights(n: int, k: int, dtype, device) -> torch.Tensor:
 
 
 @ADVANTAGE_ESTIMATORS.register("passk_expectation", needs_groups=True, needs_k=True)
-def passk_expectation(*, token_rewards, response_mask, group_ids, config, **_):
+def passk_expectation(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: AdvantageConfig,
+    **_unused: object,
+) -> AdvantagePair:
     """Pass@k advantage (Chen et al. 2025, "Pass@k Training for Adaptively Balancing
     Exploration and Exploitation of Large Reasoning Models"), in its max@k form so that it
     also holds for non-binary scores. For a group of n scores and k = `passk_k`:
@@ -367,7 +443,14 @@ def passk_expectation(*, token_rewards, response_mask, group_ids, config, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo_passk", needs_groups=True)
-def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
+def grpo_passk(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: AdvantageConfig,
+    **_unused: object,
+) -> AdvantagePair:
     """verl's `grpo_passk` (after Tang et al. 2025, "Optimizing Language Models for Inference
     Time Objectives using Reinforcement Learning", arXiv 2503.19595): in each group only the
     best sample learns, by its lead over the runner-up,
@@ -400,7 +483,14 @@ def grpo_passk(*, token_rewards, response_mask, group_ids, config, **_):
 # verl's names for the same estimators (verl's vectorised implementations of GRPO and RLOO
 # compute the same numbers for groups of two or more samples; see the README's verl table)
 @ADVANTAGE_ESTIMATORS.register("grpo_vectorized", needs_groups=True)
-def grpo_vectorized(*, token_rewards, response_mask, group_ids, config, **_):
+def grpo_vectorized(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: AdvantageConfig,
+    **_unused: object,
+) -> AdvantagePair:
     """verl's vectorised GRPO (`compute_grpo_vectorized_outcome_advantage`): `grpo` with the
     group variance floored at eps before the square root,
         A_i = (s_i - mean_g) / (sqrt(max(var_g, eps)) + eps),   groups of one: mean 0, std 1.
@@ -419,7 +509,13 @@ def grpo_vectorized(*, token_rewards, response_mask, group_ids, config, **_):
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo_vectorized", needs_groups=True)
-def rloo_vectorized(*, token_rewards, response_mask, group_ids, **_):
+def rloo_vectorized(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    **_unused: object,
+) -> AdvantagePair:
     """verl's vectorised RLOO (`compute_rloo_vectorized_outcome_advantage`): `rloo`, except
     that a group of one gets 0 (plain `rloo` gives it its raw score, as verl's `rloo` does)."""
     scores = _scores(token_rewards, response_mask)
@@ -462,15 +558,15 @@ def _otb_baseline(
 @ADVANTAGE_ESTIMATORS.register("optimal_token_baseline", needs_groups=True, needs_token_stats=True)
 def optimal_token_baseline(
     *,
-    token_rewards,
-    response_mask,
-    group_ids,
-    old_log_probs,
-    sum_pi_squared,
-    config,
-    rollout_is_weights=None,
-    **_,
-):
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    config: AdvantageConfig,
+    rollout_is_weights: torch.Tensor | None = None,
+    **_unused: object,
+) -> AdvantagePair:
     """Optimal token baseline (verl's `optimal_token_baseline`): a baseline per token position
     that minimises the variance of the token-level policy gradient within a prompt group.
     With pi_t = exp(old_log_probs) and q_t = sum_v pi_old(v | .)^2 (`sum_pi_squared`),
@@ -494,7 +590,13 @@ def optimal_token_baseline(
     return (returns - base) * m, returns * m
 
 
-def _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared, is_weights):
+def _otb_inputs(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    is_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     m = response_mask.to(token_rewards.dtype)
     returns = (token_rewards * m).flip(-1).cumsum(-1).flip(-1)
     w = 1.0 - 2.0 * old_log_probs.to(returns.dtype).exp() + sum_pi_squared.to(returns.dtype)
@@ -508,15 +610,15 @@ def _otb_inputs(token_rewards, response_mask, old_log_probs, sum_pi_squared, is_
 )
 def tir_optimal_token_baseline(
     *,
-    token_rewards,
-    response_mask,
-    group_ids,
-    old_log_probs,
-    sum_pi_squared,
-    config,
-    rollout_is_weights=None,
-    **_,
-):
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    config: AdvantageConfig,
+    rollout_is_weights: torch.Tensor | None = None,
+    **_unused: object,
+) -> AdvantagePair:
     """Optimal token baseline for multi-turn / tool-integrated rollouts (verl's
     `tir_optimal_token_baseline`): as `optimal_token_baseline`, but samples are aligned by
     the index k of a token among the sample's response tokens (tool output and padding
@@ -556,7 +658,15 @@ def tir_optimal_token_baseline(
 
 
 @ADVANTAGE_ESTIMATORS.register("gdpo", needs_groups=True, reads_reward_components=True)
-def gdpo(*, token_rewards, response_mask, group_ids, config, reward_components=None, **_):
+def gdpo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: AdvantageConfig,
+    reward_components: torch.Tensor | None = None,
+    **_unused: object,
+) -> AdvantagePair:
     """GDPO (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
     Optimization", arXiv 2601.05242; verl's `gdpo`): each reward component is normalised
     within its group on its own, so a dominant reward cannot drown the others, then the

@@ -29,32 +29,59 @@ from tephra.algos.inputs import check_same_shape
 from tephra.algos.masked import masked_count, masked_sum
 from tephra.algos.registry import Registry
 
-Aggregator = Callable[..., torch.Tensor]
+# (loss_mat [batch, seq], mask [batch, seq], step tokens [], step sequences [], norm_constant)
+Aggregator = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor
+]
 
 AGGREGATION_MODES: Registry[Aggregator] = Registry("loss aggregation mode")
 
 
 @AGGREGATION_MODES.register("token-mean")
-def _token_mean(loss_mat, mask, tokens, seqs, norm_constant):
+def _token_mean(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    tokens: torch.Tensor,
+    seqs: torch.Tensor,
+    norm_constant: float | None,
+) -> torch.Tensor:
     """Every response token of the step weighs the same (DAPO's token-level loss)."""
     return masked_sum(loss_mat, mask) / tokens
 
 
 @AGGREGATION_MODES.register("token-sum")
-def _token_sum(loss_mat, mask, tokens, seqs, norm_constant):
+def _token_sum(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    tokens: torch.Tensor,
+    seqs: torch.Tensor,
+    norm_constant: float | None,
+) -> torch.Tensor:
     """The plain sum over the step's response tokens (verl's `token-sum`): the gradient grows
     with the batch's token count; pair it with a learning rate that expects that."""
     return masked_sum(loss_mat, mask)
 
 
 @AGGREGATION_MODES.register("seq-mean-token-sum")
-def _seq_mean_token_sum(loss_mat, mask, tokens, seqs, norm_constant):
+def _seq_mean_token_sum(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    tokens: torch.Tensor,
+    seqs: torch.Tensor,
+    norm_constant: float | None,
+) -> torch.Tensor:
     """Sum over a sequence's tokens, mean over sequences (longer responses weigh more)."""
     return masked_sum(loss_mat, mask) / seqs
 
 
 @AGGREGATION_MODES.register("seq-mean-token-mean")
-def _seq_mean_token_mean(loss_mat, mask, tokens, seqs, norm_constant):
+def _seq_mean_token_mean(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    tokens: torch.Tensor,
+    seqs: torch.Tensor,
+    norm_constant: float | None,
+) -> torch.Tensor:
     """Mean over a sequence's tokens, then mean over sequences (original GRPO)."""
     per_seq = masked_sum(loss_mat, mask, dim=-1)
     n = masked_count(mask, dim=-1).clamp(min=1).to(loss_mat.dtype)
@@ -62,7 +89,13 @@ def _seq_mean_token_mean(loss_mat, mask, tokens, seqs, norm_constant):
 
 
 @AGGREGATION_MODES.register("seq-mean-token-sum-norm")
-def _seq_mean_token_sum_norm(loss_mat, mask, tokens, seqs, norm_constant):
+def _seq_mean_token_sum_norm(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    tokens: torch.Tensor,
+    seqs: torch.Tensor,
+    norm_constant: float | None,
+) -> torch.Tensor:
     """Token sum divided by a constant (not the sequence length), mean over sequences
     (Dr. GRPO: removes the length bias of seq-mean-token-mean)."""
     if norm_constant is None or norm_constant <= 0:

@@ -12,7 +12,9 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
+from tephra.algos.aggregation import AGGREGATION_MODES
 from tephra.algos.errors import ConfigError
+from tephra.algos.kl import KL_ESTIMATORS
 
 
 def _in_range(section: str, name: str, value: float, lo: float, hi: float) -> None:
@@ -142,6 +144,16 @@ class PolicyLossConfig:
     `clip_ratio_c` is None, verl's fallback), so a ported verl config computes the same.
     Set it to truncate DPPO's weight apart from the dual clip."""
 
+    @property
+    def eps_low(self) -> float:
+        """The lower clip epsilon: `clip_ratio_low`, or `clip_ratio` where that is None."""
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def eps_high(self) -> float:
+        """The upper clip epsilon: `clip_ratio_high`, or `clip_ratio` where that is None."""
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
     def __post_init__(self) -> None:
         _positive("policy_loss", "clip_ratio", self.clip_ratio)
         if self.clip_ratio_low is None:
@@ -203,8 +215,7 @@ class ActorObjectiveConfig:
     """Truncation C of the importance weight min(pi_old / pi_rollout, C)."""
 
     def __post_init__(self) -> None:
-        from tephra.algos.aggregation import AGGREGATION_MODES
-        from tephra.algos.kl import KL_ESTIMATORS
+        # not at the top: policy_losses imports this module (PolicyLossConfig), a cycle
         from tephra.algos.policy_losses import POLICY_LOSSES
 
         if isinstance(self.policy, dict):  # YAML gives dicts
@@ -242,8 +253,6 @@ class CriticObjectiveConfig:
     """`seq-mean-token-sum-norm` only: the constant dividing each sequence's token sum."""
 
     def __post_init__(self) -> None:
-        from tephra.algos.aggregation import AGGREGATION_MODES
-
         if self.cliprange_value is not None:
             _positive("critic", "cliprange_value", self.cliprange_value)
         _registered("critic", "loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)

@@ -25,12 +25,18 @@ from tephra.algos.inputs import check_same_shape
 from tephra.algos.masked import masked_count, masked_max, masked_mean, masked_min
 from tephra.algos.registry import Registry
 
-PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+# (per-token loss [batch, seq], metrics)
+LossOutput = tuple[torch.Tensor, dict[str, float]]
+PolicyLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossConfig], LossOutput
+]
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
-def _log_ratio(log_probs, old_log_probs, config: PolicyLossConfig) -> torch.Tensor:
+def _log_ratio(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, config: PolicyLossConfig
+) -> torch.Tensor:
     c = config.log_ratio_clamp
     return (log_probs - old_log_probs).clamp(min=-c, max=c)
 
@@ -50,15 +56,23 @@ def _frac(flags: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(flags.to(torch.float32), mask))
 
 
-def _clipped_surrogate(ratio, advantages, config):
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """max(-A r, -A clip(r, 1 - eps_l, 1 + eps_h)) and whether the clipped branch won."""
     pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
+    pg2 = -advantages * ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high)
     return torch.maximum(pg1, pg2), pg2 > pg1
 
 
 @POLICY_LOSSES.register("vanilla")
-def vanilla(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def vanilla(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization
     Algorithms") with decoupled clip ratios (clip-higher, DAPO: Yu et al. 2025) and dual-clip
     (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"):
@@ -86,7 +100,13 @@ POLICY_LOSSES.register("bypass_mode", vanilla, old_log_probs="rollout")
 
 
 @POLICY_LOSSES.register("gspo")
-def gspo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def gspo(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): a sequence-level,
     length-normalised ratio s_i = exp(mean_t (log pi - log pi_old)), used at every token
     through the token form that keeps per-token gradients:
@@ -106,7 +126,13 @@ def gspo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLoss
 
 
 @POLICY_LOSSES.register("cispo")
-def cispo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def cispo(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
     Attention"): clip the importance-sampling weight, not the update, so every token keeps a
     gradient:
@@ -115,7 +141,7 @@ def cispo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLos
     """
     log_ratio = _log_ratio(log_probs, old_log_probs, config)
     ratio = log_ratio.detach().exp()
-    weight = ratio.clamp(1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
+    weight = ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high)
     loss = -weight * advantages * log_probs
     metrics = _ratio_metrics(log_ratio, response_mask)
     metrics["pg_clipfrac"] = _frac(weight != ratio, response_mask)
@@ -123,7 +149,13 @@ def cispo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLos
 
 
 @POLICY_LOSSES.register("sapo")
-def sapo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def sapo(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a smooth gate instead of
     the hard clip,
         f_tau(r) = (4 / tau) * sigmoid(tau * (r - 1)),   L_t = -A f_tau(r)
@@ -148,7 +180,9 @@ def sapo(log_probs, old_log_probs, advantages, response_mask, config: PolicyLoss
     return loss, metrics
 
 
-def _centred_cov(advantages, log_probs, mask) -> torch.Tensor:
+def _centred_cov(
+    advantages: torch.Tensor, log_probs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Per-token (A_t - mean A)(log pi_t - mean log pi), means over the masked tokens."""
     a = advantages.detach()
     lp = log_probs.detach()
@@ -156,7 +190,13 @@ def _centred_cov(advantages, log_probs, mask) -> torch.Tensor:
 
 
 @POLICY_LOSSES.register("clip_cov")
-def clip_cov(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def clip_cov(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
     Reasoning Language Models"): the PPO clipped surrogate, plus: among tokens not already
     clipped with covariance cov_t = (A_t - mean A)(log pi_t - mean log pi) in
@@ -185,7 +225,13 @@ def clip_cov(log_probs, old_log_probs, advantages, response_mask, config: Policy
 
 
 @POLICY_LOSSES.register("kl_cov")
-def kl_cov(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def kl_cov(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """KL-Cov (Cui et al. 2025, same paper as Clip-Cov): the unclipped surrogate -A r, plus a
     KL penalty on the max(1, floor(kl_cov_ratio * N)) tokens with the largest covariance
     cov_t = (A_t - mean A)(log pi_t - mean log pi):
@@ -213,7 +259,13 @@ def kl_cov(log_probs, old_log_probs, advantages, response_mask, config: PolicyLo
 
 
 @POLICY_LOSSES.register("gpg")
-def gpg_loss(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def gpg_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline"):
     plain policy gradient, no ratio and no clip (pair with the `gpg` estimator):
         L_t = -A log pi(y_t)
@@ -225,7 +277,13 @@ def gpg_loss(log_probs, old_log_probs, advantages, response_mask, config: Policy
 
 
 @POLICY_LOSSES.register("geo_mean", aggregation="seq-mean-token-mean")
-def geo_mean(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def geo_mean(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"): the geometric mean of the
     token ratios, each clipped in the direction of the advantage's sign,
         l_t  = sign(A) * min(sign(A) * log r_t, sign(A) * clip(log r_t, -eps_l, eps_h))
@@ -236,7 +294,7 @@ def geo_mean(log_probs, old_log_probs, advantages, response_mask, config: Policy
     """
     raw = torch.where(response_mask > 0, log_probs - old_log_probs, torch.zeros_like(log_probs))
     sign = torch.sign(advantages)
-    clamped = raw.clamp(-config.clip_ratio_low, config.clip_ratio_high)
+    clamped = raw.clamp(-config.eps_low, config.eps_high)
     chosen = sign * torch.minimum(sign * raw, sign * clamped)
     chosen = torch.where(response_mask > 0, chosen, torch.zeros_like(chosen))
     n = masked_count(response_mask, dim=-1).clamp(min=1).to(log_probs.dtype)
@@ -251,7 +309,13 @@ def geo_mean(log_probs, old_log_probs, advantages, response_mask, config: Policy
 
 
 @POLICY_LOSSES.register("dro")
-def dro(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def dro(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """DRO as verl's `dro` loss mode (Direct Reward Optimization, Richemond et al. 2024,
     "Offline Regularised Reinforcement Learning for LLMs Alignment", in its per-token form): a
     policy gradient with a quadratic proximity penalty instead of a clip,
@@ -266,7 +330,14 @@ def dro(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossC
     return -(advantages * log_probs - penalty), metrics
 
 
-def _dppo(log_probs, old_log_probs, advantages, response_mask, config, valid):
+def _dppo(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+    valid: torch.Tensor,
+) -> LossOutput:
     """-A sg(min(r, cap)) valid log pi: the shared DPPO policy gradient, given its mask."""
     log_ratio = _log_ratio(log_probs, old_log_probs, config)
     ratio = log_ratio.detach().exp()
@@ -283,7 +354,13 @@ def _dppo(log_probs, old_log_probs, advantages, response_mask, config, valid):
 
 
 @POLICY_LOSSES.register("dppo_tv")
-def dppo_tv(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def dppo_tv(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """DPPO-Binary-TV (verl's `dppo_tv`; arXiv 2602.04879): a trust region on the sampled
     token's probability instead of on the ratio. With p = pi(y_t), q = pi_old(y_t),
         valid_t = (p - q <= eps_h) if A > 0 else (p - q >= -eps_l)
@@ -294,12 +371,18 @@ def dppo_tv(log_probs, old_log_probs, advantages, response_mask, config: PolicyL
     valid tokens whose weight was truncated.
     """
     dp = log_probs.detach().exp() - old_log_probs.exp()
-    valid = torch.where(advantages > 0, dp <= config.clip_ratio_high, dp >= -config.clip_ratio_low)
+    valid = torch.where(advantages > 0, dp <= config.eps_high, dp >= -config.eps_low)
     return _dppo(log_probs, old_log_probs, advantages, response_mask, config, valid)
 
 
 @POLICY_LOSSES.register("dppo_kl")
-def dppo_kl(log_probs, old_log_probs, advantages, response_mask, config: PolicyLossConfig):
+def dppo_kl(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
     """DPPO-Binary-KL (verl's `dppo_kl`; arXiv 2602.04879): as `dppo_tv` with the KL between
     the Bernoulli distributions (q, 1 - q) and (p, 1 - p) of "the sampled token or not",
         D_t = q (log q - log p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))
@@ -312,8 +395,8 @@ def dppo_kl(log_probs, old_log_probs, advantages, response_mask, config: PolicyL
     div = q * (old_log_probs - lp) + (1.0 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
     valid = torch.where(
         advantages > 0,
-        (div <= config.clip_ratio_high) | (p <= q),
-        (div <= config.clip_ratio_low) | (p >= q),
+        (div <= config.eps_high) | (p <= q),
+        (div <= config.eps_low) | (p >= q),
     )
     return _dppo(log_probs, old_log_probs, advantages, response_mask, config, valid)
 
@@ -362,7 +445,7 @@ def policy_aggregation(name: str, loss_agg_mode: str) -> str:
     """The aggregation of policy loss `name`: a sequence-level loss (its value repeated on
     every token, e.g. `geo_mean`) fixes its own, as verl's ignores `loss_agg_mode`; the others
     take `loss_agg_mode`."""
-    return POLICY_LOSSES.meta(name).get("aggregation", loss_agg_mode)
+    return str(POLICY_LOSSES.meta(name).get("aggregation", loss_agg_mode))
 
 
 def weigh_policy_loss(

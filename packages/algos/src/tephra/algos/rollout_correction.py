@@ -29,6 +29,7 @@ Weights carry no gradient. The registry's metadata tells a caller what to do:
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -71,8 +72,6 @@ class RolloutCorrectionConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ROLLOUT_CORRECTIONS:
-            import difflib
-
             close = difflib.get_close_matches(str(self.mode), ROLLOUT_CORRECTIONS.names(), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(

@@ -13,14 +13,18 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from tephra.core.errors import ConfigError
 
-C = TypeVar("C")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 
 def _close(key: str, names: list[str]) -> str:
@@ -106,12 +110,12 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}={value!r} must be a list")
-        args = typing.get_args(tp)
-        if origin is tuple and len(args) > 1 and args[1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{where}={value!r} must hold {len(args)} values")
-            return tuple(coerce(v, a, where) for v, a in zip(value, args))
-        inner = args[0] if args else Any
+        params = typing.get_args(tp)
+        if origin is tuple and len(params) > 1 and params[1] is not Ellipsis:
+            if len(value) != len(params):
+                raise ConfigError(f"{where}={value!r} must hold {len(params)} values")
+            return tuple(coerce(v, a, where) for v, a in zip(value, params))
+        inner = params[0] if params else Any
         items = [coerce(v, inner, where) for v in value]
         return tuple(items) if (origin or tp) is tuple else items
     if origin is dict or tp is dict:
@@ -183,7 +187,7 @@ def _explicit_fields(instance: Any) -> dict[str, Any]:
     return out
 
 
-def _default_of(f: dataclasses.Field) -> Any:
+def _default_of(f: dataclasses.Field[Any]) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return None if f.default is dataclasses.MISSING else f.default
@@ -242,7 +246,7 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def merge(base: dict, extra: dict) -> dict:
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """`extra` over `base`, recursively for nested mappings."""
     out = dict(base)
     for key, value in extra.items():
@@ -313,8 +317,8 @@ def read_preset(preset: str | Path, preset_dir: Path | None = None) -> dict[str,
 
 def load_config(
     cls: type[C],
-    presets: list[str | Path] = (),
-    overrides: list[str] = (),
+    presets: Sequence[str | Path] = (),
+    overrides: Sequence[str] = (),
     preset_dir: Path | None = None,
 ) -> C:
     """Defaults <- YAML presets (in order) <- dotted overrides, validated into `cls`."""

@@ -46,5 +46,5 @@ def retain_freed_memory() -> bool:
     libc = _libc()
     if libc is None:
         return False
-    ok = libc.mallopt(M_MMAP_THRESHOLD, RETAIN_BYTES) == 1
-    return libc.mallopt(M_TRIM_THRESHOLD, RETAIN_BYTES) == 1 and ok
+    ok = int(libc.mallopt(M_MMAP_THRESHOLD, RETAIN_BYTES)) == 1
+    return int(libc.mallopt(M_TRIM_THRESHOLD, RETAIN_BYTES)) == 1 and ok

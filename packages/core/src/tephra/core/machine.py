@@ -86,6 +86,7 @@ def decided_once_per_machine(
                 tmp = path.with_name(f"{CHOICES_FILE}.{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(choices, indent=1, sort_keys=True))
                 os.replace(tmp, path)
-            return choices[key]
+            answer: T = choices[key]  # a JSON value that `accept` took
+            return answer
     except OSError:
         return measure()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from tephra.core.errors import RegistryError
 
@@ -36,6 +36,12 @@ class Registry(Generic[T]):
         self.kind = kind
         self._items: dict[str, T] = {}
         self._meta: dict[str, dict[str, Any]] = {}
+
+    @overload
+    def register(self, name: str, obj: None = None, **meta: Any) -> Callable[[T], T]: ...
+
+    @overload
+    def register(self, name: str, obj: T, **meta: Any) -> T: ...
 
     def register(self, name: str, obj: T | None = None, **meta: Any) -> Callable[[T], T] | T:
         """Register `obj` under `name` with metadata `meta`; without `obj`, a decorator."""

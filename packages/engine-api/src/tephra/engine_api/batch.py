@@ -125,7 +125,8 @@ def validate_batch(batch: TensorDict, required: tuple[str, ...] = REQUIRED_FIELD
 
 def sequence_lengths(batch: TensorDict) -> torch.Tensor:
     """Real tokens per sequence, `[B]`."""
-    return batch[ATTENTION_MASK].long().sum(-1)
+    attn: torch.Tensor = batch[ATTENTION_MASK]
+    return attn.long().sum(-1)
 
 
 def pack(batch: TensorDict) -> TensorDict:
@@ -174,10 +175,12 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     if lo == 0 and hi == attn.shape[1]:
         return batch
     seq_len = attn.shape[1]
-    return batch.apply(
+    trimmed = batch.apply(
         lambda t: t[:, lo:hi] if t.dim() >= 2 and t.shape[1] == seq_len else t,
         batch_size=batch.batch_size,
     )
+    assert trimmed is not None  # apply returns None only when it writes in place (out=)
+    return trimmed
 
 
 def microbatch_cost(lengths: list[int], packed: bool) -> int:
@@ -212,7 +215,7 @@ def split_by_token_budget(
 
 
 def set_global_normalisers(
-    micro_batches: list[TensorDict], process_group=None
+    micro_batches: list[TensorDict], process_group: torch.distributed.ProcessGroup | None = None
 ) -> tuple[float, float]:
     """Write the step's response-token and sequence counts into every micro-batch.
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
+
 from tephra.core.config import from_dict
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.fastest_dtype import AUTO, resolve_dtype
@@ -20,7 +22,7 @@ from tephra.engine_api.lr_schedules import SCHEDULES
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _choice(section: str, name: str, value: Any, allowed: tuple) -> None:
+def _choice(section: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(
             f"{section}.{name}={value!r} is not allowed; choose one of {list(allowed)}"
@@ -99,9 +101,10 @@ class OptimizerConfig:
         _positive("optimizer", "lr", self.lr)
         _positive("optimizer", "weight_decay", self.weight_decay, zero_ok=True)
         _positive("optimizer", "grad_clip", self.grad_clip, zero_ok=True)
-        self.betas = tuple(self.betas)  # YAML gives lists
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+        betas = tuple(self.betas)  # YAML gives lists
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise ConfigError(f"optimizer.betas={self.betas!r} must be two numbers in [0, 1)")
+        self.betas = (betas[0], betas[1])
 
 
 @dataclass
@@ -199,8 +202,6 @@ class PrecisionConfig:
         0's measurement is every rank's choice, so all ranks compute in one dtype."""
         choice = resolve_dtype(self.param_dtype, device_type)
         if self.param_dtype == AUTO:
-            import torch.distributed as dist
-
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 box = [choice]
                 dist.broadcast_object_list(box, src=0)

@@ -8,10 +8,13 @@ processor's `pixel_values` (one row per patch) and `image_grid_thw` (one row per
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import NonTensorData, NonTensorStack
 
 from tephra.engine_api.errors import ConfigError
 
@@ -61,10 +64,8 @@ MULTIMODAL = "multimodal"
 (or None), so slicing the batch keeps each row's pixels with its tokens."""
 
 
-def multimodal_column(items: list[MultimodalInputs | None]):
+def multimodal_column(items: list[MultimodalInputs | None]) -> NonTensorStack:
     """The `multimodal` field of a batch whose rows have these images."""
-    from tensordict import NonTensorData, NonTensorStack
-
     return NonTensorStack(*[NonTensorData(m) for m in items])
 
 
@@ -88,8 +89,6 @@ def declared_hf_config(model_cfg: Any) -> dict[str, Any]:
     """The transformers config an engine's `ModelConfig` names, as a dict, read without
     loading the model: its `hf_config`, or the config.json in `model.path`; {} when that
     cannot be read (the engine's own checks report an unreadable folder when it loads)."""
-    import json
-    from pathlib import Path
 
     if getattr(model_cfg, "path", None):
         try:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tephra.core.registry import Registry, unknown_name_message
 from tephra.engine_api.errors import RegistryError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # this module stays light (no torch): reward workers import it
     from tephra.engine_api.config import EngineConfig
     from tephra.engine_api.engine import Engine
 
@@ -42,12 +42,13 @@ def get_engine_class(name: str) -> type[Engine]:
         install = f" Install it with `uv add {hint}`." if hint else ""
         raise RegistryError(unknown_name_message("engine", name, known) + "." + install)
     try:
-        return eps[name].load()
+        loaded: type[Engine] = eps[name].load()
     except ImportError as exc:
         raise RegistryError(
             f"engine {name!r} is registered by {eps[name].value} but could not be imported: "
             f"{exc}. Reinstall its package with its dependencies."
         ) from exc
+    return loaded
 
 
 def get_engine(name: str, config: EngineConfig) -> Engine:

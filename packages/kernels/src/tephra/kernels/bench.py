@@ -23,6 +23,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+import torch
+
+from tephra.kernels import linear_logprob_entropy
+from tephra.kernels.logprob_entropy import METHODS, triton_available
+
 # Shapes are (tokens, hidden, vocab, dtype). The first is the acceptance shape (a Qwen-sized
 # 152k vocabulary); the bf16 one is the dtype RL training actually runs the lm head in.
 FULL_SHAPES = [
@@ -53,8 +58,6 @@ class Record:
 
 
 def _make_inputs(tokens, hidden_size, vocab, dtype, device, seed=0):
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
 
@@ -103,9 +106,6 @@ def _rss_peak_bytes() -> int:
 
 def run_one(spec: dict) -> dict:
     """Run one method once in this process (meant to be a fresh subprocess); return a Record."""
-    import torch
-
-    from tephra.kernels import linear_logprob_entropy
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
@@ -266,10 +266,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.worker:
         print(json.dumps(run_one(json.loads(args.worker))))
         return []
-
-    import torch
-
-    from tephra.kernels.logprob_entropy import METHODS, triton_available
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.methods:

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tephra.kernels.chunked import chunked_logprob_entropy
+
 # Untuned defaults for GPUs (no GPU was available while writing this); tests pass smaller
 # blocks so that tiny shapes still span several blocks and partial tails.
 DEFAULT_BLOCKS = {"block_n": 64, "block_v": 64, "block_h": 64}
@@ -418,8 +420,6 @@ def triton_logprob_entropy(
     blocks overrides DEFAULT_BLOCKS (keys block_n, block_v, block_h; powers of two >= 16).
     With `compute_sum_pi_squared`, sum_pi_squared [tokens] fp32 is a third element."""
     if hidden.shape[0] == 0:  # an empty grid is not a valid launch; nothing to fuse anyway
-        from tephra.kernels.chunked import chunked_logprob_entropy
-
         return chunked_logprob_entropy(
             hidden,
             weight,

@@ -12,22 +12,36 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
+import yaml
+from matplotlib.figure import Figure
+from transformers import AutoTokenizer
+
 from tephra.apps.eval.config import EvalConfig, parse_config
+from tephra.controller.checkpoints import CheckpointManager
+from tephra.controller.data import (
+    load_hf_dataset,
+    load_parquet,
+    reasoning_gym_records,
+    tokenize_prompts,
+)
+from tephra.controller.evaluation import EvalRow, markdown_table, summarise, write_jsonl
+from tephra.controller.export import export_checkpoint
+from tephra.controller.models import resolve_model_path
+from tephra.controller.rewarding import Scorer
 from tephra.core.errors import ConfigError, TephraError
+from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
 
 
 def models_to_evaluate(cfg: EvalConfig, out: Path) -> list[tuple[str, str, int | None]]:
     """(label, HF folder, step) of each model: `model.path`, or a run's starting model (step 0,
     with `start_model`), its checkpoints (exported to `out/exports/step_<N>`) and its final
     `hf/` export."""
-    from tephra.controller.models import resolve_model_path
 
     if cfg.run_dir is None:
         return [(Path(cfg.model.path).name, resolve_model_path(cfg.model.path, cfg.seed), None)]
-    from tephra.controller.checkpoints import CheckpointManager
-    from tephra.controller.export import export_checkpoint
 
     run = Path(cfg.run_dir).expanduser().resolve()
     if not run.is_dir():
@@ -53,9 +67,6 @@ def models_to_evaluate(cfg: EvalConfig, out: Path) -> list[tuple[str, str, int |
 def start_model_path(run: Path) -> str:
     """The HF folder a trainer run started from: its config.yaml's `model.path`, resolved as
     the trainer resolved it (`tiny` is built from `trainer.seed`)."""
-    import yaml
-
-    from tephra.controller.models import resolve_model_path
 
     config_file = run / "config.yaml"
     if not config_file.exists():
@@ -75,27 +86,18 @@ def start_model_path(run: Path) -> str:
 
 def evaluate_model(cfg: EvalConfig, model_path: str):
     """(summary, rows) of one model on the held-out prompts."""
-    from transformers import AutoTokenizer
-
-    from tephra.controller.data import tokenize_prompts
-    from tephra.controller.evaluation import EvalRow, summarise
-    from tephra.controller.rewarding import Scorer
-    from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
 
     tok = AutoTokenizer.from_pretrained(model_path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     d = cfg.data
     if d.source == "reasoning_gym":
-        from tephra.controller.data import reasoning_gym_records
-
         records = reasoning_gym_records(
             d.task, d.val_size, d.val_seed, d.task_config, d.instruction
         )
     else:
         if not d.val_files:
             raise ConfigError(f"data.source={d.source!r}: set data.val_files to evaluate on")
-        from tephra.controller.data import load_hf_dataset, load_parquet
 
         records = [
             r
@@ -155,15 +157,12 @@ def plot_across(results: dict, out: Path, metrics: list[str], title: str = "") -
     """Each of `metrics` against the checkpoints' steps (step 0: the start model), the final
     export drawn as a horizontal line per metric; written to `out/curves.png`. `results` is
     what `run` returns (or its `eval.json`), so a plot can be redrawn without evaluating."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     points = sorted(
         (r["step"], r["summary"]["all"]) for r in results.values() if r["step"] is not None
     )
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))  # no pyplot: no GUI backend, no global figure state
+    ax = fig.subplots()
     for i, metric in enumerate(metrics):
         color = f"C{i}"
         if points:
@@ -200,7 +199,6 @@ def plot_across(results: dict, out: Path, metrics: list[str], title: str = "") -
     fig.tight_layout()
     path = out / "curves.png"
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
@@ -223,7 +221,6 @@ def folder_fingerprint(folder: str) -> str:
 
 def eval_settings(cfg: EvalConfig) -> dict:
     """What a model's numbers depend on besides its weights (compared before reusing them)."""
-    from dataclasses import asdict
 
     return json.loads(
         json.dumps(
@@ -240,8 +237,6 @@ def eval_settings(cfg: EvalConfig) -> dict:
 
 
 def run(cfg: EvalConfig) -> dict:
-    from tephra.controller.evaluation import markdown_table, write_jsonl
-
     out = Path(cfg.out_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "eval.json"

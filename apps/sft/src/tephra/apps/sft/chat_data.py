@@ -14,9 +14,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+import reasoning_gym
 import torch
 
+from tephra.controller.colour_squares import colour_square_rows
 from tephra.controller.data import DatasetError
+from tephra.controller.multimodal_data import row_images, with_vision_spans
+from tephra.engine_api.batch import make_batch
 from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs, multimodal_column
 
 
@@ -59,8 +64,6 @@ def _rows(path: Path) -> list[dict]:
     if not path.exists():
         raise DatasetError(f"data file {path} does not exist; set data.train_files")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         return pq.read_table(path).to_pylist()
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -92,7 +95,6 @@ def _conversations(rows: list[dict], where: str) -> list[list[dict]]:
 
 def arithmetic_conversations(size: int, seed: int) -> list[list[dict]]:
     """Two-turn chats about reasoning-gym basic_arithmetic (the default SFT data)."""
-    import reasoning_gym
 
     ds = reasoning_gym.create_dataset(
         "basic_arithmetic",
@@ -117,7 +119,6 @@ def arithmetic_conversations(size: int, seed: int) -> list[list[dict]]:
 def pad_batch(examples: list[tuple], pad_id: int):
     """Right-padded `[B, T]` batch in the engine layout; examples with images (a third item)
     add the `multimodal` column engine-fsdp reads."""
-    from tephra.engine_api.batch import make_batch
 
     width = max(len(e[0]) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.int64)
@@ -151,7 +152,6 @@ def image_conversations(
     rows: list[dict], where: str, processor: Any, base_dir: Path | None = None
 ) -> list[Example]:
     """`load_image_conversations` of rows already read (`where` names them in errors)."""
-    from tephra.controller.multimodal_data import row_images, with_vision_spans
 
     out = []
     for i, (row, messages) in enumerate(zip(rows, _conversations(rows, where), strict=True)):
@@ -175,7 +175,6 @@ def image_conversations(
 def colour_square_conversations(size: int, seed: int, processor: Any) -> list[Example]:
     """Transcripts of the synthetic image task (`tephra.controller.colour_squares`): `size`
     rows drawn by `seed`, each question answered with the row's ground truth (the colour)."""
-    from tephra.controller.colour_squares import colour_square_rows
 
     rows = [
         {

@@ -11,17 +11,39 @@ import json
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDict
+from transformers import AutoConfig, AutoTokenizer
 
+from tephra.apps.sft.chat_data import (
+    arithmetic_conversations,
+    colour_square_conversations,
+    load_conversations,
+    load_image_conversations,
+    pad_batch,
+    tokenize_conversation,
+)
 from tephra.apps.sft.config import SFTConfig
+from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.dispatch import Dispatch, dispatch
-from tephra.controller.worker_group import Worker
+from tephra.controller.models import resolve_model_path
+from tephra.controller.trackers import Trackers
+from tephra.controller.worker_group import (
+    DataParallelInfo,
+    ResourcePool,
+    Worker,
+    WorkerGroup,
+    ray_init,
+)
 from tephra.core.config import load_config, split_cli, to_dict
 from tephra.core.errors import ConfigError, TephraError
+from tephra.engine_api.multimodal import is_vision_config
+from tephra.engine_api.registry import get_engine
+from tephra.rollout.multimodal import VisionProcessor
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -38,9 +60,6 @@ class SFTWorker(Worker):
         self, rank: int, world_size: int, *worker_args: Any, cfg: SFTConfig, model_path: str
     ) -> None:
         super().__init__(rank, world_size, *worker_args)
-        from dataclasses import replace
-
-        from tephra.engine_api.registry import get_engine
 
         model = replace(cfg.model, path=model_path)
         device = getattr(self, "device", "cpu")
@@ -56,8 +75,6 @@ class SFTWorker(Worker):
         )
 
     def dp_info(self):
-        from tephra.controller.worker_group import DataParallelInfo
-
         e = self.engine
         return DataParallelInfo(
             dp_rank=e.dp_rank, dp_size=e.dp_size, is_output_rank=e.is_dp_output_rank
@@ -95,7 +112,6 @@ class SFTWorker(Worker):
 
 def validation_loss(wg: Any, examples: list, pad: int) -> float:
     """Token-mean NLL of the assistant tokens of `examples` (padded to the DP size)."""
-    from tephra.apps.sft.chat_data import pad_batch
 
     rows = list(examples)
     extra = (-len(rows)) % wg.dp_size
@@ -108,13 +124,6 @@ def load_examples(cfg: SFTConfig, tok: Any, model_path: str) -> tuple[list, list
     """(training, held-out) tokenized conversations of `cfg.data`; those longer than
     data.max_seq_tokens are dropped, and without data.val_files the last data.val_size are
     held out. Fails before Ray starts."""
-    from tephra.apps.sft.chat_data import (
-        arithmetic_conversations,
-        colour_square_conversations,
-        load_conversations,
-        load_image_conversations,
-        tokenize_conversation,
-    )
 
     d = cfg.data
     if d.source == "colour_squares":
@@ -165,14 +174,6 @@ def load_examples(cfg: SFTConfig, tok: Any, model_path: str) -> tuple[list, list
 
 
 def run(cfg: SFTConfig) -> dict:
-    from transformers import AutoTokenizer
-
-    from tephra.apps.sft.chat_data import pad_batch
-    from tephra.controller.checkpoints import CheckpointManager
-    from tephra.controller.models import resolve_model_path
-    from tephra.controller.trackers import Trackers
-    from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
-
     t0 = time.perf_counter()
     path = resolve_model_path(cfg.model.path)
     tok = AutoTokenizer.from_pretrained(path)
@@ -247,10 +248,6 @@ def run(cfg: SFTConfig) -> dict:
 def vision_processor(cfg: SFTConfig, model_path: str):
     """The image processor of `model_path` (a vision-language model), for data with images;
     refuses what cannot train on images, before Ray starts."""
-    from transformers import AutoConfig
-
-    from tephra.engine_api.multimodal import is_vision_config
-    from tephra.rollout.multimodal import VisionProcessor
 
     what = (
         "data.source=colour_squares" if cfg.data.source == "colour_squares" else "data.images=true"

@@ -167,7 +167,8 @@ def reference_sum_pi_squared(
         p = F.softmax(logits.double() / temperature, dim=-1)
         q = torch.zeros(batch[B.INPUT_IDS].shape, dtype=torch.float64)
         q[:, 1:] = p[:, :-1].pow(2).sum(-1)
-    return q * batch[B.RESPONSE_MASK].bool()
+    mask: torch.Tensor = batch[B.RESPONSE_MASK]
+    return q * mask.bool()
 
 
 def check_forward_sum_pi_squared(spec: ConformanceSpec) -> None:
@@ -217,7 +218,7 @@ def check_optimizer_step_lowers_loss(spec: ConformanceSpec) -> None:
         f"forward_backward reported loss {loss} but the batch's NLL is {before}"
     )
     assert math.isfinite(grad_norm) and grad_norm > 0, f"grad norm {grad_norm}"
-    norms = [grad_norm]
+    norms: list[float | None] = [grad_norm]
     if _world()[1] > 1:
         norms = [None] * _world()[1]
         dist.all_gather_object(norms, grad_norm)

@@ -18,16 +18,27 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def _rank_main(fn, rank, world_size, port, args, results, env) -> None:
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    results: mp.Queue[tuple[int, str, Any]],
+    env: dict[str, str],
+) -> None:
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -38,9 +49,6 @@ def _rank_main(fn, rank, world_size, port, args, results, env) -> None:
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -58,7 +66,7 @@ def _rank_main(fn, rank, world_size, port, args, results, env) -> None:
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int = 2,
-    args: tuple = (),
+    args: tuple[Any, ...] = (),
     timeout: float = 600.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
@@ -107,9 +115,6 @@ def run_distributed(
 def all_reduce_probe(fail_on_rank: int | None = None) -> tuple[float, int]:
     """Sum of (rank + 1) over the group, and this rank: a check that a group works.
     With `fail_on_rank`, that rank raises instead (to test error reporting)."""
-    import torch
-    import torch.distributed as dist
-
     if dist.get_rank() == fail_on_rank:
         raise ValueError(f"deliberate failure on rank {fail_on_rank}")
     t = torch.tensor([float(dist.get_rank() + 1)])
