@@ -1,5 +1,5 @@
 """A real model drives `tool_agent`: a tiny Qwen2 fine-tuned with apps/sft (through Ray and the
-FSDP engine) on the synthetic tool-call transcripts of packages/rollout/examples/tools emits
+FSDP engine) on the synthetic tool-call transcripts of packages/episodes/examples/tools emits
 `<tool_call>{...}</tool_call>`, the real python sandbox runs it, and the trajectory is checked
 against independent references: the ids each `agenerate` call returned (mask 1 exactly there),
 the chat template's tool-turn text written out by hand (mask 0 exactly there), a plain
@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tephra.rollout.agent import (
+from tephra.episodes.agent import (
     AGENT_LOOPS,
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
@@ -27,14 +27,14 @@ from tephra.rollout.agent import (
     run_agent_loops,
     trajectories_to_batch,
 )
-from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
+from tephra.episodes.tools import PythonTool
+from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
 from tephra.rollout.testing import build_tiny_model
-from tephra.rollout.tools import PythonTool
 
 EXAMPLE = (
     Path(__file__).resolve().parents[1]
     / "packages"
-    / "rollout"
+    / "episodes"
     / "examples"
     / "tools"
     / "make_tool_sft_data.py"

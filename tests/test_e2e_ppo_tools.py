@@ -120,10 +120,10 @@ def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
     from transformers import AutoTokenizer
 
     from tephra.algos import ActorObjective, compute_advantages
-    from tephra.rollout.agent import AGENT_LOOPS, AgentLoopConfig
-    from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
+    from tephra.episodes.agent import AGENT_LOOPS, AgentLoopConfig
+    from tephra.episodes.tools import load_tools
+    from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
     from tephra.rollout.testing import build_tiny_model
-    from tephra.rollout.tools import load_tools
 
     tiny = build_tiny_model(tmp_path / "tiny")
     tok = AutoTokenizer.from_pretrained(tiny.path)

@@ -65,7 +65,7 @@ from tephra.controller.worker_group import WorkerGroup
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError, TephraError
 from tephra.engine_api.multimodal import MultimodalInputs
-from tephra.rollout.rewards import is_timeout
+from tephra.episodes.rewards import is_timeout
 
 
 @dataclass

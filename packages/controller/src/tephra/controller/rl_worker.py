@@ -48,7 +48,7 @@ def run_agent_requests(
     order."""
     import asyncio
 
-    from tephra.rollout.agent import AgentSample, run_agent_loops
+    from tephra.episodes.agent import AgentSample, run_agent_loops
 
     samples = [
         AgentSample(
@@ -204,7 +204,7 @@ class RLWorker(Worker):
         self, cfg: PPOConfig, model_path: str, tools_file: str | None, with_rollout: bool
     ) -> None:
         """The rollout engine (when this process generates), tokenizer, tools and scorer."""
-        from tephra.rollout.base import RolloutConfig, get_rollout
+        from tephra.rollout import RolloutConfig, get_rollout
 
         self.cfg, self.model_path, self.tools_file = cfg, model_path, tools_file
         self.rollout = None
@@ -317,10 +317,10 @@ class RLWorker(Worker):
         return samples
 
     def _generate_agent(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
-        from tephra.rollout.agent import AGENT_LOOPS
+        from tephra.episodes.agent import AGENT_LOOPS
 
         if self._tools is None:
-            from tephra.rollout.tools import load_tools
+            from tephra.episodes.tools import load_tools
 
             self._tools = load_tools(self.tools_file) if self.tools_file else {}
         r = self.cfg.rollout
@@ -613,7 +613,7 @@ class RLWorker(Worker):
             self._pool.shutdown(wait=False, cancel_futures=True)
         finally:
             if self._tools:
-                from tephra.rollout.tools import close_tools
+                from tephra.episodes.tools import close_tools
 
                 tools, self._tools = self._tools, {}
                 close_tools(tools.values())

@@ -97,7 +97,7 @@ def _text_batch(samples: list[Sample], pad_token_id: int, n: int, multi_turn: bo
     from tephra.rollout.base import RolloutOutput
 
     if multi_turn:
-        from tephra.rollout.agent import Trajectory, trajectories_to_batch
+        from tephra.episodes.agent import Trajectory, trajectories_to_batch
 
         batch = trajectories_to_batch(
             [

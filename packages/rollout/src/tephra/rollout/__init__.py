@@ -1,7 +1,6 @@
 """tephra.rollout: generation backends (hf, vllm, sglang) behind one contract."""
 
 from tephra.rollout.base import (
-    ROLLOUT_BACKENDS,
     Generation,
     HFSettings,
     Rollout,
@@ -11,8 +10,8 @@ from tephra.rollout.base import (
     SamplingParams,
     ServerDiedError,
     ServerSettings,
-    get_rollout,
 )
+from tephra.rollout.registry import ROLLOUT_BACKENDS, get_rollout
 
 __all__ = [
     "ROLLOUT_BACKENDS",

@@ -1,4 +1,4 @@
-"""The rollout contract: sampling settings, outputs, the `Rollout` ABC and the backend registry.
+"""The rollout contract: sampling settings, outputs and the `Rollout` ABC.
 
 A rollout backend turns prompt token ids into response token ids with, for each response
 token, the log-prob of that token under the sampling distribution:
@@ -27,7 +27,6 @@ import torch
 from tephra.engine_api.batch import make_batch
 from tephra.engine_api.errors import ConfigError, TephraError
 from tephra.engine_api.fastest_dtype import AUTO, resolve_dtype
-from tephra.engine_api.registry import Registry
 from tephra.rollout.weight_transport import check_transport_name
 
 if TYPE_CHECKING:
@@ -501,14 +500,3 @@ def check_prompts(
 def can_pause(backend: type[Rollout]) -> bool:
     """Whether the backend class supports partial rollout (has `paused()`; see `Rollout`)."""
     return callable(getattr(backend, "paused", None))
-
-
-ROLLOUT_BACKENDS: Registry[type[Rollout]] = Registry("rollout backend")
-"""Backends by name: `hf`, `vllm`, `sglang` (each a class taking a `RolloutConfig`)."""
-
-
-def get_rollout(name: str, config: RolloutConfig) -> Rollout:
-    """Build the backend registered as `name` (importing the built-in backends first)."""
-    import tephra.rollout.backends  # noqa: F401  (registers the built-ins)
-
-    return ROLLOUT_BACKENDS.get(name)(config)

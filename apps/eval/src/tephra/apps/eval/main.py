@@ -80,7 +80,7 @@ def evaluate_model(cfg: EvalConfig, model_path: str):
     from tephra.controller.data import tokenize_prompts
     from tephra.controller.evaluation import EvalRow, summarise
     from tephra.controller.rewarding import Scorer
-    from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
+    from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
 
     tok = AutoTokenizer.from_pretrained(model_path)
     if tok.pad_token_id is None:

@@ -35,7 +35,6 @@ from tephra.rollout.backends.kv_cache import growing_cache
 from tephra.rollout.backends.request_batcher import RequestBatcher
 from tephra.rollout.backends.sampling_processor import SampledLogProbRecorder
 from tephra.rollout.base import (
-    ROLLOUT_BACKENDS,
     FinishReason,
     Generation,
     Rollout,
@@ -127,7 +126,6 @@ class _Carry:
         return _Carry(self.ids[index], self.attn[index], self.cache, self.updates)
 
 
-@ROLLOUT_BACKENDS.register("hf")
 class HFRollout(Rollout):
     """transformers generation in this process; `agenerate` goes through a batching thread."""
 

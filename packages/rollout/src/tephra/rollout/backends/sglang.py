@@ -24,7 +24,6 @@ from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import (
     unpack,
 )
 from tephra.rollout.base import (
-    ROLLOUT_BACKENDS,
     Generation,
     RolloutConfig,
     RolloutError,
@@ -192,7 +191,6 @@ class SglangProtocol(ServerProtocol):
         return [("/flush_cache", {})]
 
 
-@ROLLOUT_BACKENDS.register("sglang")
 class SglangRollout(ServerRollout):
     """SGLang server backend (see module docstring); `SglangRollout(config)`."""
 

@@ -22,7 +22,6 @@ import torch
 from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtocol, ServerRollout
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta, share
 from tephra.rollout.base import (
-    ROLLOUT_BACKENDS,
     ConfigError,
     Generation,
     RolloutConfig,
@@ -233,7 +232,6 @@ class VllmProtocol(ServerProtocol):
         ]
 
 
-@ROLLOUT_BACKENDS.register("vllm")
 class VllmRollout(ServerRollout):
     """vLLM server backend (see module docstring); `VllmRollout(config)`."""
 
