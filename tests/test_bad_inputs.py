@@ -1178,8 +1178,10 @@ class CannedWorkers:
         ]
 
     def collect_scores(self):
+        from tephra.controller.samples import ScoreResult
+
         return [
-            (s, e, 0.0, c)
+            ScoreResult(s, e, 0.0, c)
             for s, e, c in (self.outcomes[k % len(self.outcomes)] for k in range(self.count))
         ]
 

@@ -25,10 +25,9 @@ from tephra.episodes.agent import (
     AgentLoopConfig,
     AgentSample,
     run_agent_loops,
-    trajectories_to_batch,
 )
 from tephra.episodes.tools import PythonTool
-from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
+from tephra.rollout import RolloutConfig, SamplingParams, get_rollout, to_batch
 from tephra.rollout.testing import build_tiny_model
 
 EXAMPLE = (
@@ -173,9 +172,7 @@ def test_sft_model_calls_the_python_tool_through_tool_agent(sft_model):
         assert tokenizer.decode(tool_ids, skip_special_tokens=False) == tool_turn_text(output)
         # token in, token out: the second turn was prompted with exactly the earlier ids
         assert gens[1][0] == traj.prompt_ids + first + tool_ids
-        assert traj.response_log_probs[len(first) : len(first) + len(tool_ids)] == [0.0] * len(
-            tool_ids
-        )
+        assert traj.log_probs[len(first) : len(first) + len(tool_ids)] == [0.0] * len(tool_ids)
 
         # re-decoding the ids gives the chat template's rendering of the messages
         decoded = tokenizer.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
@@ -187,7 +184,7 @@ def test_sft_model_calls_the_python_tool_through_tool_agent(sft_model):
         with torch.no_grad():
             logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
         ref = logp.gather(-1, ids[0, 1:, None])[len(traj.prompt_ids) - 1 :, 0]
-        got = torch.tensor(traj.response_log_probs)
+        got = torch.tensor(traj.log_probs)
         on = torch.tensor(traj.response_mask, dtype=torch.bool)
         torch.testing.assert_close(got[on], ref[on], atol=2e-4, rtol=0)
         # greedy: each generated token is the argmax of the reference distribution
@@ -195,7 +192,7 @@ def test_sft_model_calls_the_python_tool_through_tool_agent(sft_model):
         assert torch.equal(argmax[on], ids[0, len(traj.prompt_ids) :][on])
 
     # the padded training batch keeps the masks and counts
-    batch = trajectories_to_batch(trajectories, pad_token_id=tokenizer.pad_token_id)
+    batch = to_batch(trajectories, pad_token_id=tokenizer.pad_token_id, agent_stats=True)
     assert batch["num_turns"].tolist() == [2] * N_TRANSCRIPTS
     assert batch["tool_calls"].tolist() == [1] * N_TRANSCRIPTS
     assert int(batch["response_mask"].sum()) == sum(sum(t.response_mask) for t in trajectories)

@@ -20,7 +20,7 @@ from tephra.controller.samples import PromptItem, Sample, agent_metrics, samples
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
-from tephra.rollout.base import Generation, Rollout
+from tephra.rollout.base import Rollout
 
 AGENT_KEYS = (
     "agent/turns_mean",
@@ -94,7 +94,11 @@ class FirstTurnScripted(Rollout):
         turn = self.turns.get(session_id, 0)
         self.turns[session_id] = turn + 1
         if turn == 0:
-            gen = Generation(list(self.scripted), [-0.5] * len(self.scripted), "stop")
+            gen = Sample(
+                response_ids=list(self.scripted),
+                log_probs=[-0.5] * len(self.scripted),
+                finish_reason="stop",
+            )
         else:
             gen = await self.model.agenerate(prompt_ids, sampling, session_id)
         self.generated.setdefault(session_id, []).append(list(gen.response_ids))
@@ -156,7 +160,7 @@ def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
             prompt_ids=t.prompt_ids,
             response_ids=t.response_ids,
             response_mask=t.response_mask,
-            log_probs=t.response_log_probs,
+            log_probs=t.log_probs,
             finish_reason=t.finish_reason,
             text=final_answer(t),
             sample_id=t.sample_id,

@@ -17,11 +17,11 @@ from tephra.episodes.agent import (
     AgentLoopConfig,
     AgentSample,
     run_agent_loops,
-    trajectories_to_batch,
 )
 from tephra.episodes.tools import PythonTool, Tool, ToolResult
 from tephra.rollout.backends.hf import HFRollout
 from tephra.rollout.base import RolloutConfig, SamplingParams
+from tephra.rollout.samples import to_batch
 from tephra.rollout.testing import ScriptedRollout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=160)
@@ -106,7 +106,7 @@ def test_tool_turn_is_exactly_generated_ids_plus_the_template_delta(tokenizer):
     assert traj.response_mask == [1] * len(g0.response_ids) + [0] * len(delta) + [1] * len(
         g1.response_ids
     )
-    assert traj.response_log_probs == g0.log_probs + [0.0] * len(delta) + g1.log_probs
+    assert traj.log_probs == g0.log_probs + [0.0] * len(delta) + g1.log_probs
     decoded = tokenizer.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
     assert decoded == prompt_text + turn0 + "<|im_end|>" + tool_text + turn1 + "<|im_end|>"
     # ... which is the chat template's rendering of the transcript
@@ -208,7 +208,7 @@ def test_real_hf_backend_single_turn_matches_generate(tokenizer, hf_rollout):
         for traj in trajs:
             ref = hf_rollout.generate([traj.prompt_ids], GREEDY)  # the same context, alone
             assert traj.response_ids == ref.response_ids[0]
-            assert traj.response_log_probs == pytest.approx(ref.log_probs[0], abs=1e-4)
+            assert traj.log_probs == pytest.approx(ref.log_probs[0], abs=1e-4)
             assert traj.response_mask == [1] * len(traj.response_ids) and traj.num_turns == 1
             assert tokenizer.decode(
                 traj.prompt_ids + traj.response_ids, skip_special_tokens=False
@@ -293,7 +293,9 @@ def test_many_loops_in_flight_and_a_slow_tool_blocks_nobody(tokenizer, hf_rollou
         == g1.response_ids
     )
 
-    batch = trajectories_to_batch(trajs, tokenizer.pad_token_id, uids=[i // 3 for i in range(n)])
+    batch = to_batch(
+        trajs, tokenizer.pad_token_id, agent_stats=True, uids=[i // 3 for i in range(n)]
+    )
     assert batch["uid"].tolist() == [i // 3 for i in range(n)]
     assert batch["tool_rewards"].tolist() == [0.0] * n
     # row i holds trajectory i: prompt left-padded, response right after it, per-token fields aligned
@@ -310,7 +312,7 @@ def test_many_loops_in_flight_and_a_slow_tool_blocks_nobody(tokenizer, hf_rollou
             == t.response_mask
         )
         logp = batch["rollout_log_probs"][i, p_len : p_len + len(t.response_ids)].tolist()
-        assert logp == pytest.approx(t.response_log_probs, abs=1e-6)
+        assert logp == pytest.approx(t.log_probs, abs=1e-6)
     assert batch["response_mask"].sum().item() == sum(t.generated_tokens for t in trajs)
     assert batch["attention_mask"].sum().item() == sum(
         len(t.prompt_ids) + len(t.response_ids) for t in trajs
@@ -336,16 +338,14 @@ def test_token_versions_follow_each_turn_and_tool_tokens_take_their_turns(tokeni
     (_, _, g0), (_, ctx1, g1) = model.requests
     tool = len(ctx1) - len(traj.prompt_ids) - len(g0.response_ids)
     assert tool > 0 and traj.response_mask[len(g0.response_ids)] == 0
-    assert traj.response_versions == [0] * (len(g0.response_ids) + tool) + [1] * len(
-        g1.response_ids
-    )
+    assert traj.token_versions == [0] * (len(g0.response_ids) + tool) + [1] * len(g1.response_ids)
     untagged = ScriptedRollout(tokenizer, lambda s, k: turns[k])
     loop = AGENT_LOOPS.get("tool_agent")(
         untagged, tokenizer, GREEDY, AgentLoopConfig(max_turns=4), {"echo": EchoTool()}
     )
-    assert asyncio.run(loop.run(AgentSample(question(), sample_id="s1"))).response_versions is None
+    assert asyncio.run(loop.run(AgentSample(question(), sample_id="s1"))).token_versions is None
     single = ScriptedRollout(tokenizer, lambda s, k: turns[1])
     single.weight_version = 3
     loop = AGENT_LOOPS.get("single_turn")(single, tokenizer, GREEDY, AgentLoopConfig(), {})
     traj = asyncio.run(loop.run(AgentSample(question(), sample_id="s2")))
-    assert traj.response_versions == [3] * len(traj.response_ids)
+    assert traj.token_versions == [3] * len(traj.response_ids)

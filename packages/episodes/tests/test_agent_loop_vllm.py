@@ -69,8 +69,8 @@ def test_vllm_agent_loop_tool_turn_matches_hf(rollouts, tiny_tied_model):
         assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
         assert a.response_mask == b.response_mask and 0 in a.response_mask
         torch.testing.assert_close(
-            torch.tensor(a.response_log_probs),
-            torch.tensor(b.response_log_probs),
+            torch.tensor(a.log_probs),
+            torch.tensor(b.log_probs),
             atol=LOGPROB_TOL,
             rtol=0,
         )

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from tephra.episodes.agent import AGENT_LOOPS, TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentSample
 from tephra.episodes.tools import PythonTool
-from tephra.rollout.base import Generation, SamplingParams
+from tephra.rollout import Sample, SamplingParams
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tools" / "make_tool_sft_data.py"
 
@@ -34,7 +34,7 @@ class ReplayRollout:
         text = self.turns[self.calls]
         self.calls += 1
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        return Generation(ids, [0.0] * len(ids), "stop")
+        return Sample(response_ids=ids, log_probs=[0.0] * len(ids), finish_reason="stop")
 
 
 def test_transcripts_replay_exactly_through_the_sandbox(tiny_model):

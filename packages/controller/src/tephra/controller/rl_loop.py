@@ -496,10 +496,10 @@ class Trainer:
 
     def attach_scores(self, samples: list[Sample]) -> list[Sample]:
         results = self.wg.collect_scores()
-        self.reward_seconds = max((r[2] for r in results), default=0.0)
-        for sample, (score, error, _, clipped) in zip(samples, results, strict=True):
-            sample.score, sample.reward_error = float(score), error
-            sample.reward_clipped = clipped
+        self.reward_seconds = max((r.seconds for r in results), default=0.0)
+        for sample, result in zip(samples, results, strict=True):
+            sample.score, sample.reward_error = float(result.score), result.error
+            sample.reward_clipped = result.clipped
         check_not_all_failed([s.reward_error for s in samples])
         return samples
 

@@ -36,7 +36,7 @@ from tensordict import TensorDict
 
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.rl_config import PPOConfig
-from tephra.controller.samples import PromptItem, Sample
+from tephra.controller.samples import PromptItem, Sample, ScoreResult
 from tephra.controller.worker_group import Worker
 from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
 
@@ -44,7 +44,7 @@ from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
 def run_agent_requests(
     loop: Any, items: list[PromptItem], max_in_flight: int | None = None
 ) -> list[Any]:
-    """Run `loop` (an `AgentLoop`) on every item concurrently; one `Trajectory` per item, in
+    """Run `loop` (an `AgentLoop`) on every item concurrently; one `Sample` per item, in
     order."""
     import asyncio
 
@@ -295,20 +295,11 @@ class RLWorker(Worker):
         extra = {"multimodal": images} if any(m is not None for m in images) else {}
         out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling, **extra)
         tok = self.tokenizer()
-        samples = [
-            Sample(
-                prompt_ids=out.prompt_ids[k],
-                response_ids=out.response_ids[k],
-                response_mask=[1] * len(out.response_ids[k]),
-                log_probs=out.log_probs[k] if out.log_probs is not None else None,
-                finish_reason=out.finish_reasons[k],
-                text=tok.decode(out.response_ids[k], skip_special_tokens=True),
-                sample_id=items[k // sampling.n].sample_id,
-                multimodal=images[k // sampling.n],
-                token_versions=(out.token_versions[k] if out.token_versions is not None else None),
-            )
-            for k in range(len(out))
-        ]
+        samples = out.samples
+        for k, sample in enumerate(samples):
+            sample.text = tok.decode(sample.response_ids, skip_special_tokens=True)
+            sample.sample_id = items[k // sampling.n].sample_id
+            sample.multimodal = images[k // sampling.n]
         if extra:  # the rollout engine is hf (images go nowhere else): its config has the id
             from tephra.engine_api.multimodal import image_token_id
 
@@ -333,24 +324,7 @@ class RLWorker(Worker):
             for i in items
             for k in range(n)
         ]
-        trajectories = run_agent_requests(loop, expanded, r.max_in_flight)
-        return [
-            Sample(
-                prompt_ids=list(t.prompt_ids),
-                response_ids=list(t.response_ids),
-                response_mask=list(t.response_mask),
-                log_probs=list(t.response_log_probs),
-                finish_reason=t.finish_reason,
-                text=final_answer(t),
-                sample_id=t.sample_id,
-                num_turns=t.num_turns,
-                tool_calls=t.tool_calls,
-                tool_errors=t.tool_errors,
-                tool_rewards=dict(t.tool_rewards),
-                token_versions=t.response_versions,
-            )
-            for t in trajectories
-        ]
+        return run_agent_requests(loop, expanded, r.max_in_flight)
 
     def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list]:
         from tephra.controller.rewarding import Scorer
@@ -366,16 +340,16 @@ class RLWorker(Worker):
         return results, time.perf_counter() - start, self._scorer.clipped
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
-    def collect_scores(self) -> list[tuple[float, str | None, float, bool]]:
-        """(score, error, seconds this rank spent scoring, whether `reward.clip` moved the
-        score) of each sample of the last `generate`, in order; waits for the background
-        scorer."""
+    def collect_scores(self) -> list[ScoreResult]:
+        """The reward of each sample of the last `generate`, in order; waits for the
+        background scorer."""
         if self._scoring is None:
             raise RuntimeError("collect_scores called without a scored generate before it")
         results, seconds, clipped = self._scoring.result()
         self._scoring = None
         return [
-            (score, error, seconds, c) for (score, error), c in zip(results, clipped, strict=True)
+            ScoreResult(score, error, seconds, c)
+            for (score, error), c in zip(results, clipped, strict=True)
         ]
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------

@@ -122,11 +122,9 @@ class RolloutWorker(RLWorker):
         with self._generating:
             self._take_staged()  # weights received while the last request ran, if any
             samples = self.generate(items, sampling)
-            for sample, (score, error, _, clipped) in zip(
-                samples, self.collect_scores(), strict=True
-            ):
-                sample.score, sample.reward_error = float(score), error
-                sample.reward_clipped = clipped
+            for sample, result in zip(samples, self.collect_scores(), strict=True):
+                sample.score, sample.reward_error = float(result.score), result.error
+                sample.reward_clipped = result.clipped
                 sample.weight_version = (
                     min(sample.token_versions) if sample.token_versions else self.version
                 )

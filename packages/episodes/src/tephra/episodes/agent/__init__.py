@@ -8,9 +8,8 @@ from tephra.episodes.agent.base import (
     AgentLoop,
     AgentLoopConfig,
     AgentSample,
-    Trajectory,
 )
-from tephra.episodes.agent.batching import run_agent_loops, trajectories_to_batch
+from tephra.episodes.agent.batching import run_agent_loops
 from tephra.episodes.agent.chat_format import TOOL_CHAT_TEMPLATE
 from tephra.episodes.agent.chat_tokens import ChatTemplateDelta
 from tephra.episodes.agent.loops import SingleTurnAgentLoop, ToolAgentLoop
@@ -28,8 +27,6 @@ __all__ = [
     "SingleTurnAgentLoop",
     "ToolAgentLoop",
     "ToolCall",
-    "Trajectory",
     "parse_hermes_tool_calls",
     "run_agent_loops",
-    "trajectories_to_batch",
 ]

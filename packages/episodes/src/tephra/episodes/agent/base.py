@@ -1,12 +1,14 @@
-"""The agent-loop contract: a sample in, a token-level trajectory out.
+"""The agent-loop contract: a prompt item in, one token-level `Sample` out.
 
 `AgentLoop.run(sample)` drives the model (through a `Rollout`'s `agenerate`, many loops in
-flight at once) and whatever environment it talks to (tools), and returns a `Trajectory`:
+flight at once) and whatever environment it talks to (tools), and returns a
+`tephra.rollout.Sample`:
 
-    prompt_ids          [P]  the first context
-    response_ids        [R]  every token after it: model turns and tool turns, in order
-    response_mask       [R]  1 on model-generated tokens (trained), 0 on tool/user tokens
-    response_log_probs  [R]  rollout log-prob of each generated token, 0.0 on tool tokens
+    prompt_ids      [P]  the first context
+    response_ids    [R]  every token after it: model turns and tool turns, in order
+    response_mask   [R]  1 on model-generated tokens (trained), 0 on tool/user tokens
+    log_probs       [R]  rollout log-prob of each generated token, 0.0 on tool tokens
+    token_versions  [R]  the weight version of each token (None: untagged)
 
 with `decode(prompt_ids + response_ids)` equal to the chat transcript (`messages`).
 """
@@ -23,6 +25,7 @@ from tephra.engine_api.errors import ConfigError
 if TYPE_CHECKING:
     from tephra.episodes.tools.base import Tool
     from tephra.rollout.base import Rollout, SamplingParams
+    from tephra.rollout.samples import Sample
 
 
 @dataclass
@@ -40,61 +43,11 @@ class AgentSample:
     tool_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per tool name, keyword arguments for `Tool.create` (e.g. a checker's ground truth)."""
     extra_info: dict[str, Any] = field(default_factory=dict)
-    """Passed through to `Trajectory.extra_info` for the reward (data_source, ground truth)."""
+    """Passed through to `Sample.extra_info` for the reward (data_source, ground truth)."""
 
     def __post_init__(self) -> None:
         if not self.messages and not self.prompt_ids:
             raise ConfigError("AgentSample: give `messages` (chat messages) or `prompt_ids`")
-
-
-@dataclass
-class Trajectory:
-    """A finished rollout of one sample (see the module docstring for the token fields)."""
-
-    sample_id: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    response_log_probs: list[float]
-    num_turns: int
-    """Model turns (generate calls)."""
-    tool_calls: int
-    """Tool calls answered with a tool message (run, malformed or over the per-turn cap);
-    calls in a last turn with no turn left to read them are not run and not counted."""
-    tool_errors: int
-    """Calls that returned an error (bad JSON, unknown tool, the tool's own error)."""
-    finish_reason: str
-    """'stop' (the model answered without a tool call), 'length' (token budget or model
-    length reached) or 'max_turns' (the last allowed turn still called a tool)."""
-    messages: list[dict[str, Any]]
-    """The transcript: the sample's messages, then assistant and tool messages."""
-    tool_rewards: dict[str, float] = field(default_factory=dict)
-    """`Tool.calc_reward` of each tool the trajectory used."""
-    extra_info: dict[str, Any] = field(default_factory=dict)
-    """The sample's `extra_info` plus `tool_metrics` (summed per tool and metric)."""
-    response_versions: list[int] | None = None
-    """Weight version that produced each response token, when the backend tags them
-    (`Generation.token_versions`, partial rollout): a turn interrupted by a weight update
-    goes on under the new version, and later turns run under whatever the backend holds
-    then. Tool tokens take the version of the model turn they answer. None when any turn
-    was untagged."""
-
-    def __post_init__(self) -> None:
-        n = len(self.response_ids)
-        if (
-            len(self.response_mask) != n
-            or len(self.response_log_probs) != n
-            or (self.response_versions is not None and len(self.response_versions) != n)
-        ):
-            raise ValueError(
-                f"trajectory {self.sample_id}: response_ids ({n}), response_mask "
-                f"({len(self.response_mask)}), response_log_probs ({len(self.response_log_probs)}) "
-                "and response_versions (when set) must have the same length"
-            )
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(self.response_mask)
 
 
 @dataclass
@@ -129,7 +82,7 @@ class AgentLoopConfig:
 
 
 class AgentLoop(ABC):
-    """Turns one sample into one trajectory. One loop object serves many samples concurrently:
+    """Turns one prompt item into one sample (a trajectory). One loop object serves many samples concurrently:
     per-trajectory state lives in `run`, not on `self`."""
 
     def __init__(
@@ -152,5 +105,5 @@ class AgentLoop(ABC):
         self.tools = dict(tools or {})
 
     @abstractmethod
-    async def run(self, sample: AgentSample) -> Trajectory:
+    async def run(self, sample: AgentSample) -> Sample:
         """Roll out `sample` to the end."""

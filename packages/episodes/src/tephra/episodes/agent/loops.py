@@ -6,10 +6,11 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
-from tephra.episodes.agent.base import AgentLoop, AgentSample, Trajectory
+from tephra.episodes.agent.base import AgentLoop, AgentSample
 from tephra.episodes.agent.chat_tokens import ChatTemplateDelta
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS, ToolCall
 from tephra.episodes.tools.base import Tool, ToolResult
+from tephra.rollout.samples import Sample
 
 
 class _TokenLoop(AgentLoop):
@@ -65,7 +66,7 @@ class _TokenLoop(AgentLoop):
 class SingleTurnAgentLoop(_TokenLoop):
     """One model turn; the trajectory is the generation (mask all ones)."""
 
-    async def run(self, sample: AgentSample) -> Trajectory:
+    async def run(self, sample: AgentSample) -> Sample:
         delta = self.delta({})
         prompt_ids = (
             list(sample.prompt_ids) if sample.prompt_ids else delta.prompt_ids(sample.messages)
@@ -77,21 +78,22 @@ class SingleTurnAgentLoop(_TokenLoop):
             prompt_ids, self.sampling.replace(max_tokens=budget), session_id=sample.sample_id
         )
         content, _ = self.text_of_turn(gen.response_ids, gen.finish_reason)
-        return Trajectory(
+        return Sample(
             sample_id=sample.sample_id,
             prompt_ids=prompt_ids,
             response_ids=list(gen.response_ids),
             response_mask=[1] * len(gen.response_ids),
-            response_log_probs=list(gen.log_probs)
+            log_probs=list(gen.log_probs)
             if gen.log_probs is not None
             else [0.0] * len(gen.response_ids),
             num_turns=1,
             tool_calls=0,
             tool_errors=0,
             finish_reason=gen.finish_reason,
+            text=content,
             messages=[*sample.messages, {"role": "assistant", "content": content}],
             extra_info=dict(sample.extra_info),
-            response_versions=list(gen.token_versions) if gen.token_versions is not None else None,
+            token_versions=list(gen.token_versions) if gen.token_versions is not None else None,
         )
 
 
@@ -99,7 +101,7 @@ class ToolAgentLoop(_TokenLoop):
     """generate -> parse tool calls -> run them concurrently -> append their results as tokens
     -> generate ..., until a turn has no tool call, `max_turns` or the token budget."""
 
-    async def run(self, sample: AgentSample) -> Trajectory:
+    async def run(self, sample: AgentSample) -> Sample:
         cfg = self.config
         tools = self.offered_tools(sample)
         delta = self.delta(tools)
@@ -222,37 +224,42 @@ class ToolAgentLoop(_TokenLoop):
             await asyncio.gather(
                 *(tools[name].release(instance_id) for name in created), return_exceptions=True
             )
-        return Trajectory(
+        return Sample(
             sample_id=sample.sample_id,
             prompt_ids=prompt_ids,
             response_ids=ids,
             response_mask=mask,
-            response_log_probs=log_probs,
+            log_probs=log_probs,
             num_turns=num_turns,
             tool_calls=calls_made,
             tool_errors=errors,
             finish_reason=finish,
+            text=final_answer(messages),
             messages=messages,
             tool_rewards=rewards,
             extra_info={
                 **sample.extra_info,
                 "tool_metrics": {k: dict(v) for k, v in metrics.items()},
             },
-            response_versions=versions if versions is not None and num_turns else None,
+            token_versions=versions if versions is not None and num_turns else None,
         )
 
 
-def _empty(sample: AgentSample, prompt_ids: list[int]) -> Trajectory:
-    return Trajectory(
-        sample.sample_id,
-        prompt_ids,
-        [],
-        [],
-        [],
-        0,
-        0,
-        0,
-        "length",
-        list(sample.messages),
+def _empty(sample: AgentSample, prompt_ids: list[int]) -> Sample:
+    return Sample(
+        sample_id=sample.sample_id,
+        prompt_ids=prompt_ids,
+        response_ids=[],
+        response_mask=[],
+        log_probs=[],
+        num_turns=0,
+        finish_reason="length",
+        messages=list(sample.messages),
         extra_info=dict(sample.extra_info),
     )
+
+
+def final_answer(messages: list[dict[str, Any]]) -> str:
+    """The last assistant message of a transcript: what the reward scores (earlier turns are
+    tool calls)."""
+    return next((m["content"] for m in reversed(messages) if m.get("role") == "assistant"), "")

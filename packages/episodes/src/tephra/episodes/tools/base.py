@@ -32,7 +32,7 @@ class ToolResult:
 
     `text` is shown to the model as the tool message. `error` is None on success, otherwise a
     one-line reason (also shown to the model: it is part of the environment's answer, and the
-    loop counts it in `Trajectory.tool_errors`). `metrics` are numbers for logging only.
+    loop counts it in `Sample.tool_errors`). `metrics` are numbers for logging only.
     """
 
     text: str

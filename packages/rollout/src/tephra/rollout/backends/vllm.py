@@ -23,9 +23,9 @@ from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtoc
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta, share
 from tephra.rollout.base import (
     ConfigError,
-    Generation,
     RolloutConfig,
     RolloutError,
+    Sample,
     SamplingParams,
     ServerSettings,
 )
@@ -153,7 +153,7 @@ class VllmProtocol(ServerProtocol):
             body["logprobs"] = 1
         return [("/v1/completions", body)]
 
-    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Generation]:
+    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Sample]:
         out = []
         for choice in sorted(response.get("choices", []), key=lambda c: c["index"]):
             ids = choice.get("token_ids")
@@ -176,7 +176,7 @@ class VllmProtocol(ServerProtocol):
                 raise RolloutError(
                     f"vllm sample finished with {reason!r}; expected stop, length or abort"
                 )
-            out.append(Generation(list(ids), log_probs, reason))
+            out.append(Sample(response_ids=list(ids), log_probs=log_probs, finish_reason=reason))
         return out
 
     def abort_request(self) -> Request:
