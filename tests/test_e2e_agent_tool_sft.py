@@ -20,12 +20,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tephra.episodes.agent import (
-    AGENT_LOOPS,
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
     AgentSample,
-    run_agent_loops,
 )
+from tephra.episodes.episode import run_episodes
+from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import PythonTool
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout, to_batch
 from tephra.rollout.testing import build_tiny_model
@@ -128,15 +128,15 @@ def test_sft_model_calls_the_python_tool_through_tool_agent(sft_model):
         rollout = RecordingRollout(
             get_rollout("hf", RolloutConfig(model_path=str(model_path), max_model_len=1024))
         )
-        loop = AGENT_LOOPS.get("tool_agent")(
-            rollout,
+        loop = EPISODES.get("tool_agent")(
             tokenizer,
-            SamplingParams(temperature=0.0, max_tokens=96),
             AgentLoopConfig(max_turns=3, max_response_tokens=384, render_tool_schemas=False),
             {"python": python},
         )
         try:
-            return rollout, asyncio.run(run_agent_loops(loop, samples))
+            return rollout, asyncio.run(
+                run_episodes(loop, rollout, samples, SamplingParams(temperature=0.0, max_tokens=96))
+            )
         finally:
             rollout.rollout.close()
 

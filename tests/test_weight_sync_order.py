@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tephra.controller.generation import Generator
 from tephra.controller.rl_worker import RLWorker
 from tephra.rollout import RolloutConfig, ServerSettings, get_rollout
 from tephra.rollout.testing import build_tiny_model
@@ -68,7 +69,8 @@ def test_the_worker_syncs_between_waking_weights_and_kv_cache(receiver, tmp_path
         rollout=SimpleNamespace(uses_agent_loop=False, sleep_when_training=True),
         resources=SimpleNamespace(rollout=SimpleNamespace(replicas=0)),
     )
-    worker._generate_plain = lambda items, sampling: []
+    worker.generator = Generator(worker.cfg, model.path, None, worker.rollout)
+    worker.generator._generate_plain = lambda items, sampling: []
     prompts = [None]  # one prompt (a rank with an empty share would not wake the server)
     try:
         worker.sync_weights()  # the first sync, awake

@@ -12,12 +12,12 @@ from transformers import AutoTokenizer
 
 from tephra.engine_api.errors import ConfigError
 from tephra.episodes.agent import (
-    AGENT_LOOPS,
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
     AgentSample,
-    run_agent_loops,
 )
+from tephra.episodes.episode import run_episodes
+from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import PythonTool, Tool, ToolResult
 from tephra.rollout.backends.hf import HFRollout
 from tephra.rollout.base import RolloutConfig, SamplingParams
@@ -84,10 +84,8 @@ def test_tool_turn_is_exactly_generated_ids_plus_the_template_delta(tokenizer):
     turn1 = "The answer is 42."
     model = ScriptedRollout(tokenizer, lambda s, k: [turn0, turn1][k])
     python = PythonTool(timeout_s=5, memory_mb=256)
-    loop = AGENT_LOOPS.get("tool_agent")(
-        model, tokenizer, GREEDY, AgentLoopConfig(max_turns=4), {"python": python}
-    )
-    traj = asyncio.run(loop.run(AgentSample(question(), sample_id="s0")))
+    loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(max_turns=4), {"python": python})
+    traj = asyncio.run(loop.run(model, AgentSample(question(), sample_id="s0"), GREEDY))
 
     schema = [python.schema()]
     prompt_text = tokenizer.apply_chat_template(
@@ -138,11 +136,15 @@ def test_tool_errors_are_reported_to_the_model_and_counted(tokenizer):
     )
     model = ScriptedRollout(tokenizer, lambda s, k: [calls, "done"][k])
     echo = EchoTool()
-    loop = AGENT_LOOPS.get("tool_agent")(
-        model, tokenizer, GREEDY, AgentLoopConfig(max_tool_calls_per_turn=3), {"echo": echo}
+    loop = EPISODES.get("tool_agent")(
+        tokenizer, AgentLoopConfig(max_tool_calls_per_turn=3), {"echo": echo}
     )
     traj = asyncio.run(
-        loop.run(AgentSample(question(), sample_id="e", tool_kwargs={"echo": {"answer": 42}}))
+        loop.run(
+            model,
+            AgentSample(question(), sample_id="e", tool_kwargs={"echo": {"answer": 42}}),
+            GREEDY,
+        )
     )
     tool_msgs = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert tool_msgs[0].startswith("Error: tool call 0 is not valid JSON")
@@ -158,24 +160,18 @@ def test_max_turns_and_token_budget_end_the_trajectory(tokenizer):
     always_call = lambda s, k: tool_call("echo", text=f"call {k}")  # noqa: E731
     model = ScriptedRollout(tokenizer, always_call)
     echo = EchoTool()
-    loop = AGENT_LOOPS.get("tool_agent")(
-        model, tokenizer, GREEDY, AgentLoopConfig(max_turns=3), {"echo": echo}
-    )
-    traj = asyncio.run(loop.run(AgentSample(question(), sample_id="m")))
+    loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(max_turns=3), {"echo": echo})
+    traj = asyncio.run(loop.run(model, AgentSample(question(), sample_id="m"), GREEDY))
     assert (traj.num_turns, traj.tool_calls, traj.finish_reason) == (3, 2, "max_turns")
     assert traj.extra_info["tool_metrics"] == {"echo": {"calls": 2.0}}
 
     # enough for the first model turn and part of the tool turn after it
     budget = len(tokenizer.encode(always_call("b", 0), add_special_tokens=False)) + 1 + 5
     model = ScriptedRollout(tokenizer, always_call)
-    loop = AGENT_LOOPS.get("tool_agent")(
-        model,
-        tokenizer,
-        GREEDY,
-        AgentLoopConfig(max_turns=5, max_response_tokens=budget),
-        {"echo": echo},
+    loop = EPISODES.get("tool_agent")(
+        tokenizer, AgentLoopConfig(max_turns=5, max_response_tokens=budget), {"echo": echo}
     )
-    traj = asyncio.run(loop.run(AgentSample(question(), sample_id="b")))
+    traj = asyncio.run(loop.run(model, AgentSample(question(), sample_id="b"), GREEDY))
     first = model.requests[0][2].response_ids
     assert (
         traj.finish_reason == "length"
@@ -190,21 +186,23 @@ def test_max_turns_and_token_budget_end_the_trajectory(tokenizer):
 
 def test_sampling_n_and_missing_template_are_refused(tokenizer, tiny_model):
     with pytest.raises(ConfigError, match="sampling.n=4"):
-        AGENT_LOOPS.get("tool_agent")(None, tokenizer, SamplingParams(n=4), None, {})
+        asyncio.run(
+            EPISODES.get("tool_agent")(tokenizer, None, {}).run(
+                None, AgentSample(question()), SamplingParams(n=4)
+            )
+        )
     bare = AutoTokenizer.from_pretrained(tiny_model.path)
     bare.chat_template = None
-    loop = AGENT_LOOPS.get("single_turn")(None, bare, GREEDY)
+    loop = EPISODES.get("single_turn")(bare)
     with pytest.raises(ConfigError, match="no chat_template"):
-        asyncio.run(loop.run(AgentSample(question())))
+        asyncio.run(loop.run(None, AgentSample(question()), GREEDY))
 
 
 def test_real_hf_backend_single_turn_matches_generate(tokenizer, hf_rollout):
     samples = [AgentSample(question(i), sample_id=f"q{i}") for i in range(3)]
     for name in ("single_turn", "tool_agent"):
-        loop = AGENT_LOOPS.get(name)(
-            hf_rollout, tokenizer, GREEDY, AgentLoopConfig(max_turns=1), {}
-        )
-        trajs = asyncio.run(run_agent_loops(loop, samples))
+        loop = EPISODES.get(name)(tokenizer, AgentLoopConfig(max_turns=1), {})
+        trajs = asyncio.run(run_episodes(loop, hf_rollout, samples, GREEDY))
         for traj in trajs:
             ref = hf_rollout.generate([traj.prompt_ids], GREEDY)  # the same context, alone
             assert traj.response_ids == ref.response_ids[0]
@@ -243,17 +241,15 @@ def test_many_loops_in_flight_and_a_slow_tool_blocks_nobody(tokenizer, hf_rollou
     model = ScriptedRollout(
         tokenizer, lambda s, k: tool_call("slow") if k == 0 else None, hf_rollout, events
     )
-    loop = AGENT_LOOPS.get("tool_agent")(
-        model,
-        tokenizer,
-        SamplingParams(temperature=0.0, max_tokens=40),
-        AgentLoopConfig(max_turns=2),
-        {"slow": SlowTool()},
-    )
+    loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(max_turns=2), {"slow": SlowTool()})
     finished: list[str] = []
 
     async def one(i: int):
-        traj = await loop.run(AgentSample(question(i), sample_id=f"t{i}"))
+        traj = await loop.run(
+            model,
+            AgentSample(question(i), sample_id=f"t{i}"),
+            SamplingParams(temperature=0.0, max_tokens=40),
+        )
         finished.append(traj.sample_id)
         if len(finished) == n - 1:
             state["others_done"].set()
@@ -331,21 +327,22 @@ def test_token_versions_follow_each_turn_and_tool_tokens_take_their_turns(tokeni
         return turns[k]
 
     model = ScriptedRollout(tokenizer, script)
-    loop = AGENT_LOOPS.get("tool_agent")(
-        model, tokenizer, GREEDY, AgentLoopConfig(max_turns=4), {"echo": EchoTool()}
-    )
-    traj = asyncio.run(loop.run(AgentSample(question(), sample_id="s0")))
+    loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(max_turns=4), {"echo": EchoTool()})
+    traj = asyncio.run(loop.run(model, AgentSample(question(), sample_id="s0"), GREEDY))
     (_, _, g0), (_, ctx1, g1) = model.requests
     tool = len(ctx1) - len(traj.prompt_ids) - len(g0.response_ids)
     assert tool > 0 and traj.response_mask[len(g0.response_ids)] == 0
     assert traj.token_versions == [0] * (len(g0.response_ids) + tool) + [1] * len(g1.response_ids)
     untagged = ScriptedRollout(tokenizer, lambda s, k: turns[k])
-    loop = AGENT_LOOPS.get("tool_agent")(
-        untagged, tokenizer, GREEDY, AgentLoopConfig(max_turns=4), {"echo": EchoTool()}
+    loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(max_turns=4), {"echo": EchoTool()})
+    assert (
+        asyncio.run(
+            loop.run(untagged, AgentSample(question(), sample_id="s1"), GREEDY)
+        ).token_versions
+        is None
     )
-    assert asyncio.run(loop.run(AgentSample(question(), sample_id="s1"))).token_versions is None
     single = ScriptedRollout(tokenizer, lambda s, k: turns[1])
     single.weight_version = 3
-    loop = AGENT_LOOPS.get("single_turn")(single, tokenizer, GREEDY, AgentLoopConfig(), {})
-    traj = asyncio.run(loop.run(AgentSample(question(), sample_id="s2")))
+    loop = EPISODES.get("single_turn")(tokenizer, AgentLoopConfig(), {})
+    traj = asyncio.run(loop.run(single, AgentSample(question(), sample_id="s2"), GREEDY))
     assert traj.token_versions == [3] * len(traj.response_ids)

@@ -10,12 +10,12 @@ import torch
 from transformers import AutoTokenizer
 
 from tephra.episodes.agent import (
-    AGENT_LOOPS,
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
     AgentSample,
-    run_agent_loops,
 )
+from tephra.episodes.episode import run_episodes
+from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import PythonTool
 from tephra.rollout import RolloutConfig, SamplingParams, ServerSettings, get_rollout
 from tephra.rollout.testing import ScriptedRollout
@@ -52,16 +52,17 @@ def test_vllm_agent_loop_tool_turn_matches_hf(rollouts, tiny_tied_model):
     trajectories = []
     for backend in (vllm, hf):
         model = ScriptedRollout(tok, lambda s, k: call if k == 0 else None, fallback=backend)
-        loop = AGENT_LOOPS.get("tool_agent")(
-            model,
-            tok,
-            SamplingParams(temperature=0.0, max_tokens=96),
-            AgentLoopConfig(max_turns=2),
-            {"python": PythonTool(timeout_s=10, memory_mb=256)},
+        loop = EPISODES.get("tool_agent")(
+            tok, AgentLoopConfig(max_turns=2), {"python": PythonTool(timeout_s=10, memory_mb=256)}
         )
         trajectories.append(
             asyncio.run(
-                run_agent_loops(loop, [AgentSample(messages, sample_id=f"s{i}") for i in range(3)])
+                run_episodes(
+                    loop,
+                    model,
+                    [AgentSample(messages, sample_id=f"s{i}") for i in range(3)],
+                    SamplingParams(temperature=0.0, max_tokens=96),
+                )
             )
         )
     for a, b in zip(*trajectories):

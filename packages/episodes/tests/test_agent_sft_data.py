@@ -10,7 +10,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from tephra.episodes.agent import AGENT_LOOPS, TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentSample
+from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentSample
+from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import PythonTool
 from tephra.rollout import Sample, SamplingParams
 
@@ -43,14 +44,16 @@ def test_transcripts_replay_exactly_through_the_sandbox(tiny_model):
     python = PythonTool(timeout_s=5, memory_mb=256)
     for transcript in load_example().tool_call_transcripts(3, seed=1):
         turns = [m["content"] for m in transcript if m["role"] == "assistant"]
-        loop = AGENT_LOOPS.get("tool_agent")(
-            ReplayRollout(tokenizer, turns),
-            tokenizer,
-            SamplingParams(temperature=0.0, max_tokens=200),
-            AgentLoopConfig(render_tool_schemas=False),
-            {"python": python},
+        loop = EPISODES.get("tool_agent")(
+            tokenizer, AgentLoopConfig(render_tool_schemas=False), {"python": python}
         )
-        traj = asyncio.run(loop.run(AgentSample(transcript[:2])))
+        traj = asyncio.run(
+            loop.run(
+                ReplayRollout(tokenizer, turns),
+                AgentSample(transcript[:2]),
+                SamplingParams(temperature=0.0, max_tokens=200),
+            )
+        )
         replayed = [{k: m[k] for k in ("role", "content")} for m in traj.messages]
         assert replayed == transcript
         sft_text = tokenizer.apply_chat_template(transcript, tokenize=False)

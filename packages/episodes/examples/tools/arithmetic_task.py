@@ -20,12 +20,12 @@ import reasoning_gym
 from transformers import AutoTokenizer
 
 from tephra.episodes.agent import (
-    AGENT_LOOPS,
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
     AgentSample,
-    run_agent_loops,
 )
+from tephra.episodes.episode import run_episodes
+from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import load_tools
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
 
@@ -73,15 +73,13 @@ def main() -> None:
         tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     tools = load_tools(Path(__file__).with_name("tools.yaml"))
     rollout = get_rollout("hf", RolloutConfig(model_path=args.model, max_model_len=2048))
-    loop = AGENT_LOOPS.get("tool_agent")(
-        rollout,
-        tokenizer,
-        SamplingParams(temperature=1.0, max_tokens=256),
-        AgentLoopConfig(max_turns=4, max_response_tokens=1024),
-        tools,
+    loop = EPISODES.get("tool_agent")(
+        tokenizer, AgentLoopConfig(max_turns=4, max_response_tokens=1024), tools
     )
     samples, data = make_samples(args.n, args.seed)
-    trajectories = asyncio.run(run_agent_loops(loop, samples))
+    trajectories = asyncio.run(
+        run_episodes(loop, rollout, samples, SamplingParams(temperature=1.0, max_tokens=256))
+    )
     rollout.close()
     scores = [
         float(

@@ -42,6 +42,7 @@ from tephra.engine_api.config import (
     PrecisionConfig,
 )
 from tephra.episodes.agent.base import AgentLoopConfig
+from tephra.episodes.registry import EPISODES
 from tephra.episodes.rewards import RewardConfig, RewardFunctionError, load_reward_function
 from tephra.rollout.base import HFSettings, ServerSettings
 from tephra.rollout.registry import ROLLOUT_BACKENDS
@@ -183,7 +184,7 @@ class RolloutSection:
     sglang: ServerSettings = field(default_factory=ServerSettings)
     """Settings of the `sglang` server backend."""
     agent_loop: str | None = None
-    """Multi-turn rollouts: an agent loop from tephra.episodes.agent.AGENT_LOOPS (`tool_agent`:
+    """Multi-turn rollouts: an episode from tephra.episodes.registry.EPISODES (`tool_agent`:
     the model calls the tools of `tools_file` between turns; `single_turn`). None or "" keeps
     the batched `generate` path."""
     tools_file: str | None = None
@@ -201,9 +202,7 @@ class RolloutSection:
     def __post_init__(self) -> None:
         _check_name("rollout.backend", self.backend, ROLLOUT_BACKENDS)
         if self.agent_loop:
-            from tephra.episodes.agent import AGENT_LOOPS
-
-            _check_name("rollout.agent_loop", self.agent_loop, AGENT_LOOPS)
+            _check_name("rollout.agent_loop", self.agent_loop, EPISODES)
             if self.agent_loop == "tool_agent" and not self.tools_file:
                 raise ConfigError(
                     "rollout.agent_loop='tool_agent' needs rollout.tools_file: a "

@@ -14,8 +14,9 @@ model-parallel peers included; the driver gathers the samples and dispatches the
 batch by `dp_info`. Sample seeds follow the prompt's place in the whole batch, so the split
 does not change the samples.
 
-Rewards are scored here, on each rank's own samples, in a background thread started right
-after generation: the log-prob passes that follow run while the scorer works (`collect_scores`
+Generation and scoring are the worker's `Generator` part (`tephra.controller.generation`):
+rewards are scored on each rank's own samples, in a background thread started right after
+generation, so the log-prob passes that follow run while the scorer works (`collect_scores`
 waits for it), as in verl's "reward computed while log-probs run".
 """
 
@@ -25,7 +26,7 @@ import functools
 import math
 import random
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,37 +36,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from tephra.controller.dispatch import Dispatch, dispatch
+from tephra.controller.generation import Generator
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
 from tephra.controller.worker_group import Worker
 from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
-
-
-def run_agent_requests(
-    loop: Any, items: list[PromptItem], max_in_flight: int | None = None
-) -> list[Any]:
-    """Run `loop` (an `AgentLoop`) on every item concurrently; one `Sample` per item, in
-    order."""
-    import asyncio
-
-    from tephra.episodes.agent import AgentSample, run_agent_loops
-
-    samples = [
-        AgentSample(
-            messages=list(i.record.prompt), sample_id=i.sample_id, prompt_ids=list(i.prompt_ids)
-        )
-        for i in items
-    ]
-    # The hf backend generates on its own thread, so a fresh event loop per call is fine.
-    return asyncio.run(run_agent_loops(loop, samples, max_in_flight))
-
-
-def final_answer(trajectory: Any) -> str:
-    """The last assistant message of a trajectory: what its reward scores (earlier turns are
-    tool calls)."""
-    return next(
-        (m["content"] for m in reversed(trajectory.messages) if m.get("role") == "assistant"), ""
-    )
 
 
 def profiled(stage: str):
@@ -102,27 +77,6 @@ def _on_policy_old_log_probs(loss_fn):
         return loss_fn(outputs, batch)
 
     return wrapped
-
-
-def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
-    """`sample` with its response ended before the first `token` it sampled (unchanged
-    without one), finish reason `image_token`. For the image placeholder `<|image_pad|>`: a
-    sampled one has no image behind it, and the training forward would take it for one more
-    image slot and fail (image tokens != image features); the tokens before it keep their
-    log-probs (causal), those from it on are dropped."""
-    if token not in sample.response_ids:
-        return sample
-    n = sample.response_ids.index(token)
-    ids = sample.response_ids[:n]
-    return replace(
-        sample,
-        response_ids=ids,
-        response_mask=sample.response_mask[:n],
-        log_probs=sample.log_probs[:n] if sample.log_probs is not None else None,
-        token_versions=(sample.token_versions[:n] if sample.token_versions is not None else None),
-        finish_reason="image_token",
-        text=tokenizer.decode(ids, skip_special_tokens=True),
-    )
 
 
 ROLES = ("actor", "ref", "critic")
@@ -203,7 +157,8 @@ class RLWorker(Worker):
     def _init_generation(
         self, cfg: PPOConfig, model_path: str, tools_file: str | None, with_rollout: bool
     ) -> None:
-        """The rollout engine (when this process generates), tokenizer, tools and scorer."""
+        """The generation part (`Generator`): the rollout engine when this process generates,
+        the tokenizer, the episode's tools and the scorer."""
         from tephra.rollout import RolloutConfig, get_rollout
 
         self.cfg, self.model_path, self.tools_file = cfg, model_path, tools_file
@@ -222,10 +177,7 @@ class RLWorker(Worker):
                     sglang=r.sglang,
                 ),
             )
-        self._tokenizer = self._tools = None
-        self._scoring: Future | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        self._scorer = None
+        self.generator = Generator(cfg, model_path, tools_file, self.rollout)
         self._profile_prefix: str | None = None
 
     def dp_info(self):
@@ -255,14 +207,7 @@ class RLWorker(Worker):
 
     # ----- generation and scoring -----------------------------------------------------------
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.model_path)
-            if tok.pad_token_id is None:
-                tok.pad_token = tok.eos_token
-            self._tokenizer = tok
-        return self._tokenizer
+        return self.generator.tokenizer()
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
     @profiled("generate")
@@ -273,84 +218,13 @@ class RLWorker(Worker):
         rollout tensor-parallel peer) gets no prompts and returns none, as does a rank whose
         share is empty (fewer prompts than rollout replicas)."""
         self._resend_dropped_weights()
-        if self.rollout is None or not items:
-            self._scoring = self._pool.submit(lambda: ([], 0.0, [])) if score else None
-            return []
-        self.rollout.wake_up()
-        samples = (
-            self._generate_agent(items, sampling)
-            if self.cfg.rollout.uses_agent_loop
-            else self._generate_plain(items, sampling)
-        )
-        if self.cfg.rollout.sleep_when_training and self.cfg.resources.rollout.replicas == 0:
-            self.rollout.sleep()  # a replica's pool trains nothing: it stays awake
-        if score:
-            records = [items[i // sampling.n].record for i in range(len(samples))]
-            self._scoring = self._pool.submit(self._score, samples, records)
-        return samples
-
-    def _generate_plain(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
-        images = [i.multimodal for i in items]
-        # text prompts keep the backends' plain signature (vLLM / SGLang take no images)
-        extra = {"multimodal": images} if any(m is not None for m in images) else {}
-        out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling, **extra)
-        tok = self.tokenizer()
-        samples = out.samples
-        for k, sample in enumerate(samples):
-            sample.text = tok.decode(sample.response_ids, skip_special_tokens=True)
-            sample.sample_id = items[k // sampling.n].sample_id
-            sample.multimodal = images[k // sampling.n]
-        if extra:  # the rollout engine is hf (images go nowhere else): its config has the id
-            from tephra.engine_api.multimodal import image_token_id
-
-            image_token = image_token_id(self.rollout.model.config)
-            samples = [end_before_token(s, image_token, tok) for s in samples]
-        return samples
-
-    def _generate_agent(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
-        from tephra.episodes.agent import AGENT_LOOPS
-
-        if self._tools is None:
-            from tephra.episodes.tools import load_tools
-
-            self._tools = load_tools(self.tools_file) if self.tools_file else {}
-        r = self.cfg.rollout
-        loop = AGENT_LOOPS.get(r.agent_loop)(
-            self.rollout, self.tokenizer(), sampling.replace(n=1), r.agent, self._tools
-        )
-        n = sampling.n
-        expanded = [
-            PromptItem(i.prompt_ids, i.record, f"{i.sample_id}-{k}")
-            for i in items
-            for k in range(n)
-        ]
-        return run_agent_requests(loop, expanded, r.max_in_flight)
-
-    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list]:
-        from tephra.controller.rewarding import Scorer
-
-        start = time.perf_counter()
-        if self._scorer is None:
-            self._scorer = Scorer(self.cfg.reward)
-        prompts = None
-        if self.cfg.reward.reward_model_path:
-            tok = self.tokenizer()
-            prompts = [tok.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
-        results = self._scorer.score([s.text for s in samples], records, prompts)
-        return results, time.perf_counter() - start, self._scorer.clipped
+        return self.generator.generate(items, sampling, score)
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
     def collect_scores(self) -> list[ScoreResult]:
         """The reward of each sample of the last `generate`, in order; waits for the
         background scorer."""
-        if self._scoring is None:
-            raise RuntimeError("collect_scores called without a scored generate before it")
-        results, seconds, clipped = self._scoring.result()
-        self._scoring = None
-        return [
-            ScoreResult(score, error, seconds, c)
-            for (score, error), c in zip(results, clipped, strict=True)
-        ]
+        return self.generator.collect_scores()
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
     @dispatch(Dispatch.ROLLOUT_SPLIT)
@@ -579,18 +453,9 @@ class RLWorker(Worker):
 
     @dispatch(Dispatch.RANK_ZERO)
     def close(self) -> None:
-        """Stop the rollout engine, the scorer thread and the agent loop's tools (MCP servers
-        and their processes, sandbox folders); runs on every rank."""
-        try:
-            if self.rollout is not None:
-                self.rollout.close()
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        finally:
-            if self._tools:
-                from tephra.episodes.tools import close_tools
-
-                tools, self._tools = self._tools, {}
-                close_tools(tools.values())
+        """Stop the generation part (rollout engine, scorer thread, the episode's tools: MCP
+        servers and their processes, sandbox folders); runs on every rank."""
+        self.generator.close()
 
 
 # policy losses whose per-token loss is (advantage x something): zero advantage, zero gradient

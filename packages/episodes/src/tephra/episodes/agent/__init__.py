@@ -1,7 +1,7 @@
-"""Agent loops: multi-turn, token-in-token-out rollouts with tools.
+"""Agent loops: multi-turn, token-in-token-out episodes with tools.
 
-loop = AGENT_LOOPS.get("tool_agent")(rollout, tokenizer, sampling, AgentLoopConfig(), tools)
-trajectory = await loop.run(AgentSample(messages=[{"role": "user", "content": "..."}]))
+loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(), tools)  # tephra.episodes.registry
+sample = await loop.run(rollout, AgentSample(messages=[{"role": "user", "content": "..."}]), sampling)
 """
 
 from tephra.episodes.agent.base import (
@@ -9,15 +9,12 @@ from tephra.episodes.agent.base import (
     AgentLoopConfig,
     AgentSample,
 )
-from tephra.episodes.agent.batching import run_agent_loops
 from tephra.episodes.agent.chat_format import TOOL_CHAT_TEMPLATE
 from tephra.episodes.agent.chat_tokens import ChatTemplateDelta
 from tephra.episodes.agent.loops import SingleTurnAgentLoop, ToolAgentLoop
-from tephra.episodes.agent.registry import AGENT_LOOPS
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS, ToolCall, parse_hermes_tool_calls
 
 __all__ = [
-    "AGENT_LOOPS",
     "TOOL_CALL_PARSERS",
     "TOOL_CHAT_TEMPLATE",
     "AgentLoop",
@@ -28,5 +25,4 @@ __all__ = [
     "ToolAgentLoop",
     "ToolCall",
     "parse_hermes_tool_calls",
-    "run_agent_loops",
 ]

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tephra.engine_api.errors import ConfigError
+from tephra.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from tephra.episodes.tools.base import Tool
@@ -82,28 +82,35 @@ class AgentLoopConfig:
 
 
 class AgentLoop(ABC):
-    """Turns one prompt item into one sample (a trajectory). One loop object serves many samples concurrently:
-    per-trajectory state lives in `run`, not on `self`."""
+    """An episode over a chat: turns one prompt item into one sample. One loop object serves
+    many items concurrently, on any rollout and sampling settings (per-item state lives in
+    `run`, not on `self`); calling it is the episode contract (`tephra.episodes.episode`)."""
 
     def __init__(
         self,
-        rollout: Rollout,
         tokenizer: Any,
-        sampling: SamplingParams,
         config: AgentLoopConfig | None = None,
         tools: dict[str, Tool] | None = None,
     ) -> None:
-        if sampling.n != 1:
-            raise ConfigError(
-                f"agent loop: sampling.n={sampling.n}; a loop makes one trajectory per run, so pass "
-                "n=1 and submit each sample n times (with distinct sample_id)"
-            )
-        self.rollout = rollout
         self.tokenizer = tokenizer
-        self.sampling = sampling
         self.config = config or AgentLoopConfig()
         self.tools = dict(tools or {})
 
     @abstractmethod
-    async def run(self, sample: AgentSample) -> Sample:
-        """Roll out `sample` to the end."""
+    async def run(self, rollout: Rollout, sample: AgentSample, sampling: SamplingParams) -> Sample:
+        """Roll out `sample` to the end on `rollout` (`sampling.n` must be 1)."""
+
+    async def __call__(
+        self, rollout: Rollout, item: AgentSample, sampling: SamplingParams
+    ) -> list[Sample]:
+        """The episode: the item's one sample."""
+        return [await self.run(rollout, item, sampling)]
+
+
+def check_one_sample(sampling: SamplingParams) -> None:
+    """Refuse `sampling.n` > 1: an episode makes one sample per run."""
+    if sampling.n != 1:
+        raise ConfigError(
+            f"agent loop: sampling.n={sampling.n}; a loop makes one trajectory per run, so pass "
+            "n=1 and submit each sample n times (with distinct sample_id)"
+        )

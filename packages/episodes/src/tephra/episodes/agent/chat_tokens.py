@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tephra.engine_api.errors import ConfigError
+from tephra.core.errors import ConfigError
 
 _SENTINEL = "TEPHRA_ASSISTANT_CONTENT_SENTINEL"
 _DUMMY = [

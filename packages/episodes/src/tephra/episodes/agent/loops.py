@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
-from tephra.episodes.agent.base import AgentLoop, AgentSample
+from tephra.episodes.agent.base import AgentLoop, AgentSample, check_one_sample
 from tephra.episodes.agent.chat_tokens import ChatTemplateDelta
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS, ToolCall
 from tephra.episodes.tools.base import Tool, ToolResult
+from tephra.rollout.base import Rollout, SamplingParams
 from tephra.rollout.samples import Sample
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One run's sampling settings and what follows from them and its rollout."""
+
+    sampling: SamplingParams
+    max_model_len: int | None
+    stop_ids: set[int]
 
 
 class _TokenLoop(AgentLoop):
@@ -19,9 +30,6 @@ class _TokenLoop(AgentLoop):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deltas: dict[tuple[str, ...], ChatTemplateDelta] = {}
-        self.max_model_len = getattr(getattr(self.rollout, "config", None), "max_model_len", None)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        self.stop_ids = set(self.sampling.stop_token_ids) | ({eos} if eos is not None else set())
 
     def offered_tools(self, sample: AgentSample) -> dict[str, Tool]:
         if sample.tools is None:
@@ -42,20 +50,31 @@ class _TokenLoop(AgentLoop):
             self._deltas[key] = ChatTemplateDelta(self.tokenizer, schemas)
         return self._deltas[key]
 
-    def turn_budget(self, context_len: int, response_len: int) -> int:
+    def begin(self, rollout: Rollout, sampling: SamplingParams) -> _Run:
+        """What one run needs to know of its rollout and sampling settings."""
+        check_one_sample(sampling)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return _Run(
+            sampling,
+            # a scripted test model may have no config: then no length limit but the budgets
+            getattr(getattr(rollout, "config", None), "max_model_len", None),
+            set(sampling.stop_token_ids) | ({eos} if eos is not None else set()),
+        )
+
+    def turn_budget(self, run: _Run, context_len: int, response_len: int) -> int:
         """max_tokens of the next model turn: the sampling cap, the trajectory's remaining
         response budget and the room left in the model's context."""
-        budget = min(self.sampling.max_tokens, self.config.max_response_tokens - response_len)
-        if self.max_model_len is not None:
-            budget = min(budget, self.max_model_len - context_len)
+        budget = min(run.sampling.max_tokens, self.config.max_response_tokens - response_len)
+        if run.max_model_len is not None:
+            budget = min(budget, run.max_model_len - context_len)
         return budget
 
-    def text_of_turn(self, ids: list[int], finish_reason: str) -> tuple[str, str | None]:
+    def text_of_turn(self, run: _Run, ids: list[int], finish_reason: str) -> tuple[str, str | None]:
         """(content, stop text): the decoded turn without its final stop token, and that token.
 
         The `Rollout` contract keeps the stop token as the last id of a 'stop' turn; it may be
         one of the model's EOS ids that the tokenizer does not call EOS (Qwen: <|endoftext|>)."""
-        if ids and (finish_reason == "stop" or ids[-1] in self.stop_ids):
+        if ids and (finish_reason == "stop" or ids[-1] in run.stop_ids):
             return (
                 self.tokenizer.decode(ids[:-1], skip_special_tokens=False),
                 self.tokenizer.decode(ids[-1:], skip_special_tokens=False),
@@ -66,18 +85,19 @@ class _TokenLoop(AgentLoop):
 class SingleTurnAgentLoop(_TokenLoop):
     """One model turn; the trajectory is the generation (mask all ones)."""
 
-    async def run(self, sample: AgentSample) -> Sample:
+    async def run(self, rollout: Rollout, sample: AgentSample, sampling: SamplingParams) -> Sample:
+        run = self.begin(rollout, sampling)
         delta = self.delta({})
         prompt_ids = (
             list(sample.prompt_ids) if sample.prompt_ids else delta.prompt_ids(sample.messages)
         )
-        budget = self.turn_budget(len(prompt_ids), 0)
+        budget = self.turn_budget(run, len(prompt_ids), 0)
         if budget < 1:
             return _empty(sample, prompt_ids)
-        gen = await self.rollout.agenerate(
-            prompt_ids, self.sampling.replace(max_tokens=budget), session_id=sample.sample_id
+        gen = await rollout.agenerate(
+            prompt_ids, sampling.replace(max_tokens=budget), session_id=sample.sample_id
         )
-        content, _ = self.text_of_turn(gen.response_ids, gen.finish_reason)
+        content, _ = self.text_of_turn(run, gen.response_ids, gen.finish_reason)
         return Sample(
             sample_id=sample.sample_id,
             prompt_ids=prompt_ids,
@@ -101,7 +121,8 @@ class ToolAgentLoop(_TokenLoop):
     """generate -> parse tool calls -> run them concurrently -> append their results as tokens
     -> generate ..., until a turn has no tool call, `max_turns` or the token budget."""
 
-    async def run(self, sample: AgentSample) -> Sample:
+    async def run(self, rollout: Rollout, sample: AgentSample, sampling: SamplingParams) -> Sample:
+        run = self.begin(rollout, sampling)
         cfg = self.config
         tools = self.offered_tools(sample)
         delta = self.delta(tools)
@@ -146,13 +167,13 @@ class ToolAgentLoop(_TokenLoop):
 
         try:
             for turn in range(cfg.max_turns):
-                budget = self.turn_budget(len(prompt_ids) + len(ids), len(ids))
+                budget = self.turn_budget(run, len(prompt_ids) + len(ids), len(ids))
                 if budget < 1:
                     finish = "length"
                     break
-                gen = await self.rollout.agenerate(
+                gen = await rollout.agenerate(
                     prompt_ids + ids,
-                    self.sampling.replace(max_tokens=budget),
+                    sampling.replace(max_tokens=budget),
                     session_id=instance_id,
                 )
                 num_turns += 1
@@ -168,7 +189,7 @@ class ToolAgentLoop(_TokenLoop):
                     if versions is not None and gen.token_versions is not None
                     else None
                 )
-                content, stop_text = self.text_of_turn(gen.response_ids, gen.finish_reason)
+                content, stop_text = self.text_of_turn(run, gen.response_ids, gen.finish_reason)
                 messages.append({"role": "assistant", "content": content})
                 if gen.finish_reason == "length":
                     finish = "length"
@@ -205,8 +226,8 @@ class ToolAgentLoop(_TokenLoop):
                 messages.extend(tool_messages)
                 tool_ids = delta.append_ids(tool_messages, stop_text)
                 room = cfg.max_response_tokens - len(ids)
-                if self.max_model_len is not None:
-                    room = min(room, self.max_model_len - len(prompt_ids) - len(ids))
+                if run.max_model_len is not None:
+                    room = min(room, run.max_model_len - len(prompt_ids) - len(ids))
                 cut = len(tool_ids) >= room  # no room left for a model token after it
                 tool_ids = tool_ids[: max(room, 0)]
                 ids += tool_ids

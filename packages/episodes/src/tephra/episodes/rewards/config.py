@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tephra.engine_api.errors import ConfigError
+from tephra.core.errors import ConfigError
 
 EXECUTORS = ("thread", "process", "serial")
 DEFAULT_TIMEOUT_S = 90.0

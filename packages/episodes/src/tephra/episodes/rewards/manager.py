@@ -16,8 +16,8 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
-from tephra.engine_api.errors import RegistryError
-from tephra.engine_api.registry import unknown_name_message
+from tephra.core.errors import RegistryError
+from tephra.core.registry import unknown_name_message
 from tephra.episodes.rewards.config import RewardConfig
 from tephra.episodes.rewards.custom_function import FileRewardFunction
 from tephra.episodes.rewards.results import RewardError, RewardInput, RewardResult, normalize_score

@@ -17,7 +17,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from tephra.engine_api.errors import TephraError
+from tephra.core.errors import TephraError
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tephra.engine_api.registry import Registry
+from tephra.core.registry import Registry
 from tephra.episodes.rewards.code import CODE_DATA_SOURCES, code_score
 from tephra.episodes.rewards.colours import colour_score
 from tephra.episodes.rewards.countdown import countdown_score

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tephra.engine_api.errors import ConfigError, TephraError
+from tephra.core.errors import ConfigError, TephraError
 
 
 class ToolError(TephraError, RuntimeError):

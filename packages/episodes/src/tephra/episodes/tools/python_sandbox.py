@@ -48,7 +48,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tephra.engine_api.errors import ConfigError
+from tephra.core.errors import ConfigError
 from tephra.episodes.tools.base import Tool, ToolError, ToolResult
 from tephra.episodes.tools.folder_tree import empty_tree, remove_tree, tree_usage
 from tephra.episodes.tools.memory_cgroup import MemoryCgroup, parent_cgroup

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tephra.engine_api.registry import Registry
+from tephra.core.registry import Registry
 from tephra.episodes.tools.base import Tool
 from tephra.episodes.tools.mcp_tools import MCPTool
 from tephra.episodes.tools.python_sandbox import PythonTool
