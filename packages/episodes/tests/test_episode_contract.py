@@ -43,6 +43,6 @@ def test_the_registry_lists_the_built_in_episodes():
     assert EPISODES.get("single_turn") is SingleTurnAgentLoop
     assert EPISODES.get("tool_agent") is ToolAgentLoop
     with pytest.raises(
-        RegistryError, match="unknown episode 'tool_agnet'.*did you mean 'tool_agent'"
+        RegistryError, match="unknown agent loop 'tool_agnet'.*did you mean 'tool_agent'"
     ):
         EPISODES.get("tool_agnet")
