@@ -48,6 +48,18 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
         )
     )
     assert full["steps"] == 4
+    # the start-up timeline: every phase from the process's start to the first step
+    startup = full["startup"]
+    assert list(startup) == [
+        "imports_s",
+        "prepare_s",
+        "dtypes_s",
+        "ray_s",
+        "workers_s",
+        "peak_flops_s",
+        "total_s",
+    ]
+    assert startup["total_s"] == pytest.approx(sum(list(startup.values())[:-1]), abs=0.05)
     run(
         _smoke(
             tmp_path,
@@ -57,6 +69,18 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
             f"trainer.run_dir={tmp_path / 'split'}",
         )
     )
+    # the checkpoint's place in the data belongs to its data: other prompts are refused
+    # before Ray does anything (fewer prompts: a different set and order)
+    with pytest.raises(ConfigError, match=r"was trained on other data \(32 prompts.*now 24"):
+        run(
+            _smoke(
+                tmp_path,
+                *dapo,
+                "trainer.steps=4",
+                "data.train_size=24",
+                f"trainer.run_dir={tmp_path / 'split'}",
+            )
+        )
     resumed = run(
         _smoke(
             tmp_path,
@@ -87,6 +111,9 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
         "reward/overlong_penalty_mean",
     ):
         assert key in a[0], key
+    # model FLOPs over a CPU's measured peak: named so, and a utilisation (never above 1)
+    steps = [r for r in a + b if "perf/flops" in r]
+    assert steps and all(0 < r["perf/mfu_measured_peak"] < 1 and "perf/mfu" not in r for r in steps)
     # the train/rollout mismatch every step, from the probe (this run computes no old
     # log-probs of its own); the same fp32 model on both sides: the gap is rounding only
     for row in a:

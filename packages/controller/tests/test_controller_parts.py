@@ -4,7 +4,9 @@ group on Ray with a trivial worker (dispatch modes checked against a single-proc
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -310,6 +312,25 @@ def test_worker_group_dispatch_on_ray(tmp_path):
         wg.scaled(TensorDict({"x": x[:5]}, batch_size=[5]))
     with pytest.raises(ConfigError, match="needs 4 CPUs"):
         WorkerGroup(SumWorker, ResourcePool(world_size=2, cpus_per_rank=2), {"scale": 1.0})
+    # a local session demands its own token: a client without it is turned away, and no
+    # dashboard was started
+    gcs = ray.get_runtime_context().gcs_address
+    assert os.environ["RAY_AUTH_MODE"] == "token" and len(os.environ["RAY_AUTH_TOKEN"]) == 64
+    assert not ray._private.worker.global_worker.node.address_info.get("webui_url")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    intruder = subprocess.Popen(
+        [sys.executable, "-c", f"import ray; ray.init(address={gcs!r}); print('joined')"],
+        env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:  # Ray's client retries for a minute before it gives up: its first refusal is enough
+        out, err = intruder.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        intruder.kill()
+        out, err = intruder.communicate()
+    assert "joined" not in out and "InvalidAuthToken" in err, err[-2000:]
     # shutdown lets each rank finish what it was asked before it exits (no kill mid-call)
     for w in wg.workers:
         w.execute.remote("write_after", str(tmp_path), 1.0)
@@ -343,3 +364,14 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
         assert (gpu.actor.precision.param_dtype, gpu.rollout.dtype) == ("bfloat16", "bfloat16")
     with pytest.raises(ConfigError, match=r"rollout.dtype='fp8'.*'auto'"):
         load_config(PPOConfig, [], ["rollout.dtype=fp8"])
+
+
+def test_a_server_key_never_reaches_the_run_folder():
+    from tephra.controller.ppo import config_to_save
+    from tephra.controller.rl_config import PPOConfig
+
+    cfg = load_config(PPOConfig, [], ["rollout.vllm.api_key=s3cret", "rollout.sglang.api_key=auto"])
+    saved = config_to_save(cfg)
+    assert saved["rollout"]["vllm"]["api_key"].startswith("<redacted")
+    assert saved["rollout"]["sglang"]["api_key"] == "auto"
+    assert "s3cret" not in json.dumps(saved) and cfg.rollout.vllm.api_key == "s3cret"

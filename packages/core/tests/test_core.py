@@ -274,3 +274,29 @@ def test_retained_memory_is_reused_without_page_faults():
     assert kept == "False" and default >= pages * 0.9
     kept, retained = faults(True)
     assert kept == "True" and retained < pages * 0.01
+
+
+def test_third_party_syntax_warnings_are_dropped_and_the_users_kept(tmp_path):
+    import subprocess
+    import sys
+
+    for folder in ("site-packages/noisy", "mine"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "__init__.py").write_text('x = 1\nflag = x is "recursive"\n')
+    program = (
+        "import sys\n"
+        f"sys.path[:0] = [{str(tmp_path / 'site-packages')!r}, {str(tmp_path)!r}]\n"
+        "from tephra.core.quiet import quiet_third_party_warnings\n"
+        "quiet_third_party_warnings()\n"
+        "import noisy, mine\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        env={"PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "noisy" not in result.stderr
+    assert result.stderr.count("SyntaxWarning") == 1 and "mine/__init__.py" in result.stderr

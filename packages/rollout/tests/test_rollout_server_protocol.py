@@ -3,6 +3,7 @@ their APIs document it), the weights folder, and process failures (with stand-in
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
 from tephra.rollout.backends import SglangProtocol, VllmProtocol
+from tephra.rollout.backends.server_client import merge_env
 from tephra.rollout.backends.server_process import ServerProcess
 from tephra.rollout.backends.weights_folder import is_tied, untied_copy, write_update
 
@@ -226,6 +228,15 @@ def test_server_settings_reach_the_command_line_and_the_transfer_requests():
     disk = ServerSettings(weight_sync="disk")
     assert "--weight-transfer-config" not in vllm.launch_command("py", "m", "h", 9, config, disk)
     assert vllm.launch_env(disk) == {}
+    # a key reaches vLLM through the environment (and tephra's guard), SGLang by its flag
+    assert vllm.key_launch("k") == (
+        ["--middleware", "tephra_vllm_guard.RequireKey"],
+        {"TEPHRA_SERVER_API_KEY": "k", "PYTHONPATH": str(PLUGIN_DIR)},
+    )
+    assert (PLUGIN_DIR / "tephra_vllm_guard.py").is_file()
+    assert sglang.key_launch("k") == (["--api-key", "k"], {})
+    joined = merge_env({"PYTHONPATH": "/a", "X": "1"}, {"PYTHONPATH": "/b", "X": "2"})
+    assert joined == {"PYTHONPATH": f"/b{os.pathsep}/a", "X": "2"}
 
     meta = BucketMeta(["a.weight", "b.bias"], ["float32", "float32"], [[2, 3], [3]])
     assert vllm.transfer_init_request("gloo", "10.0.0.1", 7, 3) == (

@@ -46,7 +46,8 @@ def rollouts(tiny_tied_model, vllm_python):
     config = RolloutConfig(
         model_path=tiny_tied_model.path,
         max_model_len=512,
-        vllm=server_settings(vllm_python, weight_bucket_mb=BUCKET_MB),
+        # a key made for the run: every test below also goes through tephra's route guard
+        vllm=server_settings(vllm_python, weight_bucket_mb=BUCKET_MB, api_key="auto"),
     )
     vllm = get_rollout("vllm", config)
     hf = get_rollout("hf", config)
@@ -122,7 +123,9 @@ def test_vllm_matches_hf_then_follows_new_weights(rollouts, tiny_tied_model):
     )
     assert stats["bytes"] == sum(t.numel() * 4 for _, t in new) + new[0][1].numel() * 4  # + head
     assert sorted(p.name for p in vllm.weights_dir.iterdir()) == files_before
-    assert httpx.get(vllm.urls[0] + "/weight_info").json() == {"weight_version": "1"}
+    key = {"Authorization": f"Bearer {vllm._api_key}"}
+    info = httpx.get(vllm.urls[0] + "/weight_info", headers=key).json()
+    assert info == {"weight_version": "1"}
     after = assert_same_greedy(vllm, hf, max_tokens=8)
     assert after.response_ids != before
 
@@ -147,7 +150,9 @@ def test_vllm_matches_hf_then_follows_new_weights(rollouts, tiny_tied_model):
         hf.update_weights(newest)
         assert vllm.last_update_stats["buckets"] >= 4
         assert sorted(p.name for p in vllm.weights_dir.iterdir()) == files_before
-        assert httpx.get(vllm.urls[0] + "/weight_info").json() == {"weight_version": "3"}
+        assert httpx.get(vllm.urls[0] + "/weight_info", headers=key).json() == {
+            "weight_version": "3"
+        }
         last = assert_same_greedy(vllm, hf, max_tokens=8)
         assert last.response_ids not in (after.response_ids, before)
     finally:
@@ -215,6 +220,38 @@ def test_vllm_partial_rollout_resumes_under_the_new_weights(rollouts, tiny_tied_
     assert not vllm._in_flight and vllm._open.is_set()  # generation is open again
     untagged = vllm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))
     assert untagged.token_versions is None
+
+
+def test_vllm_server_demands_the_run_key_on_every_route_but_health(rollouts):
+    """vLLM's own --api-key leaves dev routes open; tephra's guard closes all of them. The
+    client (which generated above) holds the key; the key is on no command line."""
+    vllm, _ = rollouts
+    url = vllm.urls[0]
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    for method, path in [
+        ("GET", "/is_sleeping"),  # a dev route
+        ("POST", "/collective_rpc"),  # a dev route that runs methods on the workers
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/models"),
+    ]:
+        assert httpx.request(method, url + path, timeout=10).status_code == 401, path
+        wrong = {"Authorization": "Bearer not-the-key"}
+        assert httpx.request(method, url + path, headers=wrong, timeout=10).status_code == 401
+    right = {"Authorization": f"Bearer {vllm._api_key}"}
+    assert httpx.get(url + "/is_sleeping", headers=right, timeout=10).status_code == 200
+    assert vllm._api_key not in " ".join(vllm.process.command)
+    assert "--middleware" in vllm.process.command
+
+
+def test_server_host_beyond_loopback_needs_a_key():
+    with pytest.raises(ConfigError, match="host='0.0.0.0' lets other machines.*api_key=auto"):
+        ServerSettings(host="0.0.0.0")
+    with pytest.raises(ConfigError, match="with url, give the key"):
+        ServerSettings(url="http://10.0.0.5:8000", api_key="auto")
+    with pytest.raises(ConfigError, match="api_key is empty"):
+        ServerSettings(api_key=" ")
+    assert ServerSettings(host="0.0.0.0", api_key="auto").api_key == "auto"
+    assert ServerSettings(host="::1").api_key is None  # loopback: no key needed
 
 
 def test_vllm_sleep_is_refused_on_cpu_before_start(tiny_tied_model, vllm_python):

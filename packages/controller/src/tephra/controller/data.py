@@ -12,6 +12,7 @@ a time, and its position is part of a checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Callable
@@ -269,16 +270,30 @@ def tokenize_prompts(
     return ids, kept, dropped
 
 
-class PromptLoader:
-    """Seeded epochs over the prompts, `prompts_per_step` at a time; resumable."""
+def dataset_fingerprint(prompt_ids: list[list[int]]) -> str:
+    """A short hash of the tokenised training prompts, in order: what a checkpoint's position
+    in the data refers to."""
+    digest = hashlib.sha256()
+    for ids in prompt_ids:
+        digest.update(len(ids).to_bytes(4, "little"))
+        digest.update(b"".join(i.to_bytes(4, "little", signed=True) for i in ids))
+    return digest.hexdigest()[:16]
 
-    def __init__(self, num_prompts: int, prompts_per_step: int, seed: int) -> None:
+
+class PromptLoader:
+    """Seeded epochs over the prompts, `prompts_per_step` at a time; resumable, and only over
+    the data its state was saved on (`fingerprint`)."""
+
+    def __init__(
+        self, num_prompts: int, prompts_per_step: int, seed: int, fingerprint: str = ""
+    ) -> None:
         if num_prompts < prompts_per_step:
             raise ConfigError(
                 f"the training set has {num_prompts} prompts after filtering, fewer than "
                 f"batch.prompts_per_step={prompts_per_step}; add data or lower prompts_per_step"
             )
         self.num_prompts, self.prompts_per_step, self.seed = num_prompts, prompts_per_step, seed
+        self.fingerprint = fingerprint
         self.epoch, self.position = 0, 0
         self._order = self._shuffle()
 
@@ -296,9 +311,28 @@ class PromptLoader:
         self.position += self.prompts_per_step
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_prompts": self.num_prompts,
+            "fingerprint": self.fingerprint,
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the saved position (`check_same_data` first, before Ray starts)."""
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._shuffle()
+
+
+def check_same_data(saved: dict[str, Any], fingerprint: str, num_prompts: int, where: str) -> None:
+    """Refuse to continue a saved data position (`PromptLoader.state_dict`) over other data:
+    the position would point at other prompts, repeating some and skipping others."""
+    if saved.get("fingerprint") in (None, "", fingerprint):
+        return
+    raise ConfigError(
+        f"the checkpoint {where} was trained on other data ({saved.get('num_prompts')} prompts, "
+        f"fingerprint {saved['fingerprint']}; now {num_prompts} prompts, {fingerprint}): its "
+        "position in the data would not match. Restore that data, start a fresh run_dir, or set "
+        "trainer.accept_changed_data=true to continue at the saved position anyway"
+    )

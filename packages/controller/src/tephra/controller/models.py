@@ -122,17 +122,3 @@ def load_tokenizer(model_path: str) -> Any:
             "the folder, or tokenizer.chat_template = ... then tokenizer.save_pretrained)"
         )
     return tokenizer
-
-
-def count_parameters(path: str) -> int:
-    """Parameters of the model at `path`, counted on the meta device (no weights loaded)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from tephra.engine_api.multimodal import is_vision_config
-
-    config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(config)
-    return sum(p.numel() for p in model.parameters())

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.data import (
     PromptRecord,
+    check_same_data,
+    dataset_fingerprint,
     load_hf_dataset,
     load_parquet,
     reasoning_gym_records,
@@ -28,6 +31,8 @@ from tephra.controller.rl_config import (
     weight_path,
 )
 from tephra.controller.rl_loop import Prompts
+from tephra.controller.startup import Timeline
+from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
 
 BUNDLED_TOOLS = Path(__file__).parent / "tools"
@@ -181,30 +186,55 @@ def prepare(cfg: PPOConfig) -> Prepared:
     return Prepared(model_path, tokenizer, train, val, tools_file, run_dir)
 
 
+def check_resumed_data(cfg: PPOConfig, p: Prepared) -> None:
+    """Refuse, before Ray starts, to resume a checkpoint over other training prompts than it
+    was saved on (unless `trainer.accept_changed_data`)."""
+    t = cfg.trainer
+    latest = CheckpointManager(p.run_dir / "checkpoints").resolve(t.resume, t.resume_from)
+    if latest is None or t.accept_changed_data:
+        return
+    saved = CheckpointManager(p.run_dir / "checkpoints").load_trainer_state(latest)["loader"]
+    check_same_data(saved, dataset_fingerprint(p.train.ids), len(p.train.ids), str(latest))
+
+
+def config_to_save(cfg: PPOConfig) -> dict:
+    """The run's config as written to its folder: a server's explicit key is a secret and is
+    redacted (`auto` and none are kept)."""
+    saved = to_dict(cfg)
+    for server in ("vllm", "sglang"):
+        if saved["rollout"][server]["api_key"] not in (None, "auto"):
+            saved["rollout"][server]["api_key"] = "<redacted: pass it on the command line>"
+    return saved
+
+
 def run(cfg: PPOConfig) -> dict:
     """Train as `cfg` says; returns the summary dict."""
     import torch
     import yaml
 
-    from tephra.controller.models import count_parameters
+    from tephra.controller.flops import model_shape
     from tephra.controller.rl_loop import Trainer
     from tephra.controller.rl_worker import RLWorker, colocated_roles
     from tephra.controller.rollout_replicas import RolloutReplicas
     from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
-    from tephra.core.config import to_dict
 
+    clock = Timeline()
     torch.set_num_threads(1)  # the driver only moves batches; the workers compute
     p = prepare(cfg)
+    check_resumed_data(cfg, p)
+    clock.lap("prepare")  # model folder, tokenizer, data
     p.run_dir.mkdir(parents=True, exist_ok=True)
-    (p.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    (p.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_save(cfg), sort_keys=False))
     cfg = resolve_auto_dtypes(cfg)
     print(
         f"compute dtypes: actor {cfg.actor.precision.param_dtype}, rollout {cfg.rollout.dtype}",
         flush=True,
     )
     print(weight_path(cfg), flush=True)
+    clock.lap("dtypes")
     r = cfg.resources
-    ray_init(r.ray_address, r.num_cpus)
+    ray_init(r.ray_address, r.num_cpus, dashboard=r.ray_dashboard)
+    clock.lap("ray")
     pool = ResourcePool(
         r.world_size,
         r.cpus_per_rank,
@@ -267,7 +297,7 @@ def run(cfg: PPOConfig) -> dict:
             p.train,
             p.val,
             p.run_dir,
-            count_parameters(p.model_path),
+            model_shape(p.model_path),
             0.0,
             make_group=make_group,
             make_replicas=make_replicas if r.rollout.replicas else None,
@@ -277,9 +307,17 @@ def run(cfg: PPOConfig) -> dict:
         for each in (pool, *role_pools.values()):
             each.release()
         raise
+    clock.lap("workers")  # Ray actors started, engines and rollout built, weights loaded
     try:
         trainer.peak_flops = trainer.measure_peak_flops()
+        clock.lap("peak_flops")
         nodes = len(set(trainer.wg.node_ids()))
+        trainer.startup = clock.summary()
+        print(
+            f"start-up {trainer.startup['total_s']:.1f} s: "
+            + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in trainer.startup.items() if k != "total_s"),
+            flush=True,
+        )
         summary = trainer.fit()
         summary["nodes"] = nodes
         return summary

@@ -566,6 +566,10 @@ class TrainerSection:
     run continues from the latest intact checkpoint, at most this many times (0: fail)."""
     resume_from: str | None = None
     """A `step_<N>` checkpoint folder (of this or another run) to continue from instead."""
+    accept_changed_data: bool = False
+    """Continue a checkpoint's position in the data although the training prompts changed
+    since it was saved (their fingerprint differs). Off: such a resume is refused before Ray
+    starts, since the saved position would repeat some prompts and skip others."""
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end when `save_final`)."""
     save_final: bool = False
@@ -685,6 +689,10 @@ class ResourcesSection:
     None joins the cluster the RAY_ADDRESS variable names, else starts a private local session."""
     num_cpus: int | None = None
     """CPUs of the local Ray session (None: all)."""
+    ray_dashboard: bool = False
+    """Start Ray's dashboard (an HTTP server on 127.0.0.1:8265) with a local session; off by
+    default: nothing outside the run needs it. A local session always has Ray's token
+    authentication on, with a token made per session."""
     world_size: int = 1
     """Ranks of the colocated worker group (one Ray actor each): data parallel times the
     actor's tensor x pipeline x context parallel sizes."""

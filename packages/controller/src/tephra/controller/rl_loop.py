@@ -43,7 +43,8 @@ from tensordict import TensorDict
 from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction, rollout_mismatch_metrics
 from tephra.controller.balance import balanced_order, max_over_min
 from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.data import PromptLoader, PromptRecord
+from tephra.controller.data import PromptLoader, PromptRecord, dataset_fingerprint
+from tephra.controller.flops import ModelShape, step_flops
 from tephra.controller.rewarding import (
     accuracy_of,
     check_advantages,
@@ -319,23 +320,6 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
     return out
 
 
-def step_flops(
-    n_params: int,
-    batch: TensorDict,
-    forward_passes: int,
-    trained_passes: int,
-    generated_tokens: int,
-) -> float:
-    """Model FLOPs of one step: 2N per token of every forward-only pass (generation, reference,
-    values, old log-probs) and 6N per token of every trained pass (forward + backward)."""
-    tokens = int(batch["attention_mask"].sum())
-    prompt_tokens = tokens - int((batch["attention_mask"] * batch["response_mask"]).sum())
-    generation = 2 * n_params * (prompt_tokens + generated_tokens)
-    return (
-        generation + 2 * n_params * tokens * forward_passes + 6 * n_params * tokens * trained_passes
-    )
-
-
 def time_share(records: list[dict[str, Any]]) -> dict[str, float]:
     """Each stage's share of the total step time over a run's metric records (`time/<stage>_s`
     summed over steps, divided by the summed `time/step_s`)."""
@@ -380,7 +364,7 @@ class Trainer:
         train: Prompts,
         val: Prompts,
         run_dir: Path,
-        n_params: int,
+        model: ModelShape,
         peak_flops: float,
         make_group: Any = None,
         make_replicas: Any = None,
@@ -391,9 +375,16 @@ class Trainer:
 
         self.cfg, self.wg, self.tok, self.train, self.val = cfg, wg, tokenizer, train, val
         self.run_dir = run_dir
-        self.loader = PromptLoader(len(train.ids), cfg.batch.prompts_per_step, cfg.trainer.seed)
+        self.data_fingerprint = dataset_fingerprint(train.ids)
+        self.loader = PromptLoader(
+            len(train.ids), cfg.batch.prompts_per_step, cfg.trainer.seed, self.data_fingerprint
+        )
         self.ckpt = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
-        self.n_params, self.peak_flops = n_params, peak_flops
+        self.model, self.peak_flops = model, peak_flops
+        self.peak_published = False
+        self.startup: dict[str, float] = {}
+        """Seconds of each start-up phase (`tephra.controller.startup`), for the summary."""
+        """Whether `peak_flops` is the devices' published figure (else measured here)."""
         a = cfg.algorithm
         self.needs_critic, self.needs_ref = a.needs("values"), cfg.needs_reference
         kl = a.kl_in_reward
@@ -910,8 +901,7 @@ class Trainer:
         all_samples = [s for r in rounds for s in r.samples]
         resp_len = batch["response_mask"].sum(-1).float()
         total_tokens = int(batch["attention_mask"].sum())
-        generated = int(sum(len(s.response_ids) for s in all_samples))
-        flops = step_flops(self.n_params, batch, forward_passes, trained_passes, generated)
+        flops = step_flops(self.model, batch, forward_passes, trained_passes)
         metrics.update(
             {
                 "reward/mean": float(scores.mean()),
@@ -927,7 +917,9 @@ class Trainer:
                 "perf/tokens_per_s": total_tokens / step_s,
                 "perf/trained_tokens": float(batch["response_mask"].sum()),
                 "perf/flops": float(flops),
-                "perf/mfu": flops / step_s / self.peak_flops if self.peak_flops else 0.0,
+                ("perf/mfu" if self.peak_published else "perf/mfu_measured_peak"): (
+                    flops / step_s / self.peak_flops if self.peak_flops else 0.0
+                ),
                 "time/step_s": step_s,
                 **times,
             }
@@ -987,8 +979,11 @@ class Trainer:
         return True
 
     def measure_peak_flops(self) -> float:
-        """The MFU denominator: the summed matmul throughput of every training rank."""
-        return float(sum(sum(group.measure_peak_flops()) for group in self.groups()))
+        """The MFU denominator: the summed peak of every training rank (published where every
+        rank's device has a figure, else measured; `peak_published` says which)."""
+        peaks = [peak for group in self.groups() for peak in group.peak_flops()]
+        self.peak_published = all(published for _, published in peaks)
+        return float(sum(flops for flops, _ in peaks))
 
     # ----- recovery ---------------------------------------------------------------------------
     def close_group(self, grace_s: float = 10.0) -> None:
@@ -1029,7 +1024,10 @@ class Trainer:
             self.step = 0
             self.pending = None
             self.loader = PromptLoader(
-                len(self.train.ids), self.cfg.batch.prompts_per_step, self.cfg.trainer.seed
+                len(self.train.ids),
+                self.cfg.batch.prompts_per_step,
+                self.cfg.trainer.seed,
+                self.data_fingerprint,
             )
         if self.make_replicas is not None:
             self.connect_replicas()
@@ -1103,6 +1101,7 @@ class Trainer:
             "steps": self.step,
             "seconds": round(time.perf_counter() - t0, 1),
             "run_dir": str(self.run_dir),
+            "startup": self.startup,
         }
         if "jsonl" in cfg.trackers:
             records = read_jsonl(self.run_dir / "metrics.jsonl")

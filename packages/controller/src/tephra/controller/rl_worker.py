@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import math
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from tephra.controller.dispatch import Dispatch, dispatch
+from tephra.controller.flops import device_peak
 from tephra.controller.generation import Generator
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
@@ -414,9 +414,10 @@ class RLWorker(Worker):
         self._profile_prefix = prefix
 
     @dispatch(Dispatch.BROADCAST)
-    def measure_peak_flops(self, seconds: float = 0.3) -> float:
-        """This rank's matmul throughput (FLOP/s): the MFU denominator, measured, not assumed."""
-        return measure_peak_flops(seconds, getattr(self, "device", "cpu"))
+    def peak_flops(self) -> tuple[float, bool]:
+        """This rank's peak FLOP/s in the actor's compute dtype, and whether it is the device's
+        published figure (else the best matmul rate measured on this machine)."""
+        return device_peak(getattr(self, "device", "cpu"), self.cfg.actor.precision.param_dtype)
 
     @dispatch(Dispatch.BROADCAST)
     def save_checkpoint(self, folder: str) -> None:
@@ -512,28 +513,3 @@ def skip_zero_advantage_rows(batch: TensorDict) -> tuple[TensorDict, int]:
 
 def _engine_device(device: str) -> str:
     return "cuda" if device.startswith("cuda") else "cpu"
-
-
-def measure_peak_flops(seconds: float = 0.3, device: str = "cpu") -> float:
-    """Measured matmul throughput of one rank (FLOP/s): 2 n^3 per n x n product, repeated for
-    `seconds`, in the dtype the device computes fastest (`fastest_dtype`: bf16 on a GPU; on a
-    CPU bf16 only with bf16 units)."""
-    import math
-
-    from tephra.engine_api.fastest_dtype import fastest_dtype
-
-    dev = torch.device(device)
-    n = 4096 if dev.type == "cuda" else 512
-    dtype = getattr(torch, fastest_dtype(dev.type))
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    done = 0
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ a
-        done += 1
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    return 2 * n**3 * done / elapsed if done else math.nan

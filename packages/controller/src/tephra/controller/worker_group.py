@@ -16,7 +16,9 @@ process (actor, reference, rollout, critic) live in one worker class; that is wh
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -34,15 +36,36 @@ from tephra.controller.dispatch import (
     split_args,
 )
 from tephra.core.host_memory import retain_freed_memory, retain_supported
+from tephra.core.quiet import quiet_third_party_warnings
 from tephra.engine_api.errors import ConfigError
 
 
-def ray_init(address: str | None = None, num_cpus: int | None = None, **kwargs: Any) -> None:
+def ray_init(
+    address: str | None = None,
+    num_cpus: int | None = None,
+    dashboard: bool = False,
+    **kwargs: Any,
+) -> None:
     """Start (or join) Ray once. `address=None` joins the cluster `RAY_ADDRESS` names, else
-    starts a private local session: never a cluster some other job left running here."""
+    starts a private local session: never a cluster some other job left running here.
+
+    A local session turns Ray's token authentication on with a token made for this session:
+    Ray 2.60's servers listen on every interface whatever node address is given (measured),
+    so the token is what keeps another machine (or user) from submitting work to it. The
+    dashboard (an HTTP server) starts only when `dashboard` asks for it."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None and os.environ.get("RAY_AUTH_MODE", "token") == "token":
+        # Ray turns token mode on for a new local session itself (it must: it reads the mode
+        # at import); a token in the environment keeps it from writing one to ~/.ray, and the
+        # workers inherit it
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        # Ray announces the mode it turned on with a warning on every start: it is the
+        # intended state here, said once in the README
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+            logging.ERROR
+        )
     # Under `uv run`, Ray would otherwise copy the working tree and build a fresh virtual
     # environment for the workers on every session (a minute on 2 cores); the driver's
     # environment already has everything, so workers reuse its interpreter.
@@ -64,7 +87,7 @@ def ray_init(address: str | None = None, num_cpus: int | None = None, **kwargs: 
     ray.init(
         address=address or "local",
         num_cpus=num_cpus if address is None else None,
-        include_dashboard=False,
+        include_dashboard=dashboard,
         log_to_driver=True,
         runtime_env={"env_vars": env},
         **kwargs,
@@ -286,6 +309,7 @@ class Worker:
         import torch
         import torch.distributed as dist
 
+        quiet_third_party_warnings()  # before this worker imports reward or agent packages
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(max(1, threads))
         self.retains_freed_memory = retain_memory and retain_freed_memory()

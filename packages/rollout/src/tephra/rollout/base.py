@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -160,6 +161,16 @@ class HFSettings:
             raise ConfigError(f"hf.batch_wait_ms={self.batch_wait_ms!r} must be >= 0")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) reaches only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass
 class ServerSettings:
     """Settings of a server backend (`vllm`, `sglang`): start a server or connect to one."""
@@ -172,7 +183,14 @@ class ServerSettings:
     """Connect to a running server at this URL (e.g. `http://10.0.0.5:8000`) instead of
     starting one. Several servers: comma-separated; a session sticks to one of them."""
     host: str = "127.0.0.1"
-    """Interface the started server listens on."""
+    """Interface the started server listens on. Beyond loopback (e.g. `0.0.0.0` for a
+    multi-node run) the server must have an `api_key`."""
+    api_key: str | None = None
+    """Key the server demands (`Authorization: Bearer`) on every route but /health, dev and
+    weight-transfer routes included. None: no key, accepted only on a loopback `host`. `auto`:
+    a key made per run for the server tephra starts, handed to the client in memory (never on
+    a command line or in a log). Any other value: that key (with `url`, the key the running
+    server was started with)."""
     port: int = 0
     """Port of the started server; 0 picks a free one."""
     startup_timeout_s: float = 300.0
@@ -258,6 +276,19 @@ class ServerSettings:
             raise ConfigError(f"port={self.port!r} must be in [0, 65535] (0 = pick a free port)")
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight={self.max_in_flight!r} must be >= 1")
+        if self.url is None and self.api_key is None and not is_loopback(self.host):
+            raise ConfigError(
+                f"host={self.host!r} lets other machines reach the server's weight and admin "
+                "routes; set api_key=auto (a key made per run, passed to the client) or an "
+                "explicit key, or keep host=127.0.0.1"
+            )
+        if self.url is not None and self.api_key == "auto":
+            raise ConfigError(
+                "api_key=auto makes a key for a server tephra starts; with url, give the key "
+                "that server was started with (or none)"
+            )
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key is empty: set a key, `auto`, or null (loopback only)")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from tephra.apps.ppo.config import check_model_made, parse_config
 from tephra.controller import ppo
 from tephra.controller.rl_config import PPOConfig
 from tephra.core.errors import TephraError
+from tephra.core.quiet import quiet_third_party_warnings
 
 __all__ = ["main", "parse_config", "run"]
 
@@ -30,6 +31,7 @@ def run(cfg: PPOConfig) -> dict:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_third_party_warnings()
     t0 = time.perf_counter()
     try:
         cfg = parse_config(argv)

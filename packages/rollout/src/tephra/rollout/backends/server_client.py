@@ -24,6 +24,7 @@ import collections
 import contextlib
 import itertools
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -109,6 +110,11 @@ class ServerProtocol(abc.ABC):
     def launch_env(self, settings: ServerSettings) -> dict[str, str]:
         """Environment the settings add (after `default_env`, before `settings.env`)."""
         return {}
+
+    @abc.abstractmethod
+    def key_launch(self, key: str) -> tuple[list[str], dict[str, str]]:
+        """Extra arguments and environment that make the server demand `key` on every route
+        but its health check (dev and weight routes included)."""
 
     @abc.abstractmethod
     def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
@@ -215,6 +221,8 @@ class ServerRollout(Rollout):
                 "folder (save_pretrained / Engine.export_hf) that the server can load"
             )
         self._tied = protocol.needs_untied_head and is_tied(model_dir)
+        key = self.settings.api_key
+        self._api_key = secrets.token_urlsafe(32) if key == "auto" else key
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"tephra-{protocol.name}-http", daemon=True
@@ -279,14 +287,14 @@ class ServerRollout(Rollout):
         self._idle.set()
         self._in_flight = self._pauses = 0
         # aborts must not queue behind the generation requests they are meant to end
-        self._control = httpx.AsyncClient(timeout=httpx.Timeout(self.settings.request_timeout_s))
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        timeout = httpx.Timeout(self.settings.request_timeout_s)
+        self._control = httpx.AsyncClient(timeout=timeout, headers=headers)
         limits = httpx.Limits(
             max_connections=self.settings.max_in_flight,
             max_keepalive_connections=self.settings.max_in_flight,
         )
-        return httpx.AsyncClient(
-            timeout=httpx.Timeout(self.settings.request_timeout_s), limits=limits
-        )
+        return httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)
 
     def _call(self, coro):
         """Run a coroutine on the private loop and wait for it (from synchronous code)."""
@@ -307,6 +315,10 @@ class ServerRollout(Rollout):
         command = self.protocol.launch_command(
             python, model_dir, settings.host, port, self.config, settings
         )
+        if self._api_key:
+            args, key_env = self.protocol.key_launch(self._api_key)
+            command += args
+            env = merge_env(env, key_env)
         log_path = settings.log_path or str(self.weights_dir / "server.log")
         self.process = ServerProcess(self.protocol.name, command, env, log_path)
         url = f"http://{settings.host}:{port}"
@@ -753,3 +765,13 @@ def _own_address(url: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.connect((urlparse(url).hostname or "127.0.0.1", 9))
         return sock.getsockname()[0]
+
+
+def merge_env(env: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+    """`env` updated by `extra`, search paths (`PYTHONPATH`) joined rather than replaced."""
+    merged = dict(env)
+    for name, value in extra.items():
+        if name == "PYTHONPATH" and merged.get(name):
+            value = f"{value}{os.pathsep}{merged[name]}"
+        merged[name] = value
+    return merged

@@ -80,6 +80,11 @@ class SglangProtocol(ServerProtocol):
             *settings.extra_args,
         ]
 
+    def key_launch(self, key: str) -> tuple[list[str], dict[str, str]]:
+        # SGLang's --api-key guards every route but /health and /metrics (its own middleware);
+        # it reads the key only from its command line
+        return ["--api-key", key], {}
+
     def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
         """One request per sample (sample j seeded with seed + j, like vLLM)."""
         requests = []

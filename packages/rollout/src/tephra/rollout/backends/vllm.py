@@ -129,6 +129,13 @@ class VllmProtocol(ServerProtocol):
             ]
         return command + list(settings.extra_args)
 
+    def key_launch(self, key: str) -> tuple[list[str], dict[str, str]]:
+        # vLLM's --api-key leaves the dev routes open: tephra's guard covers every route
+        return (
+            ["--middleware", "tephra_vllm_guard.RequireKey"],
+            {"TEPHRA_SERVER_API_KEY": key, "PYTHONPATH": str(PLUGIN_DIR)},
+        )
+
     def launch_env(self, settings: ServerSettings) -> dict[str, str]:
         # the transfer plugin is two files that import only torch and vllm
         return {"PYTHONPATH": str(PLUGIN_DIR)} if settings.weight_sync == "memory" else {}
