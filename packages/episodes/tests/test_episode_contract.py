@@ -39,7 +39,8 @@ def test_a_plain_async_function_is_an_episode_and_order_is_kept():
 
 
 def test_the_registry_lists_the_built_in_episodes():
-    assert EPISODES.names() == ["single_turn", "tool_agent"]
+    # other tests (the README's) may have registered their own beside the built-ins
+    assert {"single_turn", "tool_agent"} <= set(EPISODES.names())
     assert EPISODES.get("single_turn") is SingleTurnAgentLoop
     assert EPISODES.get("tool_agent") is ToolAgentLoop
     with pytest.raises(
