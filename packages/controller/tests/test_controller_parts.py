@@ -235,6 +235,7 @@ class EngineGone:
 
 
 def test_rl_worker_close_closes_the_tools_it_built(tmp_path):
+    from tephra.controller.generation import Generator
     from tephra.controller.rl_worker import RLWorker
     from tephra.episodes.tools import load_tools
 
@@ -244,11 +245,12 @@ def test_rl_worker_close_closes_the_tools_it_built(tmp_path):
         f"- class: mcp\n  config: {{command: {sys.executable}, args: [{server}]}}\n"
     )
     worker = RLWorker.__new__(RLWorker)  # no engines: only the shutdown path is under test
-    worker.rollout, worker._tools = EngineGone(), load_tools(tmp_path / "tools.yaml")
+    worker.generator = Generator(None, "", None, EngineGone())  # its generation part
+    worker.generator._tools = load_tools(tmp_path / "tools.yaml")
     assert len(live_processes(str(server))) == 1
     with pytest.raises(RuntimeError, match="engine already gone"):
         worker.close()
-    assert live_processes(str(server)) == [] and worker._tools == {}
+    assert live_processes(str(server)) == [] and worker.generator._tools == {}
 
 
 class SumWorker(Worker):
