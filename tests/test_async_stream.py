@@ -13,7 +13,7 @@ import torch
 
 from tephra.controller import rollout_replicas
 from tephra.controller.async_stream import SampleStream
-from tephra.controller.samples import Sample
+from tephra.controller.samples import Sample, ScoreResult
 from tephra.rollout.backends.vllm_plugin import tephra_weight_transport
 from tephra.rollout.base import SamplingParams
 
@@ -58,7 +58,7 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
     worker.generation = SimpleNamespace(
         rollout=_Engine(),
         generate=generate,
-        collect_scores=lambda: [(1.0, None, 0.0, False)],
+        collect_scores=lambda: [ScoreResult(1.0, None, 0.0, False)],
     )
     sent = {}
     monkeypatch.setattr(

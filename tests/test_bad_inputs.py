@@ -121,7 +121,7 @@ def _score(tmp: Path, body: str, n: int = 2, **reward: Any) -> Skipped:
     """Score `n` responses with a custom reward file holding `body`; report its skips."""
     from tephra.controller.data import PromptRecord
     from tephra.controller.rewarding import Scorer
-    from tephra.rollout.rewards import RewardConfig
+    from tephra.episodes.rewards import RewardConfig
 
     file = tmp / "reward.py"
     file.write_text(textwrap.dedent(body))
@@ -136,7 +136,7 @@ def _score(tmp: Path, body: str, n: int = 2, **reward: Any) -> Skipped:
 
 def _tools(content: str) -> Callable:
     def run(tmp, mp):
-        from tephra.rollout.tools import load_tools
+        from tephra.episodes.tools import load_tools
 
         path = tmp / "tools.yaml"
         path.write_text(content)
@@ -276,7 +276,7 @@ if __name__ == "__main__":
 
 
 def mcp_server_dies(tmp, mp):
-    from tephra.rollout.tools import MCPToolset
+    from tephra.episodes.tools import MCPToolset
 
     (tmp / "server.py").write_text(MCP_SERVER)
     toolset = MCPToolset(command=sys.executable, args=[str(tmp / "server.py")], timeout_s=20)
@@ -496,7 +496,7 @@ def _step_round(scores: list[float], n: int = 2):
 def absurd_reward(tmp, mp):
     from tephra.controller.data import PromptRecord
     from tephra.controller.rewarding import Scorer, check_rewards
-    from tephra.rollout.rewards import RewardConfig
+    from tephra.episodes.rewards import RewardConfig
 
     file = _file(tmp, "reward.py", "def compute_score(**kw):\n    return 1e308\n")
     config = RewardConfig(custom_function_path=str(file), executor="serial")
@@ -509,7 +509,7 @@ def absurd_reward(tmp, mp):
 def clipped_reward(tmp, mp):
     from tephra.controller.data import PromptRecord
     from tephra.controller.rewarding import Scorer, check_rewards
-    from tephra.rollout.rewards import RewardConfig
+    from tephra.episodes.rewards import RewardConfig
 
     file = _file(
         tmp, "reward.py", "def compute_score(solution_str, **kw):\n    return float(solution_str)\n"
@@ -1125,7 +1125,7 @@ def test_reward_that_never_returns_does_not_hang_training(tmp_path, caplog):
 
     from tephra.controller.data import PromptRecord
     from tephra.controller.rewarding import Scorer
-    from tephra.rollout.rewards import RewardConfig
+    from tephra.episodes.rewards import RewardConfig
 
     reward = _file(tmp_path, "reward.py", NEVER_RETURNS)
     cfg = _parse(f"reward.custom_function_path={reward}")
@@ -1178,8 +1178,10 @@ class CannedWorkers:
         ]
 
     def collect_scores(self):
+        from tephra.controller.samples import ScoreResult
+
         return [
-            (s, e, 0.0, c)
+            ScoreResult(s, e, 0.0, c)
             for s, e, c in (self.outcomes[k % len(self.outcomes)] for k in range(self.count))
         ]
 

@@ -314,8 +314,7 @@ class NoPauseRollout:
 
 @pytest.fixture(autouse=True)
 def nopause_backend(monkeypatch):
-    import tephra.rollout.backends  # noqa: F401  (the built-ins first)
-    from tephra.rollout.base import ROLLOUT_BACKENDS
+    from tephra.rollout import ROLLOUT_BACKENDS
 
     monkeypatch.setitem(ROLLOUT_BACKENDS._items, "nopause", NoPauseRollout)
 

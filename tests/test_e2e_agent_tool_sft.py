@@ -1,5 +1,5 @@
 """A real model drives `tool_agent`: a tiny Qwen2 fine-tuned with apps/sft (through Ray and the
-FSDP engine) on the synthetic tool-call transcripts of packages/rollout/examples/tools emits
+FSDP engine) on the synthetic tool-call transcripts of packages/episodes/examples/tools emits
 `<tool_call>{...}</tool_call>`, the real python sandbox runs it, and the trajectory is checked
 against independent references: the ids each `agenerate` call returned (mask 1 exactly there),
 the chat template's tool-turn text written out by hand (mask 0 exactly there), a plain
@@ -19,22 +19,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tephra.rollout.agent import (
-    AGENT_LOOPS,
+from tephra.episodes.agent import (
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
     AgentSample,
-    run_agent_loops,
-    trajectories_to_batch,
 )
-from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
+from tephra.episodes.episode import run_episodes
+from tephra.episodes.registry import EPISODES
+from tephra.episodes.tools import PythonTool
+from tephra.rollout import RolloutConfig, SamplingParams, get_rollout, to_batch
 from tephra.rollout.testing import build_tiny_model
-from tephra.rollout.tools import PythonTool
 
 EXAMPLE = (
     Path(__file__).resolve().parents[1]
     / "packages"
-    / "rollout"
+    / "episodes"
     / "examples"
     / "tools"
     / "make_tool_sft_data.py"
@@ -129,15 +128,15 @@ def test_sft_model_calls_the_python_tool_through_tool_agent(sft_model):
         rollout = RecordingRollout(
             get_rollout("hf", RolloutConfig(model_path=str(model_path), max_model_len=1024))
         )
-        loop = AGENT_LOOPS.get("tool_agent")(
-            rollout,
+        loop = EPISODES.get("tool_agent")(
             tokenizer,
-            SamplingParams(temperature=0.0, max_tokens=96),
             AgentLoopConfig(max_turns=3, max_response_tokens=384, render_tool_schemas=False),
             {"python": python},
         )
         try:
-            return rollout, asyncio.run(run_agent_loops(loop, samples))
+            return rollout, asyncio.run(
+                run_episodes(loop, rollout, samples, SamplingParams(temperature=0.0, max_tokens=96))
+            )
         finally:
             rollout.rollout.close()
 
@@ -173,9 +172,7 @@ def test_sft_model_calls_the_python_tool_through_tool_agent(sft_model):
         assert tokenizer.decode(tool_ids, skip_special_tokens=False) == tool_turn_text(output)
         # token in, token out: the second turn was prompted with exactly the earlier ids
         assert gens[1][0] == traj.prompt_ids + first + tool_ids
-        assert traj.response_log_probs[len(first) : len(first) + len(tool_ids)] == [0.0] * len(
-            tool_ids
-        )
+        assert traj.log_probs[len(first) : len(first) + len(tool_ids)] == [0.0] * len(tool_ids)
 
         # re-decoding the ids gives the chat template's rendering of the messages
         decoded = tokenizer.decode(traj.prompt_ids + traj.response_ids, skip_special_tokens=False)
@@ -187,7 +184,7 @@ def test_sft_model_calls_the_python_tool_through_tool_agent(sft_model):
         with torch.no_grad():
             logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
         ref = logp.gather(-1, ids[0, 1:, None])[len(traj.prompt_ids) - 1 :, 0]
-        got = torch.tensor(traj.response_log_probs)
+        got = torch.tensor(traj.log_probs)
         on = torch.tensor(traj.response_mask, dtype=torch.bool)
         torch.testing.assert_close(got[on], ref[on], atol=2e-4, rtol=0)
         # greedy: each generated token is the argmax of the reference distribution
@@ -195,7 +192,7 @@ def test_sft_model_calls_the_python_tool_through_tool_agent(sft_model):
         assert torch.equal(argmax[on], ids[0, len(traj.prompt_ids) :][on])
 
     # the padded training batch keeps the masks and counts
-    batch = trajectories_to_batch(trajectories, pad_token_id=tokenizer.pad_token_id)
+    batch = to_batch(trajectories, pad_token_id=tokenizer.pad_token_id, agent_stats=True)
     assert batch["num_turns"].tolist() == [2] * N_TRANSCRIPTS
     assert batch["tool_calls"].tolist() == [1] * N_TRANSCRIPTS
     assert int(batch["response_mask"].sum()) == sum(sum(t.response_mask) for t in trajectories)

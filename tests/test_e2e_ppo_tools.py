@@ -13,14 +13,14 @@ import torch
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.data import PromptRecord
+from tephra.controller.generation import run_items
 from tephra.controller.ppo import BUNDLED_TOOLS, resolve_tools_file
 from tephra.controller.rl_loop import outcome_token_rewards
-from tephra.controller.rl_worker import final_answer, run_agent_requests
 from tephra.controller.samples import PromptItem, Sample, agent_metrics, samples_to_batch
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
-from tephra.rollout.base import Generation, Rollout
+from tephra.rollout.base import Rollout
 
 AGENT_KEYS = (
     "agent/turns_mean",
@@ -94,7 +94,11 @@ class FirstTurnScripted(Rollout):
         turn = self.turns.get(session_id, 0)
         self.turns[session_id] = turn + 1
         if turn == 0:
-            gen = Generation(list(self.scripted), [-0.5] * len(self.scripted), "stop")
+            gen = Sample(
+                response_ids=list(self.scripted),
+                log_probs=[-0.5] * len(self.scripted),
+                finish_reason="stop",
+            )
         else:
             gen = await self.model.agenerate(prompt_ids, sampling, session_id)
         self.generated.setdefault(session_id, []).append(list(gen.response_ids))
@@ -120,10 +124,11 @@ def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
     from transformers import AutoTokenizer
 
     from tephra.algos import ActorObjective, compute_advantages
-    from tephra.rollout.agent import AGENT_LOOPS, AgentLoopConfig
-    from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
+    from tephra.episodes.agent import AgentLoopConfig
+    from tephra.episodes.registry import EPISODES
+    from tephra.episodes.tools import load_tools
+    from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
     from tephra.rollout.testing import build_tiny_model
-    from tephra.rollout.tools import load_tools
 
     tiny = build_tiny_model(tmp_path / "tiny")
     tok = AutoTokenizer.from_pretrained(tiny.path)
@@ -133,10 +138,8 @@ def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
     sampling = SamplingParams(
         n=1, temperature=1.0, max_tokens=8, seed=3, stop_token_ids=(tok.eos_token_id,)
     )
-    loop = AGENT_LOOPS.get("tool_agent")(
-        scripted,
+    episode = EPISODES.get("tool_agent")(
         tok,
-        sampling,
         AgentLoopConfig(max_turns=2, max_response_tokens=96),
         load_tools(resolve_tools_file("python")),
     )
@@ -148,24 +151,9 @@ def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
     record = PromptRecord(messages, "test", "42")
     items = [PromptItem(prompt_ids, record, f"p0-{k}") for k in range(2)]
     try:
-        trajectories = run_agent_requests(loop, items)
+        samples = run_items(episode, scripted, items, sampling)
     finally:
         scripted.close()
-    samples = [
-        Sample(
-            prompt_ids=t.prompt_ids,
-            response_ids=t.response_ids,
-            response_mask=t.response_mask,
-            log_probs=t.response_log_probs,
-            finish_reason=t.finish_reason,
-            text=final_answer(t),
-            sample_id=t.sample_id,
-            num_turns=t.num_turns,
-            tool_calls=t.tool_calls,
-            tool_errors=t.tool_errors,
-        )
-        for t in trajectories
-    ]
 
     # the tool turn, written by hand from the tiny model's ChatML template
     tool_turn = "\n<|im_start|>tool\n42\n<|im_end|>\n<|im_start|>assistant\n"

@@ -19,8 +19,8 @@ from tephra.controller.rl_worker import RLWorker
 from tephra.controller.samples import PromptItem, samples_to_batch
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
+from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
 from tephra.rollout.backends.server_process import free_port
-from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 

@@ -10,7 +10,7 @@ import torch
 from tephra.apps.ppo.main import parse_config
 from tephra.controller.data import PromptLoader, PromptRecord
 from tephra.controller.rl_loop import Prompts, Trainer
-from tephra.controller.samples import Sample
+from tephra.controller.samples import Sample, ScoreResult
 from tephra.core.errors import ConfigError
 
 REWARD = """
@@ -65,7 +65,9 @@ class CannedWorkers:
         return out
 
     def collect_scores(self):
-        return [(1.0 if s.text.startswith("R") else 0.0, None, 0.0, False) for s in self.last]
+        return [
+            ScoreResult(1.0 if s.text.startswith("R") else 0.0, None, 0.0, False) for s in self.last
+        ]
 
 
 def _trainer(tmp_path, *overrides, prompts=30):

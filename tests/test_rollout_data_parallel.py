@@ -26,10 +26,13 @@ class CountingWorker(RLWorker):
     def __init__(self, *args, **kwargs) -> None:
         self.calls: list[list[str]] = []
         super().__init__(*args, **kwargs)
+        plain = self.generation._generate_plain  # the worker's generation part generates
 
-    def _generate_plain(self, items, sampling):
-        self.calls.append([i.sample_id for i in items])
-        return super()._generate_plain(items, sampling)
+        def counted(items, sampling):
+            self.calls.append([i.sample_id for i in items])
+            return plain(items, sampling)
+
+        self.generation._generate_plain = counted
 
     @dispatch(Dispatch.BROADCAST)
     def generate_calls(self) -> list[list[str]]:

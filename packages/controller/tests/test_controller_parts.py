@@ -32,7 +32,8 @@ from tephra.controller.trackers import Trackers, read_jsonl
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup, ray_init
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.errors import BatchError, ConfigError
-from tephra.rollout.testing import CALC_MCP_SERVER, live_processes
+from tephra.episodes.testing import CALC_MCP_SERVER
+from tephra.rollout.testing import live_processes
 
 
 @dataclass
@@ -234,8 +235,9 @@ class EngineGone:
 
 
 def test_rl_worker_close_closes_the_tools_it_built(tmp_path):
-    from tephra.controller.rl_worker import Generator, RLWorker
-    from tephra.rollout.tools import load_tools
+    from tephra.controller.generation import Generator
+    from tephra.controller.rl_worker import RLWorker
+    from tephra.episodes.tools import load_tools
 
     server = tmp_path / "worker_mcp_server.py"
     server.write_text(CALC_MCP_SERVER)

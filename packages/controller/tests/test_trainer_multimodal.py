@@ -11,8 +11,9 @@ import torch
 
 from tephra.controller.data import PromptRecord
 from tephra.controller.dispatch import split_value
+from tephra.controller.generation import end_before_token
 from tephra.controller.rl_loop import Round, round_from_dict, round_to_dict
-from tephra.controller.rl_worker import end_before_token, skip_zero_advantage_rows
+from tephra.controller.rl_worker import skip_zero_advantage_rows
 from tephra.controller.samples import MULTIMODAL, PromptItem, Sample, samples_to_batch
 from tephra.engine_api.multimodal import MultimodalInputs
 
@@ -99,7 +100,11 @@ def test_response_ends_before_a_sampled_image_placeholder():
     assert end_before_token(cut, image_token, _Decoder()) is cut
     # a placeholder as the first token leaves an empty response; the batch keeps the prompt's
     # image tokens only
-    empty = end_before_token(replace(sample, response_ids=[9, 5]), image_token, _Decoder())
+    empty = end_before_token(
+        replace(sample, response_ids=[9, 5], response_mask=[1, 1], log_probs=[-0.1, -0.2]),
+        image_token,
+        _Decoder(),
+    )
     batch = samples_to_batch([cut, empty], pad_token_id=0, n=2, multi_turn=False)
     assert (batch["input_ids"] == image_token).sum(-1).tolist() == [2, 2]
     assert batch["response_mask"].sum(-1).tolist() == [2, 0]

@@ -11,7 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tephra.engine_api.errors import ConfigError, RegistryError
-from tephra.rollout import RolloutConfig, RolloutError, RolloutOutput, SamplingParams, get_rollout
+from tephra.rollout import (
+    RolloutConfig,
+    RolloutError,
+    RolloutOutput,
+    Sample,
+    SamplingParams,
+    get_rollout,
+)
 from tephra.rollout.testing import perturbed_weights, reference_greedy, teacher_forced_log_probs
 
 PROMPTS = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70], [100]]
@@ -95,11 +102,10 @@ def test_stop_tokens_max_tokens_n_and_seeds(hf):
 
 def test_to_batch_layout_by_hand():
     out = RolloutOutput(
-        prompt_index=[0, 1],
-        prompt_ids=[[11, 12], [21, 22, 23]],
-        response_ids=[[13, 14, 15], [24]],
-        log_probs=[[-0.1, -0.2, -0.3], [-0.4]],
-        finish_reasons=["length", "stop"],
+        [
+            Sample([11, 12], [13, 14, 15], log_probs=[-0.1, -0.2, -0.3], finish_reason="length"),
+            Sample([21, 22, 23], [24], log_probs=[-0.4], finish_reason="stop", prompt_index=1),
+        ]
     )
     batch = out.to_batch(pad_token_id=0)
     assert batch["input_ids"].tolist() == [[0, 11, 12, 13, 14, 15], [21, 22, 23, 24, 0, 0]]
@@ -383,13 +389,7 @@ def test_samples_do_not_depend_on_how_prompts_are_split(hf, tiny_model, top):
             hf.generate(prompts[k * size : (k + 1) * size], sampling.for_share(k * size))
             for k in range(shares)
         ]
-        runs[f"{shares} shares"] = RolloutOutput(
-            prompt_index=[i for p in parts for i in p.prompt_index],
-            prompt_ids=[x for p in parts for x in p.prompt_ids],
-            response_ids=[x for p in parts for x in p.response_ids],
-            log_probs=[x for p in parts for x in p.log_probs],
-            finish_reasons=[x for p in parts for x in p.finish_reasons],
-        )
+        runs[f"{shares} shares"] = RolloutOutput([s for p in parts for s in p.samples])
     for name, run in runs.items():
         assert run.prompt_ids == whole.prompt_ids, name
         assert run.response_ids == whole.response_ids, name

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from tephra.engine_api.errors import ConfigError
 from tephra.rollout import (
@@ -23,15 +23,7 @@ from tephra.rollout import (
     ServerSettings,
     get_rollout,
 )
-from tephra.rollout.agent import (
-    AGENT_LOOPS,
-    TOOL_CHAT_TEMPLATE,
-    AgentLoopConfig,
-    AgentSample,
-    run_agent_loops,
-)
-from tephra.rollout.testing import ScriptedRollout, perturbed_weights
-from tephra.rollout.tools import PythonTool
+from tephra.rollout.testing import perturbed_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
@@ -166,43 +158,6 @@ def test_vllm_matches_hf_then_follows_new_weights(rollouts, tiny_tied_model):
     finally:
         vllm.transport = "gloo"
     assert vllm.calls["update_weights"] == vllm.update_count == 3
-
-
-def test_vllm_agent_loop_tool_turn_matches_hf(rollouts, tiny_tied_model):
-    """Turn 0 is a scripted tool call; turn 1 is generated greedily by vLLM and by HF from the
-    same token ids (prompt + call + tool-response delta): identical ids and masks, log-probs
-    within 1e-4, so nothing was re-tokenised on the server path."""
-    vllm, hf = rollouts
-    tok = AutoTokenizer.from_pretrained(tiny_tied_model.path)
-    tok.chat_template = TOOL_CHAT_TEMPLATE
-    call = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
-    messages = [{"role": "user", "content": "What is 6 times 7?"}]
-    trajectories = []
-    for backend in (vllm, hf):
-        model = ScriptedRollout(tok, lambda s, k: call if k == 0 else None, fallback=backend)
-        loop = AGENT_LOOPS.get("tool_agent")(
-            model,
-            tok,
-            SamplingParams(temperature=0.0, max_tokens=96),
-            AgentLoopConfig(max_turns=2),
-            {"python": PythonTool(timeout_s=10, memory_mb=256)},
-        )
-        trajectories.append(
-            asyncio.run(
-                run_agent_loops(loop, [AgentSample(messages, sample_id=f"s{i}") for i in range(3)])
-            )
-        )
-    for a, b in zip(*trajectories):
-        assert a.num_turns == b.num_turns == 2 and a.tool_calls == 1
-        assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
-        assert a.response_mask == b.response_mask and 0 in a.response_mask
-        torch.testing.assert_close(
-            torch.tensor(a.response_log_probs),
-            torch.tensor(b.response_log_probs),
-            atol=LOGPROB_TOL,
-            rtol=0,
-        )
-        assert "42" in a.messages[2]["content"]
 
 
 def test_vllm_partial_rollout_resumes_under_the_new_weights(rollouts, tiny_tied_model):

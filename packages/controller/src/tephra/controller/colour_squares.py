@@ -2,7 +2,7 @@
 
 Each item is a verl multimodal row (see `tephra.controller.multimodal_data`): one PIL image
 (a coloured square at a random place and size on a grey background), a prompt with one
-`<image>`, data_source `colour_squares` (scored by `tephra.rollout.rewards.colours`) and the
+`<image>`, data_source `colour_squares` (scored by `tephra.episodes.rewards.colours`) and the
 colour name as the ground truth. Nothing is downloaded or stored: the same seed gives the
 same items.
 """

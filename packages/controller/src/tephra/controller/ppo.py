@@ -151,8 +151,8 @@ def prepare(cfg: PPOConfig) -> Prepared:
     if r.uses_agent_loop:
         # the prompt as the loop renders it (with the tools' schemas), so that
         # data.max_prompt_tokens bounds the real prompt
-        from tephra.rollout.agent import ChatTemplateDelta
-        from tephra.rollout.tools import load_tools
+        from tephra.episodes.agent import ChatTemplateDelta
+        from tephra.episodes.tools import load_tools
 
         schemas = None
         if tools_file and r.agent.render_tool_schemas:

@@ -1,4 +1,4 @@
-"""Scoring a step's responses with `tephra.rollout.rewards`.
+"""Scoring a step's responses with `tephra.episodes.rewards`.
 
 The rollout package's `RewardManager` picks each sample's scorer by `data_source` (or runs
 a custom function from a file, verl's signature, or a reward model), counts and logs scorer
@@ -16,7 +16,7 @@ import torch
 
 from tephra.controller.data import PromptRecord
 from tephra.core.errors import TephraError
-from tephra.rollout.rewards import RewardConfig, RewardInput, RewardManager
+from tephra.episodes.rewards import RewardConfig, RewardInput, RewardManager
 
 
 class RewardFailure(TephraError, RuntimeError):

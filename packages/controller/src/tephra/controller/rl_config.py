@@ -7,7 +7,7 @@
     rollout     backend name, sampling, tephra.rollout's HFSettings / ServerSettings and
                 AgentLoopConfig
     algorithm   estimator name + tephra.algos.AdvantageConfig, KL in the reward, DAPO
-    reward      tephra.rollout.rewards.RewardConfig
+    reward      tephra.episodes.rewards.RewardConfig
     data, batch, trainer, resources: the controller's own sections
 
 Each option and its default live once, in the package that implements it; this module only
@@ -41,9 +41,11 @@ from tephra.engine_api.config import (
     OptimizerConfig,
     PrecisionConfig,
 )
-from tephra.rollout.agent.base import AgentLoopConfig
-from tephra.rollout.base import ROLLOUT_BACKENDS, HFSettings, ServerSettings
-from tephra.rollout.rewards import RewardConfig, RewardFunctionError, load_reward_function
+from tephra.episodes.agent.base import AgentLoopConfig
+from tephra.episodes.registry import EPISODES
+from tephra.episodes.rewards import RewardConfig, RewardFunctionError, load_reward_function
+from tephra.rollout.base import HFSettings, ServerSettings
+from tephra.rollout.registry import ROLLOUT_BACKENDS
 from tephra.rollout.weight_transport import Placement, choose_transport
 
 
@@ -182,7 +184,7 @@ class RolloutSection:
     sglang: ServerSettings = field(default_factory=ServerSettings)
     """Settings of the `sglang` server backend."""
     agent_loop: str | None = None
-    """Multi-turn rollouts: an agent loop from tephra.rollout.agent.AGENT_LOOPS (`tool_agent`:
+    """Multi-turn rollouts: an episode from tephra.episodes.registry.EPISODES (`tool_agent`:
     the model calls the tools of `tools_file` between turns; `single_turn`). None or "" keeps
     the batched `generate` path."""
     tools_file: str | None = None
@@ -194,18 +196,13 @@ class RolloutSection:
             max_turns=3, max_response_tokens=128, max_tool_response_chars=500
         )
     )
-    """Agent-loop budgets (tephra.rollout.agent.AgentLoopConfig): max_turns,
+    """Agent-loop budgets (tephra.episodes.agent.AgentLoopConfig): max_turns,
     max_response_tokens (the trained response length), max_tool_response_chars, ..."""
 
     def __post_init__(self) -> None:
-        import tephra.rollout.backends  # noqa: F401  (registers the built-in backends)
-        from tephra.rollout.base import ROLLOUT_BACKENDS
-
         _check_name("rollout.backend", self.backend, ROLLOUT_BACKENDS)
         if self.agent_loop:
-            from tephra.rollout.agent import AGENT_LOOPS
-
-            _check_name("rollout.agent_loop", self.agent_loop, AGENT_LOOPS)
+            _check_name("rollout.agent_loop", self.agent_loop, EPISODES)
             if self.agent_loop == "tool_agent" and not self.tools_file:
                 raise ConfigError(
                     "rollout.agent_loop='tool_agent' needs rollout.tools_file: a "
@@ -766,7 +763,7 @@ class PPOConfig:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     """Advantage estimator, KL in reward, DAPO."""
     reward: RewardConfig = field(default_factory=lambda: RewardConfig(executor="serial"))
-    """Scoring (tephra.rollout.rewards.RewardConfig): rule scorers by data_source, a custom
+    """Scoring (tephra.episodes.rewards.RewardConfig): rule scorers by data_source, a custom
     function from a file, or a reward model. Each rank scores its own samples; `serial` by
     default because the demo's scorers take microseconds."""
     trainer: TrainerSection = field(default_factory=TrainerSection)
@@ -934,7 +931,7 @@ def validate(cfg: PPOConfig) -> None:
                 f"rollout replicas when weights arrive; it needs trainer.mode=async "
                 f"(now {cfg.trainer.mode!r})"
             )
-        from tephra.rollout.base import ROLLOUT_BACKENDS, can_pause
+        from tephra.rollout.base import can_pause
 
         if not can_pause(ROLLOUT_BACKENDS.get(r.backend)):
             pausable = [n for n in ROLLOUT_BACKENDS if can_pause(ROLLOUT_BACKENDS.get(n))]

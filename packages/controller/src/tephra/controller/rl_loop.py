@@ -67,7 +67,7 @@ from tephra.controller.worker_group import WorkerGroup
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError, TephraError
 from tephra.engine_api.multimodal import MultimodalInputs
-from tephra.rollout.rewards import is_timeout
+from tephra.episodes.rewards import is_timeout
 
 
 @dataclass
@@ -488,7 +488,7 @@ class Trainer:
 
     def attach_scores(self, samples: list[Sample]) -> list[Sample]:
         results = self.wg.collect_scores()
-        self.reward_seconds = max((r[2] for r in results), default=0.0)
+        self.reward_seconds = max((r.seconds for r in results), default=0.0)
         for sample, result in zip(samples, results, strict=True):
             set_score(sample, result)
         check_not_all_failed([s.reward_error for s in samples])

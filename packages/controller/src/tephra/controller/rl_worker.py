@@ -14,7 +14,8 @@ model-parallel peers included; the driver gathers the samples and dispatches the
 batch by `dp_info`. Sample seeds follow the prompt's place in the whole batch, so the split
 does not change the samples.
 
-Generation is a part the worker holds (`Generator`: rollout engine, tokenizer, tools, scorer),
+Generation is a part the worker holds (`tephra.controller.generation.Generator`: rollout engine,
+tokenizer, tools, scorer),
 the same part a rollout replica of its own pool holds (`rollout_replicas.RolloutWorker`); the
 worker adds the dispatch modes, profiling and the weight sync around it.
 
@@ -28,8 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import random
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,37 +40,11 @@ from tensordict import TensorDict
 
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.flops import device_peak
+from tephra.controller.generation import Generator
 from tephra.controller.rl_config import PPOConfig
-from tephra.controller.samples import PromptItem, Sample
+from tephra.controller.samples import PromptItem, Sample, ScoreResult
 from tephra.controller.worker_group import Worker
 from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
-
-
-def run_agent_requests(
-    loop: Any, items: list[PromptItem], max_in_flight: int | None = None
-) -> list[Any]:
-    """Run `loop` (an `AgentLoop`) on every item concurrently; one `Trajectory` per item, in
-    order."""
-    import asyncio
-
-    from tephra.rollout.agent import AgentSample, run_agent_loops
-
-    samples = [
-        AgentSample(
-            messages=list(i.record.prompt), sample_id=i.sample_id, prompt_ids=list(i.prompt_ids)
-        )
-        for i in items
-    ]
-    # The hf backend generates on its own thread, so a fresh event loop per call is fine.
-    return asyncio.run(run_agent_loops(loop, samples, max_in_flight))
-
-
-def final_answer(trajectory: Any) -> str:
-    """The last assistant message of a trajectory: what its reward scores (earlier turns are
-    tool calls)."""
-    return next(
-        (m["content"] for m in reversed(trajectory.messages) if m.get("role") == "assistant"), ""
-    )
 
 
 def profiled(stage: str):
@@ -109,27 +83,6 @@ def _on_policy_old_log_probs(loss_fn):
     return wrapped
 
 
-def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
-    """`sample` with its response ended before the first `token` it sampled (unchanged
-    without one), finish reason `image_token`. For the image placeholder `<|image_pad|>`: a
-    sampled one has no image behind it, and the training forward would take it for one more
-    image slot and fail (image tokens != image features); the tokens before it keep their
-    log-probs (causal), those from it on are dropped."""
-    if token not in sample.response_ids:
-        return sample
-    n = sample.response_ids.index(token)
-    ids = sample.response_ids[:n]
-    return replace(
-        sample,
-        response_ids=ids,
-        response_mask=sample.response_mask[:n],
-        log_probs=sample.log_probs[:n] if sample.log_probs is not None else None,
-        token_versions=(sample.token_versions[:n] if sample.token_versions is not None else None),
-        finish_reason="image_token",
-        text=tokenizer.decode(ids, skip_special_tokens=True),
-    )
-
-
 ROLES = ("actor", "ref", "critic")
 
 
@@ -137,188 +90,6 @@ def colocated_roles(cfg: PPOConfig) -> tuple[str, ...]:
     """The roles the actor's worker group holds: the actor, and the reference and critic
     unless they have pools of their own (`resources.ref` / `resources.critic`)."""
     return ("actor",) + tuple(r for r in ("ref", "critic") if getattr(cfg.resources, r).ranks == 0)
-
-
-class Generator:
-    """The generation part that the training worker (colocated generation) and a rollout
-    replica both hold: the rollout engine (None on a rank that does not generate), the
-    tokenizer, the agent loop's tools, and the reward scorer with its background thread."""
-
-    def __init__(
-        self, cfg: PPOConfig, model_path: str, tools_file: str | None, rollout: Any
-    ) -> None:
-        self.cfg, self.model_path, self.tools_file = cfg, model_path, tools_file
-        self.rollout = rollout
-        self._tokenizer = self._tools = None
-        self._scoring: Future | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        self._scorer = None
-
-    @classmethod
-    def build(
-        cls,
-        cfg: PPOConfig,
-        model_path: str,
-        tools_file: str | None,
-        device: str,
-        with_rollout: bool,
-    ) -> Generator:
-        """The part with a rollout engine of `rollout.backend` on `device` when
-        `with_rollout` (this process generates), else without one."""
-        from tephra.rollout.base import RolloutConfig, get_rollout
-
-        rollout = None
-        if with_rollout:
-            r = cfg.rollout
-            rollout = get_rollout(
-                r.backend,
-                RolloutConfig(
-                    model_path=model_path,
-                    dtype=r.dtype,
-                    max_model_len=cfg.data.max_prompt_tokens + r.response_budget + 8,
-                    seed=cfg.trainer.seed,
-                    hf=replace(r.hf, device=device),
-                    vllm=r.vllm,
-                    sglang=r.sglang,
-                ),
-            )
-        return cls(cfg, model_path, tools_file, rollout)
-
-    # ----- generation and scoring -----------------------------------------------------------
-    def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.model_path)
-            if tok.pad_token_id is None:
-                tok.pad_token = tok.eos_token
-            self._tokenizer = tok
-        return self._tokenizer
-
-    def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
-        """`sampling.n` samples of each of this rank's prompts (prompt-major), through the
-        agent loop when one is configured. Scoring starts in the background (`collect_scores`
-        returns the scores); `score=False` skips it. A rank without a rollout engine (a
-        rollout tensor-parallel peer) gets no prompts and returns none, as does a rank whose
-        share is empty (fewer prompts than rollout replicas)."""
-        if self.rollout is None or not items:
-            self._scoring = self._pool.submit(lambda: ([], 0.0, [], [])) if score else None
-            return []
-        self.rollout.wake_up()
-        samples = (
-            self._generate_agent(items, sampling)
-            if self.cfg.rollout.uses_agent_loop
-            else self._generate_plain(items, sampling)
-        )
-        if self.cfg.rollout.sleep_when_training and self.cfg.resources.rollout.replicas == 0:
-            self.rollout.sleep()  # a replica's pool trains nothing: it stays awake
-        if score:
-            records = [items[i // sampling.n].record for i in range(len(samples))]
-            self._scoring = self._pool.submit(self._score, samples, records)
-        return samples
-
-    def _generate_plain(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
-        images = [i.multimodal for i in items]
-        # text prompts keep the backends' plain signature (vLLM / SGLang take no images)
-        extra = {"multimodal": images} if any(m is not None for m in images) else {}
-        out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling, **extra)
-        tok = self.tokenizer()
-        samples = [
-            Sample(
-                prompt_ids=out.prompt_ids[k],
-                response_ids=out.response_ids[k],
-                response_mask=[1] * len(out.response_ids[k]),
-                log_probs=out.log_probs[k] if out.log_probs is not None else None,
-                finish_reason=out.finish_reasons[k],
-                text=tok.decode(out.response_ids[k], skip_special_tokens=True),
-                sample_id=items[k // sampling.n].sample_id,
-                multimodal=images[k // sampling.n],
-                token_versions=(out.token_versions[k] if out.token_versions is not None else None),
-            )
-            for k in range(len(out))
-        ]
-        if extra:  # the rollout engine is hf (images go nowhere else): its config has the id
-            from tephra.engine_api.multimodal import image_token_id
-
-            image_token = image_token_id(self.rollout.model.config)
-            samples = [end_before_token(s, image_token, tok) for s in samples]
-        return samples
-
-    def _generate_agent(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
-        from tephra.rollout.agent import AGENT_LOOPS
-
-        if self._tools is None:
-            from tephra.rollout.tools import load_tools
-
-            self._tools = load_tools(self.tools_file) if self.tools_file else {}
-        r = self.cfg.rollout
-        loop = AGENT_LOOPS.get(r.agent_loop)(
-            self.rollout, self.tokenizer(), sampling.replace(n=1), r.agent, self._tools
-        )
-        n = sampling.n
-        expanded = [
-            PromptItem(i.prompt_ids, i.record, f"{i.sample_id}-{k}")
-            for i in items
-            for k in range(n)
-        ]
-        trajectories = run_agent_requests(loop, expanded, r.max_in_flight)
-        return [
-            Sample(
-                prompt_ids=list(t.prompt_ids),
-                response_ids=list(t.response_ids),
-                response_mask=list(t.response_mask),
-                log_probs=list(t.response_log_probs),
-                finish_reason=t.finish_reason,
-                text=final_answer(t),
-                sample_id=t.sample_id,
-                num_turns=t.num_turns,
-                tool_calls=t.tool_calls,
-                tool_errors=t.tool_errors,
-                tool_rewards=dict(t.tool_rewards),
-                token_versions=t.response_versions,
-            )
-            for t in trajectories
-        ]
-
-    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list, list]:
-        from tephra.controller.rewarding import Scorer
-
-        start = time.perf_counter()
-        if self._scorer is None:
-            self._scorer = Scorer(self.cfg.reward)
-        prompts = None
-        if self.cfg.reward.reward_model_path:
-            tok = self.tokenizer()
-            prompts = [tok.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
-        results = self._scorer.score([s.text for s in samples], records, prompts)
-        return results, time.perf_counter() - start, self._scorer.clipped, self._scorer.extras
-
-    def collect_scores(self) -> list[tuple[float, str | None, float, bool, dict[str, float]]]:
-        """(score, error, seconds this rank spent scoring, whether `reward.clip` moved the
-        score, the reward dict's numeric entries beside "score") of each sample of the last
-        `generate`, in order; waits for the background scorer."""
-        if self._scoring is None:
-            raise RuntimeError("collect_scores called without a scored generate before it")
-        results, seconds, clipped, extras = self._scoring.result()
-        self._scoring = None
-        return [
-            (score, error, seconds, c, x)
-            for (score, error), c, x in zip(results, clipped, extras, strict=True)
-        ]
-
-    def close(self) -> None:
-        """Stop the rollout engine, the scorer thread and the agent loop's tools (MCP servers
-        and their processes, sandbox folders)."""
-        try:
-            if self.rollout is not None:
-                self.rollout.close()
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        finally:
-            if self._tools:
-                from tephra.rollout.tools import close_tools
-
-                tools, self._tools = self._tools, {}
-                close_tools(tools.values())
 
 
 class RLWorker(Worker):
@@ -430,7 +201,7 @@ class RLWorker(Worker):
         return self.generation.generate(items, sampling, score)
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
-    def collect_scores(self) -> list[tuple[float, str | None, float, bool, dict[str, float]]]:
+    def collect_scores(self) -> list[ScoreResult]:
         """`Generator.collect_scores` of this rank's last `generate`."""
         return self.generation.collect_scores()
 

@@ -1,8 +1,10 @@
 """The typed objects that travel between the driver and the workers.
 
-    PromptItem  driver -> worker: one prompt to sample (token ids, its data record, an id)
-    Sample      worker -> driver: one response (plain or multi-turn), scored on its rank,
-                tagged with the weight version that generated it
+    PromptItem   driver -> worker: one prompt to sample (token ids, its data record, an id)
+    Sample       worker -> driver: one response (plain or multi-turn), scored on its rank,
+                 tagged with the weight version that generated it (`tephra.rollout.Sample`,
+                 the one per-sample type from the backend to the batch)
+    ScoreResult  worker -> driver: one sample's reward (`collect_scores`)
 
 A step's samples are prompt-major: prompt i's `n` samples are consecutive.
 """
@@ -12,11 +14,24 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import torch
 from tensordict import TensorDict
 
 from tephra.controller.data import PromptRecord
-from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs, multimodal_column
+from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs
+from tephra.rollout.samples import Sample, to_batch
+
+__all__ = [
+    "MULTIMODAL",
+    "PromptItem",
+    "Sample",
+    "ScoreResult",
+    "set_score",
+    "agent_metrics",
+    "record_payload",
+    "sample_from_dict",
+    "sample_to_dict",
+    "samples_to_batch",
+]
 
 
 @dataclass
@@ -33,113 +48,43 @@ class PromptItem:
     """The prompt's images (pixel values and grids), None for a text prompt."""
 
 
-@dataclass
-class Sample:
-    """One response to a `PromptItem`, with its reward when the worker scored it."""
+@dataclass(frozen=True)
+class ScoreResult:
+    """One sample's reward as a worker hands it back (`collect_scores`)."""
 
-    prompt_ids: list[int]
-    """The prompt's token ids."""
-    response_ids: list[int]
-    """Every token after the prompt (model and, in multi-turn, tool tokens)."""
-    response_mask: list[int]
-    """1 on tokens the model generated (trained), 0 on tokens a tool wrote."""
-    log_probs: list[float] | None
-    """The rollout engine's log-prob of each response token (0 on tool tokens)."""
-    finish_reason: str
-    """`stop`, `length`, (agent loop) `max_turns`, or `image_token` (a response with images
-    ended before an image placeholder it sampled; `rl_worker.end_before_token`)."""
-    text: str = ""
-    """What the reward scored: the decoded response, or the last assistant message of a
-    multi-turn trajectory (earlier turns are tool calls)."""
-    score: float = 0.0
-    """The reward (0 when the scorer failed; see `reward_error`)."""
-    reward_error: str | None = None
+    score: float
+    """The reward (0 when the scorer failed)."""
+    error: str | None
     """The scorer's error for this sample, if it raised."""
-    reward_clipped: bool = False
-    """Whether `reward.clip` moved `score` into its range."""
-    reward_extras: dict[str, float] = field(default_factory=dict)
+    seconds: float
+    """Seconds the worker's rank spent scoring its whole share (the same on each of them)."""
+    clipped: bool
+    """Whether `reward.clip` moved the score into its range."""
+    extras: dict[str, float] = field(default_factory=dict)
     """The reward function's numeric dict entries beside "score" (e.g. {"format": 1.0,
     "accuracy": 0.0}); `algorithm.advantage.gdpo_reward_keys` picks GDPO's components here."""
-    sample_id: str = ""
-    """The prompt item's id."""
-    num_turns: int = 1
-    """Model turns."""
-    tool_calls: int = 0
-    """Tool calls answered."""
-    tool_errors: int = 0
-    """Tool calls that returned an error."""
-    tool_rewards: dict[str, float] = field(default_factory=dict)
-    """`Tool.calc_reward` of each tool used."""
-    weight_version: int = 0
-    """Version of the weights that generated it: the number of RL steps (weight syncs)
-    those weights had been updated by; the driver sets it. The version lag of a trained
-    sample is the trainer's version (the steps completed before the update) minus this."""
-    multimodal: MultimodalInputs | None = None
-    """The prompt's images, the very object of its `PromptItem` (generation and every
-    training pass see the same pixels; not part of `sample_to_dict`)."""
-    token_versions: list[int] | None = None
-    """Weight version of each response token (`trainer.partial_rollout`: a sample interrupted
-    by a weight update continues under the new version); None otherwise. `weight_version` is
-    then its oldest entry."""
 
 
-def set_score(sample: Sample, result: tuple) -> None:
-    """Set `sample`'s reward fields from one `collect_scores` entry: (score, error, seconds,
-    clipped[, extras]); extras may be absent (a worker whose scorer returns plain numbers)."""
-    score, error, _, clipped, *extras = result
-    sample.score, sample.reward_error = float(score), error
-    sample.reward_clipped = clipped
-    sample.reward_extras = dict(extras[0]) if extras else {}
+def set_score(sample: Sample, result: ScoreResult) -> None:
+    """Set `sample`'s reward fields from its `collect_scores` entry."""
+    sample.score, sample.reward_error = float(result.score), result.error
+    sample.reward_clipped = result.clipped
+    sample.reward_extras = dict(result.extras)
 
 
 def samples_to_batch(
     samples: list[Sample], pad_token_id: int, n: int, multi_turn: bool
 ) -> TensorDict:
-    """Prompt-major samples (`n` per prompt) as the padded batch of tephra.engine_api:
-    `input_ids`, `attention_mask`, `position_ids`, `response_mask` (1 on model tokens only),
-    `rollout_log_probs`, `prompt_index` [B]; multi-turn adds num_turns / tool_calls /
-    tool_errors / tool_rewards [B]; samples with images add `multimodal` (`MULTIMODAL`)."""
-    batch = _text_batch(samples, pad_token_id, n, multi_turn)
-    if any(s.multimodal is not None for s in samples):
-        batch[MULTIMODAL] = multimodal_column([s.multimodal for s in samples])
-    return batch
-
-
-def _text_batch(samples: list[Sample], pad_token_id: int, n: int, multi_turn: bool) -> TensorDict:
-    from tephra.rollout.base import RolloutOutput
-
-    if multi_turn:
-        from tephra.rollout.agent import Trajectory, trajectories_to_batch
-
-        batch = trajectories_to_batch(
-            [
-                Trajectory(
-                    s.sample_id,
-                    s.prompt_ids,
-                    s.response_ids,
-                    s.response_mask,
-                    s.log_probs or [0.0] * len(s.response_ids),
-                    s.num_turns,
-                    s.tool_calls,
-                    s.tool_errors,
-                    s.finish_reason,
-                    [],
-                    tool_rewards=s.tool_rewards,
-                )
-                for s in samples
-            ],
-            pad_token_id,
-        )
-        batch["prompt_index"] = torch.arange(len(samples), dtype=torch.int64) // n
-        return batch
-    out = RolloutOutput(
+    """Prompt-major samples (`n` per prompt) as the padded batch of tephra.engine_api
+    (`tephra.rollout.to_batch`): `prompt_index` [B] is each sample's place // n (its group);
+    multi-turn adds num_turns / tool_calls / tool_errors / tool_rewards [B]; samples with
+    images add `multimodal` (`MULTIMODAL`)."""
+    return to_batch(
+        samples,
+        pad_token_id,
+        agent_stats=multi_turn,
         prompt_index=[i // n for i in range(len(samples))],
-        prompt_ids=[s.prompt_ids for s in samples],
-        response_ids=[s.response_ids for s in samples],
-        log_probs=[s.log_probs for s in samples] if samples[0].log_probs is not None else None,
-        finish_reasons=[s.finish_reason for s in samples],
     )
-    return out.to_batch(pad_token_id)
 
 
 def agent_metrics(samples: list[Sample]) -> dict[str, float]:

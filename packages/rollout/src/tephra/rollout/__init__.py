@@ -1,8 +1,6 @@
 """tephra.rollout: generation backends (hf, vllm, sglang) behind one contract."""
 
 from tephra.rollout.base import (
-    ROLLOUT_BACKENDS,
-    Generation,
     HFSettings,
     Rollout,
     RolloutConfig,
@@ -11,19 +9,21 @@ from tephra.rollout.base import (
     SamplingParams,
     ServerDiedError,
     ServerSettings,
-    get_rollout,
 )
+from tephra.rollout.registry import ROLLOUT_BACKENDS, get_rollout
+from tephra.rollout.samples import Sample, to_batch
 
 __all__ = [
     "ROLLOUT_BACKENDS",
-    "Generation",
     "HFSettings",
     "Rollout",
     "RolloutConfig",
     "RolloutError",
     "RolloutOutput",
+    "Sample",
     "SamplingParams",
     "ServerDiedError",
     "ServerSettings",
     "get_rollout",
+    "to_batch",
 ]

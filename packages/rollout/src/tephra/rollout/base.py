@@ -1,4 +1,4 @@
-"""The rollout contract: sampling settings, outputs, the `Rollout` ABC and the backend registry.
+"""The rollout contract: sampling settings, outputs and the `Rollout` ABC.
 
 A rollout backend turns prompt token ids into response token ids with, for each response
 token, the log-prob of that token under the sampling distribution:
@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from tephra.engine_api.batch import make_batch
 from tephra.engine_api.errors import ConfigError, TephraError
 from tephra.engine_api.fastest_dtype import AUTO, resolve_dtype
-from tephra.engine_api.registry import Registry
+from tephra.rollout.samples import Sample, to_batch
 from tephra.rollout.weight_transport import check_transport_name
 
 if TYPE_CHECKING:
@@ -343,103 +342,70 @@ class RolloutConfig:
 
 
 @dataclass
-class Generation:
-    """One sampled response."""
-
-    response_ids: list[int]
-    """Generated token ids (a stop token, when one ended it, is the last)."""
-    log_probs: list[float] | None
-    """Per-token log-prob of each response token (module docstring); None if not asked."""
-    finish_reason: FinishReason
-    """'stop' (a stop/EOS token) or 'length' (max_tokens or max_model_len reached)."""
-    token_versions: list[int] | None = None
-    """Weight version that produced each response token, when the backend's owner numbers its
-    weights (`weight_version` set; partial rollout); None otherwise."""
-
-
-@dataclass
 class RolloutOutput:
     """The samples of one `generate` call, prompt-major: prompt i's n samples are consecutive
-    (sample j of prompt i is at index i * n + j)."""
+    (sample j of prompt i is at index i * n + j). The columns below are views of `samples`."""
 
-    prompt_index: list[int]
-    """Index of each sample's prompt in the `prompts` list given to `generate`."""
-    prompt_ids: list[list[int]]
-    """Each sample's prompt token ids."""
-    response_ids: list[list[int]]
-    """Each sample's response token ids."""
-    log_probs: list[list[float]] | None
-    """Each sample's per-response-token log-probs (None when `logprobs=False`)."""
-    finish_reasons: list[FinishReason]
-    """'stop' or 'length' per sample."""
-    token_versions: list[list[int]] | None = None
-    """Each sample's per-token weight versions (see `Generation.token_versions`), or None."""
+    samples: list[Sample]
+    """One `Sample` per response, with its `prompt_ids` and `prompt_index` set."""
 
     @classmethod
     def from_generations(
-        cls, prompts: list[list[int]], generations: list[Generation], n: int
+        cls, prompts: list[list[int]], generations: list[Sample], n: int
     ) -> RolloutOutput:
+        """The output of `generations` (prompt-major, `n` per prompt): each sample gets its
+        prompt's ids and index."""
         if len(generations) != len(prompts) * n:
             raise RolloutError(
                 f"backend returned {len(generations)} samples for {len(prompts)} prompts x n={n}"
             )
-        with_lp = all(g.log_probs is not None for g in generations)
-        tagged = bool(generations) and all(g.token_versions is not None for g in generations)
-        return cls(
-            prompt_index=[i // n for i in range(len(generations))],
-            prompt_ids=[list(prompts[i // n]) for i in range(len(generations))],
-            response_ids=[g.response_ids for g in generations],
-            log_probs=[g.log_probs for g in generations] if with_lp else None,
-            finish_reasons=[g.finish_reason for g in generations],
-            token_versions=[g.token_versions for g in generations] if tagged else None,
-        )
+        for i, g in enumerate(generations):
+            g.prompt_ids, g.prompt_index = list(prompts[i // n]), i // n
+        return cls(list(generations))
 
     def __len__(self) -> int:
-        return len(self.response_ids)
+        return len(self.samples)
 
-    def generation(self, i: int) -> Generation:
-        return Generation(
-            self.response_ids[i],
-            self.log_probs[i] if self.log_probs is not None else None,
-            self.finish_reasons[i],
-            self.token_versions[i] if self.token_versions is not None else None,
-        )
+    @property
+    def prompt_index(self) -> list[int]:
+        """Index of each sample's prompt in the `prompts` list given to `generate`."""
+        return [s.prompt_index for s in self.samples]
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        """Each sample's prompt token ids."""
+        return [s.prompt_ids for s in self.samples]
+
+    @property
+    def response_ids(self) -> list[list[int]]:
+        """Each sample's response token ids."""
+        return [s.response_ids for s in self.samples]
+
+    @property
+    def log_probs(self) -> list[list[float]] | None:
+        """Each sample's per-response-token log-probs (None when `logprobs=False`)."""
+        if not all(s.log_probs is not None for s in self.samples):
+            return None
+        return [s.log_probs for s in self.samples]
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """'stop' or 'length' per sample."""
+        return [s.finish_reason for s in self.samples]
+
+    @property
+    def token_versions(self) -> list[list[int]] | None:
+        """Each sample's per-token weight versions (`Sample.token_versions`); None unless
+        every sample is tagged."""
+        if not self.samples or any(s.token_versions is None for s in self.samples):
+            return None
+        return [s.token_versions for s in self.samples]
 
     def to_batch(self, pad_token_id: int) -> TensorDict:
-        """The samples in the padded layout of `tephra.engine_api.batch`, batch size [B]:
-
-        input_ids          int64 [B, P + R]  prompt left-padded to P = longest prompt, then
-                                             response right-padded to R = longest response
-        attention_mask     int64 [B, P + R]  1 on real tokens
-        position_ids       int64 [B, P + R]  0, 1, 2, ... over real tokens
-        response_mask      int64 [B, P + R]  1 on response tokens
-        rollout_log_probs  float32 [B, P + R] log-prob of token t at position t (0 elsewhere)
-        prompt_index       int64 [B]         index of the sample's prompt
-        """
+        """The samples in the padded layout of `tephra.engine_api.batch` (`samples.to_batch`)."""
         if not len(self):
             raise RolloutError("to_batch: the output holds no samples")
-        num = len(self)
-        p_len = max(len(p) for p in self.prompt_ids)
-        r_len = max(max(len(r) for r in self.response_ids), 1)
-        ids = torch.full((num, p_len + r_len), pad_token_id, dtype=torch.int64)
-        attn = torch.zeros((num, p_len + r_len), dtype=torch.int64)
-        resp = torch.zeros_like(attn)
-        logp = torch.zeros((num, p_len + r_len), dtype=torch.float32)
-        for i, (prompt, response) in enumerate(zip(self.prompt_ids, self.response_ids)):
-            ids[i, p_len - len(prompt) : p_len] = torch.tensor(prompt, dtype=torch.int64)
-            attn[i, p_len - len(prompt) : p_len] = 1
-            if response:
-                ids[i, p_len : p_len + len(response)] = torch.tensor(response, dtype=torch.int64)
-                attn[i, p_len : p_len + len(response)] = 1
-                resp[i, p_len : p_len + len(response)] = 1
-                if self.log_probs is not None:
-                    logp[i, p_len : p_len + len(response)] = torch.tensor(
-                        self.log_probs[i], dtype=torch.float32
-                    )
-        fields = {"prompt_index": torch.tensor(self.prompt_index, dtype=torch.int64)}
-        if self.log_probs is not None:
-            fields["rollout_log_probs"] = logp
-        return make_batch(ids, attn, resp, **fields)
+        return to_batch(self.samples, pad_token_id)
 
 
 class Rollout(abc.ABC):
@@ -454,7 +420,7 @@ class Rollout(abc.ABC):
     it interrupts them, keeping their tokens and log-probs; `update_weights` and setting
     `weight_version: int | None` happen inside; on exit they continue under the new weights.
     With `weight_version` set, every token is tagged with the version that produced it
-    (`Generation.token_versions`).
+    (`Sample.token_versions`).
     """
 
     config: RolloutConfig
@@ -466,8 +432,9 @@ class Rollout(abc.ABC):
     @abc.abstractmethod
     async def agenerate(
         self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
-    ) -> Generation:
-        """One response for one prompt (`sampling.n` must be 1)."""
+    ) -> Sample:
+        """One response for one prompt (`sampling.n` must be 1); the caller holds the prompt,
+        so the sample's `prompt_ids` stay empty."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -532,14 +499,3 @@ def check_prompts(
 def can_pause(backend: type[Rollout]) -> bool:
     """Whether the backend class supports partial rollout (has `paused()`; see `Rollout`)."""
     return callable(getattr(backend, "paused", None))
-
-
-ROLLOUT_BACKENDS: Registry[type[Rollout]] = Registry("rollout backend")
-"""Backends by name: `hf`, `vllm`, `sglang` (each a class taking a `RolloutConfig`)."""
-
-
-def get_rollout(name: str, config: RolloutConfig) -> Rollout:
-    """Build the backend registered as `name` (importing the built-in backends first)."""
-    import tephra.rollout.backends  # noqa: F401  (registers the built-ins)
-
-    return ROLLOUT_BACKENDS.get(name)(config)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from tephra.rollout.base import Generation, Rollout
+from tephra.rollout.base import Rollout
+from tephra.rollout.samples import Sample
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -155,27 +156,6 @@ def perturbed_weights(model_path: str | Path, scale: float = 0.5, seed: int = 1)
     return out
 
 
-CALC_MCP_SERVER = '''
-from mcp.server.mcpserver import MCPServer
-server = MCPServer("calc")
-
-@server.tool()
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
-
-@server.tool()
-def neg(a: int) -> int:
-    """Negate an integer."""
-    return -a
-
-if __name__ == "__main__":
-    server.run("stdio")
-'''
-"""An MCP stdio server script with two tools (`add`, `neg`): write it to a file and start it
-with `sys.executable` (tests of MCP tools and of their shutdown)."""
-
-
 def live_processes(marker: str) -> list[int]:
     """Pids whose command line holds `marker`, zombies (exited, not yet reaped) left out
     (Linux /proc)."""
@@ -212,7 +192,7 @@ class ScriptedRollout(Rollout):
         self.fallback = fallback
         self.config = fallback.config if fallback is not None else None
         self.turns: dict[str, int] = {}
-        self.requests: list[tuple[str, list[int], Generation]] = []
+        self.requests: list[tuple[str, list[int], Sample]] = []
         self.events = events if events is not None else []
         self.in_flight = self.peak_in_flight = 0
 
@@ -233,8 +213,11 @@ class ScriptedRollout(Rollout):
                 ]
                 ids.append(self.tokenizer.eos_token_id)
                 versions = None if self.weight_version is None else [self.weight_version] * len(ids)
-                gen = Generation(
-                    ids, [-0.01 * (i + 1) for i in range(len(ids))], "stop", token_versions=versions
+                gen = Sample(
+                    response_ids=ids,
+                    log_probs=[-0.01 * (i + 1) for i in range(len(ids))],
+                    finish_reason="stop",
+                    token_versions=versions,
                 )
         finally:
             self.in_flight -= 1

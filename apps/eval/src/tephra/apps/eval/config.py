@@ -10,7 +10,7 @@ from tephra.controller.evaluation import ValidationConfig
 from tephra.controller.rl_config import DataSection, RolloutSection
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.config import ModelConfig
-from tephra.rollout.rewards import RewardConfig
+from tephra.episodes.rewards import RewardConfig
 
 PRESETS = Path(__file__).parent / "presets"
 

@@ -1,4 +1,4 @@
-"""Built-in rollout backends; importing this package registers them in `ROLLOUT_BACKENDS`."""
+"""The built-in rollout backends (listed by name in `tephra.rollout.registry`)."""
 
 from tephra.rollout.backends.hf import HFRollout
 from tephra.rollout.backends.sglang import SglangProtocol, SglangRollout

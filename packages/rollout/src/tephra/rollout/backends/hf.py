@@ -35,13 +35,12 @@ from tephra.rollout.backends.kv_cache import growing_cache
 from tephra.rollout.backends.request_batcher import RequestBatcher
 from tephra.rollout.backends.sampling_processor import SampledLogProbRecorder
 from tephra.rollout.base import (
-    ROLLOUT_BACKENDS,
     FinishReason,
-    Generation,
     Rollout,
     RolloutConfig,
     RolloutError,
     RolloutOutput,
+    Sample,
     SamplingParams,
     check_prompts,
 )
@@ -127,7 +126,6 @@ class _Carry:
         return _Carry(self.ids[index], self.attn[index], self.cache, self.updates)
 
 
-@ROLLOUT_BACKENDS.register("hf")
 class HFRollout(Rollout):
     """transformers generation in this process; `agenerate` goes through a batching thread."""
 
@@ -176,7 +174,7 @@ class HFRollout(Rollout):
         """Weight updates so far: a KV cache carried between segments is of one of them."""
         self.weight_version: int | None = None
         """Version of the weights held, set by the owner (partial rollout); when not None every
-        generated token is tagged with it (`Generation.token_versions`)."""
+        generated token is tagged with it (`Sample.token_versions`)."""
         self._seeds = random.Random(config.seed)
         self._asleep = False
         self._batcher = RequestBatcher(
@@ -206,7 +204,7 @@ class HFRollout(Rollout):
         mm_rows = [m for m in (multimodal or [None] * len(prompts)) for _ in range(sampling.n)]
         seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**62)
         step = self.config.hf.max_batch_rows
-        generations: list[Generation] = []
+        generations: list[Sample] = []
         for start in range(0, len(rows), step):
             end = min(start + step, len(rows))
             generations += self._generate_rows(
@@ -232,7 +230,7 @@ class HFRollout(Rollout):
         max_tokens: list[int],
         seeds: list[int],
         multimodal: list[MultimodalInputs | None] | None = None,
-    ) -> list[Generation]:
+    ) -> list[Sample]:
         """Generate one sample per row; row r stops at its own `max_tokens[r]` and samples
         from a generator seeded `seeds[r]`.
 
@@ -288,7 +286,7 @@ class HFRollout(Rollout):
             active = [active[i] for i in going]
             carry = carry.keep(going) if carry is not None and going else None
         return [
-            Generation(
+            Sample(
                 response_ids=tokens[r],
                 log_probs=log_probs[r] if sampling.logprobs else None,
                 finish_reason=reasons[r],
@@ -415,7 +413,7 @@ class HFRollout(Rollout):
 
     async def agenerate(
         self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
-    ) -> Generation:
+    ) -> Sample:
         """One request; concurrent requests with the same temperature/top-k/top-p/stop ids
         share one batched `generate` (each keeps its own max_tokens and samples from its own
         generator, seeded by its `seed`, so a seeded request gives the same sample whatever
@@ -436,16 +434,14 @@ class HFRollout(Rollout):
         )
         return await self._batcher.submit((list(prompt_ids), sampling), key)
 
-    def _run_request_batch(
-        self, payloads: list[tuple[list[int], SamplingParams]]
-    ) -> list[Generation]:
+    def _run_request_batch(self, payloads: list[tuple[list[int], SamplingParams]]) -> list[Sample]:
         first = payloads[0][1]
         seeds = [
             s.seed if s.seed is not None else self._seeds.randrange(2**62) for _, s in payloads
         ]
         rows = [p for p, _ in payloads]
         max_tokens = [s.max_tokens for _, s in payloads]
-        out: list[Generation] = []
+        out: list[Sample] = []
         step = self.config.hf.max_batch_rows
         for start in range(0, len(rows), step):
             out += self._generate_rows(

@@ -54,11 +54,11 @@ from tephra.rollout.backends.weights_folder import (
     write_update,
 )
 from tephra.rollout.base import (
-    Generation,
     Rollout,
     RolloutConfig,
     RolloutError,
     RolloutOutput,
+    Sample,
     SamplingParams,
     ServerDiedError,
     ServerSettings,
@@ -121,7 +121,7 @@ class ServerProtocol(abc.ABC):
         """The requests that give `sampling.n` samples of one prompt."""
 
     @abc.abstractmethod
-    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Generation]:
+    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Sample]:
         """The samples in one response, in sample order; an aborted sample has finish reason
         `ABORTED` and the tokens (and log-probs) generated before the abort."""
 
@@ -197,7 +197,7 @@ class ServerRollout(Rollout):
         """Number of `update_weights` calls so far (sent to servers that record a version)."""
         self.weight_version: int | None = None
         """Version of the weights held, set by the owner (partial rollout); when not None every
-        generated token is tagged with it (`Generation.token_versions`)."""
+        generated token is tagged with it (`Sample.token_versions`)."""
         self._pause_holds = 0
         """`paused()` contexts entered and not left (generation opens again at 0)."""
         self.last_update_stats: dict[str, float] = {}
@@ -388,7 +388,7 @@ class ServerRollout(Rollout):
 
     async def _sample(
         self, url: str, prompt_ids: list[int], sampling: SamplingParams
-    ) -> list[Generation]:
+    ) -> list[Sample]:
         """`sampling.n` samples of one prompt; a sample aborted by `paused()` goes on from its
         tokens under the weights set meanwhile (`_resume`)."""
         samples, paused = await self._send(url, list(prompt_ids), sampling)
@@ -409,7 +409,7 @@ class ServerRollout(Rollout):
 
     async def _send(
         self, url: str, prompt_ids: list[int], sampling: SamplingParams
-    ) -> tuple[list[Generation], bool]:
+    ) -> tuple[list[Sample], bool]:
         """The samples of one prompt's requests, sent once generation is open (not inside
         `paused()`), each token tagged with the `weight_version` current when they were sent
         (no update can start before they return); and whether a pause began meanwhile."""
@@ -432,7 +432,7 @@ class ServerRollout(Rollout):
                 g.token_versions = [version] * len(g.response_ids)
         return samples, self._pauses != pauses
 
-    def _check_abort(self, samples: list[Generation], paused: bool) -> list[Generation]:
+    def _check_abort(self, samples: list[Sample], paused: bool) -> list[Sample]:
         if not paused and any(g.finish_reason == ABORTED for g in samples):
             raise RolloutError(
                 f"{self.protocol.name} aborted a sample that this rollout did not pause (another "
@@ -441,8 +441,8 @@ class ServerRollout(Rollout):
         return samples
 
     async def _resume(
-        self, url: str, prompt_ids: list[int], sampling: SamplingParams, j: int, partial: Generation
-    ) -> Generation:
+        self, url: str, prompt_ids: list[int], sampling: SamplingParams, j: int, partial: Sample
+    ) -> Sample:
         """Sample `j` of a prompt, aborted after `partial`'s tokens: resubmit prompt + tokens
         with the rest of `max_tokens` (one sample, seed `seed + j + 1_000_003 * k` on the k-th
         resumption) until it stops or reaches its budget."""
@@ -452,7 +452,12 @@ class ServerRollout(Rollout):
         while partial.finish_reason == ABORTED:
             rest = sampling.max_tokens - len(tokens)
             if rest <= 0:  # the abort raced the last token: the budget is spent
-                return Generation(tokens, log_probs, "length", versions)
+                return Sample(
+                    response_ids=tokens,
+                    log_probs=log_probs,
+                    finish_reason="length",
+                    token_versions=versions,
+                )
             resumes += 1
             seed = None if sampling.seed is None else sampling.seed + j + 1_000_003 * resumes
             more, paused = await self._send(
@@ -466,7 +471,12 @@ class ServerRollout(Rollout):
                 if versions is None or partial.token_versions is None
                 else versions + partial.token_versions
             )
-        return Generation(tokens, log_probs, partial.finish_reason, versions)
+        return Sample(
+            response_ids=tokens,
+            log_probs=log_probs,
+            finish_reason=partial.finish_reason,
+            token_versions=versions,
+        )
 
     # -- the contract ---------------------------------------------------------------------------
 
@@ -482,7 +492,7 @@ class ServerRollout(Rollout):
                 else sampling.replace(seed=sampling.seed + i * sampling.n)
             )
 
-        async def run() -> list[list[Generation]]:
+        async def run() -> list[list[Sample]]:
             return await asyncio.gather(
                 *(self._sample(self._url_for(None, i), p, seeded(i)) for i, p in enumerate(prompts))
             )
@@ -494,7 +504,7 @@ class ServerRollout(Rollout):
 
     async def agenerate(
         self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
-    ) -> Generation:
+    ) -> Sample:
         if sampling.n != 1:
             raise RolloutError(
                 f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)"

@@ -24,10 +24,9 @@ from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import (
     unpack,
 )
 from tephra.rollout.base import (
-    ROLLOUT_BACKENDS,
-    Generation,
     RolloutConfig,
     RolloutError,
+    Sample,
     SamplingParams,
     ServerSettings,
 )
@@ -113,7 +112,7 @@ class SglangProtocol(ServerProtocol):
             )
         return requests
 
-    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Generation]:
+    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Sample]:
         items = response if isinstance(response, list) else [response]
         out = []
         for item in items:
@@ -134,7 +133,7 @@ class SglangProtocol(ServerProtocol):
                 raise RolloutError(
                     f"sglang sample finished with {finish!r}; expected stop, length or abort"
                 )
-            out.append(Generation(list(ids), log_probs, reason))
+            out.append(Sample(response_ids=list(ids), log_probs=log_probs, finish_reason=reason))
         return out
 
     def abort_request(self) -> Request:
@@ -197,7 +196,6 @@ class SglangProtocol(ServerProtocol):
         return [("/flush_cache", {})]
 
 
-@ROLLOUT_BACKENDS.register("sglang")
 class SglangRollout(ServerRollout):
     """SGLang server backend (see module docstring); `SglangRollout(config)`."""
 

@@ -22,11 +22,10 @@ import torch
 from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtocol, ServerRollout
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta, share
 from tephra.rollout.base import (
-    ROLLOUT_BACKENDS,
     ConfigError,
-    Generation,
     RolloutConfig,
     RolloutError,
+    Sample,
     SamplingParams,
     ServerSettings,
 )
@@ -161,7 +160,7 @@ class VllmProtocol(ServerProtocol):
             body["logprobs"] = 1
         return [("/v1/completions", body)]
 
-    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Generation]:
+    def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Sample]:
         out = []
         for choice in sorted(response.get("choices", []), key=lambda c: c["index"]):
             ids = choice.get("token_ids")
@@ -184,7 +183,7 @@ class VllmProtocol(ServerProtocol):
                 raise RolloutError(
                     f"vllm sample finished with {reason!r}; expected stop, length or abort"
                 )
-            out.append(Generation(list(ids), log_probs, reason))
+            out.append(Sample(response_ids=list(ids), log_probs=log_probs, finish_reason=reason))
         return out
 
     def abort_request(self) -> Request:
@@ -240,7 +239,6 @@ class VllmProtocol(ServerProtocol):
         ]
 
 
-@ROLLOUT_BACKENDS.register("vllm")
 class VllmRollout(ServerRollout):
     """vLLM server backend (see module docstring); `VllmRollout(config)`."""
 

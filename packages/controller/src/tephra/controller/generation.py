@@ -1,0 +1,208 @@
+"""Generation on a worker: the rollout engine driven by the configured episode, and the
+background scoring of what it generated.
+
+Both the training worker (`RLWorker`, colocated) and a rollout replica hold one `Generator`.
+Without `rollout.agent_loop` a step's prompts go through the backend's batched `generate`
+(the batched form of the `single_turn` episode: the same samples, one call); with one, each
+prompt x sample runs the episode registered under that name (`tephra.episodes.registry`).
+Scoring starts in a background thread right after generation, so the log-prob passes that
+follow run while the scorer works (`collect_scores` waits for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from tephra.controller.rewarding import Scorer
+from tephra.controller.rl_config import PPOConfig
+from tephra.controller.samples import PromptItem, Sample, ScoreResult
+from tephra.engine_api.multimodal import image_token_id
+from tephra.episodes.agent import AgentSample
+from tephra.episodes.episode import Episode, run_episodes
+from tephra.episodes.registry import EPISODES
+from tephra.episodes.tools import close_tools, load_tools
+from tephra.rollout.base import Rollout, RolloutConfig, SamplingParams, get_rollout
+
+
+def run_items(
+    episode: Episode,
+    rollout: Rollout,
+    items: list[PromptItem],
+    sampling: SamplingParams,
+    max_in_flight: int | None = None,
+) -> list[Sample]:
+    """Run `episode` on every item concurrently; its samples, in the order of `items`."""
+    episode_items = [
+        AgentSample(
+            messages=list(i.record.prompt), sample_id=i.sample_id, prompt_ids=list(i.prompt_ids)
+        )
+        for i in items
+    ]
+    # The hf backend generates on its own thread, so a fresh event loop per call is fine.
+    return asyncio.run(run_episodes(episode, rollout, episode_items, sampling, max_in_flight))
+
+
+def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
+    """`sample` with its response ended before the first `token` it sampled (unchanged
+    without one), finish reason `image_token`. For the image placeholder `<|image_pad|>`: a
+    sampled one has no image behind it, and the training forward would take it for one more
+    image slot and fail (image tokens != image features); the tokens before it keep their
+    log-probs (causal), those from it on are dropped."""
+    if token not in sample.response_ids:
+        return sample
+    n = sample.response_ids.index(token)
+    ids = sample.response_ids[:n]
+    return replace(
+        sample,
+        response_ids=ids,
+        response_mask=sample.response_mask[:n],
+        log_probs=sample.log_probs[:n] if sample.log_probs is not None else None,
+        token_versions=(sample.token_versions[:n] if sample.token_versions is not None else None),
+        finish_reason="image_token",
+        text=tokenizer.decode(ids, skip_special_tokens=True),
+    )
+
+
+class Generator:
+    """A worker's generation part (module docstring). `rollout` is None on a rank that
+    generates nothing (a rollout tensor-parallel peer, a reference or critic pool)."""
+
+    def __init__(
+        self, cfg: PPOConfig, model_path: str, tools_file: str | None, rollout: Rollout | None
+    ) -> None:
+        self.cfg, self.model_path, self.tools_file, self.rollout = (
+            cfg,
+            model_path,
+            tools_file,
+            rollout,
+        )
+        self._tokenizer: Any = None
+        self._tools: dict | None = None
+        self._scoring: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        self._scorer: Scorer | None = None
+
+    @classmethod
+    def build(
+        cls,
+        cfg: PPOConfig,
+        model_path: str,
+        tools_file: str | None,
+        device: str,
+        with_rollout: bool,
+    ) -> Generator:
+        """The part with a rollout engine of `rollout.backend` on `device` when
+        `with_rollout` (this process generates), else without one."""
+        rollout = None
+        if with_rollout:
+            r = cfg.rollout
+            rollout = get_rollout(
+                r.backend,
+                RolloutConfig(
+                    model_path=model_path,
+                    dtype=r.dtype,
+                    max_model_len=cfg.data.max_prompt_tokens + r.response_budget + 8,
+                    seed=cfg.trainer.seed,
+                    hf=replace(r.hf, device=device),
+                    vllm=r.vllm,
+                    sglang=r.sglang,
+                ),
+            )
+        return cls(cfg, model_path, tools_file, rollout)
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            tok = AutoTokenizer.from_pretrained(self.model_path)
+            if tok.pad_token_id is None:
+                tok.pad_token = tok.eos_token
+            self._tokenizer = tok
+        return self._tokenizer
+
+    def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
+        """`sampling.n` samples of each prompt (prompt-major), through the episode when one
+        is configured. Scoring starts in the background (`collect_scores` returns the scores);
+        `score=False` skips it. Without a rollout engine or prompts: no samples."""
+        if self.rollout is None or not items:
+            self._scoring = self._pool.submit(lambda: ([], 0.0, [], [])) if score else None
+            return []
+        self.rollout.wake_up()
+        samples = (
+            self._generate_episodes(items, sampling)
+            if self.cfg.rollout.uses_agent_loop
+            else self._generate_plain(items, sampling)
+        )
+        if self.cfg.rollout.sleep_when_training and self.cfg.resources.rollout.replicas == 0:
+            self.rollout.sleep()  # a replica's pool trains nothing: it stays awake
+        if score:
+            records = [items[i // sampling.n].record for i in range(len(samples))]
+            self._scoring = self._pool.submit(self._score, samples, records)
+        return samples
+
+    def _generate_plain(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+        images = [i.multimodal for i in items]
+        # text prompts keep the backends' plain signature (vLLM / SGLang take no images)
+        extra = {"multimodal": images} if any(m is not None for m in images) else {}
+        out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling, **extra)
+        tok = self.tokenizer()
+        samples = out.samples
+        for k, sample in enumerate(samples):
+            sample.text = tok.decode(sample.response_ids, skip_special_tokens=True)
+            sample.sample_id = items[k // sampling.n].sample_id
+            sample.multimodal = images[k // sampling.n]
+        if extra:  # the rollout engine is hf (images go nowhere else): its config has the id
+            image_token = image_token_id(self.rollout.model.config)
+            samples = [end_before_token(s, image_token, tok) for s in samples]
+        return samples
+
+    def _generate_episodes(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+        if self._tools is None:
+            self._tools = load_tools(self.tools_file) if self.tools_file else {}
+        r = self.cfg.rollout
+        episode = EPISODES.get(r.agent_loop)(self.tokenizer(), r.agent, self._tools)
+        expanded = [
+            PromptItem(i.prompt_ids, i.record, f"{i.sample_id}-{k}")
+            for i in items
+            for k in range(sampling.n)
+        ]
+        return run_items(episode, self.rollout, expanded, sampling.replace(n=1), r.max_in_flight)
+
+    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list, list]:
+        start = time.perf_counter()
+        if self._scorer is None:
+            self._scorer = Scorer(self.cfg.reward)
+        prompts = None
+        if self.cfg.reward.reward_model_path:
+            tok = self.tokenizer()
+            prompts = [tok.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
+        results = self._scorer.score([s.text for s in samples], records, prompts)
+        return results, time.perf_counter() - start, self._scorer.clipped, self._scorer.extras
+
+    def collect_scores(self) -> list[ScoreResult]:
+        """The reward of each sample of the last `generate`, in order; waits for the
+        background scorer."""
+        if self._scoring is None:
+            raise RuntimeError("collect_scores called without a scored generate before it")
+        results, seconds, clipped, extras = self._scoring.result()
+        self._scoring = None
+        return [
+            ScoreResult(score, error, seconds, c, x)
+            for (score, error), c, x in zip(results, clipped, extras, strict=True)
+        ]
+
+    def close(self) -> None:
+        """Stop the rollout engine, the scorer thread and the episode's tools (MCP servers and
+        their processes, sandbox folders)."""
+        try:
+            if self.rollout is not None:
+                self.rollout.close()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            if self._tools:
+                tools, self._tools = self._tools, {}
+                close_tools(tools.values())

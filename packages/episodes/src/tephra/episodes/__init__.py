@@ -1,0 +1,1 @@
+"""tephra.episodes: what runs over a rollout to make training samples (agent loops, tools, rewards)."""

@@ -1,0 +1,47 @@
+"""The episode contract: one async function turns one prompt item into its training samples.
+
+An episode is called as `await episode(rollout, item, sampling)` and returns the item's
+`tephra.rollout.Sample`s (one for the built-ins). It drives the model through the rollout's
+`agenerate` (so many episodes run at once and the backend batches their requests) and
+whatever it talks to between turns (tools). `EPISODES` (`tephra.episodes.registry`) builds
+one by name from a tokenizer, an `AgentLoopConfig` and the tools:
+
+    episode = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(), tools)
+    samples = await run_episodes(episode, rollout, items, sampling)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from tephra.episodes.agent.base import AgentLoopConfig, AgentSample
+from tephra.episodes.tools.base import Tool
+from tephra.rollout.base import Rollout, SamplingParams
+from tephra.rollout.samples import Sample
+
+Episode = Callable[[Rollout, AgentSample, SamplingParams], Awaitable[list[Sample]]]
+"""`episode(rollout, item, sampling)` -> the item's samples (`sampling.n` is 1: an item
+submitted n times makes n episodes)."""
+
+EpisodeFactory = Callable[[Any, AgentLoopConfig, "dict[str, Tool]"], Episode]
+"""`factory(tokenizer, config, tools)` -> an episode (what `EPISODES` holds)."""
+
+
+async def run_episodes(
+    episode: Episode,
+    rollout: Rollout,
+    items: Sequence[AgentSample],
+    sampling: SamplingParams,
+    max_in_flight: int | None = None,
+) -> list[Sample]:
+    """Run `episode` on every item concurrently (at most `max_in_flight` at once; None: all);
+    the samples come back in the order of `items`."""
+    limit = asyncio.Semaphore(max_in_flight or max(len(items), 1))
+
+    async def one(item: AgentSample) -> list[Sample]:
+        async with limit:
+            return await episode(rollout, item, sampling)
+
+    return [s for samples in await asyncio.gather(*(one(i) for i in items)) for s in samples]
