@@ -27,7 +27,8 @@ from tephra.episodes.agent import AgentSample
 from tephra.episodes.episode import Episode, run_episodes
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import close_tools, load_tools
-from tephra.rollout.base import Rollout, RolloutConfig, SamplingParams, get_rollout
+from tephra.rollout.base import Rollout, RolloutConfig, SamplingParams
+from tephra.rollout.registry import get_rollout
 
 
 def run_items(

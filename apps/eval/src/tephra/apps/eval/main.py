@@ -32,7 +32,8 @@ from tephra.controller.export import export_checkpoint
 from tephra.controller.models import resolve_model_path
 from tephra.controller.rewarding import Scorer
 from tephra.core.errors import ConfigError, TephraError
-from tephra.rollout.base import RolloutConfig, SamplingParams, get_rollout
+from tephra.rollout.base import RolloutConfig, SamplingParams
+from tephra.rollout.registry import get_rollout
 
 
 def models_to_evaluate(cfg: EvalConfig, out: Path) -> list[tuple[str, str, int | None]]:
