@@ -19,6 +19,7 @@ NEEDED = [
     "tephra-kernels",
     "tephra-engine-fsdp",
     "tephra-rollout",
+    "tephra-episodes",
     "tephra-algos",
     "tephra-controller",
     "tephra-app-sft",

@@ -29,8 +29,8 @@ def hand_params(tied: bool) -> int:
     return LAYERS * (attn + mlp + norms) + H + VOCAB * H  # final norm, head (tied or not)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_model_shape_counts_what_multiplies_a_token(tmp_path, tied):
+def save_config(folder, tied: bool) -> str:
+    """A tiny qwen2's config.json (no weights: the FLOP count reads the config alone)."""
     AutoConfig.for_model(
         "qwen2",
         vocab_size=VOCAB,
@@ -40,22 +40,18 @@ def test_model_shape_counts_what_multiplies_a_token(tmp_path, tied):
         num_attention_heads=HEADS,
         num_key_value_heads=KV,
         tie_word_embeddings=tied,
-    ).save_pretrained(tmp_path)
-    shape = model_shape(str(tmp_path))
+    ).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_shape_counts_what_multiplies_a_token(tmp_path, tied):
+    shape = model_shape(save_config(tmp_path, tied))
     assert (shape.matmul_params, shape.layers, shape.attn_width) == (hand_params(tied), 3, 64)
 
 
 def test_step_flops_equal_a_count_token_by_token(tmp_path):
-    AutoConfig.for_model(
-        "qwen2",
-        vocab_size=VOCAB,
-        hidden_size=H,
-        intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV,
-    ).save_pretrained(tmp_path)
-    shape = model_shape(str(tmp_path))
+    shape = model_shape(save_config(tmp_path, tied=False))
     # two groups of two samples: prompts of 3 and 2 tokens (left-padded), responses of
     # 2, 4 | 1, 3 tokens (right-padded)
     rows = [(0, 3, 2), (0, 3, 4), (1, 2, 1), (1, 2, 3)]
