@@ -28,8 +28,8 @@ from typing import Any
 import ray
 
 from tephra.controller.dispatch import Dispatch, dispatch, share_bounds
+from tephra.controller.generation import Generator
 from tephra.controller.rl_config import PPOConfig
-from tephra.controller.rl_worker import Generator
 from tephra.controller.samples import PromptItem, Sample, set_score
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup
 
