@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from transformers import AutoConfig
 
 from tephra.engine_api import batch as B
+from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
@@ -45,7 +46,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 
 from tephra.engine_megatron import checkpoint as ckpt  # noqa: E402
 from tephra.engine_megatron import hf_conversion as conv  # noqa: E402
-from tephra.engine_megatron import parallel_setup  # noqa: E402
+from tephra.engine_megatron import lora, parallel_setup  # noqa: E402
 from tephra.engine_megatron.core_attention import choose_kernel  # noqa: E402
 from tephra.engine_megatron.distributed_optimizer import DistributedAdamW  # noqa: E402
 from tephra.engine_megatron.hf_loading import load_hf  # noqa: E402
@@ -114,17 +115,23 @@ def declared_shape(model: Any) -> ModelShape | None:
 class MegatronEngine(Engine):
     """megatron-core backend. Build with `MegatronEngine.build(config)` on every rank.
 
-    Declares no optional capability: LoRA is refused at `check_config`, and the contract's
-    defaults refuse `reference_mode()` / `export_adapter()`."""
+    Declares `Capability.LORA` (`lora`: peft's adapters on the tensor-parallel linears):
+    `reference_mode()` and `export_adapter()`."""
 
-    capabilities = frozenset()
+    capabilities = frozenset({Capability.LORA})
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.check_config(config, dist.get_world_size() if dist.is_initialized() else 1)
         parallel_setup.initialize(config.parallel)
         cpu_compat.seed_model_parallel_rng(config.seed)
-        self.hf_config, hf_state, self.tokenizer_path = load_hf(config.model)
+        adapt = None
+        if config.lora.enabled:
+
+            def adapt(hf_model):
+                return lora.initial_adapters(hf_model, config.lora, config.model.init_seed)
+
+        self.hf_config, hf_state, self.tokenizer_path, initial = load_hf(config.model, adapt)
         self.shape = model_shape(self.hf_config)
         self._check_shape(config)
         self.device = (
@@ -165,6 +172,13 @@ class MegatronEngine(Engine):
         del hf_state
         self._mark_tensor_parallel()
         self._keep_padding_row()
+        self.adapters: lora.Adapters | None = None
+        if config.lora.enabled:
+            self.adapters = lora.Adapters(config.lora)
+            self.adapters.attach(
+                self.chunks, initial, self._heads, self.tconfig.sequence_parallel, self.dtype
+            )
+            self._freeze_base()
         for chunk in self.chunks:  # built on the CPU (use_cpu_initialization); buffers too
             chunk.to(self.device)
         # DDP buffers + AdamW on this data-parallel rank's slice of the float32 masters
@@ -236,10 +250,8 @@ class MegatronEngine(Engine):
     @staticmethod
     def _check_supported(config: EngineConfig) -> None:
         if config.lora.enabled:
-            raise ConfigError(
-                "lora.rank > 0 is not supported by engine-megatron; use engine=fsdp "
-                "for LoRA or set lora.rank=0"
-            )
+            shape = declared_shape(config.model)
+            lora.check_config(config.lora, None if shape is None else bool(shape.num_experts))
         if config.offload.params or config.offload.optimizer:
             raise ConfigError(
                 "offload.params / offload.optimizer are not supported by "
@@ -309,6 +321,8 @@ class MegatronEngine(Engine):
             for chunk in self.chunks:
                 offsets = self._layer_offsets(chunk)
                 for name, param in chunk.named_parameters():
+                    if lora.is_adapter(name):
+                        continue  # attached after the base weights, from peft's draw
                     m = conv.match(name, offsets)
                     if name == "value_head.weight" and "score.weight" not in hf_state:
                         continue  # a fresh critic head (seeded by model.init_seed)
@@ -330,10 +344,30 @@ class MegatronEngine(Engine):
         for chunk in self.chunks:
             offsets = self._layer_offsets(chunk)
             for name, param in chunk.named_parameters():
+                if lora.is_adapter(name):
+                    continue  # the adapters set their own attributes
                 kind = conv.match(name, offsets).kind
                 if kind != "rep" and not hasattr(param, "tensor_model_parallel"):
                     dim = 1 if kind in ("row", "expert_down") else 0
                     tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
+
+    def _freeze_base(self) -> None:
+        """With LoRA only the adapters train, and a critic's value head (new, with no base
+        weights to start from); megatron's DDP and optimizer then hold only those."""
+        for chunk in self.chunks:
+            for name, param in chunk.named_parameters():
+                train = lora.is_adapter(name) or (
+                    self.config.model.role == "value" and name.startswith("value_head.")
+                )
+                param.requires_grad_(train)
+
+    def exported_value(self, param: torch.Tensor) -> torch.Tensor:
+        """`param` as exported: with an adapter on its linear, merged in this rank's layout,
+        W + (alpha / rank) * B @ A computed in float32 (as engine-fsdp merges)."""
+        adapter = self.adapters.by_weight.get(id(param)) if self.adapters is not None else None
+        if adapter is not None:
+            return (param.float() + adapter.weight_delta(param)).to(param.dtype)
+        return param.detach()
 
     def _keep_padding_row(self) -> None:
         """transformers builds the input embedding with `padding_idx=pad_token_id`: the lookup
@@ -359,6 +393,21 @@ class MegatronEngine(Engine):
                 emb.word_embeddings.register_forward_hook(block_pad_lookups)
 
     # ----- lifecycle ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def reference_mode(self) -> Iterator[None]:
+        """Forward passes inside run the base model (adapters off): the reference policy's
+        log-probs, with no second model in memory. Needs `lora.rank > 0`."""
+        if self.adapters is None:
+            raise ConfigError(
+                "reference_mode() needs LoRA (lora.rank > 0): without adapters the base "
+                "model is being trained, so build a separate engine for the reference"
+            )
+        self.adapters.set_enabled(False)
+        try:
+            yield
+        finally:
+            self.adapters.set_enabled(True)
+
     @contextlib.contextmanager
     def train_mode(self):
         for c in self.chunks:
@@ -579,7 +628,18 @@ class MegatronEngine(Engine):
             yield bucket
 
     def export_hf(self, path: str | Path) -> None:
+        """The full model in HF format; with LoRA the adapters are merged into it."""
         ckpt.export_hf(self, Path(path))
+
+    def export_adapter(self, path: str | Path) -> None:
+        """The LoRA adapters alone, as peft writes them (`PeftModel.from_pretrained` loads
+        the folder over the base model). Collective; rank 0 writes."""
+        if self.adapters is None:
+            raise ConfigError(
+                "export_adapter() needs LoRA (lora.rank > 0): without adapters there is "
+                "none; export the model with export_hf"
+            )
+        self.adapters.write(Path(path), self.config.model.path)
 
     def save_checkpoint(self, path: str | Path) -> None:
         ckpt.save(self, Path(path))

@@ -112,6 +112,13 @@ class HFReference:
         missing = [m for m in missing if not (tied and m == "lm_head.weight")]
         assert not missing and not unexpected, f"missing {missing}, unexpected {unexpected}"
 
+    def load_adapter(self, folder: Path) -> None:
+        """Wrap the model in the peft adapter `MegatronEngine.export_adapter` wrote."""
+        # imported here: peft takes seconds to import and only LoRA checks need it
+        from peft import PeftModel
+
+        self.model = PeftModel.from_pretrained(self.model, str(folder)).eval()
+
     def logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         with torch.no_grad():
             return self.model(
@@ -132,6 +139,7 @@ def conformance_spec(
         vocab_size=hf_config["vocab_size"],
         workdir=Path(workdir),
         atol=1e-5,
+        load_adapter=lambda ref, folder: ref.load_adapter(folder),
     )
 
 
@@ -282,6 +290,8 @@ def gathered_hf_weights(engine) -> dict[str, torch.Tensor]:
         for chunk in engine.chunks:
             offsets = engine._layer_offsets(chunk)
             for name, param in chunk.named_parameters():
+                if ".lora." in name:
+                    continue  # the reference export is of the base weights
                 m = conv.match(name, offsets)
                 _, size, group = engine._shard_coords(m)
                 if m.kind == "rep" or size == 1:
