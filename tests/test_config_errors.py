@@ -117,8 +117,8 @@ CASES = [
     ),
     # options a backend does not support, refused by the backend before anything starts
     (
-        ["actor.engine=megatron", "actor.lora.rank=8"],
-        r"actor.engine='megatron': lora.rank > 0 is not supported by engine-megatron",
+        ["actor.engine=megatron", "actor.lora.rank=8", "actor.lora.dropout=0.05"],
+        r"actor.engine='megatron': lora.dropout=0.05: engine-megatron's adapters run without",
     ),
     (
         ["actor.engine=megatron", "actor.precision.reduce_dtype=bfloat16"],

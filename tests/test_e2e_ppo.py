@@ -209,6 +209,38 @@ def test_smoke_preset_on_megatron_matches_fsdp(ray_session, tmp_path):
 
 
 @pytest.mark.multiproc
+def test_lora_on_megatron_matches_fsdp_lora(ray_session, tmp_path):
+    """`actor.engine=megatron actor.lora.rank=8` through the app, with a KL loss whose
+    reference is the actor with its adapters off (`reference_mode`): the first step equals
+    FSDP's LoRA run (same rollout, same losses and grad norm to parity tolerance)."""
+    first = {}
+    for engine in ("fsdp", "megatron"):
+        run(
+            _smoke(
+                tmp_path,
+                f"actor.engine={engine}",
+                "actor.lora.rank=8",
+                "actor.objective.use_kl_loss=true",
+                "actor.objective.kl_loss_coef=0.1",
+                "trainer.steps=1",
+                f"trainer.run_dir={tmp_path / engine}",
+            )
+        )
+        (first[engine],) = read_jsonl(tmp_path / engine / "metrics.jsonl")
+    fsdp, mega = first["fsdp"], first["megatron"]
+    assert fsdp["actor/grad_norm"] > 0
+    for key in ("reward/mean", "response/length_mean", "perf/trained_tokens"):
+        assert fsdp[key] == mega[key], key
+    for key, tol in (
+        ("actor/pg_loss", 1e-5),
+        ("actor/kl_loss", 1e-6),
+        ("actor/entropy", 1e-5),
+        ("actor/grad_norm", 1e-4),
+    ):
+        assert abs(fsdp[key] - mega[key]) <= tol, (key, fsdp[key], mega[key])
+
+
+@pytest.mark.multiproc
 def test_reward_failing_everywhere_is_one_clear_error(ray_session, tmp_path):
     bad = tmp_path / "bad_reward.py"
     bad.write_text(

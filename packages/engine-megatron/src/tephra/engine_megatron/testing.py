@@ -71,10 +71,21 @@ TINY_QWEN3_MOE: dict[str, Any] = dict(
     **_TINY_COMMON,
 )
 """A tiny Qwen3-MoE: q/k norm, 4 experts, top-2 with renormalised weights, no shared expert."""
+TINY_MOE_DENSE_FIRST: dict[str, Any] = {**TINY_MOE, "mlp_only_layers": [0]}
+"""A DeepSeek-style layout on Qwen2-MoE: the first layer a dense MLP, then routed experts
+beside a gated shared expert."""
+TINY_QWEN3_MOE_STEP2: dict[str, Any] = {
+    **TINY_QWEN3_MOE,
+    "num_hidden_layers": 4,
+    "decoder_sparse_step": 2,
+}
+"""Qwen3-MoE with every second layer sparse (layers 1 and 3; 0 and 2 dense)."""
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": TINY_QWEN3,
     "mistral": TINY_MISTRAL,
     "qwen3_moe": TINY_QWEN3_MOE,
+    "qwen2_moe_dense_first": TINY_MOE_DENSE_FIRST,
+    "qwen3_moe_step2": TINY_QWEN3_MOE_STEP2,
 }
 
 
@@ -132,7 +143,11 @@ def conformance_spec(
     from tephra.engine_api.testing import ConformanceSpec
     from tephra.engine_megatron.engine import MegatronEngine
 
-    base = base_config(hf_config, {**parallel, "moe_token_dispatcher": dispatcher})
+    # the kit's LoRA checks ask for lora.rank > 0 alone: on an MoE model engine-megatron
+    # adapts the attention linears only, so the base config names them
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    lora = {"target_modules": attention} if hf_config.get("num_experts") else {}
+    base = base_config(hf_config, {**parallel, "moe_token_dispatcher": dispatcher}, lora=lora)
     return ConformanceSpec(
         make_engine=lambda overrides: MegatronEngine.build(apply_overrides(base, overrides)),
         make_reference=lambda: HFReference(hf_config),
