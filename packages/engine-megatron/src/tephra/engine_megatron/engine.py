@@ -46,7 +46,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 
 from tephra.engine_megatron import checkpoint as ckpt  # noqa: E402
 from tephra.engine_megatron import hf_conversion as conv  # noqa: E402
-from tephra.engine_megatron import lora, parallel_setup  # noqa: E402
+from tephra.engine_megatron import lora, parallel_setup, routing_replay  # noqa: E402
 from tephra.engine_megatron.core_attention import choose_kernel  # noqa: E402
 from tephra.engine_megatron.distributed_optimizer import DistributedAdamW  # noqa: E402
 from tephra.engine_megatron.hf_loading import load_hf  # noqa: E402
@@ -60,6 +60,7 @@ from tephra.engine_megatron.model_builder import (  # noqa: E402
     ModelShape,
     TephraGPT,
     model_shape,
+    sparse_layers,
     transformer_config,
 )
 from tephra.engine_megatron.weight_export import HFStream, gather_hf_weights  # noqa: E402
@@ -187,6 +188,12 @@ class MegatronEngine(Engine):
         )
         self._fb_func = get_forward_backward_func()
         self._training = False
+        # routing replay: every router answers its top-k from a `Replay` (own choice unless
+        # a batch carries `routed_experts`)
+        self._replays = routing_replay.attach(self.chunks) if self.shape.num_experts else {}
+        self._chunk_of = {id(d): id(c) for d, c in zip(self.optimizer.ddp_chunks, self.chunks)}
+        pattern = sparse_layers(self.hf_config) if self.shape.num_experts else []
+        self._moe_index = {g: sum(pattern[:g]) for g, sparse in enumerate(pattern) if sparse}
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -454,6 +461,27 @@ class MegatronEngine(Engine):
         )
         return metrics
 
+    def _check_replay(self, batch: TensorDict) -> None:
+        """A batch with `routed_experts`: an MoE model, routes of its shape, and no layout in
+        which a recomputed forward would read another micro-batch's routes."""
+        if not self.shape.num_experts:
+            raise BatchError(
+                "batch['routed_experts'] is for mixture-of-experts models; this model has "
+                "no experts: leave the field out"
+            )
+        if self.tconfig.recompute_granularity and ps.get_pipeline_model_parallel_world_size() > 1:
+            raise BatchError(
+                "batch['routed_experts'] with model.gradient_checkpointing and "
+                "parallel.pipeline > 1: the recomputed forward of a micro-batch would replay "
+                "another's routes; turn one of them off"
+            )
+        routing_replay.check_routes(
+            batch,
+            len(self._moe_index),
+            self.tconfig.moe_router_topk,
+            self.shape.num_experts,
+        )
+
     def _output_keys(self) -> list[str | None]:
         """The name of each slot of the model's last dimension: values, or log-probs,
         entropy (None: a slot of zeros without compute_entropy) and sum pi^2 when forward
@@ -479,6 +507,9 @@ class MegatronEngine(Engine):
                 f"the model's sliding_window={window}; engine-megatron attends to every "
                 "earlier token: shorten the sequences (or use engine=fsdp)"
             )
+        replay = B.ROUTED_EXPERTS in batch.keys()
+        if replay:
+            self._check_replay(batch)
         indexed = batch.clone(False)
         indexed["_row"] = torch.arange(n_rows)
         indexed["_col"] = torch.arange(seq_len).expand(n_rows, seq_len)
@@ -529,11 +560,20 @@ class MegatronEngine(Engine):
                     group=ps.get_data_parallel_group(with_context_parallel=True),
                 )
             shape = (int(dims[0]), int(dims[1]))
-        inputs = [prepare(mb, packed, sp, shape).to(self.device) for mb in mbs]
+        prepared = [prepare(mb, packed, sp, shape) for mb in mbs]
+        targets = [
+            routing_replay.replay_targets(x, mb[B.ROUTED_EXPERTS], sp) if replay else None
+            for x, mb in zip(prepared, mbs)
+        ]
+        inputs = [x.to(self.device) for x in prepared]
+        del prepared
 
         def forward_step(data_iterator, model):
             idx = next(data_iterator)
             x: ModelInputs = inputs[idx]
+            for layer, r in self._replays.get(self._chunk_of[id(model)], []):
+                t = targets[idx]
+                r.target = None if t is None else t[:, self._moe_index[layer]]
             out = model(x.input_ids, x.position_ids, x.attention_plan, x.labels)
 
             def loss_func(out_tensor):
