@@ -84,6 +84,7 @@ def test_replayed_routes_survive_a_moved_router(moved_router, name, packing):
         EngineConfig(
             model={"path": folder, "attn_implementation": attention},
             micro_batch={"use_packing": packing, "max_tokens_per_microbatch": 4096},
+            moe={"routing_replay": "rollout"},
         )
     )
     assert engine.packed == packing
@@ -108,7 +109,9 @@ def test_replayed_routes_survive_a_moved_router(moved_router, name, packing):
 
 def test_bad_routes_name_the_field(moved_router):
     _, _, folder = moved_router("qwen2_moe")
-    engine = FSDPEngine.build(EngineConfig(model={"path": folder}))
+    engine = FSDPEngine.build(
+        EngineConfig(model={"path": folder}, moe={"routing_replay": "rollout"})
+    )
     batch = random_batch(128, num_sequences=2, seed=1)
     b, t = batch[B.INPUT_IDS].shape
     wrong = batch.clone()
@@ -118,3 +121,6 @@ def test_bad_routes_name_the_field(moved_router):
     wrong[B.ROUTED_EXPERTS] = torch.full((b, t, 2, 2), 4, dtype=torch.int64)
     with pytest.raises(BatchError, match=r"routed_experts.*outside \[-1, 4\)"):
         engine.forward(wrong)
+    # without moe.routing_replay=rollout the field is ignored: the engine's own routes
+    off = FSDPEngine.build(EngineConfig(model={"path": folder}))
+    assert torch.equal(off.forward(wrong)["log_probs"], off.forward(batch)["log_probs"])

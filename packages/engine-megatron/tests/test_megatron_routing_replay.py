@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from tephra.engine_api import BatchError, EngineConfig
+from tephra.engine_api import BatchError, ConfigError, EngineConfig
 from tephra.engine_api import batch as B
 from tephra.engine_api.testing import nll_loss_fn, random_batch
 from tephra.engine_api.testing.moe_routes import (
@@ -44,7 +44,11 @@ def test_replayed_routes_survive_a_moved_router(tmp_path, family):
         want_replay = log_probs(trained, batch)
 
     engine = MegatronEngine.build(
-        EngineConfig(model={"path": str(tmp_path / "hf")}, micro_batch={"use_packing": False})
+        EngineConfig(
+            model={"path": str(tmp_path / "hf")},
+            micro_batch={"use_packing": False},
+            moe={"routing_replay": "rollout"},
+        )
     )
     own = engine.forward(batch)["log_probs"]
     assert (own - want_own).abs().max() <= 1e-5
@@ -68,7 +72,7 @@ def test_replayed_routes_survive_a_moved_router(tmp_path, family):
 
 
 def test_bad_routes_name_the_field():
-    engine = MegatronEngine.build(T.base_config(T.TINY_MOE))
+    engine = MegatronEngine.build(T.base_config(T.TINY_MOE, moe={"routing_replay": "rollout"}))
     batch = random_batch(T.TINY_MOE["vocab_size"], num_sequences=2, seed=1)
     b, t = batch[B.INPUT_IDS].shape
     wrong = batch.clone()
@@ -78,7 +82,9 @@ def test_bad_routes_name_the_field():
     wrong[B.ROUTED_EXPERTS] = torch.full((b, t, 2, 2), 4, dtype=torch.int64)
     with pytest.raises(BatchError, match=r"routed_experts.*outside \[-1, 4\)"):
         engine.forward(wrong)
-    dense = MegatronEngine.build(T.base_config({**T.TINY_DENSE, "num_hidden_layers": 2}))
-    wrong[B.ROUTED_EXPERTS] = torch.zeros(b, t, 2, 2, dtype=torch.int64)
-    with pytest.raises(BatchError, match=r"routed_experts.*no experts"):
-        dense.forward(wrong)
+    # without moe.routing_replay=rollout the field is ignored: the engine's own routes
+    off = MegatronEngine.build(T.base_config(T.TINY_MOE))
+    assert torch.equal(off.forward(wrong)["log_probs"], off.forward(batch)["log_probs"])
+    dense = {**T.TINY_DENSE, "num_hidden_layers": 2}
+    with pytest.raises(ConfigError, match=r"moe.routing_replay='rollout' on a 'qwen2' model"):
+        MegatronEngine.check_config(T.base_config(dense, moe={"routing_replay": "rollout"}))

@@ -113,6 +113,8 @@ class Generator:
                     hf=replace(r.hf, device=device),
                     vllm=r.vllm,
                     sglang=r.sglang,
+                    # routing replay: the rollout records each token's experts
+                    record_routes=cfg.actor.moe.replays,
                 ),
             )
         return cls(cfg, model_path, tools_file, rollout)

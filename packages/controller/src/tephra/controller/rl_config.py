@@ -38,6 +38,7 @@ from tephra.engine_api.config import (
     LoraConfig,
     MicroBatchConfig,
     ModelConfig,
+    MoEConfig,
     OptimizerConfig,
     PrecisionConfig,
 )
@@ -94,6 +95,7 @@ class EngineRoleConfig(EngineSections):
         sections = self.sections()
         if role != "policy":
             sections["lora"] = LoraConfig()  # a value head has no base weights to adapt
+            sections["moe"] = MoEConfig()  # the rollout's routes are the policy's
         return EngineConfig(
             model=replace(model, role=role),
             **sections,
@@ -1255,6 +1257,15 @@ def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> Non
     from tephra.engine_api.registry import get_engine_class
 
     a = cfg.algorithm
+    if cfg.actor.moe.replays and (cfg.rollout.backend != "hf" or cfg.rollout.uses_agent_loop):
+        raise ConfigError(
+            "actor.moe.routing_replay='rollout' needs the rollout to record each token's "
+            f"experts: rollout.backend={cfg.rollout.backend!r}"
+            + (" with an agent loop" if cfg.rollout.uses_agent_loop else "")
+            + " does not (vLLM 0.32's CPU build and SGLang return no routed experts; agent "
+            "loops generate turn by turn); use rollout.backend=hf without an agent loop, or "
+            "set actor.moe.routing_replay=off"
+        )
     # CPU ranks are told so; GPU ranks may sit on other nodes than this driver's ("auto")
     device = "auto" if cfg.resources.gpus_per_rank > 0 else "cpu"
     roles = [("actor", cfg.actor, "policy")]

@@ -297,6 +297,26 @@ class ParallelConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts training options."""
+
+    routing_replay: str = "off"
+    """`rollout`: the rollout records each token's experts per MoE layer and training sends
+    every recorded token to them, gates recomputed from the current router ("R3": a token
+    routed differently in training than in generation is the main cause of the train/rollout
+    log-prob gap of MoE models); `off` (default: a dense model has no routes): training
+    routes by its own top-k. Needs an MoE model and a rollout backend that records routes
+    (`hf`)."""
+
+    def __post_init__(self) -> None:
+        _choice("moe", "routing_replay", self.routing_replay, ("off", "rollout"))
+
+    @property
+    def replays(self) -> bool:
+        return self.routing_replay == "rollout"
+
+
+@dataclass
 class EngineSections:
     """The sections of an engine's config besides the model: what a trained role of an app
     sets (apps compose this class instead of repeating its fields)."""
@@ -315,6 +335,8 @@ class EngineSections:
     """LoRA adapters."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel sizes."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts options (routing replay)."""
 
     def sections(self) -> dict[str, Any]:
         """The sections by name (to build an `EngineConfig` from them)."""
@@ -357,6 +379,7 @@ _SECTIONS: dict[str, type] = {
     "offload": OffloadConfig,
     "lora": LoraConfig,
     "parallel": ParallelConfig,
+    "moe": MoEConfig,
 }
 
 

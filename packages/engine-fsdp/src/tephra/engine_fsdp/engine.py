@@ -147,6 +147,11 @@ class FSDPEngine(Engine):
                 f"optimizer.name={config.optimizer.name!r}: engine=fsdp has adamw only"
             )
         sharding.check_parallel(config, world_size)
+        if config.moe.replays and config.parallel.context > 1:
+            raise ConfigError(
+                "moe.routing_replay='rollout' with parallel.context > 1 (Ulysses): engine-fsdp "
+                "replays routes on whole sequences only; set parallel.context=1"
+            )
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(
                 "micro_batch.share_prefix=true needs padded micro-batches (micro_batch."
@@ -250,6 +255,10 @@ class FSDPEngine(Engine):
                 f"{vocab}; the tokenizer and model do not match"
             )
         vision.check_batch(batch, self.hf_model.config, self.sp)
+        if B.ROUTED_EXPERTS in batch.keys() and not self.config.moe.replays:
+            # the rollout's routes replay with moe.routing_replay=rollout only (a critic
+            # handed the policy's batch ignores them)
+            del batch[B.ROUTED_EXPERTS]
         if B.ROUTED_EXPERTS in batch.keys():
             self.router_replay.check(batch)
             if self.sp > 1:

@@ -248,6 +248,12 @@ class MegatronEngine(Engine):
                 f"world size {world_size} is not divisible by parallel.expert * "
                 f"parallel.expert_tensor * parallel.pipeline = {expert_world}"
             )
+        if config.moe.replays and config.model.gradient_checkpointing and p.pipeline > 1:
+            raise ConfigError(
+                "moe.routing_replay='rollout' with model.gradient_checkpointing and "
+                "parallel.pipeline > 1: a micro-batch's recomputed forward would replay another "
+                "micro-batch's routes; turn gradient checkpointing or pipelining off"
+            )
         if p.virtual_pipeline > 1 and p.pipeline == 1:
             raise ConfigError("parallel.virtual_pipeline > 1 needs parallel.pipeline > 1")
         shape = declared_shape(config.model)
@@ -507,9 +513,13 @@ class MegatronEngine(Engine):
                 f"the model's sliding_window={window}; engine-megatron attends to every "
                 "earlier token: shorten the sequences (or use engine=fsdp)"
             )
-        replay = B.ROUTED_EXPERTS in batch.keys()
+        # the rollout's routes replay with moe.routing_replay=rollout; otherwise they are
+        # ignored (e.g. a critic handed the policy's batch)
+        replay = self.config.moe.replays and B.ROUTED_EXPERTS in batch.keys()
         if replay:
             self._check_replay(batch)
+        elif B.ROUTED_EXPERTS in batch.keys():
+            batch = batch.exclude(B.ROUTED_EXPERTS)
         indexed = batch.clone(False)
         indexed["_row"] = torch.arange(n_rows)
         indexed["_col"] = torch.arange(seq_len).expand(n_rows, seq_len)
