@@ -334,8 +334,6 @@ class MegatronEngine(Engine):
             for chunk in self.chunks:
                 offsets = self._layer_offsets(chunk)
                 for name, param in chunk.named_parameters():
-                    if lora.is_adapter(name):
-                        continue  # attached after the base weights, from peft's draw
                     m = conv.match(name, offsets)
                     if name == "value_head.weight" and "score.weight" not in hf_state:
                         continue  # a fresh critic head (seeded by model.init_seed)
@@ -357,8 +355,6 @@ class MegatronEngine(Engine):
         for chunk in self.chunks:
             offsets = self._layer_offsets(chunk)
             for name, param in chunk.named_parameters():
-                if lora.is_adapter(name):
-                    continue  # the adapters set their own attributes
                 kind = conv.match(name, offsets).kind
                 if kind != "rep" and not hasattr(param, "tensor_model_parallel"):
                     dim = 1 if kind in ("row", "expert_down") else 0
