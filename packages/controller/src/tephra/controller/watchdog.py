@@ -184,7 +184,7 @@ class Watchdog:
             done, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not done:
                 stuck = sorted(index[ref] for ref in pending)
-                raise self._failure(
+                raise self.failure(
                     "deadline",
                     group,
                     stage,
@@ -199,7 +199,7 @@ class Watchdog:
             except (ActorDiedError, RayActorError) as exc:
                 rank = index[done[0]]
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                raise self._failure(
+                raise self.failure(
                     "died",
                     group,
                     stage,
@@ -212,7 +212,7 @@ class Watchdog:
         self.record(group, stage, time.monotonic() - start)
         return results
 
-    def _failure(
+    def failure(
         self,
         kind: str,
         group: str,
@@ -223,6 +223,7 @@ class Watchdog:
         what: str,
         answered: list[int] | None = None,
     ) -> StageFailure:
+        """The StageFailure for `ranks` of `group` that `what` happened to in `stage`."""
         at = f" at step {self.step}" if self.step is not None else ""
         lines = []
         for rank in ranks:
