@@ -164,6 +164,7 @@ class RolloutReplicas:
             self.pool.release()
             raise
         self.replicas = self.group.workers
+        self.watchdog, self.places = self.group.watchdog, self.group.places
         self.in_flight = [0] * len(self.replicas)
         """Requests each replica has not answered yet (the load the scheduler balances)."""
         self.served = [0] * len(self.replicas)
@@ -217,11 +218,11 @@ class RolloutReplicas:
             )
             for i, start, end in busy
         ]
-        shares = self.group.watchdog.wait(
+        shares = self.watchdog.wait(
             refs,
             group="rollout",
             stage="generate_scored",
-            places=[self.group.places[i] for i, _, _ in busy],
+            places=[self.places[i] for i, _, _ in busy],
             samples=[sample_ids([items[start:end]], {}) for _, start, end in busy],
         )
         return list(itertools.chain.from_iterable(shares))
@@ -249,16 +250,16 @@ class RolloutReplicas:
         """The first of `refs` to finish and its samples. When none finishes within the
         watchdog's deadline for `generate_scored`, StageFailure names the replicas that hold
         requests."""
-        limit, why = self.group.watchdog.deadline("rollout", "generate_scored")
+        limit, why = self.watchdog.deadline("rollout", "generate_scored")
         ready, _ = ray.wait(refs, num_returns=1, timeout=limit)
         if not ready:
             holding = sorted({self._pending[ref] for ref in refs})
-            raise self.group.watchdog.failure(
+            raise self.watchdog.failure(
                 "deadline",
                 "rollout",
                 "generate_scored",
                 holding,
-                self.group.places,
+                self.places,
                 [],
                 f"answered none of its {len(refs)} requests in flight within {limit:.1f} s ({why})",
             )
