@@ -13,10 +13,17 @@ from tephra.controller.dispatch import (
     Dispatch,
     check_layout,
     dispatch,
+    dispatched_methods,
     rollout_shares,
     share_bounds,
 )
-from tephra.controller.watchdog import StageFailure, Watchdog, WatchdogConfig
+from tephra.controller.rl_worker import RLWorker
+from tephra.controller.watchdog import (
+    StageFailure,
+    Watchdog,
+    WatchdogConfig,
+    check_stage_names,
+)
 from tephra.controller.worker_group import (
     ResourcePool,
     Worker,
@@ -244,3 +251,9 @@ def test_watchdog_deadlines_follow_each_stages_median():
         WatchdogConfig(stage_timeouts_s={"update": "soon"})
     with pytest.raises(ConfigError, match=r"min_history=5 and history=2"):
         WatchdogConfig(min_history=5, history=2)
+    # a stage name that no worker method has is refused (before Ray starts, in ppo.run)
+    stages = dispatched_methods(RLWorker) | {"generate_scored"}
+    assert {"update_actor", "compute_log_probs", "generate"} <= stages
+    check_stage_names(WatchdogConfig(stage_timeouts_s={"update_actor": 60}), stages)
+    with pytest.raises(ConfigError, match=r"names \['update_actr'\], which are not stages"):
+        check_stage_names(WatchdogConfig(stage_timeouts_s={"update_actr": 60}), stages)

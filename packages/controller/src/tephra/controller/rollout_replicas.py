@@ -31,7 +31,7 @@ from tephra.controller.dispatch import Dispatch, dispatch, share_bounds
 from tephra.controller.generation import Generator
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, set_score
-from tephra.controller.watchdog import sample_ids
+from tephra.controller.watchdog import Watchdog, sample_ids
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup
 
 
@@ -141,7 +141,13 @@ class RolloutWorker(Worker):
 class RolloutReplicas:
     """The driver's handle on the replicas (see module docstring)."""
 
-    def __init__(self, cfg: PPOConfig, model_path: str, tools_file: str | None) -> None:
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        model_path: str,
+        tools_file: str | None,
+        watchdog: Watchdog | None = None,
+    ) -> None:
         r = cfg.resources.rollout
         self.cfg = cfg
         self.pool = ResourcePool(
@@ -159,6 +165,7 @@ class RolloutReplicas:
                 {"cfg": cfg, "model_path": model_path, "tools_file": tools_file},
                 name="rollout",
                 concurrency_groups={"weights": 1},
+                watchdog=watchdog,
             )
         except BaseException:
             self.pool.release()

@@ -68,6 +68,16 @@ class WatchdogConfig:
                 )
 
 
+def check_stage_names(config: WatchdogConfig, stages: set[str]) -> None:
+    """Refuse a `stage_timeouts_s` key that names no stage (a typo would never apply)."""
+    unknown = sorted(set(config.stage_timeouts_s) - stages)
+    if unknown:
+        raise ConfigError(
+            f"trainer.watchdog.stage_timeouts_s names {unknown}, which are not stages; "
+            f"choose from {sorted(stages)}"
+        )
+
+
 @dataclass(frozen=True)
 class RankPlace:
     """Where one rank runs, recorded when its group starts."""
