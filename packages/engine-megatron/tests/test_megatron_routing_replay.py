@@ -12,7 +12,7 @@ import torch
 
 from tephra.engine_api import BatchError, ConfigError, EngineConfig
 from tephra.engine_api import batch as B
-from tephra.engine_api.testing import nll_loss_fn, random_batch
+from tephra.engine_api.testing import nll_loss_fn, random_batch, run_distributed
 from tephra.engine_api.testing.moe_routes import (
     forced_routes,
     log_probs,
@@ -88,3 +88,33 @@ def test_bad_routes_name_the_field():
     dense = {**T.TINY_DENSE, "num_hidden_layers": 2}
     with pytest.raises(ConfigError, match=r"moe.routing_replay='rollout' on a 'qwen2' model"):
         MegatronEngine.check_config(T.base_config(dense, moe={"routing_replay": "rollout"}))
+
+
+@pytest.mark.multiproc
+def test_replay_in_every_parallel_layout(tmp_path):
+    """The routes follow the tokens wherever a layout puts them: sequence-parallel slices
+    (TP=2 + SP), load-balanced context-parallel chunks (CP=2, packed), experts on other ranks
+    (EP=2). Each equals transformers forced onto the recorded routes, the router moved."""
+    cfg = T.TINY_MOE
+    rollout = T.HFReference(cfg, init_seed=3).model
+    batch = random_batch(cfg["vocab_size"], num_sequences=6, seed=5)
+    routes = record_routes(rollout, batch)
+    trained = copy.deepcopy(rollout)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for gate in routers(trained):
+            gate.weight.add_(0.05 * torch.randn_like(gate.weight))
+    trained.save_pretrained(tmp_path / "hf")
+    with forced_routes(trained, routes):
+        want = log_probs(trained, batch)
+    mask = batch[B.RESPONSE_MASK]
+    want_loss = float(-(want * mask).sum() / mask.sum())
+    replayed = batch.clone()
+    replayed[B.ROUTED_EXPERTS] = routes
+    layouts = [{"tensor": 2, "sequence_parallel": True}, {"context": 2}, {"expert": 2}]
+    calls = [(T.rank_replayed_log_probs, (str(tmp_path / "hf"), p, replayed)) for p in layouts]
+    results = run_distributed(T.rank_sequence, 2, (calls,))
+    for rank_results in results:
+        for layout, (lp, loss) in zip(layouts, rank_results):
+            assert (torch.from_numpy(lp) - want).abs().max() <= 1e-5, layout
+            assert abs(loss - want_loss) <= 1e-5, layout

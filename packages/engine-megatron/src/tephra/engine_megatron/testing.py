@@ -403,3 +403,22 @@ def rank_step(hf_config: dict[str, Any], parallel: dict[str, Any], batch, overri
         loss = engine.forward_backward(batch, nll_loss_fn)["loss"]
         norm = engine.optimizer_step()
     return loss, norm, log_probs
+
+
+def rank_replayed_log_probs(model_path: str, parallel: dict[str, Any], batch) -> Any:
+    """Log-probs of `batch` (carrying `routed_experts`) under routing replay, and the loss of
+    one step on it, at the `parallel` layout (every rank the same batch)."""
+    from tephra.engine_api.testing import nll_loss_fn
+    from tephra.engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine.build(
+        EngineConfig(
+            model={"path": model_path},
+            parallel=parallel,
+            moe={"routing_replay": "rollout"},
+        )
+    )
+    log_probs = engine.forward(batch)["log_probs"]
+    with engine.train_mode():
+        loss = engine.forward_backward(batch, nll_loss_fn)["loss"]
+    return log_probs.numpy(), loss
