@@ -4,9 +4,10 @@
     actor       ActorConfig   = engine name + the engine's optimizer, scheduler, micro_batch,
                 precision, offload, lora, parallel sections + tephra.algos.ActorObjectiveConfig
     critic      CriticConfig  = the same with tephra.algos.CriticObjectiveConfig
-    rollout     backend name, sampling, tephra.rollout's HFSettings / ServerSettings and
-                AgentLoopConfig
-    algorithm   estimator name + tephra.algos.AdvantageConfig, KL in the reward, DAPO
+    rollout     tephra.episodes.config.EpisodeRolloutConfig: tephra.rollout.config.RolloutSection
+                (backend, sampling, HFSettings / ServerSettings) + the agent loop
+    algorithm   tephra.algos.algorithm_config.AlgorithmConfig: estimator name + AdvantageConfig,
+                KL in the reward, DAPO, rollout correction
     reward      tephra.episodes.rewards.RewardConfig
     data, batch, trainer, resources: the controller's own sections
 
@@ -18,20 +19,18 @@ scorer) is checked against its registry when the config is built, before any pro
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tephra.algos import ActorObjectiveConfig, AdvantageConfig, CriticObjectiveConfig
-from tephra.algos.advantages import ADVANTAGE_ESTIMATORS
-from tephra.algos.kl import KL_ESTIMATORS
+from tephra.algos import ActorObjectiveConfig, CriticObjectiveConfig
+from tephra.algos.algorithm_config import AlgorithmConfig
 from tephra.algos.policy_losses import POLICY_LOSSES
-from tephra.algos.rollout_correction import LEVELS, ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from tephra.controller.evaluation import ValidationConfig
 from tephra.controller.models import declared_model_folder
 from tephra.core.errors import ConfigError
+from tephra.core.registry import check_registered
 from tephra.engine_api.config import (
     EngineConfig,
     EngineSections,
@@ -41,25 +40,11 @@ from tephra.engine_api.config import (
     OptimizerConfig,
     PrecisionConfig,
 )
-from tephra.episodes.agent.base import AgentLoopConfig
-from tephra.episodes.registry import EPISODES
+from tephra.episodes.config import EpisodeRolloutConfig
 from tephra.episodes.rewards import RewardConfig, RewardFunctionError, load_reward_function
-from tephra.rollout.base import HFSettings, ServerSettings
+from tephra.rollout.base import ServerSettings
 from tephra.rollout.registry import ROLLOUT_BACKENDS
 from tephra.rollout.weight_transport import Placement, choose_transport
-
-
-def _check_name(field_name: str, value: str, registry: Any) -> None:
-    """A registry name, refused as a ConfigError naming the field and the choices."""
-    if value not in registry:
-        import difflib
-
-        close = difflib.get_close_matches(str(value), registry.names(), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(
-            f"{field_name}={value!r} is not a registered {registry.kind}{hint}; "
-            f"choose one of {registry.names()}"
-        )
 
 
 @dataclass
@@ -149,261 +134,6 @@ class CriticConfig(EngineRoleConfig):
     """Token budget of one critic micro-batch on one rank."""
     objective: CriticObjectiveConfig = field(default_factory=CriticObjectiveConfig)
     """Clipped value loss (tephra.algos.CriticObjectiveConfig)."""
-
-
-@dataclass
-class RolloutSection:
-    """Generation: the backend by name, sampling, and each backend's own settings."""
-
-    backend: str = "hf"
-    """Rollout backend from tephra.rollout.ROLLOUT_BACKENDS: `hf` (in-process transformers),
-    `vllm`, `sglang` (servers)."""
-    dtype: str = "auto"
-    """Generation dtype: `float32`, `bfloat16`, `float16`, or `auto`: bfloat16 where the
-    workers' device computes it faster than float32 (measured once at start: on a CPU with
-    avx512_bf16 the demo's generate took 3.6 s in bf16 vs 5.5 s in fp32; on an AVX2-only
-    CPU bf16 matmuls ran 3-7x slower than fp32). The trainer recomputes log-probs in its own
-    dtype, so this only changes what is sampled."""
-    temperature: float = 1.0
-    """Sampling temperature (the trainer's log-probs use the same)."""
-    top_p: float = 1.0
-    """Nucleus sampling; 1 keeps every token (log-probs then match the trainer exactly)."""
-    top_k: int = -1
-    """Top-k sampling; -1 keeps every token."""
-    max_tokens: int = 32
-    """Most response tokens per sample (per model turn with an agent loop)."""
-    sleep_when_training: bool = True
-    """Colocated (hybrid) mode: `rollout.sleep()` after generation, so the rollout's memory
-    is free while the engine trains (a GPU backend frees its weights / KV cache, a server as
-    deep as `rollout.<backend>.sleep_level` says; on CPU the hf backend has nothing to free).
-    The weight sync wakes it: a server's weights first, then its KV cache after the load."""
-    hf: HFSettings = field(default_factory=HFSettings)
-    """Settings of the `hf` backend (device is set from the rank's device)."""
-    vllm: ServerSettings = field(default_factory=ServerSettings)
-    """Settings of the `vllm` server backend."""
-    sglang: ServerSettings = field(default_factory=ServerSettings)
-    """Settings of the `sglang` server backend."""
-    agent_loop: str | None = None
-    """Multi-turn rollouts: an episode from tephra.episodes.registry.EPISODES (`tool_agent`:
-    the model calls the tools of `tools_file` between turns; `single_turn`). None or "" keeps
-    the batched `generate` path."""
-    tools_file: str | None = None
-    """Tools YAML of the agent loop, or `python` for the bundled sandboxed interpreter."""
-    max_in_flight: int = 64
-    """Agent loop: most trajectories in flight per rank (their turns are batched together)."""
-    agent: AgentLoopConfig = field(
-        default_factory=lambda: AgentLoopConfig(
-            max_turns=3, max_response_tokens=128, max_tool_response_chars=500
-        )
-    )
-    """Agent-loop budgets (tephra.episodes.agent.AgentLoopConfig): max_turns,
-    max_response_tokens (the trained response length), max_tool_response_chars, ..."""
-
-    def __post_init__(self) -> None:
-        _check_name("rollout.backend", self.backend, ROLLOUT_BACKENDS)
-        if self.agent_loop:
-            _check_name("rollout.agent_loop", self.agent_loop, EPISODES)
-            if self.agent_loop == "tool_agent" and not self.tools_file:
-                raise ConfigError(
-                    "rollout.agent_loop='tool_agent' needs rollout.tools_file: a "
-                    "tools YAML, or `python` for the bundled sandboxed interpreter"
-                )
-        if self.max_in_flight < 1:
-            raise ConfigError(f"rollout.max_in_flight={self.max_in_flight} must be >= 1")
-        protocol = getattr(ROLLOUT_BACKENDS.get(self.backend), "protocol_class", None)
-        if protocol is not None:
-            try:
-                protocol().check_settings(getattr(self, self.backend))
-            except ConfigError as exc:
-                raise ConfigError(f"rollout.{exc}") from None
-        if self.max_tokens < 1:
-            raise ConfigError(f"rollout.max_tokens={self.max_tokens} must be >= 1")
-        from tephra.engine_api.fastest_dtype import AUTO
-        from tephra.rollout.base import DTYPES
-
-        if self.dtype not in (*DTYPES, AUTO):  # the backend checks too, but only once Ray runs
-            raise ConfigError(
-                f"rollout.dtype={self.dtype!r} is not allowed; choose one of {[*DTYPES, AUTO]}"
-            )
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            # NaN passes `< 0` and sampling then behaved as if it were 1.0
-            what = "" if math.isfinite(self.temperature) else "a finite number "
-            raise ConfigError(
-                f"rollout.temperature={self.temperature} must be {what}>= 0 (1.0 "
-                "samples from the policy as it is; 0 is greedy)"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
-
-    @property
-    def uses_agent_loop(self) -> bool:
-        return bool(self.agent_loop)
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        """Ranks per rollout engine: a server backend's `tensor_parallel_size`, 1 for `hf`
-        (one in-process model per rank). Generation's data-parallel size is the world size
-        divided by it."""
-        settings = getattr(self, self.backend, None)
-        return settings.tensor_parallel_size if isinstance(settings, ServerSettings) else 1
-
-    @property
-    def response_budget(self) -> int:
-        """Most response tokens of one sample: `agent.max_response_tokens` with an agent loop,
-        `max_tokens` without."""
-        return self.agent.max_response_tokens if self.uses_agent_loop else self.max_tokens
-
-    @property
-    def budget_name(self) -> str:
-        return "rollout.agent.max_response_tokens" if self.uses_agent_loop else "rollout.max_tokens"
-
-
-@dataclass
-class KLInRewardConfig:
-    """KL to the reference policy as a per-token reward penalty (verl's use_kl_in_reward):
-    r'_t = r_t - beta * KL_t, with beta fixed or adapted towards a target KL."""
-
-    coef: float = 0.0
-    """Initial beta; 0 turns the penalty off."""
-    estimator: str = "k1"
-    """KL estimator from tephra.algos.KL_ESTIMATORS (verl's kl_penalty: `kl`/`k1`, `abs`,
-    `mse`/`k2`, `low_var_kl`/`k3`)."""
-    controller: str = "fixed"
-    """`fixed` (beta stays `coef`) or `adaptive` (Ziegler et al. 2019: beta follows
-    `target_kl` over `horizon` samples)."""
-    target_kl: float = 0.1
-    """`adaptive`: the KL per token the controller steers towards."""
-    horizon: int = 10000
-    """`adaptive`: samples over which beta moves by up to 20%."""
-
-    def __post_init__(self) -> None:
-        if self.coef < 0:
-            raise ConfigError(f"algorithm.kl_in_reward.coef={self.coef} must be >= 0 (0 = off)")
-        _check_name("algorithm.kl_in_reward.estimator", self.estimator, KL_ESTIMATORS)
-        if self.estimator.startswith("full"):
-            raise ConfigError(
-                "algorithm.kl_in_reward.estimator='full' needs full-vocabulary "
-                "log-probs, which engines do not return; use 'k1' or 'k3'"
-            )
-        if self.controller not in ("fixed", "adaptive"):
-            raise ConfigError(
-                f"algorithm.kl_in_reward.controller={self.controller!r}: choose "
-                "'fixed' or 'adaptive'"
-            )
-        if self.target_kl <= 0 or self.horizon < 1:
-            raise ConfigError("algorithm.kl_in_reward.target_kl must be > 0 and horizon >= 1")
-
-    @property
-    def enabled(self) -> bool:
-        return self.coef > 0
-
-
-@dataclass
-class AlgorithmSection:
-    """The estimator by name and its settings, KL in the reward, DAPO's sampling rules."""
-
-    adv_estimator: str = "grpo"
-    """Advantage estimator from tephra.algos.ADVANTAGE_ESTIMATORS; what it needs (a critic,
-    groups of samples, greedy baselines) is read from the registry's metadata."""
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    """gamma, lam, norm_by_std, passk_k, ... (tephra.algos.AdvantageConfig)."""
-    kl_in_reward: KLInRewardConfig = field(default_factory=KLInRewardConfig)
-    """KL penalty in the reward (off by default; the KL loss is `actor.objective.use_kl_loss`)."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop prompt groups whose samples all got the same score (no
-    group-relative signal) and generate more prompts until `batch.prompts_per_step` groups
-    remain; filtered on the outcome score, before length shaping."""
-    max_gen_batches: int = 3
-    """Dynamic sampling: at most this many rounds of `batch.prompts_per_step` prompts per
-    step; a batch still short of informative groups is filled with flat ones."""
-    overlong_buffer: int = 0
-    """DAPO soft overlong punishment: the last `overlong_buffer` tokens of the response budget
-    cost up to `overlong_penalty_factor` of reward, linearly; 0 turns it off."""
-    overlong_penalty_factor: float = 1.0
-    """The penalty at the full response budget (added to the score as a negative reward)."""
-    rollout_correction: str = "none"
-    """What the policy loss does about rollouts sampled by other weights (`trainer.mode=
-    one_step_off`) or another engine, from tephra.algos.ROLLOUT_CORRECTIONS: `none`;
-    `tis` (truncated importance sampling of exp(old_log_prob - rollout_log_prob), old
-    log-probs recomputed); `bypass` (the rollout's log-probs are the old log-probs, the
-    recompute is skipped). `rollout_corr/*` mismatch metrics are logged whenever the
-    trainer's old log-probs are computed."""
-    rollout_correction_level: str = "token"
-    """`tis`: one weight per token (`token`) or per sequence (`sequence`: product of its
-    tokens' ratios)."""
-    rollout_correction_cap: float = 2.0
-    """`tis`: truncation C of min(ratio, C), >= 1."""
-    rollout_rejection: list[str] = field(default_factory=list)
-    """Rejection sampling (verl's `rollout_rs`) from tephra.algos.REJECTION_OPTIONS, e.g.
-    [token_k1] or [seq_mean_k3]: tokens (or whole sequences for `seq_*`) whose divergence
-    between the trainer's and the rollout's log-probs leaves the bounds are dropped from the
-    response mask for the update (the trainer's log-probs are then computed). Empty: none."""
-    rollout_rejection_threshold: str | float | None = None
-    """Bounds of `rollout_rejection` (verl's `rollout_rs_threshold`): `"lower_upper"` ratio
-    bounds for *_k1 options (one number u means 1/u_u), an upper bound for k2 / k3; one for
-    all options or one per option, comma-separated."""
-    mismatch_probe_rows: int = 8
-    """Rows whose log-probs the trainer recomputes every step to log the train/rollout
-    mismatch (`rollout_corr/*`) when the step computes none of its own (one mini-batch, one
-    epoch, no correction): a random subset, rounded to the data-parallel size. 0 turns the
-    probe off. 8 rows cost a small forward pass and catch a dtype or kernel mismatch early."""
-    mismatch_alarm_kl: float | None = None
-    """Stop the run when `rollout_corr/kl_k3` (KL between the rollout's and the trainer's
-    token distributions, estimated on the sampled tokens) exceeds this; None: log only.
-    Healthy runs sit near 1e-4 to 1e-3; a wrong dtype or chat template gives 1e-2 and more."""
-
-    def __post_init__(self) -> None:
-        _check_name("algorithm.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS)
-        _check_name("algorithm.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
-        if self.rollout_correction_level not in LEVELS:
-            raise ConfigError(
-                f"algorithm.rollout_correction_level="
-                f"{self.rollout_correction_level!r}: choose one of {list(LEVELS)}"
-            )
-        if not self.rollout_correction_cap >= 1:
-            raise ConfigError(
-                f"algorithm.rollout_correction_cap={self.rollout_correction_cap} "
-                "must be >= 1 (the truncation C of min(ratio, C))"
-            )
-        self.correction  # noqa: B018 - validates the rejection options and bounds
-        if self.mismatch_probe_rows < 0:
-            raise ConfigError(
-                f"algorithm.mismatch_probe_rows={self.mismatch_probe_rows} must "
-                "be >= 0 (0 turns the mismatch probe off)"
-            )
-        if self.mismatch_alarm_kl is not None and not (
-            math.isfinite(self.mismatch_alarm_kl) and self.mismatch_alarm_kl > 0
-        ):
-            raise ConfigError(
-                f"algorithm.mismatch_alarm_kl={self.mismatch_alarm_kl} must be a "
-                "positive number (e.g. 0.01), or null to log without an alarm"
-            )
-        if self.max_gen_batches < 1:
-            raise ConfigError(f"algorithm.max_gen_batches={self.max_gen_batches} must be >= 1")
-        if self.overlong_penalty_factor < 0:
-            raise ConfigError(
-                f"algorithm.overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0"
-            )
-
-    @property
-    def correction(self) -> RolloutCorrectionConfig:
-        return RolloutCorrectionConfig(
-            self.rollout_correction,
-            self.rollout_correction_level,
-            self.rollout_correction_cap,
-            tuple(self.rollout_rejection),
-            self.rollout_rejection_threshold,
-        )
-
-    def needs(self, what: str) -> bool:
-        """Whether the estimator's registry metadata says it needs `values`, `groups`,
-        `baselines`, `k` or `token_stats` (the trainer's log-probs and sum pi^2)."""
-        return bool(ADVANTAGE_ESTIMATORS.meta(self.adv_estimator).get(f"needs_{what}"))
-
-    def reads(self, what: str) -> bool:
-        """Whether the estimator's registry metadata says it uses `what` when given
-        (`reward_components`: `gdpo`), without needing it."""
-        return bool(ADVANTAGE_ESTIMATORS.meta(self.adv_estimator).get(f"reads_{what}"))
 
 
 DATA_SOURCES = ("reasoning_gym", "parquet", "hf", "colour_squares")
@@ -638,7 +368,7 @@ class TrainerSection:
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 0")
         for name in self.trackers:
-            _check_name("trainer.trackers", name, TRACKERS)
+            check_registered("trainer.trackers", name, TRACKERS)
 
 
 @dataclass
@@ -754,13 +484,13 @@ class PPOConfig:
     """Prompts and held-out set."""
     batch: BatchSection = field(default_factory=BatchSection)
     """Batch units."""
-    rollout: RolloutSection = field(default_factory=RolloutSection)
+    rollout: EpisodeRolloutConfig = field(default_factory=EpisodeRolloutConfig)
     """Generation."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """Policy engine and loss."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """Value engine and loss (built only when the estimator needs values)."""
-    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimator, KL in reward, DAPO."""
     reward: RewardConfig = field(default_factory=lambda: RewardConfig(executor="serial"))
     """Scoring (tephra.episodes.rewards.RewardConfig): rule scorers by data_source, a custom
