@@ -30,7 +30,7 @@ from tephra.controller.rl_config import (
     resolve_auto_dtypes,
     weight_path,
 )
-from tephra.controller.rl_loop import Prompts
+from tephra.controller.rounds import Prompts
 from tephra.controller.startup import Timeline
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
