@@ -1,4 +1,6 @@
-"""The RL loop. Each stage is one call on the worker group; the driver only moves batches.
+"""The RL loop (`Trainer`): each stage is one call on the worker group; the driver only moves
+batches. Its parts live beside it: `rounds`, `rollout_mismatch`, `step_rewards`,
+`step_metrics`, `batch_order`, `generation_dumps`, `worker_failures`.
 
     for step in steps:
         samples = wg.generate(prompts)                  # rollout engine, n samples/prompt;
