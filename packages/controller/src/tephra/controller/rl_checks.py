@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tephra.algos.policy_losses import POLICY_LOSSES
+from tephra.controller.checkpoints import MANIFEST, CheckpointManager
 from tephra.controller.models import declared_model_folder
+from tephra.controller.worker_group import find_local_cluster, machine_capacity
 from tephra.core.errors import ConfigError
+from tephra.engine_api.fastest_dtype import resolve_dtype
+from tephra.engine_api.registry import get_engine_class
 from tephra.episodes.rewards import RewardConfig, RewardFunctionError, load_reward_function
-from tephra.rollout.base import ServerSettings
+from tephra.rollout.base import ServerSettings, can_pause
 from tephra.rollout.registry import ROLLOUT_BACKENDS
 from tephra.rollout.weight_transport import Placement, choose_transport
 
@@ -25,8 +29,6 @@ def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:
     """`cfg` with every `auto` compute dtype (actor, critic, rollout) made concrete for the
     workers' device, measured once here, so that every process computes in the same dtype
     and the weight sync sends what the rollout holds."""
-    from tephra.engine_api.fastest_dtype import resolve_dtype
-
     r = cfg.resources
     train = "cuda" if r.gpus_per_rank > 0 else "cpu"
     # rollout replicas of their own (disaggregated) generate on their pool's device
@@ -170,8 +172,6 @@ def validate(cfg: PPOConfig) -> None:
                 f"rollout replicas when weights arrive; it needs trainer.mode=async "
                 f"(now {cfg.trainer.mode!r})"
             )
-        from tephra.rollout.base import can_pause
-
         if not can_pause(ROLLOUT_BACKENDS.get(r.backend)):
             pausable = [n for n in ROLLOUT_BACKENDS if can_pause(ROLLOUT_BACKENDS.get(n))]
             raise ConfigError(
@@ -270,8 +270,6 @@ def check_resume(t: TrainerSection) -> None:
     """`trainer.resume_from` is a checkpoint folder; `trainer.resume=must` has a checkpoint
     in run_dir. Only their presence: the files are checked against their manifest (SHA-256,
     slow for big checkpoints) when the trainer resumes."""
-    from tephra.controller.checkpoints import MANIFEST, CheckpointManager
-
     fix = "give a step_<N> folder of a run's checkpoints (run_dir/checkpoints/step_<N>)"
     if t.resume_from:
         folder = Path(t.resume_from).expanduser()
@@ -296,8 +294,6 @@ def check_resources(r: ResourcesSection) -> None:
     """`ray_address=auto` finds a running cluster; a private local session (no address)
     has the CPUs and GPUs the ranks and rollout replicas ask for: Ray would wait for them
     forever (the pool's ready timeout then fails after Ray started)."""
-    from tephra.controller.worker_group import find_local_cluster, machine_capacity
-
     if r.ray_address == "auto":
         find_local_cluster()
     if r.ray_address not in (None, "local") or os.environ.get("RAY_ADDRESS"):
@@ -491,8 +487,6 @@ def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> Non
     """Ask the backend whether it supports the options set (before any process starts).
     `model_folder`: the resolved `model.path` (`prepare` asks again with it, once a named
     model is built); by default its config.json is read where it already exists."""
-    from tephra.engine_api.registry import get_engine_class
-
     a = cfg.algorithm
     # CPU ranks are told so; GPU ranks may sit on other nodes than this driver's ("auto")
     device = "auto" if cfg.resources.gpus_per_rank > 0 else "cpu"

@@ -19,13 +19,17 @@ scorer) is checked against its registry when the config is built, before any pro
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tephra.algos import ActorObjectiveConfig, CriticObjectiveConfig
 from tephra.algos.algorithm_config import AlgorithmConfig
+from tephra.controller.checkpoints import RESUME_MODES
 from tephra.controller.evaluation import ValidationConfig
 from tephra.controller.rl_checks import validate
+from tephra.controller.trackers import TRACKERS
+from tephra.controller.worker_group import PLACEMENT_STRATEGIES, check_retain
 from tephra.core.errors import ConfigError
 from tephra.core.registry import check_registered
 from tephra.engine_api.config import (
@@ -37,6 +41,7 @@ from tephra.engine_api.config import (
     OptimizerConfig,
     PrecisionConfig,
 )
+from tephra.engine_api.registry import installed_engines
 from tephra.episodes.config import EpisodeRolloutConfig
 from tephra.episodes.rewards import RewardConfig
 
@@ -51,12 +56,8 @@ class EngineRoleConfig(EngineSections):
     `megatron`); any installed backend package adds its name."""
 
     def __post_init__(self) -> None:
-        from tephra.engine_api.registry import installed_engines
-
         engines = installed_engines()
         if self.engine not in engines:
-            import difflib
-
             close = difflib.get_close_matches(self.engine, sorted(engines), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
@@ -333,9 +334,6 @@ class TrainerSection:
     chrome://tracing or Perfetto)."""
 
     def __post_init__(self) -> None:
-        from tephra.controller.checkpoints import RESUME_MODES
-        from tephra.controller.trackers import TRACKERS
-
         if self.mode not in TRAINING_MODES:
             raise ConfigError(f"trainer.mode={self.mode!r}: choose one of {list(TRAINING_MODES)}")
         if self.max_staleness < 0 or self.async_in_flight < 1 or self.async_groups_per_request < 1:
@@ -449,8 +447,6 @@ class ResourcesSection:
     default)."""
 
     def __post_init__(self) -> None:
-        from tephra.controller.worker_group import PLACEMENT_STRATEGIES, check_retain
-
         if self.placement not in PLACEMENT_STRATEGIES:
             raise ConfigError(
                 f"resources.placement={self.placement!r}: choose one of "
