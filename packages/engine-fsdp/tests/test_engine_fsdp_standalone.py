@@ -45,16 +45,8 @@ def test_project_depending_only_on_engine_fsdp_trains(tmp_path):
     uv = shutil.which("uv")
     if uv is None:
         pytest.skip("uv is not on PATH")
-    packages = {
-        name: PACKAGES / folder
-        for name, folder in [
-            ("tephra-engine-fsdp", "engine-fsdp"),
-            ("tephra-engine-api", "engine-api"),
-            ("tephra-core", "core"),
-            ("tephra-kernels", "kernels"),
-        ]
-    }
-    result = run_in_throwaway_project(tmp_path / "fsdp-user", uv, packages, SFT_SCRIPT)
+    members = ["engine-fsdp", "engine-api", "core", "kernels"]
+    result = run_in_throwaway_project(tmp_path / "fsdp-user", uv, PACKAGES, members, SFT_SCRIPT)
     assert result["absent"] == {"ray": True, "vllm": True, "megatron": True}
     losses = result["losses"]
     assert losses[-1] < losses[0] - 0.1, losses

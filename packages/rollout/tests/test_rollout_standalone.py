@@ -41,16 +41,10 @@ def test_project_depending_only_on_rollout_generates_with_hf(tmp_path):
     uv = shutil.which("uv")
     if uv is None:
         pytest.skip("uv is not on PATH")
-    packages = {
-        name: PACKAGES / folder
-        for name, folder in [
-            ("tephra-rollout", "rollout"),
-            ("tephra-engine-api", "engine-api"),
-            ("tephra-core", "core"),
-            ("tephra-kernels", "kernels"),
-        ]
-    }
-    result = run_in_throwaway_project(tmp_path / "rollout-user", uv, packages, GENERATE_SCRIPT)
+    members = ["rollout", "engine-api", "core", "kernels"]
+    result = run_in_throwaway_project(
+        tmp_path / "rollout-user", uv, PACKAGES, members, GENERATE_SCRIPT
+    )
     assert result["absent"] == {
         "math_verify": True,
         "reasoning_gym": True,

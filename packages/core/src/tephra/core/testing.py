@@ -30,22 +30,23 @@ def run_readme_section(readme: Path, heading: str) -> tuple[list[str], list[str]
 
 
 def run_in_throwaway_project(
-    folder: Path, uv: str, packages: dict[str, Path], script: str, timeout_s: int = 300
+    folder: Path, uv: str, packages: Path, members: list[str], script: str, timeout_s: int = 300
 ) -> Any:
     """Run `script` in a fresh interpreter of a throw-away uv project in `folder` whose only
-    dependency is the first of `packages` (name -> source folder; the others are its tephra
-    dependencies, as path sources), synced from the shared uv cache (offline when no registry
-    answers); returns the JSON value the script printed last. The way a test shows that a
-    package installs and works alone, without the rest of the workspace."""
+    dependency is the first of `members` (folders under the workspace's `packages`, installed
+    as `tephra-<folder>`; the others are its tephra dependencies, as path sources), synced from
+    the shared uv cache (offline when no registry answers); returns the JSON value the script
+    printed last. The way a test shows that a package installs and works alone, without the
+    rest of the workspace."""
     folder.mkdir(parents=True, exist_ok=True)
-    sources = "\n".join(f'{name} = {{ path = "{path}" }}' for name, path in packages.items())
+    sources = "\n".join(f'tephra-{m} = {{ path = "{packages / m}" }}' for m in members)
     (folder / "pyproject.toml").write_text(
         textwrap.dedent(f"""
         [project]
         name = "{folder.name}"
         version = "0.0.0"
         requires-python = ">=3.11"
-        dependencies = ["{next(iter(packages))}"]
+        dependencies = ["tephra-{members[0]}"]
 
         [tool.uv]
         # the workspace's torch, so the shared uv cache already holds it
