@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tephra.algos.policy_losses import POLICY_LOSSES
+from tephra.controller import worker_group
 from tephra.controller.checkpoints import MANIFEST, CheckpointManager
 from tephra.controller.models import declared_model_folder
-from tephra.controller.worker_group import find_local_cluster, machine_capacity
 from tephra.core.errors import ConfigError
 from tephra.engine_api.fastest_dtype import resolve_dtype
 from tephra.engine_api.registry import get_engine_class
@@ -295,12 +295,13 @@ def check_resources(r: ResourcesSection) -> None:
     has the CPUs and GPUs the ranks and rollout replicas ask for: Ray would wait for them
     forever (the pool's ready timeout then fails after Ray started)."""
     if r.ray_address == "auto":
-        find_local_cluster()
+        worker_group.find_local_cluster()
     if r.ray_address not in (None, "local") or os.environ.get("RAY_ADDRESS"):
         return  # a cluster: its other nodes may have what this one lacks
     # `ray_init` passes num_cpus to a session it starts without an address
     num_cpus = r.num_cpus if r.ray_address is None else None
-    cpus, gpus = machine_capacity(num_cpus)
+    # through the module: tests fake the machine by patching worker_group.machine_capacity
+    cpus, gpus = worker_group.machine_capacity(num_cpus)
     p = r.rollout
     for kind, per_rank, per_replica, have, hint in (
         (
