@@ -29,6 +29,7 @@ from tephra.controller.checkpoints import RESUME_MODES
 from tephra.controller.evaluation import ValidationConfig
 from tephra.controller.rl_checks import validate
 from tephra.controller.trackers import TRACKERS
+from tephra.controller.watchdog import WatchdogConfig
 from tephra.controller.worker_group import PLACEMENT_STRATEGIES, check_retain
 from tephra.core.errors import ConfigError
 from tephra.core.registry import check_registered
@@ -291,8 +292,11 @@ class TrainerSection:
     """`auto`: continue from the latest intact checkpoint in run_dir when there is one;
     `off`: start fresh; `must`: fail unless there is one to continue from."""
     max_restarts: int = 1
-    """When a worker process dies (killed, out of memory) the worker group is rebuilt and the
-    run continues from the latest intact checkpoint, at most this many times (0: fail)."""
+    """When a worker process dies (killed, out of memory) or a stage passes its watchdog
+    deadline, the worker group is rebuilt and the run continues from the latest intact
+    checkpoint, at most this many times (0: fail with the watchdog's message)."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Deadlines of the driver's calls on the workers (`tephra.controller.watchdog`)."""
     resume_from: str | None = None
     """A `step_<N>` checkpoint folder (of this or another run) to continue from instead."""
     accept_changed_data: bool = False
