@@ -66,6 +66,30 @@ def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path):
     assert len(moved) > len(before) // 2, moved
 
 
+@pytest.mark.multiproc
+def test_qwen2_5_vl_trains_two_steps_through_the_app(ray_session, tmp_path):
+    # Qwen2.5-VL (windowed vision attention, its own vision blocks) on the same path: the hf
+    # rollout's log-probs of the images equal the fsdp engine's recomputed ones
+    summary = run(
+        parse_config(
+            [
+                "-p",
+                "vlm_smoke",
+                "model.path=tiny_qwen2_5_vl",
+                "batch.mini_batches=2",
+                f"trainer.run_dir={tmp_path}",
+            ]
+        )
+    )
+    assert summary["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+    assert len(train) == 2
+    for r in train:
+        assert r["rollout_corr/log_prob_abs_gap_mean"] < 1e-4
+        assert abs(math.log(r["rollout_corr/ratio_max"])) < 1e-4
+        assert r["actor/grad_norm"] > 0 and r["reward/errors"] == 0
+
+
 def _parquet(path, size, seed) -> None:
     rows = []
     for row in colour_square_rows(size, seed):

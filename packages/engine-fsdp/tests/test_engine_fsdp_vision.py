@@ -1,4 +1,4 @@
-"""engine=fsdp with images in the batch (tiny random Qwen2-VL): packed and padded log-probs
+"""engine=fsdp with images in the batch (tiny random Qwen2-VL and Qwen2.5-VL): packed and padded log-probs
 equal an unpacked, one-row-at-a-time transformers forward with the same images; a training
 step reaches the vision tower."""
 
@@ -19,9 +19,9 @@ from tephra.engine_fsdp.vision import MULTIMODAL, multimodal_column
 from tephra.rollout.multimodal import VisionProcessor, build_tiny_vlm
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"))
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vlm(tmp_path_factory, request):
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"), family=request.param)
 
 
 def _batch(vlm) -> tuple[TensorDict, list[list[int]], list]:

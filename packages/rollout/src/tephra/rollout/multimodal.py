@@ -5,8 +5,8 @@ A prompt with images is its token ids (each image already expanded to its run of
 `tephra.engine_api.multimodal` and re-exported here). The two travel together from the data
 loader through rollout to the trainer. `VisionProcessor` makes them from text and images.
 
-`build_tiny_vlm` saves a tiny random Qwen2-VL with its tokenizer and image processor, for
-tests and smoke runs (no pretrained VLM is needed).
+`build_tiny_vlm` saves a tiny random Qwen2-VL or Qwen2.5-VL (`family`) with its tokenizer and
+image processor config (generated), for tests and smoke runs (no pretrained VLM is needed).
 """
 
 from __future__ import annotations
@@ -95,6 +95,10 @@ class VisionProcessor:
         return list(ids), mm
 
 
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+"""Families `build_tiny_vlm` builds (both share the Qwen2-VL processor and vision tokens)."""
+
+
 @dataclass(frozen=True)
 class TinyVLM:
     """Where the tiny Qwen2-VL was saved and its special ids."""
@@ -118,12 +122,25 @@ def build_tiny_vlm(
     hidden_size: int = 64,
     num_layers: int = 2,
     initializer_range: float = 0.1,
+    family: str = "qwen2_vl",
 ) -> TinyVLM:
     """Build, initialise (seeded) and save a tiny random `Qwen2VLForConditionalGeneration`
-    with a byte-level tokenizer (the vision tokens added) and a Qwen2-VL image processor
+    (`family="qwen2_vl"`) or `Qwen2_5_VLForConditionalGeneration` (`"qwen2_5_vl"`: RMSNorm +
+    SwiGLU vision blocks, windowed attention in block 0 and full attention in the last) with
+    a byte-level tokenizer (the vision tokens added) and the image processor both families use
     (14-pixel patches merged 2x2; images are resized to 112..448 pixels a side)."""
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    # transformers only here: the rollout package imports without it
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    if family not in VLM_FAMILIES:
+        raise ConfigError(f"build_tiny_vlm(family={family!r}): use one of {list(VLM_FAMILIES)}")
 
     from tephra.rollout.testing import build_tiny_tokenizer
 
@@ -134,7 +151,31 @@ def build_tiny_vlm(
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     head = hidden_size // 2
-    config = Qwen2VLConfig(
+    vision_common = dict(
+        depth=1 if family == "qwen2_vl" else 2,
+        hidden_size=hidden_size,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_channels=3,
+        initializer_range=initializer_range,
+    )
+    if family == "qwen2_vl":
+        vision_config = dict(vision_common, embed_dim=32, mlp_ratio=2)
+        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    else:
+        # the tower's own width is hidden_size; out_hidden_size is the language model's
+        vision_config = dict(
+            vision_common,
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=hidden_size,
+            window_size=56,  # 2x2 merged patches a window: small images still cross windows
+            fullatt_block_indexes=[1],
+        )
+        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    config = config_cls(
         text_config=dict(
             vocab_size=len(tok),
             hidden_size=hidden_size,
@@ -153,18 +194,7 @@ def build_tiny_vlm(
             pad_token_id=pad,
             bos_token_id=None,
         ),
-        vision_config=dict(
-            depth=1,
-            embed_dim=32,
-            hidden_size=hidden_size,
-            num_heads=2,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            in_channels=3,
-            initializer_range=initializer_range,
-        ),
+        vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -175,7 +205,7 @@ def build_tiny_vlm(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(path)
     tok.save_pretrained(path)
