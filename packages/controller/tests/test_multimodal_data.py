@@ -101,6 +101,14 @@ def test_parquet_rows_align_image_tokens_with_grids(proc, tmp_path):
         ("?", [_png((112, 112), "red")], r"1 image\(s\) but the prompt has 0 .*add a <image>"),
         ("<image>?", [_png((112, 112), "red")], None),  # raw bytes are fine
         ("<image>?", [3], r"holds a int, not image bytes"),
+        (
+            # a prompt expanded already (16 pads for a 112x112 image): expanded twice otherwise
+            "<|vision_start|>" + "<|image_pad|>" * 16 + "<|vision_end|>?",
+            [_png((112, 112), "red")],
+            r"row 3 of t: message 0 \(user\) already holds the processor's vision tokens "
+            r"\{'<\|vision_start\|>': 1, '<\|image_pad\|>': 16, '<\|vision_end\|>': 1\}; mark each "
+            r"image with one <image>",
+        ),
     ],
 )
 def test_bad_images_name_the_row_and_the_fix(proc, tmp_path, content, images, match):

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from tephra.controller.data import DatasetError, PromptRecord, chat_prompt_ids, record_from_row
-from tephra.rollout.multimodal import MultimodalInputs, VisionProcessor
+from tephra.engine_api.errors import ConfigError
+from tephra.rollout.multimodal import (
+    VISION_TOKENS,
+    MultimodalInputs,
+    VisionProcessor,
+    check_image_tokens,
+)
 
 IMAGE_PLACEHOLDER = "<image>"
 """verl's marker of an image in a message's text."""
@@ -88,8 +94,25 @@ def decode_image(value: Any, index: int, where: str, base_dir: Path | None = Non
     )
 
 
+def refuse_raw_vision_tokens(messages: list[dict], index: int, where: str) -> None:
+    """No message already holds the processor's own vision tokens: the processor would expand
+    them a second time (the classic placeholder off-by-n between rollout and training)."""
+    for turn, m in enumerate(messages):
+        if not isinstance(m["content"], str):
+            continue
+        found = {t: m["content"].count(t) for t in VISION_TOKENS if t in m["content"]}
+        if found:
+            raise DatasetError(
+                f"row {index} of {where}: message {turn} ({m.get('role')}) already holds the "
+                f"processor's vision tokens {found}; mark each image with one "
+                f"{IMAGE_PLACEHOLDER} and let the processor expand it (expanded text would be "
+                "expanded twice)"
+            )
+
+
 def with_vision_spans(messages: list[dict], index: int, where: str, n_images: int) -> list[dict]:
     """Messages with each `<image>` replaced by the vision span; counts must match."""
+    refuse_raw_vision_tokens(messages, index, where)
     count = sum(
         m["content"].count(IMAGE_PLACEHOLDER) for m in messages if isinstance(m["content"], str)
     )
@@ -139,6 +162,10 @@ def multimodal_prompt_from_row(
         messages, add_generation_prompt=True, tokenize=False
     )
     ids, mm = processor(text, images)
+    try:  # the token ids hold exactly the processor's expansion of every image
+        check_image_tokens(ids, mm, processor.image_token_id, processor.merge_size, "")
+    except ConfigError as exc:
+        raise DatasetError(f"row {index} of {where}{exc}") from None
     return MultimodalPrompt(record, ids, mm)
 
 
