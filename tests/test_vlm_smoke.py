@@ -122,6 +122,50 @@ def test_multimodal_parquet_trains_and_validates(ray_session, tmp_path):
     assert record["actor/grad_norm"] > 0
 
 
+def _video_parquet(path, size, seed) -> None:
+    # each colour square becomes a 4-frame video of the square moving right
+    rows = []
+    for row in colour_square_rows(size, seed):
+        image = row["images"][0]
+        frames = []
+        for k in range(4):
+            png = io.BytesIO()
+            image.transform(image.size, 0, (1, 0, -4 * k, 0, 1, 0)).save(png, format="PNG")
+            frames.append(png.getvalue())
+        prompt = [
+            {**m, "content": m["content"].replace("<image>", "<video>")} for m in row["prompt"]
+        ]
+        rows.append({**row, "prompt": prompt, "images": [], "videos": [{"video": frames}]})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+@pytest.mark.multiproc
+def test_video_parquet_trains_two_steps(ray_session, tmp_path):
+    # verl's videos column: the hf rollout's log-probs of the videos equal the trainer's
+    _video_parquet(tmp_path / "train.parquet", 8, 1)
+    cfg = parse_config(
+        [
+            "-p",
+            "vlm_smoke",
+            "model.path=tiny_qwen2_5_vl",
+            "data.source=parquet",
+            "data.images=true",
+            "data.max_prompt_tokens=120",
+            f"data.train_files=[{tmp_path / 'train.parquet'}]",
+            f"data.val_files=[{tmp_path / 'train.parquet'}]",
+            "batch.mini_batches=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    assert run(cfg)["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(train) == 2
+    for r in train:
+        assert r["rollout_corr/log_prob_abs_gap_mean"] < 1e-4
+        assert abs(math.log(r["rollout_corr/ratio_max"])) < 1e-4
+        assert r["actor/grad_norm"] > 0 and r["reward/errors"] == 0
+
+
 @pytest.mark.parametrize(
     ("override", "field"),
     [
