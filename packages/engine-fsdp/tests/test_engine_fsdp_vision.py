@@ -226,3 +226,38 @@ def test_video_token_mismatch_is_refused(vlm):
     engine = _engine(vlm)
     with pytest.raises(ConfigError, match="batch row 0: the prompt holds 0 image tokens but"):
         engine.forward(batch)
+
+
+@pytest.mark.parametrize("vision", ["frozen", "adapt"])
+def test_lora_on_a_vlm_adapts_the_language_model_and_the_tower_by_option(vlm, vision):
+    from transformers import AutoModelForImageTextToText
+
+    batch, seqs, mm = _batch(vlm)
+    engine = _engine(vlm, **{"lora.rank": 4, "lora.vision": vision})
+    # B = 0 at start: the adapted model is the base model, images included
+    with engine.eval_mode():
+        got = engine.forward(batch)["log_probs"] * batch[B.RESPONSE_MASK]
+    model = AutoModelForImageTextToText.from_pretrained(vlm.path, dtype=torch.float32).eval()
+    want = _reference(vlm, model, seqs, mm, batch[B.RESPONSE_MASK])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    params = dict(engine.hf_model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    in_tower = {n for n in trainable if "visual" in n}
+    assert bool(in_tower) == (vision == "adapt")
+    before = {n: _full(p) for n, p in params.items()}
+    _, grad_norm = train_step(engine, batch)
+    assert grad_norm > 0
+    after = {n: _full(p) for n, p in engine.hf_model.named_parameters()}
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    # lora_A of a layer whose B is still 0 gets no gradient on the first step: B moves
+    assert any("language_model" in n and "lora_B" in n for n in moved)
+    assert any("visual" in n for n in moved) == (vision == "adapt")
+    assert all(".lora_" in n for n in moved)
+
+
+def test_lora_vision_option_is_checked():
+    from tephra.engine_api.config import LoraConfig
+
+    with pytest.raises(ConfigError, match=r"lora.vision='train': use one of \['frozen', 'adapt'\]"):
+        LoraConfig(rank=4, vision="train")
