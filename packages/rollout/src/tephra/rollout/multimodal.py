@@ -81,6 +81,7 @@ class VisionProcessor:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> VisionProcessor:
+        # transformers takes seconds to import; the config checks import this module
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -191,7 +192,7 @@ def build_tiny_vlm(
     SwiGLU vision blocks, windowed attention in block 0 and full attention in the last) with
     a byte-level tokenizer (the vision tokens added) and the image processor both families use
     (14-pixel patches merged 2x2; images are resized to 112..448 pixels a side)."""
-    # transformers only here: the rollout package imports without it
+    # transformers takes seconds to import; the config checks import this module
     from transformers import (
         GenerationConfig,
         Qwen2_5_VLConfig,
