@@ -181,6 +181,7 @@ def test_video_parquet_trains_two_steps(ray_session, tmp_path):
             "data.source=parquet",
             "data.images=true",
             "data.max_prompt_tokens=120",
+            "data.max_frames=2",  # 4 frames sampled to 2: one temporal patch
             f"data.train_files=[{tmp_path / 'train.parquet'}]",
             f"data.val_files=[{tmp_path / 'train.parquet'}]",
             "batch.mini_batches=2",
@@ -216,6 +217,8 @@ def test_unsupported_combinations_are_refused(override, field):
 def test_images_need_parquet_and_a_vision_model(tmp_path):
     with pytest.raises(ConfigError, match="data.images=true reads the `images` column"):
         parse_config(["-p", "vlm_smoke", "data.images=true"])
+    with pytest.raises(ConfigError, match=r"data.max_frames=1: a video needs at least 2 frames"):
+        parse_config(["-p", "vlm_smoke", "data.max_frames=1"])
     with pytest.raises(ConfigError, match="text-only model"):
         prepare(parse_config(["-p", "vlm_smoke", "model.path=tiny", f"trainer.run_dir={tmp_path}"]))
 

@@ -80,13 +80,15 @@ class VisionProcessor:
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> VisionProcessor:
+    def from_pretrained(cls, path: str | Path, max_frames: int = 8) -> VisionProcessor:
         # transformers takes seconds to import; the config checks import this module
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
         return cls(
-            AutoTokenizer.from_pretrained(path), Qwen2VLImageProcessorPil.from_pretrained(path)
+            AutoTokenizer.from_pretrained(path),
+            Qwen2VLImageProcessorPil.from_pretrained(path),
+            max_frames,
         )
 
     def images(self, images: list[Any]) -> MultimodalInputs:
