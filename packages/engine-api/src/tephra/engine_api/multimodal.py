@@ -43,7 +43,7 @@ class MultimodalInputs:
                 "MultimodalInputs: pixel_values_videos and video_grid_thw go together; pass "
                 "both (the video processing's outputs) or neither"
             )
-        if self.video_grid_thw is not None:
+        if self.video_grid_thw is not None and self.pixel_values_videos is not None:
             _check_pixels(
                 "pixel_values_videos",
                 "video_grid_thw",
@@ -72,16 +72,19 @@ class MultimodalInputs:
     @staticmethod
     def concat(items: list[MultimodalInputs]) -> MultimodalInputs:
         """One batch of several prompts' images, in prompt order (what the model expects)."""
-        videos = [m for m in items if m.video_grid_thw is not None]
+        pixels = [m.pixel_values_videos for m in items if m.pixel_values_videos is not None]
+        grids = [m.video_grid_thw for m in items if m.video_grid_thw is not None]
         return MultimodalInputs(
             torch.cat([m.pixel_values for m in items]),
             torch.cat([m.image_grid_thw for m in items]),
-            torch.cat([m.pixel_values_videos for m in videos]) if videos else None,
-            torch.cat([m.video_grid_thw for m in videos]) if videos else None,
+            torch.cat(pixels) if pixels else None,
+            torch.cat(grids) if grids else None,
         )
 
 
-def _check_pixels(pixels_name: str, grid_name: str, pixels: torch.Tensor, grid: torch.Tensor):
+def _check_pixels(
+    pixels_name: str, grid_name: str, pixels: torch.Tensor, grid: torch.Tensor
+) -> None:
     if grid.ndim != 2 or grid.shape[1] != 3:
         raise ConfigError(
             f"MultimodalInputs.{grid_name} has shape {list(grid.shape)}; it must be (n, 3), "
@@ -175,7 +178,7 @@ def hf_model_kwargs(
         "image_grid_thw": batch.image_grid_thw,
         "mm_token_type_ids": mm_token_type_ids(input_ids, image_token, video_token),
     }
-    if batch.video_grid_thw is not None:
+    if batch.video_grid_thw is not None and batch.pixel_values_videos is not None:
         out["pixel_values_videos"] = batch.pixel_values_videos
         out["video_grid_thw"] = batch.video_grid_thw
     if not batch.num_images:  # transformers reads an empty image grid as images present
