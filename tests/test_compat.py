@@ -254,8 +254,8 @@ def test_package_alone_at_its_lowest_and_newest_dependencies(
 @pytest.mark.compat
 @pytest.mark.multiproc
 def test_backend_upgrade_leaves_the_algorithms_untouched(uv, wheels, tmp_path):
-    """transformers swapped from the lock's version to the lowest both engines allow; every
-    other package stays at the lock's version. The algos tests, the FSDP engine's kit and the
+    """transformers swapped from the lock's version to the lowest both engines allow (with the
+    tokenizers and huggingface-hub it needs); every other package stays at the lock's version. The algos tests, the FSDP engine's kit and the
     FSDP-Megatron parity test run there on the very algos wheel the workspace builds."""
     locked = run(
         [uv, "export", "--all-packages", "--no-dev", "--no-hashes", "--no-emit-workspace"],
@@ -266,8 +266,9 @@ def test_backend_upgrade_leaves_the_algorithms_untouched(uv, wheels, tmp_path):
     assert locked.returncode == 0, locked.stderr
     pins = [line for line in locked.stdout.splitlines() if re.match(r"^[A-Za-z0-9]", line)]
     was = next(line for line in pins if line.startswith("transformers=="))
+    swapped = ("transformers==", "tokenizers==", "huggingface-hub==")
     (tmp_path / "lock.txt").write_text(
-        "\n".join(line for line in pins if not line.startswith("transformers==")) + "\n"
+        "\n".join(line for line in pins if not line.startswith(swapped)) + "\n"
     )
     engines = ["tephra-engine-fsdp", "tephra-engine-megatron"]
     allowed = [str(r) for n in engines for r in third_party(n) if r.name == "transformers"]
