@@ -83,7 +83,9 @@ class Environment(ABC):
         return {}
 
     async def close(self) -> None:
-        """Free what `reset` took (tool instances, a user simulator); called once, always."""
+        """Free what `reset` took (tool instances, a user simulator); called once, always.
+        The default holds nothing to free."""
+        return None
 
 
 EnvironmentFactory = Callable[..., Environment]
