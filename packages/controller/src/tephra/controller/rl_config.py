@@ -31,7 +31,7 @@ from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.algos.rollout_correction import LEVELS, ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from tephra.controller.evaluation import ValidationConfig
 from tephra.controller.models import declared_model_folder
-from tephra.core.errors import ConfigError
+from tephra.core.errors import ConfigError, RegistryError
 from tephra.engine_api.config import (
     EngineConfig,
     EngineSections,
@@ -42,6 +42,8 @@ from tephra.engine_api.config import (
     PrecisionConfig,
 )
 from tephra.episodes.agent.base import AgentLoopConfig
+from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS
+from tephra.episodes.environments.registry import get_environment
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.rewards import RewardConfig, RewardFunctionError, load_reward_function
 from tephra.rollout.base import HFSettings, ServerSettings
@@ -203,11 +205,23 @@ class RolloutSection:
         _check_name("rollout.backend", self.backend, ROLLOUT_BACKENDS)
         if self.agent_loop:
             _check_name("rollout.agent_loop", self.agent_loop, EPISODES)
-            if self.agent_loop == "tool_agent" and not self.tools_file:
+            _check_name(
+                "rollout.agent.tool_call_format", self.agent.tool_call_format, TOOL_CALL_PARSERS
+            )
+            uses_tools = self.agent_loop == "tool_agent" or (
+                self.agent_loop == "environment" and self.agent.environment == "tool"
+            )
+            if uses_tools and not self.tools_file:
                 raise ConfigError(
-                    "rollout.agent_loop='tool_agent' needs rollout.tools_file: a "
-                    "tools YAML, or `python` for the bundled sandboxed interpreter"
+                    f"rollout.agent_loop={self.agent_loop!r} needs rollout.tools_file"
+                    + (" (rollout.agent.environment='tool')" if self.agent.environment else "")
+                    + ": a tools YAML, or `python` for the bundled sandboxed interpreter"
                 )
+            if self.agent_loop == "environment" or self.agent.environment:
+                try:  # a file is imported here, so its errors come before Ray starts
+                    get_environment(self.agent.environment)
+                except RegistryError as exc:
+                    raise ConfigError(f"rollout.agent.environment: {exc}") from None
         if self.max_in_flight < 1:
             raise ConfigError(f"rollout.max_in_flight={self.max_in_flight} must be >= 1")
         protocol = getattr(ROLLOUT_BACKENDS.get(self.backend), "protocol_class", None)

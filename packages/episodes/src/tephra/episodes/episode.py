@@ -45,3 +45,19 @@ async def run_episodes(
             return await episode(rollout, item, sampling)
 
     return [s for samples in await asyncio.gather(*(one(i) for i in items)) for s in samples]
+
+
+def by_agent_name(default: str, build: Callable[[str], Episode]) -> Episode:
+    """An episode that runs each item with the episode its `agent_name` names (verl's per-row
+    `agent_name`), or `default` when it names none; `build(name)` makes each once."""
+    built: dict[str, Episode] = {}
+
+    async def episode(
+        rollout: Rollout, item: AgentSample, sampling: SamplingParams
+    ) -> list[Sample]:
+        name = item.agent_name or default
+        if name not in built:
+            built[name] = build(name)
+        return await built[name](rollout, item, sampling)
+
+    return episode

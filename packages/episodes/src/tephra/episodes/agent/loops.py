@@ -164,7 +164,12 @@ class EnvironmentLoop(_TokenLoop):
     the observation as the chat template's token delta -> generate ..., until the environment
     says done, `max_turns`, the token budget or a deadline (`tool_timeout_s`,
     `turn_timeout_s`, `trajectory_timeout_s`: the trajectory ends with that finish reason and
-    scores by `timeout_reward`)."""
+    scores by `timeout_reward`). A turn cut by the per-turn cap (`sampling.max_tokens`) still
+    goes to the environment (the trajectory's budget has room); one cut by the trajectory's
+    budget or the model length ends the episode with `length`."""
+
+    step_after_turn_cap = True
+    """Whether a turn cut by `sampling.max_tokens` is stepped (True) or ends the episode."""
 
     def make_environment(self) -> Environment:
         from tephra.episodes.environments.registry import get_environment  # registry imports us
@@ -260,7 +265,9 @@ class EnvironmentLoop(_TokenLoop):
                     traj.add_generated(gen)
                     content, stop_text = self.text_of_turn(run, gen.response_ids, gen.finish_reason)
                     traj.messages.append({"role": "assistant", "content": content})
-                    if gen.finish_reason == "length":
+                    if gen.finish_reason == "length" and not (
+                        self.step_after_turn_cap and budget == run.sampling.max_tokens
+                    ):
                         return "length"
                     result = await env.step(content)
             except TimeoutError:
@@ -295,7 +302,10 @@ class EnvironmentLoop(_TokenLoop):
 class ToolAgentLoop(EnvironmentLoop):
     """The `tool_agent` episode: the environment loop over the tool environment (generate ->
     parse tool calls -> run them concurrently -> append their results as tokens -> generate
-    ..., until a turn has no tool call, `max_turns`, the token budget or a deadline)."""
+    ..., until a turn has no tool call, `max_turns`, the token budget or a deadline). A turn
+    cut by `sampling.max_tokens` ends it (`length`): a cut tool call cannot run."""
+
+    step_after_turn_cap = False
 
     def make_environment(self) -> Environment:
         return ToolEnvironment(self.tools, self.config)
