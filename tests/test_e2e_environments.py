@@ -75,7 +75,7 @@ def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path):
             "rollout.agent.max_turns=3",
             "rollout.agent.max_response_tokens=96",
             f"reward.custom_function_path={reward}",
-            "trainer.dump_generations=8",
+            "trainer.dump_generations=1",
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )

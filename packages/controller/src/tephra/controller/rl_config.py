@@ -42,6 +42,7 @@ from tephra.engine_api.config import (
     PrecisionConfig,
 )
 from tephra.episodes.agent.base import AgentLoopConfig
+from tephra.episodes.agent.black_box import load_agent_function
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS
 from tephra.episodes.environments.registry import get_environment
 from tephra.episodes.registry import EPISODES
@@ -217,6 +218,8 @@ class RolloutSection:
                     + (" (rollout.agent.environment='tool')" if self.agent.environment else "")
                     + ": a tools YAML, or `python` for the bundled sandboxed interpreter"
                 )
+            if self.agent_loop == "openai_agent" or self.agent.openai_agent:
+                load_agent_function(self.agent.openai_agent)  # its errors come before Ray
             if self.agent_loop == "environment" or self.agent.environment:
                 try:  # a file is imported here, so its errors come before Ray starts
                     get_environment(self.agent.environment)

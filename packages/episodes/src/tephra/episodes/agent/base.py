@@ -88,6 +88,10 @@ class AgentLoopConfig:
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor (the same for every item; per-item
     ones come from `AgentSample.interaction_kwargs`)."""
+    openai_agent: str = ""
+    """The agent of the `openai_agent` episode: `path/to/agent.py:function`, called as
+    `function(base_url, item)` with an OpenAI-compatible endpoint served by the policy.
+    Unused by the other episodes."""
     tool_timeout_s: float | None = None
     """Deadline of one tool call in seconds; on expiry the trajectory ends with finish
     reason `tool_timeout`. None: no deadline (the tool's own limits apply)."""
