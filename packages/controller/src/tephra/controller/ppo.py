@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tephra.controller.checkpoints import CheckpointManager
+from tephra.controller.code_problems import code_problem_records
 from tephra.controller.data import (
     PromptRecord,
     check_same_data,
@@ -47,6 +48,8 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
             reasoning_gym_records(d.task, d.val_size, d.val_seed, d.task_config, d.instruction),
         )
 
+    if d.source == "code_problems":
+        return code_problem_records("train", d.train_size), code_problem_records("val", d.val_size)
     if not d.train_files:
         raise ConfigError(f"data.source={d.source!r} needs data.train_files to train on")
 
