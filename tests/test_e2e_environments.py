@@ -50,6 +50,24 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
+STUCK_ENV = """
+import asyncio
+from tephra.episodes.environments import Environment, StepResult
+
+
+class SometimesStuck(Environment):
+    \"\"\"Samples 0 and 1 of each prompt never answer; the others end with a parity reward.\"\"\"
+
+    async def reset(self, item):
+        self.stuck = item.sample_id.endswith(("-0", "-1"))
+        return list(item.messages)
+
+    async def step(self, action):
+        if self.stuck:
+            await asyncio.sleep(3600)
+        return StepResult(reward=float(len(action.strip()) % 2), done=True)
+"""
+
 FAILING_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     raise RuntimeError("the environment scores these samples; the scorer must not run")
@@ -103,6 +121,77 @@ def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path):
         assert math.isfinite(r["actor/grad_norm"])
 
 
+@pytest.mark.multiproc
+def test_a_stuck_environment_cannot_hold_the_step(tmp_path):
+    import ray
+
+    from tephra.controller.worker_group import ray_init
+
+    env = tmp_path / "stuck.py"
+    env.write_text(STUCK_ENV)
+    deadline = 20.0  # far above a 16-token turn of the tiny model, so only the stuck ones expire
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "rollout.agent_loop=environment",
+            f"rollout.agent.environment={env}:SometimesStuck",
+            f"rollout.agent.turn_timeout_s={deadline}",
+            "rollout.agent.timeout_reward=drop",
+            "rollout.agent.max_response_tokens=64",
+            "trainer.dump_generations=1",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    ray_init(num_cpus=2)
+    try:
+        summary = run(cfg)
+    finally:
+        ray.shutdown()
+    assert summary["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    stuck = 2 * cfg.batch.prompts_per_step
+    for step, r in zip((1, 2), train):
+        assert (r["agent/timeouts"], r["agent/dropped"]) == (stuck, stuck)
+        assert r["time/generate_s"] < deadline + 60.0  # an upper bound only: the deadline held
+        rows = [
+            json.loads(line)
+            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+        reasons = sorted(row["finish_reason"] for row in rows)
+        assert reasons == ["done"] * (len(rows) - stuck) + ["turn_timeout"] * stuck
+        for row in rows:
+            if row["finish_reason"] == "turn_timeout":  # dropped: trains nothing, advantage 0
+                assert sum(row["response_mask"]) == 0 and row["advantage"] == 0.0
+
+
+def test_rows_naming_an_agent_need_an_agent_loop(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tephra.controller.ppo import load_records
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(verl_rows()), path)
+    cfg = parse_config(["-p", "smoke", "data.source=parquet", f"data.train_files=[{path}]"])
+    with pytest.raises(
+        ConfigError, match="agent_name='tool_agent' but rollout.agent_loop is unset"
+    ):
+        load_records(cfg)
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "data.source=parquet",
+            f"data.train_files=[{path}]",
+            "rollout.agent_loop=single_turn",
+        ]
+    )
+    assert [r.agent_name for r in load_records(cfg)[0]] == ["tool_agent", "environment"]
+
+
 def test_environment_config_errors_come_before_ray(tmp_path):
     with pytest.raises(ConfigError, match="rollout.agent.environment is empty"):
         parse_config(["-p", "smoke", "rollout.agent_loop=environment"])
@@ -114,6 +203,8 @@ def test_environment_config_errors_come_before_ray(tmp_path):
         parse_config(
             ["-p", "smoke", "rollout.agent_loop=environment", "rollout.agent.environment=tool"]
         )
+    with pytest.raises(ConfigError, match="openai_agent='': give path/to/agent.py:function"):
+        parse_config(["-p", "smoke", "rollout.agent_loop=openai_agent"])
     with pytest.raises(ConfigError, match="tool_call_format='xml' is not a registered"):
         parse_config(["-p", "smoke_tools", "rollout.agent.tool_call_format=xml"])
 

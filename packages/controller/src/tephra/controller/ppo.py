@@ -40,7 +40,20 @@ BUNDLED_TOOLS = Path(__file__).parent / "tools"
 
 
 def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """Training and held-out records of `cfg.data`."""
+    """Training and held-out records of `cfg.data` (rows naming an `agent_name` need
+    `rollout.agent_loop`: the batched path runs no episode)."""
+    train, val = _load_records(cfg)
+    named = next((r.agent_name for r in (*train, *val) if r.agent_name), None)
+    if named and not cfg.rollout.uses_agent_loop:
+        raise ConfigError(
+            f"the data's rows name agent_name={named!r} but rollout.agent_loop is unset, so "
+            "no episode would run them; set rollout.agent_loop (the episode of rows without "
+            "an agent_name, e.g. single_turn)"
+        )
+    return train, val
+
+
+def _load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
     d = cfg.data
     if d.source == "reasoning_gym":
         return (
