@@ -52,6 +52,7 @@ def family_tokenizer(tiny_model, template: str, eos: str, extra: list[str]):
 
 FAMILIES = {
     # format: (template file, end-of-turn token, control tokens)
+    "hermes": ("hermes.jinja", "<|im_end|>", ["<|im_start|>"]),
     "qwen3_coder": ("qwen3_coder.jinja", "<|im_end|>", ["<|im_start|>"]),
     "llama3_json": (
         "llama3_1_json.jinja",
@@ -61,6 +62,10 @@ FAMILIES = {
     "mistral": ("mistral.jinja", "</s>", ["[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]"]),
 }
 CALLS = {
+    "hermes": [
+        {"name": "python", "arguments": {"code": "print(6 * 7)", "repeat": 2}},
+        {"name": "search", "arguments": {"query": "tephra"}},
+    ],
     "qwen3_coder": [
         {"name": "python", "arguments": {"code": "x = 6 * 7\nprint(x)", "repeat": 2}},
         {"name": "search", "arguments": {"query": "tephra", "filters": {"year": 2026}}},
@@ -110,7 +115,7 @@ def test_malformed_calls_come_back_as_errors_for_the_model():
     assert TOOL_CALL_PARSERS.get("qwen3_coder")("<tool_call>\n<function=python>\n") == []
 
 
-@pytest.mark.parametrize("fmt", ["qwen3_coder", "llama3_json"])
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder", "llama3_json"])
 def test_tool_agent_runs_a_call_in_the_family_format_token_in_token_out(fmt, tiny_model):
     template, eos, extra = FAMILIES[fmt]
     tok = family_tokenizer(tiny_model, template, eos, extra)
@@ -118,6 +123,8 @@ def test_tool_agent_runs_a_call_in_the_family_format_token_in_token_out(fmt, tin
         "qwen3_coder": "<tool_call>\n<function=python>\n<parameter=code>\nprint(6 * 7)\n"
         "</parameter>\n</function>\n</tool_call>",
         "llama3_json": '{"name": "python", "parameters": {"code": "print(6 * 7)"}}',
+        "hermes": '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n'
+        "</tool_call>",
     }[fmt]
     model = ScriptedRollout(tok, lambda s, k: [call, "It is 42."][k])
     tool = Recorder()
