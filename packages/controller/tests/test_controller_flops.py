@@ -8,13 +8,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from tephra.controller.flops import (
-    device_peak,
-    model_shape,
-    published_peak,
-    row_spans,
-    step_flops,
-)
+from tephra.controller.flops import device_peak, model_shape, row_spans, step_flops
+from tephra.core.machine import published_peak
 from tephra.engine_api.batch import make_batch
 
 H, LAYERS, HEADS, KV, INTER, VOCAB = 64, 3, 4, 2, 96, 500

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tephra.kernels import linear_logprob_entropy, naive_logprob_entropy, resolve_method
+from tephra.kernels.logprob_entropy import triton_is_faster
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +40,6 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 )
 def test_compiled_triton_matches_float64(dtype, tokens, hidden, vocab, temperature, bound):
     dev = torch.device("cuda")
-    assert resolve_method("auto", dev) == "chunked"  # triton is chosen by name
     gen = torch.Generator(device=dev).manual_seed(tokens)
     h = torch.randn(tokens, hidden, device=dev, generator=gen).to(dtype).requires_grad_()
     w = (torch.randn(vocab, hidden, device=dev, generator=gen) * 0.3).to(dtype).requires_grad_()
@@ -97,3 +97,17 @@ def test_sum_pi_squared_on_cuda_matches_float64(method, dtype, bound):
     _, _, q = linear_logprob_entropy(h, w, y, 0.8, method=method, compute_sum_pi_squared=True)
     want = torch.softmax((h.double() @ w.double().T) / 0.8, -1).pow(2).sum(-1)
     assert _rel_err(q, want) < bound, _rel_err(q, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_auto_takes_the_choice_timed_once_on_this_device(dtype):
+    """auto picks triton exactly where the recorded timing says it beat chunked; the answer is
+    the same on a second asking (recorded, not re-timed)."""
+    dev = torch.device("cuda")
+    choice = triton_is_faster(dev, dtype)
+    assert isinstance(choice, bool)
+    triton_is_faster.cache_clear()  # the next answer comes from the record on disk
+    assert triton_is_faster(dev, dtype) == choice
+    assert resolve_method("auto", dev, dtype) == ("triton" if choice else "chunked")
+    assert resolve_method("auto", dev) == "chunked"  # no dtype: the untimed default
+    print(f"auto on {torch.cuda.get_device_name(dev)} {dtype}: {'triton' if choice else 'chunked'}")

@@ -18,10 +18,13 @@ os.environ["TEPHRA_KERNEL_METHOD"] = "triton"
 import torch
 torch.set_num_threads(1)
 from tephra.kernels import linear_logprob_entropy, naive_logprob_entropy, resolve_method
+from tephra.kernels import triton_kernels
 from tephra.kernels.triton_kernels import triton_logprob_entropy
 
+triton_kernels.ROW_BLOCK = 8  # several loop steps per vocab block, and partial tails
+
 assert resolve_method("auto", torch.device("cpu")) == "triton"
-blocks = dict(block_n=16, block_v=16, block_h=16)  # several blocks and partial tails
+blocks = dict(block_vocab=24)  # several vocab blocks and a partial last one
 gen = torch.Generator().manual_seed(0)
 
 
@@ -41,7 +44,7 @@ for dtype, tokens, hidden, vocab, temp in [
     y[::3] = -100
     g = (h, w, y, torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen))
     ref = run(lambda: naive_logprob_entropy(h, w, y, temp), *g)
-    got = run(lambda: triton_logprob_entropy(h, w, y, temp, blocks=blocks), *g)
+    got = run(lambda: triton_logprob_entropy(h, w, y, temp, **blocks), *g)
     if tokens == 16:  # the public entry point, sent to triton by TEPHRA_KERNEL_METHOD
         got_dispatch = run(lambda: linear_logprob_entropy(h, w, y, temp), *g)
         for a, b in zip(got_dispatch, ref):
@@ -58,7 +61,7 @@ for dtype, tokens, hidden, vocab, temp in [
 
 # compute_entropy=False with a frozen weight: only the hidden gradient
 h32, w32 = h.detach().float().requires_grad_(), w.detach().float()
-lp, _ = triton_logprob_entropy(h32, w32, y, 0.9, compute_entropy=False, blocks=blocks)
+lp, _ = triton_logprob_entropy(h32, w32, y, 0.9, compute_entropy=False, **blocks)
 ref_lp, _ = naive_logprob_entropy(h32, w32, y, 0.9, compute_entropy=False)
 torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
 torch.testing.assert_close(torch.autograd.grad(lp.sum(), h32)[0],
@@ -66,7 +69,7 @@ torch.testing.assert_close(torch.autograd.grad(lp.sum(), h32)[0],
 # sum_pi_squared from the same online pass, against a float64 softmax
 for temp in (1.0, 0.7):
     lp, ent, q = triton_logprob_entropy(
-        h32, w32, y, temp, blocks=blocks, compute_sum_pi_squared=True
+        h32, w32, y, temp, **blocks, compute_sum_pi_squared=True
     )
     ref_q = torch.softmax((h32.detach().double() @ w32.double().T) / temp, -1).pow(2).sum(-1)
     torch.testing.assert_close(q.double(), ref_q, atol=1e-6, rtol=1e-5)

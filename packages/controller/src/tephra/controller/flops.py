@@ -22,26 +22,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tephra.core.machine import cache_root, cpu_name
-
-PUBLISHED_PEAK_FLOPS: dict[tuple[str, str], float] = {
-    # dense (no 2:4 sparsity) tensor-core rates from NVIDIA's data sheets; float32 is the
-    # non-tensor-core rate, what torch's default (TF32 off) matmuls get
-    ("H100 PCIe", "bfloat16"): 756e12,
-    ("H100 PCIe", "float16"): 756e12,
-    ("H100 PCIe", "float32"): 51e12,
-    ("H100", "bfloat16"): 989e12,  # SXM and the H100 80GB HBM3 name torch reports for it
-    ("H100", "float16"): 989e12,
-    ("H100", "float32"): 67e12,
-    ("H200", "bfloat16"): 989e12,
-    ("H200", "float16"): 989e12,
-    ("H200", "float32"): 67e12,
-    ("A100", "bfloat16"): 312e12,
-    ("A100", "float16"): 312e12,
-    ("A100", "float32"): 19.5e12,
-}
-"""FLOP/s per GPU by (name fragment, compute dtype); the longest fragment in the device's
-name wins (so `H100 PCIe` before `H100`)."""
+from tephra.core.machine import cache_root, cpu_name, published_peak
 
 
 @dataclass(frozen=True)
@@ -131,16 +112,6 @@ def step_flops(
     full = pass_flops(shape, spans)
     generation = pass_flops(shape, [(g, p, max(t - 1, p)) for g, p, t in spans])
     return generation + full * (forward_passes + 3 * trained_passes)
-
-
-def published_peak(device_name: str, dtype: str) -> float | None:
-    """The published dense peak (FLOP/s) of a GPU named `device_name` in `dtype`, if known."""
-    matches = [
-        (len(fragment), peak)
-        for (fragment, kind), peak in PUBLISHED_PEAK_FLOPS.items()
-        if kind == dtype and fragment in device_name
-    ]
-    return max(matches)[1] if matches else None
 
 
 def peak_cache_file() -> Path:

@@ -228,14 +228,17 @@ def run(cfg: PPOConfig) -> dict:
     import torch
     import yaml
 
+    from tephra.controller.dispatch import dispatched_methods
     from tephra.controller.flops import model_shape
     from tephra.controller.rl_loop import Trainer
     from tephra.controller.rl_worker import RLWorker, colocated_roles
     from tephra.controller.rollout_replicas import RolloutReplicas
+    from tephra.controller.watchdog import Watchdog, check_stage_names
     from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
 
     clock = Timeline()
     torch.set_num_threads(1)  # the driver only moves batches; the workers compute
+    check_stage_names(cfg.trainer.watchdog, dispatched_methods(RLWorker) | {"generate_scored"})
     p = prepare(cfg)
     check_resumed_data(cfg, p)
     clock.lap("prepare")  # model folder, tokenizer, data
@@ -251,6 +254,8 @@ def run(cfg: PPOConfig) -> dict:
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus, dashboard=r.ray_dashboard)
     clock.lap("ray")
+    # one watchdog for every group: deadlines per (group, stage), the step set by the Trainer
+    watchdog = Watchdog(cfg.trainer.watchdog)
     pool = ResourcePool(
         r.world_size,
         r.cpus_per_rank,
@@ -284,6 +289,7 @@ def run(cfg: PPOConfig) -> dict:
                 "roles": colocated_roles(cfg),
             },
             name="rl",
+            watchdog=watchdog,
         )
 
     def make_role_groups() -> dict[str, WorkerGroup]:
@@ -295,6 +301,7 @@ def run(cfg: PPOConfig) -> dict:
                     role_pool,
                     {"cfg": cfg, "model_path": p.model_path, "roles": (role,)},
                     name=role,
+                    watchdog=watchdog,
                 )
         except BaseException:
             for group in groups.values():
@@ -303,7 +310,7 @@ def run(cfg: PPOConfig) -> dict:
         return groups
 
     def make_replicas() -> RolloutReplicas:
-        return RolloutReplicas(cfg, p.model_path, p.tools_file)
+        return RolloutReplicas(cfg, p.model_path, p.tools_file, watchdog)
 
     try:
         trainer = Trainer(

@@ -31,6 +31,7 @@ from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.algos.rollout_correction import LEVELS, ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from tephra.controller.evaluation import ValidationConfig
 from tephra.controller.models import declared_model_folder
+from tephra.controller.watchdog import WatchdogConfig
 from tephra.core.errors import ConfigError, RegistryError
 from tephra.engine_api.config import (
     EngineConfig,
@@ -586,8 +587,11 @@ class TrainerSection:
     """`auto`: continue from the latest intact checkpoint in run_dir when there is one;
     `off`: start fresh; `must`: fail unless there is one to continue from."""
     max_restarts: int = 1
-    """When a worker process dies (killed, out of memory) the worker group is rebuilt and the
-    run continues from the latest intact checkpoint, at most this many times (0: fail)."""
+    """When a worker process dies (killed, out of memory) or a stage passes its watchdog
+    deadline, the worker group is rebuilt and the run continues from the latest intact
+    checkpoint, at most this many times (0: fail with the watchdog's message)."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Deadlines of the driver's calls on the workers (`tephra.controller.watchdog`)."""
     resume_from: str | None = None
     """A `step_<N>` checkpoint folder (of this or another run) to continue from instead."""
     accept_changed_data: bool = False

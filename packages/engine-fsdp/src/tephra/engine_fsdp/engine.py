@@ -183,9 +183,11 @@ class FSDPEngine(Engine):
 
     def _offload_optimizer(self) -> None:
         # FSDP's param offload already keeps the optimizer state (built on the CPU
-        # shards) in CPU memory; this covers offloading the optimizer alone.
+        # shards) in CPU memory, where the step needs it; this covers offloading the
+        # optimizer alone (moving it to the GPU for train_mode would part it from the params).
         if (
             self.config.offload.optimizer
+            and not self.config.offload.params
             and self.device.type == "cuda"
             and self._optimizer_on_device
         ):

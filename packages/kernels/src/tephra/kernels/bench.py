@@ -1,4 +1,4 @@
-"""Benchmark: naive vs chunked (and Triton on CUDA), forward + backward, memory and time.
+"""Benchmark: naive vs chunked (and Triton and Liger on CUDA), forward + backward, memory, time.
 
     python -m tephra.kernels.bench [--quick] [--json PATH] [--threads 1] [--device cpu|cuda]
 
@@ -7,13 +7,22 @@ on CPU, peak RSS (VmHWM, or ru_maxrss without /proc) minus the RSS once the inpu
 weight, labels, output gradients) are allocated, built without large temporaries so that the
 process's peak before the method is the RSS at that point; on CUDA,
 torch.cuda.max_memory_allocated minus the memory allocated after the inputs, after one warm-up
-call (Triton compiles on first use). The naive run saves its outputs and gradients; every
-other method is compared with them (max abs error). Only torch and tephra.kernels are needed.
+call (Triton compiles on first use); seconds are the best of REPEATS timed calls there. The
+naive run saves its outputs and gradients; every other method is compared with them (max abs
+error). Only torch and tephra.kernels are needed, and liger-kernel for the "liger" rows.
+
+On CUDA each bf16 shape also runs "logp-only": the log-prob term alone (no entropy), the
+work that Liger's fused linear cross-entropy does. Liger's loss is -log p per token
+(reduction="none", its backward given -dL/dlogp per token) on hidden / T, since it has no
+temperature; naive and triton run the same term with compute_entropy=False, so those rows
+compare like with like. TFLOP/s counts the head's three products (6 x tokens x hidden x vocab)
+for every method, whatever it recomputes, against the device's published dense peak.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -25,6 +34,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tephra.core.machine import published_peak
 from tephra.kernels import linear_logprob_entropy
 from tephra.kernels.logprob_entropy import METHODS, triton_available
 
@@ -35,7 +45,11 @@ FULL_SHAPES = [
     (1024, 512, 151936, "bfloat16"),
     (2048, 512, 32000, "float32"),
 ]
+CUDA_SHAPES = [*FULL_SHAPES, (8192, 2048, 151936, "bfloat16")]
+"""On a GPU: the shapes above and a large bf16 head (a 2048-wide model, 8k tokens)."""
 QUICK_SHAPES = [(256, 64, 4096, "float32"), (128, 64, 4096, "bfloat16")]
+REPEATS = 3
+"""Timed calls per CUDA record after the warm-up (the best is kept)."""
 TEMPERATURE = 0.7
 IGNORED_FRACTION = 0.1
 
@@ -55,6 +69,12 @@ class Record:
     max_abs_err_grad_hidden: float
     max_abs_err_grad_weight: float
     chunk_size: int | None = None
+    logp_only: bool = False
+    """The log-prob term alone (no entropy), as Liger computes it."""
+    tflops: float = 0.0
+    """6 x tokens x hidden x vocab / seconds / 1e12: the head's three products."""
+    fraction_of_peak: float | None = None
+    """tflops over the device's published dense peak in this dtype (None: not known)."""
 
 
 def _make_inputs(tokens, hidden_size, vocab, dtype, device, seed=0):
@@ -114,13 +134,28 @@ def run_one(spec: dict) -> dict:
         tokens, hidden_size, vocab, spec["dtype"], device
     )
     method, chunk_size = spec["method"], spec.get("chunk_size")
+    logp_only = bool(spec.get("logp_only"))
     # chunked's memory floor: it would keep log-probs this small from forward to backward
     keep = {"keep_logits_bytes": 0} if method == "chunked" else {}
 
     def step():
+        if method == "liger":
+            lp = -_liger_loss(hidden, weight, labels)
+            lp.backward(g_lp)
+            return lp.detach(), torch.zeros_like(lp)
         lp, ent = linear_logprob_entropy(
-            hidden, weight, labels, TEMPERATURE, method=method, chunk_size=chunk_size, **keep
+            hidden,
+            weight,
+            labels,
+            TEMPERATURE,
+            method=method,
+            chunk_size=chunk_size,
+            compute_entropy=not logp_only,
+            **keep,
         )
+        if logp_only:
+            lp.backward(g_lp)
+            return lp.detach(), torch.zeros_like(lp)
         torch.autograd.backward([lp, ent], [g_lp, g_ent])
         return lp.detach(), ent.detach()
 
@@ -133,6 +168,14 @@ def run_one(spec: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+        seconds = float("inf")
+        for _ in range(REPEATS):
+            hidden.grad = weight.grad = None
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            lp, ent = step()
+            torch.cuda.synchronize()
+            seconds = min(seconds, time.perf_counter() - start)
     else:
         tiny = _make_inputs(8, hidden_size, 64, spec["dtype"], device, seed=1)
         lp, ent = linear_logprob_entropy(
@@ -141,11 +184,9 @@ def run_one(spec: dict) -> dict:
         torch.autograd.backward([lp, ent], list(tiny[3:]))
         del tiny, lp, ent
         base = _rss_now_bytes()
-    start = time.perf_counter()
-    lp, ent = step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        lp, ent = step()
+        seconds = time.perf_counter() - start
     peak = (
         torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_peak_bytes()
     ) - base
@@ -162,8 +203,17 @@ def run_one(spec: dict) -> dict:
     else:
         ref = torch.load(spec["reference_path"])
         errors = {k: (outputs[k] - ref[k]).abs().max().item() for k in outputs}
+    tflops = 6 * tokens * hidden_size * vocab / seconds / 1e12
+    peak_flops = (
+        published_peak(torch.cuda.get_device_name(device), spec["dtype"])
+        if device.type == "cuda"
+        else None
+    )
     return asdict(
         Record(
+            logp_only=logp_only,
+            tflops=tflops,
+            fraction_of_peak=tflops * 1e12 / peak_flops if peak_flops else None,
             shape=[tokens, hidden_size, vocab],
             dtype=spec["dtype"],
             method=method,
@@ -177,6 +227,18 @@ def run_one(spec: dict) -> dict:
             chunk_size=chunk_size,
         )
     )
+
+
+def _liger_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Liger's fused linear cross-entropy per token (-log p at temperature TEMPERATURE)."""
+    from liger_kernel.ops.fused_linear_cross_entropy import (  # optional: carried as a wheel
+        LigerFusedLinearCrossEntropyFunction,
+    )
+
+    out = LigerFusedLinearCrossEntropyFunction.apply(
+        hidden / TEMPERATURE, weight, labels, None, None, -100, 0.0, 0.0, "none"
+    )
+    return out[0] if isinstance(out, tuple) else out
 
 
 def run_in_subprocess(spec: dict, timeout: float | None = None) -> dict:
@@ -196,13 +258,16 @@ def run_in_subprocess(spec: dict, timeout: float | None = None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_shape(shape, dtype, methods, device, threads, chunk_size=None, workdir=None) -> list[dict]:
+def run_shape(
+    shape, dtype, methods, device, threads, chunk_size=None, workdir=None, logp_only=False
+) -> list[dict]:
     """Naive first (it writes the reference), then every other method, each in a subprocess."""
     records = []
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         ref = os.path.join(tmp, "reference.pt")
         for method in ["naive", *[m for m in methods if m != "naive"]]:
             spec = {
+                "logp_only": logp_only,
                 "shape": list(shape),
                 "dtype": dtype,
                 "method": method,
@@ -219,21 +284,24 @@ def run_shape(shape, dtype, methods, device, threads, chunk_size=None, workdir=N
 def format_table(records: list[dict]) -> str:
     """A markdown table; 'vs naive' is peak memory above inputs relative to naive's."""
     naive = {
-        (tuple(r["shape"]), r["dtype"]): r["peak_memory_bytes_above_inputs"]
+        (tuple(r["shape"]), r["dtype"], r.get("logp_only")): r["peak_memory_bytes_above_inputs"]
         for r in records
         if r["method"] == "naive"
     }
     lines = [
         "| tokens x hidden x vocab | dtype | method | peak above inputs | vs naive | fwd+bwd s "
-        "| err logp | err entropy | err grad h | err grad W |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TFLOP/s | err logp | err entropy | err grad h | err grad W |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        base = naive.get((tuple(r["shape"]), r["dtype"]))
+        base = naive.get((tuple(r["shape"]), r["dtype"], r.get("logp_only")))
         ratio = f"{r['peak_memory_bytes_above_inputs'] / base:.1%}" if base else "-"
+        method = r["method"] + (" (logp only)" if r.get("logp_only") else "")
+        peak = f" ({r['fraction_of_peak']:.0%})" if r.get("fraction_of_peak") else ""
         lines.append(
-            f"| {' x '.join(map(str, r['shape']))} | {r['dtype']} | {r['method']} "
-            f"| {r['peak_memory_bytes_above_inputs'] / 2**20:.0f} MiB | {ratio} | {r['seconds']:.2f} "
+            f"| {' x '.join(map(str, r['shape']))} | {r['dtype']} | {method} "
+            f"| {r['peak_memory_bytes_above_inputs'] / 2**20:.0f} MiB | {ratio} "
+            f"| {r['seconds'] * 1e3:.1f} ms | {r.get('tflops', 0):.1f}{peak} "
             f"| {r['max_abs_err_logprob']:.1e} | {r['max_abs_err_entropy']:.1e} "
             f"| {r['max_abs_err_grad_hidden']:.1e} | {r['max_abs_err_grad_weight']:.1e} |"
         )
@@ -255,7 +323,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--methods",
         default=None,
-        help="comma-separated; default naive,chunked (+triton on CUDA with triton)",
+        help="comma-separated; default naive,chunked (+triton on CUDA with triton, +liger in "
+        "the logp-only rows where liger-kernel imports)",
     )
     parser.add_argument(
         "--chunk-size", type=int, default=None, help="tokens per chunk (default auto)"
@@ -270,17 +339,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.methods:
         methods = args.methods.split(",")
-        unknown = [m for m in methods if m not in METHODS]
+        unknown = [m for m in methods if m not in METHODS and m != "liger"]
         if unknown:
             parser.error(f"--methods: unknown {unknown}; choose from {sorted(METHODS)}")
     else:
         methods = ["naive", "chunked"] + (
             ["triton"] if device == "cuda" and triton_available() else []
         )
+    liger = importlib.util.find_spec("liger_kernel") is not None
+    shapes = QUICK_SHAPES if args.quick else CUDA_SHAPES if device == "cuda" else FULL_SHAPES
+    runs = []
+    for tokens, hidden_size, vocab, dtype in shapes:
+        full_methods = [m for m in methods if m != "liger"]
+        runs.append(((tokens, hidden_size, vocab), dtype, full_methods, False))
+        if device == "cuda" and dtype == "bfloat16" and not args.quick:
+            logp_methods = [m for m in ["naive", "triton"] if m in methods]
+            logp_methods += ["liger"] if liger and (not args.methods or "liger" in methods) else []
+            runs.append(((tokens, hidden_size, vocab), dtype, logp_methods, True))
     records = []
-    for tokens, hidden_size, vocab, dtype in QUICK_SHAPES if args.quick else FULL_SHAPES:
+    for shape, dtype, run_methods, logp_only in runs:
         for record in run_shape(
-            (tokens, hidden_size, vocab), dtype, methods, device, args.threads, args.chunk_size
+            shape, dtype, run_methods, device, args.threads, args.chunk_size, logp_only=logp_only
         ):
             records.append(record)
             print(

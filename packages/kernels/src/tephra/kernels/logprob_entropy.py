@@ -3,21 +3,25 @@
 Methods, chosen by name:
     naive    full logits (the reference; [tokens, vocab] memory)
     chunked  torch, token chunks, logits recomputed in backward (any device)
-    triton   fused Triton kernels, online log-sum-exp over vocab blocks (CUDA, or CPU under
-             TRITON_INTERPRET=1)
-    auto     triton for CUDA tensors when triton imports, chunked otherwise
+    triton   cuBLAS products per vocab block with Triton fusing the online log-sum-exp and the
+             logits gradient (CUDA, or CPU under TRITON_INTERPRET=1)
+    auto     on CUDA, triton where it beat chunked on this device and dtype (timed once per
+             machine, `triton_is_faster`); chunked otherwise
 The environment variable TEPHRA_KERNEL_METHOD replaces "auto" (an explicit method wins).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
+import time
 from collections.abc import Callable
 
 import torch
 
+from tephra.core import decided_once_per_machine
 from tephra.core.registry import Registry
 from tephra.kernels.chunked import chunked_logprob_entropy
 from tephra.kernels.errors import KernelInputError
@@ -52,14 +56,63 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_method(method: str, device: torch.device) -> str:
-    """The concrete method name for `method` ("auto" or a name of METHODS) on `device`."""
+def _cuda_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+    fn()  # warm-up: Triton compiles, cuBLAS picks its kernels
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _time_triton_vs_chunked(device: torch.device, dtype: torch.dtype) -> bool:
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens, hidden, vocab = 2048, 1024, 65536  # a head large enough to be bandwidth bound
+    h = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device, generator=gen) * 0.03).to(dtype)
+    w.requires_grad_()
+    y = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+
+    def step(name: str) -> Callable[[], object]:
+        def run() -> object:
+            lp, ent = METHODS.get(name)(h, w, y, 1.0, -100, compute_entropy=True, chunk_size=None)
+            return torch.autograd.grad((lp + ent).sum(), [h, w])
+
+        return run
+
+    return _cuda_seconds(step("triton")) < _cuda_seconds(step("chunked"))
+
+
+@functools.cache
+def triton_is_faster(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton method beat chunked (forward and backward of a 2048 x 1024 x 65536
+    head) on this CUDA device in `dtype`: timed once per machine and recorded, keyed by the
+    device's name and the torch and triton versions (`tephra.core.decided_once_per_machine`)."""
+    if device.type != "cuda" or not triton_available():
+        return False
+    import triton  # optional dependency; only its version is read here
+
+    key = (
+        f"kernels.triton_is_faster | {dtype} | {torch.cuda.get_device_name(device)} "
+        f"| torch {torch.__version__} | triton {triton.__version__}"
+    )
+    return decided_once_per_machine(
+        key, lambda: _time_triton_vs_chunked(device, dtype), accept=lambda v: isinstance(v, bool)
+    )
+
+
+def resolve_method(method: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The concrete method name for `method` ("auto" or a name of METHODS) on `device`;
+    `dtype` (the inputs') lets "auto" use the timed choice on CUDA."""
     source = "method"
     if method == "auto" and os.environ.get(METHOD_ENV_VAR):
         method, source = os.environ[METHOD_ENV_VAR], f"environment variable {METHOD_ENV_VAR}"
     if method == "auto":
-        # chunked on every device: on an H100 the Triton kernels (untuned) ran 2-40x slower
-        # (kernels bench, benchmarks/results/gpu_kernels.json); triton stays selectable
+        if device.type == "cuda" and dtype is not None and triton_is_faster(device, dtype):
+            return "triton"
         return "chunked"
     if method not in METHODS:
         raise KernelInputError(
@@ -169,7 +222,7 @@ def linear_logprob_entropy(
             f"labels holds {first}, outside [0, {vocab}) and not ignore_index={ignore_index}; "
             f"labels must be token ids of this vocabulary or ignore_index"
         )
-    name = resolve_method(method, hidden.device)
+    name = resolve_method(method, hidden.device, hidden.dtype)
     if keep_logits_bytes is not None and keep_logits_bytes < 0:
         raise KernelInputError(f"keep_logits_bytes={keep_logits_bytes}; expected >= 0 or None")
     extra = (

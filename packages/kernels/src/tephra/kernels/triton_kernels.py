@@ -1,27 +1,31 @@
-"""Triton implementation: fused matmul + online log-sum-exp, no [tokens, vocab] buffer at all.
+"""Triton method: cuBLAS does the three big products, Triton fuses what lies between them.
 
 Imported only when method="triton" is used: triton is an optional dependency, and it fixes
 compiled vs interpreted mode (TRITON_INTERPRET=1) when a kernel is defined.
 
-Forward, one program per block of BLOCK_N tokens, looping over vocab blocks of BLOCK_V:
-    z = (h @ W[v-block].T) / T            (dot over hidden in blocks of BLOCK_H, fp32 acc)
+The vocabulary is walked in blocks of `block_vocab` columns, each block for all tokens at once
+(no [tokens, vocab] tensor ever; one [tokens, block] fp32 buffer at a time, about
+BLOCK_BYTES). With z = (h @ W[block].T) / T from a tensor-core product (bf16 inputs give fp32
+logits: cuBLAS accumulates and writes fp32, `torch.mm(..., out_dtype=float32)`):
+
+Forward, one Triton program per token row, online over the blocks (state in [tokens] fp32):
     m' = max(m, max_v z);  a = exp(m - m')
-    s  = s a + sum_v exp(z - m')           (running sum-exp)
-    t  = a (t + s (m - m')) + sum_v exp(z - m') (z - m')    (sum of e (z - m), for H)
-    u  = u a^2 + sum_v exp(z - m')^2       (on request, for Q = sum_v p_v^2 = u / s^2)
-    lse = m + log s,  logp = z[label] - lse,  H = -sum p log p = log s - t / s
-(t is kept relative to the running max: lse - sum p z would cancel two large numbers)
-Backward recomputes z tile by tile (see chunked.py for dL/dz) in two kernels that each own
-their output rows, so no atomics are needed and results are deterministic:
-    grad_hidden: one program per token block,  grad_h[n-block] += dz @ W[v-block]
-    grad_weight: one program per vocab block,  grad_W[v-block] += dz.T @ h[n-block]
-Dot operands are fp32 in registers. fp32 inputs use IEEE fp32 dots (the contract is fp32
-accuracy; TF32 would lose ~1e-3). bf16 inputs are upcast and use TF32 dots: a bf16 value is
-exact in TF32, so the logits are as exact as an fp32 matmul of the bf16 inputs (and bf16
-operands in tl.dot are wrong under TRITON_INTERPRET in triton 3.7, which this sidesteps).
+    s  = s a + sum_v exp(z - m')                          running sum-exp
+    t  = a (t + s (m - m')) + sum_v exp(z - m') (z - m')  for H, relative to the running max
+    u  = u a^2 + sum_v exp(z - m')^2                      on request, Q = u / s^2
+    lse = m + log s,  logp = z[label] - lse,  H = log s - t / s
+Backward, per block: the logits are recomputed by the same product, one Triton pass turns
+them into dL/dz (see chunked.py for the formula) in the input dtype, then
+    grad_W[block]  = dz.T @ h       written once per block, in the weight's dtype
+    grad_h        += dz @ W[block]  an fp32 [tokens, hidden] accumulator
+So the memory above the inputs is the weight gradient, grad_h in fp32 and two block buffers,
+and four products run (one more than the unfused head, which keeps its logits instead).
+For bf16 inputs the gradient products take dz rounded to bf16, as the unfused bf16 head does.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -29,316 +33,172 @@ import triton.language as tl
 
 from tephra.kernels.chunked import chunked_logprob_entropy
 
-# Untuned defaults for GPUs (no GPU was available while writing this); tests pass smaller
-# blocks so that tiny shapes still span several blocks and partial tails.
-DEFAULT_BLOCKS = {"block_n": 64, "block_v": 64, "block_h": 64}
+BLOCK_BYTES = 64 * 1024 * 1024
+"""One [tokens, block_vocab] fp32 logits buffer takes about this much when block_vocab is not
+given: a few percent of the unfused head's peak at a 152k vocabulary, and wide enough (2k
+columns and more up to 8k tokens) that each block's product runs at full tensor-core speed."""
+ROW_BLOCK = 1024
+"""Columns one Triton program reads per step of its loop (a power of two)."""
+
+
+def auto_block_vocab(tokens: int, vocab: int) -> int:
+    """Columns per vocab block: about BLOCK_BYTES of fp32 logits, a multiple of 128."""
+    cols = BLOCK_BYTES // (4 * max(tokens, 1))
+    return max(128, min(vocab, cols // 128 * 128))
 
 
 @triton.jit
-def _logits_tile(
-    h_ptr,
-    w_ptr,
-    rows,
-    cols,
-    row_mask,
-    col_mask,
-    H,
-    s_hn,
-    s_hh,
-    s_wv,
-    s_wh,
-    inv_temp,
-    PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_H):
-        ks = k0 + tl.arange(0, BLOCK_H)
-        k_mask = ks < H
-        a = tl.load(
-            h_ptr + rows[:, None] * s_hn + ks[None, :] * s_hh,
-            mask=row_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            w_ptr + cols[None, :] * s_wv + ks[:, None] * s_wh,
-            mask=col_mask[None, :] & k_mask[:, None],
-            other=0.0,
-        )
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
-    return acc * inv_temp
-
-
-@triton.jit
-def _grad_logits_tile(z, cols, col_mask, labels, lse, ent, g_lp, g_ent, inv_temp):
-    # dL/dz = p (-g_H (log p + H) - g_lp) + g_lp onehot, then / T (see chunked.py)
-    logp = tl.where(col_mask[None, :], z - lse[:, None], 0.0)
-    p = tl.where(col_mask[None, :], tl.exp(logp), 0.0)
-    g = p * (-g_ent[:, None] * (logp + ent[:, None]) - g_lp[:, None])
-    g = g + tl.where(cols[None, :] == labels[:, None], g_lp[:, None], 0.0)
-    return g * inv_temp
-
-
-@triton.jit
-def _forward_kernel(
-    h_ptr,
-    w_ptr,
+def _stats_kernel(
+    z_ptr,
+    stride_z,
+    width,
+    v0,
     labels_ptr,
-    lse_ptr,
-    logp_ptr,
-    ent_ptr,
-    q_ptr,
-    N,
-    V,
-    H,
-    s_hn,
-    s_hh,
-    s_wv,
-    s_wh,
+    m_ptr,
+    s_ptr,
+    t_ptr,
+    u_ptr,
+    label_z_ptr,
     inv_temp,
-    ignore_index,
     COMPUTE_ENTROPY: tl.constexpr,
     COMPUTE_SUM_PI_SQUARED: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    labels = tl.load(labels_ptr + rows, mask=row_mask, other=ignore_index)
-    m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK_N], dtype=tl.float32)
-    t = tl.zeros([BLOCK_N], dtype=tl.float32)
-    u = tl.zeros([BLOCK_N], dtype=tl.float32)
-    label_z = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_mask = cols < V
-        z = _logits_tile(
-            h_ptr,
-            w_ptr,
-            rows,
-            cols,
-            row_mask,
-            col_mask,
-            H,
-            s_hn,
-            s_hh,
-            s_wv,
-            s_wh,
-            inv_temp,
-            PRECISION,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_H,
-        )
-        z_masked = tl.where(col_mask[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z_masked, axis=1))
+    row = tl.program_id(0)
+    z_row = z_ptr + row.to(tl.int64) * stride_z
+    m = tl.load(m_ptr + row)
+    s = tl.load(s_ptr + row)
+    t = tl.load(t_ptr + row)
+    u = tl.load(u_ptr + row)
+    for c0 in range(0, width, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < width
+        x = tl.load(z_row + cols, mask=mask, other=float("-inf")) * inv_temp
+        m_new = tl.maximum(m, tl.max(x, axis=0))
         alpha = tl.exp(m - m_new)
-        e = tl.exp(z_masked - m_new[:, None])
-        s_old = s
-        s = s * alpha + tl.sum(e, axis=1)
+        e = tl.exp(x - m_new)  # 0 at masked columns
         if COMPUTE_ENTROPY:
-            # s_old is 0 exactly while m is -inf (first block): skip the 0 * -inf
-            shift = s_old * tl.where(s_old > 0, m - m_new, 0.0)
-            t = alpha * (t + shift) + tl.sum(
-                e * tl.where(col_mask[None, :], z - m_new[:, None], 0.0), axis=1
-            )
+            # s is 0 exactly while m is -inf (first block): skip the 0 * -inf
+            shift = tl.where(s > 0, s * (m - m_new), 0.0)
+            t = alpha * (t + shift) + tl.sum(tl.where(mask, e * (x - m_new), 0.0), axis=0)
         if COMPUTE_SUM_PI_SQUARED:
-            u = u * alpha * alpha + tl.sum(e * e, axis=1)
-        label_z += tl.sum(tl.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
+            u = u * alpha * alpha + tl.sum(e * e, axis=0)
+        s = s * alpha + tl.sum(e, axis=0)
         m = m_new
-    lse = m + tl.log(s)
-    valid = labels != ignore_index
-    tl.store(lse_ptr + rows, lse, mask=row_mask)
-    tl.store(logp_ptr + rows, tl.where(valid, label_z - lse, 0.0), mask=row_mask)
-    if COMPUTE_ENTROPY:
-        tl.store(ent_ptr + rows, tl.log(s) - t / s, mask=row_mask)
-    if COMPUTE_SUM_PI_SQUARED:
-        tl.store(q_ptr + rows, u / (s * s), mask=row_mask)
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+    tl.store(t_ptr + row, t)
+    tl.store(u_ptr + row, u)
+    local = tl.load(labels_ptr + row) - v0
+    inside = (local >= 0) & (local < width)
+    picked = tl.load(z_row + tl.where(inside, local, 0)) * inv_temp
+    tl.store(label_z_ptr + row, tl.where(inside, picked, tl.load(label_z_ptr + row)))
 
 
 @triton.jit
-def _grad_hidden_kernel(
-    h_ptr,
-    w_ptr,
+def _grad_kernel(
+    z_ptr,
+    stride_z,
+    dz_ptr,
+    stride_dz,
+    width,
+    v0,
     labels_ptr,
     lse_ptr,
     ent_ptr,
     glp_ptr,
     gent_ptr,
-    gh_ptr,
-    N,
-    V,
-    H,
-    s_hn,
-    s_hh,
-    s_wv,
-    s_wh,
     inv_temp,
-    PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    labels = tl.load(labels_ptr + rows, mask=row_mask, other=-1)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-    g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
-    g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_mask = cols < V
-        z = _logits_tile(
-            h_ptr,
-            w_ptr,
-            rows,
-            cols,
-            row_mask,
-            col_mask,
-            H,
-            s_hn,
-            s_hh,
-            s_wv,
-            s_wh,
-            inv_temp,
-            PRECISION,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_H,
-        )
-        g = _grad_logits_tile(z, cols, col_mask, labels, lse, ent, g_lp, g_ent, inv_temp)
-        for k0 in range(0, H, BLOCK_H):
-            ks = k0 + tl.arange(0, BLOCK_H)
-            k_mask = ks < H
-            w = tl.load(
-                w_ptr + cols[:, None] * s_wv + ks[None, :] * s_wh,
-                mask=col_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            part = tl.dot(g, w.to(tl.float32), input_precision=PRECISION)
-            out = gh_ptr + rows[:, None] * H + ks[None, :]
-            out_mask = row_mask[:, None] & k_mask[None, :]
-            tl.store(out, tl.load(out, mask=out_mask, other=0.0) + part, mask=out_mask)
+    # dL/dz = (p (-g_H (log p + H) - g_lp) + g_lp onehot) / T; dz may alias z
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(z_ptr + row.to(tl.int64) * stride_z + cols, mask=mask, other=0.0) * inv_temp
+    lse = tl.load(lse_ptr + row)
+    ent = tl.load(ent_ptr + row)
+    g_lp = tl.load(glp_ptr + row)
+    g_ent = tl.load(gent_ptr + row)
+    label = tl.load(labels_ptr + row)
+    logp = x - lse
+    g = tl.exp(logp) * (-g_ent * (logp + ent) - g_lp)
+    g = tl.where(cols + v0 == label, g + g_lp, g) * inv_temp
+    out = dz_ptr + row.to(tl.int64) * stride_dz + cols
+    tl.store(out, g.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _grad_weight_kernel(
-    h_ptr,
-    w_ptr,
-    labels_ptr,
-    lse_ptr,
-    ent_ptr,
-    glp_ptr,
-    gent_ptr,
-    gw_ptr,
-    N,
-    V,
-    H,
-    s_hn,
-    s_hh,
-    s_wv,
-    s_wh,
-    inv_temp,
-    PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < V
-    for n0 in range(0, N, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
-        labels = tl.load(labels_ptr + rows, mask=row_mask, other=-1)
-        lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-        ent = tl.load(ent_ptr + rows, mask=row_mask, other=0.0)
-        g_lp = tl.load(glp_ptr + rows, mask=row_mask, other=0.0)
-        g_ent = tl.load(gent_ptr + rows, mask=row_mask, other=0.0)
-        z = _logits_tile(
-            h_ptr,
-            w_ptr,
-            rows,
-            cols,
-            row_mask,
-            col_mask,
-            H,
-            s_hn,
-            s_hh,
-            s_wv,
-            s_wh,
-            inv_temp,
-            PRECISION,
-            BLOCK_N,
-            BLOCK_V,
-            BLOCK_H,
-        )
-        g = _grad_logits_tile(z, cols, col_mask, labels, lse, ent, g_lp, g_ent, inv_temp)
-        for k0 in range(0, H, BLOCK_H):
-            ks = k0 + tl.arange(0, BLOCK_H)
-            k_mask = ks < H
-            h = tl.load(
-                h_ptr + rows[:, None] * s_hn + ks[None, :] * s_hh,
-                mask=row_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            part = tl.dot(tl.trans(g), h.to(tl.float32), input_precision=PRECISION)
-            out = gw_ptr + cols[:, None] * H + ks[None, :]
-            out_mask = col_mask[:, None] & k_mask[None, :]
-            tl.store(out, tl.load(out, mask=out_mask, other=0.0) + part, mask=out_mask)
+@functools.cache
+def _mm_writes_fp32(device_type: str) -> bool:
+    """Whether torch.mm takes out_dtype=float32 for bf16/fp16 inputs on this device (CUDA in
+    torch >= 2.8): the product then accumulates and writes fp32 in one cuBLAS call."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        torch.mm(a, a, out_dtype=torch.float32)
+        return True
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as fp32 with fp32 accumulation, whatever the (equal) input dtype."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if _mm_writes_fp32(a.device.type):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())  # CPU: a bf16 value is exact in fp32
+
+
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b in out's dtype (equal to the inputs'), accumulated in fp32."""
+    if a.is_cuda or a.dtype == torch.float32:
+        torch.mm(a, b, out=out)  # cuBLAS accumulates bf16 products in fp32
+    else:
+        out.copy_(torch.mm(a.float(), b.float()))
 
 
 class TritonLogprobEntropy(torch.autograd.Function):
-    """autograd.Function around the three kernels above."""
+    """autograd.Function over vocab blocks; see the module docstring for the math."""
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, labels, temperature, ignore_index, compute_entropy, blocks, sum_sq
+        ctx, hidden, weight, labels, temperature, ignore_index, compute_entropy, block, sum_sq
     ):
-        n, h = hidden.shape
-        v = weight.shape[0]
+        n, v = hidden.shape[0], weight.shape[0]
+        inv_temp = 1.0 / temperature
         labels = labels.contiguous()
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        log_probs = torch.empty_like(lse)
-        entropy = torch.zeros_like(lse)
-        sum_pi_squared = torch.zeros_like(lse)
-        bn, bv, bh = blocks["block_n"], blocks["block_v"], blocks["block_h"]
-        _forward_kernel[(triton.cdiv(n, bn),)](
-            hidden,
-            weight,
-            labels,
-            lse,
-            log_probs,
-            entropy,
-            sum_pi_squared,
-            n,
-            v,
-            h,
-            hidden.stride(0),
-            hidden.stride(1),
-            weight.stride(0),
-            weight.stride(1),
-            1.0 / temperature,
-            ignore_index,
-            COMPUTE_ENTROPY=compute_entropy,
-            COMPUTE_SUM_PI_SQUARED=sum_sq,
-            PRECISION=_precision(hidden.dtype),
-            BLOCK_N=bn,
-            BLOCK_V=bv,
-            BLOCK_H=bh,
-        )
+        state = torch.zeros(5, n, dtype=torch.float32, device=hidden.device)
+        m, s, t, u, label_z = state
+        m.fill_(float("-inf"))
+        for v0 in range(0, v, block):
+            w_blk = weight[v0 : v0 + block]
+            z = _mm_fp32(hidden, w_blk.T)
+            _stats_kernel[(n,)](
+                z,
+                z.stride(0),
+                w_blk.shape[0],
+                v0,
+                labels,
+                m,
+                s,
+                t,
+                u,
+                label_z,
+                inv_temp,
+                COMPUTE_ENTROPY=compute_entropy,
+                COMPUTE_SUM_PI_SQUARED=sum_sq,
+                BLOCK=ROW_BLOCK,
+            )
+            del z
+        log_s = s.log()
+        lse = m + log_s
+        valid = labels != ignore_index
+        log_probs = torch.where(valid, label_z - lse, 0.0)
+        entropy = log_s - t / s if compute_entropy else torch.zeros_like(lse)
+        sum_pi_squared = u / (s * s) if sum_sq else torch.zeros_like(lse)
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.temperature, ctx.ignore_index = temperature, ignore_index
-        ctx.compute_entropy, ctx.blocks = compute_entropy, blocks
+        ctx.compute_entropy, ctx.block = compute_entropy, block
         if not compute_entropy:
             ctx.mark_non_differentiable(entropy)
         ctx.mark_non_differentiable(sum_pi_squared)
@@ -350,58 +210,56 @@ class TritonLogprobEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
             return (None,) * 8
-        n, h = hidden.shape
-        v = weight.shape[0]
+        n, v = hidden.shape[0], weight.shape[0]
+        inv_temp = 1.0 / ctx.temperature
         valid = labels != ctx.ignore_index
+        # ignored rows: g_lp is 0, so their label never adds a one-hot term
         g_lp = torch.where(valid, grad_log_probs.float(), 0.0).contiguous()
         if ctx.compute_entropy:
             g_ent = grad_entropy.float().contiguous()
         else:
             g_ent = torch.zeros_like(g_lp)
-        # ignored rows: g_lp is 0, so their (clamped-away) label never adds a one-hot term
-        bn, bv, bh = ctx.blocks["block_n"], ctx.blocks["block_v"], ctx.blocks["block_h"]
-        common = dict(PRECISION=_precision(hidden.dtype), BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh)
-        strides = (hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1))
-        grad_h = grad_w = None
-        if need_h:
-            grad_h = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
-            _grad_hidden_kernel[(triton.cdiv(n, bn),)](
-                hidden,
-                weight,
+        grad_h = (
+            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        )
+        grad_w = torch.empty_like(weight) if need_w else None
+        for v0 in range(0, v, ctx.block):
+            w_blk = weight[v0 : v0 + ctx.block]
+            width = w_blk.shape[0]
+            z = _mm_fp32(hidden, w_blk.T)
+            # fp32 inputs: dz overwrites z; bf16: dz in bf16, the gradient products' dtype
+            dz = z if hidden.dtype == torch.float32 else torch.empty_like(z, dtype=hidden.dtype)
+            _grad_kernel[(n, triton.cdiv(width, ROW_BLOCK))](
+                z,
+                z.stride(0),
+                dz,
+                dz.stride(0),
+                width,
+                v0,
                 labels,
                 lse,
                 entropy,
                 g_lp,
                 g_ent,
-                grad_h,
-                n,
-                v,
-                h,
-                *strides,
-                1.0 / ctx.temperature,
-                **common,
+                inv_temp,
+                BLOCK=ROW_BLOCK,
             )
-            grad_h = grad_h.to(hidden.dtype)
-        if need_w:
-            grad_w = torch.zeros((v, h), dtype=torch.float32, device=weight.device)
-            _grad_weight_kernel[(triton.cdiv(v, bv),)](
-                hidden,
-                weight,
-                labels,
-                lse,
-                entropy,
-                g_lp,
-                g_ent,
-                grad_w,
-                n,
-                v,
-                h,
-                *strides,
-                1.0 / ctx.temperature,
-                **common,
-            )
-            grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+            del z
+            if need_w:
+                _mm_into(dz.T, hidden, grad_w[v0 : v0 + width])
+            if grad_h is not None:
+                grad_h += _mm_fp32(dz, w_blk)
+            del dz
+        return (
+            grad_h.to(hidden.dtype) if grad_h is not None else None,
+            grad_w,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def triton_logprob_entropy(
@@ -413,12 +271,14 @@ def triton_logprob_entropy(
     *,
     compute_entropy: bool = True,
     chunk_size: int | None = None,
-    blocks: dict[str, int] | None = None,
+    block_vocab: int | None = None,
     compute_sum_pi_squared: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Triton path on validated 2-D inputs. chunk_size is unused (the kernels tile by blocks);
-    blocks overrides DEFAULT_BLOCKS (keys block_n, block_v, block_h; powers of two >= 16).
-    With `compute_sum_pi_squared`, sum_pi_squared [tokens] fp32 is a third element."""
+    """Triton path on validated 2-D inputs. chunk_size is unused (the vocabulary is walked in
+    blocks, all tokens at once); block_vocab is the columns per block (None: about
+    BLOCK_BYTES of fp32 logits). With `compute_sum_pi_squared`, sum_pi_squared [tokens] fp32
+    is a third element."""
+    del chunk_size
     if hidden.shape[0] == 0:  # an empty grid is not a valid launch; nothing to fuse anyway
         return chunked_logprob_entropy(
             hidden,
@@ -429,7 +289,7 @@ def triton_logprob_entropy(
             compute_entropy=compute_entropy,
             compute_sum_pi_squared=compute_sum_pi_squared,
         )
-    del chunk_size
+    block = block_vocab or auto_block_vocab(hidden.shape[0], weight.shape[0])
     log_probs, entropy, sum_pi_squared = TritonLogprobEntropy.apply(
         hidden,
         weight,
@@ -437,7 +297,7 @@ def triton_logprob_entropy(
         temperature,
         ignore_index,
         compute_entropy,
-        {**DEFAULT_BLOCKS, **(blocks or {})},
+        block,
         compute_sum_pi_squared,
     )
     if compute_sum_pi_squared:

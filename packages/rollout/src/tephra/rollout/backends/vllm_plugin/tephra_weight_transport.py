@@ -213,7 +213,12 @@ _HANDLE_GLOBALS = {
         "rebuild_typed_storage",
         "rebuild_storage_filename",
     )
-} | {("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage")}
+} | {
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),  # the storage class a CUDA tensor's handle names
+}
 """What a pickled handle may name (anything else is refused: the body comes over HTTP)."""
 
 _CUDA_DEVICE_ARG = 6
