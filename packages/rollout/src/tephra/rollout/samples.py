@@ -47,8 +47,9 @@ class Sample:
     """`stop` (a stop/EOS token, or an answer without a tool call), `length` (max_tokens,
     the model length or the response budget), `max_turns` (an episode's last allowed turn
     still called a tool), `image_token` (ended before an image placeholder it sampled), `done`
-    (an environment ended the episode), or `tool_timeout` / `turn_timeout` /
-    `trajectory_timeout` (a deadline of the episode expired)."""
+    (an environment ended the episode), `agent_error` (a black-box agent raised), or
+    `tool_timeout` / `turn_timeout` / `trajectory_timeout` (a deadline of the episode
+    expired)."""
     text: str = ""
     """What the reward scores: the decoded response, or the last assistant message of a
     multi-turn episode (earlier turns are tool calls)."""
