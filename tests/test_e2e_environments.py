@@ -331,9 +331,13 @@ def test_dropped_trajectory_leaves_its_group_and_is_counted():
     assert (metrics["agent/timeouts"], metrics["agent/dropped"]) == (1.0, 1.0)
 
 
-def test_hung_tool_does_not_hold_the_step(tmp_path, tiny_model):
-    """A tool that never returns, through the worker's episode path (`run_items`): the
-    trajectory ends at the deadline and the call returns."""
+@pytest.mark.parametrize("blocks_a_thread", [False, True])
+def test_hung_tool_does_not_hold_the_step(tmp_path, tiny_model, blocks_a_thread):
+    """A tool that never returns (awaiting, or blocking a thread Python cannot interrupt),
+    through the worker's episode path (`run_items`): the trajectory ends at the deadline and
+    the call returns without waiting for the thread."""
+    import time
+
     from transformers import AutoTokenizer
 
     from tephra.controller.data import PromptRecord
@@ -344,6 +348,8 @@ def test_hung_tool_does_not_hold_the_step(tmp_path, tiny_model):
         parameters = {"type": "object", "properties": {}}
 
         async def execute(self, instance_id, arguments):
+            if blocks_a_thread:
+                await asyncio.to_thread(time.sleep, 30)
             await asyncio.sleep(3600)
 
     tok = AutoTokenizer.from_pretrained(tiny_model.path)
@@ -355,6 +361,8 @@ def test_hung_tool_does_not_hold_the_step(tmp_path, tiny_model):
     )
     record = PromptRecord([{"role": "user", "content": "?"}], "gsm8k", "42")
     items = [PromptItem([1, 2], record, f"p{i}") for i in range(3)]
+    start = time.monotonic()
     samples = run_items(episode, model, items, SamplingParams(temperature=0.0, max_tokens=64))
+    assert time.monotonic() - start < 0.5 + 15.0  # the deadline, plus slack; not the 30 s sleep
     assert [s.finish_reason for s in samples] == ["tool_timeout", "stop", "stop"]
     assert samples[0].dropped and sum(samples[0].response_mask) == 0

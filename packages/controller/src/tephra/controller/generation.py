@@ -11,7 +11,6 @@ follow run while the scorer works (`collect_scores` waits for it).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -24,7 +23,7 @@ from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
 from tephra.engine_api.multimodal import image_token_id
 from tephra.episodes.agent import AgentSample
-from tephra.episodes.episode import Episode, by_agent_name, run_episodes
+from tephra.episodes.episode import Episode, by_agent_name, run_episodes, run_to_completion
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import close_tools, load_tools
 from tephra.rollout.base import Rollout, RolloutConfig, SamplingParams
@@ -50,8 +49,9 @@ def run_items(
         )
         for i in items
     ]
-    # The hf backend generates on its own thread, so a fresh event loop per call is fine.
-    return asyncio.run(run_episodes(episode, rollout, episode_items, sampling, max_in_flight))
+    # The hf backend generates on its own thread, so a fresh event loop per call is fine; a
+    # thread still blocked past its deadline (a tool, a sync agent) is not waited for.
+    return run_to_completion(run_episodes(episode, rollout, episode_items, sampling, max_in_flight))
 
 
 def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
