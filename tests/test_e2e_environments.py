@@ -68,6 +68,23 @@ class SometimesStuck(Environment):
         return StepResult(reward=float(len(action.strip()) % 2), done=True)
 """
 
+OPENAI_AGENT = """
+from openai import AsyncOpenAI
+
+
+async def agent(base_url, item):
+    \"\"\"Two turns through the OpenAI client; reward 1 when the last reply has odd length.\"\"\"
+    client = AsyncOpenAI(base_url=base_url, api_key="tephra", max_retries=0)
+    messages = list(item.messages)
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "Once more."},
+    ]
+    second = await client.chat.completions.create(model="policy", messages=messages)
+    return float(len(second.choices[0].message.content.strip()) % 2)
+"""
+
 FAILING_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     raise RuntimeError("the environment scores these samples; the scorer must not run")
@@ -119,6 +136,53 @@ def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path):
         assert r["reward/mean"] == pytest.approx(sum(x["score"] for x in rows) / len(rows))
         assert r["agent/turns_mean"] == 2.0 and r["agent/timeouts"] == 0.0
         assert math.isfinite(r["actor/grad_norm"])
+
+
+@pytest.mark.multiproc
+def test_an_openai_client_agent_trains_two_steps(tmp_path):
+    pytest.importorskip("openai")
+    import ray
+
+    from tephra.controller.worker_group import ray_init
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(OPENAI_AGENT)
+    reward = tmp_path / "reward.py"
+    reward.write_text(FAILING_REWARD)
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "rollout.agent_loop=openai_agent",
+            f"rollout.agent.openai_agent={agent}:agent",
+            "rollout.agent.max_response_tokens=96",
+            f"reward.custom_function_path={reward}",
+            "trainer.dump_generations=1",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    ray_init(num_cpus=2)
+    try:
+        summary = run(cfg)
+    finally:
+        ray.shutdown()
+    assert summary["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    for step, r in zip((1, 2), train):
+        rows = [
+            json.loads(line)
+            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+        for row in rows:  # the agent's reward, from the last served answer
+            assert row["finish_reason"] in ("stop", "length")
+            assert row["score"] == float(len(row["answer"]) % 2)
+            # two served turns (mask 1) around the user's turn (mask 0)
+            mask = row["response_mask"]
+            runs = [m for k, m in enumerate(mask) if k == 0 or mask[k - 1] != m]
+            assert runs == [1, 0, 1]
+        assert r["agent/turns_mean"] == 2.0 and math.isfinite(r["actor/grad_norm"])
 
 
 @pytest.mark.multiproc
