@@ -25,13 +25,9 @@ from tephra.controller.data import (
     reasoning_gym_records,
     tokenize_prompts,
 )
-from tephra.controller.rl_config import (
-    PPOConfig,
-    check_engine_support,
-    resolve_auto_dtypes,
-    weight_path,
-)
-from tephra.controller.rl_loop import Prompts
+from tephra.controller.rl_checks import check_engine_support, resolve_auto_dtypes, weight_path
+from tephra.controller.rl_config import PPOConfig
+from tephra.controller.rounds import Prompts
 from tephra.controller.startup import Timeline
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
