@@ -117,9 +117,19 @@ CASES = [
     ),
     # options a backend does not support, refused by the backend before anything starts
     (
-        ["actor.engine=megatron", "actor.lora.rank=8"],
-        r"actor.engine='megatron': lora.rank > 0 is not supported by engine-megatron",
+        ["actor.engine=megatron", "actor.lora.rank=8", "actor.lora.dropout=0.05"],
+        r"actor.engine='megatron': lora.dropout=0.05: engine-megatron's adapters run without",
     ),
+    (
+        ["actor.moe.routing_replay=rollout", "rollout.backend=vllm"],
+        r"actor.moe.routing_replay='rollout' needs the rollout to record each token's experts: "
+        r"rollout.backend='vllm' does not",
+    ),
+    (
+        ["actor.moe.routing_replay=rollout"],
+        r"actor.engine='fsdp': moe.routing_replay='rollout' on a 'qwen2' model, which has no",
+    ),
+    (["actor.moe.routing_replay=always"], r"moe.routing_replay='always'"),
     (
         ["actor.engine=megatron", "actor.precision.reduce_dtype=bfloat16"],
         r"actor.engine='megatron': precision.reduce_dtype='bfloat16': engine-megatron reduces",

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
-from tephra.engine_api.config import EngineConfig, SchedulerConfig
-from tephra.engine_api.testing import first_steps, random_batch, run_distributed
+from tephra.engine_api.config import EngineConfig, SchedulerConfig, apply_overrides
+from tephra.engine_api.testing import adapter_steps, first_steps, random_batch, run_distributed
 from tephra.engine_fsdp.schedulers import build_scheduler
 from tephra.engine_megatron.lr_schedule import LrSchedule
 
@@ -58,6 +59,48 @@ def test_fsdp_and_megatron_tp2_agree_on_the_first_steps(hf_folder):
     assert abs(fsdp_norm - mg_norm) <= 1e-4 * max(1.0, fsdp_norm), (fsdp_norm, mg_norm)
     # the second step starts from the first step's update: the optimizers agree too
     assert abs(fsdp[0][1][0] - megatron[0][1][0]) <= 1e-5
+
+
+@pytest.mark.multiproc
+def test_fsdp_and_megatron_lora_agree(hf_folder, tmp_path):
+    """LoRA (peft's adapters on all linears, rank 8) through both engines, two AdamW steps
+    with weight decay: the same losses and grad norms, the same adapter files (peft's names)
+    and the same merged weights for the rollout. Megatron at TP=2 without and with sequence
+    parallelism (the adapters' A or B whole on every rank, the other split like the
+    weight), FSDP sharded over 2 ranks."""
+    batch = random_batch(VOCAB, num_sequences=8, seed=11)
+    lora = {"lora.rank": 8, "lora.alpha": 16.0, "optimizer.weight_decay": 0.01}
+    runs = {
+        "fsdp": ("fsdp", config(hf_folder)),
+        "tp2": ("megatron", config(hf_folder, tensor=2)),
+        "tp2_sp": ("megatron", config(hf_folder, tensor=2, sequence_parallel=True)),
+    }
+    got = {}
+    for key, (engine, cfg) in runs.items():
+        folder = str(tmp_path / key)
+        cfg = apply_overrides(cfg, lora)
+        steps, merged = run_distributed(adapter_steps, 2, (engine, cfg, batch, 2, folder))[0]
+        got[key] = steps, merged, load_file(f"{folder}/adapter_model.safetensors")
+    (want_steps, want_merged, want_adapter) = got["fsdp"]
+    assert len(want_adapter) == 2 * 7 * 2  # A and B of 7 linears in each of 2 layers
+    base = load_file(f"{hf_folder}/model.safetensors")
+    for key in ("tp2", "tp2_sp"):
+        steps, merged, adapter = got[key]
+        for (loss, norm), (want_loss, want_norm) in zip(steps, want_steps):
+            assert abs(loss - want_loss) <= 1e-5, (key, loss, want_loss)
+            assert abs(norm - want_norm) <= 1e-4 * max(1.0, want_norm), (key, norm, want_norm)
+        assert adapter.keys() == want_adapter.keys()
+        for name, want in want_adapter.items():
+            assert (adapter[name] - want).abs().max() <= 1e-5, (key, name)
+        assert merged.keys() == want_merged.keys()
+        for name, want in want_merged.items():
+            assert (merged[name] - want).abs().max() <= 1e-5, (key, name)
+    # the adapters moved, and only they: the merged q_proj differs from the base by B @ A
+    q = "model.layers.0.self_attn.q_proj.weight"
+    a = want_adapter["base_model.model." + q.replace(".weight", ".lora_A.weight")]
+    b = want_adapter["base_model.model." + q.replace(".weight", ".lora_B.weight")]
+    assert float(b.abs().max()) > 1e-4
+    assert (got["tp2"][1][q] - (base[q] + 2.0 * b @ a)).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize(

@@ -209,6 +209,74 @@ def test_smoke_preset_on_megatron_matches_fsdp(ray_session, tmp_path):
 
 
 @pytest.mark.multiproc
+def test_lora_on_megatron_matches_fsdp_lora(ray_session, tmp_path):
+    """`actor.engine=megatron actor.lora.rank=8` through the app, with a KL loss whose
+    reference is the actor with its adapters off (`reference_mode`): the first step equals
+    FSDP's LoRA run (same rollout, same losses and grad norm to parity tolerance)."""
+    first = {}
+    for engine in ("fsdp", "megatron"):
+        run(
+            _smoke(
+                tmp_path,
+                f"actor.engine={engine}",
+                "actor.lora.rank=8",
+                "actor.objective.use_kl_loss=true",
+                "actor.objective.kl_loss_coef=0.1",
+                "trainer.steps=1",
+                f"trainer.run_dir={tmp_path / engine}",
+            )
+        )
+        (first[engine],) = read_jsonl(tmp_path / engine / "metrics.jsonl")
+    fsdp, mega = first["fsdp"], first["megatron"]
+    assert fsdp["actor/grad_norm"] > 0
+    for key in ("reward/mean", "response/length_mean", "perf/trained_tokens"):
+        assert fsdp[key] == mega[key], key
+    for key, tol in (
+        ("actor/pg_loss", 1e-5),
+        ("actor/kl_loss", 1e-6),
+        ("actor/entropy", 1e-5),
+        ("actor/grad_norm", 1e-4),
+    ):
+        assert abs(fsdp[key] - mega[key]) <= tol, (key, fsdp[key], mega[key])
+
+
+@pytest.mark.multiproc
+def test_routing_replay_through_the_app(ray_session, tmp_path):
+    """A tiny Qwen2-MoE generating in bfloat16 and training in float32: some tokens route
+    differently, so the trainer's log-probs drift from the rollout's. With
+    `actor.moe.routing_replay=rollout` the hf rollout records the routes and training replays
+    them: the train/rollout gap shrinks, and Megatron's first step equals FSDP's."""
+    from tephra.rollout.testing import build_tiny_model
+
+    moe = build_tiny_model(tmp_path / "moe", model_type="qwen2_moe", seed=2)
+    first = {}
+    for engine, replay in (("megatron", "off"), ("megatron", "rollout"), ("fsdp", "rollout")):
+        folder = tmp_path / f"{engine}-{replay}"
+        run(
+            _smoke(
+                tmp_path,
+                f"model.path={moe.path}",
+                "rollout.dtype=bfloat16",
+                "rollout.max_tokens=16",
+                f"actor.engine={engine}",
+                f"actor.moe.routing_replay={replay}",
+                "trainer.steps=1",
+                f"trainer.run_dir={folder}",
+            )
+        )
+        (first[engine, replay],) = read_jsonl(folder / "metrics.jsonl")
+    gap = "rollout_corr/log_prob_abs_gap_mean"
+    off, on = first["megatron", "off"], first["megatron", "rollout"]
+    print({k: (v[gap], v["actor/grad_norm"]) for k, v in first.items()})
+    assert on[gap] < off[gap], (on[gap], off[gap])
+    fsdp = first["fsdp", "rollout"]
+    for key in ("reward/mean", "response/length_mean"):
+        assert fsdp[key] == on[key] == off[key], key
+    for key, tol in ((gap, 1e-5), ("actor/pg_loss", 1e-5), ("actor/grad_norm", 1e-4)):
+        assert abs(fsdp[key] - on[key]) <= tol, (key, fsdp[key], on[key])
+
+
+@pytest.mark.multiproc
 def test_reward_failing_everywhere_is_one_clear_error(ray_session, tmp_path):
     bad = tmp_path / "bad_reward.py"
     bad.write_text(

@@ -1,6 +1,7 @@
 """Model families built tiny from a transformers config (Qwen3 with q/k norm, Mistral,
-Qwen3-MoE): HF -> Megatron -> HF bit-exact, log-probs and entropy equal to transformers
-(1e-5), the conformance kit single-process and under TP=2 + SP / EP=2."""
+Qwen3-MoE, MoE models with dense layers: DeepSeek-style first dense layer + shared expert,
+every second layer sparse): HF -> Megatron -> HF bit-exact, log-probs and entropy equal to
+transformers (1e-5), the conformance kit single-process and under TP=2 + SP / EP=2."""
 
 from __future__ import annotations
 
@@ -65,10 +66,12 @@ def test_mistral_refuses_sequences_past_its_window():
 @pytest.mark.multiproc
 def test_qwen3_tp2_sp_and_qwen3_moe_ep2_conformance(tmp_path):
     """q/k norm weights see only this rank's heads under TP: their gradients are summed over
-    TP (the kit's grad norm and step against the single-process reference say so)."""
+    TP (the kit's grad norm and step against the single-process reference say so). The
+    dense-first MoE at EP=2: the dense layer is data-parallel, the experts split."""
     runs = [
         ("qwen3", {"tensor": 2, "sequence_parallel": True}, "alltoall", None),
         ("qwen3_moe", {"expert": 2}, "alltoall", None),
+        ("qwen2_moe_dense_first", {"expert": 2}, "alltoall", None),
     ]
     results = run_distributed(T.rank_conformance_runs, 2, (runs, str(tmp_path)))
     for rank_result in results:

@@ -71,7 +71,9 @@ def test_sum_pi_squared_on_request_matches_hf(tmp_path):
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        ({"lora.rank": 8}, "lora.rank"),
+        ({"lora.rank": 8, "lora.dropout": 0.1}, "lora.dropout"),
+        ({"lora.rank": 8, "lora.target_modules": ["q_proj", "lm_head"]}, "lora.target_modules"),
+        ({"lora.rank": 8, "lora.target_modules": "q_proj|v_proj"}, "lora.target_modules"),
         ({"precision.param_dtype": "float16"}, "precision.param_dtype"),
         ({"parallel.tensor": 3}, "parallel.tensor"),
         ({"parallel.expert": 2}, "parallel.expert"),
@@ -98,10 +100,12 @@ def test_the_device_asked_for_is_the_device_it_gets(monkeypatch):
     MegatronEngine.check_config(apply_overrides(T.base_config(SMALL), {"device": "cpu"}))
 
 
-def test_contract_kit_coordinates_and_refused_lora(tmp_path):
+def test_contract_kit_coordinates_and_lora(tmp_path):
     """The kit's checks of the contract's coordinates and optional parts at one rank:
-    `dp_rank` 0 of 1, its own output rank; no `Capability.LORA`, so `lora.rank > 0`,
-    `reference_mode()` and `export_adapter()` are refused with ConfigErrors naming them."""
+    `dp_rank` 0 of 1, its own output rank; `Capability.LORA`: after a step, `reference_mode()`
+    gives the base model's log-probs and the exported adapter, loaded by peft over the base
+    model, gives the engine's (both against transformers); without adapters both are
+    refused naming `lora.rank`."""
     checks = [
         "data_parallel_coordinates",
         "reference_mode_is_base_model",
@@ -111,8 +115,21 @@ def test_contract_kit_coordinates_and_refused_lora(tmp_path):
     assert run_conformance(spec, checks) == checks
     engine = spec.make_engine({})
     assert (engine.dp_rank, engine.dp_size, engine.is_dp_output_rank) == (0, 1, True)
-    with pytest.raises(ConfigError, match=r"reference_mode\(\) needs Capability.LORA"):
-        engine.reference_mode()
+    with pytest.raises(ConfigError, match=r"reference_mode\(\) needs LoRA \(lora\.rank"):
+        with engine.reference_mode():
+            pass
+
+
+def test_lora_on_moe_adapts_attention_only():
+    """An MoE model's experts take no adapters: 'all-linear' and MLP names are refused before
+    any rank starts, naming the field and the attention names that work."""
+    moe = T.base_config(T.TINY_MOE)
+    for targets in ("all-linear", ["q_proj", "gate_proj"]):
+        cfg = apply_overrides(moe, {"lora.rank": 8, "lora.target_modules": targets})
+        with pytest.raises(ConfigError, match=r"lora\.target_modules=.*'q_proj', 'k_proj'"):
+            MegatronEngine.check_config(cfg)
+    attention = {"lora.rank": 8, "lora.target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    MegatronEngine.check_config(apply_overrides(moe, attention))
 
 
 def test_bad_model_folder_and_checkpoint_errors(tmp_path):

@@ -469,11 +469,6 @@ def check_image_support(cfg: PPOConfig) -> None:
             "baselines, not supported with images yet; choose e.g. grpo",
         ),
         (
-            cfg.actor.lora.enabled,
-            "actor.lora: LoRA on a vision-language model is not supported "
-            "yet; set actor.lora.rank=0",
-        ),
-        (
             cfg.actor.parallel.context > 1,
             f"actor.parallel.context={cfg.actor.parallel.context}: Ulysses does not take images "
             "yet; set actor.parallel.context=1",
@@ -489,6 +484,15 @@ def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> Non
     `model_folder`: the resolved `model.path` (`prepare` asks again with it, once a named
     model is built); by default its config.json is read where it already exists."""
     a = cfg.algorithm
+    if cfg.actor.moe.replays and (cfg.rollout.backend != "hf" or cfg.rollout.uses_agent_loop):
+        raise ConfigError(
+            "actor.moe.routing_replay='rollout' needs the rollout to record each token's "
+            f"experts: rollout.backend={cfg.rollout.backend!r}"
+            + (" with an agent loop" if cfg.rollout.uses_agent_loop else "")
+            + " does not (vLLM 0.32's CPU build and SGLang return no routed experts; agent "
+            "loops generate turn by turn); use rollout.backend=hf without an agent loop, or "
+            "set actor.moe.routing_replay=off"
+        )
     # CPU ranks are told so; GPU ranks may sit on other nodes than this driver's ("auto")
     device = "auto" if cfg.resources.gpus_per_rank > 0 else "cpu"
     roles = [("actor", cfg.actor, "policy")]

@@ -19,6 +19,7 @@ _EXPORTS = {
     "EngineConfig": "config",
     "EngineSections": "config",
     "LoraConfig": "config",
+    "MoEConfig": "config",
     "MicroBatchConfig": "config",
     "ModelConfig": "config",
     "OffloadConfig": "config",

@@ -50,6 +50,14 @@ step's normalisers. Summed over the rows: put the count on one row, zeros elsewh
 LEFT_OUT_SEQS = "left_out_seq_count"
 """Optional `[B]` column: sequences left out, as `LEFT_OUT_TOKENS`."""
 
+ROUTED_EXPERTS = "routed_experts"
+"""Optional `[B, T, moe_layers, top_k]` int64 field of a mixture-of-experts model: the
+experts the rollout's router chose for each token at each MoE layer (model order), -1 where
+nothing was recorded (padding; a sequence's last token, which no forward pass saw). An
+engine that replays routes sends each recorded token to these experts, with gates
+recomputed from its own router logits at them; unrecorded tokens take the engine's own
+top-k."""
+
 REQUIRED_FIELDS = (INPUT_IDS, ATTENTION_MASK, RESPONSE_MASK)
 
 

@@ -219,6 +219,10 @@ class OffloadConfig:
     """Optimizer state lives on CPU."""
 
 
+LORA_VISION = ("frozen", "adapt")
+"""`LoraConfig.vision` choices."""
+
+
 @dataclass
 class LoraConfig:
     """Low-rank adapters (through peft). `rank=0` trains the full model."""
@@ -231,9 +235,17 @@ class LoraConfig:
     """Dropout on the adapter input."""
     target_modules: list[str] | str = "all-linear"
     """Module names to adapt, or `all-linear`."""
+    vision: str = "frozen"
+    """A vision-language model's vision tower: `frozen` (adapters in the language model only,
+    the tower's weights fixed) or `adapt` (the tower's linear layers get adapters too)."""
 
     def __post_init__(self) -> None:
         _positive("lora", "rank", self.rank, zero_ok=True)
+        if self.vision not in LORA_VISION:
+            raise ConfigError(
+                f"lora.vision={self.vision!r}: use one of {list(LORA_VISION)} (frozen keeps "
+                "the vision tower fixed, adapt puts adapters in it too)"
+            )
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
 
@@ -297,6 +309,26 @@ class ParallelConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts training options."""
+
+    routing_replay: str = "off"
+    """`rollout`: the rollout records each token's experts per MoE layer and training sends
+    every recorded token to them, gates recomputed from the current router ("R3": a token
+    routed differently in training than in generation is the main cause of the train/rollout
+    log-prob gap of MoE models); `off` (default: a dense model has no routes): training
+    routes by its own top-k. Needs an MoE model and a rollout backend that records routes
+    (`hf`)."""
+
+    def __post_init__(self) -> None:
+        _choice("moe", "routing_replay", self.routing_replay, ("off", "rollout"))
+
+    @property
+    def replays(self) -> bool:
+        return self.routing_replay == "rollout"
+
+
+@dataclass
 class EngineSections:
     """The sections of an engine's config besides the model: what a trained role of an app
     sets (apps compose this class instead of repeating its fields)."""
@@ -315,6 +347,8 @@ class EngineSections:
     """LoRA adapters."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel sizes."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts options (routing replay)."""
 
     def sections(self) -> dict[str, Any]:
         """The sections by name (to build an `EngineConfig` from them)."""
@@ -357,6 +391,7 @@ _SECTIONS: dict[str, type] = {
     "offload": OffloadConfig,
     "lora": LoraConfig,
     "parallel": ParallelConfig,
+    "moe": MoEConfig,
 }
 
 

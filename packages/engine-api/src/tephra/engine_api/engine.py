@@ -29,6 +29,7 @@ from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.loss import LossFn
+from tephra.engine_api.multimodal import declared_hf_config
 
 
 class Engine(ABC):
@@ -62,6 +63,17 @@ class Engine(ABC):
                 f"lora.rank={config.lora.rank}: {cls.__name__} has no LoRA support "
                 f"({cls.__name__}.capabilities lacks Capability.LORA); set lora.rank=0 or use "
                 "an engine that declares it"
+            )
+        declared = declared_hf_config(config.model)
+        experts = ("num_experts", "num_local_experts", "n_routed_experts")
+        if (
+            config.moe.replays
+            and "model_type" in declared
+            and not any(declared.get(k) for k in experts)
+        ):
+            raise ConfigError(
+                f"moe.routing_replay='rollout' on a {declared['model_type']!r} model, which "
+                "has no experts to route; set moe.routing_replay=off"
             )
 
     @classmethod

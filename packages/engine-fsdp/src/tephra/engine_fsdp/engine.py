@@ -32,6 +32,7 @@ from tephra.engine_fsdp import (
     lora,
     microbatches,
     prefix_sharing,
+    routing_replay,
     sharding,
     tree_attention,
     ulysses,
@@ -111,6 +112,8 @@ class FSDPEngine(Engine):
         sharding.shard_model(self.scorer, layers, self.mesh, config, self.device)
         self.model = self.scorer
         self.hf_model = hf_model
+        # MoE routers replay a batch's `routed_experts` (their own top-k without it)
+        self.router_replay = routing_replay.RouterReplay(hf_model)
         # a VLM on several ranks runs its tower on every micro-batch (see `vision`)
         self.idle_vision = self.vlm and dist.is_initialized() and dist.get_world_size() > 1
         params = [p for p in self.scorer.parameters() if p.requires_grad]
@@ -144,6 +147,11 @@ class FSDPEngine(Engine):
                 f"optimizer.name={config.optimizer.name!r}: engine=fsdp has adamw only"
             )
         sharding.check_parallel(config, world_size)
+        if config.moe.replays and config.parallel.context > 1:
+            raise ConfigError(
+                "moe.routing_replay='rollout' with parallel.context > 1 (Ulysses): engine-fsdp "
+                "replays routes on whole sequences only; set parallel.context=1"
+            )
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(
                 "micro_batch.share_prefix=true needs padded micro-batches (micro_batch."
@@ -249,6 +257,17 @@ class FSDPEngine(Engine):
                 f"{vocab}; the tokenizer and model do not match"
             )
         vision.check_batch(batch, self.hf_model.config, self.sp)
+        if B.ROUTED_EXPERTS in batch.keys() and not self.config.moe.replays:
+            # the rollout's routes replay with moe.routing_replay=rollout only (a critic
+            # handed the policy's batch ignores them)
+            del batch[B.ROUTED_EXPERTS]
+        if B.ROUTED_EXPERTS in batch.keys():
+            self.router_replay.check(batch)
+            if self.sp > 1:
+                raise BatchError(
+                    "batch['routed_experts'] with parallel.context > 1 (Ulysses): engine-fsdp "
+                    "replays routes on whole sequences only; set parallel.context=1"
+                )
         return batch
 
     def _outputs(
@@ -259,6 +278,9 @@ class FSDPEngine(Engine):
         `EXTRA_FORWARD_OUTPUTS` (checked by `forward`)."""
         attn = mb[B.ATTENTION_MASK]
         resp = mb[B.RESPONSE_MASK]
+        # kept until the next micro-batch: a recomputed forward (gradient checkpointing, in
+        # this micro-batch's backward) replays the same routes
+        self.router_replay.set_micro_batch(mb, self.packed)
         if self.sp > 1:
             return self._sequence_parallel_outputs(mb, extra)
         # the kernel computes sum pi^2 in its pass over the vocabulary, only when asked
@@ -293,7 +315,8 @@ class FSDPEngine(Engine):
             pos = mb[B.POSITION_IDS] if pos is None else pos
             tree = (
                 prefix_sharing.layout(mb[B.INPUT_IDS], attn, pos, label_mask, self.flat_tree)
-                if self.share_prefix and not self.vlm
+                # replayed routes follow the plain [b, t] layout, not the shared-prefix tree
+                if self.share_prefix and not self.vlm and self.router_replay.targets is None
                 else None
             )
             if tree is not None:

@@ -32,6 +32,7 @@ def _meta(engine) -> dict:
         "param_dtype": engine.config.precision.param_dtype,
         "parallel": dataclasses.asdict(engine.config.parallel),
         "world_size": dist.get_world_size(),
+        "lora": dataclasses.asdict(engine.config.lora),
     }
 
 
@@ -56,7 +57,7 @@ def load(engine, path: Path) -> None:
         raise CheckpointError(f"no checkpoint at {str(path)!r} (meta.json is missing)")
     meta = json.loads(meta_file.read_text())
     expected = _meta(engine)
-    for key in ("format", "shape", "role", "param_dtype", "parallel", "world_size"):
+    for key in ("format", "shape", "role", "param_dtype", "parallel", "world_size", "lora"):
         if meta.get(key) != expected[key]:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} was written for {key}={meta.get(key)!r}, but this "

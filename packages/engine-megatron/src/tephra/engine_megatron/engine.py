@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from transformers import AutoConfig
 
 from tephra.engine_api import batch as B
+from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
@@ -45,7 +46,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 
 from tephra.engine_megatron import checkpoint as ckpt  # noqa: E402
 from tephra.engine_megatron import hf_conversion as conv  # noqa: E402
-from tephra.engine_megatron import parallel_setup  # noqa: E402
+from tephra.engine_megatron import lora, parallel_setup, routing_replay  # noqa: E402
 from tephra.engine_megatron.core_attention import choose_kernel  # noqa: E402
 from tephra.engine_megatron.distributed_optimizer import DistributedAdamW  # noqa: E402
 from tephra.engine_megatron.hf_loading import load_hf  # noqa: E402
@@ -59,6 +60,7 @@ from tephra.engine_megatron.model_builder import (  # noqa: E402
     ModelShape,
     TephraGPT,
     model_shape,
+    sparse_layers,
     transformer_config,
 )
 from tephra.engine_megatron.weight_export import HFStream, gather_hf_weights  # noqa: E402
@@ -114,17 +116,23 @@ def declared_shape(model: Any) -> ModelShape | None:
 class MegatronEngine(Engine):
     """megatron-core backend. Build with `MegatronEngine.build(config)` on every rank.
 
-    Declares no optional capability: LoRA is refused at `check_config`, and the contract's
-    defaults refuse `reference_mode()` / `export_adapter()`."""
+    Declares `Capability.LORA` (`lora`: peft's adapters on the tensor-parallel linears):
+    `reference_mode()` and `export_adapter()`."""
 
-    capabilities = frozenset()
+    capabilities = frozenset({Capability.LORA})
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.check_config(config, dist.get_world_size() if dist.is_initialized() else 1)
         parallel_setup.initialize(config.parallel)
         cpu_compat.seed_model_parallel_rng(config.seed)
-        self.hf_config, hf_state, self.tokenizer_path = load_hf(config.model)
+        adapt = None
+        if config.lora.enabled:
+
+            def adapt(hf_model):
+                return lora.initial_adapters(hf_model, config.lora, config.model.init_seed)
+
+        self.hf_config, hf_state, self.tokenizer_path, initial = load_hf(config.model, adapt)
         self.shape = model_shape(self.hf_config)
         self._check_shape(config)
         self.device = (
@@ -165,6 +173,13 @@ class MegatronEngine(Engine):
         del hf_state
         self._mark_tensor_parallel()
         self._keep_padding_row()
+        self.adapters: lora.Adapters | None = None
+        if config.lora.enabled:
+            self.adapters = lora.Adapters(config.lora)
+            self.adapters.attach(
+                self.chunks, initial, self._heads, self.tconfig.sequence_parallel, self.dtype
+            )
+            self._freeze_base()
         for chunk in self.chunks:  # built on the CPU (use_cpu_initialization); buffers too
             chunk.to(self.device)
         # DDP buffers + AdamW on this data-parallel rank's slice of the float32 masters
@@ -173,6 +188,12 @@ class MegatronEngine(Engine):
         )
         self._fb_func = get_forward_backward_func()
         self._training = False
+        # routing replay: every router answers its top-k from a `Replay` (own choice unless
+        # a batch carries `routed_experts`)
+        self._replays = routing_replay.attach(self.chunks) if self.shape.num_experts else {}
+        self._chunk_of = {id(d): id(c) for d, c in zip(self.optimizer.ddp_chunks, self.chunks)}
+        pattern = sparse_layers(self.hf_config) if self.shape.num_experts else []
+        self._moe_index = {g: sum(pattern[:g]) for g, sparse in enumerate(pattern) if sparse}
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -227,6 +248,12 @@ class MegatronEngine(Engine):
                 f"world size {world_size} is not divisible by parallel.expert * "
                 f"parallel.expert_tensor * parallel.pipeline = {expert_world}"
             )
+        if config.moe.replays and config.model.gradient_checkpointing and p.pipeline > 1:
+            raise ConfigError(
+                "moe.routing_replay='rollout' with model.gradient_checkpointing and "
+                "parallel.pipeline > 1: a micro-batch's recomputed forward would replay another "
+                "micro-batch's routes; turn gradient checkpointing or pipelining off"
+            )
         if p.virtual_pipeline > 1 and p.pipeline == 1:
             raise ConfigError("parallel.virtual_pipeline > 1 needs parallel.pipeline > 1")
         shape = declared_shape(config.model)
@@ -236,10 +263,8 @@ class MegatronEngine(Engine):
     @staticmethod
     def _check_supported(config: EngineConfig) -> None:
         if config.lora.enabled:
-            raise ConfigError(
-                "lora.rank > 0 is not supported by engine-megatron; use engine=fsdp "
-                "for LoRA or set lora.rank=0"
-            )
+            shape = declared_shape(config.model)
+            lora.check_config(config.lora, None if shape is None else bool(shape.num_experts))
         if config.offload.params or config.offload.optimizer:
             raise ConfigError(
                 "offload.params / offload.optimizer are not supported by "
@@ -335,6 +360,24 @@ class MegatronEngine(Engine):
                     dim = 1 if kind in ("row", "expert_down") else 0
                     tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
 
+    def _freeze_base(self) -> None:
+        """With LoRA only the adapters train, and a critic's value head (new, with no base
+        weights to start from); megatron's DDP and optimizer then hold only those."""
+        for chunk in self.chunks:
+            for name, param in chunk.named_parameters():
+                train = lora.is_adapter(name) or (
+                    self.config.model.role == "value" and name.startswith("value_head.")
+                )
+                param.requires_grad_(train)
+
+    def exported_value(self, param: torch.Tensor) -> torch.Tensor:
+        """`param` as exported: with an adapter on its linear, merged in this rank's layout,
+        W + (alpha / rank) * B @ A computed in float32 (as engine-fsdp merges)."""
+        adapter = self.adapters.by_weight.get(id(param)) if self.adapters is not None else None
+        if adapter is not None:
+            return (param.float() + adapter.weight_delta(param)).to(param.dtype)
+        return param.detach()
+
     def _keep_padding_row(self) -> None:
         """transformers builds the input embedding with `padding_idx=pad_token_id`: the lookup
         of that id passes no gradient to the table, even where a policy sampled the id as a
@@ -359,6 +402,21 @@ class MegatronEngine(Engine):
                 emb.word_embeddings.register_forward_hook(block_pad_lookups)
 
     # ----- lifecycle ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def reference_mode(self) -> Iterator[None]:
+        """Forward passes inside run the base model (adapters off): the reference policy's
+        log-probs, with no second model in memory. Needs `lora.rank > 0`."""
+        if self.adapters is None:
+            raise ConfigError(
+                "reference_mode() needs LoRA (lora.rank > 0): without adapters the base "
+                "model is being trained, so build a separate engine for the reference"
+            )
+        self.adapters.set_enabled(False)
+        try:
+            yield
+        finally:
+            self.adapters.set_enabled(True)
+
     @contextlib.contextmanager
     def train_mode(self):
         for c in self.chunks:
@@ -405,6 +463,27 @@ class MegatronEngine(Engine):
         )
         return metrics
 
+    def _check_replay(self, batch: TensorDict) -> None:
+        """A batch with `routed_experts`: an MoE model, routes of its shape, and no layout in
+        which a recomputed forward would read another micro-batch's routes."""
+        if not self.shape.num_experts:
+            raise BatchError(
+                "batch['routed_experts'] is for mixture-of-experts models; this model has "
+                "no experts: leave the field out"
+            )
+        if self.tconfig.recompute_granularity and ps.get_pipeline_model_parallel_world_size() > 1:
+            raise BatchError(
+                "batch['routed_experts'] with model.gradient_checkpointing and "
+                "parallel.pipeline > 1: the recomputed forward of a micro-batch would replay "
+                "another's routes; turn one of them off"
+            )
+        routing_replay.check_routes(
+            batch,
+            len(self._moe_index),
+            self.tconfig.moe_router_topk,
+            self.shape.num_experts,
+        )
+
     def _output_keys(self) -> list[str | None]:
         """The name of each slot of the model's last dimension: values, or log-probs,
         entropy (None: a slot of zeros without compute_entropy) and sum pi^2 when forward
@@ -430,6 +509,13 @@ class MegatronEngine(Engine):
                 f"the model's sliding_window={window}; engine-megatron attends to every "
                 "earlier token: shorten the sequences (or use engine=fsdp)"
             )
+        # the rollout's routes replay with moe.routing_replay=rollout; otherwise they are
+        # ignored (e.g. a critic handed the policy's batch)
+        replay = self.config.moe.replays and B.ROUTED_EXPERTS in batch.keys()
+        if replay:
+            self._check_replay(batch)
+        elif B.ROUTED_EXPERTS in batch.keys():
+            batch = batch.exclude(B.ROUTED_EXPERTS)
         indexed = batch.clone(False)
         indexed["_row"] = torch.arange(n_rows)
         indexed["_col"] = torch.arange(seq_len).expand(n_rows, seq_len)
@@ -480,11 +566,20 @@ class MegatronEngine(Engine):
                     group=ps.get_data_parallel_group(with_context_parallel=True),
                 )
             shape = (int(dims[0]), int(dims[1]))
-        inputs = [prepare(mb, packed, sp, shape).to(self.device) for mb in mbs]
+        prepared = [prepare(mb, packed, sp, shape) for mb in mbs]
+        targets = [
+            routing_replay.replay_targets(x, mb[B.ROUTED_EXPERTS], sp) if replay else None
+            for x, mb in zip(prepared, mbs)
+        ]
+        inputs = [x.to(self.device) for x in prepared]
+        del prepared
 
         def forward_step(data_iterator, model):
             idx = next(data_iterator)
             x: ModelInputs = inputs[idx]
+            for layer, r in self._replays.get(self._chunk_of[id(model)], []):
+                t = targets[idx]
+                r.target = None if t is None else t[:, self._moe_index[layer]]
             out = model(x.input_ids, x.position_ids, x.attention_plan, x.labels)
 
             def loss_func(out_tensor):
@@ -579,7 +674,18 @@ class MegatronEngine(Engine):
             yield bucket
 
     def export_hf(self, path: str | Path) -> None:
+        """The full model in HF format; with LoRA the adapters are merged into it."""
         ckpt.export_hf(self, Path(path))
+
+    def export_adapter(self, path: str | Path) -> None:
+        """The LoRA adapters alone, as peft writes them (`PeftModel.from_pretrained` loads
+        the folder over the base model). Collective; rank 0 writes."""
+        if self.adapters is None:
+            raise ConfigError(
+                "export_adapter() needs LoRA (lora.rank > 0): without adapters there is "
+                "none; export the model with export_hf"
+            )
+        self.adapters.write(Path(path), self.config.model.path)
 
     def save_checkpoint(self, path: str | Path) -> None:
         ckpt.save(self, Path(path))

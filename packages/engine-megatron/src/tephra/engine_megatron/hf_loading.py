@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -26,8 +28,10 @@ def hf_config_of(model: ModelConfig):
     return transformers.AutoConfig.for_model(data.pop("model_type"), **data)
 
 
-def load_hf(model: ModelConfig):
-    """(hf_config, full state dict in float32 with transformers' names, tokenizer folder).
+def load_hf(model: ModelConfig, adapt: Callable[[Any], Any] | None = None):
+    """(hf_config, full state dict in float32 with transformers' names, tokenizer folder,
+    what `adapt` returns for the loaded transformers model: called after the state is taken,
+    it may change the model, e.g. wrap it in peft's adapters; None without `adapt`).
 
     From `model.hf_config` the weights are transformers' own random initialisation under
     `torch.manual_seed(model.init_seed)`, so a plain transformers model built the same way
@@ -40,7 +44,8 @@ def load_hf(model: ModelConfig):
     else:
         hf = reference_model(cfg, model.init_seed)
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    return cfg, state, model.tokenizer_path or model.path
+    extra = adapt(hf) if adapt is not None else None
+    return cfg, state, model.tokenizer_path or model.path, extra
 
 
 def reference_model(cfg, init_seed: int):

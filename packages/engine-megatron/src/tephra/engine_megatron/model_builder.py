@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from tephra.engine_api.config import ParallelConfig
 from tephra.engine_api.errors import ConfigError
@@ -214,36 +215,54 @@ def transformer_config(
         )
         if shared:
             kwargs.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
-        if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(
-            hf_config, "mlp_only_layers", []
-        ):
-            raise ConfigError(
-                f"{shape.model_type} with dense layers (decoder_sparse_step != 1 or "
-                "mlp_only_layers) is not supported by engine-megatron"
-            )
+        pattern = sparse_layers(hf_config)
+        if not all(pattern):  # dense MLP layers among the MoE ones (e.g. the first k dense)
+            kwargs.update(moe_layer_freq=[int(p) for p in pattern])
     return TransformerConfig(**kwargs)
+
+
+def sparse_layers(hf_config) -> list[bool]:
+    """Which layers of a Qwen2/Qwen3-MoE model are MoE layers, as transformers builds them:
+    layer i is sparse unless it is in `mlp_only_layers` or (i + 1) is not a multiple of
+    `decoder_sparse_step` (the others are dense MLPs of `intermediate_size`; the first k
+    dense layers of a DeepSeek-style model are `mlp_only_layers=[0, ..., k-1]`)."""
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    return [i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)]
 
 
 def block_spec(
     config: TransformerConfig, vp_stage: int | None, attention_kernel: str = "torch"
 ) -> TransformerBlockSubmodules:
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts,
-        moe_grouped_gemm=False,
-        normalization="RMSNorm",
-        qk_layernorm=config.qk_layernorm,
-    )
-    spec = copy.deepcopy(spec)
-    spec.submodules.input_layernorm = RMSNorm
-    spec.submodules.pre_mlp_layernorm = RMSNorm
-    if config.qk_layernorm:
-        spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
-        spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=SegmentAttention, params={"kernel": attention_kernel}
-    )
+    def layer_spec(num_experts: int | None) -> ModuleSpec:
+        spec = get_gpt_layer_local_spec(
+            num_experts=num_experts,
+            moe_grouped_gemm=False,
+            normalization="RMSNorm",
+            qk_layernorm=config.qk_layernorm,
+        )
+        spec = copy.deepcopy(spec)
+        spec.submodules.input_layernorm = RMSNorm
+        spec.submodules.pre_mlp_layernorm = RMSNorm
+        if config.qk_layernorm:
+            spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+            spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=SegmentAttention, params={"kernel": attention_kernel}
+        )
+        return spec
+
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
+    freq = config.moe_layer_freq
+    if not config.num_moe_experts or not isinstance(freq, list):
+        return TransformerBlockSubmodules(
+            layer_specs=[layer_spec(config.num_moe_experts)] * layers, layer_norm=RMSNorm
+        )
+    # mixed dense and MoE layers: this chunk's slice of the per-layer pattern
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    dense, moe = layer_spec(None), layer_spec(config.num_moe_experts)
+    specs = [moe if freq[offset + i] else dense for i in range(layers)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
 
 
 class TephraGPT(torch.nn.Module):

@@ -71,10 +71,21 @@ TINY_QWEN3_MOE: dict[str, Any] = dict(
     **_TINY_COMMON,
 )
 """A tiny Qwen3-MoE: q/k norm, 4 experts, top-2 with renormalised weights, no shared expert."""
+TINY_MOE_DENSE_FIRST: dict[str, Any] = {**TINY_MOE, "mlp_only_layers": [0]}
+"""A DeepSeek-style layout on Qwen2-MoE: the first layer a dense MLP, then routed experts
+beside a gated shared expert."""
+TINY_QWEN3_MOE_STEP2: dict[str, Any] = {
+    **TINY_QWEN3_MOE,
+    "num_hidden_layers": 4,
+    "decoder_sparse_step": 2,
+}
+"""Qwen3-MoE with every second layer sparse (layers 1 and 3; 0 and 2 dense)."""
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": TINY_QWEN3,
     "mistral": TINY_MISTRAL,
     "qwen3_moe": TINY_QWEN3_MOE,
+    "qwen2_moe_dense_first": TINY_MOE_DENSE_FIRST,
+    "qwen3_moe_step2": TINY_QWEN3_MOE_STEP2,
 }
 
 
@@ -112,6 +123,13 @@ class HFReference:
         missing = [m for m in missing if not (tied and m == "lm_head.weight")]
         assert not missing and not unexpected, f"missing {missing}, unexpected {unexpected}"
 
+    def load_adapter(self, folder: Path) -> None:
+        """Wrap the model in the peft adapter `MegatronEngine.export_adapter` wrote."""
+        # imported here: peft takes seconds to import and only LoRA checks need it
+        from peft import PeftModel
+
+        self.model = PeftModel.from_pretrained(self.model, str(folder)).eval()
+
     def logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         with torch.no_grad():
             return self.model(
@@ -125,13 +143,18 @@ def conformance_spec(
     from tephra.engine_api.testing import ConformanceSpec
     from tephra.engine_megatron.engine import MegatronEngine
 
-    base = base_config(hf_config, {**parallel, "moe_token_dispatcher": dispatcher})
+    # the kit's LoRA checks ask for lora.rank > 0 alone: on an MoE model engine-megatron
+    # adapts the attention linears only, so the base config names them
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    lora = {"target_modules": attention} if hf_config.get("num_experts") else {}
+    base = base_config(hf_config, {**parallel, "moe_token_dispatcher": dispatcher}, lora=lora)
     return ConformanceSpec(
         make_engine=lambda overrides: MegatronEngine.build(apply_overrides(base, overrides)),
         make_reference=lambda: HFReference(hf_config),
         vocab_size=hf_config["vocab_size"],
         workdir=Path(workdir),
         atol=1e-5,
+        load_adapter=lambda ref, folder: ref.load_adapter(folder),
     )
 
 
@@ -282,6 +305,8 @@ def gathered_hf_weights(engine) -> dict[str, torch.Tensor]:
         for chunk in engine.chunks:
             offsets = engine._layer_offsets(chunk)
             for name, param in chunk.named_parameters():
+                if ".lora." in name:
+                    continue  # the reference export is of the base weights
                 m = conv.match(name, offsets)
                 _, size, group = engine._shard_coords(m)
                 if m.kind == "rep" or size == 1:
@@ -378,3 +403,22 @@ def rank_step(hf_config: dict[str, Any], parallel: dict[str, Any], batch, overri
         loss = engine.forward_backward(batch, nll_loss_fn)["loss"]
         norm = engine.optimizer_step()
     return loss, norm, log_probs
+
+
+def rank_replayed_log_probs(model_path: str, parallel: dict[str, Any], batch) -> Any:
+    """Log-probs of `batch` (carrying `routed_experts`) under routing replay, and the loss of
+    one step on it, at the `parallel` layout (every rank the same batch)."""
+    from tephra.engine_api.testing import nll_loss_fn
+    from tephra.engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine.build(
+        EngineConfig(
+            model={"path": model_path},
+            parallel=parallel,
+            moe={"routing_replay": "rollout"},
+        )
+    )
+    log_probs = engine.forward(batch)["log_probs"]
+    with engine.train_mode():
+        loss = engine.forward_backward(batch, nll_loss_fn)["loss"]
+    return log_probs.numpy(), loss

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from tephra.engine_megatron import hf_conversion as conv
+from tephra.engine_megatron import lora
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ def _local_params(engine) -> list[tuple[str, torch.Tensor, conv.Match]]:
     for chunk in engine.chunks:
         offsets = engine._layer_offsets(chunk)
         for name, param in chunk.named_parameters():
+            if lora.is_adapter(name):
+                continue  # merged into the weight they adapt (`engine.exported_value`)
             out.append((name, param, conv.match(name, offsets)))
     return out
 
@@ -138,11 +141,13 @@ class HFStream:
                 if j < len(self.local):
                     _, param, m = self.local[j]
                     _, size, group = engine._shard_coords(m)
+                    value = engine.exported_value(param)
                     if m.kind == "rep" or size == 1:
-                        shards = [param.detach()]
+                        shards = [value]
                     else:
-                        shards = [torch.empty_like(param) for _ in range(size)]
-                        dist.all_gather(shards, param.detach().contiguous(), group=group)
+                        shards = [torch.empty_like(value) for _ in range(size)]
+                        dist.all_gather(shards, value.contiguous(), group=group)
+                    del value
                     if _keeps(engine, m):
                         # a copy: what is yielded must not alias the live parameter
                         mine = [

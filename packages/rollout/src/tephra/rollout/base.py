@@ -311,6 +311,10 @@ class RolloutConfig:
     """Settings of the `vllm` backend."""
     sglang: ServerSettings = field(default_factory=ServerSettings)
     """Settings of the `sglang` backend."""
+    record_routes: bool = False
+    """Record each token's experts per MoE layer (`Sample.routed_experts`) for routing
+    replay; the trainer sets it from `actor.moe.routing_replay`. Only the `hf` backend
+    records (vLLM 0.32's CPU build returns no routed experts): the others refuse it."""
 
     def __post_init__(self) -> None:
         if not self.model_path:

@@ -101,6 +101,9 @@ class Sample:
     and metric)."""
     prompt_index: int = 0
     """Index of the sample's prompt in the `generate` call (or step) that made it."""
+    routed_experts: torch.Tensor | None = None
+    """`[prompt + response tokens, moe_layers, top_k]` int64: the experts the rollout's
+    routers chose for each token (`RolloutConfig.record_routes`), None when not recorded."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -149,6 +152,8 @@ def to_batch(
     tool_rewards       float32 [B]       sum of each sample's `tool_rewards` (`agent_stats`)
     uid                int64 [B]         group id of each sample (GRPO groups), when `uids` given
     multimodal                           the samples' images (`MULTIMODAL`), when any has some
+    routed_experts     int64 [B, P + R, L, k]  each token's experts per MoE layer, -1 on
+                                         padding (when every sample has them)
     """
     if not samples:
         raise ConfigError("to_batch: no samples; give at least one")
@@ -186,7 +191,27 @@ def to_batch(
         )
     if uids is not None:
         fields["uid"] = torch.tensor(list(uids), dtype=torch.int64)
+    if all(s.routed_experts is not None for s in samples):
+        fields["routed_experts"] = _routes_column(samples, p_len, r_len)
     batch = make_batch(ids, attn, resp, **fields)
     if any(s.multimodal is not None for s in samples):
         batch[MULTIMODAL] = multimodal_column([s.multimodal for s in samples])
     return batch
+
+
+def _routes_column(samples: Sequence[Sample], p_len: int, r_len: int) -> torch.Tensor:
+    """The samples' `routed_experts` in the batch layout `[B, P + R, L, k]`, -1 on padding."""
+    first = samples[0].routed_experts
+    assert first is not None
+    out = torch.full((len(samples), p_len + r_len, *first.shape[1:]), -1, dtype=torch.int64)
+    for i, s in enumerate(samples):
+        routes = s.routed_experts
+        assert routes is not None
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        if routes.shape[0] != p + r or routes.shape[1:] != first.shape[1:]:
+            raise ConfigError(
+                f"sample {i}: routed_experts has shape {list(routes.shape)}, expected "
+                f"[{p + r} prompt + response tokens, {', '.join(map(str, first.shape[1:]))}]"
+            )
+        out[i, p_len - p : p_len + r] = routes
+    return out

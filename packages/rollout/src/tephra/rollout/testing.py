@@ -100,8 +100,8 @@ def build_tiny_model(
     max_position_embeddings: int = 1024,
     seed: int = 0,
 ) -> TinyModel:
-    """Build, initialise (seeded) and save a tiny `qwen2` or `llama` causal LM and its
-    tokenizer to `path`. `initializer_range` is larger than usual so the next-token
+    """Build, initialise (seeded) and save a tiny `qwen2`, `llama` or `qwen2_moe` (4 experts,
+    top-2, a gated shared expert) causal LM and its tokenizer to `path`. `initializer_range` is larger than usual so the next-token
     distributions are peaked (greedy ties are unlikely, EOS does occur).
 
     The head size `hidden_size // num_heads` must be one vLLM's CPU attention supports
@@ -109,8 +109,21 @@ def build_tiny_model(
     # transformers: seconds to import, only when a model is built
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if model_type not in ("qwen2", "llama"):
-        raise ValueError(f"model_type={model_type!r}: choose 'qwen2' or 'llama'")
+    if model_type not in ("qwen2", "llama", "qwen2_moe"):
+        raise ValueError(f"model_type={model_type!r}: choose 'qwen2', 'llama' or 'qwen2_moe'")
+    moe = (
+        dict(
+            moe_intermediate_size=hidden_size,
+            shared_expert_intermediate_size=hidden_size,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        if model_type == "qwen2_moe"
+        else {}
+    )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(vocab_size)
@@ -132,6 +145,7 @@ def build_tiny_model(
         pad_token_id=pad,
         bos_token_id=None,
         torch_dtype="float32",
+        **moe,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

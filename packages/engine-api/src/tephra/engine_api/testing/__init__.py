@@ -10,13 +10,14 @@ from tephra.engine_api.testing.conformance import (
     run_conformance,
 )
 from tephra.engine_api.testing.distributed import free_port, run_distributed
-from tephra.engine_api.testing.parity import first_steps
+from tephra.engine_api.testing.parity import adapter_steps, first_steps
 
 __all__ = [
     "CHECKS",
     "ConformanceFailure",
     "ConformanceSpec",
     "ReferenceModel",
+    "adapter_steps",
     "first_steps",
     "free_port",
     "nll_loss_fn",

@@ -46,7 +46,12 @@ from tephra.rollout.base import (
     SamplingParams,
     check_prompts,
 )
-from tephra.rollout.multimodal import MultimodalInputs, hf_model_kwargs, image_token_id
+from tephra.rollout.multimodal import (
+    MultimodalInputs,
+    hf_model_kwargs,
+    image_token_id,
+    video_token_id,
+)
 
 _SEED_MASK = 2**64 - 1
 """torch generators take seeds in [0, 2**64); larger or negative seeds wrap."""
@@ -184,6 +189,18 @@ class HFRollout(Rollout):
             name="tephra-hf-rollout-batcher",
         )
         self._closed = False
+        self._routers = [
+            m
+            for name, m in self.model.named_modules()
+            if name.endswith("mlp.gate") and type(m).__name__.endswith("TopKRouter")
+        ]
+        """The MoE top-k routers (transformers' Qwen2-MoE / Qwen3-MoE), in layer order."""
+        if config.record_routes and not self._routers:
+            raise RolloutError(
+                f"hf rollout: routing replay needs a mixture-of-experts model with top-k "
+                f"routers (Qwen2-MoE, Qwen3-MoE); {config.model_path!r} has none: set "
+                "actor.moe.routing_replay=off"
+            )
 
     # -- synchronous batch generation -------------------------------------------------------
 
@@ -214,7 +231,47 @@ class HFRollout(Rollout):
                 [seed + r for r in range(start, end)],
                 mm_rows[start:end],
             )
+        if self.config.record_routes:
+            routes = self.record_routes([row + g.response_ids for row, g in zip(rows, generations)])
+            for g, r in zip(generations, routes):
+                g.routed_experts = r
         return RolloutOutput.from_generations(list(prompts), generations, sampling.n)
+
+    @torch.no_grad()
+    def record_routes(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        """Each row's experts `[tokens, moe_layers, k]`, from one forward of the rollout's
+        model over the row (prompt + response; same weights and dtype as generation).
+        Incremental decoding with a KV cache computes the same routes up to rounding: a
+        token whose top-k is a near tie could differ."""
+        out: list[torch.Tensor] = []
+        step = self.config.hf.max_batch_rows
+        with self._lock:
+            for start in range(0, len(rows), step):
+                chunk = rows[start : start + step]
+                width = max(len(r) for r in chunk)
+                ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
+                attn = torch.zeros((len(chunk), width), dtype=torch.long)
+                for i, row in enumerate(chunk):
+                    ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+                    attn[i, width - len(row) :] = 1
+                pos = (attn.cumsum(-1) - 1).clamp(min=0)
+                seen: list[torch.Tensor] = []
+                hooks = [
+                    r.register_forward_hook(lambda m, a, o, seen=seen: seen.append(o[2]))
+                    for r in self._routers
+                ]
+                try:
+                    self.model(
+                        input_ids=ids.to(self.device),
+                        attention_mask=attn.to(self.device),
+                        position_ids=pos.to(self.device),
+                    )
+                finally:
+                    for h in hooks:
+                        h.remove()
+                routes = torch.stack([s.reshape(len(chunk), width, -1) for s in seen], 2).cpu()
+                out += [routes[i, width - len(row) :].clone() for i, row in enumerate(chunk)]
+        return out
 
     def _stop_ids(self, sampling: SamplingParams) -> list[int]:
         stops = list(sampling.stop_token_ids)
@@ -324,7 +381,12 @@ class HFRollout(Rollout):
             width = ids.shape[1]
         # images (vision-language model): pixel inputs of the rows, in row order
         mm_kwargs = (
-            hf_model_kwargs(ids.cpu(), multimodal, image_token_id(self.model.config))
+            hf_model_kwargs(
+                ids.cpu(),
+                multimodal,
+                image_token_id(self.model.config),
+                video_token_id(self.model.config),
+            )
             if (multimodal and any(m is not None for m in multimodal))
             else {}
         )

@@ -40,6 +40,7 @@ from urllib.parse import urlparse
 import httpx
 import torch
 
+from tephra.engine_api.errors import ConfigError
 from tephra.rollout.backends.server_process import ServerProcess, free_port
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import (
     BucketMeta,
@@ -185,6 +186,13 @@ class ServerRollout(Rollout):
         self.protocol = protocol
         self.settings: ServerSettings = getattr(config, protocol.name)
         protocol.check_settings(self.settings)
+        if config.record_routes:
+            raise ConfigError(
+                f"rollout.backend={protocol.name!r} with routing replay (actor.moe."
+                f"routing_replay=rollout): the {protocol.name} server returns no routed "
+                "experts here (vLLM 0.32's CPU build has no routed-experts output); use "
+                "rollout.backend=hf or set actor.moe.routing_replay=off"
+            )
         self.process: ServerProcess | None = None
         self._closed = False
         self._own_dir = self.settings.weights_dir is None
