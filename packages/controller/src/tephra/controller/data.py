@@ -4,7 +4,11 @@ Every source becomes a list of `PromptRecord` (the verl row format):
     prompt        list of chat messages [{"role": ..., "content": ...}]
     data_source   name that selects the reward scorer (e.g. "gsm8k", "reasoning_gym/basic_arithmetic")
     ground_truth  the answer the scorer compares with (`reward_model.ground_truth` in parquet)
-    extra_info    anything else the scorer may need (a dict)
+    extra_info    anything else the scorer may need (a dict); verl's agentic fields inside it:
+                  `tools_kwargs` ({tool: {"create_kwargs": {...}}}: per-row arguments of the
+                  tool's `create`, e.g. a ground truth for its reward) and `interaction_kwargs`
+                  (the environment's per-row arguments)
+    agent_name    (optional) the episode that runs the row, a name in EPISODES
 Prompts are tokenized with the tokenizer's chat template; prompts longer than the budget are
 dropped and counted. `PromptLoader` walks the records in a seeded order, `prompts_per_step` at
 a time, and its position is part of a checkpoint.
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tephra.engine_api.errors import ConfigError, TephraError
+from tephra.episodes.registry import EPISODES
 
 
 class DatasetError(TephraError, ValueError):
@@ -33,6 +38,55 @@ class PromptRecord:
     data_source: str
     ground_truth: Any
     extra_info: dict[str, Any] = field(default_factory=dict)
+    tool_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per tool name, the keyword arguments of its `create` for this row (verl's
+    `extra_info.tools_kwargs[tool].create_kwargs`)."""
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The environment's arguments for this row (verl's `extra_info.interaction_kwargs`)."""
+    agent_name: str | None = None
+    """The episode that runs this row (verl's `agent_name` column); None: the configured one."""
+
+
+_UNUSED_TOOL_KWARGS = ("execute_kwargs", "calc_reward_kwargs", "release_kwargs")
+
+
+def agentic_fields(
+    row: dict[str, Any], extra: dict[str, Any], fail: Callable[[str, str], DatasetError]
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any], str | None]:
+    """verl's per-row agentic fields: (tool create kwargs by tool, interaction kwargs, agent
+    name). A parquet struct column fills absent keys with None; those count as absent."""
+    tools_kwargs = extra.get("tools_kwargs") or {}
+    if not isinstance(tools_kwargs, dict):
+        raise fail("extra_info.tools_kwargs", f"is {tools_kwargs!r}, not a dict by tool name")
+    tool_kwargs: dict[str, dict[str, Any]] = {}
+    for tool, spec in tools_kwargs.items():
+        if spec is None:
+            continue
+        where = f"extra_info.tools_kwargs.{tool}"
+        if not isinstance(spec, dict):
+            raise fail(where, f'is {spec!r}, not {{"create_kwargs": {{...}}}}')
+        unknown = sorted(set(spec) - {"create_kwargs", *_UNUSED_TOOL_KWARGS})
+        if unknown:
+            raise fail(where, f"has keys {unknown}; tephra reads 'create_kwargs'")
+        used = [k for k in _UNUSED_TOOL_KWARGS if spec.get(k)]
+        if used:
+            raise fail(
+                where,
+                f"sets {used}; tephra passes per-row arguments to the tool's create only: "
+                "move them into 'create_kwargs' and keep them in the tool's state",
+            )
+        create = spec.get("create_kwargs") or {}
+        if not isinstance(create, dict):
+            raise fail(f"{where}.create_kwargs", f"is {create!r}, not a dict")
+        tool_kwargs[tool] = {k: v for k, v in create.items() if v is not None}
+    interaction = extra.get("interaction_kwargs") or {}
+    if not isinstance(interaction, dict):
+        raise fail("extra_info.interaction_kwargs", f"is {interaction!r}, not a dict")
+    agent = row.get("agent_name")
+    if agent is not None:
+        if not isinstance(agent, str) or agent not in EPISODES.names():
+            raise fail("agent_name", f"is {agent!r}, not an episode in {EPISODES.names()}")
+    return tool_kwargs, {k: v for k, v in interaction.items() if v is not None}, agent or None
 
 
 def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord:
@@ -86,7 +140,10 @@ def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord
             raise fail("extra_info", f"is a string but not JSON ({exc})") from None
     if not isinstance(extra, dict):
         raise fail("extra_info", f"is {type(extra).__name__}, not a dict (or a JSON object)")
-    return PromptRecord(messages, source, truth, dict(extra))
+    tool_kwargs, interaction_kwargs, agent_name = agentic_fields(row, extra, fail)
+    return PromptRecord(
+        messages, source, truth, dict(extra), tool_kwargs, interaction_kwargs, agent_name
+    )
 
 
 def _text(value: Any, fail: Callable[[str, str], DatasetError], field_name: str) -> Any:

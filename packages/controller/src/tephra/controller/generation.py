@@ -11,7 +11,6 @@ follow run while the scorer works (`collect_scores` waits for it).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -24,7 +23,7 @@ from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
 from tephra.engine_api.multimodal import image_token_id, video_token_id
 from tephra.episodes.agent import AgentSample
-from tephra.episodes.episode import Episode, run_episodes
+from tephra.episodes.episode import Episode, by_agent_name, run_episodes, run_to_completion
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import close_tools, load_tools
 from tephra.rollout.base import Rollout, RolloutConfig, SamplingParams
@@ -41,12 +40,18 @@ def run_items(
     """Run `episode` on every item concurrently; its samples, in the order of `items`."""
     episode_items = [
         AgentSample(
-            messages=list(i.record.prompt), sample_id=i.sample_id, prompt_ids=list(i.prompt_ids)
+            messages=list(i.record.prompt),
+            sample_id=i.sample_id,
+            prompt_ids=list(i.prompt_ids),
+            tool_kwargs=dict(i.record.tool_kwargs),
+            interaction_kwargs=dict(i.record.interaction_kwargs),
+            agent_name=i.record.agent_name,
         )
         for i in items
     ]
-    # The hf backend generates on its own thread, so a fresh event loop per call is fine.
-    return asyncio.run(run_episodes(episode, rollout, episode_items, sampling, max_in_flight))
+    # The hf backend generates on its own thread, so a fresh event loop per call is fine; a
+    # thread still blocked past its deadline (a tool, a sync agent) is not waited for.
+    return run_to_completion(run_episodes(episode, rollout, episode_items, sampling, max_in_flight))
 
 
 def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
@@ -85,6 +90,7 @@ class Generator:
         )
         self._tokenizer: Any = None
         self._tools: dict | None = None
+        self._episode: Episode | None = None
         self._scoring: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self._scorer: Scorer | None = None
@@ -170,7 +176,12 @@ class Generator:
         if self._tools is None:
             self._tools = load_tools(self.tools_file) if self.tools_file else {}
         r = self.cfg.rollout
-        episode = EPISODES.get(r.agent_loop)(self.tokenizer(), r.agent, self._tools)
+        if self._episode is None:
+            tok, tools = self.tokenizer(), self._tools
+            self._episode = by_agent_name(
+                r.agent_loop, lambda name: EPISODES.get(name)(tok, r.agent, tools)
+            )
+        episode = self._episode
         expanded = [
             PromptItem(i.prompt_ids, i.record, f"{i.sample_id}-{k}")
             for i in items
@@ -179,15 +190,28 @@ class Generator:
         return run_items(episode, self.rollout, expanded, sampling.replace(n=1), r.max_in_flight)
 
     def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list, list]:
+        """Scores of `samples`: an environment's own reward (`Sample.env_reward`) where the
+        episode set one, the reward scorer on the others."""
         start = time.perf_counter()
         if self._scorer is None:
             self._scorer = Scorer(self.cfg.reward)
-        prompts = None
-        if self.cfg.reward.reward_model_path:
-            tok = self.tokenizer()
-            prompts = [tok.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
-        results = self._scorer.score([s.text for s in samples], records, prompts)
-        return results, time.perf_counter() - start, self._scorer.clipped, self._scorer.extras
+        todo = [i for i, s in enumerate(samples) if s.env_reward is None]
+        results: list = [(s.env_reward, None) for s in samples]
+        clipped, extras = [False] * len(samples), [{} for _ in samples]
+        if todo:
+            prompts = None
+            if self.cfg.reward.reward_model_path:
+                tok = self.tokenizer()
+                prompts = [
+                    tok.decode(samples[i].prompt_ids, skip_special_tokens=True) for i in todo
+                ]
+            scored = self._scorer.score(
+                [samples[i].text for i in todo], [records[i] for i in todo], prompts
+            )
+            for k, i in enumerate(todo):
+                results[i] = scored[k]
+                clipped[i], extras[i] = self._scorer.clipped[k], self._scorer.extras[k]
+        return results, time.perf_counter() - start, clipped, extras
 
     def collect_scores(self) -> list[ScoreResult]:
         """The reward of each sample of the last `generate`, in order; waits for the

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tephra.controller.checkpoints import CheckpointManager
+from tephra.controller.code_problems import code_problem_records
 from tephra.controller.data import (
     PromptRecord,
     check_same_data,
@@ -35,7 +36,20 @@ BUNDLED_TOOLS = Path(__file__).parent / "tools"
 
 
 def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """Training and held-out records of `cfg.data`."""
+    """Training and held-out records of `cfg.data` (rows naming an `agent_name` need
+    `rollout.agent_loop`: the batched path runs no episode)."""
+    train, val = _load_records(cfg)
+    named = next((r.agent_name for r in (*train, *val) if r.agent_name), None)
+    if named and not cfg.rollout.uses_agent_loop:
+        raise ConfigError(
+            f"the data's rows name agent_name={named!r} but rollout.agent_loop is unset, so "
+            "no episode would run them; set rollout.agent_loop (the episode of rows without "
+            "an agent_name, e.g. single_turn)"
+        )
+    return train, val
+
+
+def _load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
     d = cfg.data
     if d.source == "reasoning_gym":
         return (
@@ -43,6 +57,8 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
             reasoning_gym_records(d.task, d.val_size, d.val_seed, d.task_config, d.instruction),
         )
 
+    if d.source == "code_problems":
+        return code_problem_records("train", d.train_size), code_problem_records("val", d.val_size)
     if not d.train_files:
         raise ConfigError(f"data.source={d.source!r} needs data.train_files to train on")
 

@@ -62,6 +62,7 @@ from tephra.controller.samples import (
     PromptItem,
     Sample,
     agent_metrics,
+    group_ids,
     samples_to_batch,
     set_score,
 )
@@ -400,7 +401,7 @@ class Trainer:
         samples = [s for r in rounds for s in r.kept]
         batch = samples_to_batch(samples, self.tok.pad_token_id, n, self.multi_turn)
         # one group id per prompt of the step (a prompt drawn twice forms two groups)
-        batch["uid"] = torch.arange(len(samples), dtype=torch.int64) // n
+        batch["uid"] = group_ids(samples, n)
         lap("generate")
         metrics: dict[str, float] = staleness_metrics(samples, self.step)
         metrics.update(

@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import torch
 from tensordict import TensorDict
 
 from tephra.controller.data import PromptRecord
 from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs
+from tephra.episodes.agent.loops import TIMEOUTS
 from tephra.rollout.samples import Sample, to_batch
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "ScoreResult",
     "set_score",
     "agent_metrics",
+    "group_ids",
     "record_payload",
     "sample_from_dict",
     "sample_to_dict",
@@ -87,9 +90,23 @@ def samples_to_batch(
     )
 
 
+def group_ids(samples: list[Sample], n: int) -> torch.Tensor:
+    """The GRPO group of each prompt-major sample [B]: its place // n, except that a sample
+    dropped by a deadline (`Sample.dropped`) is a group of its own, so its group's baseline
+    and scale come from the other samples."""
+    ids = [i // n for i in range(len(samples))]
+    fresh = len(samples) // n + 1
+    for i, sample in enumerate(samples):
+        if sample.dropped:
+            ids[i], fresh = fresh, fresh + 1
+    return torch.tensor(ids, dtype=torch.int64)
+
+
 def agent_metrics(samples: list[Sample]) -> dict[str, float]:
     """Per-step agent-loop statistics: turns, tool calls and tool errors per trajectory
-    (means), and token counts: generated (response_mask 1, trained) and tool (mask 0)."""
+    (means), token counts: generated (response_mask 1, trained) and tool (mask 0), and
+    trajectories cut by a deadline (`agent/timeouts`, of which `agent/dropped` left their
+    group)."""
     num = len(samples)
     generated = sum(sum(s.response_mask) for s in samples)
     total = sum(len(s.response_ids) for s in samples)
@@ -100,6 +117,8 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent/generated_tokens": float(generated),
         "agent/tool_tokens": float(total - generated),
         "agent/finish_stop_frac": sum(s.finish_reason == "stop" for s in samples) / num,
+        "agent/timeouts": float(sum(s.finish_reason in TIMEOUTS for s in samples)),
+        "agent/dropped": float(sum(s.dropped for s in samples)),
     }
 
 

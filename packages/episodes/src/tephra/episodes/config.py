@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tephra.core.errors import ConfigError
+from tephra.core.errors import ConfigError, RegistryError
 from tephra.core.registry import check_registered
 from tephra.episodes.agent.base import AgentLoopConfig
+from tephra.episodes.agent.black_box import load_agent_function
+from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS
+from tephra.episodes.environments.registry import get_environment
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.config import RolloutSection
 
@@ -19,8 +22,10 @@ class EpisodeRolloutConfig(RolloutSection):
 
     agent_loop: str | None = None
     """Multi-turn rollouts: an episode from tephra.episodes.registry.EPISODES (`tool_agent`:
-    the model calls the tools of `tools_file` between turns; `single_turn`). None or "" keeps
-    the batched `generate` path."""
+    the model calls the tools of `tools_file` between turns; `environment`: the environment
+    of `agent.environment`; `openai_agent`: the black-box agent of `agent.openai_agent`;
+    `single_turn`). It also runs the rows whose `agent_name` names no episode. None or ""
+    keeps the batched `generate` path."""
     tools_file: str | None = None
     """Tools YAML of the agent loop, or `python` for the bundled sandboxed interpreter."""
     max_in_flight: int = 64
@@ -37,11 +42,25 @@ class EpisodeRolloutConfig(RolloutSection):
         super().__post_init__()
         if self.agent_loop:
             check_registered("rollout.agent_loop", self.agent_loop, EPISODES)
-            if self.agent_loop == "tool_agent" and not self.tools_file:
+            check_registered(
+                "rollout.agent.tool_call_format", self.agent.tool_call_format, TOOL_CALL_PARSERS
+            )
+            uses_tools = self.agent_loop == "tool_agent" or (
+                self.agent_loop == "environment" and self.agent.environment == "tool"
+            )
+            if uses_tools and not self.tools_file:
                 raise ConfigError(
-                    "rollout.agent_loop='tool_agent' needs rollout.tools_file: a "
-                    "tools YAML, or `python` for the bundled sandboxed interpreter"
+                    f"rollout.agent_loop={self.agent_loop!r} needs rollout.tools_file"
+                    + (" (rollout.agent.environment='tool')" if self.agent.environment else "")
+                    + ": a tools YAML, or `python` for the bundled sandboxed interpreter"
                 )
+            if self.agent_loop == "openai_agent" or self.agent.openai_agent:
+                load_agent_function(self.agent.openai_agent)  # its errors come before Ray
+            if self.agent_loop == "environment" or self.agent.environment:
+                try:  # a file is imported here, so its errors come before Ray starts
+                    get_environment(self.agent.environment)
+                except RegistryError as exc:
+                    raise ConfigError(f"rollout.agent.environment: {exc}") from None
         if self.max_in_flight < 1:
             raise ConfigError(f"rollout.max_in_flight={self.max_in_flight} must be >= 1")
 

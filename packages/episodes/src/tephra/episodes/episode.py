@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from tephra.episodes.agent.base import AgentLoopConfig, AgentSample
 from tephra.episodes.tools.base import Tool
@@ -24,6 +24,8 @@ from tephra.rollout.samples import Sample
 Episode = Callable[[Rollout, AgentSample, SamplingParams], Awaitable[list[Sample]]]
 """`episode(rollout, item, sampling)` -> the item's samples (`sampling.n` is 1: an item
 submitted n times makes n episodes)."""
+
+T = TypeVar("T")
 
 EpisodeFactory = Callable[[Any, AgentLoopConfig, "dict[str, Tool]"], Episode]
 """`factory(tokenizer, config, tools)` -> an episode (what `EPISODES` holds)."""
@@ -45,3 +47,44 @@ async def run_episodes(
             return await episode(rollout, item, sampling)
 
     return [s for samples in await asyncio.gather(*(one(i) for i in items)) for s in samples]
+
+
+def by_agent_name(default: str, build: Callable[[str], Episode]) -> Episode:
+    """An episode that runs each item with the episode its `agent_name` names (verl's per-row
+    `agent_name`), or `default` when it names none; `build(name)` makes each once."""
+    built: dict[str, Episode] = {}
+
+    async def episode(
+        rollout: Rollout, item: AgentSample, sampling: SamplingParams
+    ) -> list[Sample]:
+        name = item.agent_name or default
+        if name not in built:
+            built[name] = build(name)
+        return await built[name](rollout, item, sampling)
+
+    return episode
+
+
+def run_to_completion(coro: Awaitable[T]) -> T:
+    """`asyncio.run(coro)`, except that threads still busy at the end are not waited for: a
+    tool or a synchronous agent blocking a thread past its deadline (Python cannot interrupt
+    it) has had its trajectory ended already, and must not hold the caller (`asyncio.run`
+    joins the default executor's threads, however long they take). Tasks left are
+    cancelled, as `asyncio.run` does."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            loop.run_until_complete(_cancel_the_rest())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()  # shuts the default executor down without joining its threads
+
+
+async def _cancel_the_rest() -> None:
+    """Cancel every task of the running loop but this one, and wait for them to end."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

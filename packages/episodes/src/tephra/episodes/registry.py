@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from tephra.core.registry import Registry
-from tephra.episodes.agent.loops import SingleTurnAgentLoop, ToolAgentLoop
+from tephra.episodes.agent.black_box import OpenAIAgentLoop
+from tephra.episodes.agent.loops import EnvironmentLoop, SingleTurnAgentLoop, ToolAgentLoop
 from tephra.episodes.episode import EpisodeFactory
 
 EPISODES: Registry[EpisodeFactory] = Registry("agent loop")
 """Episode factories by name: `single_turn` (one model turn), `tool_agent` (model turns and
-tool calls until an answer or a budget); each `factory(tokenizer, config, tools)`. Its kind in
+tool calls until an answer or a budget), `environment` (any environment of
+`tephra.episodes.environments`, named by `AgentLoopConfig.environment`), `openai_agent` (a
+black-box agent, `AgentLoopConfig.openai_agent`, through an OpenAI-compatible endpoint); each `factory(tokenizer, config, tools)`. Its kind in
 messages is "agent loop", the name users choose it by (`rollout.agent_loop`)."""
 EPISODES.register("single_turn", SingleTurnAgentLoop)
 EPISODES.register("tool_agent", ToolAgentLoop)
+EPISODES.register("environment", EnvironmentLoop)
+EPISODES.register("openai_agent", OpenAIAgentLoop)

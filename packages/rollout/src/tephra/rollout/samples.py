@@ -46,7 +46,10 @@ class Sample:
     finish_reason: str = "stop"
     """`stop` (a stop/EOS token, or an answer without a tool call), `length` (max_tokens,
     the model length or the response budget), `max_turns` (an episode's last allowed turn
-    still called a tool) or `image_token` (ended before an image placeholder it sampled)."""
+    still called a tool), `image_token` (ended before an image placeholder it sampled), `done`
+    (an environment ended the episode), `agent_error` (a black-box agent raised), or
+    `tool_timeout` / `turn_timeout` / `trajectory_timeout` (a deadline of the episode
+    expired)."""
     text: str = ""
     """What the reward scores: the decoded response, or the last assistant message of a
     multi-turn episode (earlier turns are tool calls)."""
@@ -69,6 +72,16 @@ class Sample:
     """Tool calls that returned an error (bad JSON, unknown tool, the tool's own error)."""
     tool_rewards: dict[str, float] = field(default_factory=dict)
     """`Tool.calc_reward` of each tool the episode used."""
+    env_reward: float | None = None
+    """The reward an episode's environment assigned (its per-turn rewards summed; their list
+    is `extra_info["turn_rewards"]`), or 0.0 for a trajectory cut by a deadline under the
+    `zero` policy. When set it is the sample's score and the reward scorer is not called;
+    None (plain generation, an environment that leaves scoring to the scorer) scores the
+    text as usual."""
+    dropped: bool = False
+    """Cut by a deadline under the `drop` policy: its response mask is all zeros (it trains
+    nothing) and the trainer takes it out of its prompt's group (the group's baseline and
+    scale come from the others)."""
     weight_version: int = 0
     """Version of the weights that generated it: the number of RL steps (weight syncs)
     those weights had been updated by; the trainer sets it. The version lag of a trained

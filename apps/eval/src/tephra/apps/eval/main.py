@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from tephra.apps.eval.config import EvalConfig, parse_config
 from tephra.controller.checkpoints import CheckpointManager
+from tephra.controller.code_problems import code_problem_records
 from tephra.controller.data import (
     load_hf_dataset,
     load_parquet,
@@ -96,6 +97,8 @@ def evaluate_model(cfg: EvalConfig, model_path: str):
         records = reasoning_gym_records(
             d.task, d.val_size, d.val_seed, d.task_config, d.instruction
         )
+    elif d.source == "code_problems":
+        records = code_problem_records("val", d.val_size)
     else:
         if not d.val_files:
             raise ConfigError(f"data.source={d.source!r}: set data.val_files to evaluate on")

@@ -11,7 +11,7 @@ from tephra.episodes.agent.base import (
 )
 from tephra.episodes.agent.chat_format import TOOL_CHAT_TEMPLATE
 from tephra.episodes.agent.chat_tokens import ChatTemplateDelta
-from tephra.episodes.agent.loops import SingleTurnAgentLoop, ToolAgentLoop
+from tephra.episodes.agent.loops import EnvironmentLoop, SingleTurnAgentLoop, ToolAgentLoop
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS, ToolCall, parse_hermes_tool_calls
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "AgentLoopConfig",
     "AgentSample",
     "ChatTemplateDelta",
+    "EnvironmentLoop",
     "SingleTurnAgentLoop",
     "ToolAgentLoop",
     "ToolCall",

@@ -44,10 +44,20 @@ class AgentSample:
     """Per tool name, keyword arguments for `Tool.create` (e.g. a checker's ground truth)."""
     extra_info: dict[str, Any] = field(default_factory=dict)
     """Passed through to `Sample.extra_info` for the reward (data_source, ground truth)."""
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments of the episode's environment for this item (verl's per-row
+    `extra_info.interaction_kwargs`: e.g. the scripted user's ground truth)."""
+    agent_name: str | None = None
+    """The episode that runs this item (verl's per-row `agent_name`, a name in `EPISODES`);
+    None runs the configured one."""
 
     def __post_init__(self) -> None:
         if not self.messages and not self.prompt_ids:
             raise ConfigError("AgentSample: give `messages` (chat messages) or `prompt_ids`")
+
+
+TIMEOUT_REWARDS = ("zero", "drop")
+"""Policies for a trajectory cut by a deadline (`AgentLoopConfig.timeout_reward`)."""
 
 
 @dataclass
@@ -68,9 +78,47 @@ class AgentLoopConfig:
     turn. False when the system prompt already describes the tools (a model fine-tuned on
     transcripts rendered without schemas)."""
     tool_call_format: str = "hermes"
-    """Parser of tool calls in generated text (registry `TOOL_CALL_PARSERS`)."""
+    """Parser of tool calls in generated text (registry `TOOL_CALL_PARSERS`): `hermes`
+    (Qwen2.5 / Qwen3 / Hermes), `qwen3_coder` (Qwen3-Coder's XML), `llama3_json` (Llama 3.1 /
+    3.2 JSON), `mistral` (`[TOOL_CALLS]`)."""
+    environment: str = ""
+    """The environment of the `environment` episode: a name in `ENVIRONMENTS` (`tool`,
+    `interaction`) or `path/to/file.py:ClassName` (a user's `Environment` subclass). Unused
+    by the other episodes."""
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor (the same for every item; per-item
+    ones come from `AgentSample.interaction_kwargs`)."""
+    openai_agent: str = ""
+    """The agent of the `openai_agent` episode: `path/to/agent.py:function`, called as
+    `function(base_url, item)` with an OpenAI-compatible endpoint served by the policy.
+    Unused by the other episodes."""
+    tool_timeout_s: float | None = None
+    """Deadline of one tool call in seconds; on expiry the trajectory ends with finish
+    reason `tool_timeout`. None: no deadline (the tool's own limits apply)."""
+    turn_timeout_s: float | None = None
+    """Deadline of one turn in seconds (the model's generation and the environment's answer
+    to it); on expiry the trajectory ends with `turn_timeout`. None: no deadline."""
+    trajectory_timeout_s: float | None = None
+    """Deadline of a whole trajectory in seconds, from its first token request to its reward;
+    on expiry it ends with `trajectory_timeout`. None: no deadline."""
+    timeout_reward: str = "zero"
+    """What a trajectory cut by a deadline scores: `zero` (reward 0, trained as usual) or
+    `drop` (trains nothing and leaves its prompt's group, whose baseline and scale then come
+    from the other samples)."""
 
     def __post_init__(self) -> None:
+        for name in ("tool_timeout_s", "turn_timeout_s", "trajectory_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(
+                    f"agent_loop.{name}={value!r} must be a number of seconds > 0, or null for "
+                    "no deadline"
+                )
+        if self.timeout_reward not in TIMEOUT_REWARDS:
+            raise ConfigError(
+                f"agent_loop.timeout_reward={self.timeout_reward!r} is not allowed; choose one "
+                f"of {list(TIMEOUT_REWARDS)}"
+            )
         for name in (
             "max_turns",
             "max_response_tokens",

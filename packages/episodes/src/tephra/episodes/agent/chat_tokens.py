@@ -66,15 +66,30 @@ class ChatTemplateDelta:
         that ended the generated turn (None when it ended without one)."""
         full = self.render(_DUMMY + list(messages), add_generation_prompt=True)
         if not full.startswith(self.prefix):
-            raise ConfigError(
-                "agent loop: the chat template renders earlier turns differently once tool messages "
-                "follow, so the tool turn cannot be appended as a token delta; use a template that "
-                "only appends (ChatML / Qwen2.5 style)"
-            )
+            raise ConfigError(self.not_append_only(full, messages))
         closing = self.after_assistant
         if stop_text and closing.startswith(stop_text):
             closing = closing[len(stop_text) :]
         return closing + full[len(self.prefix) :]
+
+    def not_append_only(self, full: str, messages: list[dict]) -> str:
+        """The refusal of a template that re-renders earlier turns: names the model, the turn
+        appended and where the earlier text changed."""
+        at = next(
+            (i for i, (a, b) in enumerate(zip(self.prefix, full)) if a != b),
+            min(len(self.prefix), len(full)),
+        )
+        model = getattr(self.tokenizer, "name_or_path", "") or "(unnamed tokenizer)"
+        roles = ", ".join(repr(m.get("role")) for m in messages)
+        return (
+            f"agent loop: the chat template of model {model} is not append-only: appending turn "
+            f"{len(_DUMMY) + 1} ({roles} after the assistant's turn {len(_DUMMY)}) changes the "
+            f"earlier turns' text at char {at}: {self.prefix[max(at - 10, 0) : at + 40]!r} "
+            f"became {full[max(at - 10, 0) : at + 40]!r}. Token-in-token-out appends each turn's tokens and never "
+            "re-renders the past, so training would drift from what the model saw; use a "
+            "template that renders earlier turns the same whatever follows (ChatML / Qwen2.5 "
+            "style, tephra.episodes.agent.TOOL_CHAT_TEMPLATE), e.g. set tokenizer.chat_template"
+        )
 
     def append_ids(self, messages: list[dict], stop_text: str | None) -> list[int]:
         """`append_text` as token ids (tokenised on its own: see module docstring).

@@ -1,16 +1,20 @@
-"""Built-in agent loops: `single_turn` (one model turn) and `tool_agent` (model <-> tools)."""
+"""Built-in agent loops: `single_turn` (one model turn), `environment` (any environment,
+token-in-token-out) and `tool_agent` (the environment loop over the tool environment)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from tephra.core.errors import ConfigError
 from tephra.episodes.agent.base import AgentLoop, AgentSample, check_one_sample
 from tephra.episodes.agent.chat_tokens import ChatTemplateDelta
-from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS, ToolCall
-from tephra.episodes.tools.base import Tool, ToolResult
+from tephra.episodes.environments.base import Environment
+from tephra.episodes.environments.tool_env import ToolEnvironment
+from tephra.episodes.tools.base import Tool
 from tephra.rollout.base import Rollout, SamplingParams
 from tephra.rollout.samples import Sample
 
@@ -29,26 +33,18 @@ class _TokenLoop(AgentLoop):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._deltas: dict[tuple[str, ...], ChatTemplateDelta] = {}
+        self._deltas: dict[str, ChatTemplateDelta] = {}
 
-    def offered_tools(self, sample: AgentSample) -> dict[str, Tool]:
-        if sample.tools is None:
-            return self.tools
-        missing = [n for n in sample.tools if n not in self.tools]
-        if missing:
-            raise KeyError(
-                f"sample {sample.sample_id} asks for tools {missing}; the loop has {sorted(self.tools)}"
-            )
-        return {n: self.tools[n] for n in sample.tools}
-
-    def delta(self, tools: dict[str, Tool]) -> ChatTemplateDelta:
-        key = tuple(tools)
+    def delta_for(self, schemas: list[dict] | None) -> ChatTemplateDelta:
+        """The chat-template renderer of a tool set (cached by its schemas)."""
+        key = json.dumps(schemas, sort_keys=True)
         if key not in self._deltas:
-            schemas = (
-                [t.schema() for t in tools.values()] if self.config.render_tool_schemas else None
-            )
             self._deltas[key] = ChatTemplateDelta(self.tokenizer, schemas)
         return self._deltas[key]
+
+    def delta(self, tools: dict[str, Tool]) -> ChatTemplateDelta:
+        schemas = [t.schema() for t in tools.values()] if self.config.render_tool_schemas else None
+        return self.delta_for(schemas or None)
 
     def begin(self, rollout: Rollout, sampling: SamplingParams) -> _Run:
         """What one run needs to know of its rollout and sampling settings."""
@@ -117,153 +113,202 @@ class SingleTurnAgentLoop(_TokenLoop):
         )
 
 
-class ToolAgentLoop(_TokenLoop):
-    """generate -> parse tool calls -> run them concurrently -> append their results as tokens
-    -> generate ..., until a turn has no tool call, `max_turns` or the token budget."""
+@dataclass
+class _Trajectory:
+    """What an episode has built so far (kept outside the awaits so that a trajectory cut by
+    a deadline still returns its tokens)."""
+
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] | None = field(default_factory=list)  # None once a turn is untagged
+    turn_rewards: list[float] = field(default_factory=list)
+    num_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    metrics: dict[str, dict[str, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float))
+    )
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def add_generated(self, gen: Sample) -> None:
+        self.num_turns += 1
+        self.ids += gen.response_ids
+        self.mask += [1] * len(gen.response_ids)
+        self.log_probs += (
+            list(gen.log_probs) if gen.log_probs is not None else [0.0] * len(gen.response_ids)
+        )
+        self.versions = (
+            self.versions + list(gen.token_versions)
+            if self.versions is not None and gen.token_versions is not None
+            else None
+        )
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.log_probs += [0.0] * len(ids)
+        if self.versions is not None:  # context for the next turn: the version it answers
+            self.versions += [self.versions[-1]] * len(ids)
+
+
+TIMEOUTS = ("tool_timeout", "turn_timeout", "trajectory_timeout")
+"""Finish reasons of a trajectory cut by a deadline."""
+
+
+class EnvironmentLoop(_TokenLoop):
+    """The `environment` episode: any `Environment` (`config.environment`, a registered name
+    or `file.py:Class`), token-in-token-out. reset -> generate -> step(decoded turn) -> append
+    the observation as the chat template's token delta -> generate ..., until the environment
+    says done, `max_turns`, the token budget or a deadline (`tool_timeout_s`,
+    `turn_timeout_s`, `trajectory_timeout_s`: the trajectory ends with that finish reason and
+    scores by `timeout_reward`). A turn cut by the per-turn cap (`sampling.max_tokens`) still
+    goes to the environment (the trajectory's budget has room); one cut by the trajectory's
+    budget or the model length ends the episode with `length`."""
+
+    step_after_turn_cap = True
+    """Whether a turn cut by `sampling.max_tokens` is stepped (True) or ends the episode."""
+
+    def make_environment(self) -> Environment:
+        from tephra.episodes.environments.registry import get_environment  # registry imports us
+
+        return get_environment(self.config.environment)(
+            self.tools, self.config, **self.config.environment_kwargs
+        )
 
     async def run(self, rollout: Rollout, sample: AgentSample, sampling: SamplingParams) -> Sample:
         run = self.begin(rollout, sampling)
         cfg = self.config
-        tools = self.offered_tools(sample)
-        delta = self.delta(tools)
-        parse = TOOL_CALL_PARSERS.get(cfg.tool_call_format)
-        prompt_ids = (
-            list(sample.prompt_ids) if sample.prompt_ids else delta.prompt_ids(sample.messages)
-        )
-        instance_id = sample.sample_id
-        messages = list(sample.messages)
-        ids: list[int] = []
-        mask: list[int] = []
-        log_probs: list[float] = []
-        versions: list[int] | None = []  # None once a turn comes untagged
-        num_turns = calls_made = errors = 0
+        env = self.make_environment()
+        traj = _Trajectory(list(sample.prompt_ids or []), list(sample.messages))
         finish = "max_turns"
-        created: set[str] = set()
-        create_lock = asyncio.Lock()
-        metrics: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-
-        async def call_one(call: ToolCall) -> ToolResult:
-            if call.error is not None:
-                return ToolResult("", error=call.error)
-            tool = tools.get(call.name)
-            if tool is None:
-                return ToolResult(
-                    "",
-                    error=f"unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or '(none)'}",
-                )
-            try:
-                async with create_lock:  # create once per trajectory, even for parallel calls
-                    if call.name not in created:
-                        await tool.create(instance_id, **sample.tool_kwargs.get(call.name, {}))
-                        created.add(call.name)
-                result = await tool.execute(instance_id, call.arguments)
-            except Exception as exc:  # a tool bug must not kill the other trajectories
-                return ToolResult(
-                    "", error=f"tool {call.name!r} raised {type(exc).__name__}: {exc}"
-                )
-            for key, value in result.metrics.items():
-                metrics[call.name][key] += value
-            return result
-
+        deadline = (
+            asyncio.get_running_loop().time() + cfg.trajectory_timeout_s
+            if cfg.trajectory_timeout_s
+            else None
+        )
+        tool_rewards: dict[str, float] = {}
         try:
-            for turn in range(cfg.max_turns):
-                budget = self.turn_budget(run, len(prompt_ids) + len(ids), len(ids))
-                if budget < 1:
-                    finish = "length"
-                    break
-                gen = await rollout.agenerate(
-                    prompt_ids + ids,
-                    sampling.replace(max_tokens=budget),
-                    session_id=instance_id,
-                )
-                num_turns += 1
-                ids += gen.response_ids
-                mask += [1] * len(gen.response_ids)
-                log_probs += (
-                    list(gen.log_probs)
-                    if gen.log_probs is not None
-                    else [0.0] * len(gen.response_ids)
-                )
-                versions = (
-                    versions + list(gen.token_versions)
-                    if versions is not None and gen.token_versions is not None
-                    else None
-                )
-                content, stop_text = self.text_of_turn(run, gen.response_ids, gen.finish_reason)
-                messages.append({"role": "assistant", "content": content})
-                if gen.finish_reason == "length":
-                    finish = "length"
-                    break
-                calls = parse(content)
-                if not calls:
-                    finish = "stop"
-                    break
-                if turn == cfg.max_turns - 1:
-                    break  # no turn left to read the results: 'max_turns'
-                calls_made += len(calls)
-                run_now, refused = (
-                    calls[: cfg.max_tool_calls_per_turn],
-                    calls[cfg.max_tool_calls_per_turn :],
-                )
-                results = list(await asyncio.gather(*(call_one(c) for c in run_now)))
-                results += [
-                    ToolResult(
-                        "",
-                        error=f"more than {cfg.max_tool_calls_per_turn} calls in one turn; "
-                        "this one was not run",
-                    )
-                    for _ in refused
-                ]
-                errors += sum(not r.ok for r in results)
-                tool_messages = [
-                    {
-                        "role": "tool",
-                        "name": c.name or "",
-                        "content": r.message_content()[: cfg.max_tool_response_chars],
-                    }
-                    for c, r in zip(calls, results)
-                ]
-                messages.extend(tool_messages)
-                tool_ids = delta.append_ids(tool_messages, stop_text)
-                room = cfg.max_response_tokens - len(ids)
-                if run.max_model_len is not None:
-                    room = min(room, run.max_model_len - len(prompt_ids) - len(ids))
-                cut = len(tool_ids) >= room  # no room left for a model token after it
-                tool_ids = tool_ids[: max(room, 0)]
-                ids += tool_ids
-                mask += [0] * len(tool_ids)
-                log_probs += [0.0] * len(tool_ids)
-                if versions is not None:  # context for the next turn: the version it answers
-                    versions += [versions[-1]] * len(tool_ids)
-                if cut:
-                    finish = "length"
-                    break
-            rewards = {
-                name: float(await tools[name].calc_reward(instance_id)) for name in sorted(created)
-            }
+            try:
+                async with asyncio.timeout_at(deadline):
+                    finish = await self._turns(run, rollout, sample, env, traj)
+                    if finish not in TIMEOUTS:
+                        tool_rewards = await env.tool_rewards()
+            except TimeoutError:
+                finish = "trajectory_timeout"
         finally:
-            await asyncio.gather(
-                *(tools[name].release(instance_id) for name in created), return_exceptions=True
-            )
+            grace = cfg.tool_timeout_s or cfg.turn_timeout_s or cfg.trajectory_timeout_s
+            try:
+                await asyncio.wait_for(env.close(), grace)
+            except TimeoutError:
+                traj.info["close_timeout"] = grace
+        env_reward = sum(traj.turn_rewards) if env.owns_reward else None
+        dropped = False
+        mask = traj.mask
+        if finish in TIMEOUTS:
+            env_reward = 0.0
+            if cfg.timeout_reward == "drop":
+                dropped, mask = True, [0] * len(traj.mask)
         return Sample(
             sample_id=sample.sample_id,
-            prompt_ids=prompt_ids,
-            response_ids=ids,
+            prompt_ids=traj.prompt_ids,
+            response_ids=traj.ids,
             response_mask=mask,
-            log_probs=log_probs,
-            num_turns=num_turns,
-            tool_calls=calls_made,
-            tool_errors=errors,
+            log_probs=traj.log_probs,
+            num_turns=traj.num_turns,
+            tool_calls=traj.tool_calls,
+            tool_errors=traj.tool_errors,
             finish_reason=finish,
-            text=final_answer(messages),
-            messages=messages,
-            tool_rewards=rewards,
+            text=final_answer(traj.messages),
+            messages=traj.messages,
+            tool_rewards=tool_rewards,
+            env_reward=env_reward,
+            dropped=dropped,
             extra_info={
                 **sample.extra_info,
-                "tool_metrics": {k: dict(v) for k, v in metrics.items()},
+                "tool_metrics": {k: dict(v) for k, v in traj.metrics.items()},
+                **({"turn_rewards": list(traj.turn_rewards)} if env.owns_reward else {}),
+                **traj.info,
             },
-            token_versions=versions if versions is not None and num_turns else None,
+            token_versions=traj.versions if traj.versions is not None and traj.num_turns else None,
         )
+
+    async def _turns(
+        self,
+        run: _Run,
+        rollout: Rollout,
+        sample: AgentSample,
+        env: Environment,
+        traj: _Trajectory,
+    ) -> str:
+        """The episode's turns; returns its finish reason (`traj` holds what they built)."""
+        cfg = self.config
+        observation = await env.reset(sample)
+        delta = self.delta_for(env.tool_schemas())
+        if not traj.prompt_ids or observation != list(sample.messages):
+            traj.prompt_ids = delta.prompt_ids(observation)
+        traj.messages = list(observation)
+        for _ in range(cfg.max_turns):
+            context = len(traj.prompt_ids) + len(traj.ids)
+            budget = self.turn_budget(run, context, len(traj.ids))
+            if budget < 1:
+                return "length"
+            try:
+                async with asyncio.timeout(cfg.turn_timeout_s):
+                    gen = await rollout.agenerate(
+                        traj.prompt_ids + traj.ids,
+                        run.sampling.replace(max_tokens=budget),
+                        session_id=sample.sample_id,
+                    )
+                    traj.add_generated(gen)
+                    content, stop_text = self.text_of_turn(run, gen.response_ids, gen.finish_reason)
+                    traj.messages.append({"role": "assistant", "content": content})
+                    if gen.finish_reason == "length" and not (
+                        self.step_after_turn_cap and budget == run.sampling.max_tokens
+                    ):
+                        return "length"
+                    result = await env.step(content)
+            except TimeoutError:
+                return "turn_timeout"
+            traj.turn_rewards.append(float(result.reward))
+            traj.tool_calls += int(result.info.get("tool_calls", 0))
+            traj.tool_errors += int(result.info.get("tool_errors", 0))
+            for tool, values in result.info.get("metrics", {}).items():
+                for key, value in values.items():
+                    traj.metrics[tool][key] += value
+            if "timeout" in result.info:
+                traj.info["timeout"] = result.info["timeout"]
+            if result.done:
+                return str(result.info.get("finish_reason", "done"))
+            if not result.observation:
+                raise ConfigError(
+                    f"environment {cfg.environment or type(env).__name__}: step returned no "
+                    "observation and done=False; return the messages the model answers next, "
+                    "or done=True"
+                )
+            traj.messages.extend(result.observation)
+            obs_ids = delta.append_ids(result.observation, stop_text)
+            room = cfg.max_response_tokens - len(traj.ids)
+            if run.max_model_len is not None:
+                room = min(room, run.max_model_len - len(traj.prompt_ids) - len(traj.ids))
+            traj.add_observation(obs_ids[: max(room, 0)])
+            if len(obs_ids) >= room:  # no room left for a model token after it
+                return "length"
+        return "max_turns"
+
+
+class ToolAgentLoop(EnvironmentLoop):
+    """The `tool_agent` episode: the environment loop over the tool environment (generate ->
+    parse tool calls -> run them concurrently -> append their results as tokens -> generate
+    ..., until a turn has no tool call, `max_turns`, the token budget or a deadline). A turn
+    cut by `sampling.max_tokens` ends it (`length`): a cut tool call cannot run."""
+
+    step_after_turn_cap = False
+
+    def make_environment(self) -> Environment:
+        return ToolEnvironment(self.tools, self.config)
 
 
 def _empty(sample: AgentSample, prompt_ids: list[int]) -> Sample:

@@ -1,0 +1,71 @@
+"""The environment registry: each built-in environment listed by name, and a user's
+environment class loaded from a file."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+from tephra.core.errors import ConfigError
+from tephra.core.registry import Registry
+from tephra.episodes.environments.base import Environment, EnvironmentFactory
+from tephra.episodes.environments.interaction import AnswerCheckInteraction
+from tephra.episodes.environments.tool_env import ToolEnvironment
+
+ENVIRONMENTS: Registry[EnvironmentFactory] = Registry("environment")
+"""Environment factories by name: `tool` (the model's tool calls run; the scorer judges the
+answer), `answer_check` (a scripted user who knows the answer, verl's interaction). Each is
+called as `factory(tools, config, **environment_kwargs)` once per trajectory."""
+ENVIRONMENTS.register("tool", ToolEnvironment)
+ENVIRONMENTS.register("answer_check", AnswerCheckInteraction)
+
+
+def is_file_spec(spec: str) -> bool:
+    """Whether `spec` names a file (`path/to/env.py:ClassName`) rather than a registry name."""
+    return ":" in spec and spec.rsplit(":", 1)[0].endswith(".py")
+
+
+def get_environment(spec: str) -> EnvironmentFactory:
+    """The factory of `spec`: a registered name, or `path/to/file.py:ClassName` (an
+    `Environment` subclass in a user's file, imported once). Errors name the field and fix."""
+    if not spec:
+        raise ConfigError(
+            "rollout.agent.environment is empty; the `environment` episode needs one: a name "
+            f"in {ENVIRONMENTS.names()} or path/to/file.py:ClassName"
+        )
+    if not is_file_spec(spec):
+        return ENVIRONMENTS.get(spec)
+    path, name = spec.rsplit(":", 1)
+    file = Path(path).expanduser().resolve()
+    where = f"rollout.agent.environment={spec!r}"
+    if not file.is_file():
+        raise ConfigError(f"{where}: {file} does not exist; give an existing .py file")
+    module_name = "tephra_environment_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    module = sys.modules.get(module_name)
+    if module is None:
+        loader_spec = importlib.util.spec_from_file_location(module_name, file)
+        assert loader_spec is not None and loader_spec.loader is not None
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling inside the file need it
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[module_name]
+            raise ConfigError(
+                f"{where}: importing {file} raised {type(exc).__name__}: {exc}"
+            ) from exc
+    cls = getattr(module, name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, Environment)):
+        found = sorted(
+            n
+            for n, v in vars(module).items()
+            if inspect.isclass(v) and issubclass(v, Environment) and v is not Environment
+        )
+        raise ConfigError(
+            f"{where}: {file} has no Environment subclass {name!r} (it has {found or 'none'}); "
+            "subclass tephra.episodes.environments.Environment"
+        )
+    return cls

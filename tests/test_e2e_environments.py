@@ -1,0 +1,432 @@
+"""Environments in the PPO app: a user's environment (a file) with per-turn rewards trains two
+GRPO steps through Ray, its rewards (not the reward scorer's) scored each sample, checked
+against a hand computation from the dumped transcripts; verl's agentic parquet fields reach
+the tool and the episode a row names; a hung tool ends its trajectory at the deadline and the
+step finishes with the trajectory dropped from its group."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+import torch
+
+from tephra.apps.ppo.main import parse_config, run
+from tephra.controller.data import DatasetError, load_parquet
+from tephra.controller.generation import run_items
+from tephra.controller.samples import PromptItem, agent_metrics, group_ids
+from tephra.controller.trackers import read_jsonl
+from tephra.core.errors import ConfigError
+from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig
+from tephra.episodes.episode import by_agent_name
+from tephra.episodes.registry import EPISODES
+from tephra.episodes.tools import Tool, ToolResult
+from tephra.rollout.base import SamplingParams
+from tephra.rollout.samples import Sample
+from tephra.rollout.testing import ScriptedRollout
+
+TWO_TURN_ENV = '''
+from tephra.episodes.environments import Environment, StepResult
+
+
+class TwoTurns(Environment):
+    """Turn 1 earns 0.25 and the user asks again; turn 2 earns 1 when its text has an odd
+    length, and ends the episode."""
+
+    async def step(self, action):
+        if not hasattr(self, "asked"):
+            self.asked = True
+            return StepResult([{"role": "user", "content": "Once more."}], reward=0.25)
+        return StepResult(reward=float(len(action.strip()) % 2), done=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tephra.rollout.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+STUCK_ENV = """
+import asyncio
+from tephra.episodes.environments import Environment, StepResult
+
+
+class SometimesStuck(Environment):
+    \"\"\"Samples 0 and 1 of each prompt never answer; the others end with a parity reward.\"\"\"
+
+    async def reset(self, item):
+        self.stuck = item.sample_id.endswith(("-0", "-1"))
+        return list(item.messages)
+
+    async def step(self, action):
+        if self.stuck:
+            await asyncio.sleep(3600)
+        return StepResult(reward=float(len(action.strip()) % 2), done=True)
+"""
+
+OPENAI_AGENT = """
+from openai import AsyncOpenAI
+
+
+async def agent(base_url, item):
+    \"\"\"Two turns through the OpenAI client; reward 1 when the last reply has odd length.\"\"\"
+    client = AsyncOpenAI(base_url=base_url, api_key="tephra", max_retries=0)
+    messages = list(item.messages)
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "Once more."},
+    ]
+    second = await client.chat.completions.create(model="policy", messages=messages)
+    return float(len(second.choices[0].message.content.strip()) % 2)
+"""
+
+FAILING_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    raise RuntimeError("the environment scores these samples; the scorer must not run")
+"""
+
+
+@pytest.mark.multiproc
+def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path):
+    import ray
+
+    from tephra.controller.worker_group import ray_init
+
+    env = tmp_path / "two_turns.py"
+    env.write_text(TWO_TURN_ENV)
+    reward = tmp_path / "reward.py"
+    reward.write_text(FAILING_REWARD)
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "rollout.agent_loop=environment",
+            f"rollout.agent.environment={env}:TwoTurns",
+            "rollout.agent.max_turns=3",
+            "rollout.agent.max_response_tokens=96",
+            f"reward.custom_function_path={reward}",
+            "trainer.dump_generations=1",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    ray_init(num_cpus=2)
+    try:
+        summary = run(cfg)
+    finally:
+        ray.shutdown()
+    assert summary["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for step, r in zip((1, 2), train):
+        rows = [
+            json.loads(line)
+            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+        assert len(rows) == cfg.batch.samples_per_step
+        for row in rows:  # the environment's rewards, summed over the two turns
+            assert row["finish_reason"] == "done"
+            assert row["score"] == 0.25 + len(row["answer"]) % 2
+        assert r["reward/mean"] == pytest.approx(sum(x["score"] for x in rows) / len(rows))
+        assert r["agent/turns_mean"] == 2.0 and r["agent/timeouts"] == 0.0
+        assert math.isfinite(r["actor/grad_norm"])
+
+
+@pytest.mark.multiproc
+def test_an_openai_client_agent_trains_two_steps(tmp_path):
+    pytest.importorskip("openai")
+    import ray
+
+    from tephra.controller.worker_group import ray_init
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(OPENAI_AGENT)
+    reward = tmp_path / "reward.py"
+    reward.write_text(FAILING_REWARD)
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "rollout.agent_loop=openai_agent",
+            f"rollout.agent.openai_agent={agent}:agent",
+            "rollout.agent.max_response_tokens=96",
+            f"reward.custom_function_path={reward}",
+            "trainer.dump_generations=1",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    ray_init(num_cpus=2)
+    try:
+        summary = run(cfg)
+    finally:
+        ray.shutdown()
+    assert summary["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    for step, r in zip((1, 2), train):
+        rows = [
+            json.loads(line)
+            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+        for row in rows:  # the agent's reward, from the last served answer
+            assert row["finish_reason"] in ("stop", "length")
+            assert row["score"] == float(len(row["answer"]) % 2)
+            # two served turns (mask 1) around the user's turn (mask 0)
+            mask = row["response_mask"]
+            runs = [m for k, m in enumerate(mask) if k == 0 or mask[k - 1] != m]
+            assert runs == [1, 0, 1]
+        assert r["agent/turns_mean"] == 2.0 and math.isfinite(r["actor/grad_norm"])
+
+
+@pytest.mark.multiproc
+def test_a_stuck_environment_cannot_hold_the_step(tmp_path):
+    import ray
+
+    from tephra.controller.worker_group import ray_init
+
+    env = tmp_path / "stuck.py"
+    env.write_text(STUCK_ENV)
+    deadline = 20.0  # far above a 16-token turn of the tiny model, so only the stuck ones expire
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "rollout.agent_loop=environment",
+            f"rollout.agent.environment={env}:SometimesStuck",
+            f"rollout.agent.turn_timeout_s={deadline}",
+            "rollout.agent.timeout_reward=drop",
+            "rollout.agent.max_response_tokens=64",
+            "trainer.dump_generations=1",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    ray_init(num_cpus=2)
+    try:
+        summary = run(cfg)
+    finally:
+        ray.shutdown()
+    assert summary["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    stuck = 2 * cfg.batch.prompts_per_step
+    for step, r in zip((1, 2), train):
+        assert (r["agent/timeouts"], r["agent/dropped"]) == (stuck, stuck)
+        assert r["time/generate_s"] < deadline + 60.0  # an upper bound only: the deadline held
+        rows = [
+            json.loads(line)
+            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+        reasons = sorted(row["finish_reason"] for row in rows)
+        assert reasons == ["done"] * (len(rows) - stuck) + ["turn_timeout"] * stuck
+        for row in rows:
+            if row["finish_reason"] == "turn_timeout":  # dropped: trains nothing, advantage 0
+                assert sum(row["response_mask"]) == 0 and row["advantage"] == 0.0
+
+
+def test_rows_naming_an_agent_need_an_agent_loop(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tephra.controller.ppo import load_records
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(verl_rows()), path)
+    cfg = parse_config(["-p", "smoke", "data.source=parquet", f"data.train_files=[{path}]"])
+    with pytest.raises(
+        ConfigError, match="agent_name='tool_agent' but rollout.agent_loop is unset"
+    ):
+        load_records(cfg)
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "data.source=parquet",
+            f"data.train_files=[{path}]",
+            "rollout.agent_loop=single_turn",
+        ]
+    )
+    assert [r.agent_name for r in load_records(cfg)[0]] == ["tool_agent", "environment"]
+
+
+def test_environment_config_errors_come_before_ray(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.agent.environment is empty"):
+        parse_config(["-p", "smoke", "rollout.agent_loop=environment"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(
+            ["-p", "smoke", "rollout.agent_loop=environment", "rollout.agent.environment=x.py:E"]
+        )
+    with pytest.raises(ConfigError, match=r"tools_file \(rollout.agent.environment='tool'\)"):
+        parse_config(
+            ["-p", "smoke", "rollout.agent_loop=environment", "rollout.agent.environment=tool"]
+        )
+    with pytest.raises(ConfigError, match="openai_agent='': give path/to/agent.py:function"):
+        parse_config(["-p", "smoke", "rollout.agent_loop=openai_agent"])
+    with pytest.raises(ConfigError, match="tool_call_format='xml' is not a registered"):
+        parse_config(["-p", "smoke_tools", "rollout.agent.tool_call_format=xml"])
+
+
+class Checker(Tool):
+    """verl's gsm8k-style tool: its reward compares the submitted answer with the row's
+    ground truth, given to `create` from the row's `tools_kwargs`."""
+
+    name = "check"
+    description = "Submit an answer."
+    parameters = {"type": "object", "properties": {"answer": {"type": "string"}}}
+
+    def __init__(self):
+        self.truth, self.given = {}, {}
+
+    async def create(self, instance_id, ground_truth=None):
+        self.truth[instance_id] = ground_truth
+
+    async def execute(self, instance_id, arguments):
+        self.given[instance_id] = arguments.get("answer")
+        return ToolResult("recorded")
+
+    async def calc_reward(self, instance_id):
+        return float(self.given.get(instance_id) == self.truth[instance_id])
+
+
+def verl_rows() -> list[dict]:
+    base = {"prompt": [{"role": "user", "content": "6 * 7?"}], "data_source": "gsm8k"}
+    return [
+        {
+            **base,
+            "reward_model": {"ground_truth": "42"},
+            "extra_info": {
+                "tools_kwargs": {
+                    "check": {"create_kwargs": {"ground_truth": "42"}},
+                },
+                "interaction_kwargs": {"ground_truth": "42"},
+            },
+            "agent_name": "tool_agent",
+        },
+        {
+            **base,
+            "reward_model": {"ground_truth": "41"},
+            "extra_info": {
+                "tools_kwargs": {"check": {"create_kwargs": {"ground_truth": "41"}}},
+                "interaction_kwargs": {"ground_truth": "41"},
+            },
+            "agent_name": "environment",
+        },
+    ]
+
+
+def test_verl_agentic_parquet_fields_reach_the_tool_and_pick_the_episode(tmp_path, tiny_model):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "agentic.parquet"
+    pq.write_table(pa.Table.from_pylist(verl_rows()), path)
+    records = load_parquet(path)
+    assert records[0].tool_kwargs == {"check": {"ground_truth": "42"}}
+    assert records[1].interaction_kwargs == {"ground_truth": "41"}
+    assert [r.agent_name for r in records] == ["tool_agent", "environment"]
+
+    tok = AutoTokenizer.from_pretrained(tiny_model.path)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    tool = Checker()
+    cfg = AgentLoopConfig(max_turns=3, environment="answer_check")
+    call = '<tool_call>{"name": "check", "arguments": {"answer": "42"}}</tool_call>'
+    script = {"r0": [call, "42"], "r1": ["It is 41."]}
+    model = ScriptedRollout(tok, lambda s, k: script[s][k])
+    episode = by_agent_name(
+        "single_turn", lambda name: EPISODES.get(name)(tok, cfg, {"check": tool})
+    )
+    items = [PromptItem([1, 2, 3], rec, f"r{i}") for i, rec in enumerate(records)]
+    r0, r1 = run_items(episode, model, items, SamplingParams(temperature=0.0, max_tokens=64))
+    # row 0 ran the tool agent: the tool's reward read the row's ground truth
+    assert r0.tool_rewards == {"check": 1.0} and r0.env_reward is None
+    assert tool.truth == {"r0": "42"}
+    # row 1 ran the answer_check environment with the row's interaction kwargs
+    assert r1.env_reward == 1.0 and r1.finish_reason == "done"
+
+    bad = verl_rows()[:1]
+    bad[0]["extra_info"]["tools_kwargs"]["check"]["execute_kwargs"] = {"x": 1}
+    pq.write_table(pa.Table.from_pylist(bad), path)
+    with pytest.raises(DatasetError, match="tools_kwargs.check.*move them into 'create_kwargs'"):
+        load_parquet(path)
+    bad = verl_rows()[:1]
+    bad[0]["agent_name"] = "nope"
+    pq.write_table(pa.Table.from_pylist(bad), path)
+    with pytest.raises(DatasetError, match="field 'agent_name' is 'nope'"):
+        load_parquet(path)
+
+
+def test_dropped_trajectory_leaves_its_group_and_is_counted():
+    keep = Sample(prompt_ids=[1], response_ids=[5, 6], finish_reason="stop")
+    cut = Sample(
+        prompt_ids=[1],
+        response_ids=[5],
+        response_mask=[0],
+        finish_reason="tool_timeout",
+        dropped=True,
+        env_reward=0.0,
+    )
+    samples = [keep, cut, keep, keep, keep, keep]
+    assert group_ids(samples, 3).tolist() == [0, 3, 0, 1, 1, 1]
+    from tephra.algos import compute_advantages
+    from tephra.rollout.samples import to_batch
+
+    batch = to_batch(samples, 0)
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.5])
+    mask = batch["response_mask"]
+    rewards = torch.zeros(mask.shape)
+    last = mask.cumsum(-1).argmax(-1)
+    rewards[torch.arange(6), last] = scores * (mask.sum(-1) > 0)
+    adv, _ = compute_advantages(
+        "grpo", token_rewards=rewards, response_mask=mask, group_ids=group_ids(samples, 3)
+    )
+    # group 0 is samples 0 and 2 only: scores 1 and 0 -> +-1/std (std of [1, 0] = 0.7071)
+    per_sample = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    assert per_sample[0].item() == pytest.approx(1 / (2**0.5 / 2 + 1e-6) / 2, rel=1e-4)
+    assert per_sample[1].item() == 0.0 and int(mask[1].sum()) == 0
+    metrics = agent_metrics(samples)
+    assert (metrics["agent/timeouts"], metrics["agent/dropped"]) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("blocks_a_thread", [False, True])
+def test_hung_tool_does_not_hold_the_step(tmp_path, tiny_model, blocks_a_thread):
+    """A tool that never returns (awaiting, or blocking a thread Python cannot interrupt),
+    through the worker's episode path (`run_items`): the trajectory ends at the deadline and
+    the call returns without waiting for the thread."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from tephra.controller.data import PromptRecord
+
+    class Hang(Tool):
+        name = "hang"
+        description = "hang"
+        parameters = {"type": "object", "properties": {}}
+
+        async def execute(self, instance_id, arguments):
+            if blocks_a_thread:
+                await asyncio.to_thread(time.sleep, 30)
+            await asyncio.sleep(3600)
+
+    tok = AutoTokenizer.from_pretrained(tiny_model.path)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    call = '<tool_call>{"name": "hang", "arguments": {}}</tool_call>'
+    model = ScriptedRollout(tok, lambda s, k: call if s == "p0" else "42")
+    episode = EPISODES.get("tool_agent")(
+        tok, AgentLoopConfig(tool_timeout_s=0.5, timeout_reward="drop"), {"hang": Hang()}
+    )
+    record = PromptRecord([{"role": "user", "content": "?"}], "gsm8k", "42")
+    items = [PromptItem([1, 2], record, f"p{i}") for i in range(3)]
+    start = time.monotonic()
+    samples = run_items(episode, model, items, SamplingParams(temperature=0.0, max_tokens=64))
+    assert time.monotonic() - start < 0.5 + 15.0  # the deadline, plus slack; not the 30 s sleep
+    assert [s.finish_reason for s in samples] == ["tool_timeout", "stop", "stop"]
+    assert samples[0].dropped and sum(samples[0].response_mask) == 0
