@@ -167,28 +167,51 @@ def gae(
         delta_t = r_t + gamma * V_{next(t)} - V_t      (V after the last response token = 0)
         A_t = delta_t + gamma * lam * A_{next(t)}
         returns_t = A_t + V_t;  advantages = whiten(A) over the batch (`whiten_gae`).
+    VAPO's decoupled lambda (Yue et al. 2025): the advantages use `lam_actor` and the returns
+    `lam_critic` (returns_t = A_t(lam_critic) + V_t); with `lam_length_alpha` = alpha the
+    actor's lambda of sample i is 1 - 1 / (alpha * l_i), l_i its response-token count.
     """
     if values is None:
         raise InputError(
             "advantage estimator 'gae' needs values=[batch, seq] from the critic; "
             "pass values= or choose an estimator without a critic (e.g. 'grpo')"
         )
-    g, lam = config.gamma, config.lam
-    rewards = torch.where(response_mask > 0, token_rewards, torch.zeros_like(token_rewards))
     on = response_mask > 0
+    actor_lam = torch.full_like(values[:, 0], config.actor_lam)
+    if config.lam_length_alpha is not None:
+        lengths = on.sum(-1).to(values.dtype).clamp(min=1)
+        actor_lam = (1.0 - 1.0 / (config.lam_length_alpha * lengths)).clamp(0.0, 1.0)
+    adv = _gae_scan(token_rewards, values, on, config.gamma, actor_lam)
+    if config.lam_length_alpha is None and config.critic_lam == config.actor_lam:
+        critic_adv = adv
+    else:
+        critic_lam = torch.full_like(values[:, 0], config.critic_lam)
+        critic_adv = _gae_scan(token_rewards, values, on, config.gamma, critic_lam)
+    returns = torch.where(on, critic_adv + values, torch.zeros_like(adv))
+    if config.whiten_gae:
+        adv = masked_whiten(adv, response_mask)
+    return adv, returns
+
+
+def _gae_scan(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    on: torch.Tensor,
+    gamma: float,
+    lam: torch.Tensor,
+) -> torch.Tensor:
+    """GAE advantages [batch, seq] with a per-sample lambda `lam` [batch]; 0 where not `on`."""
+    rewards = torch.where(on, token_rewards, torch.zeros_like(token_rewards))
     next_value = torch.zeros_like(values[:, 0])
     next_adv = torch.zeros_like(values[:, 0])
     adv = torch.zeros_like(values)
     for t in range(values.shape[1] - 1, -1, -1):
-        delta = rewards[:, t] + g * next_value - values[:, t]
-        a = delta + g * lam * next_adv
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * next_adv
         next_value = torch.where(on[:, t], values[:, t], next_value)
         next_adv = torch.where(on[:, t], a, next_adv)
         adv[:, t] = torch.where(on[:, t], a, torch.zeros_like(a))
-    returns = torch.where(on, adv + values, torch.zeros_like(adv))
-    if config.whiten_gae:
-        adv = masked_whiten(adv, response_mask)
-    return adv, returns
+    return adv
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo", needs_groups=True)

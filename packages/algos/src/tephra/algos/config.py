@@ -45,7 +45,18 @@ class AdvantageConfig:
     """Discount per response token (`gae`, `reinforce_plus_plus`). 1.0: outcome rewards of
     LLM responses are not discounted by length unless asked for."""
     lam: float = 1.0
-    """GAE lambda (`gae` only); 1.0 gives Monte-Carlo returns minus the value baseline."""
+    """GAE lambda (`gae` only); 1.0 gives Monte-Carlo returns minus the value baseline. The
+    default of `lam_actor` and `lam_critic` where those are None."""
+    lam_actor: float | None = None
+    """`gae`: lambda of the actor's advantages (VAPO's decoupled GAE, Yue et al. 2025,
+    arXiv 2504.05118); None: `lam`. Ignored where `lam_length_alpha` is set."""
+    lam_critic: float | None = None
+    """`gae`: lambda of the critic's returns (its regression target); None: `lam`. VAPO uses
+    1.0 so the value target is the unbiased Monte-Carlo return."""
+    lam_length_alpha: float | None = None
+    """`gae`: VAPO's length-adaptive lambda for the actor, lambda_i = 1 - 1 / (alpha * l_i)
+    with l_i the sample's response-token count (clamped to [0, 1]); None: off. VAPO uses
+    alpha = 0.05, so long answers get lambda near 1 (less bias), short ones smaller lambda."""
     norm_by_std: bool = True
     """`grpo`, `gpg`, `grpo_passk`: divide the group-centred score by the group's standard
     deviation. False for `grpo` is Dr. GRPO (Liu et al. 2025), which removes this bias."""
@@ -73,6 +84,16 @@ class AdvantageConfig:
     verl default (False for `optimal_token_baseline`, True for `tir_optimal_token_baseline`;
     verl's `handle_zero_tail` argument)."""
 
+    @property
+    def actor_lam(self) -> float:
+        """The lambda of the actor's advantages (`lam_actor`, else `lam`)."""
+        return self.lam if self.lam_actor is None else self.lam_actor
+
+    @property
+    def critic_lam(self) -> float:
+        """The lambda of the critic's returns (`lam_critic`, else `lam`)."""
+        return self.lam if self.lam_critic is None else self.lam_critic
+
     def __post_init__(self) -> None:
         if self.handle_zero_tail is not None and not isinstance(self.handle_zero_tail, bool):
             raise ConfigError(
@@ -96,6 +117,12 @@ class AdvantageConfig:
             )
         _in_range("advantage", "gamma", self.gamma, 0.0, 1.0)
         _in_range("advantage", "lam", self.lam, 0.0, 1.0)
+        if self.lam_actor is not None:
+            _in_range("advantage", "lam_actor", self.lam_actor, 0.0, 1.0)
+        if self.lam_critic is not None:
+            _in_range("advantage", "lam_critic", self.lam_critic, 0.0, 1.0)
+        if self.lam_length_alpha is not None:
+            _positive("advantage", "lam_length_alpha", self.lam_length_alpha)
         _positive("advantage", "epsilon", self.epsilon)
         if not isinstance(self.passk_k, int) or self.passk_k < 1:
             raise ConfigError(f"advantage.passk_k={self.passk_k!r} must be an integer >= 1")
