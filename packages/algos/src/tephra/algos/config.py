@@ -235,6 +235,12 @@ class ActorObjectiveConfig:
     kl_loss_type: str = "k3+"
     """Name in `KL_ESTIMATORS`. Default `k3+`: the low-variance k3 value with the k2
     gradient, which is unbiased for grad KL(pi || pi_ref) (plain k3's gradient is not)."""
+    distill_loss_coef: float = 0.0
+    """On-policy distillation as a loss term: add this * agg(KL(pi || teacher)) estimated on
+    the sampled tokens with `distill_loss_type` (reads batch["teacher_log_probs"]); 0: off."""
+    distill_loss_type: str = "k3+"
+    """Name in `KL_ESTIMATORS` for the distillation term. `k3+` (k2's gradient
+    (log pi - log q) grad log pi) is the per-token REINFORCE gradient of the reverse KL."""
     tis_level: str | None = None
     """Truncated importance sampling against `rollout_log_probs`: `token`, `sequence`, or None
     (off). Corrects the rollout-engine / training-engine probability mismatch."""
@@ -254,6 +260,13 @@ class ActorObjectiveConfig:
             raise ConfigError(
                 f"actor.kl_loss_type={self.kl_loss_type!r} needs full-vocabulary log-probs, "
                 f"which engines do not return; use 'k3+' or 'k1'"
+            )
+        _registered("actor", "distill_loss_type", self.distill_loss_type, KL_ESTIMATORS)
+        _positive("actor", "distill_loss_coef", self.distill_loss_coef, zero_ok=True)
+        if self.distill_loss_type.startswith("full"):
+            raise ConfigError(
+                f"actor.distill_loss_type={self.distill_loss_type!r} needs full-vocabulary "
+                f"log-probs, which engines do not return; use 'k3+' or 'k1'"
             )
         _check_norm_constant("actor", self.loss_agg_mode, self.loss_agg_norm_constant)
         _positive("actor", "entropy_coeff", self.entropy_coeff, zero_ok=True)
