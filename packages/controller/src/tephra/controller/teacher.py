@@ -1,0 +1,112 @@
+"""On-policy distillation's teacher: its config section, the check that it shares the
+student's tokenizer, and the advantage it adds."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tephra.algos import distillation_advantages, masked_mean
+from tephra.engine_api.errors import ConfigError
+
+
+@dataclass
+class DistillationSection:
+    """A teacher model scores the student's sampled tokens (on-policy distillation); its
+    per-token reverse KL enters the advantage (`advantage_coef`) or the actor's loss
+    (`actor.objective.distill_loss_coef`), beside or instead of the RL reward."""
+
+    teacher_path: str | None = None
+    """The teacher: a local Hugging Face folder (or `smollm2`, `tiny`) whose tokenizer is the
+    student's (checked before Ray starts). Built forward-only beside the reference policy;
+    None (default): no teacher."""
+    advantage_coef: float = 0.0
+    """Add coef * (log q(y_t) - log pi_old(y_t)) to each response token's advantage (q the
+    teacher, pi_old the student that sampled y; tephra.algos.distillation_advantages).
+    0 (default): the teacher enters only through `actor.objective.distill_loss_coef`."""
+    rl_advantage: bool = True
+    """Keep the estimator's advantages (from the reward) beside the distillation term; false:
+    the distillation term is the whole advantage (pure on-policy distillation; the reward is
+    still scored and logged)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher_path is not None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.advantage_coef) and self.advantage_coef >= 0):
+            raise ConfigError(
+                f"algorithm.distillation.advantage_coef={self.advantage_coef} must be a "
+                "finite number >= 0"
+            )
+        if self.advantage_coef > 0 and not self.enabled:
+            raise ConfigError(
+                f"algorithm.distillation.advantage_coef={self.advantage_coef} needs a teacher: "
+                "set algorithm.distillation.teacher_path"
+            )
+        if not self.rl_advantage and self.advantage_coef == 0:
+            raise ConfigError(
+                "algorithm.distillation.rl_advantage=false leaves no advantage: set "
+                "algorithm.distillation.advantage_coef > 0 (e.g. 1.0), or keep rl_advantage"
+            )
+
+
+def check_distillation(section: DistillationSection, distill_loss_coef: float) -> None:
+    """The teacher and the ways it is used agree (no teacher without a use, no use without
+    a teacher)."""
+    if distill_loss_coef > 0 and not section.enabled:
+        raise ConfigError(
+            f"actor.objective.distill_loss_coef={distill_loss_coef} needs a teacher: set "
+            "algorithm.distillation.teacher_path"
+        )
+    if section.enabled and section.advantage_coef == 0 and distill_loss_coef == 0:
+        raise ConfigError(
+            f"algorithm.distillation.teacher_path={section.teacher_path!r} is set but unused: "
+            "set algorithm.distillation.advantage_coef > 0 (distillation in the advantage) or "
+            "actor.objective.distill_loss_coef > 0 (as a loss term)"
+        )
+
+
+def check_same_tokenizer(student: Any, teacher: Any, teacher_path: str) -> None:
+    """Refuse a teacher whose tokenizer differs from the student's (the teacher's log-prob of
+    token id k must be about the same text as the student's): same vocabulary (token ->
+    id) and the same end-of-sequence and padding ids."""
+    sv, tv = student.get_vocab(), teacher.get_vocab()
+    if sv != tv:
+        only_s = sorted(set(sv) - set(tv))[:3]
+        only_t = sorted(set(tv) - set(sv))[:3]
+        moved = sorted(k for k in set(sv) & set(tv) if sv[k] != tv[k])[:3]
+        raise ConfigError(
+            f"algorithm.distillation.teacher_path={teacher_path!r}: the teacher's tokenizer "
+            f"is not the student's (vocabularies of {len(tv)} and {len(sv)} tokens; only the "
+            f"student's: {only_s}, only the teacher's: {only_t}, other ids: {moved}); "
+            "on-policy distillation compares log-probs of the same token ids, so choose a "
+            "teacher of the student's model family (same tokenizer)"
+        )
+    for what in ("eos_token_id", "pad_token_id"):
+        s, t = getattr(student, what), getattr(teacher, what)
+        if t is not None and s != t:
+            raise ConfigError(
+                f"algorithm.distillation.teacher_path={teacher_path!r}: the teacher's {what} "
+                f"is {t}, the student's {s}; give the teacher the student's tokenizer"
+            )
+
+
+def add_distillation_advantages(
+    advantages: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    section: DistillationSection,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The step's advantages with the teacher's term: `advantages` (or 0 where
+    `rl_advantage` is false) + advantage_coef * (log q - log pi_old) on response tokens."""
+    distill = distillation_advantages(
+        old_log_probs, teacher_log_probs, response_mask, section.advantage_coef
+    )
+    base = advantages if section.rl_advantage else torch.zeros_like(advantages)
+    rkl = masked_mean((old_log_probs - teacher_log_probs).float(), response_mask)
+    return (base + distill.to(advantages.dtype)), {"distill/reverse_kl": float(rkl)}
