@@ -11,8 +11,11 @@ import torch
 from tephra.algos import (
     ActorObjective,
     ActorObjectiveConfig,
+    AdvantageConfig,
     ConfigError,
     InputError,
+    compute_advantages,
+    compute_policy_loss,
     distillation_advantages,
     implicit_process_rewards,
     prime_advantages,
@@ -225,3 +228,36 @@ def test_self_play_bad_inputs():
         sppo_loss(t([0.0]), t([0.0]), t([1.5]))
     with pytest.raises(InputError, match="rejected must be a \\[batch\\] vector of length 1"):
         spin_loss(t([0.0]), t([0.0, 1.0]), t([0.0]), t([0.0]))
+
+
+def test_sppo_estimator_and_policy_loss_by_hand():
+    # one prompt, two samples scored 1 and 0; eta 2: P = sigmoid(+-1), A = 2 (P - 0.5)
+    rewards = t([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    adv, _ = compute_advantages(
+        "sppo",
+        token_rewards=rewards,
+        response_mask=mask,
+        group_ids=torch.tensor([4, 4]),
+        config=AdvantageConfig(sppo_eta=2.0),
+    )
+    a0 = 2 * (1 / (1 + math.exp(-1)) - 0.5)
+    torch.testing.assert_close(adv, t([[0.0, a0, a0], [0.0, -a0, 0.0]]), **TOL)
+    old = t([[-3.0, -1.0, -2.0], [-3.0, -1.0, -3.0]])
+    log_probs = (old + t([[9.0, 0.1, 0.2], [9.0, -0.1, 9.0]])).requires_grad_()
+    loss, _ = compute_policy_loss(
+        "sppo",
+        log_probs,
+        old,
+        adv,
+        mask,
+        loss_agg_mode="token-mean",  # ignored: sppo averages over sequences
+        global_token_count=3.0,
+        global_seq_count=2.0,
+    )
+    r0, r1 = 0.3 - a0, -0.1 + a0  # sequence log-ratio minus target
+    assert math.isclose(float(loss.detach()), (r0**2 + r1**2) / 2, rel_tol=1e-9)
+    want, _ = sppo_loss(
+        t([0.3, -0.1]), t([0.0, 0.0]), t([1 / (1 + math.exp(-1)), 1 / (1 + math.exp(1))]), eta=2.0
+    )
+    assert math.isclose(float(loss.detach()), float(want), rel_tol=1e-9)

@@ -31,6 +31,7 @@ from tephra.algos.groups import Groups, group_index
 from tephra.algos.inputs import check_per_sample, check_same_shape, float_mask
 from tephra.algos.masked import masked_sum, masked_whiten
 from tephra.algos.registry import Registry
+from tephra.algos.self_play import win_rates
 
 # (advantages [batch, seq], returns [batch, seq])
 AdvantagePair = tuple[torch.Tensor, torch.Tensor]
@@ -720,4 +721,24 @@ def gdpo(
         total = total + (1.0 if weights is None else weights[k]) * (comps[:, k] - mean) / scale
     adv = masked_whiten(_broadcast(total, response_mask), response_mask)
     adv = adv * float_mask(response_mask, adv)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("sppo", needs_groups=True)
+def sppo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: AdvantageConfig,
+    **_unused: object,
+) -> AdvantagePair:
+    """SPPO's target (Wu et al. 2024): with P_i the Bradley-Terry win rate of sample i
+    against the other samples of its prompt (`win_rates`: 1/(K-1) sum_{j != i}
+    sigmoid(s_i - s_j); 0.5 alone),
+        A_i = eta * (P_i - 1/2)     (eta = `sppo_eta`) on every response token.
+    Pair it with the `sppo` policy loss, which regresses the sequence log-ratio to it."""
+    scores = _scores(token_rewards, response_mask)
+    per_sample = config.sppo_eta * (win_rates(scores, group_ids) - 0.5)
+    adv = _broadcast(per_sample, response_mask)
     return adv, adv

@@ -68,6 +68,9 @@ class AdvantageConfig:
     passk_k: int = 4
     """`grpo_passk`: the k of pass@k (max@k for non-binary rewards); every group must hold at
     least k samples. k=1 is GRPO with the population standard deviation."""
+    sppo_eta: float = 1e3
+    """`sppo`: the step size eta of SPPO's target eta * (P(win) - 1/2), in nats of sequence
+    log-ratio per unit of win rate; 1e3 is the paper's (long responses: large log-ratios)."""
     gdpo_reward_keys: list[str] | None = None
     """`gdpo`: names of the reward function's dict entries that are GDPO's reward components,
     in order (e.g. [format, accuracy] for a function returning {"score": ..., "format": ...,
@@ -124,6 +127,7 @@ class AdvantageConfig:
         if self.lam_length_alpha is not None:
             _positive("advantage", "lam_length_alpha", self.lam_length_alpha)
         _positive("advantage", "epsilon", self.epsilon)
+        _positive("advantage", "sppo_eta", self.sppo_eta)
         if not isinstance(self.passk_k, int) or self.passk_k < 1:
             raise ConfigError(f"advantage.passk_k={self.passk_k!r} must be an integer >= 1")
 
