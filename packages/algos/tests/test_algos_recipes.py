@@ -14,6 +14,7 @@ from tephra.algos import (
     AdvantageConfig,
     ConfigError,
     InputError,
+    PrimeRMObjective,
     compute_advantages,
     compute_policy_loss,
     distillation_advantages,
@@ -261,3 +262,26 @@ def test_sppo_estimator_and_policy_loss_by_hand():
         t([0.3, -0.1]), t([0.0, 0.0]), t([1 / (1 + math.exp(-1)), 1 / (1 + math.exp(1))]), eta=2.0
     )
     assert math.isclose(float(loss.detach()), float(want), rel_tol=1e-9)
+
+
+def test_prime_rm_objective_micro_batches_sum_to_the_full_batch_loss():
+    g = torch.Generator().manual_seed(3)
+    rm = torch.randn(5, 4, generator=g, dtype=F64)
+    ref = torch.randn(5, 4, generator=g, dtype=F64)
+    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 1, 1]])
+    labels = t([1.0, 0.0, 1.0, 1.0, 0.0])
+    full, _ = prime_rm_loss(rm, ref, mask, labels, beta=0.3)
+    objective = PrimeRMObjective(beta=0.3)
+    total = 0.0
+    for part in (slice(0, 2), slice(2, 5)):
+        batch = {
+            "ref_log_probs": ref[part],
+            "response_mask": mask[part],
+            "prime_labels": labels[part],
+            "global_seq_count": torch.tensor([5.0]),
+        }
+        loss, _ = objective({"log_probs": rm[part]}, batch)
+        total += float(loss.detach())
+    assert math.isclose(total, float(full.detach()), rel_tol=1e-12)
+    with pytest.raises(InputError, match=r"batch\['prime_labels'\] is missing"):
+        objective({"log_probs": rm}, {"ref_log_probs": ref, "response_mask": mask})

@@ -31,7 +31,12 @@ from tephra.algos.kl import (
 from tephra.algos.masked import masked_mean, masked_sum, masked_whiten
 from tephra.algos.objectives import ActorObjective, CriticObjective
 from tephra.algos.policy_losses import POLICY_LOSSES, compute_policy_loss
-from tephra.algos.prime import implicit_process_rewards, prime_advantages, prime_rm_loss
+from tephra.algos.prime import (
+    PrimeRMObjective,
+    implicit_process_rewards,
+    prime_advantages,
+    prime_rm_loss,
+)
 from tephra.algos.registry import Registry
 from tephra.algos.rollout_correction import (
     REJECTION_OPTIONS,
@@ -46,6 +51,7 @@ from tephra.algos.self_play import sequence_log_probs, spin_loss, sppo_loss, win
 from tephra.algos.value_loss import clipped_value_loss
 
 __all__ = [
+    "PrimeRMObjective",
     "win_rates",
     "sppo_loss",
     "spin_loss",

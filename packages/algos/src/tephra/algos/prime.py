@@ -10,6 +10,8 @@ RLOO-style advantage.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -103,3 +105,42 @@ def prime_advantages(
 def sequence_implicit_reward(process_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum_t r_t over response tokens, [batch] (the PRM's logit of success)."""
     return masked_sum(process_rewards, mask, dim=-1)
+
+
+class PrimeRMObjective:
+    """The implicit PRM's engine loss `loss_fn(outputs, batch) -> (loss, metrics)`: this
+    micro-batch's share of `prime_rm_loss`, so that the sum over micro-batches and ranks is
+    the full batch's mean cross-entropy,
+        loss = sum_{i in micro-batch} BCE(R_i, l_i) / batch["global_seq_count"][0]
+    Reads outputs["log_probs"] (the PRM's), batch["ref_log_probs"], ["response_mask"],
+    ["prime_labels"] ([batch] outcome labels in [0, 1]) and ["global_seq_count"]."""
+
+    def __init__(self, beta: float = 0.05) -> None:
+        if beta <= 0:
+            raise InputError(f"PRIME beta={beta!r} must be > 0 (PRIME uses 0.05)")
+        self.beta = beta
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        for where, mapping, key in (
+            ("outputs", outputs, "log_probs"),
+            ("batch", batch, "ref_log_probs"),
+            ("batch", batch, "response_mask"),
+            ("batch", batch, "prime_labels"),
+            ("batch", batch, "global_seq_count"),
+        ):
+            if key not in mapping.keys():
+                raise InputError(
+                    f"{where}[{key!r}] is missing: the PRIME reward model's loss needs it"
+                )
+        log_probs, mask = outputs["log_probs"], batch["response_mask"]
+        rewards = implicit_process_rewards(log_probs, batch["ref_log_probs"], mask, self.beta)
+        seq = rewards.sum(-1)
+        labels = batch["prime_labels"].to(seq.dtype)
+        check_per_sample("prime_labels", labels, seq.shape[0])
+        per_seq = F.binary_cross_entropy_with_logits(seq, labels, reduction="none")
+        loss = per_seq.sum() / batch["global_seq_count"][0]
+        with torch.no_grad():
+            acc = ((seq > 0) == (labels > 0.5)).to(seq.dtype).mean()
+        return loss, {"prime/rm_loss": float(per_seq.detach().mean()), "prime/rm_acc": float(acc)}
