@@ -83,6 +83,8 @@ def test_timeouts_failures_and_unparsed_judgements_score_the_counted_fallback():
         results = manager.score_batch(items)
         report = manager.last_report
     assert [r.score for r in results] == [-1.0, -1.0, -1.0, 2.0]
+    assert [r.extras["judge_fallback"] for r in results] == [1.0, 1.0, 1.0, 0.0]
+    assert [r.extras["judge_timeout"] for r in results] == [1.0, 0.0, 0.0, 0.0]
     assert (report.judge_timeouts, report.judge_fallbacks) == (1, 3)
     metrics = report.as_metrics()
     assert metrics["reward/judge_timeouts"] == 1.0 and metrics["reward/judge_fallbacks"] == 3.0

@@ -210,6 +210,9 @@ class GenerativeJudge:
         self._logged: set[str] = set()
         self.last_stats = JudgeStats()
         """Stats of the latest `score` call."""
+        self.last_status: list[str] = []
+        """Of each item of the latest `score` call: `ok`, `timeout`, `error` or `unparsed`
+        (all but `ok` scored the fallback)."""
 
     def _build_backend(self) -> AsyncJudge:
         # transformers only where a judge model is used (the reward package works without)
@@ -258,12 +261,13 @@ class GenerativeJudge:
         if self._ask is None:  # closed: the backend starts again
             self._ask = self._build_backend()
         stats = JudgeStats(requests=len(items))
+        status = ["ok"] * len(items)
         outcome: dict[str, Any] = {}
 
         # a thread of its own: the caller may already run an event loop
         def run() -> None:
             try:
-                outcome["scores"] = asyncio.run(self._score_all(list(items), stats))
+                outcome["scores"] = asyncio.run(self._score_all(list(items), stats, status))
             except BaseException as exc:  # noqa: BLE001  (re-raised below)
                 outcome["error"] = exc
 
@@ -272,7 +276,7 @@ class GenerativeJudge:
         thread.join()
         if "error" in outcome:
             raise outcome["error"]
-        self.last_stats = stats
+        self.last_stats, self.last_status = stats, status
         if stats.fallbacks:
             logger.warning(
                 "reward judge: %d of %d samples scored the fallback %g (timeouts %d, errors "
@@ -286,15 +290,24 @@ class GenerativeJudge:
             )
         return outcome["scores"]
 
-    async def _score_all(self, items: list[RewardInput], stats: JudgeStats) -> list[float]:
-        return list(await asyncio.gather(*(self._score_one(i, stats) for i in items)))
+    async def _score_all(
+        self, items: list[RewardInput], stats: JudgeStats, status: list[str]
+    ) -> list[float]:
+        return list(
+            await asyncio.gather(
+                *(self._score_one(k, i, stats, status) for k, i in enumerate(items))
+            )
+        )
 
-    async def _score_one(self, item: RewardInput, stats: JudgeStats) -> float:
+    async def _score_one(
+        self, k: int, item: RewardInput, stats: JudgeStats, status: list[str]
+    ) -> float:
         cfg = self.config
         try:
             text = await asyncio.wait_for(self._ask(self.prompt(item)), cfg.timeout_s)
         except TimeoutError:
             stats.timeouts += 1
+            status[k] = "timeout"
             self._log_once(
                 "timeout",
                 f"a judge request took over reward.judge.timeout_s="
@@ -303,12 +316,14 @@ class GenerativeJudge:
             return cfg.fallback_score
         except Exception as exc:  # noqa: BLE001  (a failed request scores the fallback)
             stats.errors += 1
+            status[k] = "error"
             self._log_once("error", f"a judge request raised {type(exc).__name__}: {exc}")
             return cfg.fallback_score
         try:
             return self._parser(text) * cfg.score_scale
         except Exception as exc:  # noqa: BLE001  (an unreadable judgement scores the fallback)
             stats.parse_failures += 1
+            status[k] = "unparsed"
             self._log_once("parse", f"parser {cfg.parser!r} failed: {exc}")
             return cfg.fallback_score
 

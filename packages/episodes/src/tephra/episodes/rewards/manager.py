@@ -313,12 +313,16 @@ class RewardManager:
         if judge_rows:
             assert self._judge is not None
             scores = self._judge.score([items[k] for k in judge_rows])
-            for k, judge_score in zip(judge_rows, scores, strict=True):
+            status = self._judge.last_status
+            for k, judge_score, how in zip(judge_rows, scores, status, strict=True):
                 rule_w, judge_w = judge_cfg.weights(items[k].data_source)
                 result, tb = outcomes[k]
                 rule = result.score if rule_w else 0.0
                 result.score = rule_w * rule + judge_w * judge_score
                 result.extras["judge"] = judge_score
+                # per sample, so a trainer can count them over its ranks
+                result.extras["judge_fallback"] = float(how != "ok")
+                result.extras["judge_timeout"] = float(how == "timeout")
                 outcomes[k] = (result, tb)
         else:
             self._judge_idle()
