@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from tephra.controller.prime import PrimeSection, prime_step
+from tephra.algos.recipe_config import PrimeConfig
+from tephra.controller.prime import prime_step
 from tephra.engine_api.errors import ConfigError
 
 
@@ -16,7 +17,7 @@ def test_prime_step_by_hand():
     prm = torch.tensor([[-1.0, -1.0], [-2.0, -1.0]])
     ref = torch.tensor([[-2.0, -1.0], [-1.0, -1.0]])
     mask = torch.tensor([[1, 1], [1, 1]])
-    section = PrimeSection(enabled=True, beta=0.5, process_coef=1.0, outcome_coef=1.0)
+    section = PrimeConfig(enabled=True, beta=0.5, process_coef=1.0, outcome_coef=1.0)
     adv, labels, metrics = prime_step(
         prm, ref, mask, torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), section
     )
@@ -43,4 +44,4 @@ def test_prime_step_by_hand():
 )
 def test_bad_prime_sections(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        PrimeSection(**kwargs)
+        PrimeConfig(**kwargs)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tephra.algos.recipe_config import DistillationConfig
 from tephra.controller.teacher import (
-    DistillationSection,
     add_distillation_advantages,
     check_distillation,
     check_same_tokenizer,
@@ -35,7 +35,7 @@ def test_distillation_advantage_added_by_hand():
     teacher = torch.tensor([[-9.0, -0.5, -3.0], [-9.0, -0.5, -9.0]])
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
     out, metrics = add_distillation_advantages(
-        adv, old, teacher, mask, DistillationSection(teacher_path="t", advantage_coef=2.0)
+        adv, old, teacher, mask, DistillationConfig(teacher_path="t", advantage_coef=2.0)
     )
     # + 2 * (teacher - old) on response tokens: +1, -2; 0
     torch.testing.assert_close(out, torch.tensor([[0.0, 2.0, -1.0], [0.0, -1.0, 0.0]]))
@@ -46,7 +46,7 @@ def test_distillation_advantage_added_by_hand():
         old,
         teacher,
         mask,
-        DistillationSection(teacher_path="t", advantage_coef=1.0, rl_advantage=False),
+        DistillationConfig(teacher_path="t", advantage_coef=1.0, rl_advantage=False),
     )
     torch.testing.assert_close(alone, torch.tensor([[0.0, 0.5, -1.0], [0.0, 0.0, 0.0]]))
 
@@ -61,12 +61,12 @@ def test_distillation_advantage_added_by_hand():
 )
 def test_bad_distillation_sections(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        DistillationSection(**kwargs)
+        DistillationConfig(**kwargs)
 
 
 def test_teacher_and_its_uses_must_agree():
     with pytest.raises(ConfigError, match=r"distill_loss_coef=0\.5 needs a teacher"):
-        check_distillation(DistillationSection(), 0.5)
+        check_distillation(DistillationConfig(), 0.5)
     with pytest.raises(ConfigError, match=r"teacher_path='t' is set but unused"):
-        check_distillation(DistillationSection(teacher_path="t"), 0.0)
-    check_distillation(DistillationSection(teacher_path="t"), 0.5)
+        check_distillation(DistillationConfig(teacher_path="t"), 0.0)
+    check_distillation(DistillationConfig(teacher_path="t"), 0.5)

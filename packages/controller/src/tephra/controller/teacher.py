@@ -1,60 +1,18 @@
-"""On-policy distillation's teacher: its config section, the check that it shares the
-student's tokenizer, and the advantage it adds."""
+"""On-policy distillation's teacher in the RL loop: the check that it shares the student's
+tokenizer, and the advantage it adds."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tephra.algos import distillation_advantages, masked_mean
+from tephra.algos.recipe_config import DistillationConfig
 from tephra.engine_api.errors import ConfigError
 
 
-@dataclass
-class DistillationSection:
-    """A teacher model scores the student's sampled tokens (on-policy distillation); its
-    per-token reverse KL enters the advantage (`advantage_coef`) or the actor's loss
-    (`actor.objective.distill_loss_coef`), beside or instead of the RL reward."""
-
-    teacher_path: str | None = None
-    """The teacher: a local Hugging Face folder (or `smollm2`, `tiny`) whose tokenizer is the
-    student's (checked before Ray starts). Built forward-only beside the reference policy;
-    None (default): no teacher."""
-    advantage_coef: float = 0.0
-    """Add coef * (log q(y_t) - log pi_old(y_t)) to each response token's advantage (q the
-    teacher, pi_old the student that sampled y; tephra.algos.distillation_advantages).
-    0 (default): the teacher enters only through `actor.objective.distill_loss_coef`."""
-    rl_advantage: bool = True
-    """Keep the estimator's advantages (from the reward) beside the distillation term; false:
-    the distillation term is the whole advantage (pure on-policy distillation; the reward is
-    still scored and logged)."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.teacher_path is not None
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.advantage_coef) and self.advantage_coef >= 0):
-            raise ConfigError(
-                f"algorithm.distillation.advantage_coef={self.advantage_coef} must be a "
-                "finite number >= 0"
-            )
-        if self.advantage_coef > 0 and not self.enabled:
-            raise ConfigError(
-                f"algorithm.distillation.advantage_coef={self.advantage_coef} needs a teacher: "
-                "set algorithm.distillation.teacher_path"
-            )
-        if not self.rl_advantage and self.advantage_coef == 0:
-            raise ConfigError(
-                "algorithm.distillation.rl_advantage=false leaves no advantage: set "
-                "algorithm.distillation.advantage_coef > 0 (e.g. 1.0), or keep rl_advantage"
-            )
-
-
-def check_distillation(section: DistillationSection, distill_loss_coef: float) -> None:
+def check_distillation(section: DistillationConfig, distill_loss_coef: float) -> None:
     """The teacher and the ways it is used agree (no teacher without a use, no use without
     a teacher)."""
     if distill_loss_coef > 0 and not section.enabled:
@@ -100,7 +58,7 @@ def add_distillation_advantages(
     old_log_probs: torch.Tensor,
     teacher_log_probs: torch.Tensor,
     response_mask: torch.Tensor,
-    section: DistillationSection,
+    section: DistillationConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The step's advantages with the teacher's term: `advantages` (or 0 where
     `rl_advantage` is false) + advantage_coef * (log q - log pi_old) on response tokens."""
