@@ -178,8 +178,8 @@ class Generator:
         if self._scorer is None:
             self._scorer = Scorer(self.cfg.reward)
         prompts = None
-        if self.cfg.reward.reward_model_path:
-            tok = self.tokenizer()
+        if self.cfg.reward.reward_model_path or self.cfg.reward.judge.enabled:
+            tok = self.tokenizer()  # a reward model and a judge read the prompt too
             prompts = [tok.decode(s.prompt_ids, skip_special_tokens=True) for s in samples]
         results = self._scorer.score([s.text for s in samples], records, prompts)
         return results, time.perf_counter() - start, self._scorer.clipped, self._scorer.extras
