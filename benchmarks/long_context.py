@@ -24,25 +24,9 @@ import argparse
 import json
 from pathlib import Path
 
-MODEL = dict(
-    model_type="qwen2",
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=65536,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-)
+from memory_peak import SMALL_QWEN2, reset_peak, status_mib
 
-
-def _status(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024.0  # kB -> MiB
-    raise RuntimeError(f"/proc/self/status has no {field}")
+MODEL = SMALL_QWEN2
 
 
 def measure(sp: int, tokens: int) -> float:
@@ -71,10 +55,9 @@ def measure(sp: int, tokens: int) -> float:
     )
     with engine.train_mode():
         engine.forward_backward(batch, nll_loss_fn)  # warm-up: gradients, pools
-        Path("/proc/self/clear_refs").write_text("5")
-        before = _status("VmRSS")
+        before = reset_peak()
         engine.forward_backward(batch, nll_loss_fn)
-        after = _status("VmHWM")
+        after = status_mib("VmHWM")
     return after - before
 
 

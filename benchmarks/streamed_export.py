@@ -27,6 +27,8 @@ import os
 import time
 from pathlib import Path
 
+from memory_peak import reset_peak, status_mib
+
 MODEL = dict(
     model_type="qwen2",
     vocab_size=32000,
@@ -39,13 +41,6 @@ MODEL = dict(
     tie_word_embeddings=False,
 )
 QUICK = {**MODEL, "vocab_size": 4096, "num_hidden_layers": 2}
-
-
-def _status(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024.0  # kB -> MiB
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _gathered_export_hf(engine, path: Path) -> None:
@@ -96,12 +91,11 @@ def measure(model: dict, workdir: str) -> dict:
 
     def peak(fn) -> tuple[float, float]:
         dist.barrier()
-        Path("/proc/self/clear_refs").write_text("5")
-        before = _status("VmRSS")
+        before = reset_peak()
         start = time.perf_counter()
         fn()
         seconds = time.perf_counter() - start
-        return round(_status("VmHWM") - before, 1), round(seconds, 2)
+        return round(status_mib("VmHWM") - before, 1), round(seconds, 2)
 
     def drain(buckets) -> None:
         for b in buckets:

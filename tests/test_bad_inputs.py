@@ -483,7 +483,7 @@ def kv_heads_vs_tensor(kv_heads: int) -> Callable:
 def _step_round(scores: list[float], n: int = 2):
     """A step's round of one prompt group with these scores (what the trainer checks)."""
     from tephra.controller.data import PromptRecord
-    from tephra.controller.rl_loop import Round
+    from tephra.controller.rounds import Round
     from tephra.controller.samples import PromptItem, Sample
 
     item = PromptItem(
@@ -530,7 +530,7 @@ def nan_advantages(tmp, mp):
 
     from tephra.algos import AdvantageConfig, compute_advantages
     from tephra.controller.rewarding import check_advantages, check_rewards
-    from tephra.controller.rl_loop import outcome_token_rewards
+    from tephra.controller.step_rewards import outcome_token_rewards
 
     rnd = _step_round([1e308, -1e308])
     check_rewards(rnd.scores, rnd.kept_names(), max_abs=1e308)
@@ -1203,7 +1203,8 @@ class CharTokenizer:
 def _trainer(tmp_path, outcomes, *overrides):
     from tephra.controller.data import PromptRecord
     from tephra.controller.flops import ModelShape
-    from tephra.controller.rl_loop import Prompts, Trainer
+    from tephra.controller.rl_loop import Trainer
+    from tephra.controller.rounds import Prompts
 
     reward = _file(tmp_path, "reward.py", "def compute_score(**kw):\n    return 0.0\n")
     # no mismatch probe: these workers compute no log-probs (nothing here is about them)

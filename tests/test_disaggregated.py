@@ -142,6 +142,7 @@ def test_the_scheduler_routes_around_a_slow_replica(ray_session):
     import ray
 
     from tephra.controller.rollout_replicas import RolloutReplicas
+    from tephra.controller.watchdog import StageFailure, Watchdog, WatchdogConfig
 
     @ray.remote(num_cpus=0)
     class Replica:  # the `execute("generate_scored", items, sampling)` of a RolloutWorker
@@ -155,6 +156,7 @@ def test_the_scheduler_routes_around_a_slow_replica(ray_session):
     replicas = RolloutReplicas.__new__(RolloutReplicas)  # the scheduler, on stand-in actors
     replicas.replicas = [Replica.remote(0.05), Replica.remote(1.0)]
     replicas.in_flight, replicas.served, replicas._pending = [0, 0], [0, 0], {}
+    replicas.watchdog, replicas.places = Watchdog(), [None, None]
     pending = [replicas.submit([i], None) for i in range(2)]
     assert replicas.in_flight == [1, 1]  # one each: both idle at first
     answers = []
@@ -170,3 +172,14 @@ def test_the_scheduler_routes_around_a_slow_replica(ray_session):
     assert sorted(item for _, item in answers) == list(range(14))  # nothing lost
     fast, slow = replicas.served
     assert fast + slow == 14 and slow <= 2 and fast >= 12
+    # a replica that answers nothing within the watchdog's deadline is named
+    replicas.watchdog = Watchdog(WatchdogConfig(stage_timeouts_s={"generate_scored": 0.2}))
+    replicas.in_flight = [5, 0]  # the next request goes to the slow replica (index 1)
+    stuck = replicas.submit([99], None)
+    with pytest.raises(
+        StageFailure,
+        match=r"'generate_scored' of worker group 'rollout'.*rank 1 "
+        r"answered none of its 1 requests in flight within 0.2 s",
+    ):
+        replicas.wait_any([stuck])
+    ray.get(stuck)

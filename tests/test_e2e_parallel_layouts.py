@@ -20,6 +20,7 @@ import pytest
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
+from tephra.engine_megatron.testing import TINY_MOE
 
 
 @pytest.fixture(scope="module")
@@ -34,26 +35,19 @@ def models(tmp_path_factory):
     dense = build_tiny_model(root / "dense", num_heads=2, num_kv_heads=2, seed=3)
     tok = AutoTokenizer.from_pretrained(dense.path)
     torch.manual_seed(0)
+    moe_config = {k: v for k, v in TINY_MOE.items() if k != "model_type"}
     moe = Qwen2MoeForCausalLM(
         Qwen2MoeConfig(
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=64,
-            num_experts=4,
-            num_experts_per_tok=2,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-            tie_word_embeddings=False,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            initializer_range=0.1,
-            eos_token_id=dense.eos_token_id,
-            pad_token_id=dense.pad_token_id,
+            **{
+                **moe_config,
+                # the rollout's tokenizer, and 2 query heads: tensor parallelism splits the KV heads
+                "vocab_size": len(tok),
+                "num_attention_heads": 2,
+                "max_position_embeddings": 1024,
+                "initializer_range": 0.1,
+                "eos_token_id": dense.eos_token_id,
+                "pad_token_id": dense.pad_token_id,
+            }
         )
     )
     moe.generation_config.eos_token_id = dense.eos_token_id

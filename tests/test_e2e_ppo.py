@@ -13,7 +13,7 @@ import pytest
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.ppo import prepare
 from tephra.controller.rewarding import RewardFailure
-from tephra.controller.rl_loop import MismatchAlarm
+from tephra.controller.rollout_mismatch import MismatchAlarm
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError

@@ -15,8 +15,8 @@ from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.data import PromptRecord
 from tephra.controller.generation import run_items
 from tephra.controller.ppo import BUNDLED_TOOLS, resolve_tools_file
-from tephra.controller.rl_loop import outcome_token_rewards
 from tephra.controller.samples import PromptItem, Sample, agent_metrics, samples_to_batch
+from tephra.controller.step_rewards import outcome_token_rewards
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError

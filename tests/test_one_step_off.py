@@ -16,18 +16,15 @@ from tensordict import TensorDict
 from tephra.algos import RolloutCorrectionConfig
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.data import PromptRecord
-from tephra.controller.rl_loop import (
-    PENDING_FILE,
+from tephra.controller.rollout_mismatch import (
     MismatchAlarm,
-    Round,
     apply_rejection,
     check_mismatch_alarm,
     correct_old_log_probs,
-    round_from_dict,
-    round_to_dict,
-    staleness_metrics,
 )
+from tephra.controller.rounds import PENDING_FILE, Round, round_from_dict, round_to_dict
 from tephra.controller.samples import PromptItem, Sample
+from tephra.controller.step_metrics import staleness_metrics
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError

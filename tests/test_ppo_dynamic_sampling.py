@@ -9,8 +9,10 @@ import torch
 
 from tephra.apps.ppo.main import parse_config
 from tephra.controller.data import PromptLoader, PromptRecord
-from tephra.controller.rl_loop import Prompts, Trainer
+from tephra.controller.rl_loop import Trainer
+from tephra.controller.rounds import Prompts
 from tephra.controller.samples import Sample, ScoreResult
+from tephra.controller.step_rewards import length_shaping
 from tephra.core.errors import ConfigError
 
 REWARD = """
@@ -153,9 +155,9 @@ def test_overlong_shaping_by_hand(tmp_path):
         tmp_path, "algorithm.overlong_buffer=4", "algorithm.overlong_penalty_factor=0.5"
     )
     samples = trainer.collect(0, scored=True)[0].kept[:N]
-    assert trainer.length_shaping(samples).tolist() == [0.0, 0.0, -0.25, -0.5]
+    assert length_shaping(trainer.cfg, samples).tolist() == [0.0, 0.0, -0.25, -0.5]
     off, _ = _trainer(tmp_path)
-    assert torch.equal(off.length_shaping(samples), torch.zeros(N))
+    assert torch.equal(length_shaping(off.cfg, samples), torch.zeros(N))
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import torch
 from tephra.apps.ppo.main import parse_config
 from tephra.controller.data import PromptRecord
 from tephra.controller.dispatch import Dispatch, dispatch
-from tephra.controller.rl_config import resolve_auto_dtypes
+from tephra.controller.rl_checks import resolve_auto_dtypes
 from tephra.controller.rl_worker import RLWorker
 from tephra.controller.samples import PromptItem
 from tephra.controller.testing import SMOKE_REWARD

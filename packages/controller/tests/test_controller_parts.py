@@ -345,7 +345,8 @@ def test_worker_group_dispatch_on_ray(tmp_path):
 def test_auto_dtypes_are_resolved_once_for_the_workers_device():
     """`auto` (the default) becomes one concrete dtype before any worker starts: the CPU's
     measured choice for CPU ranks and replicas, bf16 for CUDA ones; explicit dtypes stay."""
-    from tephra.controller.rl_config import PPOConfig, resolve_auto_dtypes
+    from tephra.controller.rl_checks import resolve_auto_dtypes
+    from tephra.controller.rl_config import PPOConfig
     from tephra.engine_api.fastest_dtype import fastest_dtype
 
     cfg = load_config(PPOConfig, [], [])

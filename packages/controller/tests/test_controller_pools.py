@@ -13,8 +13,16 @@ from tephra.controller.dispatch import (
     Dispatch,
     check_layout,
     dispatch,
+    dispatched_methods,
     rollout_shares,
     share_bounds,
+)
+from tephra.controller.rl_worker import RLWorker
+from tephra.controller.watchdog import (
+    StageFailure,
+    Watchdog,
+    WatchdogConfig,
+    check_stage_names,
 )
 from tephra.controller.worker_group import (
     ResourcePool,
@@ -99,6 +107,22 @@ class TensorParallelWorker(Worker):
         return self.last_share
 
 
+class StallingWorker(Worker):
+    """Rank 1 sleeps or dies inside `work` when told; the other rank returns its share."""
+
+    @dispatch(Dispatch.DP_SPLIT)
+    def work(self, batch: TensorDict, stall: str = "") -> TensorDict:
+        import os
+        import time
+
+        if self.rank == 1 and stall:
+            print(f"rank 1 starts on uids {batch['uid'].tolist()} and will {stall}", flush=True)
+            if stall == "die":
+                os._exit(3)  # the process dies mid-stage, as an OOM kill would
+            time.sleep(600)
+        return batch
+
+
 class RolloutPairsWorker(TensorParallelWorker):
     """Tensor-parallel training pairs whose rollout engines also take two ranks each (a
     server with tensor_parallel_size=2): the odd rank of a pair holds none."""
@@ -159,9 +183,77 @@ def test_rows_split_by_data_parallel_rank_replicated_to_tensor_peers():
         assert pairs.shares() == [["p0", "p1", "p2"], [], ["p3", "p4"], []]
         pairs.shutdown()
         pool.release()
+        _watchdog_names_the_stuck_and_the_dead_rank()
         with pytest.raises(ConfigError, match="could not place 2 bundles .* STRICT_SPREAD"):
             ResourcePool(
                 world_size=2, cpus_per_rank=1, strategy="STRICT_SPREAD", ready_timeout_s=3
             ).placement_group()
     finally:
         ray.shutdown()
+
+
+def _watchdog_names_the_stuck_and_the_dead_rank():
+    """Rank 1 sleeps past its stage's deadline, then (in a fresh group) dies mid-stage: each
+    time the failure names the group, stage, step, rank 1 with its pid, its samples and the
+    line it logged, as soon as it is known (not after a collective's timeout)."""
+    import time
+
+    pool = ResourcePool(world_size=2, cpus_per_rank=0.5, name="watchdog")
+    batch = TensorDict({"uid": torch.arange(8) // 2}, batch_size=[8])
+    for stall in ("sleep", "die"):
+        watchdog = Watchdog(WatchdogConfig(stage_timeouts_s={"work": 4.0}))
+        watchdog.step = 7
+        wg = WorkerGroup(StallingWorker, pool, name="actor", watchdog=watchdog)
+        assert torch.equal(wg.work(batch)["uid"], batch["uid"])  # in time: results as usual
+        start = time.monotonic()
+        with pytest.raises(StageFailure) as failure:
+            wg.work(batch, stall=stall)
+        elapsed = time.monotonic() - start
+        msg, pid = str(failure.value), wg.places[1].pid
+        assert failure.value.kind == ("deadline" if stall == "sleep" else "died")
+        assert failure.value.ranks == [1] and failure.value.stage == "work"
+        assert msg.startswith("stage 'work' of worker group 'actor' at step 7: rank 1 (node ")
+        assert f"pid {pid})" in msg
+        assert "samples in flight on rank 1: 2, 3" in msg  # its share: rows 4-7, uids 2 and 3
+        if stall == "sleep":
+            assert "did not return within 4.0 s (trainer.watchdog.stage_timeouts_s.work)" in msg
+            assert (
+                "ranks that answered: 0" in msg and 4.0 <= elapsed < 300
+            )  # not the sleeper's 600 s
+        else:
+            assert "died (" in msg and elapsed < 300
+        # how long to look for the line: Ray flushes the worker's stdout file as it is written
+        assert f"rank 1 starts on uids [2, 2, 3, 3] and will {stall}" in msg, msg
+        wg.shutdown(grace_s=0)
+    pool.release()
+
+
+def test_watchdog_deadlines_follow_each_stages_median():
+    dog = Watchdog(WatchdogConfig(factor=4, floor_s=10, first_calls_s=600, min_history=3))
+    assert dog.deadline("actor", "update") == (
+        600,
+        "trainer.watchdog.first_calls_s (a stage's first calls)",
+    )
+    for seconds in (2.0, 30.0, 5.0):
+        dog.record("actor", "update", seconds)
+    assert dog.deadline("actor", "update") == (20.0, "trainer.watchdog.factor=4 x median 5.0 s")
+    dog.record("actor", "generate", 1.0)
+    for _ in range(2):
+        dog.record("actor", "generate", 1.0)
+    assert dog.deadline("actor", "generate") == (10, "trainer.watchdog.floor_s")
+    assert dog.deadline("critic", "update")[0] == 600  # per group and stage
+    fixed = Watchdog(WatchdogConfig(stage_timeouts_s={"update": 90}))
+    assert fixed.deadline("actor", "update") == (90.0, "trainer.watchdog.stage_timeouts_s.update")
+    assert Watchdog(WatchdogConfig(enabled=False)).deadline("a", "b") == (None, "watchdog off")
+    with pytest.raises(ConfigError, match=r"trainer.watchdog.factor=0 must be > 0"):
+        WatchdogConfig(factor=0)
+    with pytest.raises(ConfigError, match=r"stage_timeouts_s.update='soon' must be seconds"):
+        WatchdogConfig(stage_timeouts_s={"update": "soon"})
+    with pytest.raises(ConfigError, match=r"min_history=5 and history=2"):
+        WatchdogConfig(min_history=5, history=2)
+    # a stage name that no worker method has is refused (before Ray starts, in ppo.run)
+    stages = dispatched_methods(RLWorker) | {"generate_scored"}
+    assert {"update_actor", "compute_log_probs", "generate"} <= stages
+    check_stage_names(WatchdogConfig(stage_timeouts_s={"update_actor": 60}), stages)
+    with pytest.raises(ConfigError, match=r"names \['update_actr'\], which are not stages"):
+        check_stage_names(WatchdogConfig(stage_timeouts_s={"update_actr": 60}), stages)

@@ -5,14 +5,13 @@ tephra-engine-fsdp and its three tephra dependencies as path dependencies, `uv s
 (from the shared uv cache: seconds) and runs a few SFT steps there in a fresh interpreter.
 """
 
-import json
-import os
 import shutil
-import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tephra.core.testing import run_in_throwaway_project
 
 PACKAGES = Path(__file__).resolve().parents[2]
 
@@ -46,55 +45,8 @@ def test_project_depending_only_on_engine_fsdp_trains(tmp_path):
     uv = shutil.which("uv")
     if uv is None:
         pytest.skip("uv is not on PATH")
-    project = tmp_path / "fsdp-user"
-    project.mkdir()
-    (project / "pyproject.toml").write_text(
-        textwrap.dedent(f'''
-        [project]
-        name = "fsdp-user"
-        version = "0.0.0"
-        requires-python = ">=3.11"
-        dependencies = ["tephra-engine-fsdp"]
-
-        [tool.uv]
-        # the workspace's torch, so the shared uv cache already holds it
-        constraint-dependencies = ["torch>=2.13,<2.14"]
-        environments = ["sys_platform == 'linux'"]
-
-        [tool.uv.sources]
-        tephra-engine-fsdp = {{ path = "{PACKAGES / "engine-fsdp"}" }}
-        tephra-engine-api = {{ path = "{PACKAGES / "engine-api"}" }}
-        tephra-core = {{ path = "{PACKAGES / "core"}" }}
-        tephra-kernels = {{ path = "{PACKAGES / "kernels"}" }}
-    ''')
-    )
-    (project / "sft.py").write_text(SFT_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "UV_PROJECT"))}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    sync = subprocess.run(
-        [uv, "sync", "--python", "3.11"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if sync.returncode != 0:  # no registry reachable: the shared uv cache has everything
-        sync = subprocess.run(
-            [uv, "sync", "--offline", "--python", "3.11"],
-            cwd=project,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    assert sync.returncode == 0, sync.stderr
-    python = project / ".venv" / "bin" / "python"
-    run = subprocess.run(
-        [str(python), "sft.py"], cwd=project, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    members = ["engine-fsdp", "engine-api", "core", "kernels"]
+    result = run_in_throwaway_project(tmp_path / "fsdp-user", uv, PACKAGES, members, SFT_SCRIPT)
     assert result["absent"] == {"ray": True, "vllm": True, "megatron": True}
     losses = result["losses"]
     assert losses[-1] < losses[0] - 0.1, losses

@@ -2,20 +2,20 @@
 dependencies.
 
 Builds a throw-away uv project in a temporary folder outside the workspace, with
-tephra-rollout and its three tephra dependencies as path dependencies, `uv sync`s it (from the
-shared uv cache: seconds) and generates greedily there in a fresh interpreter; the tokens must
+tephra-rollout and its three tephra dependencies as path dependencies
+(`tephra.core.testing.run_in_throwaway_project`: synced from the shared uv cache in seconds)
+and generates greedily there in a fresh interpreter; the tokens must
 equal transformers' own greedy `generate` in that environment (the independent reference), and
 math_verify, reasoning_gym, bm25s and mcp must not be importable.
 """
 
-import json
-import os
 import shutil
-import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tephra.core.testing import run_in_throwaway_project
 
 PACKAGES = Path(__file__).resolve().parents[2]
 
@@ -41,60 +41,10 @@ def test_project_depending_only_on_rollout_generates_with_hf(tmp_path):
     uv = shutil.which("uv")
     if uv is None:
         pytest.skip("uv is not on PATH")
-    project = tmp_path / "rollout-user"
-    project.mkdir()
-    (project / "pyproject.toml").write_text(
-        textwrap.dedent(f'''
-        [project]
-        name = "rollout-user"
-        version = "0.0.0"
-        requires-python = ">=3.11"
-        dependencies = ["tephra-rollout"]
-
-        [tool.uv]
-        # the workspace's torch, so the shared uv cache already holds it
-        constraint-dependencies = ["torch>=2.13,<2.14"]
-        environments = ["sys_platform == 'linux'"]
-
-        [tool.uv.sources]
-        tephra-rollout = {{ path = "{PACKAGES / "rollout"}" }}
-        tephra-engine-api = {{ path = "{PACKAGES / "engine-api"}" }}
-        tephra-core = {{ path = "{PACKAGES / "core"}" }}
-        tephra-kernels = {{ path = "{PACKAGES / "kernels"}" }}
-    ''')
+    members = ["rollout", "engine-api", "core", "kernels"]
+    result = run_in_throwaway_project(
+        tmp_path / "rollout-user", uv, PACKAGES, members, GENERATE_SCRIPT
     )
-    (project / "generate.py").write_text(GENERATE_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "UV_PROJECT"))}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    sync = subprocess.run(
-        [uv, "sync", "--python", "3.11"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if sync.returncode != 0:  # no registry reachable: the shared uv cache has everything
-        sync = subprocess.run(
-            [uv, "sync", "--offline", "--python", "3.11"],
-            cwd=project,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    assert sync.returncode == 0, sync.stderr
-    python = project / ".venv" / "bin" / "python"
-    run = subprocess.run(
-        [str(python), "generate.py"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["absent"] == {
         "math_verify": True,
         "reasoning_gym": True,

@@ -87,6 +87,11 @@ def dispatch_mode(fn: Callable) -> Dispatch | None:
     return getattr(fn, DISPATCH_ATTR, None)
 
 
+def dispatched_methods(cls: type) -> set[str]:
+    """The names of `cls`'s methods that the driver calls through a dispatch mode."""
+    return {name for name in dir(cls) if dispatch_mode(getattr(cls, name, None)) is not None}
+
+
 def split_value(value: Any, world_size: int, name: str) -> list[Any]:
     """Cut one argument into `world_size` (data-parallel) equal shares (non-batch values are
     repeated)."""

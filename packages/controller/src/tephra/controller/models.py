@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from tephra.controller.smollm2 import FOLDER_NAME as SMOLLM2_FOLDER
+from tephra.controller.smollm2 import smollm2_folder
 from tephra.core import cache_root
 from tephra.engine_api.errors import ConfigError
+from tephra.rollout.multimodal import build_tiny_vlm
+from tephra.rollout.testing import build_tiny_model
 
 
 def resolve_model_path(path: str, seed: int = 0) -> str:
@@ -16,19 +19,13 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
     ChatML tokenizer, `tiny_vlm` -> a tiny random Qwen2-VL (both built once under the cache);
     anything else must be an HF folder."""
     if path == "smollm2":
-        from tephra.controller.smollm2 import smollm2_folder
-
         return str(smollm2_folder())
     if path == "tiny":
-        from tephra.rollout.testing import build_tiny_model
-
         folder = named_model_folder(path, seed)
         if not (folder / "config.json").exists():
             build_tiny_model(folder, seed=seed)
         return str(folder)
     if path == "tiny_vlm":
-        from tephra.rollout.multimodal import build_tiny_vlm
-
         folder = named_model_folder(path, seed)
         if not (folder / "preprocessor_config.json").exists():  # written last
             build_tiny_vlm(folder, seed=seed)
@@ -110,6 +107,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 def load_tokenizer(model_path: str) -> Any:
     """The model folder's tokenizer, with a pad token and a chat template (the prompts are
     chat-formatted); a tokenizer without a template is a `ConfigError`."""
+    # transformers takes seconds to import and the config checks import this module
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

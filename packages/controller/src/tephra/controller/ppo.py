@@ -24,13 +24,9 @@ from tephra.controller.data import (
     reasoning_gym_records,
     tokenize_prompts,
 )
-from tephra.controller.rl_config import (
-    PPOConfig,
-    check_engine_support,
-    resolve_auto_dtypes,
-    weight_path,
-)
-from tephra.controller.rl_loop import Prompts
+from tephra.controller.rl_checks import check_engine_support, resolve_auto_dtypes, weight_path
+from tephra.controller.rl_config import PPOConfig
+from tephra.controller.rounds import Prompts
 from tephra.controller.startup import Timeline
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
@@ -212,14 +208,17 @@ def run(cfg: PPOConfig) -> dict:
     import torch
     import yaml
 
+    from tephra.controller.dispatch import dispatched_methods
     from tephra.controller.flops import model_shape
     from tephra.controller.rl_loop import Trainer
     from tephra.controller.rl_worker import RLWorker, colocated_roles
     from tephra.controller.rollout_replicas import RolloutReplicas
+    from tephra.controller.watchdog import Watchdog, check_stage_names
     from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
 
     clock = Timeline()
     torch.set_num_threads(1)  # the driver only moves batches; the workers compute
+    check_stage_names(cfg.trainer.watchdog, dispatched_methods(RLWorker) | {"generate_scored"})
     p = prepare(cfg)
     check_resumed_data(cfg, p)
     clock.lap("prepare")  # model folder, tokenizer, data
@@ -235,6 +234,8 @@ def run(cfg: PPOConfig) -> dict:
     r = cfg.resources
     ray_init(r.ray_address, r.num_cpus, dashboard=r.ray_dashboard)
     clock.lap("ray")
+    # one watchdog for every group: deadlines per (group, stage), the step set by the Trainer
+    watchdog = Watchdog(cfg.trainer.watchdog)
     pool = ResourcePool(
         r.world_size,
         r.cpus_per_rank,
@@ -268,6 +269,7 @@ def run(cfg: PPOConfig) -> dict:
                 "roles": colocated_roles(cfg),
             },
             name="rl",
+            watchdog=watchdog,
         )
 
     def make_role_groups() -> dict[str, WorkerGroup]:
@@ -279,6 +281,7 @@ def run(cfg: PPOConfig) -> dict:
                     role_pool,
                     {"cfg": cfg, "model_path": p.model_path, "roles": (role,)},
                     name=role,
+                    watchdog=watchdog,
                 )
         except BaseException:
             for group in groups.values():
@@ -287,7 +290,7 @@ def run(cfg: PPOConfig) -> dict:
         return groups
 
     def make_replicas() -> RolloutReplicas:
-        return RolloutReplicas(cfg, p.model_path, p.tools_file)
+        return RolloutReplicas(cfg, p.model_path, p.tools_file, watchdog)
 
     try:
         trainer = Trainer(

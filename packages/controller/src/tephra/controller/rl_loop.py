@@ -1,4 +1,6 @@
-"""The RL loop. Each stage is one call on the worker group; the driver only moves batches.
+"""The RL loop (`Trainer`): each stage is one call on the worker group; the driver only moves
+batches. Its parts live beside it: `rounds`, `rollout_mismatch`, `step_rewards`,
+`step_metrics`, `batch_order`, `generation_dumps`, `worker_failures`.
 
     for step in steps:
         samples = wg.generate(prompts)                  # rollout engine, n samples/prompt;
@@ -29,329 +31,60 @@ bypass, tephra.algos.rollout_correction) decides what the loss does about the la
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 from tensordict import TensorDict
+from tqdm import tqdm
 
-from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction, rollout_mismatch_metrics
-from tephra.controller.balance import balanced_order, max_over_min
+from tephra.algos import filter_groups
+from tephra.controller.async_stream import SampleStream, partial_rollout_metrics
+from tephra.controller.batch_order import BatchOrder
 from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.data import PromptLoader, PromptRecord, dataset_fingerprint
+from tephra.controller.data import PromptLoader, dataset_fingerprint
+from tephra.controller.evaluation import flat_metrics, summarise, write_jsonl
 from tephra.controller.flops import ModelShape, step_flops
-from tephra.controller.rewarding import (
-    accuracy_of,
-    check_advantages,
-    check_not_all_failed,
-    check_rewards,
-)
+from tephra.controller.generation_dumps import validation_rows, write_train_samples
+from tephra.controller.rewarding import check_advantages, check_not_all_failed, check_rewards
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.rl_worker import can_skip_flat, flat_groups
+from tephra.controller.rollout_mismatch import (
+    apply_rejection,
+    check_mismatch_alarm,
+    correct_old_log_probs,
+)
+from tephra.controller.rounds import Prompts, Round, read_pending, round_seed, write_pending
 from tephra.controller.samples import (
     PromptItem,
     Sample,
     agent_metrics,
-    sample_from_dict,
-    sample_to_dict,
     samples_to_batch,
     set_score,
 )
+from tephra.controller.step_metrics import (
+    dynamic_sampling_metrics,
+    format_time_share,
+    staleness_metrics,
+    step_summary,
+    time_share,
+)
+from tephra.controller.step_rewards import (
+    kl_controller,
+    kl_reward,
+    length_shaping,
+    outcome_token_rewards,
+    reward_components,
+    set_advantages,
+)
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
+from tephra.controller.worker_failures import WORKER_FAILURES
 from tephra.controller.worker_group import WorkerGroup
 from tephra.core.config import to_dict
-from tephra.core.errors import ConfigError, TephraError
-from tephra.engine_api.multimodal import MultimodalInputs
-from tephra.episodes.rewards import is_timeout
-
-
-@dataclass
-class Prompts:
-    """Tokenised prompts and their records (same order)."""
-
-    ids: list[list[int]]
-    records: list[PromptRecord]
-    multimodal: list[MultimodalInputs | None] | None = None
-    """Each prompt's images (pixel values and grids), or None for text prompts."""
-
-
-@dataclass
-class Round:
-    """One round of generation in a step: its samples (prompt-major, `n` per prompt, scored)
-    and which prompt groups the step trains on."""
-
-    items: list[PromptItem]
-    samples: list[Sample]
-    n: int
-    kept_groups: list[int] = field(default_factory=list)
-    informative: int = 0
-    """Groups whose samples did not all score the same (dynamic sampling)."""
-    filler: int = 0
-    """How many of the kept groups are flat ones added to fill the batch."""
-    indices: list[int] = field(default_factory=list)
-    """The prompts' indices in the training set (the items are rebuilt from them)."""
-    tag: str = ""
-    """Prefix of the items' sample ids."""
-    scored: bool = False
-    """Whether the samples' scores were collected from the workers."""
-
-    @property
-    def scores(self) -> list[float]:
-        return [s.score for s in self.samples]
-
-    @property
-    def errors(self) -> int:
-        return sum(s.reward_error is not None for s in self.samples)
-
-    @property
-    def timeouts(self) -> int:
-        """Samples whose scorer did not return within `reward.timeout_s` (among `errors`)."""
-        return sum(is_timeout(s.reward_error) for s in self.samples)
-
-    @property
-    def clipped(self) -> int:
-        """Samples whose score `reward.clip` moved into its range."""
-        return sum(s.reward_clipped for s in self.samples)
-
-    def kept_names(self) -> list[str]:
-        """Each kept sample as an error message names it: prompt id, dataset row, data_source."""
-        names = []
-        for g in self.kept_groups:
-            item = self.items[g]
-            row = f", dataset row {self.indices[g]}" if self.indices else ""
-            names += [
-                f"prompt {item.sample_id!r}{row}, data_source {item.record.data_source!r}"
-            ] * self.n
-        return names
-
-    @property
-    def n_groups(self) -> int:
-        return len(self.samples) // self.n
-
-    def keep(self, groups: list[int], filler: bool = False) -> None:
-        self.kept_groups = sorted(set(self.kept_groups) | set(groups))
-        self.filler += len(groups) if filler else 0
-
-    @property
-    def kept(self) -> list[Sample]:
-        return [self.samples[g * self.n + k] for g in self.kept_groups for k in range(self.n)]
-
-
-PENDING_FILE = "pending_batch.json"
-"""The batch generated ahead (trainer.mode=one_step_off), in a checkpoint folder."""
-
-
-def round_to_dict(rnd: Round) -> dict[str, Any]:
-    """A round as JSON data; its items are rebuilt from `indices` and `tag` on load."""
-    return {
-        "indices": rnd.indices,
-        "tag": rnd.tag,
-        "n": rnd.n,
-        "kept_groups": rnd.kept_groups,
-        "informative": rnd.informative,
-        "filler": rnd.filler,
-        "scored": rnd.scored,
-        "samples": [sample_to_dict(s) for s in rnd.samples],
-    }
-
-
-def round_from_dict(data: dict[str, Any], items: list[PromptItem]) -> Round:
-    """The inverse of `round_to_dict`, given the items rebuilt from its `indices`."""
-    samples = [sample_from_dict(s) for s in data["samples"]]
-    for k, s in enumerate(samples):  # images are not in the JSON: they come from the prompts
-        s.multimodal = items[k // data["n"]].multimodal
-    return Round(
-        items,
-        samples,
-        data["n"],
-        kept_groups=list(data["kept_groups"]),
-        informative=data["informative"],
-        filler=data["filler"],
-        indices=list(data["indices"]),
-        tag=data["tag"],
-        scored=data["scored"],
-    )
-
-
-def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
-    """`staleness/*`: version lag (`version`, the trainer's weights before the update, minus
-    each sample's `weight_version`) mean and max, and the samples' versions min and max."""
-    versions = [s.weight_version for s in samples]
-    lags = [version - v for v in versions]
-    return {
-        "staleness/mean": sum(lags) / len(lags),
-        "staleness/max": float(max(lags)),
-        "staleness/weight_version_min": float(min(versions)),
-        "staleness/weight_version_max": float(max(versions)),
-    }
-
-
-def correct_old_log_probs(
-    batch: TensorDict,
-    correction: Any,
-    recompute: bool,
-    compute_log_probs: Callable[[TensorDict], torch.Tensor],
-    *,
-    probe_rows: int = 0,
-    dp_size: int = 1,
-    probe_seed: int = 0,
-) -> tuple[dict[str, float], int]:
-    """Set batch["old_log_probs"] (and ["rollout_is_weights"], and ["rejection_keep"] when
-    rejection sampling is on) as `correction` (a tephra.algos.RolloutCorrectionConfig) says;
-    returns (`rollout_corr/*` metrics, forward passes run). The trainer's log-probs are
-    computed when the mode or rejection needs them or when `recompute` (several mini-batches
-    / epochs), unless the mode replaces them (bypass); without them, one mini-batch and epoch
-    use the current log-probs (in the worker). The mismatch metrics come whenever the
-    trainer's log-probs were computed; otherwise from a probe of `probe_rows` random rows
-    (`mismatch_probe`), so every step logs them."""
-    meta = ROLLOUT_CORRECTIONS.meta(correction.mode)
-    needs_train = meta["needs_train_log_probs"] or bool(correction.rejection)
-    passes = 0
-    if not meta.get("replaces_old_log_probs") and (recompute or needs_train):
-        batch["old_log_probs"] = compute_log_probs(batch)
-        passes = 1
-    train = batch["old_log_probs"] if passes else None
-    if "rollout_log_probs" not in batch.keys():
-        if correction.mode != "none" or correction.rejection:
-            raise ConfigError(
-                f"algorithm.rollout_correction={correction.mode!r} (and "
-                "algorithm.rollout_rejection) need the rollout's per-token "
-                "log-probs, which this rollout did not return"
-            )
-        return {}, passes
-    if correction.mode == "none" and train is None:
-        return mismatch_probe(batch, probe_rows, dp_size, probe_seed, compute_log_probs), passes
-    out = apply_rollout_correction(
-        correction, batch["rollout_log_probs"], batch["response_mask"], train
-    )
-    batch["old_log_probs"] = out.old_log_probs
-    if out.weights is not None:
-        batch["rollout_is_weights"] = out.weights.to(batch["rollout_log_probs"].dtype)
-    if out.keep is not None:
-        batch["rejection_keep"] = out.keep
-    return out.metrics, passes
-
-
-def round_seed(run_seed: int, step: int, r: int) -> int:
-    """The sampling seed of round `r` of step `step`: a 62-bit hash of the three, so that
-    rounds' seed ranges never meet (sample j of the batch's prompt i samples from seed +
-    i * n + j, `SamplingParams.seed`; consecutive seeds per step would replay one step's
-    random stream in the next)."""
-    digest = hashlib.blake2b(f"{run_seed}/{step}/{r}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-def mismatch_probe(
-    batch: TensorDict,
-    rows: int,
-    dp_size: int,
-    seed: int,
-    compute_log_probs: Callable[[TensorDict], torch.Tensor],
-) -> dict[str, float]:
-    """`rollout_corr/*` mismatch metrics (tephra.algos.rollout_mismatch_metrics) on `rows`
-    random rows (rounded to the data-parallel size, at least one per rank), whose trainer
-    log-probs are computed for it; {} when `rows` is 0. `rollout_corr/probe_rows` says how
-    many. The rows come from `seed`, so a resumed run probes the same ones."""
-    n = batch.batch_size[0]
-    if rows <= 0 or n == 0:
-        return {}
-    k = min(n, max(dp_size, rows - rows % dp_size))
-    idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:k].sort().values
-    sub = batch[idx]
-    metrics = rollout_mismatch_metrics(
-        compute_log_probs(sub), sub["rollout_log_probs"], sub["response_mask"]
-    )
-    metrics["rollout_corr/probe_rows"] = float(k)
-    return metrics
-
-
-def apply_rejection(batch: TensorDict) -> None:
-    """Drop the tokens rejection sampling rejected from batch["response_mask"], after the
-    advantages (a rejected sequence's score still counts in its group, as in verl) and before
-    the updates."""
-    if "rejection_keep" in batch.keys():
-        batch["response_mask"] = batch["response_mask"] * batch["rejection_keep"]
-        del batch["rejection_keep"]
-
-
-def check_mismatch_alarm(metrics: dict[str, float], threshold: float | None, step: int) -> None:
-    """Raise a MismatchAlarm when `rollout_corr/kl_k3` is over `threshold`."""
-    kl = metrics.get("rollout_corr/kl_k3")
-    if threshold is None or kl is None or kl <= threshold:
-        return
-    raise MismatchAlarm(
-        f"step {step}: the rollout's log-probs differ from the trainer's by KL {kl:.3g} "
-        f"(rollout_corr/kl_k3, mean |gap| {metrics['rollout_corr/log_prob_abs_gap_mean']:.3g} "
-        f"nats), over algorithm.mismatch_alarm_kl={threshold}. Likely causes: the rollout "
-        f"computes in another dtype than the trainer (rollout.dtype, actor.precision), another "
-        f"backend's kernels (rollout.backend), or another chat template or tokenizer than the "
-        f"trainer's. Raise the threshold, or correct for it with algorithm.rollout_correction="
-        f"tis or algorithm.rollout_rejection"
-    )
-
-
-class MismatchAlarm(TephraError, RuntimeError):
-    """The train/rollout mismatch went over `algorithm.mismatch_alarm_kl`."""
-
-
-def dynamic_sampling_metrics(rounds: list[Round]) -> dict[str, float]:
-    """`dapo/*`: generation rounds, prompt groups generated, flat ones among them (all samples
-    scored the same), and flat groups trained on to fill the batch (0 when enough came)."""
-    generated = sum(r.n_groups for r in rounds)
-    return {
-        "dapo/gen_rounds": float(len(rounds)),
-        "dapo/groups_generated": float(generated),
-        "dapo/groups_flat": float(generated - sum(r.informative for r in rounds)),
-        "dapo/groups_filled": float(sum(r.filler for r in rounds)),
-    }
-
-
-def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] scores -> [B, T] with the score on each sample's last response token."""
-    mask = response_mask.long()
-    last = (mask * torch.arange(mask.shape[1])).argmax(-1)
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    has = mask.sum(-1) > 0
-    out[has, last[has]] = scores[has].float()
-    return out
-
-
-def time_share(records: list[dict[str, Any]]) -> dict[str, float]:
-    """Each stage's share of the total step time over a run's metric records (`time/<stage>_s`
-    summed over steps, divided by the summed `time/step_s`)."""
-    total = sum(r.get("time/step_s", 0.0) for r in records)
-    stages: dict[str, float] = {}
-    for r in records:
-        for key, value in r.items():
-            if key.startswith("time/") and key not in ("time/step_s", "time/reward_s"):
-                stage = key[len("time/") : -len("_s")]
-                stages[stage] = stages.get(stage, 0.0) + value
-    return {k: v / total for k, v in sorted(stages.items(), key=lambda kv: -kv[1])} if total else {}
-
-
-def format_time_share(share: dict[str, float]) -> str:
-    """One line: `time per stage: generate 31%, actor 60%, ...`."""
-    return "time per stage: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items())
-
-
-def _worker_failures() -> tuple[type[BaseException], ...]:
-    from ray.exceptions import ActorDiedError, RayActorError
-
-    from tephra.rollout.base import ServerDiedError
-
-    # Ray re-raises a worker's exception as a subclass of its cause, so a rollout server that
-    # died inside a worker method is caught here like a dead worker
-    return (RayActorError, ActorDiedError, ServerDiedError)
-
-
-WORKER_FAILURES = _worker_failures()
-"""What a dead worker process (SIGKILL, out of memory) or a dead rollout server raises in the
-driver."""
+from tephra.rollout.base import SamplingParams
 
 
 class Trainer:
@@ -371,9 +104,6 @@ class Trainer:
         make_replicas: Any = None,
         make_role_groups: Any = None,
     ) -> None:
-        from tephra.algos import AdaptiveKLController, FixedKLController
-        from tephra.rollout.base import SamplingParams
-
         self.cfg, self.wg, self.tok, self.train, self.val = cfg, wg, tokenizer, train, val
         self.run_dir = run_dir
         self.data_fingerprint = dataset_fingerprint(train.ids)
@@ -388,12 +118,7 @@ class Trainer:
         """Whether `peak_flops` is the devices' published figure (else measured here)."""
         a = cfg.algorithm
         self.needs_critic, self.needs_ref = a.needs("values"), cfg.needs_reference
-        kl = a.kl_in_reward
-        self.kl_ctrl = (
-            AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon)
-            if kl.controller == "adaptive"
-            else FixedKLController(kl.coef)
-        )
+        self.kl_ctrl = kl_controller(cfg)
         stops = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
         r = cfg.rollout
         self.sampling = SamplingParams(
@@ -424,8 +149,8 @@ class Trainer:
         """The next step's batch, generated ahead (one_step_off) and scored."""
         self.skips_flat = can_skip_flat(cfg.actor.objective)
         """Whether the actor update leaves out zero-advantage rows (`skip_zero_advantage_rows`)."""
-        self.order = self.inverse = None
-        """The step's row order for the data-parallel ranks and its inverse (`balance`)."""
+        self.batch_order = BatchOrder()
+        """The step's row order for the actor's data-parallel ranks (`trainer.balance_batch`)."""
         self.ahead: Round | None = None
         """The round a worker thread is generating (overlap), until `finish_ahead`."""
         self.make_role_groups = make_role_groups
@@ -442,8 +167,6 @@ class Trainer:
 
     def connect_replicas(self) -> None:
         """Start the replicas, give them the actor's weights, and (async) open the stream."""
-        from tephra.controller.async_stream import SampleStream
-
         self.replicas = self.make_replicas()
         try:
             self.replicas.connect(self.wg)
@@ -497,72 +220,17 @@ class Trainer:
     def evaluate(self) -> tuple[float, dict[str, float]]:
         """Validation on the held-out prompts (the same items every time): `trainer.val.n`
         samples each; returns acc@n and the `val/*` metrics (overall and per data source)."""
-        from tephra.controller.evaluation import EvalRow, flat_metrics, summarise, write_jsonl
-
         v = self.cfg.trainer.val
         sampling = self.greedy.replace(
             n=v.n, temperature=v.temperature, top_p=v.top_p, seed=self.cfg.trainer.seed
         )
         indices = list(range(len(self.val.ids)))
         samples = self.generate(self.items(indices, self.val, f"val{self.step}"), sampling)
-        rows = [
-            EvalRow(
-                prompt=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
-                response=s.text,
-                score=s.score,
-                ground_truth=self.val.records[k // v.n].ground_truth,
-                data_source=self.val.records[k // v.n].data_source,
-                answer=s.text.strip(),
-                prompt_index=k // v.n,
-            )
-            for k, s in enumerate(samples)
-        ]
+        rows = validation_rows(samples, self.tok, self.val.records, v.n)
         summary = summarise(rows, v.n, v.ks)
         if self.cfg.trainer.dump_generations:
             write_jsonl(rows, self.run_dir / "generations" / f"val_step{self.step}.jsonl")
         return summary["all"][f"acc@{v.n}"], flat_metrics(summary)
-
-    def dump_train(self, samples: list[Sample], batch: TensorDict) -> None:
-        """The step's trained samples with their tokens, rewards and advantages, as JSONL."""
-        from tephra.controller.evaluation import EvalRow
-
-        mask = batch["response_mask"].bool()
-        advantages = [
-            float(batch["advantages"][i][mask[i]].mean()) if mask[i].any() else 0.0
-            for i in range(len(samples))
-        ]
-        n = self.cfg.batch.samples_per_prompt
-        rows = [
-            EvalRow(
-                prompt=self.tok.decode(s.prompt_ids, skip_special_tokens=True),
-                response=s.text,
-                score=s.score,
-                ground_truth=None,
-                data_source="",
-                answer=s.text.strip(),
-                prompt_index=k // n,
-                advantage=a,
-            )
-            for k, (s, a) in enumerate(zip(samples, advantages))
-        ]
-        path = self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:  # EvalRow plus the tokens and the generating weights' version(s)
-            for row, s in zip(rows, samples):
-                versions = {} if s.token_versions is None else {"token_versions": s.token_versions}
-                tokens = {
-                    "prompt_ids": s.prompt_ids,
-                    "response_ids": s.response_ids,
-                    "response_mask": s.response_mask,
-                    "finish_reason": s.finish_reason,
-                }
-                f.write(
-                    json.dumps(
-                        {**asdict(row), **tokens, "weight_version": s.weight_version, **versions},
-                        default=str,
-                    )
-                    + "\n"
-                )
 
     def collect(self, step: int, scored: bool = False) -> list[Round]:
         """The rounds of generation of step `step` (0-based; it seeds the sampling), by the
@@ -573,8 +241,6 @@ class Trainer:
         `prompts_per_step` groups are kept or `algorithm.max_gen_batches` rounds ran; a batch
         still short is filled with the dropped groups of the last rounds (they carry no
         advantage) so its size never changes."""
-        from tephra.algos import filter_groups
-
         cfg, n = self.cfg, self.cfg.batch.samples_per_prompt
         want = cfg.batch.prompts_per_step
         rounds: list[Round] = []
@@ -678,8 +344,6 @@ class Trainer:
             return
         rnd, self.ahead = self.ahead, None
         if self.replicas is not None:
-            import ray
-
             rnd.samples = self.check_scores(ray.get(self.ahead_ref))
         else:
             rnd.samples = self.attach_scores(self.wg.generated())
@@ -702,121 +366,12 @@ class Trainer:
         greedy = self.generate(items, self.greedy)
         return torch.tensor([g.score for g in greedy for _ in range(n)], dtype=torch.float32)
 
-    def length_shaping(self, samples: list[Sample]) -> torch.Tensor:
-        """DAPO's soft overlong punishment added to each kept sample's score ([B]; zeros when
-        `algorithm.overlong_buffer` is 0), from the full response length (tool tokens count)."""
-        from tephra.algos import overlong_penalty
-
-        a = self.cfg.algorithm
-        if not a.overlong_buffer:
-            return torch.zeros(len(samples))
-        lengths = torch.tensor([len(s.response_ids) for s in samples])
-        return overlong_penalty(
-            lengths, self.cfg.rollout.response_budget, a.overlong_buffer, a.overlong_penalty_factor
-        )
-
-    def reward_components(self, samples: list[Sample]) -> torch.Tensor | None:
-        """GDPO's reward components [B, K]: each sample's reward dict entries named by
-        `algorithm.advantage.gdpo_reward_keys` ("score": the score), 0 for a sample whose
-        scorer failed; None without keys (GDPO then takes the score alone)."""
-        keys = self.cfg.algorithm.advantage.gdpo_reward_keys
-        if keys is None or not self.cfg.algorithm.reads("reward_components"):
-            return None
-        rows = []
-        for i, s in enumerate(samples):
-            values = {**s.reward_extras, "score": s.score}
-            missing = [k for k in keys if k not in values]
-            if missing and s.reward_error is None:
-                raise ConfigError(
-                    f"algorithm.advantage.gdpo_reward_keys={keys} but the reward of sample {i} "
-                    f"has no {missing} (its reward dict held {sorted(values)}); return those "
-                    "keys from the reward function, or list the keys it returns"
-                )
-            rows.append([float(values.get(k, 0.0)) for k in keys])
-        return torch.tensor(rows, dtype=torch.float32)
-
-    def advantages(
-        self,
-        batch: TensorDict,
-        token_rewards: torch.Tensor,
-        baselines: torch.Tensor | None,
-        components: torch.Tensor | None = None,
-    ) -> None:
-        from tephra.algos import compute_advantages
-
-        a = self.cfg.algorithm
-        stats = {}
-        if a.needs("token_stats"):
-            stats = {
-                "old_log_probs": batch["old_log_probs"],
-                "sum_pi_squared": batch.pop("sum_pi_squared"),  # read here only
-                # verl scales OTB's W by the rollout IS weights squared when they exist
-                "rollout_is_weights": batch.get("rollout_is_weights", None),
-            }
-        adv, ret = compute_advantages(
-            a.adv_estimator,
-            token_rewards=token_rewards,
-            response_mask=batch["response_mask"],
-            group_ids=batch["uid"],
-            values=batch["values"] if self.needs_critic else None,
-            config=a.advantage,
-            baselines=baselines,
-            reward_components=components,
-            **stats,
-        )
-        batch["advantages"], batch["returns"] = adv.float(), ret.float()
-
-    def kl_reward(
-        self, batch: TensorDict, token_rewards: torch.Tensor
-    ) -> tuple[torch.Tensor, dict]:
-        """KL to the reference as a per-token reward penalty (algorithm.kl_in_reward)."""
-        from tephra.algos import apply_kl_penalty, kl_penalty
-
-        kl = kl_penalty(
-            batch["rollout_log_probs"]
-            if "old_log_probs" not in batch.keys()
-            else batch["old_log_probs"],
-            batch["ref_log_probs"],
-            self.cfg.algorithm.kl_in_reward.estimator,
-        )
-        rewards, metrics = apply_kl_penalty(
-            token_rewards, batch["response_mask"], kl, self.kl_ctrl.value
-        )
-        self.kl_ctrl.update(metrics["kl_penalty/kl"], batch.batch_size[0])
-        return rewards, metrics
-
     # ----- the data-parallel split -------------------------------------------------------
-    def balance(self, batch: TensorDict) -> dict[str, float]:
-        """Choose the order in which this step's training batch goes to the data-parallel
-        ranks (`trainer.balance_batch`: token-balanced, `tephra.controller.balance`); returns
-        the `balance/*` metrics (several data-parallel ranks only)."""
-        self.order = self.inverse = None
-        dp = self.wg.dp_size
-        if dp == 1:
-            return {}
-        tokens = batch["attention_mask"].sum(-1).tolist()
-        before = max_over_min(tokens, None, dp)
-        if self.cfg.trainer.balance_batch:
-            order = balanced_order(tokens, dp, self.cfg.batch.mini_batches)
-            self.order = torch.tensor(order)
-            self.inverse = torch.argsort(self.order)
-        return {
-            "balance/max_over_min_tokens_before": before,
-            "balance/max_over_min_tokens_after": max_over_min(
-                tokens, self.order.tolist() if self.order is not None else None, dp
-            ),
-        }
-
     def on_ranks(self, method: str, batch: TensorDict, role: str = "actor", **options: Any) -> Any:
         """A `DP_SPLIT` call of the training batch on the group holding `role`, in the order
-        `balance` chose for the actor's group; per-row results come back in the batch's own
-        order. Another batch (the mismatch probe's rows) goes as it is. `options` (scalars:
-        every rank gets them whole) go to the method as keywords."""
+        `batch_order` planned for the actor's group (`BatchOrder.call`)."""
         group = self.role_groups.get(role, self.wg)
-        if self.order is None or group is not self.wg or batch.batch_size[0] != len(self.order):
-            return group.call(method, batch, **options)
-        out = group.call(method, batch[self.order], **options)
-        return out[self.inverse] if isinstance(out, TensorDict) else out
+        return self.batch_order.call(group, group is self.wg, method, batch, **options)
 
     def groups(self) -> list[WorkerGroup]:
         """Every training worker group: the actor's, then the role pools'."""
@@ -844,10 +399,12 @@ class Trainer:
         batch["uid"] = torch.arange(len(samples), dtype=torch.int64) // n
         lap("generate")
         metrics: dict[str, float] = staleness_metrics(samples, self.step)
-        metrics.update(self.balance(batch))
+        metrics.update(
+            self.batch_order.plan(
+                batch, self.wg.dp_size, cfg.trainer.balance_batch, cfg.batch.mini_batches
+            )
+        )
         if self.stream is not None:
-            from tephra.controller.async_stream import partial_rollout_metrics
-
             metrics.update(self.stream.metrics())
             if cfg.trainer.partial_rollout:
                 metrics.update(partial_rollout_metrics(samples))
@@ -903,26 +460,27 @@ class Trainer:
         # before float32: a float64 score of 1e308 would already be inf there
         check_rewards([s.score for s in samples], names, cfg.reward.max_abs)
         raw = torch.tensor([s.score for s in samples], dtype=torch.float32)
-        shaping = self.length_shaping(samples)
+        shaping = length_shaping(cfg, samples)
         scores = raw + shaping
         batch["rewards"] = scores
         token_rewards = outcome_token_rewards(scores, batch["response_mask"])
         if cfg.algorithm.kl_in_reward.enabled:
-            token_rewards, kl_metrics = self.kl_reward(batch, token_rewards)
+            token_rewards, kl_metrics = kl_reward(cfg, batch, token_rewards, self.kl_ctrl)
             metrics.update(kl_metrics)
         baselines = None
         if cfg.algorithm.needs("baselines"):
             baselines = self.greedy_baselines(rounds)
             metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
             lap("baselines")
-        self.advantages(batch, token_rewards, baselines, self.reward_components(samples))
+        set_advantages(cfg, batch, token_rewards, baselines, reward_components(cfg, samples))
         check_advantages(batch["advantages"], batch["response_mask"], names)
         apply_rejection(batch)
         if self.skips_flat:  # the workers leave these groups out of the actor update
             metrics["actor/skipped_flat_groups"] = float(flat_groups(batch))
         every = cfg.trainer.dump_generations
         if every and (self.step + 1) % every == 0:
-            self.dump_train(samples, batch)
+            path = self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl"
+            write_train_samples(path, samples, batch, self.tok, n)
         lap("advantages")
         trained_passes = 0
         if self.needs_critic:
@@ -952,32 +510,20 @@ class Trainer:
         lap("sync")
         step_s = time.perf_counter() - t_step
 
-        all_samples = [s for r in rounds for s in r.samples]
-        resp_len = batch["response_mask"].sum(-1).float()
-        total_tokens = int(batch["attention_mask"].sum())
         flops = step_flops(self.model, batch, forward_passes, trained_passes)
         metrics.update(
-            {
-                "reward/mean": float(scores.mean()),
-                "reward/errors": float(sum(r.errors for r in rounds)),
-                "reward/timeouts": float(sum(r.timeouts for r in rounds)),
-                "reward/clipped": float(sum(r.clipped for r in rounds)),
-                # over every sample generated this step (dropped groups included): the policy's
-                # accuracy, not the filtered batch's
-                "accuracy/train": sum(accuracy_of(s.score) for s in all_samples) / len(all_samples),
-                "response/length_mean": float(resp_len.mean()),
-                "response/clip_frac": sum(s.finish_reason == "length" for s in samples)
-                / len(samples),
-                "perf/tokens_per_s": total_tokens / step_s,
-                "perf/trained_tokens": float(batch["response_mask"].sum()),
-                "perf/flops": float(flops),
-                ("perf/mfu" if self.peak_published else "perf/mfu_measured_peak"): (
-                    flops / step_s / self.peak_flops if self.peak_flops else 0.0
-                ),
-                "time/step_s": step_s,
-                **times,
-            }
+            step_summary(
+                rounds,
+                samples,
+                batch,
+                scores,
+                step_s,
+                flops / step_s / self.peak_flops if self.peak_flops else 0.0,
+                self.peak_published,
+                float(flops),
+            )
         )
+        metrics.update(times)
         if self.multi_turn:
             metrics.update(agent_metrics(samples))
         if cfg.algorithm.overlong_buffer:
@@ -993,10 +539,8 @@ class Trainer:
         def write(folder: Path) -> None:
             for group in self.groups():
                 group.save_checkpoint(str(folder))
-            if self.pending is not None:  # the samples themselves: resuming needs no old weights
-                (folder / PENDING_FILE).write_text(
-                    json.dumps([round_to_dict(r) for r in self.pending])
-                )
+            if self.pending is not None:
+                write_pending(folder, self.pending)
 
         self.ckpt.save(
             self.step, write, {"loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
@@ -1019,15 +563,7 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
         self.step = int(state["step"])
-        pending = latest / PENDING_FILE
-        self.pending = (
-            [
-                round_from_dict(r, self.items(r["indices"], self.train, r["tag"]))
-                for r in json.loads(pending.read_text())
-            ]
-            if pending.exists()
-            else None
-        )
+        self.pending = read_pending(latest, lambda idx, tag: self.items(idx, self.train, tag))
         self.ahead = None
         print(f"resumed from {latest} at step {self.step}", flush=True)
         return True
@@ -1106,8 +642,6 @@ class Trainer:
             )
         bar = None
         if cfg.progress_bar:
-            from tqdm import tqdm
-
             bar = tqdm(total=cfg.steps, initial=self.step, desc="steps", dynamic_ncols=True)
         while self.step < cfg.steps:
             profiling = self.step + 1 in cfg.profile_steps

@@ -34,17 +34,24 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from torch.profiler import ProfilerActivity, profile
 
+from tephra.algos import ActorObjective, CriticObjective
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.flops import device_peak
 from tephra.controller.generation import Generator
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
-from tephra.controller.worker_group import Worker
+from tephra.controller.worker_group import DataParallelInfo, Worker
 from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
+from tephra.engine_api.fastest_dtype import resolve_dtype
+from tephra.engine_api.registry import get_engine
+from tephra.rollout.backends.server_process import free_port
+from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, send_all
 
 
 def profiled(stage: str):
@@ -56,8 +63,6 @@ def profiled(stage: str):
         def run(self, *args, **kwargs):
             if self._profile_prefix is None:
                 return fn(self, *args, **kwargs)
-            from torch.profiler import ProfilerActivity, profile
-
             activities = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(ProfilerActivity.CUDA)
@@ -106,9 +111,6 @@ class RLWorker(Worker):
         """`roles`: the engines this group holds (the actor's group also generates; a
         reference or critic pool of its own holds that role alone)."""
         super().__init__(rank, world_size, *worker_args)
-        from tephra.algos import ActorObjective, CriticObjective
-        from tephra.engine_api.registry import get_engine
-
         self.cfg, self.roles = cfg, tuple(roles)
         seed = cfg.trainer.seed
         torch.manual_seed(seed + rank)
@@ -164,8 +166,6 @@ class RLWorker(Worker):
         """Data-parallel coordinates from the group's first engine (the actor, else the
         reference or critic of a pool of its own): rows go to data-parallel ranks, tensor /
         pipeline / context peers get the same rows; one peer returns them."""
-        from tephra.controller.worker_group import DataParallelInfo
-
         engine = next(e for e in (self.actor, self.ref, self.critic) if e is not None)
         return DataParallelInfo(
             dp_rank=engine.dp_rank,
@@ -177,8 +177,6 @@ class RLWorker(Worker):
         """Generation's data-parallel coordinates: one rollout replica per
         `rollout.tensor_parallel_size` consecutive ranks, held by the first of them (with
         rollout replicas of their own, this group generates nothing: one share per rank)."""
-        from tephra.controller.worker_group import DataParallelInfo
-
         tp = self.cfg.rollout.tensor_parallel_size if self.colocated else 1
         return DataParallelInfo(
             dp_rank=self.rank // tp,
@@ -353,26 +351,18 @@ class RLWorker(Worker):
     @dispatch(Dispatch.RANK_ZERO)
     def weight_group_address(self) -> tuple[str, int]:
         """Where rank 0 hosts the weight-broadcast group: its node's address and a free port."""
-        import ray
-
-        from tephra.rollout.backends.server_process import free_port
-
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
     def open_weight_group(
         self, address: str, port: int, world_size: int, backend: str, timeout_s: float
     ) -> None:
         """Rank 0 hosts a private group with the rollout replicas (ranks 1..); others skip."""
-        from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group
-
         if self.rank == 0:
             self._weights_group = open_group(address, port, 0, world_size, backend, timeout_s)
 
     def send_weights(self, bucket_mb: float) -> int:
         """Every rank exports (the export may be a collective); rank 0 broadcasts the buckets
         to the replicas, then an end marker. Returns the bytes sent."""
-        from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import send_all
-
         with self.actor.eval_mode():
             named = (
                 pair
@@ -383,8 +373,6 @@ class RLWorker(Worker):
                 for _ in named:  # take part in the export's collectives
                     pass
                 return 0
-            from tephra.engine_api.fastest_dtype import resolve_dtype
-
             device = self.device if self.device.startswith("cuda") else None
             dtype = getattr(torch, resolve_dtype(self.cfg.rollout.dtype, self.device))
             return send_all(self._weights_group, named, dtype, int(bucket_mb * 2**20), device)

@@ -31,6 +31,7 @@ from tephra.controller.dispatch import Dispatch, dispatch, share_bounds
 from tephra.controller.generation import Generator
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, set_score
+from tephra.controller.watchdog import Watchdog, sample_ids
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup
 
 
@@ -140,7 +141,13 @@ class RolloutWorker(Worker):
 class RolloutReplicas:
     """The driver's handle on the replicas (see module docstring)."""
 
-    def __init__(self, cfg: PPOConfig, model_path: str, tools_file: str | None) -> None:
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        model_path: str,
+        tools_file: str | None,
+        watchdog: Watchdog | None = None,
+    ) -> None:
         r = cfg.resources.rollout
         self.cfg = cfg
         self.pool = ResourcePool(
@@ -158,11 +165,13 @@ class RolloutReplicas:
                 {"cfg": cfg, "model_path": model_path, "tools_file": tools_file},
                 name="rollout",
                 concurrency_groups={"weights": 1},
+                watchdog=watchdog,
             )
         except BaseException:
             self.pool.release()
             raise
         self.replicas = self.group.workers
+        self.watchdog, self.places = self.group.watchdog, self.group.places
         self.in_flight = [0] * len(self.replicas)
         """Requests each replica has not answered yet (the load the scheduler balances)."""
         self.served = [0] * len(self.replicas)
@@ -206,8 +215,24 @@ class RolloutReplicas:
 
     def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
         """Scored samples of `items` (prompt-major), the items split over the replicas in
-        order (`share_bounds`; each share seeded as in the whole batch: `for_share`)."""
-        return ray.get(self.submit_split(items, sampling))
+        order (`share_bounds`; each share seeded as in the whole batch: `for_share`), under
+        the watchdog's deadline for `generate_scored`."""
+        bounds = share_bounds(len(items), len(self.replicas))
+        busy = [(i, start, end) for i, (start, end) in enumerate(bounds) if end > start]
+        refs = [
+            self.replicas[i].execute.remote(
+                "generate_scored", items[start:end], sampling.for_share(start)
+            )
+            for i, start, end in busy
+        ]
+        shares = self.watchdog.wait(
+            refs,
+            group="rollout",
+            stage="generate_scored",
+            places=[self.places[i] for i, _, _ in busy],
+            samples=[sample_ids([items[start:end]], {}) for _, start, end in busy],
+        )
+        return list(itertools.chain.from_iterable(shares))
 
     def submit_split(self, items: list[PromptItem], sampling: Any) -> Any:
         """`generate` without waiting: one object ref that resolves to the samples."""
@@ -229,8 +254,23 @@ class RolloutReplicas:
         return ref
 
     def wait_any(self, refs: list[Any]) -> tuple[Any, list[Sample]]:
-        """The first of `refs` to finish and its samples."""
-        [done], _ = ray.wait(refs, num_returns=1)
+        """The first of `refs` to finish and its samples. When none finishes within the
+        watchdog's deadline for `generate_scored`, StageFailure names the replicas that hold
+        requests."""
+        limit, why = self.watchdog.deadline("rollout", "generate_scored")
+        ready, _ = ray.wait(refs, num_returns=1, timeout=limit)
+        if not ready:
+            holding = sorted({self._pending[ref] for ref in refs})
+            raise self.watchdog.failure(
+                "deadline",
+                "rollout",
+                "generate_scored",
+                holding,
+                self.places,
+                [],
+                f"answered none of its {len(refs)} requests in flight within {limit:.1f} s ({why})",
+            )
+        done = ready[0]
         index = self._pending.pop(done)
         self.in_flight[index] -= 1
         self.served[index] += 1

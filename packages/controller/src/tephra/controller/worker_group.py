@@ -35,6 +35,7 @@ from tephra.controller.dispatch import (
     rollout_shares,
     split_args,
 )
+from tephra.controller.watchdog import RankPlace, Watchdog, sample_ids, this_rank_place
 from tephra.core.host_memory import retain_freed_memory, retain_supported
 from tephra.core.quiet import quiet_third_party_warnings
 from tephra.engine_api.errors import ConfigError
@@ -338,6 +339,10 @@ class Worker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def place(self) -> RankPlace:
+        """This rank's node, pid and log files, for the watchdog's messages."""
+        return this_rank_place(self.rank)
+
     def dp_info(self) -> DataParallelInfo:
         """Where this rank stands for `DP_SPLIT`; the default is pure data parallelism.
         Workers whose engines shard the model override it (ask the engine)."""
@@ -362,15 +367,19 @@ class WorkerGroup:
         init_kwargs: dict[str, Any] | None = None,
         name: str = "workers",
         concurrency_groups: dict[str, int] | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         """`concurrency_groups`: Ray concurrency groups of the actors (name -> threads), for
         methods called with `execute.options(concurrency_group=name)`; the default group keeps
-        one call at a time."""
+        one call at a time. `watchdog` sets each call's deadline (default: `WatchdogConfig()`'s
+        rules) and names the rank that missed it or died."""
         if not issubclass(worker_cls, Worker):
             raise TypeError(f"{worker_cls.__name__} must subclass tephra.controller.Worker")
         self.pool, self.worker_cls, self.name = pool, worker_cls, name
         self.concurrency_groups = dict(concurrency_groups or {})
+        self.watchdog = watchdog or Watchdog()
         self.workers: list = []
+        self.places: list[RankPlace | None] = []
         # The rendezvous port is free when picked but may be taken before rank 0 listens on
         # it (other processes open ephemeral ports too): then the group is built again on
         # another port.
@@ -417,6 +426,7 @@ class WorkerGroup:
         # surfaces constructor errors now (rank 0's first: it is the one that listens)
         self.layout = ray.get([w.execute.remote("dp_info") for w in self.workers])
         self.rollout_layout = ray.get([w.execute.remote("rollout_info") for w in self.workers])
+        self.places = ray.get([w.execute.remote("place") for w in self.workers])
 
     @property
     def world_size(self) -> int:
@@ -447,15 +457,20 @@ class WorkerGroup:
                 w.execute.remote(method, *shares[d][0], **shares[d][1])
                 for w, d in zip(self.workers, share_of)
             ]
-            results = ray.get(refs)
+            results = self._wait(method, refs, [sample_ids(*shares[d]) for d in share_of])
             outputs = sorted(
                 ((info.dp_rank, r) for info, r in zip(layout, results) if info.is_output_rank),
                 key=lambda pair: pair[0],
             )
             return collect([r for _, r in outputs])
         refs = [w.execute.remote(method, *args, **kwargs) for w in self.workers]
-        results = ray.get(refs)
+        results = self._wait(method, refs)
         return results[0] if mode is Dispatch.RANK_ZERO else results
+
+    def _wait(self, method: str, refs: list, samples: list[str | None] | None = None) -> list:
+        return self.watchdog.wait(
+            refs, group=self.name, stage=method, places=self.places, samples=samples or []
+        )
 
     def __getattr__(self, method: str) -> Any:
         if method.startswith("_"):

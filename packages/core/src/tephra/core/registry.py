@@ -19,7 +19,7 @@ import difflib
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar, overload
 
-from tephra.core.errors import RegistryError
+from tephra.core.errors import ConfigError, RegistryError
 
 T = TypeVar("T")
 
@@ -96,3 +96,15 @@ def unknown_name_message(kind: str, name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(str(name), known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"unknown {kind} {name!r}{hint} registered: {', '.join(known) or '(none)'}"
+
+
+def check_registered(field_name: str, value: str, registry: Registry[Any]) -> None:
+    """Refuse a config field's registry name as a ConfigError naming the field, the nearest
+    registered name and the choices."""
+    if value not in registry:
+        close = difflib.get_close_matches(str(value), registry.names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"{field_name}={value!r} is not a registered {registry.kind}{hint}; "
+            f"choose one of {registry.names()}"
+        )

@@ -60,6 +60,7 @@ class VisionProcessor:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> VisionProcessor:
+        # transformers takes seconds to import; the config checks import this module
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -122,6 +123,7 @@ def build_tiny_vlm(
     """Build, initialise (seeded) and save a tiny random `Qwen2VLForConditionalGeneration`
     with a byte-level tokenizer (the vision tokens added) and a Qwen2-VL image processor
     (14-pixel patches merged 2x2; images are resized to 112..448 pixels a side)."""
+    # transformers takes seconds to import; the config checks import this module
     from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 

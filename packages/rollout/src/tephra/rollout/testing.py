@@ -61,6 +61,8 @@ class TinyModel:
 def build_tiny_tokenizer(vocab_size: int = 384):
     """A byte-level BPE tokenizer trained on a few sentences (any text encodes: bytes are in
     the base alphabet). Returns a `PreTrainedTokenizerFast` with a ChatML chat template."""
+    # tokenizers and transformers take seconds to import; the controller's config checks
+    # import this module (the `tiny` model)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -104,6 +106,7 @@ def build_tiny_model(
 
     The head size `hidden_size // num_heads` must be one vLLM's CPU attention supports
     (32, 64, 80, 96, 112, 128, ...): the default 64 / 2 = 32 is the smallest."""
+    # transformers: seconds to import, only when a model is built
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if model_type not in ("qwen2", "llama"):
@@ -143,6 +146,7 @@ def perturbed_weights(model_path: str | Path, scale: float = 0.5, seed: int = 1)
     """(name, tensor) pairs of the model at `model_path` with every weight changed by seeded
     noise: 'new weights' for weight-sync tests. Returns a list (it is iterated twice). A tied
     model's shared matrix appears once, under the embedding's name."""
+    # transformers: seconds to import, only when a model is loaded
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)

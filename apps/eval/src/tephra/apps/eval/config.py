@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tephra.controller.evaluation import ValidationConfig
-from tephra.controller.rl_config import DataSection, RolloutSection
+from tephra.controller.rl_config import DataSection
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.config import ModelConfig
+from tephra.episodes.config import EpisodeRolloutConfig
 from tephra.episodes.rewards import RewardConfig
 
 PRESETS = Path(__file__).parent / "presets"
@@ -31,7 +32,7 @@ class EvalConfig:
     between checkpoints. One more model to evaluate; false skips it."""
     data: DataSection = field(default_factory=DataSection)
     """Held-out prompts (`data.val_files`, or the demo's reasoning-gym held-out items)."""
-    rollout: RolloutSection = field(default_factory=RolloutSection)
+    rollout: EpisodeRolloutConfig = field(default_factory=EpisodeRolloutConfig)
     """Generation backend and its settings (`hf`, `vllm`, `sglang`), dtype, max_tokens."""
     val: ValidationConfig = field(
         default_factory=lambda: ValidationConfig(n=4, temperature=1.0, ks=[1, 2, 4])

@@ -12,6 +12,7 @@ those keywords) raises `RewardFunctionError` naming the file, before any scoring
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
 import inspect
@@ -158,8 +159,6 @@ class FileRewardFunction:
             **self.kwargs,
         )
         if inspect.isawaitable(result):  # an `async def` reward (e.g. one that calls a judge)
-            import asyncio
-
             result = asyncio.run(_awaited(result))
         return result
 

@@ -227,6 +227,7 @@ class RewardManager:
                 self.config.custom_function_kwargs,
             )
         if self.config.reward_model_path is not None:
+            # imports torch, which the rule scorers' process-pool workers need not load
             from tephra.episodes.rewards.reward_model import RewardModelScorer
 
             self._reward_model = RewardModelScorer(

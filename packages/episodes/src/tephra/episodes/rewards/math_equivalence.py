@@ -52,6 +52,7 @@ def _timeout() -> int | None:
 
 def math_equal(answer_latex: str, ground_truth: str) -> bool:
     """Whether the LaTeX `answer_latex` equals `ground_truth` according to math-verify."""
+    # math-verify pulls sympy (seconds to import): only a math scorer needs it
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     timeout = _timeout()

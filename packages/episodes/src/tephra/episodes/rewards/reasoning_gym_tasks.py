@@ -53,7 +53,7 @@ DEFAULT_PREFIX = "reasoning_gym/"
 
 @cache
 def _score_answer_fn(task: str) -> Callable[[str | None, dict], float]:
-    import reasoning_gym
+    import reasoning_gym  # seconds to import (and noisy): only reasoning-gym data needs it
     from reasoning_gym.factory import DATASETS
 
     if task not in DATASETS:
@@ -68,7 +68,7 @@ def _score_answer_fn(task: str) -> Callable[[str | None, dict], float]:
 
 @lru_cache(maxsize=64)
 def _regenerated_dataset(task: str, seed: int, size: int, config_json: str) -> Any:
-    import reasoning_gym
+    import reasoning_gym  # seconds to import (and noisy): only reasoning-gym data needs it
 
     return reasoning_gym.create_dataset(task, seed=seed, size=size, **json.loads(config_json))
 
@@ -133,7 +133,7 @@ def reasoning_gym_rows(
     the caller turns "question" into a prompt (adding e.g. "Answer with just the number").
     `config` holds extra fields of the task's config (e.g. {"min_terms": 2, "max_terms": 2}).
     """
-    import reasoning_gym
+    import reasoning_gym  # seconds to import (and noisy): only reasoning-gym data needs it
 
     if extract not in EXTRACTORS:
         raise RewardError(

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from tephra.episodes.rewards.results import RewardError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -30,7 +32,7 @@ class RewardModelScorer:
         dtype: str = "float32",
         use_chat_template: bool = False,
     ) -> None:
-        import torch
+        # transformers takes seconds to import; only a reward model needs it
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         folder = Path(path).expanduser()
@@ -93,8 +95,6 @@ class RewardModelScorer:
 
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:
         """One scalar reward per (prompt, response) pair, computed `batch_size` texts at a time."""
-        import torch
-
         if len(prompts) != len(responses):
             raise RewardError(
                 f"reward model: {len(prompts)} prompts but {len(responses)} responses"

@@ -153,6 +153,7 @@ class MCPToolset:
     async def _serve(self, ready: Future) -> None:
         # One task enters and leaves the SDK's context managers (anyio requires it), and
         # keeps the session open until `close`.
+        # the mcp SDK (anyio, pydantic, httpx) loads only when an MCP tool is used
         from mcp import ClientSession, StdioServerParameters
 
         self._closed = asyncio.Event()

@@ -68,7 +68,7 @@ class SearchTool(Tool):
         stopwords: str | None = "en",
         max_passage_chars: int = 1000,
     ) -> None:
-        import bm25s
+        import bm25s  # seconds to import (scipy): only the search tool needs it
 
         if top_k < 1:
             raise ToolConfigError(f"search tool: top_k={top_k} must be >= 1")

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     GenerationConfig,
     LogitsProcessorList,
     StoppingCriteria,
@@ -59,8 +61,6 @@ def _as_id_list(value) -> list[int]:
 def _auto_class(model_path: str):
     """A vision-language checkpoint (a config with `vision_config`) loads as image-text-to-
     text; everything else as a causal LM."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
     try:
         cfg = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError):

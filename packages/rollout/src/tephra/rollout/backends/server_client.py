@@ -26,6 +26,7 @@ import itertools
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -34,6 +35,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 import torch
@@ -759,9 +761,6 @@ class ServerRollout(Rollout):
 def _own_address(url: str) -> str:
     """This machine's address on the route to the server at `url` (an external server joins
     the transfer group there)."""
-    import socket
-    from urllib.parse import urlparse
-
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.connect((urlparse(url).hostname or "127.0.0.1", 9))
         return sock.getsockname()[0]

@@ -75,11 +75,13 @@ class TephraWeightTransferEngine(WeightTransferEngine[TephraInitInfo, TephraUpda
         )
 
     def start_weight_update(self) -> None:
+        # vllm exists only in the server's environment, where this plugin runs
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
+        # vllm exists only in the server's environment, where this plugin runs
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)

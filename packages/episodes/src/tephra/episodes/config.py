@@ -1,0 +1,60 @@
+"""The trainer's `rollout` section: the rollout's own config plus the episode that runs on it
+(agent loop, tools, their budgets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tephra.core.errors import ConfigError
+from tephra.core.registry import check_registered
+from tephra.episodes.agent.base import AgentLoopConfig
+from tephra.episodes.registry import EPISODES
+from tephra.rollout.config import RolloutSection
+
+
+@dataclass
+class EpisodeRolloutConfig(RolloutSection):
+    """Generation: the backend by name, sampling, each backend's own settings, and the
+    episode (agent loop) that generates with them."""
+
+    agent_loop: str | None = None
+    """Multi-turn rollouts: an episode from tephra.episodes.registry.EPISODES (`tool_agent`:
+    the model calls the tools of `tools_file` between turns; `single_turn`). None or "" keeps
+    the batched `generate` path."""
+    tools_file: str | None = None
+    """Tools YAML of the agent loop, or `python` for the bundled sandboxed interpreter."""
+    max_in_flight: int = 64
+    """Agent loop: most trajectories in flight per rank (their turns are batched together)."""
+    agent: AgentLoopConfig = field(
+        default_factory=lambda: AgentLoopConfig(
+            max_turns=3, max_response_tokens=128, max_tool_response_chars=500
+        )
+    )
+    """Agent-loop budgets (tephra.episodes.agent.AgentLoopConfig): max_turns,
+    max_response_tokens (the trained response length), max_tool_response_chars, ..."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.agent_loop:
+            check_registered("rollout.agent_loop", self.agent_loop, EPISODES)
+            if self.agent_loop == "tool_agent" and not self.tools_file:
+                raise ConfigError(
+                    "rollout.agent_loop='tool_agent' needs rollout.tools_file: a "
+                    "tools YAML, or `python` for the bundled sandboxed interpreter"
+                )
+        if self.max_in_flight < 1:
+            raise ConfigError(f"rollout.max_in_flight={self.max_in_flight} must be >= 1")
+
+    @property
+    def uses_agent_loop(self) -> bool:
+        return bool(self.agent_loop)
+
+    @property
+    def response_budget(self) -> int:
+        """Most response tokens of one sample: `agent.max_response_tokens` with an agent loop,
+        `max_tokens` without."""
+        return self.agent.max_response_tokens if self.uses_agent_loop else self.max_tokens
+
+    @property
+    def budget_name(self) -> str:
+        return "rollout.agent.max_response_tokens" if self.uses_agent_loop else "rollout.max_tokens"
