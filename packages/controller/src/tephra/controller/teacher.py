@@ -9,6 +9,7 @@ import torch
 
 from tephra.algos import distillation_advantages, masked_mean
 from tephra.algos.recipe_config import DistillationConfig
+from tephra.controller.models import resolve_model_path
 from tephra.engine_api.errors import ConfigError
 
 
@@ -26,6 +27,23 @@ def check_distillation(section: DistillationConfig, distill_loss_coef: float) ->
             "set algorithm.distillation.advantage_coef > 0 (distillation in the advantage) or "
             "actor.objective.distill_loss_coef > 0 (as a loss term)"
         )
+
+
+def check_teacher(teacher_path: str, seed: int, student_tokenizer: Any) -> str:
+    """The teacher's folder (resolved like `model.path`), refused unless it is a complete
+    model folder whose tokenizer is the student's; run by `prepare`, before Ray starts."""
+    # transformers only where a teacher is configured (the config checks import this module)
+    from transformers import AutoTokenizer
+
+    try:
+        folder = resolve_model_path(teacher_path, seed)
+    except ConfigError as exc:
+        raise ConfigError(f"algorithm.distillation.teacher_path: {exc}") from None
+    teacher = AutoTokenizer.from_pretrained(folder)
+    if teacher.pad_token_id is None:  # as the student's (load_tokenizer)
+        teacher.pad_token = teacher.eos_token
+    check_same_tokenizer(student_tokenizer, teacher, teacher_path)
+    return folder
 
 
 def check_same_tokenizer(student: Any, teacher: Any, teacher_path: str) -> None:
