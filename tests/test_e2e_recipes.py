@@ -181,3 +181,26 @@ def test_judge_scores_reach_the_trainer(ray_session, tmp_path):
             assert record["reward/judge_timeouts"] == 0
     finally:
         here.close()
+
+
+@pytest.mark.multiproc
+def test_prime_trains_its_reward_model_online(ray_session, tmp_path):
+    cfg = _smoke(
+        tmp_path,
+        "algorithm.prime.enabled=true",
+        "trainer.save_final=true",
+        f"trainer.run_dir={tmp_path / 'prime'}",
+    )
+    run(cfg)
+    first, second = _train_records(tmp_path / "prime")
+    # step 1: the reward model is the policy's copy, as is the reference: every implicit
+    # reward beta * (log pi_rm - log pi_ref) is exactly 0, and its zero logit predicts
+    # "wrong" for every sample
+    assert first["prime/implicit_reward_token_mean"] == 0.0
+    assert first["prime/rm_acc_before"] == pytest.approx(1.0 - first["prime/label_mean"])
+    # the reward model trained on step 1's labels, so step 2's implicit rewards moved
+    for r in (first, second):
+        assert math.isfinite(r["prime/rm_loss"]) and r["prime/grad_norm"] > 0
+    assert second["prime/implicit_reward_token_mean"] != 0.0
+    # the reward model is part of the checkpoint
+    assert any((tmp_path / "prime" / "checkpoints").glob("*/prime_rm"))
