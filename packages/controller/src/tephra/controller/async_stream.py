@@ -10,6 +10,11 @@ bounded buffer; a step takes the first `prompts_per_step` of them whose weight v
 generating while the trainer trains; they take each new version between two requests, or,
 with `trainer.partial_rollout`, right away: a request in flight then finishes under the new
 weights and its samples' `weight_version` is the oldest of their tokens'.
+
+A checkpoint saves the stream's `state()`: the prompts taken from the loader and not trained
+yet (finished and waiting, in flight, queued), in the order they were sent. A resumed stream
+sends those first, again (generated anew under the resumed weights), then goes on with the
+loader from its saved position: no prompt is lost or repeated by a restart.
 """
 
 from __future__ import annotations
@@ -70,6 +75,26 @@ class SampleStream:
             sampling = self.sampling.replace(seed=self.seed * 1_000_003 + 7_919 * self.sent)
             self.requests[self.replicas.submit([g[0] for g in groups], sampling)] = groups
             self.sent += len(groups)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint saves: the prompt indices owed (taken, not yet trained) in sending
+        order, then the ones queued but not sent; the groups sent and dropped so far."""
+        taken = [(item.sample_id, index) for item, index, _ in self.ready] + [
+            (item.sample_id, index) for groups in self.requests.values() for item, index in groups
+        ]
+        sent_order = sorted(taken, key=lambda pair: int(pair[0].removeprefix("async")))
+        return {
+            "owed": [index for _, index in sent_order] + list(self.queue),
+            "sent": self.sent,
+            "dropped": self.dropped,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from `state()` of a saved stream (before this one sends anything)."""
+        if self.requests or self.ready:
+            raise RuntimeError("SampleStream.restore: this stream has already sent requests")
+        self.queue = deque(int(i) for i in state["owed"])
+        self.sent, self.dropped = int(state["sent"]), int(state["dropped"])
 
     def next_batch(self, version: int) -> tuple[list[PromptItem], list[int], list[Sample]]:
         """The next step's groups (items, training-set indices, samples prompt-major) for a

@@ -163,6 +163,8 @@ class Trainer:
         self.make_replicas = make_replicas
         """Builds the rollout replicas of a separate pool (`resources.rollout.replicas`)."""
         self.replicas = self.stream = None
+        self.stream_state: dict[str, Any] | None = None
+        """The async stream's saved state (prompts owed) from the checkpoint resumed from."""
         if make_replicas is not None:
             self.connect_replicas()
             # separate replicas generate ahead in parallel with the update by nature
@@ -190,6 +192,8 @@ class Trainer:
                 t.max_staleness,
                 t.async_groups_per_request,
             )
+            if self.stream_state is not None:  # resumed before the stream existed
+                self.stream.restore(self.stream_state)
 
     # ----- stages ------------------------------------------------------------------------
     def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]:
@@ -591,9 +595,10 @@ class Trainer:
             if self.pending is not None:
                 write_pending(folder, self.pending)
 
-        self.ckpt.save(
-            self.step, write, {"loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
-        )
+        state = {"loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+        if self.stream is not None:  # the prompts taken but not trained yet are sent again
+            state["stream"] = self.stream.state()
+        self.ckpt.save(self.step, write, state)
 
     def maybe_resume(self, resume: str | None = None) -> bool:
         t = self.cfg.trainer
@@ -613,6 +618,9 @@ class Trainer:
         self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
         self.step = int(state["step"])
         self.pending = read_pending(latest, lambda idx, tag: self.items(idx, self.train, tag))
+        self.stream_state = state.get("stream")
+        if self.stream is not None and self.stream_state is not None:
+            self.stream.restore(self.stream_state)
         self.ahead = None
         print(f"resumed from {latest} at step {self.step}", flush=True)
         return True
@@ -656,7 +664,7 @@ class Trainer:
         self.close_group(grace_s=0)  # its live ranks may be stuck in a collective
         self.wg = self.make_group()
         self.role_groups = self.make_role_groups() if self.make_role_groups else {}
-        self.replicas = None  # closed with the group; connected again below
+        self.replicas = self.stream = None  # closed with the group; connected again below
         self.peak_flops = self.measure_peak_flops()
         self.ahead = None  # a generation ahead died with the group
         if not self.maybe_resume(resume="auto"):
@@ -697,6 +705,7 @@ class Trainer:
             if profiling:
                 for group in self.groups():
                     group.set_profile(str(self.run_dir / "profile" / f"step{self.step + 1}"))
+            self.wg.watchdog.step = self.step + 1  # quoted by a stage that fails
             try:
                 metrics = self.train_step()
             except WORKER_FAILURES as exc:
