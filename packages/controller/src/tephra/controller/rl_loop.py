@@ -543,7 +543,8 @@ class Trainer:
             trained_passes += cfg.batch.epochs
             lap("prm_update")
         warmup = self.step < cfg.trainer.critic_warmup
-        metrics["trainer/critic_warmup"] = float(warmup)
+        if cfg.trainer.critic_warmup:
+            metrics["trainer/critic_warmup"] = float(warmup)
         if not warmup:  # critic warmup: the actor's weights and optimizer stay untouched
             metrics.update(
                 {
