@@ -334,7 +334,7 @@ CASES = [
             "algorithm.adv_estimator=reinforce_plus_plus",
             "batch.samples_per_prompt=1",
         ],
-        r"algorithm.prime compares samples of one prompt; batch.samples_per_prompt=1 must be >= 2",
+        r"algorithm.prime compares samples of one prompt .*batch.samples_per_prompt=1 must be >= 2",
     ),
     (
         ["algorithm.prime.enabled=true", "-p", "ppo_critic"],
