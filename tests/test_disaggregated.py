@@ -92,6 +92,41 @@ def test_async_never_trains_on_samples_older_than_max_staleness(ray_session, tmp
     assert 2 * served >= 4 * 2 + last["async/dropped_stale_groups"]
 
 
+def _trained_prompts(run_dir, steps):
+    return [
+        [
+            json.loads(line)["prompt"]
+            for line in (run_dir / "generations" / f"train_step{s}.jsonl").read_text().splitlines()
+        ]
+        for s in range(1, steps + 1)
+    ]
+
+
+def test_an_async_run_stopped_and_resumed_trains_the_prompts_of_an_uninterrupted_one(
+    ray_session, tmp_path
+):
+    """One replica (requests answered in the order sent), no staleness drop: a run stopped
+    after step 2 and resumed to step 4 trains, step by step, the prompts an uninterrupted
+    4-step run trains; the groups in flight at the stop are sent again, none skipped."""
+    mode = (
+        "trainer.mode=async",
+        "trainer.max_staleness=100",
+        "trainer.dump_generations=1",
+        "trainer.save_every=2",
+        "resources.rollout.replicas=1",
+        "resources.rollout.cpus_per_replica=0.5",
+    )
+    _run(tmp_path, "whole", *mode, "trainer.steps=4")
+    _run(tmp_path, "stopped", *mode, "trainer.steps=2")
+    saved = json.loads(
+        (tmp_path / "stopped" / "checkpoints" / "step_2" / "trainer_state.json").read_text()
+    )
+    assert saved["stream"]["owed"]  # groups were in flight or waiting when it stopped
+    resumed = _run(tmp_path, "stopped", *mode, "trainer.steps=4")
+    assert [r["step"] for r in resumed][-2:] == [3, 4]
+    assert _trained_prompts(tmp_path / "stopped", 4) == _trained_prompts(tmp_path / "whole", 4)
+
+
 def test_partial_rollout_resumes_a_request_under_the_new_weights(ray_session, tmp_path):
     """trainer.partial_rollout, 1 replica, 2 steps. Responses of up to 400 tokens make a request
     outlast step 1's update, so the sync after it interrupts the request in flight, which

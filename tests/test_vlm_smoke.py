@@ -66,6 +66,60 @@ def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path):
     assert len(moved) > len(before) // 2, moved
 
 
+@pytest.mark.multiproc
+def test_qwen2_5_vl_trains_two_steps_through_the_app(ray_session, tmp_path):
+    # Qwen2.5-VL (windowed vision attention, its own vision blocks) on the same path: the hf
+    # rollout's log-probs of the images equal the fsdp engine's recomputed ones
+    summary = run(
+        parse_config(
+            [
+                "-p",
+                "vlm_smoke",
+                "model.path=tiny_qwen2_5_vl",
+                "batch.mini_batches=2",
+                f"trainer.run_dir={tmp_path}",
+            ]
+        )
+    )
+    assert summary["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+    assert len(train) == 2
+    for r in train:
+        assert r["rollout_corr/log_prob_abs_gap_mean"] < 1e-4
+        assert abs(math.log(r["rollout_corr/ratio_max"])) < 1e-4
+        assert r["actor/grad_norm"] > 0 and r["reward/errors"] == 0
+
+
+@pytest.mark.multiproc
+def test_lora_on_a_vlm_trains_two_steps_with_the_tower_frozen(ray_session, tmp_path):
+    # adapters in the language model only (actor.lora.vision=frozen, the default): the hf
+    # rollout generates with the merged weights and the trainer recomputes the same log-probs
+    summary = run(
+        parse_config(
+            [
+                "-p",
+                "vlm_smoke",
+                "model.path=tiny_qwen2_5_vl",
+                "actor.lora.rank=4",
+                "actor.optimizer.lr=0.05",
+                "batch.mini_batches=2",
+                "trainer.export_hf=true",
+                f"trainer.run_dir={tmp_path}",
+            ]
+        )
+    )
+    assert summary["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+    for r in train:
+        assert r["rollout_corr/log_prob_abs_gap_mean"] < 1e-4
+        assert abs(math.log(r["rollout_corr/ratio_max"])) < 1e-4
+        assert r["actor/grad_norm"] > 0
+    before = _vision_weights(Path(resolve_model_path("tiny_qwen2_5_vl", 0)))
+    after = _vision_weights(tmp_path / "hf")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the tower stayed frozen
+
+
 def _parquet(path, size, seed) -> None:
     rows = []
     for row in colour_square_rows(size, seed):
@@ -98,6 +152,51 @@ def test_multimodal_parquet_trains_and_validates(ray_session, tmp_path):
     assert record["actor/grad_norm"] > 0
 
 
+def _video_parquet(path, size, seed) -> None:
+    # each colour square becomes a 4-frame video of the square moving right
+    rows = []
+    for row in colour_square_rows(size, seed):
+        image = row["images"][0]
+        frames = []
+        for k in range(4):
+            png = io.BytesIO()
+            image.transform(image.size, 0, (1, 0, -4 * k, 0, 1, 0)).save(png, format="PNG")
+            frames.append(png.getvalue())
+        prompt = [
+            {**m, "content": m["content"].replace("<image>", "<video>")} for m in row["prompt"]
+        ]
+        rows.append({**row, "prompt": prompt, "images": [], "videos": [{"video": frames}]})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+@pytest.mark.multiproc
+def test_video_parquet_trains_two_steps(ray_session, tmp_path):
+    # verl's videos column: the hf rollout's log-probs of the videos equal the trainer's
+    _video_parquet(tmp_path / "train.parquet", 8, 1)
+    cfg = parse_config(
+        [
+            "-p",
+            "vlm_smoke",
+            "model.path=tiny_qwen2_5_vl",
+            "data.source=parquet",
+            "data.images=true",
+            "data.max_prompt_tokens=120",
+            "data.max_frames=2",  # 4 frames sampled to 2: one temporal patch
+            f"data.train_files=[{tmp_path / 'train.parquet'}]",
+            f"data.val_files=[{tmp_path / 'train.parquet'}]",
+            "batch.mini_batches=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    assert run(cfg)["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(train) == 2
+    for r in train:
+        assert r["rollout_corr/log_prob_abs_gap_mean"] < 1e-4
+        assert abs(math.log(r["rollout_corr/ratio_max"])) < 1e-4
+        assert r["actor/grad_norm"] > 0 and r["reward/errors"] == 0
+
+
 @pytest.mark.parametrize(
     ("override", "field"),
     [
@@ -107,7 +206,6 @@ def test_multimodal_parquet_trains_and_validates(ray_session, tmp_path):
         ("trainer.mode=one_step_off", "trainer.mode='one_step_off'"),
         ("algorithm.adv_estimator=gae", "algorithm.adv_estimator='gae'"),
         ("algorithm.adv_estimator=remax", "algorithm.adv_estimator='remax'"),
-        ("actor.lora.rank=4", "actor.lora"),
     ],
 )
 def test_unsupported_combinations_are_refused(override, field):
@@ -119,6 +217,8 @@ def test_unsupported_combinations_are_refused(override, field):
 def test_images_need_parquet_and_a_vision_model(tmp_path):
     with pytest.raises(ConfigError, match="data.images=true reads the `images` column"):
         parse_config(["-p", "vlm_smoke", "data.images=true"])
+    with pytest.raises(ConfigError, match=r"data.max_frames=1: a video needs at least 2 frames"):
+        parse_config(["-p", "vlm_smoke", "data.max_frames=1"])
     with pytest.raises(ConfigError, match="text-only model"):
         prepare(parse_config(["-p", "vlm_smoke", "model.path=tiny", f"trainer.run_dir={tmp_path}"]))
 

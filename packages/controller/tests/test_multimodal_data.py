@@ -101,6 +101,14 @@ def test_parquet_rows_align_image_tokens_with_grids(proc, tmp_path):
         ("?", [_png((112, 112), "red")], r"1 image\(s\) but the prompt has 0 .*add a <image>"),
         ("<image>?", [_png((112, 112), "red")], None),  # raw bytes are fine
         ("<image>?", [3], r"holds a int, not image bytes"),
+        (
+            # a prompt expanded already (16 pads for a 112x112 image): expanded twice otherwise
+            "<|vision_start|>" + "<|image_pad|>" * 16 + "<|vision_end|>?",
+            [_png((112, 112), "red")],
+            r"row 3 of t: message 0 \(user\) already holds the processor's vision tokens "
+            r"\{'<\|vision_start\|>': 1, '<\|image_pad\|>': 16, '<\|vision_end\|>': 1\}; mark each "
+            r"image with one <image>",
+        ),
     ],
 )
 def test_bad_images_name_the_row_and_the_fix(proc, tmp_path, content, images, match):
@@ -112,3 +120,39 @@ def test_bad_images_name_the_row_and_the_fix(proc, tmp_path, content, images, ma
         return
     with pytest.raises(DatasetError, match=match):
         multimodal_prompt_from_row(_row(content, images), 3, "t", proc, tmp_path)
+
+
+def test_parquet_videos_column_becomes_video_tokens_and_patches(proc, tmp_path):
+    frames = [_png((140, 112), c) for c in ("red", "green", "blue", "white", "black")]
+    rows = [
+        {**_row("<video>What changes?", []), "videos": [{"video": frames}]},
+        {
+            **_row("<image> then <video>", [_png((112, 112), "red")]),
+            "videos": [{"video": frames[:2]}],
+        },
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "v.parquet")
+    first, second = load_multimodal_parquet(tmp_path / "v.parquet", proc)
+    # 5 frames, at most 8 sampled, padded to 6 (3 temporal patches of 2); 112x140 -> 8x10
+    assert first.multimodal.video_grid_thw.tolist() == [[3, 8, 10]]
+    assert first.multimodal.num_images == 0
+    assert first.prompt_ids.count(proc.video_token_id) == 3 * 8 * 10 // 4
+    # the processor's own video patches of the same frames (sampled the same way)
+    want, _ = proc.videos([[Image.open(io.BytesIO(f)) for f in frames]])
+    torch.testing.assert_close(first.multimodal.pixel_values_videos, want)
+    assert second.multimodal.video_grid_thw.tolist() == [[1, 8, 10]]
+    assert second.prompt_ids.count(proc.image_token_id) == 16
+    assert second.prompt_ids.count(proc.video_token_id) == 20
+
+
+@pytest.mark.parametrize(
+    ("content", "videos", "match"),
+    [
+        ("<video>?", [], r"field 'videos' holds 0 video\(s\) but the prompt has 1 <video>"),
+        ("?", [{"video": [_png((112, 112), "red")] * 2}], r"add a <video> to the prompt"),
+        ("<video>?", [{"video": "clip.mp4"}], r"entry 0 is a str, not a non-empty list of frames"),
+    ],
+)
+def test_bad_videos_name_the_row_and_the_fix(proc, content, videos, match):
+    with pytest.raises(DatasetError, match=match):
+        multimodal_prompt_from_row({**_row(content, []), "videos": videos}, 3, "t", proc)

@@ -1,4 +1,4 @@
-"""engine=fsdp with images in the batch (tiny random Qwen2-VL): packed and padded log-probs
+"""engine=fsdp with images in the batch (tiny random Qwen2-VL and Qwen2.5-VL): packed and padded log-probs
 equal an unpacked, one-row-at-a-time transformers forward with the same images; a training
 step reaches the vision tower."""
 
@@ -19,9 +19,9 @@ from tephra.engine_fsdp.vision import MULTIMODAL, multimodal_column
 from tephra.rollout.multimodal import VisionProcessor, build_tiny_vlm
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"))
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vlm(tmp_path_factory, request):
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"), family=request.param)
 
 
 def _batch(vlm) -> tuple[TensorDict, list[list[int]], list]:
@@ -153,3 +153,111 @@ def test_text_only_micro_batch_of_a_vlm_is_packed_apart(vlm, vision_batch):
         with engine.eval_mode():
             got[packing] = engine.forward(batch)["log_probs"]
     torch.testing.assert_close(got[True], got[False], atol=1e-5, rtol=0)
+
+
+def _video_batch(vlm) -> tuple[TensorDict, list[list[int]], list]:
+    """A row with a 4-frame video, a row with an image and a video, a text row."""
+    proc = VisionProcessor.from_pretrained(vlm.path)
+    frames = [Image.new("RGB", (112, 140), c) for c in ("red", "green", "blue", "white")]
+    vspan = "<|vision_start|><|video_pad|><|vision_end|>"
+    ispan = "<|vision_start|><|image_pad|><|vision_end|>"
+    prompts = [
+        proc(f"<|im_start|>user\n{vspan}what moves?<|im_end|>\n", [], [frames]),
+        proc(f"{ispan}{vspan}both?", [Image.new("RGB", (112, 112), "red")], [frames[:2]]),
+        proc("<|im_start|>user\ntext only<|im_end|>\n", []),
+    ]
+    gen = torch.Generator().manual_seed(1)
+    seqs = [
+        ids + torch.randint(3, 300, (4 + k,), generator=gen).tolist()
+        for k, (ids, _) in enumerate(prompts)
+    ]
+    width = max(map(len, seqs))
+    n = len(seqs)
+    input_ids = torch.zeros(n, width, dtype=torch.long)
+    attn = torch.zeros(n, width, dtype=torch.long)
+    resp = torch.zeros(n, width, dtype=torch.long)
+    for i, ((p, _), s) in enumerate(zip(prompts, seqs, strict=True)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        resp[i, len(p) : len(s)] = 1
+    batch = TensorDict(
+        {B.INPUT_IDS: input_ids, B.ATTENTION_MASK: attn, B.RESPONSE_MASK: resp}, batch_size=[n]
+    )
+    mm = [m for _, m in prompts]
+    batch[MULTIMODAL] = multimodal_column(mm)
+    return batch, seqs, mm
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_video_log_probs_match_unpacked_hf_forward_and_a_video_row_trains(vlm, packing):
+    from transformers import AutoModelForImageTextToText
+
+    batch, seqs, mm = _video_batch(vlm)
+    engine = _engine(vlm, **{"micro_batch.use_packing": packing})
+    with engine.eval_mode():
+        got = engine.forward(batch)["log_probs"] * batch[B.RESPONSE_MASK]
+    model = AutoModelForImageTextToText.from_pretrained(vlm.path, dtype=torch.float32).eval()
+    out = torch.zeros(batch[B.RESPONSE_MASK].shape)
+    vid = model.config.video_token_id
+    for i, (seq, m) in enumerate(zip(seqs, mm, strict=True)):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids, **hf_model_kwargs(ids, [m], vlm.image_token_id, vid)
+            ).logits[0]
+        out[i, 1 : len(seq)] = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+    torch.testing.assert_close(got, out * batch[B.RESPONSE_MASK], atol=1e-5, rtol=0)
+    # the video row alone trains the vision tower
+    before = {n: _full(p) for n, p in engine.hf_model.named_parameters() if "visual" in n}
+    loss, grad_norm = train_step(engine, batch[:1])
+    assert grad_norm > 0
+    after = dict(engine.hf_model.named_parameters())
+    assert [n for n, p in before.items() if not torch.equal(p, _full(after[n]))]
+
+
+def _full(p) -> torch.Tensor:
+    p = p.detach()
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
+
+
+def test_video_token_mismatch_is_refused(vlm):
+    batch, _, mm = _video_batch(vlm)
+    batch[MULTIMODAL] = multimodal_column([mm[1], mm[0], None])
+    engine = _engine(vlm)
+    with pytest.raises(ConfigError, match="batch row 0: the prompt holds 0 image tokens but"):
+        engine.forward(batch)
+
+
+@pytest.mark.parametrize("vision", ["frozen", "adapt"])
+def test_lora_on_a_vlm_adapts_the_language_model_and_the_tower_by_option(vlm, vision):
+    from transformers import AutoModelForImageTextToText
+
+    batch, seqs, mm = _batch(vlm)
+    engine = _engine(vlm, **{"lora.rank": 4, "lora.vision": vision})
+    # B = 0 at start: the adapted model is the base model, images included
+    with engine.eval_mode():
+        got = engine.forward(batch)["log_probs"] * batch[B.RESPONSE_MASK]
+    model = AutoModelForImageTextToText.from_pretrained(vlm.path, dtype=torch.float32).eval()
+    want = _reference(vlm, model, seqs, mm, batch[B.RESPONSE_MASK])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    params = dict(engine.hf_model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    in_tower = {n for n in trainable if "visual" in n}
+    assert bool(in_tower) == (vision == "adapt")
+    before = {n: _full(p) for n, p in params.items()}
+    _, grad_norm = train_step(engine, batch)
+    assert grad_norm > 0
+    after = {n: _full(p) for n, p in engine.hf_model.named_parameters()}
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    # lora_A of a layer whose B is still 0 gets no gradient on the first step: B moves
+    assert any("language_model" in n and "lora_B" in n for n in moved)
+    assert any("visual" in n for n in moved) == (vision == "adapt")
+    assert all(".lora_" in n for n in moved)
+
+
+def test_lora_vision_option_is_checked():
+    from tephra.engine_api.config import LoraConfig
+
+    with pytest.raises(ConfigError, match=r"lora.vision='train': use one of \['frozen', 'adapt'\]"):
+        LoraConfig(rank=4, vision="train")

@@ -1,5 +1,5 @@
 """Images through the `hf` rollout: log-probs equal a teacher-forced HF forward with the same
-images (an unpadded, one-sample-at-a-time reference)."""
+images (an unpadded, one-sample-at-a-time reference), for Qwen2-VL and Qwen2.5-VL."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from tephra.rollout.base import RolloutConfig, SamplingParams
 from tephra.rollout.multimodal import VisionProcessor, build_tiny_vlm, hf_model_kwargs
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"))
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vlm(tmp_path_factory, request):
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"), family=request.param)
 
 
 def _prompt(proc: VisionProcessor, text: str, images: list) -> tuple[list[int], object]:

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from tephra.controller.rewarding import Scorer
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
-from tephra.engine_api.multimodal import image_token_id
+from tephra.engine_api.multimodal import image_token_id, video_token_id
 from tephra.episodes.agent import AgentSample
 from tephra.episodes.episode import Episode, run_episodes
 from tephra.episodes.registry import EPISODES
@@ -157,8 +157,11 @@ class Generator:
             sample.sample_id = items[k // sampling.n].sample_id
             sample.multimodal = images[k // sampling.n]
         if extra:  # the rollout engine is hf (images go nowhere else): its config has the id
-            image_token = image_token_id(self.rollout.model.config)
-            samples = [end_before_token(s, image_token, tok) for s in samples]
+            config = self.rollout.model.config
+            samples = [end_before_token(s, image_token_id(config), tok) for s in samples]
+            video_token = video_token_id(config)  # a sampled video slot fails the same way
+            if video_token is not None:
+                samples = [end_before_token(s, video_token, tok) for s in samples]
         return samples
 
     def _generate_episodes(self, items: list[PromptItem], sampling: Any) -> list[Sample]:

@@ -16,8 +16,8 @@ from tephra.rollout.testing import build_tiny_model
 
 def resolve_model_path(path: str, seed: int = 0) -> str:
     """`smollm2` -> the converted SmolLM2 folder; `tiny` -> a tiny random Qwen2 with a
-    ChatML tokenizer, `tiny_vlm` -> a tiny random Qwen2-VL (both built once under the cache);
-    anything else must be an HF folder."""
+    ChatML tokenizer, `tiny_vlm` -> a tiny random Qwen2-VL, `tiny_qwen2_5_vl` -> a tiny random
+    Qwen2.5-VL (each built once under the cache); anything else must be an HF folder."""
     if path == "smollm2":
         return str(smollm2_folder())
     if path == "tiny":
@@ -25,10 +25,10 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
         if not (folder / "config.json").exists():
             build_tiny_model(folder, seed=seed)
         return str(folder)
-    if path == "tiny_vlm":
+    if path in TINY_VLMS:
         folder = named_model_folder(path, seed)
         if not (folder / "preprocessor_config.json").exists():  # written last
-            build_tiny_vlm(folder, seed=seed)
+            build_tiny_vlm(folder, seed=seed, family=TINY_VLMS[path])
         return str(folder)
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -64,14 +64,19 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
 
 
 def named_model_folder(path: str, seed: int = 0) -> Path | None:
-    """The cache folder a named model (`smollm2`, `tiny`, `tiny_vlm`) is built into, which
+    """The cache folder a named model (`smollm2`, `tiny`, `tiny_vlm`, `tiny_qwen2_5_vl`) is built into, which
     may not exist yet; None for any other `model.path`."""
     folders = {
         "smollm2": SMOLLM2_FOLDER,
         "tiny": f"tiny-qwen2-seed{seed}",
         "tiny_vlm": f"tiny-qwen2-vl-seed{seed}",
+        "tiny_qwen2_5_vl": f"tiny-qwen2.5-vl-seed{seed}",
     }
     return cache_root() / folders[path] if path in folders else None
+
+
+TINY_VLMS = {"tiny_vlm": "qwen2_vl", "tiny_qwen2_5_vl": "qwen2_5_vl"}
+"""Named tiny vision-language models -> the `build_tiny_vlm` family each is built as."""
 
 
 def declared_model_folder(path: str, seed: int = 0) -> str:

@@ -3,7 +3,10 @@
 A verl multimodal row is a normal row (see `tephra.controller.data`) plus an `images` column:
 a list whose entries are image bytes (PNG/JPEG...), a file path, a `{"bytes": ..., "path":
 ...}` struct (how `datasets` stores an Image feature in parquet) or a PIL image. The prompt's
-messages mark where each image goes with `<image>`, in order. Each row becomes a
+messages mark where each image goes with `<image>`, in order. An optional `videos` column
+holds videos the same way, each a list of frames (entries as for images) or a `{"video":
+[frames...]}` struct, marked by `<video>`; frames are sampled as the processor expects
+(`tephra.rollout.multimodal.sample_frames`). Each row becomes a
 `MultimodalPrompt`: its record, its token ids (chat template, each `<image>` expanded to the
 image's run of vision tokens) and its `MultimodalInputs` (pixel values and grids), which
 travel with the sample to rollout and the trainer.
@@ -17,10 +20,22 @@ from pathlib import Path
 from typing import Any
 
 from tephra.controller.data import DatasetError, PromptRecord, chat_prompt_ids, record_from_row
-from tephra.rollout.multimodal import MultimodalInputs, VisionProcessor
+from tephra.engine_api.errors import ConfigError
+from tephra.rollout.multimodal import (
+    VISION_TOKENS,
+    MultimodalInputs,
+    VisionProcessor,
+    check_image_tokens,
+)
 
 IMAGE_PLACEHOLDER = "<image>"
 """verl's marker of an image in a message's text."""
+
+VIDEO_PLACEHOLDER = "<video>"
+"""verl's marker of a video in a message's text."""
+
+VIDEO_SPAN = "<|vision_start|><|video_pad|><|vision_end|>"
+"""What a video placeholder becomes before the processor expands `<|video_pad|>`."""
 
 VISION_SPAN = "<|vision_start|><|image_pad|><|vision_end|>"
 """What a placeholder becomes before the processor expands `<|image_pad|>` (Qwen2-VL)."""
@@ -38,12 +53,13 @@ class MultimodalPrompt:
     """The images' pixel values and grids; None for a row without images."""
 
 
-def _fail(index: int, where: str, why: str) -> DatasetError:
-    return DatasetError(f"row {index} of {where}: field 'images' {why}")
+def _fail(index: int, where: str, why: str, field: str = "images") -> DatasetError:
+    return DatasetError(f"row {index} of {where}: field {field!r} {why}")
 
 
 def decode_image(value: Any, index: int, where: str, base_dir: Path | None = None):
     """One `images` entry -> an RGB PIL image; errors name the row, the entry and the fix."""
+    # PIL only here: text-only runs never decode images
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(value, Image.Image):
@@ -88,25 +104,51 @@ def decode_image(value: Any, index: int, where: str, base_dir: Path | None = Non
     )
 
 
-def with_vision_spans(messages: list[dict], index: int, where: str, n_images: int) -> list[dict]:
-    """Messages with each `<image>` replaced by the vision span; counts must match."""
-    count = sum(
-        m["content"].count(IMAGE_PLACEHOLDER) for m in messages if isinstance(m["content"], str)
-    )
-    if count != n_images:
-        fix = (
-            "add the missing images to 'images'"
-            if count > n_images
-            else f"add a {IMAGE_PLACEHOLDER} to the prompt for each image"
-        )
-        raise _fail(
-            index,
-            where,
-            f"holds {n_images} image(s) but the prompt has {count} "
-            f"{IMAGE_PLACEHOLDER} placeholder(s); {fix}",
-        )
+def refuse_raw_vision_tokens(messages: list[dict], index: int, where: str) -> None:
+    """No message already holds the processor's own vision tokens: the processor would expand
+    them a second time (the classic placeholder off-by-n between rollout and training)."""
+    for turn, m in enumerate(messages):
+        if not isinstance(m["content"], str):
+            continue
+        found = {t: m["content"].count(t) for t in VISION_TOKENS if t in m["content"]}
+        if found:
+            raise DatasetError(
+                f"row {index} of {where}: message {turn} ({m.get('role')}) already holds the "
+                f"processor's vision tokens {found}; mark each image with one "
+                f"{IMAGE_PLACEHOLDER} and let the processor expand it (expanded text would be "
+                "expanded twice)"
+            )
+
+
+def with_vision_spans(
+    messages: list[dict], index: int, where: str, n_images: int, n_videos: int = 0
+) -> list[dict]:
+    """Messages with each `<image>` (`<video>`) replaced by the vision span; counts must match."""
+    refuse_raw_vision_tokens(messages, index, where)
+    for marker, n, field, what in (
+        (IMAGE_PLACEHOLDER, n_images, "images", "image"),
+        (VIDEO_PLACEHOLDER, n_videos, "videos", "video"),
+    ):
+        count = sum(m["content"].count(marker) for m in messages if isinstance(m["content"], str))
+        if count != n:
+            fix = (
+                f"add the missing {what}s to {field!r}"
+                if count > n
+                else f"add a {marker} to the prompt for each {what}"
+            )
+            raise _fail(
+                index,
+                where,
+                f"holds {n} {what}(s) but the prompt has {count} {marker} placeholder(s); {fix}",
+                field,
+            )
     return [
-        {**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, VISION_SPAN)}
+        {
+            **m,
+            "content": m["content"]
+            .replace(IMAGE_PLACEHOLDER, VISION_SPAN)
+            .replace(VIDEO_PLACEHOLDER, VIDEO_SPAN),
+        }
         if isinstance(m["content"], str)
         else m
         for m in messages
@@ -121,6 +163,27 @@ def row_images(row: dict[str, Any], index: int, where: str, base_dir: Path | Non
     return [decode_image(v, index, where, base_dir) for v in raw]
 
 
+def row_videos(row: dict[str, Any], index: int, where: str, base_dir: Path | None = None) -> list:
+    """The decoded frames (lists of PIL images) of a row's `videos` column (empty without)."""
+    raw = row.get("videos") or []
+    if not isinstance(raw, list | tuple):
+        raise _fail(index, where, f"is a {type(raw).__name__}, not a list of videos", "videos")
+    videos = []
+    for k, video in enumerate(raw):
+        frames = video.get("video") or video.get("frames") if isinstance(video, dict) else video
+        if not isinstance(frames, list | tuple) or not frames:
+            raise _fail(
+                index,
+                where,
+                f"entry {k} is a {type(frames).__name__}, not a non-empty list of frames; store "
+                "each video as its frames (image bytes or paths), e.g. {'video': [frame, ...]} "
+                "(video files need a decoder tephra does not ship: extract the frames first)",
+                "videos",
+            )
+        videos.append([decode_image(f, index, where, base_dir) for f in frames])
+    return videos
+
+
 def multimodal_prompt_from_row(
     row: dict[str, Any],
     index: int,
@@ -131,14 +194,21 @@ def multimodal_prompt_from_row(
     """Validate a verl multimodal row and process its images and prompt."""
     record = record_from_row(row, index, where)
     images = row_images(row, index, where, base_dir)
-    messages = with_vision_spans(record.prompt, index, where, len(images))
-    if not images:
+    videos = row_videos(row, index, where, base_dir)
+    messages = with_vision_spans(record.prompt, index, where, len(images), len(videos))
+    if not images and not videos:
         return MultimodalPrompt(record, chat_prompt_ids(processor.tokenizer, messages), None)
     # render as text, then expand: each image gets exactly its grid's number of tokens
     text = processor.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
     )
-    ids, mm = processor(text, images)
+    ids, mm = processor(text, images, videos)
+    try:  # the token ids hold exactly the processor's expansion of every image and video
+        check_image_tokens(
+            ids, mm, processor.image_token_id, processor.merge_size, "", processor.video_token_id
+        )
+    except ConfigError as exc:
+        raise DatasetError(f"row {index} of {where}{exc}") from None
     return MultimodalPrompt(record, ids, mm)
 
 

@@ -76,7 +76,7 @@ def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompt
             "model (its config has no vision_config); use a vision-language "
             "model (Qwen2-VL family, or model.path=tiny_vlm to test)"
         )
-    processor = VisionProcessor.from_pretrained(model_path)
+    processor = VisionProcessor.from_pretrained(model_path, d.max_frames)
     if d.source == "colour_squares":
         from tephra.controller.colour_squares import colour_square_rows
 

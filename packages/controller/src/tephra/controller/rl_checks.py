@@ -507,11 +507,6 @@ def check_image_support(cfg: PPOConfig) -> None:
             "baselines, not supported with images yet; choose e.g. grpo",
         ),
         (
-            cfg.actor.lora.enabled,
-            "actor.lora: LoRA on a vision-language model is not supported "
-            "yet; set actor.lora.rank=0",
-        ),
-        (
             cfg.actor.parallel.context > 1,
             f"actor.parallel.context={cfg.actor.parallel.context}: Ulysses does not take images "
             "yet; set actor.parallel.context=1",

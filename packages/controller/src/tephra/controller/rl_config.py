@@ -175,7 +175,11 @@ class DataSection:
     """Same for the held-out set."""
     images: bool = False
     """The parquet files are verl multimodal rows: an `images` column and `<image>`
-    placeholders in the prompt (source=parquet; needs a vision-language model)."""
+    placeholders in the prompt, and/or a `videos` column (lists of frames) and `<video>`
+    placeholders (source=parquet; needs a vision-language model)."""
+    max_frames: int = 8
+    """At most this many frames of each video, spread evenly over it (rounded down to a
+    multiple of 2: two frames make one temporal patch of the Qwen2-VL family)."""
     max_prompt_tokens: int = 128
     """Prompts longer than this (chat template and image tokens included) are dropped and
     counted."""
@@ -184,6 +188,11 @@ class DataSection:
         if self.source not in DATA_SOURCES:
             raise ConfigError(
                 f"data.source={self.source!r}: choose one of {', '.join(DATA_SOURCES)}"
+            )
+        if self.max_frames < 2:
+            raise ConfigError(
+                f"data.max_frames={self.max_frames}: a video needs at least 2 frames (one "
+                "temporal patch); set data.max_frames >= 2"
             )
         if self.images and self.source != "parquet":
             raise ConfigError(
@@ -481,7 +490,7 @@ class PPOConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path="smollm2"))
     """The policy checkpoint (tephra.engine_api.ModelConfig): `path` is a local Hugging Face
     folder, `smollm2` (the bundled SmolLM2-135M-Instruct), `tiny` (a tiny random model for
-    tests) or `tiny_vlm` (a tiny random Qwen2-VL); gradient_checkpointing, attn_implementation, trust_remote_code."""
+    tests) or `tiny_vlm` / `tiny_qwen2_5_vl` (a tiny random Qwen2-VL / Qwen2.5-VL); gradient_checkpointing, attn_implementation, trust_remote_code."""
     data: DataSection = field(default_factory=DataSection)
     """Prompts and held-out set."""
     batch: BatchSection = field(default_factory=BatchSection)

@@ -254,7 +254,8 @@ class RolloutReplicas:
         return ref
 
     def wait_any(self, refs: list[Any]) -> tuple[Any, list[Sample]]:
-        """The first of `refs` to finish and its samples. When none finishes within the
+        """A finished request of `refs` (given in the order sent: the earliest-sent of those
+        finished) and its samples. When none finishes within the
         watchdog's deadline for `generate_scored`, StageFailure names the replicas that hold
         requests."""
         limit, why = self.watchdog.deadline("rollout", "generate_scored")
@@ -270,7 +271,10 @@ class RolloutReplicas:
                 [],
                 f"answered none of its {len(refs)} requests in flight within {limit:.1f} s ({why})",
             )
-        done = ready[0]
+        # of those finished by now, the one sent first: a run then trains its prompts in the
+        # same order whichever of two finished answers Ray lists first (resume relies on it)
+        finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = min([*ready, *finished], key=refs.index)
         index = self._pending.pop(done)
         self.in_flight[index] -= 1
         self.served[index] += 1

@@ -219,6 +219,10 @@ class OffloadConfig:
     """Optimizer state lives on CPU."""
 
 
+LORA_VISION = ("frozen", "adapt")
+"""`LoraConfig.vision` choices."""
+
+
 @dataclass
 class LoraConfig:
     """Low-rank adapters (through peft). `rank=0` trains the full model."""
@@ -231,9 +235,17 @@ class LoraConfig:
     """Dropout on the adapter input."""
     target_modules: list[str] | str = "all-linear"
     """Module names to adapt, or `all-linear`."""
+    vision: str = "frozen"
+    """A vision-language model's vision tower: `frozen` (adapters in the language model only,
+    the tower's weights fixed) or `adapt` (the tower's linear layers get adapters too)."""
 
     def __post_init__(self) -> None:
         _positive("lora", "rank", self.rank, zero_ok=True)
+        if self.vision not in LORA_VISION:
+            raise ConfigError(
+                f"lora.vision={self.vision!r}: use one of {list(LORA_VISION)} (frozen keeps "
+                "the vision tower fixed, adapt puts adapters in it too)"
+            )
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
 

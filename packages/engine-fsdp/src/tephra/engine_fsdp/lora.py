@@ -35,12 +35,16 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, role: str, seed: int) ->
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    excluded = [VALUE_HEAD] if role == "value" else []
+    if cfg.vision == "frozen" and getattr(model.config, "vision_config", None) is not None:
+        excluded.append("visual")  # the vision tower (any depth); get_peft_model freezes it
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
-        exclude_modules=[VALUE_HEAD] if role == "value" else None,
+        # a regex, full-matched against each module's dotted name
+        exclude_modules=rf".*\b({'|'.join(excluded)})\b.*" if excluded else None,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -31,6 +31,7 @@ from tephra.engine_api.multimodal import (  # noqa: F401 (MULTIMODAL, multimodal
     is_vision_config,
     mm_token_type_ids,
     multimodal_column,
+    video_token_id,
 )
 
 
@@ -62,15 +63,29 @@ def check_batch(batch: TensorDict, model_config, sp: int) -> None:
     merge = int(model_config.vision_config.spatial_merge_size)
     ids, attn = batch[B.INPUT_IDS], batch[B.ATTENTION_MASK].bool()
     for r, mm in enumerate(items):
-        check_image_tokens(ids[r][attn[r]].tolist(), mm, tid, merge, f"batch row {r}")
+        check_image_tokens(
+            ids[r][attn[r]].tolist(), mm, tid, merge, f"batch row {r}", video_token_id(model_config)
+        )
 
 
-def _rope_index(backbone, ids: torch.Tensor, mm: MultimodalInputs | None, tid: int) -> torch.Tensor:
+def _grids(mm: MultimodalInputs) -> dict[str, torch.Tensor]:
+    """get_rope_index's grid arguments of these images and videos (absent ones left out)."""
+    out = {}
+    if mm.num_images:
+        out["image_grid_thw"] = mm.image_grid_thw
+    if mm.video_grid_thw is not None:
+        out["video_grid_thw"] = mm.video_grid_thw
+    return out
+
+
+def _rope_index(
+    backbone, ids: torch.Tensor, mm: MultimodalInputs | None, tid: int, vid: int | None
+) -> torch.Tensor:
     """mRoPE ids `[3, n]` of one unpadded sequence (the model's `get_rope_index`)."""
     if mm is None:  # text only: the three rows are the plain positions
         return torch.arange(ids.shape[0]).expand(3, -1)
     pos, _ = backbone.get_rope_index(
-        ids[None], mm_token_type_ids(ids[None], tid), image_grid_thw=mm.image_grid_thw
+        ids[None], mm_token_type_ids(ids[None], tid, vid), **_grids(mm)
     )
     return pos[:, 0]
 
@@ -83,7 +98,7 @@ def model_inputs(
     micro-batches take this path too: the leading plain row is what keeps their sequences
     apart (transformers reads 2-d position ids of a VLM as mRoPE, not as packing)."""
     items = rows(mb) or [None] * mb.batch_size[0]
-    tid = image_token_id(model_config)
+    tid, vid = image_token_id(model_config), video_token_id(model_config)
     ids, attn = mb[B.INPUT_IDS], mb[B.ATTENTION_MASK].bool()
     present = [m for m in items if m is not None]
     if not present and not packed:  # padded text: the plain positions and the mask
@@ -95,23 +110,23 @@ def model_inputs(
         ]
         return torch.cat(parts, dim=1)[:, None].to(device), {}
     images = MultimodalInputs.concat(present)
-    pixel = {
-        "pixel_values": images.pixel_values.to(device),
-        "image_grid_thw": images.image_grid_thw.to(device),
-    }
+    pixel = {}
+    if images.num_images:
+        pixel["pixel_values"] = images.pixel_values.to(device)
+        pixel["image_grid_thw"] = images.image_grid_thw.to(device)
+    if images.video_grid_thw is not None:
+        pixel["pixel_values_videos"] = images.pixel_values_videos.to(device)
+        pixel["video_grid_thw"] = images.video_grid_thw.to(device)
     with torch.no_grad():
         if packed:
             parts = []
             for r, mm in enumerate(items):
                 real = ids[r][attn[r]]
                 text = torch.arange(real.shape[0])[None]
-                parts.append(torch.cat([text, _rope_index(backbone, real, mm, tid)]))
+                parts.append(torch.cat([text, _rope_index(backbone, real, mm, tid, vid)]))
             return torch.cat(parts, dim=1)[:, None].to(device), pixel
         pos, _ = backbone.get_rope_index(
-            ids,
-            mm_token_type_ids(ids, tid),
-            image_grid_thw=images.image_grid_thw,
-            attention_mask=attn.long(),
+            ids, mm_token_type_ids(ids, tid, vid), attention_mask=attn.long(), **_grids(images)
         )
     return pos.to(device), pixel
 

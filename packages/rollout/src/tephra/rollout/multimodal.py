@@ -5,8 +5,8 @@ A prompt with images is its token ids (each image already expanded to its run of
 `tephra.engine_api.multimodal` and re-exported here). The two travel together from the data
 loader through rollout to the trainer. `VisionProcessor` makes them from text and images.
 
-`build_tiny_vlm` saves a tiny random Qwen2-VL with its tokenizer and image processor, for
-tests and smoke runs (no pretrained VLM is needed).
+`build_tiny_vlm` saves a tiny random Qwen2-VL or Qwen2.5-VL (`family`) with its tokenizer and
+image processor config (generated), for tests and smoke runs (no pretrained VLM is needed).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tephra.engine_api.multimodal import (  # noqa: F401  (re-exported: the roll
     image_token_id,
     is_vision_config,
     mm_token_type_ids,
+    video_token_id,
 )
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
@@ -45,27 +46,49 @@ def vision_token_ids(tokenizer: Any) -> dict[str, int]:
     return ids
 
 
+def sample_frames(frames: list[Any], max_frames: int, temporal_patch: int = 2) -> list[Any]:
+    """At most `max_frames` frames spread evenly over the video (first and last kept), their
+    count a multiple of `temporal_patch` (the last frame repeated), as Qwen2-VL's video
+    processing groups consecutive frames into one temporal patch."""
+    if not frames:
+        raise ConfigError("a video has no frames; give each video at least one frame")
+    n = min(len(frames), max(max_frames // temporal_patch * temporal_patch, temporal_patch))
+    if n == len(frames):
+        picked = list(frames)
+    else:
+        picked = [frames[round(i * (len(frames) - 1) / max(n - 1, 1))] for i in range(n)]
+    while len(picked) % temporal_patch:
+        picked.append(picked[-1])
+    return picked
+
+
 class VisionProcessor:
     """The Qwen2-VL processor's job with no video dependency: images -> pixel values and
-    grids (the model's image processor), and each `<|image_pad|>` in the text expanded to
-    that image's number of tokens, exactly as `Qwen2VLProcessor` does."""
+    grids (the model's image processor), videos (lists of frames) -> temporal patches of two
+    consecutive frames each, and each `<|image_pad|>` / `<|video_pad|>` in the text expanded to
+    that image's / video's number of tokens, exactly as `Qwen2VLProcessor` does."""
 
-    def __init__(self, tokenizer: Any, image_processor: Any) -> None:
+    def __init__(self, tokenizer: Any, image_processor: Any, max_frames: int = 8) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.merge_size = int(image_processor.merge_size)
+        self.max_frames = max_frames
         ids = vision_token_ids(tokenizer)
         self.image_token = VISION_TOKENS[1]
         self.image_token_id = ids[self.image_token]
+        self.video_token = VISION_TOKENS[3]
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> VisionProcessor:
+    def from_pretrained(cls, path: str | Path, max_frames: int = 8) -> VisionProcessor:
         # transformers takes seconds to import; the config checks import this module
         from transformers import AutoTokenizer
         from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
         return cls(
-            AutoTokenizer.from_pretrained(path), Qwen2VLImageProcessorPil.from_pretrained(path)
+            AutoTokenizer.from_pretrained(path),
+            Qwen2VLImageProcessorPil.from_pretrained(path),
+            max_frames,
         )
 
     def images(self, images: list[Any]) -> MultimodalInputs:
@@ -73,27 +96,72 @@ class VisionProcessor:
         out = self.image_processor(images=images, return_tensors="pt")
         return MultimodalInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
 
-    def expand(self, text: str, images: MultimodalInputs) -> str:
-        """`text` with its i-th `<|image_pad|>` repeated for image i's token count."""
-        parts = text.split(self.image_token)
-        counts = images.image_token_counts(self.merge_size)
+    def videos(self, videos: list[list[Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Videos (each a list of PIL frames) -> (pixel_values_videos, video_grid_thw). Each
+        video's frames are sampled (`sample_frames`), resized to its first frame's size, and
+        processed like images; consecutive frames then fill one temporal patch's two slots."""
+        t = int(self.image_processor.temporal_patch_size)
+        pixels, grids = [], []
+        for frames in videos:
+            frames = sample_frames(frames, self.max_frames, t)
+            size = frames[0].size
+            out = self.image_processor(
+                images=[f.convert("RGB").resize(size) for f in frames], return_tensors="pt"
+            )
+            _, gh, gw = (int(x) for x in out["image_grid_thw"][0])
+            # each frame's patches hold the frame in every temporal slot: (frames, hw, C, t, p*p)
+            per = out["pixel_values"].float().reshape(len(frames), gh * gw, -1, t, self.patch**2)
+            pairs = per[:, :, :, 0].reshape(len(frames) // t, t, gh * gw, -1, self.patch**2)
+            # (temporal patch, hw, C, t, p*p): frame k of a pair in temporal slot k
+            pixels.append(pairs.permute(0, 2, 3, 1, 4).reshape(len(frames) // t * gh * gw, -1))
+            grids.append([len(frames) // t, gh, gw])
+        return torch.cat(pixels), torch.tensor(grids, dtype=torch.long)
+
+    @property
+    def patch(self) -> int:
+        return int(self.image_processor.patch_size)
+
+    def _expand(self, text: str, token: str, counts: list[int], what: str) -> str:
+        parts = text.split(token)
         if len(parts) - 1 != len(counts):
             raise ConfigError(
-                f"the text holds {len(parts) - 1} {self.image_token} placeholders for "
-                f"{len(counts)} images; give one placeholder per image"
+                f"the text holds {len(parts) - 1} {token} placeholders for "
+                f"{len(counts)} {what}; give one placeholder per {what[:-1]}"
             )
         out = parts[0]
         for n, part in zip(counts, parts[1:], strict=True):
-            out += self.image_token * n + part
+            out += token * n + part
         return out
 
-    def __call__(self, text: str, images: list[Any]) -> tuple[list[int], MultimodalInputs | None]:
-        """Token ids of `text` (placeholders expanded) and the images' inputs."""
-        if not images:
+    def expand(self, text: str, images: MultimodalInputs) -> str:
+        """`text` with its i-th `<|image_pad|>` (`<|video_pad|>`) repeated for image (video)
+        i's token count."""
+        text = self._expand(
+            text, self.image_token, images.image_token_counts(self.merge_size), "images"
+        )
+        return self._expand(
+            text, self.video_token, images.video_token_counts(self.merge_size), "videos"
+        )
+
+    def __call__(
+        self, text: str, images: list[Any], videos: list[list[Any]] | None = None
+    ) -> tuple[list[int], MultimodalInputs | None]:
+        """Token ids of `text` (placeholders expanded) and the images' (videos') inputs."""
+        if not images and not videos:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
-        mm = self.images(images)
+        if images:
+            mm = self.images(images)
+        else:
+            dim = 3 * int(self.image_processor.temporal_patch_size) * self.patch**2
+            mm = MultimodalInputs(torch.zeros(0, dim), torch.zeros(0, 3, dtype=torch.long))
+        if videos:
+            mm = MultimodalInputs(mm.pixel_values, mm.image_grid_thw, *self.videos(videos))
         ids = self.tokenizer(self.expand(text, mm), add_special_tokens=False)["input_ids"]
         return list(ids), mm
+
+
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+"""Families `build_tiny_vlm` builds (both share the Qwen2-VL processor and vision tokens)."""
 
 
 @dataclass(frozen=True)
@@ -119,13 +187,25 @@ def build_tiny_vlm(
     hidden_size: int = 64,
     num_layers: int = 2,
     initializer_range: float = 0.1,
+    family: str = "qwen2_vl",
 ) -> TinyVLM:
     """Build, initialise (seeded) and save a tiny random `Qwen2VLForConditionalGeneration`
-    with a byte-level tokenizer (the vision tokens added) and a Qwen2-VL image processor
+    (`family="qwen2_vl"`) or `Qwen2_5_VLForConditionalGeneration` (`"qwen2_5_vl"`: RMSNorm +
+    SwiGLU vision blocks, windowed attention in block 0 and full attention in the last) with
+    a byte-level tokenizer (the vision tokens added) and the image processor both families use
     (14-pixel patches merged 2x2; images are resized to 112..448 pixels a side)."""
     # transformers takes seconds to import; the config checks import this module
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    if family not in VLM_FAMILIES:
+        raise ConfigError(f"build_tiny_vlm(family={family!r}): use one of {list(VLM_FAMILIES)}")
 
     from tephra.rollout.testing import build_tiny_tokenizer
 
@@ -136,7 +216,31 @@ def build_tiny_vlm(
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     head = hidden_size // 2
-    config = Qwen2VLConfig(
+    vision_common = dict(
+        depth=1 if family == "qwen2_vl" else 2,
+        hidden_size=hidden_size,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_channels=3,
+        initializer_range=initializer_range,
+    )
+    if family == "qwen2_vl":
+        vision_config = dict(vision_common, embed_dim=32, mlp_ratio=2)
+        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    else:
+        # the tower's own width is hidden_size; out_hidden_size is the language model's
+        vision_config = dict(
+            vision_common,
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=hidden_size,
+            window_size=56,  # 2x2 merged patches a window: small images still cross windows
+            fullatt_block_indexes=[1],
+        )
+        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    config = config_cls(
         text_config=dict(
             vocab_size=len(tok),
             hidden_size=hidden_size,
@@ -155,18 +259,7 @@ def build_tiny_vlm(
             pad_token_id=pad,
             bos_token_id=None,
         ),
-        vision_config=dict(
-            depth=1,
-            embed_dim=32,
-            hidden_size=hidden_size,
-            num_heads=2,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            in_channels=3,
-            initializer_range=initializer_range,
-        ),
+        vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -177,7 +270,7 @@ def build_tiny_vlm(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(path)
     tok.save_pretrained(path)

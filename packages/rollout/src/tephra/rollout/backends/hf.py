@@ -46,7 +46,12 @@ from tephra.rollout.base import (
     SamplingParams,
     check_prompts,
 )
-from tephra.rollout.multimodal import MultimodalInputs, hf_model_kwargs, image_token_id
+from tephra.rollout.multimodal import (
+    MultimodalInputs,
+    hf_model_kwargs,
+    image_token_id,
+    video_token_id,
+)
 
 _SEED_MASK = 2**64 - 1
 """torch generators take seeds in [0, 2**64); larger or negative seeds wrap."""
@@ -324,7 +329,12 @@ class HFRollout(Rollout):
             width = ids.shape[1]
         # images (vision-language model): pixel inputs of the rows, in row order
         mm_kwargs = (
-            hf_model_kwargs(ids.cpu(), multimodal, image_token_id(self.model.config))
+            hf_model_kwargs(
+                ids.cpu(),
+                multimodal,
+                image_token_id(self.model.config),
+                video_token_id(self.model.config),
+            )
             if (multimodal and any(m is not None for m in multimodal))
             else {}
         )
