@@ -312,6 +312,51 @@ CASES = [
         r"resources.world_size=1 x resources.cpus_per_rank=1 \+ resources.rollout.replicas=600 x "
         r"cpus_per_replica=1 = 601 CPUs, but resources.num_cpus=512",
     ),
+    # the recipes' options (VAPO, distillation, PRIME, SPPO, the LLM judge)
+    (
+        ["trainer.critic_warmup=2"],
+        r"trainer.critic_warmup=2 updates only the critic, but algorithm.adv_estimator='grpo' uses none",
+    ),
+    (["trainer.critic_warmup=-1"], r"trainer.critic_warmup=-1 must be >= 0"),
+    (["algorithm.advantage.lam_actor=1.5"], r"advantage.lam_actor=1.5 must be in \[0.0, 1.0\]"),
+    (["algorithm.advantage.lam_length_alpha=0"], r"advantage.lam_length_alpha=0(\.0)? must be > 0"),
+    (["algorithm.advantage.sppo_eta=0"], r"advantage.sppo_eta=0(\.0)? must be > 0"),
+    (
+        ["actor.objective.distill_loss_coef=0.1"],
+        r"actor.objective.distill_loss_coef=0.1 needs a teacher: set algorithm.distillation.teacher_path",
+    ),
+    (
+        ["algorithm.distillation.teacher_path=tiny"],
+        r"algorithm.distillation.teacher_path='tiny' is set but unused",
+    ),
+    (
+        ["algorithm.distillation.teacher_path=tiny", "algorithm.distillation.rl_advantage=false"],
+        r"rl_advantage=false leaves no advantage",
+    ),
+    (["actor.objective.distill_loss_type=k9"], r"distill_loss_type='k9' is not registered"),
+    (
+        ["algorithm.prime.enabled=true", "algorithm.prime.beta=0"],
+        r"algorithm.prime.beta=0.0 must be > 0",
+    ),
+    (
+        [
+            "algorithm.prime.enabled=true",
+            "algorithm.adv_estimator=reinforce_plus_plus",
+            "batch.samples_per_prompt=1",
+        ],
+        r"algorithm.prime compares samples of one prompt .*batch.samples_per_prompt=1 must be >= 2",
+    ),
+    (
+        ["algorithm.prime.enabled=true", "-p", "ppo_critic"],
+        r"algorithm.prime replaces the advantage estimator; algorithm.adv_estimator='gae'",
+    ),
+    (["reward.judge.parser="], r"reward.judge.parser=(''|None): a judge needs a parser"),
+    (["reward.judge.parser=stars"], r"reward.judge.parser='stars' is not registered"),
+    (
+        ["reward.judge.prompt_template=Rate {prompt}"],
+        r"reward.judge.prompt_template: it must hold \{response\}",
+    ),
+    (["reward.judge.model_path=/no/such/judge"], r"reward.judge.model_path='/no/such/judge'"),
 ]
 
 

@@ -207,6 +207,18 @@ def naive(name, rewards, mask, group_ids, values, baselines, cfg):
     if name == "passk_expectation":
         a = naive_passk(scores, group_ids, cfg.passk_k, cfg.norm_by_std, cfg.epsilon)
         return to_dense(a, mask), to_dense(a, mask)
+    if name == "sppo":  # Bradley-Terry win rate against the others of the group
+        a = [0.0] * b
+        for members in naive_groups(group_ids).values():
+            for i in members:
+                others = [j for j in members if j != i]
+                p = (
+                    mean([1 / (1 + math.exp(scores[j] - scores[i])) for j in others])
+                    if others
+                    else 0.5
+                )
+                a[i] = cfg.sppo_eta * (p - 0.5)
+        return to_dense(a, mask), to_dense(a, mask)
     if name == "gdpo":  # one reward component: GRPO, then whitened over response tokens
         a = naive_group_baseline(scores, group_ids, cfg.norm_by_std, cfg.epsilon)
         tok = whiten({(i, t): a[i] for i in range(b) for t in response_positions(mask[i])})

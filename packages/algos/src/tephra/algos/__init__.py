@@ -2,7 +2,8 @@
 
 Advantage estimators, policy losses, loss aggregation with global normalisers, KL
 estimators and controllers, value loss, entropy, DAPO dynamic sampling and overlong
-shaping, truncated importance sampling, rollout correction (off-policy rollouts). Depends on torch only; never on an engine.
+shaping, truncated importance sampling, rollout correction (off-policy rollouts), on-policy
+distillation, PRIME's implicit process reward, SPIN and SPPO self-play losses. Depends on torch only; never on an engine.
 """
 
 from tephra.algos.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
@@ -14,6 +15,7 @@ from tephra.algos.config import (
     PolicyLossConfig,
 )
 from tephra.algos.dapo import filter_groups, overlong_penalty
+from tephra.algos.distillation import distillation_advantages
 from tephra.algos.entropy import entropy_from_logits
 from tephra.algos.errors import ConfigError, InputError, RegistryError
 from tephra.algos.groups import group_index
@@ -29,6 +31,12 @@ from tephra.algos.kl import (
 from tephra.algos.masked import masked_mean, masked_sum, masked_whiten
 from tephra.algos.objectives import ActorObjective, CriticObjective
 from tephra.algos.policy_losses import POLICY_LOSSES, compute_policy_loss
+from tephra.algos.prime import (
+    PrimeRMObjective,
+    implicit_process_rewards,
+    prime_advantages,
+    prime_rm_loss,
+)
 from tephra.algos.registry import Registry
 from tephra.algos.rollout_correction import (
     REJECTION_OPTIONS,
@@ -39,9 +47,19 @@ from tephra.algos.rollout_correction import (
     rejection_mask,
     rollout_mismatch_metrics,
 )
+from tephra.algos.self_play import sequence_log_probs, spin_loss, sppo_loss, win_rates
 from tephra.algos.value_loss import clipped_value_loss
 
 __all__ = [
+    "PrimeRMObjective",
+    "win_rates",
+    "sppo_loss",
+    "spin_loss",
+    "sequence_log_probs",
+    "prime_rm_loss",
+    "prime_advantages",
+    "implicit_process_rewards",
+    "distillation_advantages",
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATION_MODES",
     "KL_ESTIMATORS",

@@ -31,6 +31,7 @@ from tephra.algos.groups import Groups, group_index
 from tephra.algos.inputs import check_per_sample, check_same_shape, float_mask
 from tephra.algos.masked import masked_sum, masked_whiten
 from tephra.algos.registry import Registry
+from tephra.algos.self_play import win_rates
 
 # (advantages [batch, seq], returns [batch, seq])
 AdvantagePair = tuple[torch.Tensor, torch.Tensor]
@@ -167,28 +168,51 @@ def gae(
         delta_t = r_t + gamma * V_{next(t)} - V_t      (V after the last response token = 0)
         A_t = delta_t + gamma * lam * A_{next(t)}
         returns_t = A_t + V_t;  advantages = whiten(A) over the batch (`whiten_gae`).
+    VAPO's decoupled lambda (Yue et al. 2025): the advantages use `lam_actor` and the returns
+    `lam_critic` (returns_t = A_t(lam_critic) + V_t); with `lam_length_alpha` = alpha the
+    actor's lambda of sample i is 1 - 1 / (alpha * l_i), l_i its response-token count.
     """
     if values is None:
         raise InputError(
             "advantage estimator 'gae' needs values=[batch, seq] from the critic; "
             "pass values= or choose an estimator without a critic (e.g. 'grpo')"
         )
-    g, lam = config.gamma, config.lam
-    rewards = torch.where(response_mask > 0, token_rewards, torch.zeros_like(token_rewards))
     on = response_mask > 0
+    actor_lam = torch.full_like(values[:, 0], config.actor_lam)
+    if config.lam_length_alpha is not None:
+        lengths = on.sum(-1).to(values.dtype).clamp(min=1)
+        actor_lam = (1.0 - 1.0 / (config.lam_length_alpha * lengths)).clamp(0.0, 1.0)
+    adv = _gae_scan(token_rewards, values, on, config.gamma, actor_lam)
+    if config.lam_length_alpha is None and config.critic_lam == config.actor_lam:
+        critic_adv = adv
+    else:
+        critic_lam = torch.full_like(values[:, 0], config.critic_lam)
+        critic_adv = _gae_scan(token_rewards, values, on, config.gamma, critic_lam)
+    returns = torch.where(on, critic_adv + values, torch.zeros_like(adv))
+    if config.whiten_gae:
+        adv = masked_whiten(adv, response_mask)
+    return adv, returns
+
+
+def _gae_scan(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    on: torch.Tensor,
+    gamma: float,
+    lam: torch.Tensor,
+) -> torch.Tensor:
+    """GAE advantages [batch, seq] with a per-sample lambda `lam` [batch]; 0 where not `on`."""
+    rewards = torch.where(on, token_rewards, torch.zeros_like(token_rewards))
     next_value = torch.zeros_like(values[:, 0])
     next_adv = torch.zeros_like(values[:, 0])
     adv = torch.zeros_like(values)
     for t in range(values.shape[1] - 1, -1, -1):
-        delta = rewards[:, t] + g * next_value - values[:, t]
-        a = delta + g * lam * next_adv
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * next_adv
         next_value = torch.where(on[:, t], values[:, t], next_value)
         next_adv = torch.where(on[:, t], a, next_adv)
         adv[:, t] = torch.where(on[:, t], a, torch.zeros_like(a))
-    returns = torch.where(on, adv + values, torch.zeros_like(adv))
-    if config.whiten_gae:
-        adv = masked_whiten(adv, response_mask)
-    return adv, returns
+    return adv
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo", needs_groups=True)
@@ -697,4 +721,24 @@ def gdpo(
         total = total + (1.0 if weights is None else weights[k]) * (comps[:, k] - mean) / scale
     adv = masked_whiten(_broadcast(total, response_mask), response_mask)
     adv = adv * float_mask(response_mask, adv)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("sppo", needs_groups=True)
+def sppo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    config: AdvantageConfig,
+    **_unused: object,
+) -> AdvantagePair:
+    """SPPO's target (Wu et al. 2024): with P_i the Bradley-Terry win rate of sample i
+    against the other samples of its prompt (`win_rates`: 1/(K-1) sum_{j != i}
+    sigmoid(s_i - s_j); 0.5 alone),
+        A_i = eta * (P_i - 1/2)     (eta = `sppo_eta`) on every response token.
+    Pair it with the `sppo` policy loss, which regresses the sequence log-ratio to it."""
+    scores = _scores(token_rewards, response_mask)
+    per_sample = config.sppo_eta * (win_rates(scores, group_ids) - 0.5)
+    adv = _broadcast(per_sample, response_mask)
     return adv, adv

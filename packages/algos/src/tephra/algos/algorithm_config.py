@@ -10,6 +10,7 @@ from tephra.algos.advantages import ADVANTAGE_ESTIMATORS
 from tephra.algos.config import AdvantageConfig
 from tephra.algos.errors import ConfigError
 from tephra.algos.kl import KL_ESTIMATORS
+from tephra.algos.recipe_config import DistillationConfig, PrimeConfig
 from tephra.algos.rollout_correction import LEVELS, ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from tephra.core.registry import check_registered
 
@@ -107,6 +108,10 @@ class AlgorithmConfig:
     """Stop the run when `rollout_corr/kl_k3` (KL between the rollout's and the trainer's
     token distributions, estimated on the sampled tokens) exceeds this; None: log only.
     Healthy runs sit near 1e-4 to 1e-3; a wrong dtype or chat template gives 1e-2 and more."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation: a teacher scores the sampled tokens (off by default)."""
+    prime: PrimeConfig = field(default_factory=PrimeConfig)
+    """PRIME's implicit process reward model and advantage (off by default)."""
 
     def __post_init__(self) -> None:
         check_registered("algorithm.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS)

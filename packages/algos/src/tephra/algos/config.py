@@ -45,7 +45,18 @@ class AdvantageConfig:
     """Discount per response token (`gae`, `reinforce_plus_plus`). 1.0: outcome rewards of
     LLM responses are not discounted by length unless asked for."""
     lam: float = 1.0
-    """GAE lambda (`gae` only); 1.0 gives Monte-Carlo returns minus the value baseline."""
+    """GAE lambda (`gae` only); 1.0 gives Monte-Carlo returns minus the value baseline. The
+    default of `lam_actor` and `lam_critic` where those are None."""
+    lam_actor: float | None = None
+    """`gae`: lambda of the actor's advantages (VAPO's decoupled GAE, Yue et al. 2025,
+    arXiv 2504.05118); None: `lam`. Ignored where `lam_length_alpha` is set."""
+    lam_critic: float | None = None
+    """`gae`: lambda of the critic's returns (its regression target); None: `lam`. VAPO uses
+    1.0 so the value target is the unbiased Monte-Carlo return."""
+    lam_length_alpha: float | None = None
+    """`gae`: VAPO's length-adaptive lambda for the actor, lambda_i = 1 - 1 / (alpha * l_i)
+    with l_i the sample's response-token count (clamped to [0, 1]); None: off. VAPO uses
+    alpha = 0.05, so long answers get lambda near 1 (less bias), short ones smaller lambda."""
     norm_by_std: bool = True
     """`grpo`, `gpg`, `grpo_passk`: divide the group-centred score by the group's standard
     deviation. False for `grpo` is Dr. GRPO (Liu et al. 2025), which removes this bias."""
@@ -57,6 +68,9 @@ class AdvantageConfig:
     passk_k: int = 4
     """`grpo_passk`: the k of pass@k (max@k for non-binary rewards); every group must hold at
     least k samples. k=1 is GRPO with the population standard deviation."""
+    sppo_eta: float = 1e3
+    """`sppo`: the step size eta of SPPO's target eta * (P(win) - 1/2), in nats of sequence
+    log-ratio per unit of win rate; 1e3 is the paper's (long responses: large log-ratios)."""
     gdpo_reward_keys: list[str] | None = None
     """`gdpo`: names of the reward function's dict entries that are GDPO's reward components,
     in order (e.g. [format, accuracy] for a function returning {"score": ..., "format": ...,
@@ -72,6 +86,16 @@ class AdvantageConfig:
     would be that sample's own return, so its advantage would be 0). None: each estimator's
     verl default (False for `optimal_token_baseline`, True for `tir_optimal_token_baseline`;
     verl's `handle_zero_tail` argument)."""
+
+    @property
+    def actor_lam(self) -> float:
+        """The lambda of the actor's advantages (`lam_actor`, else `lam`)."""
+        return self.lam if self.lam_actor is None else self.lam_actor
+
+    @property
+    def critic_lam(self) -> float:
+        """The lambda of the critic's returns (`lam_critic`, else `lam`)."""
+        return self.lam if self.lam_critic is None else self.lam_critic
 
     def __post_init__(self) -> None:
         if self.handle_zero_tail is not None and not isinstance(self.handle_zero_tail, bool):
@@ -96,7 +120,14 @@ class AdvantageConfig:
             )
         _in_range("advantage", "gamma", self.gamma, 0.0, 1.0)
         _in_range("advantage", "lam", self.lam, 0.0, 1.0)
+        if self.lam_actor is not None:
+            _in_range("advantage", "lam_actor", self.lam_actor, 0.0, 1.0)
+        if self.lam_critic is not None:
+            _in_range("advantage", "lam_critic", self.lam_critic, 0.0, 1.0)
+        if self.lam_length_alpha is not None:
+            _positive("advantage", "lam_length_alpha", self.lam_length_alpha)
         _positive("advantage", "epsilon", self.epsilon)
+        _positive("advantage", "sppo_eta", self.sppo_eta)
         if not isinstance(self.passk_k, int) or self.passk_k < 1:
             raise ConfigError(f"advantage.passk_k={self.passk_k!r} must be an integer >= 1")
 
@@ -208,6 +239,12 @@ class ActorObjectiveConfig:
     kl_loss_type: str = "k3+"
     """Name in `KL_ESTIMATORS`. Default `k3+`: the low-variance k3 value with the k2
     gradient, which is unbiased for grad KL(pi || pi_ref) (plain k3's gradient is not)."""
+    distill_loss_coef: float = 0.0
+    """On-policy distillation as a loss term: add this * agg(KL(pi || teacher)) estimated on
+    the sampled tokens with `distill_loss_type` (reads batch["teacher_log_probs"]); 0: off."""
+    distill_loss_type: str = "k3+"
+    """Name in `KL_ESTIMATORS` for the distillation term. `k3+` (k2's gradient
+    (log pi - log q) grad log pi) is the per-token REINFORCE gradient of the reverse KL."""
     tis_level: str | None = None
     """Truncated importance sampling against `rollout_log_probs`: `token`, `sequence`, or None
     (off). Corrects the rollout-engine / training-engine probability mismatch."""
@@ -227,6 +264,13 @@ class ActorObjectiveConfig:
             raise ConfigError(
                 f"actor.kl_loss_type={self.kl_loss_type!r} needs full-vocabulary log-probs, "
                 f"which engines do not return; use 'k3+' or 'k1'"
+            )
+        _registered("actor", "distill_loss_type", self.distill_loss_type, KL_ESTIMATORS)
+        _positive("actor", "distill_loss_coef", self.distill_loss_coef, zero_ok=True)
+        if self.distill_loss_type.startswith("full"):
+            raise ConfigError(
+                f"actor.distill_loss_type={self.distill_loss_type!r} needs full-vocabulary "
+                f"log-probs, which engines do not return; use 'k3+' or 'k1'"
             )
         _check_norm_constant("actor", self.loss_agg_mode, self.loss_agg_norm_constant)
         _positive("actor", "entropy_coeff", self.entropy_coeff, zero_ok=True)

@@ -57,7 +57,9 @@ class ActorObjective:
     `compute_policy_loss` and in verl.
     Reads outputs["log_probs"] (and outputs["entropy"] when present or needed),
     batch["old_log_probs"], ["advantages"], ["response_mask"], ["global_token_count"],
-    ["global_seq_count"], and ["ref_log_probs"] (use_kl_loss), ["rollout_log_probs"] (tis).
+    ["global_seq_count"], and ["ref_log_probs"] (use_kl_loss), ["rollout_log_probs"] (tis),
+    ["teacher_log_probs"] (distill_loss_coef: + coef * agg(KL(pi || teacher)), on-policy
+    distillation as a loss term).
     """
 
     def __init__(self, config: ActorObjectiveConfig | None = None) -> None:
@@ -154,6 +156,20 @@ class ActorObjective:
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = float(kl_loss.detach())
             metrics["actor/kl_mean"] = float(masked_mean(kl.detach(), mask))
+
+        if cfg.distill_loss_coef != 0:
+            teacher = _need(
+                batch,
+                "teacher_log_probs",
+                "batch",
+                f"actor.distill_loss_coef={cfg.distill_loss_coef} needs the teacher's "
+                "log-probs of the sampled tokens; configure a teacher or set it to 0",
+            )
+            check_same_shape(log_probs=log_probs, teacher_log_probs=teacher)
+            rkl = kl_penalty(log_probs, teacher, cfg.distill_loss_type)
+            distill_loss = agg(rkl)
+            loss = loss + cfg.distill_loss_coef * distill_loss
+            metrics["actor/distill_loss"] = float(distill_loss.detach())
         return loss, metrics
 
 

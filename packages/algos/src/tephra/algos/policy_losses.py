@@ -441,6 +441,32 @@ def compute_policy_loss(
     return loss, metrics
 
 
+@POLICY_LOSSES.register("sppo", aggregation="seq-mean-token-mean")
+def sppo(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+) -> LossOutput:
+    """SPPO (Wu et al. 2024, "Self-Play Preference Optimization for Language Model
+    Alignment"): squared regression of the sequence log-ratio to the estimator's target,
+        L_i = (sum_t m_t log(pi(y_t) / pi_old(y_t)) - Abar_i)^2
+    with pi_old the sampling policy (SPPO's previous iteration pi_t) and Abar_i the
+    sequence's mean advantage, eta * (P(y_i > pi_t) - 1/2) from the `sppo` estimator. The
+    sequence loss is repeated on its tokens and averaged over sequences (it fixes its own
+    aggregation). Token log-ratios are clamped to +-`log_ratio_clamp`."""
+    log_ratio = _log_ratio(log_probs, old_log_probs, config)
+    on = response_mask > 0
+    seq_ratio = torch.where(on, log_ratio, torch.zeros_like(log_ratio)).sum(-1)
+    n = masked_count(response_mask, dim=-1).clamp(min=1).to(log_probs.dtype)
+    target = torch.where(on, advantages, torch.zeros_like(advantages)).sum(-1) / n
+    loss = (seq_ratio - target.detach()).square().unsqueeze(-1).expand_as(log_probs)
+    metrics = _ratio_metrics(log_ratio, response_mask)
+    metrics["pg_clipfrac"] = 0.0
+    return loss, metrics
+
+
 def policy_aggregation(name: str, loss_agg_mode: str) -> str:
     """The aggregation of policy loss `name`: a sequence-level loss (its value repeated on
     every token, e.g. `geo_mean`) fixes its own, as verl's ignores `loss_agg_mode`; the others

@@ -200,8 +200,8 @@ class Generator:
         clipped, extras = [False] * len(samples), [{} for _ in samples]
         if todo:
             prompts = None
-            if self.cfg.reward.reward_model_path:
-                tok = self.tokenizer()
+            if self.cfg.reward.reward_model_path or self.cfg.reward.judge.enabled:
+                tok = self.tokenizer()  # a reward model and a judge read the prompt too
                 prompts = [
                     tok.decode(samples[i].prompt_ids, skip_special_tokens=True) for i in todo
                 ]

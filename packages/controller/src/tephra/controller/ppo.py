@@ -29,6 +29,7 @@ from tephra.controller.rl_checks import check_engine_support, resolve_auto_dtype
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.rounds import Prompts
 from tephra.controller.startup import Timeline
+from tephra.controller.teacher import check_teacher
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
 
@@ -157,6 +158,8 @@ def prepare(cfg: PPOConfig) -> Prepared:
     if named_model_folder(cfg.model.path) is not None:
         check_engine_support(cfg, model_path)  # built just now: its shape was not known yet
     tokenizer = load_tokenizer(model_path)
+    if cfg.algorithm.distillation.enabled:
+        check_teacher(cfg.algorithm.distillation.teacher_path, cfg.trainer.seed, tokenizer)
     r = cfg.rollout
     tools_file = resolve_tools_file(r.tools_file) if r.uses_agent_loop and r.tools_file else None
     render = None

@@ -13,6 +13,7 @@ from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.controller import worker_group
 from tephra.controller.checkpoints import MANIFEST, CheckpointManager
 from tephra.controller.models import declared_model_folder
+from tephra.controller.teacher import check_distillation
 from tephra.core.errors import ConfigError
 from tephra.engine_api.fastest_dtype import resolve_dtype
 from tephra.engine_api.registry import get_engine_class
@@ -211,12 +212,42 @@ def validate(cfg: PPOConfig) -> None:
             f"tis_level={cfg.actor.objective.tis_level!r} would correct twice; use "
             "algorithm.rollout_correction=tis (and its _level / _cap) alone"
         )
+    check_recipes(cfg)
     check_role_pools(cfg)
     if cfg.data.has_images:
         check_image_support(cfg)
     weight_path(cfg)
     check_engine_support(cfg)
     check_surroundings(cfg)
+
+
+def check_recipes(cfg: PPOConfig) -> None:
+    """Critic warmup, the distillation teacher and PRIME agree with the rest of the config."""
+    a, b = cfg.algorithm, cfg.batch
+    warmup = cfg.trainer.critic_warmup
+    if warmup and not a.needs("values"):
+        raise ConfigError(
+            f"trainer.critic_warmup={warmup} updates only the critic, but "
+            f"algorithm.adv_estimator={a.adv_estimator!r} uses none; choose an estimator with "
+            "a critic (e.g. gae) or set trainer.critic_warmup=0"
+        )
+    check_distillation(a.distillation, cfg.actor.objective.distill_loss_coef)
+    if a.prime.enabled:
+        if b.samples_per_prompt < 2:
+            raise ConfigError(
+                "algorithm.prime compares samples of one prompt (leave-one-out baselines); "
+                f"batch.samples_per_prompt={b.samples_per_prompt} must be >= 2"
+            )
+        if a.needs("values") or a.needs("baselines") or a.needs("token_stats"):
+            raise ConfigError(
+                "algorithm.prime replaces the advantage estimator; algorithm.adv_estimator="
+                f"{a.adv_estimator!r} needs inputs PRIME does not use; keep the default 'grpo'"
+            )
+        if a.kl_in_reward.enabled:
+            raise ConfigError(
+                "algorithm.prime builds its advantage from the implicit and outcome rewards, "
+                "without algorithm.kl_in_reward; use actor.objective.use_kl_loss=true instead"
+            )
 
 
 def check_surroundings(cfg: PPOConfig) -> None:
@@ -244,6 +275,12 @@ def check_reward_files(reward: RewardConfig) -> None:
             )
         except RewardFunctionError as exc:
             raise ConfigError(f"reward.custom_function_path: {exc}") from None
+    judge = reward.judge.model_path
+    if judge and not (Path(judge).expanduser() / "config.json").is_file():
+        raise ConfigError(
+            f"reward.judge.model_path={judge!r} is not a Hugging Face model folder (no "
+            "config.json); give the folder of the judge model"
+        )
     if reward.reward_model_path and not Path(reward.reward_model_path).expanduser().is_dir():
         raise ConfigError(
             f"reward.reward_model_path={reward.reward_model_path!r}: no such "
@@ -390,7 +427,8 @@ def check_role_pools(cfg: PPOConfig) -> None:
     b = cfg.batch
     uses = {
         "ref": (
-            cfg.needs_reference and not cfg.actor.lora.enabled,
+            (cfg.needs_reference and not cfg.actor.lora.enabled)
+            or cfg.algorithm.distillation.enabled,
             "nothing uses a reference: set actor.objective.use_kl_loss=true or "
             "algorithm.kl_in_reward, and no actor.lora (its reference is the actor "
             "with the adapters off)",

@@ -296,6 +296,10 @@ class TrainerSection:
     steps: int = 36
     """RL steps. The demo, measured on 2 cores with AMX: ~9.5 s per step (17-20 s on an
     AVX2-only CPU, in fp32); held-out greedy accuracy 29.5% -> 76.5% (200 items)."""
+    critic_warmup: int = 0
+    """The first N steps update the critic only: the actor's weights and optimizer state are
+    left untouched (verl's `critic_warmup`; VAPO's value pretraining), so the critic learns the
+    policy's values before its advantages steer the policy. Needs an estimator with a critic."""
     seed: int = 0
     """Seed of data order, sampling and initialisation."""
     run_dir: str = "runs/ppo"
@@ -353,6 +357,11 @@ class TrainerSection:
     def __post_init__(self) -> None:
         if self.mode not in TRAINING_MODES:
             raise ConfigError(f"trainer.mode={self.mode!r}: choose one of {list(TRAINING_MODES)}")
+        if not isinstance(self.critic_warmup, int) or self.critic_warmup < 0:
+            raise ConfigError(
+                f"trainer.critic_warmup={self.critic_warmup} must be >= 0 (steps that update "
+                "the critic only; 0: none)"
+            )
         if self.max_staleness < 0 or self.async_in_flight < 1 or self.async_groups_per_request < 1:
             raise ConfigError(
                 f"trainer.max_staleness={self.max_staleness} must be >= 0, "
@@ -512,7 +521,11 @@ class PPOConfig:
 
     @property
     def needs_reference(self) -> bool:
-        return self.actor.objective.use_kl_loss or self.algorithm.kl_in_reward.enabled
+        return (
+            self.algorithm.prime.enabled
+            or self.actor.objective.use_kl_loss
+            or self.algorithm.kl_in_reward.enabled
+        )
 
     def data_parallel_size(self) -> int:
         return self.actor.parallel.data_parallel_size(self.resources.world_size)

@@ -49,6 +49,7 @@ from tephra.controller.data import PromptLoader, dataset_fingerprint
 from tephra.controller.evaluation import flat_metrics, summarise, write_jsonl
 from tephra.controller.flops import ModelShape, step_flops
 from tephra.controller.generation_dumps import validation_rows, write_train_samples
+from tephra.controller.prime import prime_step
 from tephra.controller.rewarding import check_advantages, check_not_all_failed, check_rewards
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.rl_worker import can_skip_flat, flat_groups
@@ -69,6 +70,7 @@ from tephra.controller.samples import (
 from tephra.controller.step_metrics import (
     dynamic_sampling_metrics,
     format_time_share,
+    judge_metrics,
     staleness_metrics,
     step_summary,
     time_share,
@@ -81,6 +83,7 @@ from tephra.controller.step_rewards import (
     reward_components,
     set_advantages,
 )
+from tephra.controller.teacher import add_distillation_advantages
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_failures import WORKER_FAILURES
 from tephra.controller.worker_group import WorkerGroup
@@ -420,6 +423,17 @@ class Trainer:
             ]
             forward_passes += 1
             lap("ref")
+        a = cfg.algorithm
+        if a.distillation.enabled:  # the teacher sits with the reference
+            batch["teacher_log_probs"] = self.on_ranks("compute_teacher_log_probs", batch, "ref")[
+                "log_probs"
+            ]
+            forward_passes += 1
+            lap("teacher")
+        if a.prime.enabled:
+            prm_log_probs = self.on_ranks("compute_prm_log_probs", batch)["log_probs"]
+            forward_passes += 1
+            lap("prm")
         if self.needs_critic:
             batch["values"] = self.on_ranks("compute_values", batch, "critic")["values"]
             forward_passes += 1
@@ -477,7 +491,30 @@ class Trainer:
             baselines = self.greedy_baselines(rounds)
             metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
             lap("baselines")
-        set_advantages(cfg, batch, token_rewards, baselines, reward_components(cfg, samples))
+        if a.prime.enabled:
+            adv, batch["prime_labels"], prime_metrics = prime_step(
+                prm_log_probs,
+                batch["ref_log_probs"],
+                batch["response_mask"],
+                scores,
+                batch["uid"],
+                a.prime,
+            )
+            batch["advantages"], batch["returns"] = adv.float(), adv.float()
+            metrics.update(prime_metrics)
+        else:
+            set_advantages(cfg, batch, token_rewards, baselines, reward_components(cfg, samples))
+        if a.distillation.enabled:
+            old_log_probs = batch.get("old_log_probs", batch["rollout_log_probs"])
+            batch["advantages"], distill_metrics = add_distillation_advantages(
+                batch["advantages"],
+                old_log_probs,
+                batch["teacher_log_probs"],
+                batch["response_mask"],
+                a.distillation,
+            )
+            metrics.update(distill_metrics)
+        metrics.update(judge_metrics(samples))
         check_advantages(batch["advantages"], batch["response_mask"], names)
         apply_rejection(batch)
         if self.skips_flat:  # the workers leave these groups out of the actor update
@@ -497,14 +534,27 @@ class Trainer:
             )
             trained_passes += cfg.batch.epochs
             lap("critic")
-        metrics.update(
-            {
-                k if k.startswith("actor/") else f"actor/{k}": v
-                for k, v in self.on_ranks("update_actor", batch).items()
-            }
-        )
-        trained_passes += cfg.batch.epochs
-        lap("actor")
+        if a.prime.enabled:  # after its rewards were read: PRIME updates the PRM online
+            metrics.update(
+                {
+                    f"prime/{k.split('/')[-1]}": v
+                    for k, v in self.on_ranks("update_prm", batch).items()
+                }
+            )
+            trained_passes += cfg.batch.epochs
+            lap("prm_update")
+        warmup = self.step < cfg.trainer.critic_warmup
+        if cfg.trainer.critic_warmup:
+            metrics["trainer/critic_warmup"] = float(warmup)
+        if not warmup:  # critic warmup: the actor's weights and optimizer stay untouched
+            metrics.update(
+                {
+                    k if k.startswith("actor/") else f"actor/{k}": v
+                    for k, v in self.on_ranks("update_actor", batch).items()
+                }
+            )
+            trained_passes += cfg.batch.epochs
+            lap("actor")
         if self.ahead is not None:
             self.finish_ahead()
             lap("generate_wait")  # what the update did not hide of the next generation

@@ -40,10 +40,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch.profiler import ProfilerActivity, profile
 
-from tephra.algos import ActorObjective, CriticObjective
+from tephra.algos import ActorObjective, CriticObjective, PrimeRMObjective
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.flops import device_peak
 from tephra.controller.generation import Generator
+from tephra.controller.models import resolve_model_path
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
 from tephra.controller.worker_group import DataParallelInfo, Worker
@@ -145,6 +146,26 @@ class RLWorker(Worker):
                     model, "policy", temperature, seed, device=_engine_device(device)
                 ),
             )
+        self.teacher = None
+        """On-policy distillation's teacher: forward-only, placed with the reference."""
+        distill = cfg.algorithm.distillation
+        if "ref" in self.roles and distill.enabled:
+            teacher = replace(model, path=resolve_model_path(distill.teacher_path, seed))
+            self.teacher = get_engine(
+                cfg.actor.engine,
+                cfg.actor.engine_config(
+                    teacher, "policy", temperature, seed, device=_engine_device(device)
+                ),
+            )
+        self.prm = None
+        """PRIME's implicit process reward model: trained, initialised from the policy."""
+        if "actor" in self.roles and cfg.algorithm.prime.enabled:
+            self.prm = get_engine(
+                cfg.actor.engine,
+                cfg.actor.engine_config(
+                    model, "policy", temperature, seed, device=_engine_device(device)
+                ),
+            )
         self.critic = None
         if "critic" in self.roles and cfg.algorithm.needs("values"):
             self.critic = get_engine(
@@ -155,6 +176,7 @@ class RLWorker(Worker):
             )
         self.actor_loss = ActorObjective(cfg.actor.objective)
         self.critic_loss = CriticObjective(cfg.critic.objective) if self.critic else None
+        self.prm_loss = PrimeRMObjective(cfg.algorithm.prime.beta) if self.prm else None
         self._weights_group = None
         # The rollout engine loaded the checkpoint from disk, but the engine may have
         # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
@@ -166,7 +188,7 @@ class RLWorker(Worker):
         """Data-parallel coordinates from the group's first engine (the actor, else the
         reference or critic of a pool of its own): rows go to data-parallel ranks, tensor /
         pipeline / context peers get the same rows; one peer returns them."""
-        engine = next(e for e in (self.actor, self.ref, self.critic) if e is not None)
+        engine = next(e for e in (self.actor, self.ref, self.teacher, self.critic) if e is not None)
         return DataParallelInfo(
             dp_rank=engine.dp_rank,
             dp_size=engine.dp_size,
@@ -258,6 +280,29 @@ class RLWorker(Worker):
             with self.actor.eval_mode(), self.actor.reference_mode():
                 out = self.actor.forward(batch)
         return out.select("log_probs")
+
+    @dispatch(Dispatch.DP_SPLIT)
+    @profiled("teacher")
+    def compute_teacher_log_probs(self, batch: TensorDict) -> TensorDict:
+        """The distillation teacher's log-probs of the sampled response tokens."""
+        with self.teacher.eval_mode():
+            out = self.teacher.forward(batch)
+        return out.select("log_probs")
+
+    @dispatch(Dispatch.DP_SPLIT)
+    @profiled("prm")
+    def compute_prm_log_probs(self, batch: TensorDict) -> TensorDict:
+        """PRIME's reward model's log-probs of the sampled response tokens."""
+        with self.prm.eval_mode():
+            out = self.prm.forward(batch)
+        return out.select("log_probs")
+
+    @dispatch(Dispatch.DP_SPLIT)
+    @profiled("prm_update")
+    def update_prm(self, batch: TensorDict) -> dict[str, float]:
+        """PRIME's reward model: cross-entropy of its sequence implicit reward against the
+        outcome labels (batch["prime_labels"]), mini-batches x epochs as the actor."""
+        return self._train(self.prm, self.prm_loss, batch)
 
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("values")
@@ -397,6 +442,8 @@ class RLWorker(Worker):
             self.actor.save_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.save_checkpoint(path / "critic")
+        if self.prm is not None:
+            self.prm.save_checkpoint(path / "prime_rm")
         torch.save(
             {"torch": torch.get_rng_state(), "python": random.getstate()}, path / self._rng_file()
         )
@@ -413,6 +460,8 @@ class RLWorker(Worker):
             self.actor.load_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
+        if self.prm is not None:
+            self.prm.load_checkpoint(path / "prime_rm")
         state = torch.load(path / self._rng_file(), weights_only=False)
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])

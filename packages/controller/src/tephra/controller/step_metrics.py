@@ -1,5 +1,6 @@
-"""The metrics a step logs beyond the workers' own: staleness, dynamic sampling, the
-rewards / accuracy / throughput summary, and each stage's share of the run's time."""
+"""The metrics a step logs beyond the workers' own: staleness, dynamic sampling, the LLM
+judge's fallbacks, the rewards / accuracy / throughput summary, and each stage's share of the
+run's time."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
         "staleness/max": float(max(lags)),
         "staleness/weight_version_min": float(min(versions)),
         "staleness/weight_version_max": float(max(versions)),
+    }
+
+
+def judge_metrics(samples: list[Sample]) -> dict[str, float]:
+    """`reward/judge_fallbacks` and `reward/judge_timeouts`: the step's samples the LLM judge
+    (`reward.judge`) scored with the fallback / timed out on; {} when nothing was judged."""
+    judged = [s.reward_extras for s in samples if "judge_fallback" in s.reward_extras]
+    if not judged:
+        return {}
+    return {
+        "reward/judge_fallbacks": float(sum(x["judge_fallback"] for x in judged)),
+        "reward/judge_timeouts": float(sum(x.get("judge_timeout", 0.0) for x in judged)),
     }
 
 

@@ -40,6 +40,13 @@ from tephra.episodes.rewards.gsm8k import (
     gsm8k_score,
     gsm8k_strict,
 )
+from tephra.episodes.rewards.judge import (
+    JUDGE_PARSERS,
+    GenerativeJudge,
+    JudgeConfig,
+    JudgeParseError,
+    JudgeStats,
+)
 from tephra.episodes.rewards.manager import (
     RewardManager,
     RewardReport,
@@ -57,6 +64,11 @@ from tephra.episodes.rewards.reward_model import RewardModelScorer
 from tephra.episodes.rewards.scorer_registry import REWARD_SCORERS, Scorer
 
 __all__ = [
+    "JUDGE_PARSERS",
+    "GenerativeJudge",
+    "JudgeConfig",
+    "JudgeParseError",
+    "JudgeStats",
     "CODE_DATA_SOURCES",
     "REWARD_SCORERS",
     "CodeLimits",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tephra.core.errors import ConfigError
+from tephra.episodes.rewards.judge import JudgeConfig
 
 EXECUTORS = ("thread", "process", "serial")
 DEFAULT_TIMEOUT_S = 90.0
@@ -80,11 +81,21 @@ class RewardConfig:
     one beyond `max_abs`; clipped scores are counted (`RewardReport.clipped`, the trainer's
     `reward/clipped`). None (default): scores are not changed, because clipping changes what
     is learnt and hides a scorer bug; it is the user's explicit choice."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """A generative reward model (LLM judge) beside or instead of the rule scorers
+    (`reward.judge.model_path`; see `JudgeConfig`). Off by default."""
     raise_on_error: bool = False
     """Raise when a scorer raises; by default the item scores 0.0, the error is counted per
     data_source in the report and the first traceback of each data_source is logged."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.judge, dict):  # YAML gives dicts
+            self.judge = JudgeConfig(**self.judge)
+        if self.judge.enabled and self.reward_model_path is not None:
+            raise ConfigError(
+                "reward: set at most one of reward.reward_model_path and reward.judge.model_path "
+                f"(got both: {self.reward_model_path!r}, {self.judge.model_path!r})"
+            )
         if self.executor not in EXECUTORS:
             raise ConfigError(
                 f"reward.executor={self.executor!r} is not allowed; choose one of {list(EXECUTORS)}"

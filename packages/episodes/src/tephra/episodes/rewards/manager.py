@@ -20,6 +20,7 @@ from tephra.core.errors import RegistryError
 from tephra.core.registry import unknown_name_message
 from tephra.episodes.rewards.config import RewardConfig
 from tephra.episodes.rewards.custom_function import FileRewardFunction
+from tephra.episodes.rewards.judge import AsyncJudge, GenerativeJudge, JudgeStats
 from tephra.episodes.rewards.results import RewardError, RewardInput, RewardResult, normalize_score
 from tephra.episodes.rewards.scorer_registry import REWARD_SCORERS, Scorer
 
@@ -30,6 +31,7 @@ PROCESS_POOL_PRELOAD = ("tephra.episodes.rewards", "math_verify", "reasoning_gym
 """Modules the process pool's fork server imports once, before it forks workers (a module
 that fails to import is skipped; the worker then imports it on first use)."""
 REWARD_MODEL_SCORER_NAME = "reward_model"
+JUDGE_SCORER_NAME = "judge"
 
 
 class RewardScoringError(RewardError):
@@ -55,6 +57,13 @@ class RewardReport:
     """Items whose score `reward.clip` moved into its range."""
     seconds: float = 0.0
     """Wall-clock time of `score_batch`."""
+    judge_requests: int = 0
+    """Samples the LLM judge scored (`reward.judge`)."""
+    judge_timeouts: int = 0
+    """Judge requests over `reward.judge.timeout_s` (they scored the fallback)."""
+    judge_fallbacks: int = 0
+    """Samples whose judge score is the fallback (timeouts, failed requests, unparsed
+    judgements)."""
 
     @property
     def num_errors(self) -> int:
@@ -77,6 +86,9 @@ class RewardReport:
         metrics[f"{prefix}/timeouts"] = float(self.num_timeouts)
         metrics[f"{prefix}/clipped"] = float(self.clipped)
         metrics[f"{prefix}/seconds"] = self.seconds
+        if self.judge_requests:
+            metrics[f"{prefix}/judge_timeouts"] = float(self.judge_timeouts)
+            metrics[f"{prefix}/judge_fallbacks"] = float(self.judge_fallbacks)
         return metrics
 
 
@@ -197,8 +209,15 @@ class RewardManager:
     Use as a context manager (or call `close()`) to shut the pool down.
     """
 
-    def __init__(self, config: RewardConfig | None = None) -> None:
+    def __init__(
+        self, config: RewardConfig | None = None, judge_ask: AsyncJudge | None = None
+    ) -> None:
+        """`judge_ask`: the judge as an async function (judge prompt -> judgement), in place
+        of the model `reward.judge.model_path` names (a scripted or remote judge)."""
         self.config = config or RewardConfig()
+        self._judge: GenerativeJudge | None = None
+        if self.config.judge.enabled or judge_ask is not None:
+            self._judge = GenerativeJudge(self.config.judge, judge_ask)
         self._custom: FileRewardFunction | None = None
         self._reward_model = None
         if self.config.custom_function_path is not None:
@@ -257,14 +276,62 @@ class RewardManager:
             outcomes = [(RewardResult(score=s), None) for s in scores]
             names = [REWARD_MODEL_SCORER_NAME] * len(items)
         else:
-            resolved = {ds: self.scorer_for(ds) for ds in {i.data_source for i in items}}
-            names = [resolved[i.data_source][0] for i in items]
-            scorers = [resolved[i.data_source][1] for i in items]
-            outcomes = self._run(names, scorers, items)
+            outcomes, names = self._rule_and_judge(items)
         results = [result for result, _ in outcomes]
         clipped = clip_scores(results, self.config.clip)
         self._account(items, names, outcomes, time.perf_counter() - start, clipped)
+        if self._judge is not None:
+            stats = self._judge.last_stats
+            self.last_report.judge_requests = stats.requests
+            self.last_report.judge_timeouts = stats.timeouts
+            self.last_report.judge_fallbacks = stats.fallbacks
         return results
+
+    def _rule_and_judge(
+        self, items: list[RewardInput]
+    ) -> tuple[list[tuple[RewardResult, str | None]], list[str]]:
+        """Rule scores where a rule weight is used, judge scores of judged sources, mixed
+        as rule_weight * rule + judge_weight * judge."""
+        judge_cfg = self.config.judge
+        judged = [self._judge is not None and judge_cfg.judges(i.data_source) for i in items]
+        rule_rows = [
+            k for k, i in enumerate(items) if not judged[k] or judge_cfg.weights(i.data_source)[0]
+        ]
+        outcomes: list[tuple[RewardResult, str | None]] = [
+            (RewardResult(score=0.0), None) for _ in items
+        ]
+        names = [JUDGE_SCORER_NAME] * len(items)
+        if rule_rows:
+            rule_items = [items[k] for k in rule_rows]
+            resolved = {ds: self.scorer_for(ds) for ds in {i.data_source for i in rule_items}}
+            rule_names = [resolved[i.data_source][0] for i in rule_items]
+            scorers = [resolved[i.data_source][1] for i in rule_items]
+            for k, name, outcome in zip(
+                rule_rows, rule_names, self._run(rule_names, scorers, rule_items), strict=True
+            ):
+                outcomes[k], names[k] = outcome, name
+        judge_rows = [k for k in range(len(items)) if judged[k]]
+        if judge_rows:
+            assert self._judge is not None
+            scores = self._judge.score([items[k] for k in judge_rows])
+            status = self._judge.last_status
+            for k, judge_score, how in zip(judge_rows, scores, status, strict=True):
+                rule_w, judge_w = judge_cfg.weights(items[k].data_source)
+                result, tb = outcomes[k]
+                rule = result.score if rule_w else 0.0
+                result.score = rule_w * rule + judge_w * judge_score
+                result.extras["judge"] = judge_score
+                # per sample, so a trainer can count them over its ranks
+                result.extras["judge_fallback"] = float(how != "ok")
+                result.extras["judge_timeout"] = float(how == "timeout")
+                outcomes[k] = (result, tb)
+        else:
+            self._judge_idle()
+        return outcomes, names
+
+    def _judge_idle(self) -> None:
+        if self._judge is not None:
+            self._judge.last_stats = JudgeStats()
 
     def _run(
         self, names: list[str], scorers: list[Scorer], items: list[RewardInput]
@@ -387,7 +454,10 @@ class RewardManager:
             )
 
     def close(self) -> None:
-        """Shut the worker pool down (a later batch starts a new one)."""
+        """Shut the worker pool down (a later batch starts a new one) and the judge's
+        backend."""
+        if self._judge is not None:
+            self._judge.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
