@@ -3,6 +3,7 @@ config that accepts `auto` resolves it to a concrete dtype."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 
@@ -13,6 +14,9 @@ from tephra.core.machine import CHOICES_FILE
 from tephra.engine_api import ConfigError
 from tephra.engine_api.config import PrecisionConfig
 from tephra.engine_api.fastest_dtype import BF16_MARGIN, fastest_dtype, resolve_dtype
+
+# the module itself (the package exports a function of the same name)
+fastest_dtype_module = importlib.import_module("tephra.engine_api.fastest_dtype")
 
 
 def seconds_per_matmul(dtype: torch.dtype, size: int = 384, repeats: int = 5) -> float:
@@ -46,16 +50,22 @@ def test_configs_resolve_auto_and_refuse_other_names():
 
 def test_the_cpu_choice_is_read_from_the_machine_record(tmp_path, monkeypatch):
     """A run resumed in a new process (or another rank) computes in the recorded dtype, not in
-    one timed again under other load; a hand-edited record naming no dtype is timed again."""
+    one timed again under other load; a hand-edited record naming no dtype is timed again.
+    The timing is a stub here (under load a real one can flip) and the thread count in the key
+    fixed, so only the record decides."""
     monkeypatch.setenv("TEPHRA_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    timings = []
+    monkeypatch.setattr(
+        fastest_dtype_module, "_time_cpu_dtypes", lambda: timings.append(1) or "float32"
+    )
     try:
         fastest_dtype.cache_clear()
-        measured = fastest_dtype("cpu")
+        assert fastest_dtype("cpu") == "float32" and len(timings) == 1
         (key,) = json.loads((tmp_path / CHOICES_FILE).read_text())
-        other = "float32" if measured == "bfloat16" else "bfloat16"
-        for recorded, want in ((other, other), ("fp8", measured)):
+        for recorded, want, timed in (("bfloat16", "bfloat16", 1), ("fp8", "float32", 2)):
             (tmp_path / CHOICES_FILE).write_text(json.dumps({key: recorded}))
             fastest_dtype.cache_clear()
-            assert fastest_dtype("cpu") == want
+            assert fastest_dtype("cpu") == want and len(timings) == timed
     finally:
         fastest_dtype.cache_clear()  # later tests read the machine's own record
