@@ -5,10 +5,7 @@ the exact tokens it serves."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +14,7 @@ from tephra.core.errors import ConfigError
 from tephra.episodes.agent.base import AgentSample
 from tephra.episodes.agent.loops import TIMEOUTS, _TokenLoop, _Trajectory, final_answer
 from tephra.episodes.agent.openai_endpoint import EndpointSession, serve
+from tephra.episodes.user_files import import_file
 from tephra.rollout.base import Rollout, SamplingParams
 from tephra.rollout.samples import Sample
 
@@ -32,20 +30,10 @@ def load_agent_function(spec: str) -> Callable[..., Any]:
     file = Path(path).expanduser().resolve()
     if not file.is_file():
         raise ConfigError(f"{where}: {file} does not exist; give an existing .py file")
-    module_name = "tephra_agent_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    module = sys.modules.get(module_name)
-    if module is None:
-        loader = importlib.util.spec_from_file_location(module_name, file)
-        assert loader is not None and loader.loader is not None
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[module_name] = module
-        try:
-            loader.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[module_name]
-            raise ConfigError(
-                f"{where}: importing {file} raised {type(exc).__name__}: {exc}"
-            ) from exc
+    try:
+        module = import_file(file, "tephra_agent_")
+    except Exception as exc:
+        raise ConfigError(f"{where}: importing {file} raised {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"{where}: {file} defines no function {name!r}")

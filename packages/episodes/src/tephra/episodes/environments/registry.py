@@ -3,10 +3,7 @@ environment class loaded from a file."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 
 from tephra.core.errors import ConfigError
@@ -14,6 +11,7 @@ from tephra.core.registry import Registry
 from tephra.episodes.environments.base import Environment, EnvironmentFactory
 from tephra.episodes.environments.interaction import AnswerCheckInteraction
 from tephra.episodes.environments.tool_env import ToolEnvironment
+from tephra.episodes.user_files import import_file
 
 ENVIRONMENTS: Registry[EnvironmentFactory] = Registry("environment")
 """Environment factories by name: `tool` (the model's tool calls run; the scorer judges the
@@ -43,20 +41,10 @@ def get_environment(spec: str) -> EnvironmentFactory:
     where = f"rollout.agent.environment={spec!r}"
     if not file.is_file():
         raise ConfigError(f"{where}: {file} does not exist; give an existing .py file")
-    module_name = "tephra_environment_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    module = sys.modules.get(module_name)
-    if module is None:
-        loader_spec = importlib.util.spec_from_file_location(module_name, file)
-        assert loader_spec is not None and loader_spec.loader is not None
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[module_name] = module  # dataclasses and pickling inside the file need it
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[module_name]
-            raise ConfigError(
-                f"{where}: importing {file} raised {type(exc).__name__}: {exc}"
-            ) from exc
+    try:
+        module = import_file(file, "tephra_environment_")
+    except Exception as exc:
+        raise ConfigError(f"{where}: importing {file} raised {type(exc).__name__}: {exc}") from exc
     cls = getattr(module, name, None)
     if not (inspect.isclass(cls) and issubclass(cls, Environment)):
         found = sorted(

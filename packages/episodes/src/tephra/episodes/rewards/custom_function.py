@@ -13,15 +13,13 @@ those keywords) raises `RewardFunctionError` naming the file, before any scoring
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tephra.episodes.rewards.results import RewardError
+from tephra.episodes.user_files import import_file
 
 SCORER_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
@@ -54,17 +52,9 @@ def load_reward_function(
             + (f"\n    {line}" if line else "")
         ) from exc
 
-    # A unique module name per file, registered in sys.modules so that dataclasses and
-    # pickling inside the user's file work.
-    module_name = "tephra_custom_reward_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
+    try:  # run again on every load: an edited file takes effect in the same process
+        module = import_file(file, "tephra_custom_reward_", reuse=False)
     except Exception as exc:
-        del sys.modules[module_name]
         raise RewardFunctionError(
             f"{where} raised {type(exc).__name__}: {exc} while being imported"
         ) from exc
@@ -75,7 +65,7 @@ def load_reward_function(
             attr
             for attr, value in vars(module).items()
             if inspect.isfunction(value)
-            and value.__module__ == module_name
+            and value.__module__ == module.__name__
             and not attr.startswith("_")
         )
         raise RewardFunctionError(
