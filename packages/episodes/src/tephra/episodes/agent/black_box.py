@@ -12,7 +12,7 @@ from typing import Any
 
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent.base import AgentSample
-from tephra.episodes.agent.loops import TIMEOUTS, _TokenLoop, _Trajectory, final_answer
+from tephra.episodes.agent.loops import TIMEOUTS, _TokenLoop, _Trajectory
 from tephra.episodes.agent.openai_endpoint import EndpointSession, serve
 from tephra.episodes.user_files import import_file
 from tephra.rollout.base import Rollout, SamplingParams
@@ -81,26 +81,8 @@ class OpenAIAgentLoop(_TokenLoop):
             finish = session.finish if session.finish in TIMEOUTS else "agent_error"
             info["agent_error"] = f"{type(exc).__name__}: {exc}"
         finish = finish or session.finish
-        env_reward = None if reward is None else float(reward)
-        mask = traj.mask
-        dropped = False
-        if finish in (*TIMEOUTS, "agent_error"):
-            env_reward = 0.0
-            if finish in TIMEOUTS and cfg.timeout_reward == "drop":
-                dropped, mask = True, [0] * len(traj.mask)
-        return Sample(
-            sample_id=sample.sample_id,
-            prompt_ids=traj.prompt_ids,
-            response_ids=traj.ids,
-            response_mask=mask,
-            log_probs=traj.log_probs,
-            num_turns=traj.num_turns,
-            tool_calls=traj.tool_calls,
-            finish_reason=finish,
-            text=final_answer(traj.messages),
-            messages=traj.messages,
-            env_reward=env_reward,
-            dropped=dropped,
-            extra_info={**sample.extra_info, **info},
-            token_versions=traj.versions if traj.versions is not None and traj.num_turns else None,
+        # the agent's own failure scores 0 (a deadline's, in to_sample)
+        env_reward = 0.0 if finish == "agent_error" else None if reward is None else float(reward)
+        return traj.to_sample(
+            sample, finish, env_reward, cfg.timeout_reward, {**sample.extra_info, **info}
         )

@@ -133,6 +133,41 @@ class _Trajectory:
     )
     info: dict[str, Any] = field(default_factory=dict)
 
+    def to_sample(
+        self,
+        sample: AgentSample,
+        finish: str,
+        env_reward: float | None,
+        timeout_reward: str,
+        extra_info: dict[str, Any],
+        **fields: Any,
+    ) -> Sample:
+        """The trajectory as a Sample. One cut by a deadline scores 0, and under the `drop`
+        policy trains nothing (its mask all 0)."""
+        mask, dropped = self.mask, False
+        if finish in TIMEOUTS:
+            env_reward = 0.0
+            if timeout_reward == "drop":
+                dropped, mask = True, [0] * len(self.mask)
+        return Sample(
+            sample_id=sample.sample_id,
+            prompt_ids=self.prompt_ids,
+            response_ids=self.ids,
+            response_mask=mask,
+            log_probs=self.log_probs,
+            num_turns=self.num_turns,
+            tool_calls=self.tool_calls,
+            tool_errors=self.tool_errors,
+            finish_reason=finish,
+            text=final_answer(self.messages),
+            messages=self.messages,
+            env_reward=env_reward,
+            dropped=dropped,
+            extra_info=extra_info,
+            token_versions=self.versions if self.versions is not None and self.num_turns else None,
+            **fields,
+        )
+
     def add_generated(self, gen: Sample) -> None:
         self.num_turns += 1
         self.ids += gen.response_ids
@@ -204,35 +239,18 @@ class EnvironmentLoop(_TokenLoop):
                 await asyncio.wait_for(env.close(), grace)
             except TimeoutError:
                 traj.info["close_timeout"] = grace
-        env_reward = sum(traj.turn_rewards) if env.owns_reward else None
-        dropped = False
-        mask = traj.mask
-        if finish in TIMEOUTS:
-            env_reward = 0.0
-            if cfg.timeout_reward == "drop":
-                dropped, mask = True, [0] * len(traj.mask)
-        return Sample(
-            sample_id=sample.sample_id,
-            prompt_ids=traj.prompt_ids,
-            response_ids=traj.ids,
-            response_mask=mask,
-            log_probs=traj.log_probs,
-            num_turns=traj.num_turns,
-            tool_calls=traj.tool_calls,
-            tool_errors=traj.tool_errors,
-            finish_reason=finish,
-            text=final_answer(traj.messages),
-            messages=traj.messages,
-            tool_rewards=tool_rewards,
-            env_reward=env_reward,
-            dropped=dropped,
-            extra_info={
+        return traj.to_sample(
+            sample,
+            finish,
+            sum(traj.turn_rewards) if env.owns_reward else None,
+            cfg.timeout_reward,
+            {
                 **sample.extra_info,
                 "tool_metrics": {k: dict(v) for k, v in traj.metrics.items()},
                 **({"turn_rewards": list(traj.turn_rewards)} if env.owns_reward else {}),
                 **traj.info,
             },
-            token_versions=traj.versions if traj.versions is not None and traj.num_turns else None,
+            tool_rewards=tool_rewards,
         )
 
     async def _turns(
