@@ -56,7 +56,7 @@ def load(engine, path: Path) -> None:
     if not meta_file.is_file():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (meta.json is missing)")
     meta = json.loads(meta_file.read_text())
-    expected = _meta(engine)
+    expected = json.loads(json.dumps(_meta(engine)))  # as stored (tuples become lists)
     for key in ("format", "shape", "role", "param_dtype", "parallel", "world_size", "lora"):
         if meta.get(key) != expected[key]:
             raise CheckpointError(

@@ -334,7 +334,7 @@ class MegatronEngine(Engine):
             for chunk in self.chunks:
                 offsets = self._layer_offsets(chunk)
                 for name, param in chunk.named_parameters():
-                    m = conv.match(name, offsets)
+                    m = conv.match(name, offsets, self.shape.model_type)
                     if name == "value_head.weight" and "score.weight" not in hf_state:
                         continue  # a fresh critic head (seeded by model.init_seed)
                     rank, size, _ = self._shard_coords(m)
@@ -355,7 +355,7 @@ class MegatronEngine(Engine):
         for chunk in self.chunks:
             offsets = self._layer_offsets(chunk)
             for name, param in chunk.named_parameters():
-                kind = conv.match(name, offsets).kind
+                kind = conv.match(name, offsets, self.shape.model_type).kind
                 if kind != "rep" and not hasattr(param, "tensor_model_parallel"):
                     dim = 1 if kind in ("row", "expert_down") else 0
                     tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)

@@ -314,7 +314,8 @@ class RolloutConfig:
     record_routes: bool = False
     """Record each token's experts per MoE layer (`Sample.routed_experts`) for routing
     replay; the trainer sets it from `actor.moe.routing_replay`. Only the `hf` backend
-    records (vLLM 0.32's CPU build returns no routed experts): the others refuse it."""
+    records (vLLM 0.32 returns routed experts only from its V2 GPU model runner; the CPU
+    build's runner never records them): the others refuse it."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
