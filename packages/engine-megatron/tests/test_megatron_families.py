@@ -71,6 +71,22 @@ def test_mistral_refuses_sequences_past_its_window():
         engine.forward(batch)
 
 
+def test_gemma3_linear_rope_scaling_equals_transformers():
+    """Gemma-3's larger checkpoints divide the full-attention layers' RoPE frequencies by a
+    factor (`rope_type=linear`); the sliding layers keep theirs."""
+    cfg = {
+        **T.TINY_GEMMA3,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        },
+    }
+    engine = MegatronEngine.build(T.base_config(cfg))
+    batch = random_batch(cfg["vocab_size"], num_sequences=4, seed=5)
+    want_lp, _ = _reference_outputs(T.HFReference(cfg).model, batch)
+    assert (engine.forward(batch)["log_probs"] - want_lp).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize(
     "field, value, match",
     [
@@ -82,9 +98,9 @@ def test_mistral_refuses_sequences_past_its_window():
             "rope_parameters",
             {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
             },
-            r"rope_parameters\['full_attention'\]\.rope_type='linear'",
+            r"rope_parameters\['full_attention'\]\.rope_type='dynamic'",
         ),
     ],
 )

@@ -120,8 +120,9 @@ class ModelShape:
     gemma: bool = False
     """Gemma-3 layout: (1 + weight) norms, sandwich norms around attention and MLP,
     embeddings times sqrt(hidden_size), GeGLU."""
-    layer_rope_thetas: tuple[float, ...] = ()
-    """RoPE base of each layer (Gemma-3: one per layer type); empty = `rope_theta` for all."""
+    layer_ropes: tuple[tuple[float, float], ...] = ()
+    """(RoPE base, linear scaling factor) of each layer (Gemma-3: one per layer type); empty =
+    `rope_theta`, unscaled, for all."""
     activation: str = "silu"
     """The gated MLP's activation (silu: SwiGLU; gelu_pytorch_tanh: Gemma's GeGLU)."""
 
@@ -156,7 +157,7 @@ def model_shape(hf_config) -> ModelShape:
         qk_norm=model_type in _QK_NORM,
         sliding_window=_sliding_window(hf_config),
         gemma=model_type in _GEMMA,
-        layer_rope_thetas=_layer_rope_thetas(hf_config),
+        layer_ropes=_layer_ropes(hf_config),
         activation=_activation(hf_config),
     )
 
@@ -188,19 +189,27 @@ def _gemma_refusals(hf_config) -> None:
             "attention only); use engine=fsdp"
         )
     for layer_type, params in (getattr(hf_config, "rope_parameters", None) or {}).items():
-        if params.get("rope_type", "default") != "default":
+        if params.get("rope_type", "default") not in ("default", "linear"):
             raise ConfigError(
-                f"rope_parameters[{layer_type!r}].rope_type={params['rope_type']!r} (RoPE "
-                "scaling) is not supported by engine-megatron; use engine=fsdp"
+                f"rope_parameters[{layer_type!r}].rope_type={params['rope_type']!r} is not "
+                "supported by engine-megatron (default and linear RoPE only); use engine=fsdp"
             )
 
 
-def _layer_rope_thetas(hf_config) -> tuple[float, ...]:
+def _layer_ropes(hf_config) -> tuple[tuple[float, float], ...]:
+    """(base, linear scaling factor) of each layer's RoPE (Gemma-3's larger checkpoints
+    divide the frequencies of their full-attention layers by a factor)."""
     if hf_config.model_type not in _GEMMA:
         return ()
     _gemma_refusals(hf_config)
     params = hf_config.rope_parameters
-    return tuple(float(params[t]["rope_theta"]) for t in hf_config.layer_types)
+    return tuple(
+        (
+            float(params[t]["rope_theta"]),
+            float(params[t]["factor"]) if params[t].get("rope_type") == "linear" else 1.0,
+        )
+        for t in hf_config.layer_types
+    )
 
 
 def _sliding_window(hf_config) -> int | None:
@@ -422,15 +431,16 @@ class TephraGPT(torch.nn.Module):
                 head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.02)
             self.value_head = head
         # one row of inverse frequencies per distinct RoPE base (one unless Gemma-3)
-        thetas = sorted(set(shape.layer_rope_thetas)) or [rope_theta(hf_config)]
+        ropes = sorted(set(shape.layer_ropes)) or [(rope_theta(hf_config), 1.0)]
         exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim
-        inv = torch.stack([1.0 / (theta**exponents) for theta in thetas])
+        # linear scaling divides the frequencies (transformers: `inv_freq /= factor`)
+        inv = torch.stack([1.0 / (base**exponents) / factor for base, factor in ropes])
         self.register_buffer("inv_freq", inv, persistent=False)
-        if len(thetas) > 1:
+        if len(ropes) > 1:
             for layer in self.gpt.decoder.layers:
-                base = shape.layer_rope_thetas[layer.layer_number - 1]  # global, 1-based
+                rope = shape.layer_ropes[layer.layer_number - 1]  # global, 1-based
                 layer.self_attention.register_forward_pre_hook(
-                    partial(_pick_rope, thetas.index(base), shape.head_dim), with_kwargs=True
+                    partial(_pick_rope, ropes.index(rope), shape.head_dim), with_kwargs=True
                 )
         # Gemma scales the embedding output by sqrt(hidden) (in the weights' dtype, as HF)
         self.embed_scale = shape.hidden_size**0.5 if shape.gemma else None
