@@ -455,6 +455,15 @@ class Rollout(abc.ABC):
     def wake_up(self) -> None:
         """Undo `sleep`."""
 
+    def record_routes(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        """Each row's experts per MoE layer `[tokens, moe_layers, k]`, for routing replay of a
+        sequence assembled outside `generate` (an agent loop's whole episode: prompt, turns
+        and tool outputs). Only the hf backend records."""
+        raise ConfigError(
+            f"rollout backend {type(self).__name__} cannot record routed experts (routing "
+            "replay); use rollout.backend=hf"
+        )
+
     @property
     def weights_dropped(self) -> bool:
         """True while `sleep` has dropped the weights rather than kept them (a server at
