@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tephra.engine_api import BatchError, ConfigError, EngineConfig
+from tephra.engine_api import BatchError, ConfigError, EngineConfig, apply_overrides
 from tephra.engine_api.testing import CHECKS, random_batch, run_distributed
 from tephra.engine_megatron import testing as T
 from tephra.engine_megatron.engine import MegatronEngine
@@ -64,9 +64,24 @@ def test_conformance_kit_single_process(tmp_path, family):
     assert passed == list(CHECKS)
 
 
-def test_mistral_refuses_sequences_past_its_window():
-    engine = MegatronEngine.build(T.base_config({**T.TINY_MISTRAL, "sliding_window": 8}))
-    batch = random_batch(T.TINY_MISTRAL["vocab_size"], num_sequences=2, seed=1)
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_window_past_the_window_equals_transformers(family):
+    """Sequences longer than the window (8): the torch kernel's windowed blocks, packed and
+    padded, equal transformers' sliding-window mask (Gemma-3: its sliding layer only); the
+    kernels that do not apply a window refuse such sequences."""
+    cfg = {**T.FAMILIES[family], "sliding_window": 8}
+    batch = random_batch(
+        cfg["vocab_size"], num_sequences=3, prompt_lengths=(4, 10), response_lengths=(6, 12), seed=1
+    )
+    assert int(batch["attention_mask"].sum(-1).min()) > 8
+    want_lp, want_ent = _reference_outputs(T.HFReference(cfg).model, batch)
+    for packing in (None, False):
+        config = apply_overrides(T.base_config(cfg), {"micro_batch.use_packing": packing})
+        engine = MegatronEngine.build(config)
+        out = engine.forward(batch)
+        assert (out["log_probs"] - want_lp).abs().max() <= 1e-5
+        assert (out["entropy"] - want_ent).abs().max() <= 1e-5
+    engine.attention_kernel = "flash_attn"  # as chosen on a GPU with flash-attn installed
     with pytest.raises(BatchError, match="sliding_window=8"):
         engine.forward(batch)
 

@@ -338,10 +338,13 @@ def block_spec(
     vp_stage: int | None,
     attention_kernel: str = "torch",
     gemma: bool = False,
+    windows: tuple[int | None, ...] = (),
 ) -> TransformerBlockSubmodules:
+    """`windows`: each (global) layer's sliding window, None for full attention; empty =
+    full attention everywhere."""
     norm = GemmaRMSNorm if gemma else RMSNorm
 
-    def layer_spec(num_experts: int | None) -> ModuleSpec:
+    def layer_spec(num_experts: int | None, window: int | None = None) -> ModuleSpec:
         spec = get_gpt_layer_local_spec(
             num_experts=num_experts,
             moe_grouped_gemm=False,
@@ -366,21 +369,35 @@ def block_spec(
             spec.submodules.self_attn_bda = post
             spec.submodules.mlp_bda = post
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-            module=SegmentAttention, params={"kernel": attention_kernel}
+            module=SegmentAttention, params={"kernel": attention_kernel, "window": window}
         )
         return spec
 
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     freq = config.moe_layer_freq
-    if not config.num_moe_experts or not isinstance(freq, list):
+    if (not config.num_moe_experts or not isinstance(freq, list)) and not windows:
         return TransformerBlockSubmodules(
             layer_specs=[layer_spec(config.num_moe_experts)] * layers, layer_norm=norm
         )
-    # mixed dense and MoE layers: this chunk's slice of the per-layer pattern
+    # per-layer patterns (dense and MoE layers, sliding and full attention): this chunk's slice
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    dense, moe = layer_spec(None), layer_spec(config.num_moe_experts)
-    specs = [moe if freq[offset + i] else dense for i in range(layers)]
+    specs = []
+    for i in range(layers):
+        sparse = config.num_moe_experts and (not isinstance(freq, list) or freq[offset + i])
+        window = windows[offset + i] if windows else None
+        specs.append(layer_spec(config.num_moe_experts if sparse else None, window))
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
+
+
+def layer_windows(hf_config) -> tuple[int | None, ...]:
+    """Each layer's sliding window (Mistral: every layer; Gemma-3: its `sliding_attention`
+    layers), None for full attention; empty for a model without windows."""
+    window = _sliding_window(hf_config)
+    if window is None:
+        return ()
+    if hf_config.model_type in _GEMMA:
+        return tuple(window if t == "sliding_attention" else None for t in hf_config.layer_types)
+    return (window,) * hf_config.num_hidden_layers
 
 
 class TephraGPT(torch.nn.Module):
@@ -411,7 +428,9 @@ class TephraGPT(torch.nn.Module):
         self.pre_process, self.post_process = pre, post
         self.gpt = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(config, vp_stage, attention_kernel, shape.gemma),
+            transformer_layer_spec=block_spec(
+                config, vp_stage, attention_kernel, shape.gemma, layer_windows(hf_config)
+            ),
             vocab_size=shape.vocab_size,
             max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
             pre_process=pre,
