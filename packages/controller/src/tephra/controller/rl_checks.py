@@ -496,10 +496,9 @@ def check_image_support(cfg: PPOConfig) -> None:
             "replicas do not take images yet; set resources.rollout.replicas=0",
         ),
         (
-            a.needs("values"),
-            f"algorithm.adv_estimator={a.adv_estimator!r} needs a critic, and "
-            "a value model on a vision-language model is not supported; "
-            "choose e.g. grpo",
+            a.needs("values") and cfg.critic.engine != "fsdp",
+            f"critic.engine={cfg.critic.engine!r}: only the fsdp engine "
+            "trains vision-language critics; set critic.engine=fsdp",
         ),
         (
             a.needs("baselines"),
