@@ -481,9 +481,9 @@ def check_image_support(cfg: PPOConfig) -> None:
             "trains vision-language models; set actor.engine=fsdp",
         ),
         (
-            r.uses_agent_loop,
-            f"rollout.agent_loop={r.agent_loop!r}: agent loops do not take "
-            "images yet; leave rollout.agent_loop unset",
+            r.agent_loop == "openai_agent",
+            f"rollout.agent_loop={r.agent_loop!r}: a black-box agent's OpenAI endpoint "
+            "does not take images; use the environment or tool_agent loop",
         ),
         (
             cfg.trainer.mode != "sync",
