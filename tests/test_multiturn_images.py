@@ -43,6 +43,7 @@ def _item(proc: VisionProcessor, seed: int) -> AgentSample:
     ids, mm = proc(text, [image])
     return AgentSample(
         messages=messages,
+        sample_id=f"colours-{seed}",
         prompt_ids=ids,
         multimodal=mm,
         interaction_kwargs={"ground_truth": name},

@@ -4,6 +4,7 @@ token-in-token-out) and `tool_agent` (the environment loop over the tool environ
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -66,6 +67,19 @@ class _TokenLoop(AgentLoop):
             budget = min(budget, run.max_model_len - context_len)
         return budget
 
+    def turn_sampling(self, run: _Run, sample_id: str, turn: int, budget: int) -> SamplingParams:
+        """The sampling of one model turn: `max_tokens=budget`, and under a seeded sampling a
+        seed of its own, drawn from the seed, the trajectory's sample id and the turn. Every
+        trajectory of a step is sent the same seeded sampling; without this the n trajectories
+        of one prompt (distinct sample ids) would sample the same tokens and their GRPO group
+        would be flat. A rerun repeats them."""
+        sampling = run.sampling.replace(max_tokens=budget)
+        if sampling.seed is None:
+            return sampling
+        key = f"{sampling.seed}:{sample_id}:{turn}".encode()
+        digest = hashlib.blake2b(key, digest_size=8).digest()
+        return sampling.replace(seed=int.from_bytes(digest) >> 2)
+
     def text_of_turn(self, run: _Run, ids: list[int], finish_reason: str) -> tuple[str, str | None]:
         """(content, stop text): the decoded turn without its final stop token, and that token.
 
@@ -93,7 +107,7 @@ class SingleTurnAgentLoop(_TokenLoop):
             return _empty(sample, prompt_ids)
         gen = await rollout.agenerate(
             prompt_ids,
-            sampling.replace(max_tokens=budget),
+            self.turn_sampling(run, sample.sample_id, 0, budget),
             session_id=sample.sample_id,
             **_images(sample.multimodal),
         )
@@ -299,7 +313,7 @@ class EnvironmentLoop(_TokenLoop):
                 async with asyncio.timeout(cfg.turn_timeout_s):
                     gen = await rollout.agenerate(
                         traj.prompt_ids + traj.ids,
-                        run.sampling.replace(max_tokens=budget),
+                        self.turn_sampling(run, sample.sample_id, traj.num_turns, budget),
                         session_id=sample.sample_id,
                         **_images(traj.multimodal),
                     )
