@@ -158,3 +158,17 @@ def test_placeholder_drift_is_refused_naming_the_turn(vlm, monkeypatch):
             asyncio.run(_episodes(_LoopOf(_TemplateImageTokens, proc), rollout, [_item(proc, 0)]))
     finally:
         rollout.close()
+
+
+def test_a_sampled_image_placeholder_ends_the_turn_before_it(vlm):
+    from tephra.rollout.samples import Sample
+
+    proc = VisionProcessor.from_pretrained(vlm.path)
+    loop = _loop(proc, "colour_squares")
+    gen = Sample(response_ids=[5, proc.image_token_id, 6], log_probs=[-1.0, -2.0, -3.0])
+    cut, sampled = loop.before_image_slot(gen)
+    assert sampled and cut.finish_reason == "image_token"
+    assert (cut.response_ids, cut.response_mask, cut.log_probs) == ([5], [1], [-1.0])
+    first, sampled = loop.before_image_slot(Sample(response_ids=[proc.image_token_id]))
+    assert sampled and first.response_ids == [] and first.response_mask == []
+    assert loop.before_image_slot(Sample(response_ids=[5, 6]))[1] is False

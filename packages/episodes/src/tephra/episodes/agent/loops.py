@@ -377,6 +377,7 @@ class EnvironmentLoop(_TokenLoop):
         return replace(
             gen,
             response_ids=gen.response_ids[:n],
+            response_mask=gen.response_mask[:n] if gen.response_mask is not None else None,
             log_probs=gen.log_probs[:n] if gen.log_probs is not None else None,
             token_versions=gen.token_versions[:n] if gen.token_versions is not None else None,
             finish_reason="image_token",
