@@ -4,6 +4,8 @@ step reaches the vision tower."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from PIL import Image
@@ -127,9 +129,50 @@ def test_image_token_mismatch_is_refused(vlm):
         engine.forward(batch)
 
 
-def test_value_model_on_a_vlm_is_refused(vlm):
-    with pytest.raises(ConfigError, match="model.role='value' with a vision-language model"):
-        _engine(vlm, **{"model.role": "value"})
+def test_value_model_on_a_vlm_matches_a_single_hf_forward(vlm, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    batch, seqs, mm = _batch(vlm)
+    engine = _engine(
+        vlm,
+        **{
+            "model.role": "value",
+            "micro_batch.use_packing": True,
+            "micro_batch.max_tokens_per_microbatch": 4096,
+        },
+    )
+    with engine.eval_mode():
+        got = engine.forward(batch)["values"] * batch[B.RESPONSE_MASK]
+    # reference: the plain transformers VLM, one row at a time, its backbone's last hidden
+    # state through the engine's value head (the value of token t is read at position t - 1)
+    model = AutoModelForImageTextToText.from_pretrained(vlm.path, dtype=torch.float32).eval()
+    head = {k: v.full_tensor() for k, v in engine.hf_model.score.state_dict().items()}
+    want = torch.zeros(got.shape)
+    for i, (seq, images) in enumerate(zip(seqs, mm, strict=True)):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            hidden = model.model(
+                input_ids=ids, **hf_model_kwargs(ids, [images], vlm.image_token_id)
+            ).last_hidden_state[0]
+        values = hidden @ head["weight"][0] + head["bias"][0]
+        want[i, 1 : len(seq)] = values[:-1]
+    want = want * batch[B.RESPONSE_MASK]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert want.abs().max() > 1e-3  # a head drawn at random, not zeros
+    # the images matter to the critic too
+    other = batch.clone()
+    other[MULTIMODAL] = multimodal_column(
+        [None if m is None else type(m)(m.pixel_values.flip(0), m.image_grid_thw) for m in mm]
+    )
+    with engine.eval_mode():
+        moved = engine.forward(other)["values"] * batch[B.RESPONSE_MASK]
+    assert (moved - got).abs().max() > 1e-4
+    # an exported critic is read back with its value head (padded micro-batches this time)
+    engine.export_hf(str(tmp_path / "critic"))
+    again = _engine(replace(vlm, path=str(tmp_path / "critic")), **{"model.role": "value"})
+    with again.eval_mode():
+        reread = again.forward(batch)["values"] * batch[B.RESPONSE_MASK]
+    torch.testing.assert_close(reread, got, atol=1e-6, rtol=0)
 
 
 def test_images_for_a_text_model_are_refused(vlm):

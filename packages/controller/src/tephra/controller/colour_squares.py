@@ -12,17 +12,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-COLOURS = {
-    "red": (220, 30, 30),
-    "green": (30, 180, 40),
-    "blue": (30, 60, 220),
-    "yellow": (235, 220, 40),
-    "orange": (240, 140, 20),
-    "purple": (140, 40, 180),
-    "pink": (240, 120, 190),
-    "cyan": (40, 200, 220),
-}
-"""Colour name -> RGB of the square."""
+from tephra.episodes.environments.colour_squares import colour_square
 
 QUESTION = "<image>What colour is the square? Answer with one word."
 """The prompt of every item."""
@@ -30,21 +20,17 @@ QUESTION = "<image>What colour is the square? Answer with one word."
 
 def colour_square_rows(size: int, seed: int, image_size: int = 112) -> list[dict[str, Any]]:
     """`size` rows (verl multimodal format, PIL images) drawn by `seed`."""
-    from PIL import Image, ImageDraw
-
     rng = random.Random(seed)
     rows = []
     for _ in range(size):
-        name = rng.choice(sorted(COLOURS))
-        image = Image.new("RGB", (image_size, image_size), (128, 128, 128))
-        side = rng.randint(image_size // 4, image_size // 2)
-        x, y = rng.randint(0, image_size - side), rng.randint(0, image_size - side)
-        ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=COLOURS[name])
+        name, image = colour_square(rng, image_size)
         rows.append(
             {
                 "prompt": [{"role": "user", "content": QUESTION}],
                 "data_source": "colour_squares",
                 "reward_model": {"ground_truth": name},
+                # the multi-turn form (the `colour_squares` environment) starts from it too
+                "extra_info": {"interaction_kwargs": {"ground_truth": name}},
                 "images": [image],
             }
         )

@@ -16,17 +16,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from tephra.controller.rewarding import Scorer
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
-from tephra.engine_api.multimodal import image_token_id, video_token_id
+from tephra.engine_api.multimodal import image_token_id, is_vision_config, video_token_id
 from tephra.episodes.agent import AgentSample
 from tephra.episodes.episode import Episode, by_agent_name, run_episodes, run_to_completion
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import close_tools, load_tools
 from tephra.rollout.base import Rollout, RolloutConfig, SamplingParams
+from tephra.rollout.multimodal import VisionProcessor
 from tephra.rollout.registry import get_rollout
 
 
@@ -46,6 +47,7 @@ def run_items(
             tool_kwargs=dict(i.record.tool_kwargs),
             interaction_kwargs=dict(i.record.interaction_kwargs),
             agent_name=i.record.agent_name,
+            multimodal=i.multimodal,
         )
         for i in items
     ]
@@ -179,12 +181,22 @@ class Generator:
         r = self.cfg.rollout
         if self._episode is None:
             tok, tools = self.tokenizer(), self._tools
+            # a vision-language model's episodes expand the images environments show
+            vision = (
+                {
+                    "processor": VisionProcessor.from_pretrained(
+                        self.model_path, self.cfg.data.max_frames
+                    )
+                }
+                if is_vision_config(AutoConfig.from_pretrained(self.model_path))
+                else {}
+            )
             self._episode = by_agent_name(
-                r.agent_loop, lambda name: EPISODES.get(name)(tok, r.agent, tools)
+                r.agent_loop, lambda name: EPISODES.get(name)(tok, r.agent, tools, **vision)
             )
         episode = self._episode
         expanded = [
-            PromptItem(i.prompt_ids, i.record, f"{i.sample_id}-{k}")
+            PromptItem(i.prompt_ids, i.record, f"{i.sample_id}-{k}", i.multimodal)
             for i in items
             for k in range(sampling.n)
         ]

@@ -481,9 +481,9 @@ def check_image_support(cfg: PPOConfig) -> None:
             "trains vision-language models; set actor.engine=fsdp",
         ),
         (
-            r.uses_agent_loop,
-            f"rollout.agent_loop={r.agent_loop!r}: agent loops do not take "
-            "images yet; leave rollout.agent_loop unset",
+            r.agent_loop == "openai_agent",
+            f"rollout.agent_loop={r.agent_loop!r}: a black-box agent's OpenAI endpoint "
+            "does not take images; use the environment or tool_agent loop",
         ),
         (
             cfg.trainer.mode != "sync",
@@ -496,10 +496,9 @@ def check_image_support(cfg: PPOConfig) -> None:
             "replicas do not take images yet; set resources.rollout.replicas=0",
         ),
         (
-            a.needs("values"),
-            f"algorithm.adv_estimator={a.adv_estimator!r} needs a critic, and "
-            "a value model on a vision-language model is not supported; "
-            "choose e.g. grpo",
+            a.needs("values") and cfg.critic.engine != "fsdp",
+            f"critic.engine={cfg.critic.engine!r}: only the fsdp engine "
+            "trains vision-language critics; set critic.engine=fsdp",
         ),
         (
             a.needs("baselines"),

@@ -5,6 +5,11 @@ The value model is transformers' `AutoModelForTokenClassification` with `num_lab
 backbone under its usual prefix (`model.`) and a linear head named `score` (`score.weight`
 [1, hidden], `score.bias` [1]). An exported critic is therefore a plain transformers folder
 that `AutoModelForTokenClassification.from_pretrained` loads.
+
+transformers has no token-classification class for vision-language models, so a VLM's value
+model is its image-text-to-text model with `lm_head` replaced by the same `score` head
+(`vision_value_head`): the backbone still takes the pixels, and an export is the VLM folder
+with `score.*` in place of `lm_head.*`, which `build_model` reads back.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -66,12 +72,8 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
     hf_config = load_hf_config(cfg)
     auto = AutoModelForCausalLM if cfg.role == "policy" else AutoModelForTokenClassification
     if getattr(hf_config, "vision_config", None) is not None:
-        # a vision-language model (Qwen2-VL family): its causal LM is image-text-to-text
-        if cfg.role != "policy":
-            raise ConfigError(
-                "model.role='value' with a vision-language model: not supported "
-                "yet; train a VLM policy with a critic-free algorithm (GRPO)"
-            )
+        # a vision-language model (Qwen2-VL family): its causal LM is image-text-to-text, and
+        # its critic the same model with a value head (`vision_value_head`)
         auto = AutoModelForImageTextToText
     if cfg.role == "value":
         hf_config.num_labels = 1
@@ -94,6 +96,8 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
             raise ConfigError(
                 f"{where}: cannot build a {cfg.role} model ({auto.__name__}) from it: {exc}"
             ) from exc
+        if cfg.role == "value" and auto is AutoModelForImageTextToText:
+            vision_value_head(model, cfg.path)
     if cfg.gradient_checkpointing:
         # non-reentrant checkpointing composes with FSDP2 hooks and frozen (LoRA) weights
         if hasattr(model, "activation_checkpointing_enable"):
@@ -106,6 +110,37 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
             )
     model.config.use_cache = False
     return model
+
+
+def vision_value_head(model: PreTrainedModel, path: str | None) -> None:
+    """Turn a vision-language model (built under the caller's seeded RNG) into a critic, in
+    place: `lm_head` becomes `score` (Linear(hidden, 1) with a bias, drawn as
+    transformers draws a token-classification head: N(0, initializer_range), bias 0), read
+    back from `path`'s safetensors where an exported critic holds `score.*`."""
+    text = model.config.get_text_config()
+    head = nn.Linear(int(text.hidden_size), 1)
+    with torch.no_grad():
+        head.weight.normal_(0.0, float(text.initializer_range))
+        head.bias.zero_()
+    saved = _saved_tensors(Path(path), VALUE_HEAD) if path is not None else {}
+    if saved:
+        head.load_state_dict(saved)
+    # the value head replaces the vocabulary head: nothing ties to it any more
+    model.lm_head = None
+    model._tied_weights_keys = {}
+    model.config.tie_word_embeddings = False
+    model.add_module(VALUE_HEAD, head)
+
+
+def _saved_tensors(folder: Path, module: str) -> dict[str, torch.Tensor]:
+    """The tensors `<module>.*` in a folder's safetensors files, keyed without the prefix."""
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key.startswith(module + "."):
+                    out[key[len(module) + 1 :]] = st.get_tensor(key)
+    return out
 
 
 def backbone(model: PreTrainedModel) -> nn.Module:

@@ -27,6 +27,7 @@ import torch
 
 from tephra.engine_api.errors import ConfigError, TephraError
 from tephra.engine_api.fastest_dtype import AUTO, resolve_dtype
+from tephra.engine_api.multimodal import MultimodalInputs
 from tephra.rollout.samples import Sample, to_batch
 from tephra.rollout.weight_transport import check_transport_name
 
@@ -436,10 +437,16 @@ class Rollout(abc.ABC):
 
     @abc.abstractmethod
     async def agenerate(
-        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        session_id: str | None = None,
+        multimodal: MultimodalInputs | None = None,
     ) -> Sample:
         """One response for one prompt (`sampling.n` must be 1); the caller holds the prompt,
-        so the sample's `prompt_ids` stay empty."""
+        so the sample's `prompt_ids` stay empty. `multimodal`: the prompt's images (every
+        image of the context so far, in order; a backend without image support raises
+        `RolloutError` when given some)."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -78,6 +78,7 @@ class VisionProcessor:
         self.image_token_id = ids[self.image_token]
         self.video_token = VISION_TOKENS[3]
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        self._span_ends = (ids[VISION_TOKENS[0]], ids[VISION_TOKENS[2]])
 
     @classmethod
     def from_pretrained(cls, path: str | Path, max_frames: int = 8) -> VisionProcessor:
@@ -116,6 +117,12 @@ class VisionProcessor:
             pixels.append(pairs.permute(0, 2, 3, 1, 4).reshape(len(frames) // t * gh * gw, -1))
             grids.append([len(frames) // t, gh, gw])
         return torch.cat(pixels), torch.tensor(grids, dtype=torch.long)
+
+    def image_span(self, tokens: int) -> list[int]:
+        """Token ids of one expanded image of `tokens` image tokens: `<|vision_start|>`,
+        `tokens` x `<|image_pad|>`, `<|vision_end|>`."""
+        start, end = self._span_ends
+        return [start, *([self.image_token_id] * tokens), end]
 
     @property
     def patch(self) -> int:

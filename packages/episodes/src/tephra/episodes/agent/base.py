@@ -25,6 +25,7 @@ from tephra.core.errors import ConfigError
 if TYPE_CHECKING:
     from tephra.episodes.tools.base import Tool
     from tephra.rollout.base import Rollout, SamplingParams
+    from tephra.rollout.multimodal import MultimodalInputs, VisionProcessor
     from tephra.rollout.samples import Sample
 
 
@@ -50,10 +51,18 @@ class AgentSample:
     agent_name: str | None = None
     """The episode that runs this item (verl's per-row `agent_name`, a name in `EPISODES`);
     None runs the configured one."""
+    multimodal: MultimodalInputs | None = None
+    """The prompt's images (vision-language models): `prompt_ids` holds each one expanded to
+    its image tokens. Needs `prompt_ids`."""
 
     def __post_init__(self) -> None:
         if not self.messages and not self.prompt_ids:
             raise ConfigError("AgentSample: give `messages` (chat messages) or `prompt_ids`")
+        if self.multimodal is not None and not self.prompt_ids:
+            raise ConfigError(
+                "AgentSample: `multimodal` (the prompt's images) needs `prompt_ids` with each "
+                "image expanded (tephra.rollout.multimodal.VisionProcessor)"
+            )
 
 
 TIMEOUT_REWARDS = ("zero", "drop")
@@ -139,10 +148,14 @@ class AgentLoop(ABC):
         tokenizer: Any,
         config: AgentLoopConfig | None = None,
         tools: dict[str, Tool] | None = None,
+        processor: VisionProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.config = config or AgentLoopConfig()
         self.tools = dict(tools or {})
+        self.processor = processor
+        """A vision-language model's processor: expands the images environments show (None:
+        a turn with images is refused)."""
 
     @abstractmethod
     async def run(self, rollout: Rollout, sample: AgentSample, sampling: SamplingParams) -> Sample:

@@ -23,6 +23,9 @@ from typing import Any
 
 from tephra.core.errors import ConfigError
 
+IMAGE_MARKER = "<image>"
+"""Where an observation shows an image, in its message text (verl's marker)."""
+
 _SENTINEL = "TEPHRA_ASSISTANT_CONTENT_SENTINEL"
 _DUMMY = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -91,19 +94,24 @@ class ChatTemplateDelta:
             "style, tephra.episodes.agent.TOOL_CHAT_TEMPLATE), e.g. set tokenizer.chat_template"
         )
 
-    def append_ids(self, messages: list[dict], stop_text: str | None) -> list[int]:
+    def append_ids(
+        self, messages: list[dict], stop_text: str | None, images: list[list[int]] | None = None
+    ) -> list[int]:
         """`append_text` as token ids (tokenised on its own: see module docstring).
 
         Tool output is data: text in a message that spells a control token of the tokenizer
         (`<|im_end|>`, `<|im_start|>`, `<tool_call>`, any added token) is tokenised as plain
         text, never as that token, so a tool cannot forge turns. Such messages are rendered
-        with a placeholder and their text is spliced in, tokenised on its own."""
+        with a placeholder and their text is spliced in, tokenised on its own. `images`: the
+        token ids of each image the messages show (already expanded by the processor), put
+        in place of the `IMAGE_MARKER`s, in order (the caller checks that the counts match)."""
         controls = self.control_texts()
-        if not any(
+        if not images and not any(
             isinstance(m.get("content"), str) and any(t in m["content"] for t in controls)
             for m in messages
         ):
             return self.encode(self.append_text(messages, stop_text))
+        pending = list(images or [])
         marks = [f"TEPHRA_TOOL_CONTENT_{i}_SENTINEL" for i in range(len(messages))]
         text = self.append_text(
             [{**m, "content": mark} for m, mark in zip(messages, marks)], stop_text
@@ -116,7 +124,15 @@ class ChatTemplateDelta:
                     "agent loop: the chat template changes tool message content "
                     "(a placeholder did not survive rendering)"
                 )
-            ids += self.encode(before) + self.encode_plain(str(message.get("content", "")))
+            ids += self.encode(before)
+            content = str(message.get("content", ""))
+            if not images:
+                ids += self.encode_plain(content)
+                continue
+            pieces = content.split(IMAGE_MARKER)
+            ids += self.encode_plain(pieces[0])
+            for piece in pieces[1:]:
+                ids += pending.pop(0) + self.encode_plain(piece)
         return ids + self.encode(text)
 
     def control_texts(self) -> list[str]:

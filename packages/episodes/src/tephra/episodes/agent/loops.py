@@ -4,18 +4,20 @@ token-in-token-out) and `tool_agent` (the environment loop over the tool environ
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent.base import AgentLoop, AgentSample, check_one_sample
-from tephra.episodes.agent.chat_tokens import ChatTemplateDelta
-from tephra.episodes.environments.base import Environment
+from tephra.episodes.agent.chat_tokens import IMAGE_MARKER, ChatTemplateDelta
+from tephra.episodes.environments.base import Environment, StepResult
 from tephra.episodes.environments.tool_env import ToolEnvironment
 from tephra.episodes.tools.base import Tool
 from tephra.rollout.base import Rollout, SamplingParams
+from tephra.rollout.multimodal import MultimodalInputs, check_image_tokens
 from tephra.rollout.samples import Sample
 
 
@@ -65,6 +67,19 @@ class _TokenLoop(AgentLoop):
             budget = min(budget, run.max_model_len - context_len)
         return budget
 
+    def turn_sampling(self, run: _Run, sample_id: str, turn: int, budget: int) -> SamplingParams:
+        """The sampling of one model turn: `max_tokens=budget`, and under a seeded sampling a
+        seed of its own, drawn from the seed, the trajectory's sample id and the turn. Every
+        trajectory of a step is sent the same seeded sampling; without this the n trajectories
+        of one prompt (distinct sample ids) would sample the same tokens and their GRPO group
+        would be flat. A rerun repeats them."""
+        sampling = run.sampling.replace(max_tokens=budget)
+        if sampling.seed is None:
+            return sampling
+        key = f"{sampling.seed}:{sample_id}:{turn}".encode()
+        digest = hashlib.blake2b(key, digest_size=8).digest()
+        return sampling.replace(seed=int.from_bytes(digest) >> 2)
+
     def text_of_turn(self, run: _Run, ids: list[int], finish_reason: str) -> tuple[str, str | None]:
         """(content, stop text): the decoded turn without its final stop token, and that token.
 
@@ -91,7 +106,10 @@ class SingleTurnAgentLoop(_TokenLoop):
         if budget < 1:
             return _empty(sample, prompt_ids)
         gen = await rollout.agenerate(
-            prompt_ids, sampling.replace(max_tokens=budget), session_id=sample.sample_id
+            prompt_ids,
+            self.turn_sampling(run, sample.sample_id, 0, budget),
+            session_id=sample.sample_id,
+            **_images(sample.multimodal),
         )
         content, _ = self.text_of_turn(run, gen.response_ids, gen.finish_reason)
         return Sample(
@@ -110,7 +128,14 @@ class SingleTurnAgentLoop(_TokenLoop):
             messages=[*sample.messages, {"role": "assistant", "content": content}],
             extra_info=dict(sample.extra_info),
             token_versions=list(gen.token_versions) if gen.token_versions is not None else None,
+            multimodal=sample.multimodal,
         )
+
+
+def _images(multimodal: MultimodalInputs | None) -> dict[str, Any]:
+    """`agenerate`'s images argument, left out without images (so that a backend without
+    image support keeps serving text)."""
+    return {} if multimodal is None else {"multimodal": multimodal}
 
 
 @dataclass
@@ -132,6 +157,8 @@ class _Trajectory:
         default_factory=lambda: defaultdict(lambda: defaultdict(float))
     )
     info: dict[str, Any] = field(default_factory=dict)
+    multimodal: MultimodalInputs | None = None
+    """Every image of the context so far (the prompt's, then each observation's), in order."""
 
     def to_sample(
         self,
@@ -165,6 +192,7 @@ class _Trajectory:
             dropped=dropped,
             extra_info=extra_info,
             token_versions=self.versions if self.versions is not None and self.num_turns else None,
+            multimodal=self.multimodal,
             **fields,
         )
 
@@ -217,7 +245,9 @@ class EnvironmentLoop(_TokenLoop):
         run = self.begin(rollout, sampling)
         cfg = self.config
         env = self.make_environment()
-        traj = _Trajectory(list(sample.prompt_ids or []), list(sample.messages))
+        traj = _Trajectory(
+            list(sample.prompt_ids or []), list(sample.messages), multimodal=sample.multimodal
+        )
         finish = "max_turns"
         deadline = (
             asyncio.get_running_loop().time() + cfg.trajectory_timeout_s
@@ -266,6 +296,12 @@ class EnvironmentLoop(_TokenLoop):
         observation = await env.reset(sample)
         delta = self.delta_for(env.tool_schemas())
         if not traj.prompt_ids or observation != list(sample.messages):
+            if sample.multimodal is not None:
+                raise ConfigError(
+                    f"environment {cfg.environment or type(env).__name__}: reset returned other "
+                    "messages than the item's, which has images (its prompt_ids hold them); "
+                    "return the item's messages from reset and show new images from step"
+                )
             traj.prompt_ids = delta.prompt_ids(observation)
         traj.messages = list(observation)
         for _ in range(cfg.max_turns):
@@ -277,12 +313,16 @@ class EnvironmentLoop(_TokenLoop):
                 async with asyncio.timeout(cfg.turn_timeout_s):
                     gen = await rollout.agenerate(
                         traj.prompt_ids + traj.ids,
-                        run.sampling.replace(max_tokens=budget),
+                        self.turn_sampling(run, sample.sample_id, traj.num_turns, budget),
                         session_id=sample.sample_id,
+                        **_images(traj.multimodal),
                     )
+                    gen, sampled_slot = self.before_image_slot(gen)
                     traj.add_generated(gen)
                     content, stop_text = self.text_of_turn(run, gen.response_ids, gen.finish_reason)
                     traj.messages.append({"role": "assistant", "content": content})
+                    if sampled_slot:
+                        return "image_token"
                     if gen.finish_reason == "length" and not (
                         self.step_after_turn_cap and budget == run.sampling.max_tokens
                     ):
@@ -307,14 +347,90 @@ class EnvironmentLoop(_TokenLoop):
                     "or done=True"
                 )
             traj.messages.extend(result.observation)
-            obs_ids = delta.append_ids(result.observation, stop_text)
+            obs_ids, shown = self.observation_ids(env, delta, result, stop_text, traj.num_turns)
             room = cfg.max_response_tokens - len(traj.ids)
             if run.max_model_len is not None:
                 room = min(room, run.max_model_len - len(traj.prompt_ids) - len(traj.ids))
+            if shown is not None:
+                if len(obs_ids) >= room:  # a cut image would leave its tokens without pixels
+                    return "length"
+                traj.multimodal = (
+                    shown
+                    if traj.multimodal is None
+                    else MultimodalInputs.concat([traj.multimodal, shown])
+                )
             traj.add_observation(obs_ids[: max(room, 0)])
             if len(obs_ids) >= room:  # no room left for a model token after it
                 return "length"
         return "max_turns"
+
+    def before_image_slot(self, gen: Sample) -> tuple[Sample, bool]:
+        """(`gen` ended before the first image or video placeholder token it sampled, whether
+        it sampled one). A sampled placeholder has no image behind it: the next turn's context
+        and the training forward would count one image slot too many."""
+        if self.processor is None:
+            return gen, False
+        slots = {self.processor.image_token_id, self.processor.video_token_id}
+        n = next((i for i, t in enumerate(gen.response_ids) if t in slots), None)
+        if n is None:
+            return gen, False
+        return replace(
+            gen,
+            response_ids=gen.response_ids[:n],
+            response_mask=gen.response_mask[:n] if gen.response_mask is not None else None,
+            log_probs=gen.log_probs[:n] if gen.log_probs is not None else None,
+            token_versions=gen.token_versions[:n] if gen.token_versions is not None else None,
+            finish_reason="image_token",
+        ), True
+
+    def observation_ids(
+        self,
+        env: Environment,
+        delta: ChatTemplateDelta,
+        result: StepResult,
+        stop_text: str | None,
+        turn: int,
+    ) -> tuple[list[int], MultimodalInputs | None]:
+        """(token ids, images) of the observation after model turn `turn`: each image it shows
+        expanded by the processor where its `<image>` marker is. Refused, naming the turn,
+        when the markers and the images differ in number or the tokens hold another number
+        of image tokens than the processor's expansion (a chat template that writes its own
+        image tokens, say)."""
+        name = f"environment {self.config.environment or type(env).__name__}"
+        where = f"{name}: the observation after model turn {turn}"
+        marked = sum(
+            m["content"].count(IMAGE_MARKER)
+            for m in result.observation
+            if isinstance(m.get("content"), str)
+        )
+        if marked != len(result.images):
+            raise ConfigError(
+                f"{where} marks {marked} image(s) with {IMAGE_MARKER} but step returned "
+                f"{len(result.images)} in StepResult.images; put one {IMAGE_MARKER} in the "
+                "messages' text for each image, in order"
+            )
+        processor = self.processor
+        if processor is None:
+            if result.images:
+                raise ConfigError(
+                    f"{where} shows {len(result.images)} image(s), but the episode has no "
+                    "vision processor (the model is text-only?); use a vision-language model"
+                )
+            return delta.append_ids(result.observation, stop_text), None
+        shown = processor.images(result.images) if result.images else None
+        counts = shown.image_token_counts(processor.merge_size) if shown is not None else []
+        ids = delta.append_ids(
+            result.observation, stop_text, [processor.image_span(n) for n in counts]
+        )
+        check_image_tokens(
+            ids,
+            shown,
+            processor.image_token_id,
+            processor.merge_size,
+            where,
+            processor.video_token_id,
+        )
+        return ids, shown
 
 
 class ToolAgentLoop(EnvironmentLoop):

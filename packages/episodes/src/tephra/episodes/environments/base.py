@@ -10,7 +10,8 @@ An environment serves one trajectory (a fresh object per item, built by its fact
     await env.close()                            # always called, also after a deadline
 
 Observations are chat messages (`role` `tool` or `user`), appended to the token context as
-the chat template's delta (token-in-token-out: earlier tokens are never re-tokenised).
+the chat template's delta (token-in-token-out: earlier tokens are never re-tokenised); an
+observation may show images (`StepResult.images`, marked `<image>` in its text).
 Rewards are the environment's own, per turn (each `step`) or at the end (the last step's
 reward): with `owns_reward` the episode's sample takes their sum as its score
 (`Sample.env_reward`) and the reward scorer is not called; without it (the tool agent)
@@ -40,6 +41,10 @@ class StepResult:
     """This turn's reward (an end-of-episode reward is the last step's)."""
     done: bool = False
     """The episode ends after this turn."""
+    images: list[Any] = field(default_factory=list)
+    """PIL images the observation shows (vision-language models), in the order of the
+    `<image>` markers in its messages' text: one marker per image. The episode expands each
+    with the model's processor and checks the turn's image-token count against it."""
     info: dict[str, Any] = field(default_factory=dict)
     """Anything else. Keys the episode reads: `finish_reason` (str: why it ended; default
     `done`), `tool_calls` / `tool_errors` (ints, summed into the sample's counts),

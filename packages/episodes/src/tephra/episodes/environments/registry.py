@@ -9,16 +9,19 @@ from pathlib import Path
 from tephra.core.errors import ConfigError
 from tephra.core.registry import Registry
 from tephra.episodes.environments.base import Environment, EnvironmentFactory
+from tephra.episodes.environments.colour_squares import ColourSquaresEnvironment
 from tephra.episodes.environments.interaction import AnswerCheckInteraction
 from tephra.episodes.environments.tool_env import ToolEnvironment
 from tephra.episodes.user_files import import_file
 
 ENVIRONMENTS: Registry[EnvironmentFactory] = Registry("environment")
 """Environment factories by name: `tool` (the model's tool calls run; the scorer judges the
-answer), `answer_check` (a scripted user who knows the answer, verl's interaction). Each is
+answer), `answer_check` (a scripted user who knows the answer, verl's interaction),
+`colour_squares` (a new coloured square to name after each answer: images each turn). Each is
 called as `factory(tools, config, **environment_kwargs)` once per trajectory."""
 ENVIRONMENTS.register("tool", ToolEnvironment)
 ENVIRONMENTS.register("answer_check", AnswerCheckInteraction)
+ENVIRONMENTS.register("colour_squares", ColourSquaresEnvironment)
 
 
 def is_file_spec(spec: str) -> bool:

@@ -12,6 +12,18 @@ import difflib
 import re
 from typing import Any
 
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 180, 40),
+    "blue": (30, 60, 220),
+    "yellow": (235, 220, 40),
+    "orange": (240, 140, 20),
+    "purple": (140, 40, 180),
+    "pink": (240, 120, 190),
+    "cyan": (40, 200, 220),
+}
+"""Colour name -> RGB of the task's squares."""
+
 
 def _normalise(text: str) -> str:
     return re.sub(r"[^a-z]", "", text.lower())

@@ -48,6 +48,7 @@ from tephra.rollout.base import (
 )
 from tephra.rollout.multimodal import (
     MultimodalInputs,
+    check_image_tokens,
     hf_model_kwargs,
     image_token_id,
     video_token_id,
@@ -474,18 +475,33 @@ class HFRollout(Rollout):
     # -- async single requests ----------------------------------------------------------------
 
     async def agenerate(
-        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        session_id: str | None = None,
+        multimodal: MultimodalInputs | None = None,
     ) -> Sample:
         """One request; concurrent requests with the same temperature/top-k/top-p/stop ids
         share one batched `generate` (each keeps its own max_tokens and samples from its own
         generator, seeded by its `seed`, so a seeded request gives the same sample whatever
         batch it joins). `session_id` is accepted for
-        the contract; there is only one in-process model."""
+        the contract; there is only one in-process model. `multimodal`: the prompt's images
+        (checked against its image tokens; requests with and without images share a batch)."""
         if sampling.n != 1:
             raise RolloutError(
                 f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)"
             )
         check_prompts([prompt_ids], sampling, self.config.max_model_len, self.vocab_size)
+        if multimodal is not None:
+            config = self.model.config
+            check_image_tokens(
+                list(prompt_ids),
+                multimodal,
+                image_token_id(config),
+                int(config.vision_config.spatial_merge_size),
+                f"agenerate (session {session_id})",
+                video_token_id(config),
+            )
         key = (
             sampling.temperature,
             sampling.top_k,
@@ -494,15 +510,18 @@ class HFRollout(Rollout):
             sampling.ignore_eos,
             sampling.logprobs,
         )
-        return await self._batcher.submit((list(prompt_ids), sampling), key)
+        return await self._batcher.submit((list(prompt_ids), sampling, multimodal), key)
 
-    def _run_request_batch(self, payloads: list[tuple[list[int], SamplingParams]]) -> list[Sample]:
+    def _run_request_batch(
+        self, payloads: list[tuple[list[int], SamplingParams, MultimodalInputs | None]]
+    ) -> list[Sample]:
         first = payloads[0][1]
         seeds = [
-            s.seed if s.seed is not None else self._seeds.randrange(2**62) for _, s in payloads
+            s.seed if s.seed is not None else self._seeds.randrange(2**62) for _, s, _ in payloads
         ]
-        rows = [p for p, _ in payloads]
-        max_tokens = [s.max_tokens for _, s in payloads]
+        rows = [p for p, _, _ in payloads]
+        max_tokens = [s.max_tokens for _, s, _ in payloads]
+        images = [m for _, _, m in payloads]
         out: list[Sample] = []
         step = self.config.hf.max_batch_rows
         for start in range(0, len(rows), step):
@@ -511,6 +530,7 @@ class HFRollout(Rollout):
                 first,
                 max_tokens[start : start + step],
                 seeds[start : start + step],
+                images[start : start + step],
             )
         return out
 

@@ -41,6 +41,7 @@ import httpx
 import torch
 
 from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.multimodal import MultimodalInputs
 from tephra.rollout.backends.server_process import ServerProcess, free_port
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import (
     BucketMeta,
@@ -514,8 +515,17 @@ class ServerRollout(Rollout):
         )
 
     async def agenerate(
-        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        session_id: str | None = None,
+        multimodal: MultimodalInputs | None = None,
     ) -> Sample:
+        if multimodal is not None:
+            raise RolloutError(
+                f"rollout.backend={self.config.backend!r}: requests with images are not "
+                "supported by the server backends yet; use rollout.backend=hf"
+            )
         if sampling.n != 1:
             raise RolloutError(
                 f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)"
