@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from transformers import AutoTokenizer
 
 from tephra.core.errors import RegistryError
 from tephra.episodes.agent import AgentSample, SingleTurnAgentLoop, ToolAgentLoop
 from tephra.episodes.episode import run_episodes
 from tephra.episodes.registry import EPISODES
 from tephra.rollout import Sample, SamplingParams
+from tephra.rollout.backends.hf import HFRollout
+from tephra.rollout.base import RolloutConfig
 
 
 def two_answers(tokenizer, config, tools):
@@ -47,3 +50,21 @@ def test_the_registry_lists_the_built_in_episodes():
         RegistryError, match="unknown agent loop 'tool_agnet'.*did you mean 'tool_agent'"
     ):
         EPISODES.get("tool_agnet")
+
+
+def test_a_seeded_run_gives_each_item_its_own_stream_as_generate_does(tiny_model):
+    # eight copies of one prompt (a GRPO group): sample k of the run is sample k of one seeded
+    # `generate` call (seed + k), so the group's samples differ
+    tok = AutoTokenizer.from_pretrained(tiny_model.path)
+    rollout = HFRollout(RolloutConfig(model_path=tiny_model.path, max_model_len=256))
+    prompt = tok.encode("What is 12 plus 30?")
+    sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
+    items = [AgentSample([], sample_id=f"s{k}", prompt_ids=prompt) for k in range(8)]
+    try:
+        episode = EPISODES.get("single_turn")(tok)
+        samples = asyncio.run(run_episodes(episode, rollout, items, sampling))
+        reference = rollout.generate([prompt], sampling.replace(n=8)).samples
+    finally:
+        rollout.close()
+    assert [s.response_ids for s in samples] == [s.response_ids for s in reference]
+    assert len({tuple(s.response_ids) for s in samples}) > 1

@@ -482,7 +482,7 @@ class Trainer:
         shaping = length_shaping(cfg, samples)
         scores = raw + shaping
         batch["rewards"] = scores
-        token_rewards = outcome_token_rewards(scores, batch["response_mask"])
+        token_rewards = outcome_token_rewards(scores, batch["response_mask"], samples)
         if cfg.algorithm.kl_in_reward.enabled:
             token_rewards, kl_metrics = kl_reward(cfg, batch, token_rewards, self.kl_ctrl)
             metrics.update(kl_metrics)

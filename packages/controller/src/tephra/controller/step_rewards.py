@@ -17,15 +17,41 @@ from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import Sample
 from tephra.core.errors import ConfigError
 from tephra.engine_api.tensordict_import import TensorDict
+from tephra.episodes.agent.loops import TIMEOUTS
 
 
-def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] scores -> [B, T] with the score on each sample's last response token."""
+def outcome_token_rewards(
+    scores: torch.Tensor, response_mask: torch.Tensor, samples: list[Sample] | None = None
+) -> torch.Tensor:
+    """[B] scores -> [B, T] with the score on each sample's last response token.
+
+    With `samples` (the batch's rows, in `tephra.rollout.to_batch`'s layout: responses start
+    at the longest prompt's length), an environment's per-turn rewards
+    (`extra_info["turn_rewards"]`, at `extra_info["turn_ends"]`) each land on the last
+    generated token of their turn, and what the score holds beyond their sum (length shaping,
+    clipping) stays on the last token; a trajectory cut by a deadline keeps its whole score
+    there."""
     mask = response_mask.long()
     last = (mask * torch.arange(mask.shape[1])).argmax(-1)
     out = torch.zeros(mask.shape, dtype=torch.float32)
     has = mask.sum(-1) > 0
     out[has, last[has]] = scores[has].float()
+    if samples is None:
+        return out
+    start = max(len(s.prompt_ids) for s in samples)
+    for i, s in enumerate(samples):
+        rewards = s.extra_info.get("turn_rewards")
+        ends = s.extra_info.get("turn_ends")
+        if not rewards or ends is None or s.env_reward is None or s.finish_reason in TIMEOUTS:
+            continue
+        if not has[i]:
+            continue
+        for reward, end in zip(rewards, ends, strict=True):
+            # a turn of no tokens: its reward goes to the last trained token before it
+            trained = mask[i, : start + end + 1].nonzero()
+            at = int(trained[-1]) if len(trained) else int(last[i])
+            out[i, at] += float(reward)
+        out[i, last[i]] -= float(sum(rewards))
     return out
 
 

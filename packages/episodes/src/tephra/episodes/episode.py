@@ -39,14 +39,18 @@ async def run_episodes(
     max_in_flight: int | None = None,
 ) -> list[Sample]:
     """Run `episode` on every item concurrently (at most `max_in_flight` at once; None: all);
-    the samples come back in the order of `items`."""
+    the samples come back in the order of `items`. With `sampling.seed` set, item k samples
+    with seed `sampling.seed + k`, as sample k of a `generate` call does: one seed for all
+    would make the samples of a prompt group identical (no group-relative signal)."""
     limit = asyncio.Semaphore(max_in_flight or max(len(items), 1))
 
-    async def one(item: AgentSample) -> list[Sample]:
+    async def one(k: int, item: AgentSample) -> list[Sample]:
+        own = sampling if sampling.seed is None else sampling.replace(seed=sampling.seed + k)
         async with limit:
-            return await episode(rollout, item, sampling)
+            return await episode(rollout, item, own)
 
-    return [s for samples in await asyncio.gather(*(one(i) for i in items)) for s in samples]
+    gathered = await asyncio.gather(*(one(k, i) for k, i in enumerate(items)))
+    return [s for samples in gathered for s in samples]
 
 
 def by_agent_name(default: str, build: Callable[[str], Episode]) -> Episode:

@@ -74,7 +74,8 @@ class Sample:
     """`Tool.calc_reward` of each tool the episode used."""
     env_reward: float | None = None
     """The reward an episode's environment assigned (its per-turn rewards summed; their list
-    is `extra_info["turn_rewards"]`), or 0.0 for a trajectory cut by a deadline under the
+    is `extra_info["turn_rewards"]`, and `extra_info["turn_ends"]` the index in `response_ids`
+    of each turn's last generated token, where the trainer puts that turn's reward), or 0.0 for a trajectory cut by a deadline under the
     `zero` policy. When set it is the sample's score and the reward scorer is not called;
     None (plain generation, an environment that leaves scoring to the scorer) scores the
     text as usual."""

@@ -12,7 +12,10 @@ from tephra.core.errors import ConfigError
 
 PRESETS = Path(__file__).parent / "presets"
 
-MADE_BY = {"runs/vlm_warmup/hf": "uv run apps/sft -p vlm_warmup"}
+MADE_BY = {
+    "runs/vlm_warmup/hf": "uv run apps/sft -p vlm_warmup",
+    "runs/tool_warmup/hf": "uv run apps/sft -p tool_warmup",
+}
 """Model folders that a preset starts from and another command writes (`-p vlm_demo` starts
 from the SFT warm-up's export) -> that command."""
 

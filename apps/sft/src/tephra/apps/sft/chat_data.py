@@ -116,6 +116,46 @@ def arithmetic_conversations(size: int, seed: int) -> list[list[dict]]:
     ]
 
 
+TOOL_MULTIPLICATION_TASK = {
+    "min_terms": 2,
+    "max_terms": 2,
+    "min_digits": 4,
+    "max_digits": 4,
+    "allow_negation": False,
+    "allow_parentheses": False,
+    "operators": ["*"],
+}
+"""reasoning-gym basic_arithmetic options of the tool demo: one product of two 4-digit numbers
+(apps/ppo's tool_demo preset asks the same questions)."""
+
+TOOL_INSTRUCTION = "Use the python tool."
+"""Appended to each tool-demo question (apps/ppo's tool_demo `data.instruction`)."""
+
+
+def tool_call_conversations(size: int, seed: int) -> list[list[dict]]:
+    """Transcripts of the tool demo: a 4-digit product asked as the RL trainer asks it, one
+    hermes-format `python` call that prints it, the sandbox's output (the printed line), then
+    the bare number. The model learns to copy the operands into the call and the tool's output
+    into the answer; it never has to multiply."""
+
+    ds = reasoning_gym.create_dataset(
+        "basic_arithmetic", size=size, seed=seed, **TOOL_MULTIPLICATION_TASK
+    )
+    out = []
+    for item in ds:
+        expression = item["question"].removeprefix("Calculate ").rstrip(".")
+        call = json.dumps({"name": "python", "arguments": {"code": f"print({expression})"}})
+        out.append(
+            [
+                {"role": "user", "content": f"{item['question']}\n{TOOL_INSTRUCTION}"},
+                {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                {"role": "tool", "content": f"{item['answer']}\n"},
+                {"role": "assistant", "content": str(item["answer"])},
+            ]
+        )
+    return out
+
+
 def pad_batch(examples: list[tuple], pad_id: int):
     """Right-padded `[B, T]` batch in the engine layout; examples with images (a third item)
     add the `multimodal` column engine-fsdp reads."""

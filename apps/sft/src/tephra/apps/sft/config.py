@@ -33,7 +33,7 @@ class SFTPolicy(EngineRoleConfig):
     """Token budget of a micro-batch on one rank."""
 
 
-SFT_SOURCES = ("chats", "colour_squares")
+SFT_SOURCES = ("chats", "colour_squares", "tool_calls")
 """`data.source` values."""
 
 
@@ -46,7 +46,10 @@ class SFTData:
     `colour_squares`: transcripts of the synthetic image task of `tephra.controller.
     colour_squares` (the RL trainer's `data.source=colour_squares`), `size` of them drawn
     by `seed`: its question about an image, answered with the colour name; needs a
-    vision-language model and policy.engine=fsdp."""
+    vision-language model and policy.engine=fsdp.
+    `tool_calls`: `size` transcripts (drawn by `seed`) of apps/ppo's tool_demo task, a product of
+    two 4-digit numbers answered by one hermes `<tool_call>` to the python tool, the tool's
+    output, then the number."""
     train_files: list[str] = field(default_factory=list)
     """Parquet or jsonl files with a `messages` column; empty: generated arithmetic chats."""
     val_files: list[str] = field(default_factory=list)
@@ -70,6 +73,19 @@ class SFTData:
             raise ConfigError("data.val_size must be >= 0, data.size and data.max_seq_tokens >= 1")
         if self.source not in SFT_SOURCES:
             raise ConfigError(f"data.source={self.source!r}: choose one of {list(SFT_SOURCES)}")
+        if self.source == "tool_calls":
+            if self.train_files or self.images:
+                raise ConfigError(
+                    "data.source=tool_calls generates its transcripts; leave data.train_files "
+                    "empty and data.images=false, or use data.source=chats for files"
+                )
+            if self.seed in (DataSection.train_seed, DataSection.val_seed):
+                # apps/ppo's tool_demo draws its RL prompts and held-out items by those seeds
+                raise ConfigError(
+                    f"data.seed={self.seed} draws apps/ppo's tool_demo prompts (data.train_seed="
+                    f"{DataSection.train_seed}, data.val_seed={DataSection.val_seed}); choose "
+                    "another seed so that SFT never trains on them"
+                )
         if self.source == "colour_squares":
             if self.train_files or self.val_files or self.images:
                 raise ConfigError(

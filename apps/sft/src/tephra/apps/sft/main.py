@@ -25,6 +25,7 @@ from tephra.apps.sft.chat_data import (
     load_image_conversations,
     pad_batch,
     tokenize_conversation,
+    tool_call_conversations,
 )
 from tephra.apps.sft.config import SFTConfig
 from tephra.controller.checkpoints import CheckpointManager
@@ -142,11 +143,12 @@ def load_examples(cfg: SFTConfig, tok: Any, model_path: str) -> tuple[list, list
 
         train, val = read(d.train_files), read(d.val_files)
     else:
-        convs = (
-            [c for f in d.train_files for c in load_conversations(f)]
-            if d.train_files
-            else arithmetic_conversations(d.size, d.seed)
-        )
+        if d.source == "tool_calls":
+            convs = tool_call_conversations(d.size, d.seed)
+        elif d.train_files:
+            convs = [c for f in d.train_files for c in load_conversations(f)]
+        else:
+            convs = arithmetic_conversations(d.size, d.seed)
         val_convs = [c for f in d.val_files for c in load_conversations(f)]
         train = [tokenize_conversation(tok, c, i) for i, c in enumerate(convs)]
         val = [tokenize_conversation(tok, c, i) for i, c in enumerate(val_convs)]

@@ -150,6 +150,7 @@ class _Trajectory:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] | None = field(default_factory=list)  # None once a turn is untagged
     turn_rewards: list[float] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)  # response index of each turn's last token
     num_turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -277,7 +278,11 @@ class EnvironmentLoop(_TokenLoop):
             {
                 **sample.extra_info,
                 "tool_metrics": {k: dict(v) for k, v in traj.metrics.items()},
-                **({"turn_rewards": list(traj.turn_rewards)} if env.owns_reward else {}),
+                **(
+                    {"turn_rewards": list(traj.turn_rewards), "turn_ends": list(traj.turn_ends)}
+                    if env.owns_reward
+                    else {}
+                ),
                 **traj.info,
             },
             tool_rewards=tool_rewards,
@@ -331,6 +336,7 @@ class EnvironmentLoop(_TokenLoop):
             except TimeoutError:
                 return "turn_timeout"
             traj.turn_rewards.append(float(result.reward))
+            traj.turn_ends.append(len(traj.ids) - 1)
             traj.tool_calls += int(result.info.get("tool_calls", 0))
             traj.tool_errors += int(result.info.get("tool_errors", 0))
             for tool, values in result.info.get("metrics", {}).items():
