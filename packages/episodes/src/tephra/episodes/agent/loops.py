@@ -68,13 +68,14 @@ class _TokenLoop(AgentLoop):
         return budget
 
     def turn_sampling(self, run: _Run, sample_id: str, turn: int, budget: int) -> SamplingParams:
-        """The sampling of one model turn: `max_tokens=budget`, and under a seeded sampling a
-        seed of its own, drawn from the seed, the trajectory's sample id and the turn. Every
-        trajectory of a step is sent the same seeded sampling; without this the n trajectories
-        of one prompt (distinct sample ids) would sample the same tokens and their GRPO group
-        would be flat. A rerun repeats them."""
+        """The sampling of one model turn: `max_tokens=budget`, and under a seeded sampling,
+        after the first turn, a seed of its own drawn from the seed, the trajectory's sample
+        id and the turn. The first turn keeps the trajectory's seed (`run_episodes` gives item
+        k seed + k, as sample k of a `generate` call has), so a single-turn episode samples
+        what `generate` would; a later turn re-using it would replay the first turn's random
+        draws. A rerun repeats them all."""
         sampling = run.sampling.replace(max_tokens=budget)
-        if sampling.seed is None:
+        if sampling.seed is None or turn == 0:
             return sampling
         key = f"{sampling.seed}:{sample_id}:{turn}".encode()
         digest = hashlib.blake2b(key, digest_size=8).digest()
