@@ -30,7 +30,7 @@ QUESTION = "<image>What colour is the square? Answer with one word."
 
 def colour_square_rows(size: int, seed: int, image_size: int = 112) -> list[dict[str, Any]]:
     """`size` rows (verl multimodal format, PIL images) drawn by `seed`."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw  # heavy: only the image demo data needs it
 
     rng = random.Random(seed)
     rows = []
