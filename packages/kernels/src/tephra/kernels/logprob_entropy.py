@@ -25,7 +25,7 @@ from tephra.core import decided_once_per_machine
 from tephra.core.registry import Registry
 from tephra.kernels.chunked import chunked_logprob_entropy
 from tephra.kernels.errors import KernelInputError
-from tephra.kernels.reference import naive_logprob_entropy
+from tephra.kernels.reference import LogprobEntropy, naive_logprob_entropy
 
 METHOD_ENV_VAR = "TEPHRA_KERNEL_METHOD"
 
@@ -43,9 +43,7 @@ def _naive(hidden, weight, labels, temperature, ignore_index, *, chunk_size, **f
     return naive_logprob_entropy(hidden, weight, labels, temperature, ignore_index, **flags)
 
 
-METHODS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = Registry(
-    "kernel method"
-)
+METHODS: Registry[Callable[..., LogprobEntropy]] = Registry("kernel method")
 METHODS.register("naive", _naive)
 METHODS.register("chunked", chunked_logprob_entropy)
 METHODS.register("triton", _triton_logprob_entropy)
@@ -78,7 +76,10 @@ def _time_triton_vs_chunked(device: torch.device, dtype: torch.dtype) -> bool:
 
     def step(name: str) -> Callable[[], object]:
         def run() -> object:
-            lp, ent = METHODS.get(name)(h, w, y, 1.0, -100, compute_entropy=True, chunk_size=None)
+            lp, ent, *_ = METHODS.get(name)(
+                h, w, y, 1.0, -100, compute_entropy=True, chunk_size=None
+            )
+            assert ent is not None  # compute_entropy=True
             return torch.autograd.grad((lp + ent).sum(), [h, w])
 
         return run
@@ -194,7 +195,7 @@ def linear_logprob_entropy(
     chunk_size: int | None = None,
     keep_logits_bytes: int | None = None,
     compute_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> LogprobEntropy:
     """Log-prob of each label and entropy of softmax((hidden @ weight.T) / temperature).
 
     hidden [..., hidden_size] (fp32 or bf16), weight [vocab, hidden_size] (same dtype),
@@ -242,13 +243,9 @@ def linear_logprob_entropy(
         **extra,
         **({"compute_sum_pi_squared": True} if compute_sum_pi_squared else {}),
     )
-    log_probs, entropy = outs[0].reshape(lead), outs[1]
-    entropy = entropy.reshape(lead) if compute_entropy else None
-    return (
-        (log_probs, entropy, outs[2].reshape(lead))
-        if compute_sum_pi_squared
-        else (
-            log_probs,
-            entropy,
-        )
-    )
+    log_probs, entropy, *rest = outs
+    log_probs = log_probs.reshape(lead)
+    entropy = entropy.reshape(lead) if compute_entropy and entropy is not None else None
+    if compute_sum_pi_squared:
+        return log_probs, entropy, rest[0].reshape(lead)
+    return log_probs, entropy

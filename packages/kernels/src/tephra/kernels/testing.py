@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,8 @@ def vocab_parallel_problem():
 def _unsharded(temperature, compute_entropy=True):
     h, w, y, g1, g2 = vocab_parallel_problem()
     h.requires_grad_(), w.requires_grad_()
-    lp, ent = naive_logprob_entropy(h, w, y, temperature)
+    lp, ent, *_ = naive_logprob_entropy(h, w, y, temperature)
+    assert ent is not None  # compute_entropy defaults to True
     loss = lp * g1 + ent * g2 if compute_entropy else lp * g1
     gh, gw = torch.autograd.grad(loss.sum(), [h, w])
     return lp.detach(), ent.detach(), gh, gw
@@ -54,12 +56,12 @@ def vocab_parallel_worker(rank: int, world: int, port: int, queue) -> None:
             lo, hi = bounds[rank], bounds[rank + 1]
             hs = h.clone().requires_grad_()
             ws = w[lo:hi].clone().requires_grad_()
-            kwargs = {"vocab_start": lo} if case == "uneven" else {}
-            lp, ent = vocab_parallel_logprob_entropy(
+            kwargs: dict[str, Any] = {"vocab_start": lo} if case == "uneven" else {}
+            lp, ent, *_ = vocab_parallel_logprob_entropy(
                 hs, ws, y, None, temp, chunk_size=chunk, compute_entropy=with_entropy, **kwargs
             )
             assert (ent is None) == (not with_entropy)
-            loss = lp * g1 + ent * g2 if with_entropy else lp * g1
+            loss = lp * g1 + ent * g2 if ent is not None else lp * g1  # with_entropy
             gh, gw = torch.autograd.grad(loss.sum(), [hs, ws])
             ref_lp, ref_ent, ref_gh, ref_gw = _unsharded(temp, with_entropy)
             errors[case] = [
@@ -70,9 +72,10 @@ def vocab_parallel_worker(rank: int, world: int, port: int, queue) -> None:
             ]
         # sum_pi_squared rides on the forward's all-reduce: against a float64 softmax
         lo, hi = [0, 52, 70][rank], [0, 52, 70][rank + 1]
-        _, _, q = vocab_parallel_logprob_entropy(
+        _, _, *extra = vocab_parallel_logprob_entropy(
             h, w[lo:hi], y, None, 0.8, vocab_start=lo, compute_sum_pi_squared=True
         )
+        q = extra[0]
         ref_q = torch.softmax((h.double() @ w.double().T) / 0.8, -1).pow(2).sum(-1)
         errors["sum_pi_squared"] = [(q.double() - ref_q).abs().max().item()]
         queue.put((rank, errors))

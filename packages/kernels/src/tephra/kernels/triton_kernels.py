@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from tephra.kernels.chunked import chunked_logprob_entropy
+from tephra.kernels.reference import LogprobEntropy
 
 BLOCK_BYTES = 64 * 1024 * 1024
 """One [tokens, block_vocab] fp32 logits buffer takes about this much when block_vocab is not
@@ -245,7 +246,7 @@ class TritonLogprobEntropy(torch.autograd.Function):
                 BLOCK=ROW_BLOCK,
             )
             del z
-            if need_w:
+            if grad_w is not None:  # need_w
                 _mm_into(dz.T, hidden, grad_w[v0 : v0 + width])
             if grad_h is not None:
                 grad_h += _mm_fp32(dz, w_blk)
@@ -273,7 +274,7 @@ def triton_logprob_entropy(
     chunk_size: int | None = None,
     block_vocab: int | None = None,
     compute_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> LogprobEntropy:
     """Triton path on validated 2-D inputs. chunk_size is unused (the vocabulary is walked in
     blocks, all tokens at once); block_vocab is the columns per block (None: about
     BLOCK_BYTES of fp32 logits). With `compute_sum_pi_squared`, sum_pi_squared [tokens] fp32

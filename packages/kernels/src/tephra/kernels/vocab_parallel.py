@@ -25,6 +25,7 @@ import torch.distributed as dist
 from tephra.kernels.chunked import auto_chunk_tokens, chunk_logits, grad_logits_
 from tephra.kernels.errors import KernelInputError
 from tephra.kernels.logprob_entropy import check_inputs
+from tephra.kernels.reference import LogprobEntropy
 
 
 class VocabParallelLogprobEntropy(torch.autograd.Function):
@@ -129,13 +130,13 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
                 inv_temp,
             )
             torch.mm(dz, weight32, out=grad_h[sl])
-            if need_w:
+            if grad_w is not None:  # need_w
                 grad_w.addmm_(dz.T, hidden[sl].float())
             del z, dz
         dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.group)
         return (
             grad_h.to(hidden.dtype) if need_h else None,
-            grad_w.to(weight_shard.dtype) if need_w else None,
+            grad_w.to(weight_shard.dtype) if grad_w is not None else None,
             None,
             None,
             None,
@@ -159,7 +160,7 @@ def vocab_parallel_logprob_entropy(
     compute_entropy: bool = True,
     chunk_size: int | None = None,
     compute_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> LogprobEntropy:
     """linear_logprob_entropy with the weight split along the vocabulary over `group`.
 
     hidden [..., hidden_size] (the same on every rank of `group`), weight_shard
@@ -205,5 +206,7 @@ def vocab_parallel_logprob_entropy(
         compute_sum_pi_squared,
     )
     lead = labels.shape
-    out = (log_probs.reshape(lead), entropy.reshape(lead) if compute_entropy else None)
-    return (*out, sum_pi_squared.reshape(lead)) if compute_sum_pi_squared else out
+    log_probs, entropy = log_probs.reshape(lead), entropy.reshape(lead) if compute_entropy else None
+    if compute_sum_pi_squared:
+        return log_probs, entropy, sum_pi_squared.reshape(lead)
+    return log_probs, entropy
