@@ -78,11 +78,13 @@ class Record:
     """tflops over the device's published dense peak in this dtype (None: not known)."""
 
 
-def _make_inputs(tokens, hidden_size, vocab, dtype, device, seed=0):
+def _make_inputs(
+    tokens: int, hidden_size: int, vocab: int, dtype: str, device: torch.device, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
 
-    def randn(rows, cols, scale):
+    def randn(rows: int, cols: int, scale: float) -> torch.Tensor:
         # filled block by block in the target dtype: a whole fp32 temporary would raise the
         # process's peak RSS before the baseline and hide that much of a method's peak
         out = torch.empty(rows, cols, dtype=dt)
@@ -139,7 +141,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     # chunked's memory floor: it would keep log-probs this small from forward to backward
     keep: dict[str, Any] = {"keep_logits_bytes": 0} if method == "chunked" else {}
 
-    def step():
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
         if method == "liger":
             lp = -_liger_loss(hidden, weight, labels)
             lp.backward(g_lp)
@@ -181,12 +183,12 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         tiny = _make_inputs(8, hidden_size, 64, spec["dtype"], device, seed=1)
         th, tw, ty, tg_lp, tg_ent = tiny
-        lp, ent, *_ = linear_logprob_entropy(
+        t_lp, t_ent, *_ = linear_logprob_entropy(
             th, tw, ty, TEMPERATURE, method=method, chunk_size=chunk_size, **keep
         )
-        assert ent is not None  # compute_entropy=True
-        torch.autograd.backward([lp, ent], [tg_lp, tg_ent])
-        del tiny, th, tw, ty, tg_lp, tg_ent, lp, ent
+        assert t_ent is not None  # compute_entropy=True
+        torch.autograd.backward([t_lp, t_ent], [tg_lp, tg_ent])
+        del tiny, th, tw, ty, tg_lp, tg_ent, t_lp, t_ent
         base = _rss_now_bytes()
         start = time.perf_counter()
         lp, ent = step()
@@ -195,6 +197,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_peak_bytes()
     ) - base
 
+    assert hidden.grad is not None and weight.grad is not None  # step() ran the backward
     outputs = {
         "logprob": lp.float().cpu(),
         "entropy": ent.float().cpu(),
@@ -265,7 +268,14 @@ def run_in_subprocess(spec: dict[str, Any], timeout: float | None = None) -> dic
 
 
 def run_shape(
-    shape, dtype, methods, device, threads, chunk_size=None, workdir=None, logp_only=False
+    shape: tuple[int, int, int],
+    dtype: str,
+    methods: list[str],
+    device: str,
+    threads: int,
+    chunk_size: int | None = None,
+    workdir: str | None = None,
+    logp_only: bool = False,
 ) -> list[dict[str, Any]]:
     """Naive first (it writes the reference), then every other method, each in a subprocess."""
     records = []

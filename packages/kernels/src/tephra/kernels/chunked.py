@@ -20,6 +20,8 @@ instead of several [tokens, vocab] ones.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tephra.kernels.cpu_linear import linear
@@ -82,7 +84,7 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
@@ -133,7 +135,12 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         return log_probs, entropy, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor, _grad_q=None):
+    def backward(
+        ctx: Any,
+        grad_log_probs: torch.Tensor,
+        grad_entropy: torch.Tensor,
+        _grad_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):

@@ -31,6 +31,7 @@ import functools
 import time
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ PACK_ROWS_HINT = 64
 (a hint of 1 picks the unpacked layout's speed; 32 and 256 ran alike)."""
 
 
-def _onednn_op():
+def _onednn_op() -> Any:  # the op, or None where this build has none
     ops = getattr(torch.ops, "mkldnn", None)
     if not torch.backends.mkldnn.is_available() or ops is None:
         return None
@@ -79,7 +80,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _seconds(fn, repeats: int = 3) -> float:
+def _seconds(fn: Callable[[], object], repeats: int = 3) -> float:
     fn()  # warm-up: the first call picks kernels and allocates
     best = float("inf")
     for _ in range(repeats):

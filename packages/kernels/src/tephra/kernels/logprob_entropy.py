@@ -18,6 +18,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ from tephra.kernels.reference import LogprobEntropy, naive_logprob_entropy
 METHOD_ENV_VAR = "TEPHRA_KERNEL_METHOD"
 
 
-def _triton_logprob_entropy(*args, **kwargs):
+def _triton_logprob_entropy(*args: Any, **kwargs: Any) -> LogprobEntropy:
     # Imported on first use: triton decides at kernel definition time whether it runs
     # compiled or interpreted (TRITON_INTERPRET), and it is an optional dependency.
     from tephra.kernels.triton_kernels import triton_logprob_entropy
@@ -38,7 +39,16 @@ def _triton_logprob_entropy(*args, **kwargs):
     return triton_logprob_entropy(*args, **kwargs)
 
 
-def _naive(hidden, weight, labels, temperature, ignore_index, *, chunk_size, **flags):
+def _naive(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    *,
+    chunk_size: int | None,
+    **flags: bool,
+) -> LogprobEntropy:
     del chunk_size  # the reference has no chunks
     return naive_logprob_entropy(hidden, weight, labels, temperature, ignore_index, **flags)
 

@@ -19,6 +19,8 @@ again (for example through Megatron's copy_to_tensor_model_parallel_region).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -33,18 +35,18 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
-        hidden,
-        weight_shard,
-        labels,
-        group,
-        temperature,
-        ignore_index,
-        vocab_start,
-        compute_entropy,
-        chunk_size,
-        compute_sum_pi_squared=False,
-    ):
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight_shard: torch.Tensor,
+        labels: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        temperature: float,
+        ignore_index: int,
+        vocab_start: int,
+        compute_entropy: bool,
+        chunk_size: int,
+        compute_sum_pi_squared: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         v_shard = weight_shard.shape[0]
         inv_temp = 1.0 / temperature
@@ -95,7 +97,12 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         return log_probs, entropy, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy, _grad_q=None):
+    def backward(
+        ctx: Any,
+        grad_log_probs: torch.Tensor,
+        grad_entropy: torch.Tensor,
+        _grad_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight_shard, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = hidden.shape[0]
