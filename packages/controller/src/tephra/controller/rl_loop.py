@@ -118,6 +118,7 @@ class Trainer:
             len(train.ids), cfg.batch.prompts_per_step, cfg.trainer.seed, self.data_fingerprint
         )
         self.checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+        """Saves the run's checkpoints and resumes from one (`run_checkpoints`)."""
         self.model, self.peak_flops = model, peak_flops
         self.peak_published = False
         """Whether `peak_flops` is the devices' published figure (else measured here)."""
@@ -144,7 +145,9 @@ class Trainer:
         self.make_group = make_group
         """Builds a fresh worker group (recovery after a worker died); None: no recovery."""
         self.recovery = Recovery(cfg.trainer.max_restarts, make_group is not None)
+        """Rebuilds the groups after a dead worker (`recovery`)."""
         self.ahead = GenerateAhead(cfg, separate_replicas=make_replicas is not None)
+        """The next step's batch, generated ahead by one_step_off (`generate_ahead`)."""
         self.skips_flat = can_skip_flat(cfg.actor.objective)
         """Whether the actor update leaves out zero-advantage rows (`skip_zero_advantage_rows`)."""
         self.batch_order = BatchOrder()
