@@ -17,7 +17,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensordict import TensorDict
 
 from tephra.controller.data import (
     DatasetError,
@@ -29,9 +28,17 @@ from tephra.controller.data import (
 )
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.trackers import Trackers, read_jsonl
-from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup, ray_init
+from tephra.controller.worker_group import (
+    ResourcePool,
+    Worker,
+    WorkerGroup,
+    _rendezvous_address,
+    ray_init,
+    rendezvous_address,
+)
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.errors import BatchError, ConfigError
+from tephra.engine_api.tensordict_import import TensorDict
 from tephra.episodes.testing import CALC_MCP_SERVER
 from tephra.rollout.testing import live_processes
 
@@ -310,6 +317,13 @@ def test_worker_group_dispatch_on_ray(tmp_path):
     # CPU ranks keep freed memory (resources.retain_freed_memory=None: glibc took the raised
     # thresholds; the effect itself is tested in tephra-core)
     assert wg.retains() == [True, True]
+    # rank 0's address is found in the driver when its bundle is on the driver's node: the
+    # same address the task on rank 0's bundle (the path for another node) reports
+    (addr, port), (task_addr, _) = (
+        rendezvous_address(pool),
+        ray.get(_rendezvous_address.options(scheduling_strategy=pool.strategy_for(0)).remote()),
+    )
+    assert addr == task_addr == ray.util.get_node_ip_address() and 0 < port < 65536
     with pytest.raises(BatchError, match="does not split evenly over 2"):
         wg.scaled(TensorDict({"x": x[:5]}, batch_size=[5]))
     with pytest.raises(ConfigError, match="needs 4 CPUs"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 from tephra.controller.dispatch import (
     DataParallelInfo,
@@ -33,6 +32,7 @@ from tephra.controller.worker_group import (
     ray_init,
 )
 from tephra.core.errors import BatchError, ConfigError
+from tephra.engine_api.tensordict_import import TensorDict
 from tephra.rollout.base import SamplingParams
 
 

@@ -335,9 +335,14 @@ def run(cfg: PPOConfig) -> dict:
         clock.lap("peak_flops")
         nodes = len(set(trainer.wg.node_ids()))
         trainer.startup = clock.summary()
+        # inside `workers`: the slowest rank's own phases (its process start and imports,
+        # then its engines and rollout), not added to the total
+        rank = trainer.wg.startup_phases()
+        trainer.startup.update({f"worker_{k}": v for k, v in rank.items()})
+        phases = ", ".join(f"{name} {sec:.1f}" for name, sec in clock.phases.items())
+        worker = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in rank.items())
         print(
-            f"start-up {trainer.startup['total_s']:.1f} s: "
-            + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in trainer.startup.items() if k != "total_s"),
+            f"start-up {trainer.startup['total_s']:.1f} s: {phases} (the slowest worker: {worker})",
             flush=True,
         )
         summary = trainer.fit()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,6 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
 from torch.profiler import ProfilerActivity, profile
 
 from tephra.algos import ActorObjective, CriticObjective, PrimeRMObjective
@@ -51,6 +51,7 @@ from tephra.controller.worker_group import DataParallelInfo, Worker
 from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
 from tephra.engine_api.fastest_dtype import resolve_dtype
 from tephra.engine_api.registry import get_engine
+from tephra.engine_api.tensordict_import import TensorDict
 from tephra.rollout.backends.server_process import free_port
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, send_all
 
@@ -112,6 +113,7 @@ class RLWorker(Worker):
         """`roles`: the engines this group holds (the actor's group also generates; a
         reference or critic pool of its own holds that role alone)."""
         super().__init__(rank, world_size, *worker_args)
+        built = time.perf_counter()
         self.cfg, self.roles = cfg, tuple(roles)
         seed = cfg.trainer.seed
         torch.manual_seed(seed + rank)
@@ -183,6 +185,7 @@ class RLWorker(Worker):
         # (Separate rollout replicas get the same first sync from the driver.)
         if self.colocated:
             self.sync_weights()
+        self.startup["build_s"] = round(time.perf_counter() - built, 2)
 
     def dp_info(self):
         """Data-parallel coordinates from the group's first engine (the actor, else the

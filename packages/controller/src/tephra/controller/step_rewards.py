@@ -4,7 +4,6 @@ shaping, GDPO's reward components, KL in the reward, and the estimator call."""
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict
 
 from tephra.algos import (
     AdaptiveKLController,
@@ -17,6 +16,7 @@ from tephra.algos import (
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import Sample
 from tephra.core.errors import ConfigError
+from tephra.engine_api.tensordict_import import TensorDict
 
 
 def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 
 from tephra.controller.dispatch import (
     DataParallelInfo,
@@ -35,6 +36,7 @@ from tephra.controller.dispatch import (
     rollout_shares,
     split_args,
 )
+from tephra.controller.startup import process_age_s
 from tephra.controller.watchdog import RankPlace, Watchdog, sample_ids, this_rank_place
 from tephra.core.host_memory import retain_freed_memory, retain_supported
 from tephra.core.quiet import quiet_third_party_warnings
@@ -266,6 +268,20 @@ def _rendezvous_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), _free_port()
 
 
+def rendezvous_address(pool: ResourcePool) -> tuple[str, int]:
+    """The address and a free port on the node of the pool's rank 0, where its process
+    group listens. Found here when that node is the driver's (every single-machine run): a
+    Ray task would first wait for an idle worker process to start and import (seconds of
+    start-up, tens under load); on another node, a zero-CPU task on rank 0's bundle asks."""
+    from ray.util.placement_group import placement_group_table
+
+    group = pool.placement_group()
+    node = placement_group_table(group).get("bundles_to_node_id", {}).get(0)
+    if node is not None and node == ray.get_runtime_context().get_node_id():
+        return ray.util.get_node_ip_address(), _free_port()
+    return ray.get(_rendezvous_address.options(scheduling_strategy=pool.strategy_for(0)).remote())
+
+
 def device_from_assignment(gpu_ids: list, visible: str | None) -> tuple[str, int]:
     """(torch device, LOCAL_RANK) of a Ray actor: Ray sets CUDA_VISIBLE_DEVICES to the GPUs it
     assigned, so the actor's first assigned GPU is at its index in that list (0 when Ray set
@@ -307,9 +323,9 @@ class Worker:
         threads: int,
         retain_memory: bool = False,
     ) -> None:
-        import torch
-        import torch.distributed as dist
-
+        self.startup: dict[str, float] = {"process_s": round(process_age_s(), 2)}
+        """Seconds of this worker's start-up phases: `process_s` from its process's start
+        to this constructor (Ray starting the process, the imports); subclasses add theirs."""
         quiet_third_party_warnings()  # before this worker imports reward or agent packages
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(max(1, threads))
@@ -335,6 +351,10 @@ class Worker:
 
     def ping(self) -> int:
         return self.rank
+
+    def startup_phases(self) -> dict[str, float]:
+        """This worker's start-up phases (`self.startup`), for the run's timeline."""
+        return self.startup
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -396,9 +416,7 @@ class WorkerGroup:
 
     def _start(self, init_kwargs: dict[str, Any]) -> None:
         pool = self.pool
-        master_addr, port = ray.get(
-            _rendezvous_address.options(scheduling_strategy=pool.strategy_for(0)).remote()
-        )
+        master_addr, port = rendezvous_address(pool)
         # Ray takes concurrency groups on the class, not in `.options()`
         remote = (
             ray.remote(concurrency_groups=self.concurrency_groups)(self.worker_cls)
@@ -431,6 +449,11 @@ class WorkerGroup:
     @property
     def world_size(self) -> int:
         return self.pool.world_size
+
+    def startup_phases(self) -> dict[str, float]:
+        """The slowest rank's start-up phases (`Worker.startup`), the ones the run waited for."""
+        phases = ray.get([w.execute.remote("startup_phases") for w in self.workers])
+        return max(phases, key=lambda p: sum(p.values()))
 
     def node_ids(self) -> list[str]:
         """The Ray node of every rank (in rank order)."""

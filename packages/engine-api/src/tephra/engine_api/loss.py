@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-from tensordict import TensorDict
+
+from tephra.engine_api.tensordict_import import TensorDict
 
 
 class LossFn(Protocol):

@@ -19,7 +19,6 @@ what the Qwen2-VL backbone needs:
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.errors import BatchError, ConfigError
@@ -33,6 +32,7 @@ from tephra.engine_api.multimodal import (  # noqa: F401 (MULTIMODAL, multimodal
     multimodal_column,
     video_token_id,
 )
+from tephra.engine_api.tensordict_import import TensorDict
 
 
 def rows(batch: TensorDict) -> list[MultimodalInputs | None] | None:
