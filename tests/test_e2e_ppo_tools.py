@@ -107,6 +107,9 @@ class FirstTurnScripted(Rollout):
     def generate(self, prompts, sampling):
         raise NotImplementedError("this scripted model serves agenerate only")
 
+    def record_routes(self, rows):
+        return self.model.record_routes(rows)
+
     def update_weights(self, named_tensors):
         self.model.update_weights(named_tensors)
 
@@ -217,3 +220,63 @@ def test_agent_config_errors():
     with pytest.raises(ConfigError, match=r"rollout.tools_file='nope': no such file.*\['python'\]"):
         resolve_tools_file("nope")
     assert resolve_tools_file("python") == str(BUNDLED_TOOLS / "python.yaml")
+
+
+def test_agent_rollout_records_the_routes_of_whole_episodes(tmp_path):
+    """Routing replay with an agent loop (`actor.moe.routing_replay=rollout`): each episode's
+    routes cover its prompt, the scripted tool call, the tool's output and the second turn,
+    and equal transformers' routers over that whole sequence; the batch lays them out like
+    its tokens (-1 on padding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tephra.controller.generation import Generator
+    from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
+    from tephra.rollout.testing import build_tiny_model
+
+    tiny = build_tiny_model(tmp_path / "moe", model_type="qwen2_moe")
+    tok = AutoTokenizer.from_pretrained(tiny.path)
+    cfg = parse_config(
+        ["-p", "smoke_tools", f"model.path={tiny.path}", "actor.moe.routing_replay=rollout"]
+    )
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+    model = get_rollout("hf", RolloutConfig(model_path=tiny.path, max_model_len=256))
+    scripted = FirstTurnScripted(tok, call, model)
+    gen = Generator(cfg, tiny.path, resolve_tools_file("python"), scripted)
+    messages = [{"role": "user", "content": "What is 6 * 7?"}]
+    prompt_ids = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    sampling = SamplingParams(
+        n=2, temperature=1.0, max_tokens=8, seed=3, stop_token_ids=(tok.eos_token_id,)
+    )
+    try:
+        samples = gen.generate(
+            [PromptItem(prompt_ids, PromptRecord(messages, "test", "42"), "p0")],
+            sampling,
+            score=False,
+        )
+    finally:
+        scripted.close()
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32).eval()
+    gates = [layer.mlp.gate for layer in reference.model.layers]
+    for s in samples:
+        assert s.tool_calls == 1 and s.num_turns >= 2  # the tool's output is inside the row
+        ids = s.prompt_ids + s.response_ids
+        seen: list[torch.Tensor] = []
+        hooks = [
+            g.register_forward_hook(lambda m, a, o, seen=seen: seen.append(o[2])) for g in gates
+        ]
+        with torch.no_grad():
+            reference(input_ids=torch.tensor([ids]))
+        for h in hooks:
+            h.remove()
+        want = torch.stack(seen, dim=1)  # [tokens, layers, k]
+        assert s.routed_experts is not None and s.routed_experts.shape == want.shape
+        assert torch.equal(s.routed_experts.sort(-1).values, want.sort(-1).values)
+    batch = samples_to_batch(samples, tok.pad_token_id, n=2, multi_turn=True)
+    routes, attn = batch["routed_experts"], batch["attention_mask"].bool()
+    assert (routes[~attn] == -1).all()
+    for i, s in enumerate(samples):
+        assert torch.equal(routes[i][attn[i]], s.routed_experts)

@@ -177,6 +177,7 @@ def test_judge_scores_reach_the_trainer(ray_session, tmp_path):
                 assert r["score"] == pytest.approx(
                     rule("", r["response"], None) + 0.5 * j, abs=1e-6
                 )
+            assert record["reward/judge_mean"] == pytest.approx(sum(judged) / len(judged))
             assert record["reward/judge_fallbacks"] == here.last_stats.fallbacks
             assert record["reward/judge_timeouts"] == 0
     finally:

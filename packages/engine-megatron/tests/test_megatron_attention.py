@@ -67,10 +67,12 @@ def test_plan_equals_the_naive_block_causal_mask(cp):
         assert (covered == 1).all()
 
 
-def test_torch_kernel_equals_a_naive_gqa_softmax():
+@pytest.mark.parametrize("window", [None, 3, 4])
+def test_torch_kernel_equals_a_naive_gqa_softmax(window):
     """Grouped heads (4 query heads on 2 key/value heads) through SDPA's own GQA, square and
     bottom-right blocks, against softmax(q k^T * scale + mask) v with k/v repeated by hand;
-    gradients too."""
+    gradients too. With a sliding window (sequences of 5, 7 and 9 tokens: query tiles, the
+    last one short), query position p sees keys p - window < k <= p."""
     g = torch.Generator().manual_seed(0)
     s, b, heads, groups, d = 12, 2, 4, 2, 8
     q = torch.randn(s, b, heads, d, generator=g, requires_grad=True)
@@ -79,8 +81,10 @@ def test_torch_kernel_equals_a_naive_gqa_softmax():
     segments = torch.tensor([[0] * 5 + [1] * 7, [-1] * 3 + [2] * 9])
     local = cp_chunk_index(0, 2, s)  # queries from two chunks: bottom-right blocks appear
     plan = attention_plan(segments, local)
-    out = _torch_blocks(q[local], k, v, plan.tolist(), 0.3, 0.0)
+    out = _torch_blocks(q[local], k, v, plan.tolist(), 0.3, 0.0, window)
     mask = _naive_mask(segments, local)  # [b, sq, sk]
+    if window is not None:
+        mask &= torch.arange(s)[None, None, :] > local[None, :, None] - window
     kr, vr = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
     scores = torch.einsum("qbhd,kbhd->bhqk", q[local], kr) * 0.3
     scores = scores.masked_fill(~mask[:, None], float("-inf"))

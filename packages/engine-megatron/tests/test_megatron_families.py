@@ -1,7 +1,8 @@
 """Model families built tiny from a transformers config (Qwen3 with q/k norm, Mistral,
-Qwen3-MoE, MoE models with dense layers: DeepSeek-style first dense layer + shared expert,
-every second layer sparse): HF -> Megatron -> HF bit-exact, log-probs and entropy equal to
-transformers (1e-5), the conformance kit single-process and under TP=2 + SP / EP=2."""
+Gemma-3, Qwen3-MoE, MoE models with dense layers: DeepSeek-style first dense layer + shared
+expert, every second layer sparse): HF -> Megatron -> HF bit-exact, log-probs and entropy
+equal to transformers (1e-5), the conformance kit single-process and under TP=2 + SP / EP=2;
+the Gemma-3 settings engine-megatron cannot express are refused by name."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tephra.engine_api import BatchError, EngineConfig
+from tephra.engine_api import BatchError, ConfigError, EngineConfig, apply_overrides
 from tephra.engine_api.testing import CHECKS, random_batch, run_distributed
 from tephra.engine_megatron import testing as T
 from tephra.engine_megatron.engine import MegatronEngine
@@ -36,6 +37,13 @@ def _reference_outputs(model, batch):
 def test_round_trip_and_log_probs_equal_transformers(tmp_path, family):
     cfg = T.FAMILIES[family]
     ref = T.HFReference(cfg, init_seed=3)
+    # norms (and biases) off their initial ones / zeros: a norm applied the wrong way (e.g.
+    # weight vs Gemma's 1 + weight) or a swapped norm name shows in the log-probs
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in ref.model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.5)
     ref.model.save_pretrained(tmp_path / "hf")
     engine = MegatronEngine.build(EngineConfig(model={"path": str(tmp_path / "hf")}))
     engine.export_hf(tmp_path / "out")
@@ -56,20 +64,78 @@ def test_conformance_kit_single_process(tmp_path, family):
     assert passed == list(CHECKS)
 
 
-def test_mistral_refuses_sequences_past_its_window():
-    engine = MegatronEngine.build(T.base_config({**T.TINY_MISTRAL, "sliding_window": 8}))
-    batch = random_batch(T.TINY_MISTRAL["vocab_size"], num_sequences=2, seed=1)
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_window_past_the_window_equals_transformers(family):
+    """Sequences longer than the window (8): the torch kernel's windowed blocks, packed and
+    padded, equal transformers' sliding-window mask (Gemma-3: its sliding layer only); the
+    kernels that do not apply a window refuse such sequences."""
+    cfg = {**T.FAMILIES[family], "sliding_window": 8}
+    batch = random_batch(
+        cfg["vocab_size"], num_sequences=3, prompt_lengths=(4, 10), response_lengths=(6, 12), seed=1
+    )
+    assert int(batch["attention_mask"].sum(-1).min()) > 8
+    want_lp, want_ent = _reference_outputs(T.HFReference(cfg).model, batch)
+    for packing in (None, False):
+        config = apply_overrides(T.base_config(cfg), {"micro_batch.use_packing": packing})
+        engine = MegatronEngine.build(config)
+        out = engine.forward(batch)
+        assert (out["log_probs"] - want_lp).abs().max() <= 1e-5
+        assert (out["entropy"] - want_ent).abs().max() <= 1e-5
+    engine.attention_kernel = "flash_attn"  # as chosen on a GPU with flash-attn installed
     with pytest.raises(BatchError, match="sliding_window=8"):
         engine.forward(batch)
 
 
+def test_gemma3_linear_rope_scaling_equals_transformers():
+    """Gemma-3's larger checkpoints divide the full-attention layers' RoPE frequencies by a
+    factor (`rope_type=linear`); the sliding layers keep theirs."""
+    cfg = {
+        **T.TINY_GEMMA3,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        },
+    }
+    engine = MegatronEngine.build(T.base_config(cfg))
+    batch = random_batch(cfg["vocab_size"], num_sequences=4, seed=5)
+    want_lp, _ = _reference_outputs(T.HFReference(cfg).model, batch)
+    assert (engine.forward(batch)["log_probs"] - want_lp).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("final_logit_softcapping", 30.0, "final_logit_softcapping=30.0"),
+        ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
+        ("use_bidirectional_attention", True, "use_bidirectional_attention=true"),
+        ("hidden_activation", "gelu", "hidden_activation='gelu'"),
+        (
+            "rope_parameters",
+            {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+            },
+            r"rope_parameters\['full_attention'\]\.rope_type='dynamic'",
+        ),
+    ],
+)
+def test_gemma3_settings_it_cannot_express_are_refused(field, value, match):
+    """Refused by `check_config` (before any rank starts), each naming the field."""
+    config = T.base_config({**T.TINY_GEMMA3, field: value})
+    with pytest.raises(ConfigError, match=match):
+        MegatronEngine.check_config(config)
+
+
 @pytest.mark.multiproc
-def test_qwen3_tp2_sp_and_qwen3_moe_ep2_conformance(tmp_path):
+def test_qwen3_gemma3_tp2_sp_and_moe_ep2_conformance(tmp_path):
     """q/k norm weights see only this rank's heads under TP: their gradients are summed over
     TP (the kit's grad norm and step against the single-process reference say so). The
-    dense-first MoE at EP=2: the dense layer is data-parallel, the experts split."""
+    dense-first MoE at EP=2: the dense layer is data-parallel, the experts split. Gemma-3 at
+    TP=2 + SP: its sandwich norms see only this rank's tokens, their gradients summed over TP
+    like the other norms'."""
     runs = [
         ("qwen3", {"tensor": 2, "sequence_parallel": True}, "alltoall", None),
+        ("gemma3", {"tensor": 2, "sequence_parallel": True}, "alltoall", None),
         ("qwen3_moe", {"expert": 2}, "alltoall", None),
         ("qwen2_moe_dense_first", {"expert": 2}, "alltoall", None),
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -144,6 +145,14 @@ def test_bad_model_folder_and_checkpoint_errors(tmp_path):
     other.save_checkpoint(tmp_path / "other")
     with pytest.raises(CheckpointError, match="shape"):
         engine.load_checkpoint(tmp_path / "other")
+    # a checkpoint written before the Gemma-3 shape fields existed (they hold their defaults)
+    engine.save_checkpoint(tmp_path / "older")
+    meta_file = tmp_path / "older" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    for added in ("gemma", "layer_ropes", "activation"):
+        del meta["shape"][added]
+    meta_file.write_text(json.dumps(meta))
+    engine.load_checkpoint(tmp_path / "older")
 
 
 def test_lr_schedule_drives_megatrons_groups_by_hand():

@@ -119,8 +119,9 @@ class Generator:
                     hf=replace(r.hf, device=device),
                     vllm=r.vllm,
                     sglang=r.sglang,
-                    # routing replay: the rollout records each token's experts
-                    record_routes=cfg.actor.moe.replays,
+                    # routing replay: the rollout records each token's experts (an agent
+                    # loop's episodes are recorded whole, once they end: `_record_routes`)
+                    record_routes=cfg.actor.moe.replays and not cfg.rollout.uses_agent_loop,
                 ),
             )
         return cls(cfg, model_path, tools_file, rollout)
@@ -187,7 +188,20 @@ class Generator:
             for i in items
             for k in range(sampling.n)
         ]
-        return run_items(episode, self.rollout, expanded, sampling.replace(n=1), r.max_in_flight)
+        samples = run_items(episode, self.rollout, expanded, sampling.replace(n=1), r.max_in_flight)
+        if self.cfg.actor.moe.replays:
+            self._record_routes(samples)
+        return samples
+
+    def _record_routes(self, samples: list[Sample]) -> None:
+        """Routing replay with an agent loop: each episode's experts per token, prompt, every
+        turn and the tool outputs between them, from one forward of the rollout's model over
+        the whole sequence (as the hf backend records a single turn), so the trainer sees
+        routes for exactly the tokens of its batch row."""
+        assert self.rollout is not None
+        routes = self.rollout.record_routes([s.prompt_ids + s.response_ids for s in samples])
+        for sample, r in zip(samples, routes):
+            sample.routed_experts = r
 
     def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list, list]:
         """Scores of `samples`: an environment's own reward (`Sample.env_reward`) where the

@@ -522,14 +522,13 @@ def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> Non
     `model_folder`: the resolved `model.path` (`prepare` asks again with it, once a named
     model is built); by default its config.json is read where it already exists."""
     a = cfg.algorithm
-    if cfg.actor.moe.replays and (cfg.rollout.backend != "hf" or cfg.rollout.uses_agent_loop):
+    if cfg.actor.moe.replays and cfg.rollout.backend != "hf":
         raise ConfigError(
             "actor.moe.routing_replay='rollout' needs the rollout to record each token's "
-            f"experts: rollout.backend={cfg.rollout.backend!r}"
-            + (" with an agent loop" if cfg.rollout.uses_agent_loop else "")
-            + " does not (vLLM 0.32's CPU build and SGLang return no routed experts; agent "
-            "loops generate turn by turn); use rollout.backend=hf without an agent loop, or "
-            "set actor.moe.routing_replay=off"
+            f"experts: rollout.backend={cfg.rollout.backend!r} does not (vLLM 0.32 returns "
+            "routed experts only from its V2 GPU model runner: the CPU build's runner never "
+            "records them; SGLang does not run here); use rollout.backend=hf, or set "
+            "actor.moe.routing_replay=off"
         )
     # CPU ranks are told so; GPU ranks may sit on other nodes than this driver's ("auto")
     device = "auto" if cfg.resources.gpus_per_rank > 0 else "cpu"

@@ -28,12 +28,15 @@ def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
 
 
 def judge_metrics(samples: list[Sample]) -> dict[str, float]:
-    """`reward/judge_fallbacks` and `reward/judge_timeouts`: the step's samples the LLM judge
-    (`reward.judge`) scored with the fallback / timed out on; {} when nothing was judged."""
+    """`reward/judge_mean` (the judge's mean score, before the weights mix it with the rule
+    score), `reward/judge_fallbacks` and `reward/judge_timeouts` (the step's samples the LLM
+    judge, `reward.judge`, scored with the fallback / timed out on); {} when nothing was
+    judged."""
     judged = [s.reward_extras for s in samples if "judge_fallback" in s.reward_extras]
     if not judged:
         return {}
     return {
+        "reward/judge_mean": sum(x["judge"] for x in judged) / len(judged),
         "reward/judge_fallbacks": float(sum(x["judge_fallback"] for x in judged)),
         "reward/judge_timeouts": float(sum(x.get("judge_timeout", 0.0) for x in judged)),
     }

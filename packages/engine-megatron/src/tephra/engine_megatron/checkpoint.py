@@ -57,7 +57,17 @@ def load(engine, path: Path) -> None:
     if not meta_file.is_file():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (meta.json is missing)")
     meta = json.loads(meta_file.read_text())
-    expected = _meta(engine)
+    expected = json.loads(json.dumps(_meta(engine)))  # as stored (tuples become lists)
+    # shape fields added since a checkpoint was written hold their defaults for it
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(engine.shape)
+        if f.default is not dataclasses.MISSING
+    }
+    stored = meta.get("shape") or {}
+    meta["shape"] = json.loads(
+        json.dumps({**{k: v for k, v in defaults.items() if k not in stored}, **stored})
+    )
     for key in ("format", "shape", "role", "param_dtype", "parallel", "world_size", "lora"):
         if meta.get(key) != expected[key]:
             raise CheckpointError(

@@ -83,10 +83,22 @@ def attention_plan(segments: torch.Tensor, local: torch.Tensor | None = None) ->
     return torch.cat(blocks)
 
 
-def _torch_blocks(q, k, v, plan: list[list[int]], scale: float, dropout_p: float):
-    """q `[sq, b, np, hn]`, k/v `[sk, b, ng, hn]` -> `[sq, b, np, hn]`, one SDPA per block."""
+def _torch_blocks(
+    q, k, v, plan: list[list[int]], scale: float, dropout_p: float, window: int | None = None
+):
+    """q `[sq, b, np, hn]`, k/v `[sk, b, ng, hn]` -> `[sq, b, np, hn]`, one SDPA per block.
+    `window` (sliding-window layers): a query sees itself and the `window - 1` keys before
+    it; a block longer than the window runs in query tiles of `window` rows against the
+    `2 * window - 1` keys they can see (masks of tile size, never of the block's)."""
     per_row: dict[int, list[torch.Tensor]] = {}
     for row, q0, q1, k0, k1 in plan:
+        if window is not None and k1 - k0 > window:
+            per_row.setdefault(row, []).append(
+                _windowed_block(
+                    q[q0:q1, row], k[k0:k1, row], v[k0:k1, row], window, scale, dropout_p
+                )
+            )
+            continue
         qb = q[q0:q1, row].transpose(0, 1)[None]  # [1, np, lq, hn]
         kb = k[k0:k1, row].transpose(0, 1)[None]
         vb = v[k0:k1, row].transpose(0, 1)[None]
@@ -106,6 +118,32 @@ def _torch_blocks(q, k, v, plan: list[list[int]], scale: float, dropout_p: float
         )
         per_row.setdefault(row, []).append(out[0].transpose(0, 1))  # [lq, np, hn]
     return torch.stack([torch.cat(per_row[r]) for r in range(q.shape[1])], dim=1)
+
+
+def _windowed_block(q, k, v, window: int, scale: float, dropout_p: float) -> torch.Tensor:
+    """One bottom-right-causal block (q `[lq, np, hn]`, k/v `[lk, ng, hn]`, query i at key
+    position lk - lq + i) with a sliding window: key j is seen by query position p when
+    p - window < j <= p (transformers' `kv_idx > q_idx - sliding_window`)."""
+    lq, lk = q.shape[0], k.shape[0]
+    off = lk - lq
+    outs = []
+    for a in range(0, lq, window):
+        b = min(a + window, lq)
+        k_lo, k_hi = max(0, off + a - window + 1), off + b  # keys any query of the tile sees
+        pos = torch.arange(off + a, off + b, device=q.device)[:, None]
+        keys = torch.arange(k_lo, k_hi, device=q.device)[None, :]
+        mask = (keys <= pos) & (keys > pos - window)  # [tile, <= 2 * window - 1]
+        out = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1)[None],
+            k[k_lo:k_hi].transpose(0, 1)[None],
+            v[k_lo:k_hi].transpose(0, 1)[None],
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=True,
+        )
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
 
 
 class _RingShift(torch.autograd.Function):
@@ -256,6 +294,7 @@ class SegmentAttention(MegatronModule):
         cp_comm_type=None,
         pg_collection=None,
         kernel: str = "torch",
+        window: int | None = None,
         **_,
     ):
         super().__init__(config=config)
@@ -263,6 +302,9 @@ class SegmentAttention(MegatronModule):
             raise ConfigError(f"attention kernel {kernel!r}: expected one of {list(KERNELS)}")
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.kernel = kernel
+        # sliding-window layer (Mistral, Gemma-3's local layers): the torch kernel without
+        # context parallel applies it; elsewhere the engine refuses sequences past it
+        self.window = window
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         self.head_dim = config.kv_channels
@@ -313,7 +355,9 @@ class SegmentAttention(MegatronModule):
                 self.scale,
             )
         elif self.kernel == "torch":
-            out = _torch_blocks(query, key, value, attention_mask.tolist(), self.scale, dropout_p)
+            out = _torch_blocks(
+                query, key, value, attention_mask.tolist(), self.scale, dropout_p, self.window
+            )
         else:
             cu, max_len = _cu_seqlens(attention_mask, sq, query.device)
             q, k, v = _thd(query), _thd(key), _thd(value)

@@ -334,7 +334,7 @@ class MegatronEngine(Engine):
             for chunk in self.chunks:
                 offsets = self._layer_offsets(chunk)
                 for name, param in chunk.named_parameters():
-                    m = conv.match(name, offsets)
+                    m = conv.match(name, offsets, self.shape.model_type)
                     if name == "value_head.weight" and "score.weight" not in hf_state:
                         continue  # a fresh critic head (seeded by model.init_seed)
                     rank, size, _ = self._shard_coords(m)
@@ -355,7 +355,7 @@ class MegatronEngine(Engine):
         for chunk in self.chunks:
             offsets = self._layer_offsets(chunk)
             for name, param in chunk.named_parameters():
-                kind = conv.match(name, offsets).kind
+                kind = conv.match(name, offsets, self.shape.model_type).kind
                 if kind != "rep" and not hasattr(param, "tensor_model_parallel"):
                     dim = 1 if kind in ("row", "expert_down") else 0
                     tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
@@ -503,11 +503,16 @@ class MegatronEngine(Engine):
         packed = self.config.micro_batch.packing(varlen_attention=True)
         n_rows, seq_len = batch[B.INPUT_IDS].shape
         window = self.shape.sliding_window
-        if window is not None and int(B.sequence_lengths(batch).max()) > window:
+        # the torch kernel applies the window; the ring (context parallel), flash-attn and
+        # TransformerEngine paths attend to every earlier token, exact only up to it
+        windowless = self.attention_kernel != "torch" or self.config.parallel.context > 1
+        if windowless and window is not None and int(B.sequence_lengths(batch).max()) > window:
             raise BatchError(
                 f"a sequence of {int(B.sequence_lengths(batch).max())} tokens is longer than "
-                f"the model's sliding_window={window}; engine-megatron attends to every "
-                "earlier token: shorten the sequences (or use engine=fsdp)"
+                f"the model's sliding_window={window}, which the {self.attention_kernel!r} "
+                f"attention kernel with parallel.context={self.config.parallel.context} does "
+                "not apply: shorten the sequences, use the torch kernel without context "
+                "parallel, or engine=fsdp"
             )
         # the rollout's routes replay with moe.routing_replay=rollout; otherwise they are
         # ignored (e.g. a critic handed the policy's batch)

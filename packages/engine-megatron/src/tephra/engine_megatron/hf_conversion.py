@@ -1,4 +1,5 @@
-"""Hugging Face <-> megatron weight conversion for Llama, Mistral, Qwen2, Qwen3 (dense and MoE).
+"""Hugging Face <-> megatron weight conversion for Llama, Mistral, Qwen2, Qwen3 (dense and MoE)
+and Gemma-3 (text).
 
 Our own mapping rather than megatron-bridge: bridge 0.3.1 (the last release for Python 3.11)
 hard-depends on transformer-engine, which a CPU install cannot satisfy without overriding the
@@ -92,6 +93,17 @@ RULES = (
 )
 
 
+# Gemma-3's four norms per layer: megatron's `pre_mlp_layernorm` is HF's pre-feed-forward
+# norm (not `post_attention_layernorm`, which Gemma applies to the attention output), and
+# the post norms live in the bias-dropout-add slots (`model_builder.PostNormAdd`)
+GEMMA_RULES = (
+    _rule(_L + r"pre_mlp_layernorm\.weight", "rep", _HL + "pre_feedforward_layernorm.weight"),
+    _rule(_L + r"self_attn_bda\.weight", "rep", _HL + "post_attention_layernorm.weight"),
+    _rule(_L + r"mlp_bda\.weight", "rep", _HL + "post_feedforward_layernorm.weight"),
+)
+_FAMILY_RULES = {"gemma3_text": GEMMA_RULES + RULES}
+
+
 @dataclass(frozen=True)
 class Match:
     rule: Rule
@@ -108,10 +120,10 @@ class Match:
         return self.kind.startswith("expert")
 
 
-def match(name: str, layer_offset: dict[int, int]) -> Match:
-    """Find the rule for megatron parameter `name`; `layer_offset` maps a chunk-local layer
-    index to its global (HF) index."""
-    for rule in RULES:
+def match(name: str, layer_offset: dict[int, int], model_type: str = "") -> Match:
+    """Find the rule for megatron parameter `name` of a `model_type` model; `layer_offset`
+    maps a chunk-local layer index to its global (HF) index."""
+    for rule in _FAMILY_RULES.get(model_type, RULES):
         m = rule.pattern.match(name)
         if m is None:
             continue

@@ -6,6 +6,10 @@ Layer spec: megatron's local (TransformerEngine-free) spec, with two substitutio
 - `RMSNorm` below in place of torch's norm, which refuses sequence parallelism: with
   sequence parallel its weight sees only this rank's tokens, so it is tagged
   `sequence_parallel=True` and its gradient is summed over the TP group by the engine.
+Gemma-3 adds `GemmaRMSNorm` (x * (1 + weight)) everywhere, its sandwich norms as
+`PostNormAdd` in the bias-dropout-add slots (the residual adds the normalised output),
+embeddings scaled by sqrt(hidden) and one RoPE base per layer type (a pre-hook on each
+layer's attention picks its layer's angles).
 
 `TephraGPT` wraps one pipeline chunk. On the last stage it returns per-position outputs
 instead of logits: policy `[b, s, 2]` = (log p(label), entropy) from the vocab-parallel
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,8 +43,18 @@ from tephra.engine_api.errors import ConfigError
 from tephra.engine_megatron.core_attention import SegmentAttention
 from tephra.kernels import vocab_parallel_logprob_entropy
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-_QK_NORM = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma3_text",
+)
+_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
+_GEMMA = ("gemma3_text",)
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 class RMSNorm(torch.nn.Module):
@@ -59,6 +74,30 @@ class RMSNorm(torch.nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's norm: the weight is stored as an offset from 1, y = (x_n * (1 + weight)) cast
+    back to the input dtype (Llama casts x_n first, Gemma after the product)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class PostNormAdd(GemmaRMSNorm):
+    """Gemma's post-attention / post-feed-forward norm in megatron's bias-dropout-add slot:
+    called like megatron's `get_bias_dropout_add(training, fused)`, it returns
+    `f((out, bias), residual, dropout) = residual + norm(out)` (no bias, dropout 0)."""
+
+    def forward(self, training: bool, fused: bool):  # type: ignore[override]
+        def add(out_with_bias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+            out, bias = out_with_bias
+            assert bias is None and (prob == 0.0 or not training), "Gemma runs without either"
+            return residual + GemmaRMSNorm.forward(self, out)
+
+        return add
+
+
 @dataclass
 class ModelShape:
     """What the engine needs to know of the HF architecture."""
@@ -76,8 +115,16 @@ class ModelShape:
     qk_norm: bool = False
     """RMSNorm on each query and key head before RoPE (Qwen3)."""
     sliding_window: int | None = None
-    """Mistral's attention window: sequences up to this length see every earlier token
-    (longer ones are refused)."""
+    """Mistral's (or Gemma-3's sliding layers') attention window: sequences up to this
+    length see every earlier token (longer ones are refused)."""
+    gemma: bool = False
+    """Gemma-3 layout: (1 + weight) norms, sandwich norms around attention and MLP,
+    embeddings times sqrt(hidden_size), GeGLU."""
+    layer_ropes: tuple[tuple[float, float], ...] = ()
+    """(RoPE base, linear scaling factor) of each layer (Gemma-3: one per layer type); empty =
+    `rope_theta`, unscaled, for all."""
+    activation: str = "silu"
+    """The gated MLP's activation (silu: SwiGLU; gelu_pytorch_tanh: Gemma's GeGLU)."""
 
 
 def rope_theta(hf_config) -> float:
@@ -109,6 +156,59 @@ def model_shape(hf_config) -> ModelShape:
         or bool(getattr(hf_config, "attention_bias", False)),
         qk_norm=model_type in _QK_NORM,
         sliding_window=_sliding_window(hf_config),
+        gemma=model_type in _GEMMA,
+        layer_ropes=_layer_ropes(hf_config),
+        activation=_activation(hf_config),
+    )
+
+
+def _activation(hf_config) -> str:
+    gemma = hf_config.model_type in _GEMMA
+    field = "hidden_activation" if gemma else "hidden_act"
+    act = getattr(hf_config, field, "silu")
+    want = "gelu_pytorch_tanh" if gemma else "silu"
+    if act != want:
+        raise ConfigError(
+            f"{field}={act!r}: engine-megatron supports only {want} for "
+            f"{hf_config.model_type}; use engine=fsdp"
+        )
+    return act
+
+
+def _gemma_refusals(hf_config) -> None:
+    """Gemma-3 settings this engine cannot express, each named."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(hf_config, name, None) is not None:
+            raise ConfigError(
+                f"{name}={getattr(hf_config, name)} is not supported by engine-megatron "
+                f"(no tanh soft-capping in its kernels); set {name}=null or use engine=fsdp"
+            )
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ConfigError(
+            "use_bidirectional_attention=true is not supported by engine-megatron (causal "
+            "attention only); use engine=fsdp"
+        )
+    for layer_type, params in (getattr(hf_config, "rope_parameters", None) or {}).items():
+        if params.get("rope_type", "default") not in ("default", "linear"):
+            raise ConfigError(
+                f"rope_parameters[{layer_type!r}].rope_type={params['rope_type']!r} is not "
+                "supported by engine-megatron (default and linear RoPE only); use engine=fsdp"
+            )
+
+
+def _layer_ropes(hf_config) -> tuple[tuple[float, float], ...]:
+    """(base, linear scaling factor) of each layer's RoPE (Gemma-3's larger checkpoints
+    divide the frequencies of their full-attention layers by a factor)."""
+    if hf_config.model_type not in _GEMMA:
+        return ()
+    _gemma_refusals(hf_config)
+    params = hf_config.rope_parameters
+    return tuple(
+        (
+            float(params[t]["rope_theta"]),
+            float(params[t]["factor"]) if params[t].get("rope_type") == "linear" else 1.0,
+        )
+        for t in hf_config.layer_types
     )
 
 
@@ -116,6 +216,8 @@ def _sliding_window(hf_config) -> int | None:
     window = getattr(hf_config, "sliding_window", None)
     if hf_config.model_type == "mistral":
         return window
+    if hf_config.model_type in _GEMMA:
+        return window if "sliding_attention" in hf_config.layer_types else None
     if getattr(hf_config, "use_sliding_window", False) and window is not None:
         raise ConfigError(
             f"{hf_config.model_type} with use_sliding_window=true is not supported by "
@@ -134,8 +236,6 @@ def transformer_config(
     """megatron TransformerConfig equal in function to the HF config (dropout off: RL
     fine-tuning of these models runs without it, and the contract compares exactly)."""
     shape = model_shape(hf_config)
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act={hf_config.hidden_act!r}: only silu (SwiGLU) is supported")
     rope_scaling = getattr(hf_config, "rope_scaling", None)
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
         None,
@@ -152,7 +252,9 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=_ACTIVATIONS[shape.activation],
+        # Gemma scales scores by query_pre_attn_scalar^-0.5, the others by head_dim^-0.5
+        softmax_scale=(float(hf_config.query_pre_attn_scalar) ** -0.5 if shape.gemma else None),
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
@@ -232,9 +334,17 @@ def sparse_layers(hf_config) -> list[bool]:
 
 
 def block_spec(
-    config: TransformerConfig, vp_stage: int | None, attention_kernel: str = "torch"
+    config: TransformerConfig,
+    vp_stage: int | None,
+    attention_kernel: str = "torch",
+    gemma: bool = False,
+    windows: tuple[int | None, ...] = (),
 ) -> TransformerBlockSubmodules:
-    def layer_spec(num_experts: int | None) -> ModuleSpec:
+    """`windows`: each (global) layer's sliding window, None for full attention; empty =
+    full attention everywhere."""
+    norm = GemmaRMSNorm if gemma else RMSNorm
+
+    def layer_spec(num_experts: int | None, window: int | None = None) -> ModuleSpec:
         spec = get_gpt_layer_local_spec(
             num_experts=num_experts,
             moe_grouped_gemm=False,
@@ -242,27 +352,52 @@ def block_spec(
             qk_layernorm=config.qk_layernorm,
         )
         spec = copy.deepcopy(spec)
-        spec.submodules.input_layernorm = RMSNorm
-        spec.submodules.pre_mlp_layernorm = RMSNorm
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
         if config.qk_layernorm:
-            spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
-            spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+            spec.submodules.self_attention.submodules.q_layernorm = norm
+            spec.submodules.self_attention.submodules.k_layernorm = norm
+        if gemma:  # the sandwich norms: residual + norm(attention), residual + norm(mlp)
+            post = ModuleSpec(
+                module=PostNormAdd,
+                params={
+                    "config": config,
+                    "hidden_size": config.hidden_size,
+                    "eps": config.layernorm_epsilon,
+                },
+            )
+            spec.submodules.self_attn_bda = post
+            spec.submodules.mlp_bda = post
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-            module=SegmentAttention, params={"kernel": attention_kernel}
+            module=SegmentAttention, params={"kernel": attention_kernel, "window": window}
         )
         return spec
 
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     freq = config.moe_layer_freq
-    if not config.num_moe_experts or not isinstance(freq, list):
+    if (not config.num_moe_experts or not isinstance(freq, list)) and not windows:
         return TransformerBlockSubmodules(
-            layer_specs=[layer_spec(config.num_moe_experts)] * layers, layer_norm=RMSNorm
+            layer_specs=[layer_spec(config.num_moe_experts)] * layers, layer_norm=norm
         )
-    # mixed dense and MoE layers: this chunk's slice of the per-layer pattern
+    # per-layer patterns (dense and MoE layers, sliding and full attention): this chunk's slice
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    dense, moe = layer_spec(None), layer_spec(config.num_moe_experts)
-    specs = [moe if freq[offset + i] else dense for i in range(layers)]
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
+    specs = []
+    for i in range(layers):
+        sparse = config.num_moe_experts and (not isinstance(freq, list) or freq[offset + i])
+        window = windows[offset + i] if windows else None
+        specs.append(layer_spec(config.num_moe_experts if sparse else None, window))
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
+
+
+def layer_windows(hf_config) -> tuple[int | None, ...]:
+    """Each layer's sliding window (Mistral: every layer; Gemma-3: its `sliding_attention`
+    layers), None for full attention; empty for a model without windows."""
+    window = _sliding_window(hf_config)
+    if window is None:
+        return ()
+    if hf_config.model_type in _GEMMA:
+        return tuple(window if t == "sliding_attention" else None for t in hf_config.layer_types)
+    return (window,) * hf_config.num_hidden_layers
 
 
 class TephraGPT(torch.nn.Module):
@@ -293,7 +428,9 @@ class TephraGPT(torch.nn.Module):
         self.pre_process, self.post_process = pre, post
         self.gpt = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(config, vp_stage, attention_kernel),
+            transformer_layer_spec=block_spec(
+                config, vp_stage, attention_kernel, shape.gemma, layer_windows(hf_config)
+            ),
             vocab_size=shape.vocab_size,
             max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
             pre_process=pre,
@@ -312,11 +449,20 @@ class TephraGPT(torch.nn.Module):
             with torch.no_grad():
                 head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.02)
             self.value_head = head
-        inv = 1.0 / (
-            rope_theta(hf_config)
-            ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim)
-        )
+        # one row of inverse frequencies per distinct RoPE base (one unless Gemma-3)
+        ropes = sorted(set(shape.layer_ropes)) or [(rope_theta(hf_config), 1.0)]
+        exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim
+        # linear scaling divides the frequencies (transformers: `inv_freq /= factor`)
+        inv = torch.stack([1.0 / (base**exponents) / factor for base, factor in ropes])
         self.register_buffer("inv_freq", inv, persistent=False)
+        if len(ropes) > 1:
+            for layer in self.gpt.decoder.layers:
+                rope = shape.layer_ropes[layer.layer_number - 1]  # global, 1-based
+                layer.self_attention.register_forward_pre_hook(
+                    partial(_pick_rope, ropes.index(rope), shape.head_dim), with_kwargs=True
+                )
+        # Gemma scales the embedding output by sqrt(hidden) (in the weights' dtype, as HF)
+        self.embed_scale = shape.hidden_size**0.5 if shape.gemma else None
 
     def set_input_tensor(self, input_tensor) -> None:
         self.gpt.set_input_tensor(input_tensor)
@@ -332,9 +478,12 @@ class TephraGPT(torch.nn.Module):
 
     def rotary(self, position_ids: torch.Tensor) -> torch.Tensor:
         """RoPE angles from the batch's own position ids (they restart per packed sequence
-        and skip left padding): `[s, b, 1, head_dim]`."""
-        freqs = position_ids.t().float()[..., None] * self.inv_freq
-        return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+        and skip left padding): `[s, b, 1, head_dim]`.
+        With several RoPE bases the tables are concatenated on the last dim (`[s, b, 1,
+        n * head_dim]`); each layer's pre-hook (`_pick_rope`) takes its own.
+        """
+        freqs = position_ids.t().float()[..., None, None] * self.inv_freq  # [s, b, n, hd/2]
+        return torch.cat([freqs, freqs], dim=-1).flatten(2)[:, :, None, :]
 
     def forward(self, input_ids, position_ids, attention_mask, labels):
         """input_ids, position_ids, labels `[b, s]` (this CP rank's positions);
@@ -342,6 +491,10 @@ class TephraGPT(torch.nn.Module):
         decoder_input = None
         if self.pre_process:
             decoder_input = self.gpt.embedding(input_ids=input_ids, position_ids=None)
+            if self.embed_scale is not None:
+                # HF keeps the scale as a float32 tensor and casts it to the weights' dtype
+                scale = torch.tensor(self.embed_scale, dtype=torch.float32)
+                decoder_input = decoder_input * scale.to(decoder_input.dtype)
         hidden = self.gpt.decoder(
             hidden_states=decoder_input,
             attention_mask=attention_mask,
@@ -379,3 +532,11 @@ class TephraGPT(torch.nn.Module):
             ent = torch.zeros_like(logp)
         # [b, s, k]: log-probs, entropy, then sum pi^2 when asked (the engine's output keys)
         return torch.stack([logp, ent, *outs[2:]], dim=-1).reshape(b, s, -1)
+
+
+def _pick_rope(index: int, head_dim: int, module, args, kwargs):
+    """Forward pre-hook of one layer's attention: its own RoPE table out of the
+    concatenated ones (`TephraGPT.rotary`)."""
+    table = kwargs["rotary_pos_emb"]
+    kwargs["rotary_pos_emb"] = table[..., index * head_dim : (index + 1) * head_dim]
+    return args, kwargs

@@ -89,7 +89,30 @@ TINY_QWEN3_MOE_STEP2: dict[str, Any] = {
     "decoder_sparse_step": 2,
 }
 """Qwen3-MoE with every second layer sparse (layers 1 and 3; 0 and 2 dense)."""
+TINY_GEMMA3: dict[str, Any] = dict(
+    model_type="gemma3_text",
+    vocab_size=128,
+    hidden_size=48,  # sqrt(48) is not exact: the embedding scale's rounding is tested
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=24,  # not head_dim: a model that scaled by head_dim would differ
+    layer_types=["sliding_attention", "full_attention"],
+    sliding_window=64,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+    },
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+"""A tiny Gemma-3 (text): a sliding (64-token window, RoPE base 1e4) and a full-attention
+layer (base 1e6), (1 + weight) sandwich norms, q/k norm, GeGLU, embeddings times
+sqrt(hidden), tied output layer, scores scaled by query_pre_attn_scalar^-0.5."""
 FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma3": TINY_GEMMA3,
     "qwen3": TINY_QWEN3,
     "mistral": TINY_MISTRAL,
     "qwen3_moe": TINY_QWEN3_MOE,
@@ -303,7 +326,7 @@ def gathered_hf_weights(engine) -> dict[str, torch.Tensor]:
             for name, param in chunk.named_parameters():
                 if ".lora." in name:
                     continue  # the reference export is of the base weights
-                m = conv.match(name, offsets)
+                m = conv.match(name, offsets, engine.shape.model_type)
                 _, size, group = engine._shard_coords(m)
                 if m.kind == "rep" or size == 1:
                     shards = [param.detach()]

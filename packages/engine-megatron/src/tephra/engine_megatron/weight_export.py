@@ -45,7 +45,7 @@ def _local_params(engine) -> list[tuple[str, torch.Tensor, conv.Match]]:
         for name, param in chunk.named_parameters():
             if lora.is_adapter(name):
                 continue  # merged into the weight they adapt (`engine.exported_value`)
-            out.append((name, param, conv.match(name, offsets)))
+            out.append((name, param, conv.match(name, offsets, engine.shape.model_type)))
     return out
 
 

@@ -314,7 +314,8 @@ class RolloutConfig:
     record_routes: bool = False
     """Record each token's experts per MoE layer (`Sample.routed_experts`) for routing
     replay; the trainer sets it from `actor.moe.routing_replay`. Only the `hf` backend
-    records (vLLM 0.32's CPU build returns no routed experts): the others refuse it."""
+    records (vLLM 0.32 returns routed experts only from its V2 GPU model runner; the CPU
+    build's runner never records them): the others refuse it."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -453,6 +454,15 @@ class Rollout(abc.ABC):
     @abc.abstractmethod
     def wake_up(self) -> None:
         """Undo `sleep`."""
+
+    def record_routes(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        """Each row's experts per MoE layer `[tokens, moe_layers, k]`, for routing replay of a
+        sequence assembled outside `generate` (an agent loop's whole episode: prompt, turns
+        and tool outputs). Only the hf backend records."""
+        raise ConfigError(
+            f"rollout backend {type(self).__name__} cannot record routed experts (routing "
+            "replay); use rollout.backend=hf"
+        )
 
     @property
     def weights_dropped(self) -> bool:

@@ -190,7 +190,8 @@ class ServerRollout(Rollout):
             raise ConfigError(
                 f"rollout.backend={protocol.name!r} with routing replay (actor.moe."
                 f"routing_replay=rollout): the {protocol.name} server returns no routed "
-                "experts here (vLLM 0.32's CPU build has no routed-experts output); use "
+                "experts here (vLLM 0.32 records them only in its V2 GPU model runner, with "
+                "--enable-return-routed-experts; the CPU build's runner never does); use "
                 "rollout.backend=hf or set actor.moe.routing_replay=off"
             )
         self.process: ServerProcess | None = None
