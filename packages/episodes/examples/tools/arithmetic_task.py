@@ -28,6 +28,7 @@ from tephra.episodes.episode import run_episodes
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import load_tools
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
+from tephra.rollout.testing import build_tiny_model
 
 SYSTEM = (
     "Solve the problem. You can run Python with the `python` tool; print the values you need. "
@@ -63,8 +64,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.tiny:
-        from tephra.rollout.testing import build_tiny_model
-
         args.model = build_tiny_model(tempfile.mkdtemp(prefix="tephra-tiny-")).path
     if not args.model:
         parser.error("give --model PATH or --tiny")

@@ -162,7 +162,7 @@ def _text(value: Any, fail: Callable[[str, str], DatasetError], field_name: str)
 
 def load_parquet(path: str | Path) -> list[PromptRecord]:
     """Rows of a verl-format parquet file."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy: only parquet data needs it
 
     path = Path(path)
     if not path.exists():
@@ -198,7 +198,7 @@ def load_hf_dataset(name: str, split: str = "train") -> list[PromptRecord]:
     the network or the local Hub cache). A local path that does not exist is an error here,
     not a Hub lookup.
     """
-    import datasets
+    import datasets  # heavy (seconds): only Hub data sets need it
 
     where = f"{name}[{split}]"
     path = Path(name).expanduser()
@@ -259,7 +259,7 @@ def reasoning_gym_records(
     instruction: str = DEFAULT_INSTRUCTION,
 ) -> list[PromptRecord]:
     """`size` items of a reasoning-gym task, generated offline and reproducibly by `seed`."""
-    import reasoning_gym
+    import reasoning_gym  # heavy (seconds, noisy): only reasoning-gym data needs it
 
     try:
         ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **(task_config or {}))

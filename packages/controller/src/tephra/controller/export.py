@@ -22,21 +22,23 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 import yaml
 
 from tephra.controller.checkpoints import check_manifest
+from tephra.controller.models import resolve_model_path
+from tephra.controller.rl_config import PPOConfig
 from tephra.core.config import from_dict
 from tephra.core.errors import CheckpointError, TephraError
 from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.registry import get_engine, get_engine_class
+from tephra.engine_api.testing.distributed import run_distributed
 
 
 def _export_rank(
     cfg, model_path: str, role: str, checkpoint: str, out: str, adapter: bool = False
 ) -> str:
     """One rank: build the role's engine as the run did, load the checkpoint, export."""
-    import torch
-
     torch.set_num_threads(1)
     section = cfg.actor if role == "actor" else cfg.critic
     model = replace(cfg.model, path=model_path, init_seed=cfg.trainer.seed)
@@ -60,10 +62,6 @@ def export_checkpoint(
 ) -> Path:
     """Write the `role` engine of `checkpoint` (a `step_<N>` folder) as a HF folder `out`,
     or with `adapter` the actor's LoRA adapter as a peft folder."""
-    from tephra.controller.models import resolve_model_path
-    from tephra.controller.rl_config import PPOConfig
-    from tephra.engine_api.testing.distributed import run_distributed
-
     checkpoint = Path(checkpoint).expanduser().resolve()
     problem = check_manifest(checkpoint) if checkpoint.is_dir() else "no such folder"
     if problem is not None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tephra.core.machine import cache_root, cpu_name, published_peak
+from tephra.engine_api.multimodal import is_vision_config
 from tephra.engine_api.tensordict_import import TensorDict
 
 
@@ -51,9 +52,8 @@ class ModelShape:
 
 def model_shape(path: str) -> ModelShape:
     """The `ModelShape` of the Hugging Face model at `path`, built on the meta device."""
+    # heavy: transformers takes seconds to import; the driver needs it only here
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from tephra.engine_api.multimodal import is_vision_config
 
     config = AutoConfig.from_pretrained(path)
     auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM

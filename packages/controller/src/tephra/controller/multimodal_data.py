@@ -214,7 +214,7 @@ def multimodal_prompt_from_row(
 
 def load_multimodal_parquet(path: str | Path, processor: VisionProcessor) -> list[MultimodalPrompt]:
     """Rows of a verl multimodal parquet file (relative image paths: next to the file)."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy: only parquet data needs it
 
     path = Path(path)
     if not path.exists():

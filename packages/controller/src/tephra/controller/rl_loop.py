@@ -1,6 +1,8 @@
 """The RL loop (`Trainer`): each stage is one call on the worker group; the driver only moves
 batches. Its parts live beside it: `rounds`, `rollout_mismatch`, `step_rewards`,
-`step_metrics`, `batch_order`, `generation_dumps`, `worker_failures`.
+`step_metrics`, `batch_order`, `generation_dumps`, `worker_failures`; the Trainer composes
+`generate_ahead` (one_step_off), `run_checkpoints` (save and resume) and `recovery` (a
+worker died).
 
     for step in steps:
         samples = wg.generate(prompts)                  # rollout engine, n samples/prompt;
@@ -36,19 +38,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 from tqdm import tqdm
 
 from tephra.algos import filter_groups
 from tephra.controller.async_stream import SampleStream, partial_rollout_metrics
 from tephra.controller.batch_order import BatchOrder
-from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.data import PromptLoader, dataset_fingerprint
 from tephra.controller.evaluation import flat_metrics, summarise, write_jsonl
 from tephra.controller.flops import ModelShape, step_flops
+from tephra.controller.generate_ahead import GenerateAhead
 from tephra.controller.generation_dumps import validation_rows, write_train_samples
 from tephra.controller.prime import prime_step
+from tephra.controller.recovery import Recovery
 from tephra.controller.rewarding import check_advantages, check_not_all_failed, check_rewards
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.rl_worker import can_skip_flat, flat_groups
@@ -57,7 +59,8 @@ from tephra.controller.rollout_mismatch import (
     check_mismatch_alarm,
     correct_old_log_probs,
 )
-from tephra.controller.rounds import Prompts, Round, read_pending, round_seed, write_pending
+from tephra.controller.rounds import Prompts, Round, round_seed
+from tephra.controller.run_checkpoints import RunCheckpoints
 from tephra.controller.samples import (
     PromptItem,
     Sample,
@@ -114,12 +117,13 @@ class Trainer:
         self.loader = PromptLoader(
             len(train.ids), cfg.batch.prompts_per_step, cfg.trainer.seed, self.data_fingerprint
         )
-        self.ckpt = CheckpointManager(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+        self.checkpoints = RunCheckpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+        """Saves the run's checkpoints and resumes from one (`run_checkpoints`)."""
         self.model, self.peak_flops = model, peak_flops
         self.peak_published = False
+        """Whether `peak_flops` is the devices' published figure (else measured here)."""
         self.startup: dict[str, float] = {}
         """Seconds of each start-up phase (`tephra.controller.startup`), for the summary."""
-        """Whether `peak_flops` is the devices' published figure (else measured here)."""
         a = cfg.algorithm
         self.needs_critic, self.needs_ref = a.needs("values"), cfg.needs_reference
         self.kl_ctrl = kl_controller(cfg)
@@ -140,23 +144,14 @@ class Trainer:
         self.step = 0
         self.make_group = make_group
         """Builds a fresh worker group (recovery after a worker died); None: no recovery."""
-        self.restarts = 0
-        self.one_step_off = cfg.trainer.mode == "one_step_off"
-        # a worker thread generates ahead only when one plain `generate` makes the batch
-        self.overlap = (
-            self.one_step_off
-            and cfg.trainer.overlap_generation
-            and not a.dynamic_sampling
-            and not a.needs("baselines")
-        )
-        self.pending: list[Round] | None = None
-        """The next step's batch, generated ahead (one_step_off) and scored."""
+        self.recovery = Recovery(cfg.trainer.max_restarts, make_group is not None)
+        """Rebuilds the groups after a dead worker (`recovery`)."""
+        self.ahead = GenerateAhead(cfg, separate_replicas=make_replicas is not None)
+        """The next step's batch, generated ahead by one_step_off (`generate_ahead`)."""
         self.skips_flat = can_skip_flat(cfg.actor.objective)
         """Whether the actor update leaves out zero-advantage rows (`skip_zero_advantage_rows`)."""
         self.batch_order = BatchOrder()
         """The step's row order for the actor's data-parallel ranks (`trainer.balance_batch`)."""
-        self.ahead: Round | None = None
-        """The round a worker thread is generating (overlap), until `finish_ahead`."""
         self.make_role_groups = make_role_groups
         """Builds the reference / critic groups of pools of their own (`resources.ref`,
         `resources.critic`): role -> `WorkerGroup`; None: both colocated with the actor."""
@@ -168,8 +163,6 @@ class Trainer:
         """The async stream's saved state (prompts owed) from the checkpoint resumed from."""
         if make_replicas is not None:
             self.connect_replicas()
-            # separate replicas generate ahead in parallel with the update by nature
-            self.overlap = self.one_step_off and not a.dynamic_sampling and not a.needs("baselines")
 
     def connect_replicas(self) -> None:
         """Start the replicas, give them the actor's weights, and (async) open the stream."""
@@ -297,13 +290,13 @@ class Trainer:
         keeps the seed of its step)."""
         return round_seed(self.cfg.trainer.seed, step, r)
 
-    # ----- generation ahead (trainer.mode=one_step_off) --------------------------------------
+    # ----- this step's batch -----------------------------------------------------------------
     def take_batch(self) -> list[Round]:
-        """This step's rounds: the batch generated ahead when there is one, else generated
-        now (the first step, or a run resumed from a checkpoint without one)."""
-        if self.pending is not None:
-            rounds, self.pending = self.pending, None
-            return rounds
+        """This step's rounds: the batch generated ahead when there is one (`GenerateAhead`),
+        else the async stream's, else generated now."""
+        pending = self.ahead.take()
+        if pending is not None:
+            return pending
         if self.stream is not None:
             items, indices, samples = self.stream.next_batch(self.step)
             rnd = Round(
@@ -316,50 +309,7 @@ class Trainer:
             )
             rnd.keep(list(range(len(items))))
             return [rnd]
-        return self.collect(self.step, scored=self.one_step_off)
-
-    def wants_ahead(self) -> bool:
-        """Whether this step generates the next one's batch: one_step_off, and the next step
-        runs (or a checkpoint after this last step keeps the batch for a longer rerun)."""
-        t = self.cfg.trainer
-        if not self.one_step_off:
-            return False
-        last = self.step + 1 >= t.steps
-        return not last or t.save_final or bool(t.save_every and t.steps % t.save_every == 0)
-
-    def start_ahead(self) -> None:
-        """Generate step `self.step + 1`'s batch with the current weights: in a worker thread
-        (`overlap`; `finish_ahead` takes it) or right now."""
-        step = self.step + 1
-        # two torch.profiler sessions cannot run at once: a profiled step (1-based `step`)
-        # generates serially
-        if not self.overlap or step in self.cfg.trainer.profile_steps:
-            self.pending = self.collect(step, scored=True)
-            return
-        idx = self.loader.next_indices()
-        tag = f"step{step}"
-        items = self.items(idx, self.train, tag)
-        sampling = self.sampling.replace(seed=self.seed_of(step, 0))
-        self.ahead = Round(items, [], self.cfg.batch.samples_per_prompt, indices=idx, tag=tag)
-        if self.replicas is not None:  # the replicas generate while the training ranks update
-            self.ahead_ref = self.replicas.submit_split(items, sampling)
-        else:
-            self.wg.generate_ahead(items, sampling)
-
-    def finish_ahead(self) -> None:
-        """Wait for the worker thread's samples, score them, keep them as `pending`."""
-        if self.ahead is None:
-            return
-        rnd, self.ahead = self.ahead, None
-        if self.replicas is not None:
-            rnd.samples = self.check_scores(ray.get(self.ahead_ref))
-        else:
-            rnd.samples = self.attach_scores(self.wg.generated())
-            for s in rnd.samples:
-                s.weight_version = self.step  # launched before this step's update
-        rnd.keep(list(range(len(rnd.items))))
-        rnd.scored = True
-        self.pending = [rnd]
+        return self.collect(self.step, scored=self.ahead.enabled)
 
     def greedy_baselines(self, rounds: list[Round]) -> torch.Tensor:
         """ReMax's baseline: the reward of the greedy response to each sample's prompt [B]."""
@@ -399,8 +349,8 @@ class Trainer:
         n = cfg.batch.samples_per_prompt
         self.reward_seconds = 0.0
         rounds = self.take_batch()
-        if self.wants_ahead():  # before the update: this step's weights sample the next batch
-            self.start_ahead()
+        if self.ahead.wanted(self.step):  # before the update: this step's weights sample it
+            self.ahead.start(self)
         samples = [s for r in rounds for s in r.kept]
         batch = samples_to_batch(samples, self.tok.pad_token_id, n, self.multi_turn)
         # one group id per prompt of the step (a prompt drawn twice forms two groups)
@@ -555,8 +505,8 @@ class Trainer:
             )
             trained_passes += cfg.batch.epochs
             lap("actor")
-        if self.ahead is not None:
-            self.finish_ahead()
+        if self.ahead.running is not None:
+            self.ahead.finish(self)
             lap("generate_wait")  # what the update did not hide of the next generation
         if self.replicas is not None:
             self.replicas.sync(self.wg, self.step + 1)
@@ -589,44 +539,7 @@ class Trainer:
             metrics["actor/kl"] = metrics["actor/kl_mean"]
         return metrics
 
-    # ----- checkpoints -----------------------------------------------------------------------
-    def save(self) -> None:
-        def write(folder: Path) -> None:
-            for group in self.groups():
-                group.save_checkpoint(str(folder))
-            if self.pending is not None:
-                write_pending(folder, self.pending)
-
-        state = {"loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
-        if self.stream is not None:  # the prompts taken but not trained yet are sent again
-            state["stream"] = self.stream.state()
-        self.ckpt.save(self.step, write, state)
-
-    def maybe_resume(self, resume: str | None = None) -> bool:
-        t = self.cfg.trainer
-        latest = (
-            self.ckpt.resolve(resume)
-            if resume is not None
-            else self.ckpt.resolve(t.resume, t.resume_from)
-        )
-        if latest is None:
-            return False
-        state = self.ckpt.load_trainer_state(latest)
-        for group in self.groups():
-            group.load_checkpoint(str(latest))
-        if self.replicas is not None:
-            self.replicas.sync(self.wg, int(state["step"]))
-        self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
-        self.step = int(state["step"])
-        self.pending = read_pending(latest, lambda idx, tag: self.items(idx, self.train, tag))
-        self.stream_state = state.get("stream")
-        if self.stream is not None and self.stream_state is not None:
-            self.stream.restore(self.stream_state)
-        self.ahead = None
-        print(f"resumed from {latest} at step {self.step}", flush=True)
-        return True
-
+    # ----- the worker groups -----------------------------------------------------------------
     def measure_peak_flops(self) -> float:
         """The MFU denominator: the summed peak of every training rank (published where every
         rank's device has a figure, else measured; `peak_published` says which)."""
@@ -634,7 +547,6 @@ class Trainer:
         self.peak_published = all(published for _, published in peaks)
         return float(sum(flops for flops, _ in peaks))
 
-    # ----- recovery ---------------------------------------------------------------------------
     def close_group(self, grace_s: float = 10.0) -> None:
         """Close the rollout replicas and the worker groups; `grace_s`: how long the ranks get
         to exit on their own before they are killed (0 for a group that has failed)."""
@@ -649,42 +561,17 @@ class Trainer:
             for group in self.groups():
                 group.shutdown(grace_s)
 
-    def recover(self, exc: BaseException) -> None:
-        """A worker died: tear the group down, build it again and continue from the latest
-        intact checkpoint (or from the start when there is none), at most
-        `trainer.max_restarts` times."""
-        self.restarts += 1
-        if self.make_group is None or self.restarts > self.cfg.trainer.max_restarts:
-            raise exc
-        origin = getattr(exc, "cause", None) or exc  # a worker's own exception inside Ray's
-        cause = str(origin).strip().splitlines()[0] if str(origin).strip() else ""
-        print(
-            f"worker group failed at step {self.step + 1} ({type(origin).__name__}: {cause}); "
-            f"restart {self.restarts} of {self.cfg.trainer.max_restarts}",
-            flush=True,
-        )
-        self.close_group(grace_s=0)  # its live ranks may be stuck in a collective
+    def build_groups(self) -> None:
+        """A fresh actor group and role groups (recovery); the replicas and the stream are
+        connected again by `connect_replicas`."""
         self.wg = self.make_group()
         self.role_groups = self.make_role_groups() if self.make_role_groups else {}
-        self.replicas = self.stream = None  # closed with the group; connected again below
-        self.peak_flops = self.measure_peak_flops()
-        self.ahead = None  # a generation ahead died with the group
-        if not self.maybe_resume(resume="auto"):
-            self.step = 0
-            self.pending = None
-            self.loader = PromptLoader(
-                len(self.train.ids),
-                self.cfg.batch.prompts_per_step,
-                self.cfg.trainer.seed,
-                self.data_fingerprint,
-            )
-        if self.make_replicas is not None:
-            self.connect_replicas()
+        self.replicas = self.stream = None  # closed with the group
 
     # ----- the run ----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         cfg, t0 = self.cfg.trainer, time.perf_counter()
-        resumed = self.maybe_resume()
+        resumed = self.checkpoints.resume(self)
         trackers = Trackers(
             cfg.trackers, self.run_dir, cfg.project, self.run_dir.name, to_dict(self.cfg)
         )
@@ -711,7 +598,7 @@ class Trainer:
             try:
                 metrics = self.train_step()
             except WORKER_FAILURES as exc:
-                self.recover(exc)
+                self.recovery.recover(self, exc)
                 continue
             if profiling:
                 for group in self.groups():
@@ -725,11 +612,11 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}")
             if cfg.save_every and self.step % cfg.save_every == 0:
-                self.save()
+                self.checkpoints.save(self)
         if bar is not None:
             bar.close()
         if cfg.save_final and (not cfg.save_every or self.step % cfg.save_every):
-            self.save()
+            self.checkpoints.save(self)
         acc_after = None
         if cfg.val_after:
             t = time.perf_counter()

@@ -33,6 +33,7 @@ from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, set_score
 from tephra.controller.watchdog import Watchdog, sample_ids
 from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup
+from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, receive_all
 
 
 class RolloutWorker(Worker):
@@ -76,8 +77,6 @@ class RolloutWorker(Worker):
     def join_weight_group(
         self, address: str, port: int, world_size: int, backend: str, timeout_s: float
     ) -> None:
-        from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group
-
         self._weights_group = open_group(
             address, port, 1 + self.rank, world_size, backend, timeout_s
         )
@@ -85,8 +84,6 @@ class RolloutWorker(Worker):
     def receive_weights(self, version: int) -> int:
         """Take one broadcast update (in the `weights` concurrency group, beside a request in
         flight); the replica holds `version` once it is in the engine (module docstring)."""
-        from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import receive_all
-
         device = self.device if self.device.startswith("cuda") else None
         received = receive_all(self._weights_group, device)
         if self.partial:  # interrupt the request in flight; it goes on under the new weights

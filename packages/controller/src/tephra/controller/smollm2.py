@@ -39,7 +39,7 @@ def smollm2_folder() -> Path:
     target = cache_root() / FOLDER_NAME
     if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: first use only
 
     src = gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)

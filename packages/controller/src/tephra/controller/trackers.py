@@ -78,7 +78,7 @@ class TensorBoardTracker(Tracker):
 
     def __init__(self, run_dir, project, run_name, config):
         super().__init__(run_dir, project, run_name, config)
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard
 
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
@@ -113,7 +113,7 @@ class WandbTracker(Tracker):
     def __init__(self, run_dir, project, run_name, config):
         super().__init__(run_dir, project, run_name, config)
         try:
-            import wandb
+            import wandb  # optional: the wandb extra
         except ImportError:
             raise missing_extra("wandb", "wandb") from None
         self.run = wandb.init(
@@ -143,7 +143,7 @@ class MlflowTracker(Tracker):
         try:
             import alembic  # noqa: F401 (the SQLite store needs it; mlflow-skinny leaves it out)
             import sqlalchemy  # noqa: F401
-            from mlflow.entities import Metric
+            from mlflow.entities import Metric  # optional: the mlflow extra
             from mlflow.tracking import MlflowClient
         except ImportError:
             raise missing_extra("mlflow", "mlflow-skinny (or sqlalchemy, alembic)") from None
@@ -216,10 +216,10 @@ def plot_curves(
     keys: tuple[str, ...] = ("reward/mean", "accuracy/train", "accuracy/val"),
 ) -> None:
     """Reward/accuracy against step as a PNG."""
-    import matplotlib
+    import matplotlib  # heavy: only the curve plot at the end needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display here
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in keys:

@@ -8,9 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
+from tephra.engine_api.testing import ConformanceSpec, nll_loss_fn, random_batch, run_conformance
+from tephra.engine_fsdp.engine import FSDPEngine
 
 TINY_VOCAB = 256
 
@@ -83,8 +87,6 @@ class HFReference:
 
 def conformance_spec(workdir: Path, **base_overrides: Any):
     """The conformance kit's spec for this engine on the tiny model."""
-    from tephra.engine_api.testing import ConformanceSpec
-    from tephra.engine_fsdp.engine import FSDPEngine
 
     def make_engine(overrides: dict[str, Any]) -> FSDPEngine:
         return FSDPEngine.build(tiny_engine_config(**{**base_overrides, **overrides}))
@@ -102,9 +104,6 @@ def conformance_spec(workdir: Path, **base_overrides: Any):
 def train_step(engine, batch, loss_fn=None) -> tuple[float, float]:
     """One forward_backward + optimizer_step on this rank's share of `batch` (contiguous
     equal chunks, like the kit); returns (loss, grad norm)."""
-    from tephra.engine_api import batch as B
-    from tephra.engine_api.testing import nll_loss_fn
-
     n = batch.batch_size[0] // engine.dp_size
     share = B.trim_padding(batch[engine.dp_rank * n : (engine.dp_rank + 1) * n])
     with engine.train_mode():
@@ -116,8 +115,6 @@ def train_step(engine, batch, loss_fn=None) -> tuple[float, float]:
 
 def full_gradients(engine) -> list[torch.Tensor]:
     """Every parameter's accumulated gradient, unsharded (zeros where none)."""
-    from torch.distributed.tensor import DTensor
-
     out = []
     for p in engine.scorer.parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -131,9 +128,6 @@ def share_gradients(
     """Rank body (`run_distributed`): one `forward_backward` of `loss_fn` on this rank's
     batch, `shares[dp_rank]`, on a tiny engine (`tiny_engine_config(**overrides)`); returns
     `full_gradients`."""
-    from tephra.engine_api import batch as B
-    from tephra.engine_fsdp.engine import FSDPEngine
-
     engine = FSDPEngine.build(tiny_engine_config(**(overrides or {})))
     with engine.train_mode():
         engine.forward_backward(B.trim_padding(shares[engine.dp_rank]), loss_fn)
@@ -143,8 +137,6 @@ def share_gradients(
 def grouped_batch(groups: int = 3, n: int = 4, seed: int = 0):
     """A GRPO-shaped batch: `groups` random prompts (left-padded, 2-7 tokens) with `n`
     sampled responses each (right-padded, 1-7 tokens), rows grouped by prompt."""
-    from tephra.engine_api import batch as B
-
     g = torch.Generator().manual_seed(seed)
     prompts = [
         torch.randint(1, TINY_VOCAB, (int(length),), generator=g)
@@ -175,9 +167,6 @@ def distributed_conformance(workdir: str) -> dict[str, Any]:
     then two training steps (fully sharded, and replicated with `parallel.fsdp_size=1`, and
     on `grouped_batch` with shared prefixes) whose loss and grad norm the test compares
     with a single-process run."""
-    from tephra.engine_api.testing import random_batch, run_conformance
-    from tephra.engine_fsdp.engine import FSDPEngine
-
     passed = run_conformance(conformance_spec(Path(workdir)))
     batch = random_batch(TINY_VOCAB, num_sequences=8, seed=5)
     steps = {}
@@ -208,9 +197,6 @@ def distributed_ulysses(workdir: str) -> dict[str, Any]:
     the conformance kit, then `ulysses_outputs` on a packed batch of unequal lengths for
     the tiny GQA model (4 query, 2 key/value heads) and for 1 key/value head (fewer than
     the 2 ranks: replicated), and for the first with gradient checkpointing and with LoRA (rank 4)."""
-    from tephra.engine_api.testing import random_batch, run_conformance
-    from tephra.engine_fsdp.engine import FSDPEngine
-
     passed = run_conformance(conformance_spec(Path(workdir), **ULYSSES))
     batch = random_batch(TINY_VOCAB, num_sequences=6, response_lengths=(1, 12), seed=11)
     out = {"passed": passed}
@@ -235,8 +221,6 @@ def vision_steps(
     """`steps` training steps of an fsdp engine on the tiny Qwen2-VL at `vlm_path` with `batch`
     (a batch with images; each rank on its share), then the log-probs of the whole batch and
     the vision tower's full weights: what the 2-rank vs 1-rank parity test compares."""
-    from tephra.engine_fsdp.engine import FSDPEngine
-
     cfg = apply_overrides(
         EngineConfig(
             model=ModelConfig(path=vlm_path),

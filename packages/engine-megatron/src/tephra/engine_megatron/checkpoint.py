@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 
 from tephra.engine_api.errors import CheckpointError
 from tephra.engine_megatron import hf_conversion as conv
@@ -94,8 +95,6 @@ def export_hf(engine, path: Path) -> None:
     """rank 0 writes config, `model.safetensors` and tokenizer (when known); every rank takes
     part in the streamed gather (`weight_export.HFStream` to rank 0), so no rank holds more
     than its own shards and one tensor in flight, and rank 0 writes each tensor as it comes."""
-    import transformers
-
     stream = HFStream(engine, dest=0, per_expert=True)
     entries = stream.names()
     rank = dist.get_rank()

@@ -14,6 +14,10 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel import random as mp_random
+from megatron.core.transformer.moe import moe_utils
 from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
@@ -114,8 +118,6 @@ def apply() -> None:
     global _APPLIED
     # 0.16.1 leaves `te_general_gemm` undefined when TransformerEngine is missing (MoE routers
     # fail with a NameError on any device).
-    from megatron.core.transformer.moe import moe_utils
-
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     if _APPLIED or not cuda_absent():
@@ -134,8 +136,6 @@ def apply() -> None:
 
     # Activation recomputation saves and restores the CUDA RNG state around each layer;
     # on CPU the torch CPU generator (saved beside it) is the only one.
-    from megatron.core.tensor_parallel import random as mp_random
-
     mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda *a, **k: None
 
@@ -143,8 +143,6 @@ def apply() -> None:
 def _patch_alltoall_split_sizes() -> None:
     """The alltoall dispatcher keeps split sizes as CPU tensors; gloo's uneven
     `all_to_all_single` wants Python lists."""
-    from megatron.core.tensor_parallel import mappings
-
     original = mappings._AllToAll.forward
 
     def forward(ctx, group, input, output_split_sizes, input_split_sizes):
@@ -171,8 +169,6 @@ def device_scope() -> Iterator[None]:
 def seed_model_parallel_rng(seed: int) -> None:
     """Seed megatron's model-parallel RNG tracker. Without CUDA the tracker cannot hold CUDA
     RNG states, so it is built as the inference tracker (which does not fork CUDA states)."""
-    from megatron.core import tensor_parallel
-
     torch.manual_seed(seed)
     if cuda_absent():
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)

@@ -8,8 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import transformers
+from safetensors.torch import load_file
 
+from tephra.engine_api import batch as B
+from tephra.engine_api import get_engine
 from tephra.engine_api.config import EngineConfig, apply_overrides
+from tephra.engine_api.testing import ConformanceSpec, nll_loss_fn, random_batch, run_conformance
+from tephra.engine_megatron import hf_conversion as conv
+from tephra.engine_megatron.hf_conversion import checkpoint_format
+from tephra.engine_megatron.hf_loading import reference_model
 
 TINY_DENSE: dict[str, Any] = dict(
     model_type="qwen2",
@@ -130,10 +139,6 @@ class HFReference:
     weights; implements the conformance kit's `ReferenceModel`."""
 
     def __init__(self, hf_config: dict[str, Any], init_seed: int = 0) -> None:
-        import transformers
-
-        from tephra.engine_megatron.hf_loading import reference_model
-
         data = dict(hf_config)
         cfg = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
         self.model = reference_model(cfg, init_seed)
@@ -163,7 +168,7 @@ class HFReference:
 def conformance_spec(
     hf_config: dict[str, Any], parallel: dict[str, Any], workdir: Path, dispatcher: str = "alltoall"
 ):
-    from tephra.engine_api.testing import ConformanceSpec
+    # deferred: importing the engine applies cpu_compat's torch.cuda patches; only ranks should
     from tephra.engine_megatron.engine import MegatronEngine
 
     # the kit's LoRA checks ask for lora.rank > 0 alone: on an MoE model engine-megatron
@@ -190,8 +195,6 @@ def rank_conformance(
     checks: list[str] | None = None,
 ) -> list[str]:
     """Run the conformance kit on this rank; returns the names of the checks that passed."""
-    from tephra.engine_api.testing import run_conformance
-
     return run_conformance(conformance_spec(hf_config, parallel, Path(workdir), dispatcher), checks)
 
 
@@ -217,9 +220,6 @@ def rank_first_step(model_path: str, parallel: dict[str, Any], batch, export_to:
     """Build through the registry from an HF folder, take one step on `batch` (every rank
     gets the same batch: pure model parallelism), optionally export_hf; returns
     (loss, grad norm, forward outputs before the step)."""
-    from tephra.engine_api import get_engine
-    from tephra.engine_api.testing import nll_loss_fn
-
     config = EngineConfig(
         model={"path": model_path},
         optimizer={"lr": 1e-2, "weight_decay": 0.0, "grad_clip": 1.0},
@@ -254,8 +254,7 @@ def rank_dp_steps(
     resumed run's losses, norms and weights (`resumed_*`). Weights are numpy arrays: they
     pickle by value (torch tensors cross the result queue as shared memory of a process that
     may already have exited)."""
-    from tephra.engine_api import batch as B
-    from tephra.engine_api.testing import nll_loss_fn
+    # deferred: importing the engine applies cpu_compat's torch.cuda patches; only ranks should
     from tephra.engine_megatron.engine import MegatronEngine
 
     # lr 1e-3: Adam's step direction g / (sqrt(v) + eps) of an entry whose gradient is near
@@ -310,10 +309,7 @@ def gathered_hf_weights(engine) -> dict[str, torch.Tensor]:
     """The export as it was before streaming, kept as the tests' reference: every rank
     completes its weights over TP, then `all_gather_object` hands the whole model to every
     rank (peak host memory: the model, pickled, on every rank)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from tephra.engine_megatron import hf_conversion as conv
+    from megatron.core import parallel_state as ps  # heavy: megatron-core, in the ranks only
 
     owned: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, int], torch.Tensor] = {}
@@ -365,11 +361,8 @@ def rank_streamed_export(runs: list[tuple[str, dict[str, Any]]], workdir: str) -
     buckets, with and without the untied head) and `export_hf` against
     `gathered_hf_weights`. Returns per run: whether every rank's export equals it bitwise,
     the bucket count, and (rank 0) whether the written safetensors equal it bitwise."""
-    from safetensors.torch import load_file
-
-    from tephra.engine_api.testing import nll_loss_fn, random_batch
+    # deferred: importing the engine applies cpu_compat's torch.cuda patches; only ranks should
     from tephra.engine_megatron.engine import MegatronEngine
-    from tephra.engine_megatron.hf_conversion import checkpoint_format
 
     models = {
         "dense": TINY_DENSE,
@@ -415,7 +408,7 @@ def rank_streamed_export(runs: list[tuple[str, dict[str, Any]]], workdir: str) -
 def rank_step(hf_config: dict[str, Any], parallel: dict[str, Any], batch, overrides=None):
     """Forward log-probs, then one step's loss and grad norm, of an engine built from
     `hf_config` with `parallel` (every rank gets the same batch)."""
-    from tephra.engine_api.testing import nll_loss_fn
+    # deferred: importing the engine applies cpu_compat's torch.cuda patches; only ranks should
     from tephra.engine_megatron.engine import MegatronEngine
 
     engine = MegatronEngine.build(
@@ -431,7 +424,7 @@ def rank_step(hf_config: dict[str, Any], parallel: dict[str, Any], batch, overri
 def rank_replayed_log_probs(model_path: str, parallel: dict[str, Any], batch) -> Any:
     """Log-probs of `batch` (carrying `routed_experts`) under routing replay, and the loss of
     one step on it, at the `parallel` layout (every rank the same batch)."""
-    from tephra.engine_api.testing import nll_loss_fn
+    # deferred: importing the engine applies cpu_compat's torch.cuda patches; only ranks should
     from tephra.engine_megatron.engine import MegatronEngine
 
     engine = MegatronEngine.build(

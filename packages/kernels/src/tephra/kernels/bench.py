@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -77,11 +78,13 @@ class Record:
     """tflops over the device's published dense peak in this dtype (None: not known)."""
 
 
-def _make_inputs(tokens, hidden_size, vocab, dtype, device, seed=0):
+def _make_inputs(
+    tokens: int, hidden_size: int, vocab: int, dtype: str, device: torch.device, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
 
-    def randn(rows, cols, scale):
+    def randn(rows: int, cols: int, scale: float) -> torch.Tensor:
         # filled block by block in the target dtype: a whole fp32 temporary would raise the
         # process's peak RSS before the baseline and hide that much of a method's peak
         out = torch.empty(rows, cols, dtype=dt)
@@ -124,7 +127,7 @@ def _rss_peak_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def run_one(spec: dict) -> dict:
+def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one method once in this process (meant to be a fresh subprocess); return a Record."""
 
     torch.set_num_threads(spec["threads"])
@@ -136,14 +139,14 @@ def run_one(spec: dict) -> dict:
     method, chunk_size = spec["method"], spec.get("chunk_size")
     logp_only = bool(spec.get("logp_only"))
     # chunked's memory floor: it would keep log-probs this small from forward to backward
-    keep = {"keep_logits_bytes": 0} if method == "chunked" else {}
+    keep: dict[str, Any] = {"keep_logits_bytes": 0} if method == "chunked" else {}
 
-    def step():
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
         if method == "liger":
             lp = -_liger_loss(hidden, weight, labels)
             lp.backward(g_lp)
             return lp.detach(), torch.zeros_like(lp)
-        lp, ent = linear_logprob_entropy(
+        lp, ent, *_ = linear_logprob_entropy(
             hidden,
             weight,
             labels,
@@ -156,6 +159,7 @@ def run_one(spec: dict) -> dict:
         if logp_only:
             lp.backward(g_lp)
             return lp.detach(), torch.zeros_like(lp)
+        assert ent is not None  # compute_entropy=True
         torch.autograd.backward([lp, ent], [g_lp, g_ent])
         return lp.detach(), ent.detach()
 
@@ -178,11 +182,13 @@ def run_one(spec: dict) -> dict:
             seconds = min(seconds, time.perf_counter() - start)
     else:
         tiny = _make_inputs(8, hidden_size, 64, spec["dtype"], device, seed=1)
-        lp, ent = linear_logprob_entropy(
-            *tiny[:3], TEMPERATURE, method=method, chunk_size=chunk_size, **keep
+        th, tw, ty, tg_lp, tg_ent = tiny
+        t_lp, t_ent, *_ = linear_logprob_entropy(
+            th, tw, ty, TEMPERATURE, method=method, chunk_size=chunk_size, **keep
         )
-        torch.autograd.backward([lp, ent], list(tiny[3:]))
-        del tiny, lp, ent
+        assert t_ent is not None  # compute_entropy=True
+        torch.autograd.backward([t_lp, t_ent], [tg_lp, tg_ent])
+        del tiny, th, tw, ty, tg_lp, tg_ent, t_lp, t_ent
         base = _rss_now_bytes()
         start = time.perf_counter()
         lp, ent = step()
@@ -191,6 +197,7 @@ def run_one(spec: dict) -> dict:
         torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_peak_bytes()
     ) - base
 
+    assert hidden.grad is not None and weight.grad is not None  # step() ran the backward
     outputs = {
         "logprob": lp.float().cpu(),
         "entropy": ent.float().cpu(),
@@ -238,10 +245,11 @@ def _liger_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     out = LigerFusedLinearCrossEntropyFunction.apply(
         hidden / TEMPERATURE, weight, labels, None, None, -100, 0.0, 0.0, "none"
     )
-    return out[0] if isinstance(out, tuple) else out
+    loss: torch.Tensor = out[0] if isinstance(out, tuple) else out
+    return loss
 
 
-def run_in_subprocess(spec: dict, timeout: float | None = None) -> dict:
+def run_in_subprocess(spec: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
     """Run `run_one(spec)` in a fresh Python process, so its peak memory is its own."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(spec["threads"])
@@ -255,12 +263,20 @@ def run_in_subprocess(spec: dict, timeout: float | None = None) -> dict:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark worker failed for {spec}:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    record: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return record
 
 
 def run_shape(
-    shape, dtype, methods, device, threads, chunk_size=None, workdir=None, logp_only=False
-) -> list[dict]:
+    shape: tuple[int, int, int],
+    dtype: str,
+    methods: list[str],
+    device: str,
+    threads: int,
+    chunk_size: int | None = None,
+    workdir: str | None = None,
+    logp_only: bool = False,
+) -> list[dict[str, Any]]:
     """Naive first (it writes the reference), then every other method, each in a subprocess."""
     records = []
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
@@ -281,7 +297,7 @@ def run_shape(
     return records
 
 
-def format_table(records: list[dict]) -> str:
+def format_table(records: list[dict[str, Any]]) -> str:
     """A markdown table; 'vs naive' is peak memory above inputs relative to naive's."""
     naive = {
         (tuple(r["shape"]), r["dtype"], r.get("logp_only")): r["peak_memory_bytes_above_inputs"]
@@ -308,7 +324,7 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(
         prog="python -m tephra.kernels.bench",
         description=__doc__,

@@ -20,9 +20,12 @@ instead of several [tokens, vocab] ones.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tephra.kernels.cpu_linear import linear
+from tephra.kernels.reference import LogprobEntropy
 
 # One chunk's fp32 logits take about this many bytes when chunk_size is not given: small
 # enough that two such buffers stay far below the weight gradient for a 152k vocabulary,
@@ -81,7 +84,7 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
@@ -132,7 +135,12 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         return log_probs, entropy, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_log_probs: torch.Tensor, grad_entropy: torch.Tensor, _grad_q=None):
+    def backward(
+        ctx: Any,
+        grad_log_probs: torch.Tensor,
+        grad_entropy: torch.Tensor,
+        _grad_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
@@ -168,15 +176,15 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
                 g_lp[sl],
                 inv_temp,
             )
-            if need_h:
+            if grad_h is not None:  # need_h
                 torch.mm(dz, weight32, out=grad_h[sl])
-            if need_w:
+            if grad_w is not None:  # need_w
                 grad_w.addmm_(dz.T, hidden[sl].float())
             del log_p, dz
         del weight32  # before the bf16 casts below, so the fp32 copy and they never coexist
         return (
-            grad_h.to(hidden.dtype) if need_h else None,
-            grad_w.to(weight.dtype) if need_w else None,
+            grad_h.to(hidden.dtype) if grad_h is not None else None,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
             None,
             None,
             None,
@@ -198,7 +206,7 @@ def chunked_logprob_entropy(
     chunk_size: int | None = None,
     keep_logits_bytes: int = KEEP_LOGITS_BYTES,
     compute_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> LogprobEntropy:
     """Chunked path on validated 2-D inputs; returns (log_probs, entropy), both fp32 [tokens],
     and sum_pi_squared [tokens] fp32 as a third element when `compute_sum_pi_squared`.
     Forward keeps the log-probs for backward when [tokens, vocab] fp32 is at most

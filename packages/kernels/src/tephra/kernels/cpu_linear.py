@@ -31,6 +31,7 @@ import functools
 import time
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ PACK_ROWS_HINT = 64
 (a hint of 1 picks the unpacked layout's speed; 32 and 256 ran alike)."""
 
 
-def _onednn_op():
+def _onednn_op() -> Any:  # the op, or None where this build has none
     ops = getattr(torch.ops, "mkldnn", None)
     if not torch.backends.mkldnn.is_available() or ops is None:
         return None
@@ -63,7 +64,7 @@ def _onednn_linear(
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    out = _onednn_op()(flat, weight, bias, "none", [], "")
+    out: torch.Tensor = _onednn_op()(flat, weight, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -71,12 +72,15 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` in oneDNN's blocked layout for `_onednn_linear`; None where this build or CPU
     cannot pack this dtype (bf16 packing needs AVX-512 or AVX-NE-CONVERT)."""
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach(), PACK_ROWS_HINT
+        )
+        return packed
     except (AttributeError, RuntimeError):
         return None
 
 
-def _seconds(fn, repeats: int = 3) -> float:
+def _seconds(fn: Callable[[], object], repeats: int = 3) -> float:
     fn()  # warm-up: the first call picks kernels and allocates
     best = float("inf")
     for _ in range(repeats):
@@ -134,8 +138,8 @@ def _time_packing(dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 512, generator=gen).to(dtype)
     weights = [torch.randn(2048, 512, generator=gen).to(dtype) for _ in range(8)]
-    packed = [_pack(w) for w in weights]
-    if any(p is None for p in packed):
+    packed = [p for w in weights if (p := _pack(w)) is not None]
+    if len(packed) < len(weights):
         return False
     if not torch.allclose(
         _onednn_linear(x, packed[0], None).float(),
@@ -177,9 +181,10 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if _onednn_applies(x, weight) and packing_is_faster(x.dtype):
         # the copy is valid while the weight is the same tensor at the same version
         key = (weight.data_ptr(), weight._version, weight.dtype)
-        if self._tephra_packed[0] != key:
-            self._tephra_packed = (key, _pack(weight))
-        packed = self._tephra_packed[1]
+        cache = vars(self)  # `_tephra_packed` is a plain attribute (use_fast_linears)
+        if cache["_tephra_packed"][0] != key:
+            cache["_tephra_packed"] = (key, _pack(weight))
+        packed = cache["_tephra_packed"][1]
         if packed is not None:
             return _onednn_linear(x, packed, self.bias)
     return linear(x, weight, self.bias)
@@ -193,7 +198,9 @@ def use_fast_linears(model: torch.nn.Module, prepack: bool = False) -> int:
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear:  # subclasses (LoRA, quantised) keep their forward
-            module._tephra_packed = (None, None)
-            module.forward = types.MethodType(_packed_forward if prepack else _fast_forward, module)
+            vars(module)["_tephra_packed"] = (None, None)  # a plain attribute, not a buffer
+            # this instance's forward, on purpose (mypy refuses assigning to a method)
+            forward = _packed_forward if prepack else _fast_forward
+            module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
             count += 1
     return count

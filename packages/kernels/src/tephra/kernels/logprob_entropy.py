@@ -18,6 +18,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,12 +26,12 @@ from tephra.core import decided_once_per_machine
 from tephra.core.registry import Registry
 from tephra.kernels.chunked import chunked_logprob_entropy
 from tephra.kernels.errors import KernelInputError
-from tephra.kernels.reference import naive_logprob_entropy
+from tephra.kernels.reference import LogprobEntropy, naive_logprob_entropy
 
 METHOD_ENV_VAR = "TEPHRA_KERNEL_METHOD"
 
 
-def _triton_logprob_entropy(*args, **kwargs):
+def _triton_logprob_entropy(*args: Any, **kwargs: Any) -> LogprobEntropy:
     # Imported on first use: triton decides at kernel definition time whether it runs
     # compiled or interpreted (TRITON_INTERPRET), and it is an optional dependency.
     from tephra.kernels.triton_kernels import triton_logprob_entropy
@@ -38,14 +39,21 @@ def _triton_logprob_entropy(*args, **kwargs):
     return triton_logprob_entropy(*args, **kwargs)
 
 
-def _naive(hidden, weight, labels, temperature, ignore_index, *, chunk_size, **flags):
+def _naive(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    *,
+    chunk_size: int | None,
+    **flags: bool,
+) -> LogprobEntropy:
     del chunk_size  # the reference has no chunks
     return naive_logprob_entropy(hidden, weight, labels, temperature, ignore_index, **flags)
 
 
-METHODS: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = Registry(
-    "kernel method"
-)
+METHODS: Registry[Callable[..., LogprobEntropy]] = Registry("kernel method")
 METHODS.register("naive", _naive)
 METHODS.register("chunked", chunked_logprob_entropy)
 METHODS.register("triton", _triton_logprob_entropy)
@@ -78,7 +86,10 @@ def _time_triton_vs_chunked(device: torch.device, dtype: torch.dtype) -> bool:
 
     def step(name: str) -> Callable[[], object]:
         def run() -> object:
-            lp, ent = METHODS.get(name)(h, w, y, 1.0, -100, compute_entropy=True, chunk_size=None)
+            lp, ent, *_ = METHODS.get(name)(
+                h, w, y, 1.0, -100, compute_entropy=True, chunk_size=None
+            )
+            assert ent is not None  # compute_entropy=True
             return torch.autograd.grad((lp + ent).sum(), [h, w])
 
         return run
@@ -194,7 +205,7 @@ def linear_logprob_entropy(
     chunk_size: int | None = None,
     keep_logits_bytes: int | None = None,
     compute_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> LogprobEntropy:
     """Log-prob of each label and entropy of softmax((hidden @ weight.T) / temperature).
 
     hidden [..., hidden_size] (fp32 or bf16), weight [vocab, hidden_size] (same dtype),
@@ -242,13 +253,9 @@ def linear_logprob_entropy(
         **extra,
         **({"compute_sum_pi_squared": True} if compute_sum_pi_squared else {}),
     )
-    log_probs, entropy = outs[0].reshape(lead), outs[1]
-    entropy = entropy.reshape(lead) if compute_entropy else None
-    return (
-        (log_probs, entropy, outs[2].reshape(lead))
-        if compute_sum_pi_squared
-        else (
-            log_probs,
-            entropy,
-        )
-    )
+    log_probs, entropy, *rest = outs
+    log_probs = log_probs.reshape(lead)
+    entropy = entropy.reshape(lead) if compute_entropy and entropy is not None else None
+    if compute_sum_pi_squared:
+        return log_probs, entropy, rest[0].reshape(lead)
+    return log_probs, entropy

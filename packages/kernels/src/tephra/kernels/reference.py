@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import torch
 
+LogprobEntropy = tuple[torch.Tensor, torch.Tensor | None, *tuple[torch.Tensor, ...]]
+"""(log_probs, entropy or None when not computed), plus sum_pi_squared as a third element
+when asked for: what every method returns."""
+
 
 def naive_logprob_entropy(
     hidden: torch.Tensor,
@@ -23,7 +27,7 @@ def naive_logprob_entropy(
     *,
     compute_entropy: bool = True,
     compute_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> LogprobEntropy:
     """Per-token log-prob of `labels` and entropy, materialising the logits.
 
     hidden [tokens, hidden], weight [vocab, hidden], labels [tokens] ->

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ from tephra.kernels.vocab_parallel import vocab_parallel_logprob_entropy
 TOKENS, HIDDEN, VOCAB = 23, 16, 70
 
 
-def vocab_parallel_problem():
+def vocab_parallel_problem() -> tuple[torch.Tensor, ...]:
     """Fixed random inputs: hidden [23, 16], weight [70, 16], labels (some ignored), grads."""
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(TOKENS, HIDDEN, generator=gen)
@@ -25,16 +26,17 @@ def vocab_parallel_problem():
     return h, w, y, torch.randn(TOKENS, generator=gen), torch.randn(TOKENS, generator=gen)
 
 
-def _unsharded(temperature, compute_entropy=True):
+def _unsharded(temperature: float, compute_entropy: bool = True) -> tuple[torch.Tensor, ...]:
     h, w, y, g1, g2 = vocab_parallel_problem()
     h.requires_grad_(), w.requires_grad_()
-    lp, ent = naive_logprob_entropy(h, w, y, temperature)
+    lp, ent, *_ = naive_logprob_entropy(h, w, y, temperature)
+    assert ent is not None  # compute_entropy defaults to True
     loss = lp * g1 + ent * g2 if compute_entropy else lp * g1
     gh, gw = torch.autograd.grad(loss.sum(), [h, w])
     return lp.detach(), ent.detach(), gh, gw
 
 
-def vocab_parallel_worker(rank: int, world: int, port: int, queue) -> None:
+def vocab_parallel_worker(rank: int, world: int, port: int, queue: Any) -> None:
     """One gloo rank: run the sharded function for three cases and put the max abs errors
     (logp, entropy, grad hidden, this rank's rows of grad weight) vs the unsharded naive."""
     torch.set_num_threads(1)
@@ -54,25 +56,26 @@ def vocab_parallel_worker(rank: int, world: int, port: int, queue) -> None:
             lo, hi = bounds[rank], bounds[rank + 1]
             hs = h.clone().requires_grad_()
             ws = w[lo:hi].clone().requires_grad_()
-            kwargs = {"vocab_start": lo} if case == "uneven" else {}
-            lp, ent = vocab_parallel_logprob_entropy(
+            kwargs: dict[str, Any] = {"vocab_start": lo} if case == "uneven" else {}
+            lp, ent, *_ = vocab_parallel_logprob_entropy(
                 hs, ws, y, None, temp, chunk_size=chunk, compute_entropy=with_entropy, **kwargs
             )
             assert (ent is None) == (not with_entropy)
-            loss = lp * g1 + ent * g2 if with_entropy else lp * g1
+            loss = lp * g1 + ent * g2 if ent is not None else lp * g1  # with_entropy
             gh, gw = torch.autograd.grad(loss.sum(), [hs, ws])
             ref_lp, ref_ent, ref_gh, ref_gw = _unsharded(temp, with_entropy)
             errors[case] = [
                 (lp - ref_lp).abs().max().item(),
-                (ent - ref_ent).abs().max().item() if with_entropy else 0.0,
+                (ent - ref_ent).abs().max().item() if ent is not None else 0.0,
                 (gh - ref_gh).abs().max().item(),
                 (gw - ref_gw[lo:hi]).abs().max().item(),
             ]
         # sum_pi_squared rides on the forward's all-reduce: against a float64 softmax
         lo, hi = [0, 52, 70][rank], [0, 52, 70][rank + 1]
-        _, _, q = vocab_parallel_logprob_entropy(
+        _, _, *extra = vocab_parallel_logprob_entropy(
             h, w[lo:hi], y, None, 0.8, vocab_start=lo, compute_sum_pi_squared=True
         )
+        q = extra[0]
         ref_q = torch.softmax((h.double() @ w.double().T) / 0.8, -1).pow(2).sum(-1)
         errors["sum_pi_squared"] = [(q.double() - ref_q).abs().max().item()]
         queue.put((rank, errors))

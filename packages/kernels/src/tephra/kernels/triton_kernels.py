@@ -26,12 +26,14 @@ For bf16 inputs the gradient products take dz rounded to bf16, as the unfused bf
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from tephra.kernels.chunked import chunked_logprob_entropy
+from tephra.kernels.reference import LogprobEntropy
 
 BLOCK_BYTES = 64 * 1024 * 1024
 """One [tokens, block_vocab] fp32 logits buffer takes about this much when block_vocab is not
@@ -47,8 +49,8 @@ def auto_block_vocab(tokens: int, vocab: int) -> int:
     return max(128, min(vocab, cols // 128 * 128))
 
 
-@triton.jit
-def _stats_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton has no types
+def _stats_kernel(  # type: ignore[no-untyped-def]  # triton reads its own annotations
     z_ptr,
     stride_z,
     width,
@@ -95,8 +97,8 @@ def _stats_kernel(
     tl.store(label_z_ptr + row, tl.where(inside, picked, tl.load(label_z_ptr + row)))
 
 
-@triton.jit
-def _grad_kernel(
+@triton.jit  # type: ignore[untyped-decorator]  # triton has no types
+def _grad_kernel(  # type: ignore[no-untyped-def]  # triton reads its own annotations
     z_ptr,
     stride_z,
     dz_ptr,
@@ -162,8 +164,16 @@ class TritonLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, labels, temperature, ignore_index, compute_entropy, block, sum_sq
-    ):
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float,
+        ignore_index: int,
+        compute_entropy: bool,
+        block: int,
+        sum_sq: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, v = hidden.shape[0], weight.shape[0]
         inv_temp = 1.0 / temperature
         labels = labels.contiguous()
@@ -205,7 +215,12 @@ class TritonLogprobEntropy(torch.autograd.Function):
         return log_probs, entropy, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy, _grad_q=None):
+    def backward(
+        ctx: Any,
+        grad_log_probs: torch.Tensor,
+        grad_entropy: torch.Tensor,
+        _grad_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
@@ -245,7 +260,7 @@ class TritonLogprobEntropy(torch.autograd.Function):
                 BLOCK=ROW_BLOCK,
             )
             del z
-            if need_w:
+            if grad_w is not None:  # need_w
                 _mm_into(dz.T, hidden, grad_w[v0 : v0 + width])
             if grad_h is not None:
                 grad_h += _mm_fp32(dz, w_blk)
@@ -273,7 +288,7 @@ def triton_logprob_entropy(
     chunk_size: int | None = None,
     block_vocab: int | None = None,
     compute_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> LogprobEntropy:
     """Triton path on validated 2-D inputs. chunk_size is unused (the vocabulary is walked in
     blocks, all tokens at once); block_vocab is the columns per block (None: about
     BLOCK_BYTES of fp32 logits). With `compute_sum_pi_squared`, sum_pi_squared [tokens] fp32

@@ -19,12 +19,15 @@ again (for example through Megatron's copy_to_tensor_model_parallel_region).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from tephra.kernels.chunked import auto_chunk_tokens, chunk_logits, grad_logits_
 from tephra.kernels.errors import KernelInputError
 from tephra.kernels.logprob_entropy import check_inputs
+from tephra.kernels.reference import LogprobEntropy
 
 
 class VocabParallelLogprobEntropy(torch.autograd.Function):
@@ -32,18 +35,18 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
-        hidden,
-        weight_shard,
-        labels,
-        group,
-        temperature,
-        ignore_index,
-        vocab_start,
-        compute_entropy,
-        chunk_size,
-        compute_sum_pi_squared=False,
-    ):
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight_shard: torch.Tensor,
+        labels: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        temperature: float,
+        ignore_index: int,
+        vocab_start: int,
+        compute_entropy: bool,
+        chunk_size: int,
+        compute_sum_pi_squared: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         v_shard = weight_shard.shape[0]
         inv_temp = 1.0 / temperature
@@ -94,7 +97,12 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         return log_probs, entropy, sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy, _grad_q=None):
+    def backward(
+        ctx: Any,
+        grad_log_probs: torch.Tensor,
+        grad_entropy: torch.Tensor,
+        _grad_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight_shard, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = hidden.shape[0]
@@ -129,13 +137,13 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
                 inv_temp,
             )
             torch.mm(dz, weight32, out=grad_h[sl])
-            if need_w:
+            if grad_w is not None:  # need_w
                 grad_w.addmm_(dz.T, hidden[sl].float())
             del z, dz
         dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=ctx.group)
         return (
             grad_h.to(hidden.dtype) if need_h else None,
-            grad_w.to(weight_shard.dtype) if need_w else None,
+            grad_w.to(weight_shard.dtype) if grad_w is not None else None,
             None,
             None,
             None,
@@ -159,7 +167,7 @@ def vocab_parallel_logprob_entropy(
     compute_entropy: bool = True,
     chunk_size: int | None = None,
     compute_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> LogprobEntropy:
     """linear_logprob_entropy with the weight split along the vocabulary over `group`.
 
     hidden [..., hidden_size] (the same on every rank of `group`), weight_shard
@@ -205,5 +213,7 @@ def vocab_parallel_logprob_entropy(
         compute_sum_pi_squared,
     )
     lead = labels.shape
-    out = (log_probs.reshape(lead), entropy.reshape(lead) if compute_entropy else None)
-    return (*out, sum_pi_squared.reshape(lead)) if compute_sum_pi_squared else out
+    log_probs, entropy = log_probs.reshape(lead), entropy.reshape(lead) if compute_entropy else None
+    if compute_sum_pi_squared:
+        return log_probs, entropy, sum_pi_squared.reshape(lead)
+    return log_probs, entropy

@@ -27,6 +27,7 @@ from tephra.engine_api.multimodal import (  # noqa: F401  (re-exported: the roll
     mm_token_type_ids,
     video_token_id,
 )
+from tephra.rollout.testing import build_tiny_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 """Qwen2-VL's vision special tokens: an image is `<|vision_start|>` + n x `<|image_pad|>` +
@@ -213,8 +214,6 @@ def build_tiny_vlm(
 
     if family not in VLM_FAMILIES:
         raise ConfigError(f"build_tiny_vlm(family={family!r}): use one of {list(VLM_FAMILIES)}")
-
-    from tephra.rollout.testing import build_tiny_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -161,13 +161,13 @@ class MCPToolset:
         before = _own_children()
         try:
             if self.transport == "stdio":
-                from mcp.client.stdio import stdio_client
+                from mcp.client.stdio import stdio_client  # optional: mcp, as above
 
                 log = open(self.server_log or os.devnull, "a")  # noqa: SIM115 (closed below)
                 params = StdioServerParameters(command=self.command, args=self.args, env=self.env)
                 transport = stdio_client(params, errlog=log)
             else:
-                from mcp.client.streamable_http import streamable_http_client
+                from mcp.client.streamable_http import streamable_http_client  # optional: mcp
 
                 log = None
                 transport = streamable_http_client(self.url)
