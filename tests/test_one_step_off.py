@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from tephra.algos import RolloutCorrectionConfig
 from tephra.apps.ppo.main import parse_config, run
@@ -27,7 +28,6 @@ from tephra.controller.step_metrics import staleness_metrics
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
-from tephra.engine_api.tensordict_import import TensorDict
 
 CAP = 1.5
 

@@ -107,23 +107,3 @@ def test_startup_timeline_starts_at_the_process_start():
     assert list(summary) == ["imports_s", "a_s", "total_s"]
     assert summary["imports_s"] >= round(age, 2) and summary["a_s"] >= 0.05
     assert summary["total_s"] == pytest.approx(summary["imports_s"] + summary["a_s"], abs=0.02)
-
-
-def test_the_driver_imports_without_torch_compile_tracer():
-    # tensordict's own import loads torch._dynamo and sympy (seconds of every process's start);
-    # through tephra.engine_api.tensordict_import the whole driver imports without them, and
-    # TensorDict works
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "import tephra.apps.ppo.main, tephra.controller.rl_worker\n"
-        "from tephra.engine_api.tensordict_import import TensorDict\n"
-        "import torch\n"
-        "td = TensorDict({'a': torch.ones(2, 3)}, batch_size=[2])\n"
-        "assert td[1]['a'].sum().item() == 3.0\n"
-        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensordict import TensorDict
 
 from tephra.controller.data import (
     DatasetError,
@@ -38,7 +39,6 @@ from tephra.controller.worker_group import (
 )
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.errors import BatchError, ConfigError
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.episodes.testing import CALC_MCP_SERVER
 from tephra.rollout.testing import live_processes
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from tephra.controller.dispatch import (
     DataParallelInfo,
@@ -32,7 +33,6 @@ from tephra.controller.worker_group import (
     ray_init,
 )
 from tephra.core.errors import BatchError, ConfigError
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.rollout.base import SamplingParams
 
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, OptimizerConfig, apply_overrides
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import CheckpointError
 from tephra.engine_api.forward_outputs import check_extra_outputs
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.engine_api.testing import ConformanceSpec
 
 VOCAB, HIDDEN, MAX_POS = 50, 16, 64

@@ -4,10 +4,10 @@
 import pytest
 import torch
 from PIL import Image
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.multimodal import MULTIMODAL, multimodal_column
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.engine_fsdp.sharding import release_process_group
 from tephra.rollout.multimodal import VisionProcessor  # tests only: engine-fsdp never imports it
 

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 from PIL import Image
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.multimodal import hf_model_kwargs
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.engine_fsdp.engine import FSDPEngine
 from tephra.engine_fsdp.testing import train_step
 from tephra.engine_fsdp.vision import MULTIMODAL, multimodal_column

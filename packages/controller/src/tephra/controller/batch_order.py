@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from tephra.controller.balance import balanced_order, max_over_min
 from tephra.controller.worker_group import WorkerGroup
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 class BatchOrder:

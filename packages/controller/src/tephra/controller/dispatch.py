@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from tephra.engine_api.errors import BatchError
-from tephra.engine_api.tensordict_import import TensorDict
 
 DISPATCH_ATTR = "__tephra_dispatch__"
 

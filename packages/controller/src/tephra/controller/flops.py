@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from tephra.core.machine import cache_root, cpu_name, published_peak
 from tephra.engine_api.multimodal import is_vision_config
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tensordict import TensorDict
+
 from tephra.controller.data import PromptRecord
 from tephra.controller.evaluation import EvalRow
 from tephra.controller.samples import Sample
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 def validation_rows(

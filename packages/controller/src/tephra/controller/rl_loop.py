@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from tqdm import tqdm
 
 from tephra.algos import filter_groups
@@ -90,7 +91,6 @@ from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_failures import WORKER_FAILURES
 from tephra.controller.worker_group import WorkerGroup
 from tephra.core.config import to_dict
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.rollout.base import SamplingParams
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from torch.profiler import ProfilerActivity, profile
 
 from tephra.algos import ActorObjective, CriticObjective, PrimeRMObjective
@@ -51,7 +52,6 @@ from tephra.controller.worker_group import DataParallelInfo, Worker
 from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
 from tephra.engine_api.fastest_dtype import resolve_dtype
 from tephra.engine_api.registry import get_engine
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.rollout.backends.server_process import free_port
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, send_all
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from tephra.algos import ROLLOUT_CORRECTIONS, apply_rollout_correction, rollout_mismatch_metrics
 from tephra.core.errors import ConfigError, TephraError
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 def correct_old_log_probs(

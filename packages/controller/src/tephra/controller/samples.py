@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from tephra.controller.data import PromptRecord
 from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.episodes.agent.loops import TIMEOUTS
 from tephra.rollout.samples import Sample, to_batch
 

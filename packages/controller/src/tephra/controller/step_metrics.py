@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from tephra.controller.rewarding import accuracy_of
 from tephra.controller.rounds import Round
 from tephra.controller.samples import Sample
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:

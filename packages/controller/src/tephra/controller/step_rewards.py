@@ -4,6 +4,7 @@ shaping, GDPO's reward components, KL in the reward, and the estimator call."""
 from __future__ import annotations
 
 import torch
+from tensordict import TensorDict
 
 from tephra.algos import (
     AdaptiveKLController,
@@ -16,7 +17,6 @@ from tephra.algos import (
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import Sample
 from tephra.core.errors import ConfigError
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.episodes.agent.loops import TIMEOUTS
 
 

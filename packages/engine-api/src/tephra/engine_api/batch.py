@@ -23,9 +23,9 @@ Position ids restart at 0 for each sequence; that is how models see the boundari
 from __future__ import annotations
 
 import torch
+from tensordict import TensorDict
 
 from tephra.engine_api.errors import BatchError
-from tephra.engine_api.tensordict_import import TensorDict
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"

@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from tensordict import TensorDict
 
 from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import declared_hf_config
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 class Engine(ABC):

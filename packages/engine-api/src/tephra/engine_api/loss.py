@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-
-from tephra.engine_api.tensordict_import import TensorDict
+from tensordict import TensorDict
 
 
 class LossFn(Protocol):

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import NonTensorData, NonTensorStack
 
 from tephra.engine_api.errors import ConfigError
-from tephra.engine_api.tensordict_import import NonTensorData, NonTensorStack
 
 
 @dataclass

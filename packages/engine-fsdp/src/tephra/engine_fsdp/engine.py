@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from tephra.engine_api import batch as B
@@ -26,7 +27,6 @@ from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.forward_outputs import check_extra_outputs
 from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import is_vision_config
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.engine_fsdp import (
     checkpoint,
     lora,

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 @dataclass

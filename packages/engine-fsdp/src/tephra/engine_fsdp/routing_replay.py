@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from torch import nn
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.errors import BatchError
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 class RouterReplay:

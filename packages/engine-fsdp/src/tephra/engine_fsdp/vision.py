@@ -19,6 +19,7 @@ what the Qwen2-VL backbone needs:
 from __future__ import annotations
 
 import torch
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.errors import BatchError, ConfigError
@@ -32,7 +33,6 @@ from tephra.engine_api.multimodal import (  # noqa: F401 (MULTIMODAL, multimodal
     multimodal_column,
     video_token_id,
 )
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 def rows(batch: TensorDict) -> list[MultimodalInputs | None] | None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from transformers import AutoConfig
 
 from tephra.engine_api import batch as B
@@ -35,7 +36,6 @@ from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.forward_outputs import check_extra_outputs
 from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import declared_hf_config, model_has_vision
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.engine_megatron import cpu_compat
 
 cpu_compat.apply()

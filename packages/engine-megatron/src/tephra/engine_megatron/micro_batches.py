@@ -20,10 +20,10 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.errors import BatchError
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.engine_megatron.core_attention import attention_plan, cp_chunk_index, cp_full_order
 
 IGNORE = -100

@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 import torch
 from megatron.core import parallel_state as ps
+from tensordict import TensorDict
 from torch import nn
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.errors import BatchError
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.engine_megatron.core_attention import cp_chunk_index
 from tephra.engine_megatron.micro_batches import ModelInputs
 

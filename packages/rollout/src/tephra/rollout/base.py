@@ -32,7 +32,7 @@ from tephra.rollout.samples import Sample, to_batch
 from tephra.rollout.weight_transport import check_transport_name
 
 if TYPE_CHECKING:
-    from tephra.engine_api.tensordict_import import TensorDict
+    from tensordict import TensorDict
 
 FinishReason = Literal["stop", "length"]
 DTYPES = ("float32", "bfloat16", "float16")

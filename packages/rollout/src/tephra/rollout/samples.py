@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from tephra.engine_api.batch import make_batch
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs, multimodal_column
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from transformers import AutoConfig, AutoTokenizer
 
 from tephra.apps.sft.chat_data import (
@@ -43,7 +44,6 @@ from tephra.core.config import load_config, split_cli, to_dict
 from tephra.core.errors import ConfigError, TephraError
 from tephra.engine_api.multimodal import is_vision_config
 from tephra.engine_api.registry import get_engine
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.rollout.multimodal import VisionProcessor
 
 PRESETS = Path(__file__).parent / "presets"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 def random_batch(

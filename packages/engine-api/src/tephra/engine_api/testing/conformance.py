@@ -21,13 +21,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import apply_overrides
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.engine_api.testing.batches import nll_loss_fn, random_batch
 
 

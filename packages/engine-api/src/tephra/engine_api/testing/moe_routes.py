@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
-from tephra.engine_api.tensordict_import import TensorDict
 
 
 def routers(model: Any) -> list[Any]:

@@ -8,12 +8,12 @@ number for number: `run_distributed(first_steps, 2, args=("megatron", cfg, batch
 from __future__ import annotations
 
 import torch
+from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.registry import get_engine
-from tephra.engine_api.tensordict_import import TensorDict
 from tephra.engine_api.testing.batches import nll_loss_fn
 
 
