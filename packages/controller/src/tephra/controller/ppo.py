@@ -14,8 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import yaml
+from transformers import AutoConfig
+
 from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.code_problems import code_problem_records
+from tephra.controller.colour_squares import colour_square_rows
 from tephra.controller.data import (
     PromptRecord,
     check_same_data,
@@ -25,13 +30,26 @@ from tephra.controller.data import (
     reasoning_gym_records,
     tokenize_prompts,
 )
+from tephra.controller.dispatch import dispatched_methods
+from tephra.controller.flops import model_shape
+from tephra.controller.models import load_tokenizer, named_model_folder, resolve_model_path
+from tephra.controller.multimodal_data import load_multimodal_parquet, multimodal_prompt_from_row
 from tephra.controller.rl_checks import check_engine_support, resolve_auto_dtypes, weight_path
 from tephra.controller.rl_config import PPOConfig
+from tephra.controller.rl_loop import Trainer
+from tephra.controller.rl_worker import RLWorker, colocated_roles
+from tephra.controller.rollout_replicas import RolloutReplicas
 from tephra.controller.rounds import Prompts
 from tephra.controller.startup import Timeline
 from tephra.controller.teacher import check_teacher
+from tephra.controller.watchdog import Watchdog, check_stage_names
+from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
+from tephra.engine_api.multimodal import is_vision_config
+from tephra.episodes.agent import ChatTemplateDelta
+from tephra.episodes.tools import load_tools
+from tephra.rollout.multimodal import VisionProcessor
 
 BUNDLED_TOOLS = Path(__file__).parent / "tools"
 
@@ -76,15 +94,6 @@ def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompt
     """Training and held-out prompts with images (`cfg.data.has_images`), processed with the
     model's image processor; prompts longer than data.max_prompt_tokens (image tokens
     included) are dropped. Returns (train, val, number dropped)."""
-    from transformers import AutoConfig
-
-    from tephra.controller.multimodal_data import (
-        load_multimodal_parquet,
-        multimodal_prompt_from_row,
-    )
-    from tephra.engine_api.multimodal import is_vision_config
-    from tephra.rollout.multimodal import VisionProcessor
-
     d = cfg.data
     if not is_vision_config(AutoConfig.from_pretrained(model_path)):
         raise ConfigError(
@@ -94,8 +103,6 @@ def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompt
         )
     processor = VisionProcessor.from_pretrained(model_path, d.max_frames)
     if d.source == "colour_squares":
-        from tephra.controller.colour_squares import colour_square_rows
-
         train = [
             multimodal_prompt_from_row(r, i, "colour_squares", processor)
             for i, r in enumerate(colour_square_rows(d.train_size, d.train_seed))
@@ -152,8 +159,6 @@ class Prepared:
 
 def prepare(cfg: PPOConfig) -> Prepared:
     """Resolve the model, tools and data; tokenise the prompts. Fails before Ray starts."""
-    from tephra.controller.models import load_tokenizer, named_model_folder, resolve_model_path
-
     model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
     if named_model_folder(cfg.model.path) is not None:
         check_engine_support(cfg, model_path)  # built just now: its shape was not known yet
@@ -166,8 +171,6 @@ def prepare(cfg: PPOConfig) -> Prepared:
     if r.uses_agent_loop:
         # the prompt as the loop renders it (with the tools' schemas), so that
         # data.max_prompt_tokens bounds the real prompt
-        from tephra.episodes.agent import ChatTemplateDelta
-        from tephra.episodes.tools import load_tools
 
         schemas = None
         if tools_file and r.agent.render_tool_schemas:
@@ -224,17 +227,6 @@ def config_to_save(cfg: PPOConfig) -> dict:
 
 def run(cfg: PPOConfig) -> dict:
     """Train as `cfg` says; returns the summary dict."""
-    import torch
-    import yaml
-
-    from tephra.controller.dispatch import dispatched_methods
-    from tephra.controller.flops import model_shape
-    from tephra.controller.rl_loop import Trainer
-    from tephra.controller.rl_worker import RLWorker, colocated_roles
-    from tephra.controller.rollout_replicas import RolloutReplicas
-    from tephra.controller.watchdog import Watchdog, check_stage_names
-    from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
-
     clock = Timeline()
     torch.set_num_threads(1)  # the driver only moves batches; the workers compute
     check_stage_names(cfg.trainer.watchdog, dispatched_methods(RLWorker) | {"generate_scored"})

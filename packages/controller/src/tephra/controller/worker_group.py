@@ -26,6 +26,11 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from ray._private import ray_constants
+from ray._private.services import canonicalize_bootstrap_address
+from ray._private.utils import get_num_cpus
+from ray.util.placement_group import placement_group, placement_group_table
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tephra.controller.dispatch import (
     DataParallelInfo,
@@ -78,8 +83,6 @@ def ray_init(
     # Ray reads the switch once at import, so the module constant is set too.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     if os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] == "0":
-        from ray._private import ray_constants
-
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     if address not in (None, "auto", "local"):
         check_reachable(address)
@@ -120,8 +123,6 @@ def find_local_cluster() -> str:
     """`resources.ray_address=auto`: the address of the Ray cluster on this machine, found as
     `ray.init("auto")` finds it (RAY_ADDRESS, the last `ray start`, a running GCS), and
     answering there; otherwise a `ConfigError` (ray.init would raise a ConnectionError)."""
-    from ray._private.services import canonicalize_bootstrap_address
-
     try:
         address = canonicalize_bootstrap_address("auto")
     except ConnectionError:
@@ -141,8 +142,6 @@ def machine_capacity(num_cpus: int | None) -> tuple[float, int]:
     when given, else the CPUs Ray detects (cgroup quotas included); the visible GPUs."""
     if num_cpus is None:
         try:
-            from ray._private.utils import get_num_cpus
-
             num_cpus = get_num_cpus()
         except ImportError:  # Ray moved it: what the OS lets this process use
             num_cpus = len(os.sched_getaffinity(0))
@@ -221,8 +220,6 @@ class ResourcePool:
     def placement_group(self):
         """The pool's placement group, created (and waited for) on first use."""
         if self._group is None:
-            from ray.util.placement_group import placement_group
-
             self.check_fits()
             group = placement_group(
                 [self.bundle()] * self.world_size,
@@ -247,8 +244,6 @@ class ResourcePool:
             self._group = None
 
     def strategy_for(self, rank: int):
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         return PlacementGroupSchedulingStrategy(
             placement_group=self.placement_group(),
             placement_group_bundle_index=rank,
@@ -273,8 +268,6 @@ def rendezvous_address(pool: ResourcePool) -> tuple[str, int]:
     group listens. Found here when that node is the driver's (every single-machine run): a
     Ray task would first wait for an idle worker process to start and import (seconds of
     start-up, tens under load); on another node, a zero-CPU task on rank 0's bundle asks."""
-    from ray.util.placement_group import placement_group_table
-
     group = pool.placement_group()
     node = placement_group_table(group).get("bundles_to_node_id", {}).get(0)
     if node is not None and node == ray.get_runtime_context().get_node_id():
