@@ -16,7 +16,6 @@ from tephra.controller import rollout_replicas
 from tephra.controller.async_stream import SampleStream
 from tephra.controller.data import PromptLoader
 from tephra.controller.samples import Sample, ScoreResult
-from tephra.rollout.backends.vllm_plugin import tephra_weight_transport
 from tephra.rollout.base import SamplingParams
 
 
@@ -64,7 +63,7 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
     )
     sent = {}
     monkeypatch.setattr(
-        tephra_weight_transport,
+        rollout_replicas,
         "receive_all",
         lambda group, device: iter([("w", torch.tensor(sent["version"]))]),
     )
