@@ -77,7 +77,7 @@ def test_transcripts_replay_through_the_sandbox_as_the_rl_loop_renders_them():
 def test_presets_ask_the_same_questions_and_the_warmup_never_sees_the_rl_prompts(
     tmp_path, monkeypatch
 ):
-    import tephra.controller.worker_group as worker_group
+    import tephra.controller.ppo as ppo
 
     warm, demo = sft_config(["-p", "tool_warmup"]), parse_config(["-p", "tool_demo"])
     no_tool = eval_config(["-p", "tool_demo_no_tool"])
@@ -97,7 +97,7 @@ def test_presets_ask_the_same_questions_and_the_warmup_never_sees_the_rl_prompts
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray started before the model folder was checked")
 
-    monkeypatch.setattr(worker_group, "ray_init", no_ray)
+    monkeypatch.setattr(ppo, "ray_init", no_ray)
     monkeypatch.chdir(tmp_path)  # no runs/tool_warmup/hf here
     with pytest.raises(ConfigError, match=r"`uv run apps/sft -p tool_warmup` writes; run that"):
         run(parse_config(["-p", "tool_demo"]))

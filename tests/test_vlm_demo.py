@@ -82,12 +82,12 @@ def test_vlm_demo_starts_from_the_warmup_export():
 
 
 def test_missing_warmup_folder_names_the_sft_command(tmp_path, monkeypatch):
-    import tephra.controller.worker_group as worker_group
+    import tephra.controller.ppo as ppo
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray started before the model folder was checked")
 
-    monkeypatch.setattr(worker_group, "ray_init", no_ray)
+    monkeypatch.setattr(ppo, "ray_init", no_ray)
     monkeypatch.chdir(tmp_path)  # no runs/vlm_warmup/hf here
     with pytest.raises(ConfigError, match=r"`uv run apps/sft -p vlm_warmup` writes; run that"):
         run(parse_config(["-p", "vlm_demo"]))
