@@ -27,21 +27,8 @@ from tephra.core.errors import ConfigError
 from tephra.episodes.agent import AgentLoopConfig, AgentSample
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import PythonTool
-from tephra.rollout import Sample, SamplingParams
-from tephra.rollout.testing import build_tiny_tokenizer
-
-
-class ReplayRollout:
-    """Replays the assistant turns of one transcript (the `agenerate` half of `Rollout`)."""
-
-    def __init__(self, tokenizer, turns: list[str]):
-        self.tokenizer, self.turns, self.calls = tokenizer, turns, 0
-
-    async def agenerate(self, prompt_ids, sampling, session_id=None):
-        text = self.turns[self.calls]
-        self.calls += 1
-        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        return Sample(response_ids=ids, log_probs=[0.0] * len(ids), finish_reason="stop")
+from tephra.rollout import SamplingParams
+from tephra.rollout.testing import ReplayRollout, build_tiny_tokenizer
 
 
 def test_transcripts_replay_through_the_sandbox_as_the_rl_loop_renders_them():

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentSample
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import PythonTool
-from tephra.rollout import Sample, SamplingParams
+from tephra.rollout import SamplingParams
+from tephra.rollout.testing import ReplayRollout
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tools" / "make_tool_sft_data.py"
 
@@ -23,19 +24,6 @@ def load_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-class ReplayRollout:
-    """Replays the assistant turns of one transcript (the `agenerate` half of `Rollout`)."""
-
-    def __init__(self, tokenizer, turns: list[str]):
-        self.tokenizer, self.turns, self.calls = tokenizer, turns, 0
-
-    async def agenerate(self, prompt_ids, sampling, session_id=None):
-        text = self.turns[self.calls]
-        self.calls += 1
-        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        return Sample(response_ids=ids, log_probs=[0.0] * len(ids), finish_reason="stop")
 
 
 def test_transcripts_replay_exactly_through_the_sandbox(tiny_model):

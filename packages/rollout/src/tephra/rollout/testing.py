@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -286,3 +287,18 @@ def teacher_forced_log_probs(
     return (
         torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
     )
+
+
+class ReplayRollout:
+    """Replays the assistant turns of one transcript (the `agenerate` half of `Rollout`)."""
+
+    def __init__(self, tokenizer: Any, turns: list[str]) -> None:
+        self.tokenizer, self.turns, self.calls = tokenizer, turns, 0
+
+    async def agenerate(
+        self, prompt_ids: list[int], sampling: Any, session_id: str | None = None
+    ) -> Sample:
+        text = self.turns[self.calls]
+        self.calls += 1
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return Sample(response_ids=ids, log_probs=[0.0] * len(ids), finish_reason="stop")
