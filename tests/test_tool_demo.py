@@ -93,7 +93,7 @@ def test_presets_ask_the_same_questions_and_the_warmup_never_sees_the_rl_prompts
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_the_tool_makes_the_task_doable_and_grpo_keeps_it(ray_session, tmp_path):
+def test_the_tool_makes_the_task_doable_and_grpo_improves_it(ray_session, tmp_path):
     # the three commands of apps/ppo's README, as measured there
     warm = tmp_path / "warm"
     sft_run(sft_config(["-p", "tool_warmup", f"train.run_dir={warm}"]))
@@ -118,8 +118,8 @@ def test_the_tool_makes_the_task_doable_and_grpo_keeps_it(ray_session, tmp_path)
         )
     )
     before, after = summary["accuracy_before"], summary["accuracy_after"]
-    # measured: 0.00 without the tool, 0.79 with it, 0.80 after 30 GRPO steps; GRPO has not
-    # shown a gain over the warm-up yet (apps/ppo/README.md), so that is not asserted
+    # measured: 0.00 without the tool, 0.29 with it after the 120-step warm-up, 0.82 and 0.81
+    # after 30 GRPO steps (trainer.seed 0 and 1; apps/ppo/README.md)
     assert reference <= 0.02, "without the tool the model cannot multiply"
-    assert before >= 0.6, "with the tool the warmed-up model should multiply"
-    assert after >= before - 0.05, summary
+    assert 0.1 <= before <= 0.5, "the warm-up should make the task doable and leave RL room"
+    assert after >= before + 0.3, summary
