@@ -357,6 +357,7 @@ CASES = [
         r"reward.judge.prompt_template: it must hold \{response\}",
     ),
     (["reward.judge.model_path=/no/such/judge"], r"reward.judge.model_path='/no/such/judge'"),
+    (["reward.judge.backend=vlm"], r"reward.judge.backend='vlm' is not a registered rollout"),
     (["-p", "spin", "algorithm.spin.beta=0"], r"algorithm.spin.beta=0.0 must be > 0"),
     (["-p", "spin", "algorithm.spin.refresh_every=0"], r"algorithm.spin.refresh_every=0 must be"),
     (
