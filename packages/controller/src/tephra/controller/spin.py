@@ -11,7 +11,6 @@ micro-batch (`tephra.engine_api.batch.KEEP_TOGETHER`).
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,13 +48,14 @@ def pair_samples(
     for sample, record in zip(samples, records, strict=True):
         chosen = reference_response(tokenizer, record)
         out.append(
-            replace(
-                sample,
+            Sample(
+                prompt_ids=sample.prompt_ids,
                 response_ids=chosen,
-                response_mask=None,
                 log_probs=[0.0] * len(chosen),
                 text=str(record.ground_truth),
-                finish_reason="stop",
+                sample_id=sample.sample_id,
+                weight_version=sample.weight_version,
+                prompt_index=sample.prompt_index,
             )
         )
         out.append(sample)
@@ -114,6 +114,7 @@ def check_spin(cfg: PPOConfig) -> None:
         "algorithm.kl_in_reward.enabled": a.kl_in_reward.enabled,
         "actor.objective.use_kl_loss": cfg.actor.objective.use_kl_loss,
         "actor.lora.enabled": cfg.actor.lora.enabled,
+        "actor.moe.routing_replay=rollout": cfg.actor.moe.replays,
         "rollout.agent_loop": cfg.rollout.uses_agent_loop,
         "a critic (algorithm.adv_estimator needs values)": a.needs("values"),
         "resources.ref.ranks > 0": cfg.resources.ref.ranks > 0,
