@@ -25,7 +25,6 @@ from tephra.rollout.multimodal import (
     VISION_TOKENS,
     MultimodalInputs,
     VisionProcessor,
-    check_image_tokens,
 )
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -204,9 +203,7 @@ def multimodal_prompt_from_row(
     )
     ids, mm = processor(text, images, videos)
     try:  # the token ids hold exactly the processor's expansion of every image and video
-        check_image_tokens(
-            ids, mm, processor.image_token_id, processor.merge_size, "", processor.video_token_id
-        )
+        processor.check(ids, mm, "")
     except ConfigError as exc:
         raise DatasetError(f"row {index} of {where}{exc}") from None
     return MultimodalPrompt(record, ids, mm)

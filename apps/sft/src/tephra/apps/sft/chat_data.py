@@ -202,7 +202,7 @@ def image_conversations(
             out.append((ids, mask, None))
             continue
         mm = processor.images(images)
-        counts = iter(mm.image_token_counts(processor.merge_size))
+        counts = iter(processor.image_token_counts(mm))
         full, full_mask = [], []
         for t, m in zip(ids, mask, strict=True):
             n = next(counts) if t == processor.image_token_id else 1
