@@ -115,6 +115,12 @@ class VisionProcessor:
             max_frames,
         )
 
+    def span_text(self, token: str) -> str:
+        """What one image (video) with placeholder `token` stands as in the text before the
+        expansion: `<|vision_start|><|image_pad|><|vision_end|>` (Qwen2-VL), `<image>` (LLaVA)."""
+        spans = self.family.span_tokens
+        return f"{spans[0]}{token}{spans[1]}" if spans else token
+
     @property
     def merge_size(self) -> int:
         """Qwen2-VL's patch merge (patches per token = merge_size**2); 1 for LLaVA."""
