@@ -204,9 +204,7 @@ def multimodal_prompt_from_row(
     record = record_from_row(row, index, where)
     images = row_images(row, index, where, base_dir)
     videos = row_videos(row, index, where, base_dir)
-    messages = with_vision_spans(
-        record.prompt, index, where, len(images), len(videos), processor
-    )
+    messages = with_vision_spans(record.prompt, index, where, len(images), len(videos), processor)
     if not images and not videos:
         return MultimodalPrompt(record, chat_prompt_ids(processor.tokenizer, messages), None)
     # render as text, then expand: each image gets exactly its grid's number of tokens
