@@ -81,6 +81,24 @@ def test_vlm_demo_starts_from_the_warmup_export():
     assert demo.trainer.val_before and demo.trainer.val_after and demo.trainer.val.n == 1
 
 
+def test_the_multi_turn_variant_differs_from_vlm_demo_only_in_its_episodes():
+    demo = parse_config(["-p", "vlm_demo"])
+    multi = parse_config(["-p", "vlm_demo_multiturn"])
+    assert multi.model.path == demo.model.path and MADE_BY[multi.model.path]
+    r = multi.rollout
+    assert (r.agent_loop, r.agent.environment, r.agent.max_turns) == (
+        "environment",
+        "colour_squares",
+        2,
+    )
+    assert r.agent.environment_kwargs == {"turns": 2}
+    assert (multi.data, multi.batch, multi.actor.optimizer) == (
+        demo.data,
+        demo.batch,
+        demo.actor.optimizer,
+    )
+
+
 def test_missing_warmup_folder_names_the_sft_command(tmp_path, monkeypatch):
     import tephra.controller.ppo as ppo
 
