@@ -63,3 +63,20 @@ def test_whole_images_and_grids_are_not_mixed():
     with pytest.raises(ConfigError, match="some prompts' images have grids and some do not"):
         MultimodalInputs.concat([qwen, llava])
     assert MultimodalInputs.concat([llava, llava]).pixel_values.shape == (2, 3, 56, 56)
+
+
+def test_trimming_a_micro_batch_keeps_its_images():
+    # a micro-batch none of whose rows is as long as the batch is trimmed of its padding
+    # columns; its images must stay (they were dropped, and the rows scored as text)
+    from tensordict import TensorDict
+
+    from tephra.engine_api.batch import ATTENTION_MASK, INPUT_IDS, trim_padding
+    from tephra.engine_api.multimodal import MULTIMODAL, multimodal_column
+
+    images = [MultimodalInputs(torch.full((1, 3, 56, 56), float(i)), None) for i in range(2)]
+    attn = torch.tensor([[1] * 7 + [0] * 3, [1] * 5 + [0] * 5])
+    batch = TensorDict({INPUT_IDS: torch.ones(2, 10, dtype=torch.long), ATTENTION_MASK: attn}, [2])
+    batch[MULTIMODAL] = multimodal_column(images)
+    trimmed = trim_padding(batch)
+    assert trimmed[INPUT_IDS].shape == (2, 7)
+    assert [float(m.pixel_values[0, 0, 0, 0]) for m in trimmed[MULTIMODAL].tolist()] == [0.0, 1.0]

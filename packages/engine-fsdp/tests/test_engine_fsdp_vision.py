@@ -360,6 +360,11 @@ def test_llava_log_probs_match_unpacked_hf_forward(llava, packing):
         lp = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
         want[i, 1 : len(seq)] = lp
     torch.testing.assert_close(got, want * resp, atol=1e-5, rtol=0)
+    # without its longest row the batch is trimmed of padding columns: the images stay
+    first = batch[:2]
+    with engine.eval_mode():
+        alone = engine.forward(first)["log_probs"] * first[B.RESPONSE_MASK]
+    torch.testing.assert_close(alone[:, : want.shape[1]], (want * resp)[:2], atol=1e-5, rtol=0)
     # a placeholder run one short of its image is refused, naming the row
     short = batch.clone()
     short[MULTIMODAL] = multimodal_column([mm[2], None, mm[0]])
