@@ -16,6 +16,7 @@ import torch
 from tephra.algos import ActorObjective
 from tephra.algos.config import ActorObjectiveConfig
 from tephra.controller.balance import balanced_order, karmarkar_karp, max_over_min
+from tephra.controller.batch_order import BatchOrder
 from tephra.engine_api import batch as B
 from tephra.engine_api.testing import run_distributed
 from tephra.engine_fsdp import FSDPEngine
@@ -88,6 +89,29 @@ def test_karmarkar_karp_balances_a_long_tail_with_equal_counts():
 
 
 @pytest.mark.multiproc
+def test_balance_moves_whole_keep_together_pairs():
+    # a long-tail batch of 16 pairs (SPIN's chosen / rejected rows) on 2 ranks x 2 mini-batches
+    lengths = long_tail_lengths()
+    attn = torch.zeros(ROWS, max(lengths), dtype=torch.int64)
+    for i, n in enumerate(lengths):
+        attn[i, :n] = 1
+    batch = B.make_batch(attn.clone(), attn, attn * (torch.arange(attn.shape[1]) > 0))
+    batch[B.KEEP_TOGETHER] = torch.arange(ROWS) // 2
+    order = BatchOrder()
+    metrics = order.plan(batch, dp=2, balance=True, mini_batches=2)
+    rows = order.order.tolist()
+    assert sorted(rows) == list(range(ROWS))
+    # every rank's mini-batch (8 rows: the contiguous split) holds 4 whole pairs
+    for k in range(0, ROWS, 2):
+        assert rows[k] // 2 == rows[k + 1] // 2 and rows[k] % 2 == 0
+    assert (
+        metrics["balance/max_over_min_tokens_after"] < metrics["balance/max_over_min_tokens_before"]
+    )
+    # pairs that do not split whole into ranks x mini-batches are refused
+    with pytest.raises(ValueError, match=r"16 units of rows .* do not split whole into 6"):
+        order.plan(batch, dp=2, balance=True, mini_batches=3)
+
+
 def test_balanced_update_equals_the_plain_split_and_one_process():
     batch = skewed_batch()
     tokens = batch["attention_mask"].sum(-1).tolist()

@@ -357,6 +357,21 @@ CASES = [
         r"reward.judge.prompt_template: it must hold \{response\}",
     ),
     (["reward.judge.model_path=/no/such/judge"], r"reward.judge.model_path='/no/such/judge'"),
+    (["reward.judge.backend=vlm"], r"reward.judge.backend='vlm' is not a registered rollout"),
+    (["-p", "spin", "algorithm.spin.beta=0"], r"algorithm.spin.beta=0.0 must be > 0"),
+    (["-p", "spin", "algorithm.spin.refresh_every=0"], r"algorithm.spin.refresh_every=0 must be"),
+    (
+        ["-p", "spin", "data.source=code_problems"],
+        r"algorithm.spin needs a reference answer per prompt .*'code_problems' has none",
+    ),
+    (
+        ["-p", "spin", "actor.objective.use_kl_loss=true"],
+        r"algorithm.spin .* does not combine with actor.objective.use_kl_loss",
+    ),
+    (
+        ["-p", "spin", "resources.world_size=2", "resources.ref.ranks=2"],
+        r"algorithm.spin .* does not combine with resources.ref.ranks > 0",
+    ),
 ]
 
 

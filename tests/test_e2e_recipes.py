@@ -1,4 +1,4 @@
-"""End to end through the PPO app: the recipes' presets (SPPO, VAPO's critic warmup,
+"""End to end through the PPO app: the recipes' presets (SPPO, SPIN, VAPO's critic warmup,
 on-policy distillation) on tiny models, with numbers checked against an independent
 computation. One Ray session for the module."""
 
@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tephra.algos import spin_loss
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.models import resolve_model_path
+from tephra.controller.data import PromptRecord
+from tephra.controller.export import export_checkpoint
+from tephra.controller.models import load_tokenizer, resolve_model_path
+from tephra.controller.spin import check_reference_answers
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
@@ -205,3 +210,73 @@ def test_prime_trains_its_reward_model_online(ray_session, tmp_path):
     assert second["prime/implicit_reward_token_mean"] != 0.0
     # the reward model is part of the checkpoint
     assert any((tmp_path / "prime" / "checkpoints").glob("*/prime_rm"))
+
+
+def _sequence_log_prob(model, prompt_ids, response_ids):
+    return float(_response_log_probs(model, prompt_ids, response_ids).sum())
+
+
+@pytest.mark.multiproc
+def test_spin_loss_is_the_formula_on_the_run_pairs(ray_session, tmp_path):
+    run_dir = tmp_path / "spin"
+    cfg = _smoke(
+        tmp_path,
+        "-p",
+        "spin",
+        "trainer.steps=3",
+        "algorithm.spin.refresh_every=2",
+        "trainer.save_every=1",
+        "trainer.keep_checkpoints=3",
+        "trainer.dump_generations=1",
+        f"trainer.run_dir={run_dir}",
+    )
+    run(cfg)
+    first, second, third = _train_records(run_dir)
+    # step 1: the reference is the actor itself, so every margin is 0 and the loss log 2
+    assert first["actor/spin/margin"] == 0.0
+    assert first["actor/spin/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    # step 2 trains the weights after step 1 against the initial ones (no refresh yet):
+    # recompute every sequence log-prob here and apply the formula (one micro-batch)
+    export_checkpoint(run_dir / "checkpoints" / "step_1", tmp_path / "w1")
+    actor = AutoModelForCausalLM.from_pretrained(tmp_path / "w1", dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny", 0), dtype=torch.float32)
+    path = run_dir / "generations" / "train_step2.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(rows) == 4 and [r["chosen"] for r in rows] == [True, False, True, False]
+    tok = load_tokenizer(resolve_model_path("tiny", 0))
+    for chosen, rejected in zip(rows[0::2], rows[1::2], strict=True):
+        assert chosen["prompt_ids"] == rejected["prompt_ids"]
+        # the chosen response is the task's answer (the value the prompt asks for), then EOS
+        expression = re.search(r"Calculate ([-+*/() 0-9]+?)\.?\n", chosen["prompt"]).group(1)
+        answer = eval(expression)  # noqa: S307 (digits and operators only, by the pattern)
+        assert chosen["response_ids"] == [
+            *tok.encode(str(answer), add_special_tokens=False),
+            tok.eos_token_id,
+        ]
+
+    def seq(model, kind):
+        return torch.tensor(
+            [
+                _sequence_log_prob(model, r["prompt_ids"], r["response_ids"])
+                for r in rows
+                if r["chosen"] == kind
+            ],
+            dtype=torch.float64,
+        )
+
+    loss, metrics = spin_loss(seq(actor, True), seq(actor, False), seq(ref, True), seq(ref, False))
+    assert second["actor/spin/loss"] == pytest.approx(float(loss), abs=1e-5)
+    assert second["actor/spin/margin"] == pytest.approx(metrics["spin/margin"], abs=1e-5)
+    assert second["actor/spin/loss"] != pytest.approx(math.log(2), abs=1e-4)
+    assert second["spin/reference_refreshed"] == 1.0
+    # after step 2 the reference became the actor: step 3's margins are 0 again
+    assert third["actor/spin/margin"] == 0.0 and third["spin/reference_refreshed"] == 0.0
+
+
+def test_spin_refuses_prompts_without_reference_answers():
+    cfg = parse_config(["-p", "smoke", "-p", "spin"])
+    records = [PromptRecord([{"role": "user", "content": "2+2?"}], "x", "4")]
+    check_reference_answers(cfg, records, "train.parquet")
+    records.append(PromptRecord([{"role": "user", "content": "3+3?"}], "x", " "))
+    with pytest.raises(ConfigError, match="row 1 of train.parquet: algorithm.spin needs"):
+        check_reference_answers(cfg, records, "train.parquet")

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from tephra.algos import (
+    SPIN_CHOSEN,
     ActorObjective,
     ActorObjectiveConfig,
     AdvantageConfig,
     ConfigError,
     InputError,
     PrimeRMObjective,
+    SpinObjective,
     compute_advantages,
     compute_policy_loss,
     distillation_advantages,
@@ -201,6 +203,39 @@ def test_spin_loss_on_a_hand_made_pair():
     assert metrics["spin/accuracy"] == 1.0
     loss.backward()
     assert math.isclose(float(chosen.grad), -0.1 / (1 + math.exp(0.2)), rel_tol=1e-9)
+
+
+def test_spin_objective_sums_to_the_mean_over_pairs():
+    # 3 pairs, the chosen row first in pairs 0 and 2, second in pair 1; per-token log-probs
+    g = torch.Generator().manual_seed(0)
+    lp, ref = -torch.rand(6, 4, generator=g, dtype=F64), -torch.rand(6, 4, generator=g, dtype=F64)
+    mask = torch.tensor([[0, 1, 1, 1]] * 6)
+    chosen = t([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    pair = torch.tensor([0, 0, 1, 1, 2, 2])
+    seq, rseq = lp[:, 1:].sum(-1), ref[:, 1:].sum(-1)
+    want, _ = spin_loss(seq[[0, 3, 4]], seq[[1, 2, 5]], rseq[[0, 3, 4]], rseq[[1, 2, 5]])
+    objective = SpinObjective(0.1)
+    total = 0.0
+    for rows in (slice(0, 2), slice(2, 6)):  # two micro-batches of whole pairs
+        batch = {
+            "ref_log_probs": ref[rows],
+            "response_mask": mask[rows],
+            SPIN_CHOSEN: chosen[rows],
+            "keep_together": pair[rows],
+            "global_seq_count": torch.full((6,), 6.0),
+        }
+        loss, _ = objective({"log_probs": lp[rows]}, batch)
+        total += float(loss)
+    assert math.isclose(total, float(want), rel_tol=1e-12)
+    batch = {
+        "ref_log_probs": ref[1:3],
+        "response_mask": mask[1:3],
+        SPIN_CHOSEN: chosen[1:3],
+        "keep_together": pair[1:3],
+        "global_seq_count": torch.full((2,), 6.0),
+    }
+    with pytest.raises(InputError, match="SPIN pairs are cut"):
+        objective({"log_probs": lp[1:3]}, batch)
 
 
 def test_sequence_log_probs_sum_response_tokens():

@@ -291,6 +291,10 @@ class SumWorker(Worker):
         return (self.rank, v)
 
     @dispatch(Dispatch.BROADCAST)
+    def environ(self, key: str) -> str | None:
+        return os.environ.get(key)
+
+    @dispatch(Dispatch.BROADCAST)
     def retains(self) -> bool:
         return self.retains_freed_memory
 
@@ -314,6 +318,8 @@ def test_worker_group_dispatch_on_ray(tmp_path):
     )
     assert torch.all(out["total"] == x.sum())
     assert wg.whoami() == [0, 1] and wg.first("v") == (0, "v")
+    # the ranks start quiet: no per-rank weight-loading progress bars in the console
+    assert wg.environ("HF_HUB_DISABLE_PROGRESS_BARS") == ["1", "1"]
     # CPU ranks keep freed memory (resources.retain_freed_memory=None: glibc took the raised
     # thresholds; the effect itself is tested in tephra-core)
     assert wg.retains() == [True, True]

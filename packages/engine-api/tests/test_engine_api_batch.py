@@ -48,6 +48,31 @@ def test_split_by_token_budget_keeps_order_and_budget():
             assert mb[B.ATTENTION_MASK].any(0).all()  # padding-only columns trimmed
 
 
+def test_split_never_cuts_a_keep_together_unit():
+    b = random_batch(100, num_sequences=16, seed=4)
+    b[B.KEEP_TOGETHER] = torch.arange(16) // 2  # pairs of consecutive rows
+    lengths = B.sequence_lengths(b).tolist()
+    pair_cost = max(lengths[i] + lengths[i + 1] for i in range(0, 16, 2))
+    for packed in (True, False):
+        budget = pair_cost if packed else 2 * max(lengths)
+        mbs = B.split_by_token_budget(b, budget, packed)
+        assert len(mbs) > 1
+        # the naive reference: every micro-batch starts at a pair's first row
+        starts, row = [], 0
+        for mb in mbs:
+            starts.append(row)
+            row += mb.batch_size[0]
+        assert row == 16 and all(s % 2 == 0 for s in starts)
+        for mb in mbs:
+            assert B.microbatch_cost(B.sequence_lengths(mb).tolist(), packed) <= budget
+    # halving cuts at the pair boundary nearest the middle; one pair cannot be halved
+    first, second = B.halve(b[:6])
+    assert (first.batch_size[0], second.batch_size[0]) == (2, 4)
+    assert B.halve(b[:2]) is None
+    with pytest.raises(BatchError, match=r"rows \d+..\d+ must share a micro-batch \(keep_together"):
+        B.split_by_token_budget(b, max(lengths), packed=True)
+
+
 def test_split_refuses_a_sequence_longer_than_the_budget():
     with pytest.raises(BatchError, match=r"sequence 1 has 6 tokens.*max_tokens_per_microbatch=5"):
         B.split_by_token_budget(small_batch(), 5, packed=True)

@@ -126,6 +126,10 @@ def test_a_real_tiny_judge_model_through_the_hf_backend(tmp_path):
         ({"timeout_s": 0}, r"reward\.judge\.timeout_s=0 must be"),
         ({"source_weights": {"gsm8k": [1.0]}}, r"source_weights\['gsm8k'\]=\[1\.0\] must be two"),
         ({"data_sources": []}, r"data_sources=\[\] judges nothing"),
+        ({"backend": "vlm"}, r"reward\.judge\.backend='vlm' is not a registered .* 'vllm'"),
+        ({"backend": "sglang"}, r"backend='sglang': the judge has settings for the hf and vllm"),
+        ({"backend": "vllm", "vllm": {"sleep_level": 1}}, r"reward\.judge\.vllm\.sleep_level=1"),
+        ({"dtype": "fp8"}, r"reward\.judge\.dtype='fp8' is not allowed"),
     ],
 )
 def test_bad_judge_options_are_refused(kwargs, match):

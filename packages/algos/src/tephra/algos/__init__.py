@@ -47,11 +47,20 @@ from tephra.algos.rollout_correction import (
     rejection_mask,
     rollout_mismatch_metrics,
 )
-from tephra.algos.self_play import sequence_log_probs, spin_loss, sppo_loss, win_rates
+from tephra.algos.self_play import (
+    SPIN_CHOSEN,
+    SpinObjective,
+    sequence_log_probs,
+    spin_loss,
+    sppo_loss,
+    win_rates,
+)
 from tephra.algos.value_loss import clipped_value_loss
 
 __all__ = [
     "PrimeRMObjective",
+    "SPIN_CHOSEN",
+    "SpinObjective",
     "win_rates",
     "sppo_loss",
     "spin_loss",

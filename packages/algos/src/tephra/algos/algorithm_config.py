@@ -10,7 +10,7 @@ from tephra.algos.advantages import ADVANTAGE_ESTIMATORS
 from tephra.algos.config import AdvantageConfig
 from tephra.algos.errors import ConfigError
 from tephra.algos.kl import KL_ESTIMATORS
-from tephra.algos.recipe_config import DistillationConfig, PrimeConfig
+from tephra.algos.recipe_config import DistillationConfig, PrimeConfig, SpinConfig
 from tephra.algos.rollout_correction import LEVELS, ROLLOUT_CORRECTIONS, RolloutCorrectionConfig
 from tephra.core.registry import check_registered
 
@@ -112,6 +112,8 @@ class AlgorithmConfig:
     """On-policy distillation: a teacher scores the sampled tokens (off by default)."""
     prime: PrimeConfig = field(default_factory=PrimeConfig)
     """PRIME's implicit process reward model and advantage (off by default)."""
+    spin: SpinConfig = field(default_factory=SpinConfig)
+    """SPIN's self-play against the data's reference answers (off by default)."""
 
     def __post_init__(self) -> None:
         check_registered("algorithm.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATORS)

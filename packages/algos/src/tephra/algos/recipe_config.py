@@ -1,6 +1,6 @@
 """Typed, validated configuration of the recipes beside the advantage estimators: on-policy
-distillation's teacher and PRIME's implicit process reward (sections of the trainer's
-`algorithm`)."""
+distillation's teacher, PRIME's implicit process reward and SPIN's self-play (sections of the
+trainer's `algorithm`)."""
 
 from __future__ import annotations
 
@@ -81,4 +81,31 @@ class PrimeConfig:
             raise ConfigError(
                 "algorithm.prime: process_coef and outcome_coef are both 0, so every "
                 "advantage is 0; set one > 0 (PRIME's recipe uses 5 and 5)"
+            )
+
+
+@dataclass
+class SpinConfig:
+    """SPIN (Chen et al. 2024): each prompt's reference answer (the data's ground truth) is
+    the chosen response and the policy's own sample the rejected one; the actor minimises
+    the DPO-style `tephra.algos.spin_loss` against the previous iteration (the reference
+    policy, refreshed from the actor every `refresh_every` steps). Replaces the reward-based
+    policy loss: the reward is still scored and logged."""
+
+    enabled: bool = False
+    """Turn SPIN on (the reference policy is built; the batch holds chosen / rejected pairs)."""
+    beta: float = 0.1
+    """beta of the margin beta * (log-ratio of chosen - log-ratio of rejected) (SPIN's 0.1)."""
+    refresh_every: int = 8
+    """Steps per SPIN iteration: after every this many steps the reference (the opponent)
+    becomes a copy of the actor. SPIN trains each iteration to convergence (an epoch of its
+    data); 8 suits the demo's 32-prompt task at 4 prompts per step."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.beta) and self.beta > 0):
+            raise ConfigError(f"algorithm.spin.beta={self.beta} must be > 0 (SPIN uses 0.1)")
+        if self.refresh_every < 1:
+            raise ConfigError(
+                f"algorithm.spin.refresh_every={self.refresh_every} must be >= 1 (steps "
+                "between copies of the actor into the reference)"
             )

@@ -7,6 +7,8 @@ copy (the reference).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +57,66 @@ def spin_loss(
             "spin/accuracy": float((margin > 0).to(margin.dtype).mean()),
         }
     return loss, metrics
+
+
+SPIN_CHOSEN = "spin_chosen"
+"""`[B]` batch column of SPIN's pairs: 1.0 on the chosen row (the reference answer), 0.0 on
+the rejected one (the policy's sample). A pair is two consecutive rows sharing a
+`keep_together` id (`tephra.engine_api.batch.KEEP_TOGETHER`), so a micro-batch holds both."""
+PAIR_ID = "keep_together"
+
+
+class SpinObjective:
+    """SPIN's engine loss `loss_fn(outputs, batch) -> (loss, metrics)`: this micro-batch's
+    share of `spin_loss`, so that the sum over micro-batches and ranks is the mean over the
+    step's pairs,
+        loss = sum_{pairs in micro-batch} -log sigmoid(m_i) / (batch["global_seq_count"][0] / 2)
+    (every row of a pair has a response token, so the step counts 2 sequences per pair).
+    Reads outputs["log_probs"], batch["ref_log_probs"], ["response_mask"], [SPIN_CHOSEN],
+    ["keep_together"] (the pair id) and ["global_seq_count"]; metrics are this micro-batch's
+    `spin_loss` metrics."""
+
+    def __init__(self, beta: float = 0.1) -> None:
+        if beta <= 0:
+            raise InputError(f"SPIN beta={beta!r} must be > 0 (SPIN uses 0.1)")
+        self.beta = beta
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        for where, mapping, key in (
+            ("outputs", outputs, "log_probs"),
+            ("batch", batch, "ref_log_probs"),
+            ("batch", batch, "response_mask"),
+            ("batch", batch, SPIN_CHOSEN),
+            ("batch", batch, PAIR_ID),
+            ("batch", batch, "global_seq_count"),
+        ):
+            if key not in mapping.keys():
+                raise InputError(f"{where}[{key!r}] is missing: the SPIN loss needs it")
+        mask = batch["response_mask"]
+        seq = sequence_log_probs(outputs["log_probs"], mask)
+        ref = sequence_log_probs(batch["ref_log_probs"].to(seq.dtype), mask)
+        chosen = batch[SPIN_CHOSEN] > 0.5
+        pair = batch[PAIR_ID]
+        n = seq.shape[0]
+        if n % 2 or not bool((pair[0::2] == pair[1::2]).all()):
+            raise InputError(
+                f"SPIN pairs are cut: a micro-batch of {n} rows holds rows of a pair whose "
+                "other row is elsewhere; keep the pair's rows consecutive with one "
+                f"{PAIR_ID!r} id (the engines then never split them)"
+            )
+        first, second = chosen[0::2], chosen[1::2]
+        if bool((first == second).any()):
+            raise InputError(
+                f"every SPIN pair needs one chosen and one rejected row ({SPIN_CHOSEN!r} 1 and 0)"
+            )
+        # row order inside a pair is free: pick by the flag
+        pick = torch.stack([first, second], -1)  # [pairs, 2]: which row of the pair is chosen
+        seq2, ref2 = seq.view(-1, 2), ref.view(-1, 2)
+        loss, metrics = spin_loss(seq2[pick], seq2[~pick], ref2[pick], ref2[~pick], beta=self.beta)
+        pairs = n // 2
+        return loss * pairs / (batch["global_seq_count"][0] / 2), metrics
 
 
 def win_rates(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

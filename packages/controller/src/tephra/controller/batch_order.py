@@ -10,6 +10,22 @@ from tensordict import TensorDict
 
 from tephra.controller.balance import balanced_order, max_over_min
 from tephra.controller.worker_group import WorkerGroup
+from tephra.engine_api.batch import KEEP_TOGETHER, units
+
+
+def check_units_whole(groups: list[range], rows: int, shares: int) -> None:
+    """Refuse a batch whose units of rows (`KEEP_TOGETHER`) the contiguous split into
+    `shares` equal parts (data-parallel ranks x mini-batches) would cut: every unit must
+    have the same size, and the units must split evenly."""
+    if len(groups) == rows:
+        return
+    sizes = {len(u) for u in groups}
+    if len(sizes) > 1 or len(groups) % shares:
+        raise ValueError(
+            f"the batch's {len(groups)} units of rows ({KEEP_TOGETHER}, sizes {sorted(sizes)}) "
+            f"do not split whole into {shares} data-parallel shares x mini-batches; make "
+            "the pairs per step a multiple of the data-parallel size x batch.mini_batches"
+        )
 
 
 class BatchOrder:
@@ -29,12 +45,17 @@ class BatchOrder:
         `tephra.controller.balance`); returns the `balance/*` metrics (several data-parallel
         ranks only)."""
         self.order = self.inverse = None
+        groups = units(batch)
+        check_units_whole(groups, batch.batch_size[0], dp * mini_batches)
         if dp == 1:
             return {}
         tokens = batch["attention_mask"].sum(-1).tolist()
         before = max_over_min(tokens, None, dp)
         if balance:
-            self.order = torch.tensor(balanced_order(tokens, dp, mini_batches))
+            # balance whole units (rows that share a micro-batch, `KEEP_TOGETHER`)
+            per_unit = [sum(tokens[r] for r in u) for u in groups]
+            unit_order = balanced_order(per_unit, dp, mini_batches)
+            self.order = torch.tensor([r for u in unit_order for r in groups[u]])
             self.inverse = torch.argsort(self.order)
         return {
             "balance/max_over_min_tokens_before": before,

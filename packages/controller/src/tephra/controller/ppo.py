@@ -40,6 +40,7 @@ from tephra.controller.rl_loop import Trainer
 from tephra.controller.rl_worker import RLWorker, colocated_roles
 from tephra.controller.rollout_replicas import RolloutReplicas
 from tephra.controller.rounds import Prompts
+from tephra.controller.spin import check_reference_answers
 from tephra.controller.startup import Timeline
 from tephra.controller.teacher import check_teacher
 from tephra.controller.watchdog import Watchdog, check_stage_names
@@ -65,6 +66,7 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
             "no episode would run them; set rollout.agent_loop (the episode of rows without "
             "an agent_name, e.g. single_turn)"
         )
+    check_reference_answers(cfg, train, "the training data")  # SPIN's chosen responses
     return train, val
 
 

@@ -13,6 +13,7 @@ from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.controller import worker_group
 from tephra.controller.checkpoints import MANIFEST, CheckpointManager
 from tephra.controller.models import declared_model_folder
+from tephra.controller.spin import check_spin
 from tephra.controller.teacher import check_distillation
 from tephra.core.errors import ConfigError
 from tephra.engine_api.fastest_dtype import resolve_dtype
@@ -224,7 +225,8 @@ def validate(cfg: PPOConfig) -> None:
 
 
 def check_recipes(cfg: PPOConfig) -> None:
-    """Critic warmup, the distillation teacher and PRIME agree with the rest of the config."""
+    """Critic warmup, the distillation teacher, PRIME and SPIN agree with the rest of the
+    config."""
     a, b = cfg.algorithm, cfg.batch
     warmup = cfg.trainer.critic_warmup
     if warmup and not a.needs("values"):
@@ -234,6 +236,7 @@ def check_recipes(cfg: PPOConfig) -> None:
             "a critic (e.g. gae) or set trainer.critic_warmup=0"
         )
     check_distillation(a.distillation, cfg.actor.objective.distill_loss_coef)
+    check_spin(cfg)
     if a.prime.enabled:
         if b.samples_per_prompt < 2:
             raise ConfigError(

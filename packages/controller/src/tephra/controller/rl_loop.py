@@ -70,6 +70,7 @@ from tephra.controller.samples import (
     samples_to_batch,
     set_score,
 )
+from tephra.controller.spin import spin_batch, write_pairs
 from tephra.controller.step_metrics import (
     dynamic_sampling_metrics,
     format_time_share,
@@ -352,9 +353,14 @@ class Trainer:
         if self.ahead.wanted(self.step):  # before the update: this step's weights sample it
             self.ahead.start(self)
         samples = [s for r in rounds for s in r.kept]
-        batch = samples_to_batch(samples, self.tok.pad_token_id, n, self.multi_turn)
-        # one group id per prompt of the step (a prompt drawn twice forms two groups)
-        batch["uid"] = group_ids(samples, n)
+        spin = cfg.algorithm.spin.enabled
+        if spin:  # SPIN trains on pairs: the data's reference answer, then each sample
+            records = [r.items[g].record for r in rounds for g in r.kept_groups for _ in range(n)]
+            batch, pairs = spin_batch(samples, records, self.tok)
+        else:
+            batch = samples_to_batch(samples, self.tok.pad_token_id, n, self.multi_turn)
+            # one group id per prompt of the step (a prompt drawn twice forms two groups)
+            batch["uid"] = group_ids(samples, n)
         lap("generate")
         metrics: dict[str, float] = staleness_metrics(samples, self.step)
         metrics.update(
@@ -399,16 +405,19 @@ class Trainer:
                 return out["log_probs"]
             return self.on_ranks("compute_log_probs", b)["log_probs"]
 
-        corr_metrics, passes = correct_old_log_probs(
-            batch,
-            cfg.algorithm.correction,
-            # the optimal-token-baseline estimators read pi_old and sum pi_old^2 of one pass
-            cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1 or token_stats,
-            trainer_log_probs,
-            probe_rows=cfg.algorithm.mismatch_probe_rows,
-            dp_size=self.wg.dp_size,
-            probe_seed=self.seed_of(self.step, 0),
-        )
+        corr_metrics: dict[str, float] = {}
+        passes = 0
+        if not spin:  # SPIN's loss reads no old log-probs (its chosen rows were not sampled)
+            corr_metrics, passes = correct_old_log_probs(
+                batch,
+                cfg.algorithm.correction,
+                # the optimal-token-baseline estimators read pi_old and sum pi_old^2 of one pass
+                cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1 or token_stats,
+                trainer_log_probs,
+                probe_rows=cfg.algorithm.mismatch_probe_rows,
+                dp_size=self.wg.dp_size,
+                probe_seed=self.seed_of(self.step, 0),
+            )
         metrics.update(corr_metrics)
         check_mismatch_alarm(corr_metrics, cfg.algorithm.mismatch_alarm_kl, self.step + 1)
         if token_stats and "sum_pi_squared" not in batch.keys():
@@ -431,48 +440,56 @@ class Trainer:
         raw = torch.tensor([s.score for s in samples], dtype=torch.float32)
         shaping = length_shaping(cfg, samples)
         scores = raw + shaping
-        batch["rewards"] = scores
-        token_rewards = outcome_token_rewards(scores, batch["response_mask"], samples)
-        if cfg.algorithm.kl_in_reward.enabled:
-            token_rewards, kl_metrics = kl_reward(cfg, batch, token_rewards, self.kl_ctrl)
-            metrics.update(kl_metrics)
-        baselines = None
-        if cfg.algorithm.needs("baselines"):
-            baselines = self.greedy_baselines(rounds)
-            metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
-            lap("baselines")
-        if a.prime.enabled:
-            adv, batch["prime_labels"], prime_metrics = prime_step(
-                prm_log_probs,
-                batch["ref_log_probs"],
-                batch["response_mask"],
-                scores,
-                batch["uid"],
-                a.prime,
-            )
-            batch["advantages"], batch["returns"] = adv.float(), adv.float()
-            metrics.update(prime_metrics)
+        if spin:  # the reward is logged; SPIN's loss reads the pairs, not advantages
+            metrics.update(judge_metrics(samples))
         else:
-            set_advantages(cfg, batch, token_rewards, baselines, reward_components(cfg, samples))
-        if a.distillation.enabled:
-            old_log_probs = batch.get("old_log_probs", batch["rollout_log_probs"])
-            batch["advantages"], distill_metrics = add_distillation_advantages(
-                batch["advantages"],
-                old_log_probs,
-                batch["teacher_log_probs"],
-                batch["response_mask"],
-                a.distillation,
-            )
-            metrics.update(distill_metrics)
-        metrics.update(judge_metrics(samples))
-        check_advantages(batch["advantages"], batch["response_mask"], names)
-        apply_rejection(batch)
-        if self.skips_flat:  # the workers leave these groups out of the actor update
-            metrics["actor/skipped_flat_groups"] = float(flat_groups(batch))
+            batch["rewards"] = scores
+            token_rewards = outcome_token_rewards(scores, batch["response_mask"], samples)
+            if cfg.algorithm.kl_in_reward.enabled:
+                token_rewards, kl_metrics = kl_reward(cfg, batch, token_rewards, self.kl_ctrl)
+                metrics.update(kl_metrics)
+            baselines = None
+            if cfg.algorithm.needs("baselines"):
+                baselines = self.greedy_baselines(rounds)
+                metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
+                lap("baselines")
+            if a.prime.enabled:
+                adv, batch["prime_labels"], prime_metrics = prime_step(
+                    prm_log_probs,
+                    batch["ref_log_probs"],
+                    batch["response_mask"],
+                    scores,
+                    batch["uid"],
+                    a.prime,
+                )
+                batch["advantages"], batch["returns"] = adv.float(), adv.float()
+                metrics.update(prime_metrics)
+            else:
+                set_advantages(
+                    cfg, batch, token_rewards, baselines, reward_components(cfg, samples)
+                )
+            if a.distillation.enabled:
+                old_log_probs = batch.get("old_log_probs", batch["rollout_log_probs"])
+                batch["advantages"], distill_metrics = add_distillation_advantages(
+                    batch["advantages"],
+                    old_log_probs,
+                    batch["teacher_log_probs"],
+                    batch["response_mask"],
+                    a.distillation,
+                )
+                metrics.update(distill_metrics)
+            metrics.update(judge_metrics(samples))
+            check_advantages(batch["advantages"], batch["response_mask"], names)
+            apply_rejection(batch)
+            if self.skips_flat:  # the workers leave these groups out of the actor update
+                metrics["actor/skipped_flat_groups"] = float(flat_groups(batch))
         every = cfg.trainer.dump_generations
         if every and (self.step + 1) % every == 0:
             path = self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl"
-            write_train_samples(path, samples, batch, self.tok, n)
+            if spin:
+                write_pairs(path, pairs, self.tok)
+            else:
+                write_train_samples(path, samples, batch, self.tok, n)
         lap("advantages")
         trained_passes = 0
         if self.needs_critic:
@@ -512,6 +529,11 @@ class Trainer:
             self.replicas.sync(self.wg, self.step + 1)
         else:
             self.wg.sync_weights()
+        if spin:  # SPIN's next iteration: the model trained so far becomes the opponent
+            refresh = (self.step + 1) % a.spin.refresh_every == 0
+            if refresh:
+                self.wg.refresh_reference(str(self.run_dir / "spin_reference"))
+            metrics["spin/reference_refreshed"] = float(refresh)
         lap("sync")
         step_s = time.perf_counter() - t_step
 

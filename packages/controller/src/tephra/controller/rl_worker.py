@@ -41,7 +41,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch.profiler import ProfilerActivity, profile
 
-from tephra.algos import ActorObjective, CriticObjective, PrimeRMObjective
+from tephra.algos import ActorObjective, CriticObjective, PrimeRMObjective, SpinObjective
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.flops import device_peak
 from tephra.controller.generation import Generator
@@ -179,6 +179,8 @@ class RLWorker(Worker):
         self.actor_loss = ActorObjective(cfg.actor.objective)
         self.critic_loss = CriticObjective(cfg.critic.objective) if self.critic else None
         self.prm_loss = PrimeRMObjective(cfg.algorithm.prime.beta) if self.prm else None
+        spin = cfg.algorithm.spin
+        self.spin_loss = SpinObjective(spin.beta) if spin.enabled else None
         self._weights_group = None
         # The rollout engine loaded the checkpoint from disk, but the engine may have
         # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
@@ -344,6 +346,8 @@ class RLWorker(Worker):
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("actor")
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
+        if self.spin_loss is not None:  # SPIN's pairs: no advantages, no rows to skip
+            return self._train(self.actor, self.spin_loss, batch)
         loss = self.actor_loss
         if self.cfg.batch.mini_batches == 1 and self.cfg.batch.epochs == 1:
             loss = _on_policy_old_log_probs(loss)
@@ -364,6 +368,14 @@ class RLWorker(Worker):
     @profiled("critic")
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
         return self._train(self.critic, self.critic_loss, batch)
+
+    @dispatch(Dispatch.BROADCAST)
+    def refresh_reference(self, folder: str) -> None:
+        """The reference becomes a copy of the actor (SPIN's next iteration: the opponent is
+        the model trained so far), through a checkpoint in `folder` (the engine contract's
+        one way in; every rank writes and reads its shard)."""
+        self.actor.save_checkpoint(Path(folder))
+        self.ref.load_checkpoint(Path(folder))
 
     # ----- weights and state -----------------------------------------------------------
     @dispatch(Dispatch.BROADCAST)
@@ -447,6 +459,8 @@ class RLWorker(Worker):
             self.critic.save_checkpoint(path / "critic")
         if self.prm is not None:
             self.prm.save_checkpoint(path / "prime_rm")
+        if self.spin_loss is not None:  # the current SPIN iteration's opponent
+            self.ref.save_checkpoint(path / "spin_reference")
         torch.save(
             {"torch": torch.get_rng_state(), "python": random.getstate()}, path / self._rng_file()
         )
@@ -465,6 +479,8 @@ class RLWorker(Worker):
             self.critic.load_checkpoint(path / "critic")
         if self.prm is not None:
             self.prm.load_checkpoint(path / "prime_rm")
+        if self.spin_loss is not None:
+            self.ref.load_checkpoint(path / "spin_reference")
         state = torch.load(path / self._rng_file(), weights_only=False)
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])

@@ -86,7 +86,12 @@ def ray_init(
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     if address not in (None, "auto", "local"):
         check_reachable(address)
-    env = {"TOKENIZERS_PARALLELISM": "false"}
+    # transformers' per-rank "Loading weights" bars would interleave in the console on every
+    # build; HF_HUB_DISABLE_PROGRESS_BARS=0 in the driver's environment brings them back
+    env = {
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_DISABLE_PROGRESS_BARS": os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+    }
     for key in ("TEPHRA_CACHE", "HF_HUB_OFFLINE", "HF_HOME", "PYTHONPATH"):
         if key in os.environ:
             env[key] = os.environ[key]

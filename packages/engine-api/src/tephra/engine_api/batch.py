@@ -49,6 +49,10 @@ LEFT_OUT_TOKENS = "left_out_token_count"
 step's normalisers. Summed over the rows: put the count on one row, zeros elsewhere."""
 LEFT_OUT_SEQS = "left_out_seq_count"
 """Optional `[B]` column: sequences left out, as `LEFT_OUT_TOKENS`."""
+KEEP_TOGETHER = "keep_together"
+"""Optional int64 `[B]` column: consecutive rows with the same value form one unit that no
+split cuts (micro-batches, data-parallel shares, mini-batches): a loss that compares rows
+with each other (SPIN's chosen / rejected pair) sees the whole unit in one micro-batch."""
 
 ROUTED_EXPERTS = "routed_experts"
 """Optional `[B, T, moe_layers, top_k]` int64 field of a mixture-of-experts model: the
@@ -199,14 +203,30 @@ def microbatch_cost(lengths: list[int], packed: bool) -> int:
     return sum(lengths) if packed else len(lengths) * max(lengths, default=0)
 
 
+def units(batch: TensorDict) -> list[range]:
+    """The rows in units no split may cut (`KEEP_TOGETHER`): each row alone when the column
+    is absent."""
+    n = batch.batch_size[0]
+    if KEEP_TOGETHER not in batch.keys():
+        return [range(i, i + 1) for i in range(n)]
+    ids = batch[KEEP_TOGETHER].tolist()
+    out: list[range] = []
+    start = 0
+    for i in range(1, n + 1):
+        if i == n or ids[i] != ids[start]:
+            out.append(range(start, i))
+            start = i
+    return out
+
+
 def split_by_token_budget(
     batch: TensorDict, max_tokens: int, packed: bool, field_name: str = "max_tokens_per_microbatch"
 ) -> list[TensorDict]:
     """Cut a padded batch into consecutive micro-batches that each fit `max_tokens`.
 
-    The order of samples is kept (so results do not depend on the split). Packed cost is
-    the number of real tokens; padded cost is rows x longest row. Each micro-batch is
-    trimmed of all-padding columns.
+    The order of samples is kept (so results do not depend on the split), and a unit of
+    rows (`KEEP_TOGETHER`) is never cut. Packed cost is the number of real tokens; padded
+    cost is rows x longest row. Each micro-batch is trimmed of all-padding columns.
     """
     lengths = sequence_lengths(batch).tolist()
     too_long = [i for i, n in enumerate(lengths) if n > max_tokens]
@@ -217,12 +237,32 @@ def split_by_token_budget(
             f"{max_tokens}; raise the budget or shorten prompts/responses"
         )
     groups: list[list[int]] = [[]]
-    for i, n in enumerate(lengths):
+    for unit in units(batch):
+        rows = list(unit)
+        if microbatch_cost([lengths[j] for j in rows], packed) > max_tokens:
+            raise BatchError(
+                f"rows {rows[0]}..{rows[-1]} must share a micro-batch ({KEEP_TOGETHER}) but "
+                f"together cost more than micro_batch.{field_name}={max_tokens} tokens; "
+                "raise the budget or shorten prompts/responses"
+            )
         current = [lengths[j] for j in groups[-1]]
-        if groups[-1] and microbatch_cost(current + [n], packed) > max_tokens:
+        if (
+            groups[-1]
+            and microbatch_cost(current + [lengths[j] for j in rows], packed) > max_tokens
+        ):
             groups.append([])
-        groups[-1].append(i)
+        groups[-1].extend(rows)
     return [trim_padding(batch[g[0] : g[-1] + 1]) for g in groups if g]
+
+
+def halve(batch: TensorDict) -> tuple[TensorDict, TensorDict] | None:
+    """`batch` cut in two at the unit boundary nearest its middle (`KEEP_TOGETHER`), both
+    trimmed of padding; None when it is one unit."""
+    bounds = [u.start for u in units(batch)][1:]
+    if not bounds:
+        return None
+    cut = min(bounds, key=lambda b: (abs(2 * b - batch.batch_size[0]), b))
+    return trim_padding(batch[:cut]), trim_padding(batch[cut:])
 
 
 def set_global_normalisers(

@@ -41,12 +41,13 @@ def plan(
     parts = B.split_by_token_budget(batch, max_tokens, packed, field_name)
     target = _max_over_ranks(len(parts), group)
     while len(parts) < target:
-        sizes = [p.batch_size[0] for p in parts]
-        i = max(range(len(parts)), key=lambda j: sizes[j])
-        if sizes[i] < 2:
+        # the micro-batch with the most units of rows that may be cut apart (`KEEP_TOGETHER`)
+        counts = [len(B.units(p)) for p in parts]
+        i = max(range(len(parts)), key=lambda j: counts[j])
+        halves = B.halve(parts[i])
+        if halves is None:
             break
-        half = sizes[i] // 2
-        parts[i : i + 1] = [B.trim_padding(parts[i][:half]), B.trim_padding(parts[i][half:])]
+        parts[i : i + 1] = list(halves)
     out = [MicroBatch(p) for p in parts]
     while len(out) < target:
         filler = B.trim_padding(batch[:1]).clone()

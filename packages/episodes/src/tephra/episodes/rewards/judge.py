@@ -2,7 +2,9 @@
 prompt template, and a registered parser reads a score out of it.
 
 Requests go to a rollout backend one per sample, all in flight at once (the `hf` backend
-batches concurrent requests into one `generate`); each has its own timeout. A request that
+batches concurrent requests into one `generate`; the `vllm` backend sends them to a vLLM
+server, started for the judge or already running at `reward.judge.vllm.url`); each has its
+own timeout. A request that
 times out, fails, or whose judgement the parser cannot read scores `fallback_score`, is
 counted (`JudgeStats`) and logged once per kind of failure.
 """
@@ -20,9 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tephra.core.errors import ConfigError
-from tephra.core.registry import Registry
+from tephra.core.registry import Registry, check_registered
 from tephra.episodes.rewards.results import RewardError, RewardInput
-from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
+from tephra.rollout import (
+    ROLLOUT_BACKENDS,
+    RolloutConfig,
+    SamplingParams,
+    ServerSettings,
+    get_rollout,
+)
+from tephra.rollout.base import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +92,15 @@ class JudgeConfig:
     model_path: str | None = None
     """Local Hugging Face folder of the judge model; None (default): no judge."""
     backend: str = "hf"
-    """Rollout backend that serves the judge (`hf`: in this process)."""
+    """Rollout backend that serves the judge: `hf` (in the process that scores), `vllm` (a
+    vLLM server: started by each process that scores, or the running one(s) at
+    `reward.judge.vllm.url`, shared by every rank)."""
+    dtype: str = "float32"
+    """The judge's generation dtype (`float32`, `bfloat16`, `float16`): float32 keeps greedy
+    judgements equal across backends on CPU; bfloat16 halves a GPU judge's memory."""
+    vllm: ServerSettings = field(default_factory=ServerSettings)
+    """The judge's vLLM server (backend `vllm`): `url` to use a running one, else `python`
+    (the vLLM environment), `startup_timeout_s`, ... as `rollout.vllm`."""
     prompt_template: str = DEFAULT_TEMPLATE
     """str.format template of the judge's prompt; fields {prompt}, {response},
     {ground_truth}, {data_source}; must hold {response}."""
@@ -132,6 +149,25 @@ class JudgeConfig:
         return (self.rule_weight, self.judge_weight) if w is None else (float(w[0]), float(w[1]))
 
     def __post_init__(self) -> None:
+        if isinstance(self.vllm, dict):  # YAML gives dicts
+            self.vllm = ServerSettings(**self.vllm)
+        check_registered("reward.judge.backend", self.backend, ROLLOUT_BACKENDS)
+        protocol = getattr(ROLLOUT_BACKENDS.get(self.backend), "protocol_class", None)
+        if protocol is not None:
+            settings = getattr(self, self.backend, None)
+            if not isinstance(settings, ServerSettings):
+                raise ConfigError(
+                    f"reward.judge.backend={self.backend!r}: the judge has settings for the "
+                    "hf and vllm backends only; choose one of them"
+                )
+            try:
+                protocol().check_settings(settings)
+            except ConfigError as exc:
+                raise ConfigError(f"reward.judge.{exc}") from None
+        if self.dtype not in DTYPES:
+            raise ConfigError(
+                f"reward.judge.dtype={self.dtype!r} is not allowed; choose one of {list(DTYPES)}"
+            )
         if not self.parser:
             raise ConfigError(
                 f"reward.judge.parser={self.parser!r}: a judge needs a parser to read its "
@@ -221,7 +257,13 @@ class GenerativeJudge:
         cfg = self.config
         self._tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self._rollout = get_rollout(
-            cfg.backend, RolloutConfig(model_path=cfg.model_path, max_model_len=cfg.max_model_len)
+            cfg.backend,
+            RolloutConfig(
+                model_path=cfg.model_path,
+                dtype=cfg.dtype,
+                max_model_len=cfg.max_model_len,
+                vllm=cfg.vllm,
+            ),
         )
         eos = self._tokenizer.eos_token_id
         sampling = SamplingParams(
