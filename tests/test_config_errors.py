@@ -489,3 +489,20 @@ def test_reward_limits_are_parsed_as_documented():
     cfg = parse_config(["-p", "smoke", "reward.clip=[-1,1]", "reward.timeout_s=5"])
     assert cfg.reward.clip == (-1.0, 1.0) and cfg.reward.timeout_s == 5.0
     assert cfg.reward.max_abs == 1e6  # the documented default
+
+
+def test_an_unsupported_vision_family_is_refused_before_ray(tmp_path):
+    import json
+
+    import ray
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "idefics3", "vision_config": {"patch_size": 14}})
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"model_type 'idefics3', which tephra does not support; supported model types "
+        r"\(family\): llava \(llava\), qwen2_vl \(qwen2_vl\), qwen2_5_vl \(qwen2_vl\)",
+    ):
+        parse_config(["-p", "smoke", f"model.path={tmp_path}"])
+    assert not ray.is_initialized()

@@ -1,4 +1,4 @@
-"""Multi-turn episodes with images (tiny random Qwen2-VL): the `colour_squares` environment
+"""Multi-turn episodes with images (tiny random Qwen2-VL and LLaVA): the `colour_squares` environment
 shows a new square after each answer; each turn's image tokens are the processor's expansion,
 the trainer's recomputed log-probs equal the hf rollout's, and a turn whose placeholders
 drift from its images is refused with a message naming the turn."""
@@ -38,7 +38,13 @@ def _item(proc: VisionProcessor, seed: int) -> AgentSample:
     name, image = colour_square(random.Random(seed))
     messages = [{"role": "user", "content": QUESTION}]
     text = ChatTemplateDelta(proc.tokenizer).render(
-        [{"role": "user", "content": QUESTION.replace("<image>", SPAN)}], True
+        [
+            {
+                "role": "user",
+                "content": QUESTION.replace("<image>", proc.span_text(proc.image_token)),
+            }
+        ],
+        True,
     )
     ids, mm = proc(text, [image])
     return AgentSample(
@@ -82,7 +88,16 @@ async def _episodes(loop, rollout, items) -> list[Any]:
     )
 
 
-def test_multi_turn_images_recompute_to_the_rollouts_log_probs(vlm):
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp("llava"), family="llava")
+
+
+@pytest.mark.parametrize("family", ["vlm", "llava"])
+def test_multi_turn_images_recompute_to_the_rollouts_log_probs(family, request):
+    # Qwen2-VL (112-pixel squares: 8 x 8 patches merged 2 x 2) and LLaVA (cropped to 56
+    # pixels: 4 x 4 patches): 16 image tokens a square either way, counted by each family
+    vlm = request.getfixturevalue(family)
     proc = VisionProcessor.from_pretrained(vlm.path)
     items = [_item(proc, seed) for seed in range(4)]
     rollout = HFRollout(RolloutConfig(model_path=vlm.path))
@@ -106,7 +121,8 @@ def test_multi_turn_images_recompute_to_the_rollouts_log_probs(vlm):
         got = engine.forward(batch)["log_probs"]
     mask = batch[B.RESPONSE_MASK].bool()
     gap = (got[mask] - batch["rollout_log_probs"][mask]).abs()
-    # measured: mean 4.1e-7, max 1.4e-6 in float32 (4 episodes of 3 turns, 3 images each)
+    # measured (Qwen2-VL): mean 4.1e-7, max 1.4e-6 in float32 (4 episodes of 3 turns, 3 images
+    # each)
     assert gap.mean() < 1e-4 and gap.max() < 1e-3, (gap.mean(), gap.max())
 
 

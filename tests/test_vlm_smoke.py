@@ -130,6 +130,29 @@ def test_multi_turn_environment_with_images_trains_two_steps(ray_session, tmp_pa
         assert 1.0 < r["agent/turns_mean"] <= 2.0  # an episode may end early (image_token)
 
 
+@pytest.mark.multiproc
+def test_llava_trains_two_steps(ray_session, tmp_path):
+    # a second family whose processor differs (whole 56-pixel images, `<image>` tokens, plain
+    # positions): the hf rollout's log-probs of the images equal the fsdp engine's, and the
+    # CLIP tower and projector train
+    _two_steps(tmp_path, "model.path=tiny_llava", "trainer.export_hf=true")
+    before = _tower_weights(Path(resolve_model_path("tiny_llava", 0)))
+    after = _tower_weights(tmp_path / "hf")
+    assert before and before.keys() == after.keys()
+    assert sum(not torch.equal(before[k], after[k]) for k in before) > len(before) // 2
+
+
+def _tower_weights(folder) -> dict[str, torch.Tensor]:
+    # LLaVA's CLIP tower and projector, saved with or without the `model.` prefix
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for k, v in load_file(f).items():
+            for part in ("vision_tower.", "multi_modal_projector."):
+                if part in k:
+                    out[k[k.index(part) :]] = v
+    return out
+
+
 def _parquet(path, size, seed) -> None:
     rows = []
     for row in colour_square_rows(size, seed):
@@ -229,7 +252,7 @@ def test_images_need_parquet_and_a_vision_model(tmp_path):
         parse_config(["-p", "vlm_smoke", "data.images=true"])
     with pytest.raises(ConfigError, match=r"data.max_frames=1: a video needs at least 2 frames"):
         parse_config(["-p", "vlm_smoke", "data.max_frames=1"])
-    with pytest.raises(ConfigError, match="text-only model"):
+    with pytest.raises(ConfigError, match=r"text-only model.*llava \(llava\)"):
         prepare(parse_config(["-p", "vlm_smoke", "model.path=tiny", f"trainer.run_dir={tmp_path}"]))
 
 

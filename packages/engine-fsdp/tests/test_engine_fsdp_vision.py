@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
 from tephra.engine_api.errors import ConfigError
-from tephra.engine_api.multimodal import hf_model_kwargs
+from tephra.engine_api.multimodal import hf_model_kwargs, vision_family
 from tephra.engine_fsdp.engine import FSDPEngine
 from tephra.engine_fsdp.testing import train_step
 from tephra.engine_fsdp.vision import MULTIMODAL, multimodal_column
@@ -304,3 +304,71 @@ def test_lora_vision_option_is_checked():
 
     with pytest.raises(ConfigError, match=r"lora.vision='train': use one of \['frozen', 'adapt'\]"):
         LoraConfig(rank=4, vision="train")
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp("llava"), family="llava")
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_llava_log_probs_match_unpacked_hf_forward(llava, packing):
+    # LLaVA: whole images, `<image>` runs and plain position ids (its adapter), packed or not
+    from transformers import AutoModelForImageTextToText
+
+    proc = VisionProcessor.from_pretrained(llava.path)
+    turn = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    prompts = [
+        proc(turn.format("<image>what colour?"), [Image.new("RGB", (56, 56), "red")]),
+        proc(turn.format("text only"), []),
+        proc(
+            turn.format("<image>and<image>?"),
+            [Image.new("RGB", (70, 56), "green"), Image.new("RGB", (56, 84), "blue")],
+        ),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    seqs = [
+        ids + torch.randint(3, 300, (5 + 3 * k,), generator=gen).tolist()
+        for k, (ids, _) in enumerate(prompts)
+    ]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.zeros(3, width, dtype=torch.long)
+    attn, resp = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
+    for i, (s, (p, _)) in enumerate(zip(seqs, prompts, strict=True)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        resp[i, len(p) : len(s)] = 1
+    batch = TensorDict(
+        {B.INPUT_IDS: input_ids, B.ATTENTION_MASK: attn, B.RESPONSE_MASK: resp}, batch_size=[3]
+    )
+    mm = [m for _, m in prompts]
+    batch[MULTIMODAL] = multimodal_column(mm)
+    engine = _engine(
+        llava, **{"micro_batch.use_packing": packing, "micro_batch.max_tokens_per_microbatch": 4096}
+    )
+    with engine.eval_mode():
+        got = engine.forward(batch)["log_probs"] * resp
+    model = AutoModelForImageTextToText.from_pretrained(llava.path, dtype=torch.float32).eval()
+    family = vision_family(model.config)
+    want = torch.zeros(resp.shape)
+    for i, (seq, images) in enumerate(zip(seqs, mm, strict=True)):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids, **family.model_kwargs(ids, [images], model.config)
+            ).logits[0]
+        lp = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+        want[i, 1 : len(seq)] = lp
+    torch.testing.assert_close(got, want * resp, atol=1e-5, rtol=0)
+    # without its longest row the batch is trimmed of padding columns: the images stay
+    first = batch[:2]
+    with engine.eval_mode():
+        alone = engine.forward(first)["log_probs"] * first[B.RESPONSE_MASK]
+    torch.testing.assert_close(alone[:, : want.shape[1]], (want * resp)[:2], atol=1e-5, rtol=0)
+    # a placeholder run one short of its image is refused, naming the row
+    short = batch.clone()
+    short[MULTIMODAL] = multimodal_column([mm[2], None, mm[0]])
+    with pytest.raises(
+        ConfigError, match="batch row 0: the prompt holds 16 image tokens but its images need 32"
+    ):
+        engine.forward(short)

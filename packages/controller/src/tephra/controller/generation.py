@@ -58,7 +58,7 @@ def run_items(
 
 def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
     """`sample` with its response ended before the first `token` it sampled (unchanged
-    without one), finish reason `image_token`. For the image placeholder `<|image_pad|>`: a
+    without one), finish reason `image_token`. For an image placeholder (`<|image_pad|>`, `<image>`): a
     sampled one has no image behind it, and the training forward would take it for one more
     image slot and fail (image tokens != image features); the tokens before it keep their
     log-probs (causal), those from it on are dropped."""

@@ -17,7 +17,8 @@ from tephra.rollout.testing import build_tiny_model
 def resolve_model_path(path: str, seed: int = 0) -> str:
     """`smollm2` -> the converted SmolLM2 folder; `tiny` -> a tiny random Qwen2 with a
     ChatML tokenizer, `tiny_vlm` -> a tiny random Qwen2-VL, `tiny_qwen2_5_vl` -> a tiny random
-    Qwen2.5-VL (each built once under the cache); anything else must be an HF folder."""
+    Qwen2.5-VL, `tiny_llava` -> a tiny random LLaVA (each built once under the cache); anything
+    else must be an HF folder."""
     if path == "smollm2":
         return str(smollm2_folder())
     if path == "tiny":
@@ -64,18 +65,20 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
 
 
 def named_model_folder(path: str, seed: int = 0) -> Path | None:
-    """The cache folder a named model (`smollm2`, `tiny`, `tiny_vlm`, `tiny_qwen2_5_vl`) is built into, which
+    """The cache folder a named model (`smollm2`, `tiny`, `tiny_vlm`, `tiny_qwen2_5_vl`,
+    `tiny_llava`) is built into, which
     may not exist yet; None for any other `model.path`."""
     folders = {
         "smollm2": SMOLLM2_FOLDER,
         "tiny": f"tiny-qwen2-seed{seed}",
         "tiny_vlm": f"tiny-qwen2-vl-seed{seed}",
         "tiny_qwen2_5_vl": f"tiny-qwen2.5-vl-seed{seed}",
+        "tiny_llava": f"tiny-llava-seed{seed}",
     }
     return cache_root() / folders[path] if path in folders else None
 
 
-TINY_VLMS = {"tiny_vlm": "qwen2_vl", "tiny_qwen2_5_vl": "qwen2_5_vl"}
+TINY_VLMS = {"tiny_vlm": "qwen2_vl", "tiny_qwen2_5_vl": "qwen2_5_vl", "tiny_llava": "llava"}
 """Named tiny vision-language models -> the `build_tiny_vlm` family each is built as."""
 
 

@@ -25,7 +25,6 @@ from tephra.rollout.multimodal import (
     VISION_TOKENS,
     MultimodalInputs,
     VisionProcessor,
-    check_image_tokens,
 )
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -121,9 +120,15 @@ def refuse_raw_vision_tokens(messages: list[dict], index: int, where: str) -> No
 
 
 def with_vision_spans(
-    messages: list[dict], index: int, where: str, n_images: int, n_videos: int = 0
+    messages: list[dict],
+    index: int,
+    where: str,
+    n_images: int,
+    n_videos: int = 0,
+    processor: VisionProcessor | None = None,
 ) -> list[dict]:
-    """Messages with each `<image>` (`<video>`) replaced by the vision span; counts must match."""
+    """Messages with each `<image>` (`<video>`) replaced by the vision span of `processor`'s
+    model family (Qwen2-VL's without one); counts must match."""
     refuse_raw_vision_tokens(messages, index, where)
     for marker, n, field, what in (
         (IMAGE_PLACEHOLDER, n_images, "images", "image"),
@@ -142,12 +147,16 @@ def with_vision_spans(
                 f"holds {n} {what}(s) but the prompt has {count} {marker} placeholder(s); {fix}",
                 field,
             )
+    image_span = processor.span_text(processor.image_token) if processor else VISION_SPAN
+    video = processor.video_token if processor else "<|video_pad|>"
+    # a family without videos: the count check above already refused any <video>
+    video_span = processor.span_text(video) if processor and video else VIDEO_SPAN
     return [
         {
             **m,
             "content": m["content"]
-            .replace(IMAGE_PLACEHOLDER, VISION_SPAN)
-            .replace(VIDEO_PLACEHOLDER, VIDEO_SPAN),
+            .replace(IMAGE_PLACEHOLDER, image_span)
+            .replace(VIDEO_PLACEHOLDER, video_span),
         }
         if isinstance(m["content"], str)
         else m
@@ -195,7 +204,7 @@ def multimodal_prompt_from_row(
     record = record_from_row(row, index, where)
     images = row_images(row, index, where, base_dir)
     videos = row_videos(row, index, where, base_dir)
-    messages = with_vision_spans(record.prompt, index, where, len(images), len(videos))
+    messages = with_vision_spans(record.prompt, index, where, len(images), len(videos), processor)
     if not images and not videos:
         return MultimodalPrompt(record, chat_prompt_ids(processor.tokenizer, messages), None)
     # render as text, then expand: each image gets exactly its grid's number of tokens
@@ -204,9 +213,7 @@ def multimodal_prompt_from_row(
     )
     ids, mm = processor(text, images, videos)
     try:  # the token ids hold exactly the processor's expansion of every image and video
-        check_image_tokens(
-            ids, mm, processor.image_token_id, processor.merge_size, "", processor.video_token_id
-        )
+        processor.check(ids, mm, "")
     except ConfigError as exc:
         raise DatasetError(f"row {index} of {where}{exc}") from None
     return MultimodalPrompt(record, ids, mm)

@@ -47,7 +47,7 @@ from tephra.controller.watchdog import Watchdog, check_stage_names
 from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
-from tephra.engine_api.multimodal import is_vision_config
+from tephra.engine_api.multimodal import is_vision_config, supported_model_types
 from tephra.episodes.agent import ChatTemplateDelta
 from tephra.episodes.tools import load_tools
 from tephra.rollout.multimodal import VisionProcessor
@@ -101,7 +101,8 @@ def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompt
         raise ConfigError(
             f"data has images but model.path={cfg.model.path!r} is a text-only "
             "model (its config has no vision_config); use a vision-language "
-            "model (Qwen2-VL family, or model.path=tiny_vlm to test)"
+            f"model of a supported family ({supported_model_types()}; model.path=tiny_vlm "
+            "or tiny_llava to test)"
         )
     processor = VisionProcessor.from_pretrained(model_path, d.max_frames)
     if d.source == "colour_squares":

@@ -17,6 +17,7 @@ from tephra.controller.spin import check_spin
 from tephra.controller.teacher import check_distillation
 from tephra.core.errors import ConfigError
 from tephra.engine_api.fastest_dtype import resolve_dtype
+from tephra.engine_api.multimodal import declared_hf_config, family_name, supported_model_types
 from tephra.engine_api.registry import get_engine_class
 from tephra.episodes.rewards import RewardConfig, RewardFunctionError, load_reward_function
 from tephra.rollout.base import ServerSettings, can_pause
@@ -215,6 +216,7 @@ def validate(cfg: PPOConfig) -> None:
         )
     check_recipes(cfg)
     check_role_pools(cfg)
+    check_vision_family(cfg)
     if cfg.data.has_images:
         check_image_support(cfg)
     weight_path(cfg)
@@ -464,6 +466,23 @@ def check_role_pools(cfg: PPOConfig) -> None:
                 "mini-batches) do not split into equal shares; choose a data-parallel size "
                 f"that divides {b.samples_per_step // b.mini_batches}"
             )
+
+
+def check_vision_family(cfg: PPOConfig) -> None:
+    """A vision-language `model.path` (its config.json has a `vision_config`) is of a family
+    tephra has an adapter for (`tephra.engine_api.multimodal.VISION_FAMILIES`); a named tiny
+    model not built yet is one of them."""
+    folder = declared_model_folder(cfg.model.path, cfg.trainer.seed)
+    hf_config = declared_hf_config(replace(cfg.model, path=folder))
+    if hf_config.get("vision_config") is None:
+        return
+    model_type = hf_config.get("model_type")
+    if family_name(model_type) is None:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} is a vision-language model of model_type "
+            f"{model_type!r}, which tephra does not support; supported model types (family): "
+            f"{supported_model_types()}"
+        )
 
 
 def check_image_support(cfg: PPOConfig) -> None:

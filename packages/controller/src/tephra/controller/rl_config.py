@@ -494,7 +494,7 @@ class PPOConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path="smollm2"))
     """The policy checkpoint (tephra.engine_api.ModelConfig): `path` is a local Hugging Face
     folder, `smollm2` (the bundled SmolLM2-135M-Instruct), `tiny` (a tiny random model for
-    tests) or `tiny_vlm` / `tiny_qwen2_5_vl` (a tiny random Qwen2-VL / Qwen2.5-VL); gradient_checkpointing, attn_implementation, trust_remote_code."""
+    tests) or `tiny_vlm` / `tiny_qwen2_5_vl` / `tiny_llava` (a tiny random Qwen2-VL / Qwen2.5-VL / LLaVA); gradient_checkpointing, attn_implementation, trust_remote_code."""
     data: DataSection = field(default_factory=DataSection)
     """Prompts and held-out set."""
     batch: BatchSection = field(default_factory=BatchSection)

@@ -178,7 +178,8 @@ def unpack(values: torch.Tensor, attention_mask: torch.Tensor, fill: float = 0.0
 
 
 def trim_padding(batch: TensorDict) -> TensorDict:
-    """Drop columns that are padding in every row (after slicing out a micro-batch)."""
+    """Drop columns that are padding in every row (after slicing out a micro-batch); columns
+    that are not tensors (the rows' images) are kept as they are."""
     attn = batch[ATTENTION_MASK].bool()
     cols = attn.any(0).nonzero()
     if len(cols) == 0:
@@ -192,7 +193,9 @@ def trim_padding(batch: TensorDict) -> TensorDict:
         batch_size=batch.batch_size,
     )
     assert trimmed is not None  # apply returns None only when it writes in place (out=)
-    return trimmed
+    # apply leaves out non-tensor columns: without this a micro-batch lost its images
+    # whenever none of its rows was as long as the batch
+    return trimmed.update(batch.exclude(*trimmed.keys(include_nested=True, leaves_only=True)))
 
 
 def microbatch_cost(lengths: list[int], packed: bool) -> int:

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from tephra.engine_api.config import LoraConfig
 from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.multimodal import is_vision_config, vision_family
 from tephra.engine_fsdp.model_builder import VALUE_HEAD
 
 if TYPE_CHECKING:
@@ -36,8 +37,9 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, role: str, seed: int) ->
     from peft import get_peft_model
 
     excluded = [VALUE_HEAD] if role == "value" else []
-    if cfg.vision == "frozen" and getattr(model.config, "vision_config", None) is not None:
-        excluded.append("visual")  # the vision tower (any depth); get_peft_model freezes it
+    if cfg.vision == "frozen" and is_vision_config(model.config):
+        # the vision tower (any depth; LLaVA's projector too); get_peft_model freezes it
+        excluded += vision_family(model.config).tower_modules
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,

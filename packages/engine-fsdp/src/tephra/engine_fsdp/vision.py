@@ -1,13 +1,16 @@
-"""Images in the batch (Qwen2-VL family): pixel inputs and mRoPE position ids.
+"""Images in the batch: pixel inputs and position ids of a vision-language micro-batch.
 
 A batch with images carries the field `multimodal` (`MULTIMODAL`): a `NonTensorStack` with
 one `tephra.engine_api.multimodal.MultimodalInputs` (or None) per row, so slicing a batch into
 micro-batches keeps each row's pixels with its tokens. For a micro-batch this module builds
-what the Qwen2-VL backbone needs:
+what the backbone needs, through the model family's adapter
+(`tephra.engine_api.multimodal.vision_family`):
 
-  - `pixel_values` / `image_grid_thw`: the rows' images concatenated in row order (the
-    backbone scatters image features into the `<|image_pad|>` tokens in that order);
-  - position ids from the model's own `get_rope_index` (3 rows: time, height, width);
+  - the pixel arguments (`pixel_values` / `image_grid_thw` for Qwen2-VL, `pixel_values` for
+    LLaVA): the rows' images concatenated in row order (the backbone scatters image features
+    into the placeholder tokens in that order);
+  - position ids: for an mRoPE family (Qwen2-VL) from the model's own `get_rope_index` (3
+    rows: time, height, width); for LLaVA the plain positions of a text model;
   - on several ranks, a micro-batch without images runs the vision tower on a blank
     image, its output times 0 (`idle_inputs`): FSDP gathers and reduces the tower's
     sharded blocks collectively, so every rank must run it when one does.
@@ -32,6 +35,7 @@ from tephra.engine_api.multimodal import (  # noqa: F401 (MULTIMODAL, multimodal
     mm_token_type_ids,
     multimodal_column,
     video_token_id,
+    vision_family,
 )
 
 
@@ -52,26 +56,22 @@ def check_batch(batch: TensorDict, model_config, sp: int) -> None:
         raise BatchError(
             f"batch[{MULTIMODAL!r}] holds images but the model "
             f"({type(model_config).__name__}) has no vision tower; use a "
-            "Qwen2-VL-family model or drop the images"
+            "vision-language model or drop the images"
         )
     if sp > 1:
         raise ConfigError(
             "images in the batch with parallel.context > 1 (Ulysses): not "
             "supported yet; set parallel.context=1 for vision-language models"
         )
-    tid = image_token_id(model_config)
-    merge = int(model_config.vision_config.spatial_merge_size)
     ids, attn = batch[B.INPUT_IDS], batch[B.ATTENTION_MASK].bool()
     for r, mm in enumerate(items):
-        check_image_tokens(
-            ids[r][attn[r]].tolist(), mm, tid, merge, f"batch row {r}", video_token_id(model_config)
-        )
+        check_image_tokens(ids[r][attn[r]].tolist(), mm, model_config, f"batch row {r}")
 
 
 def _grids(mm: MultimodalInputs) -> dict[str, torch.Tensor]:
     """get_rope_index's grid arguments of these images and videos (absent ones left out)."""
     out = {}
-    if mm.num_images:
+    if mm.num_images and mm.image_grid_thw is not None:
         out["image_grid_thw"] = mm.image_grid_thw
     if mm.video_grid_thw is not None:
         out["video_grid_thw"] = mm.video_grid_thw
@@ -92,12 +92,17 @@ def _rope_index(
 
 def model_inputs(
     backbone, model_config, mb: TensorDict, packed: bool, device: torch.device
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(position ids, pixel kwargs) of a micro-batch of a vision-language model: position ids
     `[4, 1, N]` packed (plain positions, then mRoPE) or `[3, b, t]` padded. Packed text-only
     micro-batches take this path too: the leading plain row is what keeps their sequences
-    apart (transformers reads 2-d position ids of a VLM as mRoPE, not as packing)."""
+    apart (transformers reads 2-d position ids of a VLM as mRoPE, not as packing). A family
+    without mRoPE (LLaVA) returns None: the caller's plain positions, padded or packed."""
+    family = vision_family(model_config)
     items = rows(mb) or [None] * mb.batch_size[0]
+    if not family.mrope:
+        kwargs = family.model_kwargs(mb[B.INPUT_IDS], items, model_config)
+        return None, {k: v.to(device) for k, v in kwargs.items()}
     tid, vid = image_token_id(model_config), video_token_id(model_config)
     ids, attn = mb[B.INPUT_IDS], mb[B.ATTENTION_MASK].bool()
     present = [m for m in items if m is not None]
@@ -111,7 +116,7 @@ def model_inputs(
         return torch.cat(parts, dim=1)[:, None].to(device), {}
     images = MultimodalInputs.concat(present)
     pixel = {}
-    if images.num_images:
+    if images.num_images and images.image_grid_thw is not None:
         pixel["pixel_values"] = images.pixel_values.to(device)
         pixel["image_grid_thw"] = images.image_grid_thw.to(device)
     if images.video_grid_thw is not None:
@@ -132,12 +137,6 @@ def model_inputs(
 
 
 def idle_inputs(model_config, device: torch.device) -> dict[str, torch.Tensor]:
-    """Pixel inputs of one blank image of a single merged patch (the smallest the tower takes),
-    for a micro-batch without images on a multi-rank engine (see the module docstring)."""
-    v = model_config.vision_config
-    merge = int(v.spatial_merge_size)
-    dim = int(getattr(v, "in_channels", 3)) * int(v.temporal_patch_size) * int(v.patch_size) ** 2
-    return {
-        "pixel_values": torch.zeros(merge * merge, dim, device=device),
-        "image_grid_thw": torch.tensor([[1, merge, merge]], device=device),
-    }
+    """Pixel inputs of one blank image (the smallest the tower takes), for a micro-batch
+    without images on a multi-rank engine (see the module docstring)."""
+    return vision_family(model_config).idle_inputs(model_config, device)

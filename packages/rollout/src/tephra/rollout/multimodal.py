@@ -1,12 +1,14 @@
-"""Images in prompts (vision-language models of the Qwen2-VL family).
+"""Images in prompts (vision-language models: the Qwen2-VL family and LLaVA).
 
-A prompt with images is its token ids (each image already expanded to its run of
-`<|image_pad|>` tokens) plus a `MultimodalInputs` (pixel values and grids; defined in
+A prompt with images is its token ids (each image already expanded to its run of placeholder
+tokens) plus a `MultimodalInputs` (pixel values, and grids for Qwen2-VL; defined in
 `tephra.engine_api.multimodal` and re-exported here). The two travel together from the data
-loader through rollout to the trainer. `VisionProcessor` makes them from text and images.
+loader through rollout to the trainer. `VisionProcessor` makes them from text and images,
+as the model family's adapter (`vision_family`, chosen by the config's `model_type`) says.
 
-`build_tiny_vlm` saves a tiny random Qwen2-VL or Qwen2.5-VL (`family`) with its tokenizer and
-image processor config (generated), for tests and smoke runs (no pretrained VLM is needed).
+`build_tiny_vlm` saves a tiny random Qwen2-VL, Qwen2.5-VL or LLaVA (`family`) with its
+tokenizer and image processor config (generated), for tests and smoke runs (no pretrained VLM
+is needed).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import torch
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.multimodal import (  # noqa: F401  (re-exported: the rollout-side API)
     MultimodalInputs,
+    VisionFamily,
     check_image_tokens,
     hf_model_kwargs,
     image_token_id,
     is_vision_config,
     mm_token_type_ids,
     video_token_id,
+    vision_family,
 )
 from tephra.rollout.testing import build_tiny_tokenizer
 
@@ -34,14 +38,20 @@ VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video
 `<|vision_end|>` (n = patches / merge_size**2)."""
 
 
-def vision_token_ids(tokenizer: Any) -> dict[str, int]:
-    """Ids of the vision tokens in `tokenizer`; an error says how to add them."""
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS[:3]}
+def vision_token_ids(tokenizer: Any, family: VisionFamily | None = None) -> dict[str, int]:
+    """Ids of `family`'s (default Qwen2-VL's) image tokens in `tokenizer`; an error says how to
+    add them."""
+    names = (
+        [family.image_token, *(family.span_tokens or ())]
+        if family is not None
+        else list(VISION_TOKENS[:3])
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in names}
     unk = getattr(tokenizer, "unk_token_id", None)
     missing = [t for t, i in ids.items() if i is None or i == unk]
     if missing:
         raise ConfigError(
-            f"the tokenizer has no {missing} token(s); a Qwen2-VL tokenizer has them (add them "
+            f"the tokenizer has no {missing} token(s); the model's tokenizer has them (add them "
             "with tokenizer.add_tokens([...], special_tokens=True) and resize the embeddings)"
         )
     return ids
@@ -64,44 +74,75 @@ def sample_frames(frames: list[Any], max_frames: int, temporal_patch: int = 2) -
 
 
 class VisionProcessor:
-    """The Qwen2-VL processor's job with no video dependency: images -> pixel values and
-    grids (the model's image processor), videos (lists of frames) -> temporal patches of two
-    consecutive frames each, and each `<|image_pad|>` / `<|video_pad|>` in the text expanded to
-    that image's / video's number of tokens, exactly as `Qwen2VLProcessor` does."""
+    """A vision-language processor's job with no video dependency, for the model family of
+    `config` (its `VisionFamily`): images -> the family's pixel inputs (the model's image
+    processor), each image placeholder in the text expanded to that image's number of tokens,
+    exactly as the family's transformers processor (`Qwen2VLProcessor`, `LlavaProcessor`)
+    does; for Qwen2-VL also videos (lists of frames) -> temporal patches of two consecutive
+    frames each."""
 
-    def __init__(self, tokenizer: Any, image_processor: Any, max_frames: int = 8) -> None:
+    def __init__(
+        self, tokenizer: Any, image_processor: Any, config: Any, max_frames: int = 8
+    ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
-        self.merge_size = int(image_processor.merge_size)
+        self.config = config
+        """The model's transformers config (what the family adapter reads)."""
+        self.family = vision_family(config)
         self.max_frames = max_frames
-        ids = vision_token_ids(tokenizer)
-        self.image_token = VISION_TOKENS[1]
+        ids = vision_token_ids(tokenizer, self.family)
+        self.image_token = self.family.image_token
         self.image_token_id = ids[self.image_token]
-        self.video_token = VISION_TOKENS[3]
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        self._span_ends = (ids[VISION_TOKENS[0]], ids[VISION_TOKENS[2]])
+        self.video_token = self.family.video_token
+        self.video_token_id = (
+            None if self.video_token is None else tokenizer.convert_tokens_to_ids(self.video_token)
+        )
+        spans = self.family.span_tokens
+        self._span_ends = (ids[spans[0]], ids[spans[1]]) if spans else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, max_frames: int = 8) -> VisionProcessor:
         # transformers takes seconds to import; the config checks import this module
-        from transformers import AutoTokenizer
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+        import transformers
+        from transformers import AutoConfig, AutoTokenizer
 
+        config = AutoConfig.from_pretrained(path)
+        image_processor = getattr(transformers, vision_family(config).image_processor)
         return cls(
             AutoTokenizer.from_pretrained(path),
-            Qwen2VLImageProcessorPil.from_pretrained(path),
+            image_processor.from_pretrained(path),
+            config,
             max_frames,
         )
 
+    def span_text(self, token: str) -> str:
+        """What one image (video) with placeholder `token` stands as in the text before the
+        expansion: `<|vision_start|><|image_pad|><|vision_end|>` (Qwen2-VL), `<image>` (LLaVA)."""
+        spans = self.family.span_tokens
+        return f"{spans[0]}{token}{spans[1]}" if spans else token
+
+    @property
+    def merge_size(self) -> int:
+        """Qwen2-VL's patch merge (patches per token = merge_size**2); 1 for LLaVA."""
+        return int(getattr(self.image_processor, "merge_size", 1))
+
+    def image_token_counts(self, images: MultimodalInputs) -> list[int]:
+        """How many placeholder tokens each of `images` expands to."""
+        return self.family.image_token_counts(images, self.config)
+
+    def check(self, prompt_ids: list[int], images: MultimodalInputs | None, where: str) -> None:
+        """The prompt holds exactly the image (video) tokens its images (videos) expand to."""
+        check_image_tokens(prompt_ids, images, self.config, where)
+
     def images(self, images: list[Any]) -> MultimodalInputs:
         """PIL images -> `MultimodalInputs`."""
-        out = self.image_processor(images=images, return_tensors="pt")
-        return MultimodalInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
+        return self.family.inputs(self.image_processor(images=images, return_tensors="pt"))
 
     def videos(self, videos: list[list[Any]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Videos (each a list of PIL frames) -> (pixel_values_videos, video_grid_thw). Each
         video's frames are sampled (`sample_frames`), resized to its first frame's size, and
         processed like images; consecutive frames then fill one temporal patch's two slots."""
+        self._check_videos()
         t = int(self.image_processor.temporal_patch_size)
         pixels, grids = [], []
         for frames in videos:
@@ -119,11 +160,21 @@ class VisionProcessor:
             grids.append([len(frames) // t, gh, gw])
         return torch.cat(pixels), torch.tensor(grids, dtype=torch.long)
 
+    def _check_videos(self) -> None:
+        if self.video_token is None:
+            raise ConfigError(
+                f"videos with a {self.config.model_type} model: its family takes images only; "
+                "drop the videos column or use a Qwen2-VL-family model"
+            )
+
     def image_span(self, tokens: int) -> list[int]:
-        """Token ids of one expanded image of `tokens` image tokens: `<|vision_start|>`,
-        `tokens` x `<|image_pad|>`, `<|vision_end|>`."""
+        """Token ids of one expanded image of `tokens` image tokens: the family's span start
+        (`<|vision_start|>`), `tokens` x the placeholder, its span end (`<|vision_end|>`)."""
+        run = [self.image_token_id] * tokens
+        if self._span_ends is None:
+            return run
         start, end = self._span_ends
-        return [start, *([self.image_token_id] * tokens), end]
+        return [start, *run, end]
 
     @property
     def patch(self) -> int:
@@ -144,11 +195,11 @@ class VisionProcessor:
     def expand(self, text: str, images: MultimodalInputs) -> str:
         """`text` with its i-th `<|image_pad|>` (`<|video_pad|>`) repeated for image (video)
         i's token count."""
-        text = self._expand(
-            text, self.image_token, images.image_token_counts(self.merge_size), "images"
-        )
+        text = self._expand(text, self.image_token, self.image_token_counts(images), "images")
+        if self.video_token is None:
+            return text
         return self._expand(
-            text, self.video_token, images.video_token_counts(self.merge_size), "videos"
+            text, self.video_token, self.family.video_token_counts(images, self.config), "videos"
         )
 
     def __call__(
@@ -157,6 +208,8 @@ class VisionProcessor:
         """Token ids of `text` (placeholders expanded) and the images' (videos') inputs."""
         if not images and not videos:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
+        if videos:
+            self._check_videos()
         if images:
             mm = self.images(images)
         else:
@@ -168,13 +221,14 @@ class VisionProcessor:
         return list(ids), mm
 
 
-VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-"""Families `build_tiny_vlm` builds (both share the Qwen2-VL processor and vision tokens)."""
+VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "llava")
+"""Model types `build_tiny_vlm` builds (the two Qwen ones share the Qwen2-VL processor and
+vision tokens; LLaVA has its own)."""
 
 
 @dataclass(frozen=True)
 class TinyVLM:
-    """Where the tiny Qwen2-VL was saved and its special ids."""
+    """Where the tiny vision-language model was saved and its special ids."""
 
     path: str
     """Folder with config, weights, tokenizer and image processor (pass as `model_path`)."""
@@ -185,7 +239,7 @@ class TinyVLM:
     pad_token_id: int
     """`<|endoftext|>`."""
     image_token_id: int
-    """`<|image_pad|>`."""
+    """`<|image_pad|>` (Qwen2-VL family) or `<image>` (LLaVA)."""
 
 
 def build_tiny_vlm(
@@ -201,7 +255,8 @@ def build_tiny_vlm(
     (`family="qwen2_vl"`) or `Qwen2_5_VLForConditionalGeneration` (`"qwen2_5_vl"`: RMSNorm +
     SwiGLU vision blocks, windowed attention in block 0 and full attention in the last) with
     a byte-level tokenizer (the vision tokens added) and the image processor both families use
-    (14-pixel patches merged 2x2; images are resized to 112..448 pixels a side)."""
+    (14-pixel patches merged 2x2; images are resized to 112..448 pixels a side); or a
+    `LlavaForConditionalGeneration` (`"llava"`, `build_tiny_llava`)."""
     # transformers takes seconds to import; the config checks import this module
     from transformers import (
         GenerationConfig,
@@ -214,6 +269,14 @@ def build_tiny_vlm(
 
     if family not in VLM_FAMILIES:
         raise ConfigError(f"build_tiny_vlm(family={family!r}): use one of {list(VLM_FAMILIES)}")
+    if family == "llava":
+        return build_tiny_llava(
+            path,
+            seed=seed,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            initializer_range=initializer_range,
+        )
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -288,3 +351,95 @@ def build_tiny_vlm(
         temporal_patch_size=2,
     ).save_pretrained(path)
     return TinyVLM(str(path), len(tok), eos, pad, ids["<|image_pad|>"])
+
+
+LLAVA_IMAGE_SIZE = 56
+"""The tiny LLaVA's image side in pixels (4 x 4 patches of 14: 16 `<image>` tokens)."""
+
+
+def build_tiny_llava(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    initializer_range: float = 0.1,
+) -> TinyVLM:
+    """Build, initialise (seeded) and save a tiny random `LlavaForConditionalGeneration`: a
+    CLIP vision tower (2 layers, width 32, 56-pixel images in 14-pixel patches), a two-layer
+    projector and a Llama text model, with a byte-level tokenizer (`<image>` added) and the
+    `LlavaProcessor` config (`CLIPImageProcessor`: shortest edge resized to 56, centre crop
+    56 x 56, so every image takes 16 `<image>` tokens: the CLS feature is dropped)."""
+    # transformers takes seconds to import; the config checks import this module
+    from transformers import (
+        CLIPImageProcessorPil,
+        GenerationConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tiny_tokenizer()
+    tok.add_tokens(["<image>"], special_tokens=True)
+    image = tok.convert_tokens_to_ids("<image>")
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    patch = 14
+    config = LlavaConfig(
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=LLAVA_IMAGE_SIZE,
+            patch_size=patch,
+            projection_dim=32,
+            initializer_range=initializer_range,
+        ),
+        text_config=dict(
+            model_type="llama",
+            vocab_size=len(tok),
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=num_layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
+            initializer_range=initializer_range,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            bos_token_id=None,
+        ),
+        image_token_index=image,
+        image_seq_length=(LLAVA_IMAGE_SIZE // patch) ** 2,
+        # the last layer: a two-layer tower's second-to-last would leave one layer unused
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": LLAVA_IMAGE_SIZE},
+        crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
+    )
+    # the processor config vLLM and transformers' AutoProcessor read; the image processor
+    # config beside it for CLIPImageProcessorPil.from_pretrained
+    LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=tok.chat_template,
+    ).save_pretrained(path)
+    images.save_pretrained(path)
+    return TinyVLM(str(path), len(tok), eos, pad, image)

@@ -196,13 +196,13 @@ def image_conversations(
     out = []
     for i, (row, messages) in enumerate(zip(rows, _conversations(rows, where), strict=True)):
         images = row_images(row, i, where, base_dir)
-        messages = with_vision_spans(messages, i, where, len(images))
+        messages = with_vision_spans(messages, i, where, len(images), processor=processor)
         ids, mask = tokenize_conversation(processor.tokenizer, messages, i)
         if not images:
             out.append((ids, mask, None))
             continue
         mm = processor.images(images)
-        counts = iter(mm.image_token_counts(processor.merge_size))
+        counts = iter(processor.image_token_counts(mm))
         full, full_mask = [], []
         for t, m in zip(ids, mask, strict=True):
             n = next(counts) if t == processor.image_token_id else 1

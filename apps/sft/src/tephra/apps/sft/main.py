@@ -262,7 +262,7 @@ def vision_processor(cfg: SFTConfig, model_path: str):
     if not is_vision_config(AutoConfig.from_pretrained(model_path)):
         raise ConfigError(
             f"{what} but model.path={cfg.model.path!r} is a text-only model; use "
-            "a vision-language model (Qwen2-VL family, or tiny_vlm)"
+            "a vision-language model (Qwen2-VL family or LLaVA, or tiny_vlm)"
         )
     return VisionProcessor.from_pretrained(model_path)
 

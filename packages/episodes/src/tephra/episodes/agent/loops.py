@@ -17,7 +17,7 @@ from tephra.episodes.environments.base import Environment, StepResult
 from tephra.episodes.environments.tool_env import ToolEnvironment
 from tephra.episodes.tools.base import Tool
 from tephra.rollout.base import Rollout, SamplingParams
-from tephra.rollout.multimodal import MultimodalInputs, check_image_tokens
+from tephra.rollout.multimodal import MultimodalInputs
 from tephra.rollout.samples import Sample
 
 
@@ -377,7 +377,7 @@ class EnvironmentLoop(_TokenLoop):
         and the training forward would count one image slot too many."""
         if self.processor is None:
             return gen, False
-        slots = {self.processor.image_token_id, self.processor.video_token_id}
+        slots = {self.processor.image_token_id, self.processor.video_token_id} - {None}
         n = next((i for i, t in enumerate(gen.response_ids) if t in slots), None)
         if n is None:
             return gen, False
@@ -425,18 +425,11 @@ class EnvironmentLoop(_TokenLoop):
                 )
             return delta.append_ids(result.observation, stop_text), None
         shown = processor.images(result.images) if result.images else None
-        counts = shown.image_token_counts(processor.merge_size) if shown is not None else []
+        counts = processor.image_token_counts(shown) if shown is not None else []
         ids = delta.append_ids(
             result.observation, stop_text, [processor.image_span(n) for n in counts]
         )
-        check_image_tokens(
-            ids,
-            shown,
-            processor.image_token_id,
-            processor.merge_size,
-            where,
-            processor.video_token_id,
-        )
+        processor.check(ids, shown, where)
         return ids, shown
 
 

@@ -46,13 +46,7 @@ from tephra.rollout.base import (
     SamplingParams,
     check_prompts,
 )
-from tephra.rollout.multimodal import (
-    MultimodalInputs,
-    check_image_tokens,
-    hf_model_kwargs,
-    image_token_id,
-    video_token_id,
-)
+from tephra.rollout.multimodal import MultimodalInputs, check_image_tokens, vision_family
 
 _SEED_MASK = 2**64 - 1
 """torch generators take seeds in [0, 2**64); larger or negative seeds wrap."""
@@ -382,12 +376,7 @@ class HFRollout(Rollout):
             width = ids.shape[1]
         # images (vision-language model): pixel inputs of the rows, in row order
         mm_kwargs = (
-            hf_model_kwargs(
-                ids.cpu(),
-                multimodal,
-                image_token_id(self.model.config),
-                video_token_id(self.model.config),
-            )
+            vision_family(self.model.config).model_kwargs(ids.cpu(), multimodal, self.model.config)
             if (multimodal and any(m is not None for m in multimodal))
             else {}
         )
@@ -493,14 +482,11 @@ class HFRollout(Rollout):
             )
         check_prompts([prompt_ids], sampling, self.config.max_model_len, self.vocab_size)
         if multimodal is not None:
-            config = self.model.config
             check_image_tokens(
                 list(prompt_ids),
                 multimodal,
-                image_token_id(config),
-                int(config.vision_config.spatial_merge_size),
+                self.model.config,
                 f"agenerate (session {session_id})",
-                video_token_id(config),
             )
         key = (
             sampling.temperature,
