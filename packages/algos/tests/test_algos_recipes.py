@@ -236,6 +236,8 @@ def test_spin_objective_sums_to_the_mean_over_pairs():
     }
     with pytest.raises(InputError, match="SPIN pairs are cut"):
         objective({"log_probs": lp[1:3]}, batch)
+    with pytest.raises(InputError, match=r"batch\['keep_together'\] is missing: the SPIN loss"):
+        objective({"log_probs": lp[1:3]}, {k: v for k, v in batch.items() if k != "keep_together"})
 
 
 def test_sequence_log_probs_sum_response_tokens():

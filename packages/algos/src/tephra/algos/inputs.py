@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import torch
 
 from tephra.algos.errors import InputError
+
+
+def check_keys(
+    outputs: Mapping[str, torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
+    output_keys: Iterable[str],
+    batch_keys: Iterable[str],
+    why: str,
+) -> None:
+    """Raise naming the first key a loss reads that `outputs` or `batch` lacks (`why`: what
+    needs it)."""
+    for where, mapping, keys in (("outputs", outputs, output_keys), ("batch", batch, batch_keys)):
+        for key in keys:
+            if key not in mapping.keys():
+                raise InputError(f"{where}[{key!r}] is missing: {why}")
 
 
 def check_same_shape(**tensors: torch.Tensor) -> None:

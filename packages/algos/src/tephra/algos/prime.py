@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tephra.algos.errors import InputError
 from tephra.algos.groups import group_index
-from tephra.algos.inputs import check_per_sample, check_same_shape
+from tephra.algos.inputs import check_keys, check_per_sample, check_same_shape
 from tephra.algos.masked import masked_mean, masked_sum, masked_whiten
 
 
@@ -123,17 +123,13 @@ class PrimeRMObjective:
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        for where, mapping, key in (
-            ("outputs", outputs, "log_probs"),
-            ("batch", batch, "ref_log_probs"),
-            ("batch", batch, "response_mask"),
-            ("batch", batch, "prime_labels"),
-            ("batch", batch, "global_seq_count"),
-        ):
-            if key not in mapping.keys():
-                raise InputError(
-                    f"{where}[{key!r}] is missing: the PRIME reward model's loss needs it"
-                )
+        check_keys(
+            outputs,
+            batch,
+            ["log_probs"],
+            ["ref_log_probs", "response_mask", "prime_labels", "global_seq_count"],
+            "the PRIME reward model's loss needs it",
+        )
         log_probs, mask = outputs["log_probs"], batch["response_mask"]
         rewards = implicit_process_rewards(log_probs, batch["ref_log_probs"], mask, self.beta)
         seq = rewards.sum(-1)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tephra.algos.errors import InputError
 from tephra.algos.groups import group_index
-from tephra.algos.inputs import check_per_sample, check_same_shape
+from tephra.algos.inputs import check_keys, check_per_sample, check_same_shape
 from tephra.algos.masked import masked_sum
 
 
@@ -84,16 +84,13 @@ class SpinObjective:
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        for where, mapping, key in (
-            ("outputs", outputs, "log_probs"),
-            ("batch", batch, "ref_log_probs"),
-            ("batch", batch, "response_mask"),
-            ("batch", batch, SPIN_CHOSEN),
-            ("batch", batch, PAIR_ID),
-            ("batch", batch, "global_seq_count"),
-        ):
-            if key not in mapping.keys():
-                raise InputError(f"{where}[{key!r}] is missing: the SPIN loss needs it")
+        check_keys(
+            outputs,
+            batch,
+            ["log_probs"],
+            ["ref_log_probs", "response_mask", SPIN_CHOSEN, PAIR_ID, "global_seq_count"],
+            "the SPIN loss needs it",
+        )
         mask = batch["response_mask"]
         seq = sequence_log_probs(outputs["log_probs"], mask)
         ref = sequence_log_probs(batch["ref_log_probs"].to(seq.dtype), mask)
