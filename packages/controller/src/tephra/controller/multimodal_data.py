@@ -33,12 +33,6 @@ IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 """verl's marker of a video in a message's text."""
 
-VIDEO_SPAN = "<|vision_start|><|video_pad|><|vision_end|>"
-"""What a video placeholder becomes before the processor expands `<|video_pad|>`."""
-
-VISION_SPAN = "<|vision_start|><|image_pad|><|vision_end|>"
-"""What a placeholder becomes before the processor expands `<|image_pad|>` (Qwen2-VL)."""
-
 
 @dataclass
 class MultimodalPrompt:
@@ -123,12 +117,12 @@ def with_vision_spans(
     messages: list[dict],
     index: int,
     where: str,
+    processor: VisionProcessor,
     n_images: int,
     n_videos: int = 0,
-    processor: VisionProcessor | None = None,
 ) -> list[dict]:
     """Messages with each `<image>` (`<video>`) replaced by the vision span of `processor`'s
-    model family (Qwen2-VL's without one); counts must match."""
+    model family; counts must match."""
     refuse_raw_vision_tokens(messages, index, where)
     for marker, n, field, what in (
         (IMAGE_PLACEHOLDER, n_images, "images", "image"),
@@ -147,19 +141,18 @@ def with_vision_spans(
                 f"holds {n} {what}(s) but the prompt has {count} {marker} placeholder(s); {fix}",
                 field,
             )
-    image_span = processor.span_text(processor.image_token) if processor else VISION_SPAN
-    video = processor.video_token if processor else "<|video_pad|>"
+    spans = {IMAGE_PLACEHOLDER: processor.span_text(processor.image_token)}
     # a family without videos: the count check above already refused any <video>
-    video_span = processor.span_text(video) if processor and video else VIDEO_SPAN
+    if processor.video_token is not None:
+        spans[VIDEO_PLACEHOLDER] = processor.span_text(processor.video_token)
+
+    def expand(text: str) -> str:
+        for marker, span in spans.items():
+            text = text.replace(marker, span)
+        return text
+
     return [
-        {
-            **m,
-            "content": m["content"]
-            .replace(IMAGE_PLACEHOLDER, image_span)
-            .replace(VIDEO_PLACEHOLDER, video_span),
-        }
-        if isinstance(m["content"], str)
-        else m
+        {**m, "content": expand(m["content"])} if isinstance(m["content"], str) else m
         for m in messages
     ]
 
@@ -204,7 +197,7 @@ def multimodal_prompt_from_row(
     record = record_from_row(row, index, where)
     images = row_images(row, index, where, base_dir)
     videos = row_videos(row, index, where, base_dir)
-    messages = with_vision_spans(record.prompt, index, where, len(images), len(videos), processor)
+    messages = with_vision_spans(record.prompt, index, where, processor, len(images), len(videos))
     if not images and not videos:
         return MultimodalPrompt(record, chat_prompt_ids(processor.tokenizer, messages), None)
     # render as text, then expand: each image gets exactly its grid's number of tokens

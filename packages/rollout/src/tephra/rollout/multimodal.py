@@ -259,7 +259,6 @@ def build_tiny_vlm(
     `LlavaForConditionalGeneration` (`"llava"`, `build_tiny_llava`)."""
     # transformers takes seconds to import; the config checks import this module
     from transformers import (
-        GenerationConfig,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLConfig,
@@ -338,11 +337,7 @@ def build_tiny_vlm(
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    _save_tiny(model_cls, config, tok, path, seed, eos, pad)
     Qwen2VLImageProcessorPil(
         min_pixels=112 * 112,
         max_pixels=448 * 448,
@@ -351,6 +346,20 @@ def build_tiny_vlm(
         temporal_patch_size=2,
     ).save_pretrained(path)
     return TinyVLM(str(path), len(tok), eos, pad, ids["<|image_pad|>"])
+
+
+def _save_tiny(
+    model_cls: Any, config: Any, tok: Any, path: Path, seed: int, eos: int, pad: int
+) -> None:
+    """Initialise `model_cls(config)` seeded, in float32, generating until `eos` (padding
+    with `pad`), and save it with its tokenizer in `path`."""
+    from transformers import GenerationConfig  # heavy: as the builders' own imports
+
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
 
 
 LLAVA_IMAGE_SIZE = 56
@@ -373,7 +382,6 @@ def build_tiny_llava(
     # transformers takes seconds to import; the config checks import this module
     from transformers import (
         CLIPImageProcessorPil,
-        GenerationConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
@@ -422,11 +430,7 @@ def build_tiny_llava(
         eos_token_id=eos,
         pad_token_id=pad,
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).to(torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    _save_tiny(LlavaForConditionalGeneration, config, tok, path, seed, eos, pad)
     images = CLIPImageProcessorPil(
         size={"shortest_edge": LLAVA_IMAGE_SIZE},
         crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},

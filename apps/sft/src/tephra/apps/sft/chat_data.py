@@ -196,7 +196,7 @@ def image_conversations(
     out = []
     for i, (row, messages) in enumerate(zip(rows, _conversations(rows, where), strict=True)):
         images = row_images(row, i, where, base_dir)
-        messages = with_vision_spans(messages, i, where, len(images), processor=processor)
+        messages = with_vision_spans(messages, i, where, processor, len(images))
         ids, mask = tokenize_conversation(processor.tokenizer, messages, i)
         if not images:
             out.append((ids, mask, None))
