@@ -1,6 +1,7 @@
 """The trainer on the `vllm` rollout backend (a real vLLM CPU server): the colocated worker's
 rollout log-probs against its engine's, the server following each update in memory, and the
-app's smoke presets (plain and multi-turn with the python tool) training 2 steps."""
+app's smoke presets (plain and multi-turn with the python tool) and its tiny vision-language
+preset (images on the server) training 2 steps."""
 
 from __future__ import annotations
 
@@ -158,6 +159,30 @@ def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset
     with get_rollout("vllm", config) as served, get_rollout("hf", config) as reference:
         ours, theirs = served.generate(prompts, greedy), reference.generate(prompts, greedy)
     assert ours.response_ids == theirs.response_ids
+
+
+def test_vlm_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python):
+    """Images on the vLLM server: the vlm_smoke preset (GRPO on a tiny random Qwen2-VL whose
+    vision tower trains too) for 2 steps with 2 mini-batches. Each step the server's log-probs
+    of the sampled responses to the images equal the fsdp engine's recomputed ones (fp32), so
+    at step 2 the server holds the vision tower that step 1 trained."""
+    cfg = parse_config(
+        [
+            "-p",
+            "vlm_smoke",
+            "batch.mini_batches=2",
+            "rollout.backend=vllm",
+            f"rollout.vllm.python={vllm_python}",
+            f"trainer.run_dir={tmp_path}",
+        ]
+    )
+    assert run(cfg)["steps"] == 2
+    train = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["rollout_corr/log_prob_abs_gap_mean"] < TOL
+        assert abs(math.log(r["rollout_corr/ratio_max"])) < TOL
+        assert r["actor/grad_norm"] > 0 and r["reward/errors"] == 0 and r["time/sync_s"] > 0
 
 
 def test_killed_vllm_server_is_restarted_and_the_run_matches(

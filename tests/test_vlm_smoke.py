@@ -221,7 +221,7 @@ def test_video_parquet_trains_two_steps(ray_session, tmp_path):
 @pytest.mark.parametrize(
     ("override", "field"),
     [
-        ("rollout.backend=vllm", "rollout.backend='vllm'"),
+        ("rollout.backend=sglang", "rollout.backend='sglang'"),
         ("actor.engine=megatron", "actor.engine='megatron'"),
         ("trainer.mode=one_step_off", "trainer.mode='one_step_off'"),
         ("algorithm.adv_estimator=remax", "algorithm.adv_estimator='remax'"),

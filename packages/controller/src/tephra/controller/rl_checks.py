@@ -486,16 +486,16 @@ def check_vision_family(cfg: PPOConfig) -> None:
 
 
 def check_image_support(cfg: PPOConfig) -> None:
-    """Images travel through the hf rollout and the fsdp engine in the sync loop only."""
+    """Images travel through the hf or vllm rollout and the fsdp engine in the sync loop only."""
     what = (
         "data.source=colour_squares" if cfg.data.source == "colour_squares" else "data.images=true"
     )
     r, a = cfg.rollout, cfg.algorithm
     refused = [
         (
-            r.backend != "hf",
-            f"rollout.backend={r.backend!r}: only the hf backend generates "
-            "with images; set rollout.backend=hf",
+            r.backend not in ("hf", "vllm"),
+            f"rollout.backend={r.backend!r}: only the hf and vllm backends generate "
+            "with images; set rollout.backend=hf or rollout.backend=vllm",
         ),
         (
             cfg.actor.engine != "fsdp",

@@ -29,7 +29,7 @@ def tiny_tied_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 @pytest.fixture(scope="session")
 def vllm_python(pytestconfig: pytest.Config) -> str:
     """Python of the CPU vLLM environment (`$TEPHRA_VLLM_PYTHON`, else built by the
-    repository's scripts/build_vllm_env.sh on first use: ~7.5 minutes once, then a marker
+    repository's scripts/build_vllm_env.sh on first use: ~1.5 minutes once, then a marker
     file makes it instant)."""
     if os.environ.get("TEPHRA_VLLM_PYTHON"):
         return os.environ["TEPHRA_VLLM_PYTHON"]

