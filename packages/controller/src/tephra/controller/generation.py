@@ -158,7 +158,7 @@ class Generator:
 
     def _generate_plain(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
         images = [i.multimodal for i in items]
-        # text prompts keep the backends' plain signature (vLLM / SGLang take no images)
+        # text prompts keep the backends' plain signature (SGLang takes no images)
         extra = {"multimodal": images} if any(m is not None for m in images) else {}
         out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling, **extra)
         tok = self.tokenizer()
@@ -167,8 +167,8 @@ class Generator:
             sample.text = tok.decode(sample.response_ids, skip_special_tokens=True)
             sample.sample_id = items[k // sampling.n].sample_id
             sample.multimodal = images[k // sampling.n]
-        if extra:  # the rollout engine is hf (images go nowhere else): its config has the id
-            config = self.rollout.model.config
+        if extra:  # a vision-language model (hf or vllm): its config has the ids
+            config = AutoConfig.from_pretrained(self.model_path)
             samples = [end_before_token(s, image_token_id(config), tok) for s in samples]
             video_token = video_token_id(config)  # a sampled video slot fails the same way
             if video_token is not None:
