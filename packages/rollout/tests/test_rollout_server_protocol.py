@@ -3,9 +3,11 @@ their APIs document it), the weights folder, and process failures (with stand-in
 
 from __future__ import annotations
 
+import base64
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,9 +16,10 @@ from transformers import AutoModelForCausalLM
 
 from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
 from tephra.rollout.backends import SglangProtocol, VllmProtocol
-from tephra.rollout.backends.server_client import merge_env
+from tephra.rollout.backends.server_client import image_payload, merge_env
 from tephra.rollout.backends.server_process import ServerProcess
 from tephra.rollout.backends.weights_folder import is_tied, untied_copy, write_update
+from tephra.rollout.multimodal import MultimodalInputs
 
 
 def test_vllm_request_and_response_translation(tiny_model):
@@ -104,6 +107,64 @@ def test_vllm_request_and_response_translation(tiny_model):
         assert command[command.index(flag) + 1] == value
     assert "--enforce-eager" in command and command[-1] == "--x"
     assert protocol.default_env()["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_vllm_image_request_translation(tmp_path):
+    """A prompt with two images (grids 1x4x4 and 1x2x4: 4 and 2 tokens after the 2x2 merge):
+    each image's placeholder run, the tensors as exact bytes, hashes that change with the
+    pixels and the update count; the generate route's response parsed; the image routes
+    only for a vision model's folder."""
+    hf_config = SimpleNamespace(
+        model_type="qwen2_vl", image_token_id=9, vision_config=SimpleNamespace(spatial_merge_size=2)
+    )
+    grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
+    pixels = torch.randn(24, 6, generator=torch.Generator().manual_seed(0))
+    images = MultimodalInputs(pixels, grid)
+    prompt = [1, 5, 9, 9, 9, 9, 6, 2, 5, 9, 9, 6, 3]
+    payload = image_payload(prompt, images, hf_config, salt=0)
+    assert payload["placeholders"] == [(2, 4), (9, 2)]
+    sent = payload["tensors"]["pixel_values"]
+    assert (sent["dtype"], sent["shape"]) == ("float32", [24, 6])
+    assert base64.b64decode(sent["data"]) == pixels.numpy().tobytes()
+    assert payload["tensors"]["image_grid_thw"]["dtype"] == "int64"
+    assert len(set(payload["hashes"])) == 2
+    assert image_payload(prompt, images, hf_config, salt=0)["hashes"] == payload["hashes"]
+    after_update = image_payload(prompt, images, hf_config, salt=1)["hashes"]
+    assert not set(after_update) & set(payload["hashes"])
+    with pytest.raises(RolloutError, match="image 0's 4 placeholder tokens are not one run"):
+        image_payload([1, 9, 9, 5, 9, 9, 9, 9, 3], images, hf_config, salt=0)
+
+    protocol = VllmProtocol()
+    sampling = SamplingParams(temperature=0.0, max_tokens=3)
+    [(path, body)] = protocol.image_requests(prompt, sampling, payload)
+    assert path == "/tephra/generate"
+    assert body["token_ids"] == prompt and body["images"] is payload
+    assert body["sampling_params"]["logprobs"] == 0 and body["return_token_ids"]
+    response = {
+        "prompt_token_ids": prompt,
+        "choices": [
+            {
+                "index": 0,
+                "token_ids": [4, 4, 2],
+                "finish_reason": "stop",
+                "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in (4, 4, 2)]},
+            }
+        ],
+    }
+    [sample] = protocol.parse_samples(response, sampling)
+    assert (sample.response_ids, sample.log_probs) == ([4, 4, 2], [-0.5, -0.5, -0.5])
+
+    text_model, vision_model = tmp_path / "text", tmp_path / "vision"
+    text_model.mkdir()
+    vision_model.mkdir()
+    (text_model / "config.json").write_text('{"model_type": "qwen2"}')
+    (vision_model / "config.json").write_text('{"model_type": "qwen2_vl", "vision_config": {}}')
+    config = RolloutConfig(model_path=str(text_model), max_model_len=64)
+    text = protocol.launch_command("py", str(text_model), "h", 9, config, config.vllm)
+    vision = protocol.launch_command("py", str(vision_model), "h", 9, config, config.vllm)
+    assert "--enable-scale-out" not in text and "tephra_vllm_images.TephraImages" not in text
+    assert "--enable-scale-out" in vision and "--no-mm-device-do-normalize" in vision
+    assert vision[vision.index("--middleware") + 1] == "tephra_vllm_images.TephraImages"
 
 
 def test_sglang_request_and_response_translation():
@@ -227,7 +288,9 @@ def test_server_settings_reach_the_command_line_and_the_transfer_requests():
     assert (PLUGIN_DIR / "tephra_vllm_plugin.py").is_file()
     disk = ServerSettings(weight_sync="disk")
     assert "--weight-transfer-config" not in vllm.launch_command("py", "m", "h", 9, config, disk)
-    assert vllm.launch_env(disk) == {}
+    # the plugin folder is on the path either way: a vision model's server loads the image
+    # middleware from it whatever the weight sync
+    assert vllm.launch_env(disk) == {"PYTHONPATH": str(PLUGIN_DIR)}
     # a key reaches vLLM through the environment (and tephra's guard), SGLang by its flag
     assert vllm.key_launch("k") == (
         ["--middleware", "tephra_vllm_guard.RequireKey"],
