@@ -89,24 +89,40 @@ def test_vllm_greedy_with_images_equals_hf(rollouts, prompts, vlm):
 
 
 def test_vllm_update_of_the_vision_tower_reaches_the_server(rollouts, prompts, vlm, tmp_path):
-    """Only the vision tower's weights change (those of a tiny VLM of another seed, in the
-    Hugging Face names the trainer exports): image prompts follow them on the server as on
-    hf, the text-only prompt does not change."""
+    """Only the vision tower's weights change (those of tiny VLMs of other seeds, in the
+    Hugging Face names the trainer exports), in memory and then through the disk: image
+    prompts follow them on the server as on hf, the text-only prompt does not change."""
     vllm, hf = rollouts
     ids, images = prompts
     before = vllm.generate(ids, GREEDY, multimodal=images)
-    other = build_tiny_vlm(tmp_path / "other", seed=1)
-    model = AutoModelForImageTextToText.from_pretrained(other.path, dtype=torch.float32)
-    tower = {k: v for k, v in model.state_dict().items() if k.startswith("model.visual.")}
-    assert len(tower) > 10
-    for rollout in (hf, vllm):
-        rollout.update_weights(iter(tower.items()))
-    after = vllm.generate(ids, GREEDY, multimodal=images)
-    assert_same(after, hf.generate(ids, GREEDY, multimodal=images))
-    for i in (0, 1):
-        assert after.log_probs[i] != pytest.approx(before.log_probs[i], abs=1e-3)
-    assert after.response_ids[2] == before.response_ids[2]
-    torch.testing.assert_close(torch.tensor(after.log_probs[2]), torch.tensor(before.log_probs[2]))
+
+    def tower(seed: int) -> dict[str, torch.Tensor]:
+        other = build_tiny_vlm(tmp_path / f"seed{seed}", seed=seed)
+        model = AutoModelForImageTextToText.from_pretrained(other.path, dtype=torch.float32)
+        return {k: v for k, v in model.state_dict().items() if k.startswith("model.visual.")}
+
+    def update(weights: dict[str, torch.Tensor]):
+        assert len(weights) > 10
+        for rollout in (hf, vllm):
+            rollout.update_weights(iter(weights.items()))
+        after = vllm.generate(ids, GREEDY, multimodal=images)
+        assert_same(after, hf.generate(ids, GREEDY, multimodal=images))
+        for i in (0, 1):
+            assert after.log_probs[i] != pytest.approx(before.log_probs[i], abs=1e-3)
+        assert after.response_ids[2] == before.response_ids[2]
+        torch.testing.assert_close(
+            torch.tensor(after.log_probs[2]), torch.tensor(before.log_probs[2])
+        )
+        return after
+
+    in_memory = update(tower(1))
+    vllm.settings.weight_sync = "disk"  # the fallback: safetensors reloaded by the server
+    try:
+        on_disk = update(tower(2))
+        assert any(p.name.startswith("update-") for p in vllm.weights_dir.iterdir())
+    finally:
+        vllm.settings.weight_sync = "memory"
+    assert on_disk.log_probs[0] != pytest.approx(in_memory.log_probs[0], abs=1e-3)
 
 
 def test_vllm_refuses_videos_and_miscounted_images(rollouts, prompts):
