@@ -104,7 +104,11 @@ def main() -> None:
         ),
     }
     args.results.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("median_s", "total_ratio", "no_bytecode_ratio")}, indent=2))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("median_s", "total_ratio", "no_bytecode_ratio")}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":
