@@ -95,11 +95,18 @@ def test_qwen2_5_vl_with_a_critic_trains_two_steps(ray_session, tmp_path):
     [
         pytest.param("tiny_qwen2_5_vl", (), id="qwen2_5_vl"),
         pytest.param("tiny_llava", (), id="llava"),
-        # on 2 data-parallel ranks (LLaVA's CLIP tower and projector sharded by FSDP,
-        # frozen): 20 s here, so left to `-m slow`; engine-fsdp's 2-rank image test compares
-        # LoRA on LLaVA with 1 rank in every run
+        # apps/ppo's README command: on 2 data-parallel ranks (LLaVA's CLIP tower and
+        # projector sharded by FSDP, frozen) with a LoRA critic: 25 s here, so left to
+        # `-m slow`; engine-fsdp's 2-rank image test compares LoRA on LLaVA with 1 rank always
         pytest.param(
-            "tiny_llava", ("resources.world_size=2",), marks=pytest.mark.slow, id="llava-2-ranks"
+            "tiny_llava",
+            (
+                "resources.world_size=2",
+                "algorithm.adv_estimator=gae",
+                "critic.lora.rank=4",
+            ),
+            marks=pytest.mark.slow,
+            id="llava-2-ranks-critic",
         ),
     ],
 )
