@@ -27,9 +27,10 @@ from tephra.core.errors import ConfigError
 
 
 def _two_steps(run_dir, *overrides: str) -> list[dict]:
-    """2 GRPO steps of the vlm_smoke preset with `overrides`, 2 mini-batches: each step's
-    training record, after checking the trainer's log-probs of the images equal the rollout's
-    (fp32 both), the update moved the policy and no sample's scorer failed."""
+    """2 steps of the vlm_smoke preset (GRPO unless `overrides` say otherwise) with
+    `overrides`, 2 mini-batches: each step's training record, after checking the trainer's
+    log-probs of the images equal the rollout's (fp32 both), the update moved the policy and
+    no sample's scorer failed."""
     cfg = ["-p", "vlm_smoke", "batch.mini_batches=2", *overrides, f"trainer.run_dir={run_dir}"]
     assert run(parse_config(cfg))["steps"] == 2
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
@@ -165,7 +166,7 @@ def _tower_weights(folder) -> dict[str, torch.Tensor]:
 
 
 def _language_weights(folder) -> list[tuple[str, float]]:
-    # (name, sum) of the language model's attention weights: enough to tell a moved model
+    # (name, sum) of the language model's projection weights: enough to tell a moved model
     out = []
     for f in sorted(folder.glob("*.safetensors")):
         for k, v in sorted(load_file(f).items()):
