@@ -4,6 +4,7 @@ by side: runs alternate between the two so both see the same machine load. Write
 
     uv run python benchmarks/startup.py                      # against 7753f94, 3 runs each
     uv run python benchmarks/startup.py --baseline REV --runs 5 --preset smoke
+    uv run python benchmarks/startup.py --preset demo --results benchmarks/results/startup_demo.json
     env -u PYTHONDONTWRITEBYTECODE uv run python benchmarks/startup.py \
         --results benchmarks/results/startup_writes_pyc.json   # where Python writes .pyc
 
@@ -49,7 +50,8 @@ def one_run(preset: str, pythonpath: list[str], bytecode: bool) -> dict[str, flo
         if not bytecode:  # Python reads .pyc files only under the (empty) prefix
             env["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "no-pyc")
         main = "from tephra.apps.ppo.main import main; main()"
-        cmd = [sys.executable, "-c", main, "-p", preset, "trainer.steps=1"]
+        cmd = [sys.executable, "-c", main, *(["-p", preset] if preset != "demo" else [])]
+        cmd.append("trainer.steps=1")
         cmd += [f"trainer.run_dir={tmp}", "trainer.val_before=false", "trainer.val_after=false"]
         subprocess.run(cmd, env=env, check=True, capture_output=True, cwd=ROOT)
         return json.loads((Path(tmp) / "summary.json").read_text())["startup"]
@@ -59,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default="7753f94", help="the commit to compare with")
     parser.add_argument("--runs", type=int, default=3, help="runs of each, alternating")
-    parser.add_argument("--preset", default="smoke")
+    parser.add_argument("--preset", default="smoke", help="a preset, or `demo` (no preset)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="where to write")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,7 +106,11 @@ def main() -> None:
         ),
     }
     args.results.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("median_s", "total_ratio", "no_bytecode_ratio")}, indent=2))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("median_s", "total_ratio", "no_bytecode_ratio")}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

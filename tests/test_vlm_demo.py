@@ -151,6 +151,9 @@ def test_warmup_then_grpo_end_to_end(ray_session, tmp_path):
     )
     assert summary["steps"] == 1
     assert summary["accuracy_before"] is not None and summary["accuracy_after"] is not None
+    # the SFT export's images: the trainer's log-probs equal the hf rollout's (fp32 both)
+    (record,) = [r for r in read_jsonl(tmp_path / "rl" / "metrics.jsonl") if "reward/mean" in r]
+    assert record["rollout_corr/log_prob_abs_gap_mean"] < 1e-4
 
 
 @pytest.mark.slow

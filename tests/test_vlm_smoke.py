@@ -1,7 +1,8 @@
 """Images end to end through Ray: the PPO app's vlm_smoke preset (GRPO on a tiny random
-Qwen2-VL, the synthetic colour_squares task) and verl multimodal parquet files; the trainer's
-log-probs of the sampled images equal the rollout's, and the vision tower trains. Unsupported
-combinations are refused before Ray starts."""
+Qwen2-VL, Qwen2.5-VL or LLaVA, the synthetic colour_squares task) and verl multimodal parquet
+files, with a critic, with LoRA, and after apps/sft on images; the trainer's log-probs of the
+sampled images equal the rollout's, and the vision tower trains (or stays frozen under LoRA).
+Unsupported combinations are refused before Ray starts."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from tephra.apps.ppo.main import parse_config, run
+from tephra.apps.sft.main import parse_config as sft_config
+from tephra.apps.sft.main import run as sft_run
 from tephra.controller.colour_squares import colour_square_rows
 from tephra.controller.models import resolve_model_path
 from tephra.controller.ppo import prepare
@@ -23,20 +26,11 @@ from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 
 
-def _vision_weights(folder) -> dict[str, torch.Tensor]:
-    weights = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        # transformers saves `visual.*` or `model.visual.*` (versions differ); both load
-        weights.update(
-            {k[k.index("visual.") :]: v for k, v in load_file(f).items() if "visual." in k}
-        )
-    return weights
-
-
 def _two_steps(run_dir, *overrides: str) -> list[dict]:
-    """2 GRPO steps of the vlm_smoke preset with `overrides`, 2 mini-batches: each step's
-    training record, after checking the trainer's log-probs of the images equal the rollout's
-    (fp32 both), the update moved the policy and no sample's scorer failed."""
+    """2 steps of the vlm_smoke preset (GRPO unless `overrides` say otherwise) with
+    `overrides`, 2 mini-batches: each step's training record, after checking the trainer's
+    log-probs of the images equal the rollout's (fp32 both), the update moved the policy and
+    no sample's scorer failed."""
     cfg = ["-p", "vlm_smoke", "batch.mini_batches=2", *overrides, f"trainer.run_dir={run_dir}"]
     assert run(parse_config(cfg))["steps"] == 2
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
@@ -74,8 +68,8 @@ def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path):
         assert r["actor/grad_norm"] > 0 and r["reward/errors"] == 0
     # partial credit makes the groups' rewards differ: there is an advantage to learn from
     assert any(r["reward/mean"] > 0 for r in train)
-    before = _vision_weights(Path(resolve_model_path("tiny_vlm", 0)))
-    after = _vision_weights(tmp_path / "hf")
+    before = _tower_weights(Path(resolve_model_path("tiny_vlm", 0)))
+    after = _tower_weights(tmp_path / "hf")
     assert before and before.keys() == after.keys()
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(moved) > len(before) // 2, moved
@@ -97,20 +91,45 @@ def test_qwen2_5_vl_with_a_critic_trains_two_steps(ray_session, tmp_path):
 
 
 @pytest.mark.multiproc
-def test_lora_on_a_vlm_trains_two_steps_with_the_tower_frozen(ray_session, tmp_path):
+@pytest.mark.parametrize(
+    ("model", "extra"),
+    [
+        pytest.param("tiny_qwen2_5_vl", (), id="qwen2_5_vl"),
+        pytest.param("tiny_llava", (), id="llava"),
+        # apps/ppo's README command: on 2 data-parallel ranks (LLaVA's CLIP tower and
+        # projector sharded by FSDP, frozen) with a LoRA critic: 25 s here, so left to
+        # `-m slow`; engine-fsdp's 2-rank image test compares LoRA on LLaVA with 1 rank always
+        pytest.param(
+            "tiny_llava",
+            (
+                "resources.world_size=2",
+                "algorithm.adv_estimator=gae",
+                "critic.lora.rank=4",
+            ),
+            marks=pytest.mark.slow,
+            id="llava-2-ranks-critic",
+        ),
+    ],
+)
+def test_lora_on_a_vlm_trains_two_steps_with_the_tower_frozen(ray_session, tmp_path, model, extra):
     # adapters in the language model only (actor.lora.vision=frozen, the default): the hf
     # rollout generates with the merged weights and the trainer recomputes the same log-probs
     _two_steps(
         tmp_path,
-        "model.path=tiny_qwen2_5_vl",
+        f"model.path={model}",
         "actor.lora.rank=4",
         "actor.optimizer.lr=0.05",
         "trainer.export_hf=true",
+        *extra,
     )
-    before = _vision_weights(Path(resolve_model_path("tiny_qwen2_5_vl", 0)))
-    after = _vision_weights(tmp_path / "hf")
-    assert before.keys() == after.keys()
+    before = _tower_weights(Path(resolve_model_path(model, 0)))
+    after = _tower_weights(tmp_path / "hf")
+    assert before and before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the tower stayed frozen
+    # the language model moved (the adapters merged into the export)
+    assert _language_weights(tmp_path / "hf") != _language_weights(
+        Path(resolve_model_path(model, 0))
+    )
 
 
 @pytest.mark.multiproc
@@ -130,27 +149,30 @@ def test_multi_turn_environment_with_images_trains_two_steps(ray_session, tmp_pa
         assert 1.0 < r["agent/turns_mean"] <= 2.0  # an episode may end early (image_token)
 
 
-@pytest.mark.multiproc
-def test_llava_trains_two_steps(ray_session, tmp_path):
-    # a second family whose processor differs (whole 56-pixel images, `<image>` tokens, plain
-    # positions): the hf rollout's log-probs of the images equal the fsdp engine's, and the
-    # CLIP tower and projector train
-    _two_steps(tmp_path, "model.path=tiny_llava", "trainer.export_hf=true")
-    before = _tower_weights(Path(resolve_model_path("tiny_llava", 0)))
-    after = _tower_weights(tmp_path / "hf")
-    assert before and before.keys() == after.keys()
-    assert sum(not torch.equal(before[k], after[k]) for k in before) > len(before) // 2
+TOWER_PARTS = ("visual.", "vision_tower.", "multi_modal_projector.")
+"""Name parts of the vision tower (Qwen2-VL family: `visual`; LLaVA: its CLIP tower and
+projector)."""
 
 
 def _tower_weights(folder) -> dict[str, torch.Tensor]:
-    # LLaVA's CLIP tower and projector, saved with or without the `model.` prefix
+    # the tower's weights, saved with or without the `model.` prefix (versions differ)
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
         for k, v in load_file(f).items():
-            for part in ("vision_tower.", "multi_modal_projector."):
+            for part in TOWER_PARTS:
                 if part in k:
                     out[k[k.index(part) :]] = v
     return out
+
+
+def _language_weights(folder) -> list[tuple[str, float]]:
+    # (name, sum) of the language model's projection weights: enough to tell a moved model
+    out = []
+    for f in sorted(folder.glob("*.safetensors")):
+        for k, v in sorted(load_file(f).items()):
+            if "_proj.weight" in k and not any(p in k for p in TOWER_PARTS):
+                out.append((k[k.index("layers.") :], float(v.double().sum())))
+    return sorted(out)
 
 
 def _parquet(path, size, seed) -> None:
@@ -289,10 +311,12 @@ def test_sft_image_rows_expand_image_tokens_untrained(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_sft_on_image_rows_lowers_the_loss(ray_session, tmp_path):
-    from tephra.apps.sft.main import parse_config as sft_config
-    from tephra.apps.sft.main import run as sft_run
-
+def test_sft_on_llava_image_rows_then_ppo_with_a_critic(ray_session, tmp_path):
+    # apps/sft on verl multimodal rows with a LLaVA (whole 56-pixel images, `<image>` tokens,
+    # plain positions; apps/sft's colour_squares warm-up of tiny_vlm is test_vlm_demo's):
+    # the loss falls; then PPO with a critic (GAE) from that export: the hf rollout's
+    # log-probs of the images equal the fsdp engine's, the critic's value loss falls, and the
+    # CLIP tower and projector train in both apps
     _sft_parquet(tmp_path / "train.parquet", 16, 1)
     _sft_parquet(tmp_path / "val.parquet", 4, 2)
     summary = sft_run(
@@ -300,15 +324,29 @@ def test_sft_on_image_rows_lowers_the_loss(ray_session, tmp_path):
             [
                 "-p",
                 "smoke",
-                "model.path=tiny_vlm",
+                "model.path=tiny_llava",
                 "data.images=true",
                 f"data.train_files=[{tmp_path / 'train.parquet'}]",
                 f"data.val_files=[{tmp_path / 'val.parquet'}]",
                 "train.steps=6",
-                "train.export_hf=false",
                 f"train.run_dir={tmp_path / 'sft'}",
             ]
         )
     )
     assert summary["steps"] == 6
     assert summary["loss_after"] < 0.8 * summary["loss_before"], summary
+    train = _two_steps(
+        tmp_path / "rl",
+        f"model.path={tmp_path / 'sft' / 'hf'}",
+        "algorithm.adv_estimator=gae",
+        "critic.optimizer.lr=0.01",
+        "trainer.export_hf=true",
+    )
+    assert all(r["critic/grad_norm"] > 0 for r in train)
+    assert train[1]["critic/vf_loss"] < train[0]["critic/vf_loss"]
+    start = _tower_weights(Path(resolve_model_path("tiny_llava", 0)))
+    warmed = _tower_weights(tmp_path / "sft" / "hf")
+    after = _tower_weights(tmp_path / "rl" / "hf")
+    assert start and start.keys() == warmed.keys() == after.keys()
+    for a, b in ((start, warmed), (warmed, after)):
+        assert sum(not torch.equal(a[k], b[k]) for k in a) > len(a) // 2

@@ -19,10 +19,11 @@ def _release_engine_process_group():
 
 
 def _vision_batch(vlm_path: str, seed: int = 0):
-    """4 rows for the tiny Qwen2-VL at `vlm_path`: two with one image each, then two
-    text-only rows (so that, split over 2 data-parallel ranks, one rank sees no image)."""
+    """4 rows for the tiny vision-language model at `vlm_path` (any family): two with one
+    image each, then two text-only rows (so that, split over 2 data-parallel ranks, one rank
+    sees no image)."""
     proc = VisionProcessor.from_pretrained(vlm_path)
-    span = "<|vision_start|><|image_pad|><|vision_end|>"
+    span = proc.span_text(proc.image_token)
     chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
     prompts = [
         proc(chat.format(f"{span}what colour?"), [Image.new("RGB", (112, 112), "red")]),
@@ -53,5 +54,5 @@ def _vision_batch(vlm_path: str, seed: int = 0):
 
 @pytest.fixture
 def vision_batch():
-    """`vision_batch(vlm_path, seed=0)`: 4 rows for a tiny Qwen2-VL, 2 with images then 2 without."""
+    """`vision_batch(vlm_path, seed=0)`: 4 rows for a tiny VLM, 2 with images then 2 without."""
     return _vision_batch

@@ -1,6 +1,7 @@
-"""engine=fsdp with images in the batch (tiny random Qwen2-VL and Qwen2.5-VL): packed and padded log-probs
-equal an unpacked, one-row-at-a-time transformers forward with the same images; a training
-step reaches the vision tower."""
+"""engine=fsdp with images in the batch (tiny random Qwen2-VL, Qwen2.5-VL and LLaVA): packed and
+padded log-probs and a critic's values equal an unpacked, one-row-at-a-time transformers forward
+with the same images; a training step reaches the vision tower, and LoRA adapts the language
+model with the tower frozen or adapted by option."""
 
 from __future__ import annotations
 
@@ -21,14 +22,27 @@ from tephra.engine_fsdp.vision import MULTIMODAL, multimodal_column
 from tephra.rollout.multimodal import VisionProcessor, build_tiny_vlm
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "llava"])
 def vlm(tmp_path_factory, request):
     return build_tiny_vlm(tmp_path_factory.mktemp("vlm"), family=request.param)
 
 
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_vlm(tmp_path_factory, request):
+    """The Qwen2-VL family only: videos, and checks that do not depend on the family."""
+    return build_tiny_vlm(tmp_path_factory.mktemp("qwen_vlm"), family=request.param)
+
+
+def _in_tower(name: str, config) -> bool:
+    """Whether parameter `name` is in the vision tower (or LLaVA's projector)."""
+    return any(f"{m}." in name for m in vision_family(config).tower_modules)
+
+
 def _batch(vlm) -> tuple[TensorDict, list[list[int]], list]:
+    """3 rows: one image (16 tokens in every family), no image, two images of other sizes
+    (LLaVA's processor crops each to 56 x 56)."""
     proc = VisionProcessor.from_pretrained(vlm.path)
-    span = "<|vision_start|><|image_pad|><|vision_end|>"
+    span = proc.span_text(proc.image_token)
     prompts = [
         proc(
             f"<|im_start|>user\n{span}what colour?<|im_end|>\n<|im_start|>assistant\n",
@@ -74,13 +88,14 @@ def _engine(vlm, **overrides) -> FSDPEngine:
     return FSDPEngine.build(cfg)
 
 
-def _reference(vlm, model, seqs, mm, resp) -> torch.Tensor:
+def _reference(model, seqs, mm, resp) -> torch.Tensor:
+    family = vision_family(model.config)
     out = torch.zeros(resp.shape)
     for i, (seq, images) in enumerate(zip(seqs, mm, strict=True)):
         ids = torch.tensor([seq])
         with torch.no_grad():
             logits = model(
-                input_ids=ids, **hf_model_kwargs(ids, [images], vlm.image_token_id)
+                input_ids=ids, **family.model_kwargs(ids, [images], model.config)
             ).logits[0]
         lp = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
         out[i, 1 : len(seq)] = lp
@@ -98,8 +113,13 @@ def test_vision_log_probs_match_unpacked_hf_forward(vlm, packing):
     with engine.eval_mode():
         got = engine.forward(batch)["log_probs"] * batch[B.RESPONSE_MASK]
     model = AutoModelForImageTextToText.from_pretrained(vlm.path, dtype=torch.float32).eval()
-    want = _reference(vlm, model, seqs, mm, batch[B.RESPONSE_MASK])
+    want = _reference(model, seqs, mm, batch[B.RESPONSE_MASK])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # without its longest row the batch is trimmed of padding columns: the images stay
+    first = batch[:2]
+    with engine.eval_mode():
+        alone = engine.forward(first)["log_probs"] * first[B.RESPONSE_MASK]
+    torch.testing.assert_close(alone[:, : want.shape[1]], want[:2], atol=1e-5, rtol=0)
     # the images matter: other pixels, other log-probs
     other = batch.clone()
     other[MULTIMODAL] = multimodal_column(
@@ -113,11 +133,12 @@ def test_vision_log_probs_match_unpacked_hf_forward(vlm, packing):
 def test_vision_training_step_updates_the_vision_tower(vlm):
     batch, _, _ = _batch(vlm)
     engine = _engine(vlm)
-    before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters() if "visual" in n}
+    config = engine.hf_model.config
+    before = {n: _full(p) for n, p in engine.hf_model.named_parameters() if _in_tower(n, config)}
     loss, grad_norm = train_step(engine, batch)
     assert torch.isfinite(torch.tensor([loss, grad_norm])).all() and grad_norm > 0
     after = dict(engine.hf_model.named_parameters())
-    changed = [n for n, p in before.items() if not torch.equal(p, after[n].detach())]
+    changed = [n for n, p in before.items() if not torch.equal(p, _full(after[n]))]
     assert changed, "no vision-tower weight moved"
 
 
@@ -152,7 +173,8 @@ def test_value_model_on_a_vlm_matches_a_single_hf_forward(vlm, tmp_path):
         ids = torch.tensor([seq])
         with torch.no_grad():
             hidden = model.model(
-                input_ids=ids, **hf_model_kwargs(ids, [images], vlm.image_token_id)
+                input_ids=ids,
+                **vision_family(model.config).model_kwargs(ids, [images], model.config),
             ).last_hidden_state[0]
         values = hidden @ head["weight"][0] + head["bias"][0]
         want[i, 1 : len(seq)] = values[:-1]
@@ -175,24 +197,24 @@ def test_value_model_on_a_vlm_matches_a_single_hf_forward(vlm, tmp_path):
     torch.testing.assert_close(reread, got, atol=1e-6, rtol=0)
 
 
-def test_images_for_a_text_model_are_refused(vlm):
+def test_images_for_a_text_model_are_refused(qwen_vlm):
     from tephra.engine_api.errors import BatchError
     from tephra.engine_fsdp.testing import tiny_engine_config
 
-    batch, _, _ = _batch(vlm)
+    batch, _, _ = _batch(qwen_vlm)
     batch[B.INPUT_IDS] = batch[B.INPUT_IDS] % 256  # the tiny text model's vocabulary
     engine = FSDPEngine.build(tiny_engine_config())
     with pytest.raises(BatchError, match="has no vision tower"):
         engine.forward(batch)
 
 
-def test_text_only_micro_batch_of_a_vlm_is_packed_apart(vlm, vision_batch):
+def test_text_only_micro_batch_of_a_vlm_is_packed_apart(qwen_vlm, vision_batch):
     # no image in the micro-batch: the packed sequences must still not see each other
-    batch = vision_batch(vlm.path)[2:]
+    batch = vision_batch(qwen_vlm.path)[2:]
     assert all(m is None for m in batch[MULTIMODAL].tolist())
     got = {}
     for packing in (True, False):
-        engine = _engine(vlm, **{"micro_batch.use_packing": packing})
+        engine = _engine(qwen_vlm, **{"micro_batch.use_packing": packing})
         with engine.eval_mode():
             got[packing] = engine.forward(batch)["log_probs"]
     torch.testing.assert_close(got[True], got[False], atol=1e-5, rtol=0)
@@ -232,9 +254,10 @@ def _video_batch(vlm) -> tuple[TensorDict, list[list[int]], list]:
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_video_log_probs_match_unpacked_hf_forward_and_a_video_row_trains(vlm, packing):
+def test_video_log_probs_match_unpacked_hf_forward_and_a_video_row_trains(qwen_vlm, packing):
     from transformers import AutoModelForImageTextToText
 
+    vlm = qwen_vlm
     batch, seqs, mm = _video_batch(vlm)
     engine = _engine(vlm, **{"micro_batch.use_packing": packing})
     with engine.eval_mode():
@@ -263,10 +286,10 @@ def _full(p) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
 
 
-def test_video_token_mismatch_is_refused(vlm):
-    batch, _, mm = _video_batch(vlm)
+def test_video_token_mismatch_is_refused(qwen_vlm):
+    batch, _, mm = _video_batch(qwen_vlm)
     batch[MULTIMODAL] = multimodal_column([mm[1], mm[0], None])
-    engine = _engine(vlm)
+    engine = _engine(qwen_vlm)
     with pytest.raises(ConfigError, match="batch row 0: the prompt holds 0 image tokens but"):
         engine.forward(batch)
 
@@ -281,12 +304,12 @@ def test_lora_on_a_vlm_adapts_the_language_model_and_the_tower_by_option(vlm, vi
     with engine.eval_mode():
         got = engine.forward(batch)["log_probs"] * batch[B.RESPONSE_MASK]
     model = AutoModelForImageTextToText.from_pretrained(vlm.path, dtype=torch.float32).eval()
-    want = _reference(vlm, model, seqs, mm, batch[B.RESPONSE_MASK])
+    want = _reference(model, seqs, mm, batch[B.RESPONSE_MASK])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     params = dict(engine.hf_model.named_parameters())
     trainable = {n for n, p in params.items() if p.requires_grad}
     assert trainable and all(".lora_" in n for n in trainable)
-    in_tower = {n for n in trainable if "visual" in n}
+    in_tower = {n for n in trainable if _in_tower(n, model.config)}
     assert bool(in_tower) == (vision == "adapt")
     before = {n: _full(p) for n, p in params.items()}
     _, grad_norm = train_step(engine, batch)
@@ -295,7 +318,7 @@ def test_lora_on_a_vlm_adapts_the_language_model_and_the_tower_by_option(vlm, vi
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     # lora_A of a layer whose B is still 0 gets no gradient on the first step: B moves
     assert any("language_model" in n and "lora_B" in n for n in moved)
-    assert any("visual" in n for n in moved) == (vision == "adapt")
+    assert any(_in_tower(n, model.config) for n in moved) == (vision == "adapt")
     assert all(".lora_" in n for n in moved)
 
 
@@ -304,71 +327,3 @@ def test_lora_vision_option_is_checked():
 
     with pytest.raises(ConfigError, match=r"lora.vision='train': use one of \['frozen', 'adapt'\]"):
         LoraConfig(rank=4, vision="train")
-
-
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("llava"), family="llava")
-
-
-@pytest.mark.parametrize("packing", [True, False])
-def test_llava_log_probs_match_unpacked_hf_forward(llava, packing):
-    # LLaVA: whole images, `<image>` runs and plain position ids (its adapter), packed or not
-    from transformers import AutoModelForImageTextToText
-
-    proc = VisionProcessor.from_pretrained(llava.path)
-    turn = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-    prompts = [
-        proc(turn.format("<image>what colour?"), [Image.new("RGB", (56, 56), "red")]),
-        proc(turn.format("text only"), []),
-        proc(
-            turn.format("<image>and<image>?"),
-            [Image.new("RGB", (70, 56), "green"), Image.new("RGB", (56, 84), "blue")],
-        ),
-    ]
-    gen = torch.Generator().manual_seed(0)
-    seqs = [
-        ids + torch.randint(3, 300, (5 + 3 * k,), generator=gen).tolist()
-        for k, (ids, _) in enumerate(prompts)
-    ]
-    width = max(len(s) for s in seqs)
-    input_ids = torch.zeros(3, width, dtype=torch.long)
-    attn, resp = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
-    for i, (s, (p, _)) in enumerate(zip(seqs, prompts, strict=True)):
-        input_ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        resp[i, len(p) : len(s)] = 1
-    batch = TensorDict(
-        {B.INPUT_IDS: input_ids, B.ATTENTION_MASK: attn, B.RESPONSE_MASK: resp}, batch_size=[3]
-    )
-    mm = [m for _, m in prompts]
-    batch[MULTIMODAL] = multimodal_column(mm)
-    engine = _engine(
-        llava, **{"micro_batch.use_packing": packing, "micro_batch.max_tokens_per_microbatch": 4096}
-    )
-    with engine.eval_mode():
-        got = engine.forward(batch)["log_probs"] * resp
-    model = AutoModelForImageTextToText.from_pretrained(llava.path, dtype=torch.float32).eval()
-    family = vision_family(model.config)
-    want = torch.zeros(resp.shape)
-    for i, (seq, images) in enumerate(zip(seqs, mm, strict=True)):
-        ids = torch.tensor([seq])
-        with torch.no_grad():
-            logits = model(
-                input_ids=ids, **family.model_kwargs(ids, [images], model.config)
-            ).logits[0]
-        lp = torch.log_softmax(logits.float(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
-        want[i, 1 : len(seq)] = lp
-    torch.testing.assert_close(got, want * resp, atol=1e-5, rtol=0)
-    # without its longest row the batch is trimmed of padding columns: the images stay
-    first = batch[:2]
-    with engine.eval_mode():
-        alone = engine.forward(first)["log_probs"] * first[B.RESPONSE_MASK]
-    torch.testing.assert_close(alone[:, : want.shape[1]], (want * resp)[:2], atol=1e-5, rtol=0)
-    # a placeholder run one short of its image is refused, naming the row
-    short = batch.clone()
-    short[MULTIMODAL] = multimodal_column([mm[2], None, mm[0]])
-    with pytest.raises(
-        ConfigError, match="batch row 0: the prompt holds 16 image tokens but its images need 32"
-    ):
-        engine.forward(short)

@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
+from tephra.engine_api.multimodal import vision_family
 from tephra.engine_api.testing import ConformanceSpec, nll_loss_fn, random_batch, run_conformance
 from tephra.engine_fsdp.engine import FSDPEngine
 
@@ -215,12 +217,22 @@ def distributed_ulysses(workdir: str) -> dict[str, Any]:
     return out
 
 
+def value_loss_fn(outputs: TensorDict, batch: TensorDict) -> tuple[torch.Tensor, dict[str, float]]:
+    """A critic's test loss: token-mean squared distance of the response tokens' values to
+    1, as a contribution to the global loss: sum((v - 1)^2 * mask) / global_token_count."""
+    mask = batch[B.RESPONSE_MASK].to(outputs["values"].dtype)
+    loss = ((outputs["values"] - 1.0) ** 2 * mask).sum() / batch[B.GLOBAL_TOKEN_COUNT][0]
+    return loss, {"value_contribution": float(loss.detach())}
+
+
 def vision_steps(
     vlm_path: str, batch: Any, overrides: dict[str, Any] | None = None, steps: int = 2
 ) -> dict[str, Any]:
-    """`steps` training steps of an fsdp engine on the tiny Qwen2-VL at `vlm_path` with `batch`
-    (a batch with images; each rank on its share), then the log-probs of the whole batch and
-    the vision tower's full weights: what the 2-rank vs 1-rank parity test compares."""
+    """`steps` training steps of an fsdp engine on the tiny vision-language model at
+    `vlm_path` (any family in `VISION_FAMILIES`) with `batch` (a batch with images; each rank
+    on its share), then the log-probs (a critic, `model.role=value`: the values) of the whole
+    batch and every exported weight, the vision tower's under `tower`: what the 2-rank vs
+    1-rank parity test compares."""
     cfg = apply_overrides(
         EngineConfig(
             model=ModelConfig(path=vlm_path),
@@ -230,13 +242,19 @@ def vision_steps(
         overrides or {},
     )
     engine = FSDPEngine.build(cfg)
-    out: dict[str, Any] = {"steps": [train_step(engine, batch) for _ in range(steps)]}
+    critic = cfg.model.role == "value"
+    loss_fn = value_loss_fn if critic else nll_loss_fn
+    out: dict[str, Any] = {"steps": [train_step(engine, batch, loss_fn) for _ in range(steps)]}
+    tower = vision_family(engine.hf_model.config).tower_modules
     with engine.eval_mode():
-        out["log_probs"] = engine.forward(batch)["log_probs"]
-        out["visual"] = {
-            name: t.clone()
-            for bucket in engine.export_weights()
-            for name, t in bucket
-            if "visual" in name
-        }
+        out["outputs"] = engine.forward(batch)["values" if critic else "log_probs"]
+        weights = {name: t.clone() for bucket in engine.export_weights() for name, t in bucket}
+    out["tower"] = {n: t for n, t in weights.items() if any(f"{m}." in n for m in tower)}
+    out["weights"] = weights
     return out
+
+
+def vision_jobs(jobs: list[tuple[str, Any, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """`vision_steps(path, batch, overrides)` of each job in turn, in one process (so one
+    multi-process start covers several models and options)."""
+    return [vision_steps(path, batch, overrides) for path, batch, overrides in jobs]
