@@ -255,11 +255,6 @@ def test_unsupported_combinations_are_refused(override, field):
     assert field in str(err.value)
 
 
-def test_llava_on_vllm_is_refused_before_ray_starts():
-    with pytest.raises(ConfigError, match="LLaVA, which vLLM 0.32 cannot load.*rollout.backend=hf"):
-        parse_config(["-p", "vlm_smoke", "model.path=tiny_llava", "rollout.backend=vllm"])
-
-
 def test_a_black_box_agent_with_images_is_refused(tmp_path):
     agent = tmp_path / "agent.py"
     agent.write_text("def agent(base_url, item):\n    return None\n")

@@ -11,14 +11,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
 from tephra.rollout.backends import SglangProtocol, VllmProtocol
 from tephra.rollout.backends.server_client import image_payload, merge_env
 from tephra.rollout.backends.server_process import ServerProcess
-from tephra.rollout.backends.weights_folder import is_tied, untied_copy, write_update
+from tephra.rollout.backends.weights_folder import (
+    clip_tower_names,
+    is_tied,
+    served_copy,
+    untied_copy,
+    write_update,
+)
 from tephra.rollout.multimodal import MultimodalInputs
 
 
@@ -165,6 +171,39 @@ def test_vllm_image_request_translation(tmp_path):
     assert "--enable-scale-out" not in text and "tephra_vllm_images.TephraImages" not in text
     assert "--enable-scale-out" in vision and "--no-mm-device-do-normalize" in vision
     assert vision[vision.index("--middleware") + 1] == "tephra_vllm_images.TephraImages"
+
+
+def test_llava_is_served_and_updated_under_vllms_clip_names(tmp_path):
+    assert clip_tower_names("model.vision_tower.encoder.layers.0.mlp.fc1.weight") == (
+        "model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight"
+    )
+    assert clip_tower_names("vision_tower.embeddings.class_embedding") == (
+        "vision_tower.vision_model.embeddings.class_embedding"
+    )
+    for same in (
+        "vision_tower.vision_model.embeddings.class_embedding",  # saved so already
+        "model.multi_modal_projector.linear_1.weight",
+        "model.language_model.layers.0.mlp.up_proj.weight",
+        "model.my_vision_tower.x",
+    ):
+        assert clip_tower_names(same) == same
+    source, out = tmp_path / "llava", tmp_path / "served"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "llava", "vision_config": {}}')
+    save_file(
+        {
+            "vision_tower.embeddings.w": torch.ones(2),
+            "language_model.lm_head.weight": torch.zeros(2),
+        },
+        str(source / "model.safetensors"),
+    )
+    assert VllmProtocol().weight_names(str(source)) is clip_tower_names
+    served_copy(source, out, untie=False, rename=clip_tower_names)
+    assert sorted(load_file(out / "model.safetensors")) == [
+        "language_model.lm_head.weight",
+        "vision_tower.vision_model.embeddings.w",
+    ]
+    assert (out / "config.json").read_text() == (source / "config.json").read_text()
 
 
 def test_sglang_request_and_response_translation():

@@ -139,3 +139,41 @@ def test_vllm_refuses_videos_and_miscounted_images(rollouts, prompts):
     # prompt 0's ids hold one image's placeholders; prompt 1's two images need more
     with pytest.raises(ConfigError, match="prompt 0: the prompt holds 16 image tokens"):
         vllm.generate([ids[0]], GREEDY, multimodal=[images[1]])
+
+
+def test_llava_on_vllm_equals_hf_and_follows_a_tower_update(tmp_path, vllm_python):
+    """A tiny LLaVA (CLIP tower saved by transformers 5 as `vision_tower.*`, served and
+    updated as vLLM names it, `vision_tower.vision_model.*`): greedy output and log-probs equal
+    hf's with two images, one image and none, before and after an update of the CLIP tower."""
+    llava = build_tiny_vlm(tmp_path / "llava", family="llava")
+    proc = VisionProcessor.from_pretrained(llava.path)
+    made = [
+        proc(f"<|im_start|>user\n{'<image>' * len(images)}{text}<|im_end|>\n", images)
+        for text, images in (
+            (
+                "what colours?",
+                [Image.new("RGB", (56, 56), "green"), Image.new("RGB", (80, 60), "red")],
+            ),
+            ("and this?", [Image.new("RGB", (56, 56), "blue")]),
+            ("no image", []),
+        )
+    ]
+    ids, images = [m[0] for m in made], [m[1] for m in made]
+    config = RolloutConfig(
+        model_path=llava.path,
+        max_model_len=256,
+        vllm=ServerSettings(python=vllm_python, startup_timeout_s=300, request_timeout_s=120),
+    )
+    other = build_tiny_vlm(tmp_path / "other", family="llava", seed=1)
+    model = AutoModelForImageTextToText.from_pretrained(other.path, dtype=torch.float32)
+    tower = {k: v for k, v in model.state_dict().items() if k.startswith("model.vision_tower.")}
+    assert len(tower) > 10
+    with get_rollout("vllm", config) as vllm, get_rollout("hf", config) as hf:
+        before = vllm.generate(ids, GREEDY, multimodal=images)
+        assert_same(before, hf.generate(ids, GREEDY, multimodal=images))
+        for rollout in (hf, vllm):
+            rollout.update_weights(iter(tower.items()))
+        after = vllm.generate(ids, GREEDY, multimodal=images)
+        assert_same(after, hf.generate(ids, GREEDY, multimodal=images))
+    assert after.log_probs[0] != pytest.approx(before.log_probs[0], abs=1e-3)
+    assert after.response_ids[2] == before.response_ids[2]

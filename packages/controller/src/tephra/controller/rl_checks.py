@@ -483,14 +483,6 @@ def check_vision_family(cfg: PPOConfig) -> None:
             f"{model_type!r}, which tephra does not support; supported model types (family): "
             f"{supported_model_types()}"
         )
-    if cfg.rollout.backend == "vllm" and family_name(model_type) == "llava":
-        # transformers 5 saves LLaVA's CLIP tower as `vision_tower.embeddings...`; vLLM 0.32's
-        # loader wants `vision_tower.vision_model.embeddings...` and fails at start-up
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} is a LLaVA, which vLLM 0.32 cannot load as "
-            "transformers 5 saves it (the CLIP tower's weight names differ); set "
-            "rollout.backend=hf, or use a Qwen2-VL-family model on vllm"
-        )
 
 
 def check_image_support(cfg: PPOConfig) -> None:

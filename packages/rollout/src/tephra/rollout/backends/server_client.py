@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -56,7 +56,7 @@ from tephra.rollout.backends.weights_folder import (
     EMBEDDINGS,
     HEAD,
     is_tied,
-    untied_copy,
+    served_copy,
     write_update,
 )
 from tephra.rollout.base import (
@@ -107,6 +107,11 @@ class ServerProtocol(abc.ABC):
 
     def default_env(self) -> dict[str, str]:
         return {}
+
+    def weight_names(self, model_dir: str) -> Callable[[str], str] | None:
+        """How the server names the weights of the model in `model_dir`, when not as
+        transformers saves them (the served copy and every update are renamed); None: as saved."""
+        return None
 
     def check_settings(self, settings: ServerSettings) -> None:
         """Refuse settings this server cannot honour here (a `ConfigError` naming the field),
@@ -246,6 +251,7 @@ class ServerRollout(Rollout):
                 "folder (save_pretrained / Engine.export_hf) that the server can load"
             )
         self._tied = protocol.needs_untied_head and is_tied(model_dir)
+        self._rename = protocol.weight_names(model_dir)
         key = self.settings.api_key
         self._api_key = secrets.token_urlsafe(32) if key == "auto" else key
         self._loop = asyncio.new_event_loop()
@@ -262,8 +268,15 @@ class ServerRollout(Rollout):
                 for url in self.urls:
                     self._check_reachable(url)
             else:
-                if self._tied:
-                    model_dir = str(untied_copy(model_dir, self.weights_dir / "served-model"))
+                if self._tied or self._rename is not None:
+                    model_dir = str(
+                        served_copy(
+                            model_dir,
+                            self.weights_dir / "served-model",
+                            untie=self._tied,
+                            rename=self._rename,
+                        )
+                    )
                 self.model_dir = model_dir
                 self.urls = [self._start_server(model_dir)]
         except BaseException:
@@ -628,6 +641,7 @@ class ServerRollout(Rollout):
         # a sleeping server: weights first, the KV cache only after the update, so that the
         # cache and the sender's buckets are never allocated together (verl's order)
         self._wake(["weights"])
+        named_tensors = self._server_names(named_tensors)
         if self.settings.weight_sync == "memory":
             self.last_update_stats = self._update_in_memory(self._with_untied_head(named_tensors))
         else:
@@ -635,6 +649,15 @@ class ServerRollout(Rollout):
             self.last_update_stats = {}
         self._wake(["kv_cache"])
         self.last_update_stats["seconds"] = time.perf_counter() - start
+
+    def _server_names(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The tensors under the names the server loads (`ServerProtocol.weight_names`)."""
+        rename = self._rename
+        if rename is None:
+            return named_tensors
+        return ((rename(name), tensor) for name, tensor in named_tensors)
 
     def _with_untied_head(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
         """A tied model is served untied: its head follows the embedding."""

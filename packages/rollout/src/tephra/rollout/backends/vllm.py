@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 
 from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtocol, ServerRollout
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta, share
+from tephra.rollout.backends.weights_folder import clip_tower_names
 from tephra.rollout.base import (
     ConfigError,
     RolloutConfig,
@@ -60,6 +62,14 @@ class VllmProtocol(ServerProtocol):
 
     def default_python(self) -> str:
         return default_vllm_python()
+
+    def weight_names(self, model_dir: str) -> Callable[[str], str] | None:
+        # transformers 5 saves a LLaVA's CLIP tower as `vision_tower.*`; vLLM 0.32's llava
+        # loader reads `vision_tower.vision_model.*` (and fails at start-up otherwise)
+        config = Path(model_dir) / "config.json"
+        if config.is_file() and json.loads(config.read_text()).get("model_type") == "llava":
+            return clip_tower_names
+        return None
 
     def default_env(self) -> dict[str, str]:
         cores = (

@@ -4,13 +4,17 @@ Tied embeddings: after a reload, vLLM keeps the old output head of a model whose
 tied to its input embedding. So a tied model is served from an untied copy
 (`tie_word_embeddings: false`, `lm_head.weight` = a copy of the embedding), and every update
 carries `lm_head.weight` (the embedding again when the trainer exports only that).
+
+Renamed weights: a protocol may serve a model whose weight names the server reads differently
+(vLLM 0.32 wants a LLaVA's CLIP tower as `vision_tower.vision_model.*`, transformers 5 saves
+`vision_tower.*`); the served copy and every update then carry the server's names.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -33,6 +37,17 @@ def is_tied(model_dir: str | Path) -> bool:
 
 def untied_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
     """Copy a tied model to `out_dir` with an explicit `lm_head.weight` and an untied config."""
+    return served_copy(model_dir, out_dir, untie=True)
+
+
+def served_copy(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    untie: bool,
+    rename: Callable[[str], str] | None = None,
+) -> Path:
+    """Copy a model to `out_dir` as a server loads it: untied (`untie`: an explicit
+    `lm_head.weight` and an untied config) and its weights renamed by `rename`."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -45,14 +60,15 @@ def untied_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
     for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                tensors[key] = f.get_tensor(key)
-    embed = next((k for k in EMBEDDINGS if k in tensors), None)
-    if embed is None:
-        raise RolloutError(
-            f"{model_dir}: tied model without a known embedding name {EMBEDDINGS}; "
-            "save it untied (tie_word_embeddings=False) for the server backend"
-        )
-    tensors.setdefault(HEAD, tensors[embed].clone())
+                tensors[rename(key) if rename else key] = f.get_tensor(key)
+    if untie:
+        embed = next((k for k in EMBEDDINGS if k in tensors), None)
+        if embed is None:
+            raise RolloutError(
+                f"{model_dir}: tied model without a known embedding name {EMBEDDINGS}; "
+                "save it untied (tie_word_embeddings=False) for the server backend"
+            )
+        tensors.setdefault(HEAD, tensors[embed].clone())
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     for item in model_dir.iterdir():
         if (
@@ -61,12 +77,23 @@ def untied_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
             and item.name != ("model.safetensors.index.json")
         ):
             shutil.copy2(item, out_dir / item.name)
-    config = json.loads((out_dir / "config.json").read_text())
-    config["tie_word_embeddings"] = False
-    if "text_config" in config:
-        config["text_config"]["tie_word_embeddings"] = False
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    if untie:
+        config = json.loads((out_dir / "config.json").read_text())
+        config["tie_word_embeddings"] = False
+        if "text_config" in config:
+            config["text_config"]["tie_word_embeddings"] = False
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def clip_tower_names(name: str) -> str:
+    """A LLaVA weight name as vLLM 0.32 loads it: the CLIP tower under `vision_model.`
+    (`model.vision_tower.encoder.x` -> `model.vision_tower.vision_model.encoder.x`); names
+    that have it already, and every other weight, unchanged."""
+    head, sep, rest = name.partition("vision_tower.")
+    if not sep or rest.startswith("vision_model.") or (head and not head.endswith(".")):
+        return name
+    return f"{head}{sep}vision_model.{rest}"
 
 
 def write_update(
