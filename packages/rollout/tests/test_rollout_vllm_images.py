@@ -141,6 +141,7 @@ def test_vllm_refuses_videos_and_miscounted_images(rollouts, prompts):
         vllm.generate([ids[0]], GREEDY, multimodal=[images[1]])
 
 
+@pytest.mark.slow  # a second server start (~35 s); the renaming itself is tested by default
 def test_llava_on_vllm_equals_hf_and_follows_a_tower_update(tmp_path, vllm_python):
     """A tiny LLaVA (CLIP tower saved by transformers 5 as `vision_tower.*`, served and
     updated as vLLM names it, `vision_tower.vision_model.*`): greedy output and log-probs equal
