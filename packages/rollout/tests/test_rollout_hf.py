@@ -222,6 +222,8 @@ def test_bad_input_gives_clear_errors(hf, tiny_model, tmp_path):
         hf.generate([[1], []], SamplingParams(max_tokens=4))
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         hf.generate([[1, 10_000]], SamplingParams(max_tokens=4))
+    with pytest.raises(RolloutError, match="multimodal has 2 entries for 1 prompts"):
+        hf.generate([[1, 2]], SamplingParams(max_tokens=4), multimodal=[None, None])
     with pytest.raises(RegistryError, match="registered: hf, sglang, vllm"):
         get_rollout("vlm", RolloutConfig(model_path=tiny_model.path))
     with pytest.raises(RolloutError, match="could not load rollout.model_path"):

@@ -494,10 +494,17 @@ def check_prompts(
     sampling: SamplingParams,
     max_model_len: int,
     vocab_size: int | None = None,
+    multimodal: list[MultimodalInputs | None] | None = None,
 ) -> None:
-    """Refuse prompts a backend cannot serve, naming the prompt and the fix."""
+    """Refuse prompts a backend cannot serve, naming the prompt and the fix. `multimodal`, where
+    given, holds one entry (images or None) per prompt."""
     if not isinstance(prompts, list | tuple):
         raise ConfigError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    if multimodal is not None and len(multimodal) != len(prompts):
+        raise RolloutError(
+            f"generate: multimodal has {len(multimodal)} entries for {len(prompts)} prompts; "
+            "give one (or None) per prompt"
+        )
     for i, prompt in enumerate(prompts):
         if not isinstance(prompt, list | tuple) or not prompt:
             raise ConfigError(

@@ -206,12 +206,7 @@ class HFRollout(Rollout):
         multimodal: list[MultimodalInputs | None] | None = None,
     ) -> RolloutOutput:
         """`multimodal[i]`: prompt i's images (a vision-language model), None for none."""
-        check_prompts(prompts, sampling, self.config.max_model_len, self.vocab_size)
-        if multimodal is not None and len(multimodal) != len(prompts):
-            raise RolloutError(
-                f"generate: multimodal has {len(multimodal)} entries for "
-                f"{len(prompts)} prompts; give one (or None) per prompt"
-            )
+        check_prompts(prompts, sampling, self.config.max_model_len, self.vocab_size, multimodal)
         rows = [list(p) for p in prompts for _ in range(sampling.n)]
         mm_rows = [m for m in (multimodal or [None] * len(prompts)) for _ in range(sampling.n)]
         seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**62)

@@ -558,12 +558,7 @@ class ServerRollout(Rollout):
         multimodal: list[MultimodalInputs | None] | None = None,
     ) -> RolloutOutput:
         """`multimodal[i]`: prompt i's images (a vision-language model), None for none."""
-        check_prompts(prompts, sampling, self.config.max_model_len)
-        if multimodal is not None and len(multimodal) != len(prompts):
-            raise RolloutError(
-                f"generate: multimodal has {len(multimodal)} entries for {len(prompts)} "
-                "prompts; give one (or None) per prompt"
-            )
+        check_prompts(prompts, sampling, self.config.max_model_len, multimodal=multimodal)
         images = multimodal or [None] * len(prompts)
         for i, m in enumerate(images):
             self._check_images(prompts[i], m, f"prompt {i}")

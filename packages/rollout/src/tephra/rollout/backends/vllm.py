@@ -56,6 +56,23 @@ def default_vllm_python() -> str:
     return str(env_dir / "bin" / "python")
 
 
+def vllm_sampling(sampling: SamplingParams) -> dict[str, Any]:
+    """vLLM's sampling fields of a request, the same on the completions and the image route."""
+    params: dict[str, Any] = {
+        "n": sampling.n,
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+        "skip_special_tokens": False,
+    }
+    if sampling.seed is not None:
+        params["seed"] = sampling.seed  # vLLM seeds sample j of a request with seed + j
+    return params
+
+
 class VllmProtocol(ServerProtocol):
     name = "vllm"
     needs_untied_head = True
@@ -166,21 +183,8 @@ class VllmProtocol(ServerProtocol):
         return {"PYTHONPATH": str(PLUGIN_DIR)}
 
     def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
-        body = {
-            "model": SERVED_MODEL_NAME,
-            "prompt": prompt_ids,
-            "n": sampling.n,
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "stop_token_ids": list(sampling.stop_token_ids),
-            "ignore_eos": sampling.ignore_eos,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        }
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed  # vLLM seeds sample j of a request with seed + j
+        body = {"model": SERVED_MODEL_NAME, "prompt": prompt_ids, **vllm_sampling(sampling)}
+        body["return_token_ids"] = True
         if sampling.logprobs:
             body["logprobs"] = 1
         return [("/v1/completions", body)]
@@ -188,18 +192,7 @@ class VllmProtocol(ServerProtocol):
     def image_requests(
         self, prompt_ids: list[int], sampling: SamplingParams, images: dict[str, Any]
     ) -> list[Request]:
-        params: dict[str, Any] = {
-            "n": sampling.n,
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "stop_token_ids": list(sampling.stop_token_ids),
-            "ignore_eos": sampling.ignore_eos,
-            "skip_special_tokens": False,
-        }
-        if sampling.seed is not None:
-            params["seed"] = sampling.seed
+        params = vllm_sampling(sampling)
         if sampling.logprobs:
             params["logprobs"] = 0  # the sampled token's only
         body = {
