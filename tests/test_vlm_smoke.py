@@ -240,6 +240,26 @@ def test_video_parquet_trains_two_steps(ray_session, tmp_path):
     )
 
 
+def test_videos_on_vllm_are_refused_before_ray_starts(tmp_path):
+    # the vllm backend takes images only; videos show up in the data, read before Ray starts
+    _video_parquet(tmp_path / "train.parquet", 3, 1)
+    cfg = parse_config(
+        [
+            "-p",
+            "vlm_smoke",
+            "model.path=tiny_qwen2_5_vl",
+            "rollout.backend=vllm",
+            "data.source=parquet",
+            "data.images=true",
+            "data.max_frames=2",
+            f"data.train_files=[{tmp_path / 'train.parquet'}]",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    with pytest.raises(ConfigError, match="3 prompts of data.train_files/val_files carry videos"):
+        prepare(cfg)
+
+
 @pytest.mark.parametrize(
     ("override", "field"),
     [

@@ -119,6 +119,14 @@ def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompt
             raise ConfigError("data.images=true needs data.train_files to train on")
         train = [p for f in d.train_files for p in load_multimodal_parquet(f, processor)]
         val = [p for f in d.val_files for p in load_multimodal_parquet(f, processor)]
+        videos = sum(1 for p in train + val if p.multimodal and p.multimodal.num_videos)
+        if videos and cfg.rollout.backend != "hf":
+            # refused here, before Ray starts: the vllm backend takes images, not videos
+            raise ConfigError(
+                f"{videos} prompts of data.train_files/val_files carry videos; "
+                f"rollout.backend={cfg.rollout.backend!r} takes images only: set "
+                "rollout.backend=hf for prompts with videos"
+            )
     limit, dropped = d.max_prompt_tokens, 0
 
     def fit(prompts: list) -> Prompts:
