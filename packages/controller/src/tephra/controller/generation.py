@@ -91,6 +91,7 @@ class Generator:
             rollout,
         )
         self._tokenizer: Any = None
+        self._model_config: Any = None
         self._tools: dict | None = None
         self._episode: Episode | None = None
         self._scoring: Future | None = None
@@ -136,6 +137,12 @@ class Generator:
             self._tokenizer = tok
         return self._tokenizer
 
+    def model_config(self) -> Any:
+        """The model folder's transformers config, read once (its image and video token ids)."""
+        if self._model_config is None:
+            self._model_config = AutoConfig.from_pretrained(self.model_path)
+        return self._model_config
+
     def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
         """`sampling.n` samples of each prompt (prompt-major), through the episode when one
         is configured. Scoring starts in the background (`collect_scores` returns the scores);
@@ -168,7 +175,7 @@ class Generator:
             sample.sample_id = items[k // sampling.n].sample_id
             sample.multimodal = images[k // sampling.n]
         if extra:  # a vision-language model (hf or vllm): its config has the ids
-            config = AutoConfig.from_pretrained(self.model_path)
+            config = self.model_config()
             samples = [end_before_token(s, image_token_id(config), tok) for s in samples]
             video_token = video_token_id(config)  # a sampled video slot fails the same way
             if video_token is not None:
@@ -188,7 +195,7 @@ class Generator:
                         self.model_path, self.cfg.data.max_frames
                     )
                 }
-                if is_vision_config(AutoConfig.from_pretrained(self.model_path))
+                if is_vision_config(self.model_config())
                 else {}
             )
             self._episode = by_agent_name(
