@@ -226,12 +226,12 @@ def check_resumed_data(cfg: PPOConfig, p: Prepared) -> None:
     check_same_data(saved, dataset_fingerprint(p.train.ids), len(p.train.ids), str(latest))
 
 
-def config_to_save(cfg: PPOConfig) -> dict:
-    """The run's config as written to its folder: a server's explicit key is a secret and is
-    redacted (`auto` and none are kept)."""
+def config_to_save(cfg: Any) -> dict:
+    """An app's config as written to its run folder or printed by `--print-config`: a server's
+    explicit key is a secret and is redacted (`auto` and none are kept)."""
     saved = to_dict(cfg)
     for server in ("vllm", "sglang"):
-        if saved["rollout"][server]["api_key"] not in (None, "auto"):
+        if "rollout" in saved and saved["rollout"][server]["api_key"] not in (None, "auto"):
             saved["rollout"][server]["api_key"] = "<redacted: pass it on the command line>"
     return saved
 
