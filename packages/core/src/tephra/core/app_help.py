@@ -12,6 +12,7 @@ and the presets' leading comments, and imports nothing beyond the standard libra
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import textwrap
@@ -157,6 +158,15 @@ def answer_help(argv: list[str], app: AppHelp, out: TextIO | None = None) -> boo
     return True
 
 
+def run_app(help: AppHelp, module: str, argv: list[str] | None = None) -> None:
+    """An app's entry point: `--help` answered here, else `module`'s `main(argv)` imported and
+    run (by name, so that torch and Ray load only once help had its chance)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if answer_help(argv, help):
+        return
+    importlib.import_module(module).main(argv)
+
+
 def split_print_config(argv: list[str]) -> tuple[bool, list[str]]:
     """(whether `--print-config` was given, argv without it)."""
     return PRINT_CONFIG in argv, [a for a in argv if a != PRINT_CONFIG]
@@ -169,6 +179,7 @@ __all__ = [
     "index_rows",
     "overview",
     "preset_line",
+    "run_app",
     "section",
     "split_print_config",
 ]

@@ -3,10 +3,9 @@ the RL trainer (PPO, GRPO, RLOO, ... chosen by config) is imported (torch, Ray, 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from tephra.core.app_help import AppHelp, answer_help
+from tephra.core.app_help import AppHelp, run_app
 
 HERE = Path(__file__).parent
 
@@ -22,14 +21,4 @@ HELP = AppHelp(
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if answer_help(argv, HELP):
-        return
-    # imported here, not at the top: it loads torch and Ray, which --help must not wait for
-    from tephra.apps.ppo.main import main as run_app
-
-    run_app(argv)
-
-
-if __name__ == "__main__":
-    main()
+    run_app(HELP, "tephra.apps.ppo.main", argv)
