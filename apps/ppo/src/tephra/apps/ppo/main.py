@@ -49,8 +49,13 @@ def main(argv: list[str] | None = None) -> None:
     except TephraError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C before Ray started: nothing to stop or save
+        print("interrupted before training started", file=sys.stderr)
+        raise SystemExit(130) from None
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(summary), flush=True)
+    if summary.get("status") == "stopped":  # by SIGINT / SIGTERM: 130 / 143, as a shell says
+        raise SystemExit(summary["exit_code"])
 
 
 if __name__ == "__main__":

@@ -195,6 +195,7 @@ def run(cfg: SFTConfig) -> dict:
         r.gpus_per_rank,
         strategy=r.placement,
         retain_freed_memory=r.retain_freed_memory,
+        memory_per_rank_gb=r.memory_per_rank_gb,
     )
     try:
         wg = WorkerGroup(SFTWorker, pool, {"cfg": cfg, "model_path": path}, name="sft")
