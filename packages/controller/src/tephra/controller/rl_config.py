@@ -463,6 +463,10 @@ class ResourcesSection:
     paying page faults for it again (0.5-0.8 s of a 2-3 s update on a 2-core CPU), at the
     price of resident memory staying near its peak. None: on for processes without GPUs;
     true needs glibc (Linux)."""
+    memory_per_rank_gb: float = 0.0
+    """Host memory (GiB) Ray reserves for each rank of the colocated group: Ray places no more
+    ranks on a node than its memory holds, instead of letting them run it out of memory.
+    0: none reserved."""
     rollout: RolloutPoolSection = field(default_factory=RolloutPoolSection)
     """Rollout replicas on a pool of their own (`replicas` > 0), fed weights by broadcast from
     the training ranks; the training ranks then hold no rollout engine."""
@@ -483,6 +487,10 @@ class ResourcesSection:
             raise ConfigError(f"resources.world_size={self.world_size} must be >= 1")
         if self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
             raise ConfigError("resources.cpus_per_rank and gpus_per_rank must be >= 0")
+        if self.memory_per_rank_gb < 0:
+            raise ConfigError(
+                f"resources.memory_per_rank_gb={self.memory_per_rank_gb} must be >= 0 (0: none)"
+            )
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"resources.num_cpus={self.num_cpus} must be >= 1 (or null: all)")
         check_retain(self.retain_freed_memory)
