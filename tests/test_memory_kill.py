@@ -92,6 +92,9 @@ def launch(
     return code, log.read_text(), run_dir
 
 
+# slow: a smoke run killed for memory (~3 min on an idle 2-core machine); not yet seen
+# passing twice on a quiet machine, so kept out of the default run until it has
+@pytest.mark.slow
 @pytest.mark.timeout(1800)  # one run of the smoke preset, restarted once
 def test_kernel_oom_kill_restarts_from_the_last_checkpoint(tmp_path):
     cgroup = MemoryCgroup.create(5 * GIB)
@@ -113,6 +116,9 @@ def test_kernel_oom_kill_restarts_from_the_last_checkpoint(tmp_path):
     assert summary["status"] == "completed" and summary["steps"] == 3
 
 
+# slow: a smoke run killed for memory (~3 min on an idle 2-core machine); not yet seen
+# passing twice on a quiet machine, so kept out of the default run until it has
+@pytest.mark.slow
 @pytest.mark.timeout(1200)  # one run of the smoke preset, stopped in its first step
 def test_ray_memory_monitor_kill_with_no_restart_left_is_one_message(tmp_path):
     # Ray's memory monitor, its threshold 2 GiB above what the machine uses now, and a 4 GiB
