@@ -829,11 +829,15 @@ def test_the_same_attacks_are_contained_for_an_unprivileged_user(tmp_path):
     (home / ".bashrc").write_text("# the caller's\n")
     os.chown(home, 65534, 65534)
     os.chown(home / ".bashrc", 65534, 65534)
+    # a fresh base for the inner run's tmp_path: pytest's own numbered folders of earlier runs
+    # (a deep tree left by an interrupted run) would be removed recursively at its exit
+    basetemp = Path(tempfile.mkdtemp(prefix="tephra-nested-"))
+    os.chown(basetemp, 65534, 65534)
     env = dict(os.environ, **{UNPRIVILEGED_RUN: "1"}, HOME=str(home))
     inner = (
         f"{reveal}exec setpriv --reuid=65534 --regid=65534 --clear-groups -- "
         f"{sys.executable} -m pytest {__file__} -p no:xdist -p no:cacheprovider -q -rs "
-        f"-o addopts='' --import-mode=importlib --rootdir=/tmp "
+        f"-o addopts='' --import-mode=importlib --rootdir=/tmp --basetemp={basetemp}/t "
         f"-p no:randomly -W ignore::DeprecationWarning"
     )
     try:
@@ -847,6 +851,7 @@ def test_the_same_attacks_are_contained_for_an_unprivileged_user(tmp_path):
         )
     finally:
         remove_tree(str(home))
+        remove_tree(str(basetemp))
     tail = done.stdout[-3000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     passed = re.search(r"(\d+) passed", done.stdout)
