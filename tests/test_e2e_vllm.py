@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
 from tephra.rollout.backends.server_process import free_port
+from tephra.rollout.fixtures import vllm_env_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
@@ -31,14 +31,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    out = subprocess.run(
-        ["bash", str(REPO / "scripts" / "build_vllm_env.sh")],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=True,
-    )
-    return out.stdout.strip().splitlines()[-1]
+    return vllm_env_python(REPO)
 
 
 def _config(tmp_path, vllm_python, *overrides):

@@ -22,6 +22,7 @@ from tephra.core import (
     RegistryError,
     TephraError,
     cache_root,
+    cpu_flags,
     cpu_name,
     decided_once_per_machine,
     load_config,
@@ -186,6 +187,24 @@ def test_cpu_name_tells_apart_cpus_that_share_a_model_name(tmp_path, monkeypatch
     assert len({names["zen1"], names["zen5"], names["zen1 with avx512_bf16"]}) == 3
     machine.CPUINFO.unlink()  # not Linux: what platform knows
     assert cpu_name() and "(" not in cpu_name()
+
+
+def test_masked_flags_are_absent_everywhere_tephra_reads_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(machine, "CPUINFO", tmp_path / "cpuinfo")
+    machine.CPUINFO.write_text(ZEN1.replace("fma", "fma avx512f avx512_bf16"))
+    full = cpu_name()
+    assert cpu_flags() == {"fpu", "avx2", "fma", "avx512f", "avx512_bf16"}
+    monkeypatch.setenv(machine.MASK_FLAGS_ENV, "avx512_bf16, avx512f amx_bf16")
+    assert cpu_flags() == {"fpu", "avx2", "fma"}
+    assert machine.cpu_fields()["flags"] == "fpu avx2 fma"
+    # the same name as a CPU that has only those flags: choices timed under the mask are
+    # recorded apart from the full CPU's
+    masked = cpu_name()
+    machine.CPUINFO.write_text(ZEN1)
+    monkeypatch.delenv(machine.MASK_FLAGS_ENV)
+    assert masked == cpu_name() != full
+    machine.CPUINFO.unlink()
+    assert cpu_flags() == frozenset()
 
 
 def _counting(log, answer):

@@ -6,6 +6,10 @@ forced onto those routes; without them the engine routes by its own top-k."""
 from __future__ import annotations
 
 import copy
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +24,7 @@ from tephra.engine_api.testing.moe_routes import (
     record_routes,
     routers,
 )
-from tephra.engine_fsdp.engine import FSDPEngine
+from tephra.engine_fsdp.engine import FSDPEngine, flex_attention_refusal
 
 COMMON = dict(
     vocab_size=128,
@@ -80,13 +84,16 @@ def test_replayed_routes_survive_a_moved_router(moved_router, name, packing):
     assert float((want_own - want_replay).abs().max()) > 1e-3
 
     attention = "flex_attention" if packing else "sdpa"
-    engine = FSDPEngine.build(
-        EngineConfig(
-            model={"path": folder, "attn_implementation": attention},
-            micro_batch={"use_packing": packing, "max_tokens_per_microbatch": 4096},
-            moe={"routing_replay": "rollout"},
-        )
+    config = EngineConfig(
+        model={"path": folder, "attn_implementation": attention},
+        micro_batch={"use_packing": packing, "max_tokens_per_microbatch": 4096},
+        moe={"routing_replay": "rollout"},
     )
+    refusal = flex_attention_refusal(config, torch.device("cpu"))
+    if refusal:
+        # the engine refuses it too (test_flex_attention_is_refused_where_it_returns_nan)
+        pytest.skip(refusal)
+    engine = FSDPEngine.build(config)
     assert engine.packed == packing
     own = engine.forward(batch)["log_probs"]
     assert (own - want_own).abs().max() <= 1e-5
@@ -105,6 +112,37 @@ def test_replayed_routes_survive_a_moved_router(moved_router, name, packing):
         loss = engine.forward_backward(replayed, nll_loss_fn)["loss"]
     mask = batch[B.RESPONSE_MASK]
     assert abs(loss - float(-(want_replay * mask).sum() / mask.sum())) <= 1e-5
+
+
+REFUSE_FLEX = """
+import sys
+from tephra.engine_api import ConfigError, EngineConfig
+from tephra.engine_fsdp.engine import FSDPEngine
+config = EngineConfig(
+    model={"path": sys.argv[1], "attn_implementation": "flex_attention"},
+    micro_batch={"use_packing": True},
+)
+try:
+    FSDPEngine.build(config)
+except ConfigError as exc:
+    print(exc)
+"""
+
+
+def test_flex_attention_is_refused_where_it_returns_nan(moved_router):
+    """As on an AVX2-only CPU: `ATEN_CPU_CAPABILITY=avx2` (read by torch at start, so in a
+    process of its own) makes torch and its compiler take their AVX2 paths."""
+    _, _, folder = moved_router("qwen3_moe")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run(
+        [sys.executable, "-c", REFUSE_FLEX, folder],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"attn_implementation='flex_attention'.*NaN.*sdpa", done.stdout), done.stdout
 
 
 def test_bad_routes_name_the_field(moved_router):

@@ -60,6 +60,11 @@ def test_two_ranks_with_images_equal_one_rank(tmp_path, packing, vision_batch):
                         rank["weights"][name], t, atol=1e-4, rtol=0, msg=f"{label} {name}"
                     )
                 # such elements are rare (one of 8192 in Qwen2-VL's gate_proj moved 2.1e-4):
-                # the mean gap of every weight stays at rounding level
+                # the mean gap of every weight stays at rounding level. The tower's weights
+                # see most of that noise (their gradients come from a few image tokens): a
+                # mean gap of 1.3e-6 in Qwen2-VL's qkv with torch's AVX2 kernels
+                # (ATEN_CPU_CAPABILITY=avx2), 0 with AVX-512; two AdamW steps move each
+                # weight by up to 2e-2, so a lost or doubled update is 1e3x over 1e-5
                 gap = (rank["weights"][name] - t).abs().mean()
-                assert gap < 1e-6, f"{label} {name}: mean gap {gap}"
+                bound = 1e-5 if name in want["tower"] else 1e-6
+                assert gap < bound, f"{label} {name}: mean gap {gap}"

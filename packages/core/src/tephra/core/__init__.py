@@ -21,7 +21,7 @@ from tephra.core.errors import (
     TephraError,
 )
 from tephra.core.host_memory import retain_freed_memory
-from tephra.core.machine import cache_root, cpu_name, decided_once_per_machine
+from tephra.core.machine import cache_root, cpu_flags, cpu_name, decided_once_per_machine
 from tephra.core.registry import Registry, unknown_name_message
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "RegistryError",
     "TephraError",
     "cache_root",
+    "cpu_flags",
     "cpu_name",
     "decided_once_per_machine",
     "from_dict",

@@ -21,6 +21,12 @@ CHOICES_FILE = "timed_choices.json"
 """The recorded answers, under `cache_root()`; delete it to time again."""
 CPUINFO = Path("/proc/cpuinfo")
 """Where `cpu_fields` reads the CPU's identity (Linux)."""
+MASK_FLAGS_ENV = "TEPHRA_CPU_MASK_FLAGS"
+"""Environment variable: CPU flags (separated by spaces or commas) that tephra treats as
+absent, to see on this machine what a lesser CPU gets (e.g. `avx512f avx512_bf16 amx_bf16`
+for an AVX2 CPU). It changes what `cpu_flags`, `cpu_fields` and `cpu_name` say (so timed
+choices are recorded apart), not which instructions torch runs: pair it with
+`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` for that."""
 
 T = TypeVar("T")
 
@@ -33,7 +39,7 @@ def cache_root() -> Path:
 
 def cpu_fields() -> dict[str, str]:
     """The first processor's fields in `/proc/cpuinfo` ("model name", "cpu family", "flags",
-    ...); empty where that file is missing."""
+    ...), less the flags `$TEPHRA_CPU_MASK_FLAGS` hides; empty where that file is missing."""
     try:
         text = CPUINFO.read_text()
     except OSError:
@@ -42,7 +48,18 @@ def cpu_fields() -> dict[str, str]:
     for line in text.split("\n\n", 1)[0].splitlines():  # a blank line ends a processor
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+    masked = set(os.environ.get(MASK_FLAGS_ENV, "").replace(",", " ").split())
+    for key in ("flags", "Features"):  # x86 / Arm
+        if masked and key in fields:
+            fields[key] = " ".join(f for f in fields[key].split() if f not in masked)
     return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (`/proc/cpuinfo`'s `flags` on x86, `Features` on Arm) less
+    those `$TEPHRA_CPU_MASK_FLAGS` hides; empty where that file is missing."""
+    fields = cpu_fields()
+    return frozenset((fields.get("flags") or fields.get("Features") or "").split())
 
 
 def cpu_name() -> str:

