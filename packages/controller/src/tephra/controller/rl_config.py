@@ -523,7 +523,6 @@ class PPOConfig:
     def needs_reference(self) -> bool:
         return (
             self.algorithm.prime.enabled
-            or self.algorithm.spin.enabled
             or self.actor.objective.use_kl_loss
             or self.algorithm.kl_in_reward.enabled
         )
