@@ -12,7 +12,6 @@ from tephra.algos.config import (
     ActorObjectiveConfig,
     AdvantageConfig,
     CriticObjectiveConfig,
-    PolicyLossConfig,
 )
 from tephra.algos.dapo import filter_groups, overlong_penalty
 from tephra.algos.distillation import add_distillation_advantages, distillation_advantages
@@ -30,6 +29,7 @@ from tephra.algos.kl import (
 )
 from tephra.algos.masked import masked_mean, masked_sum, masked_whiten
 from tephra.algos.objectives import ActorObjective, CriticObjective
+from tephra.algos.policy_loss_config import PolicyLossConfig
 from tephra.algos.policy_losses import POLICY_LOSSES, compute_policy_loss
 from tephra.algos.prime import (
     PrimeRMObjective,

@@ -35,7 +35,12 @@ from tephra.controller.flops import model_shape
 from tephra.controller.models import load_tokenizer, named_model_folder, resolve_model_path
 from tephra.controller.multimodal_data import load_multimodal_parquet, multimodal_prompt_from_row
 from tephra.controller.recipes import enabled_recipes
-from tephra.controller.rl_checks import check_engine_support, resolve_auto_dtypes, weight_path
+from tephra.controller.rl_checks import (
+    check_engine_support,
+    resolve_auto_dtypes,
+    validate,
+    weight_path,
+)
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.rl_loop import Trainer
 from tephra.controller.rl_worker import RLWorker, colocated_roles
@@ -169,7 +174,10 @@ class Prepared:
 
 
 def prepare(cfg: PPOConfig) -> Prepared:
-    """Resolve the model, tools and data; tokenise the prompts. Fails before Ray starts."""
+    """Check the config's sections together (`validate`; a `PPOConfig` built without the
+    app's `parse_config` is checked here too), resolve the model, tools and data; tokenise the
+    prompts. Fails before Ray starts."""
+    validate(cfg)
     model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
     if named_model_folder(cfg.model.path) is not None:
         check_engine_support(cfg, model_path)  # built just now: its shape was not known yet

@@ -618,6 +618,27 @@ class Trainer:
             for group in self.groups():
                 group.shutdown(grace_s)
 
+    def recover(self, exc: BaseException) -> None:
+        """A worker died: tear the groups down, build them again and continue from the
+        latest intact checkpoint (or from the start when there is none); `exc` is raised
+        again when no restart is left (`Recovery`)."""
+        self.recovery.allow(exc, self.step)
+        self.close_group(grace_s=0)  # its live ranks may be stuck in a collective
+        self.build_groups()
+        self.peak_flops = self.measure_peak_flops()
+        self.ahead.running = None  # a generation ahead died with the group
+        if not self.checkpoints.resume(self, resume="auto"):
+            self.step = 0
+            self.ahead.pending = None
+            self.loader = PromptLoader(
+                len(self.train.ids),
+                self.cfg.batch.prompts_per_step,
+                self.cfg.trainer.seed,
+                self.data_fingerprint,
+            )
+        if self.make_replicas is not None:
+            self.connect_replicas()
+
     def build_groups(self) -> None:
         """A fresh actor group and role groups (recovery); the replicas and the stream are
         connected again by `connect_replicas`."""
@@ -655,7 +676,7 @@ class Trainer:
             try:
                 metrics = self.train_step()
             except WORKER_FAILURES as exc:
-                self.recovery.recover(self, exc)
+                self.recover(exc)
                 continue
             if profiling:
                 for group in self.groups():
