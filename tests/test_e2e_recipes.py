@@ -17,7 +17,7 @@ from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.data import PromptRecord
 from tephra.controller.export import export_checkpoint
 from tephra.controller.models import load_tokenizer, resolve_model_path
-from tephra.controller.spin import check_reference_answers
+from tephra.controller.recipes.spin import Spin
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
@@ -276,7 +276,7 @@ def test_spin_loss_is_the_formula_on_the_run_pairs(ray_session, tmp_path):
 def test_spin_refuses_prompts_without_reference_answers():
     cfg = parse_config(["-p", "smoke", "-p", "spin"])
     records = [PromptRecord([{"role": "user", "content": "2+2?"}], "x", "4")]
-    check_reference_answers(cfg, records, "train.parquet")
+    Spin.check_data(cfg, records, "train.parquet")
     records.append(PromptRecord([{"role": "user", "content": "3+3?"}], "x", " "))
     with pytest.raises(ConfigError, match="row 1 of train.parquet: algorithm.spin needs"):
-        check_reference_answers(cfg, records, "train.parquet")
+        Spin.check_data(cfg, records, "train.parquet")

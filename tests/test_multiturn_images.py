@@ -15,7 +15,7 @@ from tephra.core.errors import ConfigError
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig
 from tephra.engine_fsdp.engine import FSDPEngine
-from tephra.episodes.agent.base import AgentLoopConfig, AgentSample
+from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
 from tephra.episodes.agent.chat_tokens import ChatTemplateDelta
 from tephra.episodes.agent.loops import EnvironmentLoop
 from tephra.episodes.environments.base import Environment, StepResult
@@ -34,7 +34,7 @@ def vlm(tmp_path_factory):
     return build_tiny_vlm(tmp_path_factory.mktemp("vlm"), family="qwen2_vl")
 
 
-def _item(proc: VisionProcessor, seed: int) -> AgentSample:
+def _item(proc: VisionProcessor, seed: int) -> AgentPrompt:
     name, image = colour_square(random.Random(seed))
     messages = [{"role": "user", "content": QUESTION}]
     text = ChatTemplateDelta(proc.tokenizer).render(
@@ -47,7 +47,7 @@ def _item(proc: VisionProcessor, seed: int) -> AgentSample:
         True,
     )
     ids, mm = proc(text, [image])
-    return AgentSample(
+    return AgentPrompt(
         messages=messages,
         sample_id=f"colours-{seed}",
         prompt_ids=ids,

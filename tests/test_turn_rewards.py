@@ -11,7 +11,7 @@ import torch
 
 from tephra.controller.samples import samples_to_batch
 from tephra.controller.step_rewards import outcome_token_rewards
-from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentSample
+from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.base import SamplingParams
 from tephra.rollout.testing import ScriptedRollout, build_tiny_tokenizer
@@ -52,8 +52,8 @@ def test_per_turn_rewards_land_on_their_turns_tokens(tmp_path):
         tok, AgentLoopConfig(max_turns=5, environment=f"{path}:Counter")
     )
     items = [
-        AgentSample([{"role": "user", "content": "Go."}], sample_id="a"),
-        AgentSample([{"role": "user", "content": "A longer prompt: go on."}], sample_id="b"),
+        AgentPrompt([{"role": "user", "content": "Go."}], sample_id="a"),
+        AgentPrompt([{"role": "user", "content": "A longer prompt: go on."}], sample_id="b"),
     ]
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     samples = [asyncio.run(loop.run(model, item, greedy)) for item in items]

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from tephra.algos import prime_step
 from tephra.algos.recipe_config import PrimeConfig
-from tephra.controller.prime import prime_step
 from tephra.engine_api.errors import ConfigError
 
 

@@ -7,12 +7,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tephra.algos import add_distillation_advantages
 from tephra.algos.recipe_config import DistillationConfig
-from tephra.controller.teacher import (
-    add_distillation_advantages,
-    check_distillation,
-    check_same_tokenizer,
-)
+from tephra.controller.recipes.distillation import check_distillation, check_same_tokenizer
 from tephra.engine_api.errors import ConfigError
 from tephra.rollout.testing import build_tiny_model
 

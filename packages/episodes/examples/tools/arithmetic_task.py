@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from tephra.episodes.agent import (
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
-    AgentSample,
+    AgentPrompt,
 )
 from tephra.episodes.episode import run_episodes
 from tephra.episodes.registry import EPISODES
@@ -36,10 +36,10 @@ SYSTEM = (
 )
 
 
-def make_samples(n: int, seed: int) -> tuple[list[AgentSample], object]:
+def make_samples(n: int, seed: int) -> tuple[list[AgentPrompt], object]:
     data = reasoning_gym.create_dataset("basic_arithmetic", size=n, seed=seed)
     samples = [
-        AgentSample(
+        AgentPrompt(
             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item["question"]}],
             sample_id=f"arith-{i}",
             extra_info={"index": i, "ground_truth": item["answer"]},

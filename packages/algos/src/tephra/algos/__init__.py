@@ -12,10 +12,9 @@ from tephra.algos.config import (
     ActorObjectiveConfig,
     AdvantageConfig,
     CriticObjectiveConfig,
-    PolicyLossConfig,
 )
 from tephra.algos.dapo import filter_groups, overlong_penalty
-from tephra.algos.distillation import distillation_advantages
+from tephra.algos.distillation import add_distillation_advantages, distillation_advantages
 from tephra.algos.entropy import entropy_from_logits
 from tephra.algos.errors import ConfigError, InputError, RegistryError
 from tephra.algos.groups import group_index
@@ -30,12 +29,14 @@ from tephra.algos.kl import (
 )
 from tephra.algos.masked import masked_mean, masked_sum, masked_whiten
 from tephra.algos.objectives import ActorObjective, CriticObjective
+from tephra.algos.policy_loss_config import PolicyLossConfig
 from tephra.algos.policy_losses import POLICY_LOSSES, compute_policy_loss
 from tephra.algos.prime import (
     PrimeRMObjective,
     implicit_process_rewards,
     prime_advantages,
     prime_rm_loss,
+    prime_step,
 )
 from tephra.algos.registry import Registry
 from tephra.algos.rollout_correction import (
@@ -52,6 +53,7 @@ from tephra.algos.self_play import (
     SpinObjective,
     sequence_log_probs,
     spin_loss,
+    spin_pair_columns,
     sppo_loss,
     win_rates,
 )
@@ -69,6 +71,9 @@ __all__ = [
     "prime_advantages",
     "implicit_process_rewards",
     "distillation_advantages",
+    "add_distillation_advantages",
+    "prime_step",
+    "spin_pair_columns",
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATION_MODES",
     "KL_ESTIMATORS",

@@ -8,33 +8,14 @@ against the registries so a typo fails when the config is built, not mid-trainin
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
-from typing import Any
 
 from tephra.algos.aggregation import AGGREGATION_MODES
+from tephra.algos.config_checks import in_range, positive, registered
 from tephra.algos.errors import ConfigError
 from tephra.algos.kl import KL_ESTIMATORS
-
-
-def _in_range(section: str, name: str, value: float, lo: float, hi: float) -> None:
-    if not lo <= value <= hi:
-        raise ConfigError(f"{section}.{name}={value!r} must be in [{lo}, {hi}]")
-
-
-def _positive(section: str, name: str, value: float, *, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
-        bound = ">= 0" if zero_ok else "> 0"
-        raise ConfigError(f"{section}.{name}={value!r} must be {bound}")
-
-
-def _registered(section: str, name: str, value: str, registry: Any) -> None:
-    if value not in registry:
-        close = difflib.get_close_matches(str(value), registry.names(), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(
-            f"{section}.{name}={value!r} is not registered{hint}; choose one of {registry.names()}"
-        )
+from tephra.algos.policy_loss_config import PolicyLossConfig
+from tephra.algos.policy_losses import POLICY_LOSSES
 
 
 @dataclass
@@ -118,100 +99,18 @@ class AdvantageConfig:
                 f"advantage.gdpo_reward_weights has {len(weights)} weights for "
                 f"{len(keys)} gdpo_reward_keys {keys}; give one weight per key (or null for all 1)"
             )
-        _in_range("advantage", "gamma", self.gamma, 0.0, 1.0)
-        _in_range("advantage", "lam", self.lam, 0.0, 1.0)
+        in_range("advantage", "gamma", self.gamma, 0.0, 1.0)
+        in_range("advantage", "lam", self.lam, 0.0, 1.0)
         if self.lam_actor is not None:
-            _in_range("advantage", "lam_actor", self.lam_actor, 0.0, 1.0)
+            in_range("advantage", "lam_actor", self.lam_actor, 0.0, 1.0)
         if self.lam_critic is not None:
-            _in_range("advantage", "lam_critic", self.lam_critic, 0.0, 1.0)
+            in_range("advantage", "lam_critic", self.lam_critic, 0.0, 1.0)
         if self.lam_length_alpha is not None:
-            _positive("advantage", "lam_length_alpha", self.lam_length_alpha)
-        _positive("advantage", "epsilon", self.epsilon)
-        _positive("advantage", "sppo_eta", self.sppo_eta)
+            positive("advantage", "lam_length_alpha", self.lam_length_alpha)
+        positive("advantage", "epsilon", self.epsilon)
+        positive("advantage", "sppo_eta", self.sppo_eta)
         if not isinstance(self.passk_k, int) or self.passk_k < 1:
             raise ConfigError(f"advantage.passk_k={self.passk_k!r} must be an integer >= 1")
-
-
-@dataclass
-class PolicyLossConfig:
-    """Parameters of the policy losses (`POLICY_LOSSES`); each loss reads the fields it names."""
-
-    clip_ratio: float = 0.2
-    """PPO epsilon: the ratio is clipped to [1 - low, 1 + high] with both defaulting to this."""
-    clip_ratio_low: float | None = None
-    """Lower clip epsilon (None: `clip_ratio`). `vanilla`, `gspo`, `cispo`, `clip_cov`."""
-    clip_ratio_high: float | None = None
-    """Upper clip epsilon (None: `clip_ratio`); DAPO's clip-higher uses e.g. 0.28. GSPO uses
-    sequence-level ratios, with epsilons around 3e-4 / 4e-4."""
-    clip_ratio_c: float | None = 3.0
-    """Dual-clip constant c > 1 (Ye et al. 2020): for negative advantages the loss is at most
-    -A * c. None disables dual-clip. `vanilla` only."""
-    log_ratio_clamp: float = 20.0
-    """log(pi / pi_old) is clamped to [-this, this] before exp, so one wild token cannot
-    overflow the ratio; 20 is far beyond any clip range."""
-    clip_cov_ratio: float = 2e-4
-    """`clip_cov`: fraction of the micro-batch's response tokens whose gradient is detached."""
-    clip_cov_lb: float = 1.0
-    """`clip_cov`: only tokens with covariance above this are candidates."""
-    clip_cov_ub: float = 5.0
-    """`clip_cov`: only tokens with covariance below this are candidates."""
-    clip_cov_seed: int | None = None
-    """`clip_cov`: seed of the random choice among candidates (None: torch's global RNG)."""
-    kl_cov_ratio: float = 2e-3
-    """`kl_cov`: fraction of response tokens (highest covariance) that get the KL penalty."""
-    kl_cov_coef: float = 1.0
-    """`kl_cov`: coefficient of |log pi - log pi_old| on the selected tokens."""
-    sapo_tau_pos: float = 1.0
-    """`sapo`: gate temperature for positive advantages."""
-    sapo_tau_neg: float = 1.05
-    """`sapo`: gate temperature for negative advantages (larger: negative updates decay faster
-    off-policy, as the paper recommends)."""
-    dro_beta: float = 0.1
-    """`dro`: weight beta of the quadratic proximity penalty (beta / 2)(log pi - log pi_old)^2;
-    must be > 0 (verl's `dro_beta`)."""
-    dppo_ratio_cap: float | None = None
-    """`dppo_tv`, `dppo_kl`: truncation C of the importance weight min(r, C) (DPPO's truncated
-    IS). None (default): `clip_ratio_c`, as verl reads it (3.0 by default; 20 where
-    `clip_ratio_c` is None, verl's fallback), so a ported verl config computes the same.
-    Set it to truncate DPPO's weight apart from the dual clip."""
-
-    @property
-    def eps_low(self) -> float:
-        """The lower clip epsilon: `clip_ratio_low`, or `clip_ratio` where that is None."""
-        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
-
-    @property
-    def eps_high(self) -> float:
-        """The upper clip epsilon: `clip_ratio_high`, or `clip_ratio` where that is None."""
-        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
-
-    def __post_init__(self) -> None:
-        _positive("policy_loss", "clip_ratio", self.clip_ratio)
-        if self.clip_ratio_low is None:
-            self.clip_ratio_low = self.clip_ratio
-        if self.clip_ratio_high is None:
-            self.clip_ratio_high = self.clip_ratio
-        _positive("policy_loss", "clip_ratio_low", self.clip_ratio_low)
-        _positive("policy_loss", "clip_ratio_high", self.clip_ratio_high)
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
-            raise ConfigError(
-                f"policy_loss.clip_ratio_c={self.clip_ratio_c!r} must be > 1 (dual-clip bound); "
-                f"use None to disable dual-clip"
-            )
-        _positive("policy_loss", "log_ratio_clamp", self.log_ratio_clamp)
-        _in_range("policy_loss", "clip_cov_ratio", self.clip_cov_ratio, 0.0, 1.0)
-        if self.clip_cov_lb >= self.clip_cov_ub:
-            raise ConfigError(
-                f"policy_loss.clip_cov_lb={self.clip_cov_lb!r} must be < "
-                f"policy_loss.clip_cov_ub={self.clip_cov_ub!r}"
-            )
-        _in_range("policy_loss", "kl_cov_ratio", self.kl_cov_ratio, 0.0, 1.0)
-        _positive("policy_loss", "kl_cov_coef", self.kl_cov_coef, zero_ok=True)
-        _positive("policy_loss", "sapo_tau_pos", self.sapo_tau_pos)
-        _positive("policy_loss", "sapo_tau_neg", self.sapo_tau_neg)
-        _positive("policy_loss", "dro_beta", self.dro_beta)
-        if self.dppo_ratio_cap is not None:
-            _positive("policy_loss", "dppo_ratio_cap", self.dppo_ratio_cap)
 
 
 @dataclass
@@ -252,29 +151,26 @@ class ActorObjectiveConfig:
     """Truncation C of the importance weight min(pi_old / pi_rollout, C)."""
 
     def __post_init__(self) -> None:
-        # not at the top: policy_losses imports this module (PolicyLossConfig), a cycle
-        from tephra.algos.policy_losses import POLICY_LOSSES
-
         if isinstance(self.policy, dict):  # YAML gives dicts
             self.policy = PolicyLossConfig(**self.policy)
-        _registered("actor", "policy_loss", self.policy_loss, POLICY_LOSSES)
-        _registered("actor", "loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
-        _registered("actor", "kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
+        registered("actor", "policy_loss", self.policy_loss, POLICY_LOSSES)
+        registered("actor", "loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
+        registered("actor", "kl_loss_type", self.kl_loss_type, KL_ESTIMATORS)
         if self.kl_loss_type.startswith("full"):
             raise ConfigError(
                 f"actor.kl_loss_type={self.kl_loss_type!r} needs full-vocabulary log-probs, "
                 f"which engines do not return; use 'k3+' or 'k1'"
             )
-        _registered("actor", "distill_loss_type", self.distill_loss_type, KL_ESTIMATORS)
-        _positive("actor", "distill_loss_coef", self.distill_loss_coef, zero_ok=True)
+        registered("actor", "distill_loss_type", self.distill_loss_type, KL_ESTIMATORS)
+        positive("actor", "distill_loss_coef", self.distill_loss_coef, zero_ok=True)
         if self.distill_loss_type.startswith("full"):
             raise ConfigError(
                 f"actor.distill_loss_type={self.distill_loss_type!r} needs full-vocabulary "
                 f"log-probs, which engines do not return; use 'k3+' or 'k1'"
             )
         _check_norm_constant("actor", self.loss_agg_mode, self.loss_agg_norm_constant)
-        _positive("actor", "entropy_coeff", self.entropy_coeff, zero_ok=True)
-        _positive("actor", "kl_loss_coef", self.kl_loss_coef, zero_ok=True)
+        positive("actor", "entropy_coeff", self.entropy_coeff, zero_ok=True)
+        positive("actor", "kl_loss_coef", self.kl_loss_coef, zero_ok=True)
         if self.tis_level not in (None, "token", "sequence"):
             raise ConfigError(
                 f"actor.tis_level={self.tis_level!r} is not allowed; choose 'token', "
@@ -298,8 +194,8 @@ class CriticObjectiveConfig:
 
     def __post_init__(self) -> None:
         if self.cliprange_value is not None:
-            _positive("critic", "cliprange_value", self.cliprange_value)
-        _registered("critic", "loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
+            positive("critic", "cliprange_value", self.cliprange_value)
+        registered("critic", "loss_agg_mode", self.loss_agg_mode, AGGREGATION_MODES)
         _check_norm_constant("critic", self.loss_agg_mode, self.loss_agg_norm_constant)
 
 

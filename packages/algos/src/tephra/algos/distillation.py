@@ -14,6 +14,8 @@ import torch
 
 from tephra.algos.errors import InputError
 from tephra.algos.inputs import check_same_shape
+from tephra.algos.masked import masked_mean
+from tephra.algos.recipe_config import DistillationConfig
 
 
 def distillation_advantages(
@@ -37,3 +39,21 @@ def distillation_advantages(
     with torch.no_grad():
         diff = teacher_log_probs.to(student_log_probs.dtype) - student_log_probs
         return torch.where(response_mask > 0, coef * diff, torch.zeros_like(diff))
+
+
+def add_distillation_advantages(
+    advantages: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    section: DistillationConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The step's advantages with the teacher's term, [batch, seq]:
+        A'_t = A_t (0 where `rl_advantage` is false) + advantage_coef * (log q(y_t) - log pi_old(y_t))
+    on response tokens; and `distill/reverse_kl`, the masked mean of log pi_old - log q."""
+    distill = distillation_advantages(
+        old_log_probs, teacher_log_probs, response_mask, section.advantage_coef
+    )
+    base = advantages if section.rl_advantage else torch.zeros_like(advantages)
+    rkl = masked_mean((old_log_probs - teacher_log_probs).float(), response_mask)
+    return (base + distill.to(advantages.dtype)), {"distill/reverse_kl": float(rkl)}

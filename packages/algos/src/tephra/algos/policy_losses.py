@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 
 from tephra.algos.aggregation import aggregate_loss
-from tephra.algos.config import PolicyLossConfig
 from tephra.algos.inputs import check_same_shape
 from tephra.algos.masked import masked_count, masked_max, masked_mean, masked_min
+from tephra.algos.policy_loss_config import PolicyLossConfig
 from tephra.algos.registry import Registry
 
 # (per-token loss [batch, seq], metrics)

@@ -19,6 +19,7 @@ from tephra.algos.errors import InputError
 from tephra.algos.groups import group_index
 from tephra.algos.inputs import check_keys, check_per_sample, check_same_shape
 from tephra.algos.masked import masked_mean, masked_sum, masked_whiten
+from tephra.algos.recipe_config import PrimeConfig
 
 
 def implicit_process_rewards(
@@ -140,3 +141,35 @@ class PrimeRMObjective:
         with torch.no_grad():
             acc = ((seq > 0) == (labels > 0.5)).to(seq.dtype).mean()
         return loss, {"prime/rm_loss": float(per_seq.detach().mean()), "prime/rm_acc": float(acc)}
+
+
+def prime_step(
+    prm_log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    section: PrimeConfig,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(advantages [batch, seq], outcome labels [batch], metrics) of one RL step: implicit
+    process rewards from the reward model's and the reference's log-probs of the sampled
+    tokens, labels l_i = [score_i >= label_threshold], and PRIME's RLOO advantage of both."""
+    process = implicit_process_rewards(prm_log_probs, ref_log_probs, response_mask, section.beta)
+    labels = (scores >= section.label_threshold).to(torch.float32)
+    adv = prime_advantages(
+        process,
+        scores,
+        response_mask,
+        group_ids,
+        process_coef=section.process_coef,
+        outcome_coef=section.outcome_coef,
+    )
+    sequence = process.sum(-1)
+    metrics = {
+        "prime/implicit_reward_token_mean": float(masked_mean(process, response_mask)),
+        "prime/implicit_reward_seq_mean": float(sequence.mean()),
+        "prime/label_mean": float(labels.mean()),
+        # before this step's update: how well the reward model's sign predicts the label
+        "prime/rm_acc_before": float(((sequence > 0) == (labels > 0.5)).float().mean()),
+    }
+    return adv, labels, metrics

@@ -66,6 +66,18 @@ the rejected one (the policy's sample). A pair is two consecutive rows sharing a
 PAIR_ID = "keep_together"
 
 
+def spin_pair_columns(rows: int) -> dict[str, torch.Tensor]:
+    """The columns of a batch of `rows` SPIN rows, pairs consecutive (chosen, rejected):
+    `keep_together` and `uid` = the pair's index i // 2 [B] (int64), `spin_chosen` = 1.0 on
+    even rows [B]."""
+    index = torch.arange(rows, dtype=torch.int64) // 2
+    return {
+        PAIR_ID: index,
+        "uid": index,
+        SPIN_CHOSEN: (torch.arange(rows) % 2 == 0).to(torch.float32),
+    }
+
+
 class SpinObjective:
     """SPIN's engine loss `loss_fn(outputs, batch) -> (loss, metrics)`: this micro-batch's
     share of `spin_loss`, so that the sum over micro-batches and ranks is the mean over the

@@ -4,15 +4,34 @@ step k+1 trains on it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 
+from tephra.controller.data import PromptLoader
 from tephra.controller.rl_config import PPOConfig
-from tephra.controller.rounds import Round
+from tephra.controller.rounds import Prompts, Round
+from tephra.controller.samples import PromptItem, Sample
+from tephra.controller.worker_group import WorkerGroup
+from tephra.rollout.base import SamplingParams
 
-if TYPE_CHECKING:
-    from tephra.controller.rl_loop import Trainer
+
+class Collector(Protocol):
+    """What generating ahead uses of the loop (the `Trainer` is one): its step, prompts,
+    sampling, the groups that generate, and the calls that collect and score a batch."""
+
+    step: int
+    loader: PromptLoader
+    train: Prompts
+    sampling: SamplingParams
+    replicas: Any
+    wg: WorkerGroup
+
+    def collect(self, step: int, scored: bool = False) -> list[Round]: ...
+    def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]: ...
+    def seed_of(self, step: int, r: int) -> int: ...
+    def check_scores(self, samples: list[Sample]) -> list[Sample]: ...
+    def attach_scores(self, samples: list[Sample]) -> list[Sample]: ...
 
 
 class GenerateAhead:
@@ -53,7 +72,7 @@ class GenerateAhead:
         last = step + 1 >= t.steps
         return not last or t.save_final or bool(t.save_every and t.steps % t.save_every == 0)
 
-    def start(self, trainer: Trainer) -> None:
+    def start(self, trainer: Collector) -> None:
         """Generate step `trainer.step + 1`'s batch with the current weights: in a worker
         thread (`overlap`; `finish` takes it) or right now."""
         step = trainer.step + 1
@@ -72,7 +91,7 @@ class GenerateAhead:
         else:
             trainer.wg.generate_ahead(items, sampling)
 
-    def finish(self, trainer: Trainer) -> None:
+    def finish(self, trainer: Collector) -> None:
         """Wait for the worker thread's samples, score them, keep them as `pending`."""
         if self.running is None:
             return

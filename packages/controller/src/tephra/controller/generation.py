@@ -22,7 +22,7 @@ from tephra.controller.rewarding import Scorer
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
 from tephra.engine_api.multimodal import image_token_id, is_vision_config, video_token_id
-from tephra.episodes.agent import AgentSample
+from tephra.episodes.agent import AgentPrompt
 from tephra.episodes.episode import Episode, by_agent_name, run_episodes, run_to_completion
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import close_tools, load_tools
@@ -40,7 +40,7 @@ def run_items(
 ) -> list[Sample]:
     """Run `episode` on every item concurrently; its samples, in the order of `items`."""
     episode_items = [
-        AgentSample(
+        AgentPrompt(
             messages=list(i.record.prompt),
             sample_id=i.sample_id,
             prompt_ids=list(i.prompt_ids),

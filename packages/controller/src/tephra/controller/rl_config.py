@@ -27,7 +27,6 @@ from tephra.algos import ActorObjectiveConfig, CriticObjectiveConfig
 from tephra.algos.algorithm_config import AlgorithmConfig
 from tephra.controller.checkpoints import RESUME_MODES
 from tephra.controller.evaluation import ValidationConfig
-from tephra.controller.rl_checks import validate
 from tephra.controller.trackers import TRACKERS
 from tephra.controller.watchdog import WatchdogConfig
 from tephra.controller.worker_group import PLACEMENT_STRATEGIES, check_retain
@@ -525,14 +524,10 @@ class PPOConfig:
     resources: ResourcesSection = field(default_factory=ResourcesSection)
     """Ray placement."""
 
-    def __post_init__(self) -> None:
-        validate(self)
-
     @property
     def needs_reference(self) -> bool:
         return (
             self.algorithm.prime.enabled
-            or self.algorithm.spin.enabled
             or self.actor.objective.use_kl_loss
             or self.algorithm.kl_in_reward.enabled
         )

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +51,10 @@ from tephra.controller.evaluation import flat_metrics, summarise, write_jsonl
 from tephra.controller.flops import ModelShape, step_flops
 from tephra.controller.generate_ahead import GenerateAhead
 from tephra.controller.generation_dumps import validation_rows, write_train_samples
-from tephra.controller.prime import prime_step
+from tephra.controller.recipes import StepState, enabled_recipes
 from tephra.controller.recovery import Recovery
 from tephra.controller.rewarding import check_advantages, check_not_all_failed, check_rewards
 from tephra.controller.rl_config import PPOConfig
-from tephra.controller.rl_worker import can_skip_flat, flat_groups
 from tephra.controller.rollout_mismatch import (
     apply_rejection,
     check_mismatch_alarm,
@@ -70,11 +70,11 @@ from tephra.controller.samples import (
     samples_to_batch,
     set_score,
 )
-from tephra.controller.spin import spin_batch, write_pairs
+from tephra.controller.skip_flat import can_skip_flat, flat_groups
 from tephra.controller.step_metrics import (
+    StepTimer,
     dynamic_sampling_metrics,
     format_time_share,
-    judge_metrics,
     staleness_metrics,
     step_summary,
     time_share,
@@ -88,12 +88,35 @@ from tephra.controller.step_rewards import (
     set_advantages,
 )
 from tephra.controller.stop import StopNow, StopSignal
-from tephra.controller.teacher import add_distillation_advantages
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_failures import WORKER_FAILURES
 from tephra.controller.worker_group import WorkerGroup
 from tephra.core.config import to_dict
 from tephra.rollout.base import SamplingParams
+
+
+class RoleCalls:
+    """The recipes' calls on their engines by role (`tephra.controller.recipes.RoleEngines`),
+    on the worker group of each role's pool."""
+
+    def __init__(
+        self,
+        on_ranks: Callable[..., Any],
+        group_of: Callable[[str], WorkerGroup],
+        pools: dict[str, str],
+    ) -> None:
+        self.on_ranks, self.group_of, self.pools = on_ranks, group_of, pools
+
+    def log_probs(self, role: str, batch: TensorDict) -> torch.Tensor:
+        out = self.on_ranks("compute_role_log_probs", batch, self.pools[role], name=role)
+        return out["log_probs"]
+
+    def update(self, role: str, batch: TensorDict) -> dict[str, float]:
+        out: dict[str, float] = self.on_ranks("update_role", batch, self.pools[role], name=role)
+        return out
+
+    def refresh(self, role: str, folder: Path) -> None:
+        self.group_of(self.pools[role]).refresh_role(role, str(folder))
 
 
 class Trainer:
@@ -156,6 +179,16 @@ class Trainer:
         """The next step's batch, generated ahead by one_step_off (`generate_ahead`)."""
         self.skips_flat = can_skip_flat(cfg.actor.objective)
         """Whether the actor update leaves out zero-advantage rows (`skip_zero_advantage_rows`)."""
+        self.recipes = enabled_recipes(cfg)
+        """The recipes `cfg` turns on (`tephra.controller.recipes`), whose hooks the step runs."""
+        self.trains_on_rewards = all(r.trains_on_rewards for r in self.recipes)
+        """False when a recipe's actor loss reads no rewards (SPIN): no old log-probs, no
+        advantages."""
+        self.role_calls = RoleCalls(
+            self.on_ranks,
+            self.group_of,
+            {role.name: role.pool for recipe in self.recipes for role in recipe.roles()},
+        )
         self.batch_order = BatchOrder()
         """The step's row order for the actor's data-parallel ranks (`trainer.balance_batch`)."""
         self.make_role_groups = make_role_groups
@@ -334,8 +367,13 @@ class Trainer:
     def on_ranks(self, method: str, batch: TensorDict, role: str = "actor", **options: Any) -> Any:
         """A `DP_SPLIT` call of the training batch on the group holding `role`, in the order
         `batch_order` planned for the actor's group (`BatchOrder.call`)."""
-        group = self.role_groups.get(role, self.wg)
+        group = self.group_of(role)
         return self.batch_order.call(group, group is self.wg, method, batch, **options)
+
+    def group_of(self, role: str) -> WorkerGroup:
+        """The worker group holding `role` (`actor`, `ref`, `critic`): its pool's, else the
+        actor's."""
+        return self.role_groups.get(role, self.wg)
 
     def groups(self) -> list[WorkerGroup]:
         """Every training worker group: the actor's, then the role pools'."""
@@ -343,62 +381,91 @@ class Trainer:
 
     # ----- one RL step ---------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        cfg, times = self.cfg, {}
-        t_step = tick = time.perf_counter()
-
-        def lap(name: str) -> None:
-            nonlocal tick
-            now = time.perf_counter()
-            times[f"time/{name}_s"] = now - tick
-            tick = now
-
-        n = cfg.batch.samples_per_prompt
-        self.reward_seconds = 0.0
+        """One RL step, its stages in order; the recipes' hooks run at the stages
+        `tephra.controller.recipes.base` names."""
+        timer = StepTimer()
         rounds = self.take_batch()
         if self.ahead.wanted(self.step):  # before the update: this step's weights sample it
             self.ahead.start(self)
         samples = [s for r in rounds for s in r.kept]
-        spin = cfg.algorithm.spin.enabled
-        if spin:  # SPIN trains on pairs: the data's reference answer, then each sample
-            records = [r.items[g].record for r in rounds for g in r.kept_groups for _ in range(n)]
-            batch, pairs = spin_batch(samples, records, self.tok)
+        n = self.cfg.batch.samples_per_prompt
+        batch = samples_to_batch(samples, self.tok.pad_token_id, n, self.multi_turn)
+        # one group id per prompt of the step (a prompt drawn twice forms two groups)
+        batch["uid"] = group_ids(samples, n)
+        state = StepState(
+            self.cfg,
+            self.step,
+            rounds,
+            samples,
+            batch,
+            self.tok,
+            self.run_dir,
+            self.role_calls,
+            timer.lap,
+        )
+        self.run_hooks("after_generation", state)
+        timer.lap("generate")
+        self.plan(state)
+        self.forward_passes(state)
+        if self.trains_on_rewards:
+            self.old_log_probs(state)
+        self.score(state, timer)
+        self.run_hooks("after_scoring", state)
+        if self.trains_on_rewards:
+            self.advantages(state)
+        self.dump(state)
+        timer.lap("advantages")
+        self.run_hooks("before_update", state)
+        self.updates(state)
+        self.run_hooks("after_update", state)
+        if self.ahead.running is not None:
+            self.ahead.finish(self)
+            timer.lap("generate_wait")  # what the update did not hide of the next generation
+        if self.replicas is not None:
+            self.replicas.sync(self.wg, self.step + 1)
         else:
-            batch = samples_to_batch(samples, self.tok.pad_token_id, n, self.multi_turn)
-            # one group id per prompt of the step (a prompt drawn twice forms two groups)
-            batch["uid"] = group_ids(samples, n)
-        lap("generate")
-        metrics: dict[str, float] = staleness_metrics(samples, self.step)
+            self.wg.sync_weights()
+        timer.lap("sync")
+        return self.summary(state, timer)
+
+    def run_hooks(self, stage: str, state: StepState) -> None:
+        """Every enabled recipe's hook of `stage`, in the order of their names."""
+        for recipe in self.recipes:
+            getattr(recipe, stage)(state)
+
+    def plan(self, state: StepState) -> None:
+        """Staleness, the rows' order over the actor's ranks, the async stream's metrics."""
+        cfg, metrics = self.cfg, state.metrics
+        metrics.update(staleness_metrics(state.samples, self.step))
         metrics.update(
             self.batch_order.plan(
-                batch, self.wg.dp_size, cfg.trainer.balance_batch, cfg.batch.mini_batches
+                state.batch, self.wg.dp_size, cfg.trainer.balance_batch, cfg.batch.mini_batches
             )
         )
         if self.stream is not None:
             metrics.update(self.stream.metrics())
             if cfg.trainer.partial_rollout:
-                metrics.update(partial_rollout_metrics(samples))
-        forward_passes = 0
+                metrics.update(partial_rollout_metrics(state.samples))
+
+    def forward_passes(self, state: StepState) -> None:
+        """The reference's pass, the recipes' (`forward_passes`), the critic's values."""
+        batch = state.batch
         if self.needs_ref:
             batch["ref_log_probs"] = self.on_ranks("compute_ref_log_probs", batch, "ref")[
                 "log_probs"
             ]
-            forward_passes += 1
-            lap("ref")
-        a = cfg.algorithm
-        if a.distillation.enabled:  # the teacher sits with the reference
-            batch["teacher_log_probs"] = self.on_ranks("compute_teacher_log_probs", batch, "ref")[
-                "log_probs"
-            ]
-            forward_passes += 1
-            lap("teacher")
-        if a.prime.enabled:
-            prm_log_probs = self.on_ranks("compute_prm_log_probs", batch)["log_probs"]
-            forward_passes += 1
-            lap("prm")
+            state.forward_passes += 1
+            state.lap("ref")
+        self.run_hooks("forward_passes", state)
         if self.needs_critic:
             batch["values"] = self.on_ranks("compute_values", batch, "critic")["values"]
-            forward_passes += 1
-            lap("values")
+            state.forward_passes += 1
+            state.lap("values")
+
+    def old_log_probs(self, state: StepState) -> None:
+        """The trainer's log-probs of the samples where the loss reads them (several
+        mini-batches or epochs, a correction of the rollout's), with the mismatch metrics."""
+        cfg, batch = self.cfg, state.batch
         token_stats = cfg.algorithm.needs("token_stats")
 
         def trainer_log_probs(b: TensorDict) -> torch.Tensor:
@@ -410,20 +477,17 @@ class Trainer:
                 return out["log_probs"]
             return self.on_ranks("compute_log_probs", b)["log_probs"]
 
-        corr_metrics: dict[str, float] = {}
-        passes = 0
-        if not spin:  # SPIN's loss reads no old log-probs (its chosen rows were not sampled)
-            corr_metrics, passes = correct_old_log_probs(
-                batch,
-                cfg.algorithm.correction,
-                # the optimal-token-baseline estimators read pi_old and sum pi_old^2 of one pass
-                cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1 or token_stats,
-                trainer_log_probs,
-                probe_rows=cfg.algorithm.mismatch_probe_rows,
-                dp_size=self.wg.dp_size,
-                probe_seed=self.seed_of(self.step, 0),
-            )
-        metrics.update(corr_metrics)
+        corr_metrics, passes = correct_old_log_probs(
+            batch,
+            cfg.algorithm.correction,
+            # the optimal-token-baseline estimators read pi_old and sum pi_old^2 of one pass
+            cfg.batch.mini_batches > 1 or cfg.batch.epochs > 1 or token_stats,
+            trainer_log_probs,
+            probe_rows=cfg.algorithm.mismatch_probe_rows,
+            dp_size=self.wg.dp_size,
+            probe_seed=self.seed_of(self.step, 0),
+        )
+        state.metrics.update(corr_metrics)
         check_mismatch_alarm(corr_metrics, cfg.algorithm.mismatch_alarm_kl, self.step + 1)
         if token_stats and "sum_pi_squared" not in batch.keys():
             # a mode that replaces the old log-probs (bypass) ran no trainer pass: sum pi^2
@@ -433,135 +497,106 @@ class Trainer:
             )["sum_pi_squared"]
             passes += 1
         if passes:
-            forward_passes += passes
-            lap("old_log_probs")
-        if not all(r.scored for r in rounds):
-            self.attach_scores(samples)
-        times["time/reward_s"] = self.reward_seconds
-        lap("reward_wait")
-        names = [name for r in rounds for name in r.kept_names()]
-        # before float32: a float64 score of 1e308 would already be inf there
-        check_rewards([s.score for s in samples], names, cfg.reward.max_abs)
-        raw = torch.tensor([s.score for s in samples], dtype=torch.float32)
-        shaping = length_shaping(cfg, samples)
-        scores = raw + shaping
-        if spin:  # the reward is logged; SPIN's loss reads the pairs, not advantages
-            metrics.update(judge_metrics(samples))
-        else:
-            batch["rewards"] = scores
-            token_rewards = outcome_token_rewards(scores, batch["response_mask"], samples)
-            if cfg.algorithm.kl_in_reward.enabled:
-                token_rewards, kl_metrics = kl_reward(cfg, batch, token_rewards, self.kl_ctrl)
-                metrics.update(kl_metrics)
-            baselines = None
-            if cfg.algorithm.needs("baselines"):
-                baselines = self.greedy_baselines(rounds)
-                metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
-                lap("baselines")
-            if a.prime.enabled:
-                adv, batch["prime_labels"], prime_metrics = prime_step(
-                    prm_log_probs,
-                    batch["ref_log_probs"],
-                    batch["response_mask"],
-                    scores,
-                    batch["uid"],
-                    a.prime,
-                )
-                batch["advantages"], batch["returns"] = adv.float(), adv.float()
-                metrics.update(prime_metrics)
-            else:
-                set_advantages(
-                    cfg, batch, token_rewards, baselines, reward_components(cfg, samples)
-                )
-            if a.distillation.enabled:
-                old_log_probs = batch.get("old_log_probs", batch["rollout_log_probs"])
-                batch["advantages"], distill_metrics = add_distillation_advantages(
-                    batch["advantages"],
-                    old_log_probs,
-                    batch["teacher_log_probs"],
-                    batch["response_mask"],
-                    a.distillation,
-                )
-                metrics.update(distill_metrics)
-            metrics.update(judge_metrics(samples))
-            check_advantages(batch["advantages"], batch["response_mask"], names)
-            apply_rejection(batch)
-            if self.skips_flat:  # the workers leave these groups out of the actor update
-                metrics["actor/skipped_flat_groups"] = float(flat_groups(batch))
-        every = cfg.trainer.dump_generations
-        if every and (self.step + 1) % every == 0:
-            path = self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl"
-            if spin:
-                write_pairs(path, pairs, self.tok)
-            else:
-                write_train_samples(path, samples, batch, self.tok, n)
-        lap("advantages")
-        trained_passes = 0
-        if self.needs_critic:
-            metrics.update(
-                {
-                    f"critic/{k.split('/')[-1]}": v
-                    for k, v in self.on_ranks("update_critic", batch, "critic").items()
-                }
-            )
-            trained_passes += cfg.batch.epochs
-            lap("critic")
-        if a.prime.enabled:  # after its rewards were read: PRIME updates the PRM online
-            metrics.update(
-                {
-                    f"prime/{k.split('/')[-1]}": v
-                    for k, v in self.on_ranks("update_prm", batch).items()
-                }
-            )
-            trained_passes += cfg.batch.epochs
-            lap("prm_update")
-        warmup = self.step < cfg.trainer.critic_warmup
-        if cfg.trainer.critic_warmup:
-            metrics["trainer/critic_warmup"] = float(warmup)
-        if not warmup:  # critic warmup: the actor's weights and optimizer stay untouched
-            metrics.update(
-                {
-                    k if k.startswith("actor/") else f"actor/{k}": v
-                    for k, v in self.on_ranks("update_actor", batch).items()
-                }
-            )
-            trained_passes += cfg.batch.epochs
-            lap("actor")
-        if self.ahead.running is not None:
-            self.ahead.finish(self)
-            lap("generate_wait")  # what the update did not hide of the next generation
-        if self.replicas is not None:
-            self.replicas.sync(self.wg, self.step + 1)
-        else:
-            self.wg.sync_weights()
-        if spin:  # SPIN's next iteration: the model trained so far becomes the opponent
-            refresh = (self.step + 1) % a.spin.refresh_every == 0
-            if refresh:
-                self.wg.refresh_reference(str(self.run_dir / "spin_reference"))
-            metrics["spin/reference_refreshed"] = float(refresh)
-        lap("sync")
-        step_s = time.perf_counter() - t_step
+            state.forward_passes += passes
+            state.lap("old_log_probs")
 
-        flops = step_flops(self.model, batch, forward_passes, trained_passes)
+    def score(self, state: StepState, timer: StepTimer) -> None:
+        """The samples' scores (waited for where scoring overlapped the passes), checked, with
+        the length shaping: `state.scores`."""
+        if not all(r.scored for r in state.rounds):
+            self.attach_scores(state.samples)
+        timer.times["time/reward_s"] = self.reward_seconds
+        state.lap("reward_wait")
+        state.names = [name for r in state.rounds for name in r.kept_names()]
+        # before float32: a float64 score of 1e308 would already be inf there
+        check_rewards([s.score for s in state.samples], state.names, self.cfg.reward.max_abs)
+        raw = torch.tensor([s.score for s in state.samples], dtype=torch.float32)
+        shaping = length_shaping(self.cfg, state.samples)
+        state.scores = raw + shaping
+        if self.cfg.algorithm.overlong_buffer:
+            state.metrics["reward/overlong_penalty_mean"] = float(shaping.mean())
+
+    def advantages(self, state: StepState) -> None:
+        """The step's advantages: a recipe's (`advantages`), else the estimator's from the
+        token rewards; then the recipes' terms (`after_advantages`), checked."""
+        batch, metrics = state.batch, state.metrics
+        assert state.scores is not None  # `score` ran
+        batch["rewards"] = state.scores
+        if not any(recipe.advantages(state) for recipe in self.recipes):
+            self.estimator_advantages(state, state.scores)
+        self.run_hooks("after_advantages", state)
+        check_advantages(batch["advantages"], batch["response_mask"], state.names)
+        apply_rejection(batch)
+        if self.skips_flat:  # the workers leave these groups out of the actor update
+            metrics["actor/skipped_flat_groups"] = float(flat_groups(batch))
+
+    def estimator_advantages(self, state: StepState, scores: torch.Tensor) -> None:
+        """`algorithm.adv_estimator`'s advantages of the outcome token rewards (with the KL
+        penalty in the reward, the greedy baselines where the estimator reads them)."""
+        cfg, batch, samples = self.cfg, state.batch, state.samples
+        token_rewards = outcome_token_rewards(scores, batch["response_mask"], samples)
+        if cfg.algorithm.kl_in_reward.enabled:
+            token_rewards, kl_metrics = kl_reward(cfg, batch, token_rewards, self.kl_ctrl)
+            state.metrics.update(kl_metrics)
+        baselines = None
+        if cfg.algorithm.needs("baselines"):
+            baselines = self.greedy_baselines(state.rounds)
+            state.metrics["reward/greedy_baseline_mean"] = float(baselines.mean())
+            state.lap("baselines")
+        set_advantages(cfg, batch, token_rewards, baselines, reward_components(cfg, samples))
+
+    def dump(self, state: StepState) -> None:
+        """The step's training rows every `trainer.dump_generations` steps."""
+        every = self.cfg.trainer.dump_generations
+        if not every or (self.step + 1) % every:
+            return
+        path = self.run_dir / "generations" / f"train_step{self.step + 1}.jsonl"
+        if state.dump is not None:
+            state.dump(path)
+        else:
+            n = self.cfg.batch.samples_per_prompt
+            write_train_samples(path, state.samples, state.batch, self.tok, n)
+
+    def updates(self, state: StepState) -> None:
+        """The critic's update, then the actor's (unless a recipe held it back)."""
+        cfg, metrics = self.cfg, state.metrics
+        if self.needs_critic:
+            out = self.on_ranks("update_critic", state.batch, "critic")
+            metrics.update({f"critic/{k.split('/')[-1]}": v for k, v in out.items()})
+            state.trained_passes += cfg.batch.epochs
+            state.lap("critic")
+        if state.train_actor:
+            out = self.on_ranks("update_actor", state.batch)
+            metrics.update(
+                {k if k.startswith("actor/") else f"actor/{k}": v for k, v in out.items()}
+            )
+            state.trained_passes += cfg.batch.epochs
+            state.lap("actor")
+
+    def summary(self, state: StepState, timer: StepTimer) -> dict[str, float]:
+        """The step's metrics: the stages', the step summary (rewards, lengths, FLOPs, MFU)
+        and the stage times."""
+        cfg, metrics, batch = self.cfg, state.metrics, state.batch
+        step_s = timer.total()
+        flops = step_flops(self.model, batch, state.forward_passes, state.trained_passes)
+        assert state.scores is not None  # `score` ran
         metrics.update(
             step_summary(
-                rounds,
-                samples,
+                state.rounds,
+                state.samples,
                 batch,
-                scores,
+                state.scores,
                 step_s,
                 flops / step_s / self.peak_flops if self.peak_flops else 0.0,
                 self.peak_published,
                 float(flops),
             )
         )
-        metrics.update(times)
+        metrics.update(timer.times)
         if self.multi_turn:
-            metrics.update(agent_metrics(samples))
-        if cfg.algorithm.overlong_buffer:
-            metrics["reward/overlong_penalty_mean"] = float(shaping.mean())
+            metrics.update(agent_metrics(state.samples))
         if cfg.algorithm.dynamic_sampling:
-            metrics.update(dynamic_sampling_metrics(rounds))
+            metrics.update(dynamic_sampling_metrics(state.rounds))
         if "actor/kl_mean" in metrics:
             metrics["actor/kl"] = metrics["actor/kl_mean"]
         return metrics
@@ -592,6 +627,27 @@ class Trainer:
             for group in self.groups():
                 group.shutdown(0 if at_once else grace_s)
 
+    def recover(self, exc: BaseException) -> None:
+        """A worker died: tear the groups down, build them again and continue from the
+        latest intact checkpoint (or from the start when there is none); `exc` is raised
+        again when no restart is left (`Recovery`)."""
+        self.recovery.allow(exc, self.step)
+        self.close_group(grace_s=0)  # its live ranks may be stuck in a collective
+        self.build_groups()
+        self.peak_flops = self.measure_peak_flops()
+        self.ahead.running = None  # a generation ahead died with the group
+        if not self.checkpoints.resume(self, resume="auto"):
+            self.step = 0
+            self.ahead.pending = None
+            self.loader = PromptLoader(
+                len(self.train.ids),
+                self.cfg.batch.prompts_per_step,
+                self.cfg.trainer.seed,
+                self.data_fingerprint,
+            )
+        if self.make_replicas is not None:
+            self.connect_replicas()
+
     def build_groups(self) -> None:
         """A fresh actor group and role groups (recovery); the replicas and the stream are
         connected again by `connect_replicas`."""
@@ -600,7 +656,7 @@ class Trainer:
         self.replicas = self.stream = None  # closed with the group
 
     # ----- the run ----------------------------------------------------------------------------
-    def fit(self) -> dict[str, Any]:
+    def fit(self) -> dict[str, Any]:  # noqa: C901, PLR0915 (older than the limit; to split)
         cfg, t0 = self.cfg.trainer, time.perf_counter()
         resumed = self.checkpoints.resume(self)
         trackers = Trackers(
@@ -633,7 +689,7 @@ class Trainer:
                 except WORKER_FAILURES as exc:
                     if self.stop.requested:  # no restart for a run that is stopping
                         raise
-                    self.recovery.recover(self, exc)
+                    self.recover(exc)
                     continue
                 if profiling:
                     for group in self.groups():

@@ -41,15 +41,16 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch.profiler import ProfilerActivity, profile
 
-from tephra.algos import ActorObjective, CriticObjective, PrimeRMObjective, SpinObjective
+from tephra.algos import ActorObjective, CriticObjective
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.flops import device_peak
 from tephra.controller.generation import Generator
 from tephra.controller.models import resolve_model_path
+from tephra.controller.recipes import enabled_recipes
 from tephra.controller.rl_config import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
+from tephra.controller.skip_flat import can_skip_flat, skip_zero_advantage_rows
 from tephra.controller.worker_group import DataParallelInfo, Worker
-from tephra.engine_api.batch import LEFT_OUT_SEQS, LEFT_OUT_TOKENS
 from tephra.engine_api.fastest_dtype import resolve_dtype
 from tephra.engine_api.registry import get_engine
 from tephra.rollout.backends.server_process import free_port
@@ -148,26 +149,30 @@ class RLWorker(Worker):
                     model, "policy", temperature, seed, device=_engine_device(device)
                 ),
             )
-        self.teacher = None
-        """On-policy distillation's teacher: forward-only, placed with the reference."""
-        distill = cfg.algorithm.distillation
-        if "ref" in self.roles and distill.enabled:
-            teacher = replace(model, path=resolve_model_path(distill.teacher_path, seed))
-            self.teacher = get_engine(
+        self.recipes = enabled_recipes(cfg)
+        self.role_engines: dict[str, Any] = {}
+        """The recipes' engines by role name (`EngineRole`: the distillation teacher, PRIME's
+        reward model, SPIN's opponent), built where their pool is this group's."""
+        self.role_losses: dict[str, Any] = {}
+        self.role_checkpoints: dict[str, str] = {}
+        for role in (role for recipe in self.recipes for role in recipe.roles()):
+            if role.pool not in self.roles:
+                continue
+            path = resolve_model_path(role.model_path, seed) if role.model_path else model_path
+            self.role_engines[role.name] = get_engine(
                 cfg.actor.engine,
                 cfg.actor.engine_config(
-                    teacher, "policy", temperature, seed, device=_engine_device(device)
+                    replace(model, path=path),
+                    "policy",
+                    temperature,
+                    seed,
+                    device=_engine_device(device),
                 ),
             )
-        self.prm = None
-        """PRIME's implicit process reward model: trained, initialised from the policy."""
-        if "actor" in self.roles and cfg.algorithm.prime.enabled:
-            self.prm = get_engine(
-                cfg.actor.engine,
-                cfg.actor.engine_config(
-                    model, "policy", temperature, seed, device=_engine_device(device)
-                ),
-            )
+            if role.loss is not None:
+                self.role_losses[role.name] = role.loss()
+            if role.checkpoint is not None:
+                self.role_checkpoints[role.name] = role.checkpoint
         self.critic = None
         if "critic" in self.roles and cfg.algorithm.needs("values"):
             self.critic = get_engine(
@@ -178,9 +183,10 @@ class RLWorker(Worker):
             )
         self.actor_loss = ActorObjective(cfg.actor.objective)
         self.critic_loss = CriticObjective(cfg.critic.objective) if self.critic else None
-        self.prm_loss = PrimeRMObjective(cfg.algorithm.prime.beta) if self.prm else None
-        spin = cfg.algorithm.spin
-        self.spin_loss = SpinObjective(spin.beta) if spin.enabled else None
+        self.recipe_actor_loss = next(
+            (loss for loss in (r.actor_loss() for r in self.recipes) if loss is not None), None
+        )
+        """A recipe's actor loss instead of `actor.objective`'s (SPIN's pair loss)."""
         self._weights_group = None
         # The rollout engine loaded the checkpoint from disk, but the engine may have
         # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
@@ -193,7 +199,8 @@ class RLWorker(Worker):
         """Data-parallel coordinates from the group's first engine (the actor, else the
         reference or critic of a pool of its own): rows go to data-parallel ranks, tensor /
         pipeline / context peers get the same rows; one peer returns them."""
-        engine = next(e for e in (self.actor, self.ref, self.teacher, self.critic) if e is not None)
+        engines = (self.actor, self.ref, *self.role_engines.values(), self.critic)
+        engine = next(e for e in engines if e is not None)
         return DataParallelInfo(
             dp_rank=engine.dp_rank,
             dp_size=engine.dp_size,
@@ -287,27 +294,20 @@ class RLWorker(Worker):
         return out.select("log_probs")
 
     @dispatch(Dispatch.DP_SPLIT)
-    @profiled("teacher")
-    def compute_teacher_log_probs(self, batch: TensorDict) -> TensorDict:
-        """The distillation teacher's log-probs of the sampled response tokens."""
-        with self.teacher.eval_mode():
-            out = self.teacher.forward(batch)
+    @profiled("role_log_probs")
+    def compute_role_log_probs(self, batch: TensorDict, name: str) -> TensorDict:
+        """The log-probs of the sampled response tokens by a recipe's engine `name`."""
+        engine = self.role_engines[name]
+        with engine.eval_mode():
+            out = engine.forward(batch)
         return out.select("log_probs")
 
     @dispatch(Dispatch.DP_SPLIT)
-    @profiled("prm")
-    def compute_prm_log_probs(self, batch: TensorDict) -> TensorDict:
-        """PRIME's reward model's log-probs of the sampled response tokens."""
-        with self.prm.eval_mode():
-            out = self.prm.forward(batch)
-        return out.select("log_probs")
-
-    @dispatch(Dispatch.DP_SPLIT)
-    @profiled("prm_update")
-    def update_prm(self, batch: TensorDict) -> dict[str, float]:
-        """PRIME's reward model: cross-entropy of its sequence implicit reward against the
-        outcome labels (batch["prime_labels"]), mini-batches x epochs as the actor."""
-        return self._train(self.prm, self.prm_loss, batch)
+    @profiled("role_update")
+    def update_role(self, batch: TensorDict, name: str) -> dict[str, float]:
+        """Train a recipe's engine `name` on its loss (`EngineRole.loss`), mini-batches x
+        epochs as the actor."""
+        return self._train(self.role_engines[name], self.role_losses[name], batch)
 
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("values")
@@ -346,8 +346,8 @@ class RLWorker(Worker):
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("actor")
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
-        if self.spin_loss is not None:  # SPIN's pairs: no advantages, no rows to skip
-            return self._train(self.actor, self.spin_loss, batch)
+        if self.recipe_actor_loss is not None:  # e.g. SPIN's pairs: no advantages to skip on
+            return self._train(self.actor, self.recipe_actor_loss, batch)
         loss = self.actor_loss
         if self.cfg.batch.mini_batches == 1 and self.cfg.batch.epochs == 1:
             loss = _on_policy_old_log_probs(loss)
@@ -370,12 +370,12 @@ class RLWorker(Worker):
         return self._train(self.critic, self.critic_loss, batch)
 
     @dispatch(Dispatch.BROADCAST)
-    def refresh_reference(self, folder: str) -> None:
-        """The reference becomes a copy of the actor (SPIN's next iteration: the opponent is
-        the model trained so far), through a checkpoint in `folder` (the engine contract's
-        one way in; every rank writes and reads its shard)."""
+    def refresh_role(self, name: str, folder: str) -> None:
+        """A recipe's engine `name` becomes a copy of the actor (SPIN's next iteration: the
+        opponent is the model trained so far), through a checkpoint in `folder` (the engine
+        contract's one way in; every rank writes and reads its shard)."""
         self.actor.save_checkpoint(Path(folder))
-        self.ref.load_checkpoint(Path(folder))
+        self.role_engines[name].load_checkpoint(Path(folder))
 
     # ----- weights and state -----------------------------------------------------------
     @dispatch(Dispatch.BROADCAST)
@@ -457,10 +457,8 @@ class RLWorker(Worker):
             self.actor.save_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.save_checkpoint(path / "critic")
-        if self.prm is not None:
-            self.prm.save_checkpoint(path / "prime_rm")
-        if self.spin_loss is not None:  # the current SPIN iteration's opponent
-            self.ref.save_checkpoint(path / "spin_reference")
+        for name, sub in self.role_checkpoints.items():  # a trained or refreshed role engine
+            self.role_engines[name].save_checkpoint(path / sub)
         torch.save(
             {"torch": torch.get_rng_state(), "python": random.getstate()}, path / self._rng_file()
         )
@@ -477,10 +475,8 @@ class RLWorker(Worker):
             self.actor.load_checkpoint(path / "actor")
         if self.critic is not None:
             self.critic.load_checkpoint(path / "critic")
-        if self.prm is not None:
-            self.prm.load_checkpoint(path / "prime_rm")
-        if self.spin_loss is not None:
-            self.ref.load_checkpoint(path / "spin_reference")
+        for name, sub in self.role_checkpoints.items():
+            self.role_engines[name].load_checkpoint(path / sub)
         state = torch.load(path / self._rng_file(), weights_only=False)
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
@@ -495,58 +491,6 @@ class RLWorker(Worker):
     def close(self) -> None:
         """Stop the generation part (`Generator.close`); runs on every rank."""
         self.generation.close()
-
-
-# policy losses whose per-token loss is (advantage x something): zero advantage, zero gradient
-ZERO_AT_ZERO_ADVANTAGE = frozenset({"vanilla", "gspo", "cispo", "sapo", "gpg", "geo_mean"})
-
-
-def can_skip_flat(objective: Any) -> bool:
-    """Whether rows with zero advantage add exactly zero to the actor's gradient under
-    `objective` (an `ActorObjectiveConfig`): the loss is the advantage times a policy term
-    (no entropy bonus, no KL loss, no covariance-based token selection, which looks at the
-    whole micro-batch). Any data-parallel size: the rows left out still count in the
-    engine's global normalisers (`skip_zero_advantage_rows`)."""
-    return (
-        objective.policy_loss in ZERO_AT_ZERO_ADVANTAGE
-        and objective.entropy_coeff == 0
-        and not objective.use_kl_loss
-    )
-
-
-def informative_rows(batch: TensorDict) -> torch.Tensor:
-    """[B] bool: rows with a non-zero advantage on some response token."""
-    return ((batch["advantages"] != 0) & (batch["response_mask"] > 0)).any(-1)
-
-
-def flat_groups(batch: TensorDict) -> int:
-    """Groups (`uid`) none of whose rows is informative (all samples scored the same): the
-    groups that skipping leaves out whole."""
-    uid = batch["uid"]
-    return len(set(uid.tolist()) - set(uid[informative_rows(batch)].tolist()))
-
-
-def skip_zero_advantage_rows(batch: TensorDict) -> tuple[TensorDict, int]:
-    """Leave out the rows whose advantage is exactly zero on every token (GRPO / RLOO groups
-    whose samples all scored the same): they add nothing to the gradient but cost a forward
-    and backward. Their response tokens and sequences go into the kept rows' `LEFT_OUT_*`
-    columns, which the engine adds to the step's normalisers before summing them over the
-    data-parallel ranks, so the gradient is that of the full batch at any data-parallel size
-    (the engines already give every rank as many micro-batches, padding with zero-weight
-    ones). One row is always kept, so every parameter still gets a (zero) gradient and
-    AdamW's step is the same. Returns (rows kept, rows left out)."""
-    informative = informative_rows(batch)
-    if not bool(informative.any()):
-        informative[0] = True
-    if bool(informative.all()):
-        return batch, 0
-    mask = batch["response_mask"][~informative]
-    part = batch[informative.nonzero().squeeze(-1)]
-    for key, count in ((LEFT_OUT_TOKENS, mask.sum()), (LEFT_OUT_SEQS, (mask.sum(-1) > 0).sum())):
-        column = torch.zeros(part.batch_size[0], dtype=torch.float32)
-        column[0] = float(count)
-        part[key] = column
-    return part, int((~informative).sum())
 
 
 def _engine_device(device: str) -> str:

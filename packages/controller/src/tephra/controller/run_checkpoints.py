@@ -5,13 +5,36 @@ resumed from them exactly where it stopped."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from tephra.algos import AdaptiveKLController, FixedKLController
 from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.rounds import read_pending, write_pending
+from tephra.controller.data import PromptLoader
+from tephra.controller.generate_ahead import GenerateAhead
+from tephra.controller.rl_config import PPOConfig
+from tephra.controller.rounds import Prompts, read_pending, write_pending
+from tephra.controller.samples import PromptItem
+from tephra.controller.worker_group import WorkerGroup
 
-if TYPE_CHECKING:
-    from tephra.controller.rl_loop import Trainer
+
+class RunState(Protocol):
+    """What a checkpoint holds of the loop beside the workers' states (the `Trainer` is
+    one): its step, data position, KL coefficient, the batch generated ahead, the async
+    stream's debt, and the groups that save and load."""
+
+    cfg: PPOConfig
+    step: int
+    loader: PromptLoader
+    kl_ctrl: AdaptiveKLController | FixedKLController
+    ahead: GenerateAhead
+    train: Prompts
+    stream: Any
+    stream_state: dict[str, Any] | None
+    replicas: Any
+    wg: WorkerGroup
+
+    def groups(self) -> list[WorkerGroup]: ...
+    def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]: ...
 
 
 class RunCheckpoints:
@@ -20,7 +43,7 @@ class RunCheckpoints:
     def __init__(self, root: Path, keep_last: int) -> None:
         self.manager = CheckpointManager(root, keep_last)
 
-    def save(self, trainer: Trainer) -> None:
+    def save(self, trainer: RunState) -> None:
         """Checkpoint `trainer` after its step `trainer.step`."""
         pending = trainer.ahead.pending
 
@@ -38,7 +61,7 @@ class RunCheckpoints:
             state["stream"] = trainer.stream.state()
         self.manager.save(trainer.step, write, state)
 
-    def resume(self, trainer: Trainer, resume: str | None = None) -> bool:
+    def resume(self, trainer: RunState, resume: str | None = None) -> bool:
         """Load the checkpoint that `resume` (else `trainer.resume` / `trainer.resume_from`)
         names into `trainer` and its workers; False when there is none."""
         t = trainer.cfg.trainer

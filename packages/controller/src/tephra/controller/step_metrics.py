@@ -1,9 +1,10 @@
-"""The metrics a step logs beyond the workers' own: staleness, dynamic sampling, the LLM
-judge's fallbacks, the rewards / accuracy / throughput summary, and each stage's share of the
+"""The metrics a step logs beyond the workers' own: staleness, dynamic sampling, the rewards /
+accuracy / throughput summary, the stage times (`StepTimer`) and each stage's share of the
 run's time."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -24,21 +25,6 @@ def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
         "staleness/max": float(max(lags)),
         "staleness/weight_version_min": float(min(versions)),
         "staleness/weight_version_max": float(max(versions)),
-    }
-
-
-def judge_metrics(samples: list[Sample]) -> dict[str, float]:
-    """`reward/judge_mean` (the judge's mean score, before the weights mix it with the rule
-    score), `reward/judge_fallbacks` and `reward/judge_timeouts` (the step's samples the LLM
-    judge, `reward.judge`, scored with the fallback / timed out on); {} when nothing was
-    judged."""
-    judged = [s.reward_extras for s in samples if "judge_fallback" in s.reward_extras]
-    if not judged:
-        return {}
-    return {
-        "reward/judge_mean": sum(x["judge"] for x in judged) / len(judged),
-        "reward/judge_fallbacks": float(sum(x["judge_fallback"] for x in judged)),
-        "reward/judge_timeouts": float(sum(x.get("judge_timeout", 0.0) for x in judged)),
     }
 
 
@@ -105,3 +91,21 @@ def step_summary(
         ("perf/mfu" if peak_published else "perf/mfu_measured_peak"): mfu,
         "time/step_s": step_s,
     }
+
+
+class StepTimer:
+    """A step's stage times: `lap(name)` ends the stage that ran since the last lap (or the
+    step's start) as `time/<name>_s`."""
+
+    def __init__(self) -> None:
+        self.start = self.tick = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.times[f"time/{name}_s"] = now - self.tick
+        self.tick = now
+
+    def total(self) -> float:
+        """Seconds since the step started."""
+        return time.perf_counter() - self.start

@@ -15,30 +15,44 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from tephra.engine_api.registry import Registry
-
-if TYPE_CHECKING:
-    from tephra.engine_api.config import SchedulerConfig
-
-SCHEDULES: Registry[Callable[[int, SchedulerConfig], float]] = Registry("lr schedule")
+from tephra.core.registry import Registry
 
 
-def _warmup(step: int, cfg: SchedulerConfig) -> float | None:
+class ScheduleSettings(Protocol):
+    """The schedule's settings a schedule reads (`tephra.engine_api.config.SchedulerConfig`
+    holds them; this module sits below it, which checks its names against `SCHEDULES`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def total_steps(self) -> int: ...
+    @property
+    def min_lr_ratio(self) -> float: ...
+    @property
+    def decay_ratio(self) -> float: ...
+
+
+SCHEDULES: Registry[Callable[[int, ScheduleSettings], float]] = Registry("lr schedule")
+
+
+def _warmup(step: int, cfg: ScheduleSettings) -> float | None:
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     return None
 
 
 @SCHEDULES.register("constant")
-def constant(step: int, cfg: SchedulerConfig) -> float:
+def constant(step: int, cfg: ScheduleSettings) -> float:
     warm = _warmup(step, cfg)
     return 1.0 if warm is None else warm
 
 
 @SCHEDULES.register("cosine")
-def cosine(step: int, cfg: SchedulerConfig) -> float:
+def cosine(step: int, cfg: ScheduleSettings) -> float:
     warm = _warmup(step, cfg)
     if warm is not None:
         return warm
@@ -48,7 +62,7 @@ def cosine(step: int, cfg: SchedulerConfig) -> float:
 
 
 @SCHEDULES.register("wsd")
-def warmup_stable_decay(step: int, cfg: SchedulerConfig) -> float:
+def warmup_stable_decay(step: int, cfg: ScheduleSettings) -> float:
     warm = _warmup(step, cfg)
     if warm is not None:
         return warm
@@ -60,7 +74,7 @@ def warmup_stable_decay(step: int, cfg: SchedulerConfig) -> float:
     return 1.0 - (1.0 - cfg.min_lr_ratio) * p
 
 
-def lr_factor(cfg: SchedulerConfig, step: int) -> float:
+def lr_factor(cfg: ScheduleSettings, step: int) -> float:
     """The multiplier of the peak learning rate after `step` optimizer steps."""
     return SCHEDULES.get(cfg.name)(step, cfg)
 

@@ -16,12 +16,12 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from tephra.episodes.agent.base import AgentLoopConfig, AgentSample
+from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
 from tephra.episodes.tools.base import Tool
 from tephra.rollout.base import Rollout, SamplingParams
 from tephra.rollout.samples import Sample
 
-Episode = Callable[[Rollout, AgentSample, SamplingParams], Awaitable[list[Sample]]]
+Episode = Callable[[Rollout, AgentPrompt, SamplingParams], Awaitable[list[Sample]]]
 """`episode(rollout, item, sampling)` -> the item's samples (`sampling.n` is 1: an item
 submitted n times makes n episodes)."""
 
@@ -34,7 +34,7 @@ EpisodeFactory = Callable[[Any, AgentLoopConfig, "dict[str, Tool]"], Episode]
 async def run_episodes(
     episode: Episode,
     rollout: Rollout,
-    items: Sequence[AgentSample],
+    items: Sequence[AgentPrompt],
     sampling: SamplingParams,
     max_in_flight: int | None = None,
 ) -> list[Sample]:
@@ -44,7 +44,7 @@ async def run_episodes(
     would make the samples of a prompt group identical (no group-relative signal)."""
     limit = asyncio.Semaphore(max_in_flight or max(len(items), 1))
 
-    async def one(k: int, item: AgentSample) -> list[Sample]:
+    async def one(k: int, item: AgentPrompt) -> list[Sample]:
         own = sampling if sampling.seed is None else sampling.replace(seed=sampling.seed + k)
         async with limit:
             return await episode(rollout, item, own)
@@ -59,7 +59,7 @@ def by_agent_name(default: str, build: Callable[[str], Episode]) -> Episode:
     built: dict[str, Episode] = {}
 
     async def episode(
-        rollout: Rollout, item: AgentSample, sampling: SamplingParams
+        rollout: Rollout, item: AgentPrompt, sampling: SamplingParams
     ) -> list[Sample]:
         name = item.agent_name or default
         if name not in built:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tephra.controller.rl_checks import validate
 from tephra.controller.rl_config import PPOConfig
 from tephra.core.config import load_config, split_cli
 from tephra.core.errors import ConfigError
@@ -21,9 +22,12 @@ from the SFT warm-up's export) -> that command."""
 
 
 def parse_config(argv: list[str]) -> PPOConfig:
-    """`[-p PRESET ...] [key=value ...]` -> a validated `PPOConfig`."""
+    """`[-p PRESET ...] [key=value ...]` -> a validated `PPOConfig` (each section checks
+    its own fields as it is built; `validate` checks them together)."""
     presets, overrides = split_cli(argv)
-    return load_config(PPOConfig, presets, overrides, preset_dir=PRESETS)
+    cfg = load_config(PPOConfig, presets, overrides, preset_dir=PRESETS)
+    validate(cfg)
+    return cfg
 
 
 def check_model_made(cfg: PPOConfig) -> None:

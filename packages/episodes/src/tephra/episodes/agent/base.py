@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class AgentSample:
+class AgentPrompt:
     """One prompt for an agent loop."""
 
     messages: list[dict[str, Any]]
@@ -57,10 +57,10 @@ class AgentSample:
 
     def __post_init__(self) -> None:
         if not self.messages and not self.prompt_ids:
-            raise ConfigError("AgentSample: give `messages` (chat messages) or `prompt_ids`")
+            raise ConfigError("AgentPrompt: give `messages` (chat messages) or `prompt_ids`")
         if self.multimodal is not None and not self.prompt_ids:
             raise ConfigError(
-                "AgentSample: `multimodal` (the prompt's images) needs `prompt_ids` with each "
+                "AgentPrompt: `multimodal` (the prompt's images) needs `prompt_ids` with each "
                 "image expanded (tephra.rollout.multimodal.VisionProcessor)"
             )
 
@@ -96,7 +96,7 @@ class AgentLoopConfig:
     by the other episodes."""
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor (the same for every item; per-item
-    ones come from `AgentSample.interaction_kwargs`)."""
+    ones come from `AgentPrompt.interaction_kwargs`)."""
     openai_agent: str = ""
     """The agent of the `openai_agent` episode: `path/to/agent.py:function`, called as
     `function(base_url, item)` with an OpenAI-compatible endpoint served by the policy.
@@ -158,11 +158,11 @@ class AgentLoop(ABC):
         a turn with images is refused)."""
 
     @abstractmethod
-    async def run(self, rollout: Rollout, sample: AgentSample, sampling: SamplingParams) -> Sample:
+    async def run(self, rollout: Rollout, sample: AgentPrompt, sampling: SamplingParams) -> Sample:
         """Roll out `sample` to the end on `rollout` (`sampling.n` must be 1)."""
 
     async def __call__(
-        self, rollout: Rollout, item: AgentSample, sampling: SamplingParams
+        self, rollout: Rollout, item: AgentPrompt, sampling: SamplingParams
     ) -> list[Sample]:
         """The episode: the item's one sample."""
         return [await self.run(rollout, item, sampling)]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tephra.core.errors import ConfigError
-from tephra.episodes.agent.base import AgentSample
+from tephra.episodes.agent.base import AgentPrompt
 from tephra.episodes.agent.loops import TIMEOUTS, _TokenLoop, _Trajectory
 from tephra.episodes.agent.openai_endpoint import EndpointSession, serve
 from tephra.episodes.user_files import import_file
@@ -40,7 +40,7 @@ def load_agent_function(spec: str) -> Callable[..., Any]:
     if len(inspect.signature(fn).parameters) < 2:
         raise ConfigError(
             f"{where}: {name} must take (base_url, item): the endpoint's URL for an OpenAI "
-            "client and the prompt item (AgentSample)"
+            "client and the prompt item (AgentPrompt)"
         )
     return fn
 
@@ -55,7 +55,7 @@ class OpenAIAgentLoop(_TokenLoop):
     trajectory with `agent_error` (reward 0, the error in `extra_info["agent_error"]`);
     `trajectory_timeout_s` bounds the whole agent, `turn_timeout_s` each served turn."""
 
-    async def run(self, rollout: Rollout, sample: AgentSample, sampling: SamplingParams) -> Sample:
+    async def run(self, rollout: Rollout, sample: AgentPrompt, sampling: SamplingParams) -> Sample:
         cfg = self.config
         if not cfg.openai_agent:
             raise ConfigError(

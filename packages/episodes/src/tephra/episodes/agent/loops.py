@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tephra.core.errors import ConfigError
-from tephra.episodes.agent.base import AgentLoop, AgentSample, check_one_sample
+from tephra.episodes.agent.base import AgentLoop, AgentPrompt, check_one_sample
 from tephra.episodes.agent.chat_tokens import IMAGE_MARKER, ChatTemplateDelta
 from tephra.episodes.environments.base import Environment, StepResult
 from tephra.episodes.environments.tool_env import ToolEnvironment
@@ -97,7 +97,7 @@ class _TokenLoop(AgentLoop):
 class SingleTurnAgentLoop(_TokenLoop):
     """One model turn; the trajectory is the generation (mask all ones)."""
 
-    async def run(self, rollout: Rollout, sample: AgentSample, sampling: SamplingParams) -> Sample:
+    async def run(self, rollout: Rollout, sample: AgentPrompt, sampling: SamplingParams) -> Sample:
         run = self.begin(rollout, sampling)
         delta = self.delta({})
         prompt_ids = (
@@ -164,7 +164,7 @@ class _Trajectory:
 
     def to_sample(
         self,
-        sample: AgentSample,
+        sample: AgentPrompt,
         finish: str,
         env_reward: float | None,
         timeout_reward: str,
@@ -243,7 +243,7 @@ class EnvironmentLoop(_TokenLoop):
             self.tools, self.config, **self.config.environment_kwargs
         )
 
-    async def run(self, rollout: Rollout, sample: AgentSample, sampling: SamplingParams) -> Sample:
+    async def run(self, rollout: Rollout, sample: AgentPrompt, sampling: SamplingParams) -> Sample:
         run = self.begin(rollout, sampling)
         cfg = self.config
         env = self.make_environment()
@@ -289,11 +289,11 @@ class EnvironmentLoop(_TokenLoop):
             tool_rewards=tool_rewards,
         )
 
-    async def _turns(
+    async def _turns(  # noqa: C901 (older than the limit; to split)
         self,
         run: _Run,
         rollout: Rollout,
-        sample: AgentSample,
+        sample: AgentPrompt,
         env: Environment,
         traj: _Trajectory,
     ) -> str:
@@ -445,7 +445,7 @@ class ToolAgentLoop(EnvironmentLoop):
         return ToolEnvironment(self.tools, self.config)
 
 
-def _empty(sample: AgentSample, prompt_ids: list[int]) -> Sample:
+def _empty(sample: AgentPrompt, prompt_ids: list[int]) -> Sample:
     return Sample(
         sample_id=sample.sample_id,
         prompt_ids=prompt_ids,

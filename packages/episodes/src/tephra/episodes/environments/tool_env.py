@@ -7,7 +7,7 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
-from tephra.episodes.agent.base import AgentLoopConfig, AgentSample
+from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS, ToolCall
 from tephra.episodes.environments.base import Environment, StepResult
 from tephra.episodes.tools.base import Tool, ToolResult
@@ -40,7 +40,7 @@ class ToolEnvironment(Environment):
         self.create_lock = asyncio.Lock()
         self.turns = 0
 
-    async def reset(self, item: AgentSample) -> list[dict[str, Any]]:
+    async def reset(self, item: AgentPrompt) -> list[dict[str, Any]]:
         self.item = item
         if item.tools is None:
             self.offered = self.tools

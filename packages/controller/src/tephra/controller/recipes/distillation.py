@@ -1,16 +1,20 @@
-"""On-policy distillation's teacher in the RL loop: the check that it shares the student's
-tokenizer, and the advantage it adds."""
+"""On-policy distillation as a recipe: a frozen `teacher` engine (beside the reference) scores
+the student's own samples, and its per-token log-prob minus the student's joins the advantage
+(`algorithm.distillation.advantage_coef`) or the loss (`actor.objective.distill_loss_coef`).
+The maths is `tephra.algos.distillation`; the teacher must share the student's tokenizer."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from tephra.algos import distillation_advantages, masked_mean
+from tephra.algos import add_distillation_advantages
 from tephra.algos.recipe_config import DistillationConfig
 from tephra.controller.models import resolve_model_path
-from tephra.engine_api.errors import ConfigError
+from tephra.controller.recipes.base import RECIPES, EngineRole, Recipe, StepState
+from tephra.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tephra.controller.rl_config import PPOConfig
 
 
 def check_distillation(section: DistillationConfig, distill_loss_coef: float) -> None:
@@ -71,18 +75,44 @@ def check_same_tokenizer(student: Any, teacher: Any, teacher_path: str) -> None:
             )
 
 
-def add_distillation_advantages(
-    advantages: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    teacher_log_probs: torch.Tensor,
-    response_mask: torch.Tensor,
-    section: DistillationConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The step's advantages with the teacher's term: `advantages` (or 0 where
-    `rl_advantage` is false) + advantage_coef * (log q - log pi_old) on response tokens."""
-    distill = distillation_advantages(
-        old_log_probs, teacher_log_probs, response_mask, section.advantage_coef
-    )
-    base = advantages if section.rl_advantage else torch.zeros_like(advantages)
-    rkl = masked_mean((old_log_probs - teacher_log_probs).float(), response_mask)
-    return (base + distill.to(advantages.dtype)), {"distill/reverse_kl": float(rkl)}
+@RECIPES.register("distillation")
+class Distillation(Recipe):
+    """`algorithm.distillation`: the teacher's pass beside the reference's (its log-probs go
+    into the batch, where `distill_loss_coef` reads them) and its advantage term."""
+
+    name = "distillation"
+
+    @classmethod
+    def enabled(cls, cfg: PPOConfig) -> bool:
+        return cfg.algorithm.distillation.enabled
+
+    @classmethod
+    def check(cls, cfg: PPOConfig) -> None:
+        check_distillation(cfg.algorithm.distillation, cfg.actor.objective.distill_loss_coef)
+
+    @classmethod
+    def check_models(cls, cfg: PPOConfig, tokenizer: Any) -> None:
+        check_teacher(cfg.algorithm.distillation.teacher_path, cfg.trainer.seed, tokenizer)
+
+    def roles(self) -> tuple[EngineRole, ...]:
+        # forward-only, with the reference (on its pool when it has one)
+        return (
+            EngineRole("teacher", "ref", model_path=self.cfg.algorithm.distillation.teacher_path),
+        )
+
+    def forward_passes(self, state: StepState) -> None:
+        state.batch["teacher_log_probs"] = state.engines.log_probs("teacher", state.batch)
+        state.forward_passes += 1
+        state.lap("teacher")
+
+    def after_advantages(self, state: StepState) -> None:
+        batch = state.batch
+        old_log_probs = batch.get("old_log_probs", batch["rollout_log_probs"])
+        batch["advantages"], metrics = add_distillation_advantages(
+            batch["advantages"],
+            old_log_probs,
+            batch["teacher_log_probs"],
+            batch["response_mask"],
+            self.cfg.algorithm.distillation,
+        )
+        state.metrics.update(metrics)

@@ -1,0 +1,184 @@
+"""The imports of every module in the repository's packages and apps (read with `ast`, those
+under `TYPE_CHECKING` and inside functions included) form no circle, and every import between
+packages follows ARCHITECTURE's dependency direction (nothing points back up)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ARCHITECTURE.md, "Dependency direction": the tephra packages each may import (the closure
+# is taken below: engine-api brings core, so rollout may import core). Two arrows are the
+# packages' own declared dependencies beyond the drawing: kernels -> core (its error root and
+# registry) and rollout -> kernels (the hf backend's CPU linear layer).
+ALLOWED = {
+    "core": set(),
+    "algos": {"core"},
+    "kernels": {"core"},
+    "engine_api": {"core"},
+    "engine_fsdp": {"engine_api", "kernels"},
+    "engine_megatron": {"engine_api", "kernels"},
+    "rollout": {"engine_api", "kernels"},
+    "episodes": {"core", "rollout"},
+    "controller": {"core", "engine_api", "rollout", "episodes", "algos"},
+}
+APPS = "apps"  # the apps may import any package, and no package imports an app
+
+
+def closure(allowed: dict[str, set[str]]) -> dict[str, set[str]]:
+    out = {k: set(v) for k, v in allowed.items()}
+    changed = True
+    while changed:
+        changed = False
+        for deps in out.values():
+            more = set().union(*(out.get(d, set()) for d in deps)) - deps
+            if more:
+                deps |= more
+                changed = True
+    return out
+
+
+def modules(root: Path) -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package `__init__`) of every source file of the packages
+    and apps."""
+    found: dict[str, tuple[Path, bool]] = {}
+    for src in sorted([*root.glob("packages/*/src"), *root.glob("apps/*/src")]):
+        for path in sorted(src.rglob("*.py")):
+            parts = list(path.relative_to(src).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            found[".".join(parts)] = (path, is_package)
+    return found
+
+
+def imports_of(name: str, mods: dict[str, tuple[Path, bool]]) -> set[str]:
+    """The repository's modules that module `name` imports (any import statement in it)."""
+    path, is_package = mods[name]
+    package = name if is_package else name.rpartition(".")[0]
+    named: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                named.add(sub if sub in mods else base)
+    out = set()
+    for module in named:
+        while module and module not in mods:
+            module = module.rpartition(".")[0]
+        if module and module != name:
+            out.add(module)
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_of(module: str) -> str:
+    """`tephra.controller.rl_loop` -> `controller`; an app's modules -> `apps`."""
+    parts = module.split(".")
+    return APPS if parts[1] == "apps" else parts[1]
+
+
+def wrong_way(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between packages that ARCHITECTURE's direction does not allow."""
+    allowed = closure(ALLOWED)
+    bad = []
+    for module, deps in sorted(graph.items()):
+        here = package_of(module)
+        for dep in sorted(deps):
+            there = package_of(dep)
+            if here == there or here == APPS:
+                continue
+            if there == APPS or there not in allowed[here]:
+                bad.append(f"{module} -> {dep} ({here} may import {sorted(allowed[here])})")
+    return bad
+
+
+def graph_of(root: Path) -> dict[str, set[str]]:
+    mods = modules(root)
+    return {name: imports_of(name, mods) for name in mods}
+
+
+def test_no_import_circle_in_the_repository():
+    graph = graph_of(ROOT)
+    assert len(graph) > 200  # every package's and app's modules were read
+    found = cycles(graph)
+    assert not found, "import circles (modules that import each other, directly or not):\n" + (
+        "\n".join(" <-> ".join(c) for c in found)
+    )
+
+
+def test_imports_follow_the_dependency_direction():
+    bad = wrong_way(graph_of(ROOT))
+    assert not bad, "imports against ARCHITECTURE's dependency direction:\n" + "\n".join(bad)
+
+
+def test_the_allowed_arrows_are_the_packages_declared_dependencies():
+    """Each package's pyproject declares exactly the tephra packages `ALLOWED` gives it."""
+    for package, deps in ALLOWED.items():
+        text = (ROOT / "packages" / package.replace("_", "-") / "pyproject.toml").read_text()
+        declared = set(re.findall(r'"tephra-([a-z-]+)', text)) - {package.replace("_", "-")}
+        assert {d.replace("-", "_") for d in declared} == deps, package
+
+
+def test_the_checks_find_a_planted_circle_and_a_wrong_way_import(tmp_path):
+    """The reader on a tree of its own: a -> b -> a is a circle; algos -> controller runs up."""
+    for package, body in {
+        "algos": "from tephra.controller.b import x\n",
+        "controller": "",
+    }.items():
+        src = tmp_path / "packages" / package / "src" / "tephra" / package
+        src.mkdir(parents=True)
+        (src / "__init__.py").write_text("")
+        (src / "a.py").write_text(body)
+    ctl = tmp_path / "packages" / "controller" / "src" / "tephra" / "controller"
+    (ctl / "a.py").write_text("from tephra.controller import b\n")
+    (ctl / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from tephra.controller.a import y\nx = 1\n"
+    )
+    graph = graph_of(tmp_path)
+    assert cycles(graph) == [["tephra.controller.a", "tephra.controller.b"]]
+    assert wrong_way(graph) == ["tephra.algos.a -> tephra.controller.b (algos may import ['core'])"]
