@@ -83,3 +83,29 @@ def _reference_lrs(cfg, peak_lr: float, steps: int) -> list[float]:
 def reference_lrs():
     """`_reference_lrs(cfg, peak_lr, steps)`: transformers' lr schedule of that shape."""
     return _reference_lrs
+
+
+def _reference_grad_norm(model_path, rows, coefs) -> float:
+    """The gradient norm of sum_i coefs[i] * sum_t log pi(y_it | x_i, y_i<t) over the
+    parameters of the Hugging Face model at `model_path` (fp32, plain transformers, one
+    sequence at a time): for an on-policy step (ratio 1), the gradient of a loss whose
+    per-sequence weight on the log-probs is `coefs[i]`. `rows` are dumped samples (their
+    `prompt_ids` and `response_ids`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    for row, coef in zip(rows, coefs, strict=True):
+        prompt, response = row["prompt_ids"], row["response_ids"]
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        log_probs = torch.log_softmax(logits.float(), -1)
+        picked = log_probs.gather(-1, torch.tensor(response)[:, None])[:, 0]
+        (coef * picked.sum()).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+
+
+@pytest.fixture
+def reference_grad_norm():
+    """`_reference_grad_norm(model_path, rows, coefs)`: a gradient norm in plain transformers."""
+    return _reference_grad_norm
