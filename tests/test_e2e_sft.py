@@ -52,26 +52,19 @@ def test_sft_lowers_loss_and_export_loads(tmp_path, reference_lrs):
                 for b in range(4)
             )
         )
-        cfg = parse_config(
-            [
-                "-p",
-                "smoke",
-                f"data.train_files=[{convs}]",
-                "policy.scheduler.name=cosine",
-                "policy.scheduler.total_steps=8",
-                "policy.scheduler.min_lr_ratio=0.1",
-                f"train.run_dir={tmp_path / 'sft'}",
-            ]
-        )
-        summary = run(cfg)
-        # resume: 4 steps, a checkpoint, then the same command to 8 steps continues from it
-        split = [
+        common = [
             "-p",
             "smoke",
             f"data.train_files=[{convs}]",
             "policy.scheduler.name=cosine",
             "policy.scheduler.total_steps=8",
             "policy.scheduler.min_lr_ratio=0.1",
+        ]
+        cfg = parse_config([*common, f"train.run_dir={tmp_path / 'sft'}"])
+        summary = run(cfg)
+        # resume: 4 steps, a checkpoint, then the same command to 8 steps continues from it
+        split = [
+            *common,
             "train.save_every=4",
             "train.export_hf=false",
             f"train.run_dir={tmp_path / 'split'}",
