@@ -416,8 +416,7 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
     # mean over the prompts is the logged greedy baseline
     samples = [
         json.loads(x)
-        for x in (tmp_path / "remax" / "generations" / "train_step1.jsonl").read_text().split()
-        if x
+        for x in (tmp_path / "remax" / "generations" / "train_step1.jsonl").read_text().splitlines()
     ]
     baselines = {}
     for r in samples:
