@@ -1,18 +1,21 @@
-"""Writes docs/config.md, the reference of the apps' configs, from their field docstrings.
+"""Writes docs/config.md, the reference of the apps' configs, from their field docstrings, and
+each app's `config_index.json` (the same rows, read by the app's `--help` without importing it).
 
-uv run python scripts/config_docs.py           # rewrite docs/config.md
-uv run python scripts/config_docs.py --check   # exit 1 when docs/config.md is stale
+uv run python scripts/config_docs.py           # rewrite docs/config.md and the indexes
+uv run python scripts/config_docs.py --check   # exit 1 when one of them is stale
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 from tephra.apps.eval.config import EvalConfig
 from tephra.apps.ppo.config import PPOConfig
 from tephra.apps.sft.config import SFTConfig
-from tephra.core.config_docs import config_reference
+from tephra.core.app_help import index_rows
+from tephra.core.config_docs import config_reference, rows
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 COMMAND = "uv run python scripts/config_docs.py"
@@ -22,6 +25,27 @@ APPS = [
     ("`uv run apps/sft`: supervised fine-tuning", SFTConfig, "uv run apps/sft"),
     ("`uv run apps/eval`: evaluation", EvalConfig, "uv run apps/eval"),
 ]
+
+
+def index_path(command: str) -> Path:
+    """Where app `uv run apps/NAME` keeps its config index (inside its package)."""
+    name = command.rsplit("/", 1)[-1]
+    return (
+        OUT.parent.parent / "apps" / name / "src" / "tephra" / "apps" / name / "config_index.json"
+    )
+
+
+def render_index(cls: type) -> str:
+    """The JSON config index of one app."""
+    return json.dumps(index_rows(rows(cls)), indent=1) + "\n"
+
+
+def outputs() -> dict[Path, str]:
+    """Every generated file -> its current text."""
+    out = {OUT: render()}
+    for _, cls, command in APPS:
+        out[index_path(command)] = render_index(cls)
+    return out
 
 
 def render() -> str:
@@ -41,14 +65,17 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = render()
+    files = outputs()
     if "--check" in argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is stale; regenerate it with `{COMMAND}`", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
+        stale = [
+            path for path, text in files.items() if not path.exists() or path.read_text() != text
+        ]
+        for path in stale:
+            print(f"{path} is stale; regenerate it with `{COMMAND}`", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in files.items():
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 

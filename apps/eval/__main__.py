@@ -1,5 +1,5 @@
-"""`uv run apps/eval [overrides]` runs the evaluation app (tephra.apps.eval.main)."""
+"""`uv run apps/eval [overrides]` runs tephra.apps.eval.cli (`--help` first, then the app)."""
 
-from tephra.apps.eval.main import main
+from tephra.apps.eval.cli import main
 
 main()

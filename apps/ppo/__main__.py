@@ -1,5 +1,5 @@
-"""`uv run apps/ppo [overrides]` runs the PPO/GRPO trainer (tephra.apps.ppo.main)."""
+"""`uv run apps/ppo [overrides]` runs tephra.apps.ppo.cli (`--help` first, then the app)."""
 
-from tephra.apps.ppo.main import main
+from tephra.apps.ppo.cli import main
 
 main()

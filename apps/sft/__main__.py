@@ -1,5 +1,5 @@
-"""`uv run apps/sft [overrides]` runs supervised fine-tuning (tephra.apps.sft.main)."""
+"""`uv run apps/sft [overrides]` runs tephra.apps.sft.cli (`--help` first, then the app)."""
 
-from tephra.apps.sft.main import main
+from tephra.apps.sft.cli import main
 
 main()

@@ -10,10 +10,12 @@ when built, and `prepare` resolves the model folder, the tools file and the data
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 import yaml
 from transformers import AutoConfig
@@ -42,6 +44,7 @@ from tephra.controller.rollout_replicas import RolloutReplicas
 from tephra.controller.rounds import Prompts
 from tephra.controller.spin import check_reference_answers
 from tephra.controller.startup import Timeline
+from tephra.controller.stop import StopNow, StopSignal
 from tephra.controller.teacher import check_teacher
 from tephra.controller.watchdog import Watchdog, check_stage_names
 from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
@@ -226,12 +229,12 @@ def check_resumed_data(cfg: PPOConfig, p: Prepared) -> None:
     check_same_data(saved, dataset_fingerprint(p.train.ids), len(p.train.ids), str(latest))
 
 
-def config_to_save(cfg: PPOConfig) -> dict:
-    """The run's config as written to its folder: a server's explicit key is a secret and is
-    redacted (`auto` and none are kept)."""
+def config_to_save(cfg: Any) -> dict:
+    """An app's config as written to its run folder or printed by `--print-config`: a server's
+    explicit key is a secret and is redacted (`auto` and none are kept)."""
     saved = to_dict(cfg)
     for server in ("vllm", "sglang"):
-        if saved["rollout"][server]["api_key"] not in (None, "auto"):
+        if "rollout" in saved and saved["rollout"][server]["api_key"] not in (None, "auto"):
             saved["rollout"][server]["api_key"] = "<redacted: pass it on the command line>"
     return saved
 
@@ -254,8 +257,43 @@ def run(cfg: PPOConfig) -> dict:
     print(weight_path(cfg), flush=True)
     clock.lap("dtypes")
     r = cfg.resources
+    owns_ray = not ray.is_initialized()
     ray_init(r.ray_address, r.num_cpus, dashboard=r.ray_dashboard)
     clock.lap("ray")
+    stop = StopSignal()
+    try:
+        with stop.installed():
+            return train(cfg, p, clock, stop)
+    except StopNow:  # a second signal at start-up: the groups were killed on the way out
+        return stopped_summary(stop, p.run_dir)
+    finally:
+        if stop.requested and owns_ray:
+            # the process is about to exit on the signal: Ray's own exit hook would run
+            # too late to stop its daemons and workers before the caller looks for them
+            ray.shutdown()
+
+
+def stopped_summary(stop: StopSignal, run_dir: Path) -> dict:
+    """The summary of a run a second signal stopped before its loop began (at start-up),
+    written to `run_dir/summary.json`."""
+    summary = {
+        "status": "stopped",
+        "signal": stop.name,
+        "exit_code": stop.exit_code,
+        "immediate": stop.immediate,
+        "steps": 0,
+        "checkpoint": None,
+        "run_dir": str(run_dir),
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dict:
+    """The worker groups built on the Ray session and the loop run; they are torn down
+    however it ends."""
+    r = cfg.resources
     # one watchdog for every group: deadlines per (group, stage), the step set by the Trainer
     watchdog = Watchdog(cfg.trainer.watchdog)
     pool = ResourcePool(
@@ -264,6 +302,7 @@ def run(cfg: PPOConfig) -> dict:
         r.gpus_per_rank,
         strategy=r.placement,
         retain_freed_memory=r.retain_freed_memory,
+        memory_per_rank_gb=r.memory_per_rank_gb,
     )
 
     # the reference and critic on pools of their own (resources.ref / critic.ranks > 0)
@@ -327,6 +366,7 @@ def run(cfg: PPOConfig) -> dict:
             make_group=make_group,
             make_replicas=make_replicas if r.rollout.replicas else None,
             make_role_groups=make_role_groups if role_pools else None,
+            stop=stop,
         )
     except BaseException:
         for each in (pool, *role_pools.values()):
@@ -353,7 +393,8 @@ def run(cfg: PPOConfig) -> dict:
         return summary
     finally:
         try:
-            trainer.close_group()
+            # after a second signal the ranks may be mid-stage: killed, not asked to close
+            trainer.close_group(at_once=stop.immediate)
         finally:
             for each in (pool, *role_pools.values()):
                 each.release()

@@ -87,6 +87,7 @@ from tephra.controller.step_rewards import (
     reward_components,
     set_advantages,
 )
+from tephra.controller.stop import StopNow, StopSignal
 from tephra.controller.teacher import add_distillation_advantages
 from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.worker_failures import WORKER_FAILURES
@@ -111,7 +112,11 @@ class Trainer:
         make_group: Any = None,
         make_replicas: Any = None,
         make_role_groups: Any = None,
+        stop: StopSignal | None = None,
     ) -> None:
+        self.stop = stop or StopSignal()
+        """Set by SIGINT / SIGTERM (`tephra.controller.stop`): the loop stops after the step in
+        progress."""
         self.cfg, self.wg, self.tok, self.train, self.val = cfg, wg, tokenizer, train, val
         self.run_dir = run_dir
         self.data_fingerprint = dataset_fingerprint(train.ids)
@@ -569,19 +574,23 @@ class Trainer:
         self.peak_published = all(published for _, published in peaks)
         return float(sum(flops for flops, _ in peaks))
 
-    def close_group(self, grace_s: float = 10.0) -> None:
+    def close_group(self, grace_s: float = 10.0, at_once: bool = False) -> None:
         """Close the rollout replicas and the worker groups; `grace_s`: how long the ranks get
-        to exit on their own before they are killed (0 for a group that has failed)."""
+        to exit on their own before they are killed (0 for a group that has failed).
+        `at_once` (a second stop signal): the ranks may be inside a stage, where a close call
+        would wait behind it; they are killed (Ray's SIGTERM: their exit hooks stop their
+        servers)."""
         try:
-            if self.replicas is not None:
-                self.replicas.close()
-            for group in self.groups():
-                group.close()
+            if not at_once:
+                if self.replicas is not None:
+                    self.replicas.close()
+                for group in self.groups():
+                    group.close()
         except Exception:  # noqa: BLE001  (a dead group cannot close; shutdown still runs)
             pass
         finally:
             for group in self.groups():
-                group.shutdown(grace_s)
+                group.shutdown(0 if at_once else grace_s)
 
     def build_groups(self) -> None:
         """A fresh actor group and role groups (recovery); the replicas and the stream are
@@ -599,44 +608,54 @@ class Trainer:
         )
         acc_before = None
         what = "greedy accuracy" if cfg.val.n == 1 else f"acc@{cfg.val.n}"
-        if cfg.val_before and not resumed:
-            t = time.perf_counter()
-            acc_before, val_metrics = self.evaluate()
-            trackers.log({"accuracy/val": acc_before, **val_metrics}, self.step)
-            print(
-                f"held-out {what} before training: {acc_before:.3f} "
-                f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)",
-                flush=True,
-            )
         bar = None
-        if cfg.progress_bar:
-            bar = tqdm(total=cfg.steps, initial=self.step, desc="steps", dynamic_ncols=True)
-        while self.step < cfg.steps:
-            profiling = self.step + 1 in cfg.profile_steps
-            if profiling:
-                for group in self.groups():
-                    group.set_profile(str(self.run_dir / "profile" / f"step{self.step + 1}"))
-            self.wg.watchdog.step = self.step + 1  # quoted by a stage that fails
-            try:
-                metrics = self.train_step()
-            except WORKER_FAILURES as exc:
-                self.recovery.recover(self, exc)
-                continue
-            if profiling:
-                for group in self.groups():
-                    group.set_profile(None)
-            self.step += 1
-            if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
-                metrics["accuracy/val"], val_metrics = self.evaluate()
-                metrics.update(val_metrics)
-            trackers.log(metrics, self.step)
+        saved_at = self.step if resumed else None
+        try:
+            if cfg.val_before and not resumed:
+                t = time.perf_counter()
+                acc_before, val_metrics = self.evaluate()
+                trackers.log({"accuracy/val": acc_before, **val_metrics}, self.step)
+                print(
+                    f"held-out {what} before training: {acc_before:.3f} "
+                    f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)",
+                    flush=True,
+                )
+            if cfg.progress_bar:
+                bar = tqdm(total=cfg.steps, initial=self.step, desc="steps", dynamic_ncols=True)
+            while self.step < cfg.steps and not self.stop.requested:
+                profiling = self.step + 1 in cfg.profile_steps
+                if profiling:
+                    for group in self.groups():
+                        group.set_profile(str(self.run_dir / "profile" / f"step{self.step + 1}"))
+                self.wg.watchdog.step = self.step + 1  # quoted by a stage that fails
+                try:
+                    metrics = self.train_step()
+                except WORKER_FAILURES as exc:
+                    if self.stop.requested:  # no restart for a run that is stopping
+                        raise
+                    self.recovery.recover(self, exc)
+                    continue
+                if profiling:
+                    for group in self.groups():
+                        group.set_profile(None)
+                self.step += 1
+                if cfg.val_every and self.step % cfg.val_every == 0 and self.step < cfg.steps:
+                    metrics["accuracy/val"], val_metrics = self.evaluate()
+                    metrics.update(val_metrics)
+                trackers.log(metrics, self.step)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}")
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.checkpoints.save(self)
+                    saved_at = self.step
+        except StopNow:
+            pass  # a second signal: no checkpoint of a step that may be half done
+        finally:
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}")
-            if cfg.save_every and self.step % cfg.save_every == 0:
-                self.checkpoints.save(self)
-        if bar is not None:
-            bar.close()
+                bar.close()
+        if self.stop.requested:
+            return self.stopped(trackers, saved_at, t0)
         if cfg.save_final and (not cfg.save_every or self.step % cfg.save_every):
             self.checkpoints.save(self)
         acc_after = None
@@ -653,6 +672,7 @@ class Trainer:
         if cfg.export_hf:
             self.wg.export_hf(str(self.run_dir / "hf"))
         summary = {
+            "status": "completed",
             "accuracy_before": acc_before,
             "accuracy_after": acc_after,
             "steps": self.step,
@@ -667,4 +687,40 @@ class Trainer:
                 summary["time_share"] = time_share(records)
                 print(format_time_share(summary["time_share"]), flush=True)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def stopped(self, trackers: Trackers, saved_at: int | None, t0: float) -> dict[str, Any]:
+        """The end of a run a signal stopped: the last completed step checkpointed (when
+        checkpoints are on and it is not saved yet; not after a second signal), the trackers
+        closed, and a `stopped` summary. The held-out evaluation and the export are skipped."""
+        cfg = self.cfg.trainer
+        if (
+            not self.stop.immediate
+            and (cfg.save_every or cfg.save_final)
+            and self.step > 0
+            and saved_at != self.step
+        ):
+            try:
+                self.checkpoints.save(self)
+            except StopNow:  # a second signal while saving: the commit is atomic, none is made
+                pass
+        trackers.close()
+        latest = self.checkpoints.manager.latest()
+        summary = {
+            "status": "stopped",
+            "signal": self.stop.name,
+            "exit_code": self.stop.exit_code,
+            "immediate": self.stop.immediate,
+            "steps": self.step,
+            "checkpoint": str(latest) if latest is not None else None,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "run_dir": str(self.run_dir),
+            "startup": self.startup,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(
+            f"stopped by {self.stop.name} after step {self.step} of {cfg.steps}"
+            + (f"; resume from {latest} with trainer.resume=auto" if latest else ""),
+            flush=True,
+        )
         return summary

@@ -22,8 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, RayActorError
+from ray.exceptions import ActorDiedError, OutOfMemoryError, RayActorError
 
+from tephra.controller.memory_kills import KNOBS, node_memory, oom_kills, ray_oom_usage
+from tephra.controller.stop import wait_sliced
+from tephra.core.errors import TephraError
 from tephra.engine_api.errors import ConfigError
 
 LOG_LINES = 12
@@ -103,8 +106,10 @@ def this_rank_place(rank: int) -> RankPlace:
     return RankPlace(rank, ray.util.get_node_ip_address(), pid, logs)
 
 
-class StageFailure(RuntimeError):
-    """A stage call that passed its deadline or lost a rank; the message says where."""
+class StageFailure(TephraError, RuntimeError):
+    """A stage call that passed its deadline or lost a rank (`kind`: `deadline`, `died`,
+    `out_of_memory`); the message says where. An app prints it as its error, without Ray's
+    traceback, once no restart is left."""
 
     def __init__(self, message: str, kind: str, group: str, stage: str, ranks: list[int]):
         super().__init__(message)
@@ -187,11 +192,12 @@ class Watchdog:
         collective with the dead one)."""
         limit, why = self.deadline(group, stage)
         start = time.monotonic()
+        kills_before = oom_kills()
         index = {ref: i for i, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
             left = None if limit is None else max(0.0, limit - (time.monotonic() - start))
-            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            done, pending = wait_sliced(pending, num_returns=1, timeout=left)
             if not done:
                 stuck = sorted(index[ref] for ref in pending)
                 raise self.failure(
@@ -206,9 +212,33 @@ class Watchdog:
                 )
             try:
                 ray.get(done[0])
+            except OutOfMemoryError as exc:  # Ray's memory monitor killed the rank
+                at_kill = ray_oom_usage(str(exc))
+                memory = f"node memory at the kill {at_kill}" if at_kill else node_memory()
+                raise self.failure(
+                    "out_of_memory",
+                    group,
+                    stage,
+                    [index[done[0]]],
+                    places,
+                    samples,
+                    f"was killed by Ray's memory monitor ({memory}); to lower a rank's memory: "
+                    f"{KNOBS}",
+                ) from None
             except (ActorDiedError, RayActorError) as exc:
                 rank = index[done[0]]
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                if oom_kills() > kills_before:  # SIGKILLed by the kernel: Ray cannot say why
+                    raise self.failure(
+                        "out_of_memory",
+                        group,
+                        stage,
+                        [rank],
+                        places,
+                        samples,
+                        f"was killed by the kernel's OOM killer ({node_memory()}); to lower a "
+                        f"rank's memory: {KNOBS}",
+                    ) from None
                 raise self.failure(
                     "died",
                     group,

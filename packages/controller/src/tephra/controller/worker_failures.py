@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ray.exceptions import ActorDiedError, RayActorError
+from ray.exceptions import ActorDiedError, OutOfMemoryError, RayActorError
 
 from tephra.controller.watchdog import StageFailure
 from tephra.rollout.base import ServerDiedError
@@ -12,8 +12,11 @@ from tephra.rollout.base import ServerDiedError
 WORKER_FAILURES: tuple[type[BaseException], ...] = (
     RayActorError,
     ActorDiedError,
+    OutOfMemoryError,
     ServerDiedError,
     StageFailure,
 )
-"""What a dead worker process (SIGKILL, out of memory), a dead rollout server or a stage past
-its watchdog deadline raises in the driver."""
+"""What a dead worker process (SIGKILL, killed for memory by Ray's monitor or the kernel), a dead
+rollout server or a stage past its watchdog deadline raises in the driver. A stage's call names
+a rank killed for memory in a `StageFailure` of kind `out_of_memory` (`watchdog`,
+`memory_kills`); `OutOfMemoryError` is here for the waits outside a stage's call."""

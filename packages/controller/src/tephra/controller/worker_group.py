@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ray._private import ray_constants
 from ray._private.services import canonicalize_bootstrap_address
 from ray._private.utils import get_num_cpus
+from ray.exceptions import OutOfMemoryError
 from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -41,8 +42,16 @@ from tephra.controller.dispatch import (
     rollout_shares,
     split_args,
 )
+from tephra.controller.memory_kills import KNOBS, node_memory, ray_oom_usage
 from tephra.controller.startup import process_age_s
-from tephra.controller.watchdog import RankPlace, Watchdog, sample_ids, this_rank_place
+from tephra.controller.stop import sigterm_blocked
+from tephra.controller.watchdog import (
+    RankPlace,
+    StageFailure,
+    Watchdog,
+    sample_ids,
+    this_rank_place,
+)
 from tephra.core.host_memory import retain_freed_memory, retain_supported
 from tephra.core.quiet import quiet_third_party_warnings
 from tephra.engine_api.errors import ConfigError
@@ -95,14 +104,17 @@ def ray_init(
     for key in ("TEPHRA_CACHE", "HF_HUB_OFFLINE", "HF_HOME", "PYTHONPATH"):
         if key in os.environ:
             env[key] = os.environ[key]
-    ray.init(
-        address=address or "local",
-        num_cpus=num_cpus if address is None else None,
-        include_dashboard=dashboard,
-        log_to_driver=True,
-        runtime_env={"env_vars": env},
-        **kwargs,
-    )
+    # the daemons a local session starts keep SIGTERM blocked (as Ray keeps SIGINT): a SIGTERM
+    # to the job's process group reaches the driver alone, which stops them (tephra.controller.stop)
+    with sigterm_blocked():
+        ray.init(
+            address=address or "local",
+            num_cpus=num_cpus if address is None else None,
+            include_dashboard=dashboard,
+            log_to_driver=True,
+            runtime_env={"env_vars": env},
+            **kwargs,
+        )
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -180,8 +192,15 @@ class ResourcePool:
     None is on for CPU ranks (no GPUs), where it saves each step's page faults on the large
     tensors it allocates again, and off for GPU ranks, whose host memory then shrinks back
     after loading or exporting weights. True needs glibc."""
+    memory_per_rank_gb: float = 0.0
+    """Host memory (GiB) Ray reserves per rank (its `memory` resource, in the rank's bundle):
+    Ray then places no more ranks on a node than its memory holds. 0: none reserved."""
 
     def __post_init__(self) -> None:
+        if self.memory_per_rank_gb < 0:
+            raise ConfigError(
+                f"resources.memory_per_rank_gb={self.memory_per_rank_gb} must be >= 0 (0: none)"
+            )
         if self.world_size < 1:
             raise ConfigError(f"resources.world_size={self.world_size} must be >= 1")
         if self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
@@ -204,6 +223,8 @@ class ResourcePool:
         out = {"CPU": self.cpus_per_rank}
         if self.gpus_per_rank:
             out["GPU"] = self.gpus_per_rank
+        if self.memory_per_rank_gb:
+            out["memory"] = float(int(self.memory_per_rank_gb * 2**30))
         return out
 
     def check_fits(self) -> None:
@@ -215,6 +236,13 @@ class ResourcePool:
                 f"the worker group needs {need_cpu:g} CPUs (world_size={self.world_size} x "
                 f"cpus_per_rank={self.cpus_per_rank:g}) but Ray has {have.get('CPU', 0):g}; "
                 "lower resources.cpus_per_rank or resources.world_size"
+            )
+        need_memory = self.world_size * self.memory_per_rank_gb * 2**30
+        if need_memory > have.get("memory", 0) + 1:
+            raise ConfigError(
+                f"the worker group needs {need_memory / 2**30:.1f} GiB of memory (world_size="
+                f"{self.world_size} x memory_per_rank_gb={self.memory_per_rank_gb:g}) but Ray "
+                f"has {have.get('memory', 0) / 2**30:.1f} GiB; lower resources.memory_per_rank_gb"
             )
         need_gpu = self.world_size * self.gpus_per_rank
         if need_gpu > have.get("GPU", 0) + 1e-9:
@@ -405,6 +433,19 @@ class WorkerGroup:
             try:
                 self._start(init_kwargs or {})
                 break
+            except OutOfMemoryError as err:  # a rank killed by Ray's monitor while it built
+                self.shutdown(grace_s=0)
+                at_kill = ray_oom_usage(str(err))
+                raise StageFailure(
+                    f"worker group {self.name!r} at start-up: a rank was killed by Ray's memory "
+                    "monitor while it started ("
+                    + (f"node memory at the kill {at_kill}" if at_kill else node_memory())
+                    + f"); to lower a rank's memory: {KNOBS}",
+                    "out_of_memory",
+                    self.name,
+                    "start",
+                    [],
+                ) from None
             except Exception as err:
                 self.shutdown(grace_s=0)  # ranks may wait on a rendezvous that never comes
                 if "EADDRINUSE" not in str(err) or attempt == 2:

@@ -19,6 +19,7 @@ import yaml
 from matplotlib.figure import Figure
 from transformers import AutoTokenizer
 
+from tephra.apps.eval.cli import HELP
 from tephra.apps.eval.config import EvalConfig, parse_config
 from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.code_problems import code_problem_records
@@ -31,7 +32,9 @@ from tephra.controller.data import (
 from tephra.controller.evaluation import EvalRow, markdown_table, summarise, write_jsonl
 from tephra.controller.export import export_checkpoint
 from tephra.controller.models import resolve_model_path
+from tephra.controller.ppo import config_to_save
 from tephra.controller.rewarding import Scorer
+from tephra.core.app_help import answer_help, split_print_config
 from tephra.core.errors import ConfigError, TephraError
 from tephra.rollout.base import RolloutConfig, SamplingParams
 from tephra.rollout.registry import get_rollout
@@ -292,8 +295,15 @@ def run(cfg: EvalConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if answer_help(argv, HELP):
+        return
+    print_only, argv = split_print_config(argv)
     try:
-        results = run(parse_config(argv))
+        cfg = parse_config(argv)
+        if print_only:
+            print(yaml.safe_dump(config_to_save(cfg), sort_keys=False), end="", flush=True)
+            return
+        results = run(cfg)
     except TephraError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -12,9 +12,13 @@ import os
 import sys
 import time
 
+import yaml
+
+from tephra.apps.ppo.cli import HELP
 from tephra.apps.ppo.config import check_model_made, parse_config
 from tephra.controller import ppo
 from tephra.controller.rl_config import PPOConfig
+from tephra.core.app_help import answer_help, split_print_config
 from tephra.core.errors import TephraError
 from tephra.core.quiet import quiet_third_party_warnings
 
@@ -30,17 +34,28 @@ def run(cfg: PPOConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if answer_help(argv, HELP):
+        return
+    print_only, argv = split_print_config(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_third_party_warnings()
     t0 = time.perf_counter()
     try:
         cfg = parse_config(argv)
+        if print_only:
+            print(yaml.safe_dump(ppo.config_to_save(cfg), sort_keys=False), end="", flush=True)
+            return
         summary = run(cfg)
     except TephraError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C before Ray started: nothing to stop or save
+        print("interrupted before training started", file=sys.stderr)
+        raise SystemExit(130) from None
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(summary), flush=True)
+    if summary.get("status") == "stopped":  # by SIGINT / SIGTERM: 130 / 143, as a shell says
+        raise SystemExit(summary["exit_code"])
 
 
 if __name__ == "__main__":

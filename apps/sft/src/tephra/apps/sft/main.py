@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from tensordict import TensorDict
 from transformers import AutoConfig, AutoTokenizer
 
@@ -28,6 +29,7 @@ from tephra.apps.sft.chat_data import (
     tokenize_conversation,
     tool_call_conversations,
 )
+from tephra.apps.sft.cli import HELP
 from tephra.apps.sft.config import SFTConfig
 from tephra.controller.checkpoints import CheckpointManager
 from tephra.controller.dispatch import Dispatch, dispatch
@@ -40,6 +42,7 @@ from tephra.controller.worker_group import (
     WorkerGroup,
     ray_init,
 )
+from tephra.core.app_help import answer_help, split_print_config
 from tephra.core.config import load_config, split_cli, to_dict
 from tephra.core.errors import ConfigError, TephraError
 from tephra.engine_api.multimodal import is_vision_config
@@ -192,6 +195,7 @@ def run(cfg: SFTConfig) -> dict:
         r.gpus_per_rank,
         strategy=r.placement,
         retain_freed_memory=r.retain_freed_memory,
+        memory_per_rank_gb=r.memory_per_rank_gb,
     )
     try:
         wg = WorkerGroup(SFTWorker, pool, {"cfg": cfg, "model_path": path}, name="sft")
@@ -282,8 +286,15 @@ def parse_config(argv: list[str]) -> SFTConfig:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if answer_help(argv, HELP):
+        return
+    print_only, argv = split_print_config(argv)
     try:
-        summary = run(parse_config(argv))
+        cfg = parse_config(argv)
+        if print_only:
+            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="", flush=True)
+            return
+        summary = run(cfg)
     except TephraError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -500,11 +500,11 @@ async def run_code_tests_async(
         )
         marker = f"tephra-result-{secrets.token_hex(8)}:"
         uid = sandbox.new_uid()
-        workdir, mounted = sandbox.make_workdir(uid)
+        workdir, mounted = await asyncio.to_thread(sandbox.make_workdir, uid)
         try:
             run = await sandbox.run(_harness(program, case, tests.fn_name, marker), workdir, uid)
         finally:
-            sandbox.remove_workdir(workdir, mounted)
+            await asyncio.to_thread(sandbox.remove_workdir, workdir, mounted)
         report.cases.append(_judge(run, case, tests.fn_name, marker))
     return report
 

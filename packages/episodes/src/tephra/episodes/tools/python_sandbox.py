@@ -5,23 +5,29 @@ tests/test_tools_python_sandbox.py, and the test file runs again as an unprivile
 - namespaces (`unshare` from util-linux): network (only a downed loopback: no connection, not
   even to 127.0.0.1, and no abstract Unix socket of the host), PID (its init is
   `sandbox_init.py`; when it exits the kernel kills every process left, daemons included),
-  mount and IPC (SysV objects die with the call). An ordinary user gets them inside a user
-  namespace of their own;
+  mount, UTS (host name `sandbox`) and IPC (SysV objects die with the call; the init sets the
+  namespace's limits low: few, small message queues and semaphore sets, shared memory capped
+  at the call's memory limit). An ordinary user gets them inside a user namespace of their own;
 - a new root (`pivot_root`): only the system folders (`/usr`, `/lib`, ...), the interpreter and
   its site-packages, read-only and nosuid, a minimal `/dev` and `/etc`, the namespace's own
-  `/proc`, and the trajectory's folder on `/tmp`, the one writable place besides small private
-  tmpfs on `/var/tmp`, `/dev/shm`, `/run/lock`. The caller's home, the repository, host sockets
-  and every other host path do not exist inside;
+  `/proc` (which hides the init), and the trajectory's folder on `/tmp`, the one writable place
+  besides small private tmpfs on `/var/tmp`, `/dev/shm`, `/run/lock`. The caller's home, the
+  repository, host sockets and every other host path do not exist inside;
 - the code runs as a non-root uid without capabilities: as root a fresh unprivileged uid per
   trajectory; as an ordinary user uid 1000 of a nested user namespace (mapped to the caller);
 - a seccomp filter (libseccomp), the same in both modes: mounts, namespaces, keyrings, bpf,
-  perf, ptrace, io_uring, userfaultfd, modify_ldt, memfd_create, memfd_secret and setting the
-  personality are refused;
+  perf, ptrace, io_uring, userfaultfd, modify_ldt, memfd_create, memfd_secret, setting the
+  personality, sockets other than Unix, IPv4, IPv6 and route netlink, and changing another
+  process's limits or scheduling are refused;
 - rlimits per process (CPU, address space, processes, file size, open files), an aggregate
   memory limit for the whole call (resident memory of all its processes plus the pages of its
   tmpfs folders and SysV shared memory; and a memory cgroup per call where the host lets us
   make one), wall time and output caps on the host side;
-- a folder quota (as root a tmpfs of `disk_quota_mb`; otherwise measured after each call);
+- a folder quota enforced during the call: as root the trajectory's folder is a tmpfs of
+  `disk_quota_mb`; otherwise the init mounts such a tmpfs on the call's `/tmp`, fills it from
+  the trajectory's folder and copies it back after the call, once every process of the call
+  is gone. The calls of one trajectory run one at a time, so no host-side walk of its folder
+  ever runs beside its code, and the walks run in a thread, off the event loop;
 - the program travels through a pipe: the host never opens a path the code could have planted.
 Where a layer cannot be had the tool refuses to start with a message naming what is missing,
 unless `accept_missing` names it. The package README's security table says what each
@@ -31,9 +37,11 @@ protection relies on, for root and for an ordinary user.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes.util
 import json
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -43,6 +51,7 @@ import sysconfig
 import tempfile
 import time
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
@@ -94,6 +103,23 @@ SECCOMP_DENIED = (
 )
 # the uid the code has inside its user namespace when the caller is not root
 SANDBOX_UID = 1000
+# the call's IPC namespace (/proc/sys/...), beside the shared-memory caps set from
+# `total_memory_mb`: 8 message queues of 16 KiB (a queue holds at most as many messages as
+# bytes, so about 12 MiB of kernel memory in the worst case; Linux's defaults allow 32000
+# queues), 32 semaphore sets of 32, and few POSIX queues (their bytes bounded by
+# RLIMIT_MSGQUEUE)
+IPC_LIMITS = {
+    "kernel/msgmni": 8,
+    "kernel/msgmnb": 16384,
+    "kernel/msgmax": 8192,
+    "kernel/sem": "32 1024 32 32",  # per set, in all, per semop call, sets
+    "kernel/shmmni": 64,
+    "fs/mqueue/queues_max": 8,
+    "fs/mqueue/msg_max": 10,
+    "fs/mqueue/msgsize_max": 8192,
+}
+# bytes of POSIX message queues (RLIMIT_MSGQUEUE), under Linux's default of 800 KiB
+_MSGQUEUE_BYTES = 1 << 19
 # protections a host may lack, which `accept_missing` can name to run without them
 WEAKER_MODES = ("namespaces", "seccomp")
 _PRIVATE_TMPFS = ("/var/tmp", "/dev/shm", "/run/lock")
@@ -153,9 +179,10 @@ class SandboxConfig:
     """Resident memory of all the call's processes together, in MiB; past it every process of
     the call is killed (needs the PID namespace; `memory_mb` still bounds each process)."""
     disk_quota_mb: int = 64
-    """Size of the trajectory's folder in MiB (as root: a tmpfs of this size)."""
+    """Size of the trajectory's folder in MiB: a tmpfs of this size (its pages count as the
+    call's memory too)."""
     max_files: int = 4096
-    """Files and folders the trajectory's folder may hold (as root: the tmpfs's inodes)."""
+    """Files and folders the trajectory's folder may hold (the tmpfs's inodes)."""
     max_output_bytes: int = 65536
     """Bytes of stdout + stderr read before the run is killed as too chatty."""
     max_concurrent: int = 4
@@ -175,7 +202,9 @@ class SandboxConfig:
     """When run as root, each sandbox instance gets a random uid in [uid_base, uid_base+10^6):
     unprivileged, owns nothing on the host, and makes RLIMIT_NPROC count only its processes."""
     workdir_root: str | None = None
-    """Where per-instance working directories are created (default: the system temp dir)."""
+    """Where per-instance working directories are created (default: the system temp dir).
+    As an ordinary user each call copies the folder in and out (a few metadata operations
+    per entry): a tmpfs such as /dev/shm keeps that cheap for folders with many entries."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -251,6 +280,7 @@ def _unshare_flags(allow_network: bool) -> list[str]:
         "--propagation",
         "private",
         "--ipc",
+        "--uts",
     ]
     if not allow_network:
         flags.append("--net")
@@ -355,8 +385,15 @@ class PythonSandbox:
         mem = c.memory_mb * 2**20
         fsize = c.max_file_size_mb * 2**20
         counted = [d for d in _PRIVATE_TMPFS if os.path.isdir(d)]
-        if os.path.ismount(workdir):  # the trajectory's tmpfs (root): its pages are memory
+        # the call's /tmp is a tmpfs in both modes (the host's, or the init's copy): its pages
+        # are memory
+        mounted = os.path.ismount(workdir)
+        if self.namespaced:
             counted.append("/tmp")
+        memory = c.total_memory_mb * 2**20
+        page = os.sysconf("SC_PAGE_SIZE")
+        hard = resource.getrlimit(resource.RLIMIT_MSGQUEUE)[1]
+        msgqueue = _MSGQUEUE_BYTES if hard == resource.RLIM_INFINITY else min(hard, _MSGQUEUE_BYTES)
         return {
             "namespaced": self.namespaced,
             "identity": self.identity,
@@ -367,6 +404,14 @@ class PythonSandbox:
             "counted_tmpfs": counted,
             "private_tmpfs": [d for d in _PRIVATE_TMPFS if os.path.isdir(d)],
             "workdir": workdir,
+            # 0: the host's tmpfs is the folder; else the size of the init's copy
+            "folder_bytes": 0 if mounted else c.disk_quota_mb * 2**20,
+            "folder_inodes": c.max_files,
+            "ipc_limits": {
+                **IPC_LIMITS,
+                "kernel/shmmax": memory,
+                "kernel/shmall": memory // page,
+            },
             "cwd": "/tmp" if self.namespaced else workdir,
             "tmpfs_bytes": fsize,
             "binds": self.binds,
@@ -381,6 +426,7 @@ class PythonSandbox:
                 ("RLIMIT_FSIZE", fsize, fsize),
                 ("RLIMIT_NOFILE", c.max_open_files, c.max_open_files),
                 ("RLIMIT_CORE", 0, 0),
+                ("RLIMIT_MSGQUEUE", msgqueue, msgqueue),
             ],
         }
 
@@ -423,16 +469,18 @@ class PythonSandbox:
         remove_tree(workdir)
 
     def check_quota(self, workdir: str) -> str | None:
-        """Without a tmpfs, the quota is checked after each call (the folder is emptied when
-        the call went past it); None when within."""
+        """Without namespaces (accepted by name) there is no tmpfs: the quota is checked after
+        each call (the folder is emptied when the call went past it); None when within. The
+        walk stops counting once past `max_files`; it blocks, so callers run it in a thread."""
         c = self.config
-        size, count = tree_usage(workdir)
+        size, count = tree_usage(workdir, max_entries=c.max_files)
         if size <= c.disk_quota_mb * 2**20 and count <= c.max_files:
             return None
         empty_tree(workdir)
         return (
             f"the folder quota of {c.disk_quota_mb} MiB / {c.max_files} files was exceeded "
-            f"({size >> 20} MiB, {count} files); the folder was emptied"
+            f"({size >> 20} MiB, {count if count <= c.max_files else f'over {c.max_files}'} "
+            f"files); the folder was emptied"
         )
 
     async def run(self, code: str, workdir: str, uid: int | None) -> SandboxRun:
@@ -484,11 +532,12 @@ class PythonSandbox:
         total = 0
         overflow = timed_out = False
 
-        def kill_group() -> None:
+        def kill_group(sig: int = signal.SIGKILL) -> None:
             # Kill the namespace's init first: `unshare` then reaps it only after the kernel has
             # removed every process of the namespace, so `proc.wait()` returning means all are
-            # gone. The process-group kill is the backstop (and the whole story without a PID
-            # namespace).
+            # gone. SIGTERM first: the init exits at once on it (a SIGKILLed init makes
+            # `unshare` print noise); SIGKILL is the backstop, and the process-group kill the
+            # backstop's backstop (and the whole story without a PID namespace).
             if self.namespaced:
                 try:
                     children = (
@@ -498,7 +547,7 @@ class PythonSandbox:
                     children = []
                 for child in children:
                     try:
-                        os.kill(int(child), signal.SIGKILL)
+                        os.kill(int(child), sig)
                     except ProcessLookupError:
                         pass
             else:
@@ -516,7 +565,7 @@ class PythonSandbox:
                 total += len(chunk)
                 if total > cap and not overflow:
                     overflow = True
-                    kill_group()
+                    kill_group(signal.SIGTERM)
 
         async def feed() -> None:
             # under the call's timeout like every host step: a program that never reads its
@@ -540,12 +589,13 @@ class PythonSandbox:
         except TimeoutError:
             timed_out = True
         finally:
-            if proc.returncode is None:
-                kill_group()
-                try:
-                    await asyncio.wait_for(proc.wait(), 10)
-                except TimeoutError:
-                    pass
+            for sig, grace in ((signal.SIGTERM, 2), (signal.SIGKILL, 10)):
+                if proc.returncode is None:
+                    kill_group(sig)
+                    try:
+                        await asyncio.wait_for(proc.wait(), grace)
+                    except TimeoutError:
+                        pass
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -598,36 +648,53 @@ class PythonTool(Tool):
         self.config = SandboxConfig(**config)
         self.sandbox = PythonSandbox(self.config)
         self._instances: dict[str, tuple[str, int | None, bool]] = {}
+        # per event loop, per trajectory: its calls, and its release, run one at a time (an
+        # asyncio.Lock binds to the loop it first waits in)
+        self._locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # folders (and, as root, tmpfs mounts) of trajectories never released are removed when
         # the tool is collected or the interpreter exits, even if nobody calls close()
         self._finalizer = weakref.finalize(self, _remove_all, self._instances)
 
+    @contextlib.asynccontextmanager
+    async def _alone(self, instance_id: str) -> AsyncIterator[None]:
+        """Hold the trajectory: its folder is the code's (one call at a time, the init copying
+        it in and out) or the host's (a walk), never both."""
+        loop = asyncio.get_running_loop()
+        locks = self._locks.setdefault(loop, {})
+        lock = locks.setdefault(instance_id, asyncio.Lock())
+        async with lock:
+            yield
+
     async def create(self, instance_id: str, **kwargs: Any) -> None:
-        if instance_id in self._instances:
-            return
-        uid = self.sandbox.new_uid()
-        workdir, mounted = self.sandbox.make_workdir(uid)
-        self._instances[instance_id] = (workdir, uid, mounted)
+        async with self._alone(instance_id):
+            if instance_id in self._instances:
+                return
+            uid = self.sandbox.new_uid()
+            workdir, mounted = await asyncio.to_thread(self.sandbox.make_workdir, uid)
+            self._instances[instance_id] = (workdir, uid, mounted)
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResult:
         code = arguments.get("code")
         if not isinstance(code, str):
             return ToolResult("", error="argument 'code' (a string holding the program) is missing")
-        if instance_id not in self._instances:
-            await self.create(instance_id)
-        workdir, uid, mounted = self._instances[instance_id]
-        run = await self.sandbox.run(code, workdir, uid)
+        await self.create(instance_id)
+        async with self._alone(instance_id):
+            workdir, uid, _ = self._instances[instance_id]
+            run = await self.sandbox.run(code, workdir, uid)
+            error = run.error
+            if not self.sandbox.namespaced:
+                error = await asyncio.to_thread(self.sandbox.check_quota, workdir) or error
         text = run.stdout + (run.stderr if run.stderr else "")
         metrics = {"wall_s": run.wall_s, "output_bytes": float(run.output_bytes)}
-        error = run.error
-        if not mounted:
-            error = self.sandbox.check_quota(workdir) or error
         return ToolResult(text, error=error, metrics=metrics)
 
     async def release(self, instance_id: str) -> None:
-        entry = self._instances.pop(instance_id, None)
-        if entry is not None:
-            self.sandbox.remove_workdir(entry[0], entry[2])
+        async with self._alone(instance_id):
+            entry = self._instances.pop(instance_id, None)
+            if entry is not None:
+                await asyncio.to_thread(self.sandbox.remove_workdir, entry[0], entry[2])
+        for locks in self._locks.values():
+            locks.pop(instance_id, None)
 
     def close(self) -> None:
         """Remove the working directories of trajectories never released (no sandbox process

@@ -1,20 +1,34 @@
 """The python sandbox's init: run as PID 1 of a fresh PID namespace (standard library only).
 
 `python -I -S sandbox_init.py CONFIG_JSON`, started by `unshare` as root of its mount namespace
-(really root, or root of a user namespace mapped to the caller). It builds a new root holding
-only the read-only interpreter, its libraries and the call's writable folder, pivots into it,
-forks the code's process (a non-root uid without capabilities, rlimits and a seccomp filter
-set), watches the memory of every process of the call, and exits with the code's status (128 +
-signal for a signal); as the namespace's init, its exit makes the kernel kill every process
-left. Setup failures exit 125 with one line on stderr starting "sandbox setup failed".
+(really root, or root of a user namespace mapped to the caller). It sets low limits on the
+call's IPC namespace, builds a new root holding only the read-only interpreter, its libraries
+and the call's writable folder (a tmpfs of the folder quota, filled from the trajectory's
+folder on the host and copied back once every process of the call is gone, unless the host
+already made the folder a tmpfs), pivots into it, forks the code's process (a non-root uid
+without capabilities, rlimits and a seccomp filter set), watches the memory of every process
+of the call, and exits with the code's status (128 + signal for a signal); as the namespace's
+init, its exit makes the kernel kill every process left. Setup failures exit 125 with one line
+on stderr starting "sandbox setup failed".
 """
 
 import ctypes
+import importlib.util
 import json
 import os
 import resource
+import signal
 import sys
 import time
+
+# the folder walks of tephra's host side (standard library only), loaded by path before the
+# pivot hides the file: `-I -S` leaves the script's folder off sys.path
+_spec = importlib.util.spec_from_file_location(
+    "folder_tree", os.path.join(os.path.dirname(os.path.abspath(__file__)), "folder_tree.py")
+)
+assert _spec is not None and _spec.loader is not None
+folder_tree = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(folder_tree)
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -30,8 +44,16 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 DEVICES = ("null", "zero", "full", "random", "urandom")
 NEW_ROOT = "/mnt"
 
+# socket families the code may make: Unix, IPv4, IPv6, and netlink for routes only (getaddrinfo,
+# if_nameindex); vsock crosses the network namespace, uevent netlink hears the host's devices
+ALLOWED_FAMILIES = (1, 2, 10, 16)  # AF_UNIX AF_INET AF_INET6 AF_NETLINK
+AF_NETLINK, NETLINK_ROUTE = 16, 0
+# seccomp_rule_add's comparisons
+CMP_NE, CMP_EQ, CMP_GE, CMP_MASKED_EQ = 1, 4, 5, 7
+
 libc = ctypes.CDLL(None, use_errno=True)
 cfg: dict = {}  # the host's settings for this call (argv[1]), read by every step below
+folder_fd = -1  # the trajectory's folder on the host, when the call's /tmp is a copy of it
 
 
 class SetupError(Exception):
@@ -64,9 +86,50 @@ def bind(src, tgt, writable=False, devices=False):
     mount(None, tgt, None, flags if writable else flags | MS_RDONLY)
 
 
-def tmpfs(tgt, size, mode):
+def tmpfs(tgt, size, mode, inodes=None):
     os.makedirs(tgt, exist_ok=True)
-    mount("tmpfs", tgt, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode={mode}")
+    extra = f",nr_inodes={inodes}" if inodes else ""
+    mount("tmpfs", tgt, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode={mode}{extra}")
+
+
+def limit_ipc():
+    """Low limits in the call's own IPC namespace (its root may set them; the code, without
+    capabilities, may not): message queues and semaphores are kernel memory that no sampling
+    sees and, without a memory cgroup, nothing else bounds; shared memory is capped at the
+    call's memory limit."""
+    for name, value in cfg["ipc_limits"].items():
+        with open("/proc/sys/" + name, "w") as f:
+            f.write(str(value))
+
+
+def folder_copy(cfg, work, tmp):
+    """The call's /tmp as a tmpfs of the folder quota, filled from the trajectory's folder:
+    past the quota writes fail (ENOSPC), unnamed O_TMPFILE files included."""
+    global folder_fd
+    # through the descriptor taken before the mounts (see build_root)
+    folder_fd = os.open(f"/proc/self/fd/{work}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    tmpfs(tmp, cfg["folder_bytes"], "700", cfg["folder_inodes"])
+    owner = cfg["code_uid"] if cfg["identity"] == "switch_uid" else None
+    if owner is not None:
+        os.chown(tmp, owner, owner)
+    into = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        folder_tree.copy_tree(folder_fd, into, cfg["folder_bytes"], owner)
+    finally:
+        os.close(into)
+
+
+def keep_folder():
+    """After the call, with every other process of it gone: the trajectory's folder on the
+    host becomes a copy of the call's /tmp (which dies with the namespace)."""
+    src = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        folder_tree.empty_tree(folder_fd)
+        folder_tree.copy_tree(src, folder_fd, cfg["folder_bytes"])
+    except OSError as exc:
+        os.write(2, f"\nsandbox: the folder could not be kept whole: {exc}\n".encode())
+    finally:
+        os.close(src)
 
 
 def build_root(cfg):
@@ -97,7 +160,10 @@ def build_root(cfg):
             f.write(text)
     for tgt, fd in sources.items():
         bind(f"/proc/self/fd/{fd}", r + tgt)
-    bind(f"/proc/self/fd/{work}", r + "/tmp", writable=True)
+    if cfg["folder_bytes"]:
+        folder_copy(cfg, work, r + "/tmp")
+    else:  # the host made the folder a tmpfs of the quota (root): the call writes in it
+        bind(f"/proc/self/fd/{work}", r + "/tmp", writable=True)
     tmpfs(r + "/dev", 1 << 16, "755")
     for name in DEVICES:
         bind("/dev/" + name, r + "/dev/" + name, writable=True, devices=True)
@@ -111,8 +177,10 @@ def build_root(cfg):
     for d in cfg["private_tmpfs"]:
         tmpfs(r + d, cfg["tmpfs_bytes"], "1777")
     os.makedirs(r + "/proc")
-    # this namespace's own /proc (the one `unshare --mount-proc` made), so host PIDs stay unseen
-    mount("proc", r + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # this namespace's own /proc (the one `unshare --mount-proc` made), so host PIDs stay
+    # unseen; hidepid=2 hides what the code may not ptrace: the init (not dumpable), whose
+    # command line names host paths and whose limits and knobs would otherwise be in reach
+    mount("proc", r + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     for fd in [work, *sources.values()]:
         os.close(fd)
     mount(None, r, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
@@ -177,7 +245,24 @@ def seccomp_filter(lib_path):
     ):  # NEWUSER NEWNS NEWNET NEWPID NEWIPC NEWUTS NEWCGROUP
         rule(eperm, "clone", Arg(0, 7, flag, flag))  # SCMP_CMP_MASKED_EQ on the flags
     # personality may only be queried (0xffffffff): setting it turns off ASLR, among others
-    rule(eperm, "personality", Arg(0, 1, 0xFFFFFFFF, 0))  # SCMP_CMP_NE
+    rule(eperm, "personality", Arg(0, CMP_NE, 0xFFFFFFFF, 0))
+    # socket families: refuse every one but the allowed (compared on all 64 bits, so high
+    # bits the kernel would drop cannot smuggle a family past), and netlink but for routes
+    for name in ("socket", "socketpair"):
+        for family in range(64):
+            if family not in ALLOWED_FAMILIES:
+                rule(eperm, name, Arg(0, CMP_EQ, family, 0))
+        rule(eperm, name, Arg(0, CMP_GE, 64, 0))
+        rule(eperm, name, Arg(0, CMP_EQ, AF_NETLINK, 0), Arg(2, CMP_NE, NETLINK_ROUTE, 0))
+    # the init's limits and scheduling: the code may change its own, never the init's (which
+    # it shares a kernel uid with as an ordinary user): prlimit only on itself (pid 0)
+    rule(eperm, "prlimit64", Arg(0, CMP_NE, 0, 0))
+    rule(eperm, "setpriority", Arg(0, CMP_NE, 0, 0))  # PRIO_PGRP and PRIO_USER reach the init
+    rule(eperm, "setpriority", Arg(1, CMP_EQ, 1, 0))
+    rule(eperm, "ioprio_set", Arg(0, CMP_NE, 1, 0))  # IOPRIO_WHO_PROCESS only
+    rule(eperm, "ioprio_set", Arg(1, CMP_EQ, 1, 0))
+    for name in ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr"):
+        rule(eperm, name, Arg(0, CMP_EQ, 1, 0))
     if lib.seccomp_load(ctypes.c_void_p(ctx)) != 0:  # also sets no_new_privs
         raise SetupError("seccomp_load failed")
 
@@ -239,10 +324,23 @@ def memory_in_use(page):
         with open("/proc/sysvipc/shm") as f:
             next(f)
             for line in f:
-                total += int(line.split()[14]) * page  # rss column, pages
+                total += int(line.split()[14])  # rss column, in bytes
     except (OSError, IndexError, ValueError, StopIteration):
         pass
     return total
+
+
+def end_the_rest():
+    """Kill every process of the call left after the code's own and reap them all."""
+    try:
+        os.kill(-1, 9)
+    except ProcessLookupError:
+        pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
 
 
 def supervise(pid):
@@ -275,12 +373,17 @@ def supervise(pid):
 
 def main() -> None:
     cfg.update(json.loads(sys.argv[1]))
+    # the host ends a call (wall time, output cap) with SIGTERM: exit quietly, which makes the
+    # kernel kill the rest (a SIGKILLed init makes `unshare` print noise into the output)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
     if cfg["namespaced"]:
         try:
             if cfg["cgroup_procs"]:
                 # join the call's memory cgroup first: everything forked later is charged to it
                 with open(cfg["cgroup_procs"], "w") as f:
                     f.write("0")
+            _check(libc.sethostname(b"sandbox", 7), "sethostname")
+            limit_ipc()
             build_root(cfg)
         except (OSError, SetupError) as exc:
             os.write(2, f"sandbox setup failed: {exc}\n".encode())
@@ -299,6 +402,9 @@ def main() -> None:
     os.close(0)  # the code reads its program from stdin; init holds no copy of the pipe
     if cfg["namespaced"]:
         status = supervise(child)
+        if folder_fd >= 0:
+            end_the_rest()
+            keep_folder()
     else:
         # weaker mode (no namespaces, accepted by name): the host kills our process group after
         _, status = os.waitpid(child, 0)
