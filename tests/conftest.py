@@ -18,3 +18,94 @@ def ray_session():
     ray_init(num_cpus=2)
     yield
     ray.shutdown()
+
+
+def _reference_lrs(cfg, peak_lr: float, steps: int) -> list[float]:
+    """The lr of optimizer steps 0..steps-1 under `cfg` (a `SchedulerConfig`), from
+    transformers' own schedulers (`get_scheduler`), an implementation independent of tephra's:
+      - warmup s < W: `cosine_warmup_with_min_lr`'s, (s + 1) / W (the first step moves);
+        the others of transformers warm up from 0 (s / W), one step behind;
+      - constant: `constant`; cosine: `cosine_with_min_lr` (min_lr_rate = min_lr_ratio);
+      - wsd: `warmup_stable_decay`, linear decay over the last max(decay_ratio * T, 1) steps
+        (not before the warmup ends), to min_lr_ratio.
+    After total_steps tephra's cosine stays at the floor (transformers' would rise again on
+    the next half period): that tail is the hand value peak * min_lr_ratio."""
+    import torch
+    from transformers import get_scheduler
+
+    def run(name: str, **kwargs) -> list[float]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak_lr)
+        sched = get_scheduler(name, opt, **kwargs)
+        out = []
+        for _ in range(steps):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    w, t, m = cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio
+    if cfg.name == "constant":
+        after = run("constant")
+    elif cfg.name == "cosine":
+        after = run(
+            "cosine_with_min_lr",
+            num_warmup_steps=w,
+            num_training_steps=t,
+            scheduler_specific_kwargs={"min_lr_rate": m},
+        )
+        after = [lr if s <= t else peak_lr * m for s, lr in enumerate(after)]
+    elif cfg.name == "wsd":
+        start = max(t - max(cfg.decay_ratio * t, 1.0), float(w))
+        after = run(
+            "warmup_stable_decay",
+            num_warmup_steps=w,
+            scheduler_specific_kwargs={
+                "num_stable_steps": start - w,
+                "num_decay_steps": t - start,
+                "min_lr_ratio": m,
+                "decay_type": "linear",
+            },
+        )
+    else:
+        raise AssertionError(f"no transformers reference for schedule {cfg.name!r}: add one")
+    if not w:
+        return after
+    warm = run(
+        "cosine_warmup_with_min_lr",
+        num_warmup_steps=w,
+        num_training_steps=w + 1,
+        scheduler_specific_kwargs={"min_lr_rate": 0.0},
+    )
+    return [warm[s] if s < w else after[s] for s in range(steps)]
+
+
+@pytest.fixture
+def reference_lrs():
+    """`_reference_lrs(cfg, peak_lr, steps)`: transformers' lr schedule of that shape."""
+    return _reference_lrs
+
+
+def _reference_grad_norm(model_path, rows, coefs) -> float:
+    """The gradient norm of sum_i coefs[i] * sum_t log pi(y_it | x_i, y_i<t) over the
+    parameters of the Hugging Face model at `model_path` (fp32, plain transformers, one
+    sequence at a time): for an on-policy step (ratio 1), the gradient of a loss whose
+    per-sequence weight on the log-probs is `coefs[i]`. `rows` are dumped samples (their
+    `prompt_ids` and `response_ids`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    for row, coef in zip(rows, coefs, strict=True):
+        prompt, response = row["prompt_ids"], row["response_ids"]
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        log_probs = torch.log_softmax(logits.float(), -1)
+        picked = log_probs.gather(-1, torch.tensor(response)[:, None])[:, 0]
+        (coef * picked.sum()).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+
+
+@pytest.fixture
+def reference_grad_norm():
+    """`_reference_grad_norm(model_path, rows, coefs)`: a gradient norm in plain transformers."""
+    return _reference_grad_norm

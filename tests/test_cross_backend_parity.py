@@ -106,24 +106,30 @@ def test_fsdp_and_megatron_lora_agree(hf_folder, tmp_path):
 @pytest.mark.parametrize(
     "cfg",
     [
+        dict(name="constant"),
         dict(name="constant", warmup_steps=4),
+        dict(name="cosine", total_steps=10, min_lr_ratio=0.2),
         dict(name="cosine", warmup_steps=3, total_steps=12, min_lr_ratio=0.1),
+        dict(name="wsd", total_steps=10, decay_ratio=0.25, min_lr_ratio=0.1),  # 2.5 decay steps
         dict(name="wsd", warmup_steps=2, total_steps=10, decay_ratio=0.3, min_lr_ratio=0.05),
         dict(name="wsd", warmup_steps=6, total_steps=10, decay_ratio=0.8),  # decay inside warmup
     ],
 )
-def test_both_engines_run_one_learning_rate_schedule(cfg):
-    """FSDP's torch LambdaLR and Megatron's LrSchedule set the same lr at every step: the
-    engines warmed up differently ((s+1)/W against s/W) and started the wsd decay at other
+def test_both_engines_follow_the_transformers_schedules(cfg, reference_lrs):
+    """FSDP's torch LambdaLR and Megatron's LrSchedule set, at every step, the lr of
+    transformers' own scheduler of that shape (`reference_lrs`), not merely each other's: the
+    engines once warmed up differently ((s+1)/W against s/W) and started the wsd decay at other
     steps, and the parity tests, run without warmup, could not see it."""
     sched_cfg = SchedulerConfig(**cfg)
+    steps = 15
+    want = reference_lrs(sched_cfg, 2e-3, steps)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-3)
     fsdp = build_scheduler(opt, sched_cfg)
     groups = [{"lr": None}]
     megatron = LrSchedule(lambda: groups, 2e-3, sched_cfg)
-    assert groups[0]["lr"] == pytest.approx(2e-3 / sched_cfg.warmup_steps)  # the first step moves
-    for _ in range(14):
-        assert groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=0)
+    for step in range(steps):
+        assert opt.param_groups[0]["lr"] == pytest.approx(want[step], rel=1e-12, abs=1e-15), step
+        assert groups[0]["lr"] == pytest.approx(want[step], rel=1e-12, abs=1e-15), step
         opt.step()
         fsdp.step()
         megatron.step()

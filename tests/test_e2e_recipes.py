@@ -42,17 +42,48 @@ def _weights(folder):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _dumped(run_dir, step):
+    path = run_dir / "generations" / f"train_step{step}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
 @pytest.mark.multiproc
-def test_sppo_preset_trains(ray_session, tmp_path):
-    run(_smoke(tmp_path, "-p", "sppo", f"trainer.run_dir={tmp_path / 'sppo'}"))
-    train = _train_records(tmp_path / "sppo")
+def test_sppo_advantages_and_loss_are_the_formula_on_the_dumped_batch(
+    ray_session, tmp_path, reference_grad_norm
+):
+    run_dir = tmp_path / "sppo"
+    cfg = _smoke(tmp_path, "-p", "sppo", "trainer.dump_generations=1", f"trainer.run_dir={run_dir}")
+    run(cfg)
+    train = _train_records(run_dir)
     assert len(train) == 2
-    for r in train:
-        # on-policy (one mini-batch, one epoch): log-ratio 0, so the loss is the mean
-        # squared target, positive wherever the rewards of a group differ
-        assert r["actor/ppo_kl"] == 0.0
-        assert math.isfinite(r["actor/pg_loss"]) and r["actor/pg_loss"] > 0
-        assert math.isfinite(r["actor/grad_norm"]) and r["actor/grad_norm"] > 0
+    eta = cfg.algorithm.advantage.sppo_eta
+    for step, record in zip((1, 2), train, strict=True):
+        rows = _dumped(run_dir, step)
+        assert len(rows) == 8
+        groups: dict[int, list[float]] = {}
+        for r in rows:
+            groups.setdefault(r["prompt_index"], []).append(r["score"])
+        targets = []
+        for r in rows:
+            # the win rate against the other samples of the prompt, Bradley-Terry on scores,
+            # written out here (the library's `win_rates` is vectorised)
+            others = list(groups[r["prompt_index"]])
+            others.remove(r["score"])
+            p = sum(1 / (1 + math.exp(o - r["score"])) for o in others) / len(others)
+            targets.append(eta * (p - 0.5))
+            assert r["advantage"] == pytest.approx(targets[-1], abs=1e-6)
+        assert len({round(t, 9) for t in targets}) > 1  # the rewards of a group differed
+        # on-policy (one mini-batch, one epoch): every sequence log-ratio is 0, so the loss,
+        # (log-ratio - target)^2 averaged over sequences, is the mean squared target
+        want = sum(t * t for t in targets) / len(targets)
+        assert record["actor/ppo_kl"] == 0.0
+        assert record["actor/loss"] == pytest.approx(want, rel=1e-5)
+        assert record["actor/pg_loss"] == pytest.approx(want, rel=1e-5)
+        if step == 1:  # the initial weights: the gradient, d/dθ of mean_i (lr_i - t_i)^2 at
+            # lr = 0, is -2/N sum_i t_i d(sum_t log pi(y_it)), recomputed in transformers
+            coefs = [-2 * t / len(targets) for t in targets]
+            norm = reference_grad_norm(resolve_model_path("tiny", 0), rows, coefs)
+            assert record["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
 
 
 @pytest.mark.multiproc
@@ -114,7 +145,7 @@ def test_distillation_advantage_is_teacher_minus_student(ray_session, tmp_path):
     )
     run(cfg)
     train = _train_records(tmp_path / "distill")
-    assert len(train) == 2 and all(r["distill/reverse_kl"] > 0 for r in train)
+    assert len(train) == 2
     # step 1 sampled from the initial student: recompute both log-probs here
     student = AutoModelForCausalLM.from_pretrained(
         resolve_model_path("tiny", 0), dtype=torch.float32
@@ -127,10 +158,14 @@ def test_distillation_advantage_is_teacher_minus_student(ray_session, tmp_path):
         .splitlines()
     ]
     assert len(rows) == 8
+    gaps = []
     for row in rows:
         s = _response_log_probs(student, row["prompt_ids"], row["response_ids"])
         q = _response_log_probs(teacher_model, row["prompt_ids"], row["response_ids"])
         assert row["advantage"] == pytest.approx(float((q - s).mean()), abs=1e-4)
+        gaps.extend((s - q).tolist())
+    # the logged reverse KL: log pi - log q averaged over the step's response tokens
+    assert train[0]["distill/reverse_kl"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-5)
 
 
 def test_distillation_refuses_another_tokenizer_before_ray(tmp_path):
@@ -189,27 +224,89 @@ def test_judge_scores_reach_the_trainer(ray_session, tmp_path):
         here.close()
 
 
+def _prime_reference(rows, rm, ref, prime):
+    """PRIME written out per sample and token (the library's is vectorised): implicit
+    rewards r_t = beta (log pi_rm - log pi_ref), the RLOO baselines of the process and the
+    outcome rewards within each prompt, the reward-to-go, whitening over the step's tokens.
+    Returns (each sample's mean advantage, its token rewards, its label)."""
+    rewards = [
+        (
+            prime.beta
+            * (
+                _response_log_probs(rm, r["prompt_ids"], r["response_ids"]).double()
+                - _response_log_probs(ref, r["prompt_ids"], r["response_ids"]).double()
+            )
+        ).tolist()
+        for r in rows
+    ]
+    assert all(all(m == 1 for m in r["response_mask"]) for r in rows)  # single-turn
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(r["prompt_index"], []).append(i)
+    advantages = []
+    for i, r in enumerate(rows):
+        others = [j for j in groups[r["prompt_index"]] if j != i]
+        baseline = sum(sum(rewards[j]) / len(rewards[j]) for j in others) / len(others)
+        outcome = r["score"] - sum(rows[j]["score"] for j in others) / len(others)
+        to_go = [sum(x - baseline for x in rewards[i][t:]) for t in range(len(rewards[i]))]
+        advantages.append([prime.process_coef * g + prime.outcome_coef * outcome for g in to_go])
+    tokens = [a for adv in advantages for a in adv]
+    mean = sum(tokens) / len(tokens)
+    std = math.sqrt(sum((a - mean) ** 2 for a in tokens) / (len(tokens) - 1) + 1e-8)
+    means = [sum((a - mean) / std for a in adv) / len(adv) for adv in advantages]
+    labels = [float(r["score"] >= prime.label_threshold) for r in rows]
+    return means, rewards, labels
+
+
 @pytest.mark.multiproc
-def test_prime_trains_its_reward_model_online(ray_session, tmp_path):
+def test_prime_advantages_and_reward_model_loss_are_the_formula(ray_session, tmp_path):
+    run_dir = tmp_path / "prime"
     cfg = _smoke(
         tmp_path,
         "algorithm.prime.enabled=true",
-        "trainer.save_final=true",
-        f"trainer.run_dir={tmp_path / 'prime'}",
+        "trainer.save_every=1",
+        "trainer.dump_generations=1",
+        # one micro-batch: the logged rm_loss is then the batch's mean cross-entropy
+        "actor.micro_batch.max_tokens_per_microbatch=4096",
+        f"trainer.run_dir={run_dir}",
     )
     run(cfg)
-    first, second = _train_records(tmp_path / "prime")
-    # step 1: the reward model is the policy's copy, as is the reference: every implicit
-    # reward beta * (log pi_rm - log pi_ref) is exactly 0, and its zero logit predicts
-    # "wrong" for every sample
+    first, second = _train_records(run_dir)
+    prime = cfg.algorithm.prime
+    assert cfg.rollout.temperature == 1.0  # the engines' log-probs are unscaled, as here
+    # the reference and step 1's reward model are the initial policy; step 2's reward model
+    # is the one step 1 trained, exported from the step-1 checkpoint
+    initial = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path("tiny", 0), dtype=torch.float32
+    )
+    export_checkpoint(run_dir / "checkpoints" / "step_1", tmp_path / "rm1", role="prime_rm")
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "rm1", dtype=torch.float32)
+    for step, record, rm in ((1, first, initial), (2, second, trained)):
+        rows = _dumped(run_dir, step)
+        means, rewards, labels = _prime_reference(rows, rm, initial, prime)
+        for row, want in zip(rows, means, strict=True):
+            assert row["advantage"] == pytest.approx(want, abs=1e-4), step
+        sequence = [sum(r) for r in rewards]
+        tokens = [x for r in rewards for x in r]
+        assert record["prime/implicit_reward_token_mean"] == pytest.approx(
+            sum(tokens) / len(tokens), abs=1e-6
+        )
+        assert record["prime/label_mean"] == pytest.approx(sum(labels) / len(labels))
+        assert record["prime/rm_acc_before"] == pytest.approx(
+            sum((s > 0) == (lab > 0.5) for s, lab in zip(sequence, labels)) / len(labels)
+        )
+        # the reward model's loss, before its update: binary cross-entropy of the sequence
+        # implicit reward (a logit) against the label, averaged over samples
+        bce = [
+            -(lab * math.log(1 / (1 + math.exp(-s))) + (1 - lab) * math.log(1 / (1 + math.exp(s))))
+            for s, lab in zip(sequence, labels)
+        ]
+        assert record["prime/rm_loss"] == pytest.approx(sum(bce) / len(bce), abs=1e-5), step
+    # step 1: every implicit reward is exactly 0 (both models are the initial policy), so
+    # the loss is log 2; step 2's rewards come from the trained reward model
     assert first["prime/implicit_reward_token_mean"] == 0.0
-    assert first["prime/rm_acc_before"] == pytest.approx(1.0 - first["prime/label_mean"])
-    # the reward model trained on step 1's labels, so step 2's implicit rewards moved
-    for r in (first, second):
-        assert math.isfinite(r["prime/rm_loss"]) and r["prime/grad_norm"] > 0
-    assert second["prime/implicit_reward_token_mean"] != 0.0
-    # the reward model is part of the checkpoint
-    assert any((tmp_path / "prime" / "checkpoints").glob("*/prime_rm"))
+    assert first["prime/rm_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert second["prime/implicit_reward_token_mean"] != pytest.approx(0.0, abs=1e-6)
 
 
 def _sequence_log_prob(model, prompt_ids, response_ids):

@@ -30,7 +30,7 @@ def test_assistant_mask_covers_exactly_the_assistant_turns():
 
 
 @pytest.mark.multiproc
-def test_sft_lowers_loss_and_export_loads(tmp_path):
+def test_sft_lowers_loss_and_export_loads(tmp_path, reference_lrs):
     import ray
 
     from tephra.controller.worker_group import ray_init
@@ -52,25 +52,19 @@ def test_sft_lowers_loss_and_export_loads(tmp_path):
                 for b in range(4)
             )
         )
-        summary = run(
-            parse_config(
-                [
-                    "-p",
-                    "smoke",
-                    f"data.train_files=[{convs}]",
-                    "policy.scheduler.name=cosine",
-                    "policy.scheduler.total_steps=8",
-                    f"train.run_dir={tmp_path / 'sft'}",
-                ]
-            )
-        )
-        # resume: 4 steps, a checkpoint, then the same command to 8 steps continues from it
-        split = [
+        common = [
             "-p",
             "smoke",
             f"data.train_files=[{convs}]",
             "policy.scheduler.name=cosine",
             "policy.scheduler.total_steps=8",
+            "policy.scheduler.min_lr_ratio=0.1",
+        ]
+        cfg = parse_config([*common, f"train.run_dir={tmp_path / 'sft'}"])
+        summary = run(cfg)
+        # resume: 4 steps, a checkpoint, then the same command to 8 steps continues from it
+        split = [
+            *common,
             "train.save_every=4",
             "train.export_hf=false",
             f"train.run_dir={tmp_path / 'split'}",
@@ -92,8 +86,10 @@ def test_sft_lowers_loss_and_export_loads(tmp_path):
     assert [r["step"] for r in parts] == list(range(1, 9))
     assert full == parts  # bitwise: the resumed run trains exactly as the uninterrupted one
     assert resumed["loss_after"] == summary["loss_after"]
-    lrs = [r["lr"] for r in full]
-    assert lrs[0] > lrs[-1]  # the cosine schedule reached the engine
+    # the schedule reached the engine: step k logs the lr after its scheduler step, the lr of
+    # step k + 1 by transformers' cosine_with_min_lr
+    want = reference_lrs(cfg.policy.scheduler, cfg.policy.optimizer.lr, 9)[1:]
+    assert [r["lr"] for r in full] == pytest.approx(want, rel=1e-9)
     assert summary["loss_after"] < 0.7 * summary["loss_before"], summary
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

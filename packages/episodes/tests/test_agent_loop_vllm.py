@@ -22,7 +22,7 @@ from tephra.episodes.registry import EPISODES
 from tephra.episodes.rewards import RewardInput
 from tephra.episodes.rewards.judge import JUDGE_PARSERS, GenerativeJudge, JudgeConfig
 from tephra.episodes.tools import PythonTool
-from tephra.rollout import RolloutConfig, SamplingParams, ServerSettings, get_rollout
+from tephra.rollout import RolloutConfig, SamplingParams, ServerLaunch, ServerSettings, get_rollout
 from tephra.rollout.testing import ScriptedRollout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
@@ -108,7 +108,7 @@ def test_judge_on_the_vllm_server_writes_the_hf_judgements(rollouts, tiny_tied_m
     )
     hf_judge = GenerativeJudge(JudgeConfig(**common))
     served = JudgeConfig(
-        **common, backend="vllm", vllm=ServerSettings(url=vllm.urls[0], request_timeout_s=120)
+        **common, backend="vllm", vllm=ServerLaunch(url=vllm.urls[0], request_timeout_s=120)
     )
     vllm_judge = GenerativeJudge(served)
     try:
@@ -121,7 +121,7 @@ def test_judge_on_the_vllm_server_writes_the_hf_judgements(rollouts, tiny_tied_m
             JudgeConfig(
                 **{**common, "fallback_score": -1.0, "timeout_s": 1e-4},
                 backend="vllm",
-                vllm=ServerSettings(url=vllm.urls[0]),
+                vllm=ServerLaunch(url=vllm.urls[0]),
             )
         )
         try:

@@ -128,7 +128,11 @@ def test_a_real_tiny_judge_model_through_the_hf_backend(tmp_path):
         ({"data_sources": []}, r"data_sources=\[\] judges nothing"),
         ({"backend": "vlm"}, r"reward\.judge\.backend='vlm' is not a registered .* 'vllm'"),
         ({"backend": "sglang"}, r"backend='sglang': the judge has settings for the hf and vllm"),
-        ({"backend": "vllm", "vllm": {"sleep_level": 1}}, r"reward\.judge\.vllm\.sleep_level=1"),
+        # the judge's server never receives weights: no weight-update or sleep settings
+        (
+            {"backend": "vllm", "vllm": {"sleep_level": 1, "weight_sync": "disk"}},
+            r"reward\.judge\.vllm: unknown fields \['sleep_level', 'weight_sync'\]",
+        ),
         ({"dtype": "fp8"}, r"reward\.judge\.dtype='fp8' is not allowed"),
     ],
 )

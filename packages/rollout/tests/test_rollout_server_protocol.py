@@ -4,6 +4,7 @@ their APIs document it), the weights folder, and process failures (with stand-in
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import sys
 import time
@@ -14,7 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
+from tephra.rollout import (
+    RolloutConfig,
+    RolloutError,
+    SamplingParams,
+    ServerLaunch,
+    ServerSettings,
+    get_rollout,
+)
 from tephra.rollout.backends import SglangProtocol, VllmProtocol
 from tephra.rollout.backends.server_client import image_payload, merge_env
 from tephra.rollout.backends.server_process import ServerProcess
@@ -385,6 +393,10 @@ def test_server_settings_reach_the_command_line_and_the_transfer_requests():
     assert "--enable-memory-saver" in text and "--enable-weights-cpu-backup" in text
     text = " ".join(sglang.launch_command("py", "m", "h", 9, config, ServerSettings(sleep_level=2)))
     assert "--enable-memory-saver" in text and "--enable-weights-cpu-backup" not in text
+    # enforce_eager (on by default) is SGLang's --disable-cuda-graph; off lets it capture graphs
+    assert "--disable-cuda-graph" in text
+    eager_off = ServerSettings(enforce_eager=False)
+    assert "--disable-cuda-graph" not in sglang.launch_command("py", "m", "h", 9, config, eager_off)
     assert sglang.transfer_init_request("nccl", "h", 7, 2)[1] == {
         "master_address": "h",
         "master_port": 7,
@@ -473,3 +485,15 @@ def test_bad_server_settings_name_the_field(field, value, message):
 
     with pytest.raises(ConfigError, match=message):
         ServerSettings(**{field: value})
+
+
+def test_a_launch_without_weight_updates_keeps_every_launch_field():
+    """The judge's server settings (`ServerLaunch`) reach the rollout as `ServerSettings`
+    with each launch field as given."""
+    launch = ServerLaunch(
+        url="http://127.0.0.1:9", enforce_eager=False, extra_args=["--x"], max_in_flight=3
+    )
+    settings = ServerSettings.of_launch(launch)
+    assert {f.name: getattr(settings, f.name) for f in dataclasses.fields(ServerLaunch)} == {
+        f.name: getattr(launch, f.name) for f in dataclasses.fields(ServerLaunch)
+    }

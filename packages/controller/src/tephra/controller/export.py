@@ -1,6 +1,7 @@
 """Turn any saved checkpoint of a run into a Hugging Face folder, after the fact.
 
     uv run python -m tephra.controller.export runs/ppo/checkpoints/step_20 out/hf [--role critic]
+    (roles: actor, critic, prime_rm)
     uv run python -m tephra.controller.export runs/ppo/checkpoints/step_20 out/lora --adapter
 
 The checkpoint's run folder holds the run's `config.yaml`; the engine named there is built on
@@ -34,18 +35,22 @@ from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.registry import get_engine, get_engine_class
 from tephra.engine_api.testing.distributed import run_distributed
 
+ROLES = ("actor", "critic", "prime_rm")
+"""The engines a checkpoint may hold (`prime_rm`: PRIME's implicit reward model)."""
+
 
 def _export_rank(
     cfg, model_path: str, role: str, checkpoint: str, out: str, adapter: bool = False
 ) -> str:
     """One rank: build the role's engine as the run did, load the checkpoint, export."""
     torch.set_num_threads(1)
-    section = cfg.actor if role == "actor" else cfg.critic
+    # PRIME's reward model is built as the actor is (a policy initialised from it)
+    section = cfg.critic if role == "critic" else cfg.actor
     model = replace(cfg.model, path=model_path, init_seed=cfg.trainer.seed)
     engine = get_engine(
         section.engine,
         section.engine_config(
-            model, "policy" if role == "actor" else "value", 1.0, cfg.trainer.seed, device="cpu"
+            model, "value" if role == "critic" else "policy", 1.0, cfg.trainer.seed, device="cpu"
         ),
     )
     engine.load_checkpoint(Path(checkpoint) / role)
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("checkpoint", help="a step_<N> folder under a run's checkpoints/")
     parser.add_argument("out", help="the Hugging Face folder to write")
-    parser.add_argument("--role", default="actor", choices=["actor", "critic"])
+    parser.add_argument("--role", default="actor", choices=list(ROLES))
     parser.add_argument(
         "--adapter",
         action="store_true",

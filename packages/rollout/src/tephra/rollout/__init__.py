@@ -8,6 +8,7 @@ from tephra.rollout.base import (
     RolloutOutput,
     SamplingParams,
     ServerDiedError,
+    ServerLaunch,
     ServerSettings,
 )
 from tephra.rollout.registry import ROLLOUT_BACKENDS, get_rollout
@@ -23,6 +24,7 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "ServerDiedError",
+    "ServerLaunch",
     "ServerSettings",
     "get_rollout",
     "to_batch",

@@ -173,8 +173,9 @@ def is_loopback(host: str) -> bool:
 
 
 @dataclass
-class ServerSettings:
-    """Settings of a server backend (`vllm`, `sglang`): start a server or connect to one."""
+class ServerLaunch:
+    """How a server (`vllm`, `sglang`) is started or reached: what a server that never
+    receives weights needs (the LLM judge's); `ServerSettings` adds the weight updates."""
 
     python: str | None = None
     """Python executable of the environment the server runs in (its own virtualenv). None:
@@ -206,20 +207,13 @@ class ServerSettings:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the server process (override the CPU defaults)."""
     enforce_eager: bool = True
-    """vLLM: skip torch.compile / CUDA graphs (start-up 30-75 s instead of 100-200 s on CPU)."""
+    """Skip compilation and CUDA graphs: vLLM `--enforce-eager` (start-up 30-75 s instead of
+    100-200 s on CPU), SGLang `--disable-cuda-graph` (it compiles only on request)."""
     weights_dir: str | None = None
     """Folder shared with the server where `update_weights` writes safetensors (and where an
     untied copy of a tied model is served from). None: a temporary folder (same machine)."""
     log_path: str | None = None
     """File the started server's stdout/stderr go to. None: `server.log` in `weights_dir`."""
-    weight_sync: str = "memory"
-    """How `update_weights` reaches the server: `memory` (the server's weight-transfer API:
-    buckets broadcast over a private process group, gloo on CPU / NCCL on GPU; nothing touches
-    the disk) or `disk` (safetensors written under `weights_dir` and reloaded; a fallback for
-    servers started without tephra's transfer plugin, with a warning)."""
-    weight_bucket_mb: float = 256.0
-    """Largest bucket of a `memory` update in MiB (a larger single tensor travels alone): bounds
-    the extra memory an update holds on both sides; more buckets cost more round trips."""
     tensor_parallel_size: int = 1
     """Tensor-parallel size of each server (vLLM `--tensor-parallel-size`, SGLang `--tp-size`)."""
     data_parallel_size: int = 1
@@ -229,36 +223,8 @@ class ServerSettings:
     """Fraction of GPU memory the server may take (vLLM `--gpu-memory-utilization`, SGLang
     `--mem-fraction-static`); None: the server's default. Ignored by CPU builds (vLLM CPU sizes
     its KV cache by `VLLM_CPU_KVCACHE_SPACE` in `env`)."""
-    weight_transport: str = "auto"
-    """How a `memory` update's buckets reach the server: `gloo` (a broadcast through host
-    memory), `nccl` (a GPU broadcast, between different GPUs), `ipc` (CUDA IPC handles of the
-    sender's buckets, for a server on the sender's own GPU, where NCCL cannot run) or `auto`
-    (the default, because the right one follows from where the server runs: gloo on CPU,
-    ipc for a server this process starts on its GPU, nccl for a server at `url`). Refused
-    where it cannot work, at config load (`tephra.rollout.weight_transport`)."""
-    sleep_level: int = 0
-    """Whether and how deeply the server sleeps while the engine trains: 0 (default: no
-    sleep mode, because vLLM's CPU build refuses it), 1 (weights moved to host memory, KV
-    cache dropped) or 2 (both dropped; the next update resends every weight, which tephra's
-    full syncs always do). Level 1 keeps a host copy of the weights (their size in host
-    memory); level 2 frees the most GPU memory. Starts vLLM with `--enable-sleep-mode`,
-    SGLang with `--enable-memory-saver`. A sync wakes the weights, loads, then wakes the KV
-    cache, so the two are never both allocated beside the sender's buckets."""
 
     def __post_init__(self) -> None:
-        if self.weight_sync not in ("memory", "disk"):
-            raise ConfigError(
-                f"weight_sync={self.weight_sync!r}: expected 'memory' (the server's "
-                "weight-transfer API) or 'disk' (safetensors reload)"
-            )
-        check_transport_name("weight_transport", self.weight_transport)
-        if self.sleep_level not in (0, 1, 2):
-            raise ConfigError(
-                f"sleep_level={self.sleep_level!r}: choose 0 (no sleep), 1 "
-                "(weights to host memory, KV cache dropped) or 2 (both dropped)"
-            )
-        if self.weight_bucket_mb <= 0:
-            raise ConfigError(f"weight_bucket_mb={self.weight_bucket_mb!r} must be > 0")
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
             raise ConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size!r} and "
@@ -290,6 +256,58 @@ class ServerSettings:
             )
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("api_key is empty: set a key, `auto`, or null (loopback only)")
+
+
+@dataclass
+class ServerSettings(ServerLaunch):
+    """Settings of a rollout server backend (`vllm`, `sglang`): how it starts, and how the
+    trainer's weights reach it and whether it sleeps while the engine trains."""
+
+    weight_sync: str = "memory"
+    """How `update_weights` reaches the server: `memory` (the server's weight-transfer API:
+    buckets broadcast over a private process group, gloo on CPU / NCCL on GPU; nothing touches
+    the disk) or `disk` (safetensors written under `weights_dir` and reloaded; a fallback for
+    servers started without tephra's transfer plugin, with a warning)."""
+    weight_bucket_mb: float = 256.0
+    """Largest bucket of a `memory` update in MiB (a larger single tensor travels alone): bounds
+    the extra memory an update holds on both sides; more buckets cost more round trips."""
+    weight_transport: str = "auto"
+    """How a `memory` update's buckets reach the server: `gloo` (a broadcast through host
+    memory), `nccl` (a GPU broadcast, between different GPUs), `ipc` (CUDA IPC handles of the
+    sender's buckets, for a server on the sender's own GPU, where NCCL cannot run) or `auto`
+    (the default, because the right one follows from where the server runs: gloo on CPU,
+    ipc for a server this process starts on its GPU, nccl for a server at `url`). Refused
+    where it cannot work, at config load (`tephra.rollout.weight_transport`)."""
+    sleep_level: int = 0
+    """Whether and how deeply the server sleeps while the engine trains: 0 (default: no
+    sleep mode, because vLLM's CPU build refuses it), 1 (weights moved to host memory, KV
+    cache dropped) or 2 (both dropped; the next update resends every weight, which tephra's
+    full syncs always do). Level 1 keeps a host copy of the weights (their size in host
+    memory); level 2 frees the most GPU memory. Starts vLLM with `--enable-sleep-mode`,
+    SGLang with `--enable-memory-saver`. A sync wakes the weights, loads, then wakes the KV
+    cache, so the two are never both allocated beside the sender's buckets."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.weight_sync not in ("memory", "disk"):
+            raise ConfigError(
+                f"weight_sync={self.weight_sync!r}: expected 'memory' (the server's "
+                "weight-transfer API) or 'disk' (safetensors reload)"
+            )
+        check_transport_name("weight_transport", self.weight_transport)
+        if self.sleep_level not in (0, 1, 2):
+            raise ConfigError(
+                f"sleep_level={self.sleep_level!r}: choose 0 (no sleep), 1 "
+                "(weights to host memory, KV cache dropped) or 2 (both dropped)"
+            )
+        if self.weight_bucket_mb <= 0:
+            raise ConfigError(f"weight_bucket_mb={self.weight_bucket_mb!r} must be > 0")
+
+    @classmethod
+    def of_launch(cls, launch: ServerLaunch) -> ServerSettings:
+        """The settings of a server that never receives weights (a judge's): `launch`'s
+        fields, the weight-update ones at their defaults (never used)."""
+        return cls(**{f.name: getattr(launch, f.name) for f in dataclasses.fields(ServerLaunch)})
 
 
 @dataclass

@@ -18,7 +18,7 @@ import re
 import string
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tephra.core.errors import ConfigError
@@ -28,6 +28,7 @@ from tephra.rollout import (
     ROLLOUT_BACKENDS,
     RolloutConfig,
     SamplingParams,
+    ServerLaunch,
     ServerSettings,
     get_rollout,
 )
@@ -98,9 +99,10 @@ class JudgeConfig:
     dtype: str = "float32"
     """The judge's generation dtype (`float32`, `bfloat16`, `float16`): float32 keeps greedy
     judgements equal across backends on CPU; bfloat16 halves a GPU judge's memory."""
-    vllm: ServerSettings = field(default_factory=ServerSettings)
+    vllm: ServerLaunch = field(default_factory=ServerLaunch)
     """The judge's vLLM server (backend `vllm`): `url` to use a running one, else `python`
-    (the vLLM environment), `startup_timeout_s`, ... as `rollout.vllm`."""
+    (the vLLM environment), `startup_timeout_s`, ... as `rollout.vllm`, less the weight-update
+    and sleep settings (the judge's weights never change)."""
     prompt_template: str = DEFAULT_TEMPLATE
     """str.format template of the judge's prompt; fields {prompt}, {response},
     {ground_truth}, {data_source}; must hold {response}."""
@@ -150,18 +152,26 @@ class JudgeConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.vllm, dict):  # YAML gives dicts
-            self.vllm = ServerSettings(**self.vllm)
+            known = {f.name for f in fields(ServerLaunch)}
+            unknown = sorted(set(self.vllm) - known)
+            if unknown:
+                raise ConfigError(
+                    f"reward.judge.vllm: unknown fields {unknown}; the judge's weights never "
+                    "change, so its server takes no weight-update or sleep settings (valid: "
+                    f"{sorted(known)})"
+                )
+            self.vllm = ServerLaunch(**self.vllm)
         check_registered("reward.judge.backend", self.backend, ROLLOUT_BACKENDS)
         protocol = getattr(ROLLOUT_BACKENDS.get(self.backend), "protocol_class", None)
         if protocol is not None:
             settings = getattr(self, self.backend, None)
-            if not isinstance(settings, ServerSettings):
+            if not isinstance(settings, ServerLaunch):
                 raise ConfigError(
                     f"reward.judge.backend={self.backend!r}: the judge has settings for the "
                     "hf and vllm backends only; choose one of them"
                 )
             try:
-                protocol().check_settings(settings)
+                protocol().check_settings(ServerSettings.of_launch(settings))
             except ConfigError as exc:
                 raise ConfigError(f"reward.judge.{exc}") from None
         if self.dtype not in DTYPES:
@@ -262,7 +272,7 @@ class GenerativeJudge:
                 model_path=cfg.model_path,
                 dtype=cfg.dtype,
                 max_model_len=cfg.max_model_len,
-                vllm=cfg.vllm,
+                vllm=ServerSettings.of_launch(cfg.vllm),
             ),
         )
         eos = self._tokenizer.eos_token_id

@@ -69,6 +69,8 @@ class SglangProtocol(ServerProtocol):
             str(settings.tensor_parallel_size),
             "--dp-size",
             str(settings.data_parallel_size),
+            # SGLang compiles only with --enable-torch-compile: eager means no CUDA graphs
+            *(["--disable-cuda-graph"] if settings.enforce_eager else []),
             *(
                 ["--mem-fraction-static", str(settings.gpu_memory_utilization)]
                 if settings.gpu_memory_utilization is not None
