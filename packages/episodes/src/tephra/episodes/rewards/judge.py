@@ -150,8 +150,10 @@ class JudgeConfig:
         w = self.source_weights.get(data_source)
         return (self.rule_weight, self.judge_weight) if w is None else (float(w[0]), float(w[1]))
 
-    def __post_init__(self) -> None:
-        if isinstance(self.vllm, dict):  # YAML gives dicts
+    def _check_server(self) -> None:
+        """`reward.judge.vllm` as a `ServerLaunch` (YAML gives a dict), and the backend's own
+        check of its settings."""
+        if isinstance(self.vllm, dict):
             known = {f.name for f in fields(ServerLaunch)}
             unknown = sorted(set(self.vllm) - known)
             if unknown:
@@ -174,6 +176,9 @@ class JudgeConfig:
                 protocol().check_settings(ServerSettings.of_launch(settings))
             except ConfigError as exc:
                 raise ConfigError(f"reward.judge.{exc}") from None
+
+    def __post_init__(self) -> None:
+        self._check_server()
         if self.dtype not in DTYPES:
             raise ConfigError(
                 f"reward.judge.dtype={self.dtype!r} is not allowed; choose one of {list(DTYPES)}"
