@@ -29,7 +29,9 @@ import torch.distributed as dist
 from ray._private import ray_constants
 from ray._private.services import canonicalize_bootstrap_address
 from ray._private.utils import get_num_cpus
-from ray.exceptions import OutOfMemoryError
+from ray._raylet import Config as RayConfig
+from ray._raylet import GcsClient
+from ray.exceptions import AuthenticationError, OutOfMemoryError
 from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -95,6 +97,10 @@ def ray_init(
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     if address not in (None, "auto", "local"):
         check_reachable(address)
+    if address is not None:
+        join_with_token()
+    if address not in (None, "auto", "local") and not address.startswith("ray://"):
+        check_token(address)
     # transformers' per-rank "Loading weights" bars would interleave in the console on every
     # build; HF_HUB_DISABLE_PROGRESS_BARS=0 in the driver's environment brings them back
     env = {
@@ -117,6 +123,18 @@ def ray_init(
         )
 
 
+def join_with_token() -> None:
+    """Joining a cluster with a token in the environment (RAY_AUTH_TOKEN or
+    RAY_AUTH_TOKEN_PATH, as the cluster scripts set it) turns Ray's token mode on in this
+    process, unless RAY_AUTH_MODE says otherwise: Ray reads the mode when it is imported, so a
+    token exported later, or a process that imported Ray first, would otherwise connect
+    without it and be refused."""
+    has_token = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if has_token and os.environ.get("RAY_AUTH_MODE", "token") == "token":
+        os.environ["RAY_AUTH_MODE"] = "token"
+        RayConfig.initialize("")  # what Ray does when it turns the mode on itself
+
+
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Refuse a Ray address nothing answers on: `ray.init` would retry it for minutes."""
     host_port = address.split("://", 1)[-1].rstrip("/")
@@ -134,6 +152,21 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
             "cluster (`ray start --head` on that node) and check host and port, or set "
             "resources.ray_address=null for a local session"
         ) from None
+
+
+def check_token(address: str) -> None:
+    """Refuse at once a cluster that refuses this process's token: `ray.init` would retry
+    for about 2 minutes (measured) and end in a ConnectionError that does not say why."""
+    try:
+        GcsClient(address=address)
+    except AuthenticationError:
+        raise ConfigError(
+            f"resources.ray_address={address!r}: the Ray cluster refused this process's token "
+            "(or it has none); export the RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) its nodes "
+            "were started with (scripts/cluster/ray-head.sh), before starting the trainer"
+        ) from None
+    except Exception:  # noqa: BLE001  (anything else: ray.init reports it as it does)
+        pass
 
 
 def find_local_cluster() -> str:
