@@ -1,6 +1,6 @@
 """The imports of every module in the repository's packages and apps (read with `ast`, those
 under `TYPE_CHECKING` and inside functions included) form no circle, and every import between
-packages follows ARCHITECTURE's dependency direction (nothing points back up)."""
+packages follows the workspace's dependency direction (nothing points back up)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# ARCHITECTURE.md, "Dependency direction": the tephra packages each may import (the closure
-# is taken below: engine-api brings core, so rollout may import core). Two arrows are the
-# packages' own declared dependencies beyond the drawing: kernels -> core (its error root and
-# registry) and rollout -> kernels (the hf backend's CPU linear layer).
+# The dependency direction: the tephra packages each may import (the closure is taken below:
+# engine-api brings core, so rollout may import core), as each package's pyproject declares
+# them: kernels -> core (its error root and registry) and rollout -> kernels (the hf backend's
+# CPU linear layer) among them.
 ALLOWED = {
     "core": set(),
     "algos": {"core"},
@@ -122,7 +122,7 @@ def package_of(module: str) -> str:
 
 
 def wrong_way(graph: dict[str, set[str]]) -> list[str]:
-    """Imports between packages that ARCHITECTURE's direction does not allow."""
+    """Imports between packages that the dependency direction does not allow."""
     allowed = closure(ALLOWED)
     bad = []
     for module, deps in sorted(graph.items()):
@@ -152,7 +152,7 @@ def test_no_import_circle_in_the_repository():
 
 def test_imports_follow_the_dependency_direction():
     bad = wrong_way(graph_of(ROOT))
-    assert not bad, "imports against ARCHITECTURE's dependency direction:\n" + "\n".join(bad)
+    assert not bad, "imports against the dependency direction:\n" + "\n".join(bad)
 
 
 def test_the_allowed_arrows_are_the_packages_declared_dependencies():
