@@ -384,6 +384,7 @@ class Trainer:
         """One RL step, its stages in order; the recipes' hooks run at the stages
         `tephra.controller.recipes.base` names."""
         timer = StepTimer()
+        self.reward_seconds = 0.0  # set where this step's scores are collected
         rounds = self.take_batch()
         if self.ahead.wanted(self.step):  # before the update: this step's weights sample it
             self.ahead.start(self)
