@@ -257,6 +257,18 @@ class Trainer:
         check_not_all_failed([s.reward_error for s in samples])
         return samples
 
+    def validate_and_log(self, trackers: Trackers, what: str, when: str) -> float:
+        """Validation before or after training: logged, printed with its time, returned."""
+        t = time.perf_counter()
+        acc, val_metrics = self.evaluate()
+        trackers.log({"accuracy/val": acc, **val_metrics}, self.step)
+        print(
+            f"held-out {what} {when} training: {acc:.3f} "
+            f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
+        return acc
+
     def evaluate(self) -> tuple[float, dict[str, float]]:
         """Validation on the held-out prompts (the same items every time): `trainer.val.n`
         samples each; returns acc@n and the `val/*` metrics (overall and per data source)."""
@@ -669,14 +681,7 @@ class Trainer:
         saved_at = self.step if resumed else None
         try:
             if cfg.val_before and not resumed:
-                t = time.perf_counter()
-                acc_before, val_metrics = self.evaluate()
-                trackers.log({"accuracy/val": acc_before, **val_metrics}, self.step)
-                print(
-                    f"held-out {what} before training: {acc_before:.3f} "
-                    f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)",
-                    flush=True,
-                )
+                acc_before = self.validate_and_log(trackers, what, "before")
             if cfg.progress_bar:
                 bar = tqdm(total=cfg.steps, initial=self.step, desc="steps", dynamic_ncols=True)
             while self.step < cfg.steps and not self.stop.requested:
@@ -717,14 +722,7 @@ class Trainer:
             self.checkpoints.save(self)
         acc_after = None
         if cfg.val_after:
-            t = time.perf_counter()
-            acc_after, val_metrics = self.evaluate()
-            trackers.log({"accuracy/val": acc_after, **val_metrics}, self.step)
-            print(
-                f"held-out {what} after training: {acc_after:.3f} "
-                f"({len(self.val.ids)} items, {time.perf_counter() - t:.0f} s)",
-                flush=True,
-            )
+            acc_after = self.validate_and_log(trackers, what, "after")
         trackers.close()
         if cfg.export_hf:
             self.wg.export_hf(str(self.run_dir / "hf"))
