@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tephra.controller.smollm2 import smollm2_folder
+from tephra.controller.data.smollm2 import smollm2_folder
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.testing import nll_loss_fn

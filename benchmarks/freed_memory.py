@@ -30,7 +30,7 @@ RESULTS = Path(__file__).parent / "results" / "freed_memory.json"
 def one_process(retain: bool, updates: int) -> dict:
     import torch
 
-    from tephra.controller.smollm2 import smollm2_folder
+    from tephra.controller.data.smollm2 import smollm2_folder
     from tephra.core import cpu_name, retain_freed_memory
     from tephra.engine_api.config import EngineConfig
     from tephra.engine_api.testing import nll_loss_fn

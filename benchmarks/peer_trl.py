@@ -5,7 +5,7 @@
     uv run python benchmarks/peer_trl.py --quick         # 1 run each, 2 steps, prints only
 
 Workload (the `uv run apps/ppo` demo): SmolLM2-135M-Instruct (the folder converted by
-`tephra.controller.smollm2.smollm2_folder()`), reasoning-gym basic_arithmetic, 4 prompts x 8
+`tephra.controller.data.smollm2.smollm2_folder()`), reasoning-gym basic_arithmetic, 4 prompts x 8
 samples x at most 32 new tokens per step, temperature 1, AdamW lr 3e-5 (no weight decay,
 grad clip 1, constant schedule), clip 0.2, no reference model / KL (beta 0), one optimizer
 step per RL step, per-sequence-then-token mean loss (TRL `loss_type="grpo"`), group-std
@@ -148,8 +148,8 @@ def run_tephra(steps: int, val_size: int, extra: list[str], seed: int) -> dict:
 def trl_records(steps: int, val_size: int, seed: int):
     """The training prompts in tephra's order for `steps` steps, and the held-out records."""
     from tephra.apps.ppo.main import parse_config
-    from tephra.controller.data import PromptLoader
-    from tephra.controller.ppo import prepare
+    from tephra.controller.data.prompts import PromptLoader
+    from tephra.controller.launch.ppo import prepare
 
     with tempfile.TemporaryDirectory() as tmp:
         p = prepare(parse_config(tephra_overrides(steps, val_size, tmp, [], seed)))
@@ -224,7 +224,7 @@ def run_trl(steps: int, val_size: int, seed: int) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from tephra.controller.rewarding import Scorer
+    from tephra.controller.step.scoring import Scorer
 
     torch.set_num_threads(THREADS)
     prepared, train, val = trl_records(steps, val_size, seed)
@@ -294,7 +294,7 @@ def greedy_accuracy(model, tok, records, scorer, batch: int = 32) -> float:
     """Greedy held-out accuracy (score >= 1), 32 new tokens, as tephra's validation."""
     import torch
 
-    from tephra.controller.rewarding import accuracy_of
+    from tephra.controller.step.scoring import accuracy_of
 
     model.eval()
     correct = 0

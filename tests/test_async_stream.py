@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tephra.controller import rollout_replicas
-from tephra.controller.async_stream import SampleStream
-from tephra.controller.data import PromptLoader
+from tephra.controller.data.prompts import PromptLoader
+from tephra.controller.loop.async_stream import SampleStream
 from tephra.controller.samples import Sample, ScoreResult
+from tephra.controller.workers import rollout_replicas
 from tephra.rollout.base import SamplingParams
 
 

@@ -70,7 +70,7 @@ def _parquet(tmp: Path, *rows: dict[str, Any], name: str = "train.parquet") -> P
 
 def _load_parquet(*rows: dict[str, Any]) -> Callable:
     def run(tmp, mp):
-        from tephra.controller.data import load_parquet
+        from tephra.controller.data.prompts import load_parquet
 
         load_parquet(_parquet(tmp, *rows))
 
@@ -78,7 +78,7 @@ def _load_parquet(*rows: dict[str, Any]) -> Callable:
 
 
 def _tiny_copy(tmp: Path, *remove: str) -> Path:
-    from tephra.controller.models import resolve_model_path
+    from tephra.controller.run.models import resolve_model_path
 
     folder = tmp / "model"
     shutil.copytree(resolve_model_path("tiny"), folder)
@@ -104,7 +104,7 @@ def _config(*overrides: str) -> Callable:
 
 
 def _prepare(tmp: Path, rows: list[dict], *overrides: str) -> Any:
-    from tephra.controller.ppo import prepare
+    from tephra.controller.launch.ppo import prepare
 
     data = _parquet(tmp, *rows)
     return prepare(
@@ -119,8 +119,8 @@ def _prepare(tmp: Path, rows: list[dict], *overrides: str) -> Any:
 
 def _score(tmp: Path, body: str, n: int = 2, **reward: Any) -> Skipped:
     """Score `n` responses with a custom reward file holding `body`; report its skips."""
-    from tephra.controller.data import PromptRecord
-    from tephra.controller.rewarding import Scorer
+    from tephra.controller.data.prompts import PromptRecord
+    from tephra.controller.step.scoring import Scorer
     from tephra.episodes.rewards import RewardConfig
 
     file = tmp / "reward.py"
@@ -147,7 +147,7 @@ def _tools(content: str) -> Callable:
 
 # ----- cases that need more than one line ---------------------------------------------------
 def jsonl_non_utf8(tmp, mp):
-    from tephra.controller.data import load_hf_dataset
+    from tephra.controller.data.prompts import load_hf_dataset
 
     path = tmp / "train.jsonl"
     path.write_bytes(
@@ -157,7 +157,7 @@ def jsonl_non_utf8(tmp, mp):
 
 
 def not_parquet(tmp, mp):
-    from tephra.controller.data import load_parquet
+    from tephra.controller.data.prompts import load_parquet
 
     (tmp / "train.parquet").write_text("prompt,answer\n1+1,2\n")
     load_parquet(tmp / "train.parquet")
@@ -167,14 +167,14 @@ def no_rows(tmp, mp):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tephra.controller.data import load_parquet
+    from tephra.controller.data.prompts import load_parquet
 
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp / "empty.parquet")
     load_parquet(tmp / "empty.parquet")
 
 
 def missing_data_file(tmp, mp):
-    from tephra.controller.data import load_parquet
+    from tephra.controller.data.prompts import load_parquet
 
     load_parquet(tmp / "nowhere.parquet")
 
@@ -193,27 +193,27 @@ def all_prompts_too_long(tmp, mp):
 
 
 def too_few_prompts(tmp, mp):
-    from tephra.controller.data import PromptLoader
+    from tephra.controller.data.prompts import PromptLoader
 
     PromptLoader(num_prompts=3, prompts_per_step=4, seed=0)
 
 
 def unknown_data_source(tmp, mp):
-    from tephra.controller.data import PromptRecord
-    from tephra.controller.rewarding import Scorer
+    from tephra.controller.data.prompts import PromptRecord
+    from tephra.controller.step.scoring import Scorer
 
     Scorer().score(["2"], [PromptRecord([{"role": "user", "content": "?"}], "gsm9k", "2")])
 
 
 def model_missing(tmp, mp):
-    from tephra.controller.models import resolve_model_path
+    from tephra.controller.run.models import resolve_model_path
 
     resolve_model_path(str(tmp / "no-such-model"))
 
 
 def model_without(*names: str) -> Callable:
     def run(tmp, mp):
-        from tephra.controller.models import resolve_model_path
+        from tephra.controller.run.models import resolve_model_path
 
         resolve_model_path(str(_tiny_copy(tmp, *names)))
 
@@ -221,7 +221,7 @@ def model_without(*names: str) -> Callable:
 
 
 def tokenizer_without_chat_template(tmp, mp):
-    from tephra.controller.models import load_tokenizer, resolve_model_path
+    from tephra.controller.run.models import load_tokenizer, resolve_model_path
 
     folder = _tiny_copy(tmp, "chat_template.jinja")
     config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -235,7 +235,7 @@ def reward(body: str, **reward_cfg: Any) -> Callable:
 
 
 def reward_fails_everywhere(tmp, mp):
-    from tephra.controller.rewarding import check_not_all_failed
+    from tephra.controller.step.scoring import check_not_all_failed
 
     skipped = _score(tmp, "def compute_score(**kw):\n    return {}['answer']\n")
     check_not_all_failed(skipped.text.splitlines())
@@ -249,7 +249,7 @@ def reward_file_without_function(tmp, mp):
 
 
 def missing_tools_file(tmp, mp):
-    from tephra.controller.ppo import resolve_tools_file
+    from tephra.controller.launch.ppo import resolve_tools_file
 
     resolve_tools_file(str(tmp / "tools.yaml"))
 
@@ -333,7 +333,7 @@ def nan_loss(tmp, mp):
 
 
 def disk_full_engine_write(tmp, mp):
-    from tephra.controller.checkpoints import CheckpointManager
+    from tephra.controller.run.checkpoints import CheckpointManager
 
     def write(folder: Path) -> None:  # the workers' engine save, cut short by a full disk
         (folder / "actor").mkdir()
@@ -344,14 +344,14 @@ def disk_full_engine_write(tmp, mp):
 
 
 def resume_from_not_a_checkpoint(tmp, mp):
-    from tephra.controller.checkpoints import CheckpointManager
+    from tephra.controller.run.checkpoints import CheckpointManager
 
     (tmp / "step_3").mkdir()
     CheckpointManager(tmp / "checkpoints").resolve("auto", str(tmp / "step_3"))
 
 
 def export_missing_checkpoint(tmp, mp):
-    from tephra.controller.export import export_checkpoint
+    from tephra.controller.launch.export import export_checkpoint
 
     export_checkpoint(tmp / "checkpoints" / "step_9", tmp / "out")
 
@@ -359,7 +359,7 @@ def export_missing_checkpoint(tmp, mp):
 def unreachable_ray(tmp, mp):
     import ray
 
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
@@ -371,7 +371,7 @@ def unreachable_ray(tmp, mp):
 
 
 def malformed_ray_address(tmp, mp):
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     ray_init("headnode")
 
@@ -435,7 +435,7 @@ def ray_auto_without_cluster(tmp, mp):
 
 
 def truncated_safetensors(tmp, mp):
-    from tephra.controller.models import resolve_model_path
+    from tephra.controller.run.models import resolve_model_path
 
     folder = _tiny_copy(tmp)
     weights = folder / "model.safetensors"
@@ -482,9 +482,9 @@ def kv_heads_vs_tensor(kv_heads: int) -> Callable:
 
 def _step_round(scores: list[float], n: int = 2):
     """A step's round of one prompt group with these scores (what the trainer checks)."""
-    from tephra.controller.data import PromptRecord
-    from tephra.controller.rounds import Round
+    from tephra.controller.data.prompts import PromptRecord
     from tephra.controller.samples import PromptItem, Sample
+    from tephra.controller.step.rounds import Round
 
     item = PromptItem(
         [1, 2], PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2"), "train-0"
@@ -494,8 +494,8 @@ def _step_round(scores: list[float], n: int = 2):
 
 
 def absurd_reward(tmp, mp):
-    from tephra.controller.data import PromptRecord
-    from tephra.controller.rewarding import Scorer, check_rewards
+    from tephra.controller.data.prompts import PromptRecord
+    from tephra.controller.step.scoring import Scorer, check_rewards
     from tephra.episodes.rewards import RewardConfig
 
     file = _file(tmp, "reward.py", "def compute_score(**kw):\n    return 1e308\n")
@@ -507,8 +507,8 @@ def absurd_reward(tmp, mp):
 
 
 def clipped_reward(tmp, mp):
-    from tephra.controller.data import PromptRecord
-    from tephra.controller.rewarding import Scorer, check_rewards
+    from tephra.controller.data.prompts import PromptRecord
+    from tephra.controller.step.scoring import Scorer, check_rewards
     from tephra.episodes.rewards import RewardConfig
 
     file = _file(
@@ -529,8 +529,8 @@ def nan_advantages(tmp, mp):
     import torch
 
     from tephra.algos import AdvantageConfig, compute_advantages
-    from tephra.controller.rewarding import check_advantages, check_rewards
-    from tephra.controller.step_rewards import outcome_token_rewards
+    from tephra.controller.step.advantages import outcome_token_rewards
+    from tephra.controller.step.scoring import check_advantages, check_rewards
 
     rnd = _step_round([1e308, -1e308])
     check_rewards(rnd.scores, rnd.kept_names(), max_abs=1e308)
@@ -1066,8 +1066,8 @@ def _ray_wrapped_enospc(folder: Path) -> OSError:
 
 @pytest.mark.parametrize("where", ["driver manifest", "worker via Ray"])
 def test_disk_full_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch, where):
-    from tephra.controller import checkpoints
-    from tephra.controller.checkpoints import CheckpointManager
+    from tephra.controller.run import checkpoints
+    from tephra.controller.run.checkpoints import CheckpointManager
 
     manager = CheckpointManager(tmp_path / "run" / "checkpoints", keep_last=2)
 
@@ -1123,8 +1123,8 @@ def test_reward_that_never_returns_does_not_hang_training(tmp_path, caplog):
     import math
     import threading
 
-    from tephra.controller.data import PromptRecord
-    from tephra.controller.rewarding import Scorer
+    from tephra.controller.data.prompts import PromptRecord
+    from tephra.controller.step.scoring import Scorer
     from tephra.episodes.rewards import RewardConfig
 
     reward = _file(tmp_path, "reward.py", NEVER_RETURNS)
@@ -1201,10 +1201,10 @@ class CharTokenizer:
 
 
 def _trainer(tmp_path, outcomes, *overrides):
-    from tephra.controller.data import PromptRecord
-    from tephra.controller.flops import ModelShape
-    from tephra.controller.rl_loop import Trainer
-    from tephra.controller.rounds import Prompts
+    from tephra.controller.data.prompts import PromptRecord
+    from tephra.controller.loop.trainer import Trainer
+    from tephra.controller.run.flops import ModelShape
+    from tephra.controller.step.rounds import Prompts
 
     reward = _file(tmp_path, "reward.py", "def compute_score(**kw):\n    return 0.0\n")
     # no mismatch probe: these workers compute no log-probs (nothing here is about them)
@@ -1224,7 +1224,7 @@ def _trainer(tmp_path, outcomes, *overrides):
 
 
 def test_trainer_stops_on_an_absurd_reward_before_the_update(tmp_path):
-    from tephra.controller.rewarding import RewardRangeError
+    from tephra.controller.step.scoring import RewardRangeError
 
     # the step's 2 x 4 samples: the sixth (group 1, sample 1) scored 1e308
     trainer, wg = _trainer(
@@ -1242,7 +1242,7 @@ def test_trainer_stops_on_an_absurd_reward_before_the_update(tmp_path):
 
 
 def test_trainer_stops_on_non_finite_advantages_before_the_update(tmp_path):
-    from tephra.controller.rewarding import RewardRangeError
+    from tephra.controller.step.scoring import RewardRangeError
 
     # a raised max_abs lets 1e308 through; in float32 it is inf, and GRPO's mean is NaN
     trainer, wg = _trainer(

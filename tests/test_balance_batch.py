@@ -1,4 +1,4 @@
-"""Token-balanced data-parallel split (`tephra.controller.balance`).
+"""Token-balanced data-parallel split (`tephra.controller.step.balance`).
 
 A long-tail batch (most responses a few tokens, a few near 60) split by row counts leaves one
 rank with most of the tokens; the Karmarkar-Karp order brings the ratio of the busiest
@@ -15,8 +15,8 @@ import torch
 
 from tephra.algos import ActorObjective
 from tephra.algos.config import ActorObjectiveConfig
-from tephra.controller.balance import balanced_order, karmarkar_karp, max_over_min
-from tephra.controller.batch_order import BatchOrder
+from tephra.controller.step.balance import balanced_order, karmarkar_karp, max_over_min
+from tephra.controller.step.batch_order import BatchOrder
 from tephra.engine_api import batch as B
 from tephra.engine_api.testing import run_distributed
 from tephra.engine_fsdp import FSDPEngine

@@ -462,8 +462,8 @@ def test_partial_rollout_is_accepted_with_every_built_in_backend(backend):
     ],
 )
 def test_the_weight_path_follows_the_placement(overrides, line, monkeypatch):
-    from tephra.controller import worker_group
-    from tephra.controller.rl_checks import weight_path
+    from tephra.controller.cluster import worker_group
+    from tephra.controller.launch.preflight import weight_path
 
     # the GPU layouts are faked: a machine with 4 GPUs passes the resource check
     monkeypatch.setattr(worker_group, "machine_capacity", lambda num_cpus: (2.0, 4))

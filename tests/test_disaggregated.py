@@ -8,8 +8,8 @@ import json
 import pytest
 
 from tephra.apps.ppo.main import parse_config, run
+from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.testing import SMOKE_REWARD
-from tephra.controller.trackers import read_jsonl
 
 pytestmark = pytest.mark.multiproc
 
@@ -176,8 +176,8 @@ def test_the_scheduler_routes_around_a_slow_replica(ray_session):
 
     import ray
 
-    from tephra.controller.rollout_replicas import RolloutReplicas
-    from tephra.controller.watchdog import StageFailure, Watchdog, WatchdogConfig
+    from tephra.controller.cluster.watchdog import StageFailure, Watchdog, WatchdogConfig
+    from tephra.controller.workers.rollout_replicas import RolloutReplicas
 
     @ray.remote(num_cpus=0)
     class Replica:  # the `execute("generate_scored", items, sampling)` of a RolloutWorker

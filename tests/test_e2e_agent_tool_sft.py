@@ -58,7 +58,7 @@ def sft_model(tmp_path_factory):
     import ray
 
     from tephra.apps.sft.main import parse_config, run
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     root = tmp_path_factory.mktemp("agent_tool_sft")
     base = build_tiny_model(root / "base", seed=0)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tephra.controller.code_problems import PROBLEMS, TRAIN, code_problem_records
+from tephra.controller.data.code_problems import PROBLEMS, TRAIN, code_problem_records
 from tephra.episodes.rewards import REWARD_SCORERS
 
 SOLUTIONS = [
@@ -60,8 +60,8 @@ def test_code_rl_preset_trains_two_steps(tmp_path):
     import ray
 
     from tephra.apps.ppo.main import parse_config, run
-    from tephra.controller.trackers import read_jsonl
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
+    from tephra.controller.run.trackers import read_jsonl
 
     cfg = parse_config(
         [
@@ -118,7 +118,7 @@ def _truth(row: dict) -> dict:
 def test_eval_app_reports_pass_at_k_on_the_held_out_problems(tmp_path):
     from tephra.apps.eval.config import parse_config
     from tephra.apps.eval.main import run
-    from tephra.controller.evaluation import pass_at_k
+    from tephra.controller.run.evaluation import pass_at_k
 
     results = run(
         parse_config(

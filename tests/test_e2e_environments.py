@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.data import DatasetError, load_parquet
-from tephra.controller.generation import run_items
+from tephra.controller.data.prompts import DatasetError, load_parquet
+from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.samples import PromptItem, agent_metrics, group_ids
-from tephra.controller.trackers import read_jsonl
+from tephra.controller.workers.generation import run_items
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig
 from tephra.episodes.episode import by_agent_name
@@ -95,7 +95,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path):
     import ray
 
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     env = tmp_path / "two_turns.py"
     env.write_text(TWO_TURN_ENV)
@@ -143,7 +143,7 @@ def test_an_openai_client_agent_trains_two_steps(tmp_path):
     pytest.importorskip("openai")
     import ray
 
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     agent = tmp_path / "agent.py"
     agent.write_text(OPENAI_AGENT)
@@ -189,7 +189,7 @@ def test_an_openai_client_agent_trains_two_steps(tmp_path):
 def test_a_stuck_environment_cannot_hold_the_step(tmp_path):
     import ray
 
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     env = tmp_path / "stuck.py"
     env.write_text(STUCK_ENV)
@@ -235,7 +235,7 @@ def test_rows_naming_an_agent_need_an_agent_loop(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tephra.controller.ppo import load_records
+    from tephra.controller.launch.ppo import load_records
 
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.Table.from_pylist(verl_rows()), path)
@@ -404,7 +404,7 @@ def test_hung_tool_does_not_hold_the_step(tmp_path, tiny_model, blocks_a_thread)
 
     from transformers import AutoTokenizer
 
-    from tephra.controller.data import PromptRecord
+    from tephra.controller.data.prompts import PromptRecord
 
     class Hang(Tool):
         name = "hang"

@@ -10,7 +10,7 @@ import pytest
 
 from tephra.apps.eval.config import parse_config
 from tephra.apps.eval.main import models_to_evaluate, plot_across, run
-from tephra.controller.evaluation import pass_at_k
+from tephra.controller.run.evaluation import pass_at_k
 from tephra.core.errors import ConfigError
 
 
@@ -65,7 +65,7 @@ def test_a_runs_checkpoints_are_evaluated_and_plotted(tmp_path):
 
 
 def test_a_runs_start_model_is_step_0_and_read_from_its_config(tmp_path):
-    from tephra.controller.models import resolve_model_path
+    from tephra.controller.run.models import resolve_model_path
 
     run_dir = tmp_path / "run"
     (run_dir / "hf").mkdir(parents=True)
@@ -96,7 +96,7 @@ def test_a_second_evaluation_keeps_numbers_of_unchanged_models_only(tmp_path, mo
     import shutil
 
     import tephra.apps.eval.main as app
-    from tephra.controller.models import resolve_model_path
+    from tephra.controller.run.models import resolve_model_path
 
     model = tmp_path / "m"  # a copy: its files are touched below
     shutil.copytree(resolve_model_path("tiny"), model)

@@ -18,8 +18,8 @@ import json
 import pytest
 
 from tephra.apps.ppo.main import parse_config, run
+from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.testing import SMOKE_REWARD
-from tephra.controller.trackers import read_jsonl
 from tephra.engine_megatron.testing import TINY_MOE
 
 

@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.models import resolve_model_path
-from tephra.controller.ppo import prepare
-from tephra.controller.rewarding import RewardFailure
-from tephra.controller.rollout_mismatch import MismatchAlarm
+from tephra.controller.launch.ppo import prepare
+from tephra.controller.run.models import resolve_model_path
+from tephra.controller.run.trackers import read_jsonl
+from tephra.controller.step.mismatch import MismatchAlarm
+from tephra.controller.step.scoring import RewardFailure
 from tephra.controller.testing import SMOKE_REWARD
-from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 
 
@@ -342,7 +342,7 @@ def test_config_and_input_errors(tmp_path):
         "reward_model": [{"ground_truth": "4"}, {"ground_truth": "4"}, {"style": "rule"}],
     }
     pq.write_table(pa.table(rows), tmp_path / "train.parquet")
-    from tephra.controller.data import DatasetError
+    from tephra.controller.data.prompts import DatasetError
 
     with pytest.raises(
         DatasetError, match=r"row 2 of train.parquet: field 'reward_model.ground_truth' is missing"

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.data import PromptRecord
-from tephra.controller.generation import run_items
-from tephra.controller.ppo import BUNDLED_TOOLS, resolve_tools_file
+from tephra.controller.data.prompts import PromptRecord
+from tephra.controller.launch.ppo import BUNDLED_TOOLS, resolve_tools_file
+from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.samples import PromptItem, Sample, agent_metrics, samples_to_batch
-from tephra.controller.step_rewards import outcome_token_rewards
+from tephra.controller.step.advantages import outcome_token_rewards
 from tephra.controller.testing import SMOKE_REWARD
-from tephra.controller.trackers import read_jsonl
+from tephra.controller.workers.generation import run_items
 from tephra.core.errors import ConfigError
 from tephra.rollout.base import Rollout
 
@@ -35,7 +35,7 @@ AGENT_KEYS = (
 def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(tmp_path):
     import ray
 
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
@@ -229,7 +229,7 @@ def test_agent_rollout_records_the_routes_of_whole_episodes(tmp_path):
     its tokens (-1 on padding)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tephra.controller.generation import Generator
+    from tephra.controller.workers.generation import Generator
     from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
     from tephra.rollout.testing import build_tiny_model
 

@@ -14,12 +14,12 @@ from transformers import AutoModelForCausalLM
 
 from tephra.algos import spin_loss
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.data import PromptRecord
-from tephra.controller.export import export_checkpoint
-from tephra.controller.models import load_tokenizer, resolve_model_path
+from tephra.controller.data.prompts import PromptRecord
+from tephra.controller.launch.export import export_checkpoint
 from tephra.controller.recipes.spin import Spin
+from tephra.controller.run.models import load_tokenizer, resolve_model_path
+from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.testing import SMOKE_REWARD
-from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 from tephra.episodes.rewards import GenerativeJudge, RewardInput
 from tephra.rollout.testing import build_tiny_model
@@ -171,7 +171,7 @@ def test_distillation_advantage_is_teacher_minus_student(ray_session, tmp_path):
 def test_distillation_refuses_another_tokenizer_before_ray(tmp_path):
     other = build_tiny_model(tmp_path / "other", vocab_size=400)
     cfg = _smoke(tmp_path, "-p", "distill", f"algorithm.distillation.teacher_path={other.path}")
-    from tephra.controller.ppo import prepare
+    from tephra.controller.launch.ppo import prepare
 
     with pytest.raises(ConfigError, match="the teacher's tokenizer is not the student's"):
         prepare(cfg)

@@ -33,7 +33,7 @@ def test_assistant_mask_covers_exactly_the_assistant_turns():
 def test_sft_lowers_loss_and_export_loads(tmp_path, reference_lrs):
     import ray
 
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     ray_init(num_cpus=2)
     try:
@@ -73,7 +73,7 @@ def test_sft_lowers_loss_and_export_loads(tmp_path, reference_lrs):
         resumed = run(parse_config(split))
     finally:
         ray.shutdown()
-    from tephra.controller.trackers import read_jsonl
+    from tephra.controller.run.trackers import read_jsonl
 
     def train_rows(path):  # the first run's closing val/loss shares step 4's row: left out
         return [

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.models import resolve_model_path
+from tephra.controller.run.models import resolve_model_path
+from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.testing import SMOKE_REWARD
-from tephra.controller.trackers import read_jsonl
 
 COMPONENT_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.ppo import prepare
-from tephra.controller.rl_worker import RLWorker
+from tephra.controller.launch.ppo import prepare
+from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.samples import PromptItem, samples_to_batch
 from tephra.controller.testing import SMOKE_REWARD
-from tephra.controller.trackers import read_jsonl
+from tephra.controller.workers.rl_worker import RLWorker
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
 from tephra.rollout.backends.server_process import free_port
 from tephra.rollout.fixtures import vllm_env_python

@@ -18,8 +18,8 @@ def _lora_checkpoint(tmp_path, *overrides):
     import torch.distributed as dist
 
     from tephra.apps.ppo.main import parse_config
-    from tephra.controller.checkpoints import CheckpointManager
-    from tephra.controller.models import resolve_model_path
+    from tephra.controller.run.checkpoints import CheckpointManager
+    from tephra.controller.run.models import resolve_model_path
     from tephra.core.config import to_dict
     from tephra.engine_api.registry import get_engine
     from tephra.engine_api.testing.batches import nll_loss_fn, random_batch
@@ -63,7 +63,7 @@ def test_lora_checkpoint_exports_merged_and_as_a_peft_adapter(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tephra.controller.export import export_checkpoint, main
+    from tephra.controller.launch.export import export_checkpoint, main
 
     step, base_path = _lora_checkpoint(tmp_path)
     merged = export_checkpoint(step, tmp_path / "merged")

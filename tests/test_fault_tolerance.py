@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.checkpoints import CheckpointManager, check_manifest
+from tephra.controller.run.checkpoints import CheckpointManager, check_manifest
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.core.errors import CheckpointError
 
@@ -56,7 +56,7 @@ def test_manifest_catches_torn_files_and_resume_modes(tmp_path, capsys):
 def test_run_falls_back_to_the_previous_checkpoint_and_matches(tmp_path, capsys):
     import ray
 
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
@@ -116,7 +116,7 @@ def test_run_falls_back_to_the_previous_checkpoint_and_matches(tmp_path, capsys)
     import torch
     from safetensors.torch import load_file
 
-    from tephra.controller.export import export_checkpoint
+    from tephra.controller.launch.export import export_checkpoint
 
     out = export_checkpoint(tmp_path / "full" / "checkpoints" / "step_4", tmp_path / "exported")
     exported = load_file(out / "model.safetensors")
@@ -148,7 +148,7 @@ def test_killed_worker_is_restarted_and_the_run_matches(tmp_path, capsys):
     import torch
     from safetensors.torch import load_file
 
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
     from tephra.rollout.testing import live_processes
 
     reward = tmp_path / "reward.py"

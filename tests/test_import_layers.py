@@ -116,7 +116,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def package_of(module: str) -> str:
-    """`tephra.controller.rl_loop` -> `controller`; an app's modules -> `apps`."""
+    """`tephra.controller.loop.trainer` -> `controller`; an app's modules -> `apps`."""
     parts = module.split(".")
     return APPS if parts[1] == "apps" else parts[1]
 

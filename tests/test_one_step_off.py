@@ -15,18 +15,18 @@ from tensordict import TensorDict
 
 from tephra.algos import RolloutCorrectionConfig
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.data import PromptRecord
-from tephra.controller.rollout_mismatch import (
+from tephra.controller.data.prompts import PromptRecord
+from tephra.controller.run.trackers import read_jsonl
+from tephra.controller.samples import PromptItem, Sample
+from tephra.controller.step.metrics import staleness_metrics
+from tephra.controller.step.mismatch import (
     MismatchAlarm,
     apply_rejection,
     check_mismatch_alarm,
     correct_old_log_probs,
 )
-from tephra.controller.rounds import PENDING_FILE, Round, round_from_dict, round_to_dict
-from tephra.controller.samples import PromptItem, Sample
-from tephra.controller.step_metrics import staleness_metrics
+from tephra.controller.step.rounds import PENDING_FILE, Round, round_from_dict, round_to_dict
 from tephra.controller.testing import SMOKE_REWARD
-from tephra.controller.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 
 CAP = 1.5

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tephra.apps.ppo.main import parse_config
-from tephra.controller.data import PromptLoader, PromptRecord
-from tephra.controller.rl_loop import Trainer
-from tephra.controller.rounds import Prompts
+from tephra.controller.data.prompts import PromptLoader, PromptRecord
+from tephra.controller.loop.trainer import Trainer
 from tephra.controller.samples import Sample, ScoreResult
-from tephra.controller.step_rewards import length_shaping
+from tephra.controller.step.advantages import length_shaping
+from tephra.controller.step.rounds import Prompts
 from tephra.core.errors import ConfigError
 
 REWARD = """

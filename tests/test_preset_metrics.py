@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tephra.apps.ppo.main import parse_config, run
+from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.testing import SMOKE_REWARD
-from tephra.controller.trackers import read_jsonl
 from tephra.core.machine import cpu_name
 from tephra.rollout.testing import build_tiny_model
 

@@ -21,7 +21,7 @@ import pytest
 from tephra.controller.testing import SMOKE_REWARD
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "cluster"
-JOIN = "from tephra.controller.worker_group import ray_init"
+JOIN = "from tephra.controller.cluster.worker_group import ray_init"
 
 
 def free_port() -> int:
@@ -75,7 +75,7 @@ def test_scripts_start_a_two_node_cluster_the_smoke_preset_spans(tmp_path, monke
     import ray
 
     from tephra.apps.ppo.main import parse_config, run
-    from tephra.controller.trackers import read_jsonl
+    from tephra.controller.run.trackers import read_jsonl
 
     token = secrets.token_hex(32)
     port = free_port()

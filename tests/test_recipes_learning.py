@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.trackers import read_jsonl
+from tephra.controller.run.trackers import read_jsonl
 from tephra.rollout.testing import build_tiny_model
 
 TOY_REWARD = """

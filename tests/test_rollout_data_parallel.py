@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from tephra.apps.ppo.main import parse_config
-from tephra.controller.data import PromptRecord
-from tephra.controller.dispatch import Dispatch, dispatch
-from tephra.controller.rl_checks import resolve_auto_dtypes
-from tephra.controller.rl_worker import RLWorker
+from tephra.controller.cluster.dispatch import Dispatch, dispatch
+from tephra.controller.cluster.worker_group import ResourcePool, WorkerGroup
+from tephra.controller.data.prompts import PromptRecord
+from tephra.controller.launch.preflight import resolve_auto_dtypes
 from tephra.controller.samples import PromptItem
 from tephra.controller.testing import SMOKE_REWARD
-from tephra.controller.worker_group import ResourcePool, WorkerGroup
+from tephra.controller.workers.rl_worker import RLWorker
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
 from tephra.rollout.testing import build_tiny_model
 

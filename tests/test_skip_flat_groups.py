@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from tephra.algos import ActorObjective
 from tephra.algos.config import ActorObjectiveConfig
-from tephra.controller.skip_flat import flat_groups, skip_zero_advantage_rows
+from tephra.controller.step.skip_flat import flat_groups, skip_zero_advantage_rows
 from tephra.engine_api.testing import run_distributed
 from tephra.engine_api.testing.batches import random_batch
 from tephra.engine_fsdp import FSDPEngine

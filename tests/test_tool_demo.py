@@ -64,7 +64,7 @@ def test_transcripts_replay_through_the_sandbox_as_the_rl_loop_renders_them():
 def test_presets_ask_the_same_questions_and_the_warmup_never_sees_the_rl_prompts(
     tmp_path, monkeypatch
 ):
-    import tephra.controller.ppo as ppo
+    import tephra.controller.launch.ppo as ppo
 
     warm, demo = sft_config(["-p", "tool_warmup"]), parse_config(["-p", "tool_demo"])
     no_tool = eval_config(["-p", "tool_demo_no_tool"])

@@ -10,7 +10,7 @@ import asyncio
 import torch
 
 from tephra.controller.samples import samples_to_batch
-from tephra.controller.step_rewards import outcome_token_rewards
+from tephra.controller.step.advantages import outcome_token_rewards
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.base import SamplingParams

@@ -12,9 +12,9 @@ from tephra.apps.ppo.config import MADE_BY
 from tephra.apps.ppo.main import parse_config, run
 from tephra.apps.sft.main import parse_config as sft_config
 from tephra.apps.sft.main import run as sft_run
-from tephra.controller.colour_squares import colour_square_rows
-from tephra.controller.models import resolve_model_path
-from tephra.controller.trackers import read_jsonl
+from tephra.controller.data.colour_squares import colour_square_rows
+from tephra.controller.run.models import resolve_model_path
+from tephra.controller.run.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 
 
@@ -101,7 +101,7 @@ def test_the_multi_turn_variant_differs_from_vlm_demo_only_in_its_episodes():
 
 
 def test_missing_warmup_folder_names_the_sft_command(tmp_path, monkeypatch):
-    import tephra.controller.ppo as ppo
+    import tephra.controller.launch.ppo as ppo
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray started before the model folder was checked")

@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 from tephra.apps.ppo.main import parse_config, run
 from tephra.apps.sft.main import parse_config as sft_config
 from tephra.apps.sft.main import run as sft_run
-from tephra.controller.colour_squares import colour_square_rows
-from tephra.controller.models import resolve_model_path
-from tephra.controller.ppo import prepare
-from tephra.controller.trackers import read_jsonl
+from tephra.controller.data.colour_squares import colour_square_rows
+from tephra.controller.launch.ppo import prepare
+from tephra.controller.run.models import resolve_model_path
+from tephra.controller.run.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 
 

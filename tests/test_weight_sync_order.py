@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tephra.controller.generation import Generator
-from tephra.controller.rl_worker import RLWorker
+from tephra.controller.workers.generation import Generator
+from tephra.controller.workers.rl_worker import RLWorker
 from tephra.rollout import RolloutConfig, ServerSettings, get_rollout
 from tephra.rollout.testing import build_tiny_model
 

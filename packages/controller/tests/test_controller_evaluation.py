@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tephra.controller.evaluation import (
+from tephra.controller.run.evaluation import (
     EvalRow,
     ValidationConfig,
     flat_metrics,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from tephra.controller.flops import device_peak, model_shape, row_spans, step_flops
+from tephra.controller.run.flops import device_peak, model_shape, row_spans, step_flops
 from tephra.core.machine import published_peak
 from tephra.engine_api.batch import make_batch
 
@@ -96,7 +96,7 @@ def test_published_peaks_and_the_measured_one(tmp_path, monkeypatch):
 def test_startup_timeline_starts_at_the_process_start():
     import time
 
-    from tephra.controller.startup import Timeline, process_age_s
+    from tephra.controller.cluster.startup import Timeline, process_age_s
 
     age = process_age_s()
     assert 0 < age < 3600  # this pytest process started before the test, not at boot

@@ -19,17 +19,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensordict import TensorDict
 
-from tephra.controller.data import (
-    DatasetError,
-    PromptLoader,
-    PromptRecord,
-    load_hf_dataset,
-    load_parquet,
-    reasoning_gym_records,
-)
-from tephra.controller.dispatch import Dispatch, dispatch
-from tephra.controller.trackers import Trackers, read_jsonl
-from tephra.controller.worker_group import (
+from tephra.controller.cluster.dispatch import Dispatch, dispatch
+from tephra.controller.cluster.worker_group import (
     ResourcePool,
     Worker,
     WorkerGroup,
@@ -37,6 +28,15 @@ from tephra.controller.worker_group import (
     ray_init,
     rendezvous_address,
 )
+from tephra.controller.data.prompts import (
+    DatasetError,
+    PromptLoader,
+    PromptRecord,
+    load_hf_dataset,
+    load_parquet,
+    reasoning_gym_records,
+)
+from tephra.controller.run.trackers import Trackers, read_jsonl
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.episodes.testing import CALC_MCP_SERVER
@@ -242,8 +242,8 @@ class EngineGone:
 
 
 def test_rl_worker_close_closes_the_tools_it_built(tmp_path):
-    from tephra.controller.generation import Generator
-    from tephra.controller.rl_worker import RLWorker
+    from tephra.controller.workers.generation import Generator
+    from tephra.controller.workers.rl_worker import RLWorker
     from tephra.episodes.tools import load_tools
 
     server = tmp_path / "worker_mcp_server.py"
@@ -365,8 +365,8 @@ def test_worker_group_dispatch_on_ray(tmp_path):
 def test_auto_dtypes_are_resolved_once_for_the_workers_device():
     """`auto` (the default) becomes one concrete dtype before any worker starts: the CPU's
     measured choice for CPU ranks and replicas, bf16 for CUDA ones; explicit dtypes stay."""
-    from tephra.controller.rl_checks import resolve_auto_dtypes
-    from tephra.controller.rl_config import PPOConfig
+    from tephra.controller.config.tree import PPOConfig
+    from tephra.controller.launch.preflight import resolve_auto_dtypes
     from tephra.engine_api.fastest_dtype import fastest_dtype
 
     cfg = load_config(PPOConfig, [], [])
@@ -390,8 +390,8 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
 
 
 def test_a_server_key_never_reaches_the_run_folder():
-    from tephra.controller.ppo import config_to_save
-    from tephra.controller.rl_config import PPOConfig
+    from tephra.controller.config.tree import PPOConfig
+    from tephra.controller.launch.ppo import config_to_save
 
     cfg = load_config(PPOConfig, [], ["rollout.vllm.api_key=s3cret", "rollout.sglang.api_key=auto"])
     saved = config_to_save(cfg)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from tephra.controller.dispatch import (
+from tephra.controller.cluster.dispatch import (
     DataParallelInfo,
     Dispatch,
     check_layout,
@@ -17,14 +17,13 @@ from tephra.controller.dispatch import (
     rollout_shares,
     share_bounds,
 )
-from tephra.controller.rl_worker import RLWorker
-from tephra.controller.watchdog import (
+from tephra.controller.cluster.watchdog import (
     StageFailure,
     Watchdog,
     WatchdogConfig,
     check_stage_names,
 )
-from tephra.controller.worker_group import (
+from tephra.controller.cluster.worker_group import (
     ResourcePool,
     Worker,
     WorkerGroup,
@@ -32,6 +31,7 @@ from tephra.controller.worker_group import (
     process_group_backend,
     ray_init,
 )
+from tephra.controller.workers.rl_worker import RLWorker
 from tephra.core.errors import BatchError, ConfigError
 from tephra.rollout.base import SamplingParams
 
@@ -59,8 +59,8 @@ def test_layout_checks():
 
 
 def test_retain_freed_memory_resolves_per_device_and_needs_glibc(monkeypatch):
-    import tephra.controller.worker_group as wg
-    from tephra.controller.rl_config import ResourcesSection
+    import tephra.controller.cluster.worker_group as wg
+    from tephra.controller.config.tree import ResourcesSection
 
     monkeypatch.setattr(wg, "retain_supported", lambda: True)
     assert ResourcePool().retains_freed_memory  # CPU ranks: on

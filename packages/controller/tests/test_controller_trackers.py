@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tephra.controller.trackers import JsonlTracker, Trackers
+from tephra.controller.run.trackers import JsonlTracker, Trackers
 from tephra.engine_api.errors import ConfigError
 
 # What a trainer logs: step 1 twice (training metrics, then a validation score: one row),

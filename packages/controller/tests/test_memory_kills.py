@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tephra.controller.memory_kills import node_memory, ray_oom_usage
+from tephra.controller.cluster.memory_kills import node_memory, ray_oom_usage
 
 # Ray 2.60's OutOfMemoryError, as its raylet formats it ("Memory on the node (IP: %s, ID: %s)
 # was %sGB used / %sGB limit (%f)"), and the format of earlier releases

@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tephra.controller.data import DatasetError
-from tephra.controller.multimodal_data import load_multimodal_parquet, multimodal_prompt_from_row
+from tephra.controller.data.multimodal import load_multimodal_parquet, multimodal_prompt_from_row
+from tephra.controller.data.prompts import DatasetError
 from tephra.rollout.multimodal import VisionProcessor, build_tiny_vlm
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tephra.controller.stop import StopNow, StopSignal, sigterm_blocked
+from tephra.controller.cluster.stop import StopNow, StopSignal, sigterm_blocked
 
 # the child prints its blocked-signal mask; SIGTERM (15) is bit 14 of it, 0x4000
 MASK = "print([l for l in open('/proc/self/status') if l.startswith('SigBlk')][0].split()[1])"

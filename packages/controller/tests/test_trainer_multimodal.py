@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import torch
 
-from tephra.controller.data import PromptRecord
-from tephra.controller.dispatch import split_value
-from tephra.controller.generation import end_before_token
-from tephra.controller.rounds import Round, round_from_dict, round_to_dict
+from tephra.controller.cluster.dispatch import split_value
+from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.samples import MULTIMODAL, PromptItem, Sample, samples_to_batch
-from tephra.controller.skip_flat import skip_zero_advantage_rows
+from tephra.controller.step.rounds import Round, round_from_dict, round_to_dict
+from tephra.controller.step.skip_flat import skip_zero_advantage_rows
+from tephra.controller.workers.generation import end_before_token
 from tephra.engine_api.multimodal import MultimodalInputs
 
 

@@ -1,7 +1,8 @@
 """tephra.controller: Ray worker groups, dispatch modes and the trainer parts of the RL loop."""
 
-from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.data import (
+from tephra.controller.cluster.dispatch import Dispatch, dispatch
+from tephra.controller.cluster.worker_group import ResourcePool, Worker, WorkerGroup, ray_init
+from tephra.controller.data.prompts import (
     DatasetError,
     PromptLoader,
     PromptRecord,
@@ -10,10 +11,9 @@ from tephra.controller.data import (
     reasoning_gym_records,
     tokenize_prompts,
 )
-from tephra.controller.dispatch import Dispatch, dispatch
-from tephra.controller.rewarding import RewardFailure, Scorer
-from tephra.controller.trackers import TRACKERS, Trackers, plot_curves, read_jsonl
-from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup, ray_init
+from tephra.controller.run.checkpoints import CheckpointManager
+from tephra.controller.run.trackers import TRACKERS, Trackers, plot_curves, read_jsonl
+from tephra.controller.step.scoring import RewardFailure, Scorer
 from tephra.core.config import load_config, parse_overrides, split_cli
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tephra.controller.data import PromptRecord
+from tephra.controller.data.prompts import PromptRecord
 from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs
 from tephra.episodes.agent.loops import TIMEOUTS
 from tephra.rollout.samples import Sample, to_batch

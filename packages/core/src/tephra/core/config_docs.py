@@ -8,7 +8,7 @@ the source expression (normalised by `ast.unparse`), never a computed value (a d
 the keyword arguments that lambda passes (`field(default_factory=lambda: Opt(lr=1e-4))` gives
 `opt.lr` the default `1e-4`).
 
-    uv run python -m tephra.core.config_docs tephra.controller.rl_config:PPOConfig
+    uv run python -m tephra.core.config_docs tephra.controller.config.tree:PPOConfig
 """
 
 from __future__ import annotations

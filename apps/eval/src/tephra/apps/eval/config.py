@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tephra.controller.evaluation import ValidationConfig
-from tephra.controller.rl_config import DataSection
+from tephra.controller.config.tree import DataSection
+from tephra.controller.run.evaluation import ValidationConfig
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.config import ModelConfig
 from tephra.episodes.config import EpisodeRolloutConfig

@@ -3,7 +3,7 @@
 With no arguments: the bundled SmolLM2-135M-Instruct (the demo's starting point) on the demo's
 200 held-out reasoning-gym items, 4 samples each. Generation runs in this process on the
 configured rollout backend; scores come from the same scorers as training; the metrics are
-`tephra.controller.evaluation`'s (the trainer's validation uses the same code).
+`tephra.controller.run.evaluation`'s (the trainer's validation uses the same code).
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ from transformers import AutoTokenizer
 
 from tephra.apps.eval.cli import HELP
 from tephra.apps.eval.config import EvalConfig, parse_config
-from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.code_problems import code_problem_records
-from tephra.controller.data import (
+from tephra.controller.data.code_problems import code_problem_records
+from tephra.controller.data.prompts import (
     load_hf_dataset,
     load_parquet,
     reasoning_gym_records,
     tokenize_prompts,
 )
-from tephra.controller.evaluation import EvalRow, markdown_table, summarise, write_jsonl
-from tephra.controller.export import export_checkpoint
-from tephra.controller.models import resolve_model_path
-from tephra.controller.ppo import config_to_save
-from tephra.controller.rewarding import Scorer
+from tephra.controller.launch.export import export_checkpoint
+from tephra.controller.launch.ppo import config_to_save
+from tephra.controller.run.checkpoints import CheckpointManager
+from tephra.controller.run.evaluation import EvalRow, markdown_table, summarise, write_jsonl
+from tephra.controller.run.models import resolve_model_path
+from tephra.controller.step.scoring import Scorer
 from tephra.core.app_help import answer_help, split_print_config
 from tephra.core.errors import ConfigError, TephraError
 from tephra.rollout.base import RolloutConfig, SamplingParams

@@ -1,13 +1,13 @@
 """The PPO app's configuration is the controller's `PPOConfig` (one typed tree composed of the
-packages' own configs; see tephra.controller.rl_config). This module adds the app's presets."""
+packages' own configs; see tephra.controller.config.tree). This module adds the app's presets."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from tephra.controller.rl_checks import validate
-from tephra.controller.rl_config import PPOConfig
+from tephra.controller.config.tree import PPOConfig
+from tephra.controller.launch.preflight import validate
 from tephra.core.config import load_config, split_cli
 from tephra.core.errors import ConfigError
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tephra.apps.ppo.config import parse_config
 from tephra.apps.ppo.main import run
-from tephra.controller.trackers import read_jsonl
+from tephra.controller.run.trackers import read_jsonl
 
 GATE_STEPS = 6
 GATE_METRICS = (

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tephra.apps.ppo.config import parse_config
-from tephra.controller.rl_checks import resolve_auto_dtypes
-from tephra.controller.trackers import read_jsonl
+from tephra.controller.launch.preflight import resolve_auto_dtypes
+from tephra.controller.run.trackers import read_jsonl
 
 GATE_STEPS = 12
 GATE_SEEDS = (0, 1)

@@ -2,7 +2,7 @@
 
 With no arguments: GRPO on SmolLM2-135M-Instruct (bundled) on reasoning-gym basic_arithmetic,
 on CPU, with greedy held-out accuracy before and after; the last line printed is a JSON
-summary. The loop itself is `tephra.controller.rl_loop`; assembly `tephra.controller.ppo`.
+summary. The loop itself is `tephra.controller.loop.trainer`; assembly `tephra.controller.launch.ppo`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import yaml
 
 from tephra.apps.ppo.cli import HELP
 from tephra.apps.ppo.config import check_model_made, parse_config
-from tephra.controller import ppo
-from tephra.controller.rl_config import PPOConfig
+from tephra.controller.config.tree import PPOConfig
+from tephra.controller.launch import ppo
 from tephra.core.app_help import answer_help, split_print_config
 from tephra.core.errors import TephraError
 from tephra.core.quiet import quiet_third_party_warnings
@@ -26,7 +26,7 @@ __all__ = ["main", "parse_config", "run"]
 
 
 def run(cfg: PPOConfig) -> dict:
-    """`tephra.controller.ppo.run`, after checking that a model folder another command
+    """`tephra.controller.launch.ppo.run`, after checking that a model folder another command
     writes exists (before Ray starts)."""
     check_model_made(cfg)
     return ppo.run(cfg)

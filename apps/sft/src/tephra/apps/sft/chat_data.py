@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import reasoning_gym
 import torch
 
-from tephra.controller.colour_squares import colour_square_rows
-from tephra.controller.data import DatasetError
-from tephra.controller.multimodal_data import row_images, with_vision_spans
+from tephra.controller.data.colour_squares import colour_square_rows
+from tephra.controller.data.multimodal import row_images, with_vision_spans
+from tephra.controller.data.prompts import DatasetError
 from tephra.engine_api.batch import make_batch
 from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs, multimodal_column
 
@@ -182,7 +182,7 @@ Example = tuple[list[int], list[int], MultimodalInputs | None]
 def load_image_conversations(path: str | Path, processor: Any) -> list[Example]:
     """verl multimodal SFT rows: `messages` plus an `images` column (bytes, paths relative to
     the file, `{bytes, path}` structs or PIL images; `<image>` in the messages where each
-    goes, as in `tephra.controller.multimodal_data`) -> token ids with each image expanded to
+    goes, as in `tephra.controller.data.multimodal`) -> token ids with each image expanded to
     its run of `<|image_pad|>` tokens (never trained), the assistant mask, and the images."""
     path = Path(path)
     return image_conversations(_rows(path), path.name, processor, path.parent)
@@ -213,7 +213,7 @@ def image_conversations(
 
 
 def colour_square_conversations(size: int, seed: int, processor: Any) -> list[Example]:
-    """Transcripts of the synthetic image task (`tephra.controller.colour_squares`): `size`
+    """Transcripts of the synthetic image task (`tephra.controller.data.colour_squares`): `size`
     rows drawn by `seed`, each question answered with the row's ground truth (the colour)."""
 
     rows = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tephra.controller.rl_config import DataSection, EngineRoleConfig, ResourcesSection
+from tephra.controller.config.tree import DataSection, EngineRoleConfig, ResourcesSection
 from tephra.core.errors import ConfigError
 from tephra.engine_api.config import (
     MicroBatchConfig,
@@ -44,7 +44,7 @@ class SFTData:
     source: str = "chats"
     """`chats`: the conversations of `train_files` (generated arithmetic chats when empty).
     `colour_squares`: transcripts of the synthetic image task of `tephra.controller.
-    colour_squares` (the RL trainer's `data.source=colour_squares`), `size` of them drawn
+    data.colour_squares` (the RL trainer's `data.source=colour_squares`), `size` of them drawn
     by `seed`: its question about an image, answered with the colour name; needs a
     vision-language model and policy.engine=fsdp.
     `tool_calls`: `size` transcripts (drawn by `seed`) of apps/ppo's tool_demo task, a product of

@@ -31,17 +31,17 @@ from tephra.apps.sft.chat_data import (
 )
 from tephra.apps.sft.cli import HELP
 from tephra.apps.sft.config import SFTConfig
-from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.dispatch import Dispatch, dispatch
-from tephra.controller.models import resolve_model_path
-from tephra.controller.trackers import Trackers
-from tephra.controller.worker_group import (
+from tephra.controller.cluster.dispatch import Dispatch, dispatch
+from tephra.controller.cluster.worker_group import (
     DataParallelInfo,
     ResourcePool,
     Worker,
     WorkerGroup,
     ray_init,
 )
+from tephra.controller.run.checkpoints import CheckpointManager
+from tephra.controller.run.models import resolve_model_path
+from tephra.controller.run.trackers import Trackers
 from tephra.core.app_help import answer_help, split_print_config
 from tephra.core.config import load_config, split_cli, to_dict
 from tephra.core.errors import ConfigError, TephraError

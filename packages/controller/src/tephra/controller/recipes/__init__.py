@@ -18,7 +18,7 @@ from tephra.controller.recipes.base import (
 )
 
 if TYPE_CHECKING:
-    from tephra.controller.rl_config import PPOConfig
+    from tephra.controller.config.tree import PPOConfig
 
 BUILT_IN = (critic_warmup, distillation, judge, prime, spin)
 """The modules whose import registers the built-in recipes."""

@@ -1,7 +1,7 @@
 """The RL step's plug-in points: a recipe is one class that hooks named stages of the step and
 asks for engines by role; the step calls every enabled recipe's hooks and names none of them.
 
-The stages, in the order the step runs them (`tephra.controller.rl_loop.Trainer.train_step`):
+The stages, in the order the step runs them (`tephra.controller.loop.trainer.Trainer.train_step`):
 
     after_generation   the step's samples are in a batch; a recipe may replace the batch
                        (SPIN's chosen / rejected pairs) before it is planned over the ranks
@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 from tensordict import TensorDict
 
-from tephra.controller.data import PromptRecord
-from tephra.controller.rounds import Round
+from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.samples import Sample
+from tephra.controller.step.rounds import Round
 from tephra.core.registry import Registry
 
 if TYPE_CHECKING:
-    from tephra.controller.rl_config import PPOConfig
+    from tephra.controller.config.tree import PPOConfig
 
 LossFn = Callable[[TensorDict, TensorDict], Any]
 

@@ -9,7 +9,7 @@ from tephra.controller.recipes.base import RECIPES, Recipe, StepState
 from tephra.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tephra.controller.rl_config import PPOConfig
+    from tephra.controller.config.tree import PPOConfig
 
 
 @RECIPES.register("critic_warmup")

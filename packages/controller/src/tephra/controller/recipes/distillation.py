@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from tephra.algos import add_distillation_advantages
 from tephra.algos.recipe_config import DistillationConfig
-from tephra.controller.models import resolve_model_path
 from tephra.controller.recipes.base import RECIPES, EngineRole, Recipe, StepState
+from tephra.controller.run.models import resolve_model_path
 from tephra.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tephra.controller.rl_config import PPOConfig
+    from tephra.controller.config.tree import PPOConfig
 
 
 def check_distillation(section: DistillationConfig, distill_loss_coef: float) -> None:

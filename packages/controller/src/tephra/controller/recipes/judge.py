@@ -9,7 +9,7 @@ from tephra.controller.recipes.base import RECIPES, Recipe, StepState
 from tephra.controller.samples import Sample
 
 if TYPE_CHECKING:
-    from tephra.controller.rl_config import PPOConfig
+    from tephra.controller.config.tree import PPOConfig
 
 
 def judge_metrics(samples: list[Sample]) -> dict[str, float]:

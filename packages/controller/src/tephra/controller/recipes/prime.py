@@ -14,7 +14,7 @@ from tephra.controller.recipes.base import RECIPES, EngineRole, Recipe, StepStat
 from tephra.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tephra.controller.rl_config import PPOConfig
+    from tephra.controller.config.tree import PPOConfig
 
 
 @RECIPES.register("prime")

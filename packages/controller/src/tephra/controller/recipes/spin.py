@@ -20,13 +20,13 @@ import torch
 from tensordict import TensorDict
 
 from tephra.algos import SpinObjective, spin_pair_columns
-from tephra.controller.data import PromptRecord
+from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.recipes.base import RECIPES, EngineRole, LossFn, Recipe, StepState
 from tephra.controller.samples import Sample, samples_to_batch
 from tephra.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tephra.controller.rl_config import PPOConfig
+    from tephra.controller.config.tree import PPOConfig
 
 SOURCES_WITHOUT_ANSWERS = {
     "code_problems": "its ground truth is a list of tests, not an answer",

@@ -35,7 +35,7 @@ from ray.exceptions import AuthenticationError, OutOfMemoryError
 from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tephra.controller.dispatch import (
+from tephra.controller.cluster.dispatch import (
     DataParallelInfo,
     Dispatch,
     check_layout,
@@ -44,10 +44,10 @@ from tephra.controller.dispatch import (
     rollout_shares,
     split_args,
 )
-from tephra.controller.memory_kills import KNOBS, node_memory, ray_oom_usage
-from tephra.controller.startup import process_age_s
-from tephra.controller.stop import sigterm_blocked
-from tephra.controller.watchdog import (
+from tephra.controller.cluster.memory_kills import KNOBS, node_memory, ray_oom_usage
+from tephra.controller.cluster.startup import process_age_s
+from tephra.controller.cluster.stop import sigterm_blocked
+from tephra.controller.cluster.watchdog import (
     RankPlace,
     StageFailure,
     Watchdog,
@@ -111,7 +111,7 @@ def ray_init(
         if key in os.environ:
             env[key] = os.environ[key]
     # the daemons a local session starts keep SIGTERM blocked (as Ray keeps SIGINT): a SIGTERM
-    # to the job's process group reaches the driver alone, which stops them (tephra.controller.stop)
+    # to the job's process group reaches the driver alone, which stops them (tephra.controller.cluster.stop)
     with sigterm_blocked():
         ray.init(
             address=address or "local",

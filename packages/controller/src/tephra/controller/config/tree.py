@@ -25,11 +25,11 @@ from typing import Any
 
 from tephra.algos import ActorObjectiveConfig, CriticObjectiveConfig
 from tephra.algos.algorithm_config import AlgorithmConfig
-from tephra.controller.checkpoints import RESUME_MODES
-from tephra.controller.evaluation import ValidationConfig
-from tephra.controller.trackers import TRACKERS
-from tephra.controller.watchdog import WatchdogConfig
-from tephra.controller.worker_group import PLACEMENT_STRATEGIES, check_retain
+from tephra.controller.cluster.watchdog import WatchdogConfig
+from tephra.controller.cluster.worker_group import PLACEMENT_STRATEGIES, check_retain
+from tephra.controller.run.checkpoints import RESUME_MODES
+from tephra.controller.run.evaluation import ValidationConfig
+from tephra.controller.run.trackers import TRACKERS
 from tephra.core.errors import ConfigError
 from tephra.core.registry import check_registered
 from tephra.engine_api.config import (
@@ -288,7 +288,7 @@ class TrainerSection:
     balance_batch: bool = True
     """With several data-parallel ranks, give each rank as equal a share of the step's
     tokens (prompt + response) as Karmarkar-Karp finds, with equal row counts, inside each
-    mini-batch (verl's `balance_batch`; `tephra.controller.balance`); false splits the rows
+    mini-batch (verl's `balance_batch`; `tephra.controller.step.balance`); false splits the rows
     in their order. On by default: a rank that draws the long responses holds every other
     rank up at each collective, and the update is the same either way (global normalisers).
     Metrics `balance/max_over_min_tokens_before` / `_after`."""
@@ -313,7 +313,7 @@ class TrainerSection:
     deadline, the worker group is rebuilt and the run continues from the latest intact
     checkpoint, at most this many times (0: fail with the watchdog's message)."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
-    """Deadlines of the driver's calls on the workers (`tephra.controller.watchdog`)."""
+    """Deadlines of the driver's calls on the workers (`tephra.controller.cluster.watchdog`)."""
     resume_from: str | None = None
     """A `step_<N>` checkpoint folder (of this or another run) to continue from instead."""
     accept_changed_data: bool = False
@@ -330,7 +330,7 @@ class TrainerSection:
     """Validation every N steps (0: only before and after training)."""
     val: ValidationConfig = field(default_factory=ValidationConfig)
     """How validation samples (n per prompt, temperature, top_p) and which pass@k / maj@k it
-    reports (tephra.controller.evaluation); the default n=1 at temperature 0 is greedy
+    reports (tephra.controller.run.evaluation); the default n=1 at temperature 0 is greedy
     accuracy. Metrics: `accuracy/val` (acc@n) and `val/...` overall and per data source."""
     dump_generations: int = 0
     """Every N steps write run_dir/generations/train_step<N>.jsonl (the step's samples with

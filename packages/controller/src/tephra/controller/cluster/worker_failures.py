@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray.exceptions import ActorDiedError, OutOfMemoryError, RayActorError
 
-from tephra.controller.watchdog import StageFailure
+from tephra.controller.cluster.watchdog import StageFailure
 from tephra.rollout.base import ServerDiedError
 
 # Ray re-raises a worker's exception as a subclass of its cause, so a rollout server that

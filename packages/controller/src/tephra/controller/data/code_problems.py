@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tephra.controller.data import PromptRecord
+from tephra.controller.data.prompts import PromptRecord
 
 # The example program shows the form the tests need (read with input(), print the bare
 # answer): without it SmolLM2-135M's programs print sentences and prompts and pass no test

@@ -14,7 +14,7 @@ from tephra.algos import (
     kl_penalty,
     overlong_penalty,
 )
-from tephra.controller.rl_config import PPOConfig
+from tephra.controller.config.tree import PPOConfig
 from tephra.controller.samples import Sample
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent.loops import TIMEOUTS

@@ -14,7 +14,7 @@ model-parallel peers included; the driver gathers the samples and dispatches the
 batch by `dp_info`. Sample seeds follow the prompt's place in the whole batch, so the split
 does not change the samples.
 
-Generation is a part the worker holds (`tephra.controller.generation.Generator`: rollout engine,
+Generation is a part the worker holds (`tephra.controller.workers.generation.Generator`: rollout engine,
 tokenizer, tools, scorer),
 the same part a rollout replica of its own pool holds (`rollout_replicas.RolloutWorker`); the
 worker adds the dispatch modes, profiling and the weight sync around it.
@@ -42,15 +42,15 @@ from tensordict import TensorDict
 from torch.profiler import ProfilerActivity, profile
 
 from tephra.algos import ActorObjective, CriticObjective
-from tephra.controller.dispatch import Dispatch, dispatch
-from tephra.controller.flops import device_peak
-from tephra.controller.generation import Generator
-from tephra.controller.models import resolve_model_path
+from tephra.controller.cluster.dispatch import Dispatch, dispatch
+from tephra.controller.cluster.worker_group import DataParallelInfo, Worker
+from tephra.controller.config.tree import PPOConfig
 from tephra.controller.recipes import enabled_recipes
-from tephra.controller.rl_config import PPOConfig
+from tephra.controller.run.flops import device_peak
+from tephra.controller.run.models import resolve_model_path
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
-from tephra.controller.skip_flat import can_skip_flat, skip_zero_advantage_rows
-from tephra.controller.worker_group import DataParallelInfo, Worker
+from tephra.controller.step.skip_flat import can_skip_flat, skip_zero_advantage_rows
+from tephra.controller.workers.generation import Generator
 from tephra.engine_api.fastest_dtype import resolve_dtype
 from tephra.engine_api.registry import get_engine
 from tephra.rollout.backends.server_process import free_port

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tephra.controller.data import PromptRecord
+from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.samples import PromptItem, Sample, sample_from_dict, sample_to_dict
 from tephra.engine_api.multimodal import MultimodalInputs
 from tephra.episodes.rewards import is_timeout

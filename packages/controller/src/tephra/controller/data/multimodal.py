@@ -1,6 +1,6 @@
 """Prompts with images: verl's multimodal rows, loaded with the model's processor.
 
-A verl multimodal row is a normal row (see `tephra.controller.data`) plus an `images` column:
+A verl multimodal row is a normal row (see `tephra.controller.data.prompts`) plus an `images` column:
 a list whose entries are image bytes (PNG/JPEG...), a file path, a `{"bytes": ..., "path":
 ...}` struct (how `datasets` stores an Image feature in parquet) or a PIL image. The prompt's
 messages mark where each image goes with `<image>`, in order. An optional `videos` column
@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tephra.controller.data import DatasetError, PromptRecord, chat_prompt_ids, record_from_row
+from tephra.controller.data.prompts import (
+    DatasetError,
+    PromptRecord,
+    chat_prompt_ids,
+    record_from_row,
+)
 from tephra.engine_api.errors import ConfigError
 from tephra.rollout.multimodal import (
     VISION_TOKENS,

@@ -1,7 +1,7 @@
 """Assemble and run the RL trainer from a `PPOConfig`: data, Ray, the worker group, the loop.
 
-    from tephra.controller.ppo import run
-    from tephra.controller.rl_config import PPOConfig
+    from tephra.controller.launch.ppo import run
+    from tephra.controller.config.tree import PPOConfig
     summary = run(PPOConfig(...))
 
 Everything that can be checked is checked before Ray starts: the config validates itself
@@ -20,10 +20,16 @@ import torch
 import yaml
 from transformers import AutoConfig
 
-from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.code_problems import code_problem_records
-from tephra.controller.colour_squares import colour_square_rows
-from tephra.controller.data import (
+from tephra.controller.cluster.dispatch import dispatched_methods
+from tephra.controller.cluster.startup import Timeline
+from tephra.controller.cluster.stop import StopNow, StopSignal
+from tephra.controller.cluster.watchdog import Watchdog, check_stage_names
+from tephra.controller.cluster.worker_group import ResourcePool, WorkerGroup, ray_init
+from tephra.controller.config.tree import PPOConfig
+from tephra.controller.data.code_problems import code_problem_records
+from tephra.controller.data.colour_squares import colour_square_rows
+from tephra.controller.data.multimodal import load_multimodal_parquet, multimodal_prompt_from_row
+from tephra.controller.data.prompts import (
     PromptRecord,
     check_same_data,
     dataset_fingerprint,
@@ -32,26 +38,20 @@ from tephra.controller.data import (
     reasoning_gym_records,
     tokenize_prompts,
 )
-from tephra.controller.dispatch import dispatched_methods
-from tephra.controller.flops import model_shape
-from tephra.controller.models import load_tokenizer, named_model_folder, resolve_model_path
-from tephra.controller.multimodal_data import load_multimodal_parquet, multimodal_prompt_from_row
-from tephra.controller.recipes import enabled_recipes
-from tephra.controller.rl_checks import (
+from tephra.controller.launch.preflight import (
     check_engine_support,
     resolve_auto_dtypes,
     validate,
     weight_path,
 )
-from tephra.controller.rl_config import PPOConfig
-from tephra.controller.rl_loop import Trainer
-from tephra.controller.rl_worker import RLWorker, colocated_roles
-from tephra.controller.rollout_replicas import RolloutReplicas
-from tephra.controller.rounds import Prompts
-from tephra.controller.startup import Timeline
-from tephra.controller.stop import StopNow, StopSignal
-from tephra.controller.watchdog import Watchdog, check_stage_names
-from tephra.controller.worker_group import ResourcePool, WorkerGroup, ray_init
+from tephra.controller.loop.trainer import Trainer
+from tephra.controller.recipes import enabled_recipes
+from tephra.controller.run.checkpoints import CheckpointManager
+from tephra.controller.run.flops import model_shape
+from tephra.controller.run.models import load_tokenizer, named_model_folder, resolve_model_path
+from tephra.controller.step.rounds import Prompts
+from tephra.controller.workers.rl_worker import RLWorker, colocated_roles
+from tephra.controller.workers.rollout_replicas import RolloutReplicas
 from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
 from tephra.engine_api.multimodal import is_vision_config, supported_model_types

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tephra.controller.smollm2 import FOLDER_NAME as SMOLLM2_FOLDER
-from tephra.controller.smollm2 import smollm2_folder
+from tephra.controller.data.smollm2 import FOLDER_NAME as SMOLLM2_FOLDER
+from tephra.controller.data.smollm2 import smollm2_folder
 from tephra.core import cache_root
 from tephra.engine_api.errors import ConfigError
 from tephra.rollout.multimodal import build_tiny_vlm

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from tephra.controller.data import PromptLoader
+from tephra.controller.data.prompts import PromptLoader
 from tephra.controller.samples import PromptItem, Sample
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tephra.algos.policy_losses import POLICY_LOSSES
-from tephra.controller import worker_group
-from tephra.controller.checkpoints import MANIFEST, CheckpointManager
-from tephra.controller.models import declared_model_folder
+from tephra.controller.cluster import worker_group
 from tephra.controller.recipes import check_recipes
+from tephra.controller.run.checkpoints import MANIFEST, CheckpointManager
+from tephra.controller.run.models import declared_model_folder
 from tephra.core.errors import ConfigError
 from tephra.engine_api.fastest_dtype import resolve_dtype
 from tephra.engine_api.multimodal import declared_hf_config, family_name, supported_model_types
@@ -24,7 +24,7 @@ from tephra.rollout.registry import ROLLOUT_BACKENDS
 from tephra.rollout.weight_transport import Placement, choose_transport
 
 if TYPE_CHECKING:  # rl_config runs `validate` when a PPOConfig is built
-    from tephra.controller.rl_config import PPOConfig, ResourcesSection, TrainerSection
+    from tephra.controller.config.tree import PPOConfig, ResourcesSection, TrainerSection
 
 
 def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:

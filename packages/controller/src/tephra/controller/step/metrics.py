@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tephra.controller.rewarding import accuracy_of
-from tephra.controller.rounds import Round
 from tephra.controller.samples import Sample
+from tephra.controller.step.rounds import Round
+from tephra.controller.step.scoring import accuracy_of
 
 
 def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:

@@ -24,8 +24,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, OutOfMemoryError, RayActorError
 
-from tephra.controller.memory_kills import KNOBS, node_memory, oom_kills, ray_oom_usage
-from tephra.controller.stop import wait_sliced
+from tephra.controller.cluster.memory_kills import KNOBS, node_memory, oom_kills, ray_oom_usage
+from tephra.controller.cluster.stop import wait_sliced
 from tephra.core.errors import TephraError
 from tephra.engine_api.errors import ConfigError
 

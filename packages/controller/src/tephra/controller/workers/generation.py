@@ -18,9 +18,9 @@ from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer
 
-from tephra.controller.rewarding import Scorer
-from tephra.controller.rl_config import PPOConfig
+from tephra.controller.config.tree import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
+from tephra.controller.step.scoring import Scorer
 from tephra.engine_api.multimodal import image_token_id, is_vision_config, video_token_id
 from tephra.episodes.agent import AgentPrompt
 from tephra.episodes.episode import Episode, by_agent_name, run_episodes, run_to_completion

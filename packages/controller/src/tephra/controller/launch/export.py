@@ -1,8 +1,8 @@
 """Turn any saved checkpoint of a run into a Hugging Face folder, after the fact.
 
-    uv run python -m tephra.controller.export runs/ppo/checkpoints/step_20 out/hf [--role critic]
+    uv run python -m tephra.controller.launch.export runs/ppo/checkpoints/step_20 out/hf [--role critic]
     (roles: actor, critic, prime_rm)
-    uv run python -m tephra.controller.export runs/ppo/checkpoints/step_20 out/lora --adapter
+    uv run python -m tephra.controller.launch.export runs/ppo/checkpoints/step_20 out/lora --adapter
 
 The checkpoint's run folder holds the run's `config.yaml`; the engine named there is built on
 as many local CPU processes (gloo) as the run had ranks, in the same parallel layout (FSDP
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from tephra.controller.checkpoints import check_manifest
-from tephra.controller.models import resolve_model_path
-from tephra.controller.rl_config import PPOConfig
+from tephra.controller.config.tree import PPOConfig
+from tephra.controller.run.checkpoints import check_manifest
+from tephra.controller.run.models import resolve_model_path
 from tephra.core.config import from_dict
 from tephra.core.errors import CheckpointError, TephraError
 from tephra.engine_api.capabilities import Capability
@@ -108,7 +108,7 @@ def export_checkpoint(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m tephra.controller.export", description=__doc__.split("\n\n")[0]
+        prog="python -m tephra.controller.launch.export", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("checkpoint", help="a step_<N> folder under a run's checkpoints/")
     parser.add_argument("out", help="the Hugging Face folder to write")

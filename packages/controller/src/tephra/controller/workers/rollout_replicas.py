@@ -27,12 +27,12 @@ from typing import Any
 
 import ray
 
-from tephra.controller.dispatch import Dispatch, dispatch, share_bounds
-from tephra.controller.generation import Generator
-from tephra.controller.rl_config import PPOConfig
+from tephra.controller.cluster.dispatch import Dispatch, dispatch, share_bounds
+from tephra.controller.cluster.watchdog import Watchdog, sample_ids
+from tephra.controller.cluster.worker_group import ResourcePool, Worker, WorkerGroup
+from tephra.controller.config.tree import PPOConfig
 from tephra.controller.samples import PromptItem, Sample, set_score
-from tephra.controller.watchdog import Watchdog, sample_ids
-from tephra.controller.worker_group import ResourcePool, Worker, WorkerGroup
+from tephra.controller.workers.generation import Generator
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, receive_all
 
 

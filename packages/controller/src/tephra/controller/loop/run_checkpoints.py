@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tephra.algos import AdaptiveKLController, FixedKLController
-from tephra.controller.checkpoints import CheckpointManager
-from tephra.controller.data import PromptLoader
-from tephra.controller.generate_ahead import GenerateAhead
-from tephra.controller.rl_config import PPOConfig
-from tephra.controller.rounds import Prompts, read_pending, write_pending
+from tephra.controller.cluster.worker_group import WorkerGroup
+from tephra.controller.config.tree import PPOConfig
+from tephra.controller.data.prompts import PromptLoader
+from tephra.controller.loop.generate_ahead import GenerateAhead
+from tephra.controller.run.checkpoints import CheckpointManager
 from tephra.controller.samples import PromptItem
-from tephra.controller.worker_group import WorkerGroup
+from tephra.controller.step.rounds import Prompts, read_pending, write_pending
 
 
 class RunState(Protocol):

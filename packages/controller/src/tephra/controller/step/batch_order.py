@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tephra.controller.balance import balanced_order, max_over_min
-from tephra.controller.worker_group import WorkerGroup
+from tephra.controller.cluster.worker_group import WorkerGroup
+from tephra.controller.step.balance import balanced_order, max_over_min
 from tephra.engine_api.batch import KEEP_TOGETHER, units
 
 
@@ -42,7 +42,7 @@ class BatchOrder:
     ) -> dict[str, float]:
         """Choose the order in which this step's training batch goes to `dp` data-parallel
         ranks (`balance`: token-balanced within each of `mini_batches`,
-        `tephra.controller.balance`); returns the `balance/*` metrics (several data-parallel
+        `tephra.controller.step.balance`); returns the `balance/*` metrics (several data-parallel
         ranks only)."""
         self.order = self.inverse = None
         groups = units(batch)

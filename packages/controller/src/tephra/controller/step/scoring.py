@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tephra.controller.data import PromptRecord
+from tephra.controller.data.prompts import PromptRecord
 from tephra.core.errors import TephraError
 from tephra.episodes.rewards import RewardConfig, RewardInput, RewardManager
 

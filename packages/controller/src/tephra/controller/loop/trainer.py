@@ -44,24 +44,19 @@ from tensordict import TensorDict
 from tqdm import tqdm
 
 from tephra.algos import filter_groups
-from tephra.controller.async_stream import SampleStream, partial_rollout_metrics
-from tephra.controller.batch_order import BatchOrder
-from tephra.controller.data import PromptLoader, dataset_fingerprint
-from tephra.controller.evaluation import flat_metrics, summarise, write_jsonl
-from tephra.controller.flops import ModelShape, step_flops
-from tephra.controller.generate_ahead import GenerateAhead
-from tephra.controller.generation_dumps import validation_rows, write_train_samples
+from tephra.controller.cluster.stop import StopNow, StopSignal
+from tephra.controller.cluster.worker_failures import WORKER_FAILURES
+from tephra.controller.cluster.worker_group import WorkerGroup
+from tephra.controller.config.tree import PPOConfig
+from tephra.controller.data.prompts import PromptLoader, dataset_fingerprint
+from tephra.controller.loop.async_stream import SampleStream, partial_rollout_metrics
+from tephra.controller.loop.generate_ahead import GenerateAhead
+from tephra.controller.loop.recovery import Recovery
+from tephra.controller.loop.run_checkpoints import RunCheckpoints
 from tephra.controller.recipes import StepState, enabled_recipes
-from tephra.controller.recovery import Recovery
-from tephra.controller.rewarding import check_advantages, check_not_all_failed, check_rewards
-from tephra.controller.rl_config import PPOConfig
-from tephra.controller.rollout_mismatch import (
-    apply_rejection,
-    check_mismatch_alarm,
-    correct_old_log_probs,
-)
-from tephra.controller.rounds import Prompts, Round, round_seed
-from tephra.controller.run_checkpoints import RunCheckpoints
+from tephra.controller.run.evaluation import flat_metrics, summarise, write_jsonl
+from tephra.controller.run.flops import ModelShape, step_flops
+from tephra.controller.run.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.samples import (
     PromptItem,
     Sample,
@@ -70,16 +65,7 @@ from tephra.controller.samples import (
     samples_to_batch,
     set_score,
 )
-from tephra.controller.skip_flat import can_skip_flat, flat_groups
-from tephra.controller.step_metrics import (
-    StepTimer,
-    dynamic_sampling_metrics,
-    format_time_share,
-    staleness_metrics,
-    step_summary,
-    time_share,
-)
-from tephra.controller.step_rewards import (
+from tephra.controller.step.advantages import (
     kl_controller,
     kl_reward,
     length_shaping,
@@ -87,10 +73,24 @@ from tephra.controller.step_rewards import (
     reward_components,
     set_advantages,
 )
-from tephra.controller.stop import StopNow, StopSignal
-from tephra.controller.trackers import Trackers, plot_curves, read_jsonl
-from tephra.controller.worker_failures import WORKER_FAILURES
-from tephra.controller.worker_group import WorkerGroup
+from tephra.controller.step.batch_order import BatchOrder
+from tephra.controller.step.dumps import validation_rows, write_train_samples
+from tephra.controller.step.metrics import (
+    StepTimer,
+    dynamic_sampling_metrics,
+    format_time_share,
+    staleness_metrics,
+    step_summary,
+    time_share,
+)
+from tephra.controller.step.mismatch import (
+    apply_rejection,
+    check_mismatch_alarm,
+    correct_old_log_probs,
+)
+from tephra.controller.step.rounds import Prompts, Round, round_seed
+from tephra.controller.step.scoring import check_advantages, check_not_all_failed, check_rewards
+from tephra.controller.step.skip_flat import can_skip_flat, flat_groups
 from tephra.core.config import to_dict
 from tephra.rollout.base import SamplingParams
 
@@ -138,7 +138,7 @@ class Trainer:
         stop: StopSignal | None = None,
     ) -> None:
         self.stop = stop or StopSignal()
-        """Set by SIGINT / SIGTERM (`tephra.controller.stop`): the loop stops after the step in
+        """Set by SIGINT / SIGTERM (`tephra.controller.cluster.stop`): the loop stops after the step in
         progress."""
         self.cfg, self.wg, self.tok, self.train, self.val = cfg, wg, tokenizer, train, val
         self.run_dir = run_dir
@@ -152,7 +152,7 @@ class Trainer:
         self.peak_published = False
         """Whether `peak_flops` is the devices' published figure (else measured here)."""
         self.startup: dict[str, float] = {}
-        """Seconds of each start-up phase (`tephra.controller.startup`), for the summary."""
+        """Seconds of each start-up phase (`tephra.controller.cluster.startup`), for the summary."""
         a = cfg.algorithm
         self.needs_critic, self.needs_ref = a.needs("values"), cfg.needs_reference
         self.kl_ctrl = kl_controller(cfg)

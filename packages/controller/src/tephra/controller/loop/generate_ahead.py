@@ -8,11 +8,11 @@ from typing import Any, Protocol
 
 import ray
 
-from tephra.controller.data import PromptLoader
-from tephra.controller.rl_config import PPOConfig
-from tephra.controller.rounds import Prompts, Round
+from tephra.controller.cluster.worker_group import WorkerGroup
+from tephra.controller.config.tree import PPOConfig
+from tephra.controller.data.prompts import PromptLoader
 from tephra.controller.samples import PromptItem, Sample
-from tephra.controller.worker_group import WorkerGroup
+from tephra.controller.step.rounds import Prompts, Round
 from tephra.rollout.base import SamplingParams
 
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from tephra.controller.data import PromptRecord
-from tephra.controller.evaluation import EvalRow
+from tephra.controller.data.prompts import PromptRecord
+from tephra.controller.run.evaluation import EvalRow
 from tephra.controller.samples import Sample
 
 

@@ -1,0 +1,1 @@
+"""The RL trainer's typed config tree."""

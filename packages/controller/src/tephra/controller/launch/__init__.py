@@ -1,0 +1,1 @@
+"""Entry points: building a run from its config (ppo), preflight checks, export."""

@@ -1,0 +1,1 @@
+"""Services of every run: checkpoints, trackers, evaluation, FLOPs/MFU, model paths."""

@@ -1,0 +1,1 @@
+"""The parts of one RL step, by stage: rounds, scoring, advantages, batch order, metrics."""

@@ -1,0 +1,1 @@
+"""The rank side: the RL worker, generation and the rollout replica workers."""
