@@ -1,6 +1,7 @@
 """The imports of every module in the repository's packages and apps (read with `ast`, those
 under `TYPE_CHECKING` and inside functions included) form no circle, and every import between
-packages follows the workspace's dependency direction (nothing points back up)."""
+packages follows the workspace's dependency direction (nothing points back up); inside the
+controller, every import runs down its ordered layers of sub-packages (`LAYERS`)."""
 
 from __future__ import annotations
 
@@ -182,3 +183,73 @@ def test_the_checks_find_a_planted_circle_and_a_wrong_way_import(tmp_path):
     graph = graph_of(tmp_path)
     assert cycles(graph) == [["tephra.controller.a", "tephra.controller.b"]]
     assert wrong_way(graph) == ["tephra.algos.a -> tephra.controller.b (algos may import ['core'])"]
+
+
+# The controller's sub-packages from the bottom up: a module may import its own layer and the
+# layers before it, never a later one. `samples` is the transport types both sides share.
+CONTROLLER = "tephra.controller"
+LAYERS = [
+    "testing",  # helpers for tests of trainers; imports nothing of the controller
+    "data",  # prompt data, the built-in demo datasets and model
+    "samples",  # the typed objects between the driver and the workers
+    "cluster",  # worker groups, dispatch, watchdog, stop, start-up timeline: no RL
+    "run",  # checkpoints, trackers, evaluation, FLOPs, model paths
+    "config",  # the config tree
+    "step",  # the parts of one step, by stage
+    "recipes",  # hooks at the step's named stages
+    "workers",  # the rank side: RLWorker, generation, rollout replicas
+    "loop",  # the driver side: the Trainer and its parts
+    "launch",  # building a run from its config, preflight checks, export
+]
+
+
+def layer_of(module: str) -> int | None:
+    """The index in `LAYERS` of a controller module; None for the package's own `__init__` (its
+    public names, which may come from any layer)."""
+    if module == CONTROLLER:
+        return None
+    head = module[len(CONTROLLER) + 1 :].split(".")[0]
+    return LAYERS.index(head) if head in LAYERS else -1
+
+
+def controller_problems(graph: dict[str, set[str]]) -> list[str]:
+    """The controller's modules outside `LAYERS`, imports from a later layer or of the package's
+    own `__init__`, and import circles among its modules."""
+    ours = {m for m in graph if m == CONTROLLER or m.startswith(CONTROLLER + ".")}
+    bad = [f"{m}: in no layer of LAYERS" for m in sorted(ours) if layer_of(m) == -1]
+    for module in sorted(ours):
+        here = layer_of(module)
+        for dep in sorted(graph[module] & ours):
+            there = layer_of(dep)
+            if there is None:
+                bad.append(f"{module} -> {dep} (the package's __init__ is for users, not modules)")
+            elif here is not None and here != -1 and there > here:
+                bad.append(f"{module} -> {dep} ({LAYERS[here]} may not import {LAYERS[there]})")
+    sub = {m: graph[m] & ours for m in ours}
+    bad += ["circle: " + " <-> ".join(c) for c in cycles(sub)]
+    return bad
+
+
+def test_controller_layers_run_one_way():
+    graph = graph_of(ROOT)
+    assert sum(m.startswith(CONTROLLER + ".") for m in graph) > 50
+    bad = controller_problems(graph)
+    assert not bad, "controller imports against LAYERS:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_finds_a_back_import_and_a_circle():
+    """A cluster module importing the loop runs back up; two step modules importing each other
+    are a circle though they share a layer."""
+    graph = {
+        f"{CONTROLLER}.cluster.worker_group": {f"{CONTROLLER}.loop.trainer"},
+        f"{CONTROLLER}.loop.trainer": {f"{CONTROLLER}.step.a"},
+        f"{CONTROLLER}.step.a": {f"{CONTROLLER}.step.b"},
+        f"{CONTROLLER}.step.b": {f"{CONTROLLER}.step.a"},
+        f"{CONTROLLER}.extra": set(),
+    }
+    assert controller_problems(graph) == [
+        f"{CONTROLLER}.extra: in no layer of LAYERS",
+        f"{CONTROLLER}.cluster.worker_group -> {CONTROLLER}.loop.trainer"
+        " (cluster may not import loop)",
+        f"circle: {CONTROLLER}.step.a <-> {CONTROLLER}.step.b",
+    ]
