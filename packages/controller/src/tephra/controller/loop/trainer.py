@@ -1,8 +1,8 @@
 """The RL loop (`Trainer`): each stage is one call on the worker group; the driver only moves
-batches. Its parts live beside it: `rounds`, `rollout_mismatch`, `step_rewards`,
-`step_metrics`, `batch_order`, `generation_dumps`, `worker_failures`; the Trainer composes
-`generate_ahead` (one_step_off), `run_checkpoints` (save and resume) and `recovery` (a
-worker died).
+batches. The stages' parts live in `tephra.controller.step` (rounds, scoring, mismatch,
+advantages, batch order, dumps, metrics); the Trainer composes the parts beside it in `loop`:
+`generate_ahead` (one_step_off), `run_checkpoints` (save and resume) and `recovery` (a worker
+died).
 
     for step in steps:
         samples = wg.generate(prompts)                  # rollout engine, n samples/prompt;
