@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -29,6 +31,8 @@ TOOL_TURNS = 4  # scripted turns that call the tool; the fifth turn is the real 
 
 AGENTS = '''
 import json
+import re
+from pathlib import Path
 
 import anthropic
 import openai
@@ -298,3 +302,12 @@ def test_a_rewritten_history_is_refused_in_the_api_format(tokenizer, agents, tmp
 def test_bad_gateway_settings_are_refused_naming_the_field(field, value, message):
     with pytest.raises(ConfigError, match=message):
         GatewayConfig(**{field: value})
+
+
+def test_the_readme_gateway_example_runs(tokenizer, capsys):
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("## The gateway")
+    section = text[start : text.index("\n## ", start + 1)]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    exec(compile(block, "README.md", "exec"), {"tok": tokenizer})  # noqa: S102 (our own docs)
+    assert capsys.readouterr().out.splitlines()[-1] == "1.0 True"
