@@ -72,9 +72,9 @@ OPENAI_AGENT = """
 from openai import AsyncOpenAI
 
 
-async def agent(base_url, item):
+async def agent(gateway, item):
     \"\"\"Two turns through the OpenAI client; reward 1 when the last reply has odd length.\"\"\"
-    client = AsyncOpenAI(base_url=base_url, api_key="tephra", max_retries=0)
+    client = AsyncOpenAI(base_url=gateway.openai_base_url, api_key=gateway.api_key, max_retries=0)
     messages = list(item.messages)
     first = await client.chat.completions.create(model="policy", messages=messages)
     messages += [

@@ -277,7 +277,7 @@ def test_unsupported_combinations_are_refused(override, field):
 
 def test_a_black_box_agent_with_images_is_refused(tmp_path):
     agent = tmp_path / "agent.py"
-    agent.write_text("def agent(base_url, item):\n    return None\n")
+    agent.write_text("def agent(gateway, item):\n    return None\n")
     with pytest.raises(ConfigError, match="prompts with images.*endpoint does not take images"):
         parse_config(
             [

@@ -1,5 +1,5 @@
-"""Black-box agents through the OpenAI-compatible endpoint, with the real `openai` client:
-the trajectory's tokens are exactly what the endpoint served (model turns) and appended (the
+"""Black-box agents through the gateway's Chat Completions API, with the real `openai` client:
+the trajectory's tokens are exactly what the gateway served (model turns) and appended (the
 template's delta for tool / user messages), compared with the rollout's own records; tool
 calls come back as OpenAI tool_calls; history rewrites are refused; the hf backend serves."""
 
@@ -29,9 +29,9 @@ TOOLS = [{"type": "function", "function": {"name": "multiply", "description": "a
     "b": {"type": "integer"}}}}}]
 
 
-async def agent(base_url, item):
+async def agent(gateway, item):
     """Ask; run the tool calls the policy makes locally; ask again; reward 1 for "42"."""
-    client = AsyncOpenAI(base_url=base_url, api_key="tephra", max_retries=0)
+    client = AsyncOpenAI(base_url=gateway.openai_base_url, api_key=gateway.api_key, max_retries=0)
     messages = list(item.messages)
     for _ in range(3):
         reply = await client.chat.completions.create(
@@ -49,11 +49,11 @@ async def agent(base_url, item):
     return 0.0
 
 
-def rewriter(base_url, item):
+def rewriter(gateway, item):
     """A synchronous agent that edits the served answer before sending it back."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=base_url, api_key="tephra", max_retries=0)
+    client = OpenAI(base_url=gateway.openai_base_url, api_key=gateway.api_key, max_retries=0)
     messages = list(item.messages)
     reply = client.chat.completions.create(model="policy", messages=messages)
     messages.append({"role": "assistant", "content": "edited"})
@@ -76,7 +76,7 @@ def agent_file(tmp_path):
     return path
 
 
-def test_trained_tokens_are_what_the_endpoint_served(tokenizer, agent_file):
+def test_trained_tokens_are_what_the_gateway_served(tokenizer, agent_file):
     call = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
     model = ScriptedRollout(tokenizer, lambda s, k: [f"Let me multiply. {call}", "It is 42."][k])
     loop = EPISODES.get("openai_agent")(

@@ -11,8 +11,8 @@ EPISODES: Registry[EpisodeFactory] = Registry("agent loop")
 """Episode factories by name: `single_turn` (one model turn), `tool_agent` (model turns and
 tool calls until an answer or a budget), `environment` (any environment of
 `tephra.episodes.environments`, named by `AgentLoopConfig.environment`), `openai_agent` (a
-black-box agent, `AgentLoopConfig.openai_agent`, through an OpenAI-compatible endpoint); each `factory(tokenizer, config, tools)`. Its kind in
-messages is "agent loop", the name users choose it by (`rollout.agent_loop`)."""
+black-box agent, `AgentLoopConfig.openai_agent`, through the gateway's OpenAI or Anthropic
+APIs); each `factory(tokenizer, config, tools)`. Its kind in messages is "agent loop", the name users choose it by (`rollout.agent_loop`)."""
 EPISODES.register("single_turn", SingleTurnAgentLoop)
 EPISODES.register("tool_agent", ToolAgentLoop)
 EPISODES.register("environment", EnvironmentLoop)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tephra.core.errors import ConfigError
+from tephra.episodes.gateway.config import GatewayConfig
 
 if TYPE_CHECKING:
     from tephra.episodes.tools.base import Tool
@@ -99,8 +100,11 @@ class AgentLoopConfig:
     ones come from `AgentPrompt.interaction_kwargs`)."""
     openai_agent: str = ""
     """The agent of the `openai_agent` episode: `path/to/agent.py:function`, called as
-    `function(base_url, item)` with an OpenAI-compatible endpoint served by the policy.
-    Unused by the other episodes."""
+    `function(gateway, item)` where `gateway` (`tephra.episodes.gateway.GatewayAccess`) holds
+    the gateway's URLs for OpenAI and Anthropic clients and the trajectory's API key. Unused
+    by the other episodes."""
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    """Where the gateway of the `openai_agent` episode listens (host, port)."""
     tool_timeout_s: float | None = None
     """Deadline of one tool call in seconds; on expiry the trajectory ends with finish
     reason `tool_timeout`. None: no deadline (the tool's own limits apply)."""

@@ -1,6 +1,6 @@
-"""The `openai_agent` episode: a black-box agent (a user's function written against the
-OpenAI chat-completions API) drives the policy through a per-trajectory endpoint that records
-the exact tokens it serves."""
+"""The `openai_agent` episode: a black-box agent (a user's function written against the OpenAI
+Chat Completions or Responses API, or the Anthropic Messages API) drives the policy through the
+gateway, with its trajectory's own API key; the gateway records the exact tokens it serves."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent.base import AgentPrompt
 from tephra.episodes.agent.loops import TIMEOUTS, _TokenLoop, _Trajectory
-from tephra.episodes.agent.openai_endpoint import EndpointSession, serve
+from tephra.episodes.gateway.server import shared_gateway
+from tephra.episodes.gateway.session import TrajectorySession
 from tephra.episodes.user_files import import_file
 from tephra.rollout.base import Rollout, SamplingParams
 from tephra.rollout.samples import Sample
@@ -39,19 +40,21 @@ def load_agent_function(spec: str) -> Callable[..., Any]:
         raise ConfigError(f"{where}: {file} defines no function {name!r}")
     if len(inspect.signature(fn).parameters) < 2:
         raise ConfigError(
-            f"{where}: {name} must take (base_url, item): the endpoint's URL for an OpenAI "
-            "client and the prompt item (AgentPrompt)"
+            f"{where}: {name} must take (gateway, item): the gateway's address and this "
+            "trajectory's key (tephra.episodes.gateway.GatewayAccess: openai_base_url, "
+            "anthropic_base_url, api_key) and the prompt item (AgentPrompt)"
         )
     return fn
 
 
 class OpenAIAgentLoop(_TokenLoop):
-    """Runs `config.openai_agent` (`path.py:function`) as `agent(base_url, item)`: an `async
-    def` is awaited, a plain function runs in a thread. It talks to the policy with any
-    OpenAI client (`AsyncOpenAI(base_url=base_url, api_key="tephra")`), runs its own tools,
-    and returns a float (the trajectory's reward, `Sample.env_reward`) or None (the reward
-    scorer scores the last served answer). The trajectory is what the endpoint served and
-    appended (`tephra.episodes.agent.openai_endpoint`). An agent that raises ends its
+    """Runs `config.openai_agent` (`path.py:function`) as `agent(gateway, item)`: an `async
+    def` is awaited, a plain function runs in a thread. It talks to the policy through the
+    gateway (`tephra.episodes.gateway`) with any OpenAI or Anthropic client
+    (`AsyncOpenAI(base_url=gateway.openai_base_url, api_key=gateway.api_key)`), runs its own
+    tools, and returns a float (the trajectory's reward, `Sample.env_reward`) or None (the
+    reward scorer scores the last served answer). The trajectory is what the gateway served
+    and appended for the trajectory's key. An agent that raises ends its
     trajectory with `agent_error` (reward 0, the error in `extra_info["agent_error"]`);
     `trajectory_timeout_s` bounds the whole agent, `turn_timeout_s` each served turn."""
 
@@ -64,17 +67,21 @@ class OpenAIAgentLoop(_TokenLoop):
         agent = load_agent_function(cfg.openai_agent)
         run = self.begin(rollout, sampling)
         traj = _Trajectory([], list(sample.messages))
-        session = EndpointSession(self, run, rollout, sample.sample_id, traj)
+        session = TrajectorySession(self, run, rollout, sample.sample_id, traj)
         reward: Any = None
         info: dict[str, Any] = {}
         finish = None
         try:
             async with asyncio.timeout(cfg.trajectory_timeout_s):
-                async with serve(session) as base_url:
-                    if inspect.iscoroutinefunction(agent):
-                        reward = await agent(base_url, sample)
-                    else:
-                        reward = await asyncio.to_thread(agent, base_url, sample)
+                async with shared_gateway(cfg.gateway) as gateway:
+                    access = gateway.open(session)
+                    try:
+                        if inspect.iscoroutinefunction(agent):
+                            reward = await agent(access, sample)
+                        else:
+                            reward = await asyncio.to_thread(agent, access, sample)
+                    finally:
+                        gateway.close(access.api_key)
         except TimeoutError:
             finish = "trajectory_timeout"
         except Exception as exc:  # the agent's own failure ends its trajectory, not the step

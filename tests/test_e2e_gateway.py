@@ -1,0 +1,181 @@
+"""An agent written with the OpenAI Agents SDK (`openai-agents`, its default Responses model)
+calls the policy through the gateway: in process, its function tool round-trips (the call the
+policy wrote runs in the SDK, its result reaches the next context) and the trajectory holds
+the served tokens; through the PPO app, two GRPO steps train on its turns (each dumped sample's
+model turns, decoded, are the texts the agent received); bad gateway settings are refused when
+the config loads, before Ray starts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+from transformers import AutoTokenizer
+
+from tephra.apps.ppo.main import parse_config, run
+from tephra.controller.models import resolve_model_path
+from tephra.controller.trackers import read_jsonl
+from tephra.core.errors import ConfigError
+from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
+from tephra.episodes.registry import EPISODES
+from tephra.rollout.base import SamplingParams
+from tephra.rollout.testing import ScriptedRollout
+
+pytest.importorskip("agents")  # openai-agents: a dev dependency, the agent's, not tephra's
+
+AGENT = '''
+import json
+import pathlib
+
+from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_tracing_disabled(True)  # no trace export (no network here)
+RECORDS = pathlib.Path({records!r})
+
+
+@function_tool
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+async def agent(gateway, item):
+    """Two runs of an Agents-SDK agent, the second continuing the first's conversation; the
+    texts it received are written down for the test."""
+    client = AsyncOpenAI(base_url=gateway.openai_base_url, api_key=gateway.api_key,
+                         max_retries=0)
+    model = OpenAIResponsesModel(model="policy", openai_client=client)
+    bot = Agent(name="calc", model=model, tools=[multiply] if {tools} else [])
+    first = await Runner.run(bot, list(item.messages), max_turns=4)
+    again = first.to_input_list() + [{{"role": "user", "content": "Once more."}}]
+    second = await Runner.run(bot, again, max_turns=4)
+    texts = [
+        "".join(c.text for o in r.output if o.type == "message" for c in o.content)
+        for result in (first, second)
+        for r in result.raw_responses
+    ]
+    outputs = [o.model_dump() for result in (first, second) for r in result.raw_responses
+               for o in r.output]
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    (RECORDS / f"{{item.sample_id}}.json").write_text(json.dumps(
+        {{"texts": texts, "outputs": outputs, "final": second.final_output}}))
+    return float(len(second.final_output.strip()) % 2)
+'''
+
+
+def model_turns(row_ids: list[int], mask: list[int]) -> list[list[int]]:
+    """The model turns (runs of mask 1) of a response."""
+    turns: list[list[int]] = []
+    for k, (t, m) in enumerate(zip(row_ids, mask)):
+        if m:
+            if k == 0 or not mask[k - 1]:
+                turns.append([])
+            turns[-1].append(t)
+    return turns
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tephra.rollout.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def test_an_agents_sdk_tool_call_round_trips_through_the_gateway(tmp_path, tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model.path)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    agent = tmp_path / "sdk_agent.py"
+    agent.write_text(AGENT.format(records=str(tmp_path / "records"), tools=True))
+    call = json.dumps({"name": "multiply", "arguments": {"a": 6, "b": 7}})
+    script = [f"<tool_call>{call}</tool_call>", "It is 42.", "Still 42."]
+    model = ScriptedRollout(tok, lambda s, k: script[k])
+    loop = EPISODES.get("openai_agent")(
+        tok, AgentLoopConfig(openai_agent=f"{agent}:agent", max_response_tokens=512)
+    )
+    item = AgentPrompt([{"role": "user", "content": "6 * 7?"}], sample_id="sdk-0")
+    traj = asyncio.run(loop.run(model, item, SamplingParams(temperature=1.0, max_tokens=64)))
+    assert traj.finish_reason == "stop", traj.extra_info.get("agent_error")
+    record = json.loads((tmp_path / "records" / "sdk-0.json").read_text())
+    assert record["final"] == "Still 42." and traj.env_reward == 1.0  # len 9: odd
+    assert record["texts"] == script
+    calls = [o for o in record["outputs"] if o["type"] == "function_call"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("multiply", {"a": 6, "b": 7})
+    ]
+    assert (traj.num_turns, traj.tool_calls) == (3, 1)
+    turns = model_turns(traj.response_ids, traj.response_mask)
+    assert turns == [gen.response_ids for _, _, gen in model.requests]
+    # the SDK ran the tool and sent its output back: the tool turn holds 42
+    (_, ctx1, _) = model.requests[1]
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode(ctx1[len(traj.prompt_ids) :])
+    # the second run re-sent the whole conversation (the SDK's own items), accepted as history
+    assert [m["role"] for m in traj.messages] == [
+        "user", "assistant", "tool", "assistant", "user", "assistant"
+    ]
+
+
+@pytest.mark.multiproc
+def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path):
+    import ray
+
+    from tephra.controller.worker_group import ray_init
+
+    records = tmp_path / "records"
+    agent = tmp_path / "sdk_agent.py"
+    agent.write_text(AGENT.format(records=str(records), tools=False))
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "rollout.agent_loop=openai_agent",
+            f"rollout.agent.openai_agent={agent}:agent",
+            "rollout.agent.max_response_tokens=96",
+            "trainer.dump_generations=1",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    ray_init(num_cpus=2)
+    try:
+        summary = run(cfg)
+    finally:
+        ray.shutdown()
+    assert summary["steps"] == 2
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path, cfg.trainer.seed))
+    received = [json.loads(p.read_text()) for p in records.glob("*.json")]
+    assert len(received) == 2 * cfg.batch.samples_per_step
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    dumped = {
+        step: [
+            json.loads(line)
+            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+        for step in (1, 2)
+    }
+    for step, r in zip((1, 2), train):
+        rows = dumped[step]
+        assert len(rows) == cfg.batch.samples_per_step
+        for row in rows:  # two served turns around the SDK's user turn, the agent's reward
+            turns = model_turns(row["response_ids"], row["response_mask"])
+            assert len(turns) == 2
+            assert row["score"] == float(len(row["answer"]) % 2)
+        assert r["agent/turns_mean"] == 2.0 and math.isfinite(r["actor/grad_norm"])
+    # each trained sample is one the agent ran: its model turns decode to the texts it got
+    def decoded(row: dict) -> list[str]:
+        return [
+            tok.decode(t[:-1] if t[-1] == tok.eos_token_id else t, skip_special_tokens=False)
+            for t in model_turns(row["response_ids"], row["response_mask"])
+        ]
+
+    trained = sorted(json.dumps(decoded(row)) for rows in dumped.values() for row in rows)
+    assert trained == sorted(json.dumps(r["texts"]) for r in received)
+
+
+def test_bad_gateway_settings_are_refused_when_the_config_loads():
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.gateway\.port=70000 must be a TCP"):
+        parse_config(["-p", "smoke", "rollout.agent.gateway.port=70000"])
