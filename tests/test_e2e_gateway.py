@@ -15,8 +15,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.models import resolve_model_path
-from tephra.controller.trackers import read_jsonl
+from tephra.controller.run.models import resolve_model_path
+from tephra.controller.run.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
 from tephra.episodes.registry import EPISODES
@@ -121,7 +121,7 @@ def test_an_agents_sdk_tool_call_round_trips_through_the_gateway(tmp_path, tiny_
 def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path):
     import ray
 
-    from tephra.controller.worker_group import ray_init
+    from tephra.controller.cluster.worker_group import ray_init
 
     records = tmp_path / "records"
     agent = tmp_path / "sdk_agent.py"
