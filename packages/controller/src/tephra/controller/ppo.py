@@ -48,6 +48,7 @@ from tephra.controller.rl_loop import Trainer
 from tephra.controller.rl_worker import RLWorker, colocated_roles
 from tephra.controller.rollout_replicas import RolloutReplicas
 from tephra.controller.rounds import Prompts
+from tephra.controller.server_probes import check_server_urls
 from tephra.controller.startup import Timeline
 from tephra.controller.stop import StopNow, StopSignal
 from tephra.controller.watchdog import Watchdog, check_stage_names
@@ -179,8 +180,9 @@ class Prepared:
 def prepare(cfg: PPOConfig) -> Prepared:
     """Check the config's sections together (`validate`; a `PPOConfig` built without the
     app's `parse_config` is checked here too), resolve the model, tools and data; tokenise the
-    prompts. Fails before Ray starts."""
+    prompts; probe the running servers it names. Fails before Ray starts."""
     validate(cfg)
+    check_server_urls(cfg)  # here, not at config load: `--print-config` needs no server
     model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
     if named_model_folder(cfg.model.path) is not None:
         check_engine_support(cfg, model_path)  # built just now: its shape was not known yet
