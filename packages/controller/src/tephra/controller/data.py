@@ -46,6 +46,8 @@ class PromptRecord:
     """The environment's arguments for this row (verl's `extra_info.interaction_kwargs`)."""
     agent_name: str | None = None
     """The episode that runs this row (verl's `agent_name` column); None: the configured one."""
+    origin: str = ""
+    """Where the row comes from (`row 17 of train.parquet`), for error messages."""
 
 
 _UNUSED_TOOL_KWARGS = ("execute_kwargs", "calc_reward_kwargs", "release_kwargs")
@@ -143,7 +145,14 @@ def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord
         raise fail("extra_info", f"is {type(extra).__name__}, not a dict (or a JSON object)")
     tool_kwargs, interaction_kwargs, agent_name = agentic_fields(row, extra, fail)
     return PromptRecord(
-        messages, source, truth, dict(extra), tool_kwargs, interaction_kwargs, agent_name
+        messages,
+        source,
+        truth,
+        dict(extra),
+        tool_kwargs,
+        interaction_kwargs,
+        agent_name,
+        origin=f"row {index} of {where}",
     )
 
 
