@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import http.server
 import json
 import logging
 import re
@@ -18,6 +19,7 @@ import shutil
 import socket
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -1515,3 +1517,107 @@ def test_trainer_counts_reward_timeouts_and_clipped_scores(tmp_path):
         2.0,
         2.0,
     )
+
+
+def _raising(error: BaseException) -> Callable:
+    def run(cfg):
+        raise error
+
+    return run
+
+
+@pytest.mark.parametrize("app", ["ppo", "sft", "eval"])
+def test_a_workers_tephra_error_is_one_line_of_the_app(app, monkeypatch, capsys):
+    """Ray re-raises a worker's error in the driver as a RayTaskError whose text is the
+    worker's traceback; the apps print the tephra error's own line (exit 2), whether Ray made
+    the subclass of both or not, and leave other errors as they are."""
+    import importlib
+
+    from ray.exceptions import RayTaskError
+
+    from tephra.episodes.agent.environment_guard import EnvironmentFailure
+
+    main = importlib.import_module(f"tephra.apps.{app}.main")
+    cause = EnvironmentFailure(
+        "environment 'fragile' raised in step at turn 2 of row 2 of train.parquet (sample "
+        "'step0-2-0'): ValueError: no square 'Z9'; fix the environment, or set "
+        "rollout.agent.environment_errors=drop"
+    )
+    traceback = 'Traceback (most recent call last):\n  File "rl_worker.py", line 1\n' + str(cause)
+    subclass = RayTaskError("RLWorker.generate", traceback, cause).as_instanceof_cause()
+    assert isinstance(subclass, EnvironmentFailure) and "rl_worker.py" in str(subclass)
+    plain = RayTaskError("RLWorker.generate", traceback, cause)  # no subclass of the cause
+    for error in (subclass, plain):
+        monkeypatch.setattr(main, "run", _raising(error))
+        with pytest.raises(SystemExit) as info:
+            main.main(["-p", "smoke"])
+        assert info.value.code == 2
+        assert capsys.readouterr().err == f"error: {cause}\n"
+    other = RayTaskError("RLWorker.generate", traceback, ValueError("a bug")).as_instanceof_cause()
+    monkeypatch.setattr(main, "run", _raising(other))
+    with pytest.raises(ValueError) as raised:
+        main.main(["-p", "smoke"])
+    assert raised.value is other
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    """A judge server's /health: 200 on /health, 404 elsewhere."""
+
+    def do_GET(self):  # noqa: N802 (the stdlib's name)
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def health_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_judge_url_probe(health_server):
+    """A running server passes the probe (also several, comma-separated); a port nothing
+    listens on is refused at once; an address that never answers is refused within the
+    probe's timeout, not the operating system's."""
+    import time
+
+    from tephra.controller.server_probes import check_server_url, check_server_urls
+
+    cfg = _parse(
+        "reward.judge.model_path=" + str(_tiny_judge()),
+        "reward.judge.backend=vllm",
+        f"reward.judge.vllm.url={health_server},{health_server}/",
+    )
+    check_server_urls(cfg)  # answers: no error
+    dead = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(ConfigError, match=r"^reward.judge.vllm.url=.*nothing answers at "):
+        check_server_url("reward.judge.vllm.url", f"{health_server},{dead}")
+    with socket.socket() as silent:  # listens, never accepts: a request waits for its timeout
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        filler = socket.create_connection(silent.getsockname())  # fills the backlog
+        try:
+            start = time.perf_counter()
+            with pytest.raises(ConfigError, match=r"within 0.5 s \((timeout|TimeoutError)"):
+                check_server_url(
+                    "rollout.vllm.url", f"http://127.0.0.1:{silent.getsockname()[1]}", 0.5
+                )
+            assert time.perf_counter() - start < 3
+        finally:
+            filler.close()
+    with pytest.raises(ConfigError, match=r"'ftp://h:1' is not an http\(s\) URL"):
+        check_server_url("reward.judge.vllm.url", "ftp://h:1")
+
+
+def _tiny_judge() -> str:
+    from tephra.controller.models import resolve_model_path
+
+    return resolve_model_path("tiny")
