@@ -51,6 +51,7 @@ from tephra.controller.evaluation import flat_metrics, summarise, write_jsonl
 from tephra.controller.flops import ModelShape, step_flops
 from tephra.controller.generate_ahead import GenerateAhead
 from tephra.controller.generation_dumps import validation_rows, write_train_samples
+from tephra.controller.memory_metrics import memory_metrics, process_memory
 from tephra.controller.recipes import StepState, enabled_recipes
 from tephra.controller.recovery import Recovery
 from tephra.controller.rewarding import check_advantages, check_not_all_failed, check_rewards
@@ -606,6 +607,8 @@ class Trainer:
             )
         )
         metrics.update(timer.times)
+        ranks = [stats for group in self.groups() for stats in group.memory_stats()]
+        metrics.update(memory_metrics(process_memory(), ranks))
         if self.multi_turn:
             metrics.update(agent_metrics(state.samples))
         if cfg.algorithm.dynamic_sampling:

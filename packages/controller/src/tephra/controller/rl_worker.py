@@ -45,6 +45,7 @@ from tephra.algos import ActorObjective, CriticObjective
 from tephra.controller.dispatch import Dispatch, dispatch
 from tephra.controller.flops import device_peak
 from tephra.controller.generation import Generator
+from tephra.controller.memory_metrics import process_memory
 from tephra.controller.models import resolve_model_path
 from tephra.controller.recipes import enabled_recipes
 from tephra.controller.rl_config import PPOConfig
@@ -443,6 +444,11 @@ class RLWorker(Worker):
         if prefix is not None:
             Path(prefix).parent.mkdir(parents=True, exist_ok=True)
         self._profile_prefix = prefix
+
+    @dispatch(Dispatch.BROADCAST)
+    def memory_stats(self) -> dict[str, float]:
+        """This rank's memory (`memory_metrics.process_memory`): RSS, CUDA peaks."""
+        return process_memory()
 
     @dispatch(Dispatch.BROADCAST)
     def peak_flops(self) -> tuple[float, bool]:
