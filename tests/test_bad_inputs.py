@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import http.server
 import json
 import logging
 import re
@@ -18,6 +19,7 @@ import shutil
 import socket
 import sys
 import textwrap
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -547,6 +549,167 @@ def nan_advantages(tmp, mp):
     check_advantages(adv, mask, rnd.kept_names())
 
 
+# ----- issue #59: the last slow or silent bad inputs ---------------------------------------
+HANGS_ON_SOME = """
+import threading
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "hang":
+        threading.Event().wait()  # never set: the call never returns
+    return 1.0
+"""
+
+
+def reward_step_deadline(tmp, mp):
+    """Three hung samples with a per-sample limit of 20 s: one after another they would hold
+    the batch 60 s; the batch's deadline (0.5 s) scores them as timeouts within about 0.5 s."""
+    import time
+
+    from tephra.controller.data.prompts import PromptRecord
+    from tephra.controller.step.scoring import Scorer
+    from tephra.episodes.rewards import RewardConfig
+
+    reward_file = _file(tmp, "reward.py", HANGS_ON_SOME)
+    config = RewardConfig(
+        custom_function_path=str(reward_file),
+        executor="serial",
+        timeout_s=20.0,
+        step_timeout_s=0.5,
+    )
+    scorer = Scorer(config)
+    record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
+    start = time.perf_counter()
+    results = scorer.score(["2", "hang", "hang", "hang"], [record] * 4)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 5.0, f"scoring took {elapsed:.1f} s, not bounded by the 0.5 s deadline"
+    assert [score for score, _ in results] == [1.0, 0.0, 0.0, 0.0]
+    report = scorer.manager.last_report
+    assert report.as_metrics()["reward/timeouts"] == 3.0 == report.num_errors
+    return Skipped(report.num_timeouts, "\n".join(e for _, e in results if e))
+
+
+def vocab_below_tokenizer(tmp, mp):
+    folder = _tiny_copy(tmp)
+    config = json.loads((folder / "config.json").read_text())
+    config["vocab_size"] = 300  # the tiny tokenizer has 384 tokens
+    (folder / "config.json").write_text(json.dumps(config))
+    _prepare(tmp, [_row(), _row()], f"model.path={folder}")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:  # bound, never listening: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def unreachable_judge(tmp, mp):
+    import ray
+
+    from tephra.controller.run.models import resolve_model_path
+
+    try:
+        _prepare(
+            tmp,
+            [_row(), _row()],
+            f"reward.judge.model_path={resolve_model_path('tiny')}",
+            "reward.judge.backend=vllm",
+            f"reward.judge.vllm.url=http://127.0.0.1:{_free_port()}",
+        )
+    finally:
+        assert not ray.is_initialized()
+
+
+ENV_FILE = """
+from tephra.episodes.environments import Environment, StepResult
+
+
+class Fragile(Environment):
+    \"\"\"Answers `again` until turn `fail_at`, where it raises; or answers `size` characters.\"\"\"
+
+    async def step(self, action):
+        self.turn = getattr(self, "turn", 0) + 1
+        if self.turn == self.kwargs.get("fail_at"):
+            raise ValueError("the board has no square 'Z9'")
+        if self.turn == 3:
+            return StepResult(reward=1.0, done=True)
+        return StepResult([{"role": "user", "content": "x" * self.kwargs.get("size", 5)}])
+"""
+
+
+def _episode(tmp: Path, **agent: Any):
+    """The real environment loop (tiny tokenizer, a scripted model) over `Fragile`, on one
+    item read from a parquet row (its origin names the row)."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from tephra.controller.data.prompts import load_parquet
+    from tephra.controller.run.models import resolve_model_path
+    from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
+    from tephra.episodes.registry import EPISODES
+    from tephra.rollout.base import SamplingParams
+    from tephra.rollout.testing import ScriptedRollout
+
+    (tmp / "fragile_env.py").write_text(ENV_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    kwargs = agent.pop("kwargs")
+    cfg = AgentLoopConfig(
+        max_turns=4,
+        max_response_tokens=4000,
+        environment=f"{tmp / 'fragile_env.py'}:Fragile",
+        environment_kwargs=kwargs,
+        **agent,
+    )
+    record = load_parquet(_parquet(tmp, _row(), _row(), _row()))[2]
+    item = AgentPrompt(list(record.prompt), sample_id="step0-2-0", origin=record.origin)
+    model = ScriptedRollout(tokenizer, lambda s, k: "ok")
+    start = time.perf_counter()
+    sample = asyncio.run(
+        EPISODES.get("environment")(tokenizer, cfg).run(
+            model, item, SamplingParams(temperature=0.0, max_tokens=8)
+        )
+    )
+    return sample, time.perf_counter() - start
+
+
+def environment_raises(policy: str) -> Callable:
+    def run(tmp, mp):
+        from tephra.controller.samples import agent_metrics
+
+        sample, _ = _episode(tmp, kwargs={"fail_at": 2}, environment_errors=policy)
+        # only `drop` gets here: the trajectory trains nothing and is counted
+        assert sample.dropped and not any(sample.response_mask) and sample.env_reward == 0.0
+        metrics = agent_metrics([sample])
+        assert metrics["agent/environment_errors"] == 1.0 == metrics["agent/dropped"]
+        return Skipped(
+            int(metrics["agent/environment_errors"]), sample.extra_info["environment_error"]
+        )
+
+    return run
+
+
+def oversized_observation(policy: str) -> Callable:
+    def run(tmp, mp):
+        from tephra.controller.samples import agent_metrics
+
+        # 10 MB per turn, as in the issue; with the limit it costs milliseconds, not minutes
+        sample, elapsed = _episode(
+            tmp,
+            kwargs={"size": 10_000_000},
+            max_observation_chars=1000,
+            oversize_observation=policy,
+            environment_errors="stop",
+        )
+        assert elapsed < 30, f"the episode took {elapsed:.0f} s"
+        user_turns = [m["content"] for m in sample.messages if m["role"] == "user"][1:]
+        assert [len(t.split("\n")[0]) for t in user_turns] == [1000, 1000]
+        metrics = agent_metrics([sample])
+        return Skipped(int(metrics["agent/observations_truncated"]), user_turns[0][1000:])
+
+    return run
+
+
 LOGGED = r"reward scoring: 2 of 2 items failed and scored 0.0 \(by data_source: \{'my_task': 2\}\)"
 """The manager's warning for a batch whose scorer failed (the first traceback is logged too)."""
 
@@ -1030,6 +1193,88 @@ CASES = [
             r"set reward.clip=\[low,high\]",
         ),
     ),
+    # --- issue #59: the last slow or silent bad inputs
+    Case(
+        "reward function that hangs on some samples: the batch's deadline",
+        reward_step_deadline,
+        None,
+        (
+            r"RewardTimeout: scorer 'custom' on data_source 'my_task': not scored before the "
+            r"batch's deadline reward.step_timeout_s=0.5 s",
+            r"raise reward.step_timeout_s \(null: no deadline for the batch\)",
+        ),
+        skipped=3,
+    ),
+    Case(
+        "empty prompts",
+        _load_parquet(
+            _row(),
+            _row(prompt=[{"role": "user", "content": "  "}]),
+            _row(),
+            _row(prompt=[{"role": "system", "content": ""}, {"role": "user", "content": "\n"}]),
+        ),
+        "DatasetError",
+        (
+            r"^2 of 4 prompts of .*train.parquet are empty \(no text in any message\): rows 1, 3; "
+            r"give each row's 'prompt' a question, or remove those rows$",
+        ),
+    ),
+    Case(
+        "model vocab_size below the tokenizer's",
+        vocab_below_tokenizer,
+        ConfigError,
+        (
+            r"^model.path='.*model': config.json has vocab_size=300, below the tokenizer's 384 "
+            r"tokens \(ids 300..383 have no embedding row\)",
+            r"resize its embeddings \(model.resize_token_embeddings\(len\(tokenizer\)\), then "
+            r"save_pretrained\) so that vocab_size >= 384$",
+        ),
+    ),
+    Case(
+        "unreachable judge URL",
+        unreachable_judge,
+        ConfigError,
+        (
+            r"^reward.judge.vllm.url='http://127.0.0.1:(\d+)': nothing answers at "
+            r"http://127.0.0.1:\1 within 5 s \(ConnectionRefusedError: ",
+            r"start the server there, correct the URL, or set reward.judge.vllm.url=null",
+        ),
+    ),
+    Case(
+        "environment raises in step (stop)",
+        environment_raises("stop"),
+        "EnvironmentFailure",
+        (
+            r"^environment '.*fragile_env.py:Fragile' raised in step at turn 2 of row 2 of "
+            r"train.parquet \(sample 'step0-2-0'\): ValueError: the board has no square 'Z9'; "
+            r"fix the environment, or set rollout.agent.environment_errors=drop",
+        ),
+    ),
+    Case(
+        "environment raises in step (drop)",
+        environment_raises("drop"),
+        None,
+        (r"raised in step at turn 2 of row 2 of train.parquet .*ValueError: the board",),
+        skipped=1,
+    ),
+    Case(
+        "observation of 10 MB (truncate)",
+        oversized_observation("truncate"),
+        None,
+        (r"\[observation truncated: 9999000 of 10000000 characters removed\]",),
+        skipped=2,
+    ),
+    Case(
+        "observation of 10 MB (refuse)",
+        oversized_observation("refuse"),
+        "EnvironmentFailure",
+        (
+            r"^environment '.*Fragile' returned an observation of 10000000 characters after turn "
+            r"1 of row 2 of train.parquet \(sample 'step0-2-0'\), beyond "
+            r"rollout.agent.max_observation_chars=1000; .* or set "
+            r"rollout.agent.oversize_observation=truncate$",
+        ),
+    ),
 ]
 
 
@@ -1192,6 +1437,9 @@ class CannedWorkers:
     def call(self, method, *args):  # the trainer's DP-split calls go through `call`
         return getattr(self, method)(*args)
 
+    def memory_stats(self):
+        return [{"rss_gib": 1.0}]
+
     def sync_weights(self):
         pass
 
@@ -1272,3 +1520,107 @@ def test_trainer_counts_reward_timeouts_and_clipped_scores(tmp_path):
         2.0,
         2.0,
     )
+
+
+def _raising(error: BaseException) -> Callable:
+    def run(cfg):
+        raise error
+
+    return run
+
+
+@pytest.mark.parametrize("app", ["ppo", "sft", "eval"])
+def test_a_workers_tephra_error_is_one_line_of_the_app(app, monkeypatch, capsys):
+    """Ray re-raises a worker's error in the driver as a RayTaskError whose text is the
+    worker's traceback; the apps print the tephra error's own line (exit 2), whether Ray made
+    the subclass of both or not, and leave other errors as they are."""
+    import importlib
+
+    from ray.exceptions import RayTaskError
+
+    from tephra.episodes.agent.environment_guard import EnvironmentFailure
+
+    main = importlib.import_module(f"tephra.apps.{app}.main")
+    cause = EnvironmentFailure(
+        "environment 'fragile' raised in step at turn 2 of row 2 of train.parquet (sample "
+        "'step0-2-0'): ValueError: no square 'Z9'; fix the environment, or set "
+        "rollout.agent.environment_errors=drop"
+    )
+    traceback = 'Traceback (most recent call last):\n  File "rl_worker.py", line 1\n' + str(cause)
+    subclass = RayTaskError("RLWorker.generate", traceback, cause).as_instanceof_cause()
+    assert isinstance(subclass, EnvironmentFailure) and "rl_worker.py" in str(subclass)
+    plain = RayTaskError("RLWorker.generate", traceback, cause)  # no subclass of the cause
+    for error in (subclass, plain):
+        monkeypatch.setattr(main, "run", _raising(error))
+        with pytest.raises(SystemExit) as info:
+            main.main(["-p", "smoke"])
+        assert info.value.code == 2
+        assert capsys.readouterr().err == f"error: {cause}\n"
+    other = RayTaskError("RLWorker.generate", traceback, ValueError("a bug")).as_instanceof_cause()
+    monkeypatch.setattr(main, "run", _raising(other))
+    with pytest.raises(ValueError) as raised:
+        main.main(["-p", "smoke"])
+    assert raised.value is other
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    """A judge server's /health: 200 on /health, 404 elsewhere."""
+
+    def do_GET(self):  # noqa: N802 (the stdlib's name)
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def health_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_judge_url_probe(health_server):
+    """A running server passes the probe (also several, comma-separated); a port nothing
+    listens on is refused at once; an address that never answers is refused within the
+    probe's timeout, not the operating system's."""
+    import time
+
+    from tephra.controller.launch.server_probes import check_server_url, check_server_urls
+
+    cfg = _parse(
+        "reward.judge.model_path=" + str(_tiny_judge()),
+        "reward.judge.backend=vllm",
+        f"reward.judge.vllm.url={health_server},{health_server}/",
+    )
+    check_server_urls(cfg)  # answers: no error
+    dead = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(ConfigError, match=r"^reward.judge.vllm.url=.*nothing answers at "):
+        check_server_url("reward.judge.vllm.url", f"{health_server},{dead}")
+    with socket.socket() as silent:  # listens, never accepts: a request waits for its timeout
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        filler = socket.create_connection(silent.getsockname())  # fills the backlog
+        try:
+            start = time.perf_counter()
+            with pytest.raises(ConfigError, match=r"within 0.5 s \((timeout|TimeoutError)"):
+                check_server_url(
+                    "rollout.vllm.url", f"http://127.0.0.1:{silent.getsockname()[1]}", 0.5
+                )
+            assert time.perf_counter() - start < 3
+        finally:
+            filler.close()
+    with pytest.raises(ConfigError, match=r"'ftp://h:1' is not an http\(s\) URL"):
+        check_server_url("reward.judge.vllm.url", "ftp://h:1")
+
+
+def _tiny_judge() -> str:
+    from tephra.controller.run.models import resolve_model_path
+
+    return resolve_model_path("tiny")

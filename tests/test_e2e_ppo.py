@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -148,10 +149,16 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
         f"trainer.run_dir={tmp_path / 'ppo'}",
     )
     summary = run(cfg)
+    driver_rss = psutil.Process().memory_info().rss / 2**30  # this process was the driver
     tok = prepare(cfg).tokenizer
     records = read_jsonl(tmp_path / "ppo" / "metrics.jsonl")
     train = [r for r in records if "reward/mean" in r]
     assert len(train) == 2
+    # the operator's memory metrics: the driver's RSS as psutil reads it after the run; each
+    # rank holds torch, transformers and the model (an idle Ray actor is ~0.1 GiB)
+    assert train[-1]["memory/driver_rss_gib"] == pytest.approx(driver_rss, abs=0.3)
+    assert all(r["memory/rank_rss_gib_max"] > 0.4 for r in train)
+    assert not any(k.startswith("memory/gpu") for k in train[-1])  # CPU ranks
     for r in train:
         assert math.isfinite(r["critic/grad_norm"]) and r["critic/grad_norm"] > 0
         assert "actor/kl_loss" in r and "time/values_s" in r and "time/ref_s" in r

@@ -79,7 +79,10 @@ PRESETS = [
 
 
 def _untimed(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith("time/") and k not in TIMED}
+    # memory/*: resident sets differ from run to run, like the times
+    return {
+        k: v for k, v in record.items() if not k.startswith(("time/", "memory/")) and k not in TIMED
+    }
 
 
 def _same(a: object, b: object) -> bool:

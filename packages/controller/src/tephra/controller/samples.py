@@ -19,6 +19,7 @@ from tensordict import TensorDict
 
 from tephra.controller.data.prompts import PromptRecord
 from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs
+from tephra.episodes.agent.environment_guard import ENVIRONMENT_ERROR
 from tephra.episodes.agent.loops import TIMEOUTS
 from tephra.rollout.samples import Sample, to_batch
 
@@ -106,7 +107,9 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
     """Per-step agent-loop statistics: turns, tool calls and tool errors per trajectory
     (means), token counts: generated (response_mask 1, trained) and tool (mask 0), and
     trajectories cut by a deadline (`agent/timeouts`, of which `agent/dropped` left their
-    group)."""
+    group), trajectories dropped because their environment raised (`agent/environment_errors`,
+    also among `agent/dropped`) and observations cut to `rollout.agent.max_observation_chars`
+    (`agent/observations_truncated`)."""
     num = len(samples)
     generated = sum(sum(s.response_mask) for s in samples)
     total = sum(len(s.response_ids) for s in samples)
@@ -119,6 +122,12 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
         "agent/finish_stop_frac": sum(s.finish_reason == "stop" for s in samples) / num,
         "agent/timeouts": float(sum(s.finish_reason in TIMEOUTS for s in samples)),
         "agent/dropped": float(sum(s.dropped for s in samples)),
+        "agent/environment_errors": float(
+            sum(s.finish_reason == ENVIRONMENT_ERROR for s in samples)
+        ),
+        "agent/observations_truncated": float(
+            sum(s.extra_info.get("observations_truncated", 0) for s in samples)
+        ),
     }
 
 

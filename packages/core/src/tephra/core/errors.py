@@ -31,3 +31,19 @@ class RegistryError(TephraError, KeyError):
 
 class CheckpointError(TephraError, RuntimeError):
     """A checkpoint is missing, incomplete, or belongs to another model."""
+
+
+def tephra_cause(exc: BaseException) -> TephraError | None:
+    """The `TephraError` that `exc` is or wraps, else None.
+
+    Ray re-raises a worker's exception in the driver as a `RayTaskError` holding it in
+    `.cause` (also when Ray cannot make the subclass of both), and its text is the worker's
+    whole traceback; an app prints the cause's one line instead."""
+    seen: set[int] = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = getattr(exc, "cause", None)  # RayTaskError's public attribute (core has no Ray)
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    return exc if isinstance(exc, TephraError) else None

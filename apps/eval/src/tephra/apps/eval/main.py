@@ -35,7 +35,7 @@ from tephra.controller.run.evaluation import EvalRow, markdown_table, summarise,
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.step.scoring import Scorer
 from tephra.core.app_help import answer_help, split_print_config
-from tephra.core.errors import ConfigError, TephraError
+from tephra.core.errors import ConfigError, tephra_cause
 from tephra.rollout.base import RolloutConfig, SamplingParams
 from tephra.rollout.registry import get_rollout
 
@@ -304,8 +304,11 @@ def main(argv: list[str] | None = None) -> None:
             print(yaml.safe_dump(config_to_save(cfg), sort_keys=False), end="", flush=True)
             return
         results = run(cfg)
-    except TephraError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:  # a worker's TephraError arrives wrapped by Ray
+        cause = tephra_cause(exc)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
         raise SystemExit(2) from None
     print(json.dumps({label: r["summary"]["all"] for label, r in results.items()}), flush=True)
 

@@ -19,7 +19,7 @@ from tephra.apps.ppo.config import check_model_made, parse_config
 from tephra.controller.config.tree import PPOConfig
 from tephra.controller.launch import ppo
 from tephra.core.app_help import answer_help, split_print_config
-from tephra.core.errors import TephraError
+from tephra.core.errors import tephra_cause
 from tephra.core.quiet import quiet_third_party_warnings
 
 __all__ = ["main", "parse_config", "run"]
@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> None:
             print(yaml.safe_dump(ppo.config_to_save(cfg), sort_keys=False), end="", flush=True)
             return
         summary = run(cfg)
-    except TephraError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:  # a worker's TephraError arrives wrapped by Ray
+        cause = tephra_cause(exc)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:  # Ctrl-C before Ray started: nothing to stop or save
         print("interrupted before training started", file=sys.stderr)

@@ -44,7 +44,7 @@ from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import Trackers
 from tephra.core.app_help import answer_help, split_print_config
 from tephra.core.config import load_config, split_cli, to_dict
-from tephra.core.errors import ConfigError, TephraError
+from tephra.core.errors import ConfigError, tephra_cause
 from tephra.engine_api.multimodal import is_vision_config
 from tephra.engine_api.registry import get_engine
 from tephra.rollout.multimodal import VisionProcessor
@@ -295,8 +295,11 @@ def main(argv: list[str] | None = None) -> None:
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="", flush=True)
             return
         summary = run(cfg)
-    except TephraError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:  # a worker's TephraError arrives wrapped by Ray
+        cause = tephra_cause(exc)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
         raise SystemExit(2) from None
     print(json.dumps(summary), flush=True)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tephra.engine_api.errors import ConfigError, TephraError
+from tephra.episodes.prompt_text import empty_prompt_rows, rows_phrase
 from tephra.episodes.registry import EPISODES
 
 
@@ -45,6 +46,8 @@ class PromptRecord:
     """The environment's arguments for this row (verl's `extra_info.interaction_kwargs`)."""
     agent_name: str | None = None
     """The episode that runs this row (verl's `agent_name` column); None: the configured one."""
+    origin: str = ""
+    """Where the row comes from (`row 17 of train.parquet`), for error messages."""
 
 
 _UNUSED_TOOL_KWARGS = ("execute_kwargs", "calc_reward_kwargs", "release_kwargs")
@@ -142,7 +145,14 @@ def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord
         raise fail("extra_info", f"is {type(extra).__name__}, not a dict (or a JSON object)")
     tool_kwargs, interaction_kwargs, agent_name = agentic_fields(row, extra, fail)
     return PromptRecord(
-        messages, source, truth, dict(extra), tool_kwargs, interaction_kwargs, agent_name
+        messages,
+        source,
+        truth,
+        dict(extra),
+        tool_kwargs,
+        interaction_kwargs,
+        agent_name,
+        origin=f"row {index} of {where}",
     )
 
 
@@ -181,7 +191,9 @@ def load_parquet(path: str | Path) -> list[PromptRecord]:
             f"data file {path} has no rows; add rows or remove it from "
             "data.train_files / data.val_files"
         )
-    return [record_from_row(r, i, path.name) for i, r in enumerate(rows)]
+    return refuse_empty_prompts(
+        [record_from_row(r, i, path.name) for i, r in enumerate(rows)], str(path)
+    )
 
 
 DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
@@ -243,6 +255,19 @@ def load_hf_dataset(name: str, split: str = "train") -> list[PromptRecord]:
             f"row {len(records)} of {where}: text that is not UTF-8 ({exc}); "
             "re-encode the file as UTF-8"
         ) from None
+    return refuse_empty_prompts(records, where)
+
+
+def refuse_empty_prompts(records: list[PromptRecord], where: str) -> list[PromptRecord]:
+    """`records`, unless a prompt has no text (only whitespace, or nothing, in every message):
+    then a DatasetError naming how many and which rows of `where`."""
+    empty = empty_prompt_rows([r.prompt for r in records])
+    if empty:
+        raise DatasetError(
+            f"{len(empty)} of {len(records)} prompts of {where} are empty (no text in any "
+            f"message): {rows_phrase(empty)}; give each row's 'prompt' a question, or remove "
+            "those rows"
+        )
     return records
 
 

@@ -44,6 +44,7 @@ from tephra.controller.launch.preflight import (
     validate,
     weight_path,
 )
+from tephra.controller.launch.server_probes import check_server_urls
 from tephra.controller.loop.trainer import Trainer
 from tephra.controller.recipes import enabled_recipes
 from tephra.controller.run.checkpoints import CheckpointManager
@@ -179,8 +180,9 @@ class Prepared:
 def prepare(cfg: PPOConfig) -> Prepared:
     """Check the config's sections together (`validate`; a `PPOConfig` built without the
     app's `parse_config` is checked here too), resolve the model, tools and data; tokenise the
-    prompts. Fails before Ray starts."""
+    prompts; probe the running servers it names. Fails before Ray starts."""
     validate(cfg)
+    check_server_urls(cfg)  # here, not at config load: `--print-config` needs no server
     model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
     if named_model_folder(cfg.model.path) is not None:
         check_engine_support(cfg, model_path)  # built just now: its shape was not known yet

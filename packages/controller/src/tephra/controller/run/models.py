@@ -127,4 +127,26 @@ def load_tokenizer(model_path: str) -> Any:
             "chat-formatted; use an instruct model, or add one (a chat_template.jinja file in "
             "the folder, or tokenizer.chat_template = ... then tokenizer.save_pretrained)"
         )
+    check_vocab_size(model_path, len(tokenizer))
     return tokenizer
+
+
+def check_vocab_size(model_path: str, tokenizer_size: int) -> None:
+    """Refuse a model whose config.json `vocab_size` (or `text_config.vocab_size`) is below
+    the tokenizer's size: its embedding has no row for the tokenizer's last ids, and the first
+    such token would fail inside a worker (an index error on the embedding)."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.exists():  # resolve_model_path names a missing config.json
+        return
+    config = json.loads(config_file.read_text())
+    field_name, vocab = "vocab_size", config.get("vocab_size")
+    if vocab is None and isinstance(config.get("text_config"), dict):
+        field_name, vocab = "text_config.vocab_size", config["text_config"].get("vocab_size")
+    if isinstance(vocab, int) and vocab < tokenizer_size:
+        raise ConfigError(
+            f"model.path={model_path!r}: config.json has {field_name}={vocab}, below the "
+            f"tokenizer's {tokenizer_size} tokens (ids {vocab}..{tokenizer_size - 1} have no "
+            "embedding row); give the model its own tokenizer, or resize its embeddings "
+            "(model.resize_token_embeddings(len(tokenizer)), then save_pretrained) so that "
+            f"{field_name} >= {tokenizer_size}"
+        )

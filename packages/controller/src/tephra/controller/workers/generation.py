@@ -48,6 +48,7 @@ def run_items(
             interaction_kwargs=dict(i.record.interaction_kwargs),
             agent_name=i.record.agent_name,
             multimodal=i.multimodal,
+            origin=i.record.origin,
         )
         for i in items
     ]

@@ -47,6 +47,7 @@ from tephra.controller.cluster.worker_group import DataParallelInfo, Worker
 from tephra.controller.config.tree import PPOConfig
 from tephra.controller.recipes import enabled_recipes
 from tephra.controller.run.flops import device_peak
+from tephra.controller.run.memory_metrics import process_memory
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.samples import PromptItem, Sample, ScoreResult
 from tephra.controller.step.skip_flat import can_skip_flat, skip_zero_advantage_rows
@@ -443,6 +444,11 @@ class RLWorker(Worker):
         if prefix is not None:
             Path(prefix).parent.mkdir(parents=True, exist_ok=True)
         self._profile_prefix = prefix
+
+    @dispatch(Dispatch.BROADCAST)
+    def memory_stats(self) -> dict[str, float]:
+        """This rank's memory (`memory_metrics.process_memory`): RSS, CUDA peaks."""
+        return process_memory()
 
     @dispatch(Dispatch.BROADCAST)
     def peak_flops(self) -> tuple[float, bool]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tephra.core.errors import ConfigError
+from tephra.episodes.agent.environment_guard import ENVIRONMENT_ERROR_POLICIES, OVERSIZE_POLICIES
 from tephra.episodes.gateway.config import GatewayConfig
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ class AgentPrompt:
     multimodal: MultimodalInputs | None = None
     """The prompt's images (vision-language models): `prompt_ids` holds each one expanded to
     its image tokens. Needs `prompt_ids`."""
+    origin: str = ""
+    """Where the item comes from (e.g. `row 17 of train.parquet`), for error messages; empty:
+    they name `sample_id` alone."""
 
     def __post_init__(self) -> None:
         if not self.messages and not self.prompt_ids:
@@ -119,7 +123,40 @@ class AgentLoopConfig:
     `drop` (trains nothing and leaves its prompt's group, whose baseline and scale then come
     from the other samples)."""
 
+    environment_errors: str = "stop"
+    """What an exception raised by the environment's `reset` or `step` does: `stop` (the run
+    stops with one line naming the environment, the item's data row and the turn) or `drop`
+    (the trajectory trains nothing and leaves its prompt's group, finish reason
+    `environment_error`, counted in the trainer's `agent/environment_errors`). Default stop:
+    an environment that raises is a bug to fix, not noise to train around, until the user
+    says otherwise."""
+    max_observation_chars: int | None = 65536
+    """Most characters of text in one observation (the messages one `step` returns, tool
+    results included), counted before it is tokenised. Default 65536: far above what a
+    trajectory's token budget can hold (`max_response_tokens`, 128-1024 in the presets, a few
+    characters per token), while an environment answering megabytes per turn costs
+    milliseconds instead of minutes of tokenising and gigabytes of memory. null: no limit."""
+    oversize_observation: str = "truncate"
+    """An observation beyond `max_observation_chars`: `truncate` (keep its head, with a note
+    of the cut; counted in the trainer's `agent/observations_truncated`) or `refuse` (an
+    environment error: `environment_errors` then stops the run or drops the trajectory)."""
+
     def __post_init__(self) -> None:
+        if self.environment_errors not in ENVIRONMENT_ERROR_POLICIES:
+            raise ConfigError(
+                f"rollout.agent.environment_errors={self.environment_errors!r} is not allowed; "
+                f"choose one of {list(ENVIRONMENT_ERROR_POLICIES)}"
+            )
+        if self.oversize_observation not in OVERSIZE_POLICIES:
+            raise ConfigError(
+                f"rollout.agent.oversize_observation={self.oversize_observation!r} is not "
+                f"allowed; choose one of {list(OVERSIZE_POLICIES)}"
+            )
+        if self.max_observation_chars is not None and self.max_observation_chars < 1:
+            raise ConfigError(
+                f"rollout.agent.max_observation_chars={self.max_observation_chars!r} must be "
+                ">= 1 (characters), or null for no limit"
+            )
         for name in ("tool_timeout_s", "turn_timeout_s", "trajectory_timeout_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -13,6 +13,13 @@ from typing import Any
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent.base import AgentLoop, AgentPrompt, check_one_sample
 from tephra.episodes.agent.chat_tokens import IMAGE_MARKER, ChatTemplateDelta
+from tephra.episodes.agent.environment_guard import (
+    ENVIRONMENT_ERROR,
+    EnvironmentFailure,
+    call_environment,
+    item_name,
+    limit_observation,
+)
 from tephra.episodes.environments.base import Environment, StepResult
 from tephra.episodes.environments.tool_env import ToolEnvironment
 from tephra.episodes.tools.base import Tool
@@ -172,8 +179,11 @@ class _Trajectory:
         **fields: Any,
     ) -> Sample:
         """The trajectory as a Sample. One cut by a deadline scores 0, and under the `drop`
-        policy trains nothing (its mask all 0)."""
+        policy trains nothing (its mask all 0); so does one whose environment failed (it
+        reaches here only under `environment_errors=drop`)."""
         mask, dropped = self.mask, False
+        if finish == ENVIRONMENT_ERROR:
+            env_reward, dropped, mask = 0.0, True, [0] * len(self.mask)
         if finish in TIMEOUTS:
             env_reward = 0.0
             if timeout_reward == "drop":
@@ -265,6 +275,10 @@ class EnvironmentLoop(_TokenLoop):
                         tool_rewards = await env.tool_rewards()
             except TimeoutError:
                 finish = "trajectory_timeout"
+            except EnvironmentFailure as exc:
+                if cfg.environment_errors == "stop":
+                    raise
+                finish, traj.info["environment_error"] = ENVIRONMENT_ERROR, str(exc)
         finally:
             grace = cfg.tool_timeout_s or cfg.turn_timeout_s or cfg.trajectory_timeout_s
             try:
@@ -299,7 +313,11 @@ class EnvironmentLoop(_TokenLoop):
     ) -> str:
         """The episode's turns; returns its finish reason (`traj` holds what they built)."""
         cfg = self.config
-        observation = await env.reset(sample)
+        name, item = (
+            cfg.environment or type(env).__name__,
+            item_name(sample.origin, sample.sample_id),
+        )
+        observation = await call_environment(name, item, "reset", 0, env.reset(sample))
         delta = self.delta_for(env.tool_schemas())
         if not traj.prompt_ids or observation != list(sample.messages):
             if sample.multimodal is not None:
@@ -333,7 +351,9 @@ class EnvironmentLoop(_TokenLoop):
                         self.step_after_turn_cap and budget == run.sampling.max_tokens
                     ):
                         return "length"
-                    result = await env.step(content)
+                    result = await call_environment(
+                        name, item, "step", traj.num_turns, env.step(content)
+                    )
             except TimeoutError:
                 return "turn_timeout"
             traj.turn_rewards.append(float(result.reward))
@@ -353,6 +373,17 @@ class EnvironmentLoop(_TokenLoop):
                     "observation and done=False; return the messages the model answers next, "
                     "or done=True"
                 )
+            observation, cut = limit_observation(
+                result.observation,
+                cfg.max_observation_chars,
+                cfg.oversize_observation,
+                name,
+                item,
+                traj.num_turns,
+            )
+            if cut:
+                result = replace(result, observation=observation)
+                traj.info["observations_truncated"] = traj.info.get("observations_truncated", 0) + 1
             traj.messages.extend(result.observation)
             obs_ids, shown = self.observation_ids(env, delta, result, stop_text, traj.num_turns)
             room = cfg.max_response_tokens - len(traj.ids)

@@ -12,6 +12,8 @@ from tephra.episodes.rewards.judge import JudgeConfig
 EXECUTORS = ("thread", "process", "serial")
 DEFAULT_TIMEOUT_S = 90.0
 """`RewardConfig.timeout_s`'s default, seconds per sample (see there why)."""
+DEFAULT_STEP_TIMEOUT_S = 600.0
+"""`RewardConfig.step_timeout_s`'s default, seconds per batch (see there why)."""
 
 
 @dataclass
@@ -70,6 +72,15 @@ class RewardConfig:
     bundled code scorer's 60 s budget per response (`CodeLimits.total_timeout_s`), so no
     bundled scorer is cut short, while a reward function that never returns costs at most
     90 s per sample instead of hanging training."""
+    step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S
+    """Seconds the scoring of one batch (a rank's share of a step) may take as a whole,
+    whatever `timeout_s` allows each sample: samples not scored by then score 0.0 with a
+    `RewardTimeout` error saying so, and are counted with the per-sample timeouts (the
+    trainer's `reward/timeouts`); a scorer is not started after the deadline. It bounds the
+    rule and custom scorers (the judge has `reward.judge.timeout_s`). Default 600 s: well
+    above a healthy step's scoring (seconds for math, about a minute for a batch of code
+    tests), while a reward function that never returns costs one step 10 minutes instead of
+    `timeout_s` times the samples in a row. null: no deadline for the batch."""
     max_abs: float = 1e6
     """Largest |reward| accepted, in reward units. A larger score is a scorer bug (1e308
     overflows the advantages' mean and std to NaN, and every optimizer step is then skipped):
@@ -105,6 +116,14 @@ class RewardConfig:
             raise ConfigError(
                 f"reward.timeout_s={self.timeout_s} must be {what}> 0 (seconds per "
                 f"sample; default {DEFAULT_TIMEOUT_S:g})"
+            )
+        if self.step_timeout_s is not None and not (
+            math.isfinite(self.step_timeout_s) and self.step_timeout_s > 0
+        ):
+            raise ConfigError(
+                f"reward.step_timeout_s={self.step_timeout_s} must be a finite number > 0 "
+                f"(seconds for one batch's scoring; default {DEFAULT_STEP_TIMEOUT_S:g}) or "
+                "null (no deadline for the batch)"
             )
         if not (math.isfinite(self.max_abs) and self.max_abs > 0):
             raise ConfigError(

@@ -4,6 +4,7 @@ and log the ones that fail."""
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import pickle
 import threading
@@ -148,13 +149,39 @@ def clip_scores(results: list[RewardResult], clip: tuple[float, float] | None) -
     return moved
 
 
+@dataclass(frozen=True)
+class Deadline:
+    """A batch's limit for its scoring as a whole: `at` is a `time.time()` instant (wall
+    clock, so that process-pool workers read the same instant), `step_timeout_s` the
+    configured length it came from (for the message)."""
+
+    at: float
+    step_timeout_s: float
+
+    def left(self) -> float:
+        return self.at - time.time()
+
+
 def _call_scorer(
-    scorer: Scorer, scorer_name: str, item: RewardInput, timeout_s: float | None
+    scorer: Scorer,
+    scorer_name: str,
+    item: RewardInput,
+    timeout_s: float | None,
+    deadline: Deadline | None = None,
 ) -> Any:
-    """`scorer(item)`, bounded by `timeout_s` when set: the call runs on a daemon thread that
-    is abandoned when late (Python cannot stop a thread; it ends with the process)."""
+    """`scorer(item)`, bounded by `timeout_s` and by what is left of the batch's `deadline`
+    when set: the call runs on a daemon thread that is abandoned when late (Python cannot
+    stop a thread; it ends with the process). Past the deadline the scorer is not called."""
     args = (item.data_source, item.solution_str, item.ground_truth, item.extra_info)
-    if timeout_s is None:  # direct callers of `_score_one`; a RewardConfig always has a limit
+    step_late = RewardTimeout(
+        f"scorer {scorer_name!r} on data_source {item.data_source!r}: not scored before the "
+        f"batch's deadline reward.step_timeout_s="
+        f"{deadline.step_timeout_s if deadline else 0:g} s; fix the scorer's loop, or raise "
+        "reward.step_timeout_s (null: no deadline for the batch)"
+    )
+    if deadline is not None and deadline.left() <= 0:
+        raise step_late
+    if timeout_s is None and deadline is None:
         return scorer(*args)
     outcome: dict[str, Any] = {}
 
@@ -166,8 +193,11 @@ def _call_scorer(
 
     thread = threading.Thread(target=target, name="reward-call", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    left = deadline.left() if deadline is not None else math.inf
+    thread.join(left if timeout_s is None else min(left, timeout_s))  # one of them is finite
     if thread.is_alive():
+        if timeout_s is None or left < timeout_s:
+            raise step_late
         raise RewardTimeout(
             f"scorer {scorer_name!r} did not return within reward.timeout_s={timeout_s:g} s on "
             f"data_source {item.data_source!r}; fix the scorer's loop, or raise reward.timeout_s"
@@ -178,7 +208,11 @@ def _call_scorer(
 
 
 def _score_one(
-    scorer: Scorer, scorer_name: str, item: RewardInput, timeout_s: float | None = None
+    scorer: Scorer,
+    scorer_name: str,
+    item: RewardInput,
+    timeout_s: float | None = None,
+    deadline: Deadline | None = None,
 ) -> tuple[RewardResult, str | None]:
     """Score one item, turning an exception into (0.0 with its message, formatted traceback).
 
@@ -186,7 +220,7 @@ def _score_one(
     because exceptions of user code are not always picklable.
     """
     try:
-        value = _call_scorer(scorer, scorer_name, item, timeout_s)
+        value = _call_scorer(scorer, scorer_name, item, timeout_s, deadline)
         return normalize_score(value, scorer_name), None
     except Exception as exc:
         return RewardResult(score=0.0, error=f"{type(exc).__name__}: {exc}"), traceback.format_exc()
@@ -197,9 +231,11 @@ def _score_chunk(
     scorers: list[Scorer],
     items: list[RewardInput],
     timeout_s: float | None = None,
+    deadline: Deadline | None = None,
 ) -> list[tuple[RewardResult, str | None]]:
     return [
-        _score_one(s, n, i, timeout_s) for s, n, i in zip(scorers, scorer_names, items, strict=True)
+        _score_one(s, n, i, timeout_s, deadline)
+        for s, n, i in zip(scorers, scorer_names, items, strict=True)
     ]
 
 
@@ -337,11 +373,14 @@ class RewardManager:
         self, names: list[str], scorers: list[Scorer], items: list[RewardInput]
     ) -> list[tuple[RewardResult, str | None]]:
         timeout = self.config.timeout_s
+        step = self.config.step_timeout_s
+        deadline = None if step is None else Deadline(time.time() + step, step)
         if self.config.executor == "serial" or len(items) <= 1:
-            return _score_chunk(names, scorers, items, timeout)
+            return _score_chunk(names, scorers, items, timeout, deadline)
         pool = self._get_pool()
         if self.config.executor == "thread":
-            return list(pool.map(_score_one, scorers, names, items, [timeout] * len(items)))
+            n = len(items)
+            return list(pool.map(_score_one, scorers, names, items, [timeout] * n, [deadline] * n))
         for name, scorer in {n: s for n, s in zip(names, scorers, strict=True)}.items():
             try:
                 pickle.dumps(scorer)
@@ -354,7 +393,8 @@ class RewardManager:
         size = max(1, -(-len(items) // (4 * self.config.num_workers)))
         chunks = [slice(i, i + size) for i in range(0, len(items), size)]
         futures = [
-            pool.submit(_score_chunk, names[c], scorers[c], items[c], timeout) for c in chunks
+            pool.submit(_score_chunk, names[c], scorers[c], items[c], timeout, deadline)
+            for c in chunks
         ]
         try:
             return [outcome for future in futures for outcome in future.result()]
