@@ -8,7 +8,7 @@ ratios to sync. Writes `results/async_modes.json`.
 Modes, on this machine's 2 cores:
   sync          colocated: one rank with 2 threads generates, then trains
   one_step_off  colocated: the same rank generates step k+1 while it trains step k
-  async         1 core of rollout (a replica) + 1 core of training, `max_staleness=1`,
+  async         1 core of rollout (a replica) + 1 core of training, `async_window=1`,
                 requests of 4 prompt groups (a step's batch), 2 in flight
 Each run is a fresh process running `apps/ppo` with the demo's defaults otherwise. Time is
 the summed `time/step_s` (validation passes excluded); accuracy is the greedy held-out
@@ -35,7 +35,7 @@ MODES = {
         "resources.cpus_per_rank=1",
         "resources.rollout.replicas=1",
         "resources.rollout.cpus_per_replica=1",
-        "trainer.max_staleness=1",
+        "trainer.async_window=1",
         "trainer.async_in_flight=2",
         "trainer.async_groups_per_request=4",
     ],

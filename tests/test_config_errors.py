@@ -222,6 +222,11 @@ CASES = [
     ),
     (["trainer.async_groups_per_request=0"], r"trainer.async_groups_per_request=0 >= 1"),
     (
+        ["trainer.async_window=-1"],
+        r"^trainer.async_window=-1 must be an integer >= 0 \(weight versions a trained sample "
+        r"may lag the trainer by; 1 or 2 keep the replicas busy, 0 is on-policy\)$",
+    ),
+    (
         ["trainer.mode=one_step_off", "trainer.partial_rollout=true"],
         r"trainer.partial_rollout=true .* needs trainer.mode=async \(now 'one_step_off'\)",
     ),

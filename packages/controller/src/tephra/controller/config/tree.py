@@ -258,11 +258,16 @@ class TrainerSection:
     of step k+1 is generated before step k's update, so step k trains on samples one weight
     version old (staleness 1; step 1's are fresh). `async`: rollout replicas
     (`resources.rollout.replicas` >= 1) generate prompt groups continuously, each request to
-    the least-loaded replica; a step trains on the first `batch.prompts_per_step` groups that
-    finished, dropping those more than `max_staleness` versions old. See the controller README."""
-    max_staleness: int = 1
-    """`async`: most weight versions a trained sample may lag the trainer by; older groups are
-    dropped (counted in `async/dropped_stale_groups`)."""
+    the least-loaded replica; a prompt is admitted only if it can be trained within
+    `async_window` versions, and a step trains the first `batch.prompts_per_step` groups that
+    finished unless a slower one would miss its deadline. See the controller README."""
+    async_window: int = 1
+    """`async`: most weight versions a trained sample may lag the trainer by (its oldest
+    token's version to the step it trains in, queue time included). Held by admission, not by
+    dropping: a prompt is sent only while the steps up to trainer version + window have a free
+    slot ((window + 1) x `batch.prompts_per_step` groups admitted and untrained at most), and a
+    finished group overtakes slower ones by at most `window` steps. 0: each step's prompts are
+    sent after the previous update (on-policy, no overlap); 1-2 keep the replicas busy."""
     async_in_flight: int = 2
     """`async`: requests (`async_groups_per_request` prompt groups each) queued per replica;
     more keeps replicas busy across a weight sync, fewer keeps samples fresher."""
@@ -362,10 +367,15 @@ class TrainerSection:
                 f"trainer.critic_warmup={self.critic_warmup} must be >= 0 (steps that update "
                 "the critic only; 0: none)"
             )
-        if self.max_staleness < 0 or self.async_in_flight < 1 or self.async_groups_per_request < 1:
+        if not isinstance(self.async_window, int) or self.async_window < 0:
             raise ConfigError(
-                f"trainer.max_staleness={self.max_staleness} must be >= 0, "
-                f"trainer.async_in_flight={self.async_in_flight} >= 1 and "
+                f"trainer.async_window={self.async_window} must be an integer >= 0 (weight "
+                "versions a trained sample may lag the trainer by; 1 or 2 keep the replicas "
+                "busy, 0 is on-policy)"
+            )
+        if self.async_in_flight < 1 or self.async_groups_per_request < 1:
+            raise ConfigError(
+                f"trainer.async_in_flight={self.async_in_flight} must be >= 1 and "
                 f"trainer.async_groups_per_request={self.async_groups_per_request} "
                 ">= 1"
             )

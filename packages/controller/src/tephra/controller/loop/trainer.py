@@ -208,7 +208,7 @@ class Trainer:
         """Start the replicas, give them the actor's weights, and (async) open the stream."""
         self.replicas = self.make_replicas()
         try:
-            self.replicas.connect(self.wg)
+            self.replicas.connect(self.wg, self.step)
         except BaseException:
             self.replicas.close()
             raise
@@ -223,7 +223,7 @@ class Trainer:
                 t.seed,
                 self.cfg.batch.prompts_per_step,
                 t.async_in_flight,
-                t.max_staleness,
+                t.async_window,
                 t.async_groups_per_request,
             )
             if self.stream_state is not None:  # resumed before the stream existed

@@ -178,8 +178,9 @@ class RolloutReplicas:
         settings = getattr(cfg.rollout, cfg.rollout.backend, None)
         self.bucket_mb = getattr(settings, "weight_bucket_mb", 256.0)
 
-    def connect(self, trainers: WorkerGroup) -> None:
-        """Open the weight group (training rank 0 + every replica) and send the first weights."""
+    def connect(self, trainers: WorkerGroup, version: int = 0) -> None:
+        """Open the weight group (training rank 0 + every replica) and send the first weights,
+        as `version` (the trainer's: a resumed run's replicas stamp their samples with it)."""
         address, port = trainers.call("weight_group_address")
         world = 1 + len(self.replicas)
         timeout = 600.0
@@ -197,7 +198,7 @@ class RolloutReplicas:
                 for w in self.replicas
             ]
         )
-        self.sync(trainers, 0)
+        self.sync(trainers, version)
 
     def sync(self, trainers: WorkerGroup, version: int) -> None:
         """Broadcast the actor's weights to every replica; returns once they are received. A
