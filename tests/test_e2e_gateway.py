@@ -113,7 +113,12 @@ def test_an_agents_sdk_tool_call_round_trips_through_the_gateway(tmp_path, tiny_
     assert "<tool_response>\n42\n</tool_response>" in tok.decode(ctx1[len(traj.prompt_ids) :])
     # the second run re-sent the whole conversation (the SDK's own items), accepted as history
     assert [m["role"] for m in traj.messages] == [
-        "user", "assistant", "tool", "assistant", "user", "assistant"
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
     ]
 
 
@@ -165,6 +170,7 @@ def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path):
             assert len(turns) == 2
             assert row["score"] == float(len(row["answer"]) % 2)
         assert r["agent/turns_mean"] == 2.0 and math.isfinite(r["actor/grad_norm"])
+
     # each trained sample is one the agent ran: its model turns decode to the texts it got
     def decoded(row: dict) -> list[str]:
         return [

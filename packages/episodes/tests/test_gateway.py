@@ -192,9 +192,7 @@ def runs(mask: list[int]) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])
-def test_five_turns_with_tool_calls_train_exactly_what_each_api_served(
-    api, tokenizer, hf, agents
-):
+def test_five_turns_with_tool_calls_train_exactly_what_each_api_served(api, tokenizer, hf, agents):
     results = {}
     for stream in (False, True):
         model = ScriptedRollout(tokenizer, tool_turn, fallback=hf)
@@ -284,7 +282,9 @@ def test_a_rewritten_history_is_refused_in_the_api_format(tokenizer, agents, tmp
         "    client.messages.create(model='p', max_tokens=16, messages=history)\n"
     )
     model = ScriptedRollout(tokenizer, lambda s, k: "Fine.")
-    loop = EPISODES.get("openai_agent")(tokenizer, AgentLoopConfig(openai_agent=f"{rewriter}:agent"))
+    loop = EPISODES.get("openai_agent")(
+        tokenizer, AgentLoopConfig(openai_agent=f"{rewriter}:agent")
+    )
     traj = asyncio.run(loop.run(model, AgentPrompt([{"role": "user", "content": "?"}]), SAMPLING))
     assert traj.finish_reason == "agent_error" and traj.env_reward == 0.0
     error = traj.extra_info["agent_error"]
