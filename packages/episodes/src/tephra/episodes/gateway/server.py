@@ -107,7 +107,7 @@ class Gateway:
             uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
         )
         # the trainer owns the signals
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         task = asyncio.create_task(server.serve(sockets=[sock]))
         try:
             while not server.started:

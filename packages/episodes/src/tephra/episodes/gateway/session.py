@@ -154,9 +154,10 @@ class TrajectorySession:
         calls: list[ToolCallOut] = []
         if self.tools and gen.finish_reason != "length":
             parsed = TOOL_CALL_PARSERS.get(self.loop.config.tool_call_format)(content)
+            named = [(c.name, c.arguments) for c in parsed if c.error is None and c.name]
             calls = [
-                ToolCallOut(f"call_{turn_index}_{k}", c.name, c.arguments)
-                for k, c in enumerate(c for c in parsed if c.error is None and c.name)
+                ToolCallOut(f"call_{turn_index}_{k}", name, arguments)
+                for k, (name, arguments) in enumerate(named)
             ]
             self.call_names.update({c.id: c.name for c in calls})
             traj.tool_calls += len(calls)
