@@ -32,7 +32,10 @@ def _run(tmp_path, name, *overrides):
 
 
 def _data(records):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in records]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "memory/", "perf/"))}
+        for r in records
+    ]
 
 
 def test_one_replica_equals_the_colocated_engine(ray_session, tmp_path):

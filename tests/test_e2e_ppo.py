@@ -30,7 +30,11 @@ def _smoke(tmp_path, *overrides):
 def _compared(records):
     # wall-clock metrics differ run to run; everything computed from data must not
     return [
-        {k: v for k, v in r.items() if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))}
+        {
+            k: v
+            for k, v in r.items()
+            if not k.startswith(("time/", "memory/", "perf/tokens_per_s", "perf/mfu"))
+        }
         for r in records
     ]
 

@@ -244,7 +244,7 @@ def test_killed_vllm_server_is_restarted_and_the_run_matches(
 
     def rows(run_dir):
         return [
-            {k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))}
+            {k: v for k, v in r.items() if not k.startswith(("time/", "memory/", "perf/"))}
             for r in read_jsonl(tmp_path / run_dir / "metrics.jsonl")
         ]
 

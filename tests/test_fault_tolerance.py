@@ -103,7 +103,7 @@ def test_run_falls_back_to_the_previous_checkpoint_and_matches(tmp_path, capsys)
             {
                 k: v
                 for k, v in r.items()
-                if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))
+                if not k.startswith(("time/", "memory/", "perf/tokens_per_s", "perf/mfu"))
             }
             for r in rows
         ]
@@ -209,7 +209,7 @@ def test_killed_worker_is_restarted_and_the_run_matches(tmp_path, capsys):
             rows[r["step"]] = {
                 k: v
                 for k, v in r.items()
-                if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))
+                if not k.startswith(("time/", "memory/", "perf/tokens_per_s", "perf/mfu"))
             }
         return rows
 

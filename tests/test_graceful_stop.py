@@ -51,7 +51,9 @@ def rows(run_dir: Path) -> dict[int, dict]:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
         out[r["step"]] = {
-            k: v for k, v in r.items() if not k.startswith(("time/", "perf/tokens_per_s", "perf/"))
+            k: v
+            for k, v in r.items()
+            if not k.startswith(("time/", "memory/", "perf/tokens_per_s", "perf/"))
         }
     return out
 

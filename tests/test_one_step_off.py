@@ -227,7 +227,11 @@ def test_a_pending_batch_survives_its_json_file_exactly():
 def _compared(records):
     # wall-clock metrics differ run to run; everything computed from data must not
     return [
-        {k: v for k, v in r.items() if not k.startswith(("time/", "perf/tokens_per_s", "perf/mfu"))}
+        {
+            k: v
+            for k, v in r.items()
+            if not k.startswith(("time/", "memory/", "perf/tokens_per_s", "perf/mfu"))
+        }
         for r in records
     ]
 

@@ -121,12 +121,16 @@ VERL_ROWS = [
 ]
 
 
-def records_by_hand(rows):
+def records_by_hand(rows, where):
     return [
         PromptRecord(
-            r["prompt"], r["data_source"], r["reward_model"]["ground_truth"], r["extra_info"]
+            r["prompt"],
+            r["data_source"],
+            r["reward_model"]["ground_truth"],
+            r["extra_info"],
+            origin=f"row {i} of {where}",
         )
-        for r in rows
+        for i, r in enumerate(rows)
     ]
 
 
@@ -146,11 +150,15 @@ def test_hf_datasets_offline_folders_files_splits_and_row_errors(
     (tmp_path / "files").mkdir()
     pq.write_table(pa.Table.from_pylist(test), tmp_path / "files" / "part-0.parquet")
 
-    assert load_hf_dataset(str(tmp_path / "single"), "train") == records_by_hand(train)
-    assert load_hf_dataset(str(tmp_path / "dict"), "train") == records_by_hand(train)
-    assert load_hf_dataset(str(tmp_path / "dict"), "test") == records_by_hand(test)
-    assert load_hf_dataset(str(tmp_path / "rows.jsonl")) == records_by_hand(train)
-    assert load_hf_dataset(str(tmp_path / "files"), "train") == records_by_hand(test)
+    def loaded(name, split="train"):
+        return load_hf_dataset(str(tmp_path / name), split)
+
+    # each record names its row for later errors: "row <i> of <source>[<split>]"
+    assert loaded("single") == records_by_hand(train, f"{tmp_path / 'single'}[train]")
+    assert loaded("dict") == records_by_hand(train, f"{tmp_path / 'dict'}[train]")
+    assert loaded("dict", "test") == records_by_hand(test, f"{tmp_path / 'dict'}[test]")
+    assert loaded("rows.jsonl") == records_by_hand(train, f"{tmp_path / 'rows.jsonl'}[train]")
+    assert loaded("files") == records_by_hand(test, f"{tmp_path / 'files'}[train]")
 
     with pytest.raises(DatasetError, match=r"no split 'validation'; it has \['test', 'train'\]"):
         load_hf_dataset(str(tmp_path / "dict"), "validation")

@@ -60,7 +60,7 @@ from tephra.episodes.agent import ChatTemplateDelta
 from tephra.episodes.tools import load_tools
 from tephra.rollout.multimodal import VisionProcessor
 
-BUNDLED_TOOLS = Path(__file__).parent / "tools"
+BUNDLED_TOOLS = Path(__file__).parents[1] / "tools"
 
 
 def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
