@@ -39,7 +39,7 @@ def save(
     path: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
     step: int,
     device: torch.device,
 ) -> None:
@@ -89,7 +89,11 @@ def _check_same_model(path: Path, model: nn.Module) -> dict:
 
 
 def load(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, device: torch.device
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    device: torch.device,
 ) -> int:
     """Restore everything `save` wrote; returns the step count."""
     meta = _check_same_model(path, model)

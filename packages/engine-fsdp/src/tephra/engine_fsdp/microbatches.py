@@ -26,7 +26,7 @@ class MicroBatch:
     """True for the padding micro-batches that only keep ranks in step."""
 
 
-def _max_over_ranks(n: int, group) -> int:
+def _max_over_ranks(n: int, group: dist.ProcessGroup | None) -> int:
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return n
     t = torch.tensor([n], dtype=torch.int64)
@@ -35,7 +35,11 @@ def _max_over_ranks(n: int, group) -> int:
 
 
 def plan(
-    batch: TensorDict, max_tokens: int, packed: bool, field_name: str, group=None
+    batch: TensorDict,
+    max_tokens: int,
+    packed: bool,
+    field_name: str,
+    group: dist.ProcessGroup | None = None,
 ) -> list[MicroBatch]:
     """Micro-batches of `batch` within `max_tokens`, as many on every rank of `group`."""
     parts = B.split_by_token_budget(batch, max_tokens, packed, field_name)

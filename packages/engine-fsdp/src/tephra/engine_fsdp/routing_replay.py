@@ -10,6 +10,7 @@ the experts are the recorded ones, the gates the current softmax gathered at the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ class RouterReplay:
         for j, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(j))
 
-    def _hook(self, j: int):
+    def _hook(self, j: int) -> Callable[[nn.Module, Any, Any], Any]:
         def hook(module: nn.Module, args: Any, out: Any) -> Any:
             logits, gates, experts = out
             if self.targets is not None:

@@ -43,7 +43,7 @@ def ensure_process_group(device: torch.device) -> bool:
     return ensure_single_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
 
 
-def cpu_group():
+def cpu_group() -> dist.ProcessGroup | None:
     """A process group that can reduce CPU tensors: the default one when its backend has
     gloo, else a gloo group over the same ranks (e.g. after `init_process_group("nccl")`)."""
     if "gloo" in str(dist.get_backend()):

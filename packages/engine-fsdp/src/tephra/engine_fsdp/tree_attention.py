@@ -16,6 +16,7 @@ The function is registered with transformers as `ATTENTION_NAME`; a forward with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -105,8 +106,8 @@ def tree_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     tree_blocks: tuple[Blocks, ...] | None = None,
-    **kwargs,
-):
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention interface: `query [b, h, L, d]`, `key`/`value [b, kv, L, d]`
     -> `[b, L, h, d]`. Without `tree_blocks`: transformers' SDPA."""
     if tree_blocks is None:

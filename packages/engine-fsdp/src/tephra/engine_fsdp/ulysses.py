@@ -25,8 +25,10 @@ segment starts where the position id is 0); attention runs as one causal SDPA pe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +40,7 @@ ATTENTION_NAME = "tephra_ulysses"
 
 @dataclass
 class _State:
-    group: object = None
+    group: dist.ProcessGroup | None = None
     sp: int = 1
     bounds: tuple[tuple[int, int], ...] = ()  # [start, end) of every global packed segment
 
@@ -46,7 +48,7 @@ class _State:
 _STATE = _State()
 
 
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     x = x.contiguous()  # before empty_like, which would copy a permuted layout
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
@@ -57,27 +59,31 @@ class _SeqToHead(torch.autograd.Function):
     """[b, h, t, d] sequence shard -> [b, h / sp, sp * t, d] head shard (inverse: backward)."""
 
     @staticmethod
-    def forward(ctx, x, group, sp):
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, sp: int
+    ) -> torch.Tensor:
         ctx.group, ctx.sp = group, sp
         return seq_to_head(x, group, sp)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return head_to_seq(grad, ctx.group, ctx.sp), None, None
 
 
 class _HeadToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, sp):
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, sp: int
+    ) -> torch.Tensor:
         ctx.group, ctx.sp = group, sp
         return head_to_seq(x, group, sp)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return seq_to_head(grad, ctx.group, ctx.sp), None, None
 
 
-def seq_to_head(x: torch.Tensor, group, sp: int) -> torch.Tensor:
+def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup | None, sp: int) -> torch.Tensor:
     b, h, t, d = x.shape
     # chunk j of the heads goes to rank j; rank j receives every rank's tokens for it
     send = x.reshape(b, sp, h // sp, t, d).permute(1, 0, 2, 3, 4)
@@ -85,7 +91,7 @@ def seq_to_head(x: torch.Tensor, group, sp: int) -> torch.Tensor:
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * t, d)
 
 
-def head_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
+def head_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None, sp: int) -> torch.Tensor:
     b, hs, n, d = x.shape
     t = n // sp
     send = x.reshape(b, hs, sp, t, d).permute(2, 0, 1, 3, 4)  # token shard j goes to rank j
@@ -94,8 +100,15 @@ def head_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
 
 
 def _ulysses_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
-):
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Attention function registered as `ATTENTION_NAME` (transformers' interface:
     query `[b, heads, t, d]`, key/value `[b, kv_heads, t, d]`; returns `[b, t, heads, d]`)."""
     if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
@@ -178,7 +191,9 @@ def segment_bounds(position_ids: torch.Tensor) -> tuple[tuple[int, int], ...]:
 
 
 @contextmanager
-def sequence_context(group, sp: int, position_ids: torch.Tensor):
+def sequence_context(
+    group: dist.ProcessGroup | None, sp: int, position_ids: torch.Tensor
+) -> Iterator[None]:
     """Publish the group and the global packed position ids `[T]` to the attention function
     for the forward pass inside. They stay published after it: gradient checkpointing
     re-runs the attention during the backward, which comes before the next micro-batch's
@@ -193,12 +208,14 @@ class GatherShards(torch.autograd.Function):
     values, so the slice is exactly d loss / d local outputs)."""
 
     @staticmethod
-    def forward(ctx, x, group, sp, rank):
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, sp: int, rank: int
+    ) -> torch.Tensor:
         ctx.rank, ctx.t = rank, x.shape[0]
         parts = [torch.empty_like(x) for _ in range(sp)]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return grad[ctx.rank * ctx.t : (ctx.rank + 1) * ctx.t], None, None, None

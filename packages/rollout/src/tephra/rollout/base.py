@@ -21,7 +21,7 @@ import dataclasses
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
@@ -104,7 +104,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def replace(self, **changes) -> SamplingParams:
+    def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def for_share(self, first_prompt: int) -> SamplingParams:
@@ -410,7 +410,7 @@ class RolloutOutput:
         """Each sample's per-response-token log-probs (None when `logprobs=False`)."""
         if not all(s.log_probs is not None for s in self.samples):
             return None
-        return [s.log_probs for s in self.samples]
+        return [cast(list[float], s.log_probs) for s in self.samples]  # all set: checked above
 
     @property
     def finish_reasons(self) -> list[str]:
@@ -423,7 +423,7 @@ class RolloutOutput:
         every sample is tagged."""
         if not self.samples or any(s.token_versions is None for s in self.samples):
             return None
-        return [s.token_versions for s in self.samples]
+        return [cast(list[int], s.token_versions) for s in self.samples]  # as above
 
     def to_batch(self, pad_token_id: int) -> TensorDict:
         """The samples in the padded layout of `tephra.engine_api.batch` (`samples.to_batch`)."""
@@ -503,7 +503,7 @@ class Rollout(abc.ABC):
     def __enter__(self) -> Rollout:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -284,7 +284,7 @@ def build_tiny_vlm(
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     head = hidden_size // 2
-    vision_common = dict(
+    vision_common: dict[str, Any] = dict(
         depth=1 if family == "qwen2_vl" else 2,
         hidden_size=hidden_size,
         num_heads=2,
@@ -294,6 +294,8 @@ def build_tiny_vlm(
         in_channels=3,
         initializer_range=initializer_range,
     )
+    config_cls: Any
+    model_cls: Any
     if family == "qwen2_vl":
         vision_config = dict(vision_common, embed_dim=32, mlp_ratio=2)
         config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
@@ -394,7 +396,8 @@ def build_tiny_llava(
     image = tok.convert_tokens_to_ids("<image>")
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     patch = 14
-    config = LlavaConfig(
+    # token ids go through PretrainedConfig's **kwargs, which LlavaConfig's stub leaves out
+    config = LlavaConfig(  # type: ignore[call-arg]
         vision_config=dict(
             model_type="clip_vision_model",
             hidden_size=32,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -124,7 +124,7 @@ class Sample:
     @property
     def generated_tokens(self) -> int:
         """Response tokens the model generated (the trained ones)."""
-        return sum(self.response_mask)
+        return sum(cast(list[int], self.response_mask))  # filled by __post_init__
 
 
 AGENT_COLUMNS = ("num_turns", "tool_calls", "tool_errors")

@@ -6,14 +6,14 @@ byte-level BPE tokenizer, built in about a second and saved as a normal Hugging 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from tephra.rollout.base import Rollout
+from tephra.rollout.base import Rollout, RolloutOutput, SamplingParams
 from tephra.rollout.samples import Sample
 
 SPECIAL_TOKENS = (
@@ -59,7 +59,7 @@ class TinyModel:
     """`<|endoftext|>`."""
 
 
-def build_tiny_tokenizer(vocab_size: int = 384):
+def build_tiny_tokenizer(vocab_size: int = 384) -> Any:
     """A byte-level BPE tokenizer trained on a few sentences (any text encodes: bytes are in
     the base alphabet). Returns a `PreTrainedTokenizerFast` with a ChatML chat template."""
     # tokenizers and transformers take seconds to import; the controller's config checks
@@ -157,7 +157,9 @@ def build_tiny_model(
     return TinyModel(path=str(path), vocab_size=vocab, eos_token_id=eos, pad_token_id=pad)
 
 
-def perturbed_weights(model_path: str | Path, scale: float = 0.5, seed: int = 1):
+def perturbed_weights(
+    model_path: str | Path, scale: float = 0.5, seed: int = 1
+) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of the model at `model_path` with every weight changed by seeded
     noise: 'new weights' for weight-sync tests. Returns a list (it is iterated twice). A tied
     model's shared matrix appears once, under the embedding's name."""
@@ -166,10 +168,10 @@ def perturbed_weights(model_path: str | Path, scale: float = 0.5, seed: int = 1)
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
-    out = []
+    out: list[tuple[str, torch.Tensor]] = []
     # named_parameters lists a tied matrix once (as the embedding), like a trainer's export
     for name, tensor in model.named_parameters():
-        tensor = tensor.detach()
+        tensor = tensor.detach()  # type: ignore[assignment]  # a Parameter's plain tensor
         noise = torch.randn(tensor.shape, generator=gen) * scale * (tensor.float().std() + 1e-3)
         out.append((name, (tensor.float() + noise).to(tensor.dtype)))
     return out
@@ -201,21 +203,24 @@ class ScriptedRollout(Rollout):
 
     def __init__(
         self,
-        tokenizer,
-        script: Callable[[str, int], str | None],
+        tokenizer: Any,
+        script: Callable[[str | None, int], str | None],
         fallback: Rollout | None = None,
         events: list | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.script = script
         self.fallback = fallback
-        self.config = fallback.config if fallback is not None else None
-        self.turns: dict[str, int] = {}
-        self.requests: list[tuple[str, list[int], Sample]] = []
+        self.config = fallback.config if fallback is not None else None  # type: ignore[assignment]  # no config without a fallback
+        self.turns: dict[str | None, int] = {}
+        self.requests: list[tuple[str | None, list[int], Sample]] = []
         self.events = events if events is not None else []
         self.in_flight = self.peak_in_flight = 0
 
-    async def agenerate(self, prompt_ids, sampling, session_id=None):
+    # no `multimodal` parameter: the scripted model reads no images
+    async def agenerate(  # type: ignore[override]
+        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+    ) -> Sample:
         turn = self.turns.get(session_id, 0)
         self.turns[session_id] = turn + 1
         text = self.script(session_id, turn)
@@ -224,7 +229,8 @@ class ScriptedRollout(Rollout):
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             if text is None:
-                gen = await self.fallback.agenerate(prompt_ids, sampling, session_id)
+                # the script returns None only past its turns, where a fallback is given
+                gen = await cast(Rollout, self.fallback).agenerate(prompt_ids, sampling, session_id)
             else:
                 await asyncio.sleep(0)
                 ids = self.tokenizer.encode(text, add_special_tokens=False)[
@@ -244,23 +250,25 @@ class ScriptedRollout(Rollout):
         self.requests.append((session_id, list(prompt_ids), gen))
         return gen
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         raise NotImplementedError("scripted model serves agenerate only")
 
-    def update_weights(self, named_tensors):
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         pass
 
-    def sleep(self):
+    def sleep(self) -> None:
         pass
 
-    def wake_up(self):
+    def wake_up(self) -> None:
         pass
 
-    def close(self):
+    def close(self) -> None:
         pass
 
 
-def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = None):
+def reference_greedy(
+    model: Any, prompt: list[int], max_new_tokens: int, eos: int | None = None
+) -> list[int]:
     """`model.generate` (greedy) on one unpadded prompt on the model's device, cut after the
     first EOS (None: no EOS): what the `hf` backend's greedy output must equal."""
     ids = torch.tensor([prompt], device=model.device)
@@ -276,7 +284,7 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | N
 
 
 def teacher_forced_log_probs(
-    model, prompt: list[int], response: list[int], temperature: float
+    model: Any, prompt: list[int], response: list[int], temperature: float
 ) -> torch.Tensor:
     """log_softmax(logits / T) of each response token from one forward pass (T = 0 counts as
     1), on the CPU."""

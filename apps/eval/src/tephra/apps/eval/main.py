@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any, cast
 
 import yaml
 from matplotlib.figure import Figure
@@ -46,12 +47,14 @@ def models_to_evaluate(cfg: EvalConfig, out: Path) -> list[tuple[str, str, int |
     `hf/` export."""
 
     if cfg.run_dir is None:
-        return [(Path(cfg.model.path).name, resolve_model_path(cfg.model.path, cfg.seed), None)]
+        # validated: model.path is set when run_dir is not
+        model = cast(str, cfg.model.path)
+        return [(Path(model).name, resolve_model_path(model, cfg.seed), None)]
 
     run = Path(cfg.run_dir).expanduser().resolve()
     if not run.is_dir():
         raise ConfigError(f"run_dir={cfg.run_dir!r} is not a folder; give a trainer run folder")
-    found = []
+    found: list[tuple[str, str, int | None]] = []
     if cfg.start_model:
         found.append(("step_0", start_model_path(run), 0))
     for step, folder in sorted(CheckpointManager(run / "checkpoints").committed()):
@@ -89,10 +92,12 @@ def start_model_path(run: Path) -> str:
     return resolve_model_path(path, (saved.get("trainer") or {}).get("seed", 0))
 
 
-def evaluate_model(cfg: EvalConfig, model_path: str):
+def evaluate_model(
+    cfg: EvalConfig, model_path: str
+) -> tuple[dict[str, dict[str, float]], list[EvalRow]]:
     """(summary, rows) of one model on the held-out prompts."""
 
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok: Any = AutoTokenizer.from_pretrained(model_path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     d = cfg.data

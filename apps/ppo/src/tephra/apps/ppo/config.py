@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 from tephra.controller.config.tree import PPOConfig
 from tephra.controller.launch.preflight import validate
@@ -34,7 +35,8 @@ def check_model_made(cfg: PPOConfig) -> None:
     """A missing model folder that another command writes (`MADE_BY`) is an error naming
     that command; the generic error would only say that the folder does not exist."""
     command = MADE_BY.get(os.path.normpath(cfg.model.path or ""))
-    if command and not (Path(cfg.model.path) / "config.json").exists():
+    # a command is found only for a set path
+    if command and not (Path(cast(str, cfg.model.path)) / "config.json").exists():
         raise ConfigError(
             f"model.path={cfg.model.path!r} does not exist yet: it is the model that "
             f"`{command}` writes; run that first (from the same directory), then this again"

@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from tephra.apps.ppo.config import parse_config
@@ -50,7 +51,7 @@ def gate_overrides(seed: int, run_dir: Path) -> list[str]:
     ]
 
 
-def gate_run(seed: int, run_dir: Path, extra: list[str] = ()) -> list[dict]:
+def gate_run(seed: int, run_dir: Path, extra: Sequence[str] = ()) -> list[dict]:
     """The gate run's per-step metric records (`extra`: more overrides, e.g. a broken lr)."""
     run(parse_config(gate_overrides(seed, run_dir) + list(extra)))
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]

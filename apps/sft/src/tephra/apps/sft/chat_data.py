@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 import reasoning_gym
@@ -23,6 +23,9 @@ from tephra.controller.data.multimodal import row_images, with_vision_spans
 from tephra.controller.data.prompts import DatasetError
 from tephra.engine_api.batch import make_batch
 from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs, multimodal_column
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 def _ids(tokenizer: Any, messages: list[dict], generation_prompt: bool) -> list[int]:
@@ -156,7 +159,7 @@ def tool_call_conversations(size: int, seed: int) -> list[list[dict]]:
     return out
 
 
-def pad_batch(examples: list[tuple], pad_id: int):
+def pad_batch(examples: list[tuple], pad_id: int) -> TensorDict:
     """Right-padded `[B, T]` batch in the engine layout; examples with images (a third item)
     add the `multimodal` column engine-fsdp reads."""
 
@@ -193,7 +196,7 @@ def image_conversations(
 ) -> list[Example]:
     """`load_image_conversations` of rows already read (`where` names them in errors)."""
 
-    out = []
+    out: list[Example] = []
     for i, (row, messages) in enumerate(zip(rows, _conversations(rows, where), strict=True)):
         images = row_images(row, i, where, base_dir)
         messages = with_vision_spans(messages, i, where, processor, len(images))

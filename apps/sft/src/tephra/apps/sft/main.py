@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import yaml
@@ -52,7 +52,7 @@ from tephra.rollout.multimodal import VisionProcessor
 PRESETS = Path(__file__).parent / "presets"
 
 
-def nll_loss(outputs: TensorDict, batch: TensorDict):
+def nll_loss(outputs: TensorDict, batch: TensorDict) -> tuple[torch.Tensor, dict[str, float]]:
     """This micro-batch's share of the step's token-mean NLL over assistant tokens."""
     mask = batch["response_mask"].float()
     total = -(outputs["log_probs"] * mask).sum() / batch["global_token_count"][0]
@@ -78,7 +78,7 @@ class SFTWorker(Worker):
             ),
         )
 
-    def dp_info(self):
+    def dp_info(self) -> DataParallelInfo:
         e = self.engine
         return DataParallelInfo(
             dp_rank=e.dp_rank, dp_size=e.dp_size, is_output_rank=e.is_dp_output_rank
@@ -130,6 +130,9 @@ def load_examples(cfg: SFTConfig, tok: Any, model_path: str) -> tuple[list, list
     held out. Fails before Ray starts."""
 
     d = cfg.data
+    # (ids, mask) pairs, or (ids, mask, images) triples for data with images
+    train: list[Any]
+    val: list[Any]
     if d.source == "colour_squares":
         train = colour_square_conversations(d.size, d.seed, vision_processor(cfg, model_path))
         val = []
@@ -180,7 +183,7 @@ def load_examples(cfg: SFTConfig, tok: Any, model_path: str) -> tuple[list, list
 
 def run(cfg: SFTConfig) -> dict:  # noqa: PLR0915 (older than the limit; to split)
     t0 = time.perf_counter()
-    path = resolve_model_path(cfg.model.path)
+    path = resolve_model_path(cast(str, cfg.model.path))  # validated: set for SFT
     tok = AutoTokenizer.from_pretrained(path)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     train, val = load_examples(cfg, tok, path)
@@ -251,7 +254,7 @@ def run(cfg: SFTConfig) -> dict:  # noqa: PLR0915 (older than the limit; to spli
     return summary
 
 
-def vision_processor(cfg: SFTConfig, model_path: str):
+def vision_processor(cfg: SFTConfig, model_path: str) -> VisionProcessor:
     """The image processor of `model_path` (a vision-language model), for data with images;
     refuses what cannot train on images, before Ray starts."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from typing import Any
+from typing import Any, cast
 
 from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS, ToolCall
@@ -26,6 +26,7 @@ class ToolEnvironment(Environment):
     `Sample.tool_rewards`."""
 
     owns_reward = False
+    config: AgentLoopConfig  # never None here: __init__ fills in the default
 
     def __init__(
         self,
@@ -62,16 +63,17 @@ class ToolEnvironment(Environment):
     async def call_one(self, call: ToolCall, metrics: dict) -> ToolResult:
         if call.error is not None:
             return ToolResult("", error=call.error)
-        tool = self.offered.get(call.name)
+        # a parsed call without an error has a name
+        tool = self.offered.get(cast(str, call.name))
         if tool is None:
             available = ", ".join(sorted(self.offered)) or "(none)"
             return ToolResult("", error=f"unknown tool {call.name!r}; available: {available}")
         try:
             async with self.create_lock:  # create once per trajectory, even for parallel calls
                 if call.name not in self.created:
-                    kwargs = self.item.tool_kwargs.get(call.name, {})
+                    kwargs = self.item.tool_kwargs.get(cast(str, call.name), {})
                     await tool.create(self.item.sample_id, **kwargs)
-                    self.created.add(call.name)
+                    self.created.add(cast(str, call.name))
             limit = self.config.tool_timeout_s
             try:
                 async with asyncio.timeout(limit):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tephra.core.errors import ConfigError
 from tephra.episodes.rewards.judge import JudgeConfig
@@ -131,7 +131,8 @@ class RewardConfig:
                 "(the largest |reward| accepted; default 1e6)"
             )
         if self.clip is not None:
-            self.clip = tuple(float(x) for x in self.clip)  # YAML gives a list
+            # YAML gives a list; the length is checked just below
+            self.clip = cast(tuple[float, float], tuple(float(x) for x in self.clip))
             low, high = self.clip if len(self.clip) == 2 else (math.nan, math.nan)
             if not (math.isfinite(low) and math.isfinite(high) and low < high):
                 raise ConfigError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,9 @@ def load_reward_function(
     return fn
 
 
-def check_scorer_signature(fn: Callable, where: str, provided: set[str] = frozenset()) -> None:
+def check_scorer_signature(
+    fn: Callable, where: str, provided: AbstractSet[str] = frozenset()
+) -> None:
     """Raise RewardFunctionError unless `fn(data_source=, solution_str=, ground_truth=,
     extra_info=, **provided)` binds to `fn`'s parameters."""
     try:

@@ -19,7 +19,7 @@ import string
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tephra.core.errors import ConfigError
 from tephra.core.registry import Registry, check_registered
@@ -33,6 +33,9 @@ from tephra.rollout import (
     get_rollout,
 )
 from tephra.rollout.base import DTYPES
+
+if TYPE_CHECKING:
+    from tephra.rollout.base import Rollout
 
 logger = logging.getLogger(__name__)
 
@@ -254,10 +257,10 @@ class GenerativeJudge:
             raise ConfigError("reward.judge.model_path is not set; there is no judge to build")
         self.config = config
         self._parser = JUDGE_PARSERS.get(config.parser)
-        self._rollout = None
-        self._tokenizer = None
+        self._rollout: Rollout | None = None
+        self._tokenizer: Any = None  # a transformers tokenizer, loaded with the judge model
         self._given = ask
-        self._ask = ask if ask is not None else self._build_backend()
+        self._ask: AsyncJudge | None = ask if ask is not None else self._build_backend()
         self._logged: set[str] = set()
         self.last_stats = JudgeStats()
         """Stats of the latest `score` call."""
@@ -274,7 +277,7 @@ class GenerativeJudge:
         self._rollout = get_rollout(
             cfg.backend,
             RolloutConfig(
-                model_path=cfg.model_path,
+                model_path=cast(str, cfg.model_path),  # validated: set when no `ask` is given
                 dtype=cfg.dtype,
                 max_model_len=cfg.max_model_len,
                 vllm=ServerSettings.of_launch(cfg.vllm),
@@ -298,7 +301,7 @@ class GenerativeJudge:
                 )
             else:
                 ids = tok(text)["input_ids"]
-            sample = await self._rollout.agenerate(list(ids)[-budget:], sampling)
+            sample = await cast("Rollout", self._rollout).agenerate(list(ids)[-budget:], sampling)
             return tok.decode(sample.response_ids, skip_special_tokens=True)
 
         return ask
@@ -361,7 +364,10 @@ class GenerativeJudge:
     ) -> float:
         cfg = self.config
         try:
-            text = await asyncio.wait_for(self._ask(self.prompt(item)), cfg.timeout_s)
+            text = await asyncio.wait_for(
+                cast(AsyncJudge, self._ask)(self.prompt(item)),
+                cfg.timeout_s,  # set by `score`
+            )
         except TimeoutError:
             stats.timeouts += 1
             status[k] = "timeout"

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tephra.core.errors import RegistryError
 from tephra.core.registry import unknown_name_message
@@ -309,7 +309,9 @@ class RewardManager:
             scores = self._reward_model.score(
                 [i.prompt_str for i in items], [i.solution_str for i in items]
             )
-            outcomes = [(RewardResult(score=s), None) for s in scores]
+            outcomes: list[tuple[RewardResult, str | None]] = [
+                (RewardResult(score=s), None) for s in scores
+            ]
             names = [REWARD_MODEL_SCORER_NAME] * len(items)
         else:
             outcomes, names = self._rule_and_judge(items)
@@ -476,7 +478,7 @@ class RewardManager:
                 "reward scoring: %d of %d scores clipped into reward.clip=%s",
                 clipped,
                 len(items),
-                list(self.config.clip),
+                list(cast(tuple[float, float], self.config.clip)),  # set: scores were clipped
             )
         if errors:
             logger.warning(
@@ -486,7 +488,7 @@ class RewardManager:
                 dict(errors),
             )
         if errors and self.config.raise_on_error:
-            index, tb = first_failure
+            index, tb = cast(tuple[int, str], first_failure)  # set: an item failed
             raise RewardScoringError(
                 f"reward scorer {names[index]!r} raised on item {index} (data_source "
                 f"{items[index].data_source!r}): {outcomes[index][0].error}. Set "

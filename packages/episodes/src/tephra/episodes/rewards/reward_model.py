@@ -12,6 +12,7 @@ truncated on the left so the response, which is what is judged, survives a long 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -90,7 +91,7 @@ class RewardModelScorer:
                 {"role": "user", "content": prompt},
                 {"role": "assistant", "content": response},
             ]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+            return cast(str, self.tokenizer.apply_chat_template(messages, tokenize=False))
         return prompt + response
 
     def score(self, prompts: list[str], responses: list[str]) -> list[float]:

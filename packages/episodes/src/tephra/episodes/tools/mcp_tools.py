@@ -16,7 +16,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tephra.episodes.tools.base import Tool, ToolConfigError, ToolError, ToolResult
 
@@ -164,13 +164,15 @@ class MCPToolset:
                 from mcp.client.stdio import stdio_client  # optional: mcp, as above
 
                 log = open(self.server_log or os.devnull, "a")  # noqa: SIM115 (closed below)
-                params = StdioServerParameters(command=self.command, args=self.args, env=self.env)
+                params = StdioServerParameters(
+                    command=cast(str, self.command), args=self.args, env=self.env
+                )
                 transport = stdio_client(params, errlog=log)
             else:
                 from mcp.client.streamable_http import streamable_http_client  # optional: mcp
 
                 log = None
-                transport = streamable_http_client(self.url)
+                transport = streamable_http_client(cast(str, self.url))
             try:
                 async with transport as streams, ClientSession(streams[0], streams[1]) as session:
                     # the server was just started, in a group of its own: remember the group,
@@ -201,7 +203,7 @@ class MCPToolset:
         if self._session is None:
             self.start()
         future = asyncio.run_coroutine_threadsafe(
-            self._session.call_tool(name, arguments), self._loop
+            self._session.call_tool(name, arguments), cast(asyncio.AbstractEventLoop, self._loop)
         )
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)

@@ -55,7 +55,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tephra.core.errors import ConfigError
 from tephra.episodes.tools.base import Tool, ToolError, ToolResult
@@ -571,15 +571,15 @@ class PythonSandbox:
             # under the call's timeout like every host step: a program that never reads its
             # stdin cannot block the host
             try:
-                proc.stdin.write(program)
-                await proc.stdin.drain()
-                proc.stdin.close()
+                cast(asyncio.StreamWriter, proc.stdin).write(program)
+                await cast(asyncio.StreamWriter, proc.stdin).drain()
+                cast(asyncio.StreamWriter, proc.stdin).close()
             except (BrokenPipeError, ConnectionResetError):
                 pass
 
         pumps = [
-            asyncio.ensure_future(pump(proc.stdout, "out")),
-            asyncio.ensure_future(pump(proc.stderr, "err")),
+            asyncio.ensure_future(pump(cast(asyncio.StreamReader, proc.stdout), "out")),
+            asyncio.ensure_future(pump(cast(asyncio.StreamReader, proc.stderr), "err")),
             asyncio.ensure_future(feed()),
         ]
         try:
@@ -607,7 +607,8 @@ class PythonSandbox:
                 task.cancel()
         stdout = bufs["out"].decode(errors="replace")
         stderr = bufs["err"].decode(errors="replace")
-        code = proc.returncode
+        code = cast(int, proc.returncode)  # set: the process was awaited above
+        error: str | None
         if timed_out:
             error = f"wall-time limit of {self.config.timeout_s} s exceeded; the process group was killed"
         elif overflow:

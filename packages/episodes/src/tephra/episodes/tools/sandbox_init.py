@@ -60,18 +60,20 @@ class SetupError(Exception):
     pass
 
 
-def _check(result, what):
+def _check(result: int, what: str) -> None:
     if result != 0:
         err = ctypes.get_errno()
         raise SetupError(f"{what}: {os.strerror(err)}")
 
 
-def mount(src, tgt, fstype, flags, data=None):
+def mount(
+    src: str | None, tgt: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     _check(libc.mount(enc(src), enc(tgt), enc(fstype), flags, enc(data)), f"mount {src} on {tgt}")
 
 
-def bind(src, tgt, writable=False, devices=False):
+def bind(src: str, tgt: str, writable: bool = False, devices: bool = False) -> None:
     """Bind `src` (a path, or /proc/self/fd/N) on `tgt` inside the new root: nosuid, read-only
     unless `writable`, nodev unless `devices`; not recursive, so mounts below the source stay
     hidden."""
@@ -86,13 +88,13 @@ def bind(src, tgt, writable=False, devices=False):
     mount(None, tgt, None, flags if writable else flags | MS_RDONLY)
 
 
-def tmpfs(tgt, size, mode, inodes=None):
+def tmpfs(tgt: str, size: int, mode: str, inodes: int | None = None) -> None:
     os.makedirs(tgt, exist_ok=True)
     extra = f",nr_inodes={inodes}" if inodes else ""
     mount("tmpfs", tgt, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode={mode}{extra}")
 
 
-def limit_ipc():
+def limit_ipc() -> None:
     """Low limits in the call's own IPC namespace (its root may set them; the code, without
     capabilities, may not): message queues and semaphores are kernel memory that no sampling
     sees and, without a memory cgroup, nothing else bounds; shared memory is capped at the
@@ -102,7 +104,7 @@ def limit_ipc():
             f.write(str(value))
 
 
-def folder_copy(cfg, work, tmp):
+def folder_copy(cfg: dict, work: int, tmp: str) -> None:
     """The call's /tmp as a tmpfs of the folder quota, filled from the trajectory's folder:
     past the quota writes fail (ENOSPC), unnamed O_TMPFILE files included."""
     global folder_fd
@@ -119,7 +121,7 @@ def folder_copy(cfg, work, tmp):
         os.close(into)
 
 
-def keep_folder():
+def keep_folder() -> None:
     """After the call, with every other process of it gone: the trajectory's folder on the
     host becomes a copy of the call's /tmp (which dies with the namespace)."""
     src = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -132,7 +134,7 @@ def keep_folder():
         os.close(src)
 
 
-def build_root(cfg):
+def build_root(cfg: dict) -> None:
     """Mount the new root's tree under NEW_ROOT, then pivot into it and drop the host's."""
     # sources are opened before anything is mounted: a checkout under /mnt or /tmp stays
     # reachable through its descriptor after the mounts below hide its path
@@ -193,7 +195,7 @@ def build_root(cfg):
     os.chdir("/")
 
 
-def seccomp_filter(lib_path):
+def seccomp_filter(lib_path: str) -> None:
     """Refuse (EPERM) what builds namespaces or mounts, and kernel surfaces code has no use
     for; clone3 gets ENOSYS so that libc falls back to clone, whose flags the filter can see."""
     lib = ctypes.CDLL(lib_path, use_errno=True)
@@ -215,7 +217,7 @@ def seccomp_filter(lib_path):
         raise SetupError("seccomp_init failed")
     eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
 
-    def rule(action, name, *args):
+    def rule(action: int, name: str, *args: Arg) -> None:
         nr = lib.seccomp_syscall_resolve_name(name.encode())
         if nr < 0:
             return
@@ -267,7 +269,7 @@ def seccomp_filter(lib_path):
         raise SetupError("seccomp_load failed")
 
 
-def own_user_namespace(code_uid):
+def own_user_namespace(code_uid: int) -> None:
     """Unprivileged mode: move the code's process into a user namespace of its own where it
     is `code_uid`, not root: the exec that follows leaves it no capability at all, and
     RLIMIT_NPROC counts only the processes of this namespace."""
@@ -283,7 +285,7 @@ def own_user_namespace(code_uid):
     os.setuid(code_uid)
 
 
-def start_code():
+def start_code() -> None:
     """In the forked child: limits, identity, filter, then exec the interpreter."""
     if cfg["identity"] == "switch_uid":
         os.setgroups([])
@@ -303,7 +305,7 @@ def start_code():
     )
 
 
-def memory_in_use(page):
+def memory_in_use(page: int) -> int:
     """Bytes the call holds: resident memory of its processes, plus the pages of its tmpfs
     folders and SysV shared memory, which belong to no process once unmapped."""
     total = 0
@@ -330,7 +332,7 @@ def memory_in_use(page):
     return total
 
 
-def end_the_rest():
+def end_the_rest() -> None:
     """Kill every process of the call left after the code's own and reap them all."""
     try:
         os.kill(-1, 9)
@@ -343,7 +345,7 @@ def end_the_rest():
             return
 
 
-def supervise(pid):
+def supervise(pid: int) -> int:
     """Reap every orphan until the code's process ends; kill all past the memory limit."""
     page = os.sysconf("SC_PAGE_SIZE")
     limit = cfg["total_memory_bytes"]

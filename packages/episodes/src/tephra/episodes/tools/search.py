@@ -81,7 +81,7 @@ class SearchTool(Tool):
         self.retriever = bm25s.BM25(k1=k1, b=b, method="lucene")
         self.retriever.index(self._tokenize(self.texts), show_progress=False)
 
-    def _tokenize(self, texts: list[str]):
+    def _tokenize(self, texts: list[str]) -> Any:
         return self._bm25s.tokenize(texts, stopwords=self.stopwords, show_progress=False)
 
     def search(self, query: str) -> list[tuple[str, str, float]]:

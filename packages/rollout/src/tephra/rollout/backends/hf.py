@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from transformers import (
@@ -52,13 +53,13 @@ _SEED_MASK = 2**64 - 1
 """torch generators take seeds in [0, 2**64); larger or negative seeds wrap."""
 
 
-def _as_id_list(value) -> list[int]:
+def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
 
 
-def _auto_class(model_path: str):
+def _auto_class(model_path: str) -> Any:
     """A vision-language checkpoint (a config with `vision_config`) loads as image-text-to-
     text; everything else as a causal LM."""
     try:
@@ -76,7 +77,9 @@ class _StopWhenPaused(StoppingCriteria):
     def __init__(self, running: threading.Event) -> None:
         self.running = running
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
         stop = not self.running.is_set()
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
@@ -98,7 +101,9 @@ class _StopToDropFinished(StoppingCriteria):
         self.stops = torch.tensor(stops, dtype=torch.long, device=device)
         self.budgets = torch.tensor(budgets, dtype=torch.long, device=device)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
         new = input_ids[:, self.width :]
         done = new.shape[1] >= self.budgets
         if len(self.stops):
@@ -115,7 +120,7 @@ class _Carry:
 
     ids: torch.Tensor
     attn: torch.Tensor
-    cache: object
+    cache: Any  # a transformers DynamicCache
     updates: int
 
     def keep(self, rows: list[int]) -> _Carry:
@@ -336,7 +341,7 @@ class HFRollout(Rollout):
             Sample(
                 response_ids=tokens[r],
                 log_probs=log_probs[r] if sampling.logprobs else None,
-                finish_reason=reasons[r],
+                finish_reason=cast(str, reasons[r]),  # every row has stopped here
                 # untagged when any segment ran without a version set
                 token_versions=versions[r] if len(versions[r]) == len(tokens[r]) else None,
             )
@@ -428,7 +433,9 @@ class HFRollout(Rollout):
         )
         return new.cpu(), log_probs, carry
 
-    def _prefill_shared_prompts(self, ids: torch.Tensor, attn: torch.Tensor, rows: list[list[int]]):
+    def _prefill_shared_prompts(
+        self, ids: torch.Tensor, attn: torch.Tensor, rows: list[list[int]]
+    ) -> Any:
         """The KV cache of every prompt but its last token, computed once per run of equal
         consecutive rows (a prompt's n samples) and repeated for each row; `generate` then
         starts from it. Prefill is most of the compute of short responses and n rows of the
@@ -491,7 +498,9 @@ class HFRollout(Rollout):
             sampling.ignore_eos,
             sampling.logprobs,
         )
-        return await self._batcher.submit((list(prompt_ids), sampling, multimodal), key)
+        return cast(
+            Sample, await self._batcher.submit((list(prompt_ids), sampling, multimodal), key)
+        )
 
     def _run_request_batch(
         self, payloads: list[tuple[list[int], SamplingParams, MultimodalInputs | None]]

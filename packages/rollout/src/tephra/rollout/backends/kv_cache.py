@@ -10,6 +10,8 @@ reads the same values, from a strided view (checked bitwise in the tests).
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -17,6 +19,10 @@ from transformers.cache_utils import DynamicLayer
 
 class GrowingLayer(DynamicLayer):
     """`DynamicLayer` whose `keys`/`values` are views into buffers with room to grow."""
+
+    # set by `lazy_initialization` before any use here
+    keys: torch.Tensor
+    values: torch.Tensor
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -27,7 +33,7 @@ class GrowingLayer(DynamicLayer):
         return 0 if self._key_buffer is None else self.keys.shape[-2]
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -35,10 +41,13 @@ class GrowingLayer(DynamicLayer):
         end = length + key_states.shape[-2]
         if self._key_buffer is None or end > self._key_buffer.shape[-2]:
             self._grow(key_states, value_states, max(2 * end, end + 64), length)
-        self._key_buffer[..., length:end, :] = key_states
-        self._value_buffer[..., length:end, :] = value_states
-        self.keys = self._key_buffer[..., :end, :]
-        self.values = self._value_buffer[..., :end, :]
+        # both buffers are set now (`_grow` made them when missing)
+        key_buffer = cast(torch.Tensor, self._key_buffer)
+        value_buffer = cast(torch.Tensor, self._value_buffer)
+        key_buffer[..., length:end, :] = key_states
+        value_buffer[..., length:end, :] = value_states
+        self.keys = key_buffer[..., :end, :]
+        self.values = value_buffer[..., :end, :]
         return self.keys, self.values
 
     def _grow(
@@ -75,7 +84,7 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
-def growing_cache(config) -> DynamicCache:
+def growing_cache(config: Any) -> DynamicCache:
     """An empty `DynamicCache` for `config` whose full-attention layers grow in place (sliding
     window and other special layers keep transformers' own classes)."""
     cache = DynamicCache(config=config)

@@ -19,6 +19,8 @@ the same samples whether generated in one call or split over data-parallel ranks
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers import LogitsProcessor
 
@@ -131,7 +133,8 @@ class SampledLogProbRecorder(LogitsProcessor):
         return scores.fill_(float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
     def _gather(self, tokens: torch.Tensor) -> None:
-        self._recorded.append(self._previous.gather(1, tokens[:, None].long()).squeeze(1))
+        previous = cast(torch.Tensor, self._previous)  # set by the step before
+        self._recorded.append(previous.gather(1, tokens[:, None].long()).squeeze(1))
         self._previous = None
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:

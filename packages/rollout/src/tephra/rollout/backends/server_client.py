@@ -36,7 +36,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import httpx
@@ -334,7 +334,7 @@ class ServerRollout(Rollout):
         )
         return httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers)
 
-    def _call(self, coro):
+    def _call(self, coro: Any) -> Any:
         """Run a coroutine on the private loop and wait for it (from synchronous code)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
@@ -614,7 +614,9 @@ class ServerRollout(Rollout):
             self._hf_config = AutoConfig.from_pretrained(self.config.model_path)
         return self._hf_config
 
-    def _check_images(self, prompt_ids: list[int], images: MultimodalInputs | None, where: str):
+    def _check_images(
+        self, prompt_ids: list[int], images: MultimodalInputs | None, where: str
+    ) -> None:
         if images is None:
             return
         if images.num_videos:
@@ -654,7 +656,9 @@ class ServerRollout(Rollout):
             return named_tensors
         return ((rename(name), tensor) for name, tensor in named_tensors)
 
-    def _with_untied_head(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+    def _with_untied_head(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """A tied model is served untied: its head follows the embedding."""
         seen_head, embedding = False, None
         for name, tensor in named_tensors:
@@ -682,7 +686,10 @@ class ServerRollout(Rollout):
                 continue
             port = free_port()
             request = self.protocol.transfer_init_request(backend, host, port, 1 + workers)
-            pending = asyncio.run_coroutine_threadsafe(self._post(url, request), self._loop)
+            # a group transport has an init request (protocols give None only for ipc)
+            pending = asyncio.run_coroutine_threadsafe(
+                self._post(url, cast(Request, request)), self._loop
+            )
             try:
                 self._groups[url] = open_group(
                     host, port, 0, 1 + workers, backend, self.settings.startup_timeout_s
@@ -892,6 +899,7 @@ def image_placeholders(
     family = vision_family(hf_config)
     token = family.image_token_id(hf_config)
     positions = [p for p, t in enumerate(prompt_ids) if t == token]
+    out: list[tuple[int, int]]
     out, start = [], 0
     for count in family.image_token_counts(images, hf_config):
         run = positions[start : start + count]
@@ -923,7 +931,8 @@ def image_payload(
         pixels = list(images.pixel_values)
     hashes = []
     for i, p in enumerate(pixels):
-        digest = hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy())
+        # a numpy array is a buffer; numpy's stubs do not say so
+        digest = hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
         if images.image_grid_thw is not None:
             digest.update(str(images.image_grid_thw[i].tolist()).encode())
         digest.update(f"|{salt}".encode())

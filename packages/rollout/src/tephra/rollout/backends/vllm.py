@@ -283,7 +283,7 @@ class VllmProtocol(ServerProtocol):
     def transfer_init_request(
         self, transport: str, address: str, port: int, world_size: int
     ) -> Request:
-        info = {"backend": transport}
+        info: dict[str, Any] = {"backend": transport}
         if transport != "ipc":  # a group to join; ipc has none
             info.update(
                 master_address=address, master_port=port, rank_offset=1, world_size=world_size

@@ -32,6 +32,7 @@ import pickle
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,14 +56,16 @@ def open_group(
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) a private process group of `world_size` ranks at `address:port`."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
+    store: dist.Store = dist.TCPStore(
         address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
     )
     store = dist.PrefixStore("tephra-weights", store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        # a c10d Backend, used through its own collectives (`group.broadcast`) like a group
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)  # type: ignore[return-value]
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
+        # as above; torch's stub omits the default of `options` that the binding has
+        return dist.ProcessGroupNCCL(store, rank, world_size)  # type: ignore[call-arg, return-value]
     raise ValueError(
         f"weight transport backend {backend!r}: a group is 'gloo' or 'nccl' ('ipc' needs none)"
     )
@@ -118,7 +121,7 @@ def unpack(meta: BucketMeta, flat: torch.Tensor) -> list[tuple[str, torch.Tensor
 
 
 def broadcast_meta(
-    group: dist.ProcessGroup, meta: BucketMeta | None, device=None
+    group: dist.ProcessGroup, meta: BucketMeta | None, device: torch.device | None = None
 ) -> BucketMeta | None:
     """Rank 0 sends `meta` (None: the end of an update) as JSON; every rank returns it."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
@@ -143,7 +146,7 @@ def send_all(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     bucket_bytes: int,
-    device=None,
+    device: torch.device | None = None,
 ) -> int:
     """Rank 0: every (name, tensor) in buckets (meta, then the flat buffer), then the end
     marker. Returns the bytes sent."""
@@ -157,7 +160,9 @@ def send_all(
     return sent
 
 
-def receive_all(group: dist.ProcessGroup, device=None) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_all(
+    group: dist.ProcessGroup, device: torch.device | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Other ranks: the (name, tensor) pairs of one `send_all`, bucket by bucket."""
     while (meta := broadcast_meta(group, None, device)) is not None:
         flat = torch.empty(meta.numel(), dtype=getattr(torch, meta.dtype_names[0]), device=device)
@@ -169,7 +174,7 @@ def receive_all(group: dist.ProcessGroup, device=None) -> Iterator[tuple[str, to
 
 
 @contextlib.contextmanager
-def _file_sharing():
+def _file_sharing() -> Iterator[None]:
     """CPU tensors shared as named shared-memory files for the pickle's duration: torch's
     default (file descriptors) reaches only processes that torch.multiprocessing started,
     a file name reaches any process on the machine (the server was started by Popen)."""
@@ -188,7 +193,7 @@ def gpu_uuid(device: torch.device | None) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def pickle_shared(obj) -> str:
+def pickle_shared(obj: Any) -> str:
     """`obj` pickled with every tensor in it as a shared-memory handle (CUDA IPC; a named
     shared-memory file on CPU), base64 for a JSON body. A CPU tensor's storage is moved into
     shared memory in place: pickle a copy of anything the caller keeps. The tensors must stay
@@ -199,7 +204,7 @@ def pickle_shared(obj) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def share(tensors, device: torch.device | None = None) -> str:
+def share(tensors: torch.Tensor | list[torch.Tensor], device: torch.device | None = None) -> str:
     """`pickle_shared` of `tensors` (a tensor, or a list of them) with the sender's GPU (None
     on CPU), which `open_shared` checks."""
     return pickle_shared((gpu_uuid(device), tensors))
@@ -225,10 +230,10 @@ _CUDA_DEVICE_ARG = 6
 """Position of the device index in `rebuild_cuda_tensor`'s arguments."""
 
 
-def _rebuild_cuda_on(index: int, *args):
+def _rebuild_cuda_on(index: int, *args: Any) -> torch.Tensor:
     # the receiver may number the shared GPU differently (its own CUDA_VISIBLE_DEVICES)
-    args = list(args)
-    args[_CUDA_DEVICE_ARG] = index
+    args = list(args)  # type: ignore[assignment]  # rebinding *args to a list, as a list
+    args[_CUDA_DEVICE_ARG] = index  # type: ignore[index]  # (see the line above)
     return torch.multiprocessing.reductions.rebuild_cuda_tensor(*args)
 
 
@@ -237,7 +242,7 @@ class _HandleUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self.device_index = device_index
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) not in _HANDLE_GLOBALS:
@@ -253,14 +258,14 @@ def _cuda_index(device: torch.device | None) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def open_pickled(text: str, device: torch.device | None = None):
+def open_pickled(text: str, device: torch.device | None = None) -> Any:
     """What `pickle_shared` made, each tensor a view of the sender's memory (a CUDA tensor on
     `device`'s GPU, which must be the sender's; CPU shared memory when the sender's was on
     CPU). Only torch's tensor-rebuild functions may be named in it."""
     return _HandleUnpickler(base64.b64decode(text), _cuda_index(device)).load()
 
 
-def open_shared(text: str, device: torch.device | None = None):
+def open_shared(text: str, device: torch.device | None = None) -> Any:
     """What `share` sent (`open_pickled`), checking that sender and receiver share a GPU."""
     sender_gpu, tensors = open_pickled(text, device)
     index = _cuda_index(device)
