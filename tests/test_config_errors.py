@@ -236,6 +236,10 @@ CASES = [
     ),
     (["trainer.async_groups_per_request=0"], r"trainer.async_groups_per_request=0 >= 1"),
     (
+        ["trainer.max_staleness=2"],
+        r"^config key 'trainer.max_staleness' was removed: use trainer.async_window \(the weight",
+    ),
+    (
         ["trainer.async_window=-1"],
         r"^trainer.async_window=-1 must be an integer >= 0 \(weight versions a trained sample "
         r"may lag the trainer by; 1 or 2 keep the replicas busy, 0 is on-policy\)$",

@@ -54,6 +54,18 @@ def dotted_key_types(cls: type, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def retired_dotted_keys(cls: type, prefix: str = "") -> dict[str, str]:
+    """Every removed dotted key that a section of `cls` lists in its `RETIRED_KEYS` -> what
+    replaced it."""
+    out = {f"{prefix}{k}": v for k, v in getattr(cls, "RETIRED_KEYS", {}).items()}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sub = _dataclass_of(hints[f.name])
+        if sub is not None:
+            out.update(retired_dotted_keys(sub, f"{prefix}{f.name}."))
+    return out
+
+
 def all_dotted_keys(cls: type, prefix: str = "") -> list[str]:
     """Every valid dotted key of dataclass `cls` (sections and their fields)."""
     return list(dotted_key_types(cls, prefix))
@@ -194,7 +206,9 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
 
 
 def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "", base: Any = None) -> C:
-    """Build dataclass `cls` (recursively) from nested dicts; unknown keys are errors.
+    """Build dataclass `cls` (recursively) from nested dicts; unknown keys are errors, and a
+    key the class lists in its `RETIRED_KEYS` (a `ClassVar` mapping the removed key to what
+    replaced it) is refused with that text.
 
     Sections absent from `data` keep their defaults, and a section given in part keeps the
     rest of its default (`base`, or the parent's default for it). Each dataclass validates
@@ -206,7 +220,10 @@ def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "", base:
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     names = [f.name for f in fields]
+    retired: dict[str, str] = getattr(cls, "RETIRED_KEYS", {})
     for key in data:
+        if key in retired:
+            raise ConfigError(f"config key {prefix + str(key)!r} was removed: {retired[key]}")
         if key not in names:
             raise ConfigError(
                 f"unknown config key {prefix + str(key)!r}{_close(str(key), names)} "
@@ -261,6 +278,7 @@ def parse_overrides(cls: type, args: list[str]) -> dict[str, Any]:
     """`["a.b=1", "c=x"]` -> nested dict; each key is checked against `cls` right away."""
     types_of = dotted_key_types(cls)
     valid = list(types_of)
+    retired = retired_dotted_keys(cls)
     out: dict[str, Any] = {}
     for arg in args:
         if "=" not in arg:
@@ -270,6 +288,8 @@ def parse_overrides(cls: type, args: list[str]) -> dict[str, Any]:
             )
         key, _, raw = arg.partition("=")
         key = key.strip().lstrip("-")
+        if key in retired:
+            raise ConfigError(f"config key {key!r} was removed: {retired[key]}")
         if key not in valid:
             raise ConfigError(f"unknown config key {key!r}{_close(key, valid)}")
         if _is_text(types_of[key]):

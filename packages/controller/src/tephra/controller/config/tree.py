@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from tephra.algos import ActorObjectiveConfig, CriticObjectiveConfig
 from tephra.algos.algorithm_config import AlgorithmConfig
@@ -253,6 +253,10 @@ TRAINING_MODES = ("sync", "one_step_off", "async")
 class TrainerSection:
     """The loop, validation, checkpoints, trackers."""
 
+    RETIRED_KEYS: ClassVar[dict[str, str]] = {
+        "max_staleness": "use trainer.async_window (the weight versions a trained sample may "
+        "lag the trainer by; admission now holds that bound, nothing is dropped)"
+    }
     mode: str = "sync"
     """`sync`: each step trains on samples of the current weights. `one_step_off`: the batch
     of step k+1 is generated before step k's update, so step k trains on samples one weight
