@@ -293,20 +293,8 @@ def test_the_same_on_ray_actors_with_the_real_scheduler(ray_session):
         def execute(self, method, items, sampling):
             if self.staged is not None:  # weights received while the last request ran
                 self.version, self.staged = self.staged, None
-            long = any(item.prompt_ids[0] - 100 in set(range(0, 50, 5)) for item in items)
-            time.sleep(unit * (10 if long else 1))
-            return [
-                Sample(
-                    prompt_ids=list(item.prompt_ids),
-                    response_ids=[k],
-                    response_mask=[1],
-                    log_probs=None,
-                    finish_reason="stop",
-                    weight_version=self.version,
-                )
-                for item in items
-                for k in range(2)
-            ]
+            time.sleep(unit * max(_cost(item.prompt_ids) for item in items))
+            return _samples(items, self.version)
 
     def replicas(version: int) -> RolloutReplicas:
         r = RolloutReplicas.__new__(RolloutReplicas)  # the scheduler, on the actors above

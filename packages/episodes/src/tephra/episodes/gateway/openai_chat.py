@@ -23,20 +23,6 @@ def parse(body: dict[str, Any]) -> ChatRequest:
     return ChatRequest(list(messages), body.get("tools") or None, min(cap) if cap else None)
 
 
-def _message(turn: ServedTurn) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.tool_calls:
-        message["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments_json},
-            }
-            for c in turn.tool_calls
-        ]
-    return message
-
-
 def _usage(turn: ServedTurn) -> dict[str, int]:
     return {
         "prompt_tokens": turn.prompt_tokens,
@@ -52,7 +38,12 @@ def render(turn: ServedTurn) -> dict[str, Any]:
         "created": int(time.time()),
         "model": MODEL,
         "choices": [
-            {"index": 0, "message": _message(turn), "finish_reason": turn.finish, "logprobs": None}
+            {
+                "index": 0,
+                "message": turn.chat_message(),
+                "finish_reason": turn.finish,
+                "logprobs": None,
+            }
         ],
         "usage": _usage(turn),
     }

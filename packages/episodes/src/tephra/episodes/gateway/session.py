@@ -73,6 +73,20 @@ class ServedTurn:
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
+    def chat_message(self) -> dict[str, Any]:
+        """The turn as an OpenAI chat message (the form the session keeps its history in)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments_json},
+                }
+                for c in self.tool_calls
+            ]
+        return message
+
 
 class TrajectorySession:
     """One trajectory's state behind the gateway: its tokens (`traj`), the conversation as
@@ -177,17 +191,7 @@ class TrajectorySession:
 
     def _serve(self, served: ServedTurn) -> ServedTurn:
         self.turns.append(served)
-        message: dict[str, Any] = {"role": "assistant", "content": served.content}
-        if served.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments_json},
-                }
-                for c in served.tool_calls
-            ]
-        self.history.append(message)
+        self.history.append(served.chat_message())
         return served
 
     def _pieces(self, ids: list[int], content: str) -> list[str]:
