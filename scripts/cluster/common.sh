@@ -47,9 +47,12 @@ node_args() {
 
 # Wait until something answers on host:port, at most TEPHRA_JOIN_TIMEOUT_S seconds.
 wait_for_port() {
-    local host=$1 port=$2 deadline=$((SECONDS + TEPHRA_JOIN_TIMEOUT_S))
+    # Nanoseconds, not bash's SECONDS: SECONDS ticks on whole seconds since the shell started,
+    # so a deadline taken from it can come up to a second early.
+    local host=$1 port=$2 start
+    start=$(date +%s%N)
     until timeout 2 bash -c "exec 3<>/dev/tcp/$host/$port" 2>/dev/null; do
-        [ "$SECONDS" -ge "$deadline" ] && return 1
+        (( $(date +%s%N) - start >= TEPHRA_JOIN_TIMEOUT_S * 1000000000 )) && return 1
         sleep 1
     done
 }
