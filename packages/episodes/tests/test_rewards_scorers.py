@@ -305,3 +305,32 @@ def test_rewards_math_verify_signal_timeout_only_in_main_thread():
         assert pool.submit(math_equivalence._timeout).result() is None
         assert pool.submit(compute_score, "math", "\\boxed{\\frac{1}{2}}", "0.5").result() == 1.0
     assert math_equivalence._timeout() == math_equivalence.MATH_VERIFY_TIMEOUT_S
+
+
+def test_math_verify_running_out_of_time_is_a_counted_timeout_not_a_wrong_answer(monkeypatch):
+    """math-verify turns its own timeout into "not equal" (0.0, indistinguishable from a wrong
+    answer); the math scorer makes it a RewardTimeout, which the reward manager counts in
+    reward/timeouts. math-verify's limit holds where the scorer runs in a main thread
+    (`compute_score` called directly, as verl's `default_compute_score` is); the real
+    signal.alarm fires here: the parse is slowed past a 1 s limit."""
+    import time
+
+    import math_verify.parser
+
+    from tephra.episodes.rewards import RewardTimeout, is_timeout, math_equivalence
+
+    slow_parse = math_verify.parser.extract_target_from_pred
+
+    def slow(pred, *args, **kwargs):
+        if "7" in pred:  # only the answer below; the ground truth parses at full speed
+            time.sleep(3)
+        return slow_parse(pred, *args, **kwargs)
+
+    monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", slow)
+    monkeypatch.setattr(math_equivalence, "MATH_VERIFY_TIMEOUT_S", 1)
+    limit = "math-verify's 1 s limit ran out while parsing the answer"
+    with pytest.raises(RewardTimeout, match=limit) as e:
+        compute_score("math", "\\boxed{7}", "2")
+    assert is_timeout(f"{type(e.value).__name__}: {e.value}")  # the manager's error text
+    assert compute_score("math", "\\boxed{2}", "2") == 1.0  # other answers still score
+    assert compute_score("math", "\\boxed{3}", "2") == 0.0  # and a wrong one is no error

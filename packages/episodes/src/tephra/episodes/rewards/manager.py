@@ -22,7 +22,13 @@ from tephra.core.registry import unknown_name_message
 from tephra.episodes.rewards.config import RewardConfig
 from tephra.episodes.rewards.custom_function import FileRewardFunction
 from tephra.episodes.rewards.judge import AsyncJudge, GenerativeJudge, JudgeStats
-from tephra.episodes.rewards.results import RewardError, RewardInput, RewardResult, normalize_score
+from tephra.episodes.rewards.results import (
+    RewardError,
+    RewardInput,
+    RewardResult,
+    RewardTimeout,
+    normalize_score,
+)
 from tephra.episodes.rewards.scorer_registry import REWARD_SCORERS, Scorer
 
 logger = logging.getLogger(__name__)
@@ -125,10 +131,6 @@ def compute_score(
     """verl's `default_compute_score`: the registered scorer of `data_source`, called once."""
     _, scorer = resolve_scorer(data_source)
     return scorer(data_source, solution_str, ground_truth, extra_info)
-
-
-class RewardTimeout(RewardError):
-    """A scorer did not return within `reward.timeout_s`."""
 
 
 def is_timeout(error: str | None) -> bool:

@@ -10,7 +10,9 @@ ValueError("... doesn't support threaded environment ..."). So the timeout
 (`MATH_VERIFY_TIMEOUT_S`) is used in a main thread (serial scoring, or process-pool workers,
 whose tasks run in the worker's main thread) and switched off (None) in thread-pool workers,
 where a pathological expression can then run unbounded. Use `RewardConfig.executor="process"`
-when the data may hold such expressions.
+when the data may hold such expressions. When math-verify's own timeout runs out, the sample
+is not scored 0.0 in silence (math-verify's default): it raises `RewardTimeout`, so the
+sample counts in `reward/timeouts` like one that ran past `reward.timeout_s`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 from typing import Any
 
 from tephra.episodes.rewards.extraction import extract_last_boxed
-from tephra.episodes.rewards.results import RewardError
+from tephra.episodes.rewards.results import RewardError, RewardTimeout
 
 MATH_VERIFY_TIMEOUT_S = 5
 """Seconds math-verify may spend on one parse or comparison (main thread only, see above)."""
@@ -50,24 +52,54 @@ def _timeout() -> int | None:
     return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
+def _timed_out(what: str, timeout: int | None) -> RewardTimeout:
+    return RewardTimeout(
+        f"math: math-verify's {timeout} s limit ran out while {what} (a busy machine or a "
+        f"pathological expression); the sample scores 0.0 and counts in reward/timeouts"
+    )
+
+
 def math_equal(answer_latex: str, ground_truth: str) -> bool:
-    """Whether the LaTeX `answer_latex` equals `ground_truth` according to math-verify."""
+    """Whether the LaTeX `answer_latex` equals `ground_truth` according to math-verify.
+    Raises `RewardTimeout` when math-verify's time limit runs out (it would return "not
+    equal" otherwise, indistinguishable from a wrong answer)."""
     # math-verify pulls sympy (seconds to import): only a math scorer needs it
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from math_verify.errors import TimeoutException
 
     timeout = _timeout()
     targets = [LatexExtractionConfig(), ExprExtractionConfig()]
+
+    def parsed(text: str, what: str) -> list[Any]:
+        # raise_on_error=True only to tell a timeout from an unparsable text, which
+        # math-verify's default turns into the same empty list
+        try:
+            return list(
+                parse(text, extraction_config=targets, parsing_timeout=timeout, raise_on_error=True)
+            )
+        except TimeoutException:
+            raise _timed_out(what, timeout) from None
+        except Exception:
+            return []
+
     gold_text = ground_truth if "\\boxed" in ground_truth else f"${ground_truth}$"
-    gold = parse(gold_text, extraction_config=targets, parsing_timeout=timeout)
+    gold = parsed(gold_text, "parsing the ground truth")
     if not gold:
         raise RewardError(
             f"math: ground_truth {ground_truth!r} could not be parsed by math-verify; "
             f"expected a LaTeX or plain answer such as '\\frac{{1}}{{2}}' or '0.5'"
         )
-    predicted = parse(f"${answer_latex}$", extraction_config=targets, parsing_timeout=timeout)
+    predicted = parsed(f"${answer_latex}$", "parsing the answer")
     if not predicted:
         return False
-    return bool(verify(gold, predicted, timeout_seconds=timeout))
+    try:
+        return bool(verify(gold, predicted, timeout_seconds=timeout, raise_on_error=True))
+    except TimeoutException:
+        raise _timed_out("comparing the answer with the ground truth", timeout) from None
+    except Exception:
+        # an error in one pairing of the parsed forms: math-verify's own rule (that pair
+        # is "not equal", the others still count) applies
+        return bool(verify(gold, predicted, timeout_seconds=timeout))
 
 
 def math_score(

@@ -26,6 +26,11 @@ class RewardError(TephraError, ValueError):
     """A reward input, scorer result or reward configuration that cannot be scored."""
 
 
+class RewardTimeout(RewardError):
+    """A scorer did not return within `reward.timeout_s`, or a scorer's own time limit
+    (math-verify's) ran out: the sample scores 0.0 and counts in `reward/timeouts`."""
+
+
 @dataclass
 class RewardInput:
     """One response to score (one row of a verl-format data set plus the model's text)."""
