@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch
 
+from tephra.engine_api.multimodal import MultimodalInputs
 from tephra.rollout.base import Rollout, RolloutOutput, SamplingParams
 from tephra.rollout.samples import Sample
 
@@ -217,10 +218,15 @@ class ScriptedRollout(Rollout):
         self.events = events if events is not None else []
         self.in_flight = self.peak_in_flight = 0
 
-    # no `multimodal` parameter: the scripted model reads no images
-    async def agenerate(  # type: ignore[override]
-        self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+    async def agenerate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        session_id: str | None = None,
+        multimodal: MultimodalInputs | None = None,
     ) -> Sample:
+        """The script's text for this session's turn (images, if any, do not change it); past
+        the script's turns, the fallback's generation, given the images too."""
         turn = self.turns.get(session_id, 0)
         self.turns[session_id] = turn + 1
         text = self.script(session_id, turn)
@@ -230,7 +236,9 @@ class ScriptedRollout(Rollout):
         try:
             if text is None:
                 # the script returns None only past its turns, where a fallback is given
-                gen = await cast(Rollout, self.fallback).agenerate(prompt_ids, sampling, session_id)
+                gen = await cast(Rollout, self.fallback).agenerate(
+                    prompt_ids, sampling, session_id, multimodal
+                )
             else:
                 await asyncio.sleep(0)
                 ids = self.tokenizer.encode(text, add_special_tokens=False)[
