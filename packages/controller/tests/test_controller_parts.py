@@ -215,6 +215,28 @@ def test_reasoning_gym_is_reproducible_and_loader_resumes():
     assert all(len(set(s)) == 4 for s in seq)
 
 
+@pytest.mark.parametrize("num_prompts, per_step", [(10, 4), (7, 3), (12, 4), (5, 5), (9, 8)])
+def test_loader_serves_every_prompt_once_per_epoch_across_resumes(num_prompts, per_step):
+    """The prompt stream, cut into epochs of `num_prompts`, is a permutation of all prompts in
+    each epoch (the leftover of an epoch is carried into the next step, not dropped); each step
+    holds distinct prompts; a loader resumed from any step's saved state continues the same."""
+    steps = 12 * num_prompts // per_step + 1
+    whole = PromptLoader(num_prompts, per_step, seed=4)
+    seq = [whole.next_indices() for _ in range(steps)]
+    assert all(len(step) == per_step and len(set(step)) == per_step for step in seq)
+    stream = [i for step in seq for i in step]
+    epochs = [stream[e : e + num_prompts] for e in range(0, len(stream), num_prompts)]
+    assert all(sorted(epoch) == list(range(num_prompts)) for epoch in epochs[:-1])
+    assert len(epochs) >= 12 and whole.epoch == (steps * per_step - 1) // num_prompts
+    for k in range(steps):
+        part = PromptLoader(num_prompts, per_step, seed=4)
+        for _ in range(k):
+            part.next_indices()
+        resumed = PromptLoader(num_prompts, per_step, seed=4)
+        resumed.load_state_dict(json.loads(json.dumps(part.state_dict())))
+        assert [resumed.next_indices() for _ in range(steps - k)] == seq[k:], k
+
+
 def test_trackers_write_jsonl_and_tensorboard(tmp_path, capsys):
     t = Trackers(["jsonl", "tensorboard", "console"], tmp_path, "p", "r", {})
     t.log({"reward/mean": 0.5, "critic/loss": 2.0}, 1)

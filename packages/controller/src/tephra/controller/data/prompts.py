@@ -364,7 +364,12 @@ def dataset_fingerprint(prompt_ids: list[list[int]]) -> str:
 
 class PromptLoader:
     """Seeded epochs over the prompts, `prompts_per_step` at a time; resumable, and only over
-    the data its state was saved on (`fingerprint`)."""
+    the data its state was saved on (`fingerprint`).
+
+    Every prompt is served exactly once per epoch, also when the number of prompts is not a
+    multiple of `prompts_per_step`: the step that reaches the end of an epoch takes the
+    epoch's last prompts (carried) and fills up from the next epoch, whose order begins with
+    prompts other than the carried ones (so no step holds one prompt twice)."""
 
     def __init__(
         self, num_prompts: int, prompts_per_step: int, seed: int, fingerprint: str = ""
@@ -377,26 +382,38 @@ class PromptLoader:
         self.num_prompts, self.prompts_per_step, self.seed = num_prompts, prompts_per_step, seed
         self.fingerprint = fingerprint
         self.epoch, self.position = 0, 0
+        self.carried: list[int] = []
+        """The previous epoch's last prompts, served in the step that began this epoch."""
         self._order = self._shuffle()
 
     def _shuffle(self) -> list[int]:
         order = list(range(self.num_prompts))
         random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
-        return order
+        if not self.carried:
+            return order
+        # the epoch's first prompts fill the step the carried ones began: none of those
+        carried = set(self.carried)
+        fill = [i for i in order if i not in carried][: self.prompts_per_step - len(carried)]
+        first = set(fill)
+        return fill + [i for i in order if i not in first]
 
     def next_indices(self) -> list[int]:
-        """Indices of the next step's prompts (a step never straddles two epochs)."""
-        if self.position + self.prompts_per_step > self.num_prompts:
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._shuffle()
+        """Indices of the next step's prompts: `prompts_per_step` distinct ones; a step that
+        reaches the end of an epoch ends it and begins the next."""
         out = self._order[self.position : self.position + self.prompts_per_step]
-        self.position += self.prompts_per_step
+        self.position += len(out)
+        if len(out) < self.prompts_per_step:
+            self.epoch, self.carried = self.epoch + 1, out
+            self._order = self._shuffle()
+            self.position = self.prompts_per_step - len(out)
+            out = out + self._order[: self.position]
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "position": self.position,
+            "carried": list(self.carried),
             "num_prompts": self.num_prompts,
             "fingerprint": self.fingerprint,
         }
@@ -404,6 +421,7 @@ class PromptLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the saved position (`check_same_data` first, before Ray starts)."""
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.carried = [int(i) for i in state.get("carried", [])]  # absent before 0.3.0
         self._order = self._shuffle()
 
 
