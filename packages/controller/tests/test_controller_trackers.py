@@ -1,4 +1,5 @@
-"""The W&B (offline) and MLflow trackers against the real libraries, read back with each
+"""The W&B (offline), MLflow, ClearML (offline) and SwanLab (offline) trackers against the
+real libraries, read back with each
 library's own reader and compared with what was logged; no network, nothing written outside
 tmp_path; a missing library names the extra to install."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -47,10 +49,15 @@ def user_dirs() -> dict[str, list[str]]:
         home / ".config/wandb",
         home / ".local/share/wandb",
         home / ".config/mlflow",
+        home / ".clearml",
+        home / "clearml.conf",
+        home / ".swanlab",
         Path.cwd() / "wandb",
         Path.cwd() / "mlruns",
+        Path.cwd() / "swanlog",
     ):
         seen[str(d)] = sorted(str(p) for p in d.rglob("*")) if d.exists() else []
+    seen["CLEARML_CACHE_DIR"] = [os.environ.get("CLEARML_CACHE_DIR", "")]
     tmp = Path(tempfile.gettempdir())
     seen[str(tmp)] = sorted(p.name for p in tmp.glob("wandb-*"))
     return seen
@@ -192,12 +199,70 @@ def test_mlflow_sqlite_metric_history_matches_what_was_logged(offline, sqlite_wi
     assert attempts == []
 
 
+def test_clearml_offline_session_matches_what_was_logged(offline):
+    """ClearML's offline session, read back from the files its importer reads (the zip's
+    `metrics.jsonl` events and `task.json`); the session lands in the run folder, and the
+    environment variable that sent it there is restored."""
+    import zipfile
+
+    run_dir, attempts, _ = offline
+    t = Trackers(["clearml"], run_dir, "proj", "run-a", CONFIG)
+    for metrics, step in LOGGED:
+        t.log(metrics, step)
+    t.close()
+    assert "CLEARML_CACHE_DIR" not in os.environ
+    tracker = t.items[0]
+    assert tracker.folder.is_relative_to(run_dir / "clearml")
+    with zipfile.ZipFile(f"{tracker.folder}.zip") as session:
+        events = [
+            e
+            for line in session.read("metrics.jsonl").decode().splitlines()
+            for e in json.loads(line)
+        ]
+        task = json.loads(session.read("task.json"))
+    history: dict[int, dict[str, float]] = {}
+    for e in events:
+        assert e["type"] == "training_stats_scalar"
+        history.setdefault(e["iter"], {})[f"{e['metric']}/{e['variant']}"] = e["value"]
+    assert history == expected_rows(skip_non_finite=True)  # exact; the NaN skipped
+    assert task["name"] == "run-a"
+    assert attempts == []  # no connection tried (the network guard)
+
+
+def test_swanlab_offline_run_matches_what_was_logged(offline):
+    """SwanLab's offline run read back with its own record reader (the records `swanlab sync`
+    uploads)."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    run_dir, attempts, _ = offline
+    t = Trackers(["swanlab"], run_dir, "proj", "run-a", CONFIG)
+    for metrics, step in LOGGED:
+        t.log(metrics, step)
+    t.close()
+    (path,) = (run_dir / "swanlab").glob("run-*/run-*.swanlab")
+    reader = DataStoreReader()
+    reader.open(path)
+    history: dict[int, dict[str, float]] = {}
+    for data in reader:
+        record = Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "scalar":
+            scalar = record.scalar
+            history.setdefault(scalar.step, {})[scalar.key] = scalar.value.number
+    reader.close()
+    assert history == expected_rows(skip_non_finite=True)  # exact; the NaN skipped
+    assert attempts == []
+
+
 @pytest.mark.parametrize(
     ("tracker", "modules"),
     [
         ("wandb", ["wandb"]),
         ("mlflow", ["mlflow", "mlflow.entities", "mlflow.tracking"]),
         ("mlflow", ["sqlalchemy"]),
+        ("clearml", ["clearml"]),
+        ("swanlab", ["swanlab"]),
     ],
 )
 def test_missing_library_names_the_extra(tmp_path, monkeypatch, tracker, modules):

@@ -351,9 +351,9 @@ class TrainerSection:
     """Measure held-out accuracy after training."""
     trackers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Metric sinks from tephra.controller.TRACKERS: console, jsonl, tensorboard, wandb
-    (offline), mlflow."""
+    (offline), mlflow, clearml (offline), swanlab (offline)."""
     project: str = "tephra"
-    """Project name for W&B / MLflow."""
+    """Project name for W&B / MLflow / ClearML / SwanLab."""
     export_hf: bool = True
     """Write the trained policy as a Hugging Face folder to run_dir/hf at the end."""
     progress_bar: bool = True

@@ -1,4 +1,5 @@
-"""Where per-step metrics go: console, jsonl (default), TensorBoard, W&B (offline), MLflow.
+"""Where per-step metrics go: console, jsonl (default), TensorBoard, W&B (offline), MLflow,
+ClearML (offline), SwanLab (offline).
 
 Every tracker takes `log(metrics, step)` and `close()`. `TRACKERS` is the registry; the
 config lists names (`trainer.trackers=[console,jsonl]`).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -127,6 +129,12 @@ class WandbTracker(Tracker):
         self.run.finish()
 
 
+def _finite_numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    return {
+        k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)
+    }
+
+
 @TRACKERS.register("mlflow")
 class MlflowTracker(Tracker):
     """MLflow to a local SQLite store, `run_dir/mlflow.db` (artifacts in `run_dir/mlartifacts`).
@@ -163,16 +171,119 @@ class MlflowTracker(Tracker):
 
     def log(self, metrics, step):
         now_ms = int(time.time() * 1000)
-        batch = [
-            self._metric(k, float(v), now_ms, step)
-            for k, v in metrics.items()
-            if isinstance(v, (int, float)) and math.isfinite(v)
-        ]
+        batch = [self._metric(k, v, now_ms, step) for k, v in _finite_numbers(metrics).items()]
         if batch:
             self.client.log_batch(self.run_id, metrics=batch)
 
     def close(self):
         self.client.set_terminated(self.run_id)
+
+
+_CLEARML_AUTO_CONNECT = (
+    "detect_repository",
+    "hydra",
+    "scikit",
+    "joblib",
+    "matplotlib",
+    "tensorflow",
+    "tensorboard",
+    "tfdefines",
+    "pytorch",
+    "megengine",
+    "xgboost",
+    "catboost",
+    "fastai",
+    "lightgbm",
+    "gradio",
+)
+"""Everything `clearml.Task.init` connects by itself (clearml 2.1)."""
+
+
+@TRACKERS.register("clearml")
+class ClearMLTracker(Tracker):
+    """ClearML in offline mode: the session is written under `run_dir/clearml/offline/` (a
+    folder, and a `.zip` of it when the run closes) and nothing is sent; upload later with
+    `clearml.Task.import_offline_session("<run_dir>/clearml/offline/offline-<id>.zip")`.
+
+    Each metric `section/name` is a scalar of title `section`, series `name` (ClearML's two
+    levels), at iteration = the trainer's step; the config is the task's `config`
+    configuration. Non-numeric and non-finite values are skipped, as for MLflow. ClearML's
+    automatic logging (frameworks, console, resources, argv) is off: the trainer logs what it
+    measures itself. ClearML's offline switch is process-wide and stays on after the run (it
+    cannot be switched back off on a machine without a ClearML server configured).
+    """
+
+    def __init__(self, run_dir, project, run_name, config):
+        super().__init__(run_dir, project, run_name, config)
+        try:
+            from clearml import Task  # optional: the clearml extra
+        except ImportError:
+            raise missing_extra("clearml", "clearml") from None
+        Task.set_offline(offline_mode=True)
+        # ClearML reads where its offline sessions go when a task starts
+        before = os.environ.get("CLEARML_CACHE_DIR")
+        os.environ["CLEARML_CACHE_DIR"] = str((run_dir / "clearml").resolve())
+        try:
+            self.task = Task.init(
+                project_name=project,
+                task_name=run_name,
+                reuse_last_task_id=False,
+                auto_connect_arg_parser=False,
+                # a dict, not False: only a dict also turns off the repository and package
+                # detection (a pip freeze of the environment, and a request for ClearML's
+                # updates); its missing keys would count as True
+                auto_connect_frameworks=dict.fromkeys(_CLEARML_AUTO_CONNECT, False),
+                auto_resource_monitoring=False,
+                auto_connect_streams=False,
+            )
+        finally:
+            if before is None:
+                del os.environ["CLEARML_CACHE_DIR"]
+            else:
+                os.environ["CLEARML_CACHE_DIR"] = before
+        self.task.connect_configuration(config, name="config")
+        self.folder = Path(self.task.get_offline_mode_folder())
+        self.logger = self.task.get_logger()
+
+    def log(self, metrics, step):
+        for key, value in _finite_numbers(metrics).items():
+            title, _, series = key.rpartition("/")
+            self.logger.report_scalar(title or series, series, value, iteration=step)
+
+    def close(self):
+        self.task.close()
+
+
+@TRACKERS.register("swanlab")
+class SwanLabTracker(Tracker):
+    """SwanLab in offline mode: the run is written under `run_dir/swanlab/run-*` and nothing
+    is sent; upload later with `swanlab sync run_dir/swanlab/run-*`.
+
+    Metrics are logged with `step=` the trainer's step; non-numeric and non-finite values are
+    skipped, as for MLflow.
+    """
+
+    def __init__(self, run_dir, project, run_name, config):
+        super().__init__(run_dir, project, run_name, config)
+        try:
+            import swanlab  # optional: the swanlab extra
+        except ImportError:
+            raise missing_extra("swanlab", "swanlab") from None
+        self.run = swanlab.init(
+            project=project,
+            experiment_name=run_name,
+            config=config,
+            mode="offline",
+            logdir=str(run_dir / "swanlab"),
+        )
+
+    def log(self, metrics, step):
+        numbers = _finite_numbers(metrics)
+        if numbers:
+            self.run.log(numbers, step=step)
+
+    def close(self):
+        self.run.finish()
 
 
 class Trackers:
