@@ -136,6 +136,33 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
 
 
 @pytest.mark.multiproc
+def test_object_store_metrics_follow_what_is_put(ray_session):
+    """memory/object_store_used_gib over the cluster grows by exactly what is put in it (a
+    64 MiB array), and falls back when it is freed."""
+    import gc
+    import time
+
+    import numpy as np
+    import ray
+
+    from tephra.controller.run.object_store import object_store_metrics
+
+    def used_bytes() -> float:
+        return object_store_metrics()["memory/object_store_used_gib"] * 2**30
+
+    before = used_bytes()
+    ref = ray.put(np.ones(64 << 20, dtype=np.uint8))
+    held = used_bytes()
+    assert held - before == pytest.approx(64 << 20, abs=64 << 10)  # the array, plus a header
+    del ref
+    gc.collect()
+    end = time.monotonic() + 30  # the store frees a released object a moment later
+    while abs(used_bytes() - before) >= 64 << 10 and time.monotonic() < end:
+        time.sleep(0.1)
+    assert used_bytes() == pytest.approx(before, abs=64 << 10)
+    assert object_store_metrics()["memory/object_store_spilled_gib"] == 0.0
+
+
 def test_ppo_with_critic_and_reference(ray_session, tmp_path):
     cfg = _smoke(
         tmp_path,
@@ -163,6 +190,8 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
     assert train[-1]["memory/driver_rss_gib"] == pytest.approx(driver_rss, abs=0.3)
     assert all(r["memory/rank_rss_gib_max"] > 0.4 for r in train)
     assert not any(k.startswith("memory/gpu") for k in train[-1])  # CPU ranks
+    assert all(math.isfinite(r["memory/object_store_used_gib"]) for r in train)
+    assert all(r["memory/object_store_spilled_gib"] == 0.0 for r in train)  # nothing spilled
     for r in train:
         assert math.isfinite(r["critic/grad_norm"]) and r["critic/grad_norm"] > 0
         assert "actor/kl_loss" in r and "time/values_s" in r and "time/ref_s" in r

@@ -57,6 +57,7 @@ from tephra.controller.recipes import StepState, enabled_recipes
 from tephra.controller.run.evaluation import flat_metrics, summarise, write_jsonl
 from tephra.controller.run.flops import ModelShape, step_flops
 from tephra.controller.run.memory_metrics import memory_metrics, process_memory
+from tephra.controller.run.object_store import object_store_metrics
 from tephra.controller.run.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.samples import (
     PromptItem,
@@ -609,6 +610,7 @@ class Trainer:
         metrics.update(timer.times)
         ranks = [stats for group in self.groups() for stats in group.memory_stats()]
         metrics.update(memory_metrics(process_memory(), ranks))
+        metrics.update(object_store_metrics())
         if self.multi_turn:
             metrics.update(agent_metrics(state.samples))
         if cfg.algorithm.dynamic_sampling:
