@@ -13,22 +13,11 @@ from tephra.core.errors import ConfigError
 from tephra.episodes.agent.base import AgentPrompt
 from tephra.episodes.agent.black_box import run_black_box
 from tephra.episodes.agent.loops import _TokenLoop
+from tephra.episodes.extras import require_package
 from tephra.episodes.gateway.server import GatewayAccess
 from tephra.episodes.user_files import import_file
 from tephra.rollout.base import Rollout, SamplingParams
 from tephra.rollout.samples import Sample
-
-ECOSYSTEM_EXTRA = "tephra-episodes[ecosystem]"
-"""The extra that installs `verifiers` and `openenv-core`."""
-
-
-def require_package(module: str, field: str) -> None:
-    """A clear error (before Ray starts) when the adapter's package is not installed."""
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(
-            f"{field} needs the `{module}` package, which is not installed; install the extra: "
-            f"uv add '{ECOSYSTEM_EXTRA}' (or pip install '{ECOSYSTEM_EXTRA}')"
-        )
 
 
 def load_verifiers_environment(spec: str, kwargs: dict[str, Any]) -> Callable[[], Any]:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from tephra.core.errors import ConfigError
 from tephra.episodes.environments.base import Environment, StepResult
+from tephra.episodes.extras import require_package
 
 if TYPE_CHECKING:
     from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
@@ -53,8 +54,6 @@ class OpenEnvSettings:
 
 def check_openenv(kwargs: dict[str, Any]) -> OpenEnvSettings:
     """The package installed and the settings valid, before Ray starts."""
-    from tephra.episodes.agent.verifiers_env import require_package
-
     require_package("openenv", "rollout.agent.environment='openenv'")
     return OpenEnvSettings.from_kwargs(kwargs)
 
