@@ -213,6 +213,35 @@ def test_a_verifiers_environment_runs_its_own_rollout_through_the_gateway(
     assert turns == served
 
 
+def test_an_openenv_session_gives_each_turn_its_reward(tmp_path, tiny_model, openenv_server):
+    tok = AutoTokenizer.from_pretrained(tiny_model.path)
+    script = ["first", "odd", "never asked"]
+    model = ScriptedRollout(tok, lambda s, k: script[k])
+    cfg = AgentLoopConfig(
+        environment="openenv",
+        environment_kwargs={"url": openenv_server},
+        max_turns=4,
+        max_response_tokens=512,
+    )
+    loop = EPISODES.get("environment")(tok, cfg, {})
+    item = AgentPrompt(
+        [{"role": "user", "content": "Say something."}],
+        sample_id="oe-0",
+        interaction_kwargs={"question": "Why?"},
+    )
+    traj = asyncio.run(loop.run(model, item, SamplingParams(temperature=1.0, max_tokens=64)))
+    # reset's observation follows the prompt; the server's second observation is the next turn
+    assert traj.messages == [
+        {"role": "user", "content": "Say something."},
+        {"role": "user", "content": "Why?"},
+        {"role": "assistant", "content": "first"},
+        {"role": "user", "content": "Once more."},
+        {"role": "assistant", "content": "odd"},
+    ]
+    # the server's rewards: 0.25 for turn 1, 1.0 for the odd-length "odd"; done after turn 2
+    assert (traj.finish_reason, traj.num_turns, traj.env_reward) == ("done", 2, 1.25)
+
+
 def rows_of(run_dir, step: int) -> list[dict]:
     path = run_dir / "generations" / f"train_step{step}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
