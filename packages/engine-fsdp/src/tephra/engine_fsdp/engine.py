@@ -29,6 +29,7 @@ from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import is_vision_config
 from tephra.engine_fsdp import (
     checkpoint,
+    families,
     lora,
     microbatches,
     prefix_sharing,
@@ -48,7 +49,10 @@ logger = logging.getLogger(__name__)
 
 def packs(config: EngineConfig) -> bool:
     """Whether micro-batches are packed: flash and flex attention run packed sequences
-    natively; SDPA and eager would need a dense mask over the whole packed stream."""
+    natively; SDPA and eager would need a dense mask over the whole packed stream. Left to
+    the engine (`use_packing=None`), a family refused in the packed layout is padded."""
+    if config.micro_batch.use_packing is None and families.refusal(config, "packed"):
+        return False
     return config.micro_batch.packing(
         config.model.attn_implementation in ("flash_attention_2", "flex_attention")
     )
@@ -75,8 +79,13 @@ def flex_attention_refusal(config: EngineConfig, device: torch.device) -> str | 
 
 
 def sharing_supported(config: EngineConfig) -> bool:
-    """`micro_batch.share_prefix` works on padded rows, so not with packing or Ulysses."""
-    return not packs(config) and config.parallel.context == 1
+    """`micro_batch.share_prefix` works on padded rows, so not with packing or Ulysses, and
+    not for the families refused in that layout (`families.REFUSED`)."""
+    return (
+        not packs(config)
+        and config.parallel.context == 1
+        and families.refusal(config, "shared_prefix") is None
+    )
 
 
 class FSDPEngine(Engine):
@@ -175,6 +184,7 @@ class FSDPEngine(Engine):
                 "moe.routing_replay='rollout' with parallel.context > 1 (Ulysses): engine-fsdp "
                 "replays routes on whole sequences only; set parallel.context=1"
             )
+        families.check_layout(config, packs(config))
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(
                 "micro_batch.share_prefix=true needs padded micro-batches (micro_batch."
