@@ -79,13 +79,16 @@ def flex_attention_refusal(config: EngineConfig, device: torch.device) -> str | 
 
 
 def sharing_supported(config: EngineConfig) -> bool:
-    """`micro_batch.share_prefix` works on padded rows, so not with packing or Ulysses, and
-    not for the families refused in that layout (`families.REFUSED`)."""
-    return (
-        not packs(config)
-        and config.parallel.context == 1
-        and families.refusal(config, "shared_prefix") is None
-    )
+    """`micro_batch.share_prefix` works on padded rows, so not with packing or Ulysses."""
+    return not packs(config) and config.parallel.context == 1
+
+
+def shares(config: EngineConfig) -> bool:
+    """Whether padded micro-batches share prompt prefixes. Left to the engine
+    (`share_prefix=None`): where supported, and not for a family refused in that layout."""
+    if config.micro_batch.share_prefix is None and families.refusal(config, "shared_prefix"):
+        return False
+    return config.micro_batch.share_prefix is not False and sharing_supported(config)
 
 
 class FSDPEngine(Engine):
@@ -113,9 +116,7 @@ class FSDPEngine(Engine):
         self.sp = config.parallel.context
         # flash/flex attention run packed sequences natively; SDPA and eager need a dense mask
         self.packed = packs(config)
-        self.share_prefix = config.micro_batch.share_prefix is not False and (
-            sharing_supported(config)
-        )
+        self.share_prefix = shares(config)
         self.sp_group = self.dp_group = self.cpu_group
         if self.sp > 1:
             self.sp_group, self.dp_group = ulysses.groups(self.sp, self.device)
