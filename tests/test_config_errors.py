@@ -561,3 +561,40 @@ def test_vllm_on_a_cpu_without_avx512_is_refused_before_ray(overrides, field, mo
     else:
         with pytest.raises(ConfigError, match=message):
             parse_config(["-p", "smoke", *overrides])
+
+
+@pytest.mark.parametrize(
+    "hf_config, overrides, layout",
+    [
+        ({"model_type": "qwen3_next"}, ["actor.micro_batch.use_packing=true"], "packed"),
+        ({"model_type": "qwen3_next"}, ["actor.micro_batch.share_prefix=true"], "shared_prefix"),
+        # a vision-language family is refused where its text family is
+        (
+            {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}},
+            ["actor.micro_batch.use_packing=true"],
+            "packed",
+        ),
+        ({"model_type": "gpt_oss"}, ["actor.micro_batch.share_prefix=true"], "shared_prefix"),
+        ({"model_type": "cohere"}, [], "padded"),
+    ],
+)
+def test_a_family_wrong_in_a_layout_is_refused_before_ray(tmp_path, hf_config, overrides, layout):
+    import json
+
+    import ray
+
+    from tephra.engine_fsdp.families import LAYOUT_FIX, REFUSED
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    family = hf_config.get("text_config", hf_config)["model_type"]
+    with pytest.raises(ConfigError) as err:
+        parse_config(["-p", "smoke", f"model.path={tmp_path}", *overrides])
+    message = str(err.value)
+    assert message.startswith(
+        f"actor.engine='fsdp': model_type={family!r} in the {layout} micro-batch layout: "
+    )
+    assert REFUSED[family][layout] in message and message.endswith(LAYOUT_FIX[layout])
+    assert not ray.is_initialized()
+    # left to the engine (the preset's null), the same family loads in the padded layout
+    if layout != "padded":
+        parse_config(["-p", "smoke", f"model.path={tmp_path}"])

@@ -29,6 +29,7 @@ from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import is_vision_config
 from tephra.engine_fsdp import (
     checkpoint,
+    families,
     lora,
     microbatches,
     prefix_sharing,
@@ -48,7 +49,10 @@ logger = logging.getLogger(__name__)
 
 def packs(config: EngineConfig) -> bool:
     """Whether micro-batches are packed: flash and flex attention run packed sequences
-    natively; SDPA and eager would need a dense mask over the whole packed stream."""
+    natively; SDPA and eager would need a dense mask over the whole packed stream. Left to
+    the engine (`use_packing=None`), a family refused in the packed layout is padded."""
+    if config.micro_batch.use_packing is None and families.refusal(config, "packed"):
+        return False
     return config.micro_batch.packing(
         config.model.attn_implementation in ("flash_attention_2", "flex_attention")
     )
@@ -79,6 +83,14 @@ def sharing_supported(config: EngineConfig) -> bool:
     return not packs(config) and config.parallel.context == 1
 
 
+def shares(config: EngineConfig) -> bool:
+    """Whether padded micro-batches share prompt prefixes. Left to the engine
+    (`share_prefix=None`): where supported, and not for a family refused in that layout."""
+    if config.micro_batch.share_prefix is None and families.refusal(config, "shared_prefix"):
+        return False
+    return config.micro_batch.share_prefix is not False and sharing_supported(config)
+
+
 class FSDPEngine(Engine):
     """FSDP2 engine. Build with `FSDPEngine.build(config)` (or `get_engine("fsdp", config)`).
 
@@ -104,9 +116,7 @@ class FSDPEngine(Engine):
         self.sp = config.parallel.context
         # flash/flex attention run packed sequences natively; SDPA and eager need a dense mask
         self.packed = packs(config)
-        self.share_prefix = config.micro_batch.share_prefix is not False and (
-            sharing_supported(config)
-        )
+        self.share_prefix = shares(config)
         self.sp_group = self.dp_group = self.cpu_group
         if self.sp > 1:
             self.sp_group, self.dp_group = ulysses.groups(self.sp, self.device)
@@ -175,6 +185,7 @@ class FSDPEngine(Engine):
                 "moe.routing_replay='rollout' with parallel.context > 1 (Ulysses): engine-fsdp "
                 "replays routes on whole sequences only; set parallel.context=1"
             )
+        families.check_layout(config, packs(config))
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(
                 "micro_batch.share_prefix=true needs padded micro-batches (micro_batch."

@@ -1,0 +1,183 @@
+"""Which model families engine=fsdp refuses in which micro-batch layout, and why.
+
+A layout is how `FSDPEngine` lays a micro-batch out for the model: `padded` rows with an
+attention mask, `packed` sequences end to end in one row (position ids restart per
+sequence, no mask), or `shared_prefix` (a prompt's samples run the prompt once, each
+sample's tokens attending to it through a segment mask). Attention layers see sequence
+boundaries in all three through the mask or the position ids; a layer that keeps a recurrent
+state (linear attention, state-space layers) does not, so in the packed and shared-prefix
+layouts it would carry one sequence's state into the next. Those combinations are refused
+before anything is built (`FSDPEngine.check_config`, which the apps call before Ray starts).
+The family matrix test (`tephra.engine_fsdp.family_matrix`) checks every other combination
+against a plain transformers forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tephra.engine_api.config import EngineConfig
+from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.multimodal import declared_hf_config
+
+LAYOUTS = ("padded", "packed", "shared_prefix")
+"""The micro-batch layouts, in the order of the support table."""
+
+LAYOUT_OVERRIDES: dict[str, dict[str, Any]] = {
+    "padded": {"micro_batch.use_packing": False, "micro_batch.share_prefix": False},
+    "packed": {"micro_batch.use_packing": True, "micro_batch.share_prefix": False},
+    "shared_prefix": {"micro_batch.use_packing": False, "micro_batch.share_prefix": True},
+}
+"""The engine config overrides that select each layout."""
+
+LAYOUT_FIX = {
+    "padded": "engine=fsdp cannot train this family; choose a model of a family listed as "
+    "supported in docs/models.md",
+    "packed": "set micro_batch.use_packing=false (padded rows) and parallel.context=1",
+    "shared_prefix": "set micro_batch.share_prefix=false (or null: on where supported)",
+}
+"""How a user leaves a refused layout."""
+
+RECURRENT = (
+    "its linear-attention / state-space layers keep a recurrent state across tokens that "
+    "neither the packed row's position ids nor the shared-prefix segment mask reach, so one "
+    "sequence's state flows into the next"
+)
+SLIDING_SHARED = (
+    "the shared-prefix segment mask replaces its sliding-window (or chunked) attention mask, "
+    "so a token attends to keys beyond its window"
+)
+SLIDING_PACKED = (
+    "a packed row reaches its sliding-window / sink attention without a mask, and that "
+    "attention does not rebuild the sequence boundaries from the position ids"
+)
+LOGIT_SCALE = (
+    "it multiplies the logits by logit_scale after the output head, which engine=fsdp's "
+    "log-prob kernel (logits = W h) does not"
+)
+NO_SEGMENT_MASK = (
+    "its attention does not take the 4D segment mask the shared-prefix layout passes "
+    "(transformers fails on it)"
+)
+HIDDEN_SCALE = (
+    "it rescales the last hidden state before the output head (dim_model_base), which "
+    "engine=fsdp's log-prob kernel (logits = W h) does not"
+)
+
+
+def differs(gap: str) -> str:
+    """The reason of a combination the family matrix found wrong for no cause named above."""
+    return (
+        f"its log-probs differ from a plain transformers forward of each sequence alone "
+        f"(largest gap {gap} in the family matrix, tephra.engine_fsdp.family_matrix)"
+    )
+
+
+REFUSED: dict[str, dict[str, str]] = {
+    "afmoe": {"packed": SLIDING_PACKED, "shared_prefix": SLIDING_SHARED},
+    "bailing_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "bamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "bloom": {"packed": differs("0.0027"), "shared_prefix": NO_SEGMENT_MASK},
+    "cohere": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
+    "cohere2": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
+    "cohere2_moe": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
+    "cwm": {"shared_prefix": SLIDING_SHARED},
+    "deepseek_v4": {
+        "padded": differs("0.12"),
+        "packed": differs("0.12"),
+        "shared_prefix": differs("0.12"),
+    },
+    "doge": {"shared_prefix": SLIDING_SHARED},
+    "exaone4": {"shared_prefix": SLIDING_SHARED},
+    "exaone_moe": {"shared_prefix": SLIDING_SHARED},
+    "falcon_h1": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "flint": {"shared_prefix": SLIDING_SHARED},
+    "gemma3_text": {"shared_prefix": SLIDING_SHARED},
+    "gpt_oss": {"packed": SLIDING_PACKED, "shared_prefix": SLIDING_SHARED},
+    "granite_swa": {"shared_prefix": SLIDING_SHARED},
+    "granitemoe_swa": {"shared_prefix": SLIDING_SHARED},
+    "granitemoehybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "jamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "kimi_linear": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "kolibri1": {"shared_prefix": SLIDING_SHARED},
+    "lfm3": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "mimo_v2_flash": {"shared_prefix": SLIDING_SHARED},
+    "minicpm3": {"padded": HIDDEN_SCALE, "packed": HIDDEN_SCALE, "shared_prefix": HIDDEN_SCALE},
+    "minimax": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "ministral": {"shared_prefix": SLIDING_SHARED},
+    "ministral3": {"shared_prefix": SLIDING_SHARED},
+    "mistral": {"shared_prefix": SLIDING_SHARED},
+    "mixtral": {"shared_prefix": SLIDING_SHARED},
+    "mpt": {"packed": differs("0.23"), "shared_prefix": differs("0.091")},
+    "nemotron": {"shared_prefix": differs("0.38")},
+    "nemotron_h": {"shared_prefix": RECURRENT},
+    "olmo3": {"shared_prefix": SLIDING_SHARED},
+    "olmo_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "opt": {"packed": differs("0.051")},
+    "phi3": {"shared_prefix": SLIDING_SHARED},
+    "phimoe": {"shared_prefix": SLIDING_SHARED},
+    "qwen3_5_moe_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "qwen3_5_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "qwen3_next": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "recurrent_gemma": {
+        "padded": differs("0.007"),
+        "packed": differs("0.007"),
+        "shared_prefix": differs("0.007"),
+    },
+    "rwkv": {
+        "padded": differs("0.54"),
+        "packed": differs("0.54"),
+        "shared_prefix": differs("0.54"),
+    },
+    "stablelm": {"shared_prefix": differs("0.3")},
+    "starcoder2": {"shared_prefix": SLIDING_SHARED},
+    "xglm": {"packed": differs("0.0026")},
+}
+"""model_type -> {layout: why the engine's outputs would be wrong there}: what the family
+matrix found (a family refused `padded` is refused in every layout). A vision-language
+family is refused where its text family is."""
+
+
+def model_types_of(config: EngineConfig) -> list[str]:
+    """The model type `config.model` names (its `hf_config`, or `model.path`'s config.json,
+    read without building anything), then its text model's where it has one."""
+    data = declared_hf_config(config.model)
+    text = data.get("text_config")
+    found = [data.get("model_type"), text.get("model_type") if isinstance(text, dict) else None]
+    return [t for t in found if isinstance(t, str)]
+
+
+def layout_refusal(model_type: str | None, layout: str) -> str | None:
+    """Why engine=fsdp refuses `model_type` in `layout` (a message naming both and the
+    fix), or None."""
+    why = REFUSED.get(model_type or "", {}).get(layout)
+    if why is None:
+        return None
+    return (
+        f"model_type={model_type!r} in the {layout} micro-batch layout: {why}; {LAYOUT_FIX[layout]}"
+    )
+
+
+def refusal(config: EngineConfig, layout: str) -> str | None:
+    """`layout_refusal` of the model `config` names (or of its text model)."""
+    for model_type in model_types_of(config):
+        why = layout_refusal(model_type, layout)
+        if why:
+            return why
+    return None
+
+
+def check_layout(config: EngineConfig, packed: bool) -> None:
+    """Refuse the layouts `config` asks for that its model family is wrong in: every
+    layout when the family is refused padded, packing when `packed` (as the engine resolved
+    `use_packing`) or under Ulysses (which packs), sharing when `share_prefix=true`. A
+    setting left to the engine (`null`) steers clear of a refused layout instead."""
+    asked = ["padded"]
+    if packed or config.parallel.context > 1:
+        asked.append("packed")
+    if config.micro_batch.share_prefix:
+        asked.append("shared_prefix")
+    for layout in asked:
+        why = refusal(config, layout)
+        if why:
+            raise ConfigError(why)

@@ -1,0 +1,607 @@
+"""The model-family matrix: every causal-LM family of the installed transformers, built tiny,
+checked through `FSDPEngine.forward` in each micro-batch layout against a plain transformers
+forward of each sequence alone; and the support table (docs/models.md) that states the result.
+
+A tiny config is the family's own default config with every size made small (2 layers,
+hidden 64, vocabulary 256) and its special parts kept on: each per-layer list (`layer_types`,
+`mlp_layer_types`, ...) keeps one layer of each of its first two kinds, so a hybrid keeps a
+linear-attention and a full-attention layer, a sliding-window family a sliding and a full
+layer (window 4, shorter than the test's sequences), a MoE family a dense and a sparse layer
+(4 experts, 2 per token), an MLA family its low-rank projections.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from tephra.engine_api import batch as B
+from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
+from tephra.engine_api.errors import ConfigError
+from tephra.engine_fsdp.families import LAYOUT_OVERRIDES, LAYOUTS, REFUSED
+
+VOCAB = 256
+"""Vocabulary of every tiny config (token ids of the test batches are below it)."""
+
+SIZES: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    # sliding / chunked attention: shorter than the test's sequences, so the window bites
+    "sliding_window": 4,
+    "attention_chunk_size": 4,
+    # mixture of experts: a dense first layer, then a routed one
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_expert_group": 1,
+    "first_k_dense_replace": 1,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    # multi-head latent attention
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "qk_head_dim": 32,
+    "v_head_dim": 32,
+    # linear attention (Gated DeltaNet, KDA) and state-space layers
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    "state_size": 8,
+    "ssm_state_size": 8,
+    "mamba_d_state": 8,
+    "mamba_n_heads": 8,
+    "mamba_head_dim": 16,
+    "mamba_n_groups": 1,
+    "n_groups": 1,
+    "time_step_rank": 8,
+    "chunk_size": 8,
+}
+"""Sizes set on every family's config where the config has the attribute."""
+
+
+HEAD_BIAS = "its output head has a bias, which engine=fsdp's log-prob kernel does not add"
+SOFTCAP = (
+    "final_logit_softcapping, which engine=fsdp's log-prob kernel does not apply "
+    "(set it to null in the model config to train without it)"
+)
+NO_LAYERS = "it declares no decoder layer class (_no_split_modules) for FSDP to shard"
+BUILD_REFUSALS = {
+    HEAD_BIAS: r"the output head has a bias",
+    SOFTCAP: r"final_logit_softcapping=",
+    NO_LAYERS: r"found no decoder layers to shard",
+}
+"""The engine's own refusals (at build, from the built model) -> its message."""
+
+NOT_RUN: dict[str, tuple[str, str]] = {
+    "emu3": (
+        "not buildable",
+        "even its tiny config has 8,492,011,520 parameters (a part the sizes do not reach)",
+    ),
+    "bart": (
+        "not buildable",
+        "even its tiny config has 6,770,176 parameters (a part the sizes do not reach)",
+    ),
+    "beam": ("refused", SOFTCAP),
+    "bert": ("refused", HEAD_BIAS),
+    "bert-generation": ("refused", NO_LAYERS),
+    "big_bird": ("refused", NO_LAYERS),
+    "bigbird_pegasus": (
+        "not buildable",
+        "even its tiny config has 9,026,688 parameters (a part the sizes do not reach)",
+    ),
+    "biogpt": ("refused", NO_LAYERS),
+    "blenderbot": (
+        "not buildable",
+        "even its tiny config has 32,537,216 parameters (a part the sizes do not reach)",
+    ),
+    "blenderbot-small": (
+        "not buildable",
+        "even its tiny config has 2,408,064 parameters (a part the sizes do not reach)",
+    ),
+    "blt": (
+        "not buildable",
+        "even its tiny config has 4,633,123,584 parameters (a part the sizes do not reach)",
+    ),
+    "camembert": ("refused", HEAD_BIAS),
+    "codegen": ("refused", HEAD_BIAS),
+    "cohere_compass_text": (
+        "not buildable",
+        "transformers raises KeyError on the tiny config: 'full_attention'",
+    ),
+    "cpmant": (
+        "not buildable",
+        "even its tiny config has 4,301,120 parameters (a part the sizes do not reach)",
+    ),
+    "ctrl": (
+        "not buildable",
+        "even its tiny config has 2,164,224 parameters (a part the sizes do not reach)",
+    ),
+    "data2vec-text": ("refused", HEAD_BIAS),
+    "dbrx": (
+        "not buildable",
+        "transformers raises AttributeError on the tiny config: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
+    ),
+    "dots1": (
+        "not buildable",
+        "transformers raises TypeError on the tiny config: unsupported operand type(s) for *: 'int' and 'NoneType'",
+    ),
+    "dots3_note_text": (
+        "not buildable",
+        "transformers raises AmbiguousGlobalPerLayerAttributeError on the tiny config: 'num_attention_heads' is a per-layer attribute and may vary across layers. Access it via the individual layer ",
+    ),
+    "electra": ("refused", NO_LAYERS),
+    "ernie": ("refused", HEAD_BIAS),
+    "falcon": (
+        "not buildable",
+        "transformers raises AttributeError on the tiny config: property 'head_dim' of 'FalconConfig' object has no setter",
+    ),
+    "falcon_mamba": (
+        "error",
+        "fails under FSDP2: aten.mm.default got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling",
+    ),
+    "gemma2": ("refused", SOFTCAP),
+    "gemma3n_text": (
+        "not buildable",
+        "transformers raises ValueError on the tiny config: The set of layer types producing a cache is different than the set of layer types using them",
+    ),
+    "gemma4_assistant": (
+        "not buildable",
+        "transformers raises StrictDataclassClassValidationError on the tiny config: Class validation error for validator 'validate_architecture':",
+    ),
+    "gemma4_text": (
+        "not buildable",
+        "transformers raises AmbiguousGlobalPerLayerAttributeError on the tiny config: 'head_dim' is a per-layer attribute and may vary across layers. Access it via the individual layer configs ins",
+    ),
+    "gemma4_unified_text": (
+        "not buildable",
+        "transformers raises AmbiguousGlobalPerLayerAttributeError on the tiny config: 'head_dim' is a per-layer attribute and may vary across layers. Access it via the individual layer configs ins",
+    ),
+    "git": (
+        "not buildable",
+        "even its tiny config has 85,957,056 parameters (a part the sizes do not reach)",
+    ),
+    "gpt_neox_japanese": (
+        "error",
+        "the exported weights miss the output head (['embed_out.weight'], [])",
+    ),
+    "gptj": ("refused", HEAD_BIAS),
+    "inkling2_text": ("refused", SOFTCAP),
+    "inkling_text": (
+        "not buildable",
+        "transformers raises AttributeError on the tiny config: 'InklingTextConfig' object has no attribute 'tie_word_embeddings'",
+    ),
+    "lfm2_moe": (
+        "not buildable",
+        "transformers raises TypeError on the tiny config: 'NoneType' object is not subscriptable",
+    ),
+    "llama4_text": (
+        "not buildable",
+        "transformers raises AttributeError on the tiny config: 'Llama4ForCausalLM' object has no attribute 'language_model'",
+    ),
+    "mamba": (
+        "error",
+        "fails under FSDP2: aten.mm.default got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling",
+    ),
+    "mamba2": (
+        "not buildable",
+        "transformers raises StrictDataclassClassValidationError on the tiny config: Class validation error for validator 'validate_architecture':",
+    ),
+    "marian": (
+        "not buildable",
+        "even its tiny config has 6,769,920 parameters (a part the sizes do not reach)",
+    ),
+    "mbart": (
+        "not buildable",
+        "even its tiny config has 6,770,304 parameters (a part the sizes do not reach)",
+    ),
+    "megatron-bert": ("refused", NO_LAYERS),
+    "mllama": (
+        "not buildable",
+        "its causal LM built from the tiny config names its weights apart from the exported ones (a composite without a text family)",
+    ),
+    "modernbert-decoder": ("refused", HEAD_BIAS),
+    "moshi": (
+        "not buildable",
+        "even its tiny config has 4,383,104 parameters (a part the sizes do not reach)",
+    ),
+    "musicgen": (
+        "not buildable",
+        "transformers raises ValueError on the tiny config: Multiple valid text configs were found in the model config: ['text_encoder', 'decoder']. In this case, using '",
+    ),
+    "musicgen_melody": (
+        "not buildable",
+        "transformers raises ValueError on the tiny config: Multiple valid text configs were found in the model config: ['text_encoder', 'decoder']. In this case, using '",
+    ),
+    "mvp": (
+        "not buildable",
+        "even its tiny config has 6,770,176 parameters (a part the sizes do not reach)",
+    ),
+    "nanochat": ("refused", SOFTCAP),
+    "openai-gpt": ("refused", NO_LAYERS),
+    "pegasus": (
+        "not buildable",
+        "even its tiny config has 6,770,048 parameters (a part the sizes do not reach)",
+    ),
+    "phi": ("refused", HEAD_BIAS),
+    "phi4_multimodal": (
+        "not buildable",
+        "even its tiny config has 870,146,176 parameters (a part the sizes do not reach)",
+    ),
+    "plbart": (
+        "not buildable",
+        "transformers raises ValueError on the tiny config: embed_dim must be divisible by num_heads (got 'embed_dim': 64 and 'num_heads': 12).",
+    ),
+    "prophetnet": (
+        "not buildable",
+        "transformers raises NotImplementedError on the tiny config: This model does not support the setting of 'num_hidden_layers'. Please set 'num_encoder_layers' and 'num_decod",
+    ),
+    "qwen4_exp_text": (
+        "not buildable",
+        "transformers raises TypeError on the tiny config: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
+    ),
+    "reformer": (
+        "not buildable",
+        "transformers raises AssertionError on the tiny config: If you want to use 'ReformerModelWithLMHead' make sure that 'is_decoder=True'.",
+    ),
+    "rembert": ("refused", NO_LAYERS),
+    "roberta": ("refused", HEAD_BIAS),
+    "roberta-prelayernorm": ("refused", HEAD_BIAS),
+    "roc_bert": (
+        "not buildable",
+        "even its tiny config has 13,608,576 parameters (a part the sizes do not reach)",
+    ),
+    "roformer": ("refused", NO_LAYERS),
+    "trocr": (
+        "error",
+        "the exported weights miss the output head (['output_projection.weight'], [])",
+    ),
+    "vaultgemma": ("refused", SOFTCAP),
+    "whisper": (
+        "not buildable",
+        "transformers raises ValueError on the tiny config: embed_dim must be divisible by num_heads (got 'embed_dim': 64 and 'num_heads': 6).",
+    ),
+    "xlm": ("refused", NO_LAYERS),
+    "xlm-roberta": ("refused", HEAD_BIAS),
+    "xlm-roberta-xl": ("refused", HEAD_BIAS),
+    "xlnet": (
+        "not buildable",
+        "transformers raises NotImplementedError on the tiny config: The model xlnet is one of the few models that has no sequence length limit.",
+    ),
+    "xlstm": (
+        "not buildable",
+        "transformers raises AttributeError on the tiny config: property 'qk_head_dim' of 'xLSTMConfig' object has no setter",
+    ),
+    "xmod": ("refused", NO_LAYERS),
+    "zamba": (
+        "not buildable",
+        "transformers raises ValueError on the tiny config: There is an issue with your definition of 'tie_weights_keys' for ^layers.1.shared_transf:^layers.(?!1\\.)\\d+.sh",
+    ),
+    "zamba2": (
+        "error",
+        "fails under FSDP2: aten.mul.Tensor got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling",
+    ),
+    "zaya": (
+        "not buildable",
+        "transformers raises StrictDataclassClassValidationError on the tiny config: Class validation error for validator 'validate_architecture':",
+    ),
+}
+
+"""model_type -> (status, reason) of the families not run through the layouts: `refused`
+(the engine refuses them when it builds them: `BUILD_REFUSALS`), `not buildable` (no tiny
+model: transformers fails on the tiny config, or it stays large) or `error` (the engine
+fails loudly on them)."""
+
+
+def causal_lm_families() -> list[str]:
+    """Every model type the installed transformers maps to a `*ForCausalLM` class, sorted."""
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _two_kinds(values: list[Any]) -> list[Any]:
+    """Two layers' entries of a per-layer list: the first of each of its first two kinds
+    (both entries the first when it has one kind), in layer order."""
+    firsts: list[int] = []
+    for i, v in enumerate(values):
+        if all(values[j] != v for j in firsts):
+            firsts.append(i)
+        if len(firsts) == 2:
+            break
+    if len(firsts) == 1:
+        firsts = [0, min(1, len(values) - 1)]
+    return [values[i] for i in firsts]
+
+
+def _tiny(default: PretrainedConfig) -> dict[str, Any]:
+    """The keyword arguments that make `default` (a family's default config) tiny."""
+    data = default.to_dict()
+    kwargs = {k: v for k, v in SIZES.items() if hasattr(default, k)}
+    layers = getattr(default, "num_hidden_layers", None)
+    for key, value in data.items():
+        if isinstance(value, list) and layers and len(value) == layers and layers > 2:
+            kwargs[key] = _two_kinds(value)
+        if "dropout" in key or "pdrop" in key:
+            kwargs[key] = 0.0
+    if "kv_lora_rank" in kwargs:  # MLA expands its latent keys to every query head
+        kwargs["num_key_value_heads"] = SIZES["num_attention_heads"]
+    return kwargs
+
+
+def text_family(model_type: str) -> str | None:
+    """The text model type inside a composite (vision-language) family, where transformers
+    also maps it to a causal LM (`qwen3_5` -> `qwen3_5_text`); None for a text family."""
+    try:
+        default = AutoConfig.for_model(model_type)
+        text = default.get_text_config()
+    except Exception:  # no valid default config, or several text configs (encoder, decoder)
+        return None
+    if text is default or text.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    return str(text.model_type)
+
+
+def tiny_config(model_type: str) -> dict[str, Any]:
+    """The tiny `hf_config` dict of `model_type` (see the module docstring)."""
+    return {"model_type": model_type, **_tiny(AutoConfig.for_model(model_type))}
+
+
+MAX_PARAMETERS = 2_000_000
+"""A tiny config above this many parameters kept a large part the sizes do not reach."""
+
+
+class NotTiny(Exception):
+    """The family's config could not be made tiny (or its model not built from it)."""
+
+
+def parameter_count(hf_config: dict[str, Any]) -> int:
+    """Parameters of the family's causal LM for `hf_config`, counted on the meta device
+    (nothing allocated)."""
+    data = dict(hf_config)
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_reference(hf_config: dict[str, Any]) -> torch.nn.Module:
+    """The family's plain transformers causal LM (eager attention, float32, eval mode)."""
+    data = dict(hf_config)
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def test_batch(seed: int = 0) -> TensorDict:
+    """GRPO-shaped rows: 2 prompts (left-padded, 4-8 tokens) with 3 responses each
+    (right-padded, 2-7 tokens), so that shared-prefix micro-batches share."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=g) for n in (5, 8)]
+    rows = [
+        (p, torch.randint(3, VOCAB, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g))
+        for p in prompts
+        for _ in range(3)
+    ]
+    wp, wr = max(len(p) for p in prompts), max(len(r) for _, r in rows)
+    ids = torch.zeros(len(rows), wp + wr, dtype=torch.int64)
+    attn, resp = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, r) in enumerate(rows):
+        ids[i, wp - len(p) : wp + len(r)] = torch.cat([p, r])
+        attn[i, wp - len(p) : wp + len(r)] = 1
+        resp[i, wp : wp + len(r)] = 1
+    return B.make_batch(ids, attn, resp)
+
+
+def reference_outputs(model: torch.nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:
+    """Log-probs and entropy `[b, t]` (aligned to tokens, 0 off the response) from the plain
+    model run on each sequence alone: no padding, no mask, positions 0.. ."""
+    attn = batch[B.ATTENTION_MASK].bool()
+    resp = batch[B.RESPONSE_MASK].bool()
+    lp = torch.zeros(attn.shape)
+    ent = torch.zeros(attn.shape)
+    with torch.no_grad():
+        for i in range(attn.shape[0]):
+            cols = attn[i].nonzero()[:, 0]
+            ids = batch[B.INPUT_IDS][i, cols][None]
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+            logp = torch.log_softmax(logits, -1)
+            token_lp = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+            token_ent = -(logp.exp() * logp).sum(-1)[:-1]
+            keep = resp[i, cols[1:]]
+            lp[i, cols[1:][keep]] = token_lp[keep]
+            ent[i, cols[1:][keep]] = token_ent[keep]
+    return {"log_probs": lp, "entropy": ent}
+
+
+def attention(model_type: str) -> str:
+    """`sdpa` where the family's causal LM supports it, else `eager` (Gemma 2's soft-capped
+    attention scores, gpt-oss's sinks: transformers runs them eagerly)."""
+    config = AutoConfig.for_model(model_type)
+    cls = _causal_lm_class(config)
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def _causal_lm_class(config: PretrainedConfig) -> type:
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def engine_config(model_type: str, layout: str) -> EngineConfig:
+    """A float32 CPU engine config of the family's tiny model in `layout`."""
+    model = ModelConfig(
+        hf_config=tiny_config(model_type), init_seed=0, attn_implementation=attention(model_type)
+    )
+    base = EngineConfig(model=model, device="cpu")
+    return apply_overrides(base, dict(LAYOUT_OVERRIDES[layout]))
+
+
+@dataclass
+class LayoutCheck:
+    """One family in one layout: the engine's refusal (None when it runs the layout) and the
+    largest log-prob and entropy gaps to the reference over response tokens, of an engine
+    built past the refusal (so a test can show the refusal is needed)."""
+
+    refusal: str | None
+    log_probs: float
+    entropy: float
+
+    def matches(self, tol: float = 1e-5) -> bool:
+        return self.log_probs <= tol and self.entropy <= tol
+
+
+def check_family(model_type: str, layouts: tuple[str, ...] = LAYOUTS) -> dict[str, LayoutCheck]:
+    """Run the family's tiny model through `FSDPEngine.forward` in each of `layouts` and
+    compare with `reference_outputs` of the engine's exported weights. Raises `NotTiny`
+    when the tiny config stays large, and whatever transformers or the engine raise."""
+    # imported here: the engine module pulls in FSDP, which the support table does not need
+    from tephra.engine_fsdp.engine import FSDPEngine
+
+    count = parameter_count(tiny_config(model_type))
+    if count > MAX_PARAMETERS:
+        raise NotTiny(f"even its tiny config has {count:,} parameters")
+    batch = test_batch()
+    resp = batch[B.RESPONSE_MASK].bool()
+    out: dict[str, LayoutCheck] = {}
+    reference: dict[str, torch.Tensor] | None = None
+    for layout in layouts:
+        config = engine_config(model_type, layout)
+        refusal = None
+        try:
+            FSDPEngine.check_config(config)
+        except ConfigError as exc:
+            refusal = str(exc)
+        if reference is None:
+            padded = FSDPEngine(engine_config(model_type, "padded"))
+            reference = reference_outputs(_reference_with(padded), batch)
+        try:
+            engine = FSDPEngine(config)  # past the refusal: what the layout would compute
+            with engine.eval_mode():
+                got = engine.forward(batch)
+        except Exception:
+            if refusal is None:
+                raise
+            out[layout] = LayoutCheck(refusal, math.inf, math.inf)  # refused: it fails too
+            continue
+        gaps = [float((got[k] - reference[k])[resp].abs().max()) for k in ("log_probs", "entropy")]
+        gaps = [g if math.isfinite(g) else math.inf for g in gaps]
+        out[layout] = LayoutCheck(refusal, gaps[0], gaps[1])
+    return out
+
+
+def _reference_with(engine: Any) -> torch.nn.Module:
+    """The plain model holding the engine's exported weights (every one must fit)."""
+    model = build_reference(engine.config.model.hf_config)
+    state = {n: t for bucket in engine.export_weights() for n, t in bucket}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.get_text_config().tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise AssertionError(f"exported weights: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+# ----- the support table ---------------------------------------------------------------
+@dataclass
+class Row:
+    """One family of the support table: a status per layout, and what it was checked as."""
+
+    model_type: str
+    statuses: dict[str, str]
+    checked_as: str | None = None
+    """A vision-language family's text family, whose tiny model the matrix runs."""
+
+
+def status(model_type: str, layout: str) -> str:
+    """`Y`, `refused (reason)`, `not buildable (reason)` or `error (reason)` of a text
+    family in `layout`, from the tables the family matrix test keeps true."""
+    if model_type in NOT_RUN:
+        kind, why = NOT_RUN[model_type]
+        return f"{kind} ({why})"
+    why = REFUSED.get(model_type, {}).get(layout) or REFUSED.get(model_type, {}).get("padded")
+    return f"refused ({why})" if why else "Y"
+
+
+def support_table() -> list[Row]:
+    """Every causal-LM family of the installed transformers, with its statuses."""
+    rows = []
+    for model_type in causal_lm_families():
+        text = text_family(model_type)
+        target = text or model_type
+        rows.append(Row(model_type, {lay: status(target, lay) for lay in LAYOUTS}, text))
+    return rows
+
+
+def render_markdown(command: str) -> str:
+    """docs/models.md: the support table (see `support_table`)."""
+    import transformers  # the version the table was checked against
+
+    rows = support_table()
+    full = sum(all(v == "Y" for v in r.statuses.values()) for r in rows)
+    head = [
+        "# Model families on engine=fsdp",
+        "",
+        f"Generated by `{command}` from the tables in `tephra.engine_fsdp.families` and",
+        "`tephra.engine_fsdp.family_matrix`, which the family matrix test keeps true; do not edit",
+        f"by hand. transformers {transformers.__version__}: {len(rows)} model types with a causal LM, "
+        f"{full} of them right in every layout.",
+        "",
+        "**Y**: the family's tiny model (2 layers, hidden 64, its special parts on: mixture of",
+        "experts, sliding windows, linear-attention layers, multi-head latent attention, sinks)",
+        "gives, through `FSDPEngine.forward`, the log-probs and entropy of a plain transformers",
+        "forward of each sequence alone within 1e-5 (float32). **refused**: the engine raises a",
+        "`ConfigError` naming the family, the layout and the fix (before Ray starts in the apps);",
+        "left to the engine (`null`), `micro_batch.use_packing` and `share_prefix` avoid a refused",
+        "layout. **not buildable**: no tiny model of it could be built here. **error**: the",
+        "engine fails on it loudly.",
+        "",
+        "Layouts: **padded** (`micro_batch.use_packing=false`), **packed**",
+        "(`micro_batch.use_packing=true`; also Ulysses, `parallel.context>1`), **shared prefix**",
+        "(`micro_batch.share_prefix=true`: a prompt's samples run the prompt once).",
+        "",
+        "A vision-language family is checked through its text family (its own row) and refused",
+        "where that one is. The numbers point to the reasons under the table.",
+        "",
+        "| model_type | padded | packed | shared prefix |",
+        "|---|---|---|---|",
+    ]
+    body: list[str] = []
+    reasons: dict[str, int] = {}  # reason -> its number, in order of first use
+
+    def cell(text: str) -> str:
+        if text == "Y":
+            return text
+        kind, why = text.split(" (", 1)
+        n = reasons.setdefault(why[:-1], len(reasons) + 1)
+        return f"{kind} [{n}]"
+
+    for r in rows:
+        name = f"`{r.model_type}`" + (f" (text: `{r.checked_as}`)" if r.checked_as else "")
+        body.append(f"| {name} | " + " | ".join(cell(r.statuses[lay]) for lay in LAYOUTS) + " |")
+    body += ["", "## Reasons", ""]
+    body += [f"{n}. {why}" for why, n in reasons.items()]
+    return "\n".join(head + body) + "\n"

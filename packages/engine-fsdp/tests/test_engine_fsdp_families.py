@@ -1,0 +1,100 @@
+"""The family matrix: every causal-LM family of the installed transformers, built tiny, gives
+through `FSDPEngine.forward` the log-probs and entropy of a plain transformers forward of each
+sequence alone (1e-5, float32) in every layout the engine does not refuse; every refused
+layout is refused with the family's message, and is shown to be wrong when forced; the
+families not run fail as the table says. A representative family of each kind runs in the
+default suite, the rest under the `slow` marker."""
+
+from __future__ import annotations
+
+import pytest
+
+from tephra.engine_api.errors import ConfigError
+from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
+from tephra.engine_fsdp.families import LAYOUTS, REFUSED, layout_refusal
+from tephra.engine_fsdp.family_matrix import (
+    BUILD_REFUSALS,
+    NOT_RUN,
+    causal_lm_families,
+    check_family,
+    engine_config,
+    text_family,
+)
+
+FAMILIES = causal_lm_families()
+REPRESENTATIVE = {
+    "llama": "dense attention",
+    "qwen3_moe": "mixture of experts",
+    "deepseek_v3": "multi-head latent attention with MoE",
+    "gemma3_text": "sliding windows (refused shared prefix)",
+    "qwen3_next": "Gated DeltaNet hybrid (refused packed and shared prefix)",
+    "gpt_oss": "sinks, sliding windows, MoE, eager attention",
+    "cohere": "logits scaled after the head (refused everywhere)",
+}
+NOT_RUN_REPRESENTATIVE = {"gemma2", "bert", "bart"}
+RUN = [f for f in FAMILIES if f not in NOT_RUN and text_family(f) is None]
+
+
+def _marks(model_type: str, fast: set[str] | dict[str, str]):
+    return () if model_type in fast else (pytest.mark.slow,)
+
+
+def test_the_table_names_every_family_once():
+    families = set(FAMILIES)
+    assert set(REFUSED) <= families, set(REFUSED) - families
+    assert set(NOT_RUN) <= families, set(NOT_RUN) - families
+    assert not set(REFUSED) & set(NOT_RUN)
+    for model_type in families:
+        text = text_family(model_type)
+        if text is not None:  # a vision-language family stands on its text family's row
+            assert text in families and model_type not in REFUSED and model_type not in NOT_RUN
+    assert set(REPRESENTATIVE) <= set(RUN) and NOT_RUN_REPRESENTATIVE <= set(NOT_RUN)
+
+
+@pytest.mark.parametrize(
+    "model_type", [pytest.param(f, marks=_marks(f, REPRESENTATIVE)) for f in RUN]
+)
+def test_family_in_every_layout(model_type):
+    results = check_family(model_type)
+    for layout in LAYOUTS:
+        got = results[layout]
+        expected = layout_refusal(model_type, "padded") or layout_refusal(model_type, layout)
+        if expected is None:
+            assert got.refusal is None, f"{layout}: refused: {got.refusal}"
+            assert got.matches(), f"{layout}: log-prob gap {got.log_probs}, entropy {got.entropy}"
+        else:
+            assert got.refusal == expected, f"{layout}: {got.refusal!r}"
+            assert model_type in got.refusal and "layout" in got.refusal
+            # forced past the refusal, the layout is wrong: the refusal is needed
+            assert not got.matches(), f"{layout} is right now; drop its refusal"
+
+
+@pytest.mark.parametrize(
+    "model_type", [pytest.param(f, marks=_marks(f, NOT_RUN_REPRESENTATIVE)) for f in NOT_RUN]
+)
+def test_family_not_run_fails_as_the_table_says(model_type):
+    kind, why = NOT_RUN[model_type]
+    if kind == "refused":
+        with pytest.raises(ConfigError, match=BUILD_REFUSALS[why]):
+            FSDPEngine.build(engine_config(model_type, "padded"))
+    else:
+        with pytest.raises(Exception):  # noqa: B017 (any failure of transformers or the engine)
+            check_family(model_type, ("padded",))
+
+
+@pytest.mark.parametrize(
+    "setting, layout",
+    [
+        ({"micro_batch.use_packing": None}, "packed"),
+        ({"micro_batch.share_prefix": None}, "shared_prefix"),
+    ],
+)
+def test_a_layout_left_to_the_engine_avoids_a_refused_one(setting, layout):
+    # qwen3_next is refused packed and shared-prefix; left to the engine, it pads
+    config = engine_config("qwen3_next", layout)
+    config.model.attn_implementation = "flash_attention_2"  # would pack by default
+    for key, value in setting.items():
+        section, field = key.split(".")
+        setattr(getattr(config, section), field, value)
+    FSDPEngine.check_config(config)
+    assert not packs(config) and not shares(config)
