@@ -89,8 +89,8 @@ def _reference_grad_norm(model_path, rows, coefs) -> float:
     """The gradient norm of sum_i coefs[i] * sum_t log pi(y_it | x_i, y_i<t) over the
     parameters of the Hugging Face model at `model_path` (fp32, plain transformers, one
     sequence at a time): for an on-policy step (ratio 1), the gradient of a loss whose
-    per-sequence weight on the log-probs is `coefs[i]`. `rows` are dumped samples (their
-    `prompt_ids` and `response_ids`)."""
+    per-sequence weight on the log-probs is `coefs[i]` (or, a list, one weight per response
+    token). `rows` are dumped samples (their `prompt_ids` and `response_ids`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -100,7 +100,7 @@ def _reference_grad_norm(model_path, rows, coefs) -> float:
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
         log_probs = torch.log_softmax(logits.float(), -1)
         picked = log_probs.gather(-1, torch.tensor(response)[:, None])[:, 0]
-        (coef * picked.sum()).backward()
+        (torch.as_tensor(coef, dtype=picked.dtype) * picked).sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
 
@@ -109,3 +109,50 @@ def _reference_grad_norm(model_path, rows, coefs) -> float:
 def reference_grad_norm():
     """`_reference_grad_norm(model_path, rows, coefs)`: a gradient norm in plain transformers."""
     return _reference_grad_norm
+
+
+def _smoke_score(response: str) -> float:
+    """`SMOKE_REWARD` written out again: the score the smoke runs' reward gives a response."""
+    return (sum(map(ord, response)) % 5) / 4.0
+
+
+def _grpo_step_reference(model_path, rows, eps: float = 1e-6, shaping=None) -> dict:
+    """What a GRPO step on the dumped `rows` (one step's `train_step<N>.jsonl`, single-turn,
+    prompt-major groups) must log, written out per sample here (the library's is vectorised):
+      - rewards: each row's score (plus `shaping[i]`, DAPO's length penalty, where given);
+      - advantages: (r_i - mean_g) / (std_g + eps) within the row's group (std unbiased);
+      - `reward/mean`: the rewards' mean;
+      - with `model_path`, on-policy (ratio 1, one mini-batch, token-mean, no KL or entropy term): `pg_loss` =
+        -sum_i A_i |y_i| / N and `grad_norm`, the norm of the gradient of that loss at the
+        weights of `model_path` (`_reference_grad_norm` with coefficients -A_i / N), where
+        N = sum_i |y_i| is the step's response tokens."""
+    rewards = [r["score"] + (0.0 if shaping is None else shaping[i]) for i, r in enumerate(rows)]
+    groups: dict[int, list[float]] = {}
+    for r, x in zip(rows, rewards, strict=True):
+        groups.setdefault(r["prompt_index"], []).append(x)
+    advantages = []
+    for r, x in zip(rows, rewards, strict=True):
+        g = groups[r["prompt_index"]]
+        mean = sum(g) / len(g)
+        std = (sum((y - mean) ** 2 for y in g) / (len(g) - 1)) ** 0.5
+        advantages.append((x - mean) / (std + eps))
+    out = {"advantages": advantages, "reward/mean": sum(rewards) / len(rewards)}
+    if model_path is not None:
+        assert all(all(m == 1 for m in r["response_mask"]) for r in rows)  # single-turn
+        n = sum(len(r["response_ids"]) for r in rows)
+        out["pg_loss"] = -sum(a * len(r["response_ids"]) for a, r in zip(advantages, rows)) / n
+        out["grad_norm"] = _reference_grad_norm(model_path, rows, [-a / n for a in advantages])
+    return out
+
+
+@pytest.fixture
+def grpo_step_reference():
+    """`_grpo_step_reference(model_path, rows, eps, shaping)`: a GRPO step's advantages,
+    reward mean, on-policy pg loss and grad norm, recomputed from its dumped samples."""
+    return _grpo_step_reference
+
+
+@pytest.fixture
+def smoke_score():
+    """`_smoke_score(response)`: the smoke runs' reward, written out again."""
+    return _smoke_score

@@ -14,6 +14,7 @@ One Ray session for the module."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -57,8 +58,11 @@ def models(tmp_path_factory):
     return {"dense": dense.path, "moe": str(root / "moe")}
 
 
-def first_step(tmp_path, name, model, *overrides, steps=1):
-    """The first step's metrics of a run of `steps` steps (the later ones must be finite)."""
+def first_step(tmp_path, name, model, *overrides, steps=1, reference=None):
+    """The first step's metrics of a run of `steps` steps (the later ones must be finite).
+    `reference`: for a GRPO run on one rank, the fixtures `(grpo_step_reference,
+    smoke_score)`, to recompute its step from its dumped samples (scores, advantages, reward
+    mean, on-policy loss and grad norm in plain transformers)."""
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
     run(
@@ -77,17 +81,26 @@ def first_step(tmp_path, name, model, *overrides, steps=1):
     )
     rows = read_jsonl(tmp_path / name / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert all(r["actor/grad_norm"] > 0 for r in rows)
+    assert all(math.isfinite(r["actor/grad_norm"]) for r in rows)
     dumped = (tmp_path / name / "generations" / "train_step1.jsonl").read_text().splitlines()
-    return {**rows[0], "samples": [json.loads(line) for line in dumped]}
+    samples = [json.loads(line) for line in dumped]
+    if reference is not None:
+        grpo_step_reference, smoke_score = reference
+        first = rows[0]
+        assert [s["score"] for s in samples] == [smoke_score(s["response"]) for s in samples]
+        want = grpo_step_reference(model, samples)
+        assert len({round(x, 6) for x in want["advantages"]}) > 1  # the rewards vary
+        assert [s["advantage"] for s in samples] == pytest.approx(want["advantages"], abs=1e-5)
+        assert first["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
+        assert first["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
+        assert first["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    return {**rows[0], "samples": samples}
 
 
 def assert_same_step(ref, other, label):
-    assert ref["actor/grad_norm"] > 0
     # the samples themselves: token ids and rewards exactly
     got = [(s["prompt_ids"], s["response_ids"], s["score"]) for s in other["samples"]]
     assert got == [(s["prompt_ids"], s["response_ids"], s["score"]) for s in ref["samples"]], label
-    assert len({s["score"] for s in ref["samples"]}) > 1  # the rewards vary: advantages do too
     for key in ("reward/mean", "response/length_mean", "perf/trained_tokens"):
         assert ref[key] == other[key], (label, key, ref[key], other[key])
     for key, tol in (("actor/pg_loss", 1e-5), ("actor/entropy", 1e-5), ("actor/grad_norm", 1e-4)):
@@ -95,8 +108,12 @@ def assert_same_step(ref, other, label):
 
 
 @pytest.mark.multiproc
-def test_model_parallel_layouts_equal_the_single_rank_run(ray_session, models, tmp_path):
-    ref = first_step(tmp_path, "fsdp1", models["dense"])
+def test_model_parallel_layouts_equal_the_single_rank_run(
+    ray_session, models, tmp_path, grpo_step_reference, smoke_score
+):
+    ref = first_step(
+        tmp_path, "fsdp1", models["dense"], reference=(grpo_step_reference, smoke_score)
+    )
     for name, overrides in [
         ("tp2", ["actor.parallel.tensor=2"]),
         ("pp2", ["actor.parallel.pipeline=2"]),
@@ -125,16 +142,20 @@ def test_model_parallel_layouts_equal_the_single_rank_run(ray_session, models, t
 
 
 @pytest.mark.multiproc
-def test_two_data_parallel_ranks_equal_one(ray_session, models, tmp_path):
+def test_two_data_parallel_ranks_equal_one(
+    ray_session, models, tmp_path, grpo_step_reference, smoke_score
+):
     """`-p smoke resources.world_size=2` (fsdp, dp=2) against `resources.world_size=1`."""
-    one = first_step(tmp_path, "ws1", models["dense"])
+    one = first_step(tmp_path, "ws1", models["dense"], reference=(grpo_step_reference, smoke_score))
     two = first_step(tmp_path, "ws2", models["dense"], "resources.world_size=2")
     assert_same_step(one, two, "ws2")
 
 
 @pytest.mark.multiproc
-def test_data_parallel_layouts_equal_the_single_rank_run(ray_session, models, tmp_path):
-    ref = first_step(tmp_path, "fsdp1", models["moe"])
+def test_data_parallel_layouts_equal_the_single_rank_run(
+    ray_session, models, tmp_path, grpo_step_reference, smoke_score
+):
+    ref = first_step(tmp_path, "fsdp1", models["moe"], reference=(grpo_step_reference, smoke_score))
     fsdp2 = first_step(tmp_path, "fsdp2", models["moe"], "resources.world_size=2")
     assert_same_step(ref, fsdp2, "fsdp2")
     ep2 = first_step(

@@ -40,19 +40,19 @@ def _compared(records):
 
 
 @pytest.mark.multiproc
-def test_grpo_resume_is_exact(ray_session, tmp_path):
+def test_grpo_resume_is_exact(ray_session, tmp_path, grpo_step_reference, smoke_score):
     # with the DAPO preset on top: dynamic sampling's extra rounds move the prompt loader,
     # which the checkpoint must restore too
     dapo = ("-p", "dapo", "algorithm.max_gen_batches=2")
-    full = run(
-        _smoke(
-            tmp_path,
-            *dapo,
-            "trainer.steps=4",
-            "trainer.save_every=2",
-            f"trainer.run_dir={tmp_path / 'full'}",
-        )
+    full_cfg = _smoke(
+        tmp_path,
+        *dapo,
+        "trainer.steps=4",
+        "trainer.save_every=2",
+        "trainer.dump_generations=1",
+        f"trainer.run_dir={tmp_path / 'full'}",
     )
+    full = run(full_cfg)
     assert full["steps"] == 4
     # the start-up timeline: every phase from the process's start to the first step
     startup = full["startup"]
@@ -106,9 +106,39 @@ def test_grpo_resume_is_exact(ray_session, tmp_path):
     a = read_jsonl(tmp_path / "full" / "metrics.jsonl")
     b = read_jsonl(tmp_path / "split" / "metrics.jsonl")
     assert [r["step"] for r in a] == [1, 2, 3, 4]
-    # the test means something only if training moved the weights
-    assert any(r["actor/grad_norm"] > 0 for r in a) and len({r["reward/mean"] for r in a}) > 1
     assert _compared(a) == _compared(b)  # bitwise: floats compared with ==
+    # the test means something only if the steps trained on something: every step's
+    # rewards, DAPO's length penalty, advantages and reward mean recomputed from its dumped
+    # samples, and step 1's loss and gradient (on-policy, the initial weights) in transformers
+    budget, buffer = full_cfg.rollout.max_tokens, full_cfg.algorithm.overlong_buffer
+    assert full_cfg.algorithm.overlong_penalty_factor == 1.0
+    for record in a:
+        rows = [
+            json.loads(x)
+            for x in (tmp_path / "full" / "generations" / f"train_step{record['step']}.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+        assert len(rows) == 8
+        assert [r["score"] for r in rows] == [smoke_score(r["response"]) for r in rows]
+        # DAPO's soft overlong punishment: 0 up to budget - buffer tokens, then -1/buffer per
+        # token, -1 at most
+        shaping = [
+            -min(max(len(r["response_ids"]) - (budget - buffer), 0) / buffer, 1.0) for r in rows
+        ]
+        assert record["reward/overlong_penalty_mean"] == pytest.approx(
+            sum(shaping) / len(shaping), abs=1e-6
+        )
+        step1 = record["step"] == 1
+        want = grpo_step_reference(
+            resolve_model_path("tiny", 0) if step1 else None, rows, shaping=shaping
+        )
+        assert [r["advantage"] for r in rows] == pytest.approx(want["advantages"], abs=1e-5)
+        assert record["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
+        if step1:
+            assert record["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-4)
+            assert record["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
+            assert want["grad_norm"] > 1e-3  # the rewards of a group differed
     for key in (
         "reward/mean",
         "accuracy/train",

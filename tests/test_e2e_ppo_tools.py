@@ -32,7 +32,9 @@ AGENT_KEYS = (
 
 
 @pytest.mark.multiproc
-def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(tmp_path):
+def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(
+    tmp_path, grpo_step_reference, smoke_score
+):
     import ray
 
     from tephra.controller.cluster.worker_group import ray_init
@@ -47,6 +49,7 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(tmp_path):
             f"reward.custom_function_path={reward}",
             "trainer.val_after=true",
             "resources.world_size=2",
+            "trainer.dump_generations=1",
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
@@ -56,7 +59,13 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(tmp_path):
     finally:
         ray.shutdown()
     assert summary["steps"] == 2
-    assert 0.0 <= summary["accuracy_after"] <= 1.0  # held-out greedy, through the agent loop
+    # held-out greedy, through the agent loop: each score is the smoke reward on the
+    # trajectory's text, the accuracy the share of full scores
+    gens = tmp_path / "run" / "generations"
+    val = [json.loads(x) for x in (gens / "val_step2.jsonl").read_text().splitlines()]
+    assert [r["prompt_index"] for r in val] == list(range(cfg.data.val_size))
+    assert [r["score"] for r in val] == [smoke_score(r["response"]) for r in val]
+    assert summary["accuracy_after"] == pytest.approx(sum(r["score"] >= 1 for r in val) / len(val))
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     train = [r for r in records if "reward/mean" in r]
     assert [r["step"] for r in train] == [1, 2]
@@ -75,6 +84,15 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(tmp_path):
         # data-parallel size): its gradient is 0; any other step moves the weights
         all_flat = r.get("actor/skipped_flat_groups") == cfg.batch.prompts_per_step
         assert math.isfinite(r["actor/grad_norm"]) and (r["actor/grad_norm"] > 0 or all_flat)
+        # the logged reward mean and the advantages are GRPO's on the dumped samples' scores
+        rows = [
+            json.loads(x) for x in (gens / f"train_step{r['step']}.jsonl").read_text().splitlines()
+        ]
+        assert [x["score"] for x in rows] == [smoke_score(x["response"]) for x in rows]
+        want = grpo_step_reference(None, rows)
+        assert [x["advantage"] for x in rows] == pytest.approx(want["advantages"], abs=1e-5)
+        assert r["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
+        assert all_flat == all(a == 0 for a in want["advantages"])
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
 
 

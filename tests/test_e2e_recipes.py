@@ -101,7 +101,7 @@ def test_critic_warmup_leaves_the_actor_untouched(ray_session, tmp_path):
     train = _train_records(tmp_path / "warm")
     assert len(train) == 2
     for r in train:
-        assert math.isfinite(r["critic/grad_norm"]) and r["critic/grad_norm"] > 0
+        assert math.isfinite(r["critic/grad_norm"])
         assert not any(k.startswith("actor/grad_norm") for k in r)
         assert r["trainer/critic_warmup"] == 1.0
     after = _weights(tmp_path / "warm" / "hf")
@@ -121,8 +121,15 @@ def test_critic_warmup_leaves_the_actor_untouched(ray_session, tmp_path):
     )
     moved = _weights(tmp_path / "one" / "hf")
     assert any(not torch.equal(moved[k], start[k]) for k in start)
-    train = _train_records(tmp_path / "one")
-    assert "actor/grad_norm" not in train[0] and math.isfinite(train[1]["actor/grad_norm"])
+    one = _train_records(tmp_path / "one")
+    assert "actor/grad_norm" not in one[0] and math.isfinite(one[1]["actor/grad_norm"])
+    # the control run is the warm-up run up to the actor's first update: step 1 whole, and
+    # step 2's samples, rewards and critic update (the critic trains before the actor), so
+    # the critic's numbers under warm-up are those of a run that trains it normally
+    for warm, control in zip(train, one, strict=True):
+        for key in warm:
+            if key.startswith(("critic/", "reward/", "response/", "accuracy/")):
+                assert warm[key] == control[key], (warm["step"], key)
 
 
 def _response_log_probs(model, prompt_ids, response_ids):

@@ -6,6 +6,7 @@ preset (images on the server) training 2 steps."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.launch.ppo import prepare
+from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.samples import PromptItem, samples_to_batch
 from tephra.controller.testing import SMOKE_REWARD
@@ -50,7 +52,9 @@ def _config(tmp_path, vllm_python, *overrides):
     )
 
 
-def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_python):
+def test_worker_on_vllm_matches_its_engine_and_follows_updates(
+    tmp_path, vllm_python, reference_grad_norm
+):
     cfg = _config(tmp_path, vllm_python, "rollout.vllm.weight_bucket_mb=0.05")
     prepared = prepare(cfg)
     worker = RLWorker(0, 1, "127.0.0.1", free_port(), 1, cfg=cfg, model_path=prepared.model_path)
@@ -81,7 +85,12 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_py
         batch["global_token_count"] = torch.full((len(samples),), float(mask.sum()))
         batch["global_seq_count"] = torch.full((len(samples),), float(len(samples)))
         metrics = worker.update_actor(batch)
-        assert metrics["grad_norm"] > 0
+        # one mini-batch, on-policy (ratio 1), token-mean: the gradient of
+        # -sum_t A_t log pi(y_t) / N at the initial weights, recomputed in transformers
+        rows = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in samples]
+        coefs = [(-advantages[i][mask[i]] / mask.sum()).tolist() for i in range(len(samples))]
+        want = reference_grad_norm(prepared.model_path, rows, coefs)
+        assert metrics["grad_norm"] == pytest.approx(want, rel=1e-3)
         worker.sync_weights()
         assert rollout.update_count == 2
         assert sorted(p.name for p in rollout.weights_dir.iterdir()) == files
@@ -116,9 +125,13 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(tmp_path, vllm_py
 
 
 @pytest.mark.parametrize("preset", ["smoke", "smoke_tools"])
-def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset):
+def test_app_trains_two_steps_on_vllm(
+    ray_session, tmp_path, vllm_python, preset, grpo_step_reference, smoke_score
+):
     """Validation goes through the same server: greedy before training (smoke), 2 samples per
-    prompt at temperature 1 after it (smoke_tools, multi-turn)."""
+    prompt at temperature 1 after it (smoke_tools, multi-turn). The accuracy, the rewards and
+    advantages, and (smoke) step 1's loss and grad norm are recomputed from the dumped
+    samples, as the hf backend's twin tests do."""
     extra = (
         [
             "-p",
@@ -131,17 +144,40 @@ def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset
         if preset == "smoke_tools"
         else ["trainer.val_before=true"]
     )
-    result = run(_config(tmp_path, vllm_python, *extra))
+    cfg = _config(tmp_path, vllm_python, *extra, "trainer.dump_generations=1")
+    result = run(cfg)
     assert result["steps"] == 2
-    accuracy = result["accuracy_after" if preset == "smoke_tools" else "accuracy_before"]
-    assert accuracy is not None and 0.0 <= accuracy <= 1.0
+    tools = preset == "smoke_tools"
+    accuracy = result["accuracy_after" if tools else "accuracy_before"]
+    # the validation's samples (8 held-out prompts; 2 each for smoke_tools), scored by the
+    # smoke reward on their text; accuracy is the share with a full score
+    gens = tmp_path / "run" / "generations"
+    val = [json.loads(x) for x in (gens / f"val_step{2 if tools else 0}.jsonl").open()]
+    n = 2 if tools else 1
+    assert [r["prompt_index"] for r in val] == [k // n for k in range(8 * n)]
+    assert [r["score"] for r in val] == [smoke_score(r["response"]) for r in val]
+    assert accuracy == pytest.approx(sum(r["score"] >= 1 for r in val) / len(val))
     # step 0: validation before training (smoke)
     records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert math.isfinite(r["actor/loss"]) and r["time/sync_s"] > 0
-        assert r["response/length_mean"] > 0
-    if preset == "smoke_tools":
+        rows = [json.loads(x) for x in (gens / f"train_step{r['step']}.jsonl").open()]
+        assert len(rows) == 8 and [x["score"] for x in rows] == [
+            smoke_score(x["response"]) for x in rows
+        ]
+        lengths = [sum(x["response_mask"]) for x in rows]
+        assert r["response/length_mean"] == pytest.approx(sum(lengths) / len(lengths))
+        # step 1 trains the initial weights on their own samples (one mini-batch): its loss
+        # and gradient recomputed in transformers (single-turn only)
+        first = r["step"] == 1 and not tools
+        want = grpo_step_reference(resolve_model_path("tiny", 0) if first else None, rows)
+        assert [x["advantage"] for x in rows] == pytest.approx(want["advantages"], abs=1e-5)
+        assert r["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
+        if first:
+            assert r["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-4)
+            assert r["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
+    if tools:
         assert records[0]["agent/turns_mean"] >= 1
         return
     # the run's Hugging Face export loads in vLLM and generates what transformers generates
@@ -154,7 +190,7 @@ def test_app_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, preset
     assert ours.response_ids == theirs.response_ids
 
 
-def test_vlm_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python):
+def test_vlm_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python, grpo_step_reference):
     """Images on the vLLM server: the vlm_smoke preset (GRPO on a tiny random Qwen2-VL whose
     vision tower trains too) for 2 steps with 2 mini-batches. Each step the server's log-probs
     of the sampled responses to the images equal the fsdp engine's recomputed ones (fp32), so
@@ -166,6 +202,7 @@ def test_vlm_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python):
             "batch.mini_batches=2",
             "rollout.backend=vllm",
             f"rollout.vllm.python={vllm_python}",
+            "trainer.dump_generations=1",
             f"trainer.run_dir={tmp_path}",
         ]
     )
@@ -175,7 +212,15 @@ def test_vlm_trains_two_steps_on_vllm(ray_session, tmp_path, vllm_python):
     for r in train:
         assert r["rollout_corr/log_prob_abs_gap_mean"] < TOL
         assert abs(math.log(r["rollout_corr/ratio_max"])) < TOL
-        assert r["actor/grad_norm"] > 0 and r["reward/errors"] == 0 and r["time/sync_s"] > 0
+        assert r["reward/errors"] == 0 and r["time/sync_s"] > 0
+        # the logged reward mean and GRPO advantages are those of the dumped samples (the
+        # images are not in the dump: the gradient is 0 exactly when every advantage is)
+        path = tmp_path / "generations" / f"train_step{r['step']}.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        want = grpo_step_reference(None, rows)
+        assert [x["advantage"] for x in rows] == pytest.approx(want["advantages"], abs=1e-5)
+        assert r["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
+        assert (r["actor/grad_norm"] > 0) == any(a != 0 for a in want["advantages"])
 
 
 def test_killed_vllm_server_is_restarted_and_the_run_matches(

@@ -7,7 +7,9 @@ Unsupported combinations are refused before Ray starts."""
 from __future__ import annotations
 
 import io
+import json
 import math
+from difflib import SequenceMatcher
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,24 +29,69 @@ from tephra.core.errors import ConfigError
 from tephra.rollout.backends import vllm as vllm_backend
 
 
-def _two_steps(run_dir, *overrides: str) -> list[dict]:
+def _dumped_steps(run_dir, train: list[dict], reference, grpo: bool) -> None:
+    """Each step's logged reward mean is the mean of its dumped samples' scores; under GRPO
+    their advantages are the group formula on those scores (`reference`, the fixture
+    `grpo_step_reference`: written out per sample), some differ from 0 (partial credit: the
+    groups' rewards differ), and a step's grad norm is 0 exactly when all its advantages are
+    (the images are not in the dump, so the gradient itself is not recomputed here)."""
+    informative = []
+    for record in train:
+        path = run_dir / "generations" / f"train_step{record['step']}.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        assert len(rows) == 8  # 2 prompts x 4 samples
+        want = reference(None, rows)
+        assert record["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
+        if grpo:
+            advantages = [r["advantage"] for r in rows]
+            assert advantages == pytest.approx(want["advantages"], abs=1e-5)
+            informative.append(any(a != 0 for a in want["advantages"]))
+            assert (record["actor/grad_norm"] > 0) == informative[-1]
+    assert not grpo or any(informative)
+
+
+def _validation(path, prompts: int, accuracy: float) -> None:
+    """The dumped validation (one greedy sample per held-out prompt): each score is the
+    colour_squares reward written out here (1 on the exact colour name, else half difflib's
+    similarity of the letters), and the run's accuracy the share of exact answers."""
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["prompt_index"] for r in rows] == list(range(prompts))
+    for r in rows:
+        answer = "".join(c for c in r["response"].lower() if "a" <= c <= "z")
+        truth = r["ground_truth"]
+        want = 1.0 if answer == truth else 0.5 * SequenceMatcher(None, answer, truth).ratio()
+        assert r["score"] == pytest.approx(want, abs=1e-9), r
+    assert accuracy == pytest.approx(sum(r["score"] == 1.0 for r in rows) / prompts)
+
+
+def _two_steps(run_dir, reference, *overrides: str) -> list[dict]:
     """2 steps of the vlm_smoke preset (GRPO unless `overrides` say otherwise) with
     `overrides`, 2 mini-batches: each step's training record, after checking the trainer's
-    log-probs of the images equal the rollout's (fp32 both), the update moved the policy and
-    no sample's scorer failed."""
-    cfg = ["-p", "vlm_smoke", "batch.mini_batches=2", *overrides, f"trainer.run_dir={run_dir}"]
-    assert run(parse_config(cfg))["steps"] == 2
+    log-probs of the images equal the rollout's (fp32 both), no sample's scorer failed, and
+    the logged rewards (and GRPO's advantages) are those of the dumped samples
+    (`_dumped_steps`; `reference`: the fixture `grpo_step_reference`)."""
+    cfg = [
+        "-p",
+        "vlm_smoke",
+        "batch.mini_batches=2",
+        "trainer.dump_generations=1",
+        *overrides,
+        f"trainer.run_dir={run_dir}",
+    ]
+    parsed = parse_config(cfg)
+    assert run(parsed)["steps"] == 2
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
     assert len(train) == 2
     for r in train:
         assert r["rollout_corr/log_prob_abs_gap_mean"] < 1e-4
         assert abs(math.log(r["rollout_corr/ratio_max"])) < 1e-4
-        assert r["actor/grad_norm"] > 0 and r["reward/errors"] == 0
+        assert math.isfinite(r["actor/grad_norm"]) and r["reward/errors"] == 0
+    _dumped_steps(run_dir, train, reference, parsed.algorithm.adv_estimator == "grpo")
     return train
 
 
 @pytest.mark.multiproc
-def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path):
+def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path, grpo_step_reference):
     # two mini-batches: the trainer recomputes the old log-probs of the sampled images
     summary = run(
         parse_config(
@@ -54,11 +101,13 @@ def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path):
                 "batch.mini_batches=2",
                 "trainer.val_after=true",
                 "trainer.export_hf=true",
+                "trainer.dump_generations=1",
                 f"trainer.run_dir={tmp_path}",
             ]
         )
     )
-    assert summary["steps"] == 2 and summary["accuracy_after"] is not None
+    assert summary["steps"] == 2
+    _validation(tmp_path / "generations" / "val_step2.jsonl", 4, summary["accuracy_after"])
     records = read_jsonl(tmp_path / "metrics.jsonl")
     train = [r for r in records if "reward/mean" in r]
     assert len(train) == 2
@@ -66,9 +115,10 @@ def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path):
         # fp32 generation with images and the fsdp forward with the same pixels agree
         assert r["rollout_corr/log_prob_abs_gap_mean"] < 1e-4
         assert abs(math.log(r["rollout_corr/ratio_max"])) < 1e-4
-        assert r["actor/grad_norm"] > 0 and r["reward/errors"] == 0
-    # partial credit makes the groups' rewards differ: there is an advantage to learn from
-    assert any(r["reward/mean"] > 0 for r in train)
+        assert r["reward/errors"] == 0
+    # the logged rewards and advantages are those of the dumped samples; partial credit
+    # makes the groups' rewards differ: there is an advantage to learn from
+    _dumped_steps(tmp_path, train, grpo_step_reference, grpo=True)
     before = _tower_weights(Path(resolve_model_path("tiny_vlm", 0)))
     after = _tower_weights(tmp_path / "hf")
     assert before and before.keys() == after.keys()
@@ -77,12 +127,13 @@ def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path):
 
 
 @pytest.mark.multiproc
-def test_qwen2_5_vl_with_a_critic_trains_two_steps(ray_session, tmp_path):
+def test_qwen2_5_vl_with_a_critic_trains_two_steps(ray_session, tmp_path, grpo_step_reference):
     # Qwen2.5-VL (windowed vision attention, its own vision blocks) with PPO's critic (GAE):
     # the hf rollout's log-probs of the images equal the fsdp engine's recomputed ones, the
     # critic's forward gets the same pixels as the actor's and its value loss falls
     train = _two_steps(
         tmp_path,
+        grpo_step_reference,
         "model.path=tiny_qwen2_5_vl",
         "algorithm.adv_estimator=gae",
         "critic.optimizer.lr=0.01",
@@ -112,11 +163,14 @@ def test_qwen2_5_vl_with_a_critic_trains_two_steps(ray_session, tmp_path):
         ),
     ],
 )
-def test_lora_on_a_vlm_trains_two_steps_with_the_tower_frozen(ray_session, tmp_path, model, extra):
+def test_lora_on_a_vlm_trains_two_steps_with_the_tower_frozen(
+    ray_session, tmp_path, model, extra, grpo_step_reference
+):
     # adapters in the language model only (actor.lora.vision=frozen, the default): the hf
     # rollout generates with the merged weights and the trainer recomputes the same log-probs
     _two_steps(
         tmp_path,
+        grpo_step_reference,
         f"model.path={model}",
         "actor.lora.rank=4",
         "actor.optimizer.lr=0.05",
@@ -134,12 +188,15 @@ def test_lora_on_a_vlm_trains_two_steps_with_the_tower_frozen(ray_session, tmp_p
 
 
 @pytest.mark.multiproc
-def test_multi_turn_environment_with_images_trains_two_steps(ray_session, tmp_path):
+def test_multi_turn_environment_with_images_trains_two_steps(
+    ray_session, tmp_path, grpo_step_reference
+):
     # the colour_squares environment shows a new square after each answer: the trainer's
     # log-probs of the 2-turn, 2-image episodes equal the hf rollout's, and the n episodes of
     # a prompt differ (each trajectory and turn draws its own seed), so the groups train
     train = _two_steps(
         tmp_path,
+        grpo_step_reference,
         "rollout.agent_loop=environment",
         "rollout.agent.environment=colour_squares",
         "rollout.agent.environment_kwargs={turns: 2}",
@@ -186,7 +243,7 @@ def _parquet(path, size, seed) -> None:
 
 
 @pytest.mark.multiproc
-def test_multimodal_parquet_trains_and_validates(ray_session, tmp_path):
+def test_multimodal_parquet_trains_and_validates(ray_session, tmp_path, grpo_step_reference):
     _parquet(tmp_path / "train.parquet", 8, 1)
     _parquet(tmp_path / "val.parquet", 2, 2)
     cfg = parse_config(
@@ -199,13 +256,17 @@ def test_multimodal_parquet_trains_and_validates(ray_session, tmp_path):
             f"data.val_files=[{tmp_path / 'val.parquet'}]",
             "trainer.steps=1",
             "trainer.val_before=true",
+            "trainer.dump_generations=1",
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
     summary = run(cfg)
-    assert summary["steps"] == 1 and summary["accuracy_before"] is not None
-    (record,) = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
-    assert record["actor/grad_norm"] > 0
+    assert summary["steps"] == 1
+    val = tmp_path / "run" / "generations" / "val_step0.jsonl"
+    _validation(val, 2, summary["accuracy_before"])
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(train) == 1
+    _dumped_steps(tmp_path / "run", train, grpo_step_reference, grpo=True)
 
 
 def _video_parquet(path, size, seed) -> None:
@@ -226,11 +287,12 @@ def _video_parquet(path, size, seed) -> None:
 
 
 @pytest.mark.multiproc
-def test_video_parquet_trains_two_steps(ray_session, tmp_path):
+def test_video_parquet_trains_two_steps(ray_session, tmp_path, grpo_step_reference):
     # verl's videos column: the hf rollout's log-probs of the videos equal the trainer's
     _video_parquet(tmp_path / "train.parquet", 8, 1)
     _two_steps(
         tmp_path / "run",
+        grpo_step_reference,
         "model.path=tiny_qwen2_5_vl",
         "data.source=parquet",
         "data.images=true",
@@ -329,7 +391,7 @@ def test_sft_image_rows_expand_image_tokens_untrained(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_sft_on_llava_image_rows_then_ppo_with_a_critic(ray_session, tmp_path):
+def test_sft_on_llava_image_rows_then_ppo_with_a_critic(ray_session, tmp_path, grpo_step_reference):
     # apps/sft on verl multimodal rows with a LLaVA (whole 56-pixel images, `<image>` tokens,
     # plain positions; apps/sft's colour_squares warm-up of tiny_vlm is test_vlm_demo's):
     # the loss falls; then PPO with a critic (GAE) from that export: the hf rollout's
@@ -355,6 +417,7 @@ def test_sft_on_llava_image_rows_then_ppo_with_a_critic(ray_session, tmp_path):
     assert summary["loss_after"] < 0.8 * summary["loss_before"], summary
     train = _two_steps(
         tmp_path / "rl",
+        grpo_step_reference,
         f"model.path={tmp_path / 'sft' / 'hf'}",
         "algorithm.adv_estimator=gae",
         "critic.optimizer.lr=0.01",

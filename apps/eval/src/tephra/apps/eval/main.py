@@ -167,9 +167,18 @@ def evaluate_model(
 
 def plot_across(results: dict, out: Path, metrics: list[str], title: str = "") -> Path:
     """Each of `metrics` against the checkpoints' steps (step 0: the start model), the final
-    export drawn as a horizontal line per metric; written to `out/curves.png`. `results` is
-    what `run` returns (or its `eval.json`), so a plot can be redrawn without evaluating."""
+    export drawn as a horizontal line per metric (`curves_figure`); written to
+    `out/curves.png`. `results` is what `run` returns (or its `eval.json`), so a plot can be
+    redrawn without evaluating."""
+    path = out / "curves.png"
+    curves_figure(results, metrics, title).savefig(path, dpi=100)
+    return path
 
+
+def curves_figure(results: dict, metrics: list[str], title: str = "") -> Figure:
+    """The figure `plot_across` saves: per metric (colour C0, C1, ... in order) one line
+    through (step, value) of each checkpoint, then, where `results` has the final export
+    `hf`, a dashed horizontal line at its value."""
     points = sorted(
         (r["step"], r["summary"]["all"]) for r in results.values() if r["step"] is not None
     )
@@ -209,9 +218,7 @@ def plot_across(results: dict, out: Path, metrics: list[str], title: str = "") -
         ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    path = out / "curves.png"
-    fig.savefig(path, dpi=100)
-    return path
+    return fig
 
 
 def curve_metrics(cfg: EvalConfig) -> list[str]:
