@@ -117,7 +117,18 @@ CASES = [
         ["algorithm.adv_estimator=gae", "resources.critic.ranks=3"],
         r"resources.critic.ranks=3 gives 3 data-parallel ranks, which the step's 8 samples",
     ),
-    (["resources.critic.cpus_per_rank=-1"], r"resources.<role>: .*must be >= 0"),
+    (["resources.critic.cpus_per_rank=-1"], r"resources.critic: .*must be >= 0"),
+    (["resources.reward.gpus_per_rank=-1"], r"resources.reward: .*gpus_per_rank=-1.* >= 0"),
+    (
+        ["resources.reward.ranks=1"],
+        r"resources.reward.ranks=1, but no reward is model-based: set "
+        r"reward.reward_model_path, reward.judge.model_path or algorithm.prime.enabled=true "
+        r".*; set resources.reward.ranks=0",
+    ),
+    (
+        ["algorithm.prime.enabled=true", "resources.reward.ranks=3"],
+        r"resources.reward.ranks=3 gives 3 data-parallel ranks, which the step's 8 samples",
+    ),
     (
         [
             "rollout.backend=vllm",

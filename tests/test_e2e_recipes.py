@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tephra.algos import spin_loss
 from tephra.apps.ppo.main import parse_config, run
@@ -258,19 +260,28 @@ def _prime_reference(rows, rm, ref, prime):
     return means, rewards, labels
 
 
-@pytest.mark.multiproc
-def test_prime_advantages_and_reward_model_loss_are_the_formula(ray_session, tmp_path):
-    run_dir = tmp_path / "prime"
-    cfg = _smoke(
-        tmp_path,
-        "algorithm.prime.enabled=true",
-        "trainer.save_every=1",
-        "trainer.dump_generations=1",
-        # one micro-batch: the logged rm_loss is then the batch's mean cross-entropy
-        "actor.micro_batch.max_tokens_per_microbatch=4096",
-        f"trainer.run_dir={run_dir}",
-    )
+PRIME = (
+    "algorithm.prime.enabled=true",
+    "trainer.save_every=1",
+    "trainer.dump_generations=1",
+    # one micro-batch: the logged rm_loss is then the batch's mean cross-entropy
+    "actor.micro_batch.max_tokens_per_microbatch=4096",
+)
+
+
+@pytest.fixture(scope="module")
+def prime_run(ray_session, tmp_path_factory):
+    """PRIME with its reward model colocated with the actor (the default): (config, run
+    folder), shared by the formula test and the reward pool's comparison."""
+    tmp_path = tmp_path_factory.mktemp("prime")
+    cfg = _smoke(tmp_path, *PRIME, f"trainer.run_dir={tmp_path / 'prime'}")
     run(cfg)
+    return cfg, tmp_path / "prime"
+
+
+@pytest.mark.multiproc
+def test_prime_advantages_and_reward_model_loss_are_the_formula(prime_run, tmp_path):
+    cfg, run_dir = prime_run
     first, second = _train_records(run_dir)
     prime = cfg.algorithm.prime
     assert cfg.rollout.temperature == 1.0  # the engines' log-probs are unscaled, as here
@@ -307,6 +318,96 @@ def test_prime_advantages_and_reward_model_loss_are_the_formula(ray_session, tmp
     assert first["prime/implicit_reward_token_mean"] == 0.0
     assert first["prime/rm_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert second["prime/implicit_reward_token_mean"] != pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.multiproc
+def test_prime_and_scoring_on_a_reward_pool_equal_the_colocated_run(prime_run, tmp_path):
+    """`resources.reward.ranks=1`: PRIME's reward model trains on the reward pool and the
+    samples are scored there (the custom reward function too); the run's samples, scores,
+    advantages and PRIME metrics equal the colocated run's, and the checkpoint holds the
+    reward model and the pool's RNG state."""
+    _, colocated = prime_run
+    run_dir = tmp_path / "pool"
+    summary = run(_smoke(tmp_path, *PRIME, "resources.reward.ranks=1", f"trainer.run_dir={run_dir}"))
+    assert summary["reward_pool_samples"] == [16]  # 2 steps x 8 samples, each scored once
+    for step, (want, got) in enumerate(
+        zip(_train_records(colocated), _train_records(run_dir), strict=True), 1
+    ):
+        rows, pool_rows = _dumped(colocated, step), _dumped(run_dir, step)
+        assert [r["response_ids"] for r in pool_rows] == [r["response_ids"] for r in rows]
+        assert [r["score"] for r in pool_rows] == [r["score"] for r in rows]
+        for r, p in zip(rows, pool_rows, strict=True):
+            assert p["advantage"] == pytest.approx(r["advantage"], abs=1e-6), step
+        assert got["reward/mean"] == want["reward/mean"]
+        for key in [k for k in want if k.startswith("prime/")]:
+            assert got[key] == pytest.approx(want[key], abs=1e-6), (step, key)
+    saved = run_dir / "checkpoints" / "step_1"
+    assert (saved / "prime_rm").is_dir() and (saved / "worker_rng_reward_rank0.pt").exists()
+
+
+def _standin_judge(folder):
+    """A `reward.judge.vllm.python` that starts the stand-in server (`judge_server_standin`)
+    logging into `folder`."""
+    folder.mkdir()
+    python = folder / "python"
+    script = Path(__file__).with_name("judge_server_standin.py")
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {script} --log {folder} "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+@pytest.mark.multiproc
+def test_one_judge_server_for_the_run_and_each_sample_judged_once_on_the_pool(
+    ray_session, tmp_path
+):
+    """A vLLM judge without a `url` on a reward pool of 2 ranks fed by 2 generating ranks:
+    one server starts for the run, each sample is judged once (one request), each pool rank
+    scores its generating rank's share, and every score is the rule's plus 0.5 x the
+    judge's, recomputed here from the dumped samples."""
+    logs = tmp_path / "judge"
+    judge = build_tiny_model(tmp_path / "judge_model", seed=3)
+    template = "Rate {prompt} answer {response}"
+    cfg = _smoke(
+        tmp_path,
+        "-p",
+        "judge",
+        f"reward.judge.model_path={judge.path}",
+        "reward.judge.backend=vllm",
+        f"reward.judge.vllm.python={_standin_judge(logs)}",
+        "reward.judge.vllm.startup_timeout_s=120",
+        "reward.judge.parser=last_number",
+        f"reward.judge.prompt_template={template}",
+        "reward.judge.chat_template=false",
+        "reward.judge.max_model_len=512",
+        "resources.world_size=2",
+        "resources.cpus_per_rank=0.5",
+        "resources.reward.ranks=2",
+        "resources.reward.cpus_per_rank=0.5",
+        "trainer.dump_generations=1",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    )
+    summary = run(cfg)
+    assert len((logs / "starts.log").read_text().splitlines()) == 1
+    requests = (logs / "requests.log").read_text().splitlines()
+    assert len(requests) == 16  # 2 steps x 8 samples
+    assert summary["reward_pool_samples"] == [8, 8]
+    namespace: dict = {}
+    exec(SMOKE_REWARD, namespace)  # noqa: S102 (the test's own reward function)
+    rule = namespace["compute_score"]
+    tok = AutoTokenizer.from_pretrained(judge.path)  # as the judge reads its prompt
+    budget = cfg.reward.judge.max_model_len - cfg.reward.judge.max_new_tokens
+    sent = []
+    for step, record in enumerate(_train_records(tmp_path / "run"), 1):
+        judged = []
+        for r in _dumped(tmp_path / "run", step):
+            ids = tok(template.format(prompt=r["prompt"], response=r["response"]))["input_ids"]
+            sent.append(ids[-budget:])
+            judged.append((sum(ids[-budget:]) % 10) * cfg.reward.judge.score_scale)
+            want = rule("", r["response"], None) + 0.5 * judged[-1]
+            assert r["score"] == pytest.approx(want, abs=1e-12)
+        assert record["reward/judge_mean"] == pytest.approx(sum(judged) / len(judged))
+        assert record["reward/judge_fallbacks"] == 0
+    assert sorted(sent) == sorted(json.loads(x) for x in requests)
 
 
 def _sequence_log_prob(model, prompt_ids, response_ids):

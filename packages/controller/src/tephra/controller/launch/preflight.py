@@ -410,6 +410,14 @@ def check_role_pools(cfg: PPOConfig) -> None:
             cfg.algorithm.needs("values"),
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} uses no critic",
         ),
+        "reward": (
+            cfg.reward.reward_model_path is not None
+            or cfg.reward.judge.enabled
+            or cfg.algorithm.prime.enabled,
+            "no reward is model-based: set reward.reward_model_path, reward.judge.model_path "
+            "or algorithm.prime.enabled=true (rule scorers and custom functions score where "
+            "the samples are generated)",
+        ),
     }
     for role, (used, why) in uses.items():
         ranks = getattr(cfg.resources, role).ranks
@@ -419,6 +427,8 @@ def check_role_pools(cfg: PPOConfig) -> None:
             raise ConfigError(
                 f"resources.{role}.ranks={ranks}, but {why}; set resources.{role}.ranks=0"
             )
+        if role == "reward" and not cfg.algorithm.prime.enabled:
+            continue  # scoring takes any share of the samples; only PRIME's model trains there
         parallel = (cfg.critic if role == "critic" else cfg.actor).parallel
         try:
             dp = parallel.data_parallel_size(ranks)
