@@ -3,7 +3,7 @@
 `reward.judge.vllm.python` naming a wrapper that runs this file with `--log FOLDER` first):
 a real HTTP server on the port it is given, answering `/health` and `/v1/completions` as vLLM
 does for token-id prompts. Its judgement of a prompt is the number `sum(prompt ids) % 10`,
-written with the judge model's tokenizer, so a test can recompute every score. Each start
+written with the judge model's tokenizer (`tokenizer.json`), so a test can recompute every score. Each start
 appends a line to FOLDER/starts.log and each completion request one to FOLDER/requests.log
 (vLLM's CPU build takes minutes to install and 45-120 s to start here: too slow to count
 starts in the suite)."""
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer
 
 
 def judgement(prompt_ids: list[int]) -> str:
@@ -28,7 +28,8 @@ def main(argv: list[str]) -> None:
     log = Path(argv[argv.index("--log") + 1])
     model = argv[argv.index("--model") + 1]
     host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
-    tok = AutoTokenizer.from_pretrained(model)
+    # the tokenizers library, not transformers: it imports in a fraction of the time
+    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
     with open(log / "starts.log", "a") as f:
         f.write(f"{os.getpid()}\n")
 
@@ -41,7 +42,7 @@ def main(argv: list[str]) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             out: dict = {}
             if self.path == "/v1/completions":
-                ids = tok.encode(judgement(body["prompt"]), add_special_tokens=False)
+                ids = tok.encode(judgement(body["prompt"]), add_special_tokens=False).ids
                 out = {"choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop"}]}
                 with open(log / "requests.log", "a") as f:
                     f.write(json.dumps(body["prompt"]) + "\n")
