@@ -346,6 +346,11 @@ CASES = [
         r"resources.world_size=1 x resources.cpus_per_rank=1 \+ resources.rollout.replicas=600 x "
         r"cpus_per_replica=1 = 601 CPUs, but resources.num_cpus=512",
     ),
+    (
+        ["algorithm.prime.enabled=true", "resources.reward.ranks=2", "resources.num_cpus=2"],
+        r"resources.world_size=1 x resources.cpus_per_rank=1 \+ resources.reward.ranks=2 x "
+        r"cpus_per_rank=1 = 3 CPUs, but resources.num_cpus=2",
+    ),
     # the recipes' options (VAPO, distillation, PRIME, SPPO, the LLM judge)
     (
         ["trainer.critic_warmup=2"],

@@ -313,6 +313,7 @@ def check_resources(r: ResourcesSection) -> None:
     # through the module: tests fake the machine by patching worker_group.machine_capacity
     cpus, gpus = worker_group.machine_capacity(num_cpus)
     p = r.rollout
+    pools = [(name, getattr(r, name)) for name in ("ref", "critic", "reward")]
     for kind, per_rank, per_replica, have, hint in (
         (
             "CPUs",
@@ -323,14 +324,24 @@ def check_resources(r: ResourcesSection) -> None:
         ),
         ("GPUs", r.gpus_per_rank, p.gpus_per_replica, gpus, f"this machine has {gpus}"),
     ):
-        need = r.world_size * per_rank + p.replicas * per_replica
+        kind_l = kind[:-1].lower()
+        # the role pools of their own (resources.ref / critic / reward) ask on top
+        own = [
+            (name, s.ranks, s.cpus_per_rank if kind == "CPUs" else s.gpus_per_rank)
+            for name, s in pools
+            if s.ranks
+        ]
+        need = (
+            r.world_size * per_rank + p.replicas * per_replica + sum(n * x for _, n, x in own)
+        )
         if need > have:
-            kind_l = kind[:-1].lower()
             replicas = (
                 f" + resources.rollout.replicas={p.replicas} x {kind_l}s_per_replica="
                 f"{per_replica:g}"
                 if p.replicas
                 else ""
+            ) + "".join(
+                f" + resources.{name}.ranks={n} x {kind_l}s_per_rank={x:g}" for name, n, x in own
             )
             raise ConfigError(
                 f"resources.world_size={r.world_size} x resources.{kind_l}s_per_rank="
