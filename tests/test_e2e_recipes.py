@@ -281,7 +281,9 @@ def test_prime_and_scoring_on_a_reward_pool_equal_the_colocated_run(prime_run, t
     reward model and the pool's RNG state."""
     _, colocated = prime_run
     run_dir = tmp_path / "pool"
-    summary = run(_smoke(tmp_path, *PRIME, "resources.reward.ranks=1", f"trainer.run_dir={run_dir}"))
+    summary = run(
+        _smoke(tmp_path, *PRIME, "resources.reward.ranks=1", f"trainer.run_dir={run_dir}")
+    )
     assert summary["reward_pool_samples"] == [16]  # 2 steps x 8 samples, each scored once
     for step, (want, got) in enumerate(
         zip(_train_records(colocated), _train_records(run_dir), strict=True), 1

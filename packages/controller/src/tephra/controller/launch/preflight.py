@@ -331,9 +331,7 @@ def check_resources(r: ResourcesSection) -> None:
             for name, s in pools
             if s.ranks
         ]
-        need = (
-            r.world_size * per_rank + p.replicas * per_replica + sum(n * x for _, n, x in own)
-        )
+        need = r.world_size * per_rank + p.replicas * per_replica + sum(n * x for _, n, x in own)
         if need > have:
             replicas = (
                 f" + resources.rollout.replicas={p.replicas} x {kind_l}s_per_replica="
