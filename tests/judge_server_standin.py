@@ -3,8 +3,9 @@
 `reward.judge.vllm.python` naming a wrapper that runs this file with `--log FOLDER` first):
 a real HTTP server on the port it is given, answering `/health` and `/v1/completions` as vLLM
 does for token-id prompts. Its judgement of a prompt is the number `sum(prompt ids) % 10`,
-written with the judge model's tokenizer (`tokenizer.json`), so a test can recompute every score. Each start
-appends a line to FOLDER/starts.log and each completion request one to FOLDER/requests.log
+written with the judge model's tokenizer (`tokenizer.json`), so a test can recompute every
+score. Each start appends its pid and its parent's to FOLDER/starts.log, and each completion
+request its prompt to FOLDER/requests.log
 (vLLM's CPU build takes minutes to install and 45-120 s to start here: too slow to count
 starts in the suite)."""
 
@@ -30,8 +31,8 @@ def main(argv: list[str]) -> None:
     host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
     # the tokenizers library, not transformers: it imports in a fraction of the time
     tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-    with open(log / "starts.log", "a") as f:
-        f.write(f"{os.getpid()}\n")
+    with open(log / "starts.log", "a") as f:  # this server and the process that started it
+        f.write(f"{os.getpid()} {os.getppid()}\n")
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (the stdlib's name)

