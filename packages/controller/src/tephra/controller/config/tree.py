@@ -423,7 +423,8 @@ class RolloutPoolSection:
 
 @dataclass
 class RolePoolSection:
-    """A pool of its own for the reference or the critic (verl's resource-pool mapping)."""
+    """A pool of its own for the reference, the critic or the model-based rewards (verl's
+    resource-pool mapping)."""
 
     ranks: int = 0
     """Ranks of the role's own worker group (one Ray actor each; the role's engine parallel
@@ -437,10 +438,11 @@ class RolePoolSection:
     """GPUs per rank of the role's pool; 0 by default, as for the training ranks
     (`resources.gpus_per_rank`), so the default runs on a CPU machine."""
 
-    def __post_init__(self) -> None:
+    def check(self, name: str) -> None:
+        """Refuse negative sizes, naming the pool (`resources.<name>`)."""
         if self.ranks < 0 or self.cpus_per_rank < 0 or self.gpus_per_rank < 0:
             raise ConfigError(
-                f"resources.<role>: ranks={self.ranks}, cpus_per_rank="
+                f"resources.{name}: ranks={self.ranks}, cpus_per_rank="
                 f"{self.cpus_per_rank} and gpus_per_rank={self.gpus_per_rank} "
                 "must be >= 0 (ranks=0: colocated with the actor)"
             )
@@ -489,6 +491,14 @@ class ResourcesSection:
     critic: RolePoolSection = field(default_factory=RolePoolSection)
     """The critic on a pool of its own (`ranks` > 0) or colocated with the actor (0, the
     default)."""
+    reward: RolePoolSection = field(default_factory=RolePoolSection)
+    """The model-based rewards on a pool of their own (`ranks` > 0): the reward model
+    (`reward.reward_model_path`), the LLM judge (`reward.judge`) and PRIME's reward model
+    (`algorithm.prime`). The generating ranks send their samples there, so each sample is
+    scored once, by one reward rank, and the models load once per reward rank instead of in
+    every scoring process. 0 (default): colocated, every generating rank scores its own
+    samples in its own process. Either way a vLLM judge without `reward.judge.vllm.url` is
+    one server for the run, started by the driver."""
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENT_STRATEGIES:
@@ -507,6 +517,8 @@ class ResourcesSection:
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"resources.num_cpus={self.num_cpus} must be >= 1 (or null: all)")
         check_retain(self.retain_freed_memory)
+        for name in ("ref", "critic", "reward"):
+            getattr(self, name).check(name)
 
 
 @dataclass

@@ -38,6 +38,7 @@ from tephra.controller.data.prompts import (
     reasoning_gym_records,
     tokenize_prompts,
 )
+from tephra.controller.launch.judge_server import JudgeServer, needs_judge_server
 from tephra.controller.launch.preflight import (
     check_engine_support,
     resolve_auto_dtypes,
@@ -301,6 +302,22 @@ def stopped_summary(stop: StopSignal, run_dir: Path) -> dict:
 
 
 def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dict:
+    """The run's judge server (`judge_server`, when it needs one), the worker groups built
+    on the Ray session and the loop run; they are torn down however it ends."""
+    if not needs_judge_server(cfg):
+        return train_groups(cfg, p, clock, stop)
+    judge = JudgeServer(cfg)
+    print(f"judge server: {judge.url} (one for the run)", flush=True)
+    clock.lap("judge_server")
+    try:
+        return train_groups(judge.cfg, p, clock, stop)
+    finally:
+        judge.close()
+
+
+def train_groups(  # noqa: PLR0915 (one builder per group; they share the closures' state)
+    cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal
+) -> dict:
     """The worker groups built on the Ray session and the loop run; they are torn down
     however it ends."""
     r = cfg.resources
@@ -315,7 +332,8 @@ def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dic
         memory_per_rank_gb=r.memory_per_rank_gb,
     )
 
-    # the reference and critic on pools of their own (resources.ref / critic.ranks > 0)
+    # the reference, critic and model-based rewards on pools of their own
+    # (resources.ref / critic / reward .ranks > 0)
     role_pools = {
         role: ResourcePool(
             s.ranks,
@@ -325,9 +343,12 @@ def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dic
             name=role,
             retain_freed_memory=r.retain_freed_memory,
         )
-        for role in ("ref", "critic")
+        for role in ("ref", "critic", "reward")
         if (s := getattr(r, role)).ranks
     }
+    reward_actors: list = []
+    """The reward pool's ranks (`resources.reward`) that score the generated samples; set by
+    `make_role_groups`, which runs before the groups that generate (and again on recovery)."""
 
     def make_group() -> WorkerGroup:
         return WorkerGroup(
@@ -338,6 +359,7 @@ def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dic
                 "model_path": p.model_path,
                 "tools_file": p.tools_file,
                 "roles": colocated_roles(cfg),
+                "reward_actors": list(reward_actors) or None,
             },
             name="rl",
             watchdog=watchdog,
@@ -358,12 +380,18 @@ def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dic
             for group in groups.values():
                 group.shutdown(grace_s=0)
             raise
+        reward_actors[:] = groups["reward"].workers if "reward" in groups else []
         return groups
 
     def make_replicas() -> RolloutReplicas:
-        return RolloutReplicas(cfg, p.model_path, p.tools_file, watchdog)
+        return RolloutReplicas(
+            cfg, p.model_path, p.tools_file, watchdog, reward_actors=list(reward_actors) or None
+        )
 
     try:
+        # the role groups first: the groups that generate send their samples to the reward
+        # pool's ranks
+        role_groups = make_role_groups() if role_pools else {}
         trainer = Trainer(
             cfg,
             make_group(),
@@ -376,6 +404,7 @@ def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dic
             make_group=make_group,
             make_replicas=make_replicas if r.rollout.replicas else None,
             make_role_groups=make_role_groups if role_pools else None,
+            role_groups=role_groups,
             stop=stop,
         )
     except BaseException:

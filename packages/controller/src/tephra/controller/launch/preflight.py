@@ -313,6 +313,7 @@ def check_resources(r: ResourcesSection) -> None:
     # through the module: tests fake the machine by patching worker_group.machine_capacity
     cpus, gpus = worker_group.machine_capacity(num_cpus)
     p = r.rollout
+    pools = [(name, getattr(r, name)) for name in ("ref", "critic", "reward")]
     for kind, per_rank, per_replica, have, hint in (
         (
             "CPUs",
@@ -323,14 +324,22 @@ def check_resources(r: ResourcesSection) -> None:
         ),
         ("GPUs", r.gpus_per_rank, p.gpus_per_replica, gpus, f"this machine has {gpus}"),
     ):
-        need = r.world_size * per_rank + p.replicas * per_replica
+        kind_l = kind[:-1].lower()
+        # the role pools of their own (resources.ref / critic / reward) ask on top
+        own = [
+            (name, s.ranks, s.cpus_per_rank if kind == "CPUs" else s.gpus_per_rank)
+            for name, s in pools
+            if s.ranks
+        ]
+        need = r.world_size * per_rank + p.replicas * per_replica + sum(n * x for _, n, x in own)
         if need > have:
-            kind_l = kind[:-1].lower()
             replicas = (
                 f" + resources.rollout.replicas={p.replicas} x {kind_l}s_per_replica="
                 f"{per_replica:g}"
                 if p.replicas
                 else ""
+            ) + "".join(
+                f" + resources.{name}.ranks={n} x {kind_l}s_per_rank={x:g}" for name, n, x in own
             )
             raise ConfigError(
                 f"resources.world_size={r.world_size} x resources.{kind_l}s_per_rank="
@@ -410,6 +419,14 @@ def check_role_pools(cfg: PPOConfig) -> None:
             cfg.algorithm.needs("values"),
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} uses no critic",
         ),
+        "reward": (
+            cfg.reward.reward_model_path is not None
+            or cfg.reward.judge.enabled
+            or cfg.algorithm.prime.enabled,
+            "no reward is model-based: set reward.reward_model_path, reward.judge.model_path "
+            "or algorithm.prime.enabled=true (rule scorers and custom functions score where "
+            "the samples are generated)",
+        ),
     }
     for role, (used, why) in uses.items():
         ranks = getattr(cfg.resources, role).ranks
@@ -419,6 +436,8 @@ def check_role_pools(cfg: PPOConfig) -> None:
             raise ConfigError(
                 f"resources.{role}.ranks={ranks}, but {why}; set resources.{role}.ranks=0"
             )
+        if role == "reward" and not cfg.algorithm.prime.enabled:
+            continue  # scoring takes any share of the samples; only PRIME's model trains there
         parallel = (cfg.critic if role == "critic" else cfg.actor).parallel
         try:
             dp = parallel.data_parallel_size(ranks)

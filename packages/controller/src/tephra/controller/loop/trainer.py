@@ -137,6 +137,7 @@ class Trainer:
         make_group: Any = None,
         make_replicas: Any = None,
         make_role_groups: Any = None,
+        role_groups: dict[str, WorkerGroup] | None = None,
         stop: StopSignal | None = None,
     ) -> None:
         self.stop = stop or StopSignal()
@@ -194,9 +195,18 @@ class Trainer:
         self.batch_order = BatchOrder()
         """The step's row order for the actor's data-parallel ranks (`trainer.balance_batch`)."""
         self.make_role_groups = make_role_groups
-        """Builds the reference / critic groups of pools of their own (`resources.ref`,
-        `resources.critic`): role -> `WorkerGroup`; None: both colocated with the actor."""
-        self.role_groups: dict[str, WorkerGroup] = make_role_groups() if make_role_groups else {}
+        """Builds the reference / critic / reward groups of pools of their own
+        (`resources.ref`, `resources.critic`, `resources.reward`): role -> `WorkerGroup`;
+        None: all colocated with the actor."""
+        self.role_groups: dict[str, WorkerGroup] = (
+            role_groups
+            if role_groups is not None
+            else make_role_groups()
+            if make_role_groups
+            else {}
+        )
+        """The role groups, given built (before the actor's group, which sends its samples
+        to the reward pool) or built here."""
         self.make_replicas = make_replicas
         """Builds the rollout replicas of a separate pool (`resources.rollout.replicas`)."""
         self.replicas = self.stream = None
@@ -668,9 +678,10 @@ class Trainer:
 
     def build_groups(self) -> None:
         """A fresh actor group and role groups (recovery); the replicas and the stream are
-        connected again by `connect_replicas`."""
-        self.wg = self.make_group()
+        connected again by `connect_replicas`. The role groups first: the actor's group
+        sends its samples to the reward pool's new ranks."""
         self.role_groups = self.make_role_groups() if self.make_role_groups else {}
+        self.wg = self.make_group()
         self.replicas = self.stream = None  # closed with the group
 
     # ----- the run ----------------------------------------------------------------------------
@@ -740,6 +751,8 @@ class Trainer:
             "run_dir": str(self.run_dir),
             "startup": self.startup,
         }
+        if "reward" in self.role_groups:  # how the reward pool's ranks shared the scoring
+            summary["reward_pool_samples"] = self.role_groups["reward"].scored_count()
         if "jsonl" in cfg.trackers:
             records = read_jsonl(self.run_dir / "metrics.jsonl")
             if records:

@@ -46,8 +46,9 @@ class EngineRole:
 
     name: str
     pool: str
-    """The worker group that holds it: `actor` (with the actor) or `ref` (with the
-    reference, on its pool when `resources.ref.ranks` > 0)."""
+    """The worker group that holds it: `actor` (with the actor), `ref` (with the
+    reference, on its pool when `resources.ref.ranks` > 0) or `reward` (the reward pool of
+    `resources.reward`)."""
     model_path: str | None = None
     """The model it starts from (resolved like `model.path`); None: the policy's."""
     loss: Callable[[], LossFn] | None = None

@@ -56,8 +56,10 @@ class Prime(Recipe):
 
     def roles(self) -> tuple[EngineRole, ...]:
         beta = self.cfg.algorithm.prime.beta
+        # on the reward pool when there is one (`resources.reward`), else with the actor
+        pool = "reward" if self.cfg.resources.reward.ranks else "actor"
         return (
-            EngineRole("prm", "actor", loss=lambda: PrimeRMObjective(beta), checkpoint="prime_rm"),
+            EngineRole("prm", pool, loss=lambda: PrimeRMObjective(beta), checkpoint="prime_rm"),
         )
 
     def forward_passes(self, state: StepState) -> None:

@@ -6,7 +6,10 @@ Without `rollout.agent_loop` a step's prompts go through the backend's batched `
 (the batched form of the `single_turn` episode: the same samples, one call); with one, each
 prompt x sample runs the episode registered under that name (`tephra.episodes.registry`).
 Scoring starts in a background thread right after generation, so the log-prob passes that
-follow run while the scorer works (`collect_scores` waits for it).
+follow run while the scorer works (`collect_scores` waits for it). With a reward pool
+(`resources.reward`) that thread sends the samples to one rank of the pool (`reward_actor`),
+which scores them with its own scorer (`score_texts`): each sample is scored once, and the
+reward models live in the pool's processes only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+import ray
 from transformers import AutoConfig, AutoTokenizer
 
 from tephra.controller.config.tree import PPOConfig
@@ -83,14 +87,22 @@ class Generator:
     generates nothing (a rollout tensor-parallel peer, a reference or critic pool)."""
 
     def __init__(
-        self, cfg: PPOConfig, model_path: str, tools_file: str | None, rollout: Rollout | None
+        self,
+        cfg: PPOConfig,
+        model_path: str,
+        tools_file: str | None,
+        rollout: Rollout | None,
+        reward_actor: Any = None,
     ) -> None:
+        """`reward_actor`: the Ray actor of the reward-pool rank that scores this part's
+        samples (`resources.reward`); None: they are scored here."""
         self.cfg, self.model_path, self.tools_file, self.rollout = (
             cfg,
             model_path,
             tools_file,
             rollout,
         )
+        self.reward_actor = reward_actor
         self._tokenizer: Any = None
         self._model_config: Any = None
         self._tools: dict | None = None
@@ -107,9 +119,11 @@ class Generator:
         tools_file: str | None,
         device: str,
         with_rollout: bool,
+        reward_actor: Any = None,
     ) -> Generator:
         """The part with a rollout engine of `rollout.backend` on `device` when
-        `with_rollout` (this process generates), else without one."""
+        `with_rollout` (this process generates), else without one; `reward_actor` as in
+        `__init__`."""
         rollout = None
         if with_rollout:
             r = cfg.rollout
@@ -128,7 +142,7 @@ class Generator:
                     record_routes=cfg.actor.moe.replays and not cfg.rollout.uses_agent_loop,
                 ),
             )
-        return cls(cfg, model_path, tools_file, rollout)
+        return cls(cfg, model_path, tools_file, rollout, reward_actor)
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -227,8 +241,6 @@ class Generator:
         """Scores of `samples`: an environment's own reward (`Sample.env_reward`) where the
         episode set one, the reward scorer on the others."""
         start = time.perf_counter()
-        if self._scorer is None:
-            self._scorer = Scorer(self.cfg.reward)
         todo = [i for i, s in enumerate(samples) if s.env_reward is None]
         results: list = [(s.env_reward, None) for s in samples]
         clipped, extras = [False] * len(samples), [{} for _ in samples]
@@ -239,13 +251,28 @@ class Generator:
                 prompts = [
                     tok.decode(samples[i].prompt_ids, skip_special_tokens=True) for i in todo
                 ]
-            scored = self._scorer.score(
-                [samples[i].text for i in todo], [records[i] for i in todo], prompts
-            )
+            texts, recs = [samples[i].text for i in todo], [records[i] for i in todo]
+            if self.reward_actor is not None:  # the reward pool's rank scores them
+                scored, scored_clipped, scored_extras = ray.get(
+                    self.reward_actor.execute.remote("score_texts", texts, recs, prompts)
+                )
+            else:
+                scored, scored_clipped, scored_extras = self.score_texts(texts, recs, prompts)
             for k, i in enumerate(todo):
                 results[i] = scored[k]
-                clipped[i], extras[i] = self._scorer.clipped[k], self._scorer.extras[k]
+                clipped[i], extras[i] = scored_clipped[k], scored_extras[k]
         return results, time.perf_counter() - start, clipped, extras
+
+    def score_texts(
+        self, texts: list[str], records: list[Any], prompts: list[str] | None
+    ) -> tuple[list[tuple[float, str | None]], list[bool], list[dict[str, float]]]:
+        """(score, error) of each text against its record with this process's scorer (built
+        on first use: the reward model or judge loads here), whether `reward.clip` moved it,
+        and the scorer's extra numbers."""
+        if self._scorer is None:
+            self._scorer = Scorer(self.cfg.reward)
+        scored = self._scorer.score(texts, records, prompts)
+        return scored, list(self._scorer.clipped), list(self._scorer.extras)
 
     def collect_scores(self) -> list[ScoreResult]:
         """The reward of each sample of the last `generate`, in order; waits for the
@@ -260,12 +287,14 @@ class Generator:
         ]
 
     def close(self) -> None:
-        """Stop the rollout engine, the scorer thread and the episode's tools (MCP servers and
+        """Stop the rollout engine, the scorer thread, the scorer and the episode's tools (MCP servers and
         their processes, sandbox folders)."""
         try:
             if self.rollout is not None:
                 self.rollout.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
+            if self._scorer is not None:  # its worker pool and judge backend
+                self._scorer.manager.close()
         finally:
             if self._tools:
                 tools, self._tools = self._tools, {}

@@ -21,7 +21,9 @@ worker adds the dispatch modes, profiling and the weight sync around it.
 
 Rewards are scored by that part, on each rank's own samples, in a background thread started right
 after generation: the log-prob passes that follow run while the scorer works (`collect_scores`
-waits for it), as in verl's "reward computed while log-probs run".
+waits for it), as in verl's "reward computed while log-probs run". With a reward pool
+(`resources.reward`) that thread hands the samples to a rank of the pool, an `RLWorker` holding
+the role `reward`: its scorer (reward model, judge) and PRIME's reward model live there only.
 """
 
 from __future__ import annotations
@@ -111,9 +113,12 @@ class RLWorker(Worker):
         model_path: str,
         tools_file: str | None = None,
         roles: tuple[str, ...] = ROLES,
+        reward_actors: list | None = None,
     ) -> None:
         """`roles`: the engines this group holds (the actor's group also generates; a
-        reference or critic pool of its own holds that role alone)."""
+        reference, critic or reward pool of its own holds that role alone). `reward_actors`:
+        the reward pool's ranks (`resources.reward`); this rank's samples go to rank
+        `rank % len(reward_actors)` of it to be scored."""
         super().__init__(rank, world_size, *worker_args)
         built = time.perf_counter()
         self.cfg, self.roles = cfg, tuple(roles)
@@ -130,8 +135,11 @@ class RLWorker(Worker):
             tools_file,
             device,
             with_rollout=self.colocated and self.rollout_info().is_output_rank,
+            reward_actor=reward_actors[rank % len(reward_actors)] if reward_actors else None,
         )
         self._profile_prefix: str | None = None
+        self.samples_scored = 0
+        """Samples scored for other ranks (`score_texts`: a rank of the reward pool)."""
         model = replace(cfg.model, path=model_path, init_seed=seed)
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.actor = None
@@ -201,7 +209,9 @@ class RLWorker(Worker):
         reference or critic of a pool of its own): rows go to data-parallel ranks, tensor /
         pipeline / context peers get the same rows; one peer returns them."""
         engines = (self.actor, self.ref, *self.role_engines.values(), self.critic)
-        engine = next(e for e in engines if e is not None)
+        engine = next((e for e in engines if e is not None), None)
+        if engine is None:  # a reward pool that only scores: one share per rank
+            return super().dp_info()
         return DataParallelInfo(
             dp_rank=engine.dp_rank,
             dp_size=engine.dp_size,
@@ -237,6 +247,19 @@ class RLWorker(Worker):
     def collect_scores(self) -> list[ScoreResult]:
         """`Generator.collect_scores` of this rank's last `generate`."""
         return self.generation.collect_scores()
+
+    def score_texts(
+        self, texts: list[str], records: list[Any], prompts: list[str] | None
+    ) -> tuple[list[tuple[float, str | None]], list[bool], list[dict[str, float]]]:
+        """`Generator.score_texts` with this rank's scorer: a generating rank's samples, sent
+        by its scoring thread to this rank of the reward pool (`resources.reward`)."""
+        self.samples_scored += len(texts)
+        return self.generation.score_texts(texts, records, prompts)
+
+    @dispatch(Dispatch.BROADCAST)
+    def scored_count(self) -> int:
+        """Samples this rank of the reward pool scored over the run (`score_texts`)."""
+        return self.samples_scored
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
     @dispatch(Dispatch.ROLLOUT_SPLIT)

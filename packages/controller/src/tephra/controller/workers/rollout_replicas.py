@@ -49,10 +49,18 @@ class RolloutWorker(Worker):
         cfg: PPOConfig,
         model_path: str,
         tools_file: str | None = None,
+        reward_actors: list | None = None,
     ) -> None:
+        """`reward_actors`: the reward pool's ranks (`resources.reward`); this replica's
+        samples go to rank `rank % len(reward_actors)` of it to be scored."""
         super().__init__(rank, world_size, *worker_args)
         self.generation = Generator.build(
-            cfg, model_path, tools_file, self.device, with_rollout=True
+            cfg,
+            model_path,
+            tools_file,
+            self.device,
+            with_rollout=True,
+            reward_actor=reward_actors[rank % len(reward_actors)] if reward_actors else None,
         )
         self.version = 0
         self._weights_group = None
@@ -144,7 +152,10 @@ class RolloutReplicas:
         model_path: str,
         tools_file: str | None,
         watchdog: Watchdog | None = None,
+        reward_actors: list | None = None,
     ) -> None:
+        """`reward_actors`: the reward pool's ranks that score the replicas' samples
+        (`resources.reward`); None: each replica scores its own."""
         r = cfg.resources.rollout
         self.cfg = cfg
         self.pool = ResourcePool(
@@ -159,7 +170,12 @@ class RolloutReplicas:
             self.group = WorkerGroup(
                 RolloutWorker,
                 self.pool,
-                {"cfg": cfg, "model_path": model_path, "tools_file": tools_file},
+                {
+                    "cfg": cfg,
+                    "model_path": model_path,
+                    "tools_file": tools_file,
+                    "reward_actors": reward_actors,
+                },
                 name="rollout",
                 concurrency_groups={"weights": 1},
                 watchdog=watchdog,

@@ -97,8 +97,9 @@ class JudgeConfig:
     """Local Hugging Face folder of the judge model; None (default): no judge."""
     backend: str = "hf"
     """Rollout backend that serves the judge: `hf` (in the process that scores), `vllm` (a
-    vLLM server: started by each process that scores, or the running one(s) at
-    `reward.judge.vllm.url`, shared by every rank)."""
+    vLLM server: started by the process that scores, or the running one(s) at
+    `reward.judge.vllm.url`, shared by every rank; the PPO trainer starts one for the run and
+    hands its URL to every scoring rank)."""
     dtype: str = "float32"
     """The judge's generation dtype (`float32`, `bfloat16`, `float16`): float32 keeps greedy
     judgements equal across backends on CPU; bfloat16 halves a GPU judge's memory."""
