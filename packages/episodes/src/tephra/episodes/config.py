@@ -10,8 +10,6 @@ from tephra.core.registry import check_registered
 from tephra.episodes.agent.base import AgentLoopConfig
 from tephra.episodes.agent.black_box import load_agent_function
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS
-from tephra.episodes.agent.verifiers_env import load_verifiers_environment
-from tephra.episodes.environments.openenv_env import check_openenv
 from tephra.episodes.environments.registry import get_environment
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.config import RolloutSection
@@ -26,7 +24,7 @@ class EpisodeRolloutConfig(RolloutSection):
     """Multi-turn rollouts: an episode from tephra.episodes.registry.EPISODES (`tool_agent`:
     the model calls the tools of `tools_file` between turns; `environment`: the environment
     of `agent.environment`; `openai_agent`: the black-box agent of `agent.openai_agent`;
-    `verifiers`: the `verifiers` environment of `agent.verifiers_environment`; `single_turn`). It also runs the rows whose `agent_name` names no episode. None or ""
+    `single_turn`). It also runs the rows whose `agent_name` names no episode. None or ""
     keeps the batched `generate` path."""
     tools_file: str | None = None
     """Tools YAML of the agent loop, or `python` for the bundled sandboxed interpreter."""
@@ -63,12 +61,6 @@ class EpisodeRolloutConfig(RolloutSection):
                     get_environment(self.agent.environment)
                 except RegistryError as exc:
                     raise ConfigError(f"rollout.agent.environment: {exc}") from None
-                if self.agent.environment == "openenv":
-                    check_openenv(self.agent.environment_kwargs)
-            if self.agent_loop == "verifiers" or self.agent.verifiers_environment:
-                load_verifiers_environment(  # the file is imported here: errors before Ray
-                    self.agent.verifiers_environment, dict(self.agent.environment_kwargs)
-                )
         if self.max_in_flight < 1:
             raise ConfigError(f"rollout.max_in_flight={self.max_in_flight} must be >= 1")
 

@@ -97,9 +97,8 @@ class AgentLoopConfig:
     3.2 JSON), `mistral` (`[TOOL_CALLS]`)."""
     environment: str = ""
     """The environment of the `environment` episode: a name in `ENVIRONMENTS` (`tool`,
-    `answer_check`, `colour_squares`, `openenv`: an OpenEnv server, its settings in
-    `environment_kwargs`) or `path/to/file.py:ClassName` (a user's `Environment` subclass).
-    Unused by the other episodes."""
+    `interaction`) or `path/to/file.py:ClassName` (a user's `Environment` subclass). Unused
+    by the other episodes."""
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor (the same for every item; per-item
     ones come from `AgentPrompt.interaction_kwargs`)."""
@@ -108,14 +107,8 @@ class AgentLoopConfig:
     `function(gateway, item)` where `gateway` (`tephra.episodes.gateway.GatewayAccess`) holds
     the gateway's URLs for OpenAI and Anthropic clients and the trajectory's API key. Unused
     by the other episodes."""
-    verifiers_environment: str = ""
-    """The environment of the `verifiers` episode (a `verifiers` package environment, its
-    rubric the reward): `path/to/env.py:load_environment` (a function returning a
-    `verifiers.Environment`, called with `environment_kwargs`) or the id of an installed
-    environment package (`verifiers.load_environment(id, **environment_kwargs)`). Needs the
-    `tephra-episodes[ecosystem]` extra. Unused by the other episodes."""
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    """Where the gateway of the `openai_agent` and `verifiers` episodes listens (host, port)."""
+    """Where the gateway of the `openai_agent` episode listens (host, port)."""
     tool_timeout_s: float | None = None
     """Deadline of one tool call in seconds; on expiry the trajectory ends with finish
     reason `tool_timeout`. None: no deadline (the tool's own limits apply)."""
