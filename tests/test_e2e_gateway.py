@@ -20,7 +20,8 @@ from tephra.controller.run.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
 from tephra.episodes.registry import EPISODES
-from tephra.rollout.base import SamplingParams
+from tephra.rollout.backends.hf import HFRollout
+from tephra.rollout.base import RolloutConfig, SamplingParams
 from tephra.rollout.testing import ScriptedRollout
 
 pytest.importorskip("agents")  # openai-agents: a dev dependency, the agent's, not tephra's
@@ -29,6 +30,7 @@ AGENT = '''
 import json
 import pathlib
 
+import httpx
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 from openai import AsyncOpenAI
 
@@ -43,27 +45,43 @@ def multiply(a: int, b: int) -> int:
 
 
 async def agent(gateway, item):
-    """Two runs of an Agents-SDK agent, the second continuing the first's conversation; the
-    texts it received are written down for the test."""
+    """Two runs of an Agents-SDK agent, the second continuing the first's conversation; what
+    the gateway served (the response bodies, as they crossed the wire) is written down for the
+    test, also when the SDK raises (it does on a turn the token budget cut: `incomplete`)."""
+    served = []
+
+    async def keep(response):
+        await response.aread()
+        if response.request.url.path.endswith("/responses"):
+            served.append(response.json())
+
     client = AsyncOpenAI(base_url=gateway.openai_base_url, api_key=gateway.api_key,
-                         max_retries=0)
+                         max_retries=0,
+                         http_client=httpx.AsyncClient(event_hooks={{"response": [keep]}}))
     model = OpenAIResponsesModel(model="policy", openai_client=client)
     bot = Agent(name="calc", model=model, tools=[multiply] if {tools} else [])
-    first = await Runner.run(bot, list(item.messages), max_turns=4)
-    again = first.to_input_list() + [{{"role": "user", "content": "Once more."}}]
-    second = await Runner.run(bot, again, max_turns=4)
-    texts = [
-        "".join(c.text for o in r.output if o.type == "message" for c in o.content)
-        for result in (first, second)
-        for r in result.raw_responses
-    ]
-    outputs = [o.model_dump() for result in (first, second) for r in result.raw_responses
-               for o in r.output]
-    RECORDS.mkdir(parents=True, exist_ok=True)
-    (RECORDS / f"{{item.sample_id}}.json").write_text(json.dumps(
-        {{"texts": texts, "outputs": outputs, "final": second.final_output}}))
-    return float(len(second.final_output.strip()) % 2)
+    final = None
+    try:
+        first = await Runner.run(bot, list(item.messages), max_turns=4)
+        again = first.to_input_list() + [{{"role": "user", "content": "Once more."}}]
+        second = await Runner.run(bot, again, max_turns=4)
+        final = second.final_output
+    finally:
+        RECORDS.mkdir(parents=True, exist_ok=True)
+        (RECORDS / f"{{item.sample_id}}.json").write_text(json.dumps({{
+            "texts": ["".join(c["text"] for o in r["output"] if o["type"] == "message"
+                              for c in o["content"]) for r in served],
+            "statuses": [r["status"] for r in served],
+            "outputs": [o for r in served for o in r["output"]],
+            "final": final,
+        }}))
+    return float(len(final.strip()) % 2)
 '''
+
+SCORER = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.25 + 0.5 * (len(solution_str.strip()) % 2)
+"""
 
 
 def model_turns(row_ids: list[int], mask: list[int]) -> list[list[int]]:
@@ -122,13 +140,40 @@ def test_an_agents_sdk_tool_call_round_trips_through_the_gateway(tmp_path, tiny_
     ]
 
 
-@pytest.mark.skip(
-    reason="open: inside the app's Ray worker every Agents-SDK call ends in 'Error getting "
-    "response' and no episode is recorded (the same agent round-trips in-process, above); "
-    "the gateway's training path is covered by tests/test_e2e_environments.py's OpenAI-client agent"
-)
+def test_an_agents_sdk_agent_whose_turn_the_budget_cuts_ends_with_length(tmp_path, tiny_model):
+    """The gateway serves a cut turn as `incomplete` (as the Responses API does) and the SDK
+    raises on it; the budget ended the trajectory: `length`, the reward scorer's (None here),
+    the SDK's error kept."""
+    tok = AutoTokenizer.from_pretrained(tiny_model.path)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    agent = tmp_path / "sdk_agent.py"
+    agent.write_text(AGENT.format(records=str(tmp_path / "records"), tools=False))
+    loop = EPISODES.get("openai_agent")(
+        tok, AgentLoopConfig(openai_agent=f"{agent}:agent", max_response_tokens=512)
+    )
+    item = AgentPrompt([{"role": "user", "content": "6 * 7?"}], sample_id="sdk-cut")
+    sampling = SamplingParams(temperature=1.0, max_tokens=4, seed=5)  # seed 5: no EOS in 4
+    rollout = HFRollout(RolloutConfig(model_path=tiny_model.path, max_model_len=1024))
+    try:
+        traj = asyncio.run(loop.run(rollout, item, sampling))
+        again = asyncio.run(rollout.agenerate(traj.prompt_ids, sampling))
+    finally:
+        rollout.close()
+    record = json.loads((tmp_path / "records" / "sdk-cut.json").read_text())
+    assert record["statuses"] == ["incomplete"] and record["final"] is None
+    assert (traj.finish_reason, traj.env_reward, traj.num_turns) == ("length", None, 1)
+    assert "ModelBehaviorError" in traj.extra_info["agent_error"]
+    assert "max_output_tokens" in traj.extra_info["agent_error"]
+    # the trained turn is the one served: the backend's sample for this seed, as sent
+    assert traj.response_ids == again.response_ids and len(again.response_ids) == 4
+    assert tok.decode(traj.response_ids, skip_special_tokens=False) == record["texts"][0]
+
+
 @pytest.mark.multiproc
 def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path):
+    """The tiny model rarely ends a turn within `rollout.max_tokens`: most runs end at their
+    first, cut turn (`length`, the scorer's reward); a run whose turns both stop returns the
+    agent's reward. Either way the trained turns are the texts the gateway served."""
     import ray
 
     from tephra.controller.cluster.worker_group import ray_init
@@ -136,6 +181,8 @@ def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path):
     records = tmp_path / "records"
     agent = tmp_path / "sdk_agent.py"
     agent.write_text(AGENT.format(records=str(records), tools=False))
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text(SCORER)
     cfg = parse_config(
         [
             "-p",
@@ -143,6 +190,7 @@ def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path):
             "rollout.agent_loop=openai_agent",
             f"rollout.agent.openai_agent={agent}:agent",
             "rollout.agent.max_response_tokens=96",
+            f"reward.custom_function_path={scorer}",
             "trainer.dump_generations=1",
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
@@ -170,20 +218,29 @@ def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path):
     for step, r in zip((1, 2), train):
         rows = dumped[step]
         assert len(rows) == cfg.batch.samples_per_step
-        for row in rows:  # two served turns around the SDK's user turn, the agent's reward
+        for row in rows:
             turns = model_turns(row["response_ids"], row["response_mask"])
-            assert len(turns) == 2
-            assert row["score"] == float(len(row["answer"]) % 2)
-        assert r["agent/turns_mean"] == 2.0 and math.isfinite(r["actor/grad_norm"])
+            if row["finish_reason"] == "length":  # the SDK raised on the cut turn: the scorer's
+                assert row["score"] == 0.25 + 0.5 * (len(row["answer"]) % 2)
+            else:  # both runs ended: two served turns around the SDK's user turn, the agent's
+                assert row["finish_reason"] == "stop" and len(turns) == 2
+                assert row["score"] == float(len(row["answer"]) % 2)
+        assert r["reward/mean"] == pytest.approx(sum(x["score"] for x in rows) / len(rows))
+        assert math.isfinite(r["actor/grad_norm"])
+    rows = [row for step_rows in dumped.values() for row in step_rows]
+    # the runs the SDK ended on a cut turn are the trajectories that ended with `length`
+    assert sum(rec["statuses"][-1] == "incomplete" for rec in received) == sum(
+        row["finish_reason"] == "length" for row in rows
+    )
 
-    # each trained sample is one the agent ran: its model turns decode to the texts it got
+    # each trained sample is one the agent ran: its model turns decode to the texts served
     def decoded(row: dict) -> list[str]:
         return [
             tok.decode(t[:-1] if t[-1] == tok.eos_token_id else t, skip_special_tokens=False)
             for t in model_turns(row["response_ids"], row["response_mask"])
         ]
 
-    trained = sorted(json.dumps(decoded(row)) for rows in dumped.values() for row in rows)
+    trained = sorted(json.dumps(decoded(row)) for row in rows)
     assert trained == sorted(json.dumps(r["texts"]) for r in received)
 
 

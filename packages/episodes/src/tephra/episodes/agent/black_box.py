@@ -55,7 +55,9 @@ class OpenAIAgentLoop(_TokenLoop):
     tools, and returns a float (the trajectory's reward, `Sample.env_reward`) or None (the
     reward scorer scores the last served answer). The trajectory is what the gateway served
     and appended for the trajectory's key. An agent that raises ends its
-    trajectory with `agent_error` (reward 0, the error in `extra_info["agent_error"]`);
+    trajectory with `agent_error` (reward 0, the error in `extra_info["agent_error"]`), unless
+    the budget cut the last served turn: then with `length`, scored by the reward scorer (the
+    error kept in `extra_info`), as a tool agent's cut trajectory is;
     `trajectory_timeout_s` bounds the whole agent, `turn_timeout_s` each served turn."""
 
     async def run(self, rollout: Rollout, sample: AgentPrompt, sampling: SamplingParams) -> Sample:
@@ -85,7 +87,12 @@ class OpenAIAgentLoop(_TokenLoop):
         except TimeoutError:
             finish = "trajectory_timeout"
         except Exception as exc:  # the agent's own failure ends its trajectory, not the step
-            finish = session.finish if session.finish in TIMEOUTS else "agent_error"
+            # A turn the token budget cut (`rollout.max_tokens`, `max_response_tokens`) is
+            # served as cut (Responses `incomplete`, Chat `length`, Messages `max_tokens`), and
+            # some clients raise on it (the Agents SDK: ModelBehaviorError). The budget ended
+            # that trajectory, as it ends a tool agent's: `length`, the reward scorer's.
+            cut = session.finish in TIMEOUTS or session.finish == "length"
+            finish = session.finish if cut else "agent_error"
             info["agent_error"] = f"{type(exc).__name__}: {exc}"
         finish = finish or session.finish
         # the agent's own failure scores 0 (a deadline's, in to_sample)
