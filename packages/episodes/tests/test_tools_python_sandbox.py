@@ -653,7 +653,11 @@ def test_memfd_and_tmpfs_pages_count_against_the_call_limit(make_tool):
         "time.sleep(30)\n"
     )
     result = run(tool, code)
-    assert result.error is not None and "over the limit of 200 MiB" in result.error, result
+    # stopped by the sampler ("over the limit") or, on a busy machine where the kernel gets
+    # there first, by the call's memory cgroup ("over the memory limit ... together"): both
+    # count the unmapped pages against the call's 200 MiB
+    assert result.error is not None, result
+    assert re.search(r"over the (memory )?limit of 200 MiB", result.error), result
     assert leftover_processes(tool) == []
     assert_next_call_works(tool)
 
