@@ -25,6 +25,7 @@ from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp.families import LAYOUT_OVERRIDES, LAYOUTS, REFUSED
+from tephra.engine_fsdp.testing import padded_batch
 
 VOCAB = 256
 """Vocabulary of every tiny config (token ids of the test batches are below it)."""
@@ -409,14 +410,7 @@ def test_batch(seed: int = 0) -> TensorDict:
         for p in prompts
         for _ in range(3)
     ]
-    wp, wr = max(len(p) for p in prompts), max(len(r) for _, r in rows)
-    ids = torch.zeros(len(rows), wp + wr, dtype=torch.int64)
-    attn, resp = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (p, r) in enumerate(rows):
-        ids[i, wp - len(p) : wp + len(r)] = torch.cat([p, r])
-        attn[i, wp - len(p) : wp + len(r)] = 1
-        resp[i, wp : wp + len(r)] = 1
-    return B.make_batch(ids, attn, resp)
+    return padded_batch(rows)
 
 
 def reference_outputs(model: torch.nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:

@@ -154,7 +154,13 @@ def grouped_batch(groups: int = 3, n: int = 4, seed: int = 0):
         for p in prompts
         for _ in range(n)
     ]
-    width_p, width_r = max(len(p) for p in prompts), max(len(r) for _, r in rows)
+    return padded_batch(rows)
+
+
+def padded_batch(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> TensorDict:
+    """A batch of (prompt ids, response ids) rows: prompts left-padded, responses
+    right-padded, the response mask on the response tokens."""
+    width_p, width_r = max(len(p) for p, _ in rows), max(len(r) for _, r in rows)
     ids = torch.zeros(len(rows), width_p + width_r, dtype=torch.int64)
     attn, resp = torch.zeros_like(ids), torch.zeros_like(ids)
     for i, (p, r) in enumerate(rows):
