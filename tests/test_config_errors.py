@@ -614,3 +614,25 @@ def test_a_family_wrong_in_a_layout_is_refused_before_ray(tmp_path, hf_config, o
     # left to the engine (the preset's null), the same family loads in the padded layout
     if layout != "padded":
         parse_config(["-p", "smoke", f"model.path={tmp_path}"])
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "resources.rollout.replicas=1",
+        "resources.ref.ranks=1",
+        "resources.critic.ranks=2",
+        "resources.reward.ranks=1",
+        "resources.reward.gpus_per_rank=1",
+    ],
+)
+def test_sft_refuses_the_rl_trainers_pools(override):
+    """SFT has one policy on the colocated ranks: a pool of the RL trainer's (rollout, ref,
+    critic, reward) given to it is refused while the config loads, naming the pool, not
+    silently ignored."""
+    from tephra.apps.sft.main import parse_config as parse_sft
+
+    pool = override.split(".")[1]
+    with pytest.raises(ConfigError, match=rf"resources\.{pool}=.*SFT .* has no {pool} pool"):
+        parse_sft(["-p", "smoke", override])
+    parse_sft(["-p", "smoke"])  # without the override the same config loads

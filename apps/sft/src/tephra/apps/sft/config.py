@@ -148,6 +148,14 @@ class SFTConfig:
     """Ray placement."""
 
     def __post_init__(self) -> None:
+        for pool in ("rollout", "ref", "critic", "reward"):
+            section = getattr(self.resources, pool)
+            if section != type(section)():
+                raise ConfigError(
+                    f"resources.{pool}={section}: SFT trains one policy on the colocated ranks "
+                    f"(resources.world_size) and has no {pool} pool; remove resources.{pool}.* "
+                    "from the SFT config (the pool is the RL trainer's, apps/ppo)"
+                )
         dp = self.policy.parallel.data_parallel_size(self.resources.world_size)
         if self.train.sequences_per_step % dp:
             raise ConfigError(
