@@ -11,7 +11,7 @@ import pytest
 
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
-from tephra.engine_fsdp.families import LAYOUTS, REFUSED, layout_refusal
+from tephra.engine_fsdp.families import LAYOUTS, REFUSED, layout_refusal, window_turned_off
 from tephra.engine_fsdp.family_matrix import (
     BUILD_REFUSALS,
     NOT_RUN,
@@ -98,3 +98,33 @@ def test_a_layout_left_to_the_engine_avoids_a_refused_one(setting, layout):
         setattr(getattr(config, section), field, value)
     FSDPEngine.check_config(config)
     assert not packs(config) and not shares(config)
+
+
+def test_a_sliding_window_family_with_its_window_off_shares_prefixes():
+    # Mistral's window is refused the shared-prefix layout; a config whose window is null is
+    # plain causal attention: not refused, and equal to the plain forward there
+    off = check_family("mistral", ("shared_prefix",), {"sliding_window": None})["shared_prefix"]
+    assert off.refusal is None and off.matches(), off
+    # its window on (4 tokens in the tiny config, shorter than the sequences): refused, and
+    # wrong when forced
+    on = check_family("mistral", ("shared_prefix",))["shared_prefix"]
+    assert on.refusal == layout_refusal("mistral", "shared_prefix") and not on.matches()
+
+
+@pytest.mark.parametrize(
+    "hf_config, off",
+    [
+        ({"sliding_window": None}, True),
+        ({"sliding_window": 0}, True),
+        ({"use_sliding_window": False, "sliding_window": 4096}, True),
+        ({"sliding_window": 4096}, False),
+        ({}, False),  # left out: the family's default, which may be a window
+        ({"sliding_window": None, "attention_chunk_size": 8}, False),
+    ],
+)
+def test_window_turned_off_reads_the_config(hf_config, off):
+    assert window_turned_off(hf_config) is off
+    refusal = layout_refusal("mistral", "shared_prefix", {"model_type": "mistral", **hf_config})
+    assert (refusal is None) is off
+    # a refusal for another reason stays, whatever the window
+    assert layout_refusal("mpt", "packed", hf_config) is not None

@@ -138,19 +138,43 @@ matrix found (a family refused `padded` is refused in every layout). A vision-la
 family is refused where its text family is."""
 
 
-def model_types_of(config: EngineConfig) -> list[str]:
-    """The model type `config.model` names (its `hf_config`, or `model.path`'s config.json,
-    read without building anything), then its text model's where it has one."""
+WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
+"""The config fields that give a sliding-window or chunked attention its size."""
+
+
+def model_configs_of(config: EngineConfig) -> list[dict[str, Any]]:
+    """The model config `config.model` declares (its `hf_config`, or `model.path`'s
+    config.json, read without building anything), then its text model's where it has one."""
     data = declared_hf_config(config.model)
     text = data.get("text_config")
-    found = [data.get("model_type"), text.get("model_type") if isinstance(text, dict) else None]
+    return [data] + ([text] if isinstance(text, dict) else [])
+
+
+def model_types_of(config: EngineConfig) -> list[str]:
+    """The model type `config.model` names, then its text model's where it has one."""
+    found = [d.get("model_type") for d in model_configs_of(config)]
     return [t for t in found if isinstance(t, str)]
 
 
-def layout_refusal(model_type: str | None, layout: str) -> str | None:
+def window_turned_off(hf_config: dict[str, Any]) -> bool:
+    """Whether a sliding-window family's config turns its window off: `use_sliding_window:
+    false`, or every window size field it sets is null or 0 (and it sets one: a field left
+    out takes the family's default, which may be a window)."""
+    if hf_config.get("use_sliding_window") is False:
+        return True
+    given = [k for k in WINDOW_KEYS if k in hf_config]
+    return bool(given) and not any(hf_config[k] for k in given)
+
+
+def layout_refusal(
+    model_type: str | None, layout: str, hf_config: dict[str, Any] | None = None
+) -> str | None:
     """Why engine=fsdp refuses `model_type` in `layout` (a message naming both and the
-    fix), or None."""
+    fix), or None. A sliding-window refusal does not apply to an `hf_config` whose window is
+    turned off (`window_turned_off`): its attention is then plain causal attention."""
     why = REFUSED.get(model_type or "", {}).get(layout)
+    if why in (SLIDING_SHARED, SLIDING_PACKED) and hf_config and window_turned_off(hf_config):
+        return None
     if why is None:
         return None
     return (
@@ -160,8 +184,9 @@ def layout_refusal(model_type: str | None, layout: str) -> str | None:
 
 def refusal(config: EngineConfig, layout: str) -> str | None:
     """`layout_refusal` of the model `config` names (or of its text model)."""
-    for model_type in model_types_of(config):
-        why = layout_refusal(model_type, layout)
+    for hf_config in model_configs_of(config):
+        model_type = hf_config.get("model_type")
+        why = layout_refusal(model_type if isinstance(model_type, str) else None, layout, hf_config)
         if why:
             return why
     return None

@@ -446,11 +446,13 @@ def _causal_lm_class(config: PretrainedConfig) -> type:
     return AutoModelForCausalLM._model_mapping[type(config)]
 
 
-def engine_config(model_type: str, layout: str) -> EngineConfig:
-    """A float32 CPU engine config of the family's tiny model in `layout`."""
-    model = ModelConfig(
-        hf_config=tiny_config(model_type), init_seed=0, attn_implementation=attention(model_type)
-    )
+def engine_config(
+    model_type: str, layout: str, changes: dict[str, Any] | None = None
+) -> EngineConfig:
+    """A float32 CPU engine config of the family's tiny model in `layout` (its config
+    fields `changes` set on top of the tiny sizes)."""
+    hf_config = {**tiny_config(model_type), **(changes or {})}
+    model = ModelConfig(hf_config=hf_config, init_seed=0, attn_implementation=attention(model_type))
     base = EngineConfig(model=model, device="cpu")
     return apply_overrides(base, dict(LAYOUT_OVERRIDES[layout]))
 
@@ -469,10 +471,13 @@ class LayoutCheck:
         return self.log_probs <= tol and self.entropy <= tol
 
 
-def check_family(model_type: str, layouts: tuple[str, ...] = LAYOUTS) -> dict[str, LayoutCheck]:
-    """Run the family's tiny model through `FSDPEngine.forward` in each of `layouts` and
-    compare with `reference_outputs` of the engine's exported weights. Raises `NotTiny`
-    when the tiny config stays large, and whatever transformers or the engine raise."""
+def check_family(
+    model_type: str, layouts: tuple[str, ...] = LAYOUTS, changes: dict[str, Any] | None = None
+) -> dict[str, LayoutCheck]:
+    """Run the family's tiny model (with its config fields `changes`) through
+    `FSDPEngine.forward` in each of `layouts` and compare with `reference_outputs` of the
+    engine's exported weights. Raises `NotTiny` when the tiny config stays large, and
+    whatever transformers or the engine raise."""
     # imported here: the engine module pulls in FSDP, which the support table does not need
     from tephra.engine_fsdp.engine import FSDPEngine
 
@@ -484,14 +489,14 @@ def check_family(model_type: str, layouts: tuple[str, ...] = LAYOUTS) -> dict[st
     out: dict[str, LayoutCheck] = {}
     reference: dict[str, torch.Tensor] | None = None
     for layout in layouts:
-        config = engine_config(model_type, layout)
+        config = engine_config(model_type, layout, changes)
         refusal = None
         try:
             FSDPEngine.check_config(config)
         except ConfigError as exc:
             refusal = str(exc)
         if reference is None:
-            padded = FSDPEngine(engine_config(model_type, "padded"))
+            padded = FSDPEngine(engine_config(model_type, "padded", changes))
             reference = reference_outputs(_reference_with(padded), batch)
         try:
             engine = FSDPEngine(config)  # past the refusal: what the layout would compute
@@ -578,7 +583,9 @@ def render_markdown(command: str) -> str:
         "(`micro_batch.share_prefix=true`: a prompt's samples run the prompt once).",
         "",
         "A vision-language family is checked through its text family (its own row) and refused",
-        "where that one is. The numbers point to the reasons under the table.",
+        "where that one is. A sliding-window refusal applies only while the window is on: a",
+        "config with `sliding_window: null` (or 0, or `use_sliding_window: false`) is plain",
+        "causal attention and runs every layout. The numbers point to the reasons under the table.",
         "",
         "| model_type | padded | packed | shared prefix |",
         "|---|---|---|---|",
