@@ -9,7 +9,7 @@ import pytest
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.run.trackers import read_jsonl
-from tephra.controller.testing import SMOKE_REWARD
+from tephra.controller.testing import SMOKE_REWARD, untimed_metrics
 
 pytestmark = pytest.mark.multiproc
 
@@ -32,10 +32,7 @@ def _run(tmp_path, name, *overrides):
 
 
 def _data(records):
-    return [
-        {k: v for k, v in r.items() if not k.startswith(("time/", "memory/", "perf/"))}
-        for r in records
-    ]
+    return [untimed_metrics(r) for r in records]
 
 
 def test_one_replica_equals_the_colocated_engine(ray_session, tmp_path):

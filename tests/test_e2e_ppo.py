@@ -17,7 +17,7 @@ from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.step.mismatch import MismatchAlarm
 from tephra.controller.step.scoring import RewardFailure
-from tephra.controller.testing import SMOKE_REWARD
+from tephra.controller.testing import SMOKE_REWARD, untimed_metrics
 from tephra.core.errors import ConfigError
 
 
@@ -29,14 +29,7 @@ def _smoke(tmp_path, *overrides):
 
 def _compared(records):
     # wall-clock metrics differ run to run; everything computed from data must not
-    return [
-        {
-            k: v
-            for k, v in r.items()
-            if not k.startswith(("time/", "memory/", "perf/tokens_per_s", "perf/mfu"))
-        }
-        for r in records
-    ]
+    return [untimed_metrics(r) for r in records]
 
 
 @pytest.mark.multiproc
@@ -260,7 +253,13 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
         for s in sorted(["actor", "critic", "generate", "old_log_probs", "ref", "sync", "values"])
     ]
     for name in traces:
-        assert json.loads((tmp_path / "ppo" / "profile" / name).read_text())["traceEvents"]
+        events = json.loads((tmp_path / "ppo" / "profile" / name).read_text())["traceEvents"]
+        # the stage's range (an NVTX range too on CUDA) spans the stage's operators
+        stage = name.removeprefix("step2_").removesuffix("_rank0.json")
+        (span,) = [e for e in events if e.get("name") == f"tephra/{stage}"]
+        assert span["cat"] == "user_annotation" and span["dur"] > 0
+        ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("tid") == span["tid"]]
+        assert ops and all(span["ts"] <= e["ts"] <= span["ts"] + span["dur"] for e in ops)
     share = summary["time_share"]
     assert {"generate", "actor", "critic", "sync"} <= set(share) and 0.9 < sum(
         share.values()

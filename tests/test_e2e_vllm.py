@@ -19,7 +19,7 @@ from tephra.controller.launch.ppo import prepare
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.samples import PromptItem, samples_to_batch
-from tephra.controller.testing import SMOKE_REWARD
+from tephra.controller.testing import SMOKE_REWARD, untimed_metrics
 from tephra.controller.workers.rl_worker import RLWorker
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
 from tephra.rollout.backends.server_process import free_port
@@ -288,10 +288,7 @@ def test_killed_vllm_server_is_restarted_and_the_run_matches(
     assert "restart 1 of 1" in out and "step_2 at step 2" in out
 
     def rows(run_dir):
-        return [
-            {k: v for k, v in r.items() if not k.startswith(("time/", "memory/", "perf/"))}
-            for r in read_jsonl(tmp_path / run_dir / "metrics.jsonl")
-        ]
+        return [untimed_metrics(r) for r in read_jsonl(tmp_path / run_dir / "metrics.jsonl")]
 
     assert rows("killed") == rows("uninterrupted")
     a = load_file(tmp_path / "killed" / "hf" / "model.safetensors")

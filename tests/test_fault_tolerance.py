@@ -10,7 +10,7 @@ import pytest
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.run.checkpoints import CheckpointManager, check_manifest
-from tephra.controller.testing import SMOKE_REWARD
+from tephra.controller.testing import SMOKE_REWARD, untimed_metrics
 from tephra.core.errors import CheckpointError
 
 
@@ -99,14 +99,7 @@ def test_run_falls_back_to_the_previous_checkpoint_and_matches(tmp_path, capsys)
     ]
 
     def data(rows):
-        return [
-            {
-                k: v
-                for k, v in r.items()
-                if not k.startswith(("time/", "memory/", "perf/tokens_per_s", "perf/mfu"))
-            }
-            for r in rows
-        ]
+        return [untimed_metrics(r) for r in rows]
 
     # the torn run logged steps 1-4, then steps 3-4 again after falling back to step 2
     assert [r["step"] for r in torn] == [1, 2, 3, 4, 3, 4]
@@ -206,11 +199,7 @@ def test_killed_worker_is_restarted_and_the_run_matches(tmp_path, capsys):
         rows = {}
         for line in (tmp_path / run_dir / "metrics.jsonl").read_text().splitlines():
             r = json.loads(line)
-            rows[r["step"]] = {
-                k: v
-                for k, v in r.items()
-                if not k.startswith(("time/", "memory/", "perf/tokens_per_s", "perf/mfu"))
-            }
+            rows[r["step"]] = untimed_metrics(r)
         return rows
 
     assert last_rows("killed") == last_rows("uninterrupted")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tephra.controller.testing import SMOKE_REWARD
+from tephra.controller.testing import SMOKE_REWARD, untimed_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 6
@@ -50,11 +50,7 @@ def rows(run_dir: Path) -> dict[int, dict]:
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out[r["step"]] = {
-            k: v
-            for k, v in r.items()
-            if not k.startswith(("time/", "memory/", "perf/tokens_per_s", "perf/"))
-        }
+        out[r["step"]] = untimed_metrics(r)
     return out
 
 

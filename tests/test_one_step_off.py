@@ -27,7 +27,7 @@ from tephra.controller.step.mismatch import (
     correct_old_log_probs,
 )
 from tephra.controller.step.rounds import PENDING_FILE, Round, round_from_dict, round_to_dict
-from tephra.controller.testing import SMOKE_REWARD
+from tephra.controller.testing import SMOKE_REWARD, untimed_metrics
 from tephra.core.errors import ConfigError
 
 CAP = 1.5
@@ -227,14 +227,7 @@ def test_a_pending_batch_survives_its_json_file_exactly():
 
 def _compared(records):
     # wall-clock metrics differ run to run; everything computed from data must not
-    return [
-        {
-            k: v
-            for k, v in r.items()
-            if not k.startswith(("time/", "memory/", "perf/tokens_per_s", "perf/mfu"))
-        }
-        for r in records
-    ]
+    return [untimed_metrics(r) for r in records]
 
 
 @pytest.mark.multiproc

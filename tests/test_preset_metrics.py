@@ -20,16 +20,12 @@ import pytest
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.run.trackers import read_jsonl
-from tephra.controller.testing import SMOKE_REWARD
+from tephra.controller.testing import SMOKE_REWARD, untimed_metrics
 from tephra.core.machine import cpu_name
 from tephra.rollout.testing import build_tiny_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "preset_metrics.json"
 RECORD = os.environ.get("TEPHRA_RECORD_PRESET_METRICS") == "1"
-
-# Metrics that measure time or are computed from it (throughput, MFU); `perf/flops` and
-# `perf/trained_tokens` count work and stay.
-TIMED = ("perf/tokens_per_s", "perf/mfu", "perf/mfu_measured_peak")
 
 
 def _overrides(name: str, tmp_path: Path) -> list[str]:
@@ -78,13 +74,6 @@ PRESETS = [
 ]
 
 
-def _untimed(record: dict) -> dict:
-    # memory/*: resident sets differ from run to run, like the times
-    return {
-        k: v for k, v in record.items() if not k.startswith(("time/", "memory/")) and k not in TIMED
-    }
-
-
 def _same(a: object, b: object) -> bool:
     """Bitwise equality of two metric values (NaN equals NaN)."""
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
@@ -124,7 +113,7 @@ def test_presets_log_the_recorded_metrics(ray_session, tmp_path):
             ]
         )
         run(cfg)
-        got[name] = [_untimed(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
+        got[name] = [untimed_metrics(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
     if RECORD:
         FIXTURE.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
         return

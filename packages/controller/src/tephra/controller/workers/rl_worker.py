@@ -28,10 +28,12 @@ the role `reward`: its scorer (reward model, judge) and PRIME's reward model liv
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import random
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -41,7 +43,7 @@ import ray
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from tephra.algos import ActorObjective, CriticObjective
 from tephra.controller.cluster.dispatch import Dispatch, dispatch
@@ -60,6 +62,18 @@ from tephra.rollout.backends.server_process import free_port
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, send_all
 
 
+@contextlib.contextmanager
+def stage_range(stage: str) -> Iterator[None]:
+    """Name a profiled stage `tephra/<stage>`: a range in torch.profiler's trace (a
+    `user_annotation` event around the stage's operators) and, where CUDA is present, an NVTX
+    range, so Nsight Systems (`nsys profile`) shows the stages on its timeline."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(record_function(f"tephra/{stage}"))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.cuda.nvtx.range(f"tephra/{stage}"))
+        yield
+
+
 def profiled(stage: str):
     """Run a worker method under torch.profiler when the driver turned profiling on for this
     step (`RLWorker.set_profile`), writing one Chrome trace per stage and rank."""
@@ -72,7 +86,7 @@ def profiled(stage: str):
             activities = [ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(ProfilerActivity.CUDA)
-            with profile(activities=activities, record_shapes=False) as prof:
+            with profile(activities=activities, record_shapes=False) as prof, stage_range(stage):
                 out = fn(self, *args, **kwargs)
             prof.export_chrome_trace(f"{self._profile_prefix}_{stage}_rank{self.rank}.json")
             return out
