@@ -226,5 +226,7 @@ def test_openenv_config_errors_come_before_ray(monkeypatch):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "openenv" else real(n, *a)
     )
-    with pytest.raises(ConfigError, match=r"install the extra: uv add 'tephra-episodes\[openenv\]'"):
+    with pytest.raises(
+        ConfigError, match=r"install the extra: uv add 'tephra-episodes\[openenv\]'"
+    ):
         parse_config([*env, "rollout.agent.environment_kwargs={url: 'http://x:1'}"])
