@@ -154,6 +154,33 @@ def test_an_openenv_session_gives_each_turn_its_reward(tmp_path, openenv_server)
     assert traj.env_reward == own_score(server, script[:2], {"question": "Why?"})
 
 
+def test_an_unreachable_openenv_server_is_an_environment_error(tmp_path):
+    """No server at the URL: with environment_errors=drop the trajectory ends with
+    `environment_error` (dropped and counted by the trainer), its cause named."""
+    from tephra.rollout.testing import build_tiny_model
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "tiny").path)
+    cfg = AgentLoopConfig(
+        environment="openenv",
+        environment_kwargs={"url": f"http://127.0.0.1:{port}", "connect_timeout_s": 2},
+        environment_errors="drop",
+    )
+    loop = EPISODES.get("environment")(tok, cfg, {})
+    model = ScriptedRollout(tok, lambda s, k: "never asked")
+    item = AgentPrompt([{"role": "user", "content": "Hi."}], sample_id="oe-dead")
+    traj = asyncio.run(loop.run(model, item, SamplingParams(temperature=1.0, max_tokens=8)))
+    assert (traj.finish_reason, traj.num_turns, model.requests) == ("environment_error", 0, [])
+    assert "raised in reset" in traj.extra_info["environment_error"]
+    assert (
+        f"ConnectionError: Failed to connect to ws://127.0.0.1:{port}/ws"
+        in (traj.extra_info["environment_error"])
+    )
+
+
 def model_turns(row: dict, tok) -> list[str]:
     """The texts of a dumped sample's model turns (its runs of response-mask 1), as the
     environment episode sends them: decoded with special tokens, a final EOS left off."""
