@@ -10,6 +10,7 @@ from tephra.core.registry import check_registered
 from tephra.episodes.agent.base import AgentLoopConfig
 from tephra.episodes.agent.black_box import load_agent_function
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS
+from tephra.episodes.environments.openenv_env import check_openenv
 from tephra.episodes.environments.registry import get_environment
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.config import RolloutSection
@@ -61,6 +62,8 @@ class EpisodeRolloutConfig(RolloutSection):
                     get_environment(self.agent.environment)
                 except RegistryError as exc:
                     raise ConfigError(f"rollout.agent.environment: {exc}") from None
+                if self.agent.environment == "openenv":
+                    check_openenv(self.agent.environment_kwargs)
         if self.max_in_flight < 1:
             raise ConfigError(f"rollout.max_in_flight={self.max_in_flight} must be >= 1")
 

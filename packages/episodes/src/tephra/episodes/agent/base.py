@@ -97,8 +97,9 @@ class AgentLoopConfig:
     3.2 JSON), `mistral` (`[TOOL_CALLS]`)."""
     environment: str = ""
     """The environment of the `environment` episode: a name in `ENVIRONMENTS` (`tool`,
-    `interaction`) or `path/to/file.py:ClassName` (a user's `Environment` subclass). Unused
-    by the other episodes."""
+    `answer_check`, `colour_squares`, `openenv`: an OpenEnv server, its settings in
+    `environment_kwargs`) or `path/to/file.py:ClassName` (a user's `Environment` subclass).
+    Unused by the other episodes."""
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor (the same for every item; per-item
     ones come from `AgentPrompt.interaction_kwargs`)."""
