@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from tephra.apps.eval.config import EvalConfig
-from tephra.apps.ppo.config import PPOConfig
+from tephra.apps.ppo.config import DEFAULT_PRESET, PPOConfig
 from tephra.apps.sft.config import SFTConfig
 from tephra.core.app_help import index_rows
-from tephra.core.config_docs import config_reference, rows
+from tephra.core.config import read_preset
+from tephra.core.config_docs import Row, config_reference, rows, with_app_defaults
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 COMMAND = "uv run python scripts/config_docs.py"
@@ -27,6 +29,26 @@ APPS = [
 ]
 
 
+def dotted(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested preset -> dotted key -> value (its leaves)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def app_rows(cls: type, command: str) -> list[Row]:
+    """The rows of one app's config; apps/ppo shows the defaults of its `default` preset (laid
+    under every run) where they differ from the library's."""
+    if command != "uv run apps/ppo":
+        return rows(cls)
+    where = "apps/ppo's `default` preset (the embedded demo)"
+    return with_app_defaults(rows(cls), dotted(read_preset(DEFAULT_PRESET)), where)
+
+
 def index_path(command: str) -> Path:
     """Where app `uv run apps/NAME` keeps its config index (inside its package)."""
     name = command.rsplit("/", 1)[-1]
@@ -35,16 +57,16 @@ def index_path(command: str) -> Path:
     )
 
 
-def render_index(cls: type) -> str:
+def render_index(cls: type, command: str) -> str:
     """The JSON config index of one app."""
-    return json.dumps(index_rows(rows(cls)), indent=1) + "\n"
+    return json.dumps(index_rows(app_rows(cls, command)), indent=1) + "\n"
 
 
 def outputs() -> dict[Path, str]:
     """Every generated file -> its current text."""
     out = {OUT: render()}
     for _, cls, command in APPS:
-        out[index_path(command)] = render_index(cls)
+        out[index_path(command)] = render_index(cls, command)
     return out
 
 
@@ -60,7 +82,10 @@ def render() -> str:
         "machine when the config loads.",
         "",
     ]
-    body = [config_reference(title, cls, command) for title, cls, command in APPS]
+    body = [
+        config_reference(title, cls, command, app_rows(cls, command))
+        for title, cls, command in APPS
+    ]
     return "\n".join(head) + "\n" + "\n".join(body).rstrip("\n") + "\n"
 
 

@@ -437,6 +437,22 @@ def test_bad_option_is_one_clear_error_before_ray(overrides, message):
     assert not ray.is_initialized()
 
 
+def test_the_app_without_a_policy_is_refused_before_ray(capsys):
+    """The app's default preset sets `model.path`; unsetting it is refused while the config
+    loads, naming the key and the two ways to set it."""
+    import ray
+
+    from tephra.apps.ppo.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["-p", "smoke", "model.path=null"])
+    assert exc.value.code == 2
+    assert "set exactly one of model.path (a local Hugging Face folder) or model.hf_config" in (
+        capsys.readouterr().err
+    )
+    assert not ray.is_initialized()
+
+
 @pytest.mark.parametrize("backend", ["hf", "vllm", "sglang"])
 def test_partial_rollout_is_accepted_with_every_built_in_backend(backend):
     import ray

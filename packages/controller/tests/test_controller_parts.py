@@ -392,6 +392,34 @@ def test_worker_group_dispatch_on_ray(tmp_path):
     ray.shutdown()
 
 
+def test_the_library_defaults_are_neutral_and_the_policy_is_required():
+    """The library's tree is tuned for no task: no default policy (a config without one is
+    refused while it loads, naming `model.path` and how to set it, before Ray starts), one
+    step, the engine-api optimizer and the algos loss as they define them. The demo's
+    choices are the apps/ppo default preset's (tests/test_preset_configs.py)."""
+    import ray
+
+    from tephra.algos import ActorObjectiveConfig
+    from tephra.controller.config.tree import PPOConfig
+    from tephra.engine_api.config import OptimizerConfig
+
+    for overrides in ([], ["trainer.steps=3", "actor.optimizer.lr=1e-4"]):
+        with pytest.raises(
+            ConfigError,
+            match=r"^config key 'model' is required and not set: set model\.path to a local "
+            r"Hugging Face folder .* e\.g\. model\.path=smollm2; `uv run apps/ppo` sets",
+        ):
+            load_config(PPOConfig, [], overrides)
+    with pytest.raises(ConfigError, match=r"set exactly one of model\.path .* or model\.hf_config"):
+        load_config(PPOConfig, [], ["model.tokenizer_path=/x"])  # a model section without a path
+    assert not ray.is_initialized()
+    cfg = load_config(PPOConfig, [], ["model.path=tiny"])
+    assert cfg.model.path == "tiny" and cfg.trainer.steps == 1
+    assert cfg.actor.optimizer == OptimizerConfig() and OptimizerConfig().lr == 1e-6
+    assert cfg.actor.objective == ActorObjectiveConfig()
+    assert cfg.actor.objective.loss_agg_mode == "token-mean"
+
+
 def test_auto_dtypes_are_resolved_once_for_the_workers_device():
     """`auto` (the default) becomes one concrete dtype before any worker starts: the CPU's
     measured choice for CPU ranks and replicas, bf16 for CUDA ones; explicit dtypes stay."""
@@ -399,7 +427,7 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
     from tephra.controller.launch.preflight import resolve_auto_dtypes
     from tephra.engine_api.fastest_dtype import fastest_dtype
 
-    cfg = load_config(PPOConfig, [], [])
+    cfg = load_config(PPOConfig, [], ["model.path=tiny"])
     assert (cfg.actor.precision.param_dtype, cfg.rollout.dtype) == ("auto", "auto")
     cpu = resolve_auto_dtypes(cfg)
     assert (
@@ -408,22 +436,30 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
     assert cpu.rollout.dtype == fastest_dtype("cpu")
     fixed = resolve_auto_dtypes(
         load_config(
-            PPOConfig, [], ["actor.precision.param_dtype=float32", "rollout.dtype=bfloat16"]
+            PPOConfig,
+            [],
+            ["model.path=tiny", "actor.precision.param_dtype=float32", "rollout.dtype=bfloat16"],
         )
     )
     assert (fixed.actor.precision.param_dtype, fixed.rollout.dtype) == ("float32", "bfloat16")
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        gpu = resolve_auto_dtypes(load_config(PPOConfig, [], ["resources.gpus_per_rank=1"]))
+        gpu = resolve_auto_dtypes(
+            load_config(PPOConfig, [], ["model.path=tiny", "resources.gpus_per_rank=1"])
+        )
         assert (gpu.actor.precision.param_dtype, gpu.rollout.dtype) == ("bfloat16", "bfloat16")
     with pytest.raises(ConfigError, match=r"rollout.dtype='fp8'.*'auto'"):
-        load_config(PPOConfig, [], ["rollout.dtype=fp8"])
+        load_config(PPOConfig, [], ["model.path=tiny", "rollout.dtype=fp8"])
 
 
 def test_a_server_key_never_reaches_the_run_folder():
     from tephra.controller.config.tree import PPOConfig
     from tephra.controller.launch.ppo import config_to_save
 
-    cfg = load_config(PPOConfig, [], ["rollout.vllm.api_key=s3cret", "rollout.sglang.api_key=auto"])
+    cfg = load_config(
+        PPOConfig,
+        [],
+        ["model.path=tiny", "rollout.vllm.api_key=s3cret", "rollout.sglang.api_key=auto"],
+    )
     saved = config_to_save(cfg)
     assert saved["rollout"]["vllm"]["api_key"].startswith("<redacted")
     assert saved["rollout"]["sglang"]["api_key"] == "auto"

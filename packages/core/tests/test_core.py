@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import pytest
 
@@ -29,6 +30,7 @@ from tephra.core import (
     machine,
     split_cli,
 )
+from tephra.core.config import from_dict, to_dict
 from tephra.core.host_memory import retain_supported
 from tephra.core.machine import CHOICES_FILE
 
@@ -151,6 +153,71 @@ def test_partial_override_keeps_the_parents_default_and_rederives():
     assert cfg.bounds == Bounds(clip=0.3, low=0.3, steps=5)
     assert cfg.plain == Bounds(clip=0.4, low=0.4, steps=1)
     assert load_config(App).bounds == Bounds(steps=5)
+
+
+@dataclass
+class Library:
+    REQUIRED_HINTS: ClassVar[dict[str, str]] = {"model": "set model.path=..., e.g. model.path=x"}
+    model: Bounds
+    """required: no default."""
+    bounds: Bounds = field(default_factory=Bounds)
+    """a neutral section."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """a mapping field."""
+    tags: list[str] = field(default_factory=list)
+    """a list field."""
+
+
+@dataclass
+class LibraryWithTheAppsDefaults:
+    """The reference: the same defaults written as the library's own."""
+
+    model: Bounds = field(default_factory=lambda: Bounds(steps=7))
+    """as base.model."""
+    bounds: Bounds = field(default_factory=lambda: Bounds(clip=0.1, steps=3))
+    """as base.bounds."""
+    options: dict[str, Any] = field(default_factory=lambda: {"a": 1, "b": 2})
+    """as base.options."""
+    tags: list[str] = field(default_factory=lambda: ["x"])
+    """as base.tags."""
+
+
+def test_a_base_instance_stands_in_for_the_defaults(tmp_path):
+    """An app's defaults (`base`) over a library's compose exactly as the same defaults
+    written into the library's classes: a preset's section keeps what the base set in it, a
+    mapping or list from a preset replaces the base's whole; a required field is one error
+    naming the key and the fix."""
+    base = Library(
+        model=Bounds(steps=7),
+        bounds=Bounds(clip=0.1, steps=3),
+        options={"a": 1, "b": 2},
+        tags=["x"],
+    )
+    (tmp_path / "p.yaml").write_text("bounds: {clip: 0.5}\noptions: {c: 3}\n")
+    for presets, overrides in (([], []), ([tmp_path / "p.yaml"], ["tags=[y]", "model.clip=0.3"])):
+        got = to_dict(load_config(Library, presets, overrides, base=base))
+        assert got == to_dict(load_config(LibraryWithTheAppsDefaults, presets, overrides))
+    assert got["options"] == {"c": 3} and got["tags"] == ["y"]
+    assert got["bounds"] == {"clip": 0.5, "low": 0.1, "steps": 3}  # low: set by the base
+    assert load_config(Library, base=base) == base
+    with pytest.raises(
+        ConfigError, match=r"^config key 'model' is required and not set: set model.path=\.\.\., e"
+    ):
+        load_config(Library, overrides=["bounds.clip=0.3"])
+
+
+@dataclass
+class Wrapper:
+    inner: Bounds
+    """required, with no hint."""
+
+
+def test_a_required_field_without_a_hint_names_its_dotted_key():
+    with pytest.raises(
+        ConfigError,
+        match=r"^config key 'inner' is required and not set: set it in a preset or as `inner=\.\.\.`",
+    ):
+        from_dict(Wrapper, {})
 
 
 def test_cache_root_follows_the_environment(tmp_path, monkeypatch):

@@ -205,13 +205,32 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
     return None if f.default is dataclasses.MISSING else f.default
 
 
+def _check_required(
+    cls: type,
+    fields: list[dataclasses.Field[Any]],
+    data: dict[str, Any],
+    given: dict[str, Any],
+    prefix: str,
+) -> None:
+    """A field without a default that neither `data` nor the base sets is an error naming
+    the key and, where the class gives one in its `REQUIRED_HINTS` (a `ClassVar` mapping the
+    field to the fix), how to set it; not a TypeError about `__init__` arguments."""
+    hints: dict[str, str] = getattr(cls, "REQUIRED_HINTS", {})
+    for f in fields:
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in data and f.name not in given:
+            fix = hints.get(f.name) or f"set it in a preset or as `{prefix}{f.name}=...`"
+            raise ConfigError(f"config key {prefix + f.name!r} is required and not set: {fix}")
+
+
 def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "", base: Any = None) -> C:
     """Build dataclass `cls` (recursively) from nested dicts; unknown keys are errors, and a
     key the class lists in its `RETIRED_KEYS` (a `ClassVar` mapping the removed key to what
     replaced it) is refused with that text.
 
     Sections absent from `data` keep their defaults, and a section given in part keeps the
-    rest of its default (`base`, or the parent's default for it). Each dataclass validates
+    rest of its default (`base`, or the parent's default for it). A field without a default
+    must be in `data` or set in `base`. Each dataclass validates
     itself in `__post_init__`, so a bad value fails here, before anything is started.
     """
     if data is not None and not isinstance(data, dict):
@@ -230,6 +249,7 @@ def from_dict(cls: type[C], data: dict[str, Any] | None, prefix: str = "", base:
                 f"(valid keys under {prefix.rstrip('.') or 'the top level'}: {names})"
             )
     kwargs = _explicit_fields(base) if base is not None else {}
+    _check_required(cls, fields, data, kwargs, prefix)
     for f in fields:
         if f.name not in data:
             continue
@@ -340,13 +360,19 @@ def load_config(
     presets: Sequence[str | Path] = (),
     overrides: Sequence[str] = (),
     preset_dir: Path | None = None,
+    base: C | None = None,
 ) -> C:
-    """Defaults <- YAML presets (in order) <- dotted overrides, validated into `cls`."""
+    """Defaults <- YAML presets (in order) <- dotted overrides, validated into `cls`.
+
+    `base`, an instance of `cls`, stands in for the class's defaults: an app's own defaults
+    over a library's neutral ones. A preset's section then keeps what `base` set in it and
+    changes what the preset names, exactly as over a `default_factory` (a mapping or list
+    field is replaced whole, never merged key by key)."""
     data: dict[str, Any] = {}
     for preset in presets:
         data = merge(data, read_preset(preset, preset_dir))
     data = merge(data, parse_overrides(cls, list(overrides)))
-    return from_dict(cls, data)
+    return from_dict(cls, data, base=base)
 
 
 def split_cli(argv: list[str]) -> tuple[list[str], list[str]]:

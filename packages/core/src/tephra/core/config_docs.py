@@ -178,12 +178,26 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def config_reference(title: str, cls: type, command: str) -> str:
-    """The Markdown reference of config `cls`: one table per section (a dotted prefix)."""
+def with_app_defaults(all_rows: list[Row], values: dict[str, typing.Any], where: str) -> list[Row]:
+    """`rows` with an app's own defaults (dotted key -> value, e.g. from the preset it lays
+    under every run) shown in place of the library's, each saying where it is set and what
+    the library's default is."""
+    out = []
+    for r in all_rows:
+        if r.key in values:
+            note = f"(Default set by {where}; the library's default: `{r.default}`.)"
+            r = dataclasses.replace(r, default=repr(values[r.key]), doc=f"{r.doc} {note}")
+        out.append(r)
+    return out
+
+
+def config_reference(title: str, cls: type, command: str, all_rows: list[Row] | None = None) -> str:
+    """The Markdown reference of config `cls`: one table per section (a dotted prefix);
+    `all_rows` in place of `rows(cls)` (as `with_app_defaults` gives them)."""
     doc = inspect.cleandoc(cls.__doc__ or "")
     lines = [f"## {title}", "", f"`{cls.__module__}.{cls.__qualname__}`: {_cell(doc)}", ""]
     lines += [f"Set a key on the command line with `{command} key=value`.", ""]
-    all_rows = rows(cls)
+    all_rows = rows(cls) if all_rows is None else all_rows
     sections = {r.key for r in all_rows} & {r.key.rsplit(".", 1)[0] for r in all_rows}
     groups: dict[str, list[Row]] = {"": []}
     for r in all_rows:
@@ -223,7 +237,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["FieldSource", "Row", "config_reference", "load_class", "rows"]
+__all__ = ["FieldSource", "Row", "config_reference", "load_class", "rows", "with_app_defaults"]
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

@@ -1,5 +1,6 @@
 """The PPO app's configuration is the controller's `PPOConfig` (one typed tree composed of the
-packages' own configs; see tephra.controller.config.tree). This module adds the app's presets."""
+packages' own configs; see tephra.controller.config.tree). This module adds the app's presets,
+and its defaults: the `default` preset (the embedded demo) stands under every run."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from typing import cast
 
 from tephra.controller.config.tree import PPOConfig
 from tephra.controller.launch.preflight import validate
-from tephra.core.config import load_config, split_cli
+from tephra.core.config import from_dict, load_config, read_preset, split_cli
 from tephra.core.errors import ConfigError
 
 PRESETS = Path(__file__).parent / "presets"
+
+DEFAULT_PRESET = PRESETS / "default.yaml"
+"""The app's defaults over the library's neutral ones: the embedded demo (SmolLM2, 36 steps,
+lr 3e-5). Every run starts from it; `-p` presets and overrides go over it."""
 
 MADE_BY = {
     "runs/vlm_warmup/hf": "uv run apps/sft -p vlm_warmup",
@@ -22,11 +27,24 @@ MADE_BY = {
 from the SFT warm-up's export) -> that command."""
 
 
+def app_defaults() -> PPOConfig:
+    """The library's `PPOConfig` under the app's `default` preset: what `uv run apps/ppo`
+    runs with no arguments (a fresh instance each call)."""
+    return from_dict(PPOConfig, read_preset(DEFAULT_PRESET))
+
+
+def load(presets: list[str], overrides: list[str]) -> PPOConfig:
+    """The app's defaults <- presets (in order) <- overrides, each section checked as it is
+    built (a preset's section keeps what the default preset set in it and changes what it
+    names, as over a library default)."""
+    return load_config(PPOConfig, presets, overrides, preset_dir=PRESETS, base=app_defaults())
+
+
 def parse_config(argv: list[str]) -> PPOConfig:
     """`[-p PRESET ...] [key=value ...]` -> a validated `PPOConfig` (each section checks
     its own fields as it is built; `validate` checks them together)."""
     presets, overrides = split_cli(argv)
-    cfg = load_config(PPOConfig, presets, overrides, preset_dir=PRESETS)
+    cfg = load(presets, overrides)
     validate(cfg)
     return cfg
 
@@ -43,4 +61,13 @@ def check_model_made(cfg: PPOConfig) -> None:
         )
 
 
-__all__ = ["MADE_BY", "PRESETS", "PPOConfig", "check_model_made", "parse_config"]
+__all__ = [
+    "DEFAULT_PRESET",
+    "MADE_BY",
+    "PRESETS",
+    "PPOConfig",
+    "app_defaults",
+    "check_model_made",
+    "load",
+    "parse_config",
+]

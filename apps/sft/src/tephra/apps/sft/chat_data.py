@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
-import reasoning_gym
 import torch
 
 from tephra.controller.data.colour_squares import colour_square_rows
@@ -23,6 +22,7 @@ from tephra.controller.data.multimodal import row_images, with_vision_spans
 from tephra.controller.data.prompts import DatasetError
 from tephra.engine_api.batch import make_batch
 from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs, multimodal_column
+from tephra.episodes.rewards import reasoning_gym_rows
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -99,23 +99,15 @@ def _conversations(rows: list[dict], where: str) -> list[list[dict]]:
 def arithmetic_conversations(size: int, seed: int) -> list[list[dict]]:
     """Two-turn chats about reasoning-gym basic_arithmetic (the default SFT data)."""
 
-    ds = reasoning_gym.create_dataset(
-        "basic_arithmetic",
-        size=size,
-        seed=seed,
-        min_terms=2,
-        max_terms=2,
-        min_digits=1,
-        max_digits=1,
-    )
+    task = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     return [
         [
-            {"role": "user", "content": f"{item['question']}\nAnswer with just the final number."},
-            {"role": "assistant", "content": str(item["answer"])},
+            {"role": "user", "content": f"{row['question']}\nAnswer with just the final number."},
+            {"role": "assistant", "content": row["ground_truth"]},
             {"role": "user", "content": "Are you sure?"},
-            {"role": "assistant", "content": f"Yes, the answer is {item['answer']}."},
+            {"role": "assistant", "content": f"Yes, the answer is {row['ground_truth']}."},
         ]
-        for item in ds
+        for row in reasoning_gym_rows("basic_arithmetic", size, seed, task)
     ]
 
 
@@ -141,19 +133,16 @@ def tool_call_conversations(size: int, seed: int) -> list[list[dict]]:
     the bare number. The model learns to copy the operands into the call and the tool's output
     into the answer; it never has to multiply."""
 
-    ds = reasoning_gym.create_dataset(
-        "basic_arithmetic", size=size, seed=seed, **TOOL_MULTIPLICATION_TASK
-    )
     out = []
-    for item in ds:
-        expression = item["question"].removeprefix("Calculate ").rstrip(".")
+    for row in reasoning_gym_rows("basic_arithmetic", size, seed, TOOL_MULTIPLICATION_TASK):
+        expression = row["question"].removeprefix("Calculate ").rstrip(".")
         call = json.dumps({"name": "python", "arguments": {"code": f"print({expression})"}})
         out.append(
             [
-                {"role": "user", "content": f"{item['question']}\n{TOOL_INSTRUCTION}"},
+                {"role": "user", "content": f"{row['question']}\n{TOOL_INSTRUCTION}"},
                 {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
-                {"role": "tool", "content": f"{item['answer']}\n"},
-                {"role": "assistant", "content": str(item["answer"])},
+                {"role": "tool", "content": f"{row['ground_truth']}\n"},
+                {"role": "assistant", "content": row["ground_truth"]},
             ]
         )
     return out

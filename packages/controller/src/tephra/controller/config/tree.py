@@ -12,7 +12,10 @@
     data, batch, trainer, resources: the controller's own sections
 
 Each option and its default live once, in the package that implements it; this module only
-chooses the trainer's defaults for them (the embedded demo) and checks the combinations.
+chooses the trainer's neutral defaults for them and checks the combinations. Nothing here is
+tuned for one task: the policy (`model.path`) has no default, and the embedded demo's choices
+(SmolLM2, its 36 steps, lr 3e-5, the loss aggregation measured on it) are the apps/ppo
+`default` preset, applied under every run of that app.
 Every name (engine, rollout backend, estimator, loss, aggregation, KL estimator, agent loop,
 scorer) is checked against its registry when the config is built, before any process starts.
 """
@@ -85,22 +88,13 @@ class EngineRoleConfig(EngineSections):
         )
 
 
-def _demo_actor_objective() -> ActorObjectiveConfig:
-    # seq-mean-token-mean weighs every sample equally (the GRPO paper's form). On the demo
-    # (then with division items) `token-mean` let long truncated responses dominate the
-    # gradient (62% of samples hit the length cap by step 30, +26.5 points);
-    # `seq-mean-token-mean` brought the cap rate near 0 (+29 points).
-    return ActorObjectiveConfig(loss_agg_mode="seq-mean-token-mean")
-
-
 @dataclass
 class ActorConfig(EngineRoleConfig):
     """The policy: its engine and its loss."""
 
-    optimizer: OptimizerConfig = field(
-        default_factory=lambda: OptimizerConfig(lr=3e-5, weight_decay=0.0)
-    )
-    """AdamW; the demo's lr 3e-5 (5e-5 made responses hit the length cap within 9 steps)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW of the policy (tephra.engine_api.OptimizerConfig's defaults; the apps/ppo demo
+    sets lr 3e-5 and no weight decay in its `default` preset)."""
     precision: PrecisionConfig = field(default_factory=lambda: PrecisionConfig(param_dtype="auto"))
     """fp32 master weights; compute in bf16 where the device computes it faster than fp32
     (`auto`, timed once per machine), else fp32 (set `param_dtype=float32` for exact tests)."""
@@ -108,9 +102,10 @@ class ActorConfig(EngineRoleConfig):
         default_factory=lambda: MicroBatchConfig(max_tokens_per_microbatch=4096)
     )
     """Token budget of one forward/backward micro-batch on one rank."""
-    objective: ActorObjectiveConfig = field(default_factory=_demo_actor_objective)
+    objective: ActorObjectiveConfig = field(default_factory=ActorObjectiveConfig)
     """Policy loss, aggregation, entropy bonus, KL loss, truncated importance sampling
-    (tephra.algos.ActorObjectiveConfig): `actor.objective.policy_loss=gspo`,
+    (tephra.algos.ActorObjectiveConfig; the apps/ppo demo sets
+    `loss_agg_mode=seq-mean-token-mean`): `actor.objective.policy_loss=gspo`,
     `actor.objective.policy.clip_ratio_high=0.28`, `actor.objective.tis_level=token`."""
 
 
@@ -301,10 +296,9 @@ class TrainerSection:
     in their order. On by default: a rank that draws the long responses holds every other
     rank up at each collective, and the update is the same either way (global normalisers).
     Metrics `balance/max_over_min_tokens_before` / `_after`."""
-    steps: int = 36
-    """RL steps. The demo's 36, measured on today's code with one thread on a core of an AMX
-    CPU (bf16): ~7 s per step, held-out greedy accuracy 36.0% -> 65.9% +- 3.6 (mean +- standard
-    error over seeds 0-3, 200 items); it is 64.8% +- 1.6 after 12 (apps/ppo README)."""
+    steps: int = 1
+    """RL steps of the run. 1 by default (one step checks a set-up end to end); set the run's
+    length (the apps/ppo demo's 36 are in its `default` preset)."""
     critic_warmup: int = 0
     """The first N steps update the critic only: the actor's weights and optimizer state are
     left untouched (verl's `critic_warmup`; VAPO's value pretraining), so the critic learns the
@@ -521,14 +515,24 @@ class ResourcesSection:
             getattr(self, name).check(name)
 
 
+MODEL_PATH_FIX = (
+    "set model.path to a local Hugging Face folder or a bundled name: `smollm2` (the "
+    "bundled SmolLM2-135M-Instruct), `tiny` (a tiny random model), e.g. model.path=smollm2; "
+    "`uv run apps/ppo` sets model.path=smollm2 in its default preset"
+)
+"""What a config without a policy is told (the policy has no library default)."""
+
+
 @dataclass
 class PPOConfig:
     """The RL trainer (PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO, ... by name)."""
 
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="smollm2"))
-    """The policy checkpoint (tephra.engine_api.ModelConfig): `path` is a local Hugging Face
-    folder, `smollm2` (the bundled SmolLM2-135M-Instruct), `tiny` (a tiny random model for
-    tests) or `tiny_vlm` / `tiny_qwen2_5_vl` / `tiny_llava` (a tiny random Qwen2-VL / Qwen2.5-VL / LLaVA); gradient_checkpointing, attn_implementation, trust_remote_code."""
+    REQUIRED_HINTS: ClassVar[dict[str, str]] = {"model": MODEL_PATH_FIX}
+    model: ModelConfig
+    """The policy checkpoint (tephra.engine_api.ModelConfig), required: `path` is a local
+    Hugging Face folder, `smollm2` (the bundled SmolLM2-135M-Instruct), `tiny` (a tiny random
+    model for tests) or `tiny_vlm` / `tiny_qwen2_5_vl` / `tiny_llava` (a tiny random Qwen2-VL /
+    Qwen2.5-VL / LLaVA); gradient_checkpointing, attn_implementation, trust_remote_code."""
     data: DataSection = field(default_factory=DataSection)
     """Prompts and held-out set."""
     batch: BatchSection = field(default_factory=BatchSection)

@@ -27,6 +27,7 @@ from typing import Any
 from tephra.engine_api.errors import ConfigError, TephraError
 from tephra.episodes.prompt_text import empty_prompt_rows, rows_phrase
 from tephra.episodes.registry import EPISODES
+from tephra.episodes.rewards import reasoning_gym_rows
 
 
 class DatasetError(TephraError, ValueError):
@@ -283,32 +284,29 @@ def reasoning_gym_records(
     task_config: dict[str, Any] | None = None,
     instruction: str = DEFAULT_INSTRUCTION,
 ) -> list[PromptRecord]:
-    """`size` items of a reasoning-gym task, generated offline and reproducibly by `seed`."""
-    import reasoning_gym  # heavy (seconds, noisy): only reasoning-gym data needs it
-
+    """`size` items of a reasoning-gym task, generated offline and reproducibly by `seed`: the
+    rows of `tephra.episodes.rewards.reasoning_gym_rows` as prompt records, `instruction`
+    appended to each question."""
     try:
-        ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **(task_config or {}))
+        # the prompt asks for just the number, so the last number is the answer
+        rows = reasoning_gym_rows(
+            task, size, seed, task_config, extract="last_number", prefix=REASONING_GYM_PREFIX
+        )
     except Exception as exc:  # reasoning-gym raises various types for unknown tasks/options
         raise ConfigError(
             f"data: reasoning-gym task {task!r} with {task_config} failed: {exc}"
         ) from exc
     out = []
-    for item in ds:
-        content = f"{item['question']}\n{instruction}" if instruction else item["question"]
+    for row in rows:
+        question = row["question"]
+        content = f"{question}\n{instruction}" if instruction else question
         out.append(
             PromptRecord(
                 prompt=[{"role": "user", "content": content}],
-                data_source=REASONING_GYM_PREFIX + task,
-                ground_truth=str(item["answer"]),
-                # the entry travels as JSON (the rollout package's reasoning_gym scorer format);
-                # the prompt asks for just the number, so the last number is the answer
-                extra_info={
-                    "reasoning_gym": {
-                        "task": task,
-                        "entry_json": json.dumps(item, default=str),
-                        "extract": "last_number",
-                    }
-                },
+                data_source=row["data_source"],
+                ground_truth=row["ground_truth"],
+                # the entry travels as JSON (the episodes package's reasoning_gym scorer format)
+                extra_info={"reasoning_gym": row["extra_info"]["reasoning_gym"]},
             )
         )
     return out

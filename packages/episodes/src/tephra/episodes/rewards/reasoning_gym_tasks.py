@@ -126,12 +126,15 @@ def reasoning_gym_rows(
     extract: str = "answer_tag",
     prefix: str = DEFAULT_PREFIX,
 ) -> list[dict[str, Any]]:
-    """`size` items of a reasoning-gym task as verl-style rows the reward scorer understands.
+    """`size` items of a reasoning-gym task as verl-style rows the reward scorer understands:
+    the one builder of reasoning-gym data (the RL trainer's prompts, the evaluation app's and
+    the SFT app's conversations are made from these rows).
 
     Each row is {"data_source": prefix + task, "question": str, "ground_truth": str,
     "extra_info": {"index": i, "reasoning_gym": {"task", "entry_json", "extract"}}};
     the caller turns "question" into a prompt (adding e.g. "Answer with just the number").
     `config` holds extra fields of the task's config (e.g. {"min_terms": 2, "max_terms": 2}).
+    A value of an entry that JSON has no type for is stored as its `str`.
     """
     import reasoning_gym  # seconds to import (and noisy): only reasoning-gym data needs it
 
@@ -153,7 +156,7 @@ def reasoning_gym_rows(
                     "index": index,
                     "reasoning_gym": {
                         "task": task,
-                        "entry_json": json.dumps(entry),
+                        "entry_json": json.dumps(entry, default=str),
                         "extract": extract,
                     },
                 },

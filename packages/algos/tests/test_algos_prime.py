@@ -1,5 +1,5 @@
-"""PRIME's step in the loop: implicit rewards, labels and the whitened RLOO advantage of a
-hand-made batch; the refused options."""
+"""PRIME's step (`tephra.algos.prime`, the maths of the controller's PRIME recipe): implicit
+rewards, labels and the whitened RLOO advantage of a hand-made batch; the refused options."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tephra.algos import prime_step
+from tephra.algos.errors import ConfigError
 from tephra.algos.recipe_config import PrimeConfig
-from tephra.engine_api.errors import ConfigError
 
 
 def test_prime_step_by_hand():
