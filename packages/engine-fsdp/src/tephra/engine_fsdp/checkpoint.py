@@ -98,12 +98,10 @@ def load(
     """Restore everything `save` wrote; returns the step count."""
     meta = _check_same_model(path, model)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
     try:
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
+        # DCP loads in place: into the tensors (and values) of model_sd and optim_sd
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     except Exception as exc:  # DCP raises many types; the path is what people need
         raise CheckpointError(f"checkpoint {str(path)!r} could not be loaded: {exc}") from exc
     scheduler.load_state_dict(meta["scheduler"])

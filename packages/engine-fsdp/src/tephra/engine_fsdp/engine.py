@@ -13,6 +13,7 @@ import math
 from collections.abc import Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from tephra.engine_fsdp import (
 from tephra.engine_fsdp.model_builder import backbone, build_model, decoder_layers
 from tephra.engine_fsdp.schedulers import build_scheduler
 from tephra.engine_fsdp.scorer import TokenScorer, check_output_head
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 logger = logging.getLogger(__name__)
 
@@ -134,13 +138,18 @@ class FSDPEngine(Engine):
             hf_model.config._attn_implementation = tree_attention.ATTENTION_NAME
         self.flat_tree = hf_model.config._attn_implementation == tree_attention.ATTENTION_NAME
         """Shared-prefix micro-batches run as one unpadded row (`prefix_sharing.layout`)."""
-        trained = hf_model
+        self.peft_model: PeftModel | None = None
+        """The peft model around `hf_model` (what trains) with LoRA, else None."""
         if config.lora.enabled:
-            trained = lora.apply_lora(
+            self.peft_model = lora.apply_lora(
                 hf_model, config.lora, config.model.role, seed=config.model.init_seed
             )
         self.scorer = TokenScorer(
-            trained, hf_model, config.model.role, config.temperature, config.compute_entropy
+            hf_model if self.peft_model is None else self.peft_model,
+            hf_model,
+            config.model.role,
+            config.temperature,
+            config.compute_entropy,
         )
         sharding.shard_model(self.scorer, layers, self.mesh, config, self.device)
         self.model = self.scorer
@@ -242,7 +251,7 @@ class FSDPEngine(Engine):
             self._optimizer_on_device = True
 
     @contextmanager
-    def _mode(self, train: bool):
+    def _mode(self, train: bool) -> Iterator[None]:
         was_training = self.scorer.training
         self.scorer.train(train)
         if train:
@@ -264,17 +273,19 @@ class FSDPEngine(Engine):
     def reference_mode(self) -> Iterator[None]:
         """Forward passes inside run the base model (peft's adapters disabled): the reference
         policy's log-probs, with no second model in memory. Needs `lora.rank > 0`."""
-        self._need_adapters(
+        adapters = self._adapters(
             "reference_mode()",
             "without adapters the base model is being trained, so build a separate engine "
             "for the reference policy",
         )
-        with self.scorer.model.disable_adapter():
+        with adapters.disable_adapter():
             yield
 
-    def _need_adapters(self, method: str, fix: str) -> None:
-        if not self.config.lora.enabled:
+    def _adapters(self, method: str, fix: str) -> PeftModel:
+        """The peft model; a `ConfigError` naming `method` and `fix` without LoRA."""
+        if self.peft_model is None:
             raise ConfigError(f"{method} needs LoRA (lora.rank > 0): {fix}")
+        return self.peft_model
 
     # ----- compute ---------------------------------------------------------------------
     def _validate(self, batch: TensorDict) -> TensorDict:
@@ -319,13 +330,15 @@ class FSDPEngine(Engine):
             return self._sequence_parallel_outputs(mb, extra)
         # the kernel computes sum pi^2 in its pass over the vocabulary, only when asked
         sum_sq = "sum_pi_squared" in extra
-        pos, pixels = None, {}
+        pos: torch.Tensor | None = None
+        pixels: dict[str, torch.Tensor] = {}
+        idle: dict[str, torch.Tensor] | None = None  # a blank image for the tower (`vision`)
         if self.vlm:  # pixel inputs and mRoPE position ids
             pos, pixels = vision.model_inputs(
                 backbone(self.hf_model), self.hf_model.config, mb, self.packed, self.device
             )
             if not pixels and self.idle_vision:
-                pixels = {"idle_vision": vision.idle_inputs(self.hf_model.config, self.device)}
+                idle = vision.idle_inputs(self.hf_model.config, self.device)
         if self.packed:
             packed = B.pack(
                 mb.select(B.INPUT_IDS, B.POSITION_IDS, B.RESPONSE_MASK, B.ATTENTION_MASK)
@@ -339,6 +352,7 @@ class FSDPEngine(Engine):
                 pos.to(self.device),
                 None,
                 label_mask.to(self.device),
+                idle_vision=idle,
                 **pixels,
                 sum_pi_squared=sum_sq,
             )
@@ -361,6 +375,7 @@ class FSDPEngine(Engine):
                 attn.to(self.device),
                 label_mask.to(self.device),
                 tree=tree,
+                idle_vision=idle,
                 **pixels,
                 sum_pi_squared=sum_sq,
             )
@@ -524,7 +539,7 @@ class FSDPEngine(Engine):
         weights.write_hf_folder(Path(path), self.hf_model, self.device, tokenizer_dir)
 
     def export_adapter(self, path: str | Path) -> None:
-        self._need_adapters(
+        self._adapters(
             "export_adapter()", "without adapters there is none; export the model with export_hf"
         )
         weights.write_adapter_folder(

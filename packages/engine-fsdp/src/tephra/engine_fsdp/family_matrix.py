@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from tephra.engine_api import batch as B
@@ -26,6 +26,9 @@ from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp.families import LAYOUT_OVERRIDES, LAYOUTS, REFUSED
 from tephra.engine_fsdp.testing import padded_batch
+
+if TYPE_CHECKING:
+    from tephra.engine_fsdp.engine import FSDPEngine
 
 VOCAB = 256
 """Vocabulary of every tiny config (token ids of the test batches are below it)."""
@@ -390,11 +393,11 @@ def parameter_count(hf_config: dict[str, Any]) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_reference(hf_config: dict[str, Any]) -> torch.nn.Module:
+def build_reference(hf_config: dict[str, Any]) -> PreTrainedModel:
     """The family's plain transformers causal LM (eager attention, float32, eval mode)."""
     data = dict(hf_config)
     config = AutoConfig.for_model(data.pop("model_type"), **data)
-    model = AutoModelForCausalLM.from_config(
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(
         config, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
@@ -443,7 +446,9 @@ def attention(model_type: str) -> str:
 
 
 def _causal_lm_class(config: PretrainedConfig) -> type:
-    return AutoModelForCausalLM._model_mapping[type(config)]
+    # transformers annotates the lazy mapping's values as the tokenizer mapping's pairs; a
+    # model mapping holds one class per config class
+    return AutoModelForCausalLM._model_mapping[type(config)]  # type: ignore[return-value]
 
 
 def engine_config(
@@ -513,9 +518,11 @@ def check_family(
     return out
 
 
-def _reference_with(engine: Any) -> torch.nn.Module:
+def _reference_with(engine: FSDPEngine) -> PreTrainedModel:
     """The plain model holding the engine's exported weights (every one must fit)."""
-    model = build_reference(engine.config.model.hf_config)
+    hf_config = engine.config.model.hf_config
+    assert hf_config is not None  # the matrix builds every engine from a config dict
+    model = build_reference(hf_config)
     state = {n: t for bucket in engine.export_weights() for n, t in bucket}
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if model.config.get_text_config().tie_word_embeddings else set()
@@ -541,8 +548,8 @@ def status(model_type: str, layout: str) -> str:
     if model_type in NOT_RUN:
         kind, why = NOT_RUN[model_type]
         return f"{kind} ({why})"
-    why = REFUSED.get(model_type, {}).get(layout) or REFUSED.get(model_type, {}).get("padded")
-    return f"refused ({why})" if why else "Y"
+    refusal = REFUSED.get(model_type, {}).get(layout) or REFUSED.get(model_type, {}).get("padded")
+    return f"refused ({refusal})" if refusal else "Y"
 
 
 def support_table() -> list[Row]:

@@ -42,7 +42,9 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig, role: str, seed: int) ->
         excluded += vision_family(model.config).tower_modules
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,
+        # peft annotates lora_alpha `int` but divides it (scaling = lora_alpha / r): a float
+        # alpha is what it computes with
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         # a regex, full-matched against each module's dotted name
@@ -80,5 +82,11 @@ def adapter_names(name: str) -> tuple[str, str] | None:
 
 def lora_scaling(model: PreTrainedModel, name: str) -> float:
     """alpha / rank of the adapted layer owning base weight `name`."""
-    module = model.get_submodule(name[: -len(".base_layer.weight")])
+    # peft: imported here as above (loaded already once a model holds adapters)
+    from peft.tuners.lora import LoraLayer
+
+    owner = name[: -len(".base_layer.weight")]
+    module = model.get_submodule(owner)
+    if not isinstance(module, LoraLayer):
+        raise ValueError(f"{owner!r} is not a LoRA layer (base weight name {name!r})")
     return float(module.scaling[ADAPTER])

@@ -53,6 +53,7 @@ def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
                 "the model type may be unsupported by the installed transformers "
                 "(or needs model.trust_remote_code=True)"
             ) from exc
+    assert cfg.hf_config is not None  # ModelConfig holds exactly one of path and hf_config
     data = dict(cfg.hf_config)
     model_type = data.pop("model_type")
     try:
@@ -70,7 +71,9 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
     drawn from `cfg.init_seed` without touching the global RNG stream.
     """
     hf_config = load_hf_config(cfg)
-    auto = AutoModelForCausalLM if cfg.role == "policy" else AutoModelForTokenClassification
+    auto: type[
+        AutoModelForCausalLM | AutoModelForTokenClassification | AutoModelForImageTextToText
+    ] = AutoModelForCausalLM if cfg.role == "policy" else AutoModelForTokenClassification
     if getattr(hf_config, "vision_config", None) is not None:
         # a vision-language model (Qwen2-VL family): its causal LM is image-text-to-text, and
         # its critic the same model with a value head (`vision_value_head`)
@@ -152,8 +155,10 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     """Modules FSDP shards one by one: those whose class the model declares unsplittable
     (`_no_split_modules`, e.g. `Qwen2DecoderLayer`)."""
     hf = model
-    while not isinstance(hf, PreTrainedModel) and hasattr(hf, "model"):
-        hf = hf.model
+    while not isinstance(hf, PreTrainedModel) and isinstance(
+        inner := getattr(hf, "model", None), nn.Module
+    ):
+        hf = inner
     names = set(getattr(hf, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:

@@ -111,12 +111,14 @@ def layout(
     if shared is None:
         return None
     real, cut = attention_mask.bool(), shared.cut
-    rows_ids, rows_pos, rows_seg = [], [], []
+    rows_ids: list[torch.Tensor] = []
+    rows_pos: list[torch.Tensor] = []
+    rows_seg: list[torch.Tensor] = []
     where: dict[int, tuple[int, int]] = {}  # original row -> (tree row, start of its segment)
     for u, first in enumerate(shared.first.tolist()):
         keep = real[first, :cut]
-        ids, pos = [input_ids[first, :cut][keep]], [position_ids[first, :cut][keep]]
-        seg, length = [torch.full((int(keep.sum()),), -1)], int(keep.sum())
+        row_ids, row_pos = [input_ids[first, :cut][keep]], [position_ids[first, :cut][keep]]
+        row_seg, length = [torch.full((int(keep.sum()),), -1)], int(keep.sum())
         for r in (shared.owner == u).nonzero()[:, 0].tolist():
             tail = real[r, cut:]
             where[r] = (u, length - cut)  # tree index of column c of row r: c + this
@@ -125,13 +127,13 @@ def layout(
             count = int(tail.sum())
             if count and not bool(tail[:count].all()):
                 return None  # padding inside the tail: keep the plain layout
-            ids.append(input_ids[r, cut : cut + count])
-            pos.append(position_ids[r, cut : cut + count])
-            seg.append(torch.full((count,), r))
+            row_ids.append(input_ids[r, cut : cut + count])
+            row_pos.append(position_ids[r, cut : cut + count])
+            row_seg.append(torch.full((count,), r))
             length += count
-        rows_ids.append(torch.cat(ids))
-        rows_pos.append(torch.cat(pos))
-        rows_seg.append(torch.cat(seg))
+        rows_ids.append(torch.cat(row_ids))
+        rows_pos.append(torch.cat(row_pos))
+        rows_seg.append(torch.cat(row_seg))
 
     def scored(starts: list[int]) -> torch.Tensor:  # tree row u begins at starts[u]
         return torch.tensor(

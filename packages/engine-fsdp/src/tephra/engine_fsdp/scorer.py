@@ -17,6 +17,8 @@ import tephra.kernels as kernels
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp import tree_attention
 from tephra.engine_fsdp.model_builder import VALUE_HEAD, backbone
+from tephra.engine_fsdp.prefix_sharing import TreeLayout
+from tephra.engine_fsdp.vision import image_tower
 
 
 def check_output_head(hf_model: PreTrainedModel, role: str, where: str) -> None:
@@ -55,6 +57,9 @@ class TokenScorer(nn.Module):
     micro-batch has no trained position (FSDP's reduce-scatter needs that).
     """
 
+    _hf: PreTrainedModel
+    """The HF model (inside `self.model` when peft wraps it), set by `__init__`."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -77,28 +82,29 @@ class TokenScorer(nn.Module):
 
     def head(self) -> nn.Module:
         if self.role == "policy":
-            return self._hf.get_output_embeddings()
-        return getattr(self._hf, VALUE_HEAD)
+            head: nn.Module = self._hf.get_output_embeddings()
+            return head
+        return self._hf.get_submodule(VALUE_HEAD)
 
     def forward(
         self,
-        input_ids,
-        position_ids,
-        attention_mask,
-        label_mask,
-        next_tokens=None,
-        tree=None,
-        idle_vision=None,
-        sum_pi_squared=False,
-        **vision,
-    ):
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        label_mask: torch.Tensor,
+        next_tokens: torch.Tensor | None = None,
+        tree: TreeLayout | None = None,
+        idle_vision: dict[str, torch.Tensor] | None = None,
+        sum_pi_squared: bool = False,
+        **vision: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
         # vision: pixel_values / image_grid_thw of a vision-language model (see `vision`);
         # idle_vision: a blank image run through the tower only to join the ranks' collectives
         model = backbone(self._hf)
-        idle = 0.0
+        idle: torch.Tensor | float = 0.0
         if idle_vision is not None:  # first, as with real images: the ranks' collectives
-            features = model.get_image_features(**idle_vision).pooler_output  # run in order
-            idle = sum(f.sum() for f in features) * 0.0
+            features = image_tower(model).get_image_features(**idle_vision).pooler_output
+            idle = sum(f.sum() for f in features) * 0.0  # (run in order)
         select = label_mask.bool()
         if next_tokens is None:  # else given: under Ulysses a shard's last token has its
             next_tokens = torch.zeros_like(input_ids)  # successor on the next rank
@@ -142,28 +148,27 @@ class TokenScorer(nn.Module):
             if sum_pi_squared:
                 result["sum_pi_squared"] = empty
             return result
-        outs = kernels.linear_logprob_entropy(
+        log_probs, entropy, *sum_sq = kernels.linear_logprob_entropy(
             h,
-            head.weight,
+            head.get_parameter("weight"),
             next_tokens[select],
             self.temperature,
             compute_entropy=self.compute_entropy,
             compute_sum_pi_squared=sum_pi_squared,
         )
-        log_probs, entropy = outs[0], outs[1]
         # clones: FSDP2 warns about views returned from a wrapped module
         result = {"log_probs": log_probs.float().clone(), "anchor": anchor}
-        if self.compute_entropy:
+        if entropy is not None:  # computed when `compute_entropy`
             result["entropy"] = entropy.float().clone()
-        if sum_pi_squared:
-            result["sum_pi_squared"] = outs[2].float().clone()
+        if sum_sq:  # computed when `sum_pi_squared`
+            result["sum_pi_squared"] = sum_sq[0].float().clone()
         return result
 
     def _tree_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """SDPA takes the boolean mask; eager attention adds it, so it gets 0 / -inf-like."""
         if self._hf.config._attn_implementation != "eager":
             return allowed
-        dtype = self._hf.get_input_embeddings().weight.dtype
+        dtype = self._hf.get_input_embeddings().get_parameter("weight").dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min
         )

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from transformers import PreTrainedModel
 
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.errors import ConfigError
@@ -90,7 +91,7 @@ def build_mesh(config: EngineConfig, device: torch.device) -> DeviceMesh:
     )
 
 
-def check_ulysses(config: EngineConfig, hf_model: nn.Module, where: str) -> None:
+def check_ulysses(config: EngineConfig, hf_model: PreTrainedModel, where: str) -> None:
     """Refuse what Ulysses sequence parallelism (`parallel.context > 1`) does not cover."""
     sp = config.parallel.context
     text = hf_model.config.get_text_config()

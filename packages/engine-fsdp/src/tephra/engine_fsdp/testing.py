@@ -13,9 +13,16 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tephra.engine_api import batch as B
-from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
+from tephra.engine_api.config import EngineConfig, ModelConfig, OptimizerConfig, apply_overrides
+from tephra.engine_api.loss import LossFn
 from tephra.engine_api.multimodal import vision_family
-from tephra.engine_api.testing import ConformanceSpec, nll_loss_fn, random_batch, run_conformance
+from tephra.engine_api.testing import (
+    ConformanceSpec,
+    ReferenceModel,
+    nll_loss_fn,
+    random_batch,
+    run_conformance,
+)
 from tephra.engine_fsdp.engine import FSDPEngine
 
 TINY_VOCAB = 256
@@ -43,7 +50,7 @@ def tiny_engine_config(**overrides: Any) -> EngineConfig:
     """fp32 tiny policy, lr 1e-2, no clipping limit in the way; dotted overrides applied."""
     base = EngineConfig(
         model=ModelConfig(hf_config=tiny_qwen2_config(), init_seed=0),
-        optimizer={"lr": 1e-2, "weight_decay": 0.0},
+        optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0),
         device="cpu",
     )
     return apply_overrides(base, overrides)
@@ -77,7 +84,9 @@ class HFReference:
 
         self.model = PeftModel.from_pretrained(self.model, str(folder)).eval()
 
-    def logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    def logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         with torch.no_grad():
             return self.model(
                 input_ids=input_ids,
@@ -87,7 +96,14 @@ class HFReference:
             ).logits.float()
 
 
-def conformance_spec(workdir: Path, **base_overrides: Any):
+def _load_adapter(ref: ReferenceModel, folder: Path) -> None:
+    """The kit's `load_adapter` for the `HFReference` that `conformance_spec` makes."""
+    if not isinstance(ref, HFReference):
+        raise TypeError(f"load_adapter expects an HFReference, got {type(ref).__name__}")
+    ref.load_adapter(folder)
+
+
+def conformance_spec(workdir: Path, **base_overrides: Any) -> ConformanceSpec:
     """The conformance kit's spec for this engine on the tiny model."""
 
     def make_engine(overrides: dict[str, Any]) -> FSDPEngine:
@@ -99,11 +115,13 @@ def conformance_spec(workdir: Path, **base_overrides: Any):
         vocab_size=TINY_VOCAB,
         workdir=Path(workdir),
         atol=1e-5,
-        load_adapter=lambda ref, folder: ref.load_adapter(folder),
+        load_adapter=_load_adapter,
     )
 
 
-def train_step(engine, batch, loss_fn=None) -> tuple[float, float]:
+def train_step(
+    engine: FSDPEngine, batch: TensorDict, loss_fn: LossFn | None = None
+) -> tuple[float, float]:
     """One forward_backward + optimizer_step on this rank's share of `batch` (contiguous
     equal chunks, like the kit); returns (loss, grad norm)."""
     n = batch.batch_size[0] // engine.dp_size
@@ -115,7 +133,7 @@ def train_step(engine, batch, loss_fn=None) -> tuple[float, float]:
     return metrics["loss"], grad_norm
 
 
-def full_gradients(engine) -> list[torch.Tensor]:
+def full_gradients(engine: FSDPEngine) -> list[torch.Tensor]:
     """Every parameter's accumulated gradient, unsharded (zeros where none)."""
     out = []
     for p in engine.scorer.parameters():
@@ -125,7 +143,7 @@ def full_gradients(engine) -> list[torch.Tensor]:
 
 
 def share_gradients(
-    shares: list, loss_fn, overrides: dict[str, Any] | None = None
+    shares: list[TensorDict], loss_fn: LossFn, overrides: dict[str, Any] | None = None
 ) -> list[torch.Tensor]:
     """Rank body (`run_distributed`): one `forward_backward` of `loss_fn` on this rank's
     batch, `shares[dp_rank]`, on a tiny engine (`tiny_engine_config(**overrides)`); returns
@@ -136,7 +154,7 @@ def share_gradients(
     return full_gradients(engine)
 
 
-def grouped_batch(groups: int = 3, n: int = 4, seed: int = 0):
+def grouped_batch(groups: int = 3, n: int = 4, seed: int = 0) -> TensorDict:
     """A GRPO-shaped batch: `groups` random prompts (left-padded, 2-7 tokens) with `n`
     sampled responses each (right-padded, 1-7 tokens), rows grouped by prompt."""
     g = torch.Generator().manual_seed(seed)
@@ -192,7 +210,7 @@ ULYSSES = {"parallel.context": 2, "micro_batch.use_packing": True}
 """Overrides for Ulysses sequence parallelism over 2 ranks."""
 
 
-def ulysses_outputs(engine, batch, steps: int = 2) -> dict[str, Any]:
+def ulysses_outputs(engine: FSDPEngine, batch: TensorDict, steps: int = 2) -> dict[str, Any]:
     """Log-probs `[B, T]` of `batch` before training, then `steps` training steps
     (loss, grad norm) on this rank's share: what the SP=2 vs SP=1 parity test compares."""
     with engine.eval_mode():
@@ -200,14 +218,14 @@ def ulysses_outputs(engine, batch, steps: int = 2) -> dict[str, Any]:
     return {"log_probs": log_probs, "steps": [train_step(engine, batch) for _ in range(steps)]}
 
 
-def distributed_ulysses(workdir: str) -> dict[str, Any]:
+def distributed_ulysses(workdir: str) -> dict[str | int, Any]:
     """Rank body of the Ulysses test (2 ranks, `parallel.context=2`, so one sequence group):
     the conformance kit, then `ulysses_outputs` on a packed batch of unequal lengths for
     the tiny GQA model (4 query, 2 key/value heads) and for 1 key/value head (fewer than
     the 2 ranks: replicated), and for the first with gradient checkpointing and with LoRA (rank 4)."""
     passed = run_conformance(conformance_spec(Path(workdir), **ULYSSES))
     batch = random_batch(TINY_VOCAB, num_sequences=6, response_lengths=(1, 12), seed=11)
-    out = {"passed": passed}
+    out: dict[str | int, Any] = {"passed": passed}  # the outputs by key/value head count
     for kv in (2, 1):
         cfg = tiny_engine_config(**ULYSSES)
         cfg.model.hf_config = tiny_qwen2_config(num_key_value_heads=kv)
@@ -243,7 +261,7 @@ def vision_steps(
         EngineConfig(
             model=ModelConfig(path=vlm_path),
             device="cpu",
-            optimizer={"lr": 1e-2, "weight_decay": 0.0},
+            optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0),
         ),
         overrides or {},
     )

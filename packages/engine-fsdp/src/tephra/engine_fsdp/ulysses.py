@@ -153,7 +153,7 @@ def _ulysses_attention(
 AttentionInterface.register(ATTENTION_NAME, _ulysses_attention)
 
 
-def groups(sp: int, device: torch.device) -> tuple[object, object]:
+def groups(sp: int, device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(sequence-parallel group, data-parallel group) of this rank. The sequence group has
     the default backend (it moves activations); the data-parallel group reduces CPU
     counts and metrics, so it is gloo.
@@ -161,7 +161,8 @@ def groups(sp: int, device: torch.device) -> tuple[object, object]:
     Rank `r` is in sequence group `r // sp` (consecutive ranks) and data-parallel group
     `r % sp`. Every rank must call this (group creation is collective)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    sp_group = dp_group = None
+    sp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
     for g in range(world // sp):
         ranks = list(range(g * sp, (g + 1) * sp))
         made = dist.new_group(ranks)
@@ -172,6 +173,7 @@ def groups(sp: int, device: torch.device) -> tuple[object, object]:
         made = dist.new_group(ranks, backend="gloo")
         if rank in ranks:
             dp_group = made
+    assert sp_group is not None and dp_group is not None  # every rank is in one of each
     return sp_group, dp_group
 
 

@@ -21,8 +21,12 @@ what the backbone needs, through the model family's adapter
 
 from __future__ import annotations
 
+from typing import Any, Protocol, runtime_checkable
+
 import torch
 from tensordict import TensorDict
+from torch import nn
+from transformers import PretrainedConfig
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.errors import BatchError, ConfigError
@@ -39,6 +43,48 @@ from tephra.engine_api.multimodal import (  # noqa: F401 (MULTIMODAL, multimodal
 )
 
 
+@runtime_checkable
+class ImageTower(Protocol):
+    """A backbone with a vision tower (Qwen2-VL's `Qwen2VLModel`, LLaVA's `LlavaModel`)."""
+
+    def get_image_features(self, pixel_values: torch.Tensor, **grids: torch.Tensor) -> Any:
+        """The tower's output (`pooler_output`: the features of each image)."""
+
+
+@runtime_checkable
+class MRopeBackbone(Protocol):
+    """A backbone with multimodal rotary positions (the Qwen2-VL family)."""
+
+    def get_rope_index(
+        self,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position ids `[3, b, t]`, per-row deltas) of a padded batch."""
+
+
+def image_tower(model: nn.Module) -> ImageTower:
+    """`model` (a backbone) as an `ImageTower`; a `ConfigError` when it has no tower."""
+    if not isinstance(model, ImageTower):
+        raise ConfigError(
+            f"{type(model).__name__} has no vision tower (get_image_features); use a "
+            "vision-language model or drop the images"
+        )
+    return model
+
+
+def _mrope_backbone(model: nn.Module) -> MRopeBackbone:
+    if not isinstance(model, MRopeBackbone):
+        raise ConfigError(
+            f"{type(model).__name__} has no get_rope_index, which a model family with "
+            "mRoPE position ids needs; the installed transformers may not match the model"
+        )
+    return model
+
+
 def rows(batch: TensorDict) -> list[MultimodalInputs | None] | None:
     """The rows' images, or None when the batch has no `multimodal` field / no image."""
     if MULTIMODAL not in batch.keys():
@@ -47,7 +93,7 @@ def rows(batch: TensorDict) -> list[MultimodalInputs | None] | None:
     return items if any(m is not None for m in items) else None
 
 
-def check_batch(batch: TensorDict, model_config, sp: int) -> None:
+def check_batch(batch: TensorDict, model_config: PretrainedConfig, sp: int) -> None:
     """Each row's image tokens match its images; the model and settings can take images."""
     items = rows(batch)
     if items is None:
@@ -70,7 +116,7 @@ def check_batch(batch: TensorDict, model_config, sp: int) -> None:
 
 def _grids(mm: MultimodalInputs) -> dict[str, torch.Tensor]:
     """get_rope_index's grid arguments of these images and videos (absent ones left out)."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     if mm.num_images and mm.image_grid_thw is not None:
         out["image_grid_thw"] = mm.image_grid_thw
     if mm.video_grid_thw is not None:
@@ -79,7 +125,11 @@ def _grids(mm: MultimodalInputs) -> dict[str, torch.Tensor]:
 
 
 def _rope_index(
-    backbone, ids: torch.Tensor, mm: MultimodalInputs | None, tid: int, vid: int | None
+    backbone: MRopeBackbone,
+    ids: torch.Tensor,
+    mm: MultimodalInputs | None,
+    tid: int,
+    vid: int | None,
 ) -> torch.Tensor:
     """mRoPE ids `[3, n]` of one unpadded sequence (the model's `get_rope_index`)."""
     if mm is None:  # text only: the three rows are the plain positions
@@ -91,7 +141,11 @@ def _rope_index(
 
 
 def model_inputs(
-    backbone, model_config, mb: TensorDict, packed: bool, device: torch.device
+    backbone: nn.Module,
+    model_config: PretrainedConfig,
+    mb: TensorDict,
+    packed: bool,
+    device: torch.device,
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """(position ids, pixel kwargs) of a micro-batch of a vision-language model: position ids
     `[4, 1, N]` packed (plain positions, then mRoPE) or `[3, b, t]` padded. Packed text-only
@@ -114,12 +168,14 @@ def model_inputs(
             for a in attn
         ]
         return torch.cat(parts, dim=1)[:, None].to(device), {}
+    mrope = _mrope_backbone(backbone)
     images = MultimodalInputs.concat(present)
-    pixel = {}
+    pixel: dict[str, torch.Tensor] = {}
     if images.num_images and images.image_grid_thw is not None:
         pixel["pixel_values"] = images.pixel_values.to(device)
         pixel["image_grid_thw"] = images.image_grid_thw.to(device)
-    if images.video_grid_thw is not None:
+    # (MultimodalInputs holds both or neither)
+    if images.video_grid_thw is not None and images.pixel_values_videos is not None:
         pixel["pixel_values_videos"] = images.pixel_values_videos.to(device)
         pixel["video_grid_thw"] = images.video_grid_thw.to(device)
     with torch.no_grad():
@@ -128,15 +184,15 @@ def model_inputs(
             for r, mm in enumerate(items):
                 real = ids[r][attn[r]]
                 text = torch.arange(real.shape[0])[None]
-                parts.append(torch.cat([text, _rope_index(backbone, real, mm, tid, vid)]))
+                parts.append(torch.cat([text, _rope_index(mrope, real, mm, tid, vid)]))
             return torch.cat(parts, dim=1)[:, None].to(device), pixel
-        pos, _ = backbone.get_rope_index(
+        pos, _ = mrope.get_rope_index(
             ids, mm_token_type_ids(ids, tid, vid), attention_mask=attn.long(), **_grids(images)
         )
     return pos.to(device), pixel
 
 
-def idle_inputs(model_config, device: torch.device) -> dict[str, torch.Tensor]:
+def idle_inputs(model_config: PretrainedConfig, device: torch.device) -> dict[str, torch.Tensor]:
     """Pixel inputs of one blank image (the smallest the tower takes), for a micro-batch
     without images on a multi-rank engine (see the module docstring)."""
     return vision_family(model_config).idle_inputs(model_config, device)

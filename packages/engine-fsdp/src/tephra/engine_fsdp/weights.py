@@ -39,7 +39,9 @@ def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     t = t.detach()
     if isinstance(t, DTensor):
         if t.device != device:  # offloaded shards: gather on the mesh's device
-            t = t.to(device)
+            moved = t.to(device)
+            assert isinstance(moved, DTensor)  # `to` keeps a DTensor a DTensor
+            t = moved
         return t.full_tensor()
     return t.to(device)
 
@@ -148,7 +150,8 @@ def write_adapter_folder(
         # the modules that hold adapters, by name ("all-linear" would be re-resolved on load)
         PeftLoraConfig(
             r=cfg.rank,
-            lora_alpha=cfg.alpha,
+            # peft annotates lora_alpha `int` but divides it (scaling = lora_alpha / r)
+            lora_alpha=cfg.alpha,  # type: ignore[arg-type]
             lora_dropout=cfg.dropout,
             target_modules=sorted(targets),
             base_model_name_or_path=base_path,

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,10 +23,23 @@ import transformers
 from tephra.engine_api.errors import CheckpointError
 from tephra.engine_megatron import hf_conversion as conv
 from tephra.engine_megatron.safetensors_stream import SafetensorsWriter
-from tephra.engine_megatron.weight_export import HFStream
+from tephra.engine_megatron.weight_export import HFStream, ShardedModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from tephra.engine_megatron.distributed_optimizer import DistributedAdamW
 
 
-def _meta(engine) -> dict:
+class CheckpointedModel(ShardedModel, Protocol):
+    """What checkpoints read of a `MegatronEngine` (which imports this module)."""
+
+    hf_config: PretrainedConfig
+    optimizer: DistributedAdamW
+    tokenizer_path: str | None
+
+
+def _meta(engine: CheckpointedModel) -> dict[str, Any]:
     return {
         "format": "tephra-megatron-v2",
         "shape": dataclasses.asdict(engine.shape),
@@ -37,7 +51,7 @@ def _meta(engine) -> dict:
     }
 
 
-def save(engine, path: Path) -> None:
+def save(engine: CheckpointedModel, path: Path) -> None:
     rank = dist.get_rank()
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -52,7 +66,7 @@ def save(engine, path: Path) -> None:
     dist.barrier()
 
 
-def load(engine, path: Path) -> None:
+def load(engine: CheckpointedModel, path: Path) -> None:
     meta_file = path / "meta.json"
     if not meta_file.is_file():
         raise CheckpointError(f"no checkpoint at {str(path)!r} (meta.json is missing)")
@@ -91,7 +105,7 @@ def load(engine, path: Path) -> None:
     dist.barrier()
 
 
-def export_hf(engine, path: Path) -> None:
+def export_hf(engine: CheckpointedModel, path: Path) -> None:
     """rank 0 writes config, `model.safetensors` and tokenizer (when known); every rank takes
     part in the streamed gather (`weight_export.HFStream` to rank 0), so no rank holds more
     than its own shards and one tensor in flight, and rank 0 writes each tensor as it comes."""

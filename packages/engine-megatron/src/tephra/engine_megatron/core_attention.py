@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,10 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 
 from tephra.engine_api.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
 
 KERNELS = ("torch", "flash_attn", "transformer_engine")
 
@@ -84,8 +89,14 @@ def attention_plan(segments: torch.Tensor, local: torch.Tensor | None = None) ->
 
 
 def _torch_blocks(
-    q, k, v, plan: list[list[int]], scale: float, dropout_p: float, window: int | None = None
-):
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: list[list[int]],
+    scale: float,
+    dropout_p: float,
+    window: int | None = None,
+) -> torch.Tensor:
     """q `[sq, b, np, hn]`, k/v `[sk, b, ng, hn]` -> `[sq, b, np, hn]`, one SDPA per block.
     `window` (sliding-window layers): a query sees itself and the `window - 1` keys before
     it; a block longer than the window runs in query tiles of `window` rows against the
@@ -120,7 +131,9 @@ def _torch_blocks(
     return torch.stack([torch.cat(per_row[r]) for r in range(q.shape[1])], dim=1)
 
 
-def _windowed_block(q, k, v, window: int, scale: float, dropout_p: float) -> torch.Tensor:
+def _windowed_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, dropout_p: float
+) -> torch.Tensor:
     """One bottom-right-causal block (q `[lq, np, hn]`, k/v `[lk, ng, hn]`, query i at key
     position lk - lq + i) with a sliding window: key j is seen by query position p when
     p - window < j <= p (transformers' `kv_idx > q_idx - sliding_window`)."""
@@ -151,12 +164,12 @@ class _RingShift(torch.autograd.Function):
     the gradient the other way round."""
 
     @staticmethod
-    def forward(ctx, x, ranks: list[int], me: int):
+    def forward(ctx: Any, x: torch.Tensor, ranks: list[int], me: int) -> torch.Tensor:
         ctx.ranks, ctx.me = ranks, me
         return _shift(x.contiguous(), ranks, me, +1)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _shift(grad.contiguous(), ctx.ranks, ctx.me, -1), None, None
 
 
@@ -172,7 +185,14 @@ def _shift(x: torch.Tensor, ranks: list[int], me: int, step: int) -> torch.Tenso
     return out
 
 
-def _ring_blocks(q, kv_chunks, plan: list[list[int]], local: torch.Tensor, seq_len: int, scale):
+def _ring_blocks(
+    q: torch.Tensor,
+    kv_chunks: Iterable[tuple[int, torch.Tensor, torch.Tensor]],
+    plan: list[list[int]],
+    local: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
     """Ring attention: `kv_chunks` yields `(src, k, v)`, CP rank src's keys/values
     `[s_local, b, ng, hn]` (its positions `cp_chunk_index(src, ...)`), one rank after the
     other. Each plan block's queries attend to the part of every chunk they may see; the
@@ -181,7 +201,9 @@ def _ring_blocks(q, kv_chunks, plan: list[list[int]], local: torch.Tensor, seq_l
     so the result equals softmax over all keys at once. Returns `[sq, b, np, hn]`."""
     np_, hn = q.shape[2], q.shape[3]
     cp = seq_len // len(local)
-    acc: list = [None] * len(plan)  # per block: (out [ng, rep, lq, hn], lse [ng, rep, lq])
+    acc: dict[
+        int, tuple[torch.Tensor, torch.Tensor]
+    ] = {}  # per block: (out [ng, rep, lq, hn], lse [ng, rep, lq])
     # every chunk joins the graph, seen or not: the ring's backward is a collective, and a
     # rank whose queries see nothing of a chunk would otherwise skip its shift's backward
     touch = q.new_zeros(())
@@ -193,7 +215,7 @@ def _ring_blocks(q, kv_chunks, plan: list[list[int]], local: torch.Tensor, seq_l
         half = len(nat) // 2
         for j, (row, q0, q1, k0, k1) in enumerate(plan):
             p0, lq = int(local[q0]), q1 - q0
-            if acc[j] is None:
+            if j not in acc:
                 acc[j] = (
                     q.new_zeros(ng, rep, lq, hn),
                     q.new_full((ng, rep, lq), float("-inf")),
@@ -222,7 +244,8 @@ def _ring_blocks(q, kv_chunks, plan: list[list[int]], local: torch.Tensor, seq_l
                     torch.cat([lse_acc[..., :qs], new], dim=2),
                 )
     per_row: dict[int, list[torch.Tensor]] = {}
-    for (row, *_), (out, _) in zip(plan, acc):
+    for j, (row, *_) in enumerate(plan):
+        out, _ = acc[j]
         per_row.setdefault(row, []).append(out.reshape(np_, -1, hn).transpose(0, 1))
     return torch.stack([torch.cat(per_row[r]) for r in range(q.shape[1])], dim=1) + touch
 
@@ -232,7 +255,7 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).reshape(-1, *x.shape[2:])
 
 
-def _cu_seqlens(plan: torch.Tensor, s: int, device) -> tuple[torch.Tensor, int]:
+def _cu_seqlens(plan: torch.Tensor, s: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """THD boundaries of the blocks (each a whole sequence without context parallel)."""
     starts = plan[:, 0] * s + plan[:, 1]
     total = torch.tensor([int(plan[:, 0].max() + 1) * s])
@@ -285,18 +308,18 @@ class SegmentAttention(MegatronModule):
 
     def __init__(
         self,
-        config,
-        layer_number,
-        attn_mask_type,
-        attention_type,
-        attention_dropout=None,
-        softmax_scale=None,
-        cp_comm_type=None,
-        pg_collection=None,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: object = None,
         kernel: str = "torch",
         window: int | None = None,
-        **_,
-    ):
+        **_: object,
+    ) -> None:
         super().__init__(config=config)
         if kernel not in KERNELS:
             raise ConfigError(f"attention kernel {kernel!r}: expected one of {list(KERNELS)}")
@@ -331,14 +354,14 @@ class SegmentAttention(MegatronModule):
 
     def forward(
         self,
-        query,
-        key,
-        value,
-        attention_mask,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
-    ):
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: object = None,
+    ) -> torch.Tensor:
         # query [sq, b, np, hn]; key/value [sk, b, ng, hn]; attention_mask: the plan [n, 5]
         if packed_seq_params is not None:
             raise NotImplementedError("SegmentAttention takes packed sequences as its plan")
@@ -381,7 +404,9 @@ class SegmentAttention(MegatronModule):
             out = out.reshape(b, sq, self.heads, self.head_dim).transpose(0, 1)
         return out.reshape(sq, b, self.heads * self.head_dim)
 
-    def _ring(self, key: torch.Tensor, value: torch.Tensor):
+    def _ring(
+        self, key: torch.Tensor, value: torch.Tensor
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """This rank's keys/values, then each other CP rank's in turn, passed around the ring
         (one message of K and V together per step: gloo may swap two sends to one peer)."""
         ranks = parallel_state.get_context_parallel_global_ranks()

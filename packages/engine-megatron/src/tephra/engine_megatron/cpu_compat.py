@@ -11,7 +11,8 @@ installed); the engine then runs on the GPU (checked on an H100: tests marked `g
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 import torch
 from megatron.core import tensor_parallel
@@ -30,25 +31,25 @@ def cuda_absent() -> bool:
 class _FakeStream:
     """Stands in for `torch.cuda.Stream` / `Event`: CPU work is already ordered."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def wait_stream(self, *args, **kwargs) -> None:
+    def wait_stream(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def wait_event(self, *args, **kwargs) -> None:
+    def wait_event(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def record_event(self, *args, **kwargs) -> _FakeStream:
+    def record_event(self, *args: object, **kwargs: object) -> _FakeStream:
         return _FakeStream()
 
-    def record(self, *args, **kwargs) -> None:
+    def record(self, *args: object, **kwargs: object) -> None:
         pass
 
     def synchronize(self) -> None:
         pass
 
-    def wait(self, *args, **kwargs) -> None:
+    def wait(self, *args: object, **kwargs: object) -> None:
         pass
 
     def query(self) -> bool:
@@ -57,11 +58,11 @@ class _FakeStream:
     def __enter__(self) -> _FakeStream:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 
-def _is_cuda(device) -> bool:
+def _is_cuda(device: object) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, str):
@@ -77,7 +78,13 @@ class _CudaToCpu(TorchFunctionMode):
     (`_tensor_type`), which megatron's optimizers check.
     """
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.type:
             return _tensor_type(func, args, kwargs)
@@ -95,7 +102,9 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _tensor_type(func, args, kwargs):
+def _tensor_type(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | torch.Tensor:
     """`t.type()` answers with the CUDA type name ('torch.cuda.FloatTensor'): megatron's
     distributed optimizer and grad clipping assert on it to tell fp32 from bf16 parameters.
     A conversion `t.type('torch.cuda.X')` converts to the CPU type instead."""
@@ -123,14 +132,21 @@ def apply() -> None:
     if _APPLIED or not cuda_absent():
         return
     _APPLIED = True
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.Stream = _FakeStream
-    torch.cuda.Event = _FakeStream
-    torch.cuda.current_stream = lambda *a, **k: _FakeStream()
-    torch.cuda.default_stream = lambda *a, **k: _FakeStream()
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.empty_cache = lambda: None
+    # torch.cuda's names that megatron calls, answered on CPU. `current_device` is where
+    # megatron puts its tensors, so it answers "cpu" (torch declares a CUDA index): the
+    # stand-ins differ from torch's declared types on purpose, hence setattr.
+    stand_ins: dict[str, object] = {
+        "current_device": lambda: "cpu",
+        "Stream": _FakeStream,
+        "Event": _FakeStream,
+        "current_stream": lambda *a, **k: _FakeStream(),
+        "default_stream": lambda *a, **k: _FakeStream(),
+        "stream": lambda *a, **k: contextlib.nullcontext(),
+        "synchronize": lambda *a, **k: None,
+        "empty_cache": lambda: None,
+    }
+    for name, stand_in in stand_ins.items():
+        setattr(torch.cuda, name, stand_in)
 
     _patch_alltoall_split_sizes()
 
@@ -145,7 +161,13 @@ def _patch_alltoall_split_sizes() -> None:
     `all_to_all_single` wants Python lists."""
     original = mappings._AllToAll.forward
 
-    def forward(ctx, group, input, output_split_sizes, input_split_sizes):
+    def forward(
+        ctx: Any,
+        group: torch.distributed.ProcessGroup,
+        input: torch.Tensor,
+        output_split_sizes: torch.Tensor | list[int] | None,
+        input_split_sizes: torch.Tensor | list[int] | None,
+    ) -> torch.Tensor:
         if isinstance(output_split_sizes, torch.Tensor):
             output_split_sizes = output_split_sizes.tolist()
         if isinstance(input_split_sizes, torch.Tensor):

@@ -26,6 +26,7 @@ as `shared`), then the sums are added over all ranks. A non-finite norm skips th
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -50,7 +51,7 @@ class DistributedAdamW:
 
     def __init__(
         self,
-        chunks: list[torch.nn.Module],
+        chunks: Sequence[torch.nn.Module],
         tconfig: TransformerConfig,
         optimizer: OptimizerConfig,
         scheduler: SchedulerConfig,

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ cpu_compat.apply()
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import VocabParallelEmbedding  # noqa: E402
 
 from tephra.engine_megatron import checkpoint as ckpt  # noqa: E402
 from tephra.engine_megatron import hf_conversion as conv  # noqa: E402
@@ -113,6 +115,13 @@ def declared_shape(model: Any) -> ModelShape | None:
     return model_shape(hf_config)
 
 
+def _pop_tensor(batch: TensorDict, key: str) -> torch.Tensor:
+    """`batch.pop(key)` of a tensor field (tensordict types fields as tensors or nested)."""
+    value = batch.pop(key)
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
 class MegatronEngine(Engine):
     """megatron-core backend. Build with `MegatronEngine.build(config)` on every rank.
 
@@ -126,12 +135,11 @@ class MegatronEngine(Engine):
         self.check_config(config, dist.get_world_size() if dist.is_initialized() else 1)
         parallel_setup.initialize(config.parallel)
         cpu_compat.seed_model_parallel_rng(config.seed)
-        adapt = None
-        if config.lora.enabled:
-
-            def adapt(hf_model):
-                return lora.initial_adapters(hf_model, config.lora, config.model.init_seed)
-
+        adapt = (
+            partial(lora.initial_adapters, cfg=config.lora, seed=config.model.init_seed)
+            if config.lora.enabled
+            else None
+        )
         self.hf_config, hf_state, self.tokenizer_path, initial = load_hf(config.model, adapt)
         self.shape = model_shape(self.hf_config)
         self._check_shape(config)
@@ -174,7 +182,7 @@ class MegatronEngine(Engine):
         self._mark_tensor_parallel()
         self._keep_padding_row()
         self.adapters: lora.Adapters | None = None
-        if config.lora.enabled:
+        if initial is not None:  # (with LoRA)
             self.adapters = lora.Adapters(config.lora)
             self.adapters.attach(
                 self.chunks, initial, self._heads, self.tconfig.sequence_parallel, self.dtype
@@ -388,7 +396,9 @@ class MegatronEngine(Engine):
         if pad is None:
             return
 
-        def block_pad_lookups(module, args, output):
+        def block_pad_lookups(
+            module: VocabParallelEmbedding, args: tuple[torch.Tensor, ...], output: torch.Tensor
+        ) -> torch.Tensor:
             is_pad = args[0] == pad  # [b, s]
             if module.reduce_scatter_embeddings:  # sequence parallel: output is [s / tp, b, h]
                 is_pad = is_pad.transpose(0, 1)
@@ -418,7 +428,7 @@ class MegatronEngine(Engine):
             self.adapters.set_enabled(True)
 
     @contextlib.contextmanager
-    def train_mode(self):
+    def train_mode(self) -> Iterator[None]:
         for c in self.chunks:
             c.train()
         self._training = True
@@ -428,7 +438,7 @@ class MegatronEngine(Engine):
             self._training = False
 
     @contextlib.contextmanager
-    def eval_mode(self):
+    def eval_mode(self) -> Iterator[None]:
         for c in self.chunks:
             c.eval()
         yield
@@ -451,6 +461,7 @@ class MegatronEngine(Engine):
         finally:
             for c in self.chunks:
                 c.sum_pi_squared = False
+        assert outputs is not None  # `_run` returns the outputs when loss_fn is None
         return outputs
 
     def forward_backward(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
@@ -495,7 +506,9 @@ class MegatronEngine(Engine):
             keys.append("sum_pi_squared")
         return keys
 
-    def _run(self, batch: TensorDict, loss_fn: LossFn | None, budget: int, field_name: str):  # noqa: C901, PLR0915 (older than the limit; to split)
+    def _run(  # noqa: C901, PLR0915 (older than the limit; to split)
+        self, batch: TensorDict, loss_fn: LossFn | None, budget: int, field_name: str
+    ) -> tuple[TensorDict | None, dict[str, float]]:
         """Run the pipeline schedule over this rank's batch. Returns (`[B, T]` outputs when
         `loss_fn` is None, metrics when it is given)."""
         # packed by default (no padding through the MLPs): attention runs per sequence from
@@ -525,8 +538,8 @@ class MegatronEngine(Engine):
         indexed["_row"] = torch.arange(n_rows)
         indexed["_col"] = torch.arange(seq_len).expand(n_rows, seq_len)
         mbs = B.split_by_token_budget(indexed, budget, packed, field_name=field_name)
-        rows = [mb.pop("_row") for mb in mbs]
-        cols = [mb.pop("_col")[0] for mb in mbs]
+        rows = [_pop_tensor(mb, "_row") for mb in mbs]
+        cols = [_pop_tensor(mb, "_col")[0] for mb in mbs]
         B.set_global_normalisers(mbs, ps.get_data_parallel_group())
         real = len(mbs)
         # MoE dispatch communicates across data-parallel ranks inside every micro-batch:
@@ -579,7 +592,9 @@ class MegatronEngine(Engine):
         inputs = [x.to(self.device) for x in prepared]
         del prepared
 
-        def forward_step(data_iterator, model):
+        def forward_step(
+            data_iterator: Iterator[int], model: torch.nn.Module
+        ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[Any, ...]]]:
             idx = next(data_iterator)
             x: ModelInputs = inputs[idx]
             for layer, r in self._replays.get(self._chunk_of[id(model)], []):
@@ -587,7 +602,9 @@ class MegatronEngine(Engine):
                 r.target = None if t is None else t[:, self._moe_index[layer]]
             out = model(x.input_ids, x.position_ids, x.attention_plan, x.labels)
 
-            def loss_func(out_tensor):
+            def loss_func(
+                out_tensor: torch.Tensor,
+            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
                 nonlocal loss_sum
                 per_pos = cp_gather(out_tensor)  # [b_rows, S, k] in natural order
                 token_out = x.to_tokens(per_pos)  # [b, t, k] aligned to tokens, 0 off response
@@ -630,14 +647,13 @@ class MegatronEngine(Engine):
             if ps.get_pipeline_model_parallel_world_size() > 1:
                 dist.broadcast(stacked, src=last_pp_rank, group=pp_group)
             return TensorDict({k: stacked[j] for j, k in enumerate(keys)}, batch_size=[n_rows]), {}
-        result = [float(loss_sum), metric_sums]
+        result = [(float(loss_sum), metric_sums)]  # (loss sum, metric sums)
         if ps.get_pipeline_model_parallel_world_size() > 1:
             # only the last stage ran the loss (and knows the metric names)
             dist.broadcast_object_list(result, src=last_pp_rank, group=pp_group)
-        names = sorted(result[1])
-        vec = torch.tensor(
-            [result[0], float(real)] + [result[1][n] for n in names], dtype=torch.float64
-        )
+        total, sums = result[0]
+        names = sorted(sums)
+        vec = torch.tensor([total, float(real)] + [sums[n] for n in names], dtype=torch.float64)
         dist.all_reduce(vec, group=ps.get_data_parallel_group())
         metrics = {"loss": float(vec[0])}
         for j, n in enumerate(names):
@@ -663,7 +679,9 @@ class MegatronEngine(Engine):
         """Every full HF-named tensor on every rank (collective)."""
         return gather_hf_weights(self, untie_word_embeddings)
 
-    def export_weights(self, bucket_bytes: int = 512 << 20, untie_word_embeddings: bool = False):
+    def export_weights(
+        self, bucket_bytes: int = 512 << 20, untie_word_embeddings: bool = False
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Streamed (`weight_export.HFStream`): no rank holds more than its shards and about
         one bucket; every rank iterates and receives every tensor."""
         bucket: list[tuple[str, torch.Tensor]] = []

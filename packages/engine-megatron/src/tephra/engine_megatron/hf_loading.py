@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
 import transformers
+from transformers import PretrainedConfig, PreTrainedModel
 
 from tephra.engine_api.config import ModelConfig
 from tephra.engine_api.errors import ConfigError
 
+T = TypeVar("T")
 
-def hf_config_of(model: ModelConfig):
+
+def hf_config_of(model: ModelConfig) -> PretrainedConfig:
     if model.path is not None:
         folder = Path(model.path)
         if not (folder / "config.json").is_file():
@@ -24,11 +27,14 @@ def hf_config_of(model: ModelConfig):
         return transformers.AutoConfig.from_pretrained(
             folder, trust_remote_code=model.trust_remote_code
         )
+    assert model.hf_config is not None  # ModelConfig holds exactly one of path and hf_config
     data = dict(model.hf_config)
     return transformers.AutoConfig.for_model(data.pop("model_type"), **data)
 
 
-def load_hf(model: ModelConfig, adapt: Callable[[Any], Any] | None = None):
+def load_hf(
+    model: ModelConfig, adapt: Callable[[PreTrainedModel], T] | None = None
+) -> tuple[PretrainedConfig, dict[str, torch.Tensor], str | None, T | None]:
     """(hf_config, full state dict in float32 with transformers' names, tokenizer folder,
     what `adapt` returns for the loaded transformers model: called after the state is taken,
     it may change the model, e.g. wrap it in peft's adapters; None without `adapt`).
@@ -37,6 +43,7 @@ def load_hf(model: ModelConfig, adapt: Callable[[Any], Any] | None = None):
     `torch.manual_seed(model.init_seed)`, so a plain transformers model built the same way
     holds identical weights (the single-process reference of the tests)."""
     cfg = hf_config_of(model)
+    hf: PreTrainedModel
     if model.path is not None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             model.path, dtype=torch.float32, trust_remote_code=model.trust_remote_code
@@ -48,9 +55,10 @@ def load_hf(model: ModelConfig, adapt: Callable[[Any], Any] | None = None):
     return cfg, state, model.tokenizer_path or model.path, extra
 
 
-def reference_model(cfg, init_seed: int):
+def reference_model(cfg: PretrainedConfig, init_seed: int) -> PreTrainedModel:
     """A transformers causal LM from `cfg` with the seeded initialisation (float32, eager
     attention so that it runs anywhere)."""
     torch.manual_seed(init_seed)
     cfg._attn_implementation = "eager"
-    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model: PreTrainedModel = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model

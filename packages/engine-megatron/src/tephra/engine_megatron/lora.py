@@ -22,9 +22,10 @@ Splitting over tensor parallelism (tp ranks; `sp`: sequence parallel):
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from torch import nn
 
 from tephra.engine_api.config import LoraConfig
 from tephra.engine_api.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tephra.engine_megatron.model_builder import TephraGPT
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -112,7 +116,9 @@ def initial_adapters(
 
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,
+        # peft annotates lora_alpha `int` but divides it (scaling = lora_alpha / r): a float
+        # alpha is what it computes with
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
     )
@@ -236,7 +242,7 @@ class Adapters:
 
     def attach(
         self,
-        chunks: list[nn.Module],
+        chunks: Sequence[TephraGPT],
         initial: dict[str, tuple[torch.Tensor, torch.Tensor]],
         heads: Any,
         sequence_parallel: bool,
@@ -322,7 +328,8 @@ class Adapters:
             save_file(state, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
             PeftLoraConfig(
                 r=self.cfg.rank,
-                lora_alpha=self.cfg.alpha,
+                # peft annotates lora_alpha `int` but divides it (scaling = lora_alpha / r)
+                lora_alpha=self.cfg.alpha,  # type: ignore[arg-type]
                 lora_dropout=self.cfg.dropout,
                 target_modules=targets,
                 base_model_name_or_path=base_path,
@@ -337,5 +344,7 @@ def _layout(linear_name: str, linear: nn.Module, heads: Any, tp: int) -> FusedLa
         q = heads.num_heads // heads.num_kv_heads * heads.head_dim
         d = heads.head_dim
         return FusedLayout({"q": groups * q, "k": groups * d, "v": groups * d}, groups)
-    half = linear.weight.shape[0] // 2  # linear_fc1: [gate rows; up rows] of this rank
+    half = (
+        linear.get_parameter("weight").shape[0] // 2
+    )  # linear_fc1: [gate rows; up rows] of this rank
     return FusedLayout({"gate": half, "up": half}, 1)

@@ -16,6 +16,7 @@ Labels: the next token of the same sequence, or -100 (no label) at a sequence's 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -151,7 +152,7 @@ class _CPGather(torch.autograd.Function):
     the gradient without communicating."""
 
     @staticmethod
-    def forward(ctx, local):
+    def forward(ctx: Any, local: torch.Tensor) -> torch.Tensor:
         cp = ps.get_context_parallel_world_size()
         parts = [torch.empty_like(local) for _ in range(cp)]
         dist.all_gather(parts, local.contiguous(), group=ps.get_context_parallel_group())
@@ -162,7 +163,7 @@ class _CPGather(torch.autograd.Function):
         return stacked.index_select(1, order)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.index_select(1, ctx.keep)
 
 

@@ -19,6 +19,7 @@ kernel; value `[b, s, 1]` from a linear head on the final hidden state.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -37,6 +38,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from transformers import PretrainedConfig
 
 from tephra.engine_api.config import ParallelConfig
 from tephra.engine_api.errors import ConfigError
@@ -64,8 +66,9 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.eps = eps
-        # Each TP rank normalises only its own tokens under sequence parallelism.
-        self.weight.sequence_parallel = config.sequence_parallel
+        # Each TP rank normalises only its own tokens under sequence parallelism. (megatron
+        # tags parameters with attributes it reads; torch's Parameter declares none)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -89,8 +92,14 @@ class PostNormAdd(GemmaRMSNorm):
     called like megatron's `get_bias_dropout_add(training, fused)`, it returns
     `f((out, bias), residual, dropout) = residual + norm(out)` (no bias, dropout 0)."""
 
-    def forward(self, training: bool, fused: bool):  # type: ignore[override]
-        def add(out_with_bias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+    def forward(  # type: ignore[override]
+        self, training: bool, fused: bool
+    ) -> Callable[[tuple[torch.Tensor, torch.Tensor | None], torch.Tensor, float], torch.Tensor]:
+        def add(
+            out_with_bias: tuple[torch.Tensor, torch.Tensor | None],
+            residual: torch.Tensor,
+            prob: float,
+        ) -> torch.Tensor:
             out, bias = out_with_bias
             assert bias is None and (prob == 0.0 or not training), "Gemma runs without either"
             return residual + GemmaRMSNorm.forward(self, out)
@@ -127,13 +136,13 @@ class ModelShape:
     """The gated MLP's activation (silu: SwiGLU; gelu_pytorch_tanh: Gemma's GeGLU)."""
 
 
-def rope_theta(hf_config) -> float:
+def rope_theta(hf_config: PretrainedConfig) -> float:
     """RoPE base: transformers 5 keeps it in `rope_parameters`, older configs in `rope_theta`."""
     params = getattr(hf_config, "rope_parameters", None) or {}
     return float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
 
 
-def model_shape(hf_config) -> ModelShape:
+def model_shape(hf_config: PretrainedConfig) -> ModelShape:
     model_type = hf_config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -162,7 +171,7 @@ def model_shape(hf_config) -> ModelShape:
     )
 
 
-def _activation(hf_config) -> str:
+def _activation(hf_config: PretrainedConfig) -> str:
     gemma = hf_config.model_type in _GEMMA
     field = "hidden_activation" if gemma else "hidden_act"
     act = getattr(hf_config, field, "silu")
@@ -175,7 +184,7 @@ def _activation(hf_config) -> str:
     return act
 
 
-def _gemma_refusals(hf_config) -> None:
+def _gemma_refusals(hf_config: PretrainedConfig) -> None:
     """Gemma-3 settings this engine cannot express, each named."""
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
         if getattr(hf_config, name, None) is not None:
@@ -196,7 +205,7 @@ def _gemma_refusals(hf_config) -> None:
             )
 
 
-def _layer_ropes(hf_config) -> tuple[tuple[float, float], ...]:
+def _layer_ropes(hf_config: PretrainedConfig) -> tuple[tuple[float, float], ...]:
     """(base, linear scaling factor) of each layer's RoPE (Gemma-3's larger checkpoints
     divide the frequencies of their full-attention layers by a factor)."""
     if hf_config.model_type not in _GEMMA:
@@ -212,7 +221,7 @@ def _layer_ropes(hf_config) -> tuple[tuple[float, float], ...]:
     )
 
 
-def _sliding_window(hf_config) -> int | None:
+def _sliding_window(hf_config: PretrainedConfig) -> int | None:
     window = getattr(hf_config, "sliding_window", None)
     if hf_config.model_type == "mistral":
         return window
@@ -227,7 +236,7 @@ def _sliding_window(hf_config) -> int | None:
 
 
 def transformer_config(
-    hf_config,
+    hf_config: PretrainedConfig,
     parallel: ParallelConfig,
     params_dtype: torch.dtype,
     moe_dispatcher: str,
@@ -323,7 +332,7 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def sparse_layers(hf_config) -> list[bool]:
+def sparse_layers(hf_config: PretrainedConfig) -> list[bool]:
     """Which layers of a Qwen2/Qwen3-MoE model are MoE layers, as transformers builds them:
     layer i is sparse unless it is in `mlp_only_layers` or (i + 1) is not a multiple of
     `decoder_sparse_step` (the others are dense MLPs of `intermediate_size`; the first k
@@ -389,7 +398,7 @@ def block_spec(
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
 
 
-def layer_windows(hf_config) -> tuple[int | None, ...]:
+def layer_windows(hf_config: PretrainedConfig) -> tuple[int | None, ...]:
     """Each layer's sliding window (Mistral: every layer; Gemma-3: its `sliding_attention`
     layers), None for full attention; empty for a model without windows."""
     window = _sliding_window(hf_config)
@@ -403,17 +412,20 @@ def layer_windows(hf_config) -> tuple[int | None, ...]:
 class TephraGPT(torch.nn.Module):
     """One pipeline chunk: a megatron GPTModel plus the policy or value head."""
 
+    inv_freq: torch.Tensor
+    """`[n bases, head_dim / 2]` RoPE inverse frequencies (a buffer, set in `__init__`)."""
+
     def __init__(
         self,
         config: TransformerConfig,
-        hf_config,
+        hf_config: PretrainedConfig,
         role: str,
         vp_stage: int | None,
         temperature: float,
         value_head_seed: int,
         compute_entropy: bool = True,
         attention_kernel: str = "torch",
-    ):
+    ) -> None:
         super().__init__()
         self.config = config
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
@@ -441,7 +453,7 @@ class TephraGPT(torch.nn.Module):
             parallel_output=True,
             vp_stage=vp_stage,
         )
-        self.value_head = None
+        self.value_head: torch.nn.Linear | None = None  # the critic's, on the last stage
         if role == "value" and post:
             self.gpt.output_layer = None  # the critic reads the final hidden state instead
             g = torch.Generator().manual_seed(value_head_seed)
@@ -464,7 +476,7 @@ class TephraGPT(torch.nn.Module):
         # Gemma scales the embedding output by sqrt(hidden) (in the weights' dtype, as HF)
         self.embed_scale = shape.hidden_size**0.5 if shape.gemma else None
 
-    def set_input_tensor(self, input_tensor) -> None:
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         self.gpt.set_input_tensor(input_tensor)
 
     # megatron's finalize_model_grads finds the tied embedding through the chunk that owns
@@ -485,7 +497,13 @@ class TephraGPT(torch.nn.Module):
         freqs = position_ids.t().float()[..., None, None] * self.inv_freq  # [s, b, n, hd/2]
         return torch.cat([freqs, freqs], dim=-1).flatten(2)[:, :, None, :]
 
-    def forward(self, input_ids, position_ids, attention_mask, labels):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor,
+    ) -> torch.Tensor:
         """input_ids, position_ids, labels `[b, s]` (this CP rank's positions);
         attention_mask: the attention plan `[n, 5]` (`core_attention.attention_plan`)."""
         decoder_input = None
@@ -503,7 +521,7 @@ class TephraGPT(torch.nn.Module):
         if not self.post_process:
             return hidden
         # hidden [s, b, h] (sequence-sharded under sequence parallel)
-        if self.role == "value":
+        if self.value_head is not None:  # the critic (role == "value")
             if self.config.sequence_parallel:
                 hidden = gather_from_sequence_parallel_region(
                     hidden, tensor_parallel_output_grad=False
@@ -534,7 +552,13 @@ class TephraGPT(torch.nn.Module):
         return torch.stack([logp, ent, *outs[2:]], dim=-1).reshape(b, s, -1)
 
 
-def _pick_rope(index: int, head_dim: int, module, args, kwargs):
+def _pick_rope(
+    index: int,
+    head_dim: int,
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Forward pre-hook of one layer's attention: its own RoPE table out of the
     concatenated ones (`TephraGPT.rotary`)."""
     table = kwargs["rotary_pos_emb"]

@@ -13,17 +13,20 @@ token order, this rank's context-parallel chunks and sequence-parallel slice.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core import parallel_state as ps
 from tensordict import TensorDict
-from torch import nn
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.errors import BatchError
 from tephra.engine_megatron.core_attention import cp_chunk_index
 from tephra.engine_megatron.micro_batches import ModelInputs
+
+if TYPE_CHECKING:
+    from tephra.engine_megatron.model_builder import TephraGPT
 
 
 class Replay:
@@ -57,7 +60,7 @@ class Replay:
         return scores.gather(1, chosen), chosen
 
 
-def attach(chunks: list[nn.Module]) -> dict[int, list[tuple[int, Replay]]]:
+def attach(chunks: Sequence[TephraGPT]) -> dict[int, list[tuple[int, Replay]]]:
     """Give every router of `chunks` a `Replay`; returns {id(chunk): [(global layer, replay)]}."""
     out: dict[int, list[tuple[int, Replay]]] = {}
     for chunk in chunks:

@@ -61,13 +61,15 @@ class SafetensorsWriter:
         begin, _ = self.ranges[name]
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         self.file.seek(self.data_start + begin)
-        self.file.write(memoryview(data))
+        # numpy's stubs declare ndarray's buffer protocol (`__buffer__`) for Python >= 3.12
+        # only; the array is a buffer on 3.11 as well
+        self.file.write(memoryview(data))  # type: ignore[arg-type]
         self.written.add(name)
 
     def __enter__(self) -> SafetensorsWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.file.close()
         missing = set(self.specs) - self.written
         if missing and exc[0] is None:

@@ -5,20 +5,35 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file
+from tensordict import TensorDict
+from transformers import PreTrainedModel
 
+from tephra.core.config import from_dict
 from tephra.engine_api import batch as B
 from tephra.engine_api import get_engine
 from tephra.engine_api.config import EngineConfig, apply_overrides
-from tephra.engine_api.testing import ConformanceSpec, nll_loss_fn, random_batch, run_conformance
+from tephra.engine_api.engine import Engine
+from tephra.engine_api.testing import (
+    ConformanceSpec,
+    ReferenceModel,
+    nll_loss_fn,
+    random_batch,
+    run_conformance,
+)
 from tephra.engine_megatron import hf_conversion as conv
 from tephra.engine_megatron.hf_conversion import checkpoint_format
 from tephra.engine_megatron.hf_loading import reference_model
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+    from tephra.engine_megatron.engine import MegatronEngine
 
 TINY_DENSE: dict[str, Any] = dict(
     model_type="qwen2",
@@ -125,12 +140,15 @@ def base_config(
     hf_config: dict[str, Any], parallel: dict[str, Any] | None = None, **sections: Any
 ) -> EngineConfig:
     """fp32, lr 1e-2 (one step visibly lowers the loss), no clipping surprises."""
-    return EngineConfig(
-        model={"hf_config": dict(hf_config), "init_seed": 0},
-        optimizer={"lr": 1e-2, "weight_decay": 0.0, "grad_clip": 1.0},
-        micro_batch={"max_tokens_per_microbatch": 4096},
-        parallel=parallel or {},
-        **sections,
+    return from_dict(
+        EngineConfig,
+        {
+            "model": {"hf_config": dict(hf_config), "init_seed": 0},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.0, "grad_clip": 1.0},
+            "micro_batch": {"max_tokens_per_microbatch": 4096},
+            "parallel": parallel or {},
+            **sections,
+        },
     )
 
 
@@ -141,7 +159,7 @@ class HFReference:
     def __init__(self, hf_config: dict[str, Any], init_seed: int = 0) -> None:
         data = dict(hf_config)
         cfg = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
-        self.model = reference_model(cfg, init_seed)
+        self.model: PreTrainedModel | PeftModel = reference_model(cfg, init_seed)
         self.model.eval()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -158,16 +176,25 @@ class HFReference:
 
         self.model = PeftModel.from_pretrained(self.model, str(folder)).eval()
 
-    def logits(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    def logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         with torch.no_grad():
             return self.model(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
             ).logits.float()
 
 
+def _load_adapter(ref: ReferenceModel, folder: Path) -> None:
+    """The kit's `load_adapter` for the `HFReference` that `conformance_spec` makes."""
+    if not isinstance(ref, HFReference):
+        raise TypeError(f"load_adapter expects an HFReference, got {type(ref).__name__}")
+    ref.load_adapter(folder)
+
+
 def conformance_spec(
     hf_config: dict[str, Any], parallel: dict[str, Any], workdir: Path, dispatcher: str = "alltoall"
-):
+) -> ConformanceSpec:
     # deferred: importing the engine applies cpu_compat's torch.cuda patches; only ranks should
     from tephra.engine_megatron.engine import MegatronEngine
 
@@ -182,7 +209,7 @@ def conformance_spec(
         vocab_size=hf_config["vocab_size"],
         workdir=Path(workdir),
         atol=1e-5,
-        load_adapter=lambda ref, folder: ref.load_adapter(folder),
+        load_adapter=_load_adapter,
     )
 
 
@@ -216,14 +243,19 @@ def rank_conformance_runs(
     ]
 
 
-def rank_first_step(model_path: str, parallel: dict[str, Any], batch, export_to: str | None):
+def rank_first_step(
+    model_path: str, parallel: dict[str, Any], batch: TensorDict, export_to: str | None
+) -> tuple[float, float, dict[str, torch.Tensor]]:
     """Build through the registry from an HF folder, take one step on `batch` (every rank
     gets the same batch: pure model parallelism), optionally export_hf; returns
     (loss, grad norm, forward outputs before the step)."""
-    config = EngineConfig(
-        model={"path": model_path},
-        optimizer={"lr": 1e-2, "weight_decay": 0.0, "grad_clip": 1.0},
-        parallel=parallel,
+    config = from_dict(
+        EngineConfig,
+        {
+            "model": {"path": model_path},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.0, "grad_clip": 1.0},
+            "parallel": parallel,
+        },
     )
     engine = get_engine("megatron", config)
     with engine.eval_mode():
@@ -238,7 +270,7 @@ def rank_first_step(model_path: str, parallel: dict[str, Any], batch, export_to:
 
 def rank_dp_steps(
     hf_config: dict[str, Any],
-    batch,
+    batch: TensorDict,
     workdir: str,
     steps: int = 3,
     save_after: int = 2,
@@ -269,7 +301,7 @@ def rank_dp_steps(
         {"optimizer.lr": 1e-3},
     )
 
-    def step(engine) -> tuple[float, float]:
+    def step(engine: Engine) -> tuple[float, float]:
         rows = batch.batch_size[0] // engine.dp_size
         share = B.trim_padding(batch[engine.dp_rank * rows : (engine.dp_rank + 1) * rows])
         with engine.train_mode():
@@ -305,7 +337,7 @@ def rank_sequence(calls: list[tuple[Any, tuple]]) -> list[Any]:
     return [fn(*args) for fn, args in calls]
 
 
-def gathered_hf_weights(engine) -> dict[str, torch.Tensor]:
+def gathered_hf_weights(engine: MegatronEngine) -> dict[str, torch.Tensor]:
     """The export as it was before streaming, kept as the tests' reference: every rank
     completes its weights over TP, then `all_gather_object` hands the whole model to every
     rank (peak host memory: the model, pickled, on every rank)."""
@@ -336,8 +368,10 @@ def gathered_hf_weights(engine) -> dict[str, torch.Tensor]:
                 pieces = conv.from_megatron(m, [s.clone() for s in shards], engine._heads)
                 if m.is_expert:
                     if keep_expert:
+                        expert = engine._global_expert(m)
+                        assert expert is not None  # an expert weight has its index
                         for hf_name, t in pieces.items():
-                            experts[(hf_name, engine._global_expert(m))] = t
+                            experts[(hf_name, expert)] = t
                 elif keep_local:
                     owned.update(pieces)
     everything: list = [None] * dist.get_world_size()
@@ -405,7 +439,12 @@ def rank_streamed_export(runs: list[tuple[str, dict[str, Any]]], workdir: str) -
     return out
 
 
-def rank_step(hf_config: dict[str, Any], parallel: dict[str, Any], batch, overrides=None):
+def rank_step(
+    hf_config: dict[str, Any],
+    parallel: dict[str, Any],
+    batch: TensorDict,
+    overrides: dict[str, Any] | None = None,
+) -> tuple[float, float, torch.Tensor]:
     """Forward log-probs, then one step's loss and grad norm, of an engine built from
     `hf_config` with `parallel` (every rank gets the same batch)."""
     # deferred: importing the engine applies cpu_compat's torch.cuda patches; only ranks should
@@ -421,17 +460,22 @@ def rank_step(hf_config: dict[str, Any], parallel: dict[str, Any], batch, overri
     return loss, norm, log_probs
 
 
-def rank_replayed_log_probs(model_path: str, parallel: dict[str, Any], batch) -> Any:
+def rank_replayed_log_probs(
+    model_path: str, parallel: dict[str, Any], batch: TensorDict
+) -> tuple[Any, float]:
     """Log-probs of `batch` (carrying `routed_experts`) under routing replay, and the loss of
     one step on it, at the `parallel` layout (every rank the same batch)."""
     # deferred: importing the engine applies cpu_compat's torch.cuda patches; only ranks should
     from tephra.engine_megatron.engine import MegatronEngine
 
     engine = MegatronEngine.build(
-        EngineConfig(
-            model={"path": model_path},
-            parallel=parallel,
-            moe={"routing_replay": "rollout"},
+        from_dict(
+            EngineConfig,
+            {
+                "model": {"path": model_path},
+                "parallel": parallel,
+                "moe": {"routing_replay": "rollout"},
+            },
         )
     )
     log_probs = engine.forward(batch)["log_probs"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,30 @@ from megatron.core import parallel_state as ps
 
 from tephra.engine_megatron import hf_conversion as conv
 from tephra.engine_megatron import lora
+
+if TYPE_CHECKING:
+    from tephra.engine_api.config import EngineConfig
+    from tephra.engine_megatron.model_builder import ModelShape, TephraGPT
+
+
+class ShardedModel(Protocol):
+    """What the export reads of a `MegatronEngine` (which imports this module)."""
+
+    config: EngineConfig
+    shape: ModelShape
+    chunks: list[TephraGPT]
+    device: torch.device
+
+    @property
+    def _heads(self) -> conv.Heads: ...
+
+    def _layer_offsets(self, chunk: TephraGPT) -> dict[int, int]: ...
+
+    def _shard_coords(self, m: conv.Match) -> tuple[int, int, object]: ...
+
+    def _global_expert(self, m: conv.Match) -> int | None: ...
+
+    def exported_value(self, param: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -38,8 +63,8 @@ class Piece:
     expert: int | None  # the global expert index of a slice of a fused `[E, ...]` tensor
 
 
-def _local_params(engine) -> list[tuple[str, torch.Tensor, conv.Match]]:
-    out = []
+def _local_params(engine: ShardedModel) -> list[tuple[str, torch.Tensor, conv.Match]]:
+    out: list[tuple[str, torch.Tensor, conv.Match]] = []
     for chunk in engine.chunks:
         offsets = engine._layer_offsets(chunk)
         for name, param in chunk.named_parameters():
@@ -49,7 +74,7 @@ def _local_params(engine) -> list[tuple[str, torch.Tensor, conv.Match]]:
     return out
 
 
-def _keeps(engine, m: conv.Match) -> bool:
+def _keeps(engine: ShardedModel, m: conv.Match) -> bool:
     """Whether this rank sends the HF pieces of `m` (one replica of each sends)."""
     if m.is_expert:
         return ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
@@ -59,13 +84,15 @@ def _keeps(engine, m: conv.Match) -> bool:
     )
 
 
-def _skipped(engine, hf_name: str) -> bool:
+def _skipped(engine: ShardedModel, hf_name: str) -> bool:
     """The tied output layer's copy on the last pipeline stage: HF names it nowhere."""
     tied = engine.shape.tie_word_embeddings and engine.config.model.role == "policy"
     return tied and hf_name == "lm_head.weight"
 
 
-def _pieces(engine, param: torch.Tensor, m: conv.Match, shards: list[torch.Tensor]) -> list:
+def _pieces(
+    engine: ShardedModel, param: torch.Tensor, m: conv.Match, shards: list[torch.Tensor]
+) -> list[tuple[Piece, torch.Tensor]]:
     """[(Piece, tensor)] of the HF tensors of `m` from its TP `shards` (meta shards give the
     table without data)."""
     pieces = conv.from_megatron(m, shards, engine._heads)
@@ -86,15 +113,15 @@ class HFStream:
 
     def __init__(
         self,
-        engine,
+        engine: ShardedModel,
         dest: int | None = None,
         untie_word_embeddings: bool = False,
         per_expert: bool = False,
-    ):
+    ) -> None:
         self.engine, self.dest, self.per_expert = engine, dest, per_expert
         self.tie_copy = untie_word_embeddings and engine.shape.tie_word_embeddings
         self.local = _local_params(engine)
-        table = []
+        table: list[list[Piece]] = []  # per local parameter: the pieces this rank sends
         for _, param, m in self.local:
             _, size, _ = engine._shard_coords(m)
             if not _keeps(engine, m):
@@ -103,12 +130,13 @@ class HFStream:
             n = 1 if (m.kind == "rep" or size == 1) else size
             meta = [torch.empty(param.shape, dtype=param.dtype, device="meta")] * n
             table.append([p for p, _ in _pieces(engine, param, m, meta)])
-        self.tables: list = [None] * dist.get_world_size()
+        self.tables: list[list[list[Piece]]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(self.tables, table)
 
     def names(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """Every tensor the stream yields, in its order (fused experts: `[E, ...]`)."""
-        out, experts = [], {}
+        out: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        experts: dict[str, int] = {}  # fused HF tensor -> how many of its experts came
         steps = max(len(t) for t in self.tables)
         for j in range(steps):
             for src_table in self.tables:
@@ -132,12 +160,11 @@ class HFStream:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         engine, dest = self.engine, self.dest
         me = dist.get_rank()
-        receive = dest is None or dest == me
         experts: dict[str, dict[int, torch.Tensor]] = {}
         steps = max(len(t) for t in self.tables)
         with torch.no_grad():
             for j in range(steps):
-                mine: list = []
+                mine: list[torch.Tensor] = []
                 if j < len(self.local):
                     _, param, m = self.local[j]
                     _, size, group = engine._shard_coords(m)
@@ -160,7 +187,7 @@ class HFStream:
                         continue
                     for k, piece in enumerate(src_table[j]):
                         tensor = _move(piece, mine[k] if src == me else None, src, me, dest, engine)
-                        if not receive:
+                        if tensor is None:  # not received on this rank
                             continue
                         if piece.expert is None:
                             yield piece.hf_name, tensor
@@ -182,17 +209,26 @@ class HFStream:
                 del mine
 
 
-def _move(piece: Piece, tensor, src: int, me: int, dest: int | None, engine):
+def _move(
+    piece: Piece,
+    tensor: torch.Tensor | None,
+    src: int,
+    me: int,
+    dest: int | None,
+    engine: ShardedModel,
+) -> torch.Tensor | None:
     """The piece's tensor from rank `src`: broadcast to all (`dest=None`) or sent to `dest`.
     Returns it where it arrives (and on `src`), None elsewhere."""
     if dest is None:
         if src != me:
             tensor = torch.empty(piece.shape, dtype=piece.dtype, device=engine.device)
+        assert tensor is not None  # the sender passes its tensor
         dist.broadcast(tensor, src=src)
         return tensor
     if src == dest:
         return tensor if me == src else None
     if me == src:
+        assert tensor is not None  # the sender passes its tensor
         dist.send(tensor, dst=dest)
         return None
     if me == dest:
@@ -202,13 +238,15 @@ def _move(piece: Piece, tensor, src: int, me: int, dest: int | None, engine):
     return None
 
 
-def gather_hf_weights(engine, untie_word_embeddings: bool = False) -> dict[str, torch.Tensor]:
+def gather_hf_weights(
+    engine: ShardedModel, untie_word_embeddings: bool = False
+) -> dict[str, torch.Tensor]:
     """Every full HF tensor on every rank, as a dict in HF order (tests and small models)."""
     full = dict(HFStream(engine, None, untie_word_embeddings))
     return dict(sorted(full.items(), key=lambda kv: hf_order(kv[0])))
 
 
-def hf_order(name: str):
+def hf_order(name: str) -> tuple[int, int, str]:
     parts = name.split(".")
     if len(parts) > 2 and parts[1] == "layers":
         return (1, int(parts[2]), name)

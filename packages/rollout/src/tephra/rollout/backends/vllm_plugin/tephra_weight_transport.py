@@ -32,11 +32,17 @@ import pickle
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing  # registers the tensor reductions ForkingPickler uses
+
+if TYPE_CHECKING:
+    # The private group of a transfer: a c10d backend made on its own store (not a
+    # `ProcessGroup`), used through its own collectives. Named here only: a torch built
+    # without NCCL has no `ProcessGroupNCCL`.
+    TransferGroup: TypeAlias = dist.ProcessGroupGloo | dist.ProcessGroupNCCL
 
 
 @dataclass
@@ -53,7 +59,7 @@ class BucketMeta:
 
 def open_group(
     address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
-) -> dist.ProcessGroup:
+) -> TransferGroup:
     """Join (rank 0: host) a private process group of `world_size` ranks at `address:port`."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store: dist.Store = dist.TCPStore(
@@ -61,21 +67,21 @@ def open_group(
     )
     store = dist.PrefixStore("tephra-weights", store)
     if backend == "gloo":
-        # a c10d Backend, used through its own collectives (`group.broadcast`) like a group
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)  # type: ignore[return-value]
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if backend == "nccl":
-        # as above; torch's stub omits the default of `options` that the binding has
-        return dist.ProcessGroupNCCL(store, rank, world_size)  # type: ignore[call-arg, return-value]
+        # torch's stub omits the default of `options` that the binding has
+        return dist.ProcessGroupNCCL(store, rank, world_size)  # type: ignore[call-arg]
     raise ValueError(
         f"weight transport backend {backend!r}: a group is 'gloo' or 'nccl' ('ipc' needs none)"
     )
 
 
-def broadcast(group: dist.ProcessGroup, flat: torch.Tensor) -> None:
+def broadcast(group: TransferGroup, flat: torch.Tensor) -> None:
     """Broadcast `flat` from rank 0 of `group` into every rank's `flat` (in place)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([flat], opts).wait()
+    # torch's stub of the c10d Backend lists none of its collectives; the binding has them
+    group.broadcast([flat], opts).wait()  # type: ignore[union-attr]
 
 
 def buckets(
@@ -121,7 +127,7 @@ def unpack(meta: BucketMeta, flat: torch.Tensor) -> list[tuple[str, torch.Tensor
 
 
 def broadcast_meta(
-    group: dist.ProcessGroup, meta: BucketMeta | None, device: torch.device | None = None
+    group: TransferGroup, meta: BucketMeta | None, device: torch.device | None = None
 ) -> BucketMeta | None:
     """Rank 0 sends `meta` (None: the end of an update) as JSON; every rank returns it."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
@@ -142,7 +148,7 @@ def broadcast_meta(
 
 
 def send_all(
-    group: dist.ProcessGroup,
+    group: TransferGroup,
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     bucket_bytes: int,
@@ -161,7 +167,7 @@ def send_all(
 
 
 def receive_all(
-    group: dist.ProcessGroup, device: torch.device | None = None
+    group: TransferGroup, device: torch.device | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Other ranks: the (name, tensor) pairs of one `send_all`, bucket by bucket."""
     while (meta := broadcast_meta(group, None, device)) is not None:
