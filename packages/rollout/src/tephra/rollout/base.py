@@ -21,7 +21,7 @@ import dataclasses
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import torch
 
@@ -33,6 +33,8 @@ from tephra.rollout.weight_transport import check_transport_name
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
+
+    from tephra.engine_api.adapters import LoraAdapter
 
 FinishReason = Literal["stop", "length"]
 DTYPES = ("float32", "bfloat16", "float16")
@@ -449,6 +451,11 @@ class Rollout(abc.ABC):
 
     config: RolloutConfig
 
+    supports_adapters: ClassVar[bool] = False
+    """Whether `update_adapter` applies a LoRA adapter over unchanged base weights (an
+    adapter-only weight sync); the trainer's config refuses `actor.lora_sync=adapter` for a
+    backend without it, before any process starts."""
+
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         """Sample `sampling.n` responses for each prompt (prompt-major order)."""
@@ -470,6 +477,16 @@ class Rollout(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights given as (Hugging Face name, full tensor) pairs, e.g. from
         `Engine.export_weights()`. Names not given keep their current values."""
+
+    def update_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve the base weights held with `adapter` on top, not merged into them: the
+        first call adds the adapter, each later one replaces its matrices (same rank and
+        modules). Generation then samples from W + (alpha / rank) * B @ A while W stays
+        bitwise as it was. For backends with `supports_adapters`; the others refuse."""
+        raise ConfigError(
+            f"rollout backend {type(self).__name__} cannot serve a LoRA adapter over its base "
+            "weights; set actor.lora_sync=merged (the merged weights are synced instead)"
+        )
 
     @abc.abstractmethod
     def sleep(self) -> None:

@@ -45,6 +45,8 @@ from tephra.engine_api.config import (
 from tephra.engine_api.registry import installed_engines
 from tephra.episodes.config import EpisodeRolloutConfig
 from tephra.episodes.rewards import RewardConfig
+from tephra.rollout.base import ServerSettings
+from tephra.rollout.registry import ROLLOUT_BACKENDS
 
 
 @dataclass
@@ -85,6 +87,10 @@ class EngineRoleConfig(EngineSections):
         )
 
 
+LORA_SYNC = ("auto", "adapter", "merged")
+"""`actor.lora_sync` choices."""
+
+
 def _demo_actor_objective() -> ActorObjectiveConfig:
     # seq-mean-token-mean weighs every sample equally (the GRPO paper's form). On the demo
     # (then with division items) `token-mean` let long truncated responses dominate the
@@ -112,6 +118,21 @@ class ActorConfig(EngineRoleConfig):
     """Policy loss, aggregation, entropy bonus, KL loss, truncated importance sampling
     (tephra.algos.ActorObjectiveConfig): `actor.objective.policy_loss=gspo`,
     `actor.objective.policy.clip_ratio_high=0.28`, `actor.objective.tis_level=token`."""
+    lora_sync: str = "auto"
+    """What a weight sync sends the rollout when `actor.lora.rank > 0`: `adapter` (the LoRA
+    matrices and their rank / alpha alone, which the rollout applies over its unchanged base
+    weights: a few MB instead of the whole model), `merged` (every weight with the adapter
+    merged in), or `auto` (the default: `adapter` where the rollout backend serves adapters and
+    the rollout is colocated, else `merged`). Ignored without LoRA."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lora_sync not in LORA_SYNC:
+            raise ConfigError(
+                f"actor.lora_sync={self.lora_sync!r}: choose one of {list(LORA_SYNC)} (adapter "
+                "sends the LoRA matrices alone, merged the full merged weights, auto the first "
+                "where the rollout supports it)"
+            )
 
 
 @dataclass
@@ -521,6 +542,25 @@ class ResourcesSection:
             getattr(self, name).check(name)
 
 
+def adapter_sync_obstacle(cfg: PPOConfig) -> str | None:
+    """Why the weight sync of `cfg` cannot send the LoRA adapter alone (None: it can)."""
+    r = cfg.rollout
+    if not ROLLOUT_BACKENDS.get(r.backend).supports_adapters:
+        return f"rollout.backend={r.backend!r} cannot serve an adapter over its base weights"
+    if cfg.resources.rollout.replicas:
+        return (
+            f"resources.rollout.replicas={cfg.resources.rollout.replicas}: rollout replicas of "
+            "their own receive the merged weights by broadcast"
+        )
+    settings = getattr(r, r.backend, None)
+    if isinstance(settings, ServerSettings) and settings.sleep_level == 2:
+        return (
+            f"rollout.{r.backend}.sleep_level=2 drops the server's base weights while it "
+            "sleeps, and only a full sync sends them again"
+        )
+    return None
+
+
 @dataclass
 class PPOConfig:
     """The RL trainer (PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO, ... by name)."""
@@ -560,3 +600,12 @@ class PPOConfig:
 
     def data_parallel_size(self) -> int:
         return self.actor.parallel.data_parallel_size(self.resources.world_size)
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Whether weight syncs send the LoRA adapter alone (`actor.lora_sync`, with `auto`
+        resolved: adapter-only where the backend serves adapters, the rollout is colocated
+        and a server never drops its weights)."""
+        if not self.actor.lora.enabled or self.actor.lora_sync == "merged":
+            return False
+        return self.actor.lora_sync == "adapter" or not adapter_sync_obstacle(self)
