@@ -332,6 +332,12 @@ class RolloutConfig:
     """Settings of the `vllm` backend."""
     sglang: ServerSettings = field(default_factory=ServerSettings)
     """Settings of the `sglang` backend."""
+    max_lora_rank: int = 0
+    """Largest LoRA rank the rollout must serve through `update_adapter` (0: no adapters). A
+    server backend starts with its adapter support on at this rank (vLLM `--enable-lora
+    --max-lora-rank`, SGLang `--enable-lora --max-lora-rank`); the trainer sets it from
+    `actor.lora.rank` when syncs send the adapter alone (`actor.lora_sync`). The hf backend
+    needs no preparation."""
     record_routes: bool = False
     """Record each token's experts per MoE layer (`Sample.routed_experts`) for routing
     replay; the trainer sets it from `actor.moe.routing_replay`. Only the `hf` backend
@@ -345,6 +351,8 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.dtype={self.dtype!r} is not allowed; choose one of {[*DTYPES, AUTO]}"
             )
+        if self.max_lora_rank < 0:
+            raise ConfigError(f"rollout.max_lora_rank={self.max_lora_rank!r} must be >= 0")
         if self.max_model_len < 2:
             raise ConfigError(f"rollout.max_model_len={self.max_model_len!r} must be >= 2")
         for name, kind in (
