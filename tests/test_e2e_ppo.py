@@ -595,7 +595,8 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
     assert lora["steps"] == 2 and all("actor/kl_loss" in r for r in rows)
     # the syncs sent the adapter alone (actor.lora_sync=auto on the hf backend), which the
     # rollout serves over its base weights: its log-probs are the trainer's up to rounding
-    # (an adapter left unapplied gave kl_k3 0.37 at step 2)
+    # (with the adapter left unapplied, the smoke preset with LoRA on every linear layer and
+    # this lr gave kl_k3 0.37 at step 2)
     for row in rows:
         assert row["rollout_corr/probe_rows"] == 8.0
         assert 0 <= row["rollout_corr/kl_k3"] < 1e-4, row["rollout_corr/kl_k3"]

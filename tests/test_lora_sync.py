@@ -2,7 +2,8 @@
 (`Engine.export_adapter_weights` -> `Rollout.update_adapter`), which serves it over base
 weights that stay bitwise as loaded, and samples what a rollout of the merged weights samples
 (independent reference: peft's own `merge_and_unload` of the adapter the engine exports).
-Through the app: LoRA syncs the adapter by default and the train/rollout gap stays rounding."""
+Through the app (LoRA syncs the adapter by default, and the train/rollout gap stays rounding):
+`tests/test_e2e_ppo.py::test_options_a_verl_user_sets_are_reachable`."""
 
 from __future__ import annotations
 
@@ -157,32 +158,3 @@ def test_lora_sync_config_is_checked_before_ray(tmp_path):
     with pytest.raises(ConfigError, match=r"actor.lora_sync='both': choose one of"):
         parse("actor.lora.rank=4", "actor.lora_sync=both")
 
-
-@pytest.mark.multiproc
-def test_lora_through_the_app_syncs_the_adapter_and_the_rollout_matches_the_trainer(
-    ray_session, tmp_path
-):
-    """The smoke preset with LoRA (hf rollout, 2 steps, a large lr so that each step moves
-    the policy): the syncs send the adapter alone, and the trainer's log-probs of every
-    step's samples equal the rollout's up to rounding (the mismatch test's bound)."""
-    from tephra.apps.ppo.main import parse_config, run
-    from tephra.controller.run.trackers import read_jsonl
-    from tephra.controller.testing import SMOKE_REWARD
-
-    reward = tmp_path / "reward.py"
-    reward.write_text(SMOKE_REWARD)
-    cfg = parse_config(
-        [
-            "-p",
-            "smoke",
-            f"reward.custom_function_path={reward}",
-            "actor.lora.rank=4",
-            "actor.optimizer.lr=0.05",
-            "trainer.steps=3",
-            f"trainer.run_dir={tmp_path / 'run'}",
-        ]
-    )
-    assert cfg.adapter_sync
-    assert run(cfg)["steps"] == 3
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    print(rows)
