@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
+from tephra.engine_api.adapters import PEFT_PREFIX
 from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import apply_overrides
 from tephra.engine_api.engine import Engine
@@ -419,8 +420,9 @@ def check_reference_mode_is_base_model(spec: ConformanceSpec) -> None:
 
 def check_adapter_export_matches(spec: ConformanceSpec) -> None:
     """With `Capability.LORA`: after a step, the folder `export_adapter` writes, applied to
-    the plain reference model by `spec.load_adapter`, gives the engine's log-probs; an
-    engine built without adapters refuses naming `lora.rank`. Without the capability:
+    the plain reference model by `spec.load_adapter`, gives the engine's log-probs, and so
+    does `export_adapter_weights()` merged into the reference model by hand; an engine
+    built without adapters refuses both naming `lora.rank`. Without the capability:
     `export_adapter()` and `lora.rank > 0` are refused."""
     path = Path(spec.workdir) / "conformance-adapter"
     engine = spec.make_engine({})
@@ -432,14 +434,28 @@ def check_adapter_export_matches(spec: ConformanceSpec) -> None:
         f"{type(engine).__name__} declares Capability.LORA but the spec has no load_adapter "
         "to apply its exported adapter to the reference model"
     )
+    _refuses(
+        engine.export_adapter_weights, "lora.rank", "export_adapter_weights() without adapters"
+    )
     engine, share = _lora_engine_after_a_step(spec)
     with engine.eval_mode():
         engine.export_adapter(path)
+        adapter = engine.export_adapter_weights()
         want = engine.forward(share)["log_probs"]
     ref = spec.make_reference()
     spec.load_adapter(ref, path)
     lp, _ = reference_log_probs(ref, share, engine.config.temperature)
     _close("log_probs of the exported adapter over the base model", want, lp, spec.atol)
+    # the in-memory adapter, merged by hand into the base model: W + (alpha / rank) * B @ A
+    assert (adapter.rank, adapter.alpha) == (4, 8.0), (adapter.rank, adapter.alpha)
+    ref = spec.make_reference()
+    with torch.no_grad():
+        for module in adapter.modules:
+            a, b = (adapter.tensors[f"{PEFT_PREFIX}{module}.lora_{k}.weight"] for k in "AB")
+            weight = ref.get_submodule(module).weight
+            weight += (adapter.scaling * (b.double() @ a.double())).to(weight)
+    lp, _ = reference_log_probs(ref, share, engine.config.temperature)
+    _close("log_probs of export_adapter_weights() merged by hand", want, lp, spec.atol)
 
 
 CHECKS: dict[str, Callable[[ConformanceSpec], None]] = {
