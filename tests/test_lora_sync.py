@@ -157,4 +157,3 @@ def test_lora_sync_config_is_checked_before_ray(tmp_path):
         parse("actor.lora_sync=adapter")
     with pytest.raises(ConfigError, match=r"actor.lora_sync='both': choose one of"):
         parse("actor.lora.rank=4", "actor.lora_sync=both")
-

@@ -628,7 +628,7 @@ class HFRollout(Rollout):
             )
         config = LoraConfig(
             r=adapter.rank,
-            lora_alpha=adapter.alpha,
+            lora_alpha=adapter.alpha,  # type: ignore[arg-type]  # peft types it int; floats work
             lora_dropout=0.0,
             # full names: a suffix such as `q_proj` could also match a frozen vision tower
             target_modules=adapter.modules,
@@ -675,4 +675,3 @@ def _base_layer_name(name: str) -> str:
     a layer it wrapped."""
     stem, leaf = name.rsplit(".", 1)
     return f"{stem}.base_layer.{leaf}"
-

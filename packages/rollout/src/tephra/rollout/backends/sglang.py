@@ -200,7 +200,6 @@ class SglangProtocol(ServerProtocol):
     def transfer_finish_requests(self, version: int) -> list[Request]:
         return [("/flush_cache", {})]
 
-
     def lora_launch(self, max_rank: int) -> tuple[list[str], dict[str, str]]:
         # no adapter at start: the modules are named so that any later adapter fits
         return [
