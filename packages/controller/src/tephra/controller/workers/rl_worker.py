@@ -2,9 +2,9 @@
 
 Weights move inside the process: `sync_weights` streams `actor.export_weights()` buckets into
 `rollout.update_weights()`, or with LoRA hands `actor.export_adapter_weights()` to
-`rollout.update_adapter()` (adapter-only sync, `actor.lora_sync`). Every public method is declared with a dispatch mode, so the
-driver calls `wg.compute_log_probs(batch)` on the whole batch and gets the whole batch back:
-rows are split over data-parallel ranks and replicated over a rank's tensor / pipeline /
+`rollout.update_adapter()` (adapter-only sync, `actor.lora_sync`). Every public method is
+declared with a dispatch mode, so the driver calls `wg.compute_log_probs(batch)` on the whole
+batch and gets the whole batch back: rows are split over data-parallel ranks and replicated over a rank's tensor / pipeline /
 context peers (`dp_info`, from the actor engine).
 
 Generation has a data parallelism of its own (`rollout_info`): rollout DP = world size /
