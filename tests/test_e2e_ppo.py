@@ -580,6 +580,7 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
                 "smoke",
                 "actor.lora.rank=4",
                 "actor.lora.target_modules=[q_proj,v_proj]",
+                "actor.optimizer.lr=0.05",  # each step moves the policy by much
                 "actor.objective.use_kl_loss=true",
                 "actor.objective.kl_loss_coef=0.1",
                 f"reward.reward_model_path={rm_dir}",
@@ -591,6 +592,13 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
     )
     rows = read_jsonl(tmp_path / "lora" / "metrics.jsonl")
     assert lora["steps"] == 2 and all("actor/kl_loss" in r for r in rows)
+    # the syncs sent the adapter alone (actor.lora_sync=auto on the hf backend), which the
+    # rollout serves over its base weights: its log-probs are the trainer's up to rounding
+    # (with the adapter left unapplied, the smoke preset with LoRA on every linear layer and
+    # this lr gave kl_k3 0.37 at step 2)
+    for row in rows:
+        assert row["rollout_corr/probe_rows"] == 8.0
+        assert 0 <= row["rollout_corr/kl_k3"] < 1e-4, row["rollout_corr/kl_k3"]
     # every trained sample's reward is the score the reward model gives its text (prompt +
     # response) run here in plain transformers, one text at a time, without padding
     rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()

@@ -15,6 +15,7 @@ _EXPORTS = {
     "split_by_token_budget": "batch",
     "unpack": "batch",
     "validate_batch": "batch",
+    "LoraAdapter": "adapters",
     "Capability": "capabilities",
     "EngineConfig": "config",
     "EngineSections": "config",

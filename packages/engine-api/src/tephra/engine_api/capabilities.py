@@ -12,4 +12,5 @@ class Capability(StrEnum):
 
     LORA = "lora"
     """LoRA adapters (`lora.rank > 0`): `reference_mode()` runs the base model with the
-    adapters off, and `export_adapter(path)` writes the adapter alone as a peft folder."""
+    adapters off, `export_adapter(path)` writes the adapter alone as a peft folder and
+    `export_adapter_weights()` hands it over in memory (adapter-only weight sync)."""

@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 from tensordict import TensorDict
 
+from tephra.engine_api.adapters import LoraAdapter
 from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.errors import ConfigError
@@ -192,6 +193,14 @@ class Engine(ABC):
         outputs. Collective; rank 0 writes. Part of `Capability.LORA` (the default refuses);
         a backend with it raises `ConfigError` naming `lora.rank` without adapters."""
         raise self._refuse(Capability.LORA, "export_adapter()")
+
+    def export_adapter_weights(self) -> LoraAdapter:
+        """The LoRA adapter alone, in memory, for an adapter-only weight sync: its rank,
+        alpha and full A / B matrices named as peft saves them (float32, CPU), the same
+        matrices `export_adapter` writes. Collective: every rank calls it and every rank
+        receives the whole adapter. Part of `Capability.LORA` (the default refuses); a
+        backend with it raises `ConfigError` naming `lora.rank` without adapters."""
+        raise self._refuse(Capability.LORA, "export_adapter_weights()")
 
     # ----- topology --------------------------------------------------------------------
     @property

@@ -21,6 +21,7 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from tephra.engine_api import batch as B
+from tephra.engine_api.adapters import LoraAdapter
 from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
@@ -98,7 +99,8 @@ def shares(config: EngineConfig) -> bool:
 class FSDPEngine(Engine):
     """FSDP2 engine. Build with `FSDPEngine.build(config)` (or `get_engine("fsdp", config)`).
 
-    Declares `Capability.LORA` (peft adapters): `reference_mode()` and `export_adapter()`.
+    Declares `Capability.LORA` (peft adapters): `reference_mode()`, `export_adapter()` and
+    `export_adapter_weights()`.
     Beyond the `Engine` contract (for this package's tests and helpers, not for callers of
     the contract): `model`, the FSDP-wrapped root module; `hf_model`, the transformers model
     inside it.
@@ -545,6 +547,14 @@ class FSDPEngine(Engine):
         weights.write_adapter_folder(
             Path(path), self.hf_model, self.device, self.config.lora, self.config.model.path
         )
+
+    def export_adapter_weights(self) -> LoraAdapter:
+        self._need_adapters(
+            "export_adapter_weights()",
+            "without adapters there is none; sync the full weights with export_weights",
+        )
+        tensors = weights.adapter_tensors(self.hf_model, self.device)
+        return LoraAdapter(self.config.lora.rank, self.config.lora.alpha, tensors)
 
     def save_checkpoint(self, path: str | Path) -> None:
         self._onload_optimizer()

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from tephra.engine_api.adapters import PEFT_PREFIX
 from tephra.engine_api.config import LoraConfig
 from tephra.engine_fsdp import lora
 
@@ -128,22 +129,29 @@ def write_hf_folder(
         dist.barrier()
 
 
+def adapter_tensors(model: PreTrainedModel, device: torch.device) -> dict[str, torch.Tensor]:
+    """The full LoRA matrices, float32 on the CPU, named as peft saves them
+    (`base_model.model.<module>.lora_A.weight`: peft drops the adapter name). Collective:
+    every rank gathers and receives every matrix."""
+    state = {}
+    for name, param in model.named_parameters():
+        if lora.is_adapter_param(name):
+            full = _full(param, device).float().cpu().contiguous()
+            state[PEFT_PREFIX + name.replace(f".{lora.ADAPTER}.", ".")] = full
+    return state
+
+
 def write_adapter_folder(
     path: Path, model: PreTrainedModel, device: torch.device, cfg: LoraConfig, base_path: str | None
 ) -> None:
-    """Write the LoRA matrices in peft's file layout (`adapter_model.safetensors`, keys
-    `base_model.model.<module>.lora_A.weight`: peft drops the adapter name) and its
-    `adapter_config.json`. Collective: every rank gathers, rank 0 writes."""
+    """Write the LoRA matrices in peft's file layout (`adapter_model.safetensors`, keys as
+    `adapter_tensors` names them) and its `adapter_config.json`. Collective: every rank gathers, rank 0 writes."""
     # imported here: peft takes seconds to import and only LoRA runs need it
     from peft import LoraConfig as PeftLoraConfig
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    state, targets = {}, set()
-    for name, param in model.named_parameters():
-        if lora.is_adapter_param(name):
-            full = _full(param, device).float().cpu().contiguous()
-            state["base_model.model." + name.replace(f".{lora.ADAPTER}.", ".")] = full
-            targets.add(name.split(".lora_")[0].rsplit(".", 1)[-1])
+    state = adapter_tensors(model, device)
+    targets = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in state}
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         save_file(state, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -30,6 +30,7 @@ from tensordict import TensorDict
 from transformers import AutoConfig
 
 from tephra.engine_api import batch as B
+from tephra.engine_api.adapters import LoraAdapter
 from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
@@ -126,7 +127,7 @@ class MegatronEngine(Engine):
     """megatron-core backend. Build with `MegatronEngine.build(config)` on every rank.
 
     Declares `Capability.LORA` (`lora`: peft's adapters on the tensor-parallel linears):
-    `reference_mode()` and `export_adapter()`."""
+    `reference_mode()`, `export_adapter()` and `export_adapter_weights()`."""
 
     capabilities = frozenset({Capability.LORA})
 
@@ -709,6 +710,16 @@ class MegatronEngine(Engine):
                 "none; export the model with export_hf"
             )
         self.adapters.write(Path(path), self.config.model.path)
+
+    def export_adapter_weights(self) -> LoraAdapter:
+        """The LoRA adapters alone, on every rank (gathered over pipeline stages and
+        tensor-parallel shards). Collective."""
+        if self.adapters is None:
+            raise ConfigError(
+                "export_adapter_weights() needs LoRA (lora.rank > 0): without adapters there "
+                "is none; sync the full weights with export_weights"
+            )
+        return LoraAdapter(self.config.lora.rank, self.config.lora.alpha, self.adapters.gather())
 
     def save_checkpoint(self, path: str | Path) -> None:
         ckpt.save(self, Path(path))

@@ -306,13 +306,9 @@ class Adapters:
             out[f"base_model.model.{module}.lora_B.weight"] = b.float().cpu().contiguous()
         return out
 
-    def write(self, path: Path, base_path: str | None) -> None:
-        """Write the adapters as peft does (`adapter_model.safetensors` and
-        `adapter_config.json`). Collective: every rank completes its adapters over TP; data-
-        parallel rank 0 of each pipeline stage sends them to rank 0, which writes."""
-        # imported here: peft takes seconds to import and only LoRA runs need it
-        from peft import LoraConfig as PeftLoraConfig
-
+    def gather(self) -> dict[str, torch.Tensor]:
+        """Every adapter, complete, on every rank (`full_tensors` of every pipeline stage):
+        data-parallel rank 0 of each stage contributes its own. Collective."""
         mine = self.full_tensors()
         keep = (
             ps.get_data_parallel_rank(with_context_parallel=True) == 0
@@ -321,8 +317,17 @@ class Adapters:
         gathered: list = [None] * dist.get_world_size()
         # small: rank x 2 matrices per adapted linear
         dist.all_gather_object(gathered, mine if keep else {})
+        return {k: v for part in gathered for k, v in part.items()}
+
+    def write(self, path: Path, base_path: str | None) -> None:
+        """Write the adapters as peft does (`adapter_model.safetensors` and
+        `adapter_config.json`). Collective: every rank completes its adapters over TP; data-
+        parallel rank 0 of each pipeline stage sends them to rank 0, which writes."""
+        # imported here: peft takes seconds to import and only LoRA runs need it
+        from peft import LoraConfig as PeftLoraConfig
+
+        state = self.gather()
         if dist.get_rank() == 0:
-            state = {k: v for part in gathered for k, v in part.items()}
             targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state})
             path.mkdir(parents=True, exist_ok=True)
             save_file(state, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})

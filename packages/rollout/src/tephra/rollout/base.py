@@ -21,7 +21,7 @@ import dataclasses
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import torch
 
@@ -33,6 +33,8 @@ from tephra.rollout.weight_transport import check_transport_name
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
+
+    from tephra.engine_api.adapters import LoraAdapter
 
 FinishReason = Literal["stop", "length"]
 DTYPES = ("float32", "bfloat16", "float16")
@@ -330,6 +332,12 @@ class RolloutConfig:
     """Settings of the `vllm` backend."""
     sglang: ServerSettings = field(default_factory=ServerSettings)
     """Settings of the `sglang` backend."""
+    max_lora_rank: int = 0
+    """Largest LoRA rank the rollout must serve through `update_adapter` (0: no adapters). A
+    server backend starts with its adapter support on at this rank (vLLM `--enable-lora
+    --max-lora-rank`, SGLang `--enable-lora --max-lora-rank`); the trainer sets it from
+    `actor.lora.rank` when syncs send the adapter alone (`actor.lora_sync`). The hf backend
+    needs no preparation."""
     record_routes: bool = False
     """Record each token's experts per MoE layer (`Sample.routed_experts`) for routing
     replay; the trainer sets it from `actor.moe.routing_replay`. Only the `hf` backend
@@ -343,6 +351,8 @@ class RolloutConfig:
             raise ConfigError(
                 f"rollout.dtype={self.dtype!r} is not allowed; choose one of {[*DTYPES, AUTO]}"
             )
+        if self.max_lora_rank < 0:
+            raise ConfigError(f"rollout.max_lora_rank={self.max_lora_rank!r} must be >= 0")
         if self.max_model_len < 2:
             raise ConfigError(f"rollout.max_model_len={self.max_model_len!r} must be >= 2")
         for name, kind in (
@@ -449,6 +459,11 @@ class Rollout(abc.ABC):
 
     config: RolloutConfig
 
+    supports_adapters: ClassVar[bool] = False
+    """Whether `update_adapter` applies a LoRA adapter over unchanged base weights (an
+    adapter-only weight sync); the trainer's config refuses `actor.lora_sync=adapter` for a
+    backend without it, before any process starts."""
+
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:
         """Sample `sampling.n` responses for each prompt (prompt-major order)."""
@@ -470,6 +485,16 @@ class Rollout(abc.ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights given as (Hugging Face name, full tensor) pairs, e.g. from
         `Engine.export_weights()`. Names not given keep their current values."""
+
+    def update_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve the base weights held with `adapter` on top, not merged into them: the
+        first call adds the adapter, each later one replaces its matrices (same rank and
+        modules). Generation then samples from W + (alpha / rank) * B @ A while W stays
+        bitwise as it was. For backends with `supports_adapters`; the others refuse."""
+        raise ConfigError(
+            f"rollout backend {type(self).__name__} cannot serve a LoRA adapter over its base "
+            "weights; set actor.lora_sync=merged (the merged weights are synced instead)"
+        )
 
     @abc.abstractmethod
     def sleep(self) -> None:

@@ -48,6 +48,8 @@ from tephra.engine_api.config import (
 from tephra.engine_api.registry import installed_engines
 from tephra.episodes.config import EpisodeRolloutConfig
 from tephra.episodes.rewards import RewardConfig
+from tephra.rollout.base import ServerSettings
+from tephra.rollout.registry import ROLLOUT_BACKENDS
 
 
 @dataclass
@@ -88,6 +90,10 @@ class EngineRoleConfig(EngineSections):
         )
 
 
+LORA_SYNC = ("auto", "adapter", "merged")
+"""`actor.lora_sync` choices."""
+
+
 @dataclass
 class ActorConfig(EngineRoleConfig):
     """The policy: its engine and its loss."""
@@ -107,6 +113,21 @@ class ActorConfig(EngineRoleConfig):
     (tephra.algos.ActorObjectiveConfig; the apps/ppo demo sets
     `loss_agg_mode=seq-mean-token-mean`): `actor.objective.policy_loss=gspo`,
     `actor.objective.policy.clip_ratio_high=0.28`, `actor.objective.tis_level=token`."""
+    lora_sync: str = "auto"
+    """What a weight sync sends the rollout when `actor.lora.rank > 0`: `adapter` (the LoRA
+    matrices and their rank / alpha alone, which the rollout applies over its unchanged base
+    weights: a few MB instead of the whole model), `merged` (every weight with the adapter
+    merged in), or `auto` (the default: `adapter` where the rollout backend serves adapters and
+    the rollout is colocated, else `merged`). Ignored without LoRA."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lora_sync not in LORA_SYNC:
+            raise ConfigError(
+                f"actor.lora_sync={self.lora_sync!r}: choose one of {list(LORA_SYNC)} (adapter "
+                "sends the LoRA matrices alone, merged the full merged weights, auto the first "
+                "where the rollout supports it)"
+            )
 
 
 @dataclass
@@ -523,6 +544,25 @@ MODEL_PATH_FIX = (
 """What a config without a policy is told (the policy has no library default)."""
 
 
+def adapter_sync_obstacle(cfg: PPOConfig) -> str | None:
+    """Why the weight sync of `cfg` cannot send the LoRA adapter alone (None: it can)."""
+    r = cfg.rollout
+    if not ROLLOUT_BACKENDS.get(r.backend).supports_adapters:
+        return f"rollout.backend={r.backend!r} cannot serve an adapter over its base weights"
+    if cfg.resources.rollout.replicas:
+        return (
+            f"resources.rollout.replicas={cfg.resources.rollout.replicas}: rollout replicas of "
+            "their own receive the merged weights by broadcast"
+        )
+    settings = getattr(r, r.backend, None)
+    if isinstance(settings, ServerSettings) and settings.sleep_level == 2:
+        return (
+            f"rollout.{r.backend}.sleep_level=2 drops the server's base weights while it "
+            "sleeps, and only a full sync sends them again"
+        )
+    return None
+
+
 @dataclass
 class PPOConfig:
     """The RL trainer (PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO, ... by name)."""
@@ -564,3 +604,12 @@ class PPOConfig:
 
     def data_parallel_size(self) -> int:
         return self.actor.parallel.data_parallel_size(self.resources.world_size)
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Whether weight syncs send the LoRA adapter alone (`actor.lora_sync`, with `auto`
+        resolved: adapter-only where the backend serves adapters, the rollout is colocated
+        and a server never drops its weights)."""
+        if not self.actor.lora.enabled or self.actor.lora_sync == "merged":
+            return False
+        return self.actor.lora_sync == "adapter" or not adapter_sync_obstacle(self)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.controller.cluster import worker_group
+from tephra.controller.config.tree import adapter_sync_obstacle
 from tephra.controller.recipes import check_recipes
 from tephra.controller.run.checkpoints import MANIFEST, CheckpointManager
 from tephra.controller.run.models import declared_model_folder
@@ -91,6 +92,17 @@ def validate(cfg: PPOConfig) -> None:  # noqa: C901, PLR0915 (older than the lim
             "its own rank's export, which the ranks without a server would not join; use "
             f"sleep_level=1, or rollout replicas of their own (resources.rollout.replicas)"
         )
+    if cfg.actor.lora_sync == "adapter":
+        obstacle = (
+            "it needs LoRA (actor.lora.rank > 0)"
+            if not cfg.actor.lora.enabled
+            else adapter_sync_obstacle(cfg)
+        )
+        if obstacle is not None:
+            raise ConfigError(
+                f"actor.lora_sync=adapter: {obstacle}; set actor.lora_sync=merged (or auto, "
+                "which picks adapter-only syncs where they work)"
+            )
     per_rank = b.samples_per_step // dp
     if per_rank % b.mini_batches:
         raise ConfigError(

@@ -140,6 +140,8 @@ class Generator:
                     # routing replay: the rollout records each token's experts (an agent
                     # loop's episodes are recorded whole, once they end: `_record_routes`)
                     record_routes=cfg.actor.moe.replays and not cfg.rollout.uses_agent_loop,
+                    # adapter-only syncs (actor.lora_sync): a server starts with LoRA on
+                    max_lora_rank=cfg.actor.lora.rank if cfg.adapter_sync else 0,
                 ),
             )
         return cls(cfg, model_path, tools_file, rollout, reward_actor)

@@ -1,9 +1,10 @@
 """The colocated RL worker: actor, reference, critic and rollout engine in one process per rank.
 
 Weights move inside the process: `sync_weights` streams `actor.export_weights()` buckets into
-`rollout.update_weights()`. Every public method is declared with a dispatch mode, so the
-driver calls `wg.compute_log_probs(batch)` on the whole batch and gets the whole batch back:
-rows are split over data-parallel ranks and replicated over a rank's tensor / pipeline /
+`rollout.update_weights()`, or with LoRA hands `actor.export_adapter_weights()` to
+`rollout.update_adapter()` (adapter-only sync, `actor.lora_sync`). Every public method is
+declared with a dispatch mode, so the driver calls `wg.compute_log_probs(batch)` on the whole
+batch and gets the whole batch back: rows are split over data-parallel ranks and replicated over a rank's tensor / pipeline /
 context peers (`dp_info`, from the actor engine).
 
 Generation has a data parallelism of its own (`rollout_info`): rollout DP = world size /
@@ -420,12 +421,21 @@ class RLWorker(Worker):
     @profiled("sync")
     def sync_weights(self) -> int:
         """Stream the actor's weights into the rollout engine as one update (a server backend
-        re-buckets them by its own bucket size and counts one weight version); returns
+        re-buckets them by its own bucket size and counts one weight version), or with
+        `actor.lora_sync` resolved to adapter-only, hand it the LoRA adapter alone; returns
         the tensors moved (0 without a colocated rollout: the driver broadcasts to replicas).
         A rank without a rollout engine of its own still exports: the export may be a
         collective of the training ranks."""
         if not self.colocated:
             return 0
+        if self.cfg.adapter_sync:
+            # adapter-only (`actor.lora_sync`): the rollout keeps the base weights it loaded
+            # (the engine's frozen ones) and serves the adapter over them
+            with self.actor.eval_mode():
+                adapter = self.actor.export_adapter_weights()  # collective: every rank
+            if self.rollout is not None:
+                self.rollout.update_adapter(adapter)
+            return len(adapter.tensors) if self.rollout is not None else 0
         if self.rollout is None:
             with self.actor.eval_mode():
                 for _ in self.actor.export_weights(untie_word_embeddings=True):

@@ -11,6 +11,7 @@ that does not must refuse it with a `ConfigError` naming the option or the metho
 
 from __future__ import annotations
 
+import json
 import math
 import traceback
 from collections.abc import Callable, Iterable
@@ -419,8 +420,9 @@ def check_reference_mode_is_base_model(spec: ConformanceSpec) -> None:
 
 def check_adapter_export_matches(spec: ConformanceSpec) -> None:
     """With `Capability.LORA`: after a step, the folder `export_adapter` writes, applied to
-    the plain reference model by `spec.load_adapter`, gives the engine's log-probs; an
-    engine built without adapters refuses naming `lora.rank`. Without the capability:
+    the plain reference model by `spec.load_adapter`, gives the engine's log-probs, and
+    `export_adapter_weights()` holds that folder's matrices, rank and alpha; an engine
+    built without adapters refuses both naming `lora.rank`. Without the capability:
     `export_adapter()` and `lora.rank > 0` are refused."""
     path = Path(spec.workdir) / "conformance-adapter"
     engine = spec.make_engine({})
@@ -432,14 +434,31 @@ def check_adapter_export_matches(spec: ConformanceSpec) -> None:
         f"{type(engine).__name__} declares Capability.LORA but the spec has no load_adapter "
         "to apply its exported adapter to the reference model"
     )
+    _refuses(
+        engine.export_adapter_weights, "lora.rank", "export_adapter_weights() without adapters"
+    )
     engine, share = _lora_engine_after_a_step(spec)
     with engine.eval_mode():
         engine.export_adapter(path)
+        adapter = engine.export_adapter_weights()
         want = engine.forward(share)["log_probs"]
     ref = spec.make_reference()
     spec.load_adapter(ref, path)
     lp, _ = reference_log_probs(ref, share, engine.config.temperature)
     _close("log_probs of the exported adapter over the base model", want, lp, spec.atol)
+    # the in-memory adapter is the folder's: the same matrices bit for bit, rank and alpha
+    # imported here: a LoRA backend has peft, which brings safetensors; the kit does not
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path / "adapter_model.safetensors"))
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert (adapter.rank, adapter.alpha) == (config["r"], config["lora_alpha"]) == (4, 8.0), (
+        f"export_adapter_weights(): rank {adapter.rank}, alpha {adapter.alpha}; the folder "
+        f"says r={config['r']}, lora_alpha={config['lora_alpha']}; the kit built rank 4, alpha 8"
+    )
+    assert adapter.tensors.keys() == saved.keys(), sorted(adapter.tensors.keys() ^ saved.keys())
+    for name, tensor in saved.items():
+        assert torch.equal(adapter.tensors[name].float(), tensor.float()), name
 
 
 CHECKS: dict[str, Callable[[ConformanceSpec], None]] = {

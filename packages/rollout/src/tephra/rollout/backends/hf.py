@@ -33,6 +33,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from tephra.engine_api.adapters import PEFT_PREFIX, LoraAdapter
 from tephra.kernels.cpu_linear import use_fast_linears
 from tephra.rollout.backends.kv_cache import growing_cache
 from tephra.rollout.backends.request_batcher import RequestBatcher
@@ -48,6 +49,9 @@ from tephra.rollout.base import (
     check_prompts,
 )
 from tephra.rollout.multimodal import MultimodalInputs, check_image_tokens, vision_family
+
+_ADAPTER = "default"
+"""The name of the one LoRA adapter `update_adapter` injects (peft's default)."""
 
 _SEED_MASK = 2**64 - 1
 """torch generators take seeds in [0, 2**64); larger or negative seeds wrap."""
@@ -132,7 +136,12 @@ class _Carry:
 
 
 class HFRollout(Rollout):
-    """transformers generation in this process; `agenerate` goes through a batching thread."""
+    """transformers generation in this process; `agenerate` goes through a batching thread.
+
+    `update_adapter` (adapter-only sync) injects peft's LoRA layers into the model once,
+    around the unchanged linear layers, and afterwards only copies new A / B matrices in."""
+
+    supports_adapters = True
 
     def __init__(self, config: RolloutConfig) -> None:
         self.config = config
@@ -181,6 +190,8 @@ class HFRollout(Rollout):
         """Version of the weights held, set by the owner (partial rollout); when not None every
         generated token is tagged with it (`Sample.token_versions`)."""
         self._seeds = random.Random(config.seed)
+        self._adapter_shape: tuple[int, float, tuple[str, ...]] | None = None
+        """Rank, alpha and modules of the adapter `update_adapter` injected (None: none)."""
         self._asleep = False
         self._batcher = RequestBatcher(
             self._run_request_batch,
@@ -546,11 +557,14 @@ class HFRollout(Rollout):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each (HF name, tensor) into the model in place. A tied model holds one matrix
-        for the embedding and the head, so either name updates both."""
+        for the embedding and the head, so either name updates both. With an adapter served
+        (`update_adapter`), the names of adapted layers set the base weights under it."""
         with self._lock:
             self._updates += 1  # even a failed update may have changed some weights
             state = self.model.state_dict()
             for name, tensor in named_tensors:
+                if name not in state and self._adapter_shape is not None:
+                    name = _base_layer_name(name)
                 if name not in state:
                     known = ", ".join(list(state)[:6])
                     raise RolloutError(
@@ -565,6 +579,69 @@ class HFRollout(Rollout):
                         f"model expects {list(target.shape)}"
                     )
                 target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+
+    @torch.no_grad()
+    def update_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve `adapter` over the unchanged base weights: peft's LoRA layers wrap the
+        adapted linear layers (injected on the first call), whose output becomes
+        W x + (alpha / rank) * B (A x); each call copies the new A and B in. A later adapter
+        must have the first one's rank, alpha and modules."""
+        shape = (adapter.rank, adapter.alpha, tuple(adapter.modules))
+        with self._lock:
+            self._updates += 1  # the KV cache of the old adapter is stale
+            if self._adapter_shape is None:
+                self._inject(adapter)
+                self._adapter_shape = shape
+            elif shape != self._adapter_shape:
+                rank, alpha, modules = self._adapter_shape
+                raise RolloutError(
+                    f"update_adapter: the adapter changed shape (rank {adapter.rank}, alpha "
+                    f"{adapter.alpha}, {len(adapter.modules)} modules; the rollout serves rank "
+                    f"{rank}, alpha {alpha}, {len(modules)} modules); one run trains one adapter"
+                )
+            params = dict(self.model.named_parameters())
+            for name, tensor in adapter.tensors.items():
+                target = params[_rollout_adapter_name(name)]
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise RolloutError(
+                        f"update_adapter: {name!r} has shape {list(tensor.shape)}, the rollout "
+                        f"model's layer expects {list(target.shape)}"
+                    )
+                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+
+    def _inject(self, adapter: LoraAdapter) -> None:
+        """peft's LoRA layers (adapter `default`) around exactly the adapter's modules."""
+        try:
+            # imported here: only adapter syncs need peft (the `lora` extra)
+            from peft import LoraConfig, inject_adapter_in_model
+        except ImportError as exc:
+            raise RolloutError(
+                "update_adapter needs peft: install tephra-rollout[lora], or set "
+                "actor.lora_sync=merged"
+            ) from exc
+        names = set(dict(self.model.named_modules()))
+        missing = [m for m in adapter.modules if m not in names]
+        if missing:
+            raise RolloutError(
+                f"update_adapter: {missing[:3]} are not modules of the rollout model "
+                f"({type(self.model).__name__}); the adapter was trained on another model"
+            )
+        config = LoraConfig(
+            r=adapter.rank,
+            lora_alpha=adapter.alpha,  # type: ignore[arg-type]  # peft types it int; floats work
+            lora_dropout=0.0,
+            # full names: a suffix such as `q_proj` could also match a frozen vision tower
+            target_modules=adapter.modules,
+        )
+        inject_adapter_in_model(config, self.model, adapter_name=_ADAPTER)
+        self.model.eval()
+        injected = {n for n, _ in self.model.named_parameters() if ".lora_" in n}
+        expected = {_rollout_adapter_name(n) for n in adapter.tensors}
+        if injected != expected:
+            raise RolloutError(
+                f"update_adapter: peft made {len(injected)} adapter matrices, the adapter "
+                f"holds {len(expected)} (e.g. {sorted(injected ^ expected)[:2]})"
+            )
 
     def sleep(self) -> None:
         """On a GPU, move the weights to CPU memory; on CPU there is nothing to free."""
@@ -584,3 +661,17 @@ class HFRollout(Rollout):
         if not self._closed:
             self._closed = True
             self._batcher.close()
+
+
+def _rollout_adapter_name(peft_name: str) -> str:
+    """`base_model.model.<module>.lora_A.weight` (peft's file) -> the injected parameter's
+    name in the rollout model, `<module>.lora_A.default.weight`."""
+    stem, kind = peft_name[len(PEFT_PREFIX) :].rsplit(".lora_", 1)
+    return f"{stem}.lora_{kind.split('.')[0]}.{_ADAPTER}.weight"
+
+
+def _base_layer_name(name: str) -> str:
+    """`<module>.weight` -> `<module>.base_layer.weight`: where peft keeps the base weight of
+    a layer it wrapped."""
+    stem, leaf = name.rsplit(".", 1)
+    return f"{stem}.base_layer.{leaf}"

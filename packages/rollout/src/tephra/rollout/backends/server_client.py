@@ -42,6 +42,7 @@ from urllib.parse import urlparse
 import httpx
 import torch
 
+from tephra.engine_api.adapters import LoraAdapter
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.multimodal import MultimodalInputs, check_image_tokens, vision_family
 from tephra.rollout.backends.server_process import ServerProcess, free_port
@@ -57,6 +58,7 @@ from tephra.rollout.backends.weights_folder import (
     HEAD,
     is_tied,
     served_copy,
+    write_adapter,
     write_update,
 )
 from tephra.rollout.base import (
@@ -195,9 +197,33 @@ class ServerProtocol(abc.ABC):
     def transfer_finish_requests(self, version: int) -> list[Request]:
         return []
 
+    # -- LoRA adapters served over the base weights (adapter-only sync) --
+    @abc.abstractmethod
+    def lora_launch(self, max_rank: int) -> tuple[list[str], dict[str, str]]:
+        """Extra arguments and environment that start the server able to load one LoRA
+        adapter of rank up to `max_rank` at run time."""
+
+    @abc.abstractmethod
+    def load_adapter_request(self, name: str, folder: str) -> Request:
+        """The request that loads the peft folder `folder` as adapter `name`."""
+
+    @abc.abstractmethod
+    def unload_adapter_request(self, name: str) -> Request:
+        """The request that drops adapter `name`."""
+
+    @abc.abstractmethod
+    def with_adapter(self, request: Request, name: str) -> Request:
+        """`request` (a generation request) made to sample through adapter `name`."""
+
 
 class ServerRollout(Rollout):
-    """A `Rollout` over one or more generation servers (see module docstring)."""
+    """A `Rollout` over one or more generation servers (see module docstring).
+
+    `update_adapter` writes the adapter as a peft folder under `weights_dir`, loads it on
+    every server under a new name (`tephra-lora-<n>`), unloads the previous one, and names
+    the current one in every generation request after that."""
+
+    supports_adapters = True
 
     def __init__(self, config: RolloutConfig, protocol: ServerProtocol) -> None:  # noqa: PLR0915 (older than the limit; to split)
         self.config = config
@@ -230,6 +256,9 @@ class ServerRollout(Rollout):
         generated token is tagged with it (`Sample.token_versions`)."""
         self._pause_holds = 0
         """`paused()` contexts entered and not left (generation opens again at 0)."""
+        self.adapter: str | None = None
+        """The name of the LoRA adapter served (`update_adapter`; None: the base weights)."""
+        self._adapter_dir: Path | None = None
         self.last_update_stats: dict[str, float] = {}
         """Of the last update: `seconds`, `buckets`, `max_bucket_bytes`, `bytes`."""
         self.calls: collections.Counter[str] = collections.Counter()
@@ -357,6 +386,10 @@ class ServerRollout(Rollout):
             args, key_env = self.protocol.key_launch(self._api_key)
             command += args
             env = merge_env(env, key_env)
+        if self.config.max_lora_rank:
+            args, lora_env = self.protocol.lora_launch(self.config.max_lora_rank)
+            command += args
+            env = merge_env(env, lora_env)
         log_path = settings.log_path or str(self.weights_dir / "server.log")
         self.process = ServerProcess(self.protocol.name, command, env, log_path)
         url = f"http://{settings.host}:{port}"
@@ -471,6 +504,8 @@ class ServerRollout(Rollout):
                 image_payload(prompt_ids, images, self._vision_config(), self.update_count),
             )
         )
+        if self.adapter is not None:
+            requests = [self.protocol.with_adapter(r, self.adapter) for r in requests]
         self._in_flight += 1
         self._idle.clear()
         try:
@@ -646,6 +681,37 @@ class ServerRollout(Rollout):
             self.last_update_stats = {}
         self._wake(["kv_cache"])
         self.last_update_stats["seconds"] = time.perf_counter() - start
+
+    def update_adapter(self, adapter: LoraAdapter) -> None:
+        """Load `adapter` on every server under a new name, then unload the one before it
+        (the server's base weights are not touched); later requests name the new one. A
+        server started here needs `config.max_lora_rank` >= the adapter's rank."""
+        self._ensure_open()
+        if self.config.max_lora_rank and adapter.rank > self.config.max_lora_rank:
+            raise RolloutError(
+                f"update_adapter: rank {adapter.rank} exceeds rollout.max_lora_rank="
+                f"{self.config.max_lora_rank}, the most the {self.protocol.name} server was "
+                "started to serve"
+            )
+        self.calls["update_adapter"] += 1
+        start = time.perf_counter()
+        self.update_count += 1
+        self._wake(["weights"])
+        name = f"tephra-lora-{self.update_count}"
+        folder = self.weights_dir / f"adapter-{next(self._updates):06d}"
+        write_adapter(adapter, folder, self.config.model_path)
+        self._run_all([self.protocol.load_adapter_request(name, str(folder))])
+        old, old_dir = self.adapter, self._adapter_dir
+        self.adapter, self._adapter_dir = name, folder
+        if old is not None:
+            self._run_all([self.protocol.unload_adapter_request(old)])
+        if old_dir is not None:
+            shutil.rmtree(old_dir, ignore_errors=True)
+        self._wake(["kv_cache"])
+        self.last_update_stats = {
+            "bytes": float(adapter.nbytes),
+            "seconds": time.perf_counter() - start,
+        }
 
     def _server_names(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]

@@ -8,7 +8,10 @@ broadcast per tensor: `weight_transport` gloo / nccl), with `/update_weights_fro
 (`ipc`: each bucket's (name, tensor) views pickled with torch's CUDA IPC reductions, as
 SGLang's `MultiprocessingSerializer` reads them), or with `/update_weights_from_disk`
 (`weight_sync=disk`); then `/flush_cache`. Sleep: `/release_memory_occupation` and
-`/resume_memory_occupation` with `tags` (`weights`, `kv_cache`). Partial rollout: `/abort_request {"abort_all": true}` aborts every request in
+`/resume_memory_occupation` with `tags` (`weights`, `kv_cache`). LoRA (adapter-only sync):
+started with `--enable-lora --max-lora-rank R --lora-target-modules all`, each adapter
+loaded with `/load_lora_adapter` under a new name, the previous one dropped with
+`/unload_lora_adapter`, requests naming it in `lora_path`. Partial rollout: `/abort_request {"abort_all": true}` aborts every request in
 flight; each returns its `output_ids` and log-probs so far with finish reason `abort` (the
 abort-and-resubmit path is the one shared with vLLM in `server_client`, tested there).
 """
@@ -196,6 +199,28 @@ class SglangProtocol(ServerProtocol):
 
     def transfer_finish_requests(self, version: int) -> list[Request]:
         return [("/flush_cache", {})]
+
+    def lora_launch(self, max_rank: int) -> tuple[list[str], dict[str, str]]:
+        # no adapter at start: the modules are named so that any later adapter fits
+        return [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(max_rank),
+            "--lora-target-modules",
+            "all",
+            "--max-loras-per-batch",
+            "1",
+        ], {}
+
+    def load_adapter_request(self, name: str, folder: str) -> Request:
+        return ("/load_lora_adapter", {"lora_name": name, "lora_path": folder})
+
+    def unload_adapter_request(self, name: str) -> Request:
+        return ("/unload_lora_adapter", {"lora_name": name})
+
+    def with_adapter(self, request: Request, name: str) -> Request:
+        path, body = request
+        return path, {**body, "lora_path": name}
 
 
 class SglangRollout(ServerRollout):

@@ -7,6 +7,10 @@ Requests: `/v1/completions` with a token-id prompt, `return_token_ids` and `logp
 server runs with `--logprobs-mode processed_logprobs` (log-probs after temperature: the
 convention of `tephra.rollout.base`) and `--generation-config vllm` (the model's shipped
 sampling defaults are not applied; every option is sent explicitly).
+LoRA (adapter-only sync): started with `--enable-lora --max-lora-rank R --max-loras 1` and
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; each adapter is written as a peft folder and loaded
+with `/v1/load_lora_adapter` under a new name, the previous one unloaded with
+`/v1/unload_lora_adapter`, and requests name the current one as their `model`.
 Prompts with images: `POST /tephra/generate`, which tephra's middleware (`vllm_plugin/
 tephra_vllm_images.py`, loaded for a vision-language model with `--enable-scale-out`) turns
 into vLLM's `/inference/v1/generate` with the token ids as given (each image already expanded)
@@ -205,6 +209,24 @@ class VllmProtocol(ServerProtocol):
     def launch_env(self, settings: ServerSettings) -> dict[str, str]:
         # the plugin files import only torch, transformers and vllm
         return {"PYTHONPATH": str(PLUGIN_DIR)}
+
+    def lora_launch(self, max_rank: int) -> tuple[list[str], dict[str, str]]:
+        # runtime loading (`/v1/load_lora_adapter`) is off unless this variable is set
+        return (
+            ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1"],
+            {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+        )
+
+    def load_adapter_request(self, name: str, folder: str) -> Request:
+        return ("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder})
+
+    def unload_adapter_request(self, name: str) -> Request:
+        return ("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def with_adapter(self, request: Request, name: str) -> Request:
+        # vLLM serves a loaded adapter as a model of its own name
+        path, body = request
+        return path, {**body, "model": name}
 
     def sample_requests(self, prompt_ids: list[int], sampling: SamplingParams) -> list[Request]:
         body = {"model": SERVED_MODEL_NAME, "prompt": prompt_ids, **vllm_sampling(sampling)}

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tephra.engine_api.adapters import LoraAdapter
 from tephra.rollout.base import RolloutError
 
 HEAD = "lm_head.weight"
@@ -134,3 +135,15 @@ def write_update(
         bucket[HEAD] = embedding.clone()
     flush()
     return out_dir
+
+
+def write_adapter(adapter: LoraAdapter, folder: Path, base_model_path: str | None) -> Path:
+    """`adapter` as peft saves it: `adapter_model.safetensors` (its peft-named A and B
+    matrices) and `adapter_config.json` (rank, alpha, target modules): the folder vLLM's and
+    SGLang's adapter loaders read."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {n: t.detach().cpu().contiguous() for n, t in adapter.tensors.items()}
+    save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = adapter.config_dict(base_model_path)
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder

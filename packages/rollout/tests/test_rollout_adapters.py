@@ -1,0 +1,178 @@
+"""Adapter-only sync on the server backends (`ServerRollout.update_adapter`), driven through
+the SGLang protocol against a recording stand-in server (SGLang needs a GPU; vLLM's LoRA path
+shares this client and differs only in the request names, checked below).
+
+The stand-in speaks SGLang's JSON: `/load_lora_adapter` reads the peft folder it is given
+(as SGLang does: `adapter_config.json` and `adapter_model.safetensors`) and keeps what it
+read; `/unload_lora_adapter` drops it; `/generate` answers one token and records the
+`lora_path` the request named. Any weight route (`/update_weights_*`) is recorded too: an
+adapter sync must leave the base weights alone."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tephra.engine_api.adapters import LoraAdapter
+from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
+from tephra.rollout.backends import SglangProtocol, VllmProtocol
+
+
+class Recorder(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.posts: list[tuple[str, dict]] = []
+        self.loaded: dict[str, tuple[dict, dict[str, torch.Tensor]]] = {}
+        """Adapter name -> (its adapter_config.json, its tensors), as read from its folder."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Recorder
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def reply(self, body: dict, status: int = 200) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self.reply({})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        rec = self.server
+        rec.posts.append((self.path, body))
+        if self.path == "/load_lora_adapter":
+            folder = Path(body["lora_path"])
+            config = json.loads((folder / "adapter_config.json").read_text())
+            rec.loaded[body["lora_name"]] = (
+                config,
+                load_file(str(folder / "adapter_model.safetensors")),
+            )
+            self.reply({"success": True})
+        elif self.path == "/unload_lora_adapter":
+            del rec.loaded[body["lora_name"]]
+            self.reply({"success": True})
+        elif self.path == "/generate":
+            if body.get("lora_path") is not None and body["lora_path"] not in rec.loaded:
+                self.reply({"error": f"adapter {body['lora_path']} is not loaded"}, 400)
+                return
+            self.reply(
+                {
+                    "output_ids": [5],
+                    "meta_info": {
+                        "finish_reason": {"type": "length"},
+                        "output_token_logprobs": [[-0.5, 5, None]],
+                    },
+                }
+            )
+        else:
+            self.reply({})
+
+
+def _adapter(seed: int, rank: int = 2) -> LoraAdapter:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, 8, generator=g)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(8, rank, generator=g)
+    return LoraAdapter(rank, 16.0, tensors)
+
+
+@pytest.fixture
+def recorded(tiny_model):
+    rec = Recorder()
+    threading.Thread(target=rec.serve_forever, daemon=True).start()
+    config = RolloutConfig(
+        model_path=tiny_model.path,
+        max_lora_rank=4,
+        sglang=ServerSettings(url=rec.url, request_timeout_s=60),
+    )
+    rollout = get_rollout("sglang", config)
+    yield rec, rollout
+    rollout.close()
+    rec.shutdown()
+    rec.server_close()
+
+
+def test_each_sync_loads_the_adapter_under_a_new_name_and_unloads_the_old(recorded):
+    rec, rollout = recorded
+    sampling = SamplingParams(max_tokens=1, temperature=1.0)
+    rollout.generate([[1, 2]], sampling)  # before any adapter: the base model
+    for seed in (1, 2):
+        adapter = _adapter(seed)
+        rollout.update_adapter(adapter)
+        name = f"tephra-lora-{seed}"
+        assert rollout.adapter == name and list(rec.loaded) == [name]
+        config, tensors = rec.loaded[name]
+        # what the server read is the adapter, bit for bit, with its rank, alpha and modules
+        assert tensors.keys() == adapter.tensors.keys()
+        assert all(torch.equal(tensors[k], v) for k, v in adapter.tensors.items())
+        assert (config["r"], config["lora_alpha"], config["peft_type"]) == (2, 16.0, "LORA")
+        assert config["target_modules"] == ["down_proj", "q_proj"]
+        assert rollout.last_update_stats["bytes"] == 4 * 2 * 8 * 4
+        rollout.generate([[1, 2]], sampling)
+    paths = [p for p, _ in rec.posts]
+    assert paths == [
+        "/generate",
+        "/load_lora_adapter",
+        "/generate",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+        "/generate",
+    ]
+    generates = [b for p, b in rec.posts if p == "/generate"]
+    assert [b.get("lora_path") for b in generates] == [None, "tephra-lora-1", "tephra-lora-2"]
+    assert rec.posts[4][1] == {"lora_name": "tephra-lora-1"}
+    # the first adapter's folder is gone once the second is served; the second's stays
+    first, second = folders_of(rec)
+    assert not Path(first).exists() and Path(second).is_dir()
+    # a rank above what the server was started for is refused before any request
+    with pytest.raises(RolloutError, match=r"rank 8 exceeds rollout.max_lora_rank=4"):
+        rollout.update_adapter(_adapter(3, rank=8))
+    assert len(rec.posts) == 6
+
+
+def folders_of(rec: Recorder) -> list[str]:
+    return [b["lora_path"] for p, b in rec.posts if p == "/load_lora_adapter"]
+
+
+def test_lora_launch_and_requests_of_vllm_and_sglang():
+    vllm, sglang = VllmProtocol(), SglangProtocol()
+    assert vllm.lora_launch(16) == (
+        ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"],
+        {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    )
+    assert vllm.load_adapter_request("a", "/f") == (
+        "/v1/load_lora_adapter",
+        {"lora_name": "a", "lora_path": "/f"},
+    )
+    assert vllm.unload_adapter_request("a") == ("/v1/unload_lora_adapter", {"lora_name": "a"})
+    (request,) = vllm.sample_requests([1, 2], SamplingParams())
+    assert vllm.with_adapter(request, "a")[1]["model"] == "a"
+    args, env = sglang.lora_launch(8)
+    assert args[:3] == ["--enable-lora", "--max-lora-rank", "8"] and env == {}
+    assert "--lora-target-modules" in args
+    assert sglang.load_adapter_request("a", "/f") == (
+        "/load_lora_adapter",
+        {"lora_name": "a", "lora_path": "/f"},
+    )
+    (request,) = sglang.sample_requests([1, 2], SamplingParams())
+    assert sglang.with_adapter(request, "a")[1]["lora_path"] == "a"
