@@ -549,7 +549,7 @@ class FSDPEngine(Engine):
         )
 
     def export_adapter_weights(self) -> LoraAdapter:
-        self._need_adapters(
+        self._adapters(
             "export_adapter_weights()",
             "without adapters there is none; sync the full weights with export_weights",
         )
