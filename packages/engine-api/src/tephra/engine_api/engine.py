@@ -192,7 +192,8 @@ class Engine(ABC):
 
     @abstractmethod
     def load_checkpoint(self, path: str | Path) -> None:
-        """Restore what `save_checkpoint` wrote. Raises `CheckpointError` naming the path
+        """Restore what `save_checkpoint` wrote; gradients accumulated before the call are
+        dropped (a checkpoint lies between steps). Raises `CheckpointError` naming the path
         when it is missing or was written for another model."""
 
     @abstractmethod

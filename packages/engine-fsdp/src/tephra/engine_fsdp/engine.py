@@ -563,4 +563,6 @@ class FSDPEngine(Engine):
         self.step = checkpoint.load(
             Path(path), self.scorer, self.optimizer, self.scheduler, self.device
         )
+        # a checkpoint is taken between steps: gradients accumulated before belong to no step
+        self.optimizer.zero_grad(set_to_none=True)
         self._offload_optimizer()
