@@ -99,7 +99,9 @@ def test_sft_loop_matches_engine_and_two_clients_keep_their_adapters(server, cli
         fb.result(), oa.result(), ob.result()
         if len(losses) == 1:
             # after one step: the served weights equal tephra's own engine's step
-            assert_same_weights(served_weights(server, a.model_id), reference_step(server, ROWS_A, 1))
+            assert_same_weights(
+                served_weights(server, a.model_id), reference_step(server, ROWS_A, 1)
+            )
     assert losses[-1] < losses[0], losses
     wa, wb = served_weights(server, a.model_id), served_weights(server, b.model_id)
     assert_same_weights(wa, reference_step(server, ROWS_A, 3))
@@ -114,7 +116,9 @@ def test_sample_log_probs_equal_the_models_forward(client):
     sampler = tc.save_weights_and_get_sampling_client()
     prompt = [5, 9, 14]
     params = types.SamplingParams(max_tokens=6, seed=3, temperature=1.0)
-    result = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params).result()
+    result = sampler.sample(
+        types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params
+    ).result()
     assert len(result.sequences) == 2
     for seq in result.sequences:
         assert len(seq.tokens) == 6 and len(seq.logprobs) == 6
@@ -122,7 +126,9 @@ def test_sample_log_probs_equal_the_models_forward(client):
         out = tc.forward([datum(row)], "cross_entropy").result()
         engine_lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1 :]
         np.testing.assert_allclose(seq.logprobs, engine_lp, atol=1e-4)
-    again = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params).result()
+    again = sampler.sample(
+        types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params
+    ).result()
     assert [s.tokens for s in again.sequences] == [s.tokens for s in result.sequences]
 
 

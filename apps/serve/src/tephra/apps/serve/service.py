@@ -274,7 +274,9 @@ class Service:
         prompt = wire.prompt_tokens(body.get("prompt", {}), "sample")
         params = body.get("sampling_params", {})
         stop = params.get("stop")
-        if isinstance(stop, str) or (isinstance(stop, list) and any(isinstance(s, str) for s in stop)):
+        if isinstance(stop, str) or (
+            isinstance(stop, list) and any(isinstance(s, str) for s in stop)
+        ):
             raise UserError(
                 "sample: sampling_params.stop holds strings; tephra serve has no tokenizer "
                 "for its tiny models: give stop token ids"
@@ -303,4 +305,3 @@ class Service:
         reply = self.submit(work)
         reply["sample_sequence_ids"] = [f"{reply['request_id']}-{j}" for j in range(n)]
         return reply
-

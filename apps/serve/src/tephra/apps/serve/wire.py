@@ -16,7 +16,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from tephra.apps.serve.errors import UserError
 
-_DTYPES = {
+_DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype(np.float32),
     pb.DTYPE_INT64: np.dtype(np.int64),
     pb.DTYPE_INT32: np.dtype(np.int32),
