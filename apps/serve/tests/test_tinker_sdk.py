@@ -38,7 +38,9 @@ def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
     )
 
 
-def reference_step(server, rows: list[list[int]], steps: int) -> dict[str, torch.Tensor]:
+def reference_step(
+    server, rows: list[list[int]], steps: int, q=None, adv=None
+) -> dict[str, torch.Tensor]:
     """tephra's engine alone: `steps` AdamW steps of the summed NLL of `rows`, the Tinker
     defaults (betas 0.9 / 0.95, eps 1e-12, no decay, no clipping) set in the config."""
     base = server.service.bases["tiny"]
@@ -55,10 +57,22 @@ def reference_step(server, rows: list[list[int]], steps: int) -> dict[str, torch
         attn[i, : len(r)] = 1
     resp = attn.clone()
     resp[:, 0] = 0
-    batch = B.make_batch(ids, attn, resp)
+    if q is None:
+        batch = B.make_batch(ids, attn, resp)
 
-    def nll(outputs, mb):
-        return -(outputs["log_probs"] * mb[B.RESPONSE_MASK]).sum(), {}
+        def nll(outputs, mb):
+            return -(outputs["log_probs"] * mb[B.RESPONSE_MASK]).sum(), {}
+
+    else:
+        # importance sampling: -sum exp(log p - log q) * A over the targets
+        pad = [[0.0] * (width - 1 - len(v)) for v in q]
+        qt = torch.tensor([[0.0, *v, *p] for v, p in zip(q, pad)])
+        at = torch.tensor([[0.0, *v, *p] for v, p in zip(adv, pad)])
+        batch = B.make_batch(ids, attn, resp, q=qt, a=at)
+
+        def nll(outputs, mb):
+            ratio = torch.exp(outputs["log_probs"] - mb["q"]) * mb[B.RESPONSE_MASK]
+            return -(ratio * mb["a"]).sum(), {}
 
     for _ in range(steps):
         with engine.train_mode():
@@ -139,3 +153,21 @@ def test_refusals(server, client):
         ).result()
     with pytest.raises(Exception, match="not served"):
         client.create_lora_training_client(base_model="no-such-model", rank=RANK).result()
+
+
+def test_importance_sampling_step_matches_engine(server, client):
+    tc = client.create_lora_training_client(base_model="tiny", rank=RANK).result()
+    rng = np.random.default_rng(0)
+    q = [(-rng.uniform(3, 7, len(r) - 1)).astype(np.float32).tolist() for r in ROWS_A]
+    adv = [rng.normal(size=len(r) - 1).astype(np.float32).tolist() for r in ROWS_A]
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(r[:-1]),
+            loss_fn_inputs={"target_tokens": r[1:], "logprobs": lq, "advantages": la},
+        )
+        for r, lq, la in zip(ROWS_A, q, adv)
+    ]
+    tc.forward_backward(data, "importance_sampling").result()
+    tc.optim_step(types.AdamParams(learning_rate=LR)).result()
+    want = reference_step(server, ROWS_A, 1, q=q, adv=adv)
+    assert_same_weights(served_weights(server, tc.model_id), want)
