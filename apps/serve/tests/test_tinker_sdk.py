@@ -153,6 +153,17 @@ def test_refusals(server, client):
         ).result()
     with pytest.raises(Exception, match="not served"):
         client.create_lora_training_client(base_model="no-such-model", rank=RANK).result()
+    tc = client.create_lora_training_client(base_model="tiny", rank=RANK).result()
+    with pytest.raises(Exception, match="loss_fn='ppo' is not served"):
+        tc.forward_backward([datum(ROWS_A[0])], "ppo").result()
+    with pytest.raises(tinker.BadRequestError, match="save_weights: this call is not served"):
+        tc.save_state("checkpoint-1").result()
+    shifted = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [5, 6, 7], "weights": [1.0, 1.0, 1.0]},
+    )
+    with pytest.raises(Exception, match="target_tokens must be the next tokens"):
+        tc.forward_backward([shifted], "cross_entropy").result()
 
 
 def test_importance_sampling_step_matches_engine(server, client):

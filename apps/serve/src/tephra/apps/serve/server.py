@@ -125,7 +125,7 @@ def build_app(service: Service, api_key: str) -> Starlette:  # noqa: C901
     async def refuse(request: Request) -> Response:
         name = request.path_params["name"]
         return _error(
-            501,
+            400,
             f"{name}: this call is not served by tephra serve (it serves "
             f"{', '.join(SERVED)}); see the tephra-app-serve README",
         )
