@@ -182,3 +182,16 @@ def test_importance_sampling_step_matches_engine(server, client):
     tc.optim_step(types.AdamParams(learning_rate=LR)).result()
     want = reference_step(server, ROWS_A, 1, q=q, adv=adv)
     assert_same_weights(served_weights(server, tc.model_id), want)
+
+
+def test_command_line_refusals(tmp_path, monkeypatch):
+    from tephra.apps.serve.cli import base_model, main
+    from tephra.apps.serve.errors import UserError
+
+    with pytest.raises(UserError, match="write NAME=SOURCE"):
+        base_model("tiny")
+    with pytest.raises(UserError, match="not tiny, demo, or a folder with config.json"):
+        base_model(f"mine={tmp_path}")
+    monkeypatch.delenv("TEPHRA_SERVE_API_KEY", raising=False)
+    with pytest.raises(SystemExit, match="give --api-key"):
+        main(["--model", "tiny=tiny"])
