@@ -81,3 +81,23 @@ def test_lora_value_model_trains_adapters_and_head():
     with engine.eval_mode():
         names = [n for b in engine.export_weights() for n, _ in b]
     assert "score.weight" in names and not any("lora" in n for n in names)
+
+
+def test_checkpoint_before_first_step_and_per_step_optimizer_params(tmp_path):
+    """A checkpoint saved (and loaded) before the first optimizer step changes nothing, and
+    `set_optimizer_params` steps exactly as an engine built with those settings: the two
+    things a server that swaps several clients' adapters on one engine relies on."""
+    batch = random_batch(TINY_VOCAB, num_sequences=4, seed=5)
+    lora = {"lora.rank": RANK, "lora.alpha": ALPHA}
+    tuned = {"optimizer.lr": 3e-2, "optimizer.betas": [0.8, 0.9], "optimizer.grad_clip": 0.0}
+    reference = FSDPEngine.build(tiny_engine_config(**lora, **tuned))
+    train_step(reference, batch)
+    engine = FSDPEngine.build(tiny_engine_config(**lora))
+    engine.save_checkpoint(tmp_path / "before")
+    engine.load_checkpoint(tmp_path / "before")
+    engine.set_optimizer_params(
+        lr=3e-2, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.0, grad_clip=0.0
+    )
+    train_step(engine, batch)
+    want, got = exported(reference), exported(engine)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want) == 0.0

@@ -14,3 +14,7 @@ class Capability(StrEnum):
     """LoRA adapters (`lora.rank > 0`): `reference_mode()` runs the base model with the
     adapters off, `export_adapter(path)` writes the adapter alone as a peft folder and
     `export_adapter_weights()` hands it over in memory (adapter-only weight sync)."""
+    OPTIMIZER_PARAMS = "optimizer_params"
+    """Per-step optimizer settings (`set_optimizer_params`): the learning rate, Adam's betas
+    and epsilon, weight decay and the clipping norm change between optimizer steps, as a
+    caller that drives the steps one by one (the Tinker-compatible server) asks."""

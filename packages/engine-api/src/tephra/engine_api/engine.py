@@ -150,6 +150,21 @@ class Engine(ABC):
         A non-finite norm skips the update (and is returned so the caller sees it).
         """
 
+    def set_optimizer_params(
+        self,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        grad_clip: float,
+    ) -> None:
+        """Use these AdamW settings from the next `optimizer_step` on (`grad_clip` 0: no
+        clipping), replacing `config.optimizer`'s; the optimizer's state (moments, step count)
+        is kept. A learning-rate schedule, if stepped later, scales from `lr`. Part of
+        `Capability.OPTIMIZER_PARAMS` (the default refuses)."""
+        raise self._refuse(Capability.OPTIMIZER_PARAMS, "set_optimizer_params()")
+
     @abstractmethod
     def lr_scheduler_step(self) -> float:
         """Advance the learning-rate schedule by one optimizer step; returns the new lr."""
@@ -178,7 +193,8 @@ class Engine(ABC):
 
     @abstractmethod
     def load_checkpoint(self, path: str | Path) -> None:
-        """Restore what `save_checkpoint` wrote. Raises `CheckpointError` naming the path
+        """Restore what `save_checkpoint` wrote; gradients accumulated before the call are
+        dropped (a checkpoint lies between steps). Raises `CheckpointError` naming the path
         when it is missing or was written for another model."""
 
     @abstractmethod

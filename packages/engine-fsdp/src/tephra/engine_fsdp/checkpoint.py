@@ -44,7 +44,10 @@ def save(
     device: torch.device,
 ) -> None:
     rank = dist.get_rank()
+    fresh = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if fresh:
+        _restart_step_counts(optimizer, optim_sd)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
     (path / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(_rng_state(device), path / "rng" / f"rank{rank}.pt")
@@ -57,6 +60,20 @@ def save(
         }
         (path / META).write_text(json.dumps(meta, indent=1))
     dist.barrier()
+
+
+def _restart_step_counts(optimizer: torch.optim.Optimizer, optim_sd: dict) -> None:
+    """Undo the step count of the state DCP's `get_state_dict` makes for an optimizer that
+    has not stepped (it runs one step with zero gradients and lr 0 to create the state): the
+    moments stay 0, but a step count of 1 changed Adam's bias correction of the first real
+    step, so training from a checkpoint saved before any step differed from training on."""
+    states = [*optimizer.state.values(), *optim_sd.get("state", {}).values()]
+    for state in states:
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
 
 
 def _check_same_model(path: Path, model: nn.Module) -> dict:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from tephra.engine_api import batch as B
 from tephra.engine_api.adapters import LoraAdapter
 from tephra.engine_api.capabilities import Capability
-from tephra.engine_api.config import EngineConfig
+from tephra.engine_api.config import EngineConfig, OptimizerConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.forward_outputs import check_extra_outputs
@@ -100,13 +100,13 @@ class FSDPEngine(Engine):
     """FSDP2 engine. Build with `FSDPEngine.build(config)` (or `get_engine("fsdp", config)`).
 
     Declares `Capability.LORA` (peft adapters): `reference_mode()`, `export_adapter()` and
-    `export_adapter_weights()`.
+    `export_adapter_weights()`; and `Capability.OPTIMIZER_PARAMS`: `set_optimizer_params()`.
     Beyond the `Engine` contract (for this package's tests and helpers, not for callers of
     the contract): `model`, the FSDP-wrapped root module; `hf_model`, the transformers model
     inside it.
     """
 
-    capabilities = frozenset({Capability.LORA})
+    capabilities = frozenset({Capability.LORA, Capability.OPTIMIZER_PARAMS})
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -524,6 +524,25 @@ class FSDPEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    def set_optimizer_params(
+        self,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        grad_clip: float,
+    ) -> None:
+        # validated as the config's own fields are, with the same messages
+        settings = OptimizerConfig(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_clip=grad_clip
+        )
+        self.config.optimizer = settings
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=settings.betas, eps=eps, weight_decay=weight_decay)
+            group["initial_lr"] = lr
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+
     def lr_scheduler_step(self) -> float:
         self.scheduler.step()
         return float(self.scheduler.get_last_lr()[0])
@@ -568,4 +587,6 @@ class FSDPEngine(Engine):
         self.step = checkpoint.load(
             Path(path), self.scorer, self.optimizer, self.scheduler, self.device
         )
+        # a checkpoint is taken between steps: gradients accumulated before belong to no step
+        self.optimizer.zero_grad(set_to_none=True)
         self._offload_optimizer()

@@ -1,0 +1,1 @@
+"""A Tinker-compatible HTTP server over tephra's engine contract (see the app's README)."""
