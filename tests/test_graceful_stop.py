@@ -106,6 +106,12 @@ def stop_and_check(
     one once the first was acknowledged); check the exit code, the time to exit, the summary,
     the checkpoint and that no process of the run survives. Returns the summary."""
     wait_for(lambda: steps_logged(run_dir) >= at_step, 600, proc, log)
+    if len(signals) > 1:
+        # with save_every=1 a step is logged before it is saved: a stop asked for during
+        # that save completes at the safe point right after it, before a second signal can
+        # land. Signal once the save is committed, so both signals come during the next step.
+        saved = run_dir / "checkpoints" / f"step_{steps_logged(run_dir)}" / "manifest.json"
+        wait_for(saved.exists, 120, proc, log)
     os.killpg(proc.pid, signals[0])
     sent = time.monotonic()
     if len(signals) > 1:
