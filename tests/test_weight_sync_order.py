@@ -66,6 +66,7 @@ def test_the_worker_syncs_between_waking_weights_and_kv_cache(receiver, tmp_path
     rollout.transport = "ipc"
     worker.actor, worker._profile_prefix, worker.colocated = _Actor(weights), None, True
     worker.cfg = SimpleNamespace(
+        adapter_sync=False,
         rollout=SimpleNamespace(uses_agent_loop=False, sleep_when_training=True),
         resources=SimpleNamespace(rollout=SimpleNamespace(replicas=0)),
     )

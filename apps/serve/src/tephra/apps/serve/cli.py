@@ -83,7 +83,8 @@ class BackgroundServer:
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )
 
-    def __enter__(self) -> BackgroundServer:
+    def start(self) -> BackgroundServer:
+        """Serve on the thread; returns once the server accepts connections."""
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -92,11 +93,18 @@ class BackgroundServer:
             time.sleep(0.05)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """Stop serving and release the engines."""
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.service.close()
         self.sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
