@@ -141,6 +141,23 @@ def adapter_tensors(model: PreTrainedModel, device: torch.device) -> dict[str, t
     return state
 
 
+def _peft_targets(model: PreTrainedModel, adapted: set[str]) -> list[str]:
+    """peft's `target_modules` for the modules named in `adapted`: a module's last name part
+    (`q_proj`) where every module of that last name is adapted, its full name otherwise. peft
+    adapts each module whose name ends in a target, so a vision-language model's `0` (the
+    merger's `mlp.0`, also `layers.0`) or a language model's `q_proj` beside a frozen CLIP
+    tower's `q_proj` would adapt other modules on load, or fail there."""
+    leaves: dict[str, set[str]] = {}
+    for name, _ in model.named_modules():
+        if ".lora_" not in name and not name.endswith(".base_layer"):
+            leaves.setdefault(name.rsplit(".", 1)[-1], set()).add(name)
+    targets = set()
+    for name in adapted:
+        leaf = name.rsplit(".", 1)[-1]
+        targets.add(leaf if leaves.get(leaf, set()) <= adapted else name)
+    return sorted(targets)
+
+
 def write_adapter_folder(
     path: Path, model: PreTrainedModel, device: torch.device, cfg: LoraConfig, base_path: str | None
 ) -> None:
@@ -151,7 +168,7 @@ def write_adapter_folder(
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = adapter_tensors(model, device)
-    targets = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in state}
+    targets = _peft_targets(model, {name[len(PEFT_PREFIX) :].split(".lora_")[0] for name in state})
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         save_file(state, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
