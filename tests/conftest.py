@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tephra.controller.run.models import resolve_model_path
+
 
 @pytest.fixture(scope="module")
 def ray_session():
@@ -156,3 +158,100 @@ def grpo_step_reference():
 def smoke_score():
     """`_smoke_score(response)`: the smoke runs' reward, written out again."""
     return _smoke_score
+
+
+def _critic_step_reference(cfg, rows) -> dict:
+    """What the first step of a PPO run with a critic (`algorithm.adv_estimator=gae`, outcome
+    rewards, no KL in the reward) must log, from its dumped `rows` (`train_step1.jsonl`),
+    written out in plain transformers and torch, one sequence at a time:
+      - the critic: `AutoModelForTokenClassification` (one label, no classifier dropout) of
+        the run's model, its new value head drawn right after `torch.manual_seed(seed)` (the
+        engines' documented initialisation); the value of response token k is read at the
+        position that predicts it (prompt length - 1 + k);
+      - GAE by its recursion, token by token: delta_t = r_t + gamma V_{t+1} - V_t (r: the score
+        on the last token; V after the last token 0), A_t = delta_t + gamma lam A_{t+1},
+        returns R = A + V, advantages A whitened over the step's tokens (unbiased variance);
+        `advantages` holds each row's token mean (what the dump logs);
+      - the critic's update, mini-batch by mini-batch (rows in order): loss = token mean of
+        0.5 max((V - R)^2, (V_clip - R)^2) with V_clip = V_old + clip(V - V_old, +-eps_v),
+        its gradient norm, then `clip_grad_norm_` and a `torch.optim.AdamW` step;
+        `vf_loss` and `grad_norm` are their means over the mini-batches (as logged)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    seed = cfg.trainer.seed
+    path = resolve_model_path(cfg.model.path, seed)
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        critic = AutoModelForTokenClassification.from_pretrained(
+            path, config=config, dtype=torch.float32
+        )
+
+    def values(row) -> torch.Tensor:
+        prompt, response = row["prompt_ids"], row["response_ids"]
+        logits = critic(torch.tensor([prompt + response])).logits[0, :, 0]
+        return logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+
+    adv_cfg = cfg.algorithm.advantage
+    gamma, lam = adv_cfg.gamma, adv_cfg.lam
+    with torch.no_grad():
+        old = [values(r).double() for r in rows]
+    raw, returns = [], []
+    for row, v in zip(rows, old, strict=True):
+        n = len(row["response_ids"])
+        a, nxt_v, nxt_a = [0.0] * n, 0.0, 0.0
+        for t in reversed(range(n)):
+            reward = row["score"] if t == n - 1 else 0.0
+            delta = reward + gamma * nxt_v - float(v[t])
+            nxt_a = a[t] = delta + gamma * lam * nxt_a
+            nxt_v = float(v[t])
+        raw.append(a)
+        returns.append(torch.tensor(a, dtype=torch.float64) + v)
+    flat = [x for a in raw for x in a]
+    mean = sum(flat) / len(flat)
+    var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
+    advantages = [sum((x - mean) / (var + 1e-8) ** 0.5 for x in a) / len(a) for a in raw]
+
+    opt_cfg, eps_v = cfg.critic.optimizer, cfg.critic.objective.cliprange_value
+    optimizer = torch.optim.AdamW(
+        critic.parameters(),
+        lr=opt_cfg.lr,
+        betas=opt_cfg.betas,
+        eps=opt_cfg.eps,
+        weight_decay=opt_cfg.weight_decay,
+    )
+    size = len(rows) // cfg.batch.mini_batches
+    losses, norms = [], []
+    for start in range(0, len(rows), size):
+        part = range(start, start + size)
+        tokens = sum(len(rows[i]["response_ids"]) for i in part)
+        total = 0.0
+        for i in part:
+            v = values(rows[i]).double()
+            clipped = old[i] + (v - old[i]).clamp(-eps_v, eps_v)
+            per_token = 0.5 * torch.maximum((v - returns[i]) ** 2, (clipped - returns[i]) ** 2)
+            loss = per_token.sum() / tokens
+            loss.backward()
+            total += float(loss)
+        losses.append(total)
+        params = [p for p in critic.parameters() if p.grad is not None]
+        norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))))
+        torch.nn.utils.clip_grad_norm_(params, opt_cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "advantages": advantages,
+        "vf_loss": sum(losses) / len(losses),
+        "grad_norm": sum(norms) / len(norms),
+        "vf_losses": losses,
+        "grad_norms": norms,
+    }
+
+
+@pytest.fixture
+def critic_step_reference():
+    """`_critic_step_reference(cfg, rows)`: step 1 of a PPO run with a critic (GAE advantages,
+    the critic's value loss and grad norm), recomputed from its dumped samples."""
+    return _critic_step_reference

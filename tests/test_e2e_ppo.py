@@ -186,7 +186,7 @@ def test_object_store_metrics_follow_what_is_put(ray_session):
     assert object_store_metrics()["memory/object_store_spilled_gib"] == 0.0
 
 
-def test_ppo_with_critic_and_reference(ray_session, tmp_path):
+def test_ppo_with_critic_and_reference(ray_session, tmp_path, critic_step_reference):
     cfg = _smoke(
         tmp_path,
         "-p",
@@ -216,12 +216,19 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path):
     assert all(math.isfinite(r["memory/object_store_used_gib"]) for r in train)
     assert all(r["memory/object_store_spilled_gib"] == 0.0 for r in train)  # nothing spilled
     for r in train:
-        assert math.isfinite(r["critic/grad_norm"]) and r["critic/grad_norm"] > 0
         assert "actor/kl_loss" in r and "time/values_s" in r and "time/ref_s" in r
+    # step 1 recomputed from its dumped samples in plain transformers and torch: the critic's
+    # initial values behind the GAE advantages, then its value loss and gradient norm over
+    # the two mini-batches (an AdamW step between them)
+    gens = tmp_path / "ppo" / "generations"
+    rows = [json.loads(x) for x in (gens / "train_step1.jsonl").read_text().splitlines()]
+    want = critic_step_reference(cfg, rows)
+    assert [r["advantage"] for r in rows] == pytest.approx(want["advantages"], abs=1e-5)
+    assert train[0]["critic/vf_loss"] == pytest.approx(want["vf_loss"], rel=1e-5)
+    assert train[0]["critic/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     # validation: 4 samples of each of the 8 held-out prompts, summarised and dumped
     last = records[-1]
     assert last["accuracy/val"] == summary["accuracy_after"] == last["val/acc@4"]
-    gens = tmp_path / "ppo" / "generations"
     val_rows = [json.loads(x) for x in (gens / "val_step2.jsonl").read_text().splitlines()]
     assert len(val_rows) == 32 and {r["prompt_index"] for r in val_rows} == set(range(8))
     # each score is the reward function on the response text, recomputed here; acc@4 is the
