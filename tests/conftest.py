@@ -87,20 +87,38 @@ def reference_lrs():
     return _reference_lrs
 
 
-def _reference_grad_norm(model_path, rows, coefs) -> float:
+def _reference_grad_norm(
+    model_path, rows, coefs, lora=None, seed: int = 0, temperature: float = 1.0
+) -> float:
     """The gradient norm of sum_i coefs[i] * sum_t log pi(y_it | x_i, y_i<t) over the
     parameters of the Hugging Face model at `model_path` (fp32, plain transformers, one
     sequence at a time): for an on-policy step (ratio 1), the gradient of a loss whose
     per-sequence weight on the log-probs is `coefs[i]` (or, a list, one weight per response
-    token). `rows` are dumped samples (their `prompt_ids` and `response_ids`)."""
+    token). `rows` are dumped samples (their `prompt_ids` and `response_ids`). With `lora` (a
+    `LoraConfig`), the model wrapped by peft's `get_peft_model` right after
+    `torch.manual_seed(seed)` (the engines' documented adapter initialisation: A drawn, B
+    zero): the norm over the adapters, the base weights frozen. log pi is at `temperature`
+    (the logits divided by it, as the trainer scores a rollout sampled at it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model  # only the LoRA references need peft
+
+        peft_cfg = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = get_peft_model(model, peft_cfg)
     for row, coef in zip(rows, coefs, strict=True):
         prompt, response = row["prompt_ids"], row["response_ids"]
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-        log_probs = torch.log_softmax(logits.float(), -1)
+        log_probs = torch.log_softmax(logits.float() / temperature, -1)
         picked = log_probs.gather(-1, torch.tensor(response)[:, None])[:, 0]
         (torch.as_tensor(coef, dtype=picked.dtype) * picked).sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -118,16 +136,20 @@ def _smoke_score(response: str) -> float:
     return (sum(map(ord, response)) % 5) / 4.0
 
 
-def _grpo_step_reference(model_path, rows, eps: float = 1e-6, shaping=None) -> dict:
-    """What a GRPO step on the dumped `rows` (one step's `train_step<N>.jsonl`, single-turn,
-    prompt-major groups) must log, written out per sample here (the library's is vectorised):
+def _grpo_step_reference(
+    model_path, rows, eps: float = 1e-6, shaping=None, lora=None, seed: int = 0
+) -> dict:
+    """What a GRPO step on the dumped `rows` (one step's `train_step<N>.jsonl`, prompt-major
+    groups) must log, written out per sample here (the library's is vectorised):
       - rewards: each row's score (plus `shaping[i]`, DAPO's length penalty, where given);
       - advantages: (r_i - mean_g) / (std_g + eps) within the row's group (std unbiased);
       - `reward/mean`: the rewards' mean;
-      - with `model_path`, on-policy (ratio 1, one mini-batch, token-mean, no KL or entropy term): `pg_loss` =
-        -sum_i A_i |y_i| / N and `grad_norm`, the norm of the gradient of that loss at the
-        weights of `model_path` (`_reference_grad_norm` with coefficients -A_i / N), where
-        N = sum_i |y_i| is the step's response tokens."""
+      - with `model_path`, on-policy (ratio 1, one mini-batch, token-mean, no KL or entropy
+        term): `pg_loss` = -sum_i A_i |y_i| / N and `grad_norm`, the norm of the gradient of
+        that loss at the weights of `model_path` (`_reference_grad_norm` with coefficient
+        -A_i / N on each trained token), where |y_i| counts the row's trained tokens (mask 1:
+        a multi-turn row's tool and user tokens are context only) and N is the step's; with
+        `lora` (and `seed`), the adapters' gradient."""
     rewards = [r["score"] + (0.0 if shaping is None else shaping[i]) for i, r in enumerate(rows)]
     groups: dict[int, list[float]] = {}
     for r, x in zip(rows, rewards, strict=True):
@@ -140,11 +162,88 @@ def _grpo_step_reference(model_path, rows, eps: float = 1e-6, shaping=None) -> d
         advantages.append((x - mean) / (std + eps))
     out = {"advantages": advantages, "reward/mean": sum(rewards) / len(rewards)}
     if model_path is not None:
-        assert all(all(m == 1 for m in r["response_mask"]) for r in rows)  # single-turn
-        n = sum(len(r["response_ids"]) for r in rows)
-        out["pg_loss"] = -sum(a * len(r["response_ids"]) for a, r in zip(advantages, rows)) / n
-        out["grad_norm"] = _reference_grad_norm(model_path, rows, [-a / n for a in advantages])
+        n = sum(sum(r["response_mask"]) for r in rows)
+        out["pg_loss"] = -sum(a * sum(r["response_mask"]) for a, r in zip(advantages, rows)) / n
+        coefs = [[-a * m / n for m in r["response_mask"]] for a, r in zip(advantages, rows)]
+        out["grad_norm"] = _reference_grad_norm(model_path, rows, coefs, lora, seed)
     return out
+
+
+def _ppo_update_reference(cfg, rows, advantages, images=None) -> dict:
+    """The actor's update of step 1 of a run with `cfg`, in plain transformers and torch, one
+    sequence at a time: PPO's clipped surrogate (dual clip where A < 0, c = clip_ratio_c)
+    against the log-probs of the initial weights (the step's rollout: a bypass run's old
+    log-probs, with no recompute between mini-batches), token-mean over each mini-batch
+    (`cfg.batch.mini_batches`, rows in order), its gradient norm, then `clip_grad_norm_` and a
+    `torch.optim.AdamW` step of `cfg.actor.optimizer`. `advantages`: one per row (outcome
+    estimators: the same on every token). `images`: each row's PIL images, for a
+    vision-language model (`AutoModelForImageTextToText`, the pixels from its own image
+    processor). Returns the means over the mini-batches, as logged: `pg_loss`, `grad_norm`
+    and `ratio_max` (each mini-batch's largest ratio)."""
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    seed = cfg.trainer.seed
+    path = resolve_model_path(cfg.model.path, seed)
+    auto = AutoModelForCausalLM if images is None else AutoModelForImageTextToText
+    model = auto.from_pretrained(path, dtype=torch.float32)
+    pixels = [{}] * len(rows)
+    if images is not None:
+        processor = AutoImageProcessor.from_pretrained(path)
+        pixels = [dict(processor(images=i, return_tensors="pt")) for i in images]
+
+    def log_probs(i: int) -> torch.Tensor:
+        prompt, response = rows[i]["prompt_ids"], rows[i]["response_ids"]
+        ids = torch.tensor([prompt + response])
+        logits = model(ids, **pixels[i]).logits[0, len(prompt) - 1 : -1]
+        picked = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])
+        return picked[:, 0]
+
+    with torch.no_grad():
+        old = [log_probs(i) for i in range(len(rows))]
+    obj, opt = cfg.actor.objective.policy, cfg.actor.optimizer
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+    )
+    size = len(rows) // cfg.batch.mini_batches
+    losses, norms, ratio_max = [], [], []
+    for start in range(0, len(rows), size):
+        part = range(start, start + size)
+        tokens = sum(len(rows[i]["response_ids"]) for i in part)
+        total, largest = 0.0, 0.0
+        for i in part:
+            a = advantages[i]
+            ratio = (log_probs(i) - old[i]).exp()
+            per_token = torch.maximum(
+                -a * ratio, -a * ratio.clamp(1 - obj.eps_low, 1 + obj.eps_high)
+            )
+            if a < 0 and obj.clip_ratio_c is not None:
+                per_token = per_token.clamp(max=-a * obj.clip_ratio_c)
+            loss = per_token.sum() / tokens
+            loss.backward()
+            total += float(loss)
+            largest = max(largest, float(ratio.max()))
+        losses.append(total)
+        ratio_max.append(largest)
+        params = [p for p in model.parameters() if p.grad is not None]
+        norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))))
+        torch.nn.utils.clip_grad_norm_(params, opt.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "pg_loss": sum(losses) / len(losses),
+        "grad_norm": sum(norms) / len(norms),
+        "grad_norms": norms,
+        "ratio_max": sum(ratio_max) / len(ratio_max),
+        "ratio_maxes": ratio_max,
+    }
+
+
+@pytest.fixture
+def ppo_update_reference():
+    """`_ppo_update_reference(cfg, rows, advantages)`: step 1's actor update (PPO clip against
+    the rollout's log-probs, mini-batch by mini-batch with AdamW between) in plain torch."""
+    return _ppo_update_reference
 
 
 @pytest.fixture
@@ -160,46 +259,75 @@ def smoke_score():
     return _smoke_score
 
 
-def _critic_step_reference(cfg, rows) -> dict:
+def _critic_step_reference(cfg, rows, images=None) -> dict:
     """What the first step of a PPO run with a critic (`algorithm.adv_estimator=gae`, outcome
     rewards, no KL in the reward) must log, from its dumped `rows` (`train_step1.jsonl`),
     written out in plain transformers and torch, one sequence at a time:
       - the critic: `AutoModelForTokenClassification` (one label, no classifier dropout) of
         the run's model, its new value head drawn right after `torch.manual_seed(seed)` (the
-        engines' documented initialisation); the value of response token k is read at the
-        position that predicts it (prompt length - 1 + k);
+        engines' documented initialisation); with `images` (each row's PIL images) the
+        vision-language model's backbone under a value head drawn as the engine documents it
+        (`nn.Linear(hidden, 1)` made after loading, then N(0, initializer_range), bias 0),
+        the pixels from the model's own image processor. The value of response token k is
+        read at the position that predicts it (prompt length - 1 + k);
       - GAE by its recursion, token by token: delta_t = r_t + gamma V_{t+1} - V_t (r: the score
         on the last token; V after the last token 0), A_t = delta_t + gamma lam A_{t+1},
         returns R = A + V, advantages A whitened over the step's tokens (unbiased variance);
-        `advantages` holds each row's token mean (what the dump logs);
+        `advantages` holds each row's token mean (what the dump logs); VAPO's lambdas where
+        set (`lam_critic` for the returns, 1 - 1 / (alpha |y_i|) for the advantages);
       - the critic's update, mini-batch by mini-batch (rows in order): loss = token mean of
         0.5 max((V - R)^2, (V_clip - R)^2) with V_clip = V_old + clip(V - V_old, +-eps_v),
         its gradient norm, then `clip_grad_norm_` and a `torch.optim.AdamW` step;
         `vf_loss` and `grad_norm` are their means over the mini-batches (as logged)."""
     import torch
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers import (
+        AutoConfig,
+        AutoImageProcessor,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
 
     seed = cfg.trainer.seed
     path = resolve_model_path(cfg.model.path, seed)
-    config = AutoConfig.from_pretrained(path, num_labels=1)
-    config.classifier_dropout = 0.0
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        critic = AutoModelForTokenClassification.from_pretrained(
-            path, config=config, dtype=torch.float32
-        )
+    pixels = [{}] * len(rows)
+    if images is None:
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            critic = AutoModelForTokenClassification.from_pretrained(
+                path, config=config, dtype=torch.float32
+            )
+        params = list(critic.parameters())
 
-    def values(row) -> torch.Tensor:
-        prompt, response = row["prompt_ids"], row["response_ids"]
-        logits = critic(torch.tensor([prompt + response])).logits[0, :, 0]
-        return logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+        def forward(ids, kwargs) -> torch.Tensor:
+            return critic(ids).logits[0, :, 0]
+
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+            text = vlm.config.get_text_config()
+            head = torch.nn.Linear(text.hidden_size, 1)
+            with torch.no_grad():
+                head.weight.normal_(0.0, text.initializer_range)
+                head.bias.zero_()
+        params = list(vlm.model.parameters()) + list(head.parameters())
+        processor = AutoImageProcessor.from_pretrained(path)
+        pixels = [dict(processor(images=i, return_tensors="pt")) for i in images]
+
+        def forward(ids, kwargs) -> torch.Tensor:
+            return head(vlm.model(input_ids=ids, **kwargs).last_hidden_state[0])[:, 0]
+
+    def values(i: int) -> torch.Tensor:
+        prompt, response = rows[i]["prompt_ids"], rows[i]["response_ids"]
+        out = forward(torch.tensor([prompt + response]), pixels[i])
+        return out[len(prompt) - 1 : len(prompt) - 1 + len(response)]
 
     adv_cfg = cfg.algorithm.advantage
-    gamma, lam = adv_cfg.gamma, adv_cfg.lam
-    with torch.no_grad():
-        old = [values(r).double() for r in rows]
-    raw, returns = [], []
-    for row, v in zip(rows, old, strict=True):
+    gamma = adv_cfg.gamma
+
+    def gae(row, v, lam) -> list[float]:
         n = len(row["response_ids"])
         a, nxt_v, nxt_a = [0.0] * n, 0.0, 0.0
         for t in reversed(range(n)):
@@ -207,8 +335,17 @@ def _critic_step_reference(cfg, rows) -> dict:
             delta = reward + gamma * nxt_v - float(v[t])
             nxt_a = a[t] = delta + gamma * lam * nxt_a
             nxt_v = float(v[t])
-        raw.append(a)
-        returns.append(torch.tensor(a, dtype=torch.float64) + v)
+        return a
+
+    with torch.no_grad():
+        old = [values(i).double() for i in range(len(rows))]
+    raw, returns = [], []
+    for row, v in zip(rows, old, strict=True):
+        lam = adv_cfg.actor_lam
+        if adv_cfg.lam_length_alpha is not None:  # VAPO: 1 - 1 / (alpha * length), in [0, 1]
+            lam = min(max(1 - 1 / (adv_cfg.lam_length_alpha * len(row["response_ids"])), 0), 1)
+        raw.append(gae(row, v, lam))
+        returns.append(torch.tensor(gae(row, v, adv_cfg.critic_lam), dtype=torch.float64) + v)
     flat = [x for a in raw for x in a]
     mean = sum(flat) / len(flat)
     var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
@@ -216,7 +353,7 @@ def _critic_step_reference(cfg, rows) -> dict:
 
     opt_cfg, eps_v = cfg.critic.optimizer, cfg.critic.objective.cliprange_value
     optimizer = torch.optim.AdamW(
-        critic.parameters(),
+        params,
         lr=opt_cfg.lr,
         betas=opt_cfg.betas,
         eps=opt_cfg.eps,
@@ -229,16 +366,16 @@ def _critic_step_reference(cfg, rows) -> dict:
         tokens = sum(len(rows[i]["response_ids"]) for i in part)
         total = 0.0
         for i in part:
-            v = values(rows[i]).double()
+            v = values(i).double()
             clipped = old[i] + (v - old[i]).clamp(-eps_v, eps_v)
             per_token = 0.5 * torch.maximum((v - returns[i]) ** 2, (clipped - returns[i]) ** 2)
             loss = per_token.sum() / tokens
             loss.backward()
             total += float(loss)
         losses.append(total)
-        params = [p for p in critic.parameters() if p.grad is not None]
-        norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))))
-        torch.nn.utils.clip_grad_norm_(params, opt_cfg.grad_clip)
+        grads = [p for p in params if p.grad is not None]
+        norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in grads))))
+        torch.nn.utils.clip_grad_norm_(grads, opt_cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
     return {
@@ -252,6 +389,24 @@ def _critic_step_reference(cfg, rows) -> dict:
 
 @pytest.fixture
 def critic_step_reference():
-    """`_critic_step_reference(cfg, rows)`: step 1 of a PPO run with a critic (GAE advantages,
+    """`_critic_step_reference(cfg, rows, images)`: step 1 of a PPO run with a critic (GAE advantages,
     the critic's value loss and grad norm), recomputed from its dumped samples."""
     return _critic_step_reference
+
+
+def _first_step_images(cfg) -> list:
+    """The images of each prompt of step 1 of a run on the colour squares (by the dumped rows'
+    `prompt_index`), drawn again: the dataset's rows (`colour_square_rows`, by the data
+    seed) in the order the seeded `PromptLoader` serves them."""
+    from tephra.controller.data.colour_squares import colour_square_rows
+    from tephra.controller.data.prompts import PromptLoader
+
+    rows = colour_square_rows(cfg.data.train_size, cfg.data.train_seed)
+    loader = PromptLoader(len(rows), cfg.batch.prompts_per_step, cfg.trainer.seed)
+    return [rows[i]["images"] for i in loader.next_indices()]
+
+
+@pytest.fixture
+def first_step_images():
+    """`_first_step_images(cfg)`: step 1's images of a colour-squares run, per prompt."""
+    return _first_step_images

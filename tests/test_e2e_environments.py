@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 
 import pytest
 import torch
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.data.prompts import DatasetError, load_parquet
+from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.samples import PromptItem, agent_metrics, group_ids
 from tephra.controller.workers.generation import run_items
@@ -92,7 +92,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.mark.multiproc
-def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path):
+def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path, grpo_step_reference):
     import ray
 
     from tephra.controller.cluster.worker_group import ray_init
@@ -135,11 +135,24 @@ def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path):
             assert row["score"] == 0.25 + len(row["answer"]) % 2
         assert r["reward/mean"] == pytest.approx(sum(x["score"] for x in rows) / len(rows))
         assert r["agent/turns_mean"] == 2.0 and r["agent/timeouts"] == 0.0
-        assert math.isfinite(r["actor/grad_norm"])
+        if step == 1:
+            _check_first_step(grpo_step_reference, rows, r)
+
+
+def _check_first_step(grpo_step_reference, rows, record) -> None:
+    """Step 1 of a multi-turn GRPO run (on-policy, the initial weights), recomputed from its
+    dumped trajectories in plain transformers: the advantages of the scores, and the loss and
+    gradient norm over the model's tokens only (mask 1; the user's and tools' tokens are
+    context)."""
+    want = grpo_step_reference(resolve_model_path("tiny", 0), rows)
+    assert [x["advantage"] for x in rows] == pytest.approx(want["advantages"], abs=1e-5)
+    assert record["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
+    assert record["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert want["grad_norm"] > 1e-3  # some group's scores differed
 
 
 @pytest.mark.multiproc
-def test_an_openai_client_agent_trains_two_steps(tmp_path):
+def test_an_openai_client_agent_trains_two_steps(tmp_path, grpo_step_reference):
     pytest.importorskip("openai")
     import ray
 
@@ -182,7 +195,9 @@ def test_an_openai_client_agent_trains_two_steps(tmp_path):
             mask = row["response_mask"]
             runs = [m for k, m in enumerate(mask) if k == 0 or mask[k - 1] != m]
             assert runs == [1, 0, 1]
-        assert r["agent/turns_mean"] == 2.0 and math.isfinite(r["actor/grad_norm"])
+        assert r["agent/turns_mean"] == 2.0
+        if step == 1:
+            _check_first_step(grpo_step_reference, rows, r)
 
 
 @pytest.mark.multiproc

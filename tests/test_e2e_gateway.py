@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 
 import pytest
 from transformers import AutoTokenizer
@@ -170,7 +169,7 @@ def test_an_agents_sdk_agent_whose_turn_the_budget_cuts_ends_with_length(tmp_pat
 
 
 @pytest.mark.multiproc
-def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path):
+def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path, grpo_step_reference):
     """The tiny model rarely ends a turn within `rollout.max_tokens`: most runs end at their
     first, cut turn (`length`, the scorer's reward); a run whose turns both stop returns the
     agent's reward. Either way the trained turns are the texts the gateway served."""
@@ -226,7 +225,14 @@ def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path):
                 assert row["finish_reason"] == "stop" and len(turns) == 2
                 assert row["score"] == float(len(row["answer"]) % 2)
         assert r["reward/mean"] == pytest.approx(sum(x["score"] for x in rows) / len(rows))
-        assert math.isfinite(r["actor/grad_norm"])
+    # step 1 (on-policy, the initial weights) recomputed from the dumped trajectories in plain
+    # transformers: GRPO's advantages of the scores, the loss and gradient norm over the
+    # served turns' tokens (mask 1)
+    rows, first = dumped[1], train[0]
+    want = grpo_step_reference(resolve_model_path("tiny", 0), rows)
+    assert [x["advantage"] for x in rows] == pytest.approx(want["advantages"], abs=1e-5)
+    assert first["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
+    assert first["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     rows = [row for step_rows in dumped.values() for row in step_rows]
     # the runs the SDK ended on a cut turn are the trajectories that ended with `length`
     assert sum(rec["statuses"][-1] == "incomplete" for rec in received) == sum(

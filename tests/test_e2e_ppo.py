@@ -27,6 +27,12 @@ def _smoke(tmp_path, *overrides):
     return parse_config(["-p", "smoke", f"reward.custom_function_path={reward}", *overrides])
 
 
+def _dumped(run_dir, step: int) -> list[dict]:
+    """The trained samples of `step` a run dumped (`trainer.dump_generations`)."""
+    path = run_dir / "generations" / f"train_step{step}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
 def _compared(records):
     # wall-clock metrics differ run to run; everything computed from data must not
     return [untimed_metrics(r) for r in records]
@@ -308,26 +314,38 @@ def test_smoke_preset_on_megatron_matches_fsdp(ray_session, tmp_path, reference_
 
 
 @pytest.mark.multiproc
-def test_lora_on_megatron_matches_fsdp_lora(ray_session, tmp_path):
+def test_lora_on_megatron_matches_fsdp_lora(ray_session, tmp_path, grpo_step_reference):
     """`actor.engine=megatron actor.lora.rank=8` through the app, with a KL loss whose
     reference is the actor with its adapters off (`reference_mode`): the first step equals
-    FSDP's LoRA run (same rollout, same losses and grad norm to parity tolerance)."""
+    FSDP's LoRA run (same rollout, same losses and grad norm to parity tolerance), and FSDP's
+    the step recomputed in plain transformers + peft."""
     first = {}
     for engine in ("fsdp", "megatron"):
-        run(
-            _smoke(
-                tmp_path,
-                f"actor.engine={engine}",
-                "actor.lora.rank=8",
-                "actor.objective.use_kl_loss=true",
-                "actor.objective.kl_loss_coef=0.1",
-                "trainer.steps=1",
-                f"trainer.run_dir={tmp_path / engine}",
-            )
+        cfg = _smoke(
+            tmp_path,
+            f"actor.engine={engine}",
+            "actor.lora.rank=8",
+            "actor.objective.use_kl_loss=true",
+            "actor.objective.kl_loss_coef=0.1",
+            "trainer.steps=1",
+            "trainer.dump_generations=1",
+            f"trainer.run_dir={tmp_path / engine}",
         )
+        run(cfg)
         (first[engine],) = read_jsonl(tmp_path / engine / "metrics.jsonl")
     fsdp, mega = first["fsdp"], first["megatron"]
-    assert fsdp["actor/grad_norm"] > 0
+    # B = 0 at step 1: the adapted policy is its reference, so the KL term is 0 and so is its
+    # gradient (k3's is (1 - ratio) grad log pi); the gradient is GRPO's alone, on the
+    # adapters peft draws from the run's seed
+    path = tmp_path / "fsdp" / "generations" / "train_step1.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    want = grpo_step_reference(
+        resolve_model_path("tiny", 0), rows, lora=cfg.actor.lora, seed=cfg.trainer.seed
+    )
+    assert fsdp["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert fsdp["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
+    assert fsdp["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert want["grad_norm"] > 1e-3  # the rewards of a group differed
     for key in ("reward/mean", "response/length_mean", "perf/trained_tokens"):
         assert fsdp[key] == mega[key], key
     for key, tol in (
@@ -472,7 +490,9 @@ def test_a_rollout_in_another_dtype_is_rejected_token_by_token_or_stops_the_run(
 
 
 @pytest.mark.multiproc
-def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
+def test_options_a_verl_user_sets_are_reachable(
+    ray_session, tmp_path, grpo_step_reference, reference_grad_norm, ppo_update_reference
+):
     """ReMax's greedy baselines, verl's pass@k estimator, truncated importance sampling,
     the -norm aggregation, adaptive KL in the reward, LoRA on named modules with the KL loss
     against the adapters-off reference, and a reward model: each through the app, checked
@@ -515,6 +535,7 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
             "algorithm.kl_in_reward.controller=adaptive",
             "algorithm.kl_in_reward.target_kl=0.01",
             "algorithm.kl_in_reward.horizon=100",
+            "trainer.dump_generations=1",
             f"trainer.run_dir={tmp_path / 'kl'}",
         )
     )
@@ -523,7 +544,20 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
     # Ziegler et al.'s controller by hand: beta *= 1 + clip(kl / target - 1, +-0.2) * n / horizon
     error = min(max(first["kl_penalty/kl"] / 0.01 - 1.0, -0.2), 0.2)
     assert second["kl_penalty/coef"] == pytest.approx(0.05 * (1 + error * 8 / 100), rel=1e-6)
-    assert "time/ref_s" in first and math.isfinite(first["actor/grad_norm"])
+    assert "time/ref_s" in first
+    # step 1 on-policy (ratio 1, TIS weights 1: the rollout is the fp32 trainer) from the
+    # initial weights, the reference those weights too (no KL in the rewards yet): Dr.
+    # GRPO's seq-mean-token-sum-norm puts -A_i / (C S) on each token's log-prob (C = 8, S = 8)
+    rows = _dumped(tmp_path / "kl", 1)
+    assert first["kl_penalty/kl"] == pytest.approx(0.0, abs=1e-6)
+    coefs = [-r["advantage"] / (8 * len(rows)) for r in rows]
+    tokens = [len(r["response_ids"]) for r in rows]
+    assert first["actor/pg_loss"] == pytest.approx(
+        sum(c * n for c, n in zip(coefs, tokens, strict=True)), abs=1e-6
+    )
+    want = reference_grad_norm(resolve_model_path("tiny", 0), rows, coefs)
+    assert first["actor/grad_norm"] == pytest.approx(want, rel=1e-4)
+    assert want > 1e-3  # some sample's advantage was not 0
 
     # a verl config's names, unchanged: vectorised GRPO, GMPO, kl+ and token-sum
     run(
@@ -535,24 +569,45 @@ def test_options_a_verl_user_sets_are_reachable(ray_session, tmp_path):
             "actor.objective.kl_loss_type=kl+",
             "actor.objective.loss_agg_mode=token-sum",
             "trainer.steps=1",
+            "trainer.dump_generations=1",
             f"trainer.run_dir={tmp_path / 'verl'}",
         )
     )
     (verl,) = read_jsonl(tmp_path / "verl" / "metrics.jsonl")
-    assert math.isfinite(verl["actor/kl_loss"]) and verl["actor/grad_norm"] > 0
+    # step 1 by hand: GRPO's advantages; GMPO (its own seq-mean-token-mean, whatever
+    # loss_agg_mode says) at ratio 1 puts -A_i / (S |y_i|) on each token's log-prob, so its
+    # loss -sum_i A_i / S is 0 for GRPO's advantages; kl+ is k1's value (0: the reference is
+    # the initial policy) with k2's gradient (0 there)
+    rows = _dumped(tmp_path / "verl", 1)
+    want = grpo_step_reference(None, rows)
+    assert [r["advantage"] for r in rows] == pytest.approx(want["advantages"], abs=1e-5)
+    assert verl["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert verl["actor/pg_loss"] == pytest.approx(0.0, abs=1e-6)
+    coefs = [-a / (len(rows) * len(r["response_ids"])) for a, r in zip(want["advantages"], rows)]
+    norm = reference_grad_norm(resolve_model_path("tiny", 0), rows, coefs)
+    assert verl["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert norm > 1e-3
     # verl's bypass_mode: old log-probs are the rollout's, so 2 mini-batches run no recompute
-    run(
-        _smoke(
-            tmp_path,
-            "actor.objective.policy_loss=bypass_mode",
-            "algorithm.rollout_correction=bypass",
-            "batch.mini_batches=2",
-            "trainer.steps=1",
-            f"trainer.run_dir={tmp_path / 'bypass'}",
-        )
+    bypass_cfg = _smoke(
+        tmp_path,
+        "actor.objective.policy_loss=bypass_mode",
+        "algorithm.rollout_correction=bypass",
+        "batch.mini_batches=2",
+        "trainer.steps=1",
+        "trainer.dump_generations=1",
+        f"trainer.run_dir={tmp_path / 'bypass'}",
     )
+    run(bypass_cfg)
     (bypass,) = read_jsonl(tmp_path / "bypass" / "metrics.jsonl")
-    assert not [k for k in bypass if "old_log_probs" in k] and bypass["actor/grad_norm"] > 0
+    assert not [k for k in bypass if "old_log_probs" in k]
+    # the update in plain torch: PPO's clip against the rollout's log-probs for both
+    # mini-batches (the second after an AdamW step: its ratios are not 1), grad norms averaged
+    rows = _dumped(tmp_path / "bypass", 1)
+    want = ppo_update_reference(bypass_cfg, rows, [r["advantage"] for r in rows])
+    assert bypass["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
+    assert bypass["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert bypass["actor/ratio_max"] == pytest.approx(want["ratio_max"], abs=1e-5)
+    assert want["ratio_maxes"][1] > 1.001  # the second mini-batch ran off-policy
 
     import torch
     from safetensors.torch import load_file

@@ -90,7 +90,7 @@ def test_sppo_advantages_and_loss_are_the_formula_on_the_dumped_batch(
 
 
 @pytest.mark.multiproc
-def test_critic_warmup_leaves_the_actor_untouched(ray_session, tmp_path):
+def test_critic_warmup_leaves_the_actor_untouched(ray_session, tmp_path, critic_step_reference):
     start = _weights(resolve_model_path("tiny", 0))
     cfg = _smoke(
         tmp_path,
@@ -98,15 +98,23 @@ def test_critic_warmup_leaves_the_actor_untouched(ray_session, tmp_path):
         "vapo",
         "trainer.critic_warmup=2",
         "trainer.export_hf=true",
+        "trainer.dump_generations=1",
         f"trainer.run_dir={tmp_path / 'warm'}",
     )
     run(cfg)
     train = _train_records(tmp_path / "warm")
     assert len(train) == 2
     for r in train:
-        assert math.isfinite(r["critic/grad_norm"])
         assert not any(k.startswith("actor/grad_norm") for k in r)
         assert r["trainer/critic_warmup"] == 1.0
+    # the critic's step 1 in plain transformers and torch from the dumped samples: VAPO's
+    # advantages (length-adaptive lambda) and the value loss and gradient norm of its
+    # lambda-1 returns, over two mini-batches
+    rows = _dumped(tmp_path / "warm", 1)
+    want = critic_step_reference(cfg, rows)
+    assert [r["advantage"] for r in rows] == pytest.approx(want["advantages"], abs=1e-5)
+    assert train[0]["critic/vf_loss"] == pytest.approx(want["vf_loss"], rel=1e-5)
+    assert train[0]["critic/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     after = _weights(tmp_path / "warm" / "hf")
     assert after.keys() == start.keys()
     assert all(torch.equal(after[k], start[k]) for k in start)

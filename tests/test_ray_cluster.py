@@ -5,6 +5,7 @@ that never joins (or a head that never comes) fails fast with a message."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tephra.controller.run.models import resolve_model_path
 from tephra.controller.testing import SMOKE_REWARD
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "cluster"
@@ -71,7 +73,9 @@ def wait_for_nodes(env: dict, address: str, nodes: int, timeout_s: float):
 # tests' local Ray sessions in the same process, the head refused the driver's token
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_scripts_start_a_two_node_cluster_the_smoke_preset_spans(tmp_path, monkeypatch):
+def test_scripts_start_a_two_node_cluster_the_smoke_preset_spans(
+    tmp_path, monkeypatch, grpo_step_reference
+):
     import ray
 
     from tephra.apps.ppo.main import parse_config, run
@@ -149,6 +153,7 @@ def test_scripts_start_a_two_node_cluster_the_smoke_preset_spans(tmp_path, monke
                     "resources.world_size=2",
                     "resources.cpus_per_rank=1",
                     "resources.placement=STRICT_SPREAD",
+                    "trainer.dump_generations=1",
                     f"trainer.run_dir={tmp_path / 'run'}",
                 ]
             )
@@ -161,7 +166,16 @@ def test_scripts_start_a_two_node_cluster_the_smoke_preset_spans(tmp_path, monke
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert summary["nodes"] == 2 and summary["steps"] == 2
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2] and all(r["actor/grad_norm"] > 0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2]
+    # step 1 over the two nodes' ranks is the single-process step: GRPO's advantages, loss
+    # and gradient norm recomputed from the dumped samples in plain transformers
+    path = tmp_path / "run" / "generations" / "train_step1.jsonl"
+    dumped = [json.loads(x) for x in path.read_text().splitlines()]
+    want = grpo_step_reference(resolve_model_path("tiny", 0), dumped)
+    assert [r["advantage"] for r in dumped] == pytest.approx(want["advantages"], abs=1e-5)
+    assert rows[0]["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
+    assert rows[0]["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert want["grad_norm"] > 1e-3  # the rewards of a group differed
 
 
 def test_worker_fails_fast_when_no_head_answers():

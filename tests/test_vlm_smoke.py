@@ -64,21 +64,27 @@ def _validation(path, prompts: int, accuracy: float) -> None:
     assert accuracy == pytest.approx(sum(r["score"] == 1.0 for r in rows) / prompts)
 
 
+def _vlm_config(run_dir, *overrides: str):
+    """The vlm_smoke preset with 2 mini-batches, the samples dumped, and `overrides`."""
+    return parse_config(
+        [
+            "-p",
+            "vlm_smoke",
+            "batch.mini_batches=2",
+            "trainer.dump_generations=1",
+            *overrides,
+            f"trainer.run_dir={run_dir}",
+        ]
+    )
+
+
 def _two_steps(run_dir, reference, *overrides: str) -> list[dict]:
     """2 steps of the vlm_smoke preset (GRPO unless `overrides` say otherwise) with
     `overrides`, 2 mini-batches: each step's training record, after checking the trainer's
     log-probs of the images equal the rollout's (fp32 both), no sample's scorer failed, and
     the logged rewards (and GRPO's advantages) are those of the dumped samples
     (`_dumped_steps`; `reference`: the fixture `grpo_step_reference`)."""
-    cfg = [
-        "-p",
-        "vlm_smoke",
-        "batch.mini_batches=2",
-        "trainer.dump_generations=1",
-        *overrides,
-        f"trainer.run_dir={run_dir}",
-    ]
-    parsed = parse_config(cfg)
+    parsed = _vlm_config(run_dir, *overrides)
     assert run(parsed)["steps"] == 2
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
     assert len(train) == 2
@@ -91,21 +97,22 @@ def _two_steps(run_dir, reference, *overrides: str) -> list[dict]:
 
 
 @pytest.mark.multiproc
-def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path, grpo_step_reference):
+def test_vlm_smoke_preset_trains_on_images(
+    ray_session, tmp_path, grpo_step_reference, ppo_update_reference, first_step_images
+):
     # two mini-batches: the trainer recomputes the old log-probs of the sampled images
-    summary = run(
-        parse_config(
-            [
-                "-p",
-                "vlm_smoke",
-                "batch.mini_batches=2",
-                "trainer.val_after=true",
-                "trainer.export_hf=true",
-                "trainer.dump_generations=1",
-                f"trainer.run_dir={tmp_path}",
-            ]
-        )
+    cfg = parse_config(
+        [
+            "-p",
+            "vlm_smoke",
+            "batch.mini_batches=2",
+            "trainer.val_after=true",
+            "trainer.export_hf=true",
+            "trainer.dump_generations=1",
+            f"trainer.run_dir={tmp_path}",
+        ]
     )
+    summary = run(cfg)
     assert summary["steps"] == 2
     _validation(tmp_path / "generations" / "val_step2.jsonl", 4, summary["accuracy_after"])
     records = read_jsonl(tmp_path / "metrics.jsonl")
@@ -119,6 +126,15 @@ def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path, grpo_step_refe
     # the logged rewards and advantages are those of the dumped samples; partial credit
     # makes the groups' rewards differ: there is an advantage to learn from
     _dumped_steps(tmp_path, train, grpo_step_reference, grpo=True)
+    # step 1's update in plain transformers with each prompt's image, two mini-batches with
+    # an AdamW step between: the loss, and the gradient norm, the vision tower's share in it
+    rows = [json.loads(x) for x in (tmp_path / "generations" / "train_step1.jsonl").open()]
+    images = first_step_images(cfg)
+    want = ppo_update_reference(
+        cfg, rows, [r["advantage"] for r in rows], [images[r["prompt_index"]] for r in rows]
+    )
+    assert train[0]["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
+    assert train[0]["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     before = _tower_weights(Path(resolve_model_path("tiny_vlm", 0)))
     after = _tower_weights(tmp_path / "hf")
     assert before and before.keys() == after.keys()
@@ -127,19 +143,25 @@ def test_vlm_smoke_preset_trains_on_images(ray_session, tmp_path, grpo_step_refe
 
 
 @pytest.mark.multiproc
-def test_qwen2_5_vl_with_a_critic_trains_two_steps(ray_session, tmp_path, grpo_step_reference):
+def test_qwen2_5_vl_with_a_critic_trains_two_steps(
+    ray_session, tmp_path, grpo_step_reference, critic_step_reference, first_step_images
+):
     # Qwen2.5-VL (windowed vision attention, its own vision blocks) with PPO's critic (GAE):
     # the hf rollout's log-probs of the images equal the fsdp engine's recomputed ones, the
     # critic's forward gets the same pixels as the actor's and its value loss falls
-    train = _two_steps(
-        tmp_path,
-        grpo_step_reference,
-        "model.path=tiny_qwen2_5_vl",
-        "algorithm.adv_estimator=gae",
-        "critic.optimizer.lr=0.01",
-    )
-    assert all(r["critic/grad_norm"] > 0 for r in train)
+    overrides = ("model.path=tiny_qwen2_5_vl", "algorithm.adv_estimator=gae")
+    overrides += ("critic.optimizer.lr=0.01",)
+    train = _two_steps(tmp_path, grpo_step_reference, *overrides)
     assert train[1]["critic/vf_loss"] < train[0]["critic/vf_loss"]
+    # step 1's critic in plain transformers with each prompt's image drawn again: its values
+    # behind the GAE advantages, its value loss and gradient norm (the tower's share in it)
+    cfg = _vlm_config(tmp_path, *overrides)
+    rows = [json.loads(x) for x in (tmp_path / "generations" / "train_step1.jsonl").open()]
+    images = first_step_images(cfg)
+    want = critic_step_reference(cfg, rows, [images[r["prompt_index"]] for r in rows])
+    assert [r["advantage"] for r in rows] == pytest.approx(want["advantages"], abs=1e-5)
+    assert train[0]["critic/vf_loss"] == pytest.approx(want["vf_loss"], rel=1e-5)
+    assert train[0]["critic/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.multiproc

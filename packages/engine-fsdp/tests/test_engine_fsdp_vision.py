@@ -357,6 +357,10 @@ def test_lora_on_a_vlm_adapts_the_language_model_and_the_tower_by_option(vlm, vi
     # (B = 0, A drawn at random), the base weights and the frozen ones left without gradient
     engine.export_adapter(tmp_path / "adapter")
     peft_model = PeftModel.from_pretrained(model, str(tmp_path / "adapter"), is_trainable=True)
+    # the exported adapter adapts exactly the engine's modules (no CLIP `q_proj` beside the
+    # language model's, no ambiguous `0`)
+    loaded = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert {n.removeprefix("base_model.model.") for n in loaded} == trainable
     want_loss, want_norm = _reference_step(peft_model, seqs, mm, batch[B.RESPONSE_MASK])
     loss, grad_norm = train_step(engine, batch)
     assert loss == pytest.approx(want_loss, abs=1e-5)
