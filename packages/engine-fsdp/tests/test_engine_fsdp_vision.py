@@ -165,7 +165,9 @@ def test_vision_training_step_updates_the_vision_tower(vlm):
     assert loss == pytest.approx(want_loss, abs=1e-5)
     assert grad_norm == pytest.approx(want_norm, rel=1e-4)
     # (LLaVA's tower layers after the one it reads get none)
-    tower = [p.grad for n, p in model.named_parameters() if _in_tower(n, config) and p.grad is not None]
+    tower = [
+        p.grad for n, p in model.named_parameters() if _in_tower(n, config) and p.grad is not None
+    ]
     # measured 44-54% of the norm: a step whose images lost their gradient is far off
     assert float(torch.sqrt(sum((g**2).sum() for g in tower))) > 0.3 * want_norm
     after = dict(engine.hf_model.named_parameters())
