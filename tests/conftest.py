@@ -181,7 +181,7 @@ def _ppo_update_reference(cfg, rows, advantages, images=None) -> dict:
     processor). Returns the means over the mini-batches, as logged: `pg_loss`, `grad_norm`
     and `ratio_max` (each mini-batch's largest ratio)."""
     import torch
-    from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     seed = cfg.trainer.seed
     path = resolve_model_path(cfg.model.path, seed)
@@ -189,8 +189,7 @@ def _ppo_update_reference(cfg, rows, advantages, images=None) -> dict:
     model = auto.from_pretrained(path, dtype=torch.float32)
     pixels = [{}] * len(rows)
     if images is not None:
-        processor = AutoImageProcessor.from_pretrained(path)
-        pixels = [dict(processor(images=i, return_tensors="pt")) for i in images]
+        pixels = _pixels(path, rows, images, model.config.image_token_id)
 
     def log_probs(i: int) -> torch.Tensor:
         prompt, response = rows[i]["prompt_ids"], rows[i]["response_ids"]
@@ -259,6 +258,24 @@ def smoke_score():
     return _smoke_score
 
 
+def _pixels(path, rows, images, image_token_id: int) -> list[dict]:
+    """Each row's model inputs beside its token ids for a vision-language model: its images
+    through the model's own image processor (`pixel_values`, `image_grid_thw`), and
+    `mm_token_type_ids` (1 on the image tokens of its prompt + response, else 0), which
+    transformers' mRoPE reads."""
+    import torch
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(path)
+    out = []
+    for row, row_images in zip(rows, images, strict=True):
+        ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+        kwargs = dict(processor(images=row_images, return_tensors="pt"))
+        kwargs["mm_token_type_ids"] = (ids == image_token_id).long()
+        out.append(kwargs)
+    return out
+
+
 def _critic_step_reference(cfg, rows, images=None) -> dict:
     """What the first step of a PPO run with a critic (`algorithm.adv_estimator=gae`, outcome
     rewards, no KL in the reward) must log, from its dumped `rows` (`train_step1.jsonl`),
@@ -282,7 +299,6 @@ def _critic_step_reference(cfg, rows, images=None) -> dict:
     import torch
     from transformers import (
         AutoConfig,
-        AutoImageProcessor,
         AutoModelForImageTextToText,
         AutoModelForTokenClassification,
     )
@@ -313,8 +329,7 @@ def _critic_step_reference(cfg, rows, images=None) -> dict:
                 head.weight.normal_(0.0, text.initializer_range)
                 head.bias.zero_()
         params = list(vlm.model.parameters()) + list(head.parameters())
-        processor = AutoImageProcessor.from_pretrained(path)
-        pixels = [dict(processor(images=i, return_tensors="pt")) for i in images]
+        pixels = _pixels(path, rows, images, vlm.config.image_token_id)
 
         def forward(ids, kwargs) -> torch.Tensor:
             return head(vlm.model(input_ids=ids, **kwargs).last_hidden_state[0])[:, 0]

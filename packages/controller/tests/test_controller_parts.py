@@ -442,6 +442,21 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
         )
     )
     assert (fixed.actor.precision.param_dtype, fixed.rollout.dtype) == ("float32", "bfloat16")
+    # the critic's `auto` follows the actor's dtype, as its field says (an fp32 critic beside
+    # an fp32 actor, whatever the machine's fastest dtype), and an explicit one stays
+    assert fixed.critic.precision.param_dtype == "float32"
+    mixed = resolve_auto_dtypes(
+        load_config(
+            PPOConfig,
+            [],
+            [
+                "model.path=tiny",
+                "actor.precision.param_dtype=float32",
+                "critic.precision.param_dtype=bfloat16",
+            ],
+        )
+    )
+    assert mixed.critic.precision.param_dtype == "bfloat16"
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         gpu = resolve_auto_dtypes(
             load_config(PPOConfig, [], ["model.path=tiny", "resources.gpus_per_rank=1"])

@@ -44,9 +44,24 @@ def test_value_role_matches_hidden_state_head(tmp_path):
         loss = ((outputs["values"] - 1.0) ** 2 * mask).sum() / mb["global_token_count"][0]
         return loss, {}
 
+    # the same loss and its gradient norm in plain transformers: the backbone and the head
+    score = torch.nn.Parameter(head.clone())
+    hidden = ref.model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+    ).last_hidden_state
+    values = torch.zeros(batch["input_ids"].shape)
+    values[:, 1:] = (hidden @ score.T)[:, :-1, 0]
+    mask = batch["response_mask"].float()
+    want_loss = ((values - 1.0) ** 2 * mask).sum() / mask.sum()
+    want_loss.backward()
+    grads = [p.grad for p in [*ref.model.parameters(), score] if p.grad is not None]
+    want_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
     with engine.train_mode():
         first = engine.forward_backward(batch, value_loss)["loss"]
-        assert math.isfinite(engine.optimizer_step())
+        assert first == pytest.approx(float(want_loss), rel=1e-5)
+        assert engine.optimizer_step() == pytest.approx(want_norm, rel=1e-4)
         second = engine.forward_backward(batch, value_loss)["loss"]
     assert second < first
     engine.export_hf(tmp_path / "critic")

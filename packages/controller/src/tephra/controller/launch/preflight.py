@@ -39,16 +39,17 @@ def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:
         train if not r.rollout.replicas else "cuda" if r.rollout.gpus_per_replica > 0 else "cpu"
     )
 
-    def role(section):
-        p = section.precision
-        return replace(
-            section, precision=replace(p, param_dtype=resolve_dtype(p.param_dtype, train))
-        )
+    def role(section, dtype: str):
+        return replace(section, precision=replace(section.precision, param_dtype=dtype))
 
+    actor = resolve_dtype(cfg.actor.precision.param_dtype, train)
+    critic = cfg.critic.precision.param_dtype
     return replace(
         cfg,
-        actor=role(cfg.actor),
-        critic=role(cfg.critic),
+        actor=role(cfg.actor, actor),
+        # the critic's `auto` is the actor's dtype, as its field says (an fp32 actor, an fp32
+        # critic, whatever the machine's fastest dtype)
+        critic=role(cfg.critic, actor if critic == "auto" else critic),
         rollout=replace(cfg.rollout, dtype=resolve_dtype(cfg.rollout.dtype, rollout)),
     )
 
