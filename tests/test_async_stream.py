@@ -14,7 +14,7 @@ import torch
 
 from tephra.controller.data.prompts import PromptLoader
 from tephra.controller.loop.async_stream import SampleStream
-from tephra.controller.samples import Sample, ScoreResult
+from tephra.controller.samples import RewardResult, Sample, Scores
 from tephra.controller.workers import rollout_replicas
 from tephra.rollout.base import SamplingParams
 
@@ -59,7 +59,7 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
     worker.generation = SimpleNamespace(
         rollout=_Engine(),
         generate=generate,
-        collect_scores=lambda: [ScoreResult(1.0, None, 0.0, False)],
+        collect_scores=lambda: Scores([RewardResult(1.0)], 0.0),
     )
     sent = {}
     monkeypatch.setattr(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.data.prompts import DatasetError, load_parquet
 from tephra.controller.run.trackers import read_jsonl
-from tephra.controller.samples import PromptItem, agent_metrics, group_ids
+from tephra.controller.samples import Prompt, agent_metrics, group_ids
 from tephra.controller.workers.generation import run_items
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig
@@ -343,7 +344,7 @@ def test_verl_agentic_parquet_fields_reach_the_tool_and_pick_the_episode(tmp_pat
     episode = by_agent_name(
         "single_turn", lambda name: EPISODES.get(name)(tok, cfg, {"check": tool})
     )
-    items = [PromptItem([1, 2, 3], rec, f"r{i}") for i, rec in enumerate(records)]
+    items = [replace(rec, prompt_ids=[1, 2, 3], sample_id=f"r{i}") for i, rec in enumerate(records)]
     r0, r1 = run_items(episode, model, items, SamplingParams(temperature=0.0, max_tokens=64))
     # row 0 ran the tool agent: the tool's reward read the row's ground truth
     assert r0.tool_rewards == {"check": 1.0} and r0.env_reward is None
@@ -404,8 +405,6 @@ def test_hung_tool_does_not_hold_the_step(tmp_path, tiny_model, blocks_a_thread)
 
     from transformers import AutoTokenizer
 
-    from tephra.controller.data.prompts import PromptRecord
-
     class Hang(Tool):
         name = "hang"
         description = "hang"
@@ -423,8 +422,12 @@ def test_hung_tool_does_not_hold_the_step(tmp_path, tiny_model, blocks_a_thread)
     episode = EPISODES.get("tool_agent")(
         tok, AgentLoopConfig(tool_timeout_s=0.5, timeout_reward="drop"), {"hang": Hang()}
     )
-    record = PromptRecord([{"role": "user", "content": "?"}], "gsm8k", "42")
-    items = [PromptItem([1, 2], record, f"p{i}") for i in range(3)]
+    items = [
+        Prompt(
+            [{"role": "user", "content": "?"}], "gsm8k", "42", sample_id=f"p{i}", prompt_ids=[1, 2]
+        )
+        for i in range(3)
+    ]
     start = time.monotonic()
     samples = run_items(episode, model, items, SamplingParams(temperature=0.0, max_tokens=64))
     assert time.monotonic() - start < 0.5 + 15.0  # the deadline, plus slack; not the 30 s sleep

@@ -18,7 +18,7 @@ from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.launch.ppo import prepare
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
-from tephra.controller.samples import PromptItem, samples_to_batch
+from tephra.controller.samples import samples_to_batch
 from tephra.controller.testing import SMOKE_REWARD, untimed_metrics
 from tephra.controller.workers.rl_worker import RLWorker
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
@@ -63,9 +63,7 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(
         rollout = worker.rollout
         assert rollout.update_count == 1 and rollout.last_update_stats["buckets"] > 1
         tok = prepared.tokenizer
-        items = [
-            PromptItem(prepared.train.ids[i], prepared.train.records[i], f"p{i}") for i in range(2)
-        ]
+        items = [prepared.train.item(i, f"p{i}") for i in range(2)]
         sampling = SamplingParams(
             n=4, temperature=1.0, max_tokens=8, seed=5, stop_token_ids=(tok.eos_token_id,)
         )

@@ -31,7 +31,6 @@ from tephra.controller.cluster.worker_group import (
 from tephra.controller.data.prompts import (
     DatasetError,
     PromptLoader,
-    PromptRecord,
     load_hf_dataset,
     load_parquet,
     reasoning_gym_records,
@@ -39,6 +38,7 @@ from tephra.controller.data.prompts import (
 from tephra.controller.run.trackers import Trackers, read_jsonl
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.errors import BatchError, ConfigError
+from tephra.episodes.prompt import Prompt
 from tephra.episodes.testing import CALC_MCP_SERVER
 from tephra.rollout.testing import live_processes
 
@@ -123,7 +123,7 @@ VERL_ROWS = [
 
 def records_by_hand(rows, where):
     return [
-        PromptRecord(
+        Prompt(
             r["prompt"],
             r["data_source"],
             r["reward_model"]["ground_truth"],

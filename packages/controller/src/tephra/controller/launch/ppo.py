@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -30,7 +30,6 @@ from tephra.controller.data.code_problems import code_problem_records
 from tephra.controller.data.colour_squares import colour_square_rows
 from tephra.controller.data.multimodal import load_multimodal_parquet, multimodal_prompt_from_row
 from tephra.controller.data.prompts import (
-    PromptRecord,
     check_same_data,
     dataset_fingerprint,
     load_hf_dataset,
@@ -58,13 +57,14 @@ from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
 from tephra.engine_api.multimodal import is_vision_config, supported_model_types
 from tephra.episodes.agent import ChatTemplateDelta
+from tephra.episodes.prompt import Prompt
 from tephra.episodes.tools import load_tools
 from tephra.rollout.multimodal import VisionProcessor
 
 BUNDLED_TOOLS = Path(__file__).parents[1] / "tools"
 
 
-def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def load_records(cfg: PPOConfig) -> tuple[list[Prompt], list[Prompt]]:
     """Training and held-out records of `cfg.data` (rows naming an `agent_name` need
     `rollout.agent_loop`: the batched path runs no episode)."""
     train, val = _load_records(cfg)
@@ -80,7 +80,7 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
     return train, val
 
 
-def _load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def _load_records(cfg: PPOConfig) -> tuple[list[Prompt], list[Prompt]]:
     d = cfg.data
     if d.source == "reasoning_gym":
         return (
@@ -93,7 +93,7 @@ def _load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord
     if not d.train_files:
         raise ConfigError(f"data.source={d.source!r} needs data.train_files to train on")
 
-    def load(spec: str) -> list[PromptRecord]:
+    def load(spec: str) -> list[Prompt]:
         if d.source == "parquet":
             return load_parquet(spec)
         name, _, split = spec.partition(":")
@@ -144,7 +144,7 @@ def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompt
         kept = [p for p in prompts if len(p.prompt_ids) <= limit]
         dropped += len(prompts) - len(kept)
         return Prompts(
-            [p.prompt_ids for p in kept], [p.record for p in kept], [p.multimodal for p in kept]
+            [cast(list[int], p.prompt_ids) for p in kept], kept, [p.multimodal for p in kept]
         )
 
     return fit(train), fit(val), dropped

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 from tensordict import TensorDict
 
-from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.samples import Sample
 from tephra.controller.step.rounds import Round
 from tephra.core.registry import Registry
+from tephra.episodes.prompt import Prompt
 
 if TYPE_CHECKING:
     from tephra.controller.config.tree import PPOConfig
@@ -124,7 +124,7 @@ class Recipe:
         Ray starts; called whether or not it is enabled)."""
 
     @classmethod
-    def check_data(cls, cfg: PPOConfig, records: list[PromptRecord], where: str) -> None:
+    def check_data(cls, cfg: PPOConfig, records: list[Prompt], where: str) -> None:
         """Refuse training prompts the recipe cannot use (`where` names the file), before Ray
         starts; called when it is enabled."""
 

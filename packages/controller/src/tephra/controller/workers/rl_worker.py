@@ -54,11 +54,12 @@ from tephra.controller.recipes import enabled_recipes
 from tephra.controller.run.flops import device_peak
 from tephra.controller.run.memory_metrics import process_memory
 from tephra.controller.run.models import resolve_model_path
-from tephra.controller.samples import PromptItem, Sample, ScoreResult
+from tephra.controller.samples import Prompt, RewardResult, Sample, Scores
 from tephra.controller.step.skip_flat import can_skip_flat, skip_zero_advantage_rows
 from tephra.controller.workers.generation import Generator
 from tephra.engine_api.fastest_dtype import resolve_dtype
 from tephra.engine_api.registry import get_engine
+from tephra.episodes.rewards import RewardInput
 from tephra.rollout.backends.server_process import free_port
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, send_all
 
@@ -154,7 +155,7 @@ class RLWorker(Worker):
         )
         self._profile_prefix: str | None = None
         self.samples_scored = 0
-        """Samples scored for other ranks (`score_texts`: a rank of the reward pool)."""
+        """Samples scored for other ranks (`score_inputs`: a rank of the reward pool)."""
         model = replace(cfg.model, path=model_path, init_seed=seed)
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.actor = None
@@ -252,33 +253,31 @@ class RLWorker(Worker):
     # ----- generation and scoring (the generation part's, with this worker's dispatch) -------
     @dispatch(Dispatch.ROLLOUT_SPLIT)
     @profiled("generate")
-    def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
+    def generate(self, items: list[Prompt], sampling: Any, score: bool = True) -> list[Sample]:
         """`Generator.generate` on this rank's share of the prompts, after sending the weights
         again where a sleeping server dropped them."""
         self._resend_dropped_weights()
         return self.generation.generate(items, sampling, score)
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
-    def collect_scores(self) -> list[ScoreResult]:
+    def collect_scores(self) -> Scores:
         """`Generator.collect_scores` of this rank's last `generate`."""
         return self.generation.collect_scores()
 
-    def score_texts(
-        self, texts: list[str], records: list[Any], prompts: list[str] | None
-    ) -> tuple[list[tuple[float, str | None]], list[bool], list[dict[str, float]]]:
-        """`Generator.score_texts` with this rank's scorer: a generating rank's samples, sent
+    def score_inputs(self, inputs: list[RewardInput]) -> list[RewardResult]:
+        """`Generator.score_inputs` with this rank's scorer: a generating rank's samples, sent
         by its scoring thread to this rank of the reward pool (`resources.reward`)."""
-        self.samples_scored += len(texts)
-        return self.generation.score_texts(texts, records, prompts)
+        self.samples_scored += len(inputs)
+        return self.generation.score_inputs(inputs)
 
     @dispatch(Dispatch.BROADCAST)
     def scored_count(self) -> int:
-        """Samples this rank of the reward pool scored over the run (`score_texts`)."""
+        """Samples this rank of the reward pool scored over the run (`score_inputs`)."""
         return self.samples_scored
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
     @dispatch(Dispatch.ROLLOUT_SPLIT)
-    def generate_ahead(self, items: list[PromptItem], sampling: Any) -> None:
+    def generate_ahead(self, items: list[Prompt], sampling: Any) -> None:
         """Start `generate(items, sampling)` in a background thread and return at once, so the
         rollout engine samples the next step's batch while this step's passes and update run
         on the training engines (separate weights; the driver takes `generated()` before

@@ -31,7 +31,7 @@ from tephra.controller.cluster.dispatch import Dispatch, dispatch, share_bounds
 from tephra.controller.cluster.watchdog import Watchdog, sample_ids
 from tephra.controller.cluster.worker_group import ResourcePool, Worker, WorkerGroup
 from tephra.controller.config.tree import PPOConfig
-from tephra.controller.samples import PromptItem, Sample, set_score
+from tephra.controller.samples import Prompt, Sample
 from tephra.controller.workers.generation import Generator
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, receive_all
 
@@ -125,14 +125,16 @@ class RolloutWorker(Worker):
         self.version = version
 
     @dispatch(Dispatch.DP_SPLIT)
-    def generate_scored(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+    def generate_scored(self, items: list[Prompt], sampling: Any) -> list[Sample]:
         """`generate`, scored here, each sample stamped with this replica's weight version (with
         partial rollout: the oldest version among its tokens, the one it started under)."""
         with self._generating:
             self._take_staged()  # weights received while the last request ran, if any
             samples = self.generation.generate(items, sampling)
-            for sample, result in zip(samples, self.generation.collect_scores(), strict=True):
-                set_score(sample, result)
+            for sample, reward in zip(
+                samples, self.generation.collect_scores().rewards, strict=True
+            ):
+                sample.reward = reward
                 sample.weight_version = (
                     min(sample.token_versions) if sample.token_versions else self.version
                 )
@@ -227,7 +229,7 @@ class RolloutReplicas:
         )
         self.version = version
 
-    def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+    def generate(self, items: list[Prompt], sampling: Any) -> list[Sample]:
         """Scored samples of `items` (prompt-major), the items split over the replicas in
         order (`share_bounds`; each share seeded as in the whole batch: `for_share`), under
         the watchdog's deadline for `generate_scored`."""
@@ -248,7 +250,7 @@ class RolloutReplicas:
         )
         return list(itertools.chain.from_iterable(shares))
 
-    def submit_split(self, items: list[PromptItem], sampling: Any) -> Any:
+    def submit_split(self, items: list[Prompt], sampling: Any) -> Any:
         """`generate` without waiting: one object ref that resolves to the samples."""
         bounds = share_bounds(len(items), len(self.replicas))
         refs = [
@@ -259,7 +261,7 @@ class RolloutReplicas:
         return _concat.remote(*refs)
 
     # ----- the asynchronous stream -----------------------------------------------------------
-    def submit(self, items: list[PromptItem], sampling: Any) -> Any:
+    def submit(self, items: list[Prompt], sampling: Any) -> Any:
         """Send one request to the least-loaded replica (fewest unanswered requests)."""
         index = min(range(len(self.replicas)), key=lambda i: (self.in_flight[i], i))
         ref = self.replicas[index].execute.remote("generate_scored", items, sampling)
