@@ -218,6 +218,7 @@ class Generator:
             replace(
                 i,
                 sample_id=f"{i.sample_id}-{k}",
+                messages=list(i.messages),
                 prompt_ids=list(tokens(i)),
                 extra_info=dict(i.extra_info),
                 tool_kwargs=dict(i.tool_kwargs),
