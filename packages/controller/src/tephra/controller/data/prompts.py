@@ -269,7 +269,7 @@ def reasoning_gym_records(
     instruction: str = DEFAULT_INSTRUCTION,
 ) -> list[Prompt]:
     """`size` items of a reasoning-gym task, generated offline and reproducibly by `seed`: the
-    rows of `tephra.episodes.rewards.reasoning_gym_rows` as prompt records, `instruction`
+    rows of `tephra.episodes.rewards.reasoning_gym_rows` as prompts, `instruction`
     appended to each question."""
     try:
         # the prompt asks for just the number, so the last number is the answer

@@ -42,7 +42,7 @@ def reference_response(tokenizer: Any, record: Prompt) -> list[int]:
 
 def pair_samples(samples: list[Sample], records: list[Prompt], tokenizer: Any) -> list[Sample]:
     """[chosen_0, rejected_0, chosen_1, rejected_1, ...]: each generated sample (rejected)
-    after its prompt's reference answer (chosen); `records[i]` is sample i's prompt record.
+    after its prompt's reference answer (chosen); `records[i]` is sample i's prompt.
     The chosen rows carry log-probs 0 (no rollout sampled them; SPIN reads none)."""
     out: list[Sample] = []
     for sample, record in zip(samples, records, strict=True):
