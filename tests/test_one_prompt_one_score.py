@@ -86,4 +86,8 @@ def test_a_prompt_set_names_and_tokenises_its_items(images):
     prompts = Prompts([[9, 8]], [row], [mm] if images else None)
     item = prompts.item(0, "step3-0")
     assert (item.sample_id, item.prompt_ids, item.multimodal) == ("step3-0", [9, 8], mm)
-    assert (item.messages, item.tool_kwargs, item.data_source) == (row.messages, {"t": {"x": 1}}, "d")
+    assert (item.messages, item.tool_kwargs, item.data_source) == (
+        row.messages,
+        {"t": {"x": 1}},
+        "d",
+    )

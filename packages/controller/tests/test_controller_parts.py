@@ -90,7 +90,7 @@ def test_parquet_rows_are_validated_with_row_and_field(tmp_path):
     (rec,) = load_parquet(tmp_path / "good.parquet")
     assert (
         rec.ground_truth == "2"
-        and rec.prompt[0]["content"] == "1+1?"
+        and rec.messages[0]["content"] == "1+1?"
         and rec.extra_info == {"i": 0}
     )
     bad = {
@@ -202,7 +202,7 @@ def test_hf_datasets_offline_folders_files_splits_and_row_errors(
 def test_reasoning_gym_is_reproducible_and_loader_resumes():
     a = reasoning_gym_records("basic_arithmetic", 5, seed=3)
     b = reasoning_gym_records("basic_arithmetic", 5, seed=3)
-    assert [r.prompt for r in a] == [r.prompt for r in b] and a[0].data_source.endswith(
+    assert [r.messages for r in a] == [r.messages for r in b] and a[0].data_source.endswith(
         "basic_arithmetic"
     )
     full = PromptLoader(10, 4, seed=1)
