@@ -547,8 +547,14 @@ MODEL_PATH_FIX = (
 def adapter_sync_obstacle(cfg: PPOConfig) -> str | None:
     """Why the weight sync of `cfg` cannot send the LoRA adapter alone (None: it can)."""
     r = cfg.rollout
-    if not ROLLOUT_BACKENDS.get(r.backend).supports_adapters:
+    backend = ROLLOUT_BACKENDS.get(r.backend)
+    if not backend.supports_adapters:
         return f"rollout.backend={r.backend!r} cannot serve an adapter over its base weights"
+    if backend.max_adapter_rank is not None and cfg.actor.lora.rank > backend.max_adapter_rank:
+        return (
+            f"rollout.backend={r.backend!r} serves adapters of rank <= "
+            f"{backend.max_adapter_rank}, and actor.lora.rank={cfg.actor.lora.rank}"
+        )
     if cfg.resources.rollout.replicas:
         return (
             f"resources.rollout.replicas={cfg.resources.rollout.replicas}: rollout replicas of "
