@@ -98,7 +98,7 @@ def this_rank_place(rank: int) -> RankPlace:
     logs: tuple[str, ...] = ()
     try:
         node = ray._private.worker.global_worker.node
-        if node is not None:  # None (or no attribute): not a Ray worker (a test calling it)
+        if node is not None:  # None in a process that is not a Ray worker
             logs_dir = Path(node.get_logs_dir_path())
             logs = tuple(
                 str(p) for ext in ("err", "out") for p in logs_dir.glob(f"worker-*-{pid}.{ext}")
