@@ -23,6 +23,13 @@ def _vllm_rules_on_any_cpu(request, monkeypatch):
 
 
 CASES = [
+    # the RL trainer reads the policy's tokenizer and weights from a folder: a ModelConfig
+    # built from `model.hf_config` alone (which the engines accept) names model.path's fix
+    (
+        ["model.path=null", "model.hf_config={model_type: qwen2, hidden_size: 64}"],
+        r"model.path is not set \(model.hf_config=\{'model_type': 'qwen2', 'hidden_size': 64\}\): "
+        r"the RL trainer reads the policy's tokenizer and weights from a folder; set model.path to",
+    ),
     # typo'd registry names, each naming the closest registered one
     (
         ["algorithm.adv_estimator=grpoo"],

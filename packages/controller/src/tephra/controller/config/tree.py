@@ -601,6 +601,17 @@ class PPOConfig:
     """Ray placement."""
 
     @property
+    def policy_path(self) -> str:
+        """`model.path`, which the RL trainer requires: its tokenizer, rollout engine and named
+        models come from that folder, so `model.hf_config` alone is refused (naming the fix)."""
+        if self.model.path is None:
+            raise ConfigError(
+                f"model.path is not set (model.hf_config={self.model.hf_config!r}): the RL "
+                f"trainer reads the policy's tokenizer and weights from a folder; {MODEL_PATH_FIX}"
+            )
+        return self.model.path
+
+    @property
     def needs_reference(self) -> bool:
         return (
             self.algorithm.prime.enabled

@@ -184,8 +184,8 @@ def prepare(cfg: PPOConfig) -> Prepared:
     prompts; probe the running servers it names. Fails before Ray starts."""
     validate(cfg)
     check_server_urls(cfg)  # here, not at config load: `--print-config` needs no server
-    model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
-    if named_model_folder(cfg.model.path) is not None:
+    model_path = resolve_model_path(cfg.policy_path, cfg.trainer.seed)
+    if named_model_folder(cfg.policy_path) is not None:
         check_engine_support(cfg, model_path)  # built just now: its shape was not known yet
     tokenizer = load_tokenizer(model_path)
     for recipe in enabled_recipes(cfg):  # e.g. the distillation teacher's tokenizer
