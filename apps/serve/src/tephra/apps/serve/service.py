@@ -302,9 +302,7 @@ class Service:
                     "checkpoint_type": "training",
                     "time": datetime.datetime.fromtimestamp(s.time, datetime.UTC).isoformat(),
                     "tinker_path": s.path,
-                    "size_bytes": sum(
-                        f.stat().st_size for f in s.folder.rglob("*") if f.is_file()
-                    ),
+                    "size_bytes": sum(f.stat().st_size for f in s.folder.rglob("*") if f.is_file()),
                     "user_metadata": s.user_metadata or None,
                 }
                 for s in self.states.list(run)
