@@ -69,8 +69,9 @@ def target_task(seed: int = 0, train_size: int = 512, heldout_size: int = 32) ->
     )
 
 
-def arithmetic_task(tokenizer_folder: str) -> Task:
-    """The demo's task (apps/ppo's default) with its tokenizer's chat template."""
+def arithmetic_task(tokenizer_folder: str, heldout_size: int = 200) -> Task:
+    """The demo's task (apps/ppo's default) with its tokenizer's chat template; held out: the
+    first `heldout_size` of the demo's 200 held-out items."""
     # tephra's helpers build the demo's exact prompts and scorer (imported here: only this
     # task needs them and reasoning-gym is slow to import)
     from transformers import AutoTokenizer
@@ -86,7 +87,7 @@ def arithmetic_task(tokenizer_folder: str) -> Task:
         return reasoning_gym_records(data.task, size, seed, data.task_config, data.instruction)
 
     train_rec = records(data.train_size, data.train_seed)
-    held_rec = records(data.val_size, data.val_seed)
+    held_rec = records(data.val_size, data.val_seed)[:heldout_size]
 
     def reward(i: int, tokens: list[int], heldout: bool) -> float:
         rec = (held_rec if heldout else train_rec)[i]
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heldout-size", type=int, default=200, help="arithmetic: held-out items")
     args = p.parse_args(argv)
     service = tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
     if args.task == "target":
@@ -220,8 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         from tephra.controller.data.smollm2 import smollm2_folder  # the demo's tokenizer
 
-        task = arithmetic_task(str(smollm2_folder()))
-        settings = dict(steps=36, prompts_per_step=4, samples_per_prompt=8, learning_rate=1e-4)
+        task = arithmetic_task(str(smollm2_folder()), args.heldout_size)
+        settings = dict(steps=12, prompts_per_step=4, samples_per_prompt=8, learning_rate=3e-4)
     if args.steps is not None:
         settings["steps"] = args.steps
     if args.learning_rate is not None:

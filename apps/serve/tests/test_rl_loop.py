@@ -29,9 +29,14 @@ def rl_loop():
 
 
 @pytest.fixture(scope="module")
-def service_client():
+def server():
     with BackgroundServer(make_service(["tiny=tiny"]), KEY) as srv:
-        yield tinker.ServiceClient(base_url=srv.url, api_key=KEY)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def service_client(server):
+    return tinker.ServiceClient(base_url=server.url, api_key=KEY)
 
 
 def test_target_task_reward_distribution(rl_loop):
@@ -42,7 +47,7 @@ def test_target_task_reward_distribution(rl_loop):
     assert task.reward(0, [], True) == 0.0
 
 
-def test_rl_loop_raises_heldout_reward(rl_loop, service_client):
+def test_rl_loop_raises_heldout_reward(rl_loop, server, service_client):
     # seeds 0-4 (README, An RL loop): held-out 0.125-0.154 before, 0.94-0.98 after 12 steps
     out = rl_loop.train(
         service_client,
@@ -58,3 +63,8 @@ def test_rl_loop_raises_heldout_reward(rl_loop, service_client):
     assert out["heldout_before"] < 0.2, out
     assert out["heldout_after"] > 0.8, out
     assert out["train_rewards"][-1] > out["train_rewards"][0] + 0.4, out
+
+    # the command line runs the same loop: with no steps, before and after are the
+    # untrained adapter's held-out reward above (same prompts, same sampling seeds)
+    summary = rl_loop.main(["--base-url", server.url, "--api-key", KEY, "--steps", "0"])
+    assert summary["heldout_before"] == summary["heldout_after"] == out["heldout_before"]
