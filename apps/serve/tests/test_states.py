@@ -4,6 +4,8 @@ first), on the same client, on a new client, and on a server restarted on the sa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import tinker
 import torch
@@ -120,6 +122,18 @@ def test_a_restarted_server_loads_the_state(server, client, workdir):
         for rows in LATER:
             step(b, rows)
         assert largest_difference(served_weights(again, b.model_id), first) == 0.0
+
+    # the first server's swapped-out clients outlive the second server on the same workdir
+    other = client.create_lora_training_client(base_model="tiny", rank=RANK).result()
+    step(other, OTHER)
+    step(a, ROWS)  # a is swapped back in from this server's own folder
+    a.load_state_with_optimizer(path).result()
+    for rows in LATER:
+        step(a, rows)
+    assert largest_difference(served_weights(server, a.model_id), first) == 0.0
+    assert [p.name for p in (workdir / "engines").iterdir()] == [
+        Path(server.service._swap.name).name
+    ]
 
 
 def test_state_refusals(client):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import itertools
-import shutil
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -50,8 +49,9 @@ class ServeSettings:
     engine: str = "fsdp"
     """Training engine (registry name); any engine passing the conformance kit serves."""
     workdir: Path | None = None
-    """Folder of the clients' swapped-out states (`engines/`) and of the states `save_state`
-    writes (`checkpoints/`); a temporary folder, removed at exit, when None."""
+    """Folder of the states `save_state` writes (`checkpoints/`) and of the live clients'
+    swapped-out states (`engines/serve-*/`, one folder per server, removed when it stops); a
+    temporary folder, removed when the server stops, when None."""
     engine_overrides: dict[str, Any] = field(default_factory=dict)
     """Extra `EngineConfig` fields (`micro_batch`, `precision`, `device`) of every engine."""
 
@@ -65,6 +65,9 @@ class Service:
             self._tmp = tempfile.TemporaryDirectory(prefix="tephra-serve-")
         self.workdir = Path(self._tmp.name) if self._tmp else Path(self.settings.workdir)  # type: ignore[arg-type]
         self.states = StateStore(self.workdir)
+        # the live clients' swapped-out states: this server's own folder, removed at close
+        (self.workdir / "engines").mkdir(parents=True, exist_ok=True)
+        self._swap = tempfile.TemporaryDirectory(prefix="serve-", dir=self.workdir / "engines")
         self.engines: dict[tuple[str, int], SharedEngine] = {}
         self.samplers: dict[str, Sampler] = {}
         self.clients: dict[str, tuple[str, int]] = {}
@@ -76,6 +79,7 @@ class Service:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+        self._swap.cleanup()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -123,10 +127,7 @@ class Service:
         key = (base.name, rank)
         if key not in self.engines:
             engine = get_engine(self.settings.engine, self.engine_config(base, rank))
-            # swap space of the live clients: what an earlier server left there is stale
-            workdir = self.workdir / "engines" / f"{base.name}-r{rank}"
-            shutil.rmtree(workdir, ignore_errors=True)
-            self.engines[key] = SharedEngine(engine, workdir)
+            self.engines[key] = SharedEngine(engine, Path(self._swap.name) / f"{base.name}-r{rank}")
         return self.engines[key]
 
     # ----- training clients --------------------------------------------------------------
