@@ -150,6 +150,10 @@ def test_state_refusals(client):
         client.create_training_client_from_state_with_optimizer(
             "tinker://nobody/weights/x"
         ).result()
+    with pytest.raises(Exception, match="'s3://bucket/x' is not a tinker path"):
+        a.load_state_with_optimizer("s3://bucket/x").result()
+    with pytest.raises(Exception, match="was saved on 'tiny'; omit base_model or give 'tiny'"):
+        client.create_training_client_from_state_with_optimizer(path, base_model="big").result()
     sampler_path = a.save_weights_for_sampler("s1").result().path
     with pytest.raises(Exception, match="holds sampler weights"):
         a.load_state_with_optimizer(sampler_path).result()
