@@ -276,18 +276,16 @@ class Service:
                         f"{have_base!r}: load it with "
                         "create_training_client_from_state_with_optimizer"
                     )
-                shared = self._client(model_id, call)
+                self._client(model_id, call).load_state(model_id, state.engine_checkpoint)
             else:
                 shared = self._shared(base, state.lora_rank)
                 shared.add_client(model_id)
                 try:
                     shared.load_state(model_id, state.engine_checkpoint)
                 except Exception:
-                    del shared.clients[model_id]
+                    del shared.clients[model_id]  # no client is made of a failed load
                     raise
                 self.clients[model_id] = (base.name, state.lora_rank)
-                return "json", {"path": path, "model_id": model_id, "type": "load_weights"}
-            shared.load_state(model_id, state.engine_checkpoint)
             return "json", {"path": path, "model_id": model_id, "type": "load_weights"}
 
         return self.submit(work, model_id)

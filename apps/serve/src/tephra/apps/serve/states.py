@@ -85,11 +85,11 @@ class StateStore:
         name = check_name(name, call)
         folder = self.folder(run, name)
         path = f"{SCHEME}{run}/weights/{name}"
-        if folder.exists():
-            if not overwrite:
-                raise UserError(
-                    f"{call}: {path} exists; give another name or overwrite=True to replace it"
-                )
+        if (folder / STATE_FILE).is_file() and not overwrite:
+            raise UserError(
+                f"{call}: {path} exists; give another name or overwrite=True to replace it"
+            )
+        if folder.exists():  # replaced, or a save that did not finish
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         return path, folder
