@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     service = tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
     if args.task == "target":
         task = target_task(args.seed)
-        settings = dict(steps=8, prompts_per_step=8, samples_per_prompt=8, learning_rate=1e-2)
+        settings = dict(steps=12, prompts_per_step=8, samples_per_prompt=8, learning_rate=3e-2)
     else:
         from tephra.controller.data.smollm2 import smollm2_folder  # the demo's tokenizer
 
