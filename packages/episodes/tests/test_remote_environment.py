@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import threading
@@ -45,6 +46,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 COUNTER_ENV = '''
 import asyncio
 import os
+import re
 from pathlib import Path
 
 from tephra.episodes.environments import Environment, StepResult
@@ -413,3 +415,12 @@ def test_a_server_outlives_no_sigkilled_parent():
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(parent.pid, signal.SIGKILL)
+
+
+def test_the_readme_example_runs(tokenizer, capsys):
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("## Remote environments")
+    section = text[start : text.index("\n## ", start + 1)]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    exec(compile(block, "README.md", "exec"), {"tok": tokenizer})  # noqa: S102 (our own docs)
+    assert capsys.readouterr().out.splitlines()[-1] == "[0.0, 1.0] 1.0 done"
