@@ -300,9 +300,9 @@ def test_environment_config_errors_come_before_ray(tmp_path):
 
 
 def test_a_remote_environment_server_that_is_down_stops_the_run_before_ray(tmp_path):
-    from tephra.controller.launch.ppo import prepare
-
     import socket
+
+    from tephra.controller.launch.ppo import prepare
 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))

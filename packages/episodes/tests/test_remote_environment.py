@@ -251,6 +251,46 @@ def test_a_slow_step_hits_the_call_deadline_once(tokenizer, server, counter_spec
     )  # each step ran once on the server: a deadline is not retried
 
 
+def test_every_call_can_be_repeated_safely(server, counter_spec, tmp_path):
+    """What makes the retries safe, at the protocol's level: a repeated create is the same
+    session (one reset), a repeated step answers the stored result (one step), a turn out of
+    order is refused, a repeated close answers `closed: false`."""
+    kwargs = {"turns": 2, "step_reward": 1.0, "marks": str(tmp_path)}
+    create = {
+        "session": "s1",
+        "environment": counter_spec,
+        "kwargs": kwargs,
+        "item": {
+            "messages": [{"role": "user", "content": "Go."}],
+            "sample_id": "s1",
+            "interaction_kwargs": {"to": 3},
+        },
+    }
+    with httpx.Client(base_url=server.url) as http:
+        first = http.post("/v1/sessions", json=create).json()
+        assert http.post("/v1/sessions", json=create).json() == first
+        assert first["observation"][0] == {"role": "system", "content": "Count to 3."}
+        step = {"turn": 1, "action": "one two"}
+        answer = http.post("/v1/sessions/s1/step", json=step).json()
+        assert answer == http.post("/v1/sessions/s1/step", json=step).json()
+        assert (answer["reward"], answer["done"]) == (2.0, False)
+        late = http.post("/v1/sessions/s1/step", json={"turn": 3, "action": "x"})
+        assert late.status_code == 409
+        assert late.json()["error"] == "turn 3 out of order: the session has answered 1"
+        last = http.post("/v1/sessions/s1/step", json={"turn": 2, "action": "x"}).json()
+        assert (last["reward"], last["done"], last["info"]) == (
+            1.0,
+            True,
+            {"finish_reason": "counted"},
+        )
+        assert http.delete("/v1/sessions/s1").json() == {"closed": True}
+        assert http.delete("/v1/sessions/s1").json() == {"closed": False}
+        gone = http.post("/v1/sessions/s1/step", json={"turn": 3, "action": "x"})
+        assert gone.status_code == 404 and "unknown session 's1'" in gone.json()["error"]
+    marks = sorted(p.name.split("-", 1)[1] for p in tmp_path.iterdir())
+    assert marks == ["s1-reset", "s1-step1", "s1-step2"]  # each ran once
+
+
 def serve_in_thread(
     port: int, api_key: str | None, started: threading.Event, stop: threading.Event
 ):

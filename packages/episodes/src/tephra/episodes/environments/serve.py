@@ -387,7 +387,7 @@ async def _serve(args: argparse.Namespace, api_key: str | None) -> None:
             tmp = Path(args.ready_file + ".tmp")
             tmp.write_text(url)
             tmp.replace(args.ready_file)  # whole, or not at all
-        waits = [asyncio.create_task(stop.wait())]
+        waits: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
         if args.parent_pid:
             waits.append(asyncio.create_task(_parent_gone(args.parent_pid)))
         _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
