@@ -175,14 +175,16 @@ def test_images_cross_the_wire_pixel_for_pixel(server):
     async def episode(env):
         first = await env.reset(item)
         steps = [await env.step("red"), await env.step("blue"), await env.step("green")]
+        assert await env.tool_rewards() == {}
         await env.close()
         return first, steps
 
     kwargs = {"turns": 3, "seed": 7, "image_size": 32}
     local = asyncio.run(episode(ColourSquaresEnvironment(**kwargs)))
-    remote = asyncio.run(
-        episode(RemoteEnvironment(environment="colour_squares", kwargs=kwargs, url=server.url))
-    )
+    env = RemoteEnvironment(environment="colour_squares", kwargs=kwargs, url=server.url)
+    remote = asyncio.run(episode(env))
+    # create, three steps, close: no call for tool rewards the environment does not have
+    assert env.requests == 5
     assert remote[0] == local[0]
     for mine, theirs in zip(remote[1], local[1], strict=True):
         assert (mine.observation, mine.reward, mine.done, mine.info) == (
@@ -464,3 +466,27 @@ def test_the_readme_example_runs(tokenizer, capsys):
     (block,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
     exec(compile(block, "README.md", "exec"), {"tok": tokenizer})  # noqa: S102 (our own docs)
     assert capsys.readouterr().out.splitlines()[-1] == "[0.0, 1.0] 1.0 done"
+
+
+def test_an_environment_raising_in_tool_rewards_is_an_environment_error(tokenizer):
+    """tool_rewards goes through the environment guard too (a server that dies after the last
+    step fails there): the trajectory is dropped and counted, the others finish."""
+    from tephra.episodes.environments import Environment, StepResult
+
+    class Broken(Environment):
+        async def step(self, action):
+            return StepResult(reward=1.0, done=True)
+
+        async def tool_rewards(self):
+            raise ConnectionError("the server is gone")
+
+    loop = EPISODES.get("environment")(tokenizer, AgentLoopConfig(environment_errors="drop"))
+    loop.make_environment = lambda: Broken()
+    (sample,) = asyncio.run(
+        run_episodes(loop, ScriptedRollout(tokenizer, lambda s, k: "42"), items()[:1], GREEDY)
+    )
+    assert (sample.finish_reason, sample.dropped) == ("environment_error", True)
+    assert sample.extra_info["environment_error"].startswith(
+        "environment 'Broken' raised in tool_rewards at turn 1 of row 0 of train.parquet "
+        "(sample 'a'): ConnectionError: the server is gone"
+    )

@@ -243,6 +243,7 @@ class RemoteEnvironment(Environment):
         self.session: str | None = None
         self.turn = 0
         self.schemas: list[dict[str, Any]] | None = None
+        self.has_tool_rewards = True
         self.requests = 0
         """HTTP requests sent, retries included."""
 
@@ -272,6 +273,7 @@ class RemoteEnvironment(Environment):
         )
         self.owns_reward = bool(created["owns_reward"])
         self.schemas = created.get("tool_schemas")
+        self.has_tool_rewards = bool(created.get("tool_rewards", True))
         return list(created["observation"])
 
     async def step(self, action: str) -> StepResult:
@@ -285,6 +287,8 @@ class RemoteEnvironment(Environment):
         return self.schemas
 
     async def tool_rewards(self) -> dict[str, float]:
+        if not self.has_tool_rewards:  # the served environment has none: no round trip
+            return {}
         answer = await self._call("POST", f"/v1/sessions/{self.session}/tool_rewards", {})
         return {k: float(v) for k, v in answer["tool_rewards"].items()}
 

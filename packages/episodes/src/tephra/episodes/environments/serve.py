@@ -10,7 +10,8 @@ server has a key, which it must have beyond loopback):
     GET    /health                          {"status": "ok"}
     GET    /v1/environments                 {"environments": [names served]}
     POST   /v1/sessions                     {"session", "environment", "kwargs", "config", "item"}
-                                            -> {"session", "observation", "owns_reward", "tool_schemas"}
+                                            -> {"session", "observation", "owns_reward",
+                                                "tool_schemas", "tool_rewards"}
     POST   /v1/sessions/{id}/step           {"turn": n, "action": text}
                                             -> {"observation", "reward", "done", "info", "images"}
     POST   /v1/sessions/{id}/tool_rewards   {} -> {"tool_rewards": {tool: reward}}
@@ -216,6 +217,8 @@ class EnvironmentServer:
             "observation": observation,
             "owns_reward": bool(env.owns_reward),
             "tool_schemas": env.tool_schemas(),
+            # whether tool_rewards is worth a call (the base class's answers {})
+            "tool_rewards": type(env).tool_rewards is not Environment.tool_rewards,
         }
         self.sessions[sid] = _Session(env, created)
         return _answer(created)
