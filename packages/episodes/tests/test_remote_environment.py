@@ -490,3 +490,16 @@ def test_an_environment_raising_in_tool_rewards_is_an_environment_error(tokenize
         "environment 'Broken' raised in tool_rewards at turn 1 of row 0 of train.parquet "
         "(sample 'a'): ConnectionError: the server is gone"
     )
+
+
+def test_a_round_trip_does_not_wait_for_a_delayed_ack(server):
+    """The server's sockets have TCP_NODELAY: without it every answer waited ~40 ms for the
+    client's delayed ACK (measured 44-48 ms per call here, against 0.2-1 ms with it)."""
+    with httpx.Client(base_url=server.url) as http:
+        http.get("/health")
+        times = []
+        for _ in range(21):
+            start = time.perf_counter()
+            http.get("/health")
+            times.append(time.perf_counter() - start)
+    assert sorted(times)[10] < 0.02  # the median, with room for a loaded machine

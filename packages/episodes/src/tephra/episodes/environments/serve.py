@@ -304,7 +304,9 @@ class EnvironmentServer:
         """Listen on `host:port` (0: a free port) for the body of the `async with`; yields the
         URL. On the way out the open sessions are closed."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so (proto 0
+        # left Nagle on, and every answer waited ~40 ms for a delayed ACK)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
