@@ -109,8 +109,11 @@ def server(counter_spec):
     """One server in a child process for the module; stopped, it leaves nothing behind."""
     server = EnvironmentServerProcess([counter_spec])
     yield server
+    start = time.monotonic()
     server.stop()
-    assert server.proc.poll() is not None  # exited and reaped
+    # it closed its sessions and exited on SIGTERM, without sitting through the interpreter's
+    # tear-down of torch (4.5-7.6 s measured here) into the SIGKILL 5 s later
+    assert server.proc.returncode == 0 and time.monotonic() - start < 3.0
     assert not server.folder.exists()  # its folder (log, ready file) removed
     assert refuses(server.url)  # nothing listens on its port
 
