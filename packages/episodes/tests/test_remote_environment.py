@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import httpx
@@ -506,3 +507,31 @@ def test_a_round_trip_does_not_wait_for_a_delayed_ack(server):
             http.get("/health")
             times.append(time.perf_counter() - start)
     assert sorted(times)[10] < 0.02  # the median, with room for a loaded machine
+
+
+def test_a_session_whose_server_is_down_opens_on_the_next(server):
+    dead = f"http://127.0.0.1:{free_port()}"
+    sid = next(f"s{i}" for i in range(100) if zlib.crc32(f"s{i}".encode()) % 2 == 0)
+    env = RemoteEnvironment(
+        environment="answer_check",
+        url=f"{dead},{server.url}",  # the sample id picks the first, where nothing listens
+        retries=1,
+        retry_backoff_s=0.05,
+    )
+    item = AgentPrompt([{"role": "user", "content": "?"}], sample_id=sid)
+    item.interaction_kwargs["ground_truth"] = "42"
+
+    async def episode():
+        try:
+            await env.reset(item)
+            return await env.step("42")
+        finally:
+            await env.close()
+
+    result = asyncio.run(episode())
+    assert (result.reward, result.done, env.url) == (1.0, True, server.url)
+    assert env.requests == 2 + 3  # two refused creates, then a create, a step, a close
+    # one server only, and it is down: the creation fails naming it
+    alone = RemoteEnvironment(environment="answer_check", url=dead, retries=0)
+    with pytest.raises(RemoteEnvironmentError, match=f"at {dead}: POST /v1/sessions: Connect"):
+        asyncio.run(alone.reset(item))

@@ -50,6 +50,10 @@ class RemoteEnvironmentError(TephraError, RuntimeError):
     guard turns it into an environment error of the trajectory."""
 
 
+class ServerUnreachable(RemoteEnvironmentError):
+    """A call's connection errors outlasted its retries (the server is down, or not there)."""
+
+
 @dataclass(frozen=True)
 class RemoteSettings:
     """`rollout.agent.environment_kwargs` of the `remote` environment."""
@@ -61,7 +65,8 @@ class RemoteSettings:
     """The served environment's own keyword arguments (its `environment_kwargs`)."""
     url: str | None = None
     """A running server's base URL (`http://host:port`); several comma-separated: each
-    trajectory's session stays on one, chosen by its sample id. None: the run (apps/ppo)
+    trajectory's session stays on one, chosen by its sample id (the next one when that one
+    cannot be reached at the session's creation). None: the run (apps/ppo)
     starts one for its duration and stops it at the end."""
     api_key: str | None = None
     """The key of the server at `url` (sent as `Authorization: Bearer`), needed when it was
@@ -248,29 +253,36 @@ class RemoteEnvironment(Environment):
         """HTTP requests sent, retries included."""
 
     async def reset(self, item: AgentPrompt) -> list[dict[str, Any]]:
+        """Open the session on the server the sample id picks; one that cannot be reached
+        (after the retries) passes the session on to the next of `url`'s servers."""
         s = self.settings
         urls = s.urls
-        self.url = urls[zlib.crc32(item.sample_id.encode()) % len(urls)]
-        self.client = httpx.AsyncClient(
-            base_url=self.url,
-            timeout=httpx.Timeout(s.request_timeout_s, connect=s.connect_timeout_s),
-            headers={"Authorization": f"Bearer {s.api_key}"} if s.api_key else {},
-            verify=_tls(),
-        )
+        first = zlib.crc32(item.sample_id.encode()) % len(urls)
         # unique even where a sample id repeats (a re-run item): a repeated create with it is
         # the same session
         self.session = f"{item.sample_id}-{secrets.token_hex(6)}"
-        created = await self._call(
-            "POST",
-            "/v1/sessions",
-            {
-                "session": self.session,
-                "environment": s.environment,
-                "kwargs": s.kwargs,
-                "config": to_dict(self.config) if self.config is not None else {},
-                "item": wire.item_to_json(item),
-            },
-        )
+        body = {
+            "session": self.session,
+            "environment": s.environment,
+            "kwargs": s.kwargs,
+            "config": to_dict(self.config) if self.config is not None else {},
+            "item": wire.item_to_json(item),
+        }
+        for url in urls[first:] + urls[:first]:
+            self.url = url
+            self.client = httpx.AsyncClient(
+                base_url=url,
+                timeout=httpx.Timeout(s.request_timeout_s, connect=s.connect_timeout_s),
+                headers={"Authorization": f"Bearer {s.api_key}"} if s.api_key else {},
+                verify=_tls(),
+            )
+            try:
+                created = await self._call("POST", "/v1/sessions", body)
+                break
+            except ServerUnreachable:
+                if url == urls[first - 1]:  # the last one tried
+                    raise
+                await self.client.aclose()
         self.owns_reward = bool(created["owns_reward"])
         self.schemas = created.get("tool_schemas")
         self.has_tool_rewards = bool(created.get("tool_rewards", True))
@@ -340,7 +352,7 @@ class RemoteEnvironment(Environment):
                 if attempt < retries:
                     await asyncio.sleep(s.retry_backoff_s * 2**attempt)
                     continue
-                raise RemoteEnvironmentError(
+                raise ServerUnreachable(
                     f"{where}: {type(exc).__name__} ({exc or 'connection failed'}) after "
                     f"{attempt + 1} attempt(s) over {time.monotonic() - start:.1f} s; is the "
                     "server running? (retries: environment_kwargs.retries)"
