@@ -439,6 +439,11 @@ def nopause_backend(monkeypatch):
 def test_bad_option_is_one_clear_error_before_ray(overrides, message):
     import ray
 
+    from tephra.controller.run.models import resolve_model_path
+
+    # the checks that read the model's config.json read the smoke preset's `tiny` where it is
+    # already built (the config load builds nothing; `prepare` checks again once it built it)
+    resolve_model_path("tiny", 0)
     with pytest.raises(ConfigError, match=message):
         parse_config(["-p", "smoke", *overrides])
     assert not ray.is_initialized()
