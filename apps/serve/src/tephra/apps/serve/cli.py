@@ -81,7 +81,8 @@ class BackgroundServer:
 
     def __init__(self, service: Service, api_key: str, host: str = "127.0.0.1") -> None:
         self.service = service
-        self.sock = socket.socket()
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind((host, 0))
         port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{port}"
