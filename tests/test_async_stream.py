@@ -45,7 +45,8 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
     """A RolloutWorker whose generate blocks until `release` is set, and whose broadcast
     receive yields one weight holding the version number."""
     worker = rollout_replicas.RolloutWorker.__new__(rollout_replicas.RolloutWorker)
-    worker.device, worker._weights_group = "cpu", None
+    # a replica that joined the weight group (its receive is replaced below)
+    worker.device, worker._weights_group = "cpu", object()
     worker.version, worker.partial, worker._staged = 0, False, None
     worker._generating, worker._staging = threading.Lock(), threading.Lock()
     worker.started, worker.release = threading.Event(), threading.Event()

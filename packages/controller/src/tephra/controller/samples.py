@@ -95,7 +95,7 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
     also among `agent/dropped`) and observations cut to `rollout.agent.max_observation_chars`
     (`agent/observations_truncated`)."""
     num = len(samples)
-    generated = sum(sum(s.response_mask) for s in samples)
+    generated = sum(s.generated_tokens for s in samples)
     total = sum(len(s.response_ids) for s in samples)
     return {
         "agent/turns_mean": sum(s.num_turns for s in samples) / num,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from tensordict import TensorDict
@@ -74,17 +74,20 @@ def check_layout(infos: list[DataParallelInfo]) -> int:
     return dp
 
 
-def dispatch(mode: Dispatch) -> Callable[[Callable], Callable]:
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def dispatch(mode: Dispatch) -> Callable[[Method], Method]:
     """Mark a worker method as callable through a `WorkerGroup` with `mode`."""
 
-    def mark(fn: Callable) -> Callable:
+    def mark(fn: Method) -> Method:
         setattr(fn, DISPATCH_ATTR, mode)
         return fn
 
     return mark
 
 
-def dispatch_mode(fn: Callable) -> Dispatch | None:
+def dispatch_mode(fn: object) -> Dispatch | None:
     return getattr(fn, DISPATCH_ATTR, None)
 
 
@@ -138,7 +141,7 @@ def _rows(value: Any) -> int | None:
 def rollout_shares(args: tuple, kwargs: dict, shares: int) -> list[tuple[tuple, dict]]:
     """`args` / `kwargs` cut for `ROLLOUT_SPLIT` into `shares` shares, plus one empty share
     last (for the ranks that hold no rollout engine)."""
-    counts = {_rows(v) for v in (*args, *kwargs.values())} - {None}
+    counts = {c for c in map(_rows, (*args, *kwargs.values())) if c is not None}
     if len(counts) > 1:
         raise BatchError(
             f"the batch arguments of a rollout call disagree on their row counts: {sorted(counts)}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tephra.controller.data.prompts import (
     DatasetError,
@@ -31,6 +31,9 @@ from tephra.rollout.multimodal import (
     VisionProcessor,
 )
 
+if TYPE_CHECKING:  # PIL is imported where images are decoded: text-only runs never load it
+    from PIL import Image as PILImage
+
 IMAGE_PLACEHOLDER = "<image>"
 """verl's marker of an image in a message's text."""
 
@@ -42,7 +45,9 @@ def _fail(index: int, where: str, why: str, field: str = "images") -> DatasetErr
     return DatasetError(f"row {index} of {where}: field {field!r} {why}")
 
 
-def decode_image(value: Any, index: int, where: str, base_dir: Path | None = None):
+def decode_image(
+    value: Any, index: int, where: str, base_dir: Path | None = None
+) -> PILImage.Image:
     """One `images` entry -> an RGB PIL image; errors name the row, the entry and the fix."""
     # PIL only here: text-only runs never decode images
     from PIL import Image, UnidentifiedImageError

@@ -11,7 +11,7 @@ when built, and `prepare` resolves the model folder, the tools file and the data
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,6 +57,7 @@ from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
 from tephra.engine_api.multimodal import is_vision_config, supported_model_types
 from tephra.episodes.agent import ChatTemplateDelta
+from tephra.episodes.environments.remote import served_environment
 from tephra.episodes.prompt import Prompt
 from tephra.episodes.tools import load_tools
 from tephra.rollout.multimodal import VisionProcessor
@@ -184,8 +185,8 @@ def prepare(cfg: PPOConfig) -> Prepared:
     prompts; probe the running servers it names. Fails before Ray starts."""
     validate(cfg)
     check_server_urls(cfg)  # here, not at config load: `--print-config` needs no server
-    model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
-    if named_model_folder(cfg.model.path) is not None:
+    model_path = resolve_model_path(cfg.policy_path, cfg.trainer.seed)
+    if named_model_folder(cfg.policy_path) is not None:
         check_engine_support(cfg, model_path)  # built just now: its shape was not known yet
     tokenizer = load_tokenizer(model_path)
     for recipe in enabled_recipes(cfg):  # e.g. the distillation teacher's tokenizer
@@ -247,6 +248,9 @@ def config_to_save(cfg: Any) -> dict:
     for server in ("vllm", "sglang"):
         if "rollout" in saved and saved["rollout"][server]["api_key"] not in (None, "auto"):
             saved["rollout"][server]["api_key"] = "<redacted: pass it on the command line>"
+    remote = saved.get("rollout", {}).get("agent", {}).get("environment_kwargs", {})
+    if remote.get("api_key") is not None:
+        remote["api_key"] = "<redacted: pass it on the command line>"
     return saved
 
 
@@ -302,17 +306,27 @@ def stopped_summary(stop: StopSignal, run_dir: Path) -> dict:
 
 
 def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dict:
-    """The run's judge server (`judge_server`, when it needs one), the worker groups built
-    on the Ray session and the loop run; they are torn down however it ends."""
-    if not needs_judge_server(cfg):
-        return train_groups(cfg, p, clock, stop)
-    judge = JudgeServer(cfg)
-    print(f"judge server: {judge.url} (one for the run)", flush=True)
-    clock.lap("judge_server")
-    try:
-        return train_groups(judge.cfg, p, clock, stop)
-    finally:
-        judge.close()
+    """The run's servers (the environment server of a `remote` environment without a URL,
+    the judge server, when it needs them), the worker groups built on the Ray session and
+    the loop run; they are torn down however it ends."""
+    with served_environment(
+        cfg.rollout.agent,
+        p.tools_file,
+        p.run_dir / "environment_server.log",
+        ray.util.get_node_ip_address(),
+    ) as agent:
+        if agent is not cfg.rollout.agent:
+            cfg = replace(cfg, rollout=replace(cfg.rollout, agent=agent))
+            clock.lap("environment_server")
+        if not needs_judge_server(cfg):
+            return train_groups(cfg, p, clock, stop)
+        judge = JudgeServer(cfg)
+        print(f"judge server: {judge.url} (one for the run)", flush=True)
+        clock.lap("judge_server")
+        try:
+            return train_groups(judge.cfg, p, clock, stop)
+        finally:
+            judge.close()
 
 
 def train_groups(  # noqa: PLR0915 (one builder per group; they share the closures' state)

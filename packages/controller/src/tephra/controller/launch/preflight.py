@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.controller.cluster import worker_group
@@ -25,7 +25,14 @@ from tephra.rollout.registry import ROLLOUT_BACKENDS
 from tephra.rollout.weight_transport import Placement, choose_transport
 
 if TYPE_CHECKING:  # rl_config runs `validate` when a PPOConfig is built
-    from tephra.controller.config.tree import PPOConfig, ResourcesSection, TrainerSection
+    from tephra.controller.config.tree import (
+        EngineRoleConfig,
+        PPOConfig,
+        ResourcesSection,
+        TrainerSection,
+    )
+
+RoleConfig = TypeVar("RoleConfig", bound="EngineRoleConfig")
 
 
 def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:
@@ -39,7 +46,7 @@ def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:
         train if not r.rollout.replicas else "cuda" if r.rollout.gpus_per_replica > 0 else "cpu"
     )
 
-    def role(section):
+    def role(section: RoleConfig) -> RoleConfig:
         p = section.precision
         return replace(
             section, precision=replace(p, param_dtype=resolve_dtype(p.param_dtype, train))
@@ -471,7 +478,7 @@ def check_vision_family(cfg: PPOConfig) -> None:
     """A vision-language `model.path` (its config.json has a `vision_config`) is of a family
     tephra has an adapter for (`tephra.engine_api.multimodal.VISION_FAMILIES`); a named tiny
     model not built yet is one of them."""
-    folder = declared_model_folder(cfg.model.path, cfg.trainer.seed)
+    folder = declared_model_folder(cfg.policy_path, cfg.trainer.seed)
     hf_config = declared_hf_config(replace(cfg.model, path=folder))
     if hf_config.get("vision_config") is None:
         return
@@ -552,7 +559,7 @@ def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> Non
         )
     # CPU ranks are told so; GPU ranks may sit on other nodes than this driver's ("auto")
     device = "auto" if cfg.resources.gpus_per_rank > 0 else "cpu"
-    roles = [("actor", cfg.actor, "policy")]
+    roles: list[tuple[str, EngineRoleConfig, str]] = [("actor", cfg.actor, "policy")]
     if a.needs("values"):
         roles.append(("critic", cfg.critic, "value"))
     for section, role_cfg, role in roles:
@@ -560,7 +567,7 @@ def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> Non
         # the backend reads the model's config.json where there is one (its shape against the
         # parallel layout); nothing is built or converted here
         model = replace(
-            cfg.model, path=model_folder or declared_model_folder(cfg.model.path, cfg.trainer.seed)
+            cfg.model, path=model_folder or declared_model_folder(cfg.policy_path, cfg.trainer.seed)
         )
         try:
             engine_cls.check_config(

@@ -111,7 +111,7 @@ class SampleStream:
             if room < 1:
                 self.held_back += 1
                 return
-            groups = []
+            groups: list[Admitted] = []
             for _ in range(room):
                 if not self.queue:
                     self.queue.extend(self.loader.next_indices())

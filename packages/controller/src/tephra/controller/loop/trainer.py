@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -95,6 +95,9 @@ from tephra.controller.step.scoring import check_advantages, check_not_all_faile
 from tephra.controller.step.skip_flat import can_skip_flat, flat_groups
 from tephra.core.config import to_dict
 from tephra.rollout.base import SamplingParams
+
+if TYPE_CHECKING:
+    from tephra.controller.workers.rollout_replicas import RolloutReplicas
 
 
 class RoleCalls:
@@ -209,7 +212,8 @@ class Trainer:
         to the reward pool) or built here."""
         self.make_replicas = make_replicas
         """Builds the rollout replicas of a separate pool (`resources.rollout.replicas`)."""
-        self.replicas = self.stream = None
+        self.replicas: RolloutReplicas | None = None
+        self.stream: SampleStream | None = None
         self.stream_state: dict[str, Any] | None = None
         """The async stream's saved state (prompts owed) from the checkpoint resumed from."""
         if make_replicas is not None:
@@ -217,17 +221,17 @@ class Trainer:
 
     def connect_replicas(self) -> None:
         """Start the replicas, give them the actor's weights, and (async) open the stream."""
-        self.replicas = self.make_replicas()
+        replicas = self.replicas = self.make_replicas()
         try:
-            self.replicas.connect(self.wg, self.step)
+            replicas.connect(self.wg, self.step)
         except BaseException:
-            self.replicas.close()
+            replicas.close()
             raise
-        self.replicas.version = self.step
+        replicas.version = self.step
         t = self.cfg.trainer
         if t.mode == "async":
-            self.stream = SampleStream(
-                self.replicas,
+            stream = self.stream = SampleStream(
+                replicas,
                 self.loader,
                 self.train,
                 self.sampling,
@@ -238,7 +242,7 @@ class Trainer:
                 t.async_groups_per_request,
             )
             if self.stream_state is not None:  # resumed before the stream existed
-                self.stream.restore(self.stream_state)
+                stream.restore(self.stream_state)
 
     # ----- stages ------------------------------------------------------------------------
     def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[Prompt]:
@@ -748,8 +752,9 @@ class Trainer:
             records = read_jsonl(self.run_dir / "metrics.jsonl")
             if records:
                 plot_curves(records, self.run_dir / "curves.png")
-                summary["time_share"] = time_share(records)
-                print(format_time_share(summary["time_share"]), flush=True)
+                share = time_share(records)
+                summary["time_share"] = share
+                print(format_time_share(share), flush=True)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 

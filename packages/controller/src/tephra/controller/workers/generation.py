@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import ray
 from transformers import AutoConfig, AutoTokenizer
@@ -68,7 +68,7 @@ def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
     return replace(
         sample,
         response_ids=ids,
-        response_mask=sample.response_mask[:n],
+        response_mask=cast(list[int], sample.response_mask)[:n],  # filled by __post_init__
         log_probs=sample.log_probs[:n] if sample.log_probs is not None else None,
         token_versions=(sample.token_versions[:n] if sample.token_versions is not None else None),
         finish_reason="image_token",
@@ -175,6 +175,7 @@ class Generator:
         return samples
 
     def _generate_plain(self, items: list[Prompt], sampling: Any) -> list[Sample]:
+        assert self.rollout is not None  # `generate` returned early without one
         images = [i.multimodal for i in items]
         # text prompts keep the backends' plain signature (SGLang takes no images)
         extra = {"multimodal": images} if any(m is not None for m in images) else {}
@@ -197,6 +198,7 @@ class Generator:
         if self._tools is None:
             self._tools = load_tools(self.tools_file) if self.tools_file else {}
         r = self.cfg.rollout
+        assert self.rollout is not None and r.agent_loop is not None  # `generate` checked both
         if self._episode is None:
             tok, tools = self.tokenizer(), self._tools
             # a vision-language model's episodes expand the images environments show

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
+import torch
 
 from tephra.controller.cluster.dispatch import Dispatch, dispatch, share_bounds
 from tephra.controller.cluster.watchdog import Watchdog, sample_ids
@@ -34,6 +35,9 @@ from tephra.controller.config.tree import PPOConfig
 from tephra.controller.samples import Prompt, Sample
 from tephra.controller.workers.generation import Generator
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, receive_all
+
+if TYPE_CHECKING:  # a type alias the module defines for the type checker only
+    from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import TransferGroup
 
 
 class RolloutWorker(Worker):
@@ -63,7 +67,7 @@ class RolloutWorker(Worker):
             reward_actor=reward_actors[rank % len(reward_actors)] if reward_actors else None,
         )
         self.version = 0
-        self._weights_group = None
+        self._weights_group: TransferGroup | None = None
         self._generating = threading.Lock()
         """Held while a request generates (the default concurrency group)."""
         self._staged: tuple[int, list] | None = None
@@ -92,7 +96,8 @@ class RolloutWorker(Worker):
     def receive_weights(self, version: int) -> int:
         """Take one broadcast update (in the `weights` concurrency group, beside a request in
         flight); the replica holds `version` once it is in the engine (module docstring)."""
-        device = self.device if self.device.startswith("cuda") else None
+        assert self._weights_group is not None, "join_weight_group comes first"
+        device = torch.device(self.device) if self.device.startswith("cuda") else None
         received = receive_all(self._weights_group, device)
         if self.partial:  # interrupt the request in flight; it goes on under the new weights
             with self.rollout.paused():

@@ -59,8 +59,11 @@ class AgentLoopConfig:
     environment: str = ""
     """The environment of the `environment` episode: a name in `ENVIRONMENTS` (`tool`,
     `answer_check`, `colour_squares`, `openenv`: an OpenEnv server, its settings in
-    `environment_kwargs`) or `path/to/file.py:ClassName` (a user's `Environment` subclass).
-    Unused by the other episodes."""
+    `environment_kwargs`; `remote`: a tephra environment served over HTTP by
+    `python -m tephra.episodes.environments.serve`, `environment_kwargs.environment` naming it
+    and `environment_kwargs.url` the server, or none for a server the run starts) or
+    `path/to/file.py:ClassName` (a user's `Environment` subclass). Unused by the other
+    episodes."""
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor (the same for every item; per-item
     ones come from `Prompt.interaction_kwargs`)."""

@@ -272,7 +272,13 @@ class EnvironmentLoop(_TokenLoop):
                 async with asyncio.timeout_at(deadline):
                     finish = await self._turns(run, rollout, sample, env, traj)
                     if finish not in TIMEOUTS:
-                        tool_rewards = await env.tool_rewards()
+                        tool_rewards = await call_environment(
+                            cfg.environment or type(env).__name__,
+                            item_name(sample.origin, sample.sample_id),
+                            "tool_rewards",
+                            traj.num_turns,
+                            env.tool_rewards(),
+                        )
             except TimeoutError:
                 finish = "trajectory_timeout"
             except EnvironmentFailure as exc:
