@@ -168,11 +168,11 @@ def trl_trainer(model_path: str, train: list, steps: int, seed: int, scorer):
 
     from tephra.engine_api.fastest_dtype import fastest_dtype
 
-    rows = {"prompt": [r.prompt for r in train], "idx": list(range(len(train)))}
+    rows = {"prompt": [r.messages for r in train], "idx": list(range(len(train)))}
 
     def reward(completions, idx, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [s for s, _ in scorer.score(texts, [train[i] for i in idx])]
+        return [r.score for r in scorer.score(texts, [train[i] for i in idx])]
 
     s = SETTINGS
     n = s["samples_per_prompt"]
@@ -301,14 +301,14 @@ def greedy_accuracy(model, tok, records, scorer, batch: int = 32) -> float:
     for i in range(0, len(records), batch):
         chunk = records[i : i + batch]
         texts = [
-            tok.apply_chat_template(r.prompt, tokenize=False, add_generation_prompt=True)
+            tok.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True)
             for r in chunk
         ]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=SETTINGS["max_tokens"], do_sample=False)
         answers = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct += sum(accuracy_of(s) for s, _ in scorer.score(answers, chunk))
+        correct += sum(accuracy_of(r.score) for r in scorer.score(answers, chunk))
     return correct / len(records)
 
 

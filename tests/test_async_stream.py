@@ -14,7 +14,8 @@ import torch
 
 from tephra.controller.data.prompts import PromptLoader
 from tephra.controller.loop.async_stream import SampleStream
-from tephra.controller.samples import Sample, ScoreResult
+from tephra.controller.samples import Prompt, RewardResult, Sample, Scores
+from tephra.controller.step.rounds import Prompts
 from tephra.controller.workers import rollout_replicas
 from tephra.rollout.base import SamplingParams
 
@@ -32,11 +33,20 @@ class _Engine:
         self.loaded += [float(t) for _, t in named]
 
 
+def _prompts(n: int) -> Prompts:
+    """`n` one-token prompts (ids 100, 101, ...)."""
+    return Prompts(
+        [[100 + i] for i in range(n)],
+        [Prompt([{"role": "user", "content": str(i)}]) for i in range(n)],
+    )
+
+
 def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
     """A RolloutWorker whose generate blocks until `release` is set, and whose broadcast
     receive yields one weight holding the version number."""
     worker = rollout_replicas.RolloutWorker.__new__(rollout_replicas.RolloutWorker)
-    worker.device, worker._weights_group = "cpu", None
+    # a replica that joined the weight group (its receive is replaced below)
+    worker.device, worker._weights_group = "cpu", object()
     worker.version, worker.partial, worker._staged = 0, False, None
     worker._generating, worker._staging = threading.Lock(), threading.Lock()
     worker.started, worker.release = threading.Event(), threading.Event()
@@ -59,7 +69,7 @@ def _replica(monkeypatch) -> rollout_replicas.RolloutWorker:
     worker.generation = SimpleNamespace(
         rollout=_Engine(),
         generate=generate,
-        collect_scores=lambda: [ScoreResult(1.0, None, 0.0, False)],
+        collect_scores=lambda: Scores([RewardResult(1.0)], 0.0),
     )
     sent = {}
     monkeypatch.setattr(
@@ -128,7 +138,7 @@ class _Replicas:
 
 @pytest.mark.parametrize("per_request", [1, 2, 3])
 def test_the_stream_sends_several_groups_per_request(per_request):
-    prompts = SimpleNamespace(ids=[[100 + i] for i in range(10)], records=[None] * 10)
+    prompts = _prompts(10)
     order = iter(range(100))
     loader = SimpleNamespace(next_indices=lambda: [next(order) % 10 for _ in range(4)])
     replicas = _Replicas()
@@ -167,7 +177,7 @@ def test_a_resumed_stream_trains_the_prompts_of_an_uninterrupted_one():
     """Saved after 3 steps (with groups finished, in flight and queued) and resumed in a fresh
     stream over a fresh loader: the 6 steps train exactly the prompts, in the order, of one
     uninterrupted stream; nothing lost, nothing repeated."""
-    prompts = SimpleNamespace(ids=[[100 + i] for i in range(40)], records=[None] * 40)
+    prompts = _prompts(40)
 
     def stream(loader):
         return SampleStream(

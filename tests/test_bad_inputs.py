@@ -121,19 +121,19 @@ def _prepare(tmp: Path, rows: list[dict], *overrides: str) -> Any:
 
 def _score(tmp: Path, body: str, n: int = 2, **reward: Any) -> Skipped:
     """Score `n` responses with a custom reward file holding `body`; report its skips."""
-    from tephra.controller.data.prompts import PromptRecord
     from tephra.controller.step.scoring import Scorer
+    from tephra.episodes.prompt import Prompt
     from tephra.episodes.rewards import RewardConfig
 
     file = tmp / "reward.py"
     file.write_text(textwrap.dedent(body))
     scorer = Scorer(RewardConfig(custom_function_path=str(file), executor="serial", **reward))
-    record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
+    record = Prompt([{"role": "user", "content": "1+1?"}], "my_task", "2")
     results = scorer.score(["2"] * n, [record] * n)
     report = scorer.manager.last_report
-    assert [score for score, _ in results] == [0.0] * n  # a failed item scores 0, not NaN
+    assert [r.score for r in results] == [0.0] * n  # a failed item scores 0, not NaN
     assert report.errors_by_source == {"my_task": report.num_errors}
-    return Skipped(report.num_errors, "\n".join(error for _, error in results if error))
+    return Skipped(report.num_errors, "\n".join(r.error for r in results if r.error))
 
 
 def _tools(content: str) -> Callable:
@@ -201,10 +201,10 @@ def too_few_prompts(tmp, mp):
 
 
 def unknown_data_source(tmp, mp):
-    from tephra.controller.data.prompts import PromptRecord
     from tephra.controller.step.scoring import Scorer
+    from tephra.episodes.prompt import Prompt
 
-    Scorer().score(["2"], [PromptRecord([{"role": "user", "content": "?"}], "gsm9k", "2")])
+    Scorer().score(["2"], [Prompt([{"role": "user", "content": "?"}], "gsm9k", "2")])
 
 
 def model_missing(tmp, mp):
@@ -484,42 +484,46 @@ def kv_heads_vs_tensor(kv_heads: int) -> Callable:
 
 def _step_round(scores: list[float], n: int = 2):
     """A step's round of one prompt group with these scores (what the trainer checks)."""
-    from tephra.controller.data.prompts import PromptRecord
-    from tephra.controller.samples import PromptItem, Sample
+    from tephra.controller.samples import RewardResult, Sample
     from tephra.controller.step.rounds import Round
+    from tephra.episodes.prompt import Prompt
 
-    item = PromptItem(
-        [1, 2], PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2"), "train-0"
+    item = Prompt(
+        [{"role": "user", "content": "1+1?"}],
+        "my_task",
+        "2",
+        sample_id="train-0",
+        prompt_ids=[1, 2],
     )
-    samples = [Sample([1, 2], [3], [1], [0.0], "stop", score=x) for x in scores]
+    samples = [Sample([1, 2], [3], [1], [0.0], "stop", reward=RewardResult(x)) for x in scores]
     return Round([item], samples, n, kept_groups=[0], indices=[17])
 
 
 def absurd_reward(tmp, mp):
-    from tephra.controller.data.prompts import PromptRecord
     from tephra.controller.step.scoring import Scorer, check_rewards
+    from tephra.episodes.prompt import Prompt
     from tephra.episodes.rewards import RewardConfig
 
     file = _file(tmp, "reward.py", "def compute_score(**kw):\n    return 1e308\n")
     config = RewardConfig(custom_function_path=str(file), executor="serial")
-    record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
-    scores = [score for score, _ in Scorer(config).score(["2", "3"], [record] * 2)]
+    record = Prompt([{"role": "user", "content": "1+1?"}], "my_task", "2")
+    scores = [r.score for r in Scorer(config).score(["2", "3"], [record] * 2)]
     assert scores == [1e308, 1e308]  # finite, so it passes the scorer's own check
     check_rewards(scores, _step_round(scores).kept_names(), config.max_abs)
 
 
 def clipped_reward(tmp, mp):
-    from tephra.controller.data.prompts import PromptRecord
     from tephra.controller.step.scoring import Scorer, check_rewards
+    from tephra.episodes.prompt import Prompt
     from tephra.episodes.rewards import RewardConfig
 
     file = _file(
         tmp, "reward.py", "def compute_score(solution_str, **kw):\n    return float(solution_str)\n"
     )
     config = RewardConfig(custom_function_path=str(file), executor="serial", clip=(-1, 1))
-    record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
+    record = Prompt([{"role": "user", "content": "1+1?"}], "my_task", "2")
     scorer = Scorer(config)
-    scores = [score for score, _ in scorer.score(["1e308", "-1e308", "0.5"], [record] * 3)]
+    scores = [r.score for r in scorer.score(["1e308", "-1e308", "0.5"], [record] * 3)]
     assert scores == [1.0, -1.0, 0.5]
     check_rewards(scores, ["a", "b", "c"], config.max_abs)  # in range now: no error
     assert scorer.manager.last_report.as_metrics()["reward/clipped"] == 2.0
@@ -565,8 +569,8 @@ def reward_step_deadline(tmp, mp):
     the batch 60 s; the batch's deadline (0.5 s) scores them as timeouts within about 0.5 s."""
     import time
 
-    from tephra.controller.data.prompts import PromptRecord
     from tephra.controller.step.scoring import Scorer
+    from tephra.episodes.prompt import Prompt
     from tephra.episodes.rewards import RewardConfig
 
     reward_file = _file(tmp, "reward.py", HANGS_ON_SOME)
@@ -577,15 +581,15 @@ def reward_step_deadline(tmp, mp):
         step_timeout_s=0.5,
     )
     scorer = Scorer(config)
-    record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
+    record = Prompt([{"role": "user", "content": "1+1?"}], "my_task", "2")
     start = time.perf_counter()
     results = scorer.score(["2", "hang", "hang", "hang"], [record] * 4)
     elapsed = time.perf_counter() - start
     assert elapsed < 5.0, f"scoring took {elapsed:.1f} s, not bounded by the 0.5 s deadline"
-    assert [score for score, _ in results] == [1.0, 0.0, 0.0, 0.0]
+    assert [r.score for r in results] == [1.0, 0.0, 0.0, 0.0]
     report = scorer.manager.last_report
     assert report.as_metrics()["reward/timeouts"] == 3.0 == report.num_errors
-    return Skipped(report.num_timeouts, "\n".join(e for _, e in results if e))
+    return Skipped(report.num_timeouts, "\n".join(r.error for r in results if r.error))
 
 
 def vocab_below_tokenizer(tmp, mp):
@@ -645,7 +649,7 @@ def _episode(tmp: Path, **agent: Any):
 
     from tephra.controller.data.prompts import load_parquet
     from tephra.controller.run.models import resolve_model_path
-    from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
+    from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
     from tephra.episodes.registry import EPISODES
     from tephra.rollout.base import SamplingParams
     from tephra.rollout.testing import ScriptedRollout
@@ -662,7 +666,7 @@ def _episode(tmp: Path, **agent: Any):
         **agent,
     )
     record = load_parquet(_parquet(tmp, _row(), _row(), _row()))[2]
-    item = AgentPrompt(list(record.prompt), sample_id="step0-2-0", origin=record.origin)
+    item = Prompt(list(record.messages), sample_id="step0-2-0", origin=record.origin)
     model = ScriptedRollout(tokenizer, lambda s, k: "ok")
     start = time.perf_counter()
     sample = asyncio.run(
@@ -1368,9 +1372,9 @@ def test_reward_that_never_returns_does_not_hang_training(tmp_path, caplog):
     import math
     import threading
 
-    from tephra.controller.data.prompts import PromptRecord
     from tephra.controller.step.scoring import Scorer
-    from tephra.episodes.rewards import RewardConfig
+    from tephra.episodes.prompt import Prompt
+    from tephra.episodes.rewards import RewardConfig, RewardResult
 
     reward = _file(tmp_path, "reward.py", NEVER_RETURNS)
     cfg = _parse(f"reward.custom_function_path={reward}")
@@ -1378,7 +1382,7 @@ def test_reward_that_never_returns_does_not_hang_training(tmp_path, caplog):
     assert math.isfinite(cfg.reward.timeout_s) and cfg.reward.timeout_s == 90.0
     assert RewardConfig().timeout_s == 90.0
     scorer = Scorer(dataclasses.replace(cfg.reward, timeout_s=0.2))
-    record = PromptRecord([{"role": "user", "content": "1+1?"}], "my_task", "2")
+    record = Prompt([{"role": "user", "content": "1+1?"}], "my_task", "2")
     results: list = []
     worker = threading.Thread(
         target=lambda: results.extend(scorer.score(["2"] * 3, [record] * 3)), daemon=True
@@ -1386,20 +1390,20 @@ def test_reward_that_never_returns_does_not_hang_training(tmp_path, caplog):
     worker.start()
     worker.join(30)  # a generous bound: a hang, not a speed, is what this detects
     assert not worker.is_alive(), "scoring hung"
-    assert [score for score, _ in results] == [0.0, 0.0, 0.0]
+    assert [r.score for r in results] == [0.0, 0.0, 0.0]
     assert all(
-        error.startswith(
+        (r.error or "").startswith(
             "RewardTimeout: scorer 'custom' did not return within reward.timeout_s=0.2 s"
         )
-        for _, error in results
+        for r in results
     )
     report = scorer.manager.last_report
     assert report.timeouts_by_source == {"my_task": 3} == report.errors_by_source
     assert report.as_metrics()["reward/timeouts"] == 3.0
     # the trainer's step metric counts the same samples
     rnd = _step_round([0.0, 0.0, 1.0], n=3)
-    for sample, (_, error) in zip(rnd.samples, [*results[:2], (1.0, None)], strict=True):
-        sample.reward_error = error
+    for sample, reward in zip(rnd.samples, [*results[:2], RewardResult(1.0)], strict=True):
+        sample.reward = reward
     assert (rnd.errors, rnd.timeouts) == (2, 2)
 
 
@@ -1423,12 +1427,15 @@ class CannedWorkers:
         ]
 
     def collect_scores(self):
-        from tephra.controller.samples import ScoreResult
+        from tephra.controller.samples import RewardResult, Scores
 
-        return [
-            ScoreResult(s, e, 0.0, c)
-            for s, e, c in (self.outcomes[k % len(self.outcomes)] for k in range(self.count))
-        ]
+        return Scores(
+            [
+                RewardResult(s, error=e, clipped=c)
+                for s, e, c in (self.outcomes[k % len(self.outcomes)] for k in range(self.count))
+            ],
+            0.0,
+        )
 
     def update_actor(self, batch):
         self.updates += 1
@@ -1449,10 +1456,10 @@ class CharTokenizer:
 
 
 def _trainer(tmp_path, outcomes, *overrides):
-    from tephra.controller.data.prompts import PromptRecord
     from tephra.controller.loop.trainer import Trainer
     from tephra.controller.run.flops import ModelShape
     from tephra.controller.step.rounds import Prompts
+    from tephra.episodes.prompt import Prompt
 
     reward = _file(tmp_path, "reward.py", "def compute_score(**kw):\n    return 0.0\n")
     # no mismatch probe: these workers compute no log-probs (nothing here is about them)
@@ -1464,7 +1471,7 @@ def _trainer(tmp_path, outcomes, *overrides):
     )
     train = Prompts(
         [[i] for i in range(8)],
-        [PromptRecord([{"role": "user", "content": str(i)}], f"task{i}", "4") for i in range(8)],
+        [Prompt([{"role": "user", "content": str(i)}], f"task{i}", "4") for i in range(8)],
     )
     wg = CannedWorkers(outcomes)
     shape = ModelShape(matmul_params=1, layers=1, attn_width=1)

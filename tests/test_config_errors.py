@@ -23,6 +23,13 @@ def _vllm_rules_on_any_cpu(request, monkeypatch):
 
 
 CASES = [
+    # the RL trainer reads the policy's tokenizer and weights from a folder: a ModelConfig
+    # built from `model.hf_config` alone (which the engines accept) names model.path's fix
+    (
+        ["model.path=null", "model.hf_config={model_type: qwen2, hidden_size: 64}"],
+        r"model.path is not set \(model.hf_config=\{'model_type': 'qwen2', 'hidden_size': 64\}\): "
+        r"the RL trainer reads the policy's tokenizer and weights from a folder; set model.path to",
+    ),
     # typo'd registry names, each naming the closest registered one
     (
         ["algorithm.adv_estimator=grpoo"],
@@ -432,6 +439,11 @@ def nopause_backend(monkeypatch):
 def test_bad_option_is_one_clear_error_before_ray(overrides, message):
     import ray
 
+    from tephra.controller.run.models import resolve_model_path
+
+    # the checks that read the model's config.json read the smoke preset's `tiny` where it is
+    # already built (the config load builds nothing; `prepare` checks again once it built it)
+    resolve_model_path("tiny", 0)
     with pytest.raises(ConfigError, match=message):
         parse_config(["-p", "smoke", *overrides])
     assert not ray.is_initialized()

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tephra.episodes.agent import (
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
-    AgentPrompt,
+    Prompt,
 )
 from tephra.episodes.episode import run_episodes
 from tephra.episodes.registry import EPISODES
@@ -122,7 +122,7 @@ def test_sft_model_calls_the_python_tool_through_tool_agent(sft_model):
     eos, call_token = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<tool_call>")
 
     python = PythonTool(timeout_s=10, memory_mb=256)
-    samples = [AgentPrompt(t[:2], sample_id=f"s{i}") for i, t in enumerate(transcripts)]
+    samples = [Prompt(t[:2], sample_id=f"s{i}") for i, t in enumerate(transcripts)]
 
     def agent_run(model_path, samples):
         rollout = RecordingRollout(

@@ -49,7 +49,7 @@ def test_every_shipped_problem_accepts_its_reference_and_rejects_a_wrong_program
     assert len(records) == len(PROBLEMS) == len(SOLUTIONS) and TRAIN == 16
     for record, program in zip(records, SOLUTIONS):
         result = score("code", fenced(program), record.ground_truth, record.extra_info)
-        assert result["score"] == 1.0, (record.prompt[0]["content"], result)
+        assert result["score"] == 1.0, (record.messages[0]["content"], result)
     wrong = score("code", fenced("print(0)"), records[0].ground_truth, None)
     assert wrong["score"] == pytest.approx(1 / 3)  # only "-4 4" -> 0 passes
     assert score("code", "no code here", records[0].ground_truth, None)["score"] == 0.0
@@ -110,7 +110,7 @@ def test_code_rl_preset_trains_two_steps(tmp_path):
 def _truth(row: dict) -> dict:
     """The ground truth of a dumped sample's problem, found by its prompt text."""
     for record in code_problem_records("train"):
-        if record.prompt[0]["content"] in row["prompt"]:
+        if record.messages[0]["content"] in row["prompt"]:
             return record.ground_truth
     raise AssertionError(f"no shipped problem matches {row['prompt'][:80]!r}")
 

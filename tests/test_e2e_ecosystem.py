@@ -23,7 +23,7 @@ from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
 from tephra.core.errors import ConfigError
-from tephra.episodes.agent import AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent import AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.base import SamplingParams
 from tephra.rollout.testing import ScriptedRollout
@@ -133,7 +133,7 @@ def test_an_openenv_session_gives_each_turn_its_reward(tmp_path, openenv_server)
         max_response_tokens=512,
     )
     loop = EPISODES.get("environment")(tok, cfg, {})
-    item = AgentPrompt(
+    item = Prompt(
         [{"role": "user", "content": "Say something."}],
         sample_id="oe-0",
         interaction_kwargs={"question": "Why?"},
@@ -170,7 +170,7 @@ def test_an_unreachable_openenv_server_is_an_environment_error(tmp_path):
     )
     loop = EPISODES.get("environment")(tok, cfg, {})
     model = ScriptedRollout(tok, lambda s, k: "never asked")
-    item = AgentPrompt([{"role": "user", "content": "Hi."}], sample_id="oe-dead")
+    item = Prompt([{"role": "user", "content": "Hi."}], sample_id="oe-dead")
     traj = asyncio.run(loop.run(model, item, SamplingParams(temperature=1.0, max_tokens=8)))
     assert (traj.finish_reason, traj.num_turns, model.requests) == ("environment_error", 0, [])
     assert "raised in reset" in traj.extra_info["environment_error"]

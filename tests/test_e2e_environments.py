@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import signal
+import threading
+import time
+import zlib
+from dataclasses import replace
 
+import httpx
 import pytest
 import torch
 
@@ -16,10 +24,11 @@ from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.data.prompts import DatasetError, load_parquet
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
-from tephra.controller.samples import PromptItem, agent_metrics, group_ids
+from tephra.controller.samples import Prompt, agent_metrics, group_ids
 from tephra.controller.workers.generation import run_items
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig
+from tephra.episodes.environments.remote import EnvironmentServerProcess
 from tephra.episodes.episode import by_agent_name
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import Tool, ToolResult
@@ -33,7 +42,7 @@ from tephra.episodes.environments import Environment, StepResult
 
 class TwoTurns(Environment):
     """Turn 1 earns 0.25 and the user asks again; turn 2 earns 1 when its text has an odd
-    length, and ends the episode."""
+    length, and ends the episode."""  # served by a remote environment server in the test
 
     async def step(self, action):
         if not hasattr(self, "asked"):
@@ -106,7 +115,10 @@ def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path, gr
             "-p",
             "smoke",
             "rollout.agent_loop=environment",
-            f"rollout.agent.environment={env}:TwoTurns",
+            # served by an environment server the run starts (and stops), one session per
+            # trajectory over HTTP
+            "rollout.agent.environment=remote",
+            f"rollout.agent.environment_kwargs={{environment: {env}:TwoTurns}}",
             "rollout.agent.max_turns=3",
             "rollout.agent.max_response_tokens=96",
             f"reward.custom_function_path={reward}",
@@ -135,8 +147,14 @@ def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path, gr
             assert row["score"] == 0.25 + len(row["answer"]) % 2
         assert r["reward/mean"] == pytest.approx(sum(x["score"] for x in rows) / len(rows))
         assert r["agent/turns_mean"] == 2.0 and r["agent/timeouts"] == 0.0
+        assert r["agent/environment_errors"] == 0.0
         if step == 1:
             _check_first_step(grpo_step_reference, rows, r)
+    # the server ran for the run and is gone with it: nothing listens at its URL
+    log = (tmp_path / "run" / "environment_server.log").read_text()
+    url = re.search(r"serving environments \[.*TwoTurns'\] at (http://\S+)", log).group(1)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health")
 
 
 def _check_first_step(grpo_step_reference, rows, record) -> None:
@@ -286,6 +304,149 @@ def test_environment_config_errors_come_before_ray(tmp_path):
         parse_config(["-p", "smoke", "rollout.agent_loop=openai_agent"])
     with pytest.raises(ConfigError, match="tool_call_format='xml' is not a registered"):
         parse_config(["-p", "smoke_tools", "rollout.agent.tool_call_format=xml"])
+    remote = ["-p", "smoke", "rollout.agent_loop=environment", "rollout.agent.environment=remote"]
+    with pytest.raises(ConfigError, match=r"environment_kwargs.environment=None: name the"):
+        parse_config(remote)
+    with pytest.raises(ConfigError, match=r"environment: .*'nope'.* \(the server the run starts"):
+        parse_config([*remote, "rollout.agent.environment_kwargs={environment: nope}"])
+    with pytest.raises(ConfigError, match=r"url='ftp://x:1': 'ftp://x:1' is not an http\(s\) URL"):
+        parse_config(
+            [*remote, "rollout.agent.environment_kwargs={environment: tool, url: 'ftp://x:1'}"]
+        )
+
+
+def test_a_remote_environment_server_that_is_down_stops_the_run_before_ray(tmp_path):
+    import socket
+
+    from tephra.controller.launch.ppo import prepare
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        served = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "rollout.agent_loop=environment",
+            "rollout.agent.environment=remote",
+            f"rollout.agent.environment_kwargs={{environment: answer_check, url: '{served}'}}",
+            f"trainer.run_dir={tmp_path}",
+        ]
+    )
+    with pytest.raises(ConfigError, match=r"environment_kwargs.url=.*: nothing answers at "):
+        prepare(cfg)
+
+
+KILLABLE_ENV = """
+import asyncio
+import os
+from pathlib import Path
+
+from tephra.episodes.environments import Environment, StepResult
+
+
+class TwoSlowTurns(Environment):
+    \"\"\"Each step takes `sleep_s` and marks its start in `marks` (process and sample);
+    turn 1 earns 0.25, turn 2 earns the parity of its text's length and ends.\"\"\"
+
+    async def reset(self, item):
+        self.sid, self.turn = item.sample_id, 0
+        return list(item.messages)
+
+    async def step(self, action):
+        self.turn += 1
+        Path(self.kwargs["marks"], f"{os.getpid()}-{self.sid}-step{self.turn}").touch()
+        await asyncio.sleep(self.kwargs["sleep_s"])
+        if self.turn == 1:
+            return StepResult([{"role": "user", "content": "Once more."}], reward=0.25)
+        return StepResult(reward=float(len(action.strip()) % 2), done=True)
+"""
+
+
+def test_a_server_killed_mid_step_drops_only_its_trajectories(tmp_path, tiny_model):
+    """Two servers share the trajectories of a step (`url` names both); one is SIGKILLed
+    while each of its trajectories is inside a step. Those, and only those, are dropped
+    and counted in `agent/environment_errors` and `agent/dropped`; the others finish with
+    their environment's rewards, and the step returns."""
+    from transformers import AutoTokenizer
+
+    spec = tmp_path / "slow_env.py"
+    spec.write_text(KILLABLE_ENV)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    ids = [f"p{i}-{k}" for i in range(4) for k in range(2)]
+    with (
+        EnvironmentServerProcess([f"{spec}:TwoSlowTurns"]) as doomed,
+        EnvironmentServerProcess([f"{spec}:TwoSlowTurns"]) as spared,
+    ):
+        # a session stays on the server its sample id picks (crc32 modulo the servers)
+        on_doomed = {s for s in ids if zlib.crc32(s.encode()) % 2 == 0}
+        assert 0 < len(on_doomed) < len(ids)
+
+        def kill_mid_step():
+            deadline = time.monotonic() + 120
+            wanted = {f"{doomed.pid}-{s}-step1" for s in on_doomed}
+            while not wanted <= {p.name for p in marks.iterdir()}:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.02)
+            os.killpg(doomed.pid, signal.SIGKILL)  # every one of its trajectories mid-step
+
+        killer = threading.Thread(target=kill_mid_step, daemon=True)
+        killer.start()
+        tok = AutoTokenizer.from_pretrained(tiny_model.path)
+        tok.chat_template = TOOL_CHAT_TEMPLATE
+        answers = {s: ["first", "odd" if s.endswith("0") else "even"] for s in ids}
+        model = ScriptedRollout(tok, lambda s, k: answers[s][k])
+        kwargs = {
+            "environment": f"{spec}:TwoSlowTurns",
+            "kwargs": {"marks": str(marks), "sleep_s": 1.0},
+            "url": f"{doomed.url},{spared.url}",
+            "retries": 2,
+            "retry_backoff_s": 0.1,
+        }
+        episode = EPISODES.get("environment")(
+            tok,
+            AgentLoopConfig(
+                environment="remote", environment_kwargs=kwargs, environment_errors="drop"
+            ),
+        )
+        items = [
+            Prompt(
+                [{"role": "user", "content": "?"}], "gsm8k", "42", sample_id=s, prompt_ids=[1, 2]
+            )
+            for s in ids
+        ]
+        start = time.monotonic()
+        samples = run_items(episode, model, items, SamplingParams(temperature=0.0, max_tokens=8))
+        killer.join(1)
+        elapsed = time.monotonic() - start
+        assert doomed.proc.poll() == -signal.SIGKILL
+    by_id = {s.sample_id: s for s in samples}
+    for sid in on_doomed:
+        sample = by_id[sid]
+        assert (sample.finish_reason, sample.dropped, sample.env_reward) == (
+            "environment_error",
+            True,
+            0.0,
+        )
+        assert sum(sample.response_mask) == 0
+        error = sample.extra_info["environment_error"]
+        assert f"at {doomed.url}: POST /v1/sessions/" in error and "step: " in error
+        assert "after 3 attempt(s)" in error  # the retries found nobody listening
+    for sid in set(ids) - on_doomed:
+        sample = by_id[sid]
+        assert (sample.finish_reason, sample.dropped) == ("done", False)
+        assert sample.extra_info["turn_rewards"] == [0.25, float(len(answers[sid][1]) % 2)]
+        assert sample.env_reward == 0.25 + len(answers[sid][1]) % 2
+    metrics = agent_metrics(samples)
+    assert metrics["agent/environment_errors"] == len(on_doomed)
+    assert metrics["agent/dropped"] == len(on_doomed)
+    assert elapsed < 2 * 1.0 + 30.0  # two slow turns, plus slack for a loaded machine
+    # the killed server's trajectories reached step 1 only; the spared ones both steps
+    done = {p.name for p in marks.iterdir()}
+    assert {f"{spared.pid}-{s}-step2" for s in set(ids) - on_doomed} <= done
+    assert not any(f"{doomed.pid}-{s}-step2" in done for s in on_doomed)
 
 
 class Checker(Tool):
@@ -358,7 +519,7 @@ def test_verl_agentic_parquet_fields_reach_the_tool_and_pick_the_episode(tmp_pat
     episode = by_agent_name(
         "single_turn", lambda name: EPISODES.get(name)(tok, cfg, {"check": tool})
     )
-    items = [PromptItem([1, 2, 3], rec, f"r{i}") for i, rec in enumerate(records)]
+    items = [replace(rec, prompt_ids=[1, 2, 3], sample_id=f"r{i}") for i, rec in enumerate(records)]
     r0, r1 = run_items(episode, model, items, SamplingParams(temperature=0.0, max_tokens=64))
     # row 0 ran the tool agent: the tool's reward read the row's ground truth
     assert r0.tool_rewards == {"check": 1.0} and r0.env_reward is None
@@ -419,8 +580,6 @@ def test_hung_tool_does_not_hold_the_step(tmp_path, tiny_model, blocks_a_thread)
 
     from transformers import AutoTokenizer
 
-    from tephra.controller.data.prompts import PromptRecord
-
     class Hang(Tool):
         name = "hang"
         description = "hang"
@@ -438,8 +597,12 @@ def test_hung_tool_does_not_hold_the_step(tmp_path, tiny_model, blocks_a_thread)
     episode = EPISODES.get("tool_agent")(
         tok, AgentLoopConfig(tool_timeout_s=0.5, timeout_reward="drop"), {"hang": Hang()}
     )
-    record = PromptRecord([{"role": "user", "content": "?"}], "gsm8k", "42")
-    items = [PromptItem([1, 2], record, f"p{i}") for i in range(3)]
+    items = [
+        Prompt(
+            [{"role": "user", "content": "?"}], "gsm8k", "42", sample_id=f"p{i}", prompt_ids=[1, 2]
+        )
+        for i in range(3)
+    ]
     start = time.monotonic()
     samples = run_items(episode, model, items, SamplingParams(temperature=0.0, max_tokens=64))
     assert time.monotonic() - start < 0.5 + 15.0  # the deadline, plus slack; not the 30 s sleep

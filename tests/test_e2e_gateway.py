@@ -17,7 +17,7 @@ from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
 from tephra.core.errors import ConfigError
-from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.backends.hf import HFRollout
 from tephra.rollout.base import RolloutConfig, SamplingParams
@@ -112,7 +112,7 @@ def test_an_agents_sdk_tool_call_round_trips_through_the_gateway(tmp_path, tiny_
     loop = EPISODES.get("openai_agent")(
         tok, AgentLoopConfig(openai_agent=f"{agent}:agent", max_response_tokens=512)
     )
-    item = AgentPrompt([{"role": "user", "content": "6 * 7?"}], sample_id="sdk-0")
+    item = Prompt([{"role": "user", "content": "6 * 7?"}], sample_id="sdk-0")
     traj = asyncio.run(loop.run(model, item, SamplingParams(temperature=1.0, max_tokens=64)))
     assert traj.finish_reason == "stop", traj.extra_info.get("agent_error")
     record = json.loads((tmp_path / "records" / "sdk-0.json").read_text())
@@ -150,7 +150,7 @@ def test_an_agents_sdk_agent_whose_turn_the_budget_cuts_ends_with_length(tmp_pat
     loop = EPISODES.get("openai_agent")(
         tok, AgentLoopConfig(openai_agent=f"{agent}:agent", max_response_tokens=512)
     )
-    item = AgentPrompt([{"role": "user", "content": "6 * 7?"}], sample_id="sdk-cut")
+    item = Prompt([{"role": "user", "content": "6 * 7?"}], sample_id="sdk-cut")
     sampling = SamplingParams(temperature=1.0, max_tokens=4, seed=5)  # seed 5: no EOS in 4
     rollout = HFRollout(RolloutConfig(model_path=tiny_model.path, max_model_len=1024))
     try:

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.launch.ppo import BUNDLED_TOOLS, resolve_tools_file
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
-from tephra.controller.samples import PromptItem, Sample, agent_metrics, samples_to_batch
+from tephra.controller.samples import Prompt, Sample, agent_metrics, samples_to_batch
 from tephra.controller.step.advantages import outcome_token_rewards
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.workers.generation import run_items
@@ -176,8 +175,9 @@ def test_worker_agent_rollout_masks_tool_tokens_and_loss_ignores_them(tmp_path):
         tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
         add_special_tokens=False,
     )
-    record = PromptRecord(messages, "test", "42")
-    items = [PromptItem(prompt_ids, record, f"p0-{k}") for k in range(2)]
+    items = [
+        Prompt(messages, "test", "42", sample_id=f"p0-{k}", prompt_ids=prompt_ids) for k in range(2)
+    ]
     try:
         samples = run_items(episode, scripted, items, sampling)
     finally:
@@ -277,7 +277,7 @@ def test_agent_rollout_records_the_routes_of_whole_episodes(tmp_path):
     )
     try:
         samples = gen.generate(
-            [PromptItem(prompt_ids, PromptRecord(messages, "test", "42"), "p0")],
+            [Prompt(messages, "test", "42", sample_id="p0", prompt_ids=prompt_ids)],
             sampling,
             score=False,
         )

@@ -17,13 +17,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tephra.algos import spin_loss
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.launch.export import export_checkpoint
 from tephra.controller.recipes.spin import Spin
 from tephra.controller.run.models import load_tokenizer, resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.core.errors import ConfigError
+from tephra.episodes.prompt import Prompt
 from tephra.rollout.backends import vllm as vllm_backend
 from tephra.rollout.testing import build_tiny_model
 
@@ -447,8 +447,8 @@ def test_spin_loss_is_the_formula_on_the_run_pairs(ray_session, tmp_path):
 
 def test_spin_refuses_prompts_without_reference_answers():
     cfg = parse_config(["-p", "smoke", "-p", "spin"])
-    records = [PromptRecord([{"role": "user", "content": "2+2?"}], "x", "4")]
+    records = [Prompt([{"role": "user", "content": "2+2?"}], "x", "4")]
     Spin.check_data(cfg, records, "train.parquet")
-    records.append(PromptRecord([{"role": "user", "content": "3+3?"}], "x", " "))
+    records.append(Prompt([{"role": "user", "content": "3+3?"}], "x", " "))
     with pytest.raises(ConfigError, match="row 1 of train.parquet: algorithm.spin needs"):
         Spin.check_data(cfg, records, "train.parquet")

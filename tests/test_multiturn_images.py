@@ -15,11 +15,12 @@ from tephra.core.errors import ConfigError
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig
 from tephra.engine_fsdp.engine import FSDPEngine
-from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent.base import AgentLoopConfig
 from tephra.episodes.agent.chat_tokens import ChatTemplateDelta
 from tephra.episodes.agent.loops import EnvironmentLoop
 from tephra.episodes.environments.base import Environment, StepResult
 from tephra.episodes.environments.colour_squares import colour_square
+from tephra.episodes.prompt import Prompt
 from tephra.rollout.backends.hf import HFRollout
 from tephra.rollout.base import RolloutConfig, SamplingParams
 from tephra.rollout.multimodal import VisionProcessor, build_tiny_vlm
@@ -34,7 +35,7 @@ def vlm(tmp_path_factory):
     return build_tiny_vlm(tmp_path_factory.mktemp("vlm"), family="qwen2_vl")
 
 
-def _item(proc: VisionProcessor, seed: int) -> AgentPrompt:
+def _item(proc: VisionProcessor, seed: int) -> Prompt:
     name, image = colour_square(random.Random(seed))
     messages = [{"role": "user", "content": QUESTION}]
     text = ChatTemplateDelta(proc.tokenizer).render(
@@ -47,7 +48,7 @@ def _item(proc: VisionProcessor, seed: int) -> AgentPrompt:
         True,
     )
     ids, mm = proc(text, [image])
-    return AgentPrompt(
+    return Prompt(
         messages=messages,
         sample_id=f"colours-{seed}",
         prompt_ids=ids,

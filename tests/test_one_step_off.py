@@ -15,10 +15,9 @@ from tensordict import TensorDict
 
 from tephra.algos import RolloutCorrectionConfig
 from tephra.apps.ppo.main import parse_config, run
-from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
-from tephra.controller.samples import PromptItem, Sample
+from tephra.controller.samples import Prompt, RewardResult, Sample, sample_from_dict, sample_to_dict
 from tephra.controller.step.metrics import staleness_metrics
 from tephra.controller.step.mismatch import (
     MismatchAlarm,
@@ -191,12 +190,14 @@ def test_staleness_is_the_version_lag():
 
 def test_a_pending_batch_survives_its_json_file_exactly():
     """Two dynamic-sampling rounds (kept groups, filler) with float32 rollout log-probs
-    (as the rollout returns them), an exotic score and a tool reward, through JSON text."""
+    (as the rollout returns them), an exotic score with its extras, error and clip flag, and a
+    tool reward, through JSON text."""
     lp = torch.randn(2, 3, generator=torch.Generator().manual_seed(0)).tolist()
     rounds = []
     for r in range(2):
         items = [
-            PromptItem([1, 2, r], PromptRecord([], "src", "4"), f"step3r{r}-{j}") for j in range(2)
+            Prompt([], "src", "4", sample_id=f"step3r{r}-{j}", prompt_ids=[1, 2, r])
+            for j in range(2)
         ]
         samples = [
             Sample(
@@ -206,7 +207,9 @@ def test_a_pending_batch_survives_its_json_file_exactly():
                 lp[k],
                 "length",
                 text="x y",
-                score=1 / 3 + k,
+                reward=RewardResult(
+                    1 / 3 + k, {"acc": 0.1 * k}, "ValueError: x" if k else None, clipped=k == 0
+                ),
                 sample_id=f"s{k}",
                 num_turns=2,
                 tool_calls=1,
@@ -223,6 +226,33 @@ def test_a_pending_batch_survives_its_json_file_exactly():
     back = [round_from_dict(d, rnd.items) for d, rnd in zip(json.loads(text), rounds)]
     assert back == rounds
     assert [s.log_probs for r in back for s in r.samples] == [lp[0], lp[1]] * 2
+
+
+def test_a_pending_sample_saved_with_flat_reward_fields_still_loads():
+    """A sample as tephra-controller 0.3.0 wrote it into a checkpoint (its reward as four flat
+    fields beside the tokens) loads with that reward, as `Sample.reward`."""
+    saved = {
+        "prompt_ids": [1, 2],
+        "response_ids": [5, 6],
+        "response_mask": [1, 1],
+        "log_probs": [-0.5, -0.25],
+        "finish_reason": "stop",
+        "text": "x",
+        "score": 0.75,
+        "reward_error": "ValueError: x",
+        "reward_clipped": True,
+        "reward_extras": {"acc": 1.0},
+        "sample_id": "s0",
+        "weight_version": 3,
+    }
+    sample = sample_from_dict(saved)
+    assert sample.reward == RewardResult(0.75, {"acc": 1.0}, "ValueError: x", True)
+    assert (sample.response_ids, sample.log_probs, sample.weight_version) == (
+        [5, 6],
+        [-0.5, -0.25],
+        3,
+    )
+    assert sample_from_dict(sample_to_dict(sample)) == sample  # and saves in today's form
 
 
 def _compared(records):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tephra.apps.ppo.main import parse_config
-from tephra.controller.data.prompts import PromptLoader, PromptRecord
+from tephra.controller.data.prompts import PromptLoader
 from tephra.controller.loop.trainer import Trainer
-from tephra.controller.samples import Sample, ScoreResult
+from tephra.controller.samples import Prompt, RewardResult, Sample, Scores
 from tephra.controller.step.advantages import length_shaping
 from tephra.controller.step.rounds import Prompts
 from tephra.core.errors import ConfigError
@@ -67,9 +67,9 @@ class CannedWorkers:
         return out
 
     def collect_scores(self):
-        return [
-            ScoreResult(1.0 if s.text.startswith("R") else 0.0, None, 0.0, False) for s in self.last
-        ]
+        return Scores(
+            [RewardResult(1.0 if s.text.startswith("R") else 0.0) for s in self.last], 0.0
+        )
 
 
 def _trainer(tmp_path, *overrides, prompts=30):
@@ -87,7 +87,7 @@ def _trainer(tmp_path, *overrides, prompts=30):
     )
     train = Prompts(
         [[i] for i in range(prompts)],
-        [PromptRecord([{"role": "user", "content": str(i)}], "test", "R") for i in range(prompts)],
+        [Prompt([{"role": "user", "content": str(i)}], "test", "R") for i in range(prompts)],
     )
     wg = CannedWorkers()
     return Trainer(cfg, wg, CharTokenizer(), train, Prompts([], []), tmp_path, 1, 0.0), wg
@@ -125,7 +125,7 @@ def test_dynamic_sampling_keeps_informative_groups(tmp_path):
     kept = [s.prompt_ids[0] for r in rounds for s in r.kept]
     assert kept == [p for p in kept_want for _ in range(N)]  # whole groups, in order
     # every kept group has both scores: its GRPO advantages are not all zero
-    assert sorted(s.score for r in rounds for s in r.kept) == [0.0] * 6 + [1.0] * 6
+    assert sorted(s.reward.score for r in rounds for s in r.kept) == [0.0] * 6 + [1.0] * 6
 
 
 def test_dynamic_sampling_fills_a_short_batch_with_flat_groups(tmp_path):

@@ -11,9 +11,8 @@ import torch
 from tephra.apps.ppo.main import parse_config
 from tephra.controller.cluster.dispatch import Dispatch, dispatch
 from tephra.controller.cluster.worker_group import ResourcePool, WorkerGroup
-from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.launch.preflight import resolve_auto_dtypes
-from tephra.controller.samples import PromptItem
+from tephra.controller.samples import Prompt
 from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.workers.rl_worker import RLWorker
 from tephra.rollout import RolloutConfig, SamplingParams, get_rollout
@@ -65,13 +64,13 @@ def test_megatron_tp2_ranks_generate_disjoint_halves(ray_session, tmp_path):
         assert wg.dp_size == 1 and wg.rollout_dp_size == 2
         prompts = [[5 + i, 6, 7 + 2 * i, 9][: 1 + i % 4] for i in range(6)]
         items = [
-            PromptItem(p, PromptRecord([{"role": "user", "content": "x"}], "d", "1"), f"s{i}")
+            Prompt([{"role": "user", "content": "x"}], "d", "1", sample_id=f"s{i}", prompt_ids=p)
             for i, p in enumerate(prompts)
         ]
         sampling = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=42)
         samples = wg.generate(items, sampling)
         assert wg.generate_calls() == [[["s0", "s1", "s2"]], [["s3", "s4", "s5"]]]
-        assert len(wg.collect_scores()) == 12
+        assert len(wg.collect_scores().rewards) == 12
     finally:
         wg.shutdown()
         pool.release()

@@ -24,7 +24,7 @@ from tephra.apps.sft.chat_data import (
 from tephra.apps.sft.main import parse_config as sft_config
 from tephra.apps.sft.main import run as sft_run
 from tephra.core.errors import ConfigError
-from tephra.episodes.agent import AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent import AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import PythonTool
 from tephra.rollout import SamplingParams
@@ -46,7 +46,7 @@ def test_transcripts_replay_through_the_sandbox_as_the_rl_loop_renders_them():
         traj = asyncio.run(
             loop.run(
                 ReplayRollout(tok, turns),
-                AgentPrompt(messages[:1]),
+                Prompt(messages[:1]),
                 SamplingParams(temperature=0.0, max_tokens=64),
             )
         )

@@ -11,7 +11,7 @@ import torch
 
 from tephra.controller.samples import samples_to_batch
 from tephra.controller.step.advantages import outcome_token_rewards
-from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.base import SamplingParams
 from tephra.rollout.testing import ScriptedRollout, build_tiny_tokenizer
@@ -52,16 +52,14 @@ def test_per_turn_rewards_land_on_their_turns_tokens(tmp_path):
         tok, AgentLoopConfig(max_turns=5, environment=f"{path}:Counter")
     )
     items = [
-        AgentPrompt([{"role": "user", "content": "Go."}], sample_id="a"),
-        AgentPrompt([{"role": "user", "content": "A longer prompt: go on."}], sample_id="b"),
+        Prompt([{"role": "user", "content": "Go."}], sample_id="a"),
+        Prompt([{"role": "user", "content": "A longer prompt: go on."}], sample_id="b"),
     ]
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     samples = [asyncio.run(loop.run(model, item, greedy)) for item in items]
     assert [s.extra_info["turn_rewards"] for s in samples] == [[0.5, 1.0, 1.5], [1.0, 0.5, 2.0]]
     shaping = torch.tensor([-0.25, 0.0])
-    for s in samples:
-        s.score = float(s.env_reward)
-    scores = torch.tensor([s.score for s in samples]) + shaping
+    scores = torch.tensor([float(s.env_reward) for s in samples]) + shaping
     batch = samples_to_batch(samples, tok.pad_token_id, n=2, multi_turn=True)
     mask = batch["response_mask"]
     got = outcome_token_rewards(scores, mask, samples)

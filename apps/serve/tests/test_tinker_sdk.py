@@ -144,6 +144,27 @@ def test_sample_log_probs_equal_the_models_forward(client):
         types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params
     ).result()
     assert [s.tokens for s in again.sequences] == [s.tokens for s in result.sequences]
+    # the samples of one call decode together; each is the one its seed gives alone
+    second = types.SamplingParams(max_tokens=6, seed=4, temperature=1.0)
+    alone = sampler.sample(types.ModelInput.from_ints(prompt), 1, second).result().sequences[0]
+    assert alone.tokens == result.sequences[1].tokens
+    np.testing.assert_allclose(alone.logprobs, result.sequences[1].logprobs, atol=1e-5)
+    # a stop token ends its own sample only; the others run to max_tokens
+    first = result.sequences[0].tokens
+    stop = first[2]
+    cut = first.index(stop) + 1
+    params = types.SamplingParams(max_tokens=6, seed=3, temperature=1.0, stop=[stop])
+    stopped = sampler.sample(
+        types.ModelInput.from_ints(prompt), num_samples=2, sampling_params=params
+    ).result()
+    assert stopped.sequences[0].tokens == first[:cut]
+    assert stopped.sequences[0].stop_reason == "stop"
+    other = result.sequences[1].tokens
+    if stop in other:
+        assert stopped.sequences[1].tokens == other[: other.index(stop) + 1]
+    else:
+        assert stopped.sequences[1].tokens == other
+        assert stopped.sequences[1].stop_reason == "length"
 
 
 def test_refusals(server, client):
@@ -156,8 +177,10 @@ def test_refusals(server, client):
     tc = client.create_lora_training_client(base_model="tiny", rank=RANK).result()
     with pytest.raises(Exception, match="loss_fn='ppo' is not served"):
         tc.forward_backward([datum(ROWS_A[0])], "ppo").result()
-    with pytest.raises(tinker.BadRequestError, match="save_weights: this call is not served"):
-        tc.save_state("checkpoint-1").result()
+    with pytest.raises(
+        tinker.BadRequestError, match="save_weights_external: this call is not served"
+    ):
+        tc.save_weights_external("checkpoint-1").result()
     shifted = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3]),
         loss_fn_inputs={"target_tokens": [5, 6, 7], "weights": [1.0, 1.0, 1.0]},

@@ -31,7 +31,6 @@ from tephra.controller.cluster.worker_group import (
 from tephra.controller.data.prompts import (
     DatasetError,
     PromptLoader,
-    PromptRecord,
     load_hf_dataset,
     load_parquet,
     reasoning_gym_records,
@@ -39,6 +38,7 @@ from tephra.controller.data.prompts import (
 from tephra.controller.run.trackers import Trackers, read_jsonl
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.errors import BatchError, ConfigError
+from tephra.episodes.prompt import Prompt
 from tephra.episodes.testing import CALC_MCP_SERVER
 from tephra.rollout.testing import live_processes
 
@@ -90,7 +90,7 @@ def test_parquet_rows_are_validated_with_row_and_field(tmp_path):
     (rec,) = load_parquet(tmp_path / "good.parquet")
     assert (
         rec.ground_truth == "2"
-        and rec.prompt[0]["content"] == "1+1?"
+        and rec.messages[0]["content"] == "1+1?"
         and rec.extra_info == {"i": 0}
     )
     bad = {
@@ -123,7 +123,7 @@ VERL_ROWS = [
 
 def records_by_hand(rows, where):
     return [
-        PromptRecord(
+        Prompt(
             r["prompt"],
             r["data_source"],
             r["reward_model"]["ground_truth"],
@@ -202,7 +202,7 @@ def test_hf_datasets_offline_folders_files_splits_and_row_errors(
 def test_reasoning_gym_is_reproducible_and_loader_resumes():
     a = reasoning_gym_records("basic_arithmetic", 5, seed=3)
     b = reasoning_gym_records("basic_arithmetic", 5, seed=3)
-    assert [r.prompt for r in a] == [r.prompt for r in b] and a[0].data_source.endswith(
+    assert [r.messages for r in a] == [r.messages for r in b] and a[0].data_source.endswith(
         "basic_arithmetic"
     )
     full = PromptLoader(10, 4, seed=1)

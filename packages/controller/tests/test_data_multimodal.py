@@ -81,7 +81,7 @@ def test_parquet_rows_align_image_tokens_with_grids(proc, tmp_path):
     torch.testing.assert_close(
         prompts[1].multimodal.pixel_values[: green.pixel_values.shape[0]], green.pixel_values
     )
-    assert prompts[0].record.ground_truth == "red"
+    assert prompts[0].ground_truth == "red"
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,7 @@ from dataclasses import replace
 import torch
 
 from tephra.controller.cluster.dispatch import split_value
-from tephra.controller.data.prompts import PromptRecord
-from tephra.controller.samples import MULTIMODAL, PromptItem, Sample, samples_to_batch
+from tephra.controller.samples import MULTIMODAL, Prompt, Sample, samples_to_batch
 from tephra.controller.step.rounds import Round, round_from_dict, round_to_dict
 from tephra.controller.step.skip_flat import skip_zero_advantage_rows
 from tephra.controller.workers.generation import end_before_token
@@ -65,8 +64,8 @@ def test_text_batch_has_no_column():
 def test_pending_round_gets_its_images_back_from_the_prompts():
     samples = _samples()
     items = [
-        PromptItem([1, 2], PromptRecord([], "src", "x"), "p0", samples[0].multimodal),
-        PromptItem([1, 2], PromptRecord([], "src", "x"), "p1", samples[2].multimodal),
+        Prompt([], "src", "x", sample_id="p0", prompt_ids=[1, 2], multimodal=samples[0].multimodal),
+        Prompt([], "src", "x", sample_id="p1", prompt_ids=[1, 2], multimodal=samples[2].multimodal),
     ]
     rnd = Round(items, samples, 2, kept_groups=[0, 1], indices=[0, 1], tag="step1")
     data = round_to_dict(rnd)

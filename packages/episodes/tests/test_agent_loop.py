@@ -14,7 +14,7 @@ from tephra.engine_api.errors import ConfigError
 from tephra.episodes.agent import (
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
-    AgentPrompt,
+    Prompt,
 )
 from tephra.episodes.episode import run_episodes
 from tephra.episodes.registry import EPISODES
@@ -85,7 +85,7 @@ def test_tool_turn_is_exactly_generated_ids_plus_the_template_delta(tokenizer):
     model = ScriptedRollout(tokenizer, lambda s, k: [turn0, turn1][k])
     python = PythonTool(timeout_s=5, memory_mb=256)
     loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(max_turns=4), {"python": python})
-    traj = asyncio.run(loop.run(model, AgentPrompt(question(), sample_id="s0"), GREEDY))
+    traj = asyncio.run(loop.run(model, Prompt(question(), sample_id="s0"), GREEDY))
 
     schema = [python.schema()]
     prompt_text = tokenizer.apply_chat_template(
@@ -142,7 +142,7 @@ def test_tool_errors_are_reported_to_the_model_and_counted(tokenizer):
     traj = asyncio.run(
         loop.run(
             model,
-            AgentPrompt(question(), sample_id="e", tool_kwargs={"echo": {"answer": 42}}),
+            Prompt(question(), sample_id="e", tool_kwargs={"echo": {"answer": 42}}),
             GREEDY,
         )
     )
@@ -161,7 +161,7 @@ def test_max_turns_and_token_budget_end_the_trajectory(tokenizer):
     model = ScriptedRollout(tokenizer, always_call)
     echo = EchoTool()
     loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(max_turns=3), {"echo": echo})
-    traj = asyncio.run(loop.run(model, AgentPrompt(question(), sample_id="m"), GREEDY))
+    traj = asyncio.run(loop.run(model, Prompt(question(), sample_id="m"), GREEDY))
     assert (traj.num_turns, traj.tool_calls, traj.finish_reason) == (3, 2, "max_turns")
     assert traj.extra_info["tool_metrics"] == {"echo": {"calls": 2.0}}
 
@@ -171,7 +171,7 @@ def test_max_turns_and_token_budget_end_the_trajectory(tokenizer):
     loop = EPISODES.get("tool_agent")(
         tokenizer, AgentLoopConfig(max_turns=5, max_response_tokens=budget), {"echo": echo}
     )
-    traj = asyncio.run(loop.run(model, AgentPrompt(question(), sample_id="b"), GREEDY))
+    traj = asyncio.run(loop.run(model, Prompt(question(), sample_id="b"), GREEDY))
     first = model.requests[0][2].response_ids
     assert (
         traj.finish_reason == "length"
@@ -188,18 +188,18 @@ def test_sampling_n_and_missing_template_are_refused(tokenizer, tiny_model):
     with pytest.raises(ConfigError, match="sampling.n=4"):
         asyncio.run(
             EPISODES.get("tool_agent")(tokenizer, None, {}).run(
-                None, AgentPrompt(question()), SamplingParams(n=4)
+                None, Prompt(question()), SamplingParams(n=4)
             )
         )
     bare = AutoTokenizer.from_pretrained(tiny_model.path)
     bare.chat_template = None
     loop = EPISODES.get("single_turn")(bare)
     with pytest.raises(ConfigError, match="no chat_template"):
-        asyncio.run(loop.run(None, AgentPrompt(question()), GREEDY))
+        asyncio.run(loop.run(None, Prompt(question()), GREEDY))
 
 
 def test_real_hf_backend_single_turn_matches_generate(tokenizer, hf_rollout):
-    samples = [AgentPrompt(question(i), sample_id=f"q{i}") for i in range(3)]
+    samples = [Prompt(question(i), sample_id=f"q{i}") for i in range(3)]
     for name in ("single_turn", "tool_agent"):
         loop = EPISODES.get(name)(tokenizer, AgentLoopConfig(max_turns=1), {})
         trajs = asyncio.run(run_episodes(loop, hf_rollout, samples, GREEDY))
@@ -247,7 +247,7 @@ def test_many_loops_in_flight_and_a_slow_tool_blocks_nobody(tokenizer, hf_rollou
     async def one(i: int):
         traj = await loop.run(
             model,
-            AgentPrompt(question(i), sample_id=f"t{i}"),
+            Prompt(question(i), sample_id=f"t{i}"),
             SamplingParams(temperature=0.0, max_tokens=40),
         )
         finished.append(traj.sample_id)
@@ -328,7 +328,7 @@ def test_token_versions_follow_each_turn_and_tool_tokens_take_their_turns(tokeni
 
     model = ScriptedRollout(tokenizer, script)
     loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(max_turns=4), {"echo": EchoTool()})
-    traj = asyncio.run(loop.run(model, AgentPrompt(question(), sample_id="s0"), GREEDY))
+    traj = asyncio.run(loop.run(model, Prompt(question(), sample_id="s0"), GREEDY))
     (_, _, g0), (_, ctx1, g1) = model.requests
     tool = len(ctx1) - len(traj.prompt_ids) - len(g0.response_ids)
     assert tool > 0 and traj.response_mask[len(g0.response_ids)] == 0
@@ -336,13 +336,11 @@ def test_token_versions_follow_each_turn_and_tool_tokens_take_their_turns(tokeni
     untagged = ScriptedRollout(tokenizer, lambda s, k: turns[k])
     loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(max_turns=4), {"echo": EchoTool()})
     assert (
-        asyncio.run(
-            loop.run(untagged, AgentPrompt(question(), sample_id="s1"), GREEDY)
-        ).token_versions
+        asyncio.run(loop.run(untagged, Prompt(question(), sample_id="s1"), GREEDY)).token_versions
         is None
     )
     single = ScriptedRollout(tokenizer, lambda s, k: turns[1])
     single.weight_version = 3
     loop = EPISODES.get("single_turn")(tokenizer, AgentLoopConfig(), {})
-    traj = asyncio.run(loop.run(single, AgentPrompt(question(), sample_id="s2"), GREEDY))
+    traj = asyncio.run(loop.run(single, Prompt(question(), sample_id="s2"), GREEDY))
     assert traj.token_versions == [3] * len(traj.response_ids)

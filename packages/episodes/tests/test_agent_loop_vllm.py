@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from tephra.episodes.agent import (
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
-    AgentPrompt,
+    Prompt,
 )
 from tephra.episodes.episode import run_episodes
 from tephra.episodes.registry import EPISODES
@@ -71,7 +71,7 @@ def test_vllm_agent_loop_tool_turn_matches_hf(rollouts, tiny_tied_model):
                 run_episodes(
                     loop,
                     model,
-                    [AgentPrompt(messages, sample_id=f"s{i}") for i in range(3)],
+                    [Prompt(messages, sample_id=f"s{i}") for i in range(3)],
                     SamplingParams(temperature=0.0, max_tokens=96),
                 )
             )

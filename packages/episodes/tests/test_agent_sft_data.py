@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import PythonTool
 from tephra.rollout import SamplingParams
@@ -38,7 +38,7 @@ def test_transcripts_replay_exactly_through_the_sandbox(tiny_model):
         traj = asyncio.run(
             loop.run(
                 ReplayRollout(tokenizer, turns),
-                AgentPrompt(transcript[:2]),
+                Prompt(transcript[:2]),
                 SamplingParams(temperature=0.0, max_tokens=200),
             )
         )

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tephra.core.errors import ConfigError
-from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
 from tephra.episodes.agent.environment_guard import EnvironmentFailure
 from tephra.episodes.environments.registry import get_environment
 from tephra.episodes.episode import run_episodes
@@ -61,7 +61,7 @@ def test_a_users_environment_from_a_file_owns_per_turn_rewards(tokenizer, tmp_pa
     answers = ["one", "one two", "one two three"]
     model = ScriptedRollout(tokenizer, lambda s, k: answers[k])
     loop = EPISODES.get("environment")(tokenizer, cfg)
-    item = AgentPrompt([{"role": "user", "content": "Go."}], sample_id="c0", prompt_ids=[1, 2])
+    item = Prompt([{"role": "user", "content": "Go."}], sample_id="c0", prompt_ids=[1, 2])
     traj = asyncio.run(loop.run(model, item, GREEDY))
     # per-turn rewards: 0.5 per word of each turn, summed into the sample's reward
     assert traj.extra_info["turn_rewards"] == [0.5, 1.0, 1.5]
@@ -80,7 +80,7 @@ def test_answer_check_interaction_is_a_scripted_user(tokenizer):
     loop = EPISODES.get("environment")(
         tokenizer, AgentLoopConfig(max_turns=4, environment="answer_check")
     )
-    item = AgentPrompt(
+    item = Prompt(
         [{"role": "user", "content": "6 * 7?"}], interaction_kwargs={"ground_truth": "42"}
     )
     traj = asyncio.run(loop.run(model, item, GREEDY))
@@ -93,7 +93,7 @@ def test_answer_check_interaction_is_a_scripted_user(tokenizer):
         match=r"^environment 'answer_check' raised in reset at turn 0 of sample '.*': "
         r"KeyError: .*interaction_kwargs\['ground_truth'\]",
     ):
-        asyncio.run(loop.run(model, AgentPrompt([{"role": "user", "content": "?"}]), GREEDY))
+        asyncio.run(loop.run(model, Prompt([{"role": "user", "content": "?"}]), GREEDY))
 
 
 def test_bad_environment_specs_name_the_field(tmp_path):
@@ -143,7 +143,7 @@ def test_a_tool_that_never_returns_ends_its_trajectory_at_the_deadline(tokenizer
     tool = Sleeper()
     cfg = AgentLoopConfig(max_turns=3, **{deadline: 1.0})
     loop = EPISODES.get("tool_agent")(tokenizer, cfg, {"wait": tool})
-    items = [AgentPrompt([{"role": "user", "content": "?"}], sample_id=s) for s in script]
+    items = [Prompt([{"role": "user", "content": "?"}], sample_id=s) for s in script]
     start = time.monotonic()
     hang, ok0, ok1 = asyncio.run(run_episodes(loop, model, items, GREEDY))
     elapsed = time.monotonic() - start
@@ -165,7 +165,7 @@ def test_drop_policy_and_turn_deadline(tokenizer):
     model = SlowModel(tokenizer, lambda s, k: "42")
     cfg = AgentLoopConfig(max_turns=2, turn_timeout_s=0.5, timeout_reward="drop")
     loop = EPISODES.get("tool_agent")(tokenizer, cfg, {})
-    items = [AgentPrompt([{"role": "user", "content": "?"}], sample_id=s) for s in ("slow", "ok")]
+    items = [Prompt([{"role": "user", "content": "?"}], sample_id=s) for s in ("slow", "ok")]
     slow, ok = asyncio.run(run_episodes(loop, model, items, GREEDY))
     assert (slow.finish_reason, slow.dropped, slow.response_ids) == ("turn_timeout", True, [])
     expected = len(tokenizer.encode("42", add_special_tokens=False)) + 1  # + its EOS

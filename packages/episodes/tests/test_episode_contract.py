@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tephra.core.errors import RegistryError
-from tephra.episodes.agent import AgentPrompt, SingleTurnAgentLoop, ToolAgentLoop
+from tephra.episodes.agent import Prompt, SingleTurnAgentLoop, ToolAgentLoop
 from tephra.episodes.episode import run_episodes
 from tephra.episodes.registry import EPISODES
 from tephra.rollout import Sample, SamplingParams
@@ -32,7 +32,7 @@ def two_answers(tokenizer, config, tools):
 
 def test_a_plain_async_function_is_an_episode_and_order_is_kept():
     episode = two_answers(None, None, {})
-    items = [AgentPrompt([], sample_id=f"i{k}", prompt_ids=[1] * (k + 1)) for k in range(3)]
+    items = [Prompt([], sample_id=f"i{k}", prompt_ids=[1] * (k + 1)) for k in range(3)]
     samples = asyncio.run(
         run_episodes(episode, None, items, SamplingParams(max_tokens=3), max_in_flight=2)
     )
@@ -59,7 +59,7 @@ def test_a_seeded_run_gives_each_item_its_own_stream_as_generate_does(tiny_model
     rollout = HFRollout(RolloutConfig(model_path=tiny_model.path, max_model_len=256))
     prompt = tok.encode("What is 12 plus 30?")
     sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=5)
-    items = [AgentPrompt([], sample_id=f"s{k}", prompt_ids=prompt) for k in range(8)]
+    items = [Prompt([], sample_id=f"s{k}", prompt_ids=prompt) for k in range(8)]
     try:
         episode = EPISODES.get("single_turn")(tok)
         samples = asyncio.run(run_episodes(episode, rollout, items, sampling))

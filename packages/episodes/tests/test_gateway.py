@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tephra.core.errors import ConfigError
-from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
 from tephra.episodes.gateway import GatewayConfig, shared_gateway
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.backends.hf import HFRollout
@@ -196,13 +196,13 @@ def test_five_turns_with_tool_calls_train_exactly_what_each_api_served(api, toke
     results = {}
     for stream in (False, True):
         model = ScriptedRollout(tokenizer, tool_turn, fallback=hf)
-        item = AgentPrompt(
+        item = Prompt(
             [{"role": "user", "content": "Multiply."}],
             sample_id=f"{api}-0",  # the same trajectory (its turn seeds come from its id)
             extra_info={"stream": stream},
         )
         traj = asyncio.run(episode(tokenizer, agents, api).run(model, item, SAMPLING))
-        served = traj.extra_info["served"]
+        served = item.extra_info["served"]  # the agent's notes, on the prompt it was given
         assert traj.finish_reason in ("stop", "length"), traj.extra_info.get("agent_error")
         assert (traj.num_turns, traj.tool_calls, len(served)) == (5, TOOL_TURNS, 5)
         # each model turn (mask 1) is the backend's ids and log-probs, and decodes to the text
@@ -227,13 +227,13 @@ def test_five_turns_with_tool_calls_train_exactly_what_each_api_served(api, toke
 
 def test_a_wrong_or_expired_key_is_refused_with_401(tokenizer, agents):
     model = ScriptedRollout(tokenizer, lambda s, k: "Hello.")
-    item = AgentPrompt([{"role": "user", "content": "Hi"}], extra_info={"stream": False})
+    item = Prompt([{"role": "user", "content": "Hi"}], extra_info={"stream": False})
     loop = episode(tokenizer, agents, "keep_key")
 
     async def scenario():
         async with shared_gateway(GatewayConfig()) as gateway:  # outlives the trajectory
             traj = await loop.run(model, item, SAMPLING)
-            access = traj.extra_info["access"]
+            access = item.extra_info["access"]
             assert access.url == gateway.url and traj.num_turns == 1
             chat = openai.AsyncOpenAI(
                 base_url=access.openai_base_url, api_key=access.api_key, max_retries=0
@@ -285,7 +285,7 @@ def test_a_rewritten_history_is_refused_in_the_api_format(tokenizer, agents, tmp
     loop = EPISODES.get("openai_agent")(
         tokenizer, AgentLoopConfig(openai_agent=f"{rewriter}:agent")
     )
-    traj = asyncio.run(loop.run(model, AgentPrompt([{"role": "user", "content": "?"}]), SAMPLING))
+    traj = asyncio.run(loop.run(model, Prompt([{"role": "user", "content": "?"}]), SAMPLING))
     assert traj.finish_reason == "agent_error" and traj.env_reward == 0.0
     error = traj.extra_info["agent_error"]
     assert error.startswith("BadRequestError") and "message 1 ('assistant') differs" in error

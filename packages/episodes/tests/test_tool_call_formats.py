@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tephra.core.errors import ConfigError
-from tephra.episodes.agent import AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent import AgentLoopConfig, Prompt
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS, ToolCall
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.tools import Tool, ToolResult
@@ -132,7 +132,7 @@ def test_tool_agent_runs_a_call_in_the_family_format_token_in_token_out(fmt, tin
         tok, AgentLoopConfig(max_turns=3, tool_call_format=fmt), {"python": tool}
     )
     question = [{"role": "user", "content": "What is 6 times 7?"}]
-    traj = asyncio.run(loop.run(model, AgentPrompt(question, sample_id="s0"), GREEDY))
+    traj = asyncio.run(loop.run(model, Prompt(question, sample_id="s0"), GREEDY))
     assert tool.calls == [{"code": "print(6 * 7)"}]
     assert (traj.num_turns, traj.tool_calls, traj.finish_reason) == (2, 1, "stop")
     (_, _, g0), (_, ctx1, g1) = model.requests
@@ -168,7 +168,7 @@ def test_a_template_that_is_not_append_only_is_refused_naming_model_and_turn(tin
     )
     loop.make_environment = lambda: _with_tools(loop)
     model = ScriptedRollout(tok, lambda s, k: "It is 41.")
-    item = AgentPrompt(
+    item = Prompt(
         [{"role": "user", "content": "6 * 7?"}], interaction_kwargs={"ground_truth": "42"}
     )
     with pytest.raises(ConfigError) as err:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tephra.core.errors import ConfigError
 from tephra.engine_api.adapters import LoraAdapter
 from tephra.rollout import RolloutConfig, RolloutError, SamplingParams, ServerSettings, get_rollout
 from tephra.rollout.backends import SglangProtocol, VllmProtocol
@@ -160,6 +161,11 @@ def test_lora_launch_and_requests_of_vllm_and_sglang():
         ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"],
         {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
     )
+    # vLLM takes only its listed ranks: a rank-4 adapter gets a rank-8 server
+    assert vllm.lora_launch(4)[0][:3] == ["--enable-lora", "--max-lora-rank", "8"]
+    assert vllm.lora_launch(320)[0][2] == "320" and vllm.lora_launch(321)[0][2] == "512"
+    with pytest.raises(ConfigError, match=r"rank 513: vLLM serves adapters of rank <= 512"):
+        vllm.lora_launch(513)
     assert vllm.load_adapter_request("a", "/f") == (
         "/v1/load_lora_adapter",
         {"lora_name": "a", "lora_path": "/f"},

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from tephra.episodes.agent import (
     TOOL_CHAT_TEMPLATE,
     AgentLoopConfig,
-    AgentPrompt,
+    Prompt,
 )
 from tephra.episodes.episode import run_episodes
 from tephra.episodes.registry import EPISODES
@@ -36,13 +36,14 @@ SYSTEM = (
 )
 
 
-def make_samples(n: int, seed: int) -> tuple[list[AgentPrompt], object]:
+def make_samples(n: int, seed: int) -> tuple[list[Prompt], object]:
     data = reasoning_gym.create_dataset("basic_arithmetic", size=n, seed=seed)
     samples = [
-        AgentPrompt(
+        Prompt(
             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item["question"]}],
             sample_id=f"arith-{i}",
-            extra_info={"index": i, "ground_truth": item["answer"]},
+            data_source="reasoning_gym/basic_arithmetic",
+            ground_truth=item["answer"],
         )
         for i, item in enumerate(data)
     ]
@@ -80,12 +81,10 @@ def main() -> None:
         run_episodes(loop, rollout, samples, SamplingParams(temperature=1.0, max_tokens=256))
     )
     rollout.close()
+    # one trajectory per prompt, in the prompts' order
     scores = [
-        float(
-            data.score_answer(final_answer(t.messages[-1]["content"]), data[t.extra_info["index"]])
-            == 1.0
-        )
-        for t in trajectories
+        float(data.score_answer(final_answer(t.messages[-1]["content"]), data[i]) == 1.0)
+        for i, t in enumerate(trajectories)
     ]
     n = len(trajectories)
     print(

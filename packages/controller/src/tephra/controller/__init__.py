@@ -5,7 +5,6 @@ from tephra.controller.cluster.worker_group import ResourcePool, Worker, WorkerG
 from tephra.controller.data.prompts import (
     DatasetError,
     PromptLoader,
-    PromptRecord,
     load_hf_dataset,
     load_parquet,
     reasoning_gym_records,
@@ -15,14 +14,15 @@ from tephra.controller.run.checkpoints import CheckpointManager
 from tephra.controller.run.trackers import TRACKERS, Trackers, plot_curves, read_jsonl
 from tephra.controller.step.scoring import RewardFailure, Scorer
 from tephra.core.config import load_config, parse_overrides, split_cli
+from tephra.episodes.prompt import Prompt
 
 __all__ = [
     "TRACKERS",
     "CheckpointManager",
     "DatasetError",
     "Dispatch",
+    "Prompt",
     "PromptLoader",
-    "PromptRecord",
     "ResourcePool",
     "RewardFailure",
     "Scorer",

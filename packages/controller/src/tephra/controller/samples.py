@@ -1,37 +1,39 @@
 """The typed objects that travel between the driver and the workers.
 
-    PromptItem   driver -> worker: one prompt to sample (token ids, its data record, an id)
-    Sample       worker -> driver: one response (plain or multi-turn), scored on its rank,
-                 tagged with the weight version that generated it (`tephra.rollout.Sample`,
-                 the one per-sample type from the backend to the batch)
-    ScoreResult  worker -> driver: one sample's reward (`collect_scores`)
+    Prompt   driver -> worker: one prompt to sample (`tephra.episodes.prompt.Prompt`: its
+             messages, token ids, id, images, and what its reward needs); the plain and the
+             agent path take it as it is
+    Sample   worker -> driver: one response (plain or multi-turn), tagged with the weight
+             version that generated it (`tephra.rollout.Sample`, the one per-sample type from
+             the backend to the batch); `Sample.reward` is its score
+    Scores   worker -> driver: each sample's `RewardResult` (the one score type, what the
+             scorer made) and the seconds scoring took (`collect_scores`)
 
 A step's samples are prompt-major: prompt i's `n` samples are consecutive.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from tephra.controller.data.prompts import PromptRecord
-from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs
+from tephra.engine_api.multimodal import MULTIMODAL
 from tephra.episodes.agent.environment_guard import ENVIRONMENT_ERROR
 from tephra.episodes.agent.loops import TIMEOUTS
-from tephra.rollout.samples import Sample, to_batch
+from tephra.episodes.prompt import Prompt
+from tephra.rollout.samples import RewardResult, Sample, to_batch
 
 __all__ = [
     "MULTIMODAL",
-    "PromptItem",
+    "Prompt",
+    "RewardResult",
     "Sample",
-    "ScoreResult",
-    "set_score",
+    "Scores",
     "agent_metrics",
     "group_ids",
-    "record_payload",
     "sample_from_dict",
     "sample_to_dict",
     "samples_to_batch",
@@ -39,41 +41,23 @@ __all__ = [
 
 
 @dataclass
-class PromptItem:
-    """One prompt as the workers receive it."""
+class Scores:
+    """What `collect_scores` hands back: the reward of each sample of the last `generate`, in
+    order, and how long scoring them took (a timing, logged as `time/reward_s`)."""
 
-    prompt_ids: list[int]
-    """The prompt rendered with the chat template, as token ids."""
-    record: PromptRecord
-    """Its data row: chat messages (the agent loop's input), data_source, ground truth."""
-    sample_id: str = ""
-    """Unique in the run (names the tool instances of an agent trajectory)."""
-    multimodal: MultimodalInputs | None = None
-    """The prompt's images (pixel values and grids), None for a text prompt."""
-
-
-@dataclass(frozen=True)
-class ScoreResult:
-    """One sample's reward as a worker hands it back (`collect_scores`)."""
-
-    score: float
-    """The reward (0 when the scorer failed)."""
-    error: str | None
-    """The scorer's error for this sample, if it raised."""
+    rewards: list[RewardResult]
+    """One per sample, as the scorer (or the episode's environment) made it."""
     seconds: float
-    """Seconds the worker's rank spent scoring its whole share (the same on each of them)."""
-    clipped: bool
-    """Whether `reward.clip` moved the score into its range."""
-    extras: dict[str, float] = field(default_factory=dict)
-    """The reward function's numeric dict entries beside "score" (e.g. {"format": 1.0,
-    "accuracy": 0.0}); `algorithm.advantage.gdpo_reward_keys` picks GDPO's components here."""
+    """Seconds the rank spent scoring its share; merged over ranks, the slowest's."""
 
-
-def set_score(sample: Sample, result: ScoreResult) -> None:
-    """Set `sample`'s reward fields from its `collect_scores` entry."""
-    sample.score, sample.reward_error = float(result.score), result.error
-    sample.reward_clipped = result.clipped
-    sample.reward_extras = dict(result.extras)
+    @classmethod
+    def merge(cls, parts: list[Scores]) -> Scores:
+        """The ranks' scores in rank order (`tephra.controller.cluster.dispatch.collect`); the
+        seconds of the slowest rank that scored any sample (0.0 when none did)."""
+        return cls(
+            [r for part in parts for r in part.rewards],
+            max((part.seconds for part in parts if part.rewards), default=0.0),
+        )
 
 
 def samples_to_batch(
@@ -111,7 +95,7 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
     also among `agent/dropped`) and observations cut to `rollout.agent.max_observation_chars`
     (`agent/observations_truncated`)."""
     num = len(samples)
-    generated = sum(sum(s.response_mask) for s in samples)
+    generated = sum(s.generated_tokens for s in samples)
     total = sum(len(s.response_ids) for s in samples)
     return {
         "agent/turns_mean": sum(s.num_turns for s in samples) / num,
@@ -131,15 +115,6 @@ def agent_metrics(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-def record_payload(record: PromptRecord) -> dict[str, Any]:
-    """The parts of a record a worker's scorer reads (plain data, cheap to ship)."""
-    return {
-        "data_source": record.data_source,
-        "ground_truth": record.ground_truth,
-        "extra_info": record.extra_info,
-    }
-
-
 def sample_to_dict(sample: Sample) -> dict[str, Any]:
     """A sample as plain JSON data (floats survive a JSON round trip exactly); its images
     are left out (they come back from the prompt set)."""
@@ -148,5 +123,20 @@ def sample_to_dict(sample: Sample) -> dict[str, Any]:
     return data
 
 
+LEGACY_REWARD_KEYS = {
+    "score": "score",
+    "reward_error": "error",
+    "reward_clipped": "clipped",
+    "reward_extras": "extras",
+}
+"""The flat reward fields of a sample in checkpoints of tephra-controller 0.3.0 (before
+`Sample.reward`), by their `RewardResult` names: such a checkpoint still loads."""
+
+
 def sample_from_dict(data: dict[str, Any]) -> Sample:
-    return Sample(**data)
+    """The inverse of `sample_to_dict` (also of its 0.3.0 form, `LEGACY_REWARD_KEYS`)."""
+    data = dict(data)
+    reward = data.pop("reward", None)
+    legacy = {new: data.pop(old) for old, new in LEGACY_REWARD_KEYS.items() if old in data}
+    reward = RewardResult(**(reward if reward is not None else {"score": 0.0, **legacy}))
+    return Sample(**data, reward=reward)

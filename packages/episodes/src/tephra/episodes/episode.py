@@ -16,12 +16,13 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent.base import AgentLoopConfig
+from tephra.episodes.prompt import Prompt
 from tephra.episodes.tools.base import Tool
 from tephra.rollout.base import Rollout, SamplingParams
 from tephra.rollout.samples import Sample
 
-Episode = Callable[[Rollout, AgentPrompt, SamplingParams], Awaitable[list[Sample]]]
+Episode = Callable[[Rollout, Prompt, SamplingParams], Awaitable[list[Sample]]]
 """`episode(rollout, item, sampling)` -> the item's samples (`sampling.n` is 1: an item
 submitted n times makes n episodes)."""
 
@@ -34,7 +35,7 @@ EpisodeFactory = Callable[[Any, AgentLoopConfig, "dict[str, Tool]"], Episode]
 async def run_episodes(
     episode: Episode,
     rollout: Rollout,
-    items: Sequence[AgentPrompt],
+    items: Sequence[Prompt],
     sampling: SamplingParams,
     max_in_flight: int | None = None,
 ) -> list[Sample]:
@@ -44,7 +45,7 @@ async def run_episodes(
     would make the samples of a prompt group identical (no group-relative signal)."""
     limit = asyncio.Semaphore(max_in_flight or max(len(items), 1))
 
-    async def one(k: int, item: AgentPrompt) -> list[Sample]:
+    async def one(k: int, item: Prompt) -> list[Sample]:
         own = sampling if sampling.seed is None else sampling.replace(seed=sampling.seed + k)
         async with limit:
             return await episode(rollout, item, own)
@@ -58,9 +59,7 @@ def by_agent_name(default: str, build: Callable[[str], Episode]) -> Episode:
     `agent_name`), or `default` when it names none; `build(name)` makes each once."""
     built: dict[str, Episode] = {}
 
-    async def episode(
-        rollout: Rollout, item: AgentPrompt, sampling: SamplingParams
-    ) -> list[Sample]:
+    async def episode(rollout: Rollout, item: Prompt, sampling: SamplingParams) -> list[Sample]:
         name = item.agent_name or default
         if name not in built:
             built[name] = build(name)

@@ -12,11 +12,12 @@ from tephra.rollout.base import (
     ServerSettings,
 )
 from tephra.rollout.registry import ROLLOUT_BACKENDS, get_rollout
-from tephra.rollout.samples import Sample, to_batch
+from tephra.rollout.samples import RewardResult, Sample, to_batch
 
 __all__ = [
     "ROLLOUT_BACKENDS",
     "HFSettings",
+    "RewardResult",
     "Rollout",
     "RolloutConfig",
     "RolloutError",

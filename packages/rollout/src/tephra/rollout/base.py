@@ -463,6 +463,10 @@ class Rollout(abc.ABC):
     """Whether `update_adapter` applies a LoRA adapter over unchanged base weights (an
     adapter-only weight sync); the trainer's config refuses `actor.lora_sync=adapter` for a
     backend without it, before any process starts."""
+    max_adapter_rank: ClassVar[int | None] = None
+    """The largest LoRA rank the backend serves (None: any); a larger `actor.lora.rank` syncs
+    merged weights (`actor.lora_sync=auto`) or is refused before any process starts
+    (`adapter`)."""
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutOutput:

@@ -3,7 +3,8 @@ padder.
 
 A `Sample` is one response to one prompt: a plain generation (the backend fills the token
 fields), a multi-turn episode (the episode fills the transcript and tool counts) or a scored
-sample (the trainer fills the reward fields). Its token fields, one entry per response token:
+sample (the trainer fills `reward`, a `RewardResult`: the one score type, from the scorer that
+makes it to the batch). Its token fields, one entry per response token:
 
     response_ids    [R]  every token after the prompt: model turns and tool turns, in order
     response_mask   [R]  1 on model-generated tokens (trained), 0 on tool/user tokens
@@ -26,6 +27,23 @@ from tensordict import TensorDict
 from tephra.engine_api.batch import make_batch
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.multimodal import MULTIMODAL, MultimodalInputs, multimodal_column
+
+
+@dataclass
+class RewardResult:
+    """The score of one response: what a scorer produces (`tephra.episodes.rewards`), what a
+    worker hands back, and what a `Sample` carries (`Sample.reward`)."""
+
+    score: float
+    """The scalar reward (0.0 when the scorer failed and errors are not raised)."""
+    extras: dict[str, float] = field(default_factory=dict)
+    """Extra numeric metrics a scorer returned beside "score" (e.g. {"acc": 1.0}, or a reward
+    function's components {"format": 1.0, "accuracy": 0.0}, which GDPO's
+    `algorithm.advantage.gdpo_reward_keys` picks)."""
+    error: str | None = None
+    """`ExceptionType: message` of the scorer's exception, or None when it succeeded."""
+    clipped: bool = False
+    """Whether `reward.clip` moved `score` into its range."""
 
 
 @dataclass
@@ -53,15 +71,9 @@ class Sample:
     text: str = ""
     """What the reward scores: the decoded response, or the last assistant message of a
     multi-turn episode (earlier turns are tool calls)."""
-    score: float = 0.0
-    """The reward (0 when the scorer failed; see `reward_error`)."""
-    reward_error: str | None = None
-    """The scorer's error for this sample, if it raised."""
-    reward_clipped: bool = False
-    """Whether `reward.clip` moved `score` into its range."""
-    reward_extras: dict[str, float] = field(default_factory=dict)
-    """The reward function's numeric dict entries beside "score" (e.g. {"format": 1.0});
-    GDPO's components (`algorithm.advantage.gdpo_reward_keys`)."""
+    reward: RewardResult = field(default_factory=lambda: RewardResult(0.0))
+    """Its score (`reward.score`; 0.0 until the trainer sets it from the scorer's
+    `RewardResult`, and when the scorer failed: see `reward.error`)."""
     sample_id: str = ""
     """Names the sample's prompt item (tool instances, the rollout session)."""
     num_turns: int = 1
@@ -98,8 +110,10 @@ class Sample:
     """A multi-turn episode's transcript: the prompt's messages, then assistant and tool
     messages (empty for a plain generation)."""
     extra_info: dict[str, Any] = field(default_factory=dict)
-    """The prompt item's `extra_info`, plus an episode's `tool_metrics` (summed per tool
-    and metric)."""
+    """What an episode recorded beside the tokens: `tool_metrics` (summed per tool and
+    metric), an environment's `turn_rewards` / `turn_ends`, `agent_error`, ... (empty for a
+    plain generation). The prompt's own data (its `extra_info` among them) stays on the
+    prompt (`tephra.episodes.prompt.Prompt`), which the caller holds in the same order."""
     prompt_index: int = 0
     """Index of the sample's prompt in the `generate` call (or step) that made it."""
     routed_experts: torch.Tensor | None = None

@@ -154,7 +154,7 @@ def evaluate_model(
         EvalRow(
             prompt=tok.decode(out.prompt_ids[k], skip_special_tokens=True),
             response=texts[k],
-            score=float(scored[k][0]),
+            score=scored[k].score,
             ground_truth=recs[k].ground_truth,
             data_source=recs[k].data_source,
             answer=texts[k].strip(),

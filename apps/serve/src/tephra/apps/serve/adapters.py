@@ -48,14 +48,19 @@ class SharedEngine:
     def add_client(self, model_id: str) -> None:
         self.clients[model_id] = ClientState(model_id, self.workdir / model_id)
 
-    def activate(self, model_id: str) -> None:
-        """Make `model_id`'s adapter, optimizer state and pending gradients the engine's."""
-        if self.active == model_id:
-            return
+    def _swap_out(self) -> None:
+        """Keep the active client's state in its checkpoint; the engine then holds none."""
         if self.active is not None:
             previous = self.clients[self.active]
             self.engine.save_checkpoint(previous.checkpoint)
             previous.saved = True
+            self.active = None
+
+    def activate(self, model_id: str) -> None:
+        """Make `model_id`'s adapter, optimizer state and pending gradients the engine's."""
+        if self.active == model_id:
+            return
+        self._swap_out()
         client = self.clients[model_id]
         self.engine.load_checkpoint(client.checkpoint if client.saved else self.initial)
         # gradients are no part of a checkpoint: recompute the client's pending ones
@@ -97,6 +102,19 @@ class SharedEngine:
             norm = self.engine.optimizer_step()
         self.clients[model_id].pending.clear()
         return norm
+
+    def save_state(self, model_id: str, folder: Path) -> None:
+        """Save the client's adapter, optimizer state and step count (the engine's checkpoint)
+        in `folder`; gradients of `forward_backward` calls not yet stepped are not saved."""
+        self.activate(model_id)
+        self.engine.save_checkpoint(folder)
+
+    def load_state(self, model_id: str, folder: Path) -> None:
+        """Make the state saved in `folder` the client's, dropping its pending gradients."""
+        self._swap_out()
+        self.engine.load_checkpoint(folder)
+        self.clients[model_id].pending.clear()
+        self.active = model_id
 
     def weights(self, model_id: str) -> dict[str, torch.Tensor]:
         """The client's merged weights (base + its adapter), Hugging Face names."""

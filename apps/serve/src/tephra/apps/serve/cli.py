@@ -21,15 +21,23 @@ TINY = "tiny"
 DEMO = "demo"
 
 
+TINY_INIT_STD = 0.2
+"""Standard deviation of the tiny model's random weights. At transformers' 0.02 its logits are
+nearly flat (std ~0.16 over the 256 tokens: the tied 64-wide embeddings are too short) and no
+LoRA adapter can make it confident (one token's logit rises by at most ~1.3); at 0.2 the RL
+example's task is learned in 12 steps (README, An RL loop)."""
+
+
 def base_model(spec: str) -> BaseModel:
     """`NAME=SOURCE`: SOURCE is `tiny` (a 2-layer Qwen2 built from its config, vocabulary
-    256, random weights: tests and trials), `demo` (SmolLM2-135M-Instruct, the demo's model)
-    or a local Hugging Face folder."""
+    256, random weights of std `TINY_INIT_STD`: tests and trials), `demo` (SmolLM2-135M-
+    Instruct, the demo's model) or a local Hugging Face folder."""
     name, sep, source = spec.partition("=")
     if not sep or not name or not source:
         raise UserError(f"--model {spec!r}: write NAME=SOURCE (SOURCE: tiny, demo or a folder)")
     if source == TINY:
-        return BaseModel(name, ModelConfig(hf_config=tiny_qwen2_config()), 256)
+        config = tiny_qwen2_config(initializer_range=TINY_INIT_STD)
+        return BaseModel(name, ModelConfig(hf_config=config), 256)
     if source == DEMO:
         # imported here: the converter pulls in gguf, needed only for the demo model
         from tephra.controller.data.smollm2 import smollm2_folder
@@ -73,7 +81,8 @@ class BackgroundServer:
 
     def __init__(self, service: Service, api_key: str, host: str = "127.0.0.1") -> None:
         self.service = service
-        self.sock = socket.socket()
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind((host, 0))
         port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{port}"

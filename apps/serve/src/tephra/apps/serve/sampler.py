@@ -81,39 +81,47 @@ class Sampler:
     def sample(
         self, prompt: list[int], n: int, sampling: Sampling
     ) -> list[tuple[list[int], list[float], str]]:
-        """`n` samples of `prompt`: `(tokens, logprobs, stop_reason)` each; sample j draws
-        from a generator seeded `seed + j` (random when `seed` is None)."""
+        """`n` samples of `prompt`: `(tokens, logprobs, stop_reason)` each, decoded together
+        (one batched forward per token for all `n`); sample j draws from its own generator,
+        seeded `seed + j` (random when `seed` is None), so it does not depend on `n`."""
         if not prompt:
             raise UserError("sample: the prompt is empty")
+        if n < 1:
+            raise UserError(f"sample: num_samples={n}; give 1 or more")
         limit = self.model.config.max_position_embeddings
         if len(prompt) + sampling.max_tokens > limit:
             raise UserError(
                 f"sample: prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) "
                 f"exceeds the model's context of {limit} tokens"
             )
-        out = []
+        gens = []
         for j in range(n):
             gen = torch.Generator()
             if sampling.seed is None:
                 gen.seed()
             else:
                 gen.manual_seed(sampling.seed + j)
-            ids = torch.tensor([prompt])
-            result = self.model(input_ids=ids, use_cache=True)
-            past = result.past_key_values
-            tokens: list[int] = []
-            logprobs: list[float] = []
-            reason = "length"
-            while len(tokens) < sampling.max_tokens:
-                token, lp = self._next(result.logits[0, -1].float(), sampling, gen)
-                tokens.append(token)
-                logprobs.append(lp)
-                if token in sampling.stop_ids:
-                    reason = "stop"
-                    break
-                result = self.model(
-                    input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True
-                )
-                past = result.past_key_values
-            out.append((tokens, logprobs, reason))
-        return out
+            gens.append(gen)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        done = [False] * n
+        # every row has the same prompt: no padding, the rows decode in lockstep
+        result = self.model(input_ids=torch.tensor([prompt] * n), use_cache=True)
+        for i in range(sampling.max_tokens):
+            logits = result.logits[:, -1].float()
+            step = []
+            for j in range(n):
+                token, lp = self._next(logits[j], sampling, gens[j])
+                step.append(token)
+                if not done[j]:
+                    tokens[j].append(token)
+                    logprobs[j].append(lp)
+                    done[j] = token in sampling.stop_ids
+            if all(done) or i == sampling.max_tokens - 1:
+                break
+            result = self.model(
+                input_ids=torch.tensor(step).unsqueeze(1),
+                past_key_values=result.past_key_values,
+                use_cache=True,
+            )
+        return [(t, lp, "stop" if d else "length") for t, lp, d in zip(tokens, logprobs, done)]

@@ -44,6 +44,9 @@ SERVED = (
     "get_info",
     "forward_backward",
     "optim_step",
+    "save_weights",
+    "load_weights",
+    "training_runs/{id}/checkpoints",
     "save_weights_for_sampler",
     "create_sampling_session",
     "asample",
@@ -122,6 +125,13 @@ def build_app(service: Service, api_key: str) -> Starlette:  # noqa: C901
             return Response(value, media_type=PROTOBUF)
         return JSONResponse(value)
 
+    async def list_checkpoints(request: Request) -> Response:
+        try:
+            run = request.path_params["model_id"]
+            return JSONResponse(await asyncio.to_thread(service.list_checkpoints, run))
+        except UserError as e:
+            return _error(400, str(e))
+
     async def refuse(request: Request) -> Response:
         name = request.path_params["name"]
         return _error(
@@ -142,6 +152,13 @@ def build_app(service: Service, api_key: str) -> Starlette:  # noqa: C901
         Route("/api/v1/get_info", json_call(service.get_info), methods=["POST"]),
         Route("/api/v1/forward_backward", forward_backward, methods=["POST"]),
         Route("/api/v1/optim_step", json_call(service.optim_step), methods=["POST"]),
+        Route("/api/v1/save_weights", json_call(service.save_weights), methods=["POST"]),
+        Route("/api/v1/load_weights", json_call(service.load_weights), methods=["POST"]),
+        Route(
+            "/api/v1/training_runs/{model_id}/checkpoints",
+            list_checkpoints,
+            methods=["GET"],
+        ),
         Route(
             "/api/v1/save_weights_for_sampler",
             json_call(service.save_weights_for_sampler),

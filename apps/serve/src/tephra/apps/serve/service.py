@@ -9,7 +9,9 @@ one after another), and two clients' calls on one engine never interleave inside
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import itertools
+import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from tephra.apps.serve import losses, wire
 from tephra.apps.serve.adapters import SharedEngine
 from tephra.apps.serve.errors import UserError
 from tephra.apps.serve.sampler import Sampler, Sampling
+from tephra.apps.serve.states import StateStore, check_name, parse
 from tephra.engine_api.config import EngineConfig, ModelConfig
 from tephra.engine_api.registry import get_engine
 
@@ -46,7 +49,9 @@ class ServeSettings:
     engine: str = "fsdp"
     """Training engine (registry name); any engine passing the conformance kit serves."""
     workdir: Path | None = None
-    """Folder of the clients' swapped-out states; a temporary folder when None."""
+    """Folder of the states `save_state` writes (`checkpoints/`) and of the live clients'
+    swapped-out states (`engines/serve-*/`, one folder per server, removed when it stops); a
+    temporary folder, removed when the server stops, when None."""
     engine_overrides: dict[str, Any] = field(default_factory=dict)
     """Extra `EngineConfig` fields (`micro_batch`, `precision`, `device`) of every engine."""
 
@@ -55,6 +60,14 @@ class Service:
     def __init__(self, bases: list[BaseModel], settings: ServeSettings | None = None) -> None:
         self.bases = {b.name: b for b in bases}
         self.settings = settings or ServeSettings()
+        self._tmp = None
+        if self.settings.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tephra-serve-")
+        self.workdir = Path(self._tmp.name) if self._tmp else Path(self.settings.workdir)  # type: ignore[arg-type]
+        self.states = StateStore(self.workdir)
+        # the live clients' swapped-out states: this server's own folder, removed at close
+        (self.workdir / "engines").mkdir(parents=True, exist_ok=True)
+        self._swap = tempfile.TemporaryDirectory(prefix="serve-", dir=self.workdir / "engines")
         self.engines: dict[tuple[str, int], SharedEngine] = {}
         self.samplers: dict[str, Sampler] = {}
         self.clients: dict[str, tuple[str, int]] = {}
@@ -66,6 +79,9 @@ class Service:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+        self._swap.cleanup()
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
     # ----- futures -----------------------------------------------------------------------
     def submit(self, work: Callable[[], Result], model_id: str | None = None) -> dict:
@@ -111,10 +127,7 @@ class Service:
         key = (base.name, rank)
         if key not in self.engines:
             engine = get_engine(self.settings.engine, self.engine_config(base, rank))
-            workdir = None
-            if self.settings.workdir is not None:
-                workdir = self.settings.workdir / f"{base.name}-r{rank}"
-            self.engines[key] = SharedEngine(engine, workdir)
+            self.engines[key] = SharedEngine(engine, Path(self._swap.name) / f"{base.name}-r{rank}")
         return self.engines[key]
 
     # ----- training clients --------------------------------------------------------------
@@ -207,6 +220,94 @@ class Service:
             return "json", {"metrics": {"grad_norm:mean": norm}}
 
         return self.submit(work, model_id)
+
+    # ----- saved states ------------------------------------------------------------------
+    def save_weights(self, body: dict) -> dict:
+        """`save_state(name)`: the client's adapter and optimizer state to disk."""
+        model_id = body.get("model_id", "")
+        name = check_name(body.get("path") or f"state-{uuid.uuid4().hex[:8]}", "save_state")
+        overwrite = bool(body.get("overwrite", False))
+
+        def work() -> Result:
+            shared = self._client(model_id, "save_state")
+            base, rank = self.clients[model_id]
+            path, folder = self.states.prepare(model_id, name, overwrite, "save_state")
+            shared.save_state(model_id, folder / "engine")
+            self.states.record(path, folder, base, rank, body.get("user_metadata"))
+            return "json", {"path": path, "type": "save_weights"}
+
+        return self.submit(work, model_id)
+
+    def load_weights(self, body: dict) -> dict:
+        """`load_state_with_optimizer(path)` on a client, or a new client from a saved state
+        (`create_training_client_from_state_with_optimizer`: no `model_id`, the new client's
+        id derived from the session as the SDK expects)."""
+        model_id = body.get("model_id")
+        call = "load_state" if model_id else "create_training_client_from_state"
+        path = body.get("path")
+        parse(path, call)
+        if not body.get("optimizer", False):
+            raise UserError(
+                f"{call}: a weights-only load (a fresh optimizer) is not served; the engine "
+                "restores an adapter together with its optimizer state: use "
+                "load_state_with_optimizer / create_training_client_from_state_with_optimizer"
+            )
+        if model_id is None:
+            session, seq = body.get("session_id"), body.get("model_seq_id")
+            if session is None or seq is None:
+                raise UserError(f"{call}: give model_id, or session_id and model_seq_id")
+            model_id = f"{session}:train:{seq}"
+        override = body.get("base_model")
+
+        def work() -> Result:
+            state = self.states.get(path, call)
+            if override is not None and override != state.base_model:
+                raise UserError(
+                    f"{call}: base_model={override!r}, but {path} was saved on "
+                    f"{state.base_model!r}; omit base_model or give {state.base_model!r}"
+                )
+            base = self._base(state.base_model, call)
+            if model_id in self.clients:
+                if self.clients[model_id] != (base.name, state.lora_rank):
+                    have_base, have_rank = self.clients[model_id]
+                    raise UserError(
+                        f"{call}: {path} holds a rank-{state.lora_rank} adapter of "
+                        f"{base.name!r}; this client has a rank-{have_rank} adapter of "
+                        f"{have_base!r}: load it with "
+                        "create_training_client_from_state_with_optimizer"
+                    )
+                self._client(model_id, call).load_state(model_id, state.engine_checkpoint)
+            else:
+                shared = self._shared(base, state.lora_rank)
+                shared.add_client(model_id)
+                try:
+                    shared.load_state(model_id, state.engine_checkpoint)
+                except Exception:
+                    del shared.clients[model_id]  # no client is made of a failed load
+                    raise
+                self.clients[model_id] = (base.name, state.lora_rank)
+            return "json", {"path": path, "model_id": model_id, "type": "load_weights"}
+
+        return self.submit(work, model_id)
+
+    def list_checkpoints(self, run: str) -> dict:
+        """The states `save_state` wrote from training client `run`."""
+        self.futures_done()
+        check_name(run, "list_checkpoints")
+        return {
+            "checkpoints": [
+                {
+                    "checkpoint_id": f"weights/{s.folder.name}",
+                    "checkpoint_type": "training",
+                    "time": datetime.datetime.fromtimestamp(s.time, datetime.UTC).isoformat(),
+                    "tinker_path": s.path,
+                    "size_bytes": sum(f.stat().st_size for f in s.folder.rglob("*") if f.is_file()),
+                    "user_metadata": s.user_metadata or None,
+                }
+                for s in self.states.list(run)
+            ],
+            "cursor": None,
+        }
 
     # ----- sampling ----------------------------------------------------------------------
     def save_weights_for_sampler(self, body: dict) -> dict:

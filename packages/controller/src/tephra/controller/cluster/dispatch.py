@@ -8,8 +8,9 @@ and gets one batch back.
   shares; every rank of data-parallel replica d gets share d (its tensor / pipeline /
   context peers get the same rows, as SPMD model parallelism needs); the results of one output
   rank per replica are concatenated in replica order (TensorDicts with `torch.cat`, lists by
-  extending) or, for dicts of metrics, the first replica's is taken (engines already reduce
-  metrics over data-parallel ranks). Each worker says where it stands with `dp_info()`.
+  extending), results with a `merge(parts)` class method merged by it (`Scores`: rewards
+  concatenated, the slowest rank's seconds) or, for dicts of metrics, the first replica's is
+  taken (engines already reduce metrics over data-parallel ranks). Each worker says where it stands with `dp_info()`.
 - `ROLLOUT_SPLIT`: generation's own data parallelism. Every list / `TensorDict` argument is
   cut into `rollout_dp` contiguous shares whose sizes differ by at most one
   (`share_bounds`); the output rank of rollout replica d (the rank holding its rollout
@@ -30,7 +31,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from tensordict import TensorDict
@@ -73,17 +74,20 @@ def check_layout(infos: list[DataParallelInfo]) -> int:
     return dp
 
 
-def dispatch(mode: Dispatch) -> Callable[[Callable], Callable]:
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def dispatch(mode: Dispatch) -> Callable[[Method], Method]:
     """Mark a worker method as callable through a `WorkerGroup` with `mode`."""
 
-    def mark(fn: Callable) -> Callable:
+    def mark(fn: Method) -> Method:
         setattr(fn, DISPATCH_ATTR, mode)
         return fn
 
     return mark
 
 
-def dispatch_mode(fn: Callable) -> Dispatch | None:
+def dispatch_mode(fn: object) -> Dispatch | None:
     return getattr(fn, DISPATCH_ATTR, None)
 
 
@@ -137,7 +141,7 @@ def _rows(value: Any) -> int | None:
 def rollout_shares(args: tuple, kwargs: dict, shares: int) -> list[tuple[tuple, dict]]:
     """`args` / `kwargs` cut for `ROLLOUT_SPLIT` into `shares` shares, plus one empty share
     last (for the ranks that hold no rollout engine)."""
-    counts = {_rows(v) for v in (*args, *kwargs.values())} - {None}
+    counts = {c for c in map(_rows, (*args, *kwargs.values())) if c is not None}
     if len(counts) > 1:
         raise BatchError(
             f"the batch arguments of a rollout call disagree on their row counts: {sorted(counts)}"
@@ -156,6 +160,15 @@ def rollout_shares(args: tuple, kwargs: dict, shares: int) -> list[tuple[tuple, 
     ]
 
 
+@runtime_checkable
+class Mergeable(Protocol):
+    """A per-rank result that merges the ranks' results itself (`tephra.controller.samples.
+    Scores`)."""
+
+    @classmethod
+    def merge(cls, parts: list[Any]) -> Any: ...
+
+
 def collect(results: list[Any]) -> Any:
     """Merge per-rank results of a `DP_SPLIT` call into one value."""
     first = results[0]
@@ -163,4 +176,6 @@ def collect(results: list[Any]) -> Any:
         return torch.cat(results, dim=0)
     if isinstance(first, list):
         return [x for r in results for x in r]
+    if isinstance(first, Mergeable):
+        return type(first).merge(results)
     return first

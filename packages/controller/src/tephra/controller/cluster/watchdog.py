@@ -97,10 +97,12 @@ def this_rank_place(rank: int) -> RankPlace:
     pid = os.getpid()
     logs: tuple[str, ...] = ()
     try:
-        logs_dir = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
-        logs = tuple(
-            str(p) for ext in ("err", "out") for p in logs_dir.glob(f"worker-*-{pid}.{ext}")
-        )
+        node = ray._private.worker.global_worker.node
+        if node is not None:  # None in a process that is not a Ray worker
+            logs_dir = Path(node.get_logs_dir_path())
+            logs = tuple(
+                str(p) for ext in ("err", "out") for p in logs_dir.glob(f"worker-*-{pid}.{ext}")
+            )
     except (AttributeError, OSError):  # not a Ray worker (a test calling it directly)
         pass
     return RankPlace(rank, ray.util.get_node_ip_address(), pid, logs)

@@ -29,10 +29,12 @@ import torch.distributed as dist
 from ray._private import ray_constants
 from ray._private.services import canonicalize_bootstrap_address
 from ray._private.utils import get_num_cpus
-from ray._raylet import Config as RayConfig
-from ray._raylet import GcsClient
+
+# Ray's `_raylet.pyi` declares only the ID and ObjectRef types of the compiled module, not these
+from ray._raylet import Config as RayConfig  # type: ignore[attr-defined]
+from ray._raylet import GcsClient  # type: ignore[attr-defined]
 from ray.exceptions import AuthenticationError, OutOfMemoryError
-from ray.util.placement_group import placement_group, placement_group_table
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tephra.controller.cluster.dispatch import (
@@ -190,12 +192,15 @@ def find_local_cluster() -> str:
 def machine_capacity(num_cpus: int | None) -> tuple[float, int]:
     """(CPUs, GPUs) a private local Ray session started with `num_cpus` gets: `num_cpus`
     when given, else the CPUs Ray detects (cgroup quotas included); the visible GPUs."""
-    if num_cpus is None:
+    cpus: float
+    if num_cpus is not None:
+        cpus = num_cpus
+    else:
         try:
-            num_cpus = get_num_cpus()
+            cpus = get_num_cpus()
         except ImportError:  # Ray moved it: what the OS lets this process use
-            num_cpus = len(os.sched_getaffinity(0))
-    return float(num_cpus), torch.cuda.device_count()
+            cpus = len(os.sched_getaffinity(0))
+    return float(cpus), torch.cuda.device_count()
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -243,7 +248,7 @@ class ResourcePool:
                 f"resources.placement={self.strategy!r}: choose one of {list(PLACEMENT_STRATEGIES)}"
             )
         check_retain(self.retain_freed_memory)
-        self._group = None
+        self._group: PlacementGroup | None = None
 
     @property
     def retains_freed_memory(self) -> bool:
@@ -283,7 +288,7 @@ class ResourcePool:
                 f"the worker group needs {need_gpu:g} GPUs but Ray has {have.get('GPU', 0):g}"
             )
 
-    def placement_group(self):
+    def placement_group(self) -> PlacementGroup:
         """The pool's placement group, created (and waited for) on first use."""
         if self._group is None:
             self.check_fits()
@@ -309,7 +314,7 @@ class ResourcePool:
             ray.util.remove_placement_group(self._group)
             self._group = None
 
-    def strategy_for(self, rank: int):
+    def strategy_for(self, rank: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(
             placement_group=self.placement_group(),
             placement_group_bundle_index=rank,
@@ -489,9 +494,10 @@ class WorkerGroup:
     def _start(self, init_kwargs: dict[str, Any]) -> None:
         pool = self.pool
         master_addr, port = rendezvous_address(pool)
-        # Ray takes concurrency groups on the class, not in `.options()`
+        # Ray takes concurrency groups on the class, not in `.options()`; its `remote`
+        # overloads leave out the `concurrency_groups` keyword that it documents and accepts
         remote = (
-            ray.remote(concurrency_groups=self.concurrency_groups)(self.worker_cls)
+            ray.remote(concurrency_groups=self.concurrency_groups)(self.worker_cls)  # type: ignore[call-overload]
             if self.concurrency_groups
             else ray.remote(self.worker_cls)
         )

@@ -547,8 +547,14 @@ MODEL_PATH_FIX = (
 def adapter_sync_obstacle(cfg: PPOConfig) -> str | None:
     """Why the weight sync of `cfg` cannot send the LoRA adapter alone (None: it can)."""
     r = cfg.rollout
-    if not ROLLOUT_BACKENDS.get(r.backend).supports_adapters:
+    backend = ROLLOUT_BACKENDS.get(r.backend)
+    if not backend.supports_adapters:
         return f"rollout.backend={r.backend!r} cannot serve an adapter over its base weights"
+    if backend.max_adapter_rank is not None and cfg.actor.lora.rank > backend.max_adapter_rank:
+        return (
+            f"rollout.backend={r.backend!r} serves adapters of rank <= "
+            f"{backend.max_adapter_rank}, and actor.lora.rank={cfg.actor.lora.rank}"
+        )
     if cfg.resources.rollout.replicas:
         return (
             f"resources.rollout.replicas={cfg.resources.rollout.replicas}: rollout replicas of "
@@ -593,6 +599,17 @@ class PPOConfig:
     """Loop, validation, checkpoints, trackers."""
     resources: ResourcesSection = field(default_factory=ResourcesSection)
     """Ray placement."""
+
+    @property
+    def policy_path(self) -> str:
+        """`model.path`, which the RL trainer requires: its tokenizer, rollout engine and named
+        models come from that folder, so `model.hf_config` alone is refused (naming the fix)."""
+        if self.model.path is None:
+            raise ConfigError(
+                f"model.path is not set (model.hf_config={self.model.hf_config!r}): the RL "
+                f"trainer reads the policy's tokenizer and weights from a folder; {MODEL_PATH_FIX}"
+            )
+        return self.model.path
 
     @property
     def needs_reference(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tephra.controller.data.prompts import PromptRecord
+from tephra.episodes.prompt import Prompt
 
 # The example program shows the form the tests need (read with input(), print the bare
 # answer): without it SmolLM2-135M's programs print sentences and prompts and pass no test
@@ -123,7 +123,7 @@ TRAIN = 16
 """Problems [0, TRAIN) train; the rest are held out."""
 
 
-def code_problem_records(split: str, size: int | None = None) -> list[PromptRecord]:
+def code_problem_records(split: str, size: int | None = None) -> list[Prompt]:
     """The `train` or `val` problems (at most `size`) as verl-format records: data_source
     `code`, ground truth `{"inputs": [...], "outputs": [...]}`."""
     chosen = PROBLEMS[:TRAIN] if split == "train" else PROBLEMS[TRAIN:]
@@ -135,7 +135,7 @@ def code_problem_records(split: str, size: int | None = None) -> list[PromptReco
         }
         index = i if split == "train" else TRAIN + i
         out.append(
-            PromptRecord(
+            Prompt(
                 [{"role": "user", "content": f"{statement}\n\n{INSTRUCTION}"}],
                 "code",
                 truth,

@@ -6,8 +6,8 @@ a list whose entries are image bytes (PNG/JPEG...), a file path, a `{"bytes": ..
 messages mark where each image goes with `<image>`, in order. An optional `videos` column
 holds videos the same way, each a list of frames (entries as for images) or a `{"video":
 [frames...]}` struct, marked by `<video>`; frames are sampled as the processor expects
-(`tephra.rollout.multimodal.sample_frames`). Each row becomes a
-`MultimodalPrompt`: its record, its token ids (chat template, each `<image>` expanded to the
+(`tephra.rollout.multimodal.sample_frames`). Each row becomes a `Prompt`
+(`tephra.episodes.prompt`) with its token ids (chat template, each `<image>` expanded to the
 image's run of vision tokens) and its `MultimodalInputs` (pixel values and grids), which
 travel with the sample to rollout and the trainer.
 """
@@ -15,22 +15,24 @@ travel with the sample to rollout and the trainer.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tephra.controller.data.prompts import (
     DatasetError,
-    PromptRecord,
     chat_prompt_ids,
     record_from_row,
 )
 from tephra.engine_api.errors import ConfigError
+from tephra.episodes.prompt import Prompt
 from tephra.rollout.multimodal import (
     VISION_TOKENS,
-    MultimodalInputs,
     VisionProcessor,
 )
+
+if TYPE_CHECKING:  # PIL is imported where images are decoded: text-only runs never load it
+    from PIL import Image as PILImage
 
 IMAGE_PLACEHOLDER = "<image>"
 """verl's marker of an image in a message's text."""
@@ -39,23 +41,13 @@ VIDEO_PLACEHOLDER = "<video>"
 """verl's marker of a video in a message's text."""
 
 
-@dataclass
-class MultimodalPrompt:
-    """One prompt with its images, ready for rollout."""
-
-    record: PromptRecord
-    """The row's messages (placeholders kept), data_source, ground truth and extra_info."""
-    prompt_ids: list[int]
-    """Chat-template token ids, each image expanded to its number of `<|image_pad|>` tokens."""
-    multimodal: MultimodalInputs | None
-    """The images' pixel values and grids; None for a row without images."""
-
-
 def _fail(index: int, where: str, why: str, field: str = "images") -> DatasetError:
     return DatasetError(f"row {index} of {where}: field {field!r} {why}")
 
 
-def decode_image(value: Any, index: int, where: str, base_dir: Path | None = None):
+def decode_image(
+    value: Any, index: int, where: str, base_dir: Path | None = None
+) -> PILImage.Image:
     """One `images` entry -> an RGB PIL image; errors name the row, the entry and the fix."""
     # PIL only here: text-only runs never decode images
     from PIL import Image, UnidentifiedImageError
@@ -197,14 +189,14 @@ def multimodal_prompt_from_row(
     where: str,
     processor: VisionProcessor,
     base_dir: Path | None = None,
-) -> MultimodalPrompt:
+) -> Prompt:
     """Validate a verl multimodal row and process its images and prompt."""
     record = record_from_row(row, index, where)
     images = row_images(row, index, where, base_dir)
     videos = row_videos(row, index, where, base_dir)
-    messages = with_vision_spans(record.prompt, index, where, processor, len(images), len(videos))
+    messages = with_vision_spans(record.messages, index, where, processor, len(images), len(videos))
     if not images and not videos:
-        return MultimodalPrompt(record, chat_prompt_ids(processor.tokenizer, messages), None)
+        return replace(record, prompt_ids=chat_prompt_ids(processor.tokenizer, messages))
     # render as text, then expand: each image gets exactly its grid's number of tokens
     text = processor.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
@@ -214,10 +206,10 @@ def multimodal_prompt_from_row(
         processor.check(ids, mm, "")
     except ConfigError as exc:
         raise DatasetError(f"row {index} of {where}{exc}") from None
-    return MultimodalPrompt(record, ids, mm)
+    return replace(record, prompt_ids=ids, multimodal=mm)
 
 
-def load_multimodal_parquet(path: str | Path, processor: VisionProcessor) -> list[MultimodalPrompt]:
+def load_multimodal_parquet(path: str | Path, processor: VisionProcessor) -> list[Prompt]:
     """Rows of a verl multimodal parquet file (relative image paths: next to the file)."""
     import pyarrow.parquet as pq  # heavy: only parquet data needs it
 

@@ -1,7 +1,8 @@
 """Prompt data: verl-format parquet, Hugging Face datasets, reasoning-gym tasks.
 
-Every source becomes a list of `PromptRecord` (the verl row format):
-    prompt        list of chat messages [{"role": ..., "content": ...}]
+Every source becomes a list of `Prompt` (`tephra.episodes.prompt`, the one prompt type of the
+plain and the agent path), from the verl row format:
+    prompt        list of chat messages [{"role": ..., "content": ...}] (`Prompt.messages`)
     data_source   name that selects the reward scorer (e.g. "gsm8k", "reasoning_gym/basic_arithmetic")
     ground_truth  the answer the scorer compares with (`reward_model.ground_truth` in parquet)
     extra_info    anything else the scorer may need (a dict); verl's agentic fields inside it:
@@ -20,11 +21,11 @@ import hashlib
 import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tephra.engine_api.errors import ConfigError, TephraError
+from tephra.episodes.prompt import Prompt
 from tephra.episodes.prompt_text import empty_prompt_rows, rows_phrase
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.rewards import reasoning_gym_rows
@@ -32,23 +33,6 @@ from tephra.episodes.rewards import reasoning_gym_rows
 
 class DatasetError(TephraError, ValueError):
     """A data file or row cannot be used; the message names the row, the field and the fix."""
-
-
-@dataclass
-class PromptRecord:
-    prompt: list[dict[str, str]]
-    data_source: str
-    ground_truth: Any
-    extra_info: dict[str, Any] = field(default_factory=dict)
-    tool_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per tool name, the keyword arguments of its `create` for this row (verl's
-    `extra_info.tools_kwargs[tool].create_kwargs`)."""
-    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
-    """The environment's arguments for this row (verl's `extra_info.interaction_kwargs`)."""
-    agent_name: str | None = None
-    """The episode that runs this row (verl's `agent_name` column); None: the configured one."""
-    origin: str = ""
-    """Where the row comes from (`row 17 of train.parquet`), for error messages."""
 
 
 _UNUSED_TOOL_KWARGS = ("execute_kwargs", "calc_reward_kwargs", "release_kwargs")
@@ -93,7 +77,7 @@ def agentic_fields(
     return tool_kwargs, {k: v for k, v in interaction.items() if v is not None}, agent or None
 
 
-def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord:
+def record_from_row(row: dict[str, Any], index: int, where: str) -> Prompt:
     """Validate one verl-format row; errors name the row and the missing field."""
 
     def fail(field_name: str, why: str) -> DatasetError:
@@ -145,7 +129,7 @@ def record_from_row(row: dict[str, Any], index: int, where: str) -> PromptRecord
     if not isinstance(extra, dict):
         raise fail("extra_info", f"is {type(extra).__name__}, not a dict (or a JSON object)")
     tool_kwargs, interaction_kwargs, agent_name = agentic_fields(row, extra, fail)
-    return PromptRecord(
+    return Prompt(
         messages,
         source,
         truth,
@@ -171,7 +155,7 @@ def _text(value: Any, fail: Callable[[str, str], DatasetError], field_name: str)
         ) from None
 
 
-def load_parquet(path: str | Path) -> list[PromptRecord]:
+def load_parquet(path: str | Path) -> list[Prompt]:
     """Rows of a verl-format parquet file."""
     import pyarrow.parquet as pq  # heavy: only parquet data needs it
 
@@ -201,7 +185,7 @@ DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", 
 """File suffix -> the `datasets` builder that reads it (`load_hf_dataset` of a single file)."""
 
 
-def load_hf_dataset(name: str, split: str = "train") -> list[PromptRecord]:
+def load_hf_dataset(name: str, split: str = "train") -> list[Prompt]:
     """Rows of a Hugging Face dataset, each validated as a verl-format row.
 
     `name` is one of: a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`
@@ -259,10 +243,10 @@ def load_hf_dataset(name: str, split: str = "train") -> list[PromptRecord]:
     return refuse_empty_prompts(records, where)
 
 
-def refuse_empty_prompts(records: list[PromptRecord], where: str) -> list[PromptRecord]:
+def refuse_empty_prompts(records: list[Prompt], where: str) -> list[Prompt]:
     """`records`, unless a prompt has no text (only whitespace, or nothing, in every message):
     then a DatasetError naming how many and which rows of `where`."""
-    empty = empty_prompt_rows([r.prompt for r in records])
+    empty = empty_prompt_rows([r.messages for r in records])
     if empty:
         raise DatasetError(
             f"{len(empty)} of {len(records)} prompts of {where} are empty (no text in any "
@@ -283,9 +267,9 @@ def reasoning_gym_records(
     seed: int,
     task_config: dict[str, Any] | None = None,
     instruction: str = DEFAULT_INSTRUCTION,
-) -> list[PromptRecord]:
+) -> list[Prompt]:
     """`size` items of a reasoning-gym task, generated offline and reproducibly by `seed`: the
-    rows of `tephra.episodes.rewards.reasoning_gym_rows` as prompt records, `instruction`
+    rows of `tephra.episodes.rewards.reasoning_gym_rows` as prompts, `instruction`
     appended to each question."""
     try:
         # the prompt asks for just the number, so the last number is the answer
@@ -301,8 +285,8 @@ def reasoning_gym_records(
         question = row["question"]
         content = f"{question}\n{instruction}" if instruction else question
         out.append(
-            PromptRecord(
-                prompt=[{"role": "user", "content": content}],
+            Prompt(
+                messages=[{"role": "user", "content": content}],
                 data_source=row["data_source"],
                 ground_truth=row["ground_truth"],
                 # the entry travels as JSON (the episodes package's reasoning_gym scorer format)
@@ -321,11 +305,11 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
 
 
 def tokenize_prompts(
-    records: list[PromptRecord],
+    records: list[Prompt],
     tokenizer: Any,
     max_prompt_tokens: int,
     render: Callable[[list[dict]], list[int]] | None = None,
-) -> tuple[list[list[int]], list[PromptRecord], int]:
+) -> tuple[list[list[int]], list[Prompt], int]:
     """Chat-template token ids of each prompt; returns (ids, kept records, number dropped).
 
     `render` turns a prompt's messages into ids (default: the tokenizer's chat template; an
@@ -336,7 +320,7 @@ def tokenize_prompts(
     render = render or (lambda messages: chat_prompt_ids(tokenizer, messages))
     ids, kept, dropped = [], [], 0
     for rec in records:
-        toks = render(rec.prompt)
+        toks = render(rec.messages)
         if len(toks) > max_prompt_tokens:
             dropped += 1
             continue

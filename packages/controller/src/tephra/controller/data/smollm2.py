@@ -49,9 +49,10 @@ def smollm2_folder() -> Path:
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(model.config, attr):
             delattr(model.config, attr)
-    model.hf_quantizer = None
+    # torch types `Module.__setattr__`'s value as Tensor | Module; it takes any value
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model, "is_quantized"):
-        model.is_quantized = False
+        model.is_quantized = False  # type: ignore[assignment]
     model.config.dtype = "float32"
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write to a temporary folder then rename, so a killed conversion never leaves a

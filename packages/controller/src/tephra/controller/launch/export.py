@@ -40,7 +40,7 @@ ROLES = ("actor", "critic", "prime_rm")
 
 
 def _export_rank(
-    cfg, model_path: str, role: str, checkpoint: str, out: str, adapter: bool = False
+    cfg: PPOConfig, model_path: str, role: str, checkpoint: str, out: str, adapter: bool = False
 ) -> str:
     """One rank: build the role's engine as the run did, load the checkpoint, export."""
     torch.set_num_threads(1)
@@ -96,7 +96,7 @@ def export_checkpoint(
             f"run with actor.engine={cfg.actor.engine!r}, actor.lora.rank="
             f"{cfg.actor.lora.rank}. Export without --adapter for the full (merged) model"
         )
-    model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
+    model_path = resolve_model_path(cfg.policy_path, cfg.trainer.seed)
     out = Path(out).expanduser().resolve()
     run_distributed(
         _export_rank,

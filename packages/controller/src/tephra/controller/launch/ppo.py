@@ -11,9 +11,9 @@ when built, and `prepare` resolves the model folder, the tools file and the data
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -30,7 +30,6 @@ from tephra.controller.data.code_problems import code_problem_records
 from tephra.controller.data.colour_squares import colour_square_rows
 from tephra.controller.data.multimodal import load_multimodal_parquet, multimodal_prompt_from_row
 from tephra.controller.data.prompts import (
-    PromptRecord,
     check_same_data,
     dataset_fingerprint,
     load_hf_dataset,
@@ -58,13 +57,15 @@ from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError
 from tephra.engine_api.multimodal import is_vision_config, supported_model_types
 from tephra.episodes.agent import ChatTemplateDelta
+from tephra.episodes.environments.remote import served_environment
+from tephra.episodes.prompt import Prompt
 from tephra.episodes.tools import load_tools
 from tephra.rollout.multimodal import VisionProcessor
 
 BUNDLED_TOOLS = Path(__file__).parents[1] / "tools"
 
 
-def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def load_records(cfg: PPOConfig) -> tuple[list[Prompt], list[Prompt]]:
     """Training and held-out records of `cfg.data` (rows naming an `agent_name` need
     `rollout.agent_loop`: the batched path runs no episode)."""
     train, val = _load_records(cfg)
@@ -80,7 +81,7 @@ def load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]
     return train, val
 
 
-def _load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def _load_records(cfg: PPOConfig) -> tuple[list[Prompt], list[Prompt]]:
     d = cfg.data
     if d.source == "reasoning_gym":
         return (
@@ -93,7 +94,7 @@ def _load_records(cfg: PPOConfig) -> tuple[list[PromptRecord], list[PromptRecord
     if not d.train_files:
         raise ConfigError(f"data.source={d.source!r} needs data.train_files to train on")
 
-    def load(spec: str) -> list[PromptRecord]:
+    def load(spec: str) -> list[Prompt]:
         if d.source == "parquet":
             return load_parquet(spec)
         name, _, split = spec.partition(":")
@@ -144,7 +145,7 @@ def load_image_prompts(cfg: PPOConfig, model_path: str) -> tuple[Prompts, Prompt
         kept = [p for p in prompts if len(p.prompt_ids) <= limit]
         dropped += len(prompts) - len(kept)
         return Prompts(
-            [p.prompt_ids for p in kept], [p.record for p in kept], [p.multimodal for p in kept]
+            [cast(list[int], p.prompt_ids) for p in kept], kept, [p.multimodal for p in kept]
         )
 
     return fit(train), fit(val), dropped
@@ -184,8 +185,8 @@ def prepare(cfg: PPOConfig) -> Prepared:
     prompts; probe the running servers it names. Fails before Ray starts."""
     validate(cfg)
     check_server_urls(cfg)  # here, not at config load: `--print-config` needs no server
-    model_path = resolve_model_path(cfg.model.path, cfg.trainer.seed)
-    if named_model_folder(cfg.model.path) is not None:
+    model_path = resolve_model_path(cfg.policy_path, cfg.trainer.seed)
+    if named_model_folder(cfg.policy_path) is not None:
         check_engine_support(cfg, model_path)  # built just now: its shape was not known yet
     tokenizer = load_tokenizer(model_path)
     for recipe in enabled_recipes(cfg):  # e.g. the distillation teacher's tokenizer
@@ -247,6 +248,9 @@ def config_to_save(cfg: Any) -> dict:
     for server in ("vllm", "sglang"):
         if "rollout" in saved and saved["rollout"][server]["api_key"] not in (None, "auto"):
             saved["rollout"][server]["api_key"] = "<redacted: pass it on the command line>"
+    remote = saved.get("rollout", {}).get("agent", {}).get("environment_kwargs", {})
+    if remote.get("api_key") is not None:
+        remote["api_key"] = "<redacted: pass it on the command line>"
     return saved
 
 
@@ -302,17 +306,27 @@ def stopped_summary(stop: StopSignal, run_dir: Path) -> dict:
 
 
 def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dict:
-    """The run's judge server (`judge_server`, when it needs one), the worker groups built
-    on the Ray session and the loop run; they are torn down however it ends."""
-    if not needs_judge_server(cfg):
-        return train_groups(cfg, p, clock, stop)
-    judge = JudgeServer(cfg)
-    print(f"judge server: {judge.url} (one for the run)", flush=True)
-    clock.lap("judge_server")
-    try:
-        return train_groups(judge.cfg, p, clock, stop)
-    finally:
-        judge.close()
+    """The run's servers (the environment server of a `remote` environment without a URL,
+    the judge server, when it needs them), the worker groups built on the Ray session and
+    the loop run; they are torn down however it ends."""
+    with served_environment(
+        cfg.rollout.agent,
+        p.tools_file,
+        p.run_dir / "environment_server.log",
+        ray.util.get_node_ip_address(),
+    ) as agent:
+        if agent is not cfg.rollout.agent:
+            cfg = replace(cfg, rollout=replace(cfg.rollout, agent=agent))
+            clock.lap("environment_server")
+        if not needs_judge_server(cfg):
+            return train_groups(cfg, p, clock, stop)
+        judge = JudgeServer(cfg)
+        print(f"judge server: {judge.url} (one for the run)", flush=True)
+        clock.lap("judge_server")
+        try:
+            return train_groups(judge.cfg, p, clock, stop)
+        finally:
+            judge.close()
 
 
 def train_groups(  # noqa: PLR0915 (one builder per group; they share the closures' state)

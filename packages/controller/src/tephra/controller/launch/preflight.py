@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.controller.cluster import worker_group
@@ -25,7 +25,14 @@ from tephra.rollout.registry import ROLLOUT_BACKENDS
 from tephra.rollout.weight_transport import Placement, choose_transport
 
 if TYPE_CHECKING:  # rl_config runs `validate` when a PPOConfig is built
-    from tephra.controller.config.tree import PPOConfig, ResourcesSection, TrainerSection
+    from tephra.controller.config.tree import (
+        EngineRoleConfig,
+        PPOConfig,
+        ResourcesSection,
+        TrainerSection,
+    )
+
+RoleConfig = TypeVar("RoleConfig", bound="EngineRoleConfig")
 
 
 def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:
@@ -39,7 +46,7 @@ def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:
         train if not r.rollout.replicas else "cuda" if r.rollout.gpus_per_replica > 0 else "cpu"
     )
 
-    def role(section, dtype: str):
+    def role(section: RoleConfig, dtype: str) -> RoleConfig:
         return replace(section, precision=replace(section.precision, param_dtype=dtype))
 
     actor = resolve_dtype(cfg.actor.precision.param_dtype, train)
@@ -49,7 +56,7 @@ def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:
         actor=role(cfg.actor, actor),
         # the critic's `auto` is the actor's dtype, as its field says (an fp32 actor, an fp32
         # critic, whatever the machine's fastest dtype)
-        critic=role(cfg.critic, actor if critic == "auto" else critic),
+        critic=role(cfg.critic, actor if critic == "auto" else resolve_dtype(critic, train)),
         rollout=replace(cfg.rollout, dtype=resolve_dtype(cfg.rollout.dtype, rollout)),
     )
 
@@ -472,7 +479,7 @@ def check_vision_family(cfg: PPOConfig) -> None:
     """A vision-language `model.path` (its config.json has a `vision_config`) is of a family
     tephra has an adapter for (`tephra.engine_api.multimodal.VISION_FAMILIES`); a named tiny
     model not built yet is one of them."""
-    folder = declared_model_folder(cfg.model.path, cfg.trainer.seed)
+    folder = declared_model_folder(cfg.policy_path, cfg.trainer.seed)
     hf_config = declared_hf_config(replace(cfg.model, path=folder))
     if hf_config.get("vision_config") is None:
         return
@@ -553,7 +560,7 @@ def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> Non
         )
     # CPU ranks are told so; GPU ranks may sit on other nodes than this driver's ("auto")
     device = "auto" if cfg.resources.gpus_per_rank > 0 else "cpu"
-    roles = [("actor", cfg.actor, "policy")]
+    roles: list[tuple[str, EngineRoleConfig, str]] = [("actor", cfg.actor, "policy")]
     if a.needs("values"):
         roles.append(("critic", cfg.critic, "value"))
     for section, role_cfg, role in roles:
@@ -561,7 +568,7 @@ def check_engine_support(cfg: PPOConfig, model_folder: str | None = None) -> Non
         # the backend reads the model's config.json where there is one (its shape against the
         # parallel layout); nothing is built or converted here
         model = replace(
-            cfg.model, path=model_folder or declared_model_folder(cfg.model.path, cfg.trainer.seed)
+            cfg.model, path=model_folder or declared_model_folder(cfg.policy_path, cfg.trainer.seed)
         )
         try:
             engine_cls.check_config(

@@ -9,6 +9,7 @@ import urllib.request
 from typing import TYPE_CHECKING
 
 from tephra.core.errors import ConfigError
+from tephra.episodes.environments.remote import check_remote_server
 from tephra.rollout.base import ServerLaunch
 
 if TYPE_CHECKING:
@@ -53,8 +54,9 @@ def check_server_url(field_name: str, urls: str, timeout_s: float = PROBE_TIMEOU
 
 
 def check_server_urls(cfg: PPOConfig, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """The running servers the config uses: the judge's (`reward.judge.<backend>.url`) and
-    the rollout's (`rollout.<backend>.url`)."""
+    """The running servers the config uses: the judge's (`reward.judge.<backend>.url`), the
+    rollout's (`rollout.<backend>.url`) and a remote environment's
+    (`rollout.agent.environment_kwargs.url`, which must serve the environment named)."""
     judge = cfg.reward.judge
     settings = getattr(judge, judge.backend, None)
     if judge.enabled and isinstance(settings, ServerLaunch) and settings.url:
@@ -62,3 +64,7 @@ def check_server_urls(cfg: PPOConfig, timeout_s: float = PROBE_TIMEOUT_S) -> Non
     settings = getattr(cfg.rollout, cfg.rollout.backend, None)
     if isinstance(settings, ServerLaunch) and settings.url:
         check_server_url(f"rollout.{cfg.rollout.backend}.url", settings.url, timeout_s)
+    agent = cfg.rollout.agent
+    if cfg.rollout.uses_agent_loop and agent.environment == "remote":
+        if agent.environment_kwargs.get("url"):  # without one, the run starts the server
+            check_remote_server(agent.environment_kwargs, timeout_s)

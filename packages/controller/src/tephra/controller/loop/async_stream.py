@@ -40,14 +40,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tephra.controller.data.prompts import PromptLoader
-from tephra.controller.samples import PromptItem, Sample
+from tephra.controller.samples import Prompt, Sample
 
 
 @dataclass
 class Admitted:
     """A prompt group sent to a replica, and its samples once they are back."""
 
-    item: PromptItem
+    item: Prompt
     index: int
     """The prompt's index in the training set."""
     order: int
@@ -111,15 +111,13 @@ class SampleStream:
             if room < 1:
                 self.held_back += 1
                 return
-            groups = []
+            groups: list[Admitted] = []
             for _ in range(room):
                 if not self.queue:
                     self.queue.extend(self.loader.next_indices())
                 index = self.queue.pop(0)
                 order = self.sent + len(groups)
-                item = PromptItem(
-                    self.prompts.ids[index], self.prompts.records[index], f"async{order}"
-                )
+                item = self.prompts.item(index, f"async{order}")
                 groups.append(Admitted(item, index, order, version + self.window))
             # seeded by the request's first group (one group per request: as before)
             sampling = self.sampling.replace(seed=self.seed * 1_000_003 + 7_919 * self.sent)
@@ -140,7 +138,7 @@ class SampleStream:
         self.queue = [int(i) for i in state["owed"]]
         self.sent = int(state["sent"])
 
-    def next_batch(self, version: int) -> tuple[list[PromptItem], list[int], list[Sample]]:
+    def next_batch(self, version: int) -> tuple[list[Prompt], list[int], list[Sample]]:
         """The next step's groups (items, training-set indices, samples prompt-major) for a
         trainer at weight `version`."""
         waited = 0

@@ -13,7 +13,7 @@ from tephra.controller.config.tree import PPOConfig
 from tephra.controller.data.prompts import PromptLoader
 from tephra.controller.loop.generate_ahead import GenerateAhead
 from tephra.controller.run.checkpoints import CheckpointManager
-from tephra.controller.samples import PromptItem
+from tephra.controller.samples import Prompt
 from tephra.controller.step.rounds import Prompts, read_pending, write_pending
 
 
@@ -34,7 +34,7 @@ class RunState(Protocol):
     wg: WorkerGroup
 
     def groups(self) -> list[WorkerGroup]: ...
-    def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]: ...
+    def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[Prompt]: ...
 
 
 class RunCheckpoints:

@@ -36,8 +36,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -60,12 +61,11 @@ from tephra.controller.run.memory_metrics import memory_metrics, process_memory
 from tephra.controller.run.object_store import object_store_metrics
 from tephra.controller.run.trackers import Trackers, plot_curves, read_jsonl
 from tephra.controller.samples import (
-    PromptItem,
+    Prompt,
     Sample,
     agent_metrics,
     group_ids,
     samples_to_batch,
-    set_score,
 )
 from tephra.controller.step.advantages import (
     kl_controller,
@@ -95,6 +95,9 @@ from tephra.controller.step.scoring import check_advantages, check_not_all_faile
 from tephra.controller.step.skip_flat import can_skip_flat, flat_groups
 from tephra.core.config import to_dict
 from tephra.rollout.base import SamplingParams
+
+if TYPE_CHECKING:
+    from tephra.controller.workers.rollout_replicas import RolloutReplicas
 
 
 class RoleCalls:
@@ -209,7 +212,8 @@ class Trainer:
         to the reward pool) or built here."""
         self.make_replicas = make_replicas
         """Builds the rollout replicas of a separate pool (`resources.rollout.replicas`)."""
-        self.replicas = self.stream = None
+        self.replicas: RolloutReplicas | None = None
+        self.stream: SampleStream | None = None
         self.stream_state: dict[str, Any] | None = None
         """The async stream's saved state (prompts owed) from the checkpoint resumed from."""
         if make_replicas is not None:
@@ -217,17 +221,17 @@ class Trainer:
 
     def connect_replicas(self) -> None:
         """Start the replicas, give them the actor's weights, and (async) open the stream."""
-        self.replicas = self.make_replicas()
+        replicas = self.replicas = self.make_replicas()
         try:
-            self.replicas.connect(self.wg, self.step)
+            replicas.connect(self.wg, self.step)
         except BaseException:
-            self.replicas.close()
+            replicas.close()
             raise
-        self.replicas.version = self.step
+        replicas.version = self.step
         t = self.cfg.trainer
         if t.mode == "async":
-            self.stream = SampleStream(
-                self.replicas,
+            stream = self.stream = SampleStream(
+                replicas,
                 self.loader,
                 self.train,
                 self.sampling,
@@ -238,19 +242,13 @@ class Trainer:
                 t.async_groups_per_request,
             )
             if self.stream_state is not None:  # resumed before the stream existed
-                self.stream.restore(self.stream_state)
+                stream.restore(self.stream_state)
 
     # ----- stages ------------------------------------------------------------------------
-    def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[PromptItem]:
-        mm = prompts.multimodal
-        return [
-            PromptItem(
-                prompts.ids[i], prompts.records[i], f"{tag}-{j}", mm[i] if mm is not None else None
-            )
-            for j, i in enumerate(indices)
-        ]
+    def items(self, indices: list[int], prompts: Prompts, tag: str) -> list[Prompt]:
+        return [prompts.item(i, f"{tag}-{j}") for j, i in enumerate(indices)]
 
-    def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+    def generate(self, items: list[Prompt], sampling: Any) -> list[Sample]:
         """Samples of `items` (prompt-major, `sampling.n` each) with their scores."""
         if self.replicas is not None:
             return self.check_scores(self.replicas.generate(items, sampling))
@@ -258,16 +256,15 @@ class Trainer:
         return self.attach_scores(samples)
 
     def check_scores(self, samples: list[Sample]) -> list[Sample]:
-        check_not_all_failed([s.reward_error for s in samples])
+        check_not_all_failed([s.reward.error for s in samples])
         return samples
 
     def attach_scores(self, samples: list[Sample]) -> list[Sample]:
-        results = self.wg.collect_scores()
-        self.reward_seconds = max((r.seconds for r in results), default=0.0)
-        for sample, result in zip(samples, results, strict=True):
-            set_score(sample, result)
-        check_not_all_failed([s.reward_error for s in samples])
-        return samples
+        scores = self.wg.collect_scores()
+        self.reward_seconds = scores.seconds
+        for sample, reward in zip(samples, scores.rewards, strict=True):
+            sample.reward = reward
+        return self.check_scores(samples)
 
     def validate_and_log(self, trackers: Trackers, what: str, when: str) -> float:
         """Validation before or after training: logged, printed with its time, returned."""
@@ -378,14 +375,12 @@ class Trainer:
         """ReMax's baseline: the reward of the greedy response to each sample's prompt [B]."""
         n = self.cfg.batch.samples_per_prompt
         items = [
-            PromptItem(
-                rnd.items[g].prompt_ids, rnd.items[g].record, f"{rnd.items[g].sample_id}-greedy"
-            )
+            replace(rnd.items[g], sample_id=f"{rnd.items[g].sample_id}-greedy")
             for rnd in rounds
             for g in rnd.kept_groups
         ]
         greedy = self.generate(items, self.greedy)
-        return torch.tensor([g.score for g in greedy for _ in range(n)], dtype=torch.float32)
+        return torch.tensor([g.reward.score for g in greedy for _ in range(n)], dtype=torch.float32)
 
     # ----- the data-parallel split -------------------------------------------------------
     def on_ranks(self, method: str, batch: TensorDict, role: str = "actor", **options: Any) -> Any:
@@ -534,8 +529,8 @@ class Trainer:
         state.lap("reward_wait")
         state.names = [name for r in state.rounds for name in r.kept_names()]
         # before float32: a float64 score of 1e308 would already be inf there
-        check_rewards([s.score for s in state.samples], state.names, self.cfg.reward.max_abs)
-        raw = torch.tensor([s.score for s in state.samples], dtype=torch.float32)
+        check_rewards([s.reward.score for s in state.samples], state.names, self.cfg.reward.max_abs)
+        raw = torch.tensor([s.reward.score for s in state.samples], dtype=torch.float32)
         shaping = length_shaping(self.cfg, state.samples)
         state.scores = raw + shaping
         if self.cfg.algorithm.overlong_buffer:
@@ -757,8 +752,9 @@ class Trainer:
             records = read_jsonl(self.run_dir / "metrics.jsonl")
             if records:
                 plot_curves(records, self.run_dir / "curves.png")
-                summary["time_share"] = time_share(records)
-                print(format_time_share(summary["time_share"]), flush=True)
+                share = time_share(records)
+                summary["time_share"] = share
+                print(format_time_share(share), flush=True)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 

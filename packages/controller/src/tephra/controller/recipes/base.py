@@ -28,15 +28,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 from tensordict import TensorDict
 
-from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.samples import Sample
 from tephra.controller.step.rounds import Round
 from tephra.core.registry import Registry
+from tephra.engine_api.loss import LossFn
+from tephra.episodes.prompt import Prompt
 
 if TYPE_CHECKING:
     from tephra.controller.config.tree import PPOConfig
-
-LossFn = Callable[[TensorDict, TensorDict], Any]
 
 
 @dataclass(frozen=True)
@@ -91,6 +90,9 @@ class StepState:
     metrics: dict[str, float] = field(default_factory=dict)
     scores: torch.Tensor | None = None
     """[batch] the samples' scores (with length shaping) once scored."""
+    names: list[str] = field(default_factory=list)
+    """[batch] each sample as an error message names it (prompt id, dataset row,
+    data_source), set when the samples are scored."""
     forward_passes: int = 0
     trained_passes: int = 0
     train_actor: bool = True
@@ -124,7 +126,7 @@ class Recipe:
         Ray starts; called whether or not it is enabled)."""
 
     @classmethod
-    def check_data(cls, cfg: PPOConfig, records: list[PromptRecord], where: str) -> None:
+    def check_data(cls, cfg: PPOConfig, records: list[Prompt], where: str) -> None:
         """Refuse training prompts the recipe cannot use (`where` names the file), before Ray
         starts; called when it is enabled."""
 

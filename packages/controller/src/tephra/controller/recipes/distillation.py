@@ -92,7 +92,9 @@ class Distillation(Recipe):
 
     @classmethod
     def check_models(cls, cfg: PPOConfig, tokenizer: Any) -> None:
-        check_teacher(cfg.algorithm.distillation.teacher_path, cfg.trainer.seed, tokenizer)
+        teacher = cfg.algorithm.distillation.teacher_path
+        assert teacher is not None  # the recipe is enabled by a teacher
+        check_teacher(teacher, cfg.trainer.seed, tokenizer)
 
     def roles(self) -> tuple[EngineRole, ...]:
         # forward-only, with the reference (on its pool when it has one)

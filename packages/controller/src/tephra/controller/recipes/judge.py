@@ -16,7 +16,7 @@ def judge_metrics(samples: list[Sample]) -> dict[str, float]:
     """`reward/judge_mean` (the judge's mean score, before the weights mix it with the rule
     score), `reward/judge_fallbacks` and `reward/judge_timeouts` (the step's samples the judge
     scored with the fallback / timed out on); {} when nothing was judged."""
-    judged = [s.reward_extras for s in samples if "judge_fallback" in s.reward_extras]
+    judged = [s.reward.extras for s in samples if "judge_fallback" in s.reward.extras]
     if not judged:
         return {}
     return {

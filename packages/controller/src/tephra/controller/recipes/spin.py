@@ -20,10 +20,10 @@ import torch
 from tensordict import TensorDict
 
 from tephra.algos import SpinObjective, spin_pair_columns
-from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.recipes.base import RECIPES, EngineRole, LossFn, Recipe, StepState
 from tephra.controller.samples import Sample, samples_to_batch
 from tephra.core.errors import ConfigError
+from tephra.episodes.prompt import Prompt
 
 if TYPE_CHECKING:
     from tephra.controller.config.tree import PPOConfig
@@ -33,18 +33,16 @@ SOURCES_WITHOUT_ANSWERS = {
 }
 
 
-def reference_response(tokenizer: Any, record: PromptRecord) -> list[int]:
+def reference_response(tokenizer: Any, record: Prompt) -> list[int]:
     """The chosen response of a prompt: its reference answer's tokens, then end-of-sequence."""
     ids = tokenizer.encode(str(record.ground_truth), add_special_tokens=False)
     eos = tokenizer.eos_token_id
     return list(ids) + ([eos] if eos is not None else [])
 
 
-def pair_samples(
-    samples: list[Sample], records: list[PromptRecord], tokenizer: Any
-) -> list[Sample]:
+def pair_samples(samples: list[Sample], records: list[Prompt], tokenizer: Any) -> list[Sample]:
     """[chosen_0, rejected_0, chosen_1, rejected_1, ...]: each generated sample (rejected)
-    after its prompt's reference answer (chosen); `records[i]` is sample i's prompt record.
+    after its prompt's reference answer (chosen); `records[i]` is sample i's prompt.
     The chosen rows carry log-probs 0 (no rollout sampled them; SPIN reads none)."""
     out: list[Sample] = []
     for sample, record in zip(samples, records, strict=True):
@@ -65,7 +63,7 @@ def pair_samples(
 
 
 def spin_batch(
-    samples: list[Sample], records: list[PromptRecord], tokenizer: Any
+    samples: list[Sample], records: list[Prompt], tokenizer: Any
 ) -> tuple[TensorDict, list[Sample]]:
     """The step's training batch of pairs (`pair_samples`, with `spin_pair_columns`) and the
     pairs; its advantages are 0 (SPIN's loss reads none)."""
@@ -90,7 +88,7 @@ def write_pairs(path: Path, pairs: list[Sample], tokenizer: Any) -> None:
                 "response_ids": s.response_ids,
                 "prompt": tokenizer.decode(s.prompt_ids),
                 "response": tokenizer.decode(s.response_ids),
-                "score": None if i % 2 == 0 else s.score,
+                "score": None if i % 2 == 0 else s.reward.score,
             }
             f.write(json.dumps(row) + "\n")
 
@@ -152,7 +150,7 @@ class Spin(Recipe):
             )
 
     @classmethod
-    def check_data(cls, cfg: PPOConfig, records: list[PromptRecord], where: str) -> None:
+    def check_data(cls, cfg: PPOConfig, records: list[Prompt], where: str) -> None:
         """Every training prompt has a reference answer (the chosen response), else refuse
         naming the first row without one."""
         for i, r in enumerate(records):
@@ -172,7 +170,7 @@ class Spin(Recipe):
 
     def after_generation(self, state: StepState) -> None:
         n = self.cfg.batch.samples_per_prompt
-        records = [r.items[g].record for r in state.rounds for g in r.kept_groups for _ in range(n)]
+        records = [r.items[g] for r in state.rounds for g in r.kept_groups for _ in range(n)]
         state.batch, pairs = spin_batch(state.samples, records, state.tokenizer)
         state.dump = lambda path: write_pairs(path, pairs, state.tokenizer)
 

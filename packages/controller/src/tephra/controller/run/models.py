@@ -23,11 +23,13 @@ def resolve_model_path(path: str, seed: int = 0) -> str:
         return str(smollm2_folder())
     if path == "tiny":
         folder = named_model_folder(path, seed)
+        assert folder is not None  # a named model
         if not (folder / "config.json").exists():
             build_tiny_model(folder, seed=seed)
         return str(folder)
     if path in TINY_VLMS:
         folder = named_model_folder(path, seed)
+        assert folder is not None  # a named model
         if not (folder / "preprocessor_config.json").exists():  # written last
             build_tiny_vlm(folder, seed=seed, family=TINY_VLMS[path])
         return str(folder)

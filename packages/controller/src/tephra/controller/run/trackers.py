@@ -17,7 +17,7 @@ from typing import Any
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.registry import Registry
 
-TRACKERS: Registry[type] = Registry("tracker")
+TRACKERS: Registry[type[Tracker]] = Registry("tracker")
 
 
 class Tracker:
@@ -35,16 +35,16 @@ class Tracker:
 class JsonlTracker(Tracker):
     """One JSON object per step in `run_dir/metrics.jsonl` (appends, so resumed runs continue)."""
 
-    def __init__(self, run_dir, project, run_name, config):
+    def __init__(self, run_dir: Path, project: str, run_name: str, config: dict[str, Any]) -> None:
         super().__init__(run_dir, project, run_name, config)
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
 
-    def log(self, metrics, step):
+    def log(self, metrics: dict[str, float], step: int) -> None:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
 
-    def close(self):
+    def close(self) -> None:
         self._file.close()
 
 
@@ -64,7 +64,7 @@ class ConsoleTracker(Tracker):
         "time/step_s",
     )
 
-    def log(self, metrics, step):
+    def log(self, metrics: dict[str, float], step: int) -> None:
         keys = [k for k in self.KEYS if k in metrics] or list(metrics)
         parts = [
             f"{k.split('/')[-1] if k != 'accuracy/val' else 'val_acc'}={metrics[k]:.4g}"
@@ -78,19 +78,19 @@ class ConsoleTracker(Tracker):
 class TensorBoardTracker(Tracker):
     """Scalars under `run_dir/tensorboard`."""
 
-    def __init__(self, run_dir, project, run_name, config):
+    def __init__(self, run_dir: Path, project: str, run_name: str, config: dict[str, Any]) -> None:
         super().__init__(run_dir, project, run_name, config)
         from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard
 
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
-    def log(self, metrics, step):
+    def log(self, metrics: dict[str, float], step: int) -> None:
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
                 self.writer.add_scalar(k, v, step)
         self.writer.flush()
 
-    def close(self):
+    def close(self) -> None:
         self.writer.close()
 
 
@@ -112,7 +112,7 @@ class WandbTracker(Tracker):
     metrics, then a validation score) lands in one history row.
     """
 
-    def __init__(self, run_dir, project, run_name, config):
+    def __init__(self, run_dir: Path, project: str, run_name: str, config: dict[str, Any]) -> None:
         super().__init__(run_dir, project, run_name, config)
         try:
             import wandb  # optional: the wandb extra
@@ -122,10 +122,10 @@ class WandbTracker(Tracker):
             project=project, name=run_name, config=config, mode="offline", dir=str(run_dir)
         )
 
-    def log(self, metrics, step):
+    def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self):
+    def close(self) -> None:
         self.run.finish()
 
 
@@ -146,7 +146,7 @@ class MlflowTracker(Tracker):
     non-numeric and non-finite values are skipped, as for TensorBoard.
     """
 
-    def __init__(self, run_dir, project, run_name, config):
+    def __init__(self, run_dir: Path, project: str, run_name: str, config: dict[str, Any]) -> None:
         super().__init__(run_dir, project, run_name, config)
         try:
             import alembic  # noqa: F401 (the SQLite store needs it; mlflow-skinny leaves it out)
@@ -169,13 +169,13 @@ class MlflowTracker(Tracker):
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         self.client.log_text(self.run_id, json.dumps(config, indent=1, default=str), "config.json")
 
-    def log(self, metrics, step):
+    def log(self, metrics: dict[str, float], step: int) -> None:
         now_ms = int(time.time() * 1000)
         batch = [self._metric(k, v, now_ms, step) for k, v in _finite_numbers(metrics).items()]
         if batch:
             self.client.log_batch(self.run_id, metrics=batch)
 
-    def close(self):
+    def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
 
@@ -213,10 +213,10 @@ class ClearMLTracker(Tracker):
     cannot be switched back off on a machine without a ClearML server configured).
     """
 
-    def __init__(self, run_dir, project, run_name, config):
+    def __init__(self, run_dir: Path, project: str, run_name: str, config: dict[str, Any]) -> None:
         super().__init__(run_dir, project, run_name, config)
         try:
-            from clearml import Task  # optional: the clearml extra
+            from clearml import Logger, Task  # optional: the clearml extra
         except ImportError:
             raise missing_extra("clearml", "clearml") from None
         Task.set_offline(offline_mode=True)
@@ -224,7 +224,8 @@ class ClearMLTracker(Tracker):
         before = os.environ.get("CLEARML_CACHE_DIR")
         os.environ["CLEARML_CACHE_DIR"] = str((run_dir / "clearml").resolve())
         try:
-            self.task = Task.init(
+            # clearml's `init` returns a TypeVar its `cls` is not annotated with: name the type
+            self.task: Task = Task.init(
                 project_name=project,
                 task_name=run_name,
                 reuse_last_task_id=False,
@@ -243,14 +244,14 @@ class ClearMLTracker(Tracker):
                 os.environ["CLEARML_CACHE_DIR"] = before
         self.task.connect_configuration(config, name="config")
         self.folder = Path(self.task.get_offline_mode_folder())
-        self.logger = self.task.get_logger()
+        self.logger: Logger = self.task.get_logger()
 
-    def log(self, metrics, step):
+    def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in _finite_numbers(metrics).items():
             title, _, series = key.rpartition("/")
             self.logger.report_scalar(title or series, series, value, iteration=step)
 
-    def close(self):
+    def close(self) -> None:
         self.task.close()
 
 
@@ -263,7 +264,7 @@ class SwanLabTracker(Tracker):
     skipped, as for MLflow.
     """
 
-    def __init__(self, run_dir, project, run_name, config):
+    def __init__(self, run_dir: Path, project: str, run_name: str, config: dict[str, Any]) -> None:
         super().__init__(run_dir, project, run_name, config)
         try:
             import swanlab  # optional: the swanlab extra
@@ -277,12 +278,12 @@ class SwanLabTracker(Tracker):
             logdir=str(run_dir / "swanlab"),
         )
 
-    def log(self, metrics, step):
+    def log(self, metrics: dict[str, float], step: int) -> None:
         numbers = _finite_numbers(metrics)
         if numbers:
             self.run.log(numbers, step=step)
 
-    def close(self):
+    def close(self) -> None:
         self.run.finish()
 
 

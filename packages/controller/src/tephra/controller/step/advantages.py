@@ -84,9 +84,9 @@ def reward_components(cfg: PPOConfig, samples: list[Sample]) -> torch.Tensor | N
         return None
     rows = []
     for i, s in enumerate(samples):
-        values = {**s.reward_extras, "score": s.score}
+        values = {**s.reward.extras, "score": s.reward.score}
         missing = [k for k in keys if k not in values]
-        if missing and s.reward_error is None:
+        if missing and s.reward.error is None:
             raise ConfigError(
                 f"algorithm.advantage.gdpo_reward_keys={keys} but the reward of sample {i} "
                 f"has no {missing} (its reward dict held {sorted(values)}); return those "

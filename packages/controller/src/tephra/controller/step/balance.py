@@ -44,9 +44,9 @@ def karmarkar_karp(weights: list[int], parts: int) -> list[list[int]]:
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), k, merged))
     if not heap:
         return [[] for _ in range(parts)]
-    sets = [list(items) for _, items in heap[0][2]]
-    _narrow(weights, sets)
-    return [sorted(s) for s in sets]
+    groups = [list(items) for _, items in heap[0][2]]
+    _narrow(weights, groups)
+    return [sorted(s) for s in groups]
 
 
 def _narrow(weights: list[int], sets: list[list[int]]) -> None:

@@ -10,20 +10,20 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from tephra.controller.data.prompts import PromptRecord
 from tephra.controller.run.evaluation import EvalRow
 from tephra.controller.samples import Sample
+from tephra.episodes.prompt import Prompt
 
 
 def validation_rows(
-    samples: list[Sample], tokenizer: Any, records: list[PromptRecord], n: int
+    samples: list[Sample], tokenizer: Any, records: list[Prompt], n: int
 ) -> list[EvalRow]:
     """The validation samples (prompt-major, `n` per prompt of `records`) as EvalRows."""
     return [
         EvalRow(
             prompt=tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
             response=s.text,
-            score=s.score,
+            score=s.reward.score,
             ground_truth=records[k // n].ground_truth,
             data_source=records[k // n].data_source,
             answer=s.text.strip(),
@@ -46,7 +46,7 @@ def write_train_samples(
         EvalRow(
             prompt=tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
             response=s.text,
-            score=s.score,
+            score=s.reward.score,
             ground_truth=None,
             data_source="",
             answer=s.text.strip(),

@@ -82,7 +82,7 @@ def step_summary(
         "reward/clipped": float(sum(r.clipped for r in rounds)),
         # over every sample generated this step (dropped groups included): the policy's
         # accuracy, not the filtered batch's
-        "accuracy/train": sum(accuracy_of(s.score) for s in all_samples) / len(all_samples),
+        "accuracy/train": sum(accuracy_of(s.reward.score) for s in all_samples) / len(all_samples),
         "response/length_mean": float(resp_len.mean()),
         "response/clip_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "perf/tokens_per_s": total_tokens / step_s,

@@ -6,24 +6,29 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tephra.controller.data.prompts import PromptRecord
-from tephra.controller.samples import PromptItem, Sample, sample_from_dict, sample_to_dict
+from tephra.controller.samples import Prompt, Sample, sample_from_dict, sample_to_dict
 from tephra.engine_api.multimodal import MultimodalInputs
 from tephra.episodes.rewards import is_timeout
 
 
 @dataclass
 class Prompts:
-    """Tokenised prompts and their records (same order)."""
+    """A prompt set: its prompts as loaded and their token ids (same order)."""
 
     ids: list[list[int]]
-    records: list[PromptRecord]
+    records: list[Prompt]
+    """The prompts as the data set's rows gave them."""
     multimodal: list[MultimodalInputs | None] | None = None
     """Each prompt's images (pixel values and grids), or None for text prompts."""
+
+    def item(self, i: int, sample_id: str) -> Prompt:
+        """Prompt `i` as the workers get it: tokenised, with its images, named `sample_id`."""
+        mm = self.multimodal[i] if self.multimodal is not None else None
+        return replace(self.records[i], prompt_ids=self.ids[i], sample_id=sample_id, multimodal=mm)
 
 
 @dataclass
@@ -31,7 +36,7 @@ class Round:
     """One round of generation in a step: its samples (prompt-major, `n` per prompt, scored)
     and which prompt groups the step trains on."""
 
-    items: list[PromptItem]
+    items: list[Prompt]
     samples: list[Sample]
     n: int
     kept_groups: list[int] = field(default_factory=list)
@@ -48,21 +53,21 @@ class Round:
 
     @property
     def scores(self) -> list[float]:
-        return [s.score for s in self.samples]
+        return [s.reward.score for s in self.samples]
 
     @property
     def errors(self) -> int:
-        return sum(s.reward_error is not None for s in self.samples)
+        return sum(s.reward.error is not None for s in self.samples)
 
     @property
     def timeouts(self) -> int:
         """Samples whose scorer did not return within `reward.timeout_s` (among `errors`)."""
-        return sum(is_timeout(s.reward_error) for s in self.samples)
+        return sum(is_timeout(s.reward.error) for s in self.samples)
 
     @property
     def clipped(self) -> int:
         """Samples whose score `reward.clip` moved into its range."""
-        return sum(s.reward_clipped for s in self.samples)
+        return sum(s.reward.clipped for s in self.samples)
 
     def kept_names(self) -> list[str]:
         """Each kept sample as an error message names it: prompt id, dataset row, data_source."""
@@ -70,9 +75,7 @@ class Round:
         for g in self.kept_groups:
             item = self.items[g]
             row = f", dataset row {self.indices[g]}" if self.indices else ""
-            names += [
-                f"prompt {item.sample_id!r}{row}, data_source {item.record.data_source!r}"
-            ] * self.n
+            names += [f"prompt {item.sample_id!r}{row}, data_source {item.data_source!r}"] * self.n
         return names
 
     @property
@@ -106,7 +109,7 @@ def round_to_dict(rnd: Round) -> dict[str, Any]:
     }
 
 
-def round_from_dict(data: dict[str, Any], items: list[PromptItem]) -> Round:
+def round_from_dict(data: dict[str, Any], items: list[Prompt]) -> Round:
     """The inverse of `round_to_dict`, given the items rebuilt from its `indices`."""
     samples = [sample_from_dict(s) for s in data["samples"]]
     for k, s in enumerate(samples):  # images are not in the JSON: they come from the prompts
@@ -140,7 +143,7 @@ def write_pending(folder: Path, rounds: list[Round]) -> None:
 
 
 def read_pending(
-    folder: Path, rebuild: Callable[[list[int], str], list[PromptItem]]
+    folder: Path, rebuild: Callable[[list[int], str], list[Prompt]]
 ) -> list[Round] | None:
     """The batch generated ahead saved in a checkpoint folder, or None; `rebuild(indices,
     tag)` gives each round's items back from the training prompts."""

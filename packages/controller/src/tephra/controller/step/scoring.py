@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tephra.controller.data.prompts import PromptRecord
 from tephra.core.errors import TephraError
-from tephra.episodes.rewards import RewardConfig, RewardInput, RewardManager
+from tephra.episodes.prompt import Prompt
+from tephra.episodes.rewards import RewardConfig, RewardInput, RewardManager, RewardResult
 
 
 class RewardFailure(TephraError, RuntimeError):
@@ -57,40 +57,39 @@ def check_advantages(
         )
 
 
+def reward_inputs(
+    texts: Sequence[str], prompts: Sequence[Prompt], prompt_texts: Sequence[str] | None = None
+) -> list[RewardInput]:
+    """What the scorer reads of `texts[i]`, the response to `prompts[i]`: its data_source,
+    ground truth and extra_info (and `prompt_texts[i]`, the decoded prompt a reward model or
+    judge reads)."""
+    return [
+        RewardInput(
+            prompt.data_source,
+            text,
+            prompt.ground_truth,
+            prompt.extra_info,
+            **({"prompt_str": prompt_texts[i]} if prompt_texts is not None else {}),
+        )
+        for i, (text, prompt) in enumerate(zip(texts, prompts, strict=True))
+    ]
+
+
 class Scorer:
-    """Scores decoded responses against their prompt records."""
+    """Scores decoded responses against their prompts."""
 
     def __init__(self, config: RewardConfig | None = None) -> None:
         self.manager = RewardManager(config or RewardConfig(executor="serial"))
-        self.clipped: list[bool] = []
-        """Of each sample of the last `score`: whether `reward.clip` moved its score."""
-        self.extras: list[dict[str, float]] = []
-        """Of each sample of the last `score`: the scorer's numeric dict entries beside
-        "score" (GDPO's reward components)."""
 
     def score(
         self,
         texts: Sequence[str],
-        records: Sequence[PromptRecord],
-        prompts: Sequence[str] | None = None,
-    ) -> list[tuple[float, str | None]]:
-        """(score, error or None) of `texts[i]` against `records[i]`; `prompts` are the
-        prompt texts a reward model reads."""
-        results = self.manager.score_batch(
-            [
-                RewardInput(
-                    rec.data_source,
-                    text,
-                    rec.ground_truth,
-                    rec.extra_info,
-                    **({"prompt_str": prompts[i]} if prompts is not None else {}),
-                )
-                for i, (text, rec) in enumerate(zip(texts, records, strict=True))
-            ]
-        )
-        self.clipped = [r.clipped for r in results]
-        self.extras = [dict(r.extras) for r in results]
-        return [(r.score, r.error) for r in results]
+        prompts: Sequence[Prompt],
+        prompt_texts: Sequence[str] | None = None,
+    ) -> list[RewardResult]:
+        """The reward of `texts[i]` against `prompts[i]`; `prompt_texts` are the decoded
+        prompts a reward model reads."""
+        return self.manager.score_batch(reward_inputs(texts, prompts, prompt_texts))
 
 
 def check_not_all_failed(errors: Sequence[str | None]) -> None:

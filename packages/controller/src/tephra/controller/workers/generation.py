@@ -8,7 +8,7 @@ prompt x sample runs the episode registered under that name (`tephra.episodes.re
 Scoring starts in a background thread right after generation, so the log-prob passes that
 follow run while the scorer works (`collect_scores` waits for it). With a reward pool
 (`resources.reward`) that thread sends the samples to one rank of the pool (`reward_actor`),
-which scores them with its own scorer (`score_texts`): each sample is scored once, and the
+which scores them with its own scorer (`score_inputs`): each sample is scored once, and the
 reward models live in the pool's processes only.
 """
 
@@ -17,18 +17,18 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import ray
 from transformers import AutoConfig, AutoTokenizer
 
 from tephra.controller.config.tree import PPOConfig
-from tephra.controller.samples import PromptItem, Sample, ScoreResult
-from tephra.controller.step.scoring import Scorer
+from tephra.controller.samples import Prompt, RewardResult, Sample, Scores
+from tephra.controller.step.scoring import Scorer, reward_inputs
 from tephra.engine_api.multimodal import image_token_id, is_vision_config, video_token_id
-from tephra.episodes.agent import AgentPrompt
 from tephra.episodes.episode import Episode, by_agent_name, run_episodes, run_to_completion
 from tephra.episodes.registry import EPISODES
+from tephra.episodes.rewards import RewardInput
 from tephra.episodes.tools import close_tools, load_tools
 from tephra.rollout.base import Rollout, RolloutConfig, SamplingParams
 from tephra.rollout.multimodal import VisionProcessor
@@ -38,27 +38,21 @@ from tephra.rollout.registry import get_rollout
 def run_items(
     episode: Episode,
     rollout: Rollout,
-    items: list[PromptItem],
+    items: list[Prompt],
     sampling: SamplingParams,
     max_in_flight: int | None = None,
 ) -> list[Sample]:
     """Run `episode` on every item concurrently; its samples, in the order of `items`."""
-    episode_items = [
-        AgentPrompt(
-            messages=list(i.record.prompt),
-            sample_id=i.sample_id,
-            prompt_ids=list(i.prompt_ids),
-            tool_kwargs=dict(i.record.tool_kwargs),
-            interaction_kwargs=dict(i.record.interaction_kwargs),
-            agent_name=i.record.agent_name,
-            multimodal=i.multimodal,
-            origin=i.record.origin,
-        )
-        for i in items
-    ]
     # The hf backend generates on its own thread, so a fresh event loop per call is fine; a
     # thread still blocked past its deadline (a tool, a sync agent) is not waited for.
-    return run_to_completion(run_episodes(episode, rollout, episode_items, sampling, max_in_flight))
+    return run_to_completion(run_episodes(episode, rollout, items, sampling, max_in_flight))
+
+
+def tokens(prompt: Prompt) -> list[int]:
+    """The prompt's token ids (the trainer tokenises every prompt it sends)."""
+    if prompt.prompt_ids is None:
+        raise ValueError(f"prompt {prompt.sample_id!r} was sent untokenised; set prompt_ids")
+    return prompt.prompt_ids
 
 
 def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
@@ -74,7 +68,7 @@ def end_before_token(sample: Sample, token: int, tokenizer: Any) -> Sample:
     return replace(
         sample,
         response_ids=ids,
-        response_mask=sample.response_mask[:n],
+        response_mask=cast(list[int], sample.response_mask)[:n],  # filled by __post_init__
         log_probs=sample.log_probs[:n] if sample.log_probs is not None else None,
         token_versions=(sample.token_versions[:n] if sample.token_versions is not None else None),
         finish_reason="image_token",
@@ -160,12 +154,12 @@ class Generator:
             self._model_config = AutoConfig.from_pretrained(self.model_path)
         return self._model_config
 
-    def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
+    def generate(self, items: list[Prompt], sampling: Any, score: bool = True) -> list[Sample]:
         """`sampling.n` samples of each prompt (prompt-major), through the episode when one
         is configured. Scoring starts in the background (`collect_scores` returns the scores);
         `score=False` skips it. Without a rollout engine or prompts: no samples."""
         if self.rollout is None or not items:
-            self._scoring = self._pool.submit(lambda: ([], 0.0, [], [])) if score else None
+            self._scoring = self._pool.submit(lambda: Scores([], 0.0)) if score else None
             return []
         self.rollout.wake_up()
         samples = (
@@ -176,15 +170,16 @@ class Generator:
         if self.cfg.rollout.sleep_when_training and self.cfg.resources.rollout.replicas == 0:
             self.rollout.sleep()  # a replica's pool trains nothing: it stays awake
         if score:
-            records = [items[i // sampling.n].record for i in range(len(samples))]
-            self._scoring = self._pool.submit(self._score, samples, records)
+            prompts = [items[i // sampling.n] for i in range(len(samples))]
+            self._scoring = self._pool.submit(self._score, samples, prompts)
         return samples
 
-    def _generate_plain(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+    def _generate_plain(self, items: list[Prompt], sampling: Any) -> list[Sample]:
+        assert self.rollout is not None  # `generate` returned early without one
         images = [i.multimodal for i in items]
         # text prompts keep the backends' plain signature (SGLang takes no images)
         extra = {"multimodal": images} if any(m is not None for m in images) else {}
-        out = self.rollout.generate([list(i.prompt_ids) for i in items], sampling, **extra)
+        out = self.rollout.generate([list(tokens(i)) for i in items], sampling, **extra)
         tok = self.tokenizer()
         samples = out.samples
         for k, sample in enumerate(samples):
@@ -199,10 +194,11 @@ class Generator:
                 samples = [end_before_token(s, video_token, tok) for s in samples]
         return samples
 
-    def _generate_episodes(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+    def _generate_episodes(self, items: list[Prompt], sampling: Any) -> list[Sample]:
         if self._tools is None:
             self._tools = load_tools(self.tools_file) if self.tools_file else {}
         r = self.cfg.rollout
+        assert self.rollout is not None and r.agent_loop is not None  # `generate` checked both
         if self._episode is None:
             tok, tools = self.tokenizer(), self._tools
             # a vision-language model's episodes expand the images environments show
@@ -219,8 +215,17 @@ class Generator:
                 r.agent_loop, lambda name: EPISODES.get(name)(tok, r.agent, tools, **vision)
             )
         episode = self._episode
+        # each trajectory gets its own id and its own copies of what an episode may write to
         expanded = [
-            PromptItem(i.prompt_ids, i.record, f"{i.sample_id}-{k}", i.multimodal)
+            replace(
+                i,
+                sample_id=f"{i.sample_id}-{k}",
+                messages=list(i.messages),
+                prompt_ids=list(tokens(i)),
+                extra_info=dict(i.extra_info),
+                tool_kwargs=dict(i.tool_kwargs),
+                interaction_kwargs=dict(i.interaction_kwargs),
+            )
             for i in items
             for k in range(sampling.n)
         ]
@@ -239,54 +244,47 @@ class Generator:
         for sample, r in zip(samples, routes):
             sample.routed_experts = r
 
-    def _score(self, samples: list[Sample], records: list[Any]) -> tuple[list, float, list, list]:
+    def _score(self, samples: list[Sample], prompts: list[Prompt]) -> Scores:
         """Scores of `samples`: an environment's own reward (`Sample.env_reward`) where the
         episode set one, the reward scorer on the others."""
         start = time.perf_counter()
         todo = [i for i, s in enumerate(samples) if s.env_reward is None]
-        results: list = [(s.env_reward, None) for s in samples]
-        clipped, extras = [False] * len(samples), [{} for _ in samples]
+        rewards = [
+            RewardResult(float(s.env_reward if s.env_reward is not None else 0.0)) for s in samples
+        ]
         if todo:
-            prompts = None
+            prompt_texts = None
             if self.cfg.reward.reward_model_path or self.cfg.reward.judge.enabled:
                 tok = self.tokenizer()  # a reward model and a judge read the prompt too
-                prompts = [
+                prompt_texts = [
                     tok.decode(samples[i].prompt_ids, skip_special_tokens=True) for i in todo
                 ]
-            texts, recs = [samples[i].text for i in todo], [records[i] for i in todo]
+            inputs = reward_inputs(
+                [samples[i].text for i in todo], [prompts[i] for i in todo], prompt_texts
+            )
             if self.reward_actor is not None:  # the reward pool's rank scores them
-                scored, scored_clipped, scored_extras = ray.get(
-                    self.reward_actor.execute.remote("score_texts", texts, recs, prompts)
-                )
+                scored = ray.get(self.reward_actor.execute.remote("score_inputs", inputs))
             else:
-                scored, scored_clipped, scored_extras = self.score_texts(texts, recs, prompts)
-            for k, i in enumerate(todo):
-                results[i] = scored[k]
-                clipped[i], extras[i] = scored_clipped[k], scored_extras[k]
-        return results, time.perf_counter() - start, clipped, extras
+                scored = self.score_inputs(inputs)
+            for i, reward in zip(todo, scored, strict=True):
+                rewards[i] = reward
+        return Scores(rewards, time.perf_counter() - start)
 
-    def score_texts(
-        self, texts: list[str], records: list[Any], prompts: list[str] | None
-    ) -> tuple[list[tuple[float, str | None]], list[bool], list[dict[str, float]]]:
-        """(score, error) of each text against its record with this process's scorer (built
-        on first use: the reward model or judge loads here), whether `reward.clip` moved it,
-        and the scorer's extra numbers."""
+    def score_inputs(self, inputs: list[RewardInput]) -> list[RewardResult]:
+        """The reward of each input with this process's scorer (built on first use: the
+        reward model or judge loads here)."""
         if self._scorer is None:
             self._scorer = Scorer(self.cfg.reward)
-        scored = self._scorer.score(texts, records, prompts)
-        return scored, list(self._scorer.clipped), list(self._scorer.extras)
+        return self._scorer.manager.score_batch(inputs)
 
-    def collect_scores(self) -> list[ScoreResult]:
-        """The reward of each sample of the last `generate`, in order; waits for the
-        background scorer."""
+    def collect_scores(self) -> Scores:
+        """The reward of each sample of the last `generate`, in order, and the seconds
+        scoring took; waits for the background scorer."""
         if self._scoring is None:
             raise RuntimeError("collect_scores called without a scored generate before it")
-        results, seconds, clipped, extras = self._scoring.result()
+        scores = self._scoring.result()
         self._scoring = None
-        return [
-            ScoreResult(score, error, seconds, c, x)
-            for (score, error), c, x in zip(results, clipped, extras, strict=True)
-        ]
+        return scores
 
     def close(self) -> None:
         """Stop the rollout engine, the scorer thread, the scorer and the episode's tools (MCP servers and

@@ -34,11 +34,11 @@ import functools
 import math
 import random
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import ray
 import torch
@@ -54,13 +54,23 @@ from tephra.controller.recipes import enabled_recipes
 from tephra.controller.run.flops import device_peak
 from tephra.controller.run.memory_metrics import process_memory
 from tephra.controller.run.models import resolve_model_path
-from tephra.controller.samples import PromptItem, Sample, ScoreResult
+from tephra.controller.samples import Prompt, RewardResult, Sample, Scores
 from tephra.controller.step.skip_flat import can_skip_flat, skip_zero_advantage_rows
 from tephra.controller.workers.generation import Generator
+from tephra.engine_api.engine import Engine
 from tephra.engine_api.fastest_dtype import resolve_dtype
+from tephra.engine_api.loss import LossFn
 from tephra.engine_api.registry import get_engine
+from tephra.episodes.rewards import RewardInput
 from tephra.rollout.backends.server_process import free_port
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, send_all
+
+if TYPE_CHECKING:  # a type alias the module defines for the type checker only
+    from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import TransferGroup
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -75,13 +85,15 @@ def stage_range(stage: str) -> Iterator[None]:
         yield
 
 
-def profiled(stage: str):
+def profiled(
+    stage: str,
+) -> Callable[[Callable[Concatenate[RLWorker, P], R]], Callable[Concatenate[RLWorker, P], R]]:
     """Run a worker method under torch.profiler when the driver turned profiling on for this
     step (`RLWorker.set_profile`), writing one Chrome trace per stage and rank."""
 
-    def wrap(fn):
+    def wrap(fn: Callable[Concatenate[RLWorker, P], R]) -> Callable[Concatenate[RLWorker, P], R]:
         @functools.wraps(fn)
-        def run(self, *args, **kwargs):
+        def run(self: RLWorker, /, *args: P.args, **kwargs: P.kwargs) -> R:
             if self._profile_prefix is None:
                 return fn(self, *args, **kwargs)
             activities = [ProfilerActivity.CPU]
@@ -97,16 +109,24 @@ def profiled(stage: str):
     return wrap
 
 
-def _on_policy_old_log_probs(loss_fn):
+def _on_policy_old_log_probs(loss_fn: LossFn) -> LossFn:
     """With one mini-batch and one epoch the sampling policy is the current one, so the
     old log-probs are the current log-probs without their graph; this skips a forward pass."""
 
-    def wrapped(outputs: TensorDict, batch: TensorDict):
+    def wrapped(outputs: TensorDict, batch: TensorDict) -> tuple[torch.Tensor, dict[str, float]]:
         if "old_log_probs" not in batch.keys():
             batch["old_log_probs"] = outputs["log_probs"].detach()
         return loss_fn(outputs, batch)
 
     return wrapped
+
+
+def _held(part: T | None, role: str) -> T:
+    """`part` (an engine, a loss) of `role`, which the stage called needs: a worker group
+    that does not hold `role` was sent another role's stage."""
+    if part is None:
+        raise RuntimeError(f"this worker group holds no {role}: the stage is another role's")
+    return part
 
 
 ROLES = ("actor", "ref", "critic")
@@ -119,6 +139,10 @@ def colocated_roles(cfg: PPOConfig) -> tuple[str, ...]:
 
 
 class RLWorker(Worker):
+    _ahead: Future[list[Sample]] | None
+    """The generation ahead in flight (`generate_ahead`), set on its first use."""
+    _ahead_pool: ThreadPoolExecutor | None
+
     def __init__(
         self,
         rank: int,
@@ -154,10 +178,10 @@ class RLWorker(Worker):
         )
         self._profile_prefix: str | None = None
         self.samples_scored = 0
-        """Samples scored for other ranks (`score_texts`: a rank of the reward pool)."""
+        """Samples scored for other ranks (`score_inputs`: a rank of the reward pool)."""
         model = replace(cfg.model, path=model_path, init_seed=seed)
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        self.actor = None
+        self.actor: Engine | None = None
         if "actor" in self.roles:
             self.actor = get_engine(
                 cfg.actor.engine,
@@ -165,7 +189,7 @@ class RLWorker(Worker):
                     model, "policy", temperature, seed, device=_engine_device(device)
                 ),
             )
-        self.ref = None
+        self.ref: Engine | None = None
         if "ref" in self.roles and cfg.needs_reference and not cfg.actor.lora.enabled:
             self.ref = get_engine(
                 cfg.actor.engine,
@@ -174,10 +198,10 @@ class RLWorker(Worker):
                 ),
             )
         self.recipes = enabled_recipes(cfg)
-        self.role_engines: dict[str, Any] = {}
+        self.role_engines: dict[str, Engine] = {}
         """The recipes' engines by role name (`EngineRole`: the distillation teacher, PRIME's
         reward model, SPIN's opponent), built where their pool is this group's."""
-        self.role_losses: dict[str, Any] = {}
+        self.role_losses: dict[str, LossFn] = {}
         self.role_checkpoints: dict[str, str] = {}
         for role in (role for recipe in self.recipes for role in recipe.roles()):
             if role.pool not in self.roles:
@@ -197,7 +221,7 @@ class RLWorker(Worker):
                 self.role_losses[role.name] = role.loss()
             if role.checkpoint is not None:
                 self.role_checkpoints[role.name] = role.checkpoint
-        self.critic = None
+        self.critic: Engine | None = None
         if "critic" in self.roles and cfg.algorithm.needs("values"):
             self.critic = get_engine(
                 cfg.critic.engine,
@@ -211,7 +235,7 @@ class RLWorker(Worker):
             (loss for loss in (r.actor_loss() for r in self.recipes) if loss is not None), None
         )
         """A recipe's actor loss instead of `actor.objective`'s (SPIN's pair loss)."""
-        self._weights_group = None
+        self._weights_group: TransferGroup | None = None
         # The rollout engine loaded the checkpoint from disk, but the engine may have
         # changed it (a value head, untied embeddings, LoRA); one sync makes them equal.
         # (Separate rollout replicas get the same first sync from the driver.)
@@ -219,7 +243,7 @@ class RLWorker(Worker):
             self.sync_weights()
         self.startup["build_s"] = round(time.perf_counter() - built, 2)
 
-    def dp_info(self):
+    def dp_info(self) -> DataParallelInfo:
         """Data-parallel coordinates from the group's first engine (the actor, else the
         reference or critic of a pool of its own): rows go to data-parallel ranks, tensor /
         pipeline / context peers get the same rows; one peer returns them."""
@@ -233,7 +257,7 @@ class RLWorker(Worker):
             is_output_rank=engine.is_dp_output_rank,
         )
 
-    def rollout_info(self):
+    def rollout_info(self) -> DataParallelInfo:
         """Generation's data-parallel coordinates: one rollout replica per
         `rollout.tensor_parallel_size` consecutive ranks, held by the first of them (with
         rollout replicas of their own, this group generates nothing: one share per rank)."""
@@ -252,43 +276,42 @@ class RLWorker(Worker):
     # ----- generation and scoring (the generation part's, with this worker's dispatch) -------
     @dispatch(Dispatch.ROLLOUT_SPLIT)
     @profiled("generate")
-    def generate(self, items: list[PromptItem], sampling: Any, score: bool = True) -> list[Sample]:
+    def generate(self, items: list[Prompt], sampling: Any, score: bool = True) -> list[Sample]:
         """`Generator.generate` on this rank's share of the prompts, after sending the weights
         again where a sleeping server dropped them."""
         self._resend_dropped_weights()
         return self.generation.generate(items, sampling, score)
 
     @dispatch(Dispatch.ROLLOUT_SPLIT)
-    def collect_scores(self) -> list[ScoreResult]:
+    def collect_scores(self) -> Scores:
         """`Generator.collect_scores` of this rank's last `generate`."""
         return self.generation.collect_scores()
 
-    def score_texts(
-        self, texts: list[str], records: list[Any], prompts: list[str] | None
-    ) -> tuple[list[tuple[float, str | None]], list[bool], list[dict[str, float]]]:
-        """`Generator.score_texts` with this rank's scorer: a generating rank's samples, sent
+    def score_inputs(self, inputs: list[RewardInput]) -> list[RewardResult]:
+        """`Generator.score_inputs` with this rank's scorer: a generating rank's samples, sent
         by its scoring thread to this rank of the reward pool (`resources.reward`)."""
-        self.samples_scored += len(texts)
-        return self.generation.score_texts(texts, records, prompts)
+        self.samples_scored += len(inputs)
+        return self.generation.score_inputs(inputs)
 
     @dispatch(Dispatch.BROADCAST)
     def scored_count(self) -> int:
-        """Samples this rank of the reward pool scored over the run (`score_texts`)."""
+        """Samples this rank of the reward pool scored over the run (`score_inputs`)."""
         return self.samples_scored
 
     # ----- generation ahead (trainer.mode=one_step_off) -----------------------------------
     @dispatch(Dispatch.ROLLOUT_SPLIT)
-    def generate_ahead(self, items: list[PromptItem], sampling: Any) -> None:
+    def generate_ahead(self, items: list[Prompt], sampling: Any) -> None:
         """Start `generate(items, sampling)` in a background thread and return at once, so the
         rollout engine samples the next step's batch while this step's passes and update run
         on the training engines (separate weights; the driver takes `generated()` before
         `sync_weights`). One at a time."""
         if getattr(self, "_ahead", None) is not None:
             raise RuntimeError("generate_ahead called while a generation ahead is in flight")
-        if getattr(self, "_ahead_pool", None) is None:
-            self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
+        pool = getattr(self, "_ahead_pool", None)
+        if pool is None:
+            pool = self._ahead_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
         self._resend_dropped_weights()  # here, before the update that runs beside the thread
-        self._ahead = self._ahead_pool.submit(self.generate, items, sampling)
+        self._ahead = pool.submit(self.generate, items, sampling)
 
     def _resend_dropped_weights(self) -> None:
         """A server at sleep_level=2 that slept since the last sync (after a validation
@@ -316,8 +339,9 @@ class RLWorker(Worker):
         """The actor's `log_probs` (and `entropy`), plus `sum_pi_squared` when asked (the
         optimal-token-baseline estimators' input, from the same forward pass)."""
         extra = ("sum_pi_squared",) if sum_pi_squared else ()
-        with self.actor.eval_mode():
-            out = self.actor.forward(batch, extra_outputs=extra)
+        actor = _held(self.actor, "actor")
+        with actor.eval_mode():
+            out = actor.forward(batch, extra_outputs=extra)
         keys = ("log_probs", "entropy", *extra)
         return out.select(*[k for k in keys if k in out.keys()])
 
@@ -328,8 +352,9 @@ class RLWorker(Worker):
             with self.ref.eval_mode():
                 out = self.ref.forward(batch)
         else:  # LoRA: the base weights with the adapters disabled are the reference
-            with self.actor.eval_mode(), self.actor.reference_mode():
-                out = self.actor.forward(batch)
+            actor = _held(self.actor, "actor")
+            with actor.eval_mode(), actor.reference_mode():
+                out = actor.forward(batch)
         return out.select("log_probs")
 
     @dispatch(Dispatch.DP_SPLIT)
@@ -351,13 +376,14 @@ class RLWorker(Worker):
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("values")
     def compute_values(self, batch: TensorDict) -> TensorDict:
-        with self.critic.eval_mode():
-            out = self.critic.forward(batch)
+        critic = _held(self.critic, "critic")
+        with critic.eval_mode():
+            out = critic.forward(batch)
         return out.select("values")
 
     # ----- updates ---------------------------------------------------------------------
     def _train(
-        self, engine, loss_fn, batch: TensorDict, skip_flat: bool = False
+        self, engine: Engine, loss_fn: LossFn, batch: TensorDict, skip_flat: bool = False
     ) -> dict[str, float]:
         n = batch.batch_size[0]
         mb = self.cfg.batch.mini_batches
@@ -385,14 +411,13 @@ class RLWorker(Worker):
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("actor")
     def update_actor(self, batch: TensorDict) -> dict[str, float]:
+        actor = _held(self.actor, "actor")
         if self.recipe_actor_loss is not None:  # e.g. SPIN's pairs: no advantages to skip on
-            return self._train(self.actor, self.recipe_actor_loss, batch)
-        loss = self.actor_loss
+            return self._train(actor, self.recipe_actor_loss, batch)
+        loss: LossFn = self.actor_loss
         if self.cfg.batch.mini_batches == 1 and self.cfg.batch.epochs == 1:
             loss = _on_policy_old_log_probs(loss)
-        return self._train(
-            self.actor, loss, batch, skip_flat=can_skip_flat(self.cfg.actor.objective)
-        )
+        return self._train(actor, loss, batch, skip_flat=can_skip_flat(self.cfg.actor.objective))
 
     def _replica_sum(self, value: float) -> float:
         """`value` summed over the data-parallel replicas (a collective of every rank; the
@@ -406,14 +431,14 @@ class RLWorker(Worker):
     @dispatch(Dispatch.DP_SPLIT)
     @profiled("critic")
     def update_critic(self, batch: TensorDict) -> dict[str, float]:
-        return self._train(self.critic, self.critic_loss, batch)
+        return self._train(_held(self.critic, "critic"), _held(self.critic_loss, "critic"), batch)
 
     @dispatch(Dispatch.BROADCAST)
     def refresh_role(self, name: str, folder: str) -> None:
         """A recipe's engine `name` becomes a copy of the actor (SPIN's next iteration: the
         opponent is the model trained so far), through a checkpoint in `folder` (the engine
         contract's one way in; every rank writes and reads its shard)."""
-        self.actor.save_checkpoint(Path(folder))
+        _held(self.actor, "actor").save_checkpoint(Path(folder))
         self.role_engines[name].load_checkpoint(Path(folder))
 
     # ----- weights and state -----------------------------------------------------------
@@ -428,30 +453,31 @@ class RLWorker(Worker):
         collective of the training ranks."""
         if not self.colocated:
             return 0
+        actor = _held(self.actor, "actor")  # a colocated group is the actor's
         if self.cfg.adapter_sync:
             # adapter-only (`actor.lora_sync`): the rollout keeps the base weights it loaded
             # (the engine's frozen ones) and serves the adapter over them
-            with self.actor.eval_mode():
-                adapter = self.actor.export_adapter_weights()  # collective: every rank
+            with actor.eval_mode():
+                adapter = actor.export_adapter_weights()  # collective: every rank
             if self.rollout is not None:
                 self.rollout.update_adapter(adapter)
             return len(adapter.tensors) if self.rollout is not None else 0
         if self.rollout is None:
-            with self.actor.eval_mode():
-                for _ in self.actor.export_weights(untie_word_embeddings=True):
+            with actor.eval_mode():
+                for _ in actor.export_weights(untie_word_embeddings=True):
                     pass
             return 0
         moved = 0
 
-        def tensors():
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal moved
-            for bucket in self.actor.export_weights(untie_word_embeddings=True):
+            for bucket in actor.export_weights(untie_word_embeddings=True):
                 moved += len(bucket)
                 yield from bucket
 
         # no wake_up() first: a sleeping server wakes its weights, loads, then wakes its KV
         # cache (update_weights), so the cache is not allocated beside the buckets
-        with self.actor.eval_mode():
+        with actor.eval_mode():
             self.rollout.update_weights(tensors())
         return moved
 
@@ -471,17 +497,19 @@ class RLWorker(Worker):
     def send_weights(self, bucket_mb: float) -> int:
         """Every rank exports (the export may be a collective); rank 0 broadcasts the buckets
         to the replicas, then an end marker. Returns the bytes sent."""
-        with self.actor.eval_mode():
+        actor = _held(self.actor, "actor")
+        with actor.eval_mode():
             named = (
                 pair
-                for bucket in self.actor.export_weights(untie_word_embeddings=True)
+                for bucket in actor.export_weights(untie_word_embeddings=True)
                 for pair in bucket
             )
             if self.rank != 0:
                 for _ in named:  # take part in the export's collectives
                     pass
                 return 0
-            device = self.device if self.device.startswith("cuda") else None
+            assert self._weights_group is not None, "open_weight_group comes first"
+            device = torch.device(self.device) if self.device.startswith("cuda") else None
             dtype = getattr(torch, resolve_dtype(self.cfg.rollout.dtype, self.device))
             return send_all(self._weights_group, named, dtype, int(bucket_mb * 2**20), device)
 
@@ -537,7 +565,7 @@ class RLWorker(Worker):
 
     @dispatch(Dispatch.RANK_ZERO)
     def export_hf(self, folder: str) -> str:
-        self.actor.export_hf(folder)
+        _held(self.actor, "actor").export_hf(folder)
         return folder
 
     @dispatch(Dispatch.RANK_ZERO)

@@ -23,17 +23,21 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
+import torch
 
 from tephra.controller.cluster.dispatch import Dispatch, dispatch, share_bounds
 from tephra.controller.cluster.watchdog import Watchdog, sample_ids
 from tephra.controller.cluster.worker_group import ResourcePool, Worker, WorkerGroup
 from tephra.controller.config.tree import PPOConfig
-from tephra.controller.samples import PromptItem, Sample, set_score
+from tephra.controller.samples import Prompt, Sample
 from tephra.controller.workers.generation import Generator
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, receive_all
+
+if TYPE_CHECKING:  # a type alias the module defines for the type checker only
+    from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import TransferGroup
 
 
 class RolloutWorker(Worker):
@@ -63,7 +67,7 @@ class RolloutWorker(Worker):
             reward_actor=reward_actors[rank % len(reward_actors)] if reward_actors else None,
         )
         self.version = 0
-        self._weights_group = None
+        self._weights_group: TransferGroup | None = None
         self._generating = threading.Lock()
         """Held while a request generates (the default concurrency group)."""
         self._staged: tuple[int, list] | None = None
@@ -92,7 +96,8 @@ class RolloutWorker(Worker):
     def receive_weights(self, version: int) -> int:
         """Take one broadcast update (in the `weights` concurrency group, beside a request in
         flight); the replica holds `version` once it is in the engine (module docstring)."""
-        device = self.device if self.device.startswith("cuda") else None
+        assert self._weights_group is not None, "join_weight_group comes first"
+        device = torch.device(self.device) if self.device.startswith("cuda") else None
         received = receive_all(self._weights_group, device)
         if self.partial:  # interrupt the request in flight; it goes on under the new weights
             with self.rollout.paused():
@@ -125,14 +130,16 @@ class RolloutWorker(Worker):
         self.version = version
 
     @dispatch(Dispatch.DP_SPLIT)
-    def generate_scored(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+    def generate_scored(self, items: list[Prompt], sampling: Any) -> list[Sample]:
         """`generate`, scored here, each sample stamped with this replica's weight version (with
         partial rollout: the oldest version among its tokens, the one it started under)."""
         with self._generating:
             self._take_staged()  # weights received while the last request ran, if any
             samples = self.generation.generate(items, sampling)
-            for sample, result in zip(samples, self.generation.collect_scores(), strict=True):
-                set_score(sample, result)
+            for sample, reward in zip(
+                samples, self.generation.collect_scores().rewards, strict=True
+            ):
+                sample.reward = reward
                 sample.weight_version = (
                     min(sample.token_versions) if sample.token_versions else self.version
                 )
@@ -227,7 +234,7 @@ class RolloutReplicas:
         )
         self.version = version
 
-    def generate(self, items: list[PromptItem], sampling: Any) -> list[Sample]:
+    def generate(self, items: list[Prompt], sampling: Any) -> list[Sample]:
         """Scored samples of `items` (prompt-major), the items split over the replicas in
         order (`share_bounds`; each share seeded as in the whole batch: `for_share`), under
         the watchdog's deadline for `generate_scored`."""
@@ -248,7 +255,7 @@ class RolloutReplicas:
         )
         return list(itertools.chain.from_iterable(shares))
 
-    def submit_split(self, items: list[PromptItem], sampling: Any) -> Any:
+    def submit_split(self, items: list[Prompt], sampling: Any) -> Any:
         """`generate` without waiting: one object ref that resolves to the samples."""
         bounds = share_bounds(len(items), len(self.replicas))
         refs = [
@@ -259,7 +266,7 @@ class RolloutReplicas:
         return _concat.remote(*refs)
 
     # ----- the asynchronous stream -----------------------------------------------------------
-    def submit(self, items: list[PromptItem], sampling: Any) -> Any:
+    def submit(self, items: list[Prompt], sampling: Any) -> Any:
         """Send one request to the least-loaded replica (fewest unanswered requests)."""
         index = min(range(len(self.replicas)), key=lambda i: (self.in_flight[i], i))
         ref = self.replicas[index].execute.remote("generate_scored", items, sampling)

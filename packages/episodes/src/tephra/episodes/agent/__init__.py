@@ -1,13 +1,13 @@
 """Agent loops: multi-turn, token-in-token-out episodes with tools.
 
 loop = EPISODES.get("tool_agent")(tokenizer, AgentLoopConfig(), tools)  # tephra.episodes.registry
-sample = await loop.run(rollout, AgentPrompt(messages=[{"role": "user", "content": "..."}]), sampling)
+sample = await loop.run(rollout, Prompt(messages=[{"role": "user", "content": "..."}]), sampling)
 """
 
 from tephra.episodes.agent.base import (
     AgentLoop,
     AgentLoopConfig,
-    AgentPrompt,
+    Prompt,
 )
 from tephra.episodes.agent.chat_format import TOOL_CHAT_TEMPLATE
 from tephra.episodes.agent.chat_tokens import ChatTemplateDelta
@@ -19,7 +19,7 @@ __all__ = [
     "TOOL_CHAT_TEMPLATE",
     "AgentLoop",
     "AgentLoopConfig",
-    "AgentPrompt",
+    "Prompt",
     "ChatTemplateDelta",
     "EnvironmentLoop",
     "SingleTurnAgentLoop",

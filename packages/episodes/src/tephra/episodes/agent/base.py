@@ -15,7 +15,6 @@ with `decode(prompt_ids + response_ids)` equal to the chat transcript (`messages
 
 from __future__ import annotations
 
-import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,51 +22,13 @@ from typing import TYPE_CHECKING, Any
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent.environment_guard import ENVIRONMENT_ERROR_POLICIES, OVERSIZE_POLICIES
 from tephra.episodes.gateway.config import GatewayConfig
+from tephra.episodes.prompt import Prompt
 
 if TYPE_CHECKING:
     from tephra.episodes.tools.base import Tool
     from tephra.rollout.base import Rollout, SamplingParams
-    from tephra.rollout.multimodal import MultimodalInputs, VisionProcessor
+    from tephra.rollout.multimodal import VisionProcessor
     from tephra.rollout.samples import Sample
-
-
-@dataclass
-class AgentPrompt:
-    """One prompt for an agent loop."""
-
-    messages: list[dict[str, Any]]
-    """Chat messages (`role`, `content`) rendered with the tokenizer's chat template."""
-    sample_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    """Names the trajectory (tool instances, the rollout session); unique per run."""
-    prompt_ids: list[int] | None = None
-    """Token ids of the prompt when already tokenised (then `messages` is only the transcript)."""
-    tools: list[str] | None = None
-    """Names of the loop's tools offered to this sample; None offers all of them."""
-    tool_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per tool name, keyword arguments for `Tool.create` (e.g. a checker's ground truth)."""
-    extra_info: dict[str, Any] = field(default_factory=dict)
-    """Passed through to `Sample.extra_info` for the reward (data_source, ground truth)."""
-    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Arguments of the episode's environment for this item (verl's per-row
-    `extra_info.interaction_kwargs`: e.g. the scripted user's ground truth)."""
-    agent_name: str | None = None
-    """The episode that runs this item (verl's per-row `agent_name`, a name in `EPISODES`);
-    None runs the configured one."""
-    multimodal: MultimodalInputs | None = None
-    """The prompt's images (vision-language models): `prompt_ids` holds each one expanded to
-    its image tokens. Needs `prompt_ids`."""
-    origin: str = ""
-    """Where the item comes from (e.g. `row 17 of train.parquet`), for error messages; empty:
-    they name `sample_id` alone."""
-
-    def __post_init__(self) -> None:
-        if not self.messages and not self.prompt_ids:
-            raise ConfigError("AgentPrompt: give `messages` (chat messages) or `prompt_ids`")
-        if self.multimodal is not None and not self.prompt_ids:
-            raise ConfigError(
-                "AgentPrompt: `multimodal` (the prompt's images) needs `prompt_ids` with each "
-                "image expanded (tephra.rollout.multimodal.VisionProcessor)"
-            )
 
 
 TIMEOUT_REWARDS = ("zero", "drop")
@@ -98,11 +59,14 @@ class AgentLoopConfig:
     environment: str = ""
     """The environment of the `environment` episode: a name in `ENVIRONMENTS` (`tool`,
     `answer_check`, `colour_squares`, `openenv`: an OpenEnv server, its settings in
-    `environment_kwargs`) or `path/to/file.py:ClassName` (a user's `Environment` subclass).
-    Unused by the other episodes."""
+    `environment_kwargs`; `remote`: a tephra environment served over HTTP by
+    `python -m tephra.episodes.environments.serve`, `environment_kwargs.environment` naming it
+    and `environment_kwargs.url` the server, or none for a server the run starts) or
+    `path/to/file.py:ClassName` (a user's `Environment` subclass). Unused by the other
+    episodes."""
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor (the same for every item; per-item
-    ones come from `AgentPrompt.interaction_kwargs`)."""
+    ones come from `Prompt.interaction_kwargs`)."""
     openai_agent: str = ""
     """The agent of the `openai_agent` episode: `path/to/agent.py:function`, called as
     `function(gateway, item)` where `gateway` (`tephra.episodes.gateway.GatewayAccess`) holds
@@ -200,11 +164,11 @@ class AgentLoop(ABC):
         a turn with images is refused)."""
 
     @abstractmethod
-    async def run(self, rollout: Rollout, sample: AgentPrompt, sampling: SamplingParams) -> Sample:
+    async def run(self, rollout: Rollout, sample: Prompt, sampling: SamplingParams) -> Sample:
         """Roll out `sample` to the end on `rollout` (`sampling.n` must be 1)."""
 
     async def __call__(
-        self, rollout: Rollout, item: AgentPrompt, sampling: SamplingParams
+        self, rollout: Rollout, item: Prompt, sampling: SamplingParams
     ) -> list[Sample]:
         """The episode: the item's one sample."""
         return [await self.run(rollout, item, sampling)]

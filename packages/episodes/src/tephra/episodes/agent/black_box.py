@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from tephra.core.errors import ConfigError
-from tephra.episodes.agent.base import AgentPrompt
 from tephra.episodes.agent.loops import TIMEOUTS, _TokenLoop, _Trajectory
 from tephra.episodes.gateway.server import shared_gateway
 from tephra.episodes.gateway.session import TrajectorySession
+from tephra.episodes.prompt import Prompt
 from tephra.episodes.user_files import import_file
 from tephra.rollout.base import Rollout, SamplingParams
 from tephra.rollout.samples import Sample
@@ -42,7 +42,7 @@ def load_agent_function(spec: str) -> Callable[..., Any]:
         raise ConfigError(
             f"{where}: {name} must take (gateway, item): the gateway's address and this "
             "trajectory's key (tephra.episodes.gateway.GatewayAccess: openai_base_url, "
-            "anthropic_base_url, api_key) and the prompt item (AgentPrompt)"
+            "anthropic_base_url, api_key) and the prompt item (Prompt)"
         )
     return fn
 
@@ -60,7 +60,7 @@ class OpenAIAgentLoop(_TokenLoop):
     error kept in `extra_info`), as a tool agent's cut trajectory is;
     `trajectory_timeout_s` bounds the whole agent, `turn_timeout_s` each served turn."""
 
-    async def run(self, rollout: Rollout, sample: AgentPrompt, sampling: SamplingParams) -> Sample:
+    async def run(self, rollout: Rollout, sample: Prompt, sampling: SamplingParams) -> Sample:
         cfg = self.config
         if not cfg.openai_agent:
             raise ConfigError(
@@ -97,6 +97,4 @@ class OpenAIAgentLoop(_TokenLoop):
         finish = finish or session.finish
         # the agent's own failure scores 0 (a deadline's, in to_sample)
         env_reward = 0.0 if finish == "agent_error" else None if reward is None else float(reward)
-        return traj.to_sample(
-            sample, finish, env_reward, cfg.timeout_reward, {**sample.extra_info, **info}
-        )
+        return traj.to_sample(sample, finish, env_reward, cfg.timeout_reward, info)

@@ -1,5 +1,5 @@
 """What the environment loop does when an environment misbehaves: an exception in its
-`reset` / `step` becomes one line naming the environment, the item and the turn, and an
+`reset` / `step` / `tool_rewards` becomes one line naming the environment, the item and the turn, and an
 observation beyond `max_observation_chars` is cut (counted) or refused."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tephra.core.errors import ConfigError
-from tephra.episodes.agent.base import AgentLoop, AgentPrompt, check_one_sample
+from tephra.episodes.agent.base import AgentLoop, check_one_sample
 from tephra.episodes.agent.chat_tokens import IMAGE_MARKER, ChatTemplateDelta
 from tephra.episodes.agent.environment_guard import (
     ENVIRONMENT_ERROR,
@@ -22,6 +22,7 @@ from tephra.episodes.agent.environment_guard import (
 )
 from tephra.episodes.environments.base import Environment, StepResult
 from tephra.episodes.environments.tool_env import ToolEnvironment
+from tephra.episodes.prompt import Prompt
 from tephra.episodes.tools.base import Tool
 from tephra.rollout.base import Rollout, SamplingParams
 from tephra.rollout.multimodal import MultimodalInputs
@@ -104,7 +105,7 @@ class _TokenLoop(AgentLoop):
 class SingleTurnAgentLoop(_TokenLoop):
     """One model turn; the trajectory is the generation (mask all ones)."""
 
-    async def run(self, rollout: Rollout, sample: AgentPrompt, sampling: SamplingParams) -> Sample:
+    async def run(self, rollout: Rollout, sample: Prompt, sampling: SamplingParams) -> Sample:
         run = self.begin(rollout, sampling)
         delta = self.delta({})
         prompt_ids = (
@@ -134,7 +135,6 @@ class SingleTurnAgentLoop(_TokenLoop):
             finish_reason=gen.finish_reason,
             text=content,
             messages=[*sample.messages, {"role": "assistant", "content": content}],
-            extra_info=dict(sample.extra_info),
             token_versions=list(gen.token_versions) if gen.token_versions is not None else None,
             multimodal=sample.multimodal,
         )
@@ -171,7 +171,7 @@ class _Trajectory:
 
     def to_sample(
         self,
-        sample: AgentPrompt,
+        sample: Prompt,
         finish: str,
         env_reward: float | None,
         timeout_reward: str,
@@ -253,7 +253,7 @@ class EnvironmentLoop(_TokenLoop):
             self.tools, self.config, **self.config.environment_kwargs
         )
 
-    async def run(self, rollout: Rollout, sample: AgentPrompt, sampling: SamplingParams) -> Sample:
+    async def run(self, rollout: Rollout, sample: Prompt, sampling: SamplingParams) -> Sample:
         run = self.begin(rollout, sampling)
         cfg = self.config
         env = self.make_environment()
@@ -272,7 +272,13 @@ class EnvironmentLoop(_TokenLoop):
                 async with asyncio.timeout_at(deadline):
                     finish = await self._turns(run, rollout, sample, env, traj)
                     if finish not in TIMEOUTS:
-                        tool_rewards = await env.tool_rewards()
+                        tool_rewards = await call_environment(
+                            cfg.environment or type(env).__name__,
+                            item_name(sample.origin, sample.sample_id),
+                            "tool_rewards",
+                            traj.num_turns,
+                            env.tool_rewards(),
+                        )
             except TimeoutError:
                 finish = "trajectory_timeout"
             except EnvironmentFailure as exc:
@@ -291,7 +297,6 @@ class EnvironmentLoop(_TokenLoop):
             sum(traj.turn_rewards) if env.owns_reward else None,
             cfg.timeout_reward,
             {
-                **sample.extra_info,
                 "tool_metrics": {k: dict(v) for k, v in traj.metrics.items()},
                 **(
                     {"turn_rewards": list(traj.turn_rewards), "turn_ends": list(traj.turn_ends)}
@@ -307,7 +312,7 @@ class EnvironmentLoop(_TokenLoop):
         self,
         run: _Run,
         rollout: Rollout,
-        sample: AgentPrompt,
+        sample: Prompt,
         env: Environment,
         traj: _Trajectory,
     ) -> str:
@@ -476,7 +481,7 @@ class ToolAgentLoop(EnvironmentLoop):
         return ToolEnvironment(self.tools, self.config)
 
 
-def _empty(sample: AgentPrompt, prompt_ids: list[int]) -> Sample:
+def _empty(sample: Prompt, prompt_ids: list[int]) -> Sample:
     return Sample(
         sample_id=sample.sample_id,
         prompt_ids=prompt_ids,
@@ -486,7 +491,6 @@ def _empty(sample: AgentPrompt, prompt_ids: list[int]) -> Sample:
         num_turns=0,
         finish_reason="length",
         messages=list(sample.messages),
-        extra_info=dict(sample.extra_info),
     )
 
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
+    from tephra.episodes.agent.base import AgentLoopConfig
+    from tephra.episodes.prompt import Prompt
     from tephra.episodes.tools.base import Tool
 
 
@@ -70,7 +71,7 @@ class Environment(ABC):
         self.config = config
         self.kwargs = kwargs
 
-    async def reset(self, item: AgentPrompt) -> list[dict[str, Any]]:
+    async def reset(self, item: Prompt) -> list[dict[str, Any]]:
         """Start the episode of `item`; returns the first observation (the chat messages the
         model answers first). The default: the item's own messages."""
         return list(item.messages)

@@ -18,7 +18,8 @@ from tephra.episodes.environments.base import Environment, StepResult
 from tephra.episodes.rewards.colours import COLOURS, colour_score
 
 if TYPE_CHECKING:
-    from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
+    from tephra.episodes.agent.base import AgentLoopConfig
+    from tephra.episodes.prompt import Prompt
     from tephra.episodes.tools.base import Tool
 
 NEXT_QUESTION = "<image>And this square? Answer with one word."
@@ -64,7 +65,7 @@ class ColourSquaresEnvironment(Environment):
         self.answers = 0
         self.rng = random.Random()
 
-    async def reset(self, item: AgentPrompt) -> list[dict[str, Any]]:
+    async def reset(self, item: Prompt) -> list[dict[str, Any]]:
         truth = item.interaction_kwargs.get("ground_truth")
         if truth not in COLOURS:
             raise ConfigError(

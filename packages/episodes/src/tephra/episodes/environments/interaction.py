@@ -7,8 +7,8 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Any
 
-from tephra.episodes.agent.base import AgentPrompt
 from tephra.episodes.environments.base import Environment, StepResult
+from tephra.episodes.prompt import Prompt
 from tephra.episodes.rewards.extraction import extract_last_number
 
 
@@ -16,7 +16,7 @@ class Interaction(Environment):
     """A user who reads the transcript and replies. Subclasses implement `respond`; the
     item's `interaction_kwargs` (verl's per-row field) are in `self.item_kwargs`."""
 
-    async def reset(self, item: AgentPrompt) -> list[dict[str, Any]]:
+    async def reset(self, item: Prompt) -> list[dict[str, Any]]:
         self.messages = list(item.messages)
         self.item_kwargs = dict(item.interaction_kwargs)
         return list(item.messages)
@@ -53,7 +53,7 @@ class AnswerCheckInteraction(Interaction):
         self.correct_reward, self.wrong_reward = correct_reward, wrong_reward
         self.retry_message = retry_message
 
-    async def reset(self, item: AgentPrompt) -> list[dict[str, Any]]:
+    async def reset(self, item: Prompt) -> list[dict[str, Any]]:
         if "ground_truth" not in item.interaction_kwargs:
             raise KeyError(
                 f"sample {item.sample_id}: the answer_check interaction needs "

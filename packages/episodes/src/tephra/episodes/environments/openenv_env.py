@@ -16,7 +16,8 @@ from tephra.episodes.environments.base import Environment, StepResult
 from tephra.episodes.extras import require_package
 
 if TYPE_CHECKING:
-    from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
+    from tephra.episodes.agent.base import AgentLoopConfig
+    from tephra.episodes.prompt import Prompt
     from tephra.episodes.tools.base import Tool
 
 OPENENV_FIELD = "rollout.agent.environment_kwargs"
@@ -82,7 +83,7 @@ class OpenEnvEnvironment(Environment):
         self.settings = OpenEnvSettings.from_kwargs(kwargs)
         self.client: Any = None
 
-    async def reset(self, item: AgentPrompt) -> list[dict[str, Any]]:
+    async def reset(self, item: Prompt) -> list[dict[str, Any]]:
         from openenv import GenericEnvClient  # the optional extra (checked when the config loads)
 
         s = self.settings

@@ -12,6 +12,7 @@ from tephra.episodes.environments.base import Environment, EnvironmentFactory
 from tephra.episodes.environments.colour_squares import ColourSquaresEnvironment
 from tephra.episodes.environments.interaction import AnswerCheckInteraction
 from tephra.episodes.environments.openenv_env import OpenEnvEnvironment
+from tephra.episodes.environments.remote import RemoteEnvironment
 from tephra.episodes.environments.tool_env import ToolEnvironment
 from tephra.episodes.user_files import import_file
 
@@ -19,12 +20,15 @@ ENVIRONMENTS: Registry[EnvironmentFactory] = Registry("environment")
 """Environment factories by name: `tool` (the model's tool calls run; the scorer judges the
 answer), `answer_check` (a scripted user who knows the answer, verl's interaction),
 `colour_squares` (a new coloured square to name after each answer: images each turn), `openenv`
-(a session on an OpenEnv server per trajectory, `environment_kwargs.url`). Each is
+(a session on an OpenEnv server per trajectory, `environment_kwargs.url`), `remote` (a tephra
+environment served by `python -m tephra.episodes.environments.serve`, a session per
+trajectory). Each is
 called as `factory(tools, config, **environment_kwargs)` once per trajectory."""
 ENVIRONMENTS.register("tool", ToolEnvironment)
 ENVIRONMENTS.register("answer_check", AnswerCheckInteraction)
 ENVIRONMENTS.register("colour_squares", ColourSquaresEnvironment)
 ENVIRONMENTS.register("openenv", OpenEnvEnvironment)
+ENVIRONMENTS.register("remote", RemoteEnvironment)
 
 
 def is_file_spec(spec: str) -> bool:

@@ -7,9 +7,10 @@ import asyncio
 from collections import defaultdict
 from typing import Any, cast
 
-from tephra.episodes.agent.base import AgentLoopConfig, AgentPrompt
+from tephra.episodes.agent.base import AgentLoopConfig
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS, ToolCall
 from tephra.episodes.environments.base import Environment, StepResult
+from tephra.episodes.prompt import Prompt
 from tephra.episodes.tools.base import Tool, ToolResult
 
 
@@ -41,7 +42,7 @@ class ToolEnvironment(Environment):
         self.create_lock = asyncio.Lock()
         self.turns = 0
 
-    async def reset(self, item: AgentPrompt) -> list[dict[str, Any]]:
+    async def reset(self, item: Prompt) -> list[dict[str, Any]]:
         self.item = item
         if item.tools is None:
             self.offered = self.tools

@@ -6,7 +6,9 @@ A scorer has verl's signature::
         -> float | dict
 
 and may return a plain number or a dict holding "score" plus extra numeric metrics
-(e.g. "acc"). `normalize_score` turns either form into one `RewardResult`.
+(e.g. "acc"). `normalize_score` turns either form into one `RewardResult`: the one score type,
+defined beside `tephra.rollout.Sample` (which carries it as `Sample.reward`) because the
+rollout package is below this one, and re-exported here.
 """
 
 from __future__ import annotations
@@ -14,10 +16,19 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tephra.core.errors import TephraError
+from tephra.rollout.samples import RewardResult
+
+__all__ = [
+    "RewardError",
+    "RewardInput",
+    "RewardResult",
+    "RewardTimeout",
+    "normalize_score",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,20 +58,6 @@ class RewardInput:
     """The row's `extra_info` dict (reasoning-gym scorers read `extra_info["reasoning_gym"]`)."""
     prompt_str: str = ""
     """The decoded prompt; only the reward-model scorer reads it (rule scorers ignore it)."""
-
-
-@dataclass
-class RewardResult:
-    """The score of one `RewardInput`."""
-
-    score: float
-    """The scalar reward (0.0 when the scorer failed and errors are not raised)."""
-    extras: dict[str, float] = field(default_factory=dict)
-    """Extra numeric metrics a scorer returned beside "score" (e.g. {"acc": 1.0})."""
-    error: str | None = None
-    """`ExceptionType: message` of the scorer's exception, or None when it succeeded."""
-    clipped: bool = False
-    """Whether `reward.clip` moved `score` into its range."""
 
 
 # Keys already warned about, so a custom function returning e.g. "pred" strings on every

@@ -176,14 +176,21 @@ class MCPToolset:
             try:
                 async with transport as streams, ClientSession(streams[0], streams[1]) as session:
                     # the server was just started, in a group of its own: remember the group,
-                    # to kill it whatever happens to the session
+                    # to kill it whatever happens to the session. Looked for again once it
+                    # answered: on a busy machine the child may not have run `exec` yet at
+                    # the first look (its argv still this process's)
                     argv = [self.command, *self.args]
-                    self._server_groups = [
-                        p
-                        for p, (g, a) in _own_children().items()
-                        if p not in before and g == p and a == argv
-                    ]
+
+                    def started_groups() -> list[int]:
+                        return [
+                            p
+                            for p, (g, a) in _own_children().items()
+                            if p not in before and g == p and a == argv
+                        ]
+
+                    self._server_groups = started_groups()
                     await session.initialize()
+                    self._server_groups = sorted({*self._server_groups, *started_groups()})
                     listed = (await session.list_tools()).tools
                     self._session = session
                     ready.set_result(listed)

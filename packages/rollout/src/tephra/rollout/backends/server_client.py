@@ -448,6 +448,9 @@ class ServerRollout(Rollout):
                 f"{self.protocol.name} server refused {path} (HTTP {response.status_code}): "
                 f"{response.text[:800]}"
             )
+        if "json" not in response.headers.get("content-type", ""):
+            # vLLM answers its LoRA routes with plain text ("Success: LoRA adapter ...")
+            return {"text": response.text}
         return response.json()
 
     def _url_for(self, session_id: str | None, index: int) -> str:

@@ -53,6 +53,9 @@ VLLM_CPU_X86_FLAGS = ("avx512f",)
 ones, but on an emulated AVX2-only CPU (qemu 7.2's Haswell model, fp32, eager, in-process)
 the engine started and then died with "Illegal instruction" in its first generation step.
 scripts/build_vllm_env.sh checks the same list before it installs anything."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for `--max-lora-rank` (`vllm.config.lora.MaxLoRARanks`); the
+server is started with the smallest one that holds the adapter's rank."""
 PLUGIN_DIR = Path(__file__).parent / "vllm_plugin"
 """Put on the server's PYTHONPATH: `tephra_vllm_plugin` (the `tephra` weight-transfer engine)
 and `tephra_weight_transport` (the group and the buckets, shared with the trainer side)."""
@@ -211,9 +214,15 @@ class VllmProtocol(ServerProtocol):
         return {"PYTHONPATH": str(PLUGIN_DIR)}
 
     def lora_launch(self, max_rank: int) -> tuple[list[str], dict[str, str]]:
+        fits = [r for r in VLLM_LORA_RANKS if r >= max_rank]
+        if not fits:
+            raise ConfigError(
+                f"LoRA rank {max_rank}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; "
+                "use a smaller actor.lora.rank or actor.lora_sync=merged"
+            )
         # runtime loading (`/v1/load_lora_adapter`) is off unless this variable is set
         return (
-            ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1"],
+            ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "1"],
             {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
         )
 
@@ -342,6 +351,7 @@ class VllmRollout(ServerRollout):
     """vLLM server backend (see module docstring); `VllmRollout(config)`."""
 
     protocol_class = VllmProtocol
+    max_adapter_rank = VLLM_LORA_RANKS[-1]
 
     def __init__(self, config: RolloutConfig) -> None:
         super().__init__(config, VllmProtocol())

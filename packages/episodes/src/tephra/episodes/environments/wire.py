@@ -1,0 +1,91 @@
+"""The JSON bodies of the remote environment protocol (`serve` answers them, `remote` sends
+them): a prompt item, a step's result with its images as PNG, and values a body can carry."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from typing import Any
+
+from tephra.episodes.environments.base import StepResult
+from tephra.episodes.prompt import Prompt
+
+ITEM_FIELDS = (
+    "messages",
+    "data_source",
+    "ground_truth",
+    "sample_id",
+    "prompt_ids",
+    "tools",
+    "tool_kwargs",
+    "extra_info",
+    "interaction_kwargs",
+    "agent_name",
+    "origin",
+)
+"""The `Prompt` fields sent to the server (its images, `multimodal`, are not: tensors of
+the policy's processor, which the environment does not read)."""
+
+
+def _plain(value: Any) -> Any:
+    """`json.dumps`'s fallback: numpy values and arrays (parquet rows hold them) as their
+    Python values, anything else as its text."""
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)
+
+
+def dumps(body: dict[str, Any]) -> bytes:
+    """A body as JSON bytes (NaN and infinities allowed, as Python's json reads them)."""
+    return json.dumps(body, default=_plain).encode()
+
+
+def item_to_json(item: Prompt) -> dict[str, Any]:
+    return {name: getattr(item, name) for name in ITEM_FIELDS}
+
+
+def item_from_json(data: dict[str, Any]) -> Prompt:
+    unknown = sorted(set(data) - set(ITEM_FIELDS))
+    if unknown:
+        raise ValueError(f"item has fields {unknown}; an item has {list(ITEM_FIELDS)}")
+    return Prompt(**data)
+
+
+def image_to_json(image: Any) -> dict[str, str]:
+    """A PIL image as lossless PNG (its mode kept), base64."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return {"png": base64.b64encode(buffer.getvalue()).decode("ascii")}
+
+
+def image_from_json(data: dict[str, str]) -> Any:
+    # PIL only here: text-only environments send no images
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(data["png"])))
+    image.load()
+    return image
+
+
+def result_to_json(result: StepResult) -> dict[str, Any]:
+    return {
+        "observation": result.observation,
+        "reward": float(result.reward),
+        "done": bool(result.done),
+        "info": result.info,
+        "images": [image_to_json(i) for i in result.images],
+    }
+
+
+def result_from_json(data: dict[str, Any]) -> StepResult:
+    return StepResult(
+        observation=list(data.get("observation") or []),
+        reward=float(data.get("reward", 0.0)),
+        done=bool(data.get("done", False)),
+        images=[image_from_json(i) for i in data.get("images") or []],
+        info=dict(data.get("info") or {}),
+    )
