@@ -253,3 +253,45 @@ def test_the_layer_check_finds_a_back_import_and_a_circle():
         " (cluster may not import loop)",
         f"circle: {CONTROLLER}.step.a <-> {CONTROLLER}.step.b",
     ]
+
+
+FIRST_IMPORT = """
+import importlib, sys
+failed = []
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "tephra" or m.startswith("tephra.")]:
+        del sys.modules[loaded]  # each one the interpreter's first tephra import
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:
+        failed.append(f"{name}: {exc}")
+print("\\n".join(failed))
+"""
+
+
+def test_every_package_and_command_module_imports_first():
+    """Each package (`__init__`) and each module run with `python -m` imports as the first
+    tephra import of an interpreter: a circle through a package's `__init__` (which the
+    reader above does not follow) fails only in the order that enters it first, as
+    `python -m tephra.episodes.environments.serve` did."""
+    import subprocess
+    import sys
+
+    mods = modules(ROOT)
+    names = [
+        name
+        for name, (path, is_package) in mods.items()
+        if (is_package or '__name__ == "__main__"' in path.read_text())
+        and name.startswith("tephra.")
+        and "vllm_plugin" not in name  # loaded by vLLM's own interpreter
+    ]
+    assert "tephra.episodes.environments.serve" in names and len(names) > 40
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORT, *names],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "", "modules that fail as the first import:\n" + done.stdout

@@ -11,8 +11,7 @@ from tephra.episodes.agent.base import AgentLoopConfig
 from tephra.episodes.agent.black_box import load_agent_function
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS
 from tephra.episodes.environments.openenv_env import check_openenv
-from tephra.episodes.environments.registry import get_environment
-from tephra.episodes.environments.remote import check_remote
+from tephra.episodes.environments.registry import check_remote, get_environment
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.config import RolloutSection
 

@@ -21,7 +21,6 @@ from tephra.episodes.agent.environment_guard import (
     limit_observation,
 )
 from tephra.episodes.environments.base import Environment, StepResult
-from tephra.episodes.environments.tool_env import ToolEnvironment
 from tephra.episodes.prompt import Prompt
 from tephra.episodes.tools.base import Tool
 from tephra.rollout.base import Rollout, SamplingParams
@@ -478,6 +477,11 @@ class ToolAgentLoop(EnvironmentLoop):
     step_after_turn_cap = False
 
     def make_environment(self) -> Environment:
+        # imported here: tool_env imports `tephra.episodes.agent` (its config), whose package
+        # imports this module; `import tephra.episodes.environments` first would find
+        # tool_env half-initialised
+        from tephra.episodes.environments.tool_env import ToolEnvironment
+
         return ToolEnvironment(self.tools, self.config)
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import Any
 
-from tephra.core.errors import ConfigError
+from tephra.core.errors import ConfigError, TephraError
 from tephra.core.registry import Registry
 from tephra.episodes.environments.base import Environment, EnvironmentFactory
 from tephra.episodes.environments.colour_squares import ColourSquaresEnvironment
 from tephra.episodes.environments.interaction import AnswerCheckInteraction
-from tephra.episodes.environments.openenv_env import OpenEnvEnvironment
-from tephra.episodes.environments.remote import RemoteEnvironment
+from tephra.episodes.environments.openenv_env import OpenEnvEnvironment, check_openenv
+from tephra.episodes.environments.remote import REMOTE_FIELD, RemoteEnvironment, RemoteSettings
 from tephra.episodes.environments.tool_env import ToolEnvironment
 from tephra.episodes.user_files import import_file
 
@@ -67,3 +68,26 @@ def get_environment(spec: str) -> EnvironmentFactory:
             "subclass tephra.episodes.environments.Environment"
         )
     return cls
+
+
+def check_remote(kwargs: dict[str, Any], tools_file: str | None) -> RemoteSettings:
+    """The settings valid and, for a server the run starts, the served environment known
+    here (a file imported, so its errors come first), before any process starts."""
+    settings = RemoteSettings.from_kwargs(kwargs)
+    if settings.url is None:
+        try:
+            get_environment(settings.environment)
+        except ConfigError:
+            raise
+        except TephraError as exc:  # an unknown name: the RegistryError lists the names
+            raise ConfigError(
+                f"{REMOTE_FIELD}.environment: {exc} (the server the run starts serves those)"
+            ) from None
+        if settings.environment == "openenv":
+            check_openenv(settings.kwargs)
+        if settings.environment == "tool" and not tools_file:
+            raise ConfigError(
+                f"{REMOTE_FIELD}.environment='tool' needs rollout.tools_file (the tools the "
+                "started server runs)"
+            )
+    return settings

@@ -161,33 +161,6 @@ class RemoteSettings:
             raise ConfigError(f"{REMOTE_FIELD}.api_key is empty: give the key, or omit it")
 
 
-def check_remote(kwargs: dict[str, Any], tools_file: str | None) -> RemoteSettings:
-    """The settings valid and, for a server the run starts, the served environment known
-    here (a file imported, so its errors come first), before any process starts."""
-    # the registry imports this module
-    from tephra.episodes.environments.openenv_env import check_openenv
-    from tephra.episodes.environments.registry import get_environment
-
-    settings = RemoteSettings.from_kwargs(kwargs)
-    if settings.url is None:
-        try:
-            get_environment(settings.environment)
-        except ConfigError:
-            raise
-        except TephraError as exc:  # an unknown name: the RegistryError lists the names
-            raise ConfigError(
-                f"{REMOTE_FIELD}.environment: {exc} (the server the run starts serves those)"
-            ) from None
-        if settings.environment == "openenv":
-            check_openenv(settings.kwargs)
-        if settings.environment == "tool" and not tools_file:
-            raise ConfigError(
-                f"{REMOTE_FIELD}.environment='tool' needs rollout.tools_file (the tools the "
-                "started server runs)"
-            )
-    return settings
-
-
 def check_remote_server(kwargs: dict[str, Any], timeout_s: float = 5.0) -> None:
     """Each server at `url` answers and serves `environment`, else a ConfigError naming the
     field, the URL and what it serves (run before any process starts)."""
