@@ -37,7 +37,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -45,7 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -58,6 +56,7 @@ from tephra.episodes.environments import wire
 from tephra.episodes.environments.base import Environment, EnvironmentFactory
 from tephra.episodes.environments.registry import ENVIRONMENTS, get_environment
 from tephra.episodes.environments.remote import KEY_ENV
+from tephra.episodes.listening import listening
 from tephra.episodes.tools.base import Tool
 from tephra.episodes.tools.loading import load_tools
 from tephra.rollout.base import is_loopback
@@ -304,39 +303,11 @@ class EnvironmentServer:
     async def serving(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
         """Listen on `host:port` (0: a free port) for the body of the `async with`; yields the
         URL. On the way out the open sessions are closed."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so (proto 0
-        # left Nagle on, and every answer waited ~40 ms for a delayed ACK)
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, port))
-        except OSError as exc:
-            sock.close()
-            raise ConfigError(
-                f"cannot listen on {host}:{port} ({exc}); use --port 0 for a free port"
-            ) from exc
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        port = sock.getsockname()[1]
-        url = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
-        server = uvicorn.Server(
-            uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
-        )
-        # the caller owns the signals (it closes the sessions before the process ends)
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        try:
-            while not server.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.005)
-            yield url
+            async with listening(self.app, host, port, "use --port 0 for a free port") as url:
+                yield url
         finally:
-            server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 5.0)
             await self.close_all()
-            sock.close()
 
 
 async def _parent_gone(pid: int) -> None:

@@ -9,22 +9,20 @@ import collections
 import contextlib
 import json
 import secrets
-import socket
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tephra.core.errors import ConfigError
 from tephra.episodes.gateway import anthropic_messages, openai_chat, openai_responses
 from tephra.episodes.gateway.config import GatewayConfig
 from tephra.episodes.gateway.session import GatewayRefusal, ServedTurn, TrajectorySession
+from tephra.episodes.listening import listening
 
 _EXPIRED_KEPT = 100_000
 """Ended trajectories' keys remembered, so a late call hears 'expired', not 'unknown'."""
@@ -89,41 +87,10 @@ class Gateway:
     async def serving(self) -> AsyncIterator[Gateway]:
         """Listen for the body of the `async with` (on `config.host:config.port`)."""
         cfg = self.config
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so; with proto
-        # 0 every call waited out the client's delayed ACK (44 ms per call, measured)
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((cfg.host, cfg.port))
-        except OSError as exc:
-            sock.close()
-            raise ConfigError(
-                f"rollout.agent.gateway: cannot listen on {cfg.host}:{cfg.port} ({exc}); set "
-                "rollout.agent.gateway.port=0 for a free port, or a host address of this machine"
-            ) from exc
-        port = sock.getsockname()[1]
-        shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
-        self.url = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
-        server = uvicorn.Server(
-            uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
-        )
-        # the trainer owns the signals
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        try:
-            while not server.started:
-                if task.done():
-                    task.result()  # raises what stopped it
-                await asyncio.sleep(0.005)
+        fix = "set rollout.agent.gateway.port=0 for a free port, or a host address of this machine"
+        async with listening(self.app, cfg.host, cfg.port, fix, "rollout.agent.gateway") as url:
+            self.url = url
             yield self
-        finally:
-            server.should_exit = True
-            try:
-                await asyncio.wait_for(task, 5.0)
-            except TimeoutError:
-                task.cancel()
-            sock.close()
 
     def _session(self, request: Request) -> TrajectorySession | str:
         """The request's session, or why there is none (the 401 message)."""
