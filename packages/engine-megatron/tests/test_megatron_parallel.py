@@ -75,7 +75,11 @@ def _kit(tmp_path, runs):
     results = run_distributed(T.rank_conformance_runs, 2, (runs, str(tmp_path)))
     for rank_result in results:
         for (model, parallel, disp, checks), passed in zip(runs, rank_result):
-            assert len(passed) == (len(checks) if checks else len(T.KIT_CHECKS)), (model, parallel, disp)
+            assert len(passed) == (len(checks) if checks else len(T.KIT_CHECKS)), (
+                model,
+                parallel,
+                disp,
+            )
 
 
 def test_pp2_conformance_interleaved_and_1f1b(tmp_path):

@@ -597,7 +597,7 @@ class FSDPEngine(Engine):
         self.step = 0
         self._offload_optimizer()
 
-    def _fresh_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+    def _fresh_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
         """The schedule at its start over the current settings (`config.optimizer.lr`)."""
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] = self.config.optimizer.lr
