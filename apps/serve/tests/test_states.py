@@ -10,8 +10,11 @@ import pytest
 import tinker
 import torch
 from tinker import types
+from torch.distributed.tensor import DTensor
 
 from tephra.apps.serve.cli import BackgroundServer, make_service
+from tephra.engine_api import batch as B
+from tephra.engine_api.registry import get_engine
 
 KEY = "tml-tephra-test"
 RANK = 4
@@ -108,6 +111,79 @@ def test_load_state_resumes_exactly(server, client, workdir):
     assert listed[0].user_metadata == {"note": "two steps"}
 
 
+def fresh_adam_from_state(server, folder: Path, steps: list[list[list[int]]]) -> dict:
+    """tephra's engine alone: the adapter saved in `folder` (read by `load_checkpoint` into
+    one engine) copied parameter by parameter into a second engine just built (a fresh AdamW:
+    no moments, step count 0), which then takes `steps` with the Tinker defaults the SDK
+    sends (betas 0.9 / 0.95, eps 1e-12, no decay, no clipping); its merged weights."""
+    service = server.service
+    config = service.engine_config(service.bases["tiny"], RANK)
+    saved, fresh = get_engine("fsdp", config), get_engine("fsdp", config)
+    saved.load_checkpoint(folder)
+    source = dict(saved.hf_model.named_parameters())
+    with torch.no_grad():
+        for name, param in fresh.hf_model.named_parameters():
+            if ".lora_" in name:  # one rank: its shard of a DTensor is the whole matrix
+                src = source[name]
+                full = src.full_tensor() if isinstance(src, DTensor) else src
+                (param.to_local() if isinstance(param, DTensor) else param).copy_(full)
+    fresh.set_optimizer_params(
+        lr=2e-2, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, grad_clip=0.0
+    )
+    for rows in steps:
+        ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64)
+        attn = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], attn[i, : len(r)] = torch.tensor(r), 1
+        resp = attn.clone()
+        resp[:, 0] = 0
+        with fresh.train_mode():
+            fresh.forward_backward(
+                B.make_batch(ids, attn, resp),
+                lambda out, mb: (-(out["log_probs"] * mb[B.RESPONSE_MASK]).sum(), {}),
+            )
+            fresh.optimizer_step()
+    with fresh.eval_mode():
+        return {n: t.clone() for bucket in fresh.export_weights() for n, t in bucket}
+
+
+def test_weights_only_loads_start_a_fresh_optimizer(server, client, workdir):
+    """`load_state` / `create_training_client_from_state`: the saved adapter exactly, and the
+    next steps those of an engine given that adapter with a fresh AdamW (to 1e-6), not those
+    of the restored optimizer (`load_state_with_optimizer`), which differ."""
+    a = client.create_lora_training_client(base_model="tiny", rank=RANK).result()
+    other = client.create_lora_training_client(base_model="tiny", rank=RANK).result()
+    for _ in range(2):
+        step(a, ROWS)
+        step(other, OTHER)
+    path = a.save_state("weights-only").result().path
+    folder = workdir / "checkpoints" / a.model_id / "weights" / "weights-only" / "engine"
+    at_save = served_weights(server, a.model_id)
+    for rows in LATER:
+        step(a, rows)
+    fresh = fresh_adam_from_state(server, folder, LATER[:2])
+
+    a.load_state(path).result()  # weights only: the SDK sends optimizer=False
+    assert largest_difference(served_weights(server, a.model_id), at_save) == 0.0
+    for rows in LATER[:2]:
+        step(other, OTHER)  # the engine holds another adapter between a's calls
+        step(a, rows)
+    assert largest_difference(served_weights(server, a.model_id), fresh) < 1e-6
+
+    c = client.create_training_client_from_state(path).result()
+    assert c.model_id not in (a.model_id, other.model_id)
+    assert largest_difference(served_weights(server, c.model_id), at_save) == 0.0
+    for rows in LATER[:2]:
+        step(c, rows)
+    assert largest_difference(served_weights(server, c.model_id), fresh) < 1e-6
+
+    # the restored optimizer (moments of two steps, step count 2) steps elsewhere
+    resumed = client.create_training_client_from_state_with_optimizer(path).result()
+    for rows in LATER[:2]:
+        step(resumed, rows)
+    assert largest_difference(served_weights(server, resumed.model_id), fresh) > 1e-4
+
+
 def test_a_restarted_server_loads_the_state(server, client, workdir):
     a = client.create_lora_training_client(base_model="tiny", rank=RANK).result()
     step(a, ROWS)
@@ -144,8 +220,6 @@ def test_state_refusals(client):
     assert a.save_state("once", overwrite=True).result().path == path
     with pytest.raises(Exception, match="is not a valid checkpoint name"):
         a.save_state("../escape").result()
-    with pytest.raises(Exception, match="weights-only load .* is not served"):
-        client.create_training_client_from_state(path).result()
     with pytest.raises(Exception, match="no state saved at tinker://nobody/weights/x"):
         client.create_training_client_from_state_with_optimizer(
             "tinker://nobody/weights/x"

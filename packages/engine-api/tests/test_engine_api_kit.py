@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from tephra.engine_api import Capability, ConfigError, apply_overrides
 from tephra.engine_api import batch as B
+from tephra.engine_api.adapters import LoraAdapter
 from tephra.engine_api.testing import (
     CHECKS,
     ConformanceFailure,
@@ -149,7 +150,7 @@ def test_kit_reference_log_probs_are_hand_checkable(make_spec):
 
 def test_the_contract_refuses_what_a_backend_does_not_declare(make_spec):
     """The `Engine` defaults: without `Capability.LORA`, `lora.rank > 0`, `reference_mode()`
-    and `export_adapter()` raise ConfigErrors naming the option or method and the capability."""
+    `export_adapter()` and `load_adapter_weights()` raise ConfigErrors naming the option or method and the capability."""
 
     engine = make_spec().make_engine({})
     assert engine.capabilities == frozenset()
@@ -159,4 +160,6 @@ def test_the_contract_refuses_what_a_backend_does_not_declare(make_spec):
         engine.reference_mode()
     with pytest.raises(ConfigError, match=r"export_adapter\(\) needs Capability.LORA"):
         engine.export_adapter("unused")
+    with pytest.raises(ConfigError, match=r"load_adapter_weights\(\) needs Capability.LORA"):
+        engine.load_adapter_weights(LoraAdapter(rank=4, alpha=8.0, tensors={}))
     assert Capability("lora") is Capability.LORA

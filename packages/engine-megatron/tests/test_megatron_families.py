@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tephra.engine_api import BatchError, ConfigError, EngineConfig, apply_overrides
-from tephra.engine_api.testing import CHECKS, random_batch, run_distributed
+from tephra.engine_api.testing import random_batch, run_distributed
 from tephra.engine_megatron import testing as T
 from tephra.engine_megatron.engine import MegatronEngine
 
@@ -61,7 +61,7 @@ def test_round_trip_and_log_probs_equal_transformers(tmp_path, family):
 @pytest.mark.parametrize("family", sorted(T.FAMILIES))
 def test_conformance_kit_single_process(tmp_path, family):
     (passed,) = T.rank_conformance_runs([(family, {}, "alltoall", None)], str(tmp_path))
-    assert passed == list(CHECKS)
+    assert passed == T.KIT_CHECKS
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
@@ -142,4 +142,4 @@ def test_qwen3_gemma3_tp2_sp_and_moe_ep2_conformance(tmp_path):
     results = run_distributed(T.rank_conformance_runs, 2, (runs, str(tmp_path)))
     for rank_result in results:
         for run, passed in zip(runs, rank_result):
-            assert passed == list(CHECKS), run
+            assert passed == T.KIT_CHECKS, run

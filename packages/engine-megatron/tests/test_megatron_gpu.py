@@ -9,7 +9,6 @@ GPU whenever one is visible.
 import pytest
 import torch
 
-from tephra.engine_api.testing import CHECKS
 from tephra.engine_megatron import testing as T
 
 pytestmark = [
@@ -21,4 +20,4 @@ pytestmark = [
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_conformance_on_cuda(tmp_path, model):
     (passed,) = T.rank_conformance_runs([(model, {}, "alltoall", None)], str(tmp_path))
-    assert passed == list(CHECKS)
+    assert passed == T.KIT_CHECKS

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tephra.engine_api.testing import CHECKS, random_batch, run_distributed
+from tephra.engine_api.testing import random_batch, run_distributed
 from tephra.engine_megatron import testing as T
 
 pytestmark = pytest.mark.multiproc
@@ -54,7 +54,7 @@ def test_tp2_conformance_parity_and_round_trip(tmp_path):
     want_loss, want_norm, want_lp, want_ent = _reference_first_step(ref.model, batch)
     parallel = {"tensor": 2, "sequence_parallel": True}
     results = run_distributed(T.rank_conformance, 2, (T.TINY_DENSE, parallel, str(tmp_path / "ck")))
-    assert all(len(r) == len(CHECKS) for r in results)
+    assert all(len(r) == len(T.KIT_CHECKS) for r in results)
     results = run_distributed(
         T.rank_first_step,
         2,
@@ -75,7 +75,11 @@ def _kit(tmp_path, runs):
     results = run_distributed(T.rank_conformance_runs, 2, (runs, str(tmp_path)))
     for rank_result in results:
         for (model, parallel, disp, checks), passed in zip(runs, rank_result):
-            assert len(passed) == (len(checks) if checks else len(CHECKS)), (model, parallel, disp)
+            assert len(passed) == (len(checks) if checks else len(T.KIT_CHECKS)), (
+                model,
+                parallel,
+                disp,
+            )
 
 
 def test_pp2_conformance_interleaved_and_1f1b(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tephra.engine_api import CheckpointError, ConfigError, SchedulerConfig, apply_overrides
+from tephra.engine_api.adapters import LoraAdapter
 from tephra.engine_api.testing import nll_loss_fn, random_batch, run_conformance
 from tephra.engine_megatron import testing as T
 from tephra.engine_megatron.engine import MegatronEngine
@@ -121,7 +122,7 @@ def test_contract_kit_coordinates_and_lora(tmp_path):
     `dp_rank` 0 of 1, its own output rank; `Capability.LORA`: after a step, `reference_mode()`
     gives the base model's log-probs and the exported adapter, loaded by peft over the base
     model, gives the engine's (both against transformers); without adapters both are
-    refused naming `lora.rank`."""
+    refused naming `lora.rank`; `load_adapter_weights()` is refused naming itself."""
     checks = [
         "data_parallel_coordinates",
         "reference_mode_is_base_model",
@@ -134,6 +135,10 @@ def test_contract_kit_coordinates_and_lora(tmp_path):
     with pytest.raises(ConfigError, match=r"reference_mode\(\) needs LoRA \(lora\.rank"):
         with engine.reference_mode():
             pass
+    # a weights-only adapter load is the part of Capability.LORA this engine refuses
+    adapter = LoraAdapter(rank=4, alpha=8.0, tensors={})
+    with pytest.raises(ConfigError, match=r"load_adapter_weights\(\) is not implemented"):
+        engine.load_adapter_weights(adapter)
 
 
 def test_lora_on_moe_adapts_attention_only():

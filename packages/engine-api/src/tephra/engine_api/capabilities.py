@@ -13,7 +13,9 @@ class Capability(StrEnum):
     LORA = "lora"
     """LoRA adapters (`lora.rank > 0`): `reference_mode()` runs the base model with the
     adapters off, `export_adapter(path)` writes the adapter alone as a peft folder and
-    `export_adapter_weights()` hands it over in memory (adapter-only weight sync)."""
+    `export_adapter_weights()` hands it over in memory (adapter-only weight sync), and
+    `load_adapter_weights(adapter)` takes one back with a fresh optimizer (a weights-only
+    restore)."""
     OPTIMIZER_PARAMS = "optimizer_params"
     """Per-step optimizer settings (`set_optimizer_params`): the learning rate, Adam's betas
     and epsilon, weight decay and the clipping norm change between optimizer steps, as a

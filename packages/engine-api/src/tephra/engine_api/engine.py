@@ -218,6 +218,19 @@ class Engine(ABC):
         backend with it raises `ConfigError` naming `lora.rank` without adapters."""
         raise self._refuse(Capability.LORA, "export_adapter_weights()")
 
+    def load_adapter_weights(self, adapter: LoraAdapter) -> None:
+        """Make `adapter`'s matrices the engine's LoRA weights and start training afresh from
+        them, as an engine just built with those weights would: the optimizer's state
+        (moments, step count) cleared, the learning-rate schedule back at its start,
+        gradients dropped; the optimizer settings (`config.optimizer`, as
+        `set_optimizer_params` last left them) and the RNG are kept. `adapter` holds what
+        `export_adapter_weights()` returns: every adapted module's A and B, this engine's
+        rank and alpha; a `ConfigError` names a missing, unexpected or misshapen matrix, or
+        another rank or alpha (`lora.rank`, `lora.alpha`). Collective: every
+        rank passes the whole adapter. Part of `Capability.LORA` (the default refuses); a
+        backend with it raises `ConfigError` naming `lora.rank` without adapters."""
+        raise self._refuse(Capability.LORA, "load_adapter_weights()")
+
     # ----- topology --------------------------------------------------------------------
     @property
     @abstractmethod

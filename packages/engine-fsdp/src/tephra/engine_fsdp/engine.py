@@ -575,6 +575,34 @@ class FSDPEngine(Engine):
         tensors = weights.adapter_tensors(self.hf_model, self.device)
         return LoraAdapter(self.config.lora.rank, self.config.lora.alpha, tensors)
 
+    def load_adapter_weights(self, adapter: LoraAdapter) -> None:
+        self._adapters(
+            "load_adapter_weights()",
+            "without adapters there is none to load; build the engine with lora.rank > 0",
+        )
+        lora_cfg = self.config.lora
+        if (adapter.rank, adapter.alpha) != (lora_cfg.rank, lora_cfg.alpha):
+            raise ConfigError(
+                f"load_adapter_weights(): the adapter has rank {adapter.rank}, alpha "
+                f"{adapter.alpha}; this engine lora.rank={lora_cfg.rank}, lora.alpha="
+                f"{lora_cfg.alpha}: load it into an engine built with the adapter's"
+            )
+        weights.load_adapter_tensors(self.hf_model, adapter.tensors, self.device)
+        # a fresh optimizer and schedule, as `__init__` builds them (settings kept: they
+        # are `config.optimizer`, which `set_optimizer_params` updates)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()
+        self._optimizer_on_device = True
+        self.scheduler = self._fresh_scheduler()
+        self.step = 0
+        self._offload_optimizer()
+
+    def _fresh_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        """The schedule at its start over the current settings (`config.optimizer.lr`)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = self.config.optimizer.lr
+        return build_scheduler(self.optimizer, self.config.scheduler)
+
     def save_checkpoint(self, path: str | Path) -> None:
         self._onload_optimizer()
         checkpoint.save(

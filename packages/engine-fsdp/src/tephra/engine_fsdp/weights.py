@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import PreTrainedModel
 
 from tephra.engine_api.adapters import PEFT_PREFIX
 from tephra.engine_api.config import LoraConfig
+from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp import lora
 
 TOKENIZER_FILES = (
@@ -139,6 +140,41 @@ def adapter_tensors(model: PreTrainedModel, device: torch.device) -> dict[str, t
             full = _full(param, device).float().cpu().contiguous()
             state[PEFT_PREFIX + name.replace(f".{lora.ADAPTER}.", ".")] = full
     return state
+
+
+def load_adapter_tensors(
+    model: PreTrainedModel, tensors: dict[str, torch.Tensor], device: torch.device
+) -> None:
+    """Copy full LoRA matrices, named as `adapter_tensors` names them, into the (sharded)
+    adapter parameters; a `ConfigError` names a missing, unexpected or misshapen matrix
+    before anything is written. Every rank passes the whole set and keeps its own shard."""
+    params = {
+        PEFT_PREFIX + name.replace(f".{lora.ADAPTER}.", "."): param
+        for name, param in model.named_parameters()
+        if lora.is_adapter_param(name)
+    }
+    missing, extra = sorted(params.keys() - tensors.keys()), sorted(tensors.keys() - params.keys())
+    if missing or extra:
+        raise ConfigError(
+            f"load_adapter_weights(): the adapter lacks {len(missing)} of this engine's LoRA "
+            f"matrices {missing[:2]} and has {len(extra)} it does not have {extra[:2]}; pass "
+            "an adapter from an engine of the same model and lora.target_modules"
+        )
+    for name, param in params.items():
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise ConfigError(
+                f"load_adapter_weights(): {name} has shape {tuple(tensors[name].shape)}, this "
+                f"engine's {tuple(param.shape)}; pass an adapter of the same model and lora.rank"
+            )
+    with torch.no_grad():
+        for name, param in params.items():
+            full = tensors[name].to(dtype=param.dtype)
+            if isinstance(param, DTensor):
+                mesh_device = torch.device(param.device_mesh.device_type)
+                shard = distribute_tensor(full.to(mesh_device), param.device_mesh, param.placements)
+                param.to_local().copy_(shard.to_local())
+            else:
+                param.copy_(full)
 
 
 def _peft_targets(model: PreTrainedModel, adapted: set[str]) -> list[str]:

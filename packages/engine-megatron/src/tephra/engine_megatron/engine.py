@@ -721,6 +721,16 @@ class MegatronEngine(Engine):
             )
         return LoraAdapter(self.config.lora.rank, self.config.lora.alpha, self.adapters.gather())
 
+    def load_adapter_weights(self, adapter: LoraAdapter) -> None:
+        """Not implemented by engine=megatron (its distributed optimizer keeps fp32 main
+        copies of the tensor-parallel adapter shards, which a weights-only restore would have
+        to rebuild): refused."""
+        raise ConfigError(
+            "load_adapter_weights() is not implemented by engine=megatron (part of "
+            "Capability.LORA that this engine lacks); restore an adapter with its optimizer "
+            "state through save_checkpoint / load_checkpoint, or use engine=fsdp"
+        )
+
     def save_checkpoint(self, path: str | Path) -> None:
         ckpt.save(self, Path(path))
 

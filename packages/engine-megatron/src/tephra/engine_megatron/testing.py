@@ -20,6 +20,7 @@ from tephra.engine_api import get_engine
 from tephra.engine_api.config import EngineConfig, apply_overrides
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.testing import (
+    CHECKS,
     ConformanceSpec,
     ReferenceModel,
     nll_loss_fn,
@@ -214,6 +215,11 @@ def conformance_spec(
 
 
 # ----- functions run on every rank by `run_distributed` (must be importable) --------------
+KIT_CHECKS = [name for name in CHECKS if name != "adapter_weights_load"]
+"""The conformance checks engine=megatron passes: all but `adapter_weights_load`
+(`load_adapter_weights()` is refused, see the README)."""
+
+
 def rank_conformance(
     hf_config: dict[str, Any],
     parallel: dict[str, Any],
@@ -221,8 +227,10 @@ def rank_conformance(
     dispatcher: str = "alltoall",
     checks: list[str] | None = None,
 ) -> list[str]:
-    """Run the conformance kit on this rank; returns the names of the checks that passed."""
-    return run_conformance(conformance_spec(hf_config, parallel, Path(workdir), dispatcher), checks)
+    """Run the conformance kit on this rank (`KIT_CHECKS` by default); returns the names of
+    the checks that passed."""
+    spec = conformance_spec(hf_config, parallel, Path(workdir), dispatcher)
+    return run_conformance(spec, KIT_CHECKS if checks is None else checks)
 
 
 def rank_conformance_runs(

@@ -116,6 +116,14 @@ class SharedEngine:
         self.clients[model_id].pending.clear()
         self.active = model_id
 
+    def load_weights_only(self, model_id: str, folder: Path) -> None:
+        """Make the adapter saved in `folder` the client's with a fresh optimizer (no moments,
+        step count 0: `Engine.load_adapter_weights`), dropping its pending gradients."""
+        self.load_state(model_id, folder)
+        with self.engine.eval_mode():
+            adapter = self.engine.export_adapter_weights()
+        self.engine.load_adapter_weights(adapter)
+
     def weights(self, model_id: str) -> dict[str, torch.Tensor]:
         """The client's merged weights (base + its adapter), Hugging Face names."""
         self.activate(model_id)

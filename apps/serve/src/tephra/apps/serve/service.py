@@ -239,19 +239,15 @@ class Service:
         return self.submit(work, model_id)
 
     def load_weights(self, body: dict) -> dict:
-        """`load_state_with_optimizer(path)` on a client, or a new client from a saved state
-        (`create_training_client_from_state_with_optimizer`: no `model_id`, the new client's
-        id derived from the session as the SDK expects)."""
+        """`load_state(path)` / `load_state_with_optimizer(path)` on a client, or a new
+        client from a saved state (`create_training_client_from_state[_with_optimizer]`: no
+        `model_id`, the new client's id derived from the session as the SDK expects). Without
+        `optimizer` the saved adapter is loaded alone and the optimizer starts afresh."""
         model_id = body.get("model_id")
         call = "load_state" if model_id else "create_training_client_from_state"
         path = body.get("path")
         parse(path, call)
-        if not body.get("optimizer", False):
-            raise UserError(
-                f"{call}: a weights-only load (a fresh optimizer) is not served; the engine "
-                "restores an adapter together with its optimizer state: use "
-                "load_state_with_optimizer / create_training_client_from_state_with_optimizer"
-            )
+        with_optimizer = bool(body.get("optimizer", False))
         if model_id is None:
             session, seq = body.get("session_id"), body.get("model_seq_id")
             if session is None or seq is None:
@@ -276,12 +272,15 @@ class Service:
                         f"{have_base!r}: load it with "
                         "create_training_client_from_state_with_optimizer"
                     )
-                self._client(model_id, call).load_state(model_id, state.engine_checkpoint)
+                shared = self._client(model_id, call)
+                load = shared.load_state if with_optimizer else shared.load_weights_only
+                load(model_id, state.engine_checkpoint)
             else:
                 shared = self._shared(base, state.lora_rank)
                 shared.add_client(model_id)
+                load = shared.load_state if with_optimizer else shared.load_weights_only
                 try:
-                    shared.load_state(model_id, state.engine_checkpoint)
+                    load(model_id, state.engine_checkpoint)
                 except Exception:
                     del shared.clients[model_id]  # no client is made of a failed load
                     raise

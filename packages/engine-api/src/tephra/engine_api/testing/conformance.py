@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
+from tephra.engine_api.adapters import LoraAdapter
 from tephra.engine_api.capabilities import Capability
 from tephra.engine_api.config import apply_overrides
 from tephra.engine_api.engine import Engine
@@ -461,6 +462,55 @@ def check_adapter_export_matches(spec: ConformanceSpec) -> None:
         assert torch.equal(adapter.tensors[name].float(), tensor.float()), name
 
 
+def check_adapter_weights_load(spec: ConformanceSpec) -> None:
+    """With `Capability.LORA`: an adapter exported after a step, loaded by
+    `load_adapter_weights` into an engine that has taken two steps of its own, is that
+    engine's adapter bit for bit and gives the exporter's log-probs; its next two steps
+    (losses, grad norms, adapter after) are those of an engine built fresh and given the same
+    adapter (a fresh optimizer: no moments, step count 0). Another rank, and an engine without
+    adapters, are refused naming `lora.rank`. Without the capability it is refused."""
+    engine = spec.make_engine({})
+    if Capability.LORA not in engine.capabilities:
+        empty = LoraAdapter(rank=4, alpha=8.0, tensors={})
+        _refuses_lora(engine, "load_adapter_weights()", lambda: engine.load_adapter_weights(empty))
+        return
+    source, share = _lora_engine_after_a_step(spec)
+    with source.eval_mode():
+        adapter = source.export_adapter_weights()
+        want = source.forward(share)["log_probs"]
+    _refuses(
+        lambda: engine.load_adapter_weights(adapter),
+        "lora.rank",
+        "load_adapter_weights() without adapters",
+    )
+    other = LoraAdapter(adapter.rank * 2, adapter.alpha, adapter.tensors)
+    batch_a, batch_b = _kit_batch(spec, seed=1), _kit_batch(spec, seed=2)
+    trained = spec.make_engine(_LORA)
+    _train_step(trained, batch_a)
+    _train_step(trained, batch_b)
+    _refuses(lambda: trained.load_adapter_weights(other), "lora.rank", "another rank's adapter")
+    trained.load_adapter_weights(adapter)
+    with trained.eval_mode():
+        loaded = trained.export_adapter_weights()
+        got = trained.forward(share)["log_probs"]
+    for name, tensor in adapter.tensors.items():
+        assert torch.equal(loaded.tensors[name], tensor), f"{name} differs after loading"
+    _close("log_probs after load_adapter_weights vs the exporter's", got, want, spec.atol)
+    fresh = spec.make_engine(_LORA)
+    fresh.load_adapter_weights(adapter)
+    steps = [(*_train_step(e, batch_b), *_train_step(e, batch_a)) for e in (trained, fresh)]
+    assert steps[0] == steps[1], (
+        f"two steps after load_adapter_weights gave (loss, grad norm) x2 {steps[0]} on an "
+        f"engine that had trained, {steps[1]} on a fresh one: the optimizer was not reset"
+    )
+    with trained.eval_mode(), fresh.eval_mode():
+        after = trained.export_adapter_weights(), fresh.export_adapter_weights()
+    for name in adapter.tensors:
+        assert torch.equal(after[0].tensors[name], after[1].tensors[name]), (
+            f"{name} after two steps from the loaded adapter differs from a fresh engine's"
+        )
+
+
 CHECKS: dict[str, Callable[[ConformanceSpec], None]] = {
     "forward_matches_reference": check_forward_matches_reference,
     "forward_builds_no_graph": check_forward_builds_no_graph,
@@ -474,6 +524,7 @@ CHECKS: dict[str, Callable[[ConformanceSpec], None]] = {
     "data_parallel_coordinates": check_data_parallel_coordinates,
     "reference_mode_is_base_model": check_reference_mode_is_base_model,
     "adapter_export_matches": check_adapter_export_matches,
+    "adapter_weights_load": check_adapter_weights_load,
 }
 
 
