@@ -280,7 +280,9 @@ def test_two_runs_share_one_base_each_sampling_through_its_own_adapter(tmp_path)
 
         # an unknown name in a request is refused naming the loaded ones; a third name is
         # refused beyond max_loras, naming the fix; replacing a loaded name is allowed
-        with pytest.raises(RolloutError, match=r"adapter='run3' is not loaded; loaded adapters: \['run1', 'run2'\]"):
+        with pytest.raises(
+            RolloutError, match=r"adapter='run3' is not loaded; loaded adapters: \['run1', 'run2'\]"
+        ):
             rollout.generate(PROMPTS, sampling("run3"))
         with pytest.raises(ConfigError, match=r"rollout.max_loras=2; raise rollout.max_loras"):
             rollout.update_adapter(adapter1, name="run3")

@@ -71,6 +71,8 @@ from tephra.rollout.base import (
     SamplingParams,
     ServerDiedError,
     ServerSettings,
+    adapter_of,
+    check_adapter_slot,
     check_prompts,
 )
 from tephra.rollout.weight_transport import TRANSPORTS, Placement, choose_transport
