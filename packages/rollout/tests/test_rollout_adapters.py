@@ -182,3 +182,79 @@ def test_lora_launch_and_requests_of_vllm_and_sglang():
     )
     (request,) = sglang.sample_requests([1, 2], SamplingParams())
     assert sglang.with_adapter(request, "a")[1]["lora_path"] == "a"
+
+
+@pytest.fixture
+def recorded_two(tiny_model):
+    rec = Recorder()
+    threading.Thread(target=rec.serve_forever, daemon=True).start()
+    config = RolloutConfig(
+        model_path=tiny_model.path,
+        max_lora_rank=4,
+        max_loras=2,
+        sglang=ServerSettings(url=rec.url, request_timeout_s=60),
+    )
+    rollout = get_rollout("sglang", config)
+    yield rec, rollout
+    rollout.close()
+    rec.shutdown()
+    rec.server_close()
+
+
+def test_named_adapters_stay_loaded_side_by_side_and_requests_pick_one(recorded_two):
+    """Two runs' adapters on one server: each name is loaded under a server name of its own,
+    replacing one unloads only its old version, and each request names the adapter its
+    `SamplingParams.adapter` asks for."""
+    rec, rollout = recorded_two
+    one = SamplingParams(max_tokens=1, temperature=1.0)
+    rollout.update_adapter(_adapter(1), name="run1")
+    rollout.update_adapter(_adapter(2), name="run2")
+    assert rollout.adapters == {"run1": "tephra-lora-run1-1", "run2": "tephra-lora-run2-2"}
+    assert sorted(rec.loaded) == ["tephra-lora-run1-1", "tephra-lora-run2-2"]
+    assert rollout.adapter is None  # no default adapter: requests without a name use the base
+    rollout.generate([[1, 2]], one.replace(adapter="run2"))
+    rollout.generate([[1, 2]], one.replace(adapter="run1"))
+    rollout.generate([[1, 2]], one)
+    rollout.update_adapter(_adapter(3), name="run1")  # run 1's next sync
+    assert sorted(rec.loaded) == ["tephra-lora-run1-3", "tephra-lora-run2-2"]
+    # what the server holds for run 1 is its new adapter, bit for bit; run 2's is untouched
+    for served, seed in (("tephra-lora-run1-3", 3), ("tephra-lora-run2-2", 2)):
+        tensors = rec.loaded[served][1]
+        assert all(torch.equal(tensors[k], v) for k, v in _adapter(seed).tensors.items())
+    rollout.generate([[1, 2]], one.replace(adapter="run1"))
+    generates = [b.get("lora_path") for p, b in rec.posts if p == "/generate"]
+    assert generates == ["tephra-lora-run2-2", "tephra-lora-run1-1", None, "tephra-lora-run1-3"]
+    unloads = [b["lora_name"] for p, b in rec.posts if p == "/unload_lora_adapter"]
+    assert unloads == ["tephra-lora-run1-1"]
+    first, second, third = folders_of(rec)
+    assert not Path(first).exists() and Path(second).is_dir() and Path(third).is_dir()
+
+    # refusals come before any request: an unknown name, a name beyond max_loras, a bad name
+    posts = len(rec.posts)
+    with pytest.raises(
+        RolloutError, match=r"adapter='run3' is not loaded; loaded adapters: \['run1', 'run2'\]"
+    ):
+        rollout.generate([[1, 2]], one.replace(adapter="run3"))
+    with pytest.raises(
+        ConfigError, match=r"cannot load adapter 'run3'.*rollout.max_loras=2; raise rollout"
+    ):
+        rollout.update_adapter(_adapter(4), name="run3")
+    with pytest.raises(ConfigError, match=r"name='run 3' must be a non-empty name of letters"):
+        rollout.update_adapter(_adapter(4), name="run 3")
+    assert len(rec.posts) == posts
+
+
+def test_max_loras_reaches_the_server_command_and_is_checked():
+    assert VllmProtocol().lora_launch(8, 3)[0] == [
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--max-loras",
+        "3",
+    ]
+    args = SglangProtocol().lora_launch(8, 3)[0]
+    assert args[args.index("--max-loras-per-batch") + 1] == "3"
+    with pytest.raises(ConfigError, match=r"rollout.max_loras=0 must be an integer >= 1"):
+        RolloutConfig(model_path="m", max_loras=0)
+    with pytest.raises(ConfigError, match=r"sampling.adapter='' must be the name"):
+        SamplingParams(adapter="")

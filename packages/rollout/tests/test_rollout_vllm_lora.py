@@ -1,9 +1,12 @@
 """Adapter-only sync on a real vLLM CPU server (`--enable-lora`, `/v1/load_lora_adapter`),
-compared with the `hf` backend serving the same adapter (itself checked against peft's
+compared with the `hf` backend serving the same adapter(s): the default one, then a second
+named one beside it on the same server (itself checked against peft's
 `merge_and_unload` in tests/test_lora_sync.py). Skipped where vLLM cannot run (an AVX2-only
 CPU), as the other vLLM tests are."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
@@ -38,6 +41,7 @@ def test_vllm_serves_each_adapter_as_hf_does(tiny_model, vllm_python):
         model_path=tiny_model.path,
         max_model_len=512,
         max_lora_rank=4,
+        max_loras=2,
         vllm=ServerSettings(python=vllm_python, startup_timeout_s=300, request_timeout_s=120),
     )
     vllm, hf = get_rollout("vllm", config), get_rollout("hf", config)
@@ -54,6 +58,32 @@ def test_vllm_serves_each_adapter_as_hf_does(tiny_model, vllm_python):
             for x, y in zip(a.log_probs, b.log_probs, strict=True):
                 torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-4, rtol=0)
         assert a.response_ids != base.response_ids  # the adapter changed the policy
+
+        # a second run's adapter beside the default one (`--max-loras 2`): each request
+        # samples through the adapter it names, as hf does, also when the two share a batch
+        for seed in (3, 4):  # run 2's second sync replaces its first
+            adapter = random_adapter(hf.model, seed)
+            vllm.update_adapter(adapter, name="run2")
+            hf.update_adapter(adapter, name="run2")
+        assert vllm.adapters == {"default": "tephra-lora-2", "run2": "tephra-lora-run2-4"}
+        run2 = sampling.replace(adapter="run2")
+        a2, b2 = vllm.generate(PROMPTS, run2), hf.generate(PROMPTS, run2)
+        assert a2.response_ids == b2.response_ids and a2.response_ids != a.response_ids
+        for x, y in zip(a2.log_probs, b2.log_probs, strict=True):
+            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-4, rtol=0)
+
+        async def mixed():
+            return await asyncio.gather(
+                *(vllm.agenerate(prompt, s) for prompt in PROMPTS for s in (sampling, run2))
+            )
+
+        got = asyncio.run(mixed())
+        want = [out.samples[i] for i in range(len(PROMPTS)) for out in (a, a2)]
+        assert [g.response_ids for g in got] == [w.response_ids for w in want]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(g.log_probs), torch.tensor(w.log_probs), atol=1e-4, rtol=0
+            )
     finally:
         vllm.close()
         hf.close()

@@ -1,6 +1,7 @@
 """tephra.rollout: generation backends (hf, vllm, sglang) behind one contract."""
 
 from tephra.rollout.base import (
+    DEFAULT_ADAPTER,
     HFSettings,
     Rollout,
     RolloutConfig,
@@ -15,6 +16,7 @@ from tephra.rollout.registry import ROLLOUT_BACKENDS, get_rollout
 from tephra.rollout.samples import RewardResult, Sample, to_batch
 
 __all__ = [
+    "DEFAULT_ADAPTER",
     "ROLLOUT_BACKENDS",
     "HFSettings",
     "RewardResult",

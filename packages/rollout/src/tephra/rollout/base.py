@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import ipaddress
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
 
 FinishReason = Literal["stop", "length"]
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_ADAPTER = "default"
+"""The name `update_adapter` loads an adapter under when it is given none (one run, one
+adapter), and the one a request samples through when `SamplingParams.adapter` is None."""
 
 
 class RolloutError(TephraError, RuntimeError):
@@ -79,6 +83,12 @@ class SamplingParams:
     backend's running generator (different each call)."""
     logprobs: bool = True
     """Return the per-token log-probs of the sampled tokens (see module docstring)."""
+    adapter: str | None = None
+    """Name of the LoRA adapter to sample through (loaded with `Rollout.update_adapter(adapter,
+    name=...)`; several can be loaded at once over one base model, up to
+    `RolloutConfig.max_loras`). None: the adapter loaded without a name (`DEFAULT_ADAPTER`)
+    if there is one, else the base weights. A name not loaded is refused, naming the loaded
+    ones."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -101,6 +111,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stops)
         if self.seed is not None and not isinstance(self.seed, int):
             raise ConfigError(f"sampling.seed={self.seed!r} must be an integer or None")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ConfigError(
+                f"sampling.adapter={self.adapter!r} must be the name of a loaded LoRA adapter "
+                "(update_adapter(adapter, name=...)) or None (the default adapter)"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -338,6 +353,13 @@ class RolloutConfig:
     --max-lora-rank`, SGLang `--enable-lora --max-lora-rank`); the trainer sets it from
     `actor.lora.rank` when syncs send the adapter alone (`actor.lora_sync`). The hf backend
     needs no preparation."""
+    max_loras: int = 1
+    """Most LoRA adapters loaded at once under different names (`update_adapter(adapter,
+    name=...)`, several runs over one base model; each request picks one with
+    `SamplingParams.adapter`). A vLLM server starts with `--max-loras` at this value (the
+    adapters one batch may mix; each takes a slot of LoRA memory), SGLang with
+    `--max-loras-per-batch`; every backend refuses a name beyond it. 1: one run's adapter,
+    as the trainer syncs it."""
     record_routes: bool = False
     """Record each token's experts per MoE layer (`Sample.routed_experts`) for routing
     replay; the trainer sets it from `actor.moe.routing_replay`. Only the `hf` backend
@@ -353,6 +375,11 @@ class RolloutConfig:
             )
         if self.max_lora_rank < 0:
             raise ConfigError(f"rollout.max_lora_rank={self.max_lora_rank!r} must be >= 0")
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ConfigError(
+                f"rollout.max_loras={self.max_loras!r} must be an integer >= 1 (the most LoRA "
+                "adapters loaded at once under different names)"
+            )
         if self.max_model_len < 2:
             raise ConfigError(f"rollout.max_model_len={self.max_model_len!r} must be >= 2")
         for name, kind in (
@@ -490,11 +517,14 @@ class Rollout(abc.ABC):
         """Load new weights given as (Hugging Face name, full tensor) pairs, e.g. from
         `Engine.export_weights()`. Names not given keep their current values."""
 
-    def update_adapter(self, adapter: LoraAdapter) -> None:
-        """Serve the base weights held with `adapter` on top, not merged into them: the
-        first call adds the adapter, each later one replaces its matrices (same rank and
-        modules). Generation then samples from W + (alpha / rank) * B @ A while W stays
-        bitwise as it was. For backends with `supports_adapters`; the others refuse."""
+    def update_adapter(self, adapter: LoraAdapter, name: str = DEFAULT_ADAPTER) -> None:
+        """Serve the base weights held with `adapter` on top, not merged into them, under
+        `name`: the first call of a name adds the adapter, each later one replaces it (hf:
+        same rank and modules). Generation with `SamplingParams.adapter=name` (None: the
+        default name) then samples from W + (alpha / rank) * B @ A while W stays bitwise as
+        it was. Several names stay loaded at once, up to `config.max_loras`; a name beyond
+        that is refused (`check_adapter_slot`). For backends with `supports_adapters`; the
+        others refuse."""
         raise ConfigError(
             f"rollout backend {type(self).__name__} cannot serve a LoRA adapter over its base "
             "weights; set actor.lora_sync=merged (the merged weights are synced instead)"
@@ -569,6 +599,39 @@ def check_prompts(
                 raise ConfigError(
                     f"prompt {i} holds token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})"
                 )
+
+
+def check_adapter_slot(loaded: Iterable[str], name: str, max_loras: int) -> None:
+    """Refuse loading adapter `name` when it is new and `max_loras` names are loaded."""
+    names = list(loaded)
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        # peft keeps adapters in module dicts by name: a dot would split the name
+        raise ConfigError(
+            f"update_adapter: name={name!r} must be a non-empty name of letters, digits, "
+            "'_' and '-'"
+        )
+    if name not in names and len(names) >= max_loras:
+        raise ConfigError(
+            f"update_adapter: cannot load adapter {name!r}: {len(names)} adapter(s) are loaded "
+            f"({sorted(names)}) and rollout.max_loras={max_loras}; raise rollout.max_loras "
+            "(vLLM's --max-loras) or replace one of the loaded names"
+        )
+
+
+def adapter_of(sampling: SamplingParams, loaded: Iterable[str]) -> str | None:
+    """The loaded adapter a request samples through: `sampling.adapter`, or the default
+    adapter when it is None (None: none loaded under that name, the base weights). A name
+    not loaded is refused, naming the loaded ones."""
+    names = list(loaded)
+    if sampling.adapter is None:
+        return DEFAULT_ADAPTER if DEFAULT_ADAPTER in names else None
+    if sampling.adapter not in names:
+        raise RolloutError(
+            f"sampling.adapter={sampling.adapter!r} is not loaded; loaded adapters: "
+            f"{sorted(names)}; load it first with update_adapter(adapter, "
+            f"name={sampling.adapter!r})"
+        )
+    return sampling.adapter
 
 
 def can_pause(backend: type[Rollout]) -> bool:

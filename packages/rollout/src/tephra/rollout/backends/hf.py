@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import threading
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from tephra.rollout.backends.kv_cache import growing_cache
 from tephra.rollout.backends.request_batcher import RequestBatcher
 from tephra.rollout.backends.sampling_processor import SampledLogProbRecorder
 from tephra.rollout.base import (
+    DEFAULT_ADAPTER,
     FinishReason,
     Rollout,
     RolloutConfig,
@@ -46,12 +48,14 @@ from tephra.rollout.base import (
     RolloutOutput,
     Sample,
     SamplingParams,
+    adapter_of,
+    check_adapter_slot,
     check_prompts,
 )
 from tephra.rollout.multimodal import MultimodalInputs, check_image_tokens, vision_family
 
-_ADAPTER = "default"
-"""The name of the one LoRA adapter `update_adapter` injects (peft's default)."""
+_UNSET = object()
+"""The active adapter before any was chosen (or after an injection, which may change it)."""
 
 _SEED_MASK = 2**64 - 1
 """torch generators take seeds in [0, 2**64); larger or negative seeds wrap."""
@@ -138,8 +142,10 @@ class _Carry:
 class HFRollout(Rollout):
     """transformers generation in this process; `agenerate` goes through a batching thread.
 
-    `update_adapter` (adapter-only sync) injects peft's LoRA layers into the model once,
-    around the unchanged linear layers, and afterwards only copies new A / B matrices in."""
+    `update_adapter` (adapter-only sync) injects peft's LoRA layers into the model once per
+    adapter name, around the unchanged linear layers, and afterwards only copies new A / B
+    matrices in; each generation call activates the adapter its `SamplingParams.adapter`
+    names (peft's named adapters; the others stay loaded and unused)."""
 
     supports_adapters = True
 
@@ -190,8 +196,12 @@ class HFRollout(Rollout):
         """Version of the weights held, set by the owner (partial rollout); when not None every
         generated token is tagged with it (`Sample.token_versions`)."""
         self._seeds = random.Random(config.seed)
-        self._adapter_shape: tuple[int, float, tuple[str, ...]] | None = None
-        """Rank, alpha and modules of the adapter `update_adapter` injected (None: none)."""
+        self._adapter_shapes: dict[str, tuple[int, float, tuple[str, ...]]] = {}
+        """Rank, alpha and modules of each adapter `update_adapter` injected, by name."""
+        self._lora_layers: list[Any] = []
+        """peft's LoRA layers in the model (each holds every adapter name of its module)."""
+        self._active: object = _UNSET
+        """The adapter name the LoRA layers have active (None: none, the base weights)."""
         self._asleep = False
         self._batcher = RequestBatcher(
             self._run_request_batch,
@@ -307,6 +317,7 @@ class HFRollout(Rollout):
         it (when set)."""
         if self._asleep:
             raise RolloutError("hf rollout is asleep; call wake_up() before generating")
+        adapter = adapter_of(sampling, self._adapter_shapes)
         stops = self._stop_ids(sampling)
         stop_set = torch.tensor(stops, dtype=torch.long)
         tokens: list[list[int]] = [[] for _ in rows]
@@ -322,6 +333,7 @@ class HFRollout(Rollout):
                 if not self._running.is_set():  # an update took the lock first: wait for it
                     continue
                 version = self.weight_version
+                self._use_adapter(adapter)
                 if carry is not None and carry.updates != self._updates:
                     carry = None  # new weights: the cache is stale, prefill again
                 new, new_lp, carry = self._segment(
@@ -494,6 +506,7 @@ class HFRollout(Rollout):
                 f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)"
             )
         check_prompts([prompt_ids], sampling, self.config.max_model_len, self.vocab_size)
+        adapter_of(sampling, self._adapter_shapes)  # an unknown name fails here, alone
         if multimodal is not None:
             check_image_tokens(
                 list(prompt_ids),
@@ -508,6 +521,7 @@ class HFRollout(Rollout):
             sampling.stop_token_ids,
             sampling.ignore_eos,
             sampling.logprobs,
+            sampling.adapter,  # one batch runs through one adapter
         )
         return cast(
             Sample, await self._batcher.submit((list(prompt_ids), sampling, multimodal), key)
@@ -563,7 +577,7 @@ class HFRollout(Rollout):
             self._updates += 1  # even a failed update may have changed some weights
             state = self.model.state_dict()
             for name, tensor in named_tensors:
-                if name not in state and self._adapter_shape is not None:
+                if name not in state and self._adapter_shapes:
                     name = _base_layer_name(name)
                 if name not in state:
                     known = ", ".join(list(state)[:6])
@@ -581,39 +595,60 @@ class HFRollout(Rollout):
                 target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
 
     @torch.no_grad()
-    def update_adapter(self, adapter: LoraAdapter) -> None:
-        """Serve `adapter` over the unchanged base weights: peft's LoRA layers wrap the
-        adapted linear layers (injected on the first call), whose output becomes
-        W x + (alpha / rank) * B (A x); each call copies the new A and B in. A later adapter
-        must have the first one's rank, alpha and modules."""
+    def update_adapter(self, adapter: LoraAdapter, name: str = DEFAULT_ADAPTER) -> None:
+        """Serve `adapter` over the unchanged base weights as adapter `name`: peft's LoRA
+        layers wrap the adapted linear layers (the name injected on its first call), whose
+        output becomes W x + (alpha / rank) * B (A x) while `name` is active; each call
+        copies the new A and B in. A later adapter of a name must have the first one's rank,
+        alpha and modules; other names may differ."""
         shape = (adapter.rank, adapter.alpha, tuple(adapter.modules))
+        check_adapter_slot(self._adapter_shapes, name, self.config.max_loras)
         with self._lock:
             self._updates += 1  # the KV cache of the old adapter is stale
-            if self._adapter_shape is None:
-                self._inject(adapter)
-                self._adapter_shape = shape
-            elif shape != self._adapter_shape:
-                rank, alpha, modules = self._adapter_shape
+            if name not in self._adapter_shapes:
+                self._inject(adapter, name)
+                self._adapter_shapes[name] = shape
+            elif shape != self._adapter_shapes[name]:
+                rank, alpha, modules = self._adapter_shapes[name]
                 raise RolloutError(
-                    f"update_adapter: the adapter changed shape (rank {adapter.rank}, alpha "
-                    f"{adapter.alpha}, {len(adapter.modules)} modules; the rollout serves rank "
-                    f"{rank}, alpha {alpha}, {len(modules)} modules); one run trains one adapter"
+                    f"update_adapter: adapter {name!r} changed shape (rank {adapter.rank}, "
+                    f"alpha {adapter.alpha}, {len(adapter.modules)} modules; the rollout serves "
+                    f"rank {rank}, alpha {alpha}, {len(modules)} modules); one run trains one "
+                    "adapter: load another shape under another name"
                 )
             params = dict(self.model.named_parameters())
-            for name, tensor in adapter.tensors.items():
-                target = params[_rollout_adapter_name(name)]
+            for peft_name, tensor in adapter.tensors.items():
+                target = params[_rollout_adapter_name(peft_name, name)]
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise RolloutError(
-                        f"update_adapter: {name!r} has shape {list(tensor.shape)}, the rollout "
-                        f"model's layer expects {list(target.shape)}"
+                        f"update_adapter: {peft_name!r} has shape {list(tensor.shape)}, the "
+                        f"rollout model's layer expects {list(target.shape)}"
                     )
                 target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
 
-    def _inject(self, adapter: LoraAdapter) -> None:
-        """peft's LoRA layers (adapter `default`) around exactly the adapter's modules."""
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters loaded (`update_adapter`), sorted."""
+        return sorted(self._adapter_shapes)
+
+    def _use_adapter(self, name: str | None) -> None:
+        """Make adapter `name` the one the LoRA layers apply (None: none, the base weights);
+        called under the lock before each decoding segment, so calls through different
+        adapters can alternate."""
+        if name is self._active or name == self._active:
+            return
+        for layer in self._lora_layers:
+            # a layer without `name` (another adapter's module) then adds nothing
+            layer.set_adapter([name] if name is not None else [], inference_mode=True)
+        self._active = name
+
+    def _inject(self, adapter: LoraAdapter, name: str) -> None:
+        """peft's LoRA layers (adapter `name`) around exactly the adapter's modules; layers
+        that already hold other adapters get this one beside them."""
         try:
             # imported here: only adapter syncs need peft (the `lora` extra)
             from peft import LoraConfig, inject_adapter_in_model
+            from peft.tuners.tuners_utils import BaseTunerLayer
         except ImportError as exc:
             raise RolloutError(
                 "update_adapter needs peft: install tephra-rollout[lora], or set "
@@ -633,10 +668,19 @@ class HFRollout(Rollout):
             # full names: a suffix such as `q_proj` could also match a frozen vision tower
             target_modules=adapter.modules,
         )
-        inject_adapter_in_model(config, self.model, adapter_name=_ADAPTER)
+        with warnings.catch_warnings():
+            # peft warns that a second adapter joins the first: that is the point here
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            inject_adapter_in_model(config, self.model, adapter_name=name)
         self.model.eval()
-        injected = {n for n, _ in self.model.named_parameters() if ".lora_" in n}
-        expected = {_rollout_adapter_name(n) for n in adapter.tensors}
+        self._lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        self._active = _UNSET  # peft may have made the new adapter active in some layers
+        injected = {
+            n
+            for n, _ in self.model.named_parameters()
+            if ".lora_" in n and n.endswith(f".{name}.weight")
+        }
+        expected = {_rollout_adapter_name(n, name) for n in adapter.tensors}
         if injected != expected:
             raise RolloutError(
                 f"update_adapter: peft made {len(injected)} adapter matrices, the adapter "
@@ -663,11 +707,11 @@ class HFRollout(Rollout):
             self._batcher.close()
 
 
-def _rollout_adapter_name(peft_name: str) -> str:
+def _rollout_adapter_name(peft_name: str, adapter: str) -> str:
     """`base_model.model.<module>.lora_A.weight` (peft's file) -> the injected parameter's
-    name in the rollout model, `<module>.lora_A.default.weight`."""
+    name in the rollout model, `<module>.lora_A.<adapter>.weight`."""
     stem, kind = peft_name[len(PEFT_PREFIX) :].rsplit(".lora_", 1)
-    return f"{stem}.lora_{kind.split('.')[0]}.{_ADAPTER}.weight"
+    return f"{stem}.lora_{kind.split('.')[0]}.{adapter}.weight"
 
 
 def _base_layer_name(name: str) -> str:

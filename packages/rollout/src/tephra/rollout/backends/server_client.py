@@ -62,6 +62,7 @@ from tephra.rollout.backends.weights_folder import (
     write_update,
 )
 from tephra.rollout.base import (
+    DEFAULT_ADAPTER,
     Rollout,
     RolloutConfig,
     RolloutError,
@@ -70,6 +71,8 @@ from tephra.rollout.base import (
     SamplingParams,
     ServerDiedError,
     ServerSettings,
+    adapter_of,
+    check_adapter_slot,
     check_prompts,
 )
 from tephra.rollout.weight_transport import TRANSPORTS, Placement, choose_transport
@@ -199,9 +202,9 @@ class ServerProtocol(abc.ABC):
 
     # -- LoRA adapters served over the base weights (adapter-only sync) --
     @abc.abstractmethod
-    def lora_launch(self, max_rank: int) -> tuple[list[str], dict[str, str]]:
-        """Extra arguments and environment that start the server able to load one LoRA
-        adapter of rank up to `max_rank` at run time."""
+    def lora_launch(self, max_rank: int, max_loras: int = 1) -> tuple[list[str], dict[str, str]]:
+        """Extra arguments and environment that start the server able to load LoRA adapters
+        of rank up to `max_rank` at run time, `max_loras` of them served at once."""
 
     @abc.abstractmethod
     def load_adapter_request(self, name: str, folder: str) -> Request:
@@ -220,8 +223,9 @@ class ServerRollout(Rollout):
     """A `Rollout` over one or more generation servers (see module docstring).
 
     `update_adapter` writes the adapter as a peft folder under `weights_dir`, loads it on
-    every server under a new name (`tephra-lora-<n>`), unloads the previous one, and names
-    the current one in every generation request after that."""
+    every server under a new server-side name (`tephra-lora-<n>`, or `tephra-lora-<name>-<n>`
+    for a named adapter), unloads the one it replaces, and names the current one of the
+    request's `SamplingParams.adapter` in every generation request after that."""
 
     supports_adapters = True
 
@@ -256,9 +260,8 @@ class ServerRollout(Rollout):
         generated token is tagged with it (`Sample.token_versions`)."""
         self._pause_holds = 0
         """`paused()` contexts entered and not left (generation opens again at 0)."""
-        self.adapter: str | None = None
-        """The name of the LoRA adapter served (`update_adapter`; None: the base weights)."""
-        self._adapter_dir: Path | None = None
+        self._adapters: dict[str, tuple[str, Path]] = {}
+        """Each loaded adapter's name -> its server-side name and its folder."""
         self.last_update_stats: dict[str, float] = {}
         """Of the last update: `seconds`, `buckets`, `max_bucket_bytes`, `bytes`."""
         self.calls: collections.Counter[str] = collections.Counter()
@@ -387,7 +390,9 @@ class ServerRollout(Rollout):
             command += args
             env = merge_env(env, key_env)
         if self.config.max_lora_rank:
-            args, lora_env = self.protocol.lora_launch(self.config.max_lora_rank)
+            args, lora_env = self.protocol.lora_launch(
+                self.config.max_lora_rank, self.config.max_loras
+            )
             command += args
             env = merge_env(env, lora_env)
         log_path = settings.log_path or str(self.weights_dir / "server.log")
@@ -507,8 +512,10 @@ class ServerRollout(Rollout):
                 image_payload(prompt_ids, images, self._vision_config(), self.update_count),
             )
         )
-        if self.adapter is not None:
-            requests = [self.protocol.with_adapter(r, self.adapter) for r in requests]
+        served = adapter_of(sampling, self._adapters)
+        if served is not None:
+            server_name = self._adapters[served][0]
+            requests = [self.protocol.with_adapter(r, server_name) for r in requests]
         self._in_flight += 1
         self._idle.clear()
         try:
@@ -597,6 +604,7 @@ class ServerRollout(Rollout):
     ) -> RolloutOutput:
         """`multimodal[i]`: prompt i's images (a vision-language model), None for none."""
         check_prompts(prompts, sampling, self.config.max_model_len, multimodal=multimodal)
+        adapter_of(sampling, self._adapters)  # an unknown name fails before any request
         images = multimodal or [None] * len(prompts)
         for i, m in enumerate(images):
             self._check_images(prompts[i], m, f"prompt {i}")
@@ -635,6 +643,7 @@ class ServerRollout(Rollout):
                 f"agenerate serves one sample; got sampling.n={sampling.n} (send n requests)"
             )
         check_prompts([prompt_ids], sampling, self.config.max_model_len)
+        adapter_of(sampling, self._adapters)
         self._check_images(prompt_ids, multimodal, "agenerate")
         self._ensure_open()
         url = self._url_for(session_id, 0)
@@ -685,11 +694,26 @@ class ServerRollout(Rollout):
         self._wake(["kv_cache"])
         self.last_update_stats["seconds"] = time.perf_counter() - start
 
-    def update_adapter(self, adapter: LoraAdapter) -> None:
-        """Load `adapter` on every server under a new name, then unload the one before it
-        (the server's base weights are not touched); later requests name the new one. A
-        server started here needs `config.max_lora_rank` >= the adapter's rank."""
+    @property
+    def adapter(self) -> str | None:
+        """The server-side name of the default adapter (`update_adapter` without a name;
+        None: none loaded)."""
+        entry = self._adapters.get(DEFAULT_ADAPTER)
+        return entry[0] if entry is not None else None
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """Each loaded adapter's name -> its server-side name."""
+        return {name: served for name, (served, _) in sorted(self._adapters.items())}
+
+    def update_adapter(self, adapter: LoraAdapter, name: str = DEFAULT_ADAPTER) -> None:
+        """Load `adapter` on every server under a new server-side name, then unload the one
+        it replaces (the adapter loaded as `name` before; the server's base weights are not
+        touched); later requests through `name` use the new one. A server started here
+        needs `config.max_lora_rank` >= the adapter's rank, and holds at most
+        `config.max_loras` names."""
         self._ensure_open()
+        check_adapter_slot(self._adapters, name, self.config.max_loras)
         if self.config.max_lora_rank and adapter.rank > self.config.max_lora_rank:
             raise RolloutError(
                 f"update_adapter: rank {adapter.rank} exceeds rollout.max_lora_rank="
@@ -700,16 +724,19 @@ class ServerRollout(Rollout):
         start = time.perf_counter()
         self.update_count += 1
         self._wake(["weights"])
-        name = f"tephra-lora-{self.update_count}"
+        served = (
+            f"tephra-lora-{self.update_count}"
+            if name == DEFAULT_ADAPTER
+            else f"tephra-lora-{name}-{self.update_count}"
+        )
         folder = self.weights_dir / f"adapter-{next(self._updates):06d}"
         write_adapter(adapter, folder, self.config.model_path)
-        self._run_all([self.protocol.load_adapter_request(name, str(folder))])
-        old, old_dir = self.adapter, self._adapter_dir
-        self.adapter, self._adapter_dir = name, folder
+        self._run_all([self.protocol.load_adapter_request(served, str(folder))])
+        old = self._adapters.get(name)
+        self._adapters[name] = (served, folder)
         if old is not None:
-            self._run_all([self.protocol.unload_adapter_request(old)])
-        if old_dir is not None:
-            shutil.rmtree(old_dir, ignore_errors=True)
+            self._run_all([self.protocol.unload_adapter_request(old[0])])
+            shutil.rmtree(old[1], ignore_errors=True)
         self._wake(["kv_cache"])
         self.last_update_stats = {
             "bytes": float(adapter.nbytes),

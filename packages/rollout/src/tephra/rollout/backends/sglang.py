@@ -200,7 +200,7 @@ class SglangProtocol(ServerProtocol):
     def transfer_finish_requests(self, version: int) -> list[Request]:
         return [("/flush_cache", {})]
 
-    def lora_launch(self, max_rank: int) -> tuple[list[str], dict[str, str]]:
+    def lora_launch(self, max_rank: int, max_loras: int = 1) -> tuple[list[str], dict[str, str]]:
         # no adapter at start: the modules are named so that any later adapter fits
         return [
             "--enable-lora",
@@ -209,7 +209,7 @@ class SglangProtocol(ServerProtocol):
             "--lora-target-modules",
             "all",
             "--max-loras-per-batch",
-            "1",
+            str(max_loras),
         ], {}
 
     def load_adapter_request(self, name: str, folder: str) -> Request:

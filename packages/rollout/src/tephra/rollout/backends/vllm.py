@@ -7,10 +7,12 @@ Requests: `/v1/completions` with a token-id prompt, `return_token_ids` and `logp
 server runs with `--logprobs-mode processed_logprobs` (log-probs after temperature: the
 convention of `tephra.rollout.base`) and `--generation-config vllm` (the model's shipped
 sampling defaults are not applied; every option is sent explicitly).
-LoRA (adapter-only sync): started with `--enable-lora --max-lora-rank R --max-loras 1` and
+LoRA (adapter-only sync): started with `--enable-lora --max-lora-rank R --max-loras N`
+(`RolloutConfig.max_loras`, adapters loaded at once under different names) and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; each adapter is written as a peft folder and loaded
 with `/v1/load_lora_adapter` under a new name, the previous one unloaded with
-`/v1/unload_lora_adapter`, and requests name the current one as their `model`.
+`/v1/unload_lora_adapter`, and each request names the current one of the adapter it asks
+for (`SamplingParams.adapter`) as its `model`.
 Prompts with images: `POST /tephra/generate`, which tephra's middleware (`vllm_plugin/
 tephra_vllm_images.py`, loaded for a vision-language model with `--enable-scale-out`) turns
 into vLLM's `/inference/v1/generate` with the token ids as given (each image already expanded)
@@ -213,7 +215,7 @@ class VllmProtocol(ServerProtocol):
         # the plugin files import only torch, transformers and vllm
         return {"PYTHONPATH": str(PLUGIN_DIR)}
 
-    def lora_launch(self, max_rank: int) -> tuple[list[str], dict[str, str]]:
+    def lora_launch(self, max_rank: int, max_loras: int = 1) -> tuple[list[str], dict[str, str]]:
         fits = [r for r in VLLM_LORA_RANKS if r >= max_rank]
         if not fits:
             raise ConfigError(
@@ -222,7 +224,7 @@ class VllmProtocol(ServerProtocol):
             )
         # runtime loading (`/v1/load_lora_adapter`) is off unless this variable is set
         return (
-            ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "1"],
+            ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", str(max_loras)],
             {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
         )
 
