@@ -144,12 +144,12 @@ def _grpo_step_reference(
       - rewards: each row's score (plus `shaping[i]`, DAPO's length penalty, where given);
       - advantages: (r_i - mean_g) / (std_g + eps) within the row's group (std unbiased);
       - `reward/mean`: the rewards' mean;
-      - with `model_path`, on-policy (ratio 1, one mini-batch, token-mean, no KL or entropy
-        term): `pg_loss` = -sum_i A_i |y_i| / N and `grad_norm`, the norm of the gradient of
-        that loss at the weights of `model_path` (`_reference_grad_norm` with coefficient
-        -A_i / N on each trained token), where |y_i| counts the row's trained tokens (mask 1:
-        a multi-turn row's tool and user tokens are context only) and N is the step's; with
-        `lora` (and `seed`), the adapters' gradient."""
+      - on-policy (ratio 1, one mini-batch, token-mean, no KL or entropy term), at any step:
+        `pg_loss` = -sum_i A_i |y_i| / N, where |y_i| counts the row's trained tokens (mask 1:
+        a multi-turn row's tool and user tokens are context only) and N is the step's;
+      - with `model_path` (the weights the step trained from), `grad_norm`, the norm of the
+        gradient of that loss there (`_reference_grad_norm` with coefficient -A_i / N on each
+        trained token); with `lora` (and `seed`), the adapters' gradient."""
     rewards = [r["score"] + (0.0 if shaping is None else shaping[i]) for i, r in enumerate(rows)]
     groups: dict[int, list[float]] = {}
     for r, x in zip(rows, rewards, strict=True):
@@ -160,10 +160,13 @@ def _grpo_step_reference(
         mean = sum(g) / len(g)
         std = (sum((y - mean) ** 2 for y in g) / (len(g) - 1)) ** 0.5
         advantages.append((x - mean) / (std + eps))
-    out = {"advantages": advantages, "reward/mean": sum(rewards) / len(rewards)}
+    n = sum(sum(r["response_mask"]) for r in rows)
+    out = {
+        "advantages": advantages,
+        "reward/mean": sum(rewards) / len(rewards),
+        "pg_loss": -sum(a * sum(r["response_mask"]) for a, r in zip(advantages, rows)) / n,
+    }
     if model_path is not None:
-        n = sum(sum(r["response_mask"]) for r in rows)
-        out["pg_loss"] = -sum(a * sum(r["response_mask"]) for a, r in zip(advantages, rows)) / n
         coefs = [[-a * m / n for m in r["response_mask"]] for a, r in zip(advantages, rows)]
         out["grad_norm"] = _reference_grad_norm(model_path, rows, coefs, lora, seed)
     return out

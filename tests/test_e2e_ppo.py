@@ -259,6 +259,17 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path, critic_step_refere
             assert r["finish_reason"] in ("stop", "length")
             assert (r["response_ids"][-1] == tok.eos_token_id) == (r["finish_reason"] == "stop")
             assert len(r["response_ids"]) <= cfg.rollout.max_tokens
+        # the throughput: the step's tokens (prompts and responses, dumped) over its time; the
+        # stages' laps (`time/reward_s`, scoring that overlaps them, aside) fit in the step
+        record = train[step - 1]
+        tokens = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in train_rows)
+        assert record["perf/tokens_per_s"] == pytest.approx(tokens / record["time/step_s"])
+        laps = [
+            v
+            for k, v in record.items()
+            if k.startswith("time/") and k not in ("time/step_s", "time/reward_s")
+        ]
+        assert sum(laps) <= record["time/step_s"]
     # the profiled step wrote one valid Chrome trace per stage (one rank here)
     traces = sorted(p.name for p in (tmp_path / "ppo" / "profile").glob("*.json"))
     assert traces == [
@@ -270,7 +281,9 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path, critic_step_refere
         # the stage's range (an NVTX range too on CUDA) spans the stage's operators
         stage = name.removeprefix("step2_").removesuffix("_rank0.json")
         (span,) = [e for e in events if e.get("name") == f"tephra/{stage}"]
-        assert span["cat"] == "user_annotation" and span["dur"] > 0
+        # (microseconds) inside the driver's time of that stage of step 2
+        assert span["cat"] == "user_annotation"
+        assert 0 < span["dur"] <= 1e6 * train[1][f"time/{stage}_s"], stage
         ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("tid") == span["tid"]]
         assert ops and all(span["ts"] <= e["ts"] <= span["ts"] + span["dur"] for e in ops)
     share = summary["time_share"]

@@ -6,10 +6,11 @@ checked against hand-written expectations."""
 from __future__ import annotations
 
 import json
-import math
+import re
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.launch.ppo import BUNDLED_TOOLS, resolve_tools_file
@@ -70,9 +71,15 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(
     train = [r for r in records if "reward/mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     samples = cfg.batch.samples_per_step
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny", 0))
     for r in train:
-        for key in AGENT_KEYS:
-            assert key in r and math.isfinite(r[key]), key
+        # the agent metrics recomputed from the dumped trajectories
+        dumped = [
+            json.loads(x) for x in (gens / f"train_step{r['step']}.jsonl").read_text().splitlines()
+        ]
+        want = _agent_metrics_of_rows(dumped, tokenizer)
+        for key in AGENT_KEYS[:2] + AGENT_KEYS[3:]:
+            assert r[key] == pytest.approx(want[key], abs=1e-9), key
         assert 1 <= r["agent/turns_mean"] <= cfg.rollout.agent.max_turns
         assert 0 <= r["agent/tool_errors_mean"] <= r["agent/tool_calls_mean"]
         # the loss trained exactly the model's own tokens: tool tokens are masked out
@@ -91,8 +98,10 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(
         ]
         assert [x["score"] for x in rows] == [smoke_score(x["response"]) for x in rows]
         want = grpo_step_reference(resolve_model_path("tiny", 0) if r["step"] == 1 else None, rows)
+        # every step trains on its own samples (one mini-batch, ratio 1): its loss is
+        # -sum_i A_i |y_i| / N of its dumped rows, the weights moved or not
+        assert r["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
         if r["step"] == 1:
-            assert r["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
             assert r["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
         elif all_flat:
             assert r["actor/grad_norm"] == 0.0
@@ -100,6 +109,41 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(
         assert r["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
         assert all_flat == all(a == 0 for a in want["advantages"])
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+
+
+def _agent_metrics_of_rows(rows: list[dict], tokenizer) -> dict[str, float]:
+    """A step's agent metrics written out from its dumped trajectories (none dropped):
+    a turn is a run of model tokens (mask 1), each followed by its tool turn (mask 0) unless
+    it was the last; a tool call is a complete `<tool_call>...</tool_call>` block in the text
+    of a turn the environment stepped on (all but a last turn cut by the length limit);
+    generated tokens are the mask's ones, tool tokens the rest of the response."""
+    turns = calls = generated = total = 0
+    for row in rows:
+        assert row["finish_reason"] not in ("tool_timeout", "turn_timeout", "trajectory_timeout")
+        ids, mask = row["response_ids"], row["response_mask"]
+        runs: list[list[int]] = []
+        for k, (t, m) in enumerate(zip(ids, mask, strict=True)):
+            if m and (k == 0 or not mask[k - 1]):
+                runs.append([])
+            if m:
+                runs[-1].append(t)
+        if row["finish_reason"] == "length" and mask and mask[-1]:
+            stepped = runs[:-1]
+        else:
+            stepped = runs
+        turns += len(runs)
+        calls += sum(
+            len(re.findall(r"<tool_call>.*?</tool_call>", tokenizer.decode(run), re.DOTALL))
+            for run in stepped
+        )
+        generated += sum(mask)
+        total += len(ids)
+    return {
+        "agent/turns_mean": turns / len(rows),
+        "agent/tool_calls_mean": calls / len(rows),
+        "agent/generated_tokens": float(generated),
+        "agent/tool_tokens": float(total - generated),
+    }
 
 
 class FirstTurnScripted(Rollout):

@@ -164,7 +164,7 @@ def test_app_trains_two_steps_on_vllm(
     records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
-        assert math.isfinite(r["actor/loss"]) and r["time/sync_s"] > 0
+        assert r["time/sync_s"] > 0
         rows = [json.loads(x) for x in (gens / f"train_step{r['step']}.jsonl").open()]
         assert len(rows) == 8 and [x["score"] for x in rows] == [
             smoke_score(x["response"]) for x in rows
@@ -177,6 +177,9 @@ def test_app_trains_two_steps_on_vllm(
         want = grpo_step_reference(resolve_model_path("tiny", 0) if first else None, rows)
         assert [x["advantage"] for x in rows] == pytest.approx(want["advantages"], abs=1e-5)
         assert r["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
+        # every step trains on its own samples (one mini-batch, ratio 1 up to the server's
+        # rounding, no KL or entropy term): the loss is -sum_i A_i |y_i| / N of its rows
+        assert r["actor/loss"] == pytest.approx(want["pg_loss"], abs=1e-4)
         if first:
             assert r["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-4)
             assert r["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)

@@ -63,12 +63,32 @@ def test_replayed_routes_survive_a_moved_router(tmp_path, family):
     replays = [r for entries in engine._replays.values() for _, r in entries]
     chosen = torch.stack([r.chosen.view(t, b, -1).transpose(0, 1) for r in replays], dim=2)
     assert torch.equal(chosen.sort(-1).values[real], routes.sort(-1).values[real])
-    # training replays too: the loss is the NLL of the replayed log-probs, and it steps
+    # training replays too: the loss is the NLL of the replayed log-probs, and the step's
+    # gradient norm is that loss's in transformers forced onto the recorded routes (the
+    # gates' softmax still differentiated through the moved router)
     with engine.train_mode():
         loss = engine.forward_backward(replayed, nll_loss_fn)["loss"]
-        assert engine.optimizer_step() > 0
+        norm = engine.optimizer_step()
     mask = batch[B.RESPONSE_MASK]
     assert abs(loss - float(-(want_replay * mask).sum() / mask.sum())) <= 1e-5
+    assert norm == pytest.approx(_replayed_grad_norm(trained, batch, routes), rel=1e-4)
+
+
+def _replayed_grad_norm(model, batch, routes) -> float:
+    """The norm of the gradient of the token-mean NLL of the response tokens over every
+    parameter of the transformers `model`, its routers forced onto `routes`."""
+    model.zero_grad()
+    with forced_routes(model, routes):
+        logits = model(
+            input_ids=batch[B.INPUT_IDS],
+            attention_mask=batch[B.ATTENTION_MASK],
+            position_ids=batch[B.POSITION_IDS],
+        ).logits.float()
+    ids, mask = batch[B.INPUT_IDS], batch[B.RESPONSE_MASK][:, 1:].float()
+    picked = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    (-(picked * mask).sum() / mask.sum()).backward()
+    grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+    return float(torch.sqrt(sum((g**2).sum() for g in grads)))
 
 
 def test_bad_routes_name_the_field():
