@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 
 from tephra.controller.data.prompts import PromptLoader
 from tephra.controller.loop.async_stream import SampleStream
 from tephra.controller.samples import Sample
+from tephra.controller.step.rounds import Prompts
+from tephra.episodes.prompt import Prompt
 from tephra.rollout.base import SamplingParams
 
 N_PROMPTS, LONG = 50, set(range(0, 50, 5))  # prompts 0, 5, ..., 45: 20% of the data
@@ -152,7 +153,10 @@ class _SpyLoader(PromptLoader):
         return out
 
 
-PROMPTS = SimpleNamespace(ids=[[100 + i] for i in range(N_PROMPTS)], records=[None] * N_PROMPTS)
+PROMPTS = Prompts(
+    ids=[[100 + i] for i in range(N_PROMPTS)],
+    records=[Prompt([{"role": "user", "content": f"q{i}"}]) for i in range(N_PROMPTS)],
+)
 P, REPLICAS, IN_FLIGHT, TRAIN_TIME = 5, 2, 4, 2.0
 
 
