@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from tephra.controller.run.models import resolve_model_path
-
 
 @pytest.fixture(scope="module")
 def ray_session():
@@ -187,6 +185,9 @@ def _ppo_update_reference(cfg, rows, advantages, images=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     seed = cfg.trainer.seed
+    # imported here: the compat step's venvs have no controller
+    from tephra.controller.run.models import resolve_model_path
+
     path = resolve_model_path(cfg.model.path, seed)
     auto = AutoModelForCausalLM if images is None else AutoModelForImageTextToText
     model = auto.from_pretrained(path, dtype=torch.float32)
@@ -307,6 +308,9 @@ def _critic_step_reference(cfg, rows, images=None) -> dict:
     )
 
     seed = cfg.trainer.seed
+    # imported here: the compat step's venvs have no controller
+    from tephra.controller.run.models import resolve_model_path
+
     path = resolve_model_path(cfg.model.path, seed)
     pixels = [{}] * len(rows)
     if images is None:
