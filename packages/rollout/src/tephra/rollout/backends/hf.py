@@ -635,7 +635,7 @@ class HFRollout(Rollout):
         """Make adapter `name` the one the LoRA layers apply (None: none, the base weights);
         called under the lock before each decoding segment, so calls through different
         adapters can alternate."""
-        if name is self._active or name == self._active:
+        if name == self._active:
             return
         for layer in self._lora_layers:
             # a layer without `name` (another adapter's module) then adds nothing
