@@ -12,7 +12,6 @@ import functools
 import os
 import secrets
 import shutil
-import signal
 import ssl
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from tephra.core.config import to_dict
 from tephra.core.errors import ConfigError, TephraError
 from tephra.episodes.environments import wire
 from tephra.episodes.environments.base import Environment, StepResult
+from tephra.rollout.backends.server_process import ServerProcess
 from tephra.rollout.base import is_loopback
 
 if TYPE_CHECKING:
@@ -383,16 +383,8 @@ class EnvironmentServerProcess:
         env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
         if api_key:
             env[KEY_ENV] = api_key
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                command,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        # its own process group, output to the log (the generation servers' launcher)
+        self.server = ServerProcess("environment", command, env, str(self.log_path))
         _LIVE.add(self)
         deadline = time.monotonic() + startup_timeout_s
         while not ready.exists():
@@ -409,24 +401,20 @@ class EnvironmentServerProcess:
         self.url = ready.read_text()
 
     @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.server.proc
+
+    @property
     def pid(self) -> int:
         return self.proc.pid
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return self.server.log_tail(lines)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM (the server closes its sessions), SIGKILL after `grace_s`; idempotent."""
         _LIVE.discard(self)
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.proc.pid, sig)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=wait)
+        self.server.kill(grace_s)
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def __enter__(self) -> EnvironmentServerProcess:
