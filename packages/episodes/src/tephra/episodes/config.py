@@ -12,6 +12,7 @@ from tephra.episodes.agent.black_box import load_agent_function
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS
 from tephra.episodes.environments.openenv_env import check_openenv
 from tephra.episodes.environments.registry import check_remote, get_environment
+from tephra.episodes.environments.swe import SweSettings
 from tephra.episodes.registry import EPISODES
 from tephra.rollout.config import RolloutSection
 
@@ -64,6 +65,8 @@ class EpisodeRolloutConfig(RolloutSection):
                     raise ConfigError(f"rollout.agent.environment: {exc}") from None
                 if self.agent.environment == "openenv":
                     check_openenv(self.agent.environment_kwargs)
+                if self.agent.environment == "swe":
+                    SweSettings.from_kwargs(self.agent.environment_kwargs)
                 if self.agent.environment == "remote":
                     check_remote(self.agent.environment_kwargs, self.tools_file)
         if self.max_in_flight < 1:

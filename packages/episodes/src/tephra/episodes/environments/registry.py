@@ -14,6 +14,7 @@ from tephra.episodes.environments.colour_squares import ColourSquaresEnvironment
 from tephra.episodes.environments.interaction import AnswerCheckInteraction
 from tephra.episodes.environments.openenv_env import OpenEnvEnvironment, check_openenv
 from tephra.episodes.environments.remote import REMOTE_FIELD, RemoteEnvironment, RemoteSettings
+from tephra.episodes.environments.swe import SweEnvironment, SweSettings
 from tephra.episodes.environments.tool_env import ToolEnvironment
 from tephra.episodes.user_files import import_file
 
@@ -23,13 +24,15 @@ answer), `answer_check` (a scripted user who knows the answer, verl's interactio
 `colour_squares` (a new coloured square to name after each answer: images each turn), `openenv`
 (a session on an OpenEnv server per trajectory, `environment_kwargs.url`), `remote` (a tephra
 environment served by `python -m tephra.episodes.environments.serve`, a session per
-trajectory). Each is
+trajectory), `swe` (fix a bug in a shipped tiny repository with file and test tools; reward:
+the share of its tests that pass). Each is
 called as `factory(tools, config, **environment_kwargs)` once per trajectory."""
 ENVIRONMENTS.register("tool", ToolEnvironment)
 ENVIRONMENTS.register("answer_check", AnswerCheckInteraction)
 ENVIRONMENTS.register("colour_squares", ColourSquaresEnvironment)
 ENVIRONMENTS.register("openenv", OpenEnvEnvironment)
 ENVIRONMENTS.register("remote", RemoteEnvironment)
+ENVIRONMENTS.register("swe", SweEnvironment)
 
 
 def is_file_spec(spec: str) -> bool:
@@ -85,6 +88,8 @@ def check_remote(kwargs: dict[str, Any], tools_file: str | None) -> RemoteSettin
             ) from None
         if settings.environment == "openenv":
             check_openenv(settings.kwargs)
+        if settings.environment == "swe":
+            SweSettings.from_kwargs(settings.kwargs)
         if settings.environment == "tool" and not tools_file:
             raise ConfigError(
                 f"{REMOTE_FIELD}.environment='tool' needs rollout.tools_file (the tools the "
