@@ -12,7 +12,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,14 +29,20 @@ from tephra.controller.data.prompts import (
     reasoning_gym_records,
     tokenize_prompts,
 )
+from tephra.controller.data.swe_tasks import check_swe_setup, swe_task_records
 from tephra.controller.launch.export import export_checkpoint
-from tephra.controller.launch.ppo import config_to_save
+from tephra.controller.launch.ppo import config_to_save, resolve_tools_file
 from tephra.controller.run.checkpoints import CheckpointManager
 from tephra.controller.run.evaluation import EvalRow, markdown_table, summarise, write_jsonl
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.step.scoring import Scorer
 from tephra.core.app_help import answer_help, split_print_config
 from tephra.core.errors import ConfigError, tephra_cause
+from tephra.episodes.agent import ChatTemplateDelta
+from tephra.episodes.episode import run_episodes, run_to_completion
+from tephra.episodes.prompt import Prompt
+from tephra.episodes.registry import EPISODES
+from tephra.episodes.tools import close_tools, load_tools
 from tephra.rollout.base import RolloutConfig, SamplingParams
 from tephra.rollout.registry import get_rollout
 
@@ -107,6 +113,9 @@ def evaluate_model(
         )
     elif d.source == "code_problems":
         records = code_problem_records("val", d.val_size)
+    elif d.source == "swe_tasks":
+        check_swe_setup(cfg.rollout.agent_loop, cfg.rollout.agent.environment)
+        records = swe_task_records("val", d.val_size)
     else:
         if not d.val_files:
             raise ConfigError(f"data.source={d.source!r}: set data.val_files to evaluate on")
@@ -120,12 +129,17 @@ def evaluate_model(
                 else load_hf_dataset(f.partition(":")[0], f.partition(":")[2] or "train")
             )
         ]
-    ids, records, dropped = tokenize_prompts(records, tok, d.max_prompt_tokens)
+    r, v = cfg.rollout, cfg.val
+    tools = load_tools(resolve_tools_file(r.tools_file)) if r.agent_loop and r.tools_file else {}
+    render = None
+    if r.agent_loop:  # the prompt as the episode renders it (with the tools' schemas)
+        schemas = [t.schema() for t in tools.values()] if r.agent.render_tool_schemas else []
+        render = ChatTemplateDelta(tok, schemas or None).prompt_ids
+    ids, records, dropped = tokenize_prompts(records, tok, d.max_prompt_tokens, render)
     if dropped:
         print(f"dropped {dropped} prompts longer than data.max_prompt_tokens", flush=True)
     if not ids:
         raise ConfigError("no held-out prompt left to evaluate")
-    r, v = cfg.rollout, cfg.val
     stops = tuple(t for t in {tok.eos_token_id} if t is not None)
     sampling = SamplingParams(
         n=v.n,
@@ -139,30 +153,83 @@ def evaluate_model(
     config = RolloutConfig(
         model_path=model_path,
         dtype=r.dtype,
-        max_model_len=d.max_prompt_tokens + r.max_tokens + 8,
+        max_model_len=d.max_prompt_tokens + r.response_budget + 8,
         seed=cfg.seed,
         hf=r.hf,
         vllm=r.vllm,
         sglang=r.sglang,
     )
-    with get_rollout(r.backend, config) as rollout:
-        out = rollout.generate(ids, sampling)
-    texts = [tok.decode(resp, skip_special_tokens=True) for resp in out.response_ids]
-    recs = [records[out.prompt_index[k]] for k in range(len(out))]
-    scored = Scorer(cfg.reward).score(texts, recs)
+    try:
+        with get_rollout(r.backend, config) as rollout:
+            if r.agent_loop:
+                texts, recs, prompt_index, env_scores = run_agent_episodes(
+                    cfg, tok, tools, rollout, ids, records, sampling
+                )
+                prompt_ids = [ids[i] for i in prompt_index]
+            else:
+                out = rollout.generate(ids, sampling)
+                texts = [tok.decode(resp, skip_special_tokens=True) for resp in out.response_ids]
+                prompt_index = [out.prompt_index[k] for k in range(len(out))]
+                recs = [records[i] for i in prompt_index]
+                prompt_ids = [out.prompt_ids[k] for k in range(len(out))]
+                env_scores = [None] * len(out)
+    finally:
+        close_tools(tools.values())
+    todo = [k for k, s in enumerate(env_scores) if s is None]
+    scored = Scorer(cfg.reward).score([texts[k] for k in todo], [recs[k] for k in todo])
+    scores = [float(s) if s is not None else 0.0 for s in env_scores]
+    for k, result in zip(todo, scored):
+        scores[k] = result.score
     rows = [
         EvalRow(
-            prompt=tok.decode(out.prompt_ids[k], skip_special_tokens=True),
+            prompt=tok.decode(prompt_ids[k], skip_special_tokens=True),
             response=texts[k],
-            score=scored[k].score,
+            score=scores[k],
             ground_truth=recs[k].ground_truth,
             data_source=recs[k].data_source,
             answer=texts[k].strip(),
-            prompt_index=out.prompt_index[k],
+            prompt_index=prompt_index[k],
         )
-        for k in range(len(out))
+        for k in range(len(texts))
     ]
     return summarise(rows, v.n, v.ks), rows
+
+
+def run_agent_episodes(
+    cfg: EvalConfig,
+    tok: Any,
+    tools: dict,
+    rollout: Any,
+    ids: list[list[int]],
+    records: list[Prompt],
+    sampling: SamplingParams,
+) -> tuple[list[str], list[Prompt], list[int], list[float | None]]:
+    """`val.n` episodes of `rollout.agent_loop` per prompt, as the trainer's validation runs
+    them: (each sample's final text, its prompt, the prompt's index, the environment's
+    reward or None where the reward scorer judges the text)."""
+    r = cfg.rollout
+    episode = EPISODES.get(cast(str, r.agent_loop))(tok, r.agent, tools)
+    items = [
+        replace(
+            records[i],
+            sample_id=f"eval{i}-{k}",
+            prompt_ids=list(ids[i]),
+            messages=list(records[i].messages),
+            interaction_kwargs=dict(records[i].interaction_kwargs),
+        )
+        for i in range(len(ids))
+        for k in range(sampling.n)
+    ]
+    samples = run_to_completion(
+        run_episodes(episode, rollout, items, sampling.replace(n=1), r.max_in_flight)
+    )
+    index = [i for i in range(len(ids)) for _ in range(sampling.n)]
+    return (
+        [s.text for s in samples],
+        [records[i] for i in index],
+        index,
+        [s.env_reward for s in samples],
+    )
 
 
 def plot_across(results: dict, out: Path, metrics: list[str], title: str = "") -> Path:

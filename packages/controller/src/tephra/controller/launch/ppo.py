@@ -37,6 +37,7 @@ from tephra.controller.data.prompts import (
     reasoning_gym_records,
     tokenize_prompts,
 )
+from tephra.controller.data.swe_tasks import check_swe_setup, swe_task_records
 from tephra.controller.launch.judge_server import JudgeServer, needs_judge_server
 from tephra.controller.launch.preflight import (
     check_engine_support,
@@ -91,6 +92,12 @@ def _load_records(cfg: PPOConfig) -> tuple[list[Prompt], list[Prompt]]:
 
     if d.source == "code_problems":
         return code_problem_records("train", d.train_size), code_problem_records("val", d.val_size)
+    if d.source == "swe_tasks":
+        check_swe_setup(cfg.rollout.agent_loop, cfg.rollout.agent.environment)
+        return (
+            swe_task_records("train", d.train_size, d.swe_tasks),
+            swe_task_records("val", d.val_size),
+        )
     if not d.train_files:
         raise ConfigError(f"data.source={d.source!r} needs data.train_files to train on")
 

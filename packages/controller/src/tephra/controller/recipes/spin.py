@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 SOURCES_WITHOUT_ANSWERS = {
     "code_problems": "its ground truth is a list of tests, not an answer",
+    "swe_tasks": "its reward comes from a repository's tests, not an answer",
 }
 
 

@@ -334,13 +334,13 @@ TASKS: list[SweTask] = [
     ),
     _task(
         "title_case",
-        "title_words(\"don't stop\") returns \"Don'T Stop\"; only the first letter of each word "
+        'title_words("don\'t stop") returns "Don\'T Stop"; only the first letter of each word '
         "should change.",
         {
             "strings.py": "def title_words(text):\n    return text.title()\n",
             "test_strings.py": "from strings import title_words\n\n\n"
             "def test_simple():\n    assert title_words('hello world') == 'Hello World'\n\n\n"
-            "def test_apostrophe():\n    assert title_words(\"don't stop\") == \"Don't Stop\"\n\n\n"
+            'def test_apostrophe():\n    assert title_words("don\'t stop") == "Don\'t Stop"\n\n\n'
             "def test_keeps_rest():\n    assert title_words('iPhone') == 'IPhone'\n",
         },
         [

@@ -236,7 +236,9 @@ def write_file(root: str, path: str, text: str, owner: int | None) -> None:
     try:
         tmp = f".tephra-edit-{secrets.token_hex(6)}"
         fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o644,
             dir_fd=parent,
         )
         try:
@@ -298,7 +300,9 @@ def _fill(template: str, workdir: str, files: list[str], owner: int | None, link
             if link:
                 try:
                     os.link(
-                        os.path.join(template, path), names[-1], dst_dir_fd=parent,
+                        os.path.join(template, path),
+                        names[-1],
+                        dst_dir_fd=parent,
                         follow_symlinks=False,
                     )
                     linked += 1
