@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tephra.controller.config.tree import DataSection
+from tephra.controller.data.swe_tasks import check_swe_setup
 from tephra.controller.run.evaluation import ValidationConfig
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.config import ModelConfig
@@ -53,4 +54,7 @@ class EvalConfig:
 
 def parse_config(argv: list[str]) -> EvalConfig:
     presets, overrides = split_cli(argv)
-    return load_config(EvalConfig, presets, overrides, preset_dir=PRESETS)
+    cfg = load_config(EvalConfig, presets, overrides, preset_dir=PRESETS)
+    if cfg.data.source == "swe_tasks":
+        check_swe_setup(cfg.rollout.agent_loop, cfg.rollout.agent.environment)
+    return cfg

@@ -29,7 +29,7 @@ from tephra.controller.data.prompts import (
     reasoning_gym_records,
     tokenize_prompts,
 )
-from tephra.controller.data.swe_tasks import check_swe_setup, swe_task_records
+from tephra.controller.data.swe_tasks import swe_task_records
 from tephra.controller.launch.export import export_checkpoint
 from tephra.controller.launch.ppo import config_to_save, resolve_tools_file
 from tephra.controller.run.checkpoints import CheckpointManager
@@ -114,7 +114,6 @@ def evaluate_model(
     elif d.source == "code_problems":
         records = code_problem_records("val", d.val_size)
     elif d.source == "swe_tasks":
-        check_swe_setup(cfg.rollout.agent_loop, cfg.rollout.agent.environment)
         records = swe_task_records("val", d.val_size)
     else:
         if not d.val_files:

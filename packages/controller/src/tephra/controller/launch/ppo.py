@@ -37,7 +37,7 @@ from tephra.controller.data.prompts import (
     reasoning_gym_records,
     tokenize_prompts,
 )
-from tephra.controller.data.swe_tasks import check_swe_setup, swe_task_records
+from tephra.controller.data.swe_tasks import swe_task_records
 from tephra.controller.launch.judge_server import JudgeServer, needs_judge_server
 from tephra.controller.launch.preflight import (
     check_engine_support,
@@ -93,7 +93,6 @@ def _load_records(cfg: PPOConfig) -> tuple[list[Prompt], list[Prompt]]:
     if d.source == "code_problems":
         return code_problem_records("train", d.train_size), code_problem_records("val", d.val_size)
     if d.source == "swe_tasks":
-        check_swe_setup(cfg.rollout.agent_loop, cfg.rollout.agent.environment)
         return (
             swe_task_records("train", d.train_size, d.swe_tasks),
             swe_task_records("val", d.val_size),

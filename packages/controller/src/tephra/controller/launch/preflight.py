@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 from tephra.algos.policy_losses import POLICY_LOSSES
 from tephra.controller.cluster import worker_group
 from tephra.controller.config.tree import adapter_sync_obstacle
+from tephra.controller.data.swe_tasks import check_swe_setup
 from tephra.controller.recipes import check_recipes
 from tephra.controller.run.checkpoints import MANIFEST, CheckpointManager
 from tephra.controller.run.models import declared_model_folder
@@ -64,6 +65,8 @@ def resolve_auto_dtypes(cfg: PPOConfig) -> PPOConfig:
 def validate(cfg: PPOConfig) -> None:  # noqa: C901, PLR0915 (older than the limit; to split)
     """The combinations, checked together with the arithmetic in the message."""
     b, r, a = cfg.batch, cfg.rollout, cfg.algorithm
+    if cfg.data.source == "swe_tasks":
+        check_swe_setup(r.agent_loop, r.agent.environment)
     ws = cfg.resources.world_size
     try:
         dp = cfg.data_parallel_size()

@@ -397,14 +397,19 @@ class SweWorkspaces:
 
     async def write(self, instance_id: str, path: str, text: str) -> None:
         """Replace `path` with `text`; the task's test files are refused."""
-        copy = self.copy_of(instance_id)
-        if "/".join(check_path(path)) in copy.task.test_files:
-            raise EditRefused(f"{path!r} is one of the task's tests, which are read-only")
+        copy = self._writable(instance_id, path)
         async with self._alone(instance_id):
             await asyncio.to_thread(write_file, copy.workdir, path, text, copy.uid)
 
+    def _writable(self, instance_id: str, path: str) -> _Copy:
+        copy = self.copy_of(instance_id)
+        if "/".join(check_path(path)) in copy.task.test_files:
+            raise EditRefused(f"{path!r} is one of the task's tests, which are read-only")
+        return copy
+
     async def edit(self, instance_id: str, path: str, old: str, new: str) -> None:
         """Replace the one occurrence of `old` in `path` by `new`."""
+        self._writable(instance_id, path)
         if not isinstance(old, str) or not old:
             raise EditRefused("argument 'old' (the exact text to replace) is missing")
         if not isinstance(new, str):
