@@ -123,6 +123,10 @@ def test_an_episode_scores_the_repository_it_leaves(tiny_model):
     # read (the untouched repository: 1 of 3), half the fix (2 of 3), the rest (3 of 3)
     assert steps.extra_info["turn_rewards"] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
     assert steps.env_reward == 1.0  # exactly: pass@k counts a score of 1
+    # the turns' rewards are differences of scores; summed in order they end on 1.0 (and on
+    # 0.0) exactly from any running sum in [0, 1] (between other scores only nearly)
+    sums = {k / n for n in range(1, 11) for k in range(n + 1)} | {i / 997 for i in range(998)}
+    assert all(x + (1.0 - x) == 1.0 and x + (0.0 - x) == 0.0 for x in sums)
     assert truncate.noop_score == pytest.approx(1 / 3)
     metrics = steps.extra_info["tool_metrics"]["swe"]
     assert metrics["test_runs"] == 3 and metrics["setup_s"] > 0  # the three scoring runs
@@ -141,14 +145,18 @@ def test_model_edits_cannot_leave_the_trajectory_copy(tmp_path):
     try:
         asyncio.run(ws.create("t", task))
         workdir = Path(ws.copy_of("t").workdir)
+        beside = workdir.parent / f"beside-{workdir.name}.py"  # a host file next to the copy
+        beside.write_text("host")
         for path, why in [
-            ("../victim.txt", "leaves the repository"),
-            ("a/../../x.py", "leaves the repository"),
+            (f"../{beside.name}", "leaves the repository"),
+            (f"a/../../{beside.name}", "leaves the repository"),
             (str(victim), "is absolute"),
             ("", "is missing"),
         ]:
             assert why in call(read, "t", path=path).error
             assert why in call(write, "t", path=path, content="pwned").error
+        assert beside.read_text() == "host"
+        beside.unlink()
         assert "read-only" in call(edit, "t", path="test_numeric.py", old="0", new="1").error
         assert "read-only" in call(write, "t", path="./test_numeric.py", content="").error
         # code the model wrote plants links to the host and a FIFO when the tests import it

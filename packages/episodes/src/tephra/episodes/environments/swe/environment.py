@@ -18,7 +18,6 @@ fix 1.0.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from tephra.episodes.environments.base import Environment, StepResult
@@ -147,19 +146,6 @@ class RunTests(_RepoTool):
         return "\n".join(lines)
 
 
-def _exact_step(total: float, target: float) -> float:
-    """The reward `r` with `total + r == target` in floating point: the loop sums the turns'
-    rewards in order, and a fixed repository must sum to exactly 1.0 (pass@k counts a
-    sample correct when its score reaches 1)."""
-    step = target - total
-    for _ in range(8):
-        got = total + step
-        if got == target:
-            break
-        step = math.nextafter(step, math.inf if got < target else -math.inf)
-    return step
-
-
 class SweEnvironment(Environment):
     """One trajectory on a shipped SWE task (module docstring). The item names its task in
     `interaction_kwargs["task"]`; `environment_kwargs` are `SweSettings`."""
@@ -204,7 +190,10 @@ class SweEnvironment(Environment):
             self.changed.discard(self.instance)
             report = await self.workspaces.run_tests(self.instance)
             self.score = score(self.task, report.passed)
-            reward = _exact_step(self.reported, self.score)
+            # the loop sums the turns' rewards in order; from any running sum in [0, 1] a
+            # step to 1.0 (or 0.0) lands on it exactly (tested), so a fixed repository sums
+            # to 1.0, which pass@k needs (a sample is correct when its score reaches 1)
+            reward = self.score - self.reported
             self.reported += reward
         # summed over the turns into the sample's tool_metrics: the trajectory's setup, its
         # scoring runs and the seconds of every test run (the model's and the scoring ones)
