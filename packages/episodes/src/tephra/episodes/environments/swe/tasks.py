@@ -241,13 +241,13 @@ TASKS: list[SweTask] = [
     ),
     _task(
         "dedupe_order",
-        "dedupe(['b', 'a', 'b']) returns the items in a different order; it should keep the "
+        "dedupe([3, 1, 3, 2]) returns [1, 2, 3]; it should keep the "
         "first occurrence of each, in order.",
         {
             "lists.py": "def dedupe(items):\n    return list(set(items))\n",
             "test_lists.py": "from lists import dedupe\n\n\n"
             "def test_no_repeats():\n    assert sorted(dedupe([3, 1, 3])) == [1, 3]\n\n\n"
-            "def test_order():\n    assert dedupe(['b', 'a', 'b', 'c', 'a']) == ['b', 'a', 'c']\n\n\n"
+            "def test_order():\n    assert dedupe([3, 1, 3, 2, 1]) == [3, 1, 2]\n\n\n"
             "def test_empty():\n    assert dedupe([]) == []\n",
         },
         [("lists.py", "    return list(set(items))\n", "    return list(dict.fromkeys(items))\n")],
