@@ -18,6 +18,7 @@ fix 1.0.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from tephra.episodes.environments.base import Environment, StepResult
@@ -65,8 +66,9 @@ class _RepoTool(Tool):
             self.changed.add(instance_id)
         return ToolResult(text)
 
+    @abstractmethod
     async def call(self, instance_id: str, arguments: dict[str, Any]) -> str:
-        raise NotImplementedError
+        """The text shown to the model; `EditRefused` for a refused request."""
 
 
 class ListFiles(_RepoTool):
@@ -88,7 +90,7 @@ class ReadFile(_RepoTool):
     }
 
     async def call(self, instance_id: str, arguments: dict[str, Any]) -> str:
-        return await self.workspaces.read(instance_id, arguments.get("path"))  # type: ignore[arg-type]
+        return await self.workspaces.read(instance_id, arguments.get("path"))
 
 
 class EditFile(_RepoTool):
@@ -107,7 +109,7 @@ class EditFile(_RepoTool):
 
     async def call(self, instance_id: str, arguments: dict[str, Any]) -> str:
         path = arguments.get("path")
-        await self.workspaces.edit(instance_id, path, arguments.get("old"), arguments.get("new"))  # type: ignore[arg-type]
+        await self.workspaces.edit(instance_id, path, arguments.get("old"), arguments.get("new"))
         return f"edited {path}"
 
 
@@ -126,7 +128,7 @@ class WriteFile(_RepoTool):
         if not isinstance(content, str):
             raise EditRefused("argument 'content' (the file's text) is missing")
         path = arguments.get("path")
-        await self.workspaces.write(instance_id, path, content)  # type: ignore[arg-type]
+        await self.workspaces.write(instance_id, path, content)
         return f"wrote {path}"
 
 

@@ -199,7 +199,7 @@ def _open_parent(root: str, names: list[str], create: bool = False) -> int:
     return fd
 
 
-def read_file(root: str, path: str, limit: int = MAX_READ_BYTES) -> str:
+def read_file(root: str, path: Any, limit: int = MAX_READ_BYTES) -> str:
     """The text of `path` inside `root` (a regular file, reached without links)."""
     names = check_path(path)
     parent = _open_parent(root, names)
@@ -228,7 +228,7 @@ def read_file(root: str, path: str, limit: int = MAX_READ_BYTES) -> str:
     return data.decode(errors="replace")
 
 
-def write_file(root: str, path: str, text: str, owner: int | None) -> None:
+def write_file(root: str, path: Any, text: str, owner: int | None) -> None:
     """Replace (or create) `path` inside `root` with `text`: a new file renamed over the
     name, so a link at that name is replaced, never written through."""
     names = check_path(path)
@@ -391,24 +391,25 @@ class SweWorkspaces:
         async with self._alone(instance_id):
             return await asyncio.to_thread(list_files, self.copy_of(instance_id).workdir)
 
-    async def read(self, instance_id: str, path: str) -> str:
+    async def read(self, instance_id: str, path: Any) -> str:
         async with self._alone(instance_id):
             return await asyncio.to_thread(read_file, self.copy_of(instance_id).workdir, path)
 
-    async def write(self, instance_id: str, path: str, text: str) -> None:
+    async def write(self, instance_id: str, path: Any, text: str) -> None:
         """Replace `path` with `text`; the task's test files are refused."""
         copy = self._writable(instance_id, path)
         async with self._alone(instance_id):
             await asyncio.to_thread(write_file, copy.workdir, path, text, copy.uid)
 
-    def _writable(self, instance_id: str, path: str) -> _Copy:
+    def _writable(self, instance_id: str, path: Any) -> _Copy:
         copy = self.copy_of(instance_id)
         if "/".join(check_path(path)) in copy.task.test_files:
             raise EditRefused(f"{path!r} is one of the task's tests, which are read-only")
         return copy
 
-    async def edit(self, instance_id: str, path: str, old: str, new: str) -> None:
-        """Replace the one occurrence of `old` in `path` by `new`."""
+    async def edit(self, instance_id: str, path: Any, old: Any, new: Any) -> None:
+        """Replace the one occurrence of `old` in `path` by `new` (the model's arguments,
+        checked here)."""
         self._writable(instance_id, path)
         if not isinstance(old, str) or not old:
             raise EditRefused("argument 'old' (the exact text to replace) is missing")
