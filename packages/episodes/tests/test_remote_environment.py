@@ -209,7 +209,7 @@ def test_an_unknown_served_name_is_refused_naming_the_served_ones(tokenizer, ser
     with pytest.raises(
         RemoteEnvironmentError,
         match=r"HTTP 404: unknown environment 'nope': this server serves \['answer_check', "
-        r"'colour_squares', 'openenv', 'tool', '.*counter_env.py:Counter'\]",
+        r"'colour_squares', 'openenv', 'swe', 'tool', '.*counter_env.py:Counter'\]",
     ):
         asyncio.run(env.reset(items()[0]))
     assert env.requests == 1  # an answer, not a connection error: no retry
