@@ -6,6 +6,7 @@ and removed. The file runs a second time as uid 65534 when the suite runs as roo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -32,6 +33,13 @@ from tephra.rollout.testing import ScriptedRollout
 UNPRIVILEGED_RUN = "TEPHRA_SWE_TESTS_UNPRIVILEGED"
 _SHM = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 ROOT = tempfile.mkdtemp(prefix="tephra-swe-tests-", dir=_SHM)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_root():
+    """This module's copies and templates live under ROOT; it goes with the module."""
+    yield
+    remove_tree(ROOT)
 
 
 def call(tool, instance: str, **arguments):
@@ -221,6 +229,18 @@ def test_copies_are_independent_made_once_and_removed():
         assert asyncio.run(ws.run_tests("b")).passed == set(task.test_ids) - set(task.failing)
         asyncio.run(ws.release("a"))
         assert not os.path.exists(a.workdir) and os.path.exists(b.workdir)
+
+        async def cancelled_create() -> None:  # a deadline during reset
+            making = asyncio.ensure_future(ws.create("c", task))
+            await asyncio.sleep(0.001)
+            making.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await making
+            await ws.release("c")
+
+        before = set(os.listdir(ROOT))
+        asyncio.run(cancelled_create())
+        assert set(os.listdir(ROOT)) == before and "c" not in ws._copies
     finally:
         ws.close()
     assert not os.path.exists(b.workdir) and not template.exists()

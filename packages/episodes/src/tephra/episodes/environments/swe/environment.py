@@ -175,8 +175,8 @@ class SweEnvironment(Environment):
     async def reset(self, item: Prompt) -> list[dict[str, Any]]:
         task = get_task(str(item.interaction_kwargs.get("task")), "interaction_kwargs.task")
         self.task = task
+        self.instance = item.sample_id  # set first: close releases even a cancelled create
         await self.workspaces.create(item.sample_id, task)
-        self.instance = item.sample_id
         return await self.inner.reset(item)
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:

@@ -338,6 +338,7 @@ class SweWorkspaces:
         self.template_root = tempfile.mkdtemp(prefix="tephra-swe-tasks-", dir=s.workdir_root)
         self._templates: dict[str, str] = {}
         self._copies: dict[str, _Copy] = {}
+        self._making: dict[str, asyncio.Future] = {}
         self._locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # folders of trajectories never released, and the templates, go when this object is
         # collected or the interpreter exits
@@ -377,10 +378,21 @@ class SweWorkspaces:
         return _Copy(task, workdir, uid, mounted, linked, time.perf_counter() - start)
 
     async def create(self, instance_id: str, task: SweTask) -> None:
-        """The trajectory's own repository of `task` (again for a known id: nothing)."""
+        """The trajectory's own repository of `task` (again for a known id: nothing). A
+        create cancelled (a deadline) while the folder is being made still records it when
+        done, and `release` waits for that, so a cancelled start leaks no folder or mount."""
         async with self._alone(instance_id):
-            if instance_id not in self._copies:
-                self._copies[instance_id] = await asyncio.to_thread(self._make, task)
+            if instance_id in self._copies:
+                return
+            making = asyncio.ensure_future(asyncio.to_thread(self._make, task))
+            self._making[instance_id] = making
+
+            def record(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._copies.setdefault(instance_id, done.result())
+
+            making.add_done_callback(record)
+            await asyncio.shield(making)
 
     def copy_of(self, instance_id: str) -> _Copy:
         if instance_id not in self._copies:
@@ -458,6 +470,10 @@ class SweWorkspaces:
         return TestReport(passed, failures, output.strip(), run.error, run.wall_s)
 
     async def release(self, instance_id: str) -> None:
+        making = self._making.pop(instance_id, None)
+        if making is not None and not making.done():  # a (cancelled) create still at work
+            with contextlib.suppress(Exception):  # its own error was its caller's
+                await asyncio.shield(making)
         async with self._alone(instance_id):
             copy = self._copies.pop(instance_id, None)
             if copy is not None:
