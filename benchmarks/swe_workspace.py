@@ -5,6 +5,10 @@ sandbox for scale. Writes `results/swe_workspace.json` (medians in milliseconds,
 
     OMP_NUM_THREADS=1 uv run python benchmarks/swe_workspace.py [--reps 3]
 
+As root the environment's copies are tmpfs mounts; run it as an ordinary user (e.g. under
+`setpriv --reuid=65534 ...`, the interpreter readable by that user, `--results` somewhere it
+may write) for the link-farm path; `results/swe_workspace_unprivileged.json` is such a run.
+
 Every shipped task is measured `--reps` times per method, one after another:
 - `link_farm`: a plain folder filled with hard links to the template's files (what
   `workspace: auto` does where the folder and the template share a filesystem, i.e. for an
