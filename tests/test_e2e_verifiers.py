@@ -98,12 +98,12 @@ class Calc(vf.Toolset[vf.ToolsetConfig]):
         return a * b
 """
     )
-    + '''
+    + """
 __all__ = ["QTaskset"]
 
 if __name__ == "__main__":  # verifiers starts the tool server as `python -m <module>`
     Calc.run()
-''',
+""",
 }
 
 
@@ -221,7 +221,8 @@ def test_a_verifiers_environment_trains_two_steps_through_the_app(tmp_path, grpo
                 tok.decode(t[:-1] if t[-1] == tok.eos_token_id else t, skip_special_tokens=False)
                 for t in model_turns(row["response_ids"], row["response_mask"])
             ]
-            assert (row["finish_reason"], len(turns)) == ("stop", 2), row.get("extra_info")
+            # the last turn ends or is cut by `rollout.max_tokens`: the rubric scores it either way
+            assert row["finish_reason"] in ("stop", "length") and len(turns) == 2, row
             assert row["score"] == own_score(env_file, turns, ""), turns
             scores.add(row["score"])
         assert r["reward/mean"] == pytest.approx(sum(x["score"] for x in rows) / len(rows))
@@ -261,6 +262,8 @@ def test_verifiers_config_errors_come_before_ray(tmp_path, monkeypatch):
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "verifiers" else real(n, *a)
     )
-    with pytest.raises(ConfigError, match=r"install the extra: uv add 'tephra-episodes\[verifiers\]'"):
+    with pytest.raises(
+        ConfigError, match=r"install the extra: uv add 'tephra-episodes\[verifiers\]'"
+    ):
         load(f"rollout.agent.verifiers_environment={env_file}")
     assert str(tmp_path) in sys.path  # the file's folder: verifiers imports it by name

@@ -9,8 +9,8 @@ from tephra.core.errors import ConfigError, RegistryError
 from tephra.core.registry import check_registered
 from tephra.episodes.agent.base import AgentLoopConfig
 from tephra.episodes.agent.black_box import load_agent_function
-from tephra.episodes.agent.verifiers_env import load_verifiers_environment
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS
+from tephra.episodes.agent.verifiers_env import load_verifiers_environment
 from tephra.episodes.environments.openenv_env import check_openenv
 from tephra.episodes.environments.registry import check_remote, get_environment
 from tephra.episodes.registry import EPISODES

@@ -60,7 +60,6 @@ def env_config_data(spec: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     task's MCP tools) in a local `subprocess` runtime (verifiers' defaults are a code-running
     harness in a remote sandbox)."""
     import verifiers.v1 as vf  # the optional extra, checked by the caller
-
     from verifiers.v1.configs.agent import agent_config_fields
 
     data: dict[str, Any] = {**kwargs}
