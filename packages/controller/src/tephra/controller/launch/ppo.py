@@ -315,7 +315,7 @@ def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dic
         p.run_dir / "environment_server.log",
         ray.util.get_node_ip_address(),
     ) as (agent, environment_server):
-        services = [environment_server] if environment_server is not None else []
+        services: list[RunService] = [environment_server] if environment_server else []
         if agent is not cfg.rollout.agent:
             cfg = replace(cfg, rollout=replace(cfg.rollout, agent=agent))
             clock.lap("environment_server")

@@ -96,9 +96,11 @@ def multimodal_to_json(inputs: MultimodalInputs | None) -> dict[str, Any] | None
 def multimodal_from_json(data: dict[str, Any] | None) -> MultimodalInputs | None:
     if data is None:
         return None
-    return MultimodalInputs(
-        **{name: None if value is None else tensor_from_json(value) for name, value in data.items()}
-    )
+    tensors = {k: None if v is None else tensor_from_json(v) for k, v in data.items()}
+    pixels = tensors.pop("pixel_values")
+    if pixels is None:
+        raise ValueError("multimodal.pixel_values is null; a prompt's images need their pixels")
+    return MultimodalInputs(pixels, **tensors)
 
 
 def image_to_json(image: Any) -> dict[str, str]:
