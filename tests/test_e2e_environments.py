@@ -419,6 +419,13 @@ def test_environment_config_errors_come_before_ray(tmp_path):
         parse_config(
             [*remote, "rollout.agent.environment_kwargs={environment: tool, url: 'ftp://x:1'}"]
         )
+    with pytest.raises(ConfigError, match=r"environment_kwargs.max_restarts=-1 must be >= 0"):
+        parse_config(
+            [
+                *remote,
+                "rollout.agent.environment_kwargs={environment: answer_check, max_restarts: -1}",
+            ]
+        )
 
 
 def test_a_remote_environment_server_that_is_down_stops_the_run_before_ray(tmp_path):
