@@ -369,10 +369,24 @@ class FSDPEngine(Engine):
                 if self.share_prefix and not self.vlm and self.router_replay.targets is None
                 else None
             )
+            ids = mb[B.INPUT_IDS]
+            # rows run from column 0 (left padding moved to the end), so a model that reads
+            # the row by column (DeepSeek-V4's compressor windows, RWKV's recurrence over the
+            # pad tokens) sees each sequence as it sees it alone; image rows and replayed
+            # routes keep the batch's columns, which their inputs are aligned to
+            shift = (
+                None
+                if tree is not None or self.vlm or self.router_replay.targets is not None
+                else microbatches.leading_padding(attn)
+            )
+            if shift is not None:
+                ids, attn, pos, label_mask = (
+                    microbatches.roll_rows(x, -shift) for x in (ids, attn, pos, label_mask)
+                )
             if tree is not None:
                 tree = tree.to(self.device)
             out = self.scorer(
-                mb[B.INPUT_IDS].to(self.device),
+                ids.to(self.device),
                 pos.to(self.device),
                 attn.to(self.device),
                 label_mask.to(self.device),
@@ -392,6 +406,8 @@ class FSDPEngine(Engine):
             per_token = B.align_to_tokens(per_hidden)
             if size is not None:  # packed [1, N] -> padded [b, t]
                 per_token = B.unpack(per_token, attn.to(values.device))
+            elif shift is not None:  # back to the batch's columns
+                per_token = microbatches.roll_rows(per_token, shift)
             result[key] = per_token
         return result, out["anchor"]
 

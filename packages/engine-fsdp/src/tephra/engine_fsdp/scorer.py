@@ -39,6 +39,13 @@ def check_output_head(hf_model: PreTrainedModel, role: str, where: str) -> None:
             "engine=fsdp's log-prob kernel; set final_logit_softcapping=None in the model "
             "config or use a model without logit soft-capping"
         )
+    cap = getattr(hf_model.config.get_text_config(), "logits_soft_cap", None)
+    if cap:  # RecurrentGemma soft-caps its logits always (a None cap fails in transformers)
+        raise ConfigError(
+            f"{where}: logits_soft_cap={cap} (RecurrentGemma soft-caps every logit after the "
+            "output head) is not applied by engine=fsdp's log-prob kernel (logits = W h); "
+            "use a model without logit soft-capping"
+        )
 
 
 class TokenScorer(nn.Module):
@@ -112,7 +119,7 @@ class TokenScorer(nn.Module):
         if tree is not None:  # one row per shared prefix (`prefix_sharing`)
             if tree.attention_mask is None:  # flat: the blocks are the attention
                 mask, blocks = (
-                    tree_attention.placeholder_mask(tree.input_ids),
+                    tree_attention.placeholder_mask(tree.input_ids, tree.blocks),
                     {"tree_blocks": tree.blocks},
                 )
             else:
