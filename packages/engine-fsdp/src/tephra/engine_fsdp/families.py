@@ -64,35 +64,49 @@ HIDDEN_SCALE = (
     "engine=fsdp's log-prob kernel (logits = W h) does not"
 )
 
-
-def differs(gap: str) -> str:
-    """The reason of a combination the family matrix found wrong for no cause named above."""
-    return (
-        f"its log-probs differ from a plain transformers forward of each sequence alone "
-        f"(largest gap {gap} in the family matrix, tephra.engine_fsdp.family_matrix)"
-    )
+MASK_WITHOUT_POSITIONS = (
+    "its model builds its causal mask without the position ids (transformers' "
+    "create_causal_mask is not handed them), so in a packed row each sequence attends to the "
+    "sequences packed before it"
+)
+ALIBI_BY_COLUMN = (
+    "its ALiBi bias is computed from each key's column in the row, not from its position id, "
+    "so in a shared-prefix row a sample's distance to the prompt also counts the other "
+    "samples' tokens in between"
+)
+OWN_ATTENTION_SWITCH = (
+    "its attention chooses between its own SDPA and eager code by the attention "
+    "implementation's name instead of calling transformers' attention interface, so the "
+    "shared-prefix tree attention never runs and the row's placeholder mask lets every token "
+    "see every other"
+)
+COMPRESSED_BY_COLUMN = (
+    "its compressed attention (CSA / HCA) pools every compress-rate consecutive columns of the "
+    "row into one key-value entry whatever the position ids or the segment mask say, so a "
+    "packed sequence's entries take in the sequence before it and a shared-prefix sample's "
+    "the other samples"
+)
 
 
 REFUSED: dict[str, dict[str, str]] = {
     "afmoe": {"packed": SLIDING_PACKED, "shared_prefix": SLIDING_SHARED},
     "bailing_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "bamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
-    "bloom": {"packed": differs("0.0027"), "shared_prefix": NO_SEGMENT_MASK},
+    "bloom": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": NO_SEGMENT_MASK},
     "cohere": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
     "cohere2": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
     "cohere2_moe": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
     "cwm": {"shared_prefix": SLIDING_SHARED},
-    "deepseek_v4": {
-        "padded": differs("0.12"),
-        "packed": differs("0.12"),
-        "shared_prefix": differs("0.12"),
-    },
+    "deepseek_v4": {"packed": COMPRESSED_BY_COLUMN, "shared_prefix": COMPRESSED_BY_COLUMN},
     "doge": {"shared_prefix": SLIDING_SHARED},
     "exaone4": {"shared_prefix": SLIDING_SHARED},
     "exaone_moe": {"shared_prefix": SLIDING_SHARED},
+    "falcon": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": OWN_ATTENTION_SWITCH},
     "falcon_h1": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "flint": {"shared_prefix": SLIDING_SHARED},
     "gemma3_text": {"shared_prefix": SLIDING_SHARED},
+    "gemma4_text": {"shared_prefix": SLIDING_SHARED},
+    "gemma4_unified_text": {"shared_prefix": SLIDING_SHARED},
     "gpt_oss": {"packed": SLIDING_PACKED, "shared_prefix": SLIDING_SHARED},
     "granite_swa": {"shared_prefix": SLIDING_SHARED},
     "granitemoe_swa": {"shared_prefix": SLIDING_SHARED},
@@ -101,6 +115,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "kimi_linear": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kolibri1": {"shared_prefix": SLIDING_SHARED},
     "lfm3": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "llama4_text": {"shared_prefix": SLIDING_SHARED},
     "mimo_v2_flash": {"shared_prefix": SLIDING_SHARED},
     "minicpm3": {"padded": HIDDEN_SCALE, "packed": HIDDEN_SCALE, "shared_prefix": HIDDEN_SCALE},
     "minimax": {"packed": RECURRENT, "shared_prefix": RECURRENT},
@@ -108,30 +123,19 @@ REFUSED: dict[str, dict[str, str]] = {
     "ministral3": {"shared_prefix": SLIDING_SHARED},
     "mistral": {"shared_prefix": SLIDING_SHARED},
     "mixtral": {"shared_prefix": SLIDING_SHARED},
-    "mpt": {"packed": differs("0.23"), "shared_prefix": differs("0.091")},
-    "nemotron": {"shared_prefix": differs("0.38")},
+    "mpt": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": ALIBI_BY_COLUMN},
     "nemotron_h": {"shared_prefix": RECURRENT},
     "olmo3": {"shared_prefix": SLIDING_SHARED},
     "olmo_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
-    "opt": {"packed": differs("0.051")},
+    "opt": {"packed": MASK_WITHOUT_POSITIONS},
     "phi3": {"shared_prefix": SLIDING_SHARED},
     "phimoe": {"shared_prefix": SLIDING_SHARED},
     "qwen3_5_moe_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "qwen3_5_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "qwen3_next": {"packed": RECURRENT, "shared_prefix": RECURRENT},
-    "recurrent_gemma": {
-        "padded": differs("0.007"),
-        "packed": differs("0.007"),
-        "shared_prefix": differs("0.007"),
-    },
-    "rwkv": {
-        "padded": differs("0.54"),
-        "packed": differs("0.54"),
-        "shared_prefix": differs("0.54"),
-    },
-    "stablelm": {"shared_prefix": differs("0.3")},
+    "rwkv": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "starcoder2": {"shared_prefix": SLIDING_SHARED},
-    "xglm": {"packed": differs("0.0026")},
+    "xglm": {"packed": MASK_WITHOUT_POSITIONS},
 }
 """model_type -> {layout: why the engine's outputs would be wrong there}: what the family
 matrix found (a family refused `padded` is refused in every layout). A vision-language

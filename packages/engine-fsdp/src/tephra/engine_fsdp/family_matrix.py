@@ -42,6 +42,12 @@ SIZES: dict[str, Any] = {
     "num_key_value_heads": 2,
     "head_dim": 16,
     "max_position_embeddings": 128,
+    # per-layer token embeddings (Gemma 3n, Gemma 4)
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 16,
+    # KV sharing (Gemma 3n) needs a producing layer of each kind before the sharing ones,
+    # which 2 layers do not have
+    "num_kv_shared_layers": 0,
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -89,6 +95,21 @@ SIZES: dict[str, Any] = {
 }
 """Sizes set on every family's config where the config has the attribute."""
 
+FAMILY_SIZES: dict[str, dict[str, Any]] = {
+    # its default leaves the shared expert's width unset (None), which its MoE multiplies
+    "dots1": {"n_shared_experts": 1},
+    # sizes under its own names, in nested configs; its attention reads a rope_theta that
+    # the default attention config lacks and clamps by clip_qkv, which it leaves None
+    # (DBRX's released config clips at 8)
+    "dbrx": {
+        "d_model": 64,
+        "n_heads": 4,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32},
+    },
+}
+"""Sizes of the families whose config `SIZES` does not reach, set on top of them."""
+
 
 HEAD_BIAS = "its output head has a bias, which engine=fsdp's log-prob kernel does not add"
 SOFTCAP = (
@@ -96,9 +117,14 @@ SOFTCAP = (
     "(set it to null in the model config to train without it)"
 )
 NO_LAYERS = "it declares no decoder layer class (_no_split_modules) for FSDP to shard"
+ALWAYS_SOFTCAP = (
+    "it soft-caps every logit after the output head (logits_soft_cap, always on), which "
+    "engine=fsdp's log-prob kernel does not apply"
+)
 BUILD_REFUSALS = {
     HEAD_BIAS: r"the output head has a bias",
     SOFTCAP: r"final_logit_softcapping=",
+    ALWAYS_SOFTCAP: r"logits_soft_cap=",
     NO_LAYERS: r"found no decoder layers to shard",
 }
 """The engine's own refusals (at build, from the built model) -> its message."""
@@ -148,44 +174,21 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "even its tiny config has 2,164,224 parameters (a part the sizes do not reach)",
     ),
     "data2vec-text": ("refused", HEAD_BIAS),
-    "dbrx": (
-        "not buildable",
-        "transformers raises AttributeError on the tiny config: 'DbrxAttentionConfig' object has no attribute 'rope_theta'",
-    ),
-    "dots1": (
-        "not buildable",
-        "transformers raises TypeError on the tiny config: unsupported operand type(s) for *: 'int' and 'NoneType'",
-    ),
     "dots3_note_text": (
         "not buildable",
         "transformers raises AmbiguousGlobalPerLayerAttributeError on the tiny config: 'num_attention_heads' is a per-layer attribute and may vary across layers. Access it via the individual layer ",
     ),
     "electra": ("refused", NO_LAYERS),
     "ernie": ("refused", HEAD_BIAS),
-    "falcon": (
-        "not buildable",
-        "transformers raises AttributeError on the tiny config: property 'head_dim' of 'FalconConfig' object has no setter",
-    ),
     "falcon_mamba": (
         "error",
         "fails under FSDP2: aten.mm.default got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling",
     ),
     "gemma2": ("refused", SOFTCAP),
-    "gemma3n_text": (
-        "not buildable",
-        "transformers raises ValueError on the tiny config: The set of layer types producing a cache is different than the set of layer types using them",
-    ),
+    "gemma3n_text": ("refused", SOFTCAP),
     "gemma4_assistant": (
         "not buildable",
         "transformers raises StrictDataclassClassValidationError on the tiny config: Class validation error for validator 'validate_architecture':",
-    ),
-    "gemma4_text": (
-        "not buildable",
-        "transformers raises AmbiguousGlobalPerLayerAttributeError on the tiny config: 'head_dim' is a per-layer attribute and may vary across layers. Access it via the individual layer configs ins",
-    ),
-    "gemma4_unified_text": (
-        "not buildable",
-        "transformers raises AmbiguousGlobalPerLayerAttributeError on the tiny config: 'head_dim' is a per-layer attribute and may vary across layers. Access it via the individual layer configs ins",
     ),
     "git": (
         "not buildable",
@@ -204,10 +207,6 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     "lfm2_moe": (
         "not buildable",
         "transformers raises TypeError on the tiny config: 'NoneType' object is not subscriptable",
-    ),
-    "llama4_text": (
-        "not buildable",
-        "transformers raises AttributeError on the tiny config: 'Llama4ForCausalLM' object has no attribute 'language_model'",
     ),
     "mamba": (
         "error",
@@ -270,6 +269,7 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "not buildable",
         "transformers raises TypeError on the tiny config: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
     ),
+    "recurrent_gemma": ("refused", ALWAYS_SOFTCAP),
     "reformer": (
         "not buildable",
         "transformers raises AssertionError on the tiny config: If you want to use 'ReformerModelWithLMHead' make sure that 'is_decoder=True'.",
@@ -328,9 +328,9 @@ def causal_lm_families() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _two_kinds(values: list[Any]) -> list[Any]:
-    """Two layers' entries of a per-layer list: the first of each of its first two kinds
-    (both entries the first when it has one kind), in layer order."""
+def _two_kinds(values: list[Any]) -> list[int]:
+    """The two layers a per-layer list keeps: the first of each of its first two kinds
+    (layers 0 and 1 when it has one kind), in layer order."""
     firsts: list[int] = []
     for i, v in enumerate(values):
         if all(values[j] != v for j in firsts):
@@ -339,19 +339,52 @@ def _two_kinds(values: list[Any]) -> list[Any]:
             break
     if len(firsts) == 1:
         firsts = [0, min(1, len(values) - 1)]
-    return [values[i] for i in firsts]
+    return firsts
+
+
+def _settable(default: PretrainedConfig, data: dict[str, Any], key: str) -> bool:
+    """Whether the config takes `key`: a field of its own (`to_dict`) or an alias of one
+    (`attribute_map`); not a read-only property such as Falcon's `head_dim`, nor read
+    through the config (a heterogeneous config refuses reading a per-layer field)."""
+    return key in data or key in getattr(default, "attribute_map", {})
+
+
+def _scaled(key: str, value: Any, default_value: Any) -> Any:
+    """A per-layer override of a size in `SIZES`, scaled as the tiny size scales the
+    family's global one (Gemma 4's full-attention layers' head_dim 512 against 256 -> 32);
+    other overrides as they are."""
+    tiny = SIZES.get(key)
+    numbers = (value, default_value, tiny)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in numbers):
+        return value
+    return max(1, round(tiny * value / default_value))
 
 
 def _tiny(default: PretrainedConfig) -> dict[str, Any]:
     """The keyword arguments that make `default` (a family's default config) tiny."""
     data = default.to_dict()
-    kwargs = {k: v for k, v in SIZES.items() if hasattr(default, k)}
-    layers = getattr(default, "num_hidden_layers", None)
+    kwargs = {k: v for k, v in SIZES.items() if _settable(default, data, k)}
+    layers = data.get("num_hidden_layers")
+    kept = [0, 1]  # the layers a per-layer list keeps (`layer_types` decides first)
+    if layers and isinstance(data.get("layer_types"), list) and len(data["layer_types"]) == layers:
+        kept = _two_kinds(data["layer_types"])
     for key, value in data.items():
         if isinstance(value, list) and layers and len(value) == layers and layers > 2:
-            kwargs[key] = _two_kinds(value)
+            index = kept if key == "layer_types" else _two_kinds(value)
+            # a per-layer size (Gemma 3n's intermediate_size) takes the tiny size
+            kwargs[key] = [SIZES[key]] * 2 if key in SIZES else [value[i] for i in index]
         if "dropout" in key or "pdrop" in key:
             kwargs[key] = 0.0
+    overrides = data.get("per_layer_config")
+    if isinstance(overrides, dict) and overrides and layers and layers > 2:
+        # per-layer overrides (Gemma 4's `{"05": {"head_dim": 512}}`) follow their layers to
+        # the kept positions, their sizes scaled like the global ones
+        kwargs["per_layer_config"] = {
+            str(new): {k: _scaled(k, v, data.get(k)) for k, v in overrides[key].items()}
+            for new, old in enumerate(kept)
+            for key in overrides
+            if int(key) == old
+        }
     if "kv_lora_rank" in kwargs:  # MLA expands its latent keys to every query head
         kwargs["num_key_value_heads"] = SIZES["num_attention_heads"]
     return kwargs
@@ -372,7 +405,8 @@ def text_family(model_type: str) -> str | None:
 
 def tiny_config(model_type: str) -> dict[str, Any]:
     """The tiny `hf_config` dict of `model_type` (see the module docstring)."""
-    return {"model_type": model_type, **_tiny(AutoConfig.for_model(model_type))}
+    tiny = _tiny(AutoConfig.for_model(model_type))
+    return {"model_type": model_type, **tiny, **FAMILY_SIZES.get(model_type, {})}
 
 
 MAX_PARAMETERS = 2_000_000

@@ -147,8 +147,14 @@ def _saved_tensors(folder: Path, module: str) -> dict[str, torch.Tensor]:
 
 
 def backbone(model: PreTrainedModel) -> nn.Module:
-    """The decoder stack that returns the last hidden state (`model.model` for Llama/Qwen)."""
-    return getattr(model, model.base_model_prefix)
+    """The decoder stack that returns the last hidden state (`model.model` for Llama/Qwen).
+    Llama 4's text causal LM names the vision model's prefix (`language_model`) but keeps
+    its decoder under `model`."""
+    inner = getattr(model, model.base_model_prefix, None)
+    if not isinstance(inner, nn.Module):
+        inner = getattr(model, "model")
+    assert isinstance(inner, nn.Module)
+    return inner
 
 
 def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
