@@ -74,6 +74,11 @@ ALIBI_BY_COLUMN = (
     "so in a shared-prefix row a sample's distance to the prompt also counts the other "
     "samples' tokens in between"
 )
+NO_POSITION_IDS = (
+    "its decoder takes no position ids: it numbers positions by the token's column in the "
+    "row and builds its causal mask without them, so a packed or shared-prefix sequence after "
+    "the first gets the wrong positions and sees the sequences before it"
+)
 OWN_ATTENTION_SWITCH = (
     "its attention chooses between its own SDPA and eager code by the attention "
     "implementation's name instead of calling transformers' attention interface, so the "
@@ -103,6 +108,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "exaone_moe": {"shared_prefix": SLIDING_SHARED},
     "falcon": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": OWN_ATTENTION_SWITCH},
     "falcon_h1": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "falcon_mamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "flint": {"shared_prefix": SLIDING_SHARED},
     "gemma3_text": {"shared_prefix": SLIDING_SHARED},
     "gemma4_text": {"shared_prefix": SLIDING_SHARED},
@@ -116,6 +122,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "kolibri1": {"shared_prefix": SLIDING_SHARED},
     "lfm3": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "llama4_text": {"shared_prefix": SLIDING_SHARED},
+    "mamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "mimo_v2_flash": {"shared_prefix": SLIDING_SHARED},
     "minicpm3": {"padded": HIDDEN_SCALE, "packed": HIDDEN_SCALE, "shared_prefix": HIDDEN_SCALE},
     "minimax": {"packed": RECURRENT, "shared_prefix": RECURRENT},
@@ -135,7 +142,9 @@ REFUSED: dict[str, dict[str, str]] = {
     "qwen3_next": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "rwkv": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "starcoder2": {"shared_prefix": SLIDING_SHARED},
+    "trocr": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "xglm": {"packed": MASK_WITHOUT_POSITIONS},
+    "zamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
 }
 """model_type -> {layout: why the engine's outputs would be wrong there}: what the family
 matrix found (a family refused `padded` is refused in every layout). A vision-language
