@@ -8,8 +8,10 @@ default suite, the rest under the `slow` marker."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tephra.engine_api.errors import ConfigError
+from tephra.engine_fsdp import tree_attention
 from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
 from tephra.engine_fsdp.families import LAYOUTS, REFUSED, layout_refusal, window_turned_off
 from tephra.engine_fsdp.family_matrix import (
@@ -19,7 +21,9 @@ from tephra.engine_fsdp.family_matrix import (
     check_family,
     engine_config,
     text_family,
+    tiny_config,
 )
+from tephra.engine_fsdp.microbatches import leading_padding, roll_rows
 
 FAMILIES = causal_lm_families()
 REPRESENTATIVE = {
@@ -30,6 +34,10 @@ REPRESENTATIVE = {
     "qwen3_next": "Gated DeltaNet hybrid (refused packed and shared prefix)",
     "gpt_oss": "sinks, sliding windows, MoE, eager attention",
     "cohere": "logits scaled after the head (refused everywhere)",
+    "deepseek_v4": "compressor windows by column: padded rows run from column 0",
+    "stablelm": "layers that drop attention kwargs: the tree blocks ride on the mask",
+    "mamba": "a no-split class inside another (MambaMixer in MambaBlock)",
+    "gpt_neox_japanese": "a tied head under another name (embed_out)",
 }
 NOT_RUN_REPRESENTATIVE = {"gemma2", "bert", "bart"}
 RUN = [f for f in FAMILIES if f not in NOT_RUN and text_family(f) is None]
@@ -128,3 +136,30 @@ def test_window_turned_off_reads_the_config(hf_config, off):
     assert (refusal is None) is off
     # a refusal for another reason stays, whatever the window
     assert layout_refusal("mpt", "packed", hf_config) is not None
+
+
+def test_padded_rows_are_rolled_to_column_zero_and_back():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+    shift = leading_padding(mask)
+    assert shift.tolist() == [2, 0, 0]
+    values = torch.tensor([[0, 0, 7, 8, 9], [4, 5, 6, 0, 0], [0, 0, 0, 0, 0]])
+    left = roll_rows(values, -shift)
+    assert left.tolist() == [[7, 8, 9, 0, 0], [4, 5, 6, 0, 0], [0, 0, 0, 0, 0]]
+    assert torch.equal(roll_rows(left, shift), values)
+
+
+def test_a_tree_row_without_its_blocks_raises():
+    # a layer that rebuilt the placeholder mask would attend over the whole row: it raises
+    q = torch.zeros(1, 2, 3, 4)
+    bare = torch.ones((), dtype=torch.bool).expand(1, 1, 3, 3)
+    with pytest.raises(RuntimeError, match="without its blocks"):
+        tree_attention.tree_attention(torch.nn.Linear(1, 1), q, q, q, bare)
+
+
+def test_per_layer_overrides_follow_their_layers():
+    # Gemma 4's full-attention layers (every sixth) have head_dim 512 against 256: the tiny
+    # config keeps a sliding and a full layer, the full one at 2 x the tiny head_dim
+    config = tiny_config("gemma4_text")
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["per_layer_config"] == {"1": {"head_dim": 32}}
+    assert "head_dim" not in tiny_config("falcon")  # a read-only property there

@@ -6,8 +6,10 @@ sequence, no mask), or `shared_prefix` (a prompt's samples run the prompt once, 
 sample's tokens attending to it through a segment mask). Attention layers see sequence
 boundaries in all three through the mask or the position ids; a layer that keeps a recurrent
 state (linear attention, state-space layers) does not, so in the packed and shared-prefix
-layouts it would carry one sequence's state into the next. Those combinations are refused
-before anything is built (`FSDPEngine.check_config`, which the apps call before Ray starts).
+layouts it would carry one sequence's state into the next. Other families are wrong in a
+layout for a cause of their own (a causal mask built without the position ids, ALiBi or
+compressor windows by column, an attention that bypasses transformers' interface); each
+refusal below names it. Those combinations are refused before anything is built (`FSDPEngine.check_config`, which the apps call before Ray starts).
 The family matrix test (`tephra.engine_fsdp.family_matrix`) checks every other combination
 against a plain transformers forward.
 """
@@ -74,6 +76,11 @@ ALIBI_BY_COLUMN = (
     "so in a shared-prefix row a sample's distance to the prompt also counts the other "
     "samples' tokens in between"
 )
+MUP_SCALE = (
+    "it divides the last hidden state by logits_mup_width_multiplier before the output head "
+    "(and cuts the vocabulary to unpadded_vocab_size after it), which engine=fsdp's log-prob "
+    "kernel (logits = W h) does not"
+)
 NO_POSITION_IDS = (
     "its decoder takes no position ids: it numbers positions by the token's column in the "
     "row and builds its causal mask without them, so a packed or shared-prefix sequence after "
@@ -117,6 +124,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "granite_swa": {"shared_prefix": SLIDING_SHARED},
     "granitemoe_swa": {"shared_prefix": SLIDING_SHARED},
     "granitemoehybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "inkling_text": {"padded": MUP_SCALE, "packed": MUP_SCALE, "shared_prefix": MUP_SCALE},
     "jamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kimi_linear": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kolibri1": {"shared_prefix": SLIDING_SHARED},

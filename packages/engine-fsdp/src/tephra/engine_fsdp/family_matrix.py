@@ -118,13 +118,13 @@ SOFTCAP = (
 )
 NO_LAYERS = "it declares no decoder layer class (_no_split_modules) for FSDP to shard"
 ALWAYS_SOFTCAP = (
-    "it soft-caps every logit after the output head (logits_soft_cap, always on), which "
-    "engine=fsdp's log-prob kernel does not apply"
+    "it soft-caps every logit after the output head (logits_soft_cap, output_logit_soft_cap), "
+    "which engine=fsdp's log-prob kernel does not apply"
 )
 BUILD_REFUSALS = {
     HEAD_BIAS: r"the output head has a bias",
     SOFTCAP: r"final_logit_softcapping=",
-    ALWAYS_SOFTCAP: r"logits_soft_cap=",
+    ALWAYS_SOFTCAP: r"logits?_soft_cap=",
     NO_LAYERS: r"found no decoder layers to shard",
 }
 """The engine's own refusals (at build, from the built model) -> its message."""
@@ -192,10 +192,6 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     ),
     "gptj": ("refused", HEAD_BIAS),
     "inkling2_text": ("refused", SOFTCAP),
-    "inkling_text": (
-        "not buildable",
-        "transformers raises AttributeError on the tiny config: 'InklingTextConfig' object has no attribute 'tie_word_embeddings'",
-    ),
     "lfm2_moe": (
         "not buildable",
         "transformers raises TypeError on the tiny config: 'NoneType' object is not subscriptable",
@@ -282,10 +278,7 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "not buildable",
         "transformers raises NotImplementedError on the tiny config: The model xlnet is one of the few models that has no sequence length limit.",
     ),
-    "xlstm": (
-        "not buildable",
-        "transformers raises AttributeError on the tiny config: property 'qk_head_dim' of 'xLSTMConfig' object has no setter",
-    ),
+    "xlstm": ("refused", ALWAYS_SOFTCAP),
     "xmod": ("refused", NO_LAYERS),
     "zamba": (
         "not buildable",
@@ -323,10 +316,13 @@ def _two_kinds(values: list[Any]) -> list[int]:
 
 
 def _settable(default: PretrainedConfig, data: dict[str, Any], key: str) -> bool:
-    """Whether the config takes `key`: a field of its own (`to_dict`) or an alias of one
-    (`attribute_map`); not a read-only property such as Falcon's `head_dim`, nor read
-    through the config (a heterogeneous config refuses reading a per-layer field)."""
-    return key in data or key in getattr(default, "attribute_map", {})
+    """Whether the config takes `key`: a field of its own (`to_dict`), an alias of one
+    (`attribute_map`) or a property with a setter (LongCat-Flash's `num_hidden_layers`);
+    not a read-only property such as Falcon's `head_dim`. Decided without reading the
+    field: a heterogeneous config (Gemma 4) refuses reading a per-layer one."""
+    prop = getattr(type(default), key, None)
+    settable = isinstance(prop, property) and prop.fset is not None
+    return key in data or key in getattr(default, "attribute_map", {}) or settable
 
 
 def _scaled(key: str, value: Any, default_value: Any) -> Any:
@@ -344,7 +340,7 @@ def _tiny(default: PretrainedConfig) -> dict[str, Any]:
     """The keyword arguments that make `default` (a family's default config) tiny."""
     data = default.to_dict()
     kwargs = {k: v for k, v in SIZES.items() if _settable(default, data, k)}
-    layers = data.get("num_hidden_layers")
+    layers = getattr(default, "num_hidden_layers", None)  # through an alias (GPT-Neo's)
     kept = [0, 1]  # the layers a per-layer list keeps (`layer_types` decides first)
     if layers and isinstance(data.get("layer_types"), list) and len(data["layer_types"]) == layers:
         kept = _two_kinds(data["layer_types"])

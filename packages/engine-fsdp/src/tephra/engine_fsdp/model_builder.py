@@ -152,7 +152,7 @@ def backbone(model: PreTrainedModel) -> nn.Module:
     its decoder under `model`."""
     inner = getattr(model, model.base_model_prefix, None)
     if not isinstance(inner, nn.Module):
-        inner = getattr(model, "model")
+        inner = model.model
     assert isinstance(inner, nn.Module)
     return inner
 

@@ -39,13 +39,14 @@ def check_output_head(hf_model: PreTrainedModel, role: str, where: str) -> None:
             "engine=fsdp's log-prob kernel; set final_logit_softcapping=None in the model "
             "config or use a model without logit soft-capping"
         )
-    cap = getattr(hf_model.config.get_text_config(), "logits_soft_cap", None)
-    if cap:  # RecurrentGemma soft-caps its logits always (a None cap fails in transformers)
-        raise ConfigError(
-            f"{where}: logits_soft_cap={cap} (RecurrentGemma soft-caps every logit after the "
-            "output head) is not applied by engine=fsdp's log-prob kernel (logits = W h); "
-            "use a model without logit soft-capping"
-        )
+    for field in ("logits_soft_cap", "output_logit_soft_cap"):  # RecurrentGemma, xLSTM
+        cap = getattr(hf_model.config.get_text_config(), field, None)
+        if cap:
+            raise ConfigError(
+                f"{where}: {field}={cap} (the model soft-caps every logit after the output "
+                "head) is not applied by engine=fsdp's log-prob kernel (logits = W h); use "
+                "a model without logit soft-capping"
+            )
 
 
 class TokenScorer(nn.Module):
