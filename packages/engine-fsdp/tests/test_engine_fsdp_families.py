@@ -39,7 +39,7 @@ REPRESENTATIVE = {
     "mamba": "a no-split class inside another (MambaMixer in MambaBlock)",
     "gpt_neox_japanese": "a tied head under another name (embed_out)",
 }
-NOT_RUN_REPRESENTATIVE = {"gemma2", "bert", "bart"}
+NOT_RUN_REPRESENTATIVE = {"gemma2", "bert", "git"}
 RUN = [f for f in FAMILIES if f not in NOT_RUN and text_family(f) is None]
 
 

@@ -45,6 +45,12 @@ RECURRENT = (
     "neither the packed row's position ids nor the shared-prefix segment mask reach, so one "
     "sequence's state flows into the next"
 )
+CONVOLUTION = (
+    "its attention runs a causal convolution along the row over the query and key "
+    "projections (and a delayed state over the values), which neither the packed row's "
+    "position ids nor the shared-prefix segment mask reach, so one sequence's tokens flow "
+    "into the next"
+)
 SLIDING_SHARED = (
     "the shared-prefix segment mask replaces its sliding-window (or chunked) attention mask, "
     "so a token attends to keys beyond its window"
@@ -104,6 +110,8 @@ REFUSED: dict[str, dict[str, str]] = {
     "afmoe": {"packed": SLIDING_PACKED, "shared_prefix": SLIDING_SHARED},
     "bailing_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "bamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "bart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "bigbird_pegasus": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "bloom": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": NO_SEGMENT_MASK},
     "cohere": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
     "cohere2": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
@@ -131,6 +139,8 @@ REFUSED: dict[str, dict[str, str]] = {
     "lfm3": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "llama4_text": {"shared_prefix": SLIDING_SHARED},
     "mamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "mbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "mamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "mimo_v2_flash": {"shared_prefix": SLIDING_SHARED},
     "minicpm3": {"padded": HIDDEN_SCALE, "packed": HIDDEN_SCALE, "shared_prefix": HIDDEN_SCALE},
     "minimax": {"packed": RECURRENT, "shared_prefix": RECURRENT},
@@ -145,6 +155,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "opt": {"packed": MASK_WITHOUT_POSITIONS},
     "phi3": {"shared_prefix": SLIDING_SHARED},
     "phimoe": {"shared_prefix": SLIDING_SHARED},
+    "plbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "qwen3_5_moe_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "qwen3_5_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "qwen3_next": {"packed": RECURRENT, "shared_prefix": RECURRENT},
@@ -153,6 +164,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "trocr": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "xglm": {"packed": MASK_WITHOUT_POSITIONS},
     "zamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "zaya": {"packed": CONVOLUTION, "shared_prefix": CONVOLUTION},
 }
 """model_type -> {layout: why the engine's outputs would be wrong there}: what the family
 matrix found (a family refused `padded` is refused in every layout). A vision-language
