@@ -51,6 +51,11 @@ CONVOLUTION = (
     "position ids nor the shared-prefix segment mask reach, so one sequence's tokens flow "
     "into the next"
 )
+SHORT_CONVOLUTION = (
+    "its short-convolution layers mix each token with the tokens before it in the row, which "
+    "neither the packed row's position ids nor the shared-prefix segment mask reach, so one "
+    "sequence's last tokens flow into the next"
+)
 SLIDING_SHARED = (
     "the shared-prefix segment mask replaces its sliding-window (or chunked) attention mask, "
     "so a token attends to keys beyond its window"
@@ -136,6 +141,8 @@ REFUSED: dict[str, dict[str, str]] = {
     "jamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kimi_linear": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kolibri1": {"shared_prefix": SLIDING_SHARED},
+    "lfm2": {"packed": SHORT_CONVOLUTION, "shared_prefix": SHORT_CONVOLUTION},
+    "lfm2_moe": {"packed": SHORT_CONVOLUTION, "shared_prefix": SHORT_CONVOLUTION},
     "lfm3": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "llama4_text": {"shared_prefix": SLIDING_SHARED},
     "mamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
@@ -159,6 +166,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "qwen3_5_moe_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "qwen3_5_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "qwen3_next": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "qwen4_exp_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "rwkv": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "starcoder2": {"shared_prefix": SLIDING_SHARED},
     "trocr": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},

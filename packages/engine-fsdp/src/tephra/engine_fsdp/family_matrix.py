@@ -115,6 +115,23 @@ SIZES: dict[str, Any] = {
 FAMILY_SIZES: dict[str, dict[str, Any]] = {
     # its default leaves the shared expert's width unset (None), which its MoE multiplies
     "dots1": {"n_shared_experts": 1},
+    # its default names no RoPE per layer type, which its rotary embedding looks up
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    },
+    # its default has attention layers only; the released LFM2 models mix in short
+    # convolutions, which the matrix must see
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    # its default leaves the layer kinds unset (None), which every layer reads
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # its QSA indexer's sizes are unset (None) by default, which the indexer divides
+    "qwen4_exp_text": {
+        "indexer_n_heads": 4,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
     # validated: heads x head_dim = hidden x expand (64 x 2)
     "mamba2": {"num_heads": 8},
     # validated: one expert per token
@@ -168,10 +185,6 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     ),
     "camembert": ("refused", HEAD_BIAS),
     "codegen": ("refused", HEAD_BIAS),
-    "cohere_compass_text": (
-        "not buildable",
-        "transformers raises KeyError on the tiny config: 'full_attention'",
-    ),
     "cpmant": ("refused", NO_LAYERS),
     "ctrl": ("refused", NO_LAYERS),
     "data2vec-text": ("refused", HEAD_BIAS),
@@ -193,10 +206,6 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     ),
     "gptj": ("refused", HEAD_BIAS),
     "inkling2_text": ("refused", SOFTCAP),
-    "lfm2_moe": (
-        "not buildable",
-        "transformers raises TypeError on the tiny config: 'NoneType' object is not subscriptable",
-    ),
     "marian": ("refused", NO_LAYERS),
     "megatron-bert": ("refused", NO_LAYERS),
     "mllama": (
@@ -224,10 +233,6 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     "prophetnet": (
         "not buildable",
         "transformers raises NotImplementedError on the tiny config: This model does not support the setting of 'num_hidden_layers'. Please set 'num_encoder_layers' and 'num_decod",
-    ),
-    "qwen4_exp_text": (
-        "not buildable",
-        "transformers raises TypeError on the tiny config: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
     ),
     "recurrent_gemma": ("refused", ALWAYS_SOFTCAP),
     "reformer": (
