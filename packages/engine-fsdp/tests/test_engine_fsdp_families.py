@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp import tree_attention
 from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
-from tephra.engine_fsdp.families import LAYOUTS, REFUSED, layout_refusal, window_turned_off
+from tephra.engine_fsdp.families import (
+    LAYOUTS,
+    REFUSED,
+    SWITCHED_WINDOW,
+    layout_refusal,
+    window_turned_off,
+)
 from tephra.engine_fsdp.family_matrix import (
     BUILD_REFUSALS,
     NOT_RUN,
@@ -117,6 +124,27 @@ def test_a_sliding_window_family_with_its_window_off_shares_prefixes():
     # wrong when forced
     on = check_family("mistral", ("shared_prefix",))["shared_prefix"]
     assert on.refusal == layout_refusal("mistral", "shared_prefix") and not on.matches()
+
+
+def _default_config(model_type: str) -> dict:
+    try:
+        return AutoConfig.for_model(model_type).to_dict()
+    except Exception:  # noqa: BLE001 (a family without a valid default config)
+        return {}
+
+
+def test_a_window_switched_off_by_default_is_off_until_switched_on():
+    # Qwen2 / Qwen3 / SmolLM3 slide only with use_sliding_window: true (their default is
+    # false): a config that leaves it out is plain causal attention and shares prefixes
+    switched = {f for f in FAMILIES if "use_sliding_window" in _default_config(f)}
+    assert switched == set(SWITCHED_WINDOW)
+    assert all(not AutoConfig.for_model(f).use_sliding_window for f in switched)
+    assert layout_refusal("qwen2", "shared_prefix", {"model_type": "qwen2"}) is None
+    on = {"model_type": "qwen2", "use_sliding_window": True}
+    assert layout_refusal("qwen2", "shared_prefix", on) is not None
+    off = {"use_sliding_window": False, "layer_types": ["full_attention"] * 2}
+    result = check_family("qwen2", ("shared_prefix",), off)["shared_prefix"]
+    assert result.refusal is None and result.matches(), result
 
 
 @pytest.mark.parametrize(

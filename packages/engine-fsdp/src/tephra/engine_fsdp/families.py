@@ -163,11 +163,16 @@ REFUSED: dict[str, dict[str, str]] = {
     "phi3": {"shared_prefix": SLIDING_SHARED},
     "phimoe": {"shared_prefix": SLIDING_SHARED},
     "plbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "qwen2": {"shared_prefix": SLIDING_SHARED},
+    "qwen2_moe": {"shared_prefix": SLIDING_SHARED},
+    "qwen3": {"shared_prefix": SLIDING_SHARED},
     "qwen3_5_moe_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "qwen3_5_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "qwen3_moe": {"shared_prefix": SLIDING_SHARED},
     "qwen3_next": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "qwen4_exp_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "rwkv": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "smollm3": {"shared_prefix": SLIDING_SHARED},
     "starcoder2": {"shared_prefix": SLIDING_SHARED},
     "trocr": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "xglm": {"packed": MASK_WITHOUT_POSITIONS},
@@ -197,11 +202,19 @@ def model_types_of(config: EngineConfig) -> list[str]:
     return [t for t in found if isinstance(t, str)]
 
 
+SWITCHED_WINDOW = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
+"""Families whose sliding window is on only where the config says `use_sliding_window: true`
+(their default is false: the released Qwen2.5 / Qwen3 / SmolLM3 configs)."""
+
+
 def window_turned_off(hf_config: dict[str, Any]) -> bool:
     """Whether a sliding-window family's config turns its window off: `use_sliding_window:
-    false`, or every window size field it sets is null or 0 (and it sets one: a field left
-    out takes the family's default, which may be a window)."""
+    false` (or left out in a `SWITCHED_WINDOW` family, whose default is false), or every
+    window size field it sets is null or 0 (and it sets one: a field left out takes the
+    family's default, which may be a window)."""
     if hf_config.get("use_sliding_window") is False:
+        return True
+    if hf_config.get("model_type") in SWITCHED_WINDOW and not hf_config.get("use_sliding_window"):
         return True
     given = [k for k in WINDOW_KEYS if k in hf_config]
     return bool(given) and not any(hf_config[k] for k in given)

@@ -112,7 +112,16 @@ SIZES: dict[str, Any] = {
 }
 """Sizes set on every family's config where the config has the attribute."""
 
+_WINDOW_ON = {
+    "use_sliding_window": True,
+    "layer_types": ["full_attention", "sliding_attention"],
+    "max_window_layers": 1,
+}
+"""A `SWITCHED_WINDOW` family's sliding window switched on (a full, then a sliding layer)."""
+
 FAMILY_SIZES: dict[str, dict[str, Any]] = {
+    **{f: dict(_WINDOW_ON) for f in ("qwen2", "qwen2_moe", "qwen3", "smollm3")},
+    "qwen3_moe": {"use_sliding_window": True},  # every layer slides
     # its default leaves the shared expert's width unset (None), which its MoE multiplies
     "dots1": {"n_shared_experts": 1},
     # its default names no RoPE per layer type, which its rotary embedding looks up
