@@ -199,7 +199,8 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     "data2vec-text": ("refused", HEAD_BIAS),
     "dots3_note_text": (
         "not buildable",
-        "transformers raises AmbiguousGlobalPerLayerAttributeError on the tiny config: 'num_attention_heads' is a per-layer attribute and may vary across layers. Access it via the individual layer ",
+        "transformers rejects the tiny config: its sliding layers' head_dim must equal "
+        "qk_nope_head_dim + qk_rope_head_dim, which per-layer sizes scaled one by one do not keep",
     ),
     "electra": ("refused", NO_LAYERS),
     "ernie": ("refused", HEAD_BIAS),
@@ -219,16 +220,18 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     "megatron-bert": ("refused", NO_LAYERS),
     "mllama": (
         "not buildable",
-        "its causal LM built from the tiny config names its weights apart from the exported ones (a composite without a text family)",
+        "even its tiny config has 9,775,192,080 parameters (a part the sizes do not reach)",
     ),
     "modernbert-decoder": ("refused", HEAD_BIAS),
     "musicgen": (
         "not buildable",
-        "transformers raises ValueError on the tiny config: Multiple valid text configs were found in the model config: ['text_encoder', 'decoder']. In this case, using '",
+        "transformers raises AttributeError on the tiny config: 'MusicgenConfig' object has no "
+        "attribute 'dropout' (its decoder's sizes sit in a nested config)",
     ),
     "musicgen_melody": (
         "not buildable",
-        "transformers raises ValueError on the tiny config: Multiple valid text configs were found in the model config: ['text_encoder', 'decoder']. In this case, using '",
+        "transformers raises AttributeError on the tiny config: 'MusicgenMelodyConfig' object has no "
+        "attribute 'dropout' (its decoder's sizes sit in a nested config)",
     ),
     "mvp": ("refused", NO_LAYERS),
     "nanochat": ("refused", SOFTCAP),
@@ -304,11 +307,10 @@ def _settable(default: PretrainedConfig, data: dict[str, Any], key: str) -> bool
     return key in data or key in getattr(default, "attribute_map", {}) or settable
 
 
-def _scaled(key: str, value: Any, default_value: Any) -> Any:
-    """A per-layer override of a size in `SIZES`, scaled as the tiny size scales the
-    family's global one (Gemma 4's full-attention layers' head_dim 512 against 256 -> 32);
-    other overrides as they are."""
-    tiny = SIZES.get(key)
+def _scaled(value: Any, default_value: Any, tiny: Any) -> Any:
+    """A per-layer override of a size, scaled as the tiny size `tiny` scales the family's
+    global one (Gemma 4's full-attention layers' head_dim 512 against 256 -> 32); other
+    overrides as they are."""
     numbers = (value, default_value, tiny)
     if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in numbers):
         return value
@@ -330,18 +332,18 @@ def _tiny(default: PretrainedConfig) -> dict[str, Any]:
             kwargs[key] = [SIZES[key]] * 2 if key in SIZES else [value[i] for i in index]
         if "dropout" in key or "pdrop" in key:
             kwargs[key] = 0.0
+    if "kv_lora_rank" in kwargs:  # MLA expands its latent keys to every query head
+        kwargs["num_key_value_heads"] = SIZES["num_attention_heads"]
     overrides = data.get("per_layer_config")
     if isinstance(overrides, dict) and overrides and layers and layers > 2:
         # per-layer overrides (Gemma 4's `{"05": {"head_dim": 512}}`) follow their layers to
         # the kept positions, their sizes scaled like the global ones
         kwargs["per_layer_config"] = {
-            str(new): {k: _scaled(k, v, data.get(k)) for k, v in overrides[key].items()}
+            str(new): {k: _scaled(v, data.get(k), kwargs.get(k)) for k, v in overrides[key].items()}
             for new, old in enumerate(kept)
             for key in overrides
             if int(key) == old
         }
-    if "kv_lora_rank" in kwargs:  # MLA expands its latent keys to every query head
-        kwargs["num_key_value_heads"] = SIZES["num_attention_heads"]
     return kwargs
 
 
