@@ -170,6 +170,72 @@ def _grpo_step_reference(
     return out
 
 
+def _on_policy_coefs(rows, advantages, agg: str) -> list[list[float]]:
+    """Each response token's weight on its log-prob in an on-policy policy loss (ratio 1, no
+    KL or entropy term): -A_i on every trained token (mask 1), aggregated by `agg`:
+    `token-mean` over the N trained tokens of the batch, `seq-mean-token-mean` over each
+    row's own trained tokens, then over the B rows. The loss's value is their sum."""
+    if agg == "token-mean":
+        n = sum(sum(r["response_mask"]) for r in rows)
+        return [[-a * m / n for m in r["response_mask"]] for a, r in zip(advantages, rows)]
+    if agg == "seq-mean-token-mean":
+        b = len(rows)
+        return [
+            [-a * m / (sum(r["response_mask"]) * b) for m in r["response_mask"]]
+            for a, r in zip(advantages, rows)
+        ]
+    raise AssertionError(f"no reference written for actor.objective.loss_agg_mode={agg!r}")
+
+
+def _grpo_steps_reference(cfg, model_path, steps: list[list[dict]], eps: float = 1e-6) -> list:
+    """The GRPO steps of a text-model run with one mini-batch, from each step's dumped rows
+    (`steps[k]`: `train_step<k+1>.jsonl`), in plain transformers and torch, one sequence at a
+    time, each step from the weights the previous one left:
+      - the advantages and reward mean of `_grpo_step_reference`;
+      - the on-policy pg loss (ratio 1; `cfg.actor.objective.loss_agg_mode`, no KL or
+        entropy term: `_on_policy_coefs`) and the norm of its gradient;
+      - then that gradient clipped to `grad_clip` (`clip_grad_norm_`) and one
+        `torch.optim.AdamW` step of `cfg.actor.optimizer` (a constant lr), which the next
+        step trains from: step 2's numbers need step 1's update, written out here.
+    One dict per step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    obj, opt, sched = cfg.actor.objective, cfg.actor.optimizer, cfg.actor.scheduler
+    assert cfg.batch.mini_batches == 1 and cfg.batch.epochs == 1, "one update per step"
+    assert not obj.use_kl_loss and obj.entropy_coeff == 0, "the pg loss alone"
+    assert sched.name == "constant" and sched.warmup_steps == 0, "a constant lr"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+    )
+    out = []
+    for rows in steps:
+        step = _grpo_step_reference(None, rows, eps)
+        coefs = _on_policy_coefs(rows, step["advantages"], obj.loss_agg_mode)
+        for row, coef in zip(rows, coefs, strict=True):
+            prompt, response = row["prompt_ids"], row["response_ids"]
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+            picked = torch.log_softmax(logits.float(), -1).gather(
+                -1, torch.tensor(response)[:, None]
+            )[:, 0]
+            (torch.tensor(coef) * picked).sum().backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)))
+        out.append({**step, "pg_loss": sum(map(sum, coefs)), "grad_norm": norm})
+        torch.nn.utils.clip_grad_norm_(params, opt.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return out
+
+
+@pytest.fixture
+def grpo_steps_reference():
+    """`_grpo_steps_reference(cfg, model_path, steps)`: a GRPO run's steps recomputed from
+    their dumped samples, each from the weights the previous step's update left."""
+    return _grpo_steps_reference
+
+
 def _ppo_update_reference(cfg, rows, advantages, images=None) -> dict:
     """The actor's update of step 1 of a run with `cfg`, in plain transformers and torch, one
     sequence at a time: PPO's clipped surrogate (dual clip where A < 0, c = clip_ratio_c)
