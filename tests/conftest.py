@@ -365,9 +365,9 @@ def smoke_score():
 
 def _pixels(path, rows, images, image_token_id: int) -> list[dict]:
     """Each row's model inputs beside its token ids for a vision-language model: its images
-    through the model's own image processor (`pixel_values`, `image_grid_thw`), and
-    `mm_token_type_ids` (1 on the image tokens of its prompt + response, else 0), which
-    transformers' mRoPE reads."""
+    through the model's own image processor (`pixel_values`, and `image_grid_thw` for the
+    Qwen2-VL family), and for that family `mm_token_type_ids` (1 on the image tokens of its
+    prompt + response, else 0), which transformers' mRoPE reads."""
     import torch
     from transformers import AutoImageProcessor
 
@@ -376,7 +376,8 @@ def _pixels(path, rows, images, image_token_id: int) -> list[dict]:
     for row, row_images in zip(rows, images, strict=True):
         ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
         kwargs = dict(processor(images=row_images, return_tensors="pt"))
-        kwargs["mm_token_type_ids"] = (ids == image_token_id).long()
+        if "image_grid_thw" in kwargs:  # the Qwen2-VL family's mRoPE (LLaVA: plain positions)
+            kwargs["mm_token_type_ids"] = (ids == image_token_id).long()
         out.append(kwargs)
     return out
 
