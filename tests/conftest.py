@@ -243,7 +243,7 @@ def _ppo_update_reference(cfg, rows, advantages, images=None) -> dict:
     return _ppo_updates_reference(cfg, [(rows, advantages, images)])[0]
 
 
-def _ppo_updates_reference(cfg, steps) -> list[dict]:
+def _ppo_updates_reference(cfg, steps, frozen: tuple[str, ...] = ()) -> list[dict]:
     """The actor's updates of the first steps of a run with `cfg`, in plain transformers and
     torch, one sequence at a time; `steps`: each step's `(rows, advantages, images)` in
     order, each step starting from the weights the previous one left. Per step: PPO's
@@ -256,9 +256,13 @@ def _ppo_updates_reference(cfg, steps) -> list[dict]:
     optimizer for all steps: its moments carry over). `advantages`: one per row (outcome
     estimators: the same on every token) or one list per row (per token, e.g. GAE's).
     `images`: each row's PIL images, for a vision-language model
-    (`AutoModelForImageTextToText`, the pixels from its own image processor). Returns, per
-    step, the means over the mini-batches, as logged: `pg_loss`, `grad_norm` and `ratio_max`
-    (each mini-batch's largest ratio)."""
+    (`AutoModelForImageTextToText`, the pixels from its own image processor). With
+    `cfg.actor.lora.rank > 0`, the model wrapped by peft's `get_peft_model` right after
+    `torch.manual_seed(cfg.trainer.seed)` (the engines' documented adapter initialisation: A
+    drawn, B zero), no adapter in the modules named in `frozen` (e.g. a vision tower), and
+    only the adapters trained. Returns, per step, the means over the mini-batches, as logged:
+    `pg_loss`, `grad_norm` (over the trained parameters) and `ratio_max` (each mini-batch's
+    largest ratio)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -270,11 +274,26 @@ def _ppo_updates_reference(cfg, steps) -> list[dict]:
     vision = any(images is not None for _, _, images in steps)
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto.from_pretrained(path, dtype=torch.float32)
+    lora = cfg.actor.lora
+    if lora.rank > 0:
+        from peft import LoraConfig, get_peft_model  # only the LoRA references need peft
+
+        peft_cfg = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            exclude_modules=rf".*\b({'|'.join(frozen)})\b.*" if frozen else None,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = get_peft_model(model, peft_cfg)
     obj, opt = cfg.actor.objective.policy, cfg.actor.optimizer
     agg = cfg.actor.objective.loss_agg_mode
     assert agg in ("token-mean", "seq-mean-token-mean"), f"no reference for {agg}"
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        trained, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
     )
     out = []
     for rows, advantages, images in steps:

@@ -221,19 +221,28 @@ def test_qwen2_5_vl_with_a_critic_trains_two_steps(
     ],
 )
 def test_lora_on_a_vlm_trains_two_steps_with_the_tower_frozen(
-    ray_session, tmp_path, model, extra, grpo_step_reference
+    ray_session, tmp_path, model, extra, grpo_step_reference, ppo_updates_reference, step_images
 ):
     # adapters in the language model only (actor.lora.vision=frozen, the default): the hf
     # rollout generates with the merged weights and the trainer recomputes the same log-probs
-    _two_steps(
-        tmp_path,
-        grpo_step_reference,
+    overrides = (
         f"model.path={model}",
         "actor.lora.rank=4",
         "actor.optimizer.lr=0.05",
         "trainer.export_hf=true",
         *extra,
     )
+    train = _two_steps(tmp_path, grpo_step_reference, *overrides)
+    cfg = _vlm_config(tmp_path, *overrides)
+    if cfg.algorithm.adv_estimator == "grpo":
+        # both steps' updates in peft with the adapters drawn as the engine draws them, none in
+        # the tower: the loss and the adapters' gradient norm, step 2 from the adapters step 1
+        # trained
+        frozen = tuple(part.rstrip(".") for part in TOWER_PARTS)
+        wants = ppo_updates_reference(cfg, _update_steps(tmp_path, cfg, step_images), frozen)
+        for record, want in zip(train, wants, strict=True):
+            assert record["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5), record
+            assert record["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), record
     before = _tower_weights(Path(resolve_model_path(model, 0)))
     after = _tower_weights(tmp_path / "hf")
     assert before and before.keys() == after.keys()
