@@ -563,31 +563,23 @@ def critic_steps_reference():
     return _critic_steps_reference
 
 
-def _first_step_images(cfg) -> list:
-    """The images of each prompt of step 1 of a run on the colour squares (by the dumped rows'
-    `prompt_index`), drawn again: the dataset's rows (`colour_square_rows`, by the data
-    seed) in the order the seeded `PromptLoader` serves them."""
-    return _step_images(cfg, 1)[0]
-
-
-@pytest.fixture
-def first_step_images():
-    """`_first_step_images(cfg)`: step 1's images of a colour-squares run, per prompt."""
-    return _first_step_images
-
-
-def _step_images(cfg, steps: int) -> list[list]:
-    """`_first_step_images` for each of the first `steps` steps: the loader serves the next
-    prompts each step."""
+def _step_images(cfg, steps: int, rows: list[dict] | None = None) -> list[list]:
+    """The images of each prompt of each of the first `steps` steps of a run on the colour
+    squares (by the dumped rows' `prompt_index`), drawn again: the dataset's rows
+    (`colour_square_rows`, by the data seed; or `rows`, the training file's, each with its
+    `images`) in the order the seeded `PromptLoader` serves them, the next prompts each
+    step."""
     from tephra.controller.data.colour_squares import colour_square_rows
     from tephra.controller.data.prompts import PromptLoader
 
-    rows = colour_square_rows(cfg.data.train_size, cfg.data.train_seed)
+    if rows is None:
+        rows = colour_square_rows(cfg.data.train_size, cfg.data.train_seed)
     loader = PromptLoader(len(rows), cfg.batch.prompts_per_step, cfg.trainer.seed)
     return [[rows[i]["images"] for i in loader.next_indices()] for _ in range(steps)]
 
 
 @pytest.fixture
 def step_images():
-    """`_step_images(cfg, steps)`: each step's images of a colour-squares run, per prompt."""
+    """`_step_images(cfg, steps, rows=None)`: each step's images of a colour-squares run, per
+    prompt."""
     return _step_images

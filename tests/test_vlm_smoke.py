@@ -309,7 +309,9 @@ def _parquet(path, size, seed) -> None:
 
 
 @pytest.mark.multiproc
-def test_multimodal_parquet_trains_and_validates(ray_session, tmp_path, grpo_step_reference):
+def test_multimodal_parquet_trains_and_validates(
+    ray_session, tmp_path, grpo_step_reference, ppo_updates_reference, step_images
+):
     _parquet(tmp_path / "train.parquet", 8, 1)
     _parquet(tmp_path / "val.parquet", 2, 2)
     cfg = parse_config(
@@ -333,6 +335,14 @@ def test_multimodal_parquet_trains_and_validates(ray_session, tmp_path, grpo_ste
     train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
     assert len(train) == 1
     _dumped_steps(tmp_path / "run", train, grpo_step_reference, grpo=True)
+    # the update in plain transformers with each prompt's image read back from the file
+    images = step_images(cfg, 1, colour_square_rows(8, 1))  # what `_parquet` wrote
+    dumped = (tmp_path / "run" / "generations" / "train_step1.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in dumped]
+    step = (rows, [r["advantage"] for r in rows], [images[0][r["prompt_index"]] for r in rows])
+    (want,) = ppo_updates_reference(cfg, [step])
+    assert train[0]["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
+    assert train[0]["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
 
 
 def _video_parquet(path, size, seed) -> None:
