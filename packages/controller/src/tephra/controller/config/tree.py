@@ -358,8 +358,8 @@ class TrainerSection:
     accuracy. Metrics: `accuracy/val` (acc@n) and `val/...` overall and per data source."""
     dump_generations: int = 0
     """Every N steps write run_dir/generations/train_step<N>.jsonl (the step's samples with
-    their token ids, finish reasons, rewards and advantages), and write every validation's
-    generations to val_step<N>.jsonl; 0: never."""
+    their token ids, finish reasons, the rollout's log-probs, rewards and advantages), and
+    write every validation's generations to val_step<N>.jsonl; 0: never."""
     val_before: bool = True
     """Measure held-out accuracy before training."""
     val_after: bool = True
