@@ -94,13 +94,13 @@ def _update_steps(run_dir, cfg, step_images, advantages=None) -> list[tuple]:
 
 def _critic_and_actor_steps(run_dir, cfg, train, critic_steps, actor_steps, images) -> None:
     """Both steps of a PPO run with a critic (GAE) on the colour squares, in plain
-    transformers and torch with each prompt's image drawn again, each step
-    from the weights the previous one left: the critic's values behind the GAE advantages
+    transformers and torch with each prompt's image drawn again, each step from the weights
+    the previous one left: the critic's values behind the GAE advantages
     (the dumped token means), its value loss and gradient norm (the tower's share in it);
     then the actor's updates on those advantages (per token). `critic_steps`, `actor_steps`,
     `images`: the fixtures `critic_steps_reference`, `ppo_updates_reference`, `step_images`."""
     steps = _update_steps(run_dir, cfg, images)
-    critic = critic_steps(cfg, [(rows, images) for rows, _, images in steps])
+    critic = critic_steps(cfg, [(rows, pictures) for rows, _, pictures in steps])
     per_token = [want["token_advantages"] for want in critic]
     actor = actor_steps(cfg, _update_steps(run_dir, cfg, images, per_token))
     for record, (rows, _, _), want in zip(train, steps, critic, strict=True):
@@ -120,7 +120,10 @@ def _two_steps(run_dir, reference, *overrides: str) -> list[dict]:
     `overrides`, 2 mini-batches: each step's training record, after checking the trainer's
     log-probs of the images equal the rollout's (fp32 both), no sample's scorer failed, and
     the logged rewards (and GRPO's advantages) are those of the dumped samples
-    (`_dumped_steps`; `reference`: the fixture `grpo_step_reference`)."""
+    (`_dumped_steps`; `reference`: the fixture `grpo_step_reference`). The losses and
+    gradient norms are the callers' to check against a reference where one can be written
+    (`ppo_updates_reference`, `_critic_and_actor_steps`): not for the multi-turn
+    environment's later images or the videos, which the dump does not hold."""
     parsed = _vlm_config(run_dir, *overrides)
     assert run(parsed)["steps"] == 2
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
