@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import random
 from difflib import SequenceMatcher
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoConfig
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.apps.sft.main import parse_config as sft_config
@@ -26,6 +28,7 @@ from tephra.controller.launch.ppo import prepare
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import read_jsonl
 from tephra.core.errors import ConfigError
+from tephra.episodes.environments.colour_squares import colour_square
 from tephra.rollout.backends import vllm as vllm_backend
 
 
@@ -122,8 +125,8 @@ def _two_steps(run_dir, reference, *overrides: str) -> list[dict]:
     the logged rewards (and GRPO's advantages) are those of the dumped samples
     (`_dumped_steps`; `reference`: the fixture `grpo_step_reference`). The losses and
     gradient norms are the callers' to check against a reference where one can be written
-    (`ppo_updates_reference`, `_critic_and_actor_steps`): not for the multi-turn
-    environment's later images or the videos, which the dump does not hold."""
+    (`ppo_updates_reference`, `_critic_and_actor_steps`): not for the videos, whose frames
+    the trainer samples and the reference would have to sample the same way."""
     parsed = _vlm_config(run_dir, *overrides)
     assert run(parsed)["steps"] == 2
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
@@ -258,22 +261,48 @@ def test_lora_on_a_vlm_trains_two_steps_with_the_tower_frozen(
 
 @pytest.mark.multiproc
 def test_multi_turn_environment_with_images_trains_two_steps(
-    ray_session, tmp_path, grpo_step_reference
+    ray_session, tmp_path, grpo_step_reference, ppo_updates_reference, step_images
 ):
     # the colour_squares environment shows a new square after each answer: the trainer's
     # log-probs of the 2-turn, 2-image episodes equal the hf rollout's, and the n episodes of
     # a prompt differ (each trajectory and turn draws its own seed), so the groups train
-    train = _two_steps(
-        tmp_path,
-        grpo_step_reference,
+    overrides = (
         "rollout.agent_loop=environment",
         "rollout.agent.environment=colour_squares",
         "rollout.agent.environment_kwargs={turns: 2}",
         "rollout.agent.max_turns=2",
         "rollout.agent.max_response_tokens=128",  # byte-level tokenizer: ~60 per turn
     )
+    train = _two_steps(tmp_path, grpo_step_reference, *overrides)
     for r in train:
         assert 1.0 < r["agent/turns_mean"] <= 2.0  # an episode may end early (image_token)
+    # both steps' updates in plain transformers over the model's tokens (mask 1): each
+    # episode's images are its prompt's square and, where the episode went on (an image in
+    # its response), the environment's next square, drawn again as the environment draws it
+    # (`colour_square` from a generator seeded "<seed>:<first colour>", seed 0)
+    cfg = _vlm_config(tmp_path, *overrides)
+    data = colour_square_rows(cfg.data.train_size, cfg.data.train_seed)
+    colours = [{"images": [r["reward_model"]["ground_truth"]]} for r in data]
+    image_token = AutoConfig.from_pretrained(resolve_model_path("tiny_vlm", 0)).image_token_id
+    steps = []
+    for (rows, adv, firsts), truths in zip(
+        _update_steps(tmp_path, cfg, step_images),
+        step_images(cfg, 2, colours),  # each prompt's first colour, served as its image
+        strict=True,
+    ):
+        shown = [list(first) for first in firsts]
+        for row, images in zip(rows, shown, strict=True):
+            if image_token in row["response_ids"]:
+                seeded = random.Random(f"0:{truths[row['prompt_index']][0]}")
+                images.append(colour_square(seeded)[1])
+        steps.append((rows, adv, shown))
+    assert any(len(images) == 2 for _, _, shown in steps for images in shown)
+    # the gradient norm only: these rows (two images each) put each mini-batch on two
+    # micro-batches, and the fsdp engine logs a metric as its mean over micro-batches, so
+    # `actor/pg_loss` is half the mini-batch's loss (measured: 0.00684 against 0.01369 at
+    # step 1, both steps exactly half) while the gradient is the whole loss's
+    for record, want in zip(train, ppo_updates_reference(cfg, steps), strict=True):
+        assert record["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), record
 
 
 TOWER_PARTS = ("visual.", "vision_tower.", "multi_modal_projector.")
