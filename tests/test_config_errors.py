@@ -30,6 +30,18 @@ CASES = [
         r"model.path is not set \(model.hf_config=\{'model_type': 'qwen2', 'hidden_size': 64\}\): "
         r"the RL trainer reads the policy's tokenizer and weights from a folder; set model.path to",
     ),
+    # the library picks no data (the demo's is apps/ppo's default preset): a source unset
+    # over it, or a reasoning-gym source without a task, names the key and the choices
+    (
+        ["data.source=null"],
+        r"^data\.source is not set: set data\.source to one of reasoning_gym, parquet, hf, "
+        r"colour_squares, code_problems .* `uv run apps/ppo` sets the demo's data",
+    ),
+    (
+        ["data.task="],
+        r"^data\.task is not set: data\.source=reasoning_gym generates the items of one "
+        r"reasoning-gym task; name it, e\.g\. data\.task=basic_arithmetic",
+    ),
     # typo'd registry names, each naming the closest registered one
     (
         ["algorithm.adv_estimator=grpoo"],
