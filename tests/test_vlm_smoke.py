@@ -297,11 +297,11 @@ def test_multi_turn_environment_with_images_trains_two_steps(
                 images.append(colour_square(seeded)[1])
         steps.append((rows, adv, shown))
     assert any(len(images) == 2 for _, _, shown in steps for images in shown)
-    # the gradient norm only: these rows (two images each) put each mini-batch on two
-    # micro-batches, and the fsdp engine logs a metric as its mean over micro-batches, so
-    # `actor/pg_loss` is half the mini-batch's loss (measured: 0.00684 against 0.01369 at
-    # step 1, both steps exactly half) while the gradient is the whole loss's
+    # these rows (two images each) put each mini-batch on two micro-batches: the logged
+    # `actor/pg_loss` is the whole mini-batch's loss, the sum of the micro-batches' shares
+    # (it was their mean once: half the loss, 0.00684 against 0.01369 at step 1)
     for record, want in zip(train, ppo_updates_reference(cfg, steps), strict=True):
+        assert record["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5), record
         assert record["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), record
 
 

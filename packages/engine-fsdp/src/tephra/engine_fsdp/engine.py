@@ -27,7 +27,7 @@ from tephra.engine_api.config import EngineConfig, OptimizerConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.forward_outputs import check_extra_outputs
-from tephra.engine_api.loss import LossFn
+from tephra.engine_api.loss import LossFn, reduce_metrics, shares_of
 from tephra.engine_api.multimodal import is_vision_config
 from tephra.engine_fsdp import (
     checkpoint,
@@ -490,6 +490,7 @@ class FSDPEngine(Engine):
         B.set_global_normalisers(real, process_group=self.dp_group)
         total_loss = 0.0
         metric_sums: dict[str, float] = {}
+        shares: set[str] = set()
         for mb in plan:
             outputs, anchor = self._outputs(mb.data)
             if mb.filler:
@@ -498,6 +499,7 @@ class FSDPEngine(Engine):
                 out_td = TensorDict(outputs, batch_size=mb.data.batch_size)
                 loss, metrics = loss_fn(out_td, mb.data.to(self.device))
                 total_loss += float(loss.detach())
+                shares |= shares_of(metrics)
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
                 # FSDP averages gradients over all ranks; the contract asks for the
@@ -506,17 +508,17 @@ class FSDPEngine(Engine):
                 # one group's gradient: hence the factor world size = dp_size * sp.
                 loss = loss * self.dp_size * self.sp + anchor
             loss.backward()
-        return self._reduce_metrics(total_loss, metric_sums, len(real))
+        return self._reduce_metrics(total_loss, metric_sums, shares, len(real))
 
-    def _reduce_metrics(self, loss: float, sums: dict[str, float], count: int) -> dict[str, float]:
+    def _reduce_metrics(
+        self, loss: float, sums: dict[str, float], shares: set[str], count: int
+    ) -> dict[str, float]:
         keys = sorted(sums)
         t = torch.tensor([loss, float(count), *[sums[k] for k in keys]], dtype=torch.float64)
         if self.dp_size > 1:
             dist.all_reduce(t, group=self.dp_group)
-        out = {"loss": float(t[0])}
-        for i, key in enumerate(keys):
-            out[key] = float(t[2 + i]) / max(float(t[1]), 1.0)
-        return out
+        totals = {key: float(t[2 + i]) for i, key in enumerate(keys)}
+        return {"loss": float(t[0]), **reduce_metrics(totals, shares, float(t[1]))}
 
     def optimizer_step(self) -> float:
         params = [p for p in self.scorer.parameters() if p.requires_grad and p.grad is not None]

@@ -36,7 +36,7 @@ from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.forward_outputs import check_extra_outputs
-from tephra.engine_api.loss import LossFn
+from tephra.engine_api.loss import LossFn, reduce_metrics, shares_of
 from tephra.engine_api.multimodal import declared_hf_config, model_has_vision
 from tephra.engine_megatron import cpu_compat
 
@@ -567,6 +567,7 @@ class MegatronEngine(Engine):
         full = {k: torch.zeros(n_rows, seq_len) for k in keys}
         loss_sum = torch.zeros(())
         metric_sums: dict[str, float] = {}
+        shares: set[str] = set()
         sp = self.config.parallel.tensor if self.tconfig.sequence_parallel else 1
         shape = None
         allgather_moe = bool(self.shape.num_experts) and (
@@ -622,6 +623,7 @@ class MegatronEngine(Engine):
                     return out_tensor.sum().detach() * 0.0, torch.tensor(1), {}
                 loss, metrics = loss_fn(outputs, mb)
                 loss_sum = loss_sum + loss.detach().float().cpu()
+                shares.update(shares_of(metrics))
                 for k, v in metrics.items():
                     metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
                 return loss, torch.tensor(1), {}
@@ -648,18 +650,17 @@ class MegatronEngine(Engine):
             if ps.get_pipeline_model_parallel_world_size() > 1:
                 dist.broadcast(stacked, src=last_pp_rank, group=pp_group)
             return TensorDict({k: stacked[j] for j, k in enumerate(keys)}, batch_size=[n_rows]), {}
-        result = [(float(loss_sum), metric_sums)]  # (loss sum, metric sums)
+        # (loss sum, metric sums, the names of the shares among them)
+        result = [(float(loss_sum), metric_sums, shares)]
         if ps.get_pipeline_model_parallel_world_size() > 1:
             # only the last stage ran the loss (and knows the metric names)
             dist.broadcast_object_list(result, src=last_pp_rank, group=pp_group)
-        total, sums = result[0]
+        total, sums, shares = result[0]
         names = sorted(sums)
         vec = torch.tensor([total, float(real)] + [sums[n] for n in names], dtype=torch.float64)
         dist.all_reduce(vec, group=ps.get_data_parallel_group())
-        metrics = {"loss": float(vec[0])}
-        for j, n in enumerate(names):
-            metrics[n] = float(vec[2 + j] / vec[1])
-        return None, metrics
+        totals = {n: float(vec[2 + j]) for j, n in enumerate(names)}
+        return None, {"loss": float(vec[0]), **reduce_metrics(totals, shares, float(vec[1]))}
 
     # ----- optimisation -------------------------------------------------------------------
     @property
