@@ -102,6 +102,44 @@ def test_gemma3_linear_rope_scaling_equals_transformers():
     assert (engine.forward(batch)["log_probs"] - want_lp).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["llama31", "qwen2_yarn"])
+def test_llama3_and_yarn_rope_scaling_equal_transformers(family):
+    """Llama-3.1's llama3 and YaRN scaling over a 16-token original context, on sequences of
+    up to 60 tokens where the scaled frequencies matter (the unscaled model's log-probs differ
+    from the scaled one's by far more than the tolerance), packed and padded."""
+    cfg = {"llama31": T.TINY_LLAMA31, "qwen2_yarn": T.TINY_QWEN2_YARN}[family]
+    batch = random_batch(
+        cfg["vocab_size"], num_sequences=3, prompt_lengths=(20, 30), response_lengths=(20, 30)
+    )
+    assert int(batch["attention_mask"].sum(-1).max()) >= 40
+    want_lp, want_ent = _reference_outputs(T.HFReference(cfg).model, batch)
+    unscaled = {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    unscaled_lp, _ = _reference_outputs(T.HFReference(unscaled).model, batch)
+    assert (unscaled_lp - want_lp).abs().max() > 1e-3
+    for packing in (None, False):
+        config = apply_overrides(T.base_config(cfg), {"micro_batch.use_packing": packing})
+        out = MegatronEngine.build(config).forward(batch)
+        assert (out["log_probs"] - want_lp).abs().max() <= 1e-5
+        assert (out["entropy"] - want_ent).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "rope, match",
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, r"rope_type='dynamic' \(llama\).*'yarn'"),
+        (
+            {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8},
+            "rope_type='longrope'",
+        ),
+        ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ],
+)
+def test_rope_types_it_cannot_compute_are_refused(rope, match):
+    cfg = {**T.TINY_LLAMA31, "rope_parameters": {"rope_theta": 1e4, **rope}}
+    with pytest.raises(ConfigError, match=match):
+        MegatronEngine.check_config(T.base_config(cfg))
+
+
 @pytest.mark.parametrize(
     "field, value, match",
     [

@@ -39,6 +39,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tephra.engine_api.config import ParallelConfig
 from tephra.engine_api.errors import ConfigError
@@ -56,6 +57,9 @@ SUPPORTED_MODEL_TYPES = (
 )
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
 _GEMMA = ("gemma3_text",)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""`rope_parameters.rope_type` values engine-megatron computes as transformers does (Gemma-3:
+default and linear per layer type)."""
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
@@ -149,6 +153,7 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
             f"model_type {model_type!r} is not supported by engine-megatron; supported: "
             f"{list(SUPPORTED_MODEL_TYPES)} (use engine=fsdp for other architectures)"
         )
+    rope_parameters(hf_config)  # an unsupported RoPE is refused before any rank starts
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return ModelShape(
@@ -221,6 +226,53 @@ def _layer_ropes(hf_config: PretrainedConfig) -> tuple[tuple[float, float], ...]
     )
 
 
+def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """The model's (single) RoPE parameters, its `rope_type` checked against `ROPE_TYPES`
+    (Gemma-3's per-layer-type parameters are `_layer_ropes`' job: empty here)."""
+    if hf_config.model_type in _GEMMA:
+        return {}
+    params = dict(
+        getattr(hf_config, "rope_parameters", None)
+        or getattr(hf_config, "rope_scaling", None)
+        or {}
+    )
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(
+            f"rope_parameters.rope_type={kind!r} ({hf_config.model_type}) is not supported by "
+            f"engine-megatron; supported: {list(ROPE_TYPES)} (use engine=fsdp for {kind!r} RoPE)"
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(
+            f"rope_parameters.partial_rotary_factor={params['partial_rotary_factor']} is not "
+            "supported by engine-megatron (RoPE on the whole head only); use engine=fsdp"
+        )
+    return params
+
+
+def rope_frequencies(hf_config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies `[rope_dim / 2]`, attention factor) of a model with one RoPE, as
+    transformers computes them (`ROPE_INIT_FUNCTIONS` for linear, Llama-3.1's llama3 and YaRN:
+    their low/high frequency bands, `original_max_position_embeddings`, YaRN's `mscale`),
+    so that megatron's rotary embedding rotates by the same angles."""
+    params = rope_parameters(hf_config)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        inv, factor = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
+        return inv.float(), float(factor)
+    dim = rope_head_dim(hf_config)
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    return 1.0 / (rope_theta(hf_config) ** exponents), 1.0
+
+
+def rope_head_dim(hf_config: PretrainedConfig) -> int:
+    """The rotated part of a head: all of it, except MLA's `qk_rope_head_dim`."""
+    if getattr(hf_config, "qk_rope_head_dim", None):
+        return int(hf_config.qk_rope_head_dim)
+    heads = hf_config.num_attention_heads
+    return int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+
+
 def _sliding_window(hf_config: PretrainedConfig) -> int | None:
     window = getattr(hf_config, "sliding_window", None)
     if hf_config.model_type == "mistral":
@@ -245,12 +297,12 @@ def transformer_config(
     """megatron TransformerConfig equal in function to the HF config (dropout off: RL
     fine-tuning of these models runs without it, and the contract compares exactly)."""
     shape = model_shape(hf_config)
-    rope_scaling = getattr(hf_config, "rope_scaling", None)
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
-        None,
-        "default",
-    ):
-        raise ConfigError(f"rope_scaling={rope_scaling!r} is not supported by engine-megatron")
+    _, attention_factor = rope_frequencies(hf_config)
+    # transformers multiplies cos and sin by YaRN's attention factor: every score q.k, with
+    # the whole head rotated, by its square, which the softmax scale carries here
+    scale = float(hf_config.query_pre_attn_scalar) ** -0.5 if shape.gemma else None
+    if attention_factor != 1.0:
+        scale = shape.head_dim**-0.5 * attention_factor**2
     kwargs: dict[str, Any] = dict(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -263,7 +315,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=_ACTIVATIONS[shape.activation],
         # Gemma scales scores by query_pre_attn_scalar^-0.5, the others by head_dim^-0.5
-        softmax_scale=(float(hf_config.query_pre_attn_scalar) ** -0.5 if shape.gemma else None),
+        # (times YaRN's attention factor squared)
+        softmax_scale=scale,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
@@ -462,10 +515,13 @@ class TephraGPT(torch.nn.Module):
                 head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.02)
             self.value_head = head
         # one row of inverse frequencies per distinct RoPE base (one unless Gemma-3)
-        ropes = sorted(set(shape.layer_ropes)) or [(rope_theta(hf_config), 1.0)]
-        exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim
-        # linear scaling divides the frequencies (transformers: `inv_freq /= factor`)
-        inv = torch.stack([1.0 / (base**exponents) / factor for base, factor in ropes])
+        ropes = sorted(set(shape.layer_ropes))
+        if ropes:
+            exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim
+            # linear scaling divides the frequencies (transformers: `inv_freq /= factor`)
+            inv = torch.stack([1.0 / (base**exponents) / factor for base, factor in ropes])
+        else:
+            inv = rope_frequencies(hf_config)[0][None]
         self.register_buffer("inv_freq", inv, persistent=False)
         if len(ropes) > 1:
             for layer in self.gpt.decoder.layers:

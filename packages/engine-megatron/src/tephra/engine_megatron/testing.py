@@ -127,6 +127,33 @@ TINY_GEMMA3: dict[str, Any] = dict(
 """A tiny Gemma-3 (text): a sliding (64-token window, RoPE base 1e4) and a full-attention
 layer (base 1e6), (1 + weight) sandwich norms, q/k norm, GeGLU, embeddings times
 sqrt(hidden), tied output layer, scores scaled by query_pre_attn_scalar^-0.5."""
+TINY_LLAMA31: dict[str, Any] = dict(
+    model_type="llama",
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    **{k: v for k, v in _TINY_COMMON.items() if k != "rope_theta"},
+)
+"""A tiny Llama-3.1: its llama3 RoPE scaling with a 16-token original context, so that the
+frequency bands it rescales turn within the tests' 40-60 token sequences."""
+TINY_QWEN2_YARN: dict[str, Any] = dict(
+    model_type="qwen2",
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    **{k: v for k, v in _TINY_COMMON.items() if k not in ("rope_theta", "max_position_embeddings")},
+    max_position_embeddings=64,
+)
+"""A tiny Qwen2 with YaRN (factor 4 over a 16-token original context): its ramp between the
+interpolated and extrapolated bands and its attention factor 0.1 ln(4) + 1."""
 FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3": TINY_GEMMA3,
     "qwen3": TINY_QWEN3,
