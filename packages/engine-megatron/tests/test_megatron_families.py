@@ -44,6 +44,10 @@ def test_round_trip_and_log_probs_equal_transformers(tmp_path, family):
         for p in ref.model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn(p.shape, generator=g) * 0.5)
+        # DeepSeek-V3's routing bias (a buffer): a bias dropped or misplaced changes the routes
+        for name, b in ref.model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn(b.shape, generator=g) * 0.1)
     ref.model.save_pretrained(tmp_path / "hf")
     engine = MegatronEngine.build(EngineConfig(model={"path": str(tmp_path / "hf")}))
     engine.export_hf(tmp_path / "out")
@@ -61,7 +65,7 @@ def test_round_trip_and_log_probs_equal_transformers(tmp_path, family):
 @pytest.mark.parametrize("family", sorted(T.FAMILIES))
 def test_conformance_kit_single_process(tmp_path, family):
     (passed,) = T.rank_conformance_runs([(family, {}, "alltoall", None)], str(tmp_path))
-    assert passed == T.KIT_CHECKS
+    assert passed == T.kit_checks(T.FAMILIES[family])
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
@@ -102,12 +106,18 @@ def test_gemma3_linear_rope_scaling_equals_transformers():
     assert (engine.forward(batch)["log_probs"] - want_lp).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama31", "qwen2_yarn"])
+@pytest.mark.parametrize("family", ["llama31", "qwen2_yarn", "deepseek_v3"])
 def test_llama3_and_yarn_rope_scaling_equal_transformers(family):
     """Llama-3.1's llama3 and YaRN scaling over a 16-token original context, on sequences of
     up to 60 tokens where the scaled frequencies matter (the unscaled model's log-probs differ
-    from the scaled one's by far more than the tolerance), packed and padded."""
-    cfg = {"llama31": T.TINY_LLAMA31, "qwen2_yarn": T.TINY_QWEN2_YARN}[family]
+    from the scaled one's by far more than the tolerance), packed and padded. DeepSeek-V3:
+    YaRN on MLA's RoPE parts (interleaved pairs, the attention factor on them alone) and its
+    mscale_all_dim in the softmax scale."""
+    cfg = {
+        "llama31": T.TINY_LLAMA31,
+        "qwen2_yarn": T.TINY_QWEN2_YARN,
+        "deepseek_v3": T.TINY_DEEPSEEK_V3,
+    }[family]
     batch = random_batch(
         cfg["vocab_size"], num_sequences=3, prompt_lengths=(20, 30), response_lengths=(20, 30)
     )
@@ -115,7 +125,8 @@ def test_llama3_and_yarn_rope_scaling_equal_transformers(family):
     want_lp, want_ent = _reference_outputs(T.HFReference(cfg).model, batch)
     unscaled = {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     unscaled_lp, _ = _reference_outputs(T.HFReference(unscaled).model, batch)
-    assert (unscaled_lp - want_lp).abs().max() > 1e-3
+    # (DeepSeek-V3 rotates 8 of its 24 query/key dims: the difference is smaller there)
+    assert (unscaled_lp - want_lp).abs().max() > 1e-4
     for packing in (None, False):
         config = apply_overrides(T.base_config(cfg), {"micro_batch.use_packing": packing})
         out = MegatronEngine.build(config).forward(batch)
@@ -138,6 +149,29 @@ def test_rope_types_it_cannot_compute_are_refused(rope, match):
     cfg = {**T.TINY_LLAMA31, "rope_parameters": {"rope_theta": 1e4, **rope}}
     with pytest.raises(ConfigError, match=match):
         MegatronEngine.check_config(T.base_config(cfg))
+
+
+@pytest.mark.parametrize(
+    "change, sections, match",
+    [
+        ({"attention_bias": True}, {}, "attention_bias=true .*deepseek_v3"),
+        ({"rope_interleave": False}, {}, "rope_interleave=false"),
+        ({"norm_topk_prob": False}, {}, "norm_topk_prob=false"),
+        ({"topk_group": 1}, {}, "num_experts_per_tok=4 with topk_group=1"),
+        ({"q_lora_rank": 33}, {"parallel": {"tensor": 2}}, "MLA latent width 33 .*tensor=2"),
+        ({}, {"parallel": {"context": 2}}, "parallel.context > 1 .*deepseek_v3"),
+        ({}, {"lora": {"rank": 8}}, "lora.rank > 0 .*deepseek_v3"),
+        ({}, {"moe": {"routing_replay": "rollout"}}, "routing_replay='rollout' .*deepseek_v3"),
+    ],
+)
+def test_deepseek_v3_settings_it_cannot_express_are_refused(change, sections, match):
+    """Refused by `check_config` before any rank starts, each naming the field and the fix."""
+    config = T.base_config({**T.TINY_DEEPSEEK_V3, **change})
+    config = apply_overrides(
+        config, {f"{s}.{k}": v for s, fields in sections.items() for k, v in fields.items()}
+    )
+    with pytest.raises(ConfigError, match=match):
+        MegatronEngine.check_config(config, world_size=10)
 
 
 @pytest.mark.parametrize(

@@ -95,6 +95,19 @@ def check_shape(p: Any, s: ModelShape) -> None:
             f"num_hidden_layers={s.num_layers} is not divisible by "
             f"parallel.pipeline * parallel.virtual_pipeline={layers_per}"
         )
+    for width in s.mla_latents:
+        if width % p.tensor:
+            raise ConfigError(
+                f"the model's MLA latent width {width} (q_lora_rank, or kv_lora_rank + "
+                f"qk_rope_head_dim) is not divisible by parallel.tensor={p.tensor}; set "
+                f"parallel.tensor to one of {_divisors(width)}"
+            )
+    if s.mla and p.context > 1:
+        raise ConfigError(
+            "parallel.context > 1 is not supported by engine-megatron for deepseek_v3 (the "
+            "ring attention needs equal query and value head sizes, MLA's differ); set "
+            "parallel.context=1"
+        )
     if (p.expert > 1 or p.expert_tensor > 1) and not s.num_experts:
         raise ConfigError("parallel.expert/expert_tensor > 1 needs a mixture-of-experts model")
     if s.num_experts and s.num_experts % p.expert:
@@ -163,6 +176,10 @@ class MegatronEngine(Engine):
             self.device.type == "cuda",
             config.parallel.context,
         )
+        if self.shape.mla:
+            # MLA's query/key heads are larger than its value heads: the torch kernel (torch
+            # SDPA per sequence) takes that; the flash-attn / TE paths here assume equal sizes
+            self.attention_kernel = "torch"
         vpp = config.parallel.virtual_pipeline
         with cpu_compat.device_scope():
             self.chunks = [
@@ -268,11 +285,23 @@ class MegatronEngine(Engine):
         shape = declared_shape(config.model)
         if shape is not None:  # the model's shape against the layout, before any rank starts
             check_shape(p, shape)
+            if shape.mla and config.moe.replays:
+                raise ConfigError(
+                    "moe.routing_replay='rollout' is not supported by engine-megatron for "
+                    "deepseek_v3 (replayed gates follow softmax routing, DeepSeek-V3's is "
+                    "sigmoid); set moe.routing_replay=off"
+                )
 
     @staticmethod
     def _check_supported(config: EngineConfig) -> None:
         if config.lora.enabled:
             shape = declared_shape(config.model)
+            if shape is not None and shape.mla:
+                raise ConfigError(
+                    "lora.rank > 0 is not supported by engine-megatron for deepseek_v3 (no "
+                    "adapters on MLA's latent projections yet); set lora.rank=0 or use "
+                    "engine=fsdp"
+                )
             lora.check_config(config.lora, None if shape is None else bool(shape.num_experts))
         if config.offload.params or config.offload.optimizer:
             raise ConfigError(
@@ -342,7 +371,7 @@ class MegatronEngine(Engine):
         with torch.no_grad():
             for chunk in self.chunks:
                 offsets = self._layer_offsets(chunk)
-                for name, param in chunk.named_parameters():
+                for name, param in chunk.hf_weights():
                     m = conv.match(name, offsets, self.shape.model_type)
                     if name == "value_head.weight" and "score.weight" not in hf_state:
                         continue  # a fresh critic head (seeded by model.init_seed)

@@ -31,7 +31,7 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -54,7 +54,9 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3",
     "qwen3_moe",
     "gemma3_text",
+    "deepseek_v3",
 )
+_MLA = ("deepseek_v3",)
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
 _GEMMA = ("gemma3_text",)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -138,6 +140,12 @@ class ModelShape:
     `rope_theta`, unscaled, for all."""
     activation: str = "silu"
     """The gated MLP's activation (silu: SwiGLU; gelu_pytorch_tanh: Gemma's GeGLU)."""
+    mla: bool = False
+    """DeepSeek-V3's multi-head latent attention (low-rank q and kv projections, a shared
+    RoPE key part); `head_dim` is then the value head's size."""
+    mla_latents: tuple[int, ...] = ()
+    """MLA's column-parallel down projections' widths (q_lora_rank, kv_lora_rank +
+    qk_rope_head_dim): each splits over the tensor-parallel ranks."""
 
 
 def rope_theta(hf_config: PretrainedConfig) -> float:
@@ -156,6 +164,11 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
     rope_parameters(hf_config)  # an unsupported RoPE is refused before any rank starts
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    mla = model_type in _MLA
+    if mla:
+        _mla_refusals(hf_config)
+        head_dim = hf_config.v_head_dim
+    experts = hf_config.n_routed_experts if mla else getattr(hf_config, "num_experts", 0)
     return ModelShape(
         model_type=model_type,
         vocab_size=hf_config.vocab_size,
@@ -165,7 +178,7 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        num_experts=int(getattr(hf_config, "num_experts", 0) or 0),
+        num_experts=int(experts or 0),
         qkv_bias=model_type in ("qwen2", "qwen2_moe")
         or bool(getattr(hf_config, "attention_bias", False)),
         qk_norm=model_type in _QK_NORM,
@@ -173,7 +186,44 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
         gemma=model_type in _GEMMA,
         layer_ropes=_layer_ropes(hf_config),
         activation=_activation(hf_config),
+        mla=mla,
+        mla_latents=(
+            tuple(
+                d
+                for d in (
+                    hf_config.q_lora_rank,
+                    hf_config.kv_lora_rank + hf_config.qk_rope_head_dim,
+                )
+                if d
+            )
+            if mla
+            else ()
+        ),
     )
+
+
+def _mla_refusals(hf_config: PretrainedConfig) -> None:
+    """DeepSeek-V3 settings megatron's MLA and router cannot express, each named."""
+
+    def refuse(setting: str, why: str) -> None:
+        raise ConfigError(
+            f"{setting} is not supported by engine-megatron for deepseek_v3 ({why}); "
+            "use engine=fsdp"
+        )
+
+    if getattr(hf_config, "attention_bias", False):
+        refuse("attention_bias=true", "megatron's MLA projections have no bias")
+    if not getattr(hf_config, "rope_interleave", True):
+        refuse("rope_interleave=false", "megatron's MLA rotates interleaved pairs only")
+    topk, groups = hf_config.num_experts_per_tok, int(hf_config.n_group or 1)
+    if topk > 1 and not hf_config.norm_topk_prob:
+        refuse("norm_topk_prob=false", "megatron renormalises sigmoid top-k weights")
+    if groups > 1 and topk // int(hf_config.topk_group) != 2:
+        refuse(
+            f"num_experts_per_tok={topk} with topk_group={hf_config.topk_group}",
+            "megatron scores a group by its top num_experts_per_tok // topk_group experts, "
+            "transformers by its top 2: their ratio must be 2",
+        )
 
 
 def _activation(hf_config: PretrainedConfig) -> str:
@@ -301,7 +351,7 @@ def transformer_config(
     # transformers multiplies cos and sin by YaRN's attention factor: every score q.k, with
     # the whole head rotated, by its square, which the softmax scale carries here
     scale = float(hf_config.query_pre_attn_scalar) ** -0.5 if shape.gemma else None
-    if attention_factor != 1.0:
+    if attention_factor != 1.0 and not shape.mla:
         scale = shape.head_dim**-0.5 * attention_factor**2
     kwargs: dict[str, Any] = dict(
         num_layers=shape.num_layers,
@@ -357,6 +407,8 @@ def transformer_config(
         kwargs.update(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
+    if shape.mla:
+        kwargs.update(_mla_kwargs(hf_config))
     if shape.num_experts:
         if moe_dispatcher == "allgather" and parallel.pipeline > 1:
             raise ConfigError(
@@ -379,10 +431,60 @@ def transformer_config(
         )
         if shared:
             kwargs.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+        if shape.mla:
+            kwargs.update(_deepseek_router_kwargs(hf_config))
         pattern = sparse_layers(hf_config)
         if not all(pattern):  # dense MLP layers among the MoE ones (e.g. the first k dense)
             kwargs.update(moe_layer_freq=[int(p) for p in pattern])
+    if shape.mla:
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _mla_kwargs(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """megatron's MLA fields from DeepSeek-V3's. The softmax scale megatron derives,
+    mscale(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(q head dim), equals transformers'
+    `yarn_apply_mscale` when the factor is RoPE's `factor` for any scaled RoPE (1 unscaled)
+    and `mscale_all_dim` is the config's (0: no change). The RoPE angles and YaRN's attention
+    factor on cos/sin come from the batch (`MLARope`), not from megatron's own rotary."""
+    params = rope_parameters(hf_config)
+    scaled = params.get("rope_type", "default") != "default"
+    return dict(
+        q_lora_rank=hf_config.q_lora_rank,
+        kv_lora_rank=hf_config.kv_lora_rank,
+        qk_head_dim=hf_config.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+        v_head_dim=hf_config.v_head_dim,
+        kv_channels=hf_config.v_head_dim,
+        # "yarn": megatron's MLA then takes (angles, attention factor) from its rotary
+        rope_type="yarn",
+        rotary_base=rope_theta(hf_config),
+        rotary_scaling_factor=float(params["factor"]) if scaled else 1.0,
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0) if scaled else 0.0,
+        # transformers' q_a_layernorm / kv_a_layernorm: the spec's q/k norm slots
+        qk_layernorm=True,
+    )
+
+
+def _deepseek_router_kwargs(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """DeepSeek-V3's router: sigmoid scores, top-k chosen on score + e_score_correction_bias
+    within the best `topk_group` of `n_group` groups, weights = the chosen scores
+    renormalised, times `routed_scaling_factor`; a shared expert without gate; the first
+    `first_k_dense_replace` layers dense. The bias is kept as loaded (transformers never
+    changes it): megatron's aux-loss-free bias update is off (rate 0)."""
+    groups = int(hf_config.n_group or 1)
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,
+        moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=int(hf_config.topk_group) if groups > 1 else None,
+        moe_router_pre_softmax=False,
+        moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size
+        * hf_config.n_shared_experts,
+        moe_shared_expert_gate=False,
+    )
 
 
 def sparse_layers(hf_config: PretrainedConfig) -> list[bool]:
@@ -390,6 +492,9 @@ def sparse_layers(hf_config: PretrainedConfig) -> list[bool]:
     layer i is sparse unless it is in `mlp_only_layers` or (i + 1) is not a multiple of
     `decoder_sparse_step` (the others are dense MLPs of `intermediate_size`; the first k
     dense layers of a DeepSeek-style model are `mlp_only_layers=[0, ..., k-1]`)."""
+    if hf_config.model_type in _MLA:  # DeepSeek-V3: the first k layers dense
+        k = int(hf_config.first_k_dense_replace or 0)
+        return [i >= k for i in range(hf_config.num_hidden_layers)]
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     return [i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)]
@@ -401,6 +506,7 @@ def block_spec(
     attention_kernel: str = "torch",
     gemma: bool = False,
     windows: tuple[int | None, ...] = (),
+    mla: bool = False,
 ) -> TransformerBlockSubmodules:
     """`windows`: each (global) layer's sliding window, None for full attention; empty =
     full attention everywhere."""
@@ -412,11 +518,15 @@ def block_spec(
             moe_grouped_gemm=False,
             normalization="RMSNorm",
             qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=mla,
         )
         spec = copy.deepcopy(spec)
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm
-        if config.qk_layernorm:
+        if mla:  # the latent q and kv norms
+            spec.submodules.self_attention.submodules.q_layernorm = norm
+            spec.submodules.self_attention.submodules.kv_layernorm = norm
+        elif config.qk_layernorm:
             spec.submodules.self_attention.submodules.q_layernorm = norm
             spec.submodules.self_attention.submodules.k_layernorm = norm
         if gemma:  # the sandwich norms: residual + norm(attention), residual + norm(mlp)
@@ -494,7 +604,12 @@ class TephraGPT(torch.nn.Module):
         self.gpt = GPTModel(
             config=config,
             transformer_layer_spec=block_spec(
-                config, vp_stage, attention_kernel, shape.gemma, layer_windows(hf_config)
+                config,
+                vp_stage,
+                attention_kernel,
+                shape.gemma,
+                layer_windows(hf_config),
+                shape.mla,
             ),
             vocab_size=shape.vocab_size,
             max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
@@ -523,6 +638,14 @@ class TephraGPT(torch.nn.Module):
         else:
             inv = rope_frequencies(hf_config)[0][None]
         self.register_buffer("inv_freq", inv, persistent=False)
+        if shape.mla:
+            attention_factor = rope_frequencies(hf_config)[1]
+            for layer in self.gpt.decoder.layers:
+                rope = MLARope(attention_factor)
+                layer.self_attention.rotary_pos_emb = rope
+                layer.self_attention.register_forward_pre_hook(
+                    partial(_hand_rope, rope), with_kwargs=True
+                )
         if len(ropes) > 1:
             for layer in self.gpt.decoder.layers:
                 rope = shape.layer_ropes[layer.layer_number - 1]  # global, 1-based
@@ -531,6 +654,12 @@ class TephraGPT(torch.nn.Module):
                 )
         # Gemma scales the embedding output by sqrt(hidden) (in the weights' dtype, as HF)
         self.embed_scale = shape.hidden_size**0.5 if shape.gemma else None
+
+    def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors that hold HF weights: the parameters, and the routers' `expert_bias`
+        buffers (DeepSeek-V3's `e_score_correction_bias`, a buffer in transformers too)."""
+        buffers = [(n, b) for n, b in self.named_buffers() if n.endswith("router.expert_bias")]
+        return [*self.named_parameters(), *buffers]
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         self.gpt.set_input_tensor(input_tensor)
@@ -619,4 +748,38 @@ def _pick_rope(
     concatenated ones (`TephraGPT.rotary`)."""
     table = kwargs["rotary_pos_emb"]
     kwargs["rotary_pos_emb"] = table[..., index * head_dim : (index + 1) * head_dim]
+    return args, kwargs
+
+
+class MLARope(torch.nn.Module):
+    """megatron MLA's rotary embedding, answered with the angles of the batch's own position
+    ids (`TephraGPT.rotary`, handed over by `_hand_rope`): megatron's would number the
+    positions 0..s-1 of each row, wrong for packed sequences and left padding. Returns
+    (angles `[s, b, 1, qk_rope_head_dim]`, YaRN's attention factor), which megatron's MLA
+    applies to the RoPE parts of queries and keys, as transformers scales cos and sin."""
+
+    def __init__(self, attention_factor: float) -> None:
+        super().__init__()
+        self.attention_factor = attention_factor
+        self.angles: torch.Tensor | None = None
+
+    def get_rotary_seq_len(self, *_: Any, **__: Any) -> int:
+        assert self.angles is not None, "the layer's pre-hook hands over the angles"
+        return int(self.angles.shape[0])
+
+    def forward(self, seq_len: int, packed_seq: bool = False) -> tuple[torch.Tensor, float]:
+        assert self.angles is not None, "the layer's pre-hook hands over the angles"
+        return self.angles, self.attention_factor
+
+
+def _hand_rope(
+    rope: MLARope,
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Forward pre-hook of an MLA attention: the batch's RoPE angles go to its `MLARope`
+    (megatron's MLA refuses them as an argument)."""
+    rope.angles = kwargs["rotary_pos_emb"]
+    kwargs["rotary_pos_emb"] = None
     return args, kwargs
