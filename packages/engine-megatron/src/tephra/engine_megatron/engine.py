@@ -95,13 +95,13 @@ def check_shape(p: Any, s: ModelShape) -> None:
             f"num_hidden_layers={s.num_layers} is not divisible by "
             f"parallel.pipeline * parallel.virtual_pipeline={layers_per}"
         )
-    for width in s.mla_latents:
-        if width % p.tensor:
-            raise ConfigError(
-                f"the model's MLA latent width {width} (q_lora_rank, or kv_lora_rank + "
-                f"qk_rope_head_dim) is not divisible by parallel.tensor={p.tensor}; set "
-                f"parallel.tensor to one of {_divisors(width)}"
-            )
+    if s.mla and p.tensor > 1 and not p.sequence_parallel:
+        raise ConfigError(
+            f"parallel.tensor={p.tensor} without parallel.sequence_parallel for deepseek_v3: "
+            "MLA's replicated down projections get their RoPE key's gradient from every "
+            "tensor-parallel rank's heads only through sequence parallel's reduce-scatter "
+            "(and megatron needs it with MoE anyway); set parallel.sequence_parallel=true"
+        )
     if s.mla and p.context > 1:
         raise ConfigError(
             "parallel.context > 1 is not supported by engine-megatron for deepseek_v3 (the "

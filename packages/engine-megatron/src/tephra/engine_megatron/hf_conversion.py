@@ -102,21 +102,21 @@ GEMMA_RULES = (
     _rule(_L + r"mlp_bda\.weight", "rep", _HL + "post_feedforward_layernorm.weight"),
 )
 # DeepSeek-V3: multi-head latent attention (megatron's MLASelfAttention: its down
-# projections are column-parallel, their outputs gathered over TP before the latent norms;
-# the up projections split by heads, each head's rows [nope, rope] / [k nope, v] in the
+# projections whole on every rank (`model_builder.block_spec` says why); the up projections
+# split by heads, each head's rows [nope, rope] / [k nope, v] in the
 # same order as transformers'), the router's score-correction bias (a buffer on both sides)
 # and an ungated shared expert under transformers' plural name
 MLA_RULES = (
     _rule(_L + r"self_attention\.linear_q_proj\.weight", "col", _HL + "self_attn.q_proj.weight"),
     _rule(
-        _L + r"self_attention\.linear_q_down_proj\.weight", "col", _HL + "self_attn.q_a_proj.weight"
+        _L + r"self_attention\.linear_q_down_proj\.weight", "rep", _HL + "self_attn.q_a_proj.weight"
     ),
     _rule(
         _L + r"self_attention\.linear_q_up_proj\.weight", "col", _HL + "self_attn.q_b_proj.weight"
     ),
     _rule(
         _L + r"self_attention\.linear_kv_down_proj\.weight",
-        "col",
+        "rep",
         _HL + "self_attn.kv_a_proj_with_mqa.weight",
     ),
     _rule(

@@ -30,6 +30,7 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -143,9 +144,6 @@ class ModelShape:
     mla: bool = False
     """DeepSeek-V3's multi-head latent attention (low-rank q and kv projections, a shared
     RoPE key part); `head_dim` is then the value head's size."""
-    mla_latents: tuple[int, ...] = ()
-    """MLA's column-parallel down projections' widths (q_lora_rank, kv_lora_rank +
-    qk_rope_head_dim): each splits over the tensor-parallel ranks."""
 
 
 def rope_theta(hf_config: PretrainedConfig) -> float:
@@ -187,18 +185,6 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
         layer_ropes=_layer_ropes(hf_config),
         activation=_activation(hf_config),
         mla=mla,
-        mla_latents=(
-            tuple(
-                d
-                for d in (
-                    hf_config.q_lora_rank,
-                    hf_config.kv_lora_rank + hf_config.qk_rope_head_dim,
-                )
-                if d
-            )
-            if mla
-            else ()
-        ),
     )
 
 
@@ -524,8 +510,17 @@ def block_spec(
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm
         if mla:  # the latent q and kv norms
-            spec.submodules.self_attention.submodules.q_layernorm = norm
-            spec.submodules.self_attention.submodules.kv_layernorm = norm
+            attn = spec.submodules.self_attention.submodules
+            attn.q_layernorm = norm
+            attn.kv_layernorm = norm
+            # The down projections whole on every rank (megatron's own replicated linear, its
+            # weight tagged sequence-parallel): the local spec's column-parallel ones gather
+            # their output over TP, and the backward of that gather keeps only this rank's
+            # columns of the RoPE key's gradient, to which only this rank's heads contributed.
+            # Replicated, under sequence parallel, the RoPE key is gathered along the sequence
+            # and its gradient reduce-scattered: every head's share arrives.
+            attn.linear_q_down_proj = ReplicatedLinear
+            attn.linear_kv_down_proj = ReplicatedLinear
         elif config.qk_layernorm:
             spec.submodules.self_attention.submodules.q_layernorm = norm
             spec.submodules.self_attention.submodules.k_layernorm = norm

@@ -570,3 +570,49 @@ def rank_replayed_log_probs(
     with engine.train_mode():
         loss = engine.forward_backward(batch, nll_loss_fn)["loss"]
     return log_probs.numpy(), loss
+
+
+def rank_gradients(
+    hf_config: dict[str, Any], parallel: dict[str, Any], batch: TensorDict
+) -> dict[str, Any]:
+    """The full gradient of one `nll_loss_fn` step on `batch` (every rank the same batch), in
+    HF names, read back from the weights' change: with lr 1, no weight decay or clipping and
+    Adam's eps = 100, the first AdamW step moves each weight by u = g / (|g| + eps), so
+    g = u * eps / (1 - |u|) (exact, and |u| < 1e-2 keeps float32's rounding of the weight
+    well under the tolerance). Numpy arrays (they pickle by value)."""
+    # deferred: importing the engine applies cpu_compat's torch.cuda patches; only ranks should
+    from tephra.engine_megatron.engine import MegatronEngine
+
+    eps = 100.0
+    config = apply_overrides(
+        base_config(hf_config, parallel),
+        {"optimizer.lr": 1.0, "optimizer.eps": eps, "optimizer.grad_clip": 1e9},
+    )
+    engine = MegatronEngine.build(config)
+    before = engine.hf_weights()
+    with engine.train_mode():
+        engine.forward_backward(batch, nll_loss_fn)
+        engine.optimizer_step()
+    after = engine.hf_weights()
+    out = {}
+    for name, w in before.items():
+        u = (w.double() - after[name].double()).numpy()
+        out[name] = u * eps / (1.0 - abs(u))
+    return out
+
+
+def reference_gradients(hf_config: dict[str, Any], batch: TensorDict) -> dict[str, Any]:
+    """Plain autograd on the transformers model (the engine's initial weights) of the same
+    token-mean NLL over the response tokens: {HF name: gradient} (numpy; parameters only)."""
+    model = HFReference(hf_config).model
+    model.train()
+    ids, mask = batch[B.INPUT_IDS], batch[B.RESPONSE_MASK].float()
+    logits = model(
+        input_ids=ids,
+        attention_mask=batch[B.ATTENTION_MASK],
+        position_ids=batch[B.POSITION_IDS],
+    ).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    loss.backward()
+    return {n: p.grad.double().numpy() for n, p in model.named_parameters() if p.grad is not None}
