@@ -224,26 +224,21 @@ def test_qwen3_gemma3_tp2_sp_and_moe_ep2_conformance(tmp_path):
     TP (the kit's grad norm and step against the single-process reference say so). The
     dense-first MoE at EP=2: the dense layer is data-parallel, the experts split. Gemma-3 at
     TP=2 + SP: its sandwich norms see only this rank's tokens, their gradients summed over TP
-    like the other norms'. DeepSeek-V3 at TP=2 + SP with the experts split alike (ETP=2):
-    MLA's heads split, its down projections replicated, the shared RoPE key's gradient
-    reduce-scattered from every rank's heads; and at EP=2 (sigmoid, group-limited routing
-    over experts on two ranks)."""
+    like the other norms'. DeepSeek-V3 at TP=2 + SP: MLA's heads split, its down projections
+    replicated, the shared RoPE key's gradient reduce-scattered from every rank's heads, the
+    experts replicated on both ranks (ETP=1) with their gradients summed over them; and at
+    EP=2 (sigmoid, group-limited routing over experts on two ranks)."""
     runs = [
         ("qwen3", {"tensor": 2, "sequence_parallel": True}, "alltoall", None),
         ("gemma3", {"tensor": 2, "sequence_parallel": True}, "alltoall", None),
         ("qwen3_moe", {"expert": 2}, "alltoall", None),
         ("qwen2_moe_dense_first", {"expert": 2}, "alltoall", None),
-        (
-            "deepseek_v3",
-            {"tensor": 2, "sequence_parallel": True, "expert_tensor": 2},
-            "alltoall",
-            None,
-        ),
+        ("deepseek_v3", {"tensor": 2, "sequence_parallel": True}, "alltoall", None),
         ("deepseek_v3", {"expert": 2}, "alltoall", None),
     ]
     # the kit compares log-probs with transformers but gradients only among the engine's own
     # runs: DeepSeek-V3's gradients against transformers' autograd, at both layouts
-    grad_layouts = [{"tensor": 2, "sequence_parallel": True, "expert_tensor": 2}, {"expert": 2}]
+    grad_layouts = [{"tensor": 2, "sequence_parallel": True}, {"expert": 2}]
     ds = T.TINY_DEEPSEEK_V3
     calls = [(T.rank_conformance_runs, (runs, str(tmp_path)))]
     calls += [(T.rank_gradients, (ds, layout, _GRAD_BATCH)) for layout in grad_layouts]

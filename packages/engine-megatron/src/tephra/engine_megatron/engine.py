@@ -394,6 +394,15 @@ class MegatronEngine(Engine):
             offsets = self._layer_offsets(chunk)
             for name, param in chunk.named_parameters():
                 kind = conv.match(name, offsets, self.shape.model_type).kind
+                if kind.startswith("expert"):
+                    # megatron tags experts as such (`allreduce=False`: gradients summed over
+                    # the expert data-parallel group) only at expert_parallel > 1 and
+                    # otherwise takes them for dense weights, reduced over the dense
+                    # data-parallel group. At expert_tensor < tensor that group leaves out
+                    # the tensor-parallel ranks, which hold replicas of the experts and
+                    # route their own tokens: each replica stepped on its own share of the
+                    # gradient. The expert data-parallel group is right in every layout.
+                    param.allreduce = False  # type: ignore[attr-defined]
                 if kind != "rep" and not hasattr(param, "tensor_model_parallel"):
                     dim = 1 if kind in ("row", "expert_down") else 0
                     tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)

@@ -636,10 +636,10 @@ class TephraGPT(torch.nn.Module):
         if shape.mla:
             attention_factor = rope_frequencies(hf_config)[1]
             for layer in self.gpt.decoder.layers:
-                rope = MLARope(attention_factor)
-                layer.self_attention.rotary_pos_emb = rope
+                mla_rope = MLARope(attention_factor)
+                layer.self_attention.rotary_pos_emb = mla_rope
                 layer.self_attention.register_forward_pre_hook(
-                    partial(_hand_rope, rope), with_kwargs=True
+                    partial(_hand_rope, mla_rope), with_kwargs=True
                 )
         if len(ropes) > 1:
             for layer in self.gpt.decoder.layers:
