@@ -106,16 +106,24 @@ def test_gemma3_linear_rope_scaling_equals_transformers():
     assert (engine.forward(batch)["log_probs"] - want_lp).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama31", "qwen2_yarn", "deepseek_v3"])
+_QWEN3_LINEAR = {
+    **{k: v for k, v in T.TINY_QWEN3.items() if k != "rope_theta"},
+    "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+}
+
+
+@pytest.mark.parametrize("family", ["llama31", "qwen2_yarn", "qwen3_linear", "deepseek_v3"])
 def test_llama3_and_yarn_rope_scaling_equal_transformers(family):
-    """Llama-3.1's llama3 and YaRN scaling over a 16-token original context, on sequences of
-    up to 60 tokens where the scaled frequencies matter (the unscaled model's log-probs differ
-    from the scaled one's by far more than the tolerance), packed and padded. DeepSeek-V3:
+    """Llama-3.1's llama3 and YaRN scaling over a 16-token original context (and Qwen3 with
+    linear scaling), on sequences of up to 60 tokens where the scaled frequencies matter
+    (the unscaled model's log-probs differ from the scaled one's by far more than the
+    tolerance), packed and padded. DeepSeek-V3:
     YaRN on MLA's RoPE parts (interleaved pairs, the attention factor on them alone) and its
     mscale_all_dim in the softmax scale."""
     cfg = {
         "llama31": T.TINY_LLAMA31,
         "qwen2_yarn": T.TINY_QWEN2_YARN,
+        "qwen3_linear": _QWEN3_LINEAR,
         "deepseek_v3": T.TINY_DEEPSEEK_V3,
     }[family]
     batch = random_batch(
