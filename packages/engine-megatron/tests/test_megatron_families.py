@@ -33,12 +33,11 @@ def _reference_outputs(model, batch):
     return lp * mask, ent * mask
 
 
-@pytest.mark.parametrize("family", sorted(T.FAMILIES))
-def test_round_trip_and_log_probs_equal_transformers(tmp_path, family):
-    cfg = T.FAMILIES[family]
+def _perturbed_folder(cfg, folder):
+    """The family's transformers model saved to `folder`, norms and biases moved off their
+    initial ones / zeros: a norm applied the wrong way (e.g. weight vs Gemma's 1 + weight)
+    or a swapped norm name shows in the log-probs. Returns the model."""
     ref = T.HFReference(cfg, init_seed=3)
-    # norms (and biases) off their initial ones / zeros: a norm applied the wrong way (e.g.
-    # weight vs Gemma's 1 + weight) or a swapped norm name shows in the log-probs
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in ref.model.parameters():
@@ -48,7 +47,14 @@ def test_round_trip_and_log_probs_equal_transformers(tmp_path, family):
         for name, b in ref.model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.add_(torch.randn(b.shape, generator=g) * 0.1)
-    ref.model.save_pretrained(tmp_path / "hf")
+    ref.model.save_pretrained(folder)
+    return ref.model
+
+
+@pytest.mark.parametrize("family", sorted(T.FAMILIES))
+def test_round_trip_and_log_probs_equal_transformers(tmp_path, family):
+    cfg = T.FAMILIES[family]
+    model = _perturbed_folder(cfg, tmp_path / "hf")
     engine = MegatronEngine.build(EngineConfig(model={"path": str(tmp_path / "hf")}))
     engine.export_hf(tmp_path / "out")
     original = load_file(tmp_path / "hf" / "model.safetensors")
@@ -56,7 +62,7 @@ def test_round_trip_and_log_probs_equal_transformers(tmp_path, family):
     assert original.keys() == exported.keys()
     assert all(torch.equal(original[k], exported[k]) for k in original)
     batch = random_batch(cfg["vocab_size"], num_sequences=6, seed=7)
-    want_lp, want_ent = _reference_outputs(ref.model, batch)
+    want_lp, want_ent = _reference_outputs(model, batch)
     out = engine.forward(batch)
     assert (out["log_probs"] - want_lp).abs().max() <= 1e-5
     assert (out["entropy"] - want_ent).abs().max() <= 1e-5
@@ -235,7 +241,9 @@ def test_qwen3_gemma3_tp2_sp_and_moe_ep2_conformance(tmp_path):
     like the other norms'. DeepSeek-V3 at TP=2 + SP: MLA's heads split, its down projections
     replicated, the shared RoPE key's gradient reduce-scattered from every rank's heads, the
     experts replicated on both ranks (ETP=1) with their gradients summed over them; and at
-    EP=2 (sigmoid, group-limited routing over experts on two ranks)."""
+    EP=2 (sigmoid, group-limited routing over experts on two ranks). Both DeepSeek-V3 layouts
+    also from an HF folder: HF -> Megatron -> HF bit-exact, log-probs and entropy equal
+    transformers, every weight's gradient equal transformers' autograd."""
     runs = [
         ("qwen3", {"tensor": 2, "sequence_parallel": True}, "alltoall", None),
         ("gemma3", {"tensor": 2, "sequence_parallel": True}, "alltoall", None),
@@ -246,14 +254,30 @@ def test_qwen3_gemma3_tp2_sp_and_moe_ep2_conformance(tmp_path):
     ]
     # the kit compares log-probs with transformers but gradients only among the engine's own
     # runs: DeepSeek-V3's gradients against transformers' autograd, at both layouts
+    # and from an HF folder: export_hf bit-exact, log-probs and entropy equal transformers
     grad_layouts = [{"tensor": 2, "sequence_parallel": True}, {"expert": 2}]
     ds = T.TINY_DEEPSEEK_V3
+    model = _perturbed_folder(ds, tmp_path / "hf")
     calls = [(T.rank_conformance_runs, (runs, str(tmp_path)))]
     calls += [(T.rank_gradients, (ds, layout, _GRAD_BATCH)) for layout in grad_layouts]
+    calls += [
+        (T.rank_first_step, (str(tmp_path / "hf"), layout, _GRAD_BATCH, str(tmp_path / f"out{i}")))
+        for i, layout in enumerate(grad_layouts)
+    ]
     results = run_distributed(T.rank_sequence, 2, (calls,))
     want = T.reference_gradients(ds, _GRAD_BATCH)
-    for kit_result, *gradients in results:
+    want_lp, want_ent = _reference_outputs(model, _GRAD_BATCH)
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    for i in range(len(grad_layouts)):
+        exported = load_file(tmp_path / f"out{i}" / "model.safetensors")
+        assert original.keys() == exported.keys(), grad_layouts[i]
+        assert all(torch.equal(original[k], exported[k]) for k in original), grad_layouts[i]
+    for kit_result, *gradients_and_steps in results:
         for run, passed in zip(runs, kit_result):
             assert passed == T.kit_checks(T.FAMILIES[run[0]]), run
+        gradients, steps = gradients_and_steps[:2], gradients_and_steps[2:]
         for layout, got in zip(grad_layouts, gradients):
             _assert_gradients_equal(got, want, layout)
+        for layout, (_, _, out) in zip(grad_layouts, steps):
+            assert (out["log_probs"] - want_lp).abs().max() <= 1e-5, layout
+            assert (out["entropy"] - want_ent).abs().max() <= 1e-5, layout
