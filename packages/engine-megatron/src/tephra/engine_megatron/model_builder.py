@@ -9,7 +9,11 @@ Layer spec: megatron's local (TransformerEngine-free) spec, with two substitutio
 Gemma-3 adds `GemmaRMSNorm` (x * (1 + weight)) everywhere, its sandwich norms as
 `PostNormAdd` in the bias-dropout-add slots (the residual adds the normalised output),
 embeddings scaled by sqrt(hidden) and one RoPE base per layer type (a pre-hook on each
-layer's attention picks its layer's angles).
+layer's attention picks its layer's angles). DeepSeek-V3 takes megatron's MLA spec with the
+down projections replicated (`ReplicatedLinear`), its rotary embedding answered with the
+batch's angles (`MLARope`), and the sigmoid router with its correction bias.
+RoPE inverse frequencies (default, linear, llama3, yarn) are transformers' own
+(`rope_frequencies`).
 
 `TephraGPT` wraps one pipeline chunk. On the last stage it returns per-position outputs
 instead of logits: policy `[b, s, 2]` = (log p(label), entropy) from the vocab-parallel
