@@ -29,12 +29,13 @@ APPS = [
 ]
 
 
-def dotted(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested preset -> dotted key -> value (its leaves)."""
+def dotted(values: dict[str, Any], sections: set[str], prefix: str = "") -> dict[str, Any]:
+    """A nested preset -> dotted key -> value (its leaves): a mapping under a config section
+    is walked into, a mapping-valued field (`data.task_config`) is one value."""
     out: dict[str, Any] = {}
     for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(dotted(value, f"{prefix}{key}."))
+        if isinstance(value, dict) and f"{prefix}{key}" in sections:
+            out.update(dotted(value, sections, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -46,7 +47,9 @@ def app_rows(cls: type, command: str) -> list[Row]:
     if command != "uv run apps/ppo":
         return rows(cls)
     where = "apps/ppo's `default` preset (the embedded demo)"
-    return with_app_defaults(rows(cls), dotted(read_preset(DEFAULT_PRESET)), where)
+    all_rows = rows(cls)
+    sections = {r.key.rsplit(".", 1)[0] for r in all_rows if "." in r.key}
+    return with_app_defaults(all_rows, dotted(read_preset(DEFAULT_PRESET), sections), where)
 
 
 def index_path(command: str) -> Path:

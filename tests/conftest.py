@@ -170,17 +170,99 @@ def _grpo_step_reference(
     return out
 
 
+def _on_policy_coefs(rows, advantages, agg: str) -> list[list[float]]:
+    """Each response token's weight on its log-prob in an on-policy policy loss (ratio 1, no
+    KL or entropy term): -A_i on every trained token (mask 1), aggregated by `agg`:
+    `token-mean` over the N trained tokens of the batch, `seq-mean-token-mean` over each
+    row's own trained tokens, then over the B rows. The loss's value is their sum."""
+    if agg == "token-mean":
+        n = sum(sum(r["response_mask"]) for r in rows)
+        return [[-a * m / n for m in r["response_mask"]] for a, r in zip(advantages, rows)]
+    if agg == "seq-mean-token-mean":
+        b = len(rows)
+        return [
+            [-a * m / (sum(r["response_mask"]) * b) for m in r["response_mask"]]
+            for a, r in zip(advantages, rows)
+        ]
+    raise AssertionError(f"no reference written for actor.objective.loss_agg_mode={agg!r}")
+
+
+def _grpo_steps_reference(cfg, model_path, steps: list[list[dict]], eps: float = 1e-6) -> list:
+    """The GRPO steps of a text-model run with one mini-batch, from each step's dumped rows
+    (`steps[k]`: `train_step<k+1>.jsonl`), in plain transformers and torch, one sequence at a
+    time, each step from the weights the previous one left:
+      - the advantages and reward mean of `_grpo_step_reference`;
+      - the on-policy pg loss (ratio 1; `cfg.actor.objective.loss_agg_mode`, no KL or
+        entropy term: `_on_policy_coefs`) and the norm of its gradient;
+      - then that gradient clipped to `grad_clip` (`clip_grad_norm_`) and one
+        `torch.optim.AdamW` step of `cfg.actor.optimizer` (a constant lr), which the next
+        step trains from: step 2's numbers need step 1's update, written out here.
+    One dict per step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    obj, opt, sched = cfg.actor.objective, cfg.actor.optimizer, cfg.actor.scheduler
+    assert cfg.batch.mini_batches == 1 and cfg.batch.epochs == 1, "one update per step"
+    assert not obj.use_kl_loss and obj.entropy_coeff == 0, "the pg loss alone"
+    assert sched.name == "constant" and sched.warmup_steps == 0, "a constant lr"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+    )
+    out = []
+    for rows in steps:
+        step = _grpo_step_reference(None, rows, eps)
+        coefs = _on_policy_coefs(rows, step["advantages"], obj.loss_agg_mode)
+        for row, coef in zip(rows, coefs, strict=True):
+            prompt, response = row["prompt_ids"], row["response_ids"]
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+            picked = torch.log_softmax(logits.float(), -1).gather(
+                -1, torch.tensor(response)[:, None]
+            )[:, 0]
+            (torch.tensor(coef) * picked).sum().backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)))
+        out.append({**step, "pg_loss": sum(map(sum, coefs)), "grad_norm": norm})
+        torch.nn.utils.clip_grad_norm_(params, opt.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return out
+
+
+@pytest.fixture
+def grpo_steps_reference():
+    """`_grpo_steps_reference(cfg, model_path, steps)`: a GRPO run's steps recomputed from
+    their dumped samples, each from the weights the previous step's update left."""
+    return _grpo_steps_reference
+
+
 def _ppo_update_reference(cfg, rows, advantages, images=None) -> dict:
-    """The actor's update of step 1 of a run with `cfg`, in plain transformers and torch, one
-    sequence at a time: PPO's clipped surrogate (dual clip where A < 0, c = clip_ratio_c)
-    against the log-probs of the initial weights (the step's rollout: a bypass run's old
-    log-probs, with no recompute between mini-batches), token-mean over each mini-batch
-    (`cfg.batch.mini_batches`, rows in order), its gradient norm, then `clip_grad_norm_` and a
-    `torch.optim.AdamW` step of `cfg.actor.optimizer`. `advantages`: one per row (outcome
-    estimators: the same on every token). `images`: each row's PIL images, for a
-    vision-language model (`AutoModelForImageTextToText`, the pixels from its own image
-    processor). Returns the means over the mini-batches, as logged: `pg_loss`, `grad_norm`
-    and `ratio_max` (each mini-batch's largest ratio)."""
+    """The actor's update of step 1 of a run with `cfg` (`_ppo_updates_reference` of one
+    step): the means over the mini-batches, as logged, of `pg_loss`, `grad_norm` and
+    `ratio_max`, and each mini-batch's."""
+    return _ppo_updates_reference(cfg, [(rows, advantages, images)])[0]
+
+
+def _ppo_updates_reference(cfg, steps, frozen: tuple[str, ...] = ()) -> list[dict]:
+    """The actor's updates of the first steps of a run with `cfg`, in plain transformers and
+    torch, one sequence at a time; `steps`: each step's `(rows, advantages, images)` in
+    order, each step starting from the weights the previous one left. Per step: PPO's
+    clipped surrogate (dual clip where A < 0, c = clip_ratio_c) against the log-probs of the
+    weights the step started from (the step's rollout: a bypass run's old log-probs, with no
+    recompute between mini-batches), over each response's trained tokens (mask 1) aggregated
+    over each mini-batch (`cfg.batch.mini_batches`, rows in order) by
+    `cfg.actor.objective.loss_agg_mode` (`token-mean` or `seq-mean-token-mean`), its gradient
+    norm, then `clip_grad_norm_` and a `torch.optim.AdamW` step of `cfg.actor.optimizer` (one
+    optimizer for all steps: its moments carry over). `advantages`: one per row (outcome
+    estimators: the same on every token) or one list per row (per token, e.g. GAE's).
+    `images`: each row's PIL images, for a vision-language model
+    (`AutoModelForImageTextToText`, the pixels from its own image processor). With
+    `cfg.actor.lora.rank > 0`, the model wrapped by peft's `get_peft_model` right after
+    `torch.manual_seed(cfg.trainer.seed)` (the engines' documented adapter initialisation: A
+    drawn, B zero), no adapter in the modules named in `frozen` (e.g. a vision tower), and
+    only the adapters trained. Returns, per step, the means over the mini-batches, as logged:
+    `pg_loss`, `grad_norm` (over the trained parameters) and `ratio_max` (each mini-batch's
+    largest ratio)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -189,57 +271,88 @@ def _ppo_update_reference(cfg, rows, advantages, images=None) -> dict:
     from tephra.controller.run.models import resolve_model_path
 
     path = resolve_model_path(cfg.model.path, seed)
-    auto = AutoModelForCausalLM if images is None else AutoModelForImageTextToText
+    vision = any(images is not None for _, _, images in steps)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto.from_pretrained(path, dtype=torch.float32)
-    pixels = [{}] * len(rows)
-    if images is not None:
-        pixels = _pixels(path, rows, images, model.config.image_token_id)
+    lora = cfg.actor.lora
+    if lora.rank > 0:
+        from peft import LoraConfig, get_peft_model  # only the LoRA references need peft
 
-    def log_probs(i: int) -> torch.Tensor:
-        prompt, response = rows[i]["prompt_ids"], rows[i]["response_ids"]
-        ids = torch.tensor([prompt + response])
-        logits = model(ids, **pixels[i]).logits[0, len(prompt) - 1 : -1]
-        picked = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])
-        return picked[:, 0]
-
-    with torch.no_grad():
-        old = [log_probs(i) for i in range(len(rows))]
+        peft_cfg = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            exclude_modules=rf".*\b({'|'.join(frozen)})\b.*" if frozen else None,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = get_peft_model(model, peft_cfg)
     obj, opt = cfg.actor.objective.policy, cfg.actor.optimizer
+    agg = cfg.actor.objective.loss_agg_mode
+    assert agg in ("token-mean", "seq-mean-token-mean"), f"no reference for {agg}"
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        trained, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
     )
-    size = len(rows) // cfg.batch.mini_batches
-    losses, norms, ratio_max = [], [], []
-    for start in range(0, len(rows), size):
-        part = range(start, start + size)
-        tokens = sum(len(rows[i]["response_ids"]) for i in part)
-        total, largest = 0.0, 0.0
-        for i in part:
-            a = advantages[i]
-            ratio = (log_probs(i) - old[i]).exp()
-            per_token = torch.maximum(
-                -a * ratio, -a * ratio.clamp(1 - obj.eps_low, 1 + obj.eps_high)
+    out = []
+    for rows, advantages, images in steps:
+        pixels = [{}] * len(rows)
+        if images is not None:
+            pixels = _pixels(path, rows, images, model.config.image_token_id)
+
+        def log_probs(i: int, rows=rows, pixels=pixels) -> torch.Tensor:
+            prompt, response = rows[i]["prompt_ids"], rows[i]["response_ids"]
+            ids = torch.tensor([prompt + response])
+            logits = model(ids, **pixels[i]).logits[0, len(prompt) - 1 : -1]
+            picked = torch.log_softmax(logits.float(), -1).gather(
+                -1, torch.tensor(response)[:, None]
             )
-            if a < 0 and obj.clip_ratio_c is not None:
-                per_token = per_token.clamp(max=-a * obj.clip_ratio_c)
-            loss = per_token.sum() / tokens
-            loss.backward()
-            total += float(loss)
-            largest = max(largest, float(ratio.max()))
-        losses.append(total)
-        ratio_max.append(largest)
-        params = [p for p in model.parameters() if p.grad is not None]
-        norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))))
-        torch.nn.utils.clip_grad_norm_(params, opt.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    return {
-        "pg_loss": sum(losses) / len(losses),
-        "grad_norm": sum(norms) / len(norms),
-        "grad_norms": norms,
-        "ratio_max": sum(ratio_max) / len(ratio_max),
-        "ratio_maxes": ratio_max,
-    }
+            return picked[:, 0]
+
+        with torch.no_grad():
+            old = [log_probs(i) for i in range(len(rows))]
+        size = len(rows) // cfg.batch.mini_batches
+        losses, norms, ratio_max = [], [], []
+        for start in range(0, len(rows), size):
+            part = range(start, start + size)
+            masks = {i: torch.tensor(rows[i]["response_mask"], dtype=torch.float32) for i in part}
+            tokens = sum(float(masks[i].sum()) for i in part)
+            total, largest = 0.0, 0.0
+            for i in part:
+                a = torch.as_tensor(advantages[i], dtype=torch.float32)
+                ratio = (log_probs(i) - old[i]).exp()
+                per_token = torch.maximum(
+                    -a * ratio, -a * ratio.clamp(1 - obj.eps_low, 1 + obj.eps_high)
+                )
+                if obj.clip_ratio_c is not None:
+                    dual = torch.minimum(per_token, -a * obj.clip_ratio_c)
+                    per_token = torch.where(a < 0, dual, per_token)
+                summed = (per_token * masks[i]).sum()
+                if agg == "token-mean":
+                    loss = summed / tokens
+                else:
+                    loss = summed / masks[i].sum() / len(part)
+                loss.backward()
+                total += float(loss)
+                largest = max(largest, float(ratio.max()))
+            losses.append(total)
+            ratio_max.append(largest)
+            params = [p for p in model.parameters() if p.grad is not None]
+            norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params))))
+            torch.nn.utils.clip_grad_norm_(params, opt.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        out.append(
+            {
+                "pg_loss": sum(losses) / len(losses),
+                "grad_norm": sum(norms) / len(norms),
+                "grad_norms": norms,
+                "ratio_max": sum(ratio_max) / len(ratio_max),
+                "ratio_maxes": ratio_max,
+            }
+        )
+    return out
 
 
 @pytest.fixture
@@ -247,6 +360,13 @@ def ppo_update_reference():
     """`_ppo_update_reference(cfg, rows, advantages)`: step 1's actor update (PPO clip against
     the rollout's log-probs, mini-batch by mini-batch with AdamW between) in plain torch."""
     return _ppo_update_reference
+
+
+@pytest.fixture
+def ppo_updates_reference():
+    """`_ppo_updates_reference(cfg, [(rows, advantages, images), ...])`: the actor's updates
+    of the first steps, each from the weights the previous one left, in plain torch."""
+    return _ppo_updates_reference
 
 
 @pytest.fixture
@@ -264,9 +384,9 @@ def smoke_score():
 
 def _pixels(path, rows, images, image_token_id: int) -> list[dict]:
     """Each row's model inputs beside its token ids for a vision-language model: its images
-    through the model's own image processor (`pixel_values`, `image_grid_thw`), and
-    `mm_token_type_ids` (1 on the image tokens of its prompt + response, else 0), which
-    transformers' mRoPE reads."""
+    through the model's own image processor (`pixel_values`, and `image_grid_thw` for the
+    Qwen2-VL family), and for that family `mm_token_type_ids` (1 on the image tokens of its
+    prompt + response, else 0), which transformers' mRoPE reads."""
     import torch
     from transformers import AutoImageProcessor
 
@@ -275,15 +395,23 @@ def _pixels(path, rows, images, image_token_id: int) -> list[dict]:
     for row, row_images in zip(rows, images, strict=True):
         ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
         kwargs = dict(processor(images=row_images, return_tensors="pt"))
-        kwargs["mm_token_type_ids"] = (ids == image_token_id).long()
+        if "image_grid_thw" in kwargs:  # the Qwen2-VL family's mRoPE (LLaVA: plain positions)
+            kwargs["mm_token_type_ids"] = (ids == image_token_id).long()
         out.append(kwargs)
     return out
 
 
 def _critic_step_reference(cfg, rows, images=None) -> dict:
-    """What the first step of a PPO run with a critic (`algorithm.adv_estimator=gae`, outcome
-    rewards, no KL in the reward) must log, from its dumped `rows` (`train_step1.jsonl`),
-    written out in plain transformers and torch, one sequence at a time:
+    """Step 1 of `_critic_steps_reference`."""
+    return _critic_steps_reference(cfg, [(rows, images)])[0]
+
+
+def _critic_steps_reference(cfg, steps) -> list[dict]:
+    """What the first steps of a PPO run with a critic (`algorithm.adv_estimator=gae`, outcome
+    rewards, no KL in the reward) must log, from their dumped rows (`steps`: each step's
+    `(rows, images)` in order, `rows` from `train_step<N>.jsonl`), written out in plain
+    transformers and torch, one sequence at a time, each step from the critic the previous
+    step's update left:
       - the critic: `AutoModelForTokenClassification` (one label, no classifier dropout) of
         the run's model, its new value head drawn right after `torch.manual_seed(seed)` (the
         engines' documented initialisation); with `images` (each row's PIL images) the
@@ -294,12 +422,14 @@ def _critic_step_reference(cfg, rows, images=None) -> dict:
       - GAE by its recursion, token by token: delta_t = r_t + gamma V_{t+1} - V_t (r: the score
         on the last token; V after the last token 0), A_t = delta_t + gamma lam A_{t+1},
         returns R = A + V, advantages A whitened over the step's tokens (unbiased variance);
-        `advantages` holds each row's token mean (what the dump logs); VAPO's lambdas where
+        `advantages` holds each row's token mean (what the dump logs) and
+        `token_advantages` each token's (what the actor trains on); VAPO's lambdas where
         set (`lam_critic` for the returns, 1 - 1 / (alpha |y_i|) for the advantages);
       - the critic's update, mini-batch by mini-batch (rows in order): loss = token mean of
         0.5 max((V - R)^2, (V_clip - R)^2) with V_clip = V_old + clip(V - V_old, +-eps_v),
         its gradient norm, then `clip_grad_norm_` and a `torch.optim.AdamW` step;
-        `vf_loss` and `grad_norm` are their means over the mini-batches (as logged)."""
+        `vf_loss` and `grad_norm` are their means over the mini-batches (as logged).
+    One dict per step."""
     import torch
     from transformers import (
         AutoConfig,
@@ -312,8 +442,7 @@ def _critic_step_reference(cfg, rows, images=None) -> dict:
     from tephra.controller.run.models import resolve_model_path
 
     path = resolve_model_path(cfg.model.path, seed)
-    pixels = [{}] * len(rows)
-    if images is None:
+    if all(images is None for _, images in steps):
         config = AutoConfig.from_pretrained(path, num_labels=1)
         config.classifier_dropout = 0.0
         with torch.random.fork_rng(devices=[]):
@@ -322,6 +451,7 @@ def _critic_step_reference(cfg, rows, images=None) -> dict:
                 path, config=config, dtype=torch.float32
             )
         params = list(critic.parameters())
+        image_token_id = None
 
         def forward(ids, kwargs) -> torch.Tensor:
             return critic(ids).logits[0, :, 0]
@@ -336,15 +466,10 @@ def _critic_step_reference(cfg, rows, images=None) -> dict:
                 head.weight.normal_(0.0, text.initializer_range)
                 head.bias.zero_()
         params = list(vlm.model.parameters()) + list(head.parameters())
-        pixels = _pixels(path, rows, images, vlm.config.image_token_id)
+        image_token_id = vlm.config.image_token_id
 
         def forward(ids, kwargs) -> torch.Tensor:
             return head(vlm.model(input_ids=ids, **kwargs).last_hidden_state[0])[:, 0]
-
-    def values(i: int) -> torch.Tensor:
-        prompt, response = rows[i]["prompt_ids"], rows[i]["response_ids"]
-        out = forward(torch.tensor([prompt + response]), pixels[i])
-        return out[len(prompt) - 1 : len(prompt) - 1 + len(response)]
 
     adv_cfg = cfg.algorithm.advantage
     gamma = adv_cfg.gamma
@@ -359,20 +484,6 @@ def _critic_step_reference(cfg, rows, images=None) -> dict:
             nxt_v = float(v[t])
         return a
 
-    with torch.no_grad():
-        old = [values(i).double() for i in range(len(rows))]
-    raw, returns = [], []
-    for row, v in zip(rows, old, strict=True):
-        lam = adv_cfg.actor_lam
-        if adv_cfg.lam_length_alpha is not None:  # VAPO: 1 - 1 / (alpha * length), in [0, 1]
-            lam = min(max(1 - 1 / (adv_cfg.lam_length_alpha * len(row["response_ids"])), 0), 1)
-        raw.append(gae(row, v, lam))
-        returns.append(torch.tensor(gae(row, v, adv_cfg.critic_lam), dtype=torch.float64) + v)
-    flat = [x for a in raw for x in a]
-    mean = sum(flat) / len(flat)
-    var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
-    advantages = [sum((x - mean) / (var + 1e-8) ** 0.5 for x in a) / len(a) for a in raw]
-
     opt_cfg, eps_v = cfg.critic.optimizer, cfg.critic.objective.cliprange_value
     optimizer = torch.optim.AdamW(
         params,
@@ -381,32 +492,60 @@ def _critic_step_reference(cfg, rows, images=None) -> dict:
         eps=opt_cfg.eps,
         weight_decay=opt_cfg.weight_decay,
     )
-    size = len(rows) // cfg.batch.mini_batches
-    losses, norms = [], []
-    for start in range(0, len(rows), size):
-        part = range(start, start + size)
-        tokens = sum(len(rows[i]["response_ids"]) for i in part)
-        total = 0.0
-        for i in part:
-            v = values(i).double()
-            clipped = old[i] + (v - old[i]).clamp(-eps_v, eps_v)
-            per_token = 0.5 * torch.maximum((v - returns[i]) ** 2, (clipped - returns[i]) ** 2)
-            loss = per_token.sum() / tokens
-            loss.backward()
-            total += float(loss)
-        losses.append(total)
-        grads = [p for p in params if p.grad is not None]
-        norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in grads))))
-        torch.nn.utils.clip_grad_norm_(grads, opt_cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    return {
-        "advantages": advantages,
-        "vf_loss": sum(losses) / len(losses),
-        "grad_norm": sum(norms) / len(norms),
-        "vf_losses": losses,
-        "grad_norms": norms,
-    }
+    out = []
+    for rows, images in steps:
+        pixels = [{}] * len(rows)
+        if images is not None:
+            pixels = _pixels(path, rows, images, image_token_id)
+
+        def values(i: int, rows=rows, pixels=pixels) -> torch.Tensor:
+            prompt, response = rows[i]["prompt_ids"], rows[i]["response_ids"]
+            out = forward(torch.tensor([prompt + response]), pixels[i])
+            return out[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+
+        with torch.no_grad():
+            old = [values(i).double() for i in range(len(rows))]
+        raw, returns = [], []
+        for row, v in zip(rows, old, strict=True):
+            lam = adv_cfg.actor_lam
+            if adv_cfg.lam_length_alpha is not None:  # VAPO: 1 - 1 / (alpha * length), in [0, 1]
+                lam = min(max(1 - 1 / (adv_cfg.lam_length_alpha * len(row["response_ids"])), 0), 1)
+            raw.append(gae(row, v, lam))
+            returns.append(torch.tensor(gae(row, v, adv_cfg.critic_lam), dtype=torch.float64) + v)
+        flat = [x for a in raw for x in a]
+        mean = sum(flat) / len(flat)
+        var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
+        token_advantages = [[(x - mean) / (var + 1e-8) ** 0.5 for x in a] for a in raw]
+        size = len(rows) // cfg.batch.mini_batches
+        losses, norms = [], []
+        for start in range(0, len(rows), size):
+            part = range(start, start + size)
+            tokens = sum(len(rows[i]["response_ids"]) for i in part)
+            total = 0.0
+            for i in part:
+                v = values(i).double()
+                clipped = old[i] + (v - old[i]).clamp(-eps_v, eps_v)
+                per_token = 0.5 * torch.maximum((v - returns[i]) ** 2, (clipped - returns[i]) ** 2)
+                loss = per_token.sum() / tokens
+                loss.backward()
+                total += float(loss)
+            losses.append(total)
+            grads = [p for p in params if p.grad is not None]
+            norms.append(float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in grads))))
+            torch.nn.utils.clip_grad_norm_(grads, opt_cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        out.append(
+            {
+                "advantages": [sum(a) / len(a) for a in token_advantages],
+                "token_advantages": token_advantages,
+                "vf_loss": sum(losses) / len(losses),
+                "grad_norm": sum(norms) / len(norms),
+                "vf_losses": losses,
+                "grad_norms": norms,
+            }
+        )
+    return out
 
 
 @pytest.fixture
@@ -416,19 +555,31 @@ def critic_step_reference():
     return _critic_step_reference
 
 
-def _first_step_images(cfg) -> list:
-    """The images of each prompt of step 1 of a run on the colour squares (by the dumped rows'
-    `prompt_index`), drawn again: the dataset's rows (`colour_square_rows`, by the data
-    seed) in the order the seeded `PromptLoader` serves them."""
+@pytest.fixture
+def critic_steps_reference():
+    """`_critic_steps_reference(cfg, [(rows, images), ...])`: a PPO run's critic steps (GAE
+    advantages per token and per row, value loss, gradient norm), each from the critic the
+    previous step's update left."""
+    return _critic_steps_reference
+
+
+def _step_images(cfg, steps: int, rows: list[dict] | None = None) -> list[list]:
+    """The images of each prompt of each of the first `steps` steps of a run on the colour
+    squares (by the dumped rows' `prompt_index`), drawn again: the dataset's rows
+    (`colour_square_rows`, by the data seed; or `rows`, the training file's, each with its
+    `images`) in the order the seeded `PromptLoader` serves them, the next prompts each
+    step."""
     from tephra.controller.data.colour_squares import colour_square_rows
     from tephra.controller.data.prompts import PromptLoader
 
-    rows = colour_square_rows(cfg.data.train_size, cfg.data.train_seed)
+    if rows is None:
+        rows = colour_square_rows(cfg.data.train_size, cfg.data.train_seed)
     loader = PromptLoader(len(rows), cfg.batch.prompts_per_step, cfg.trainer.seed)
-    return [rows[i]["images"] for i in loader.next_indices()]
+    return [[rows[i]["images"] for i in loader.next_indices()] for _ in range(steps)]
 
 
 @pytest.fixture
-def first_step_images():
-    """`_first_step_images(cfg)`: step 1's images of a colour-squares run, per prompt."""
-    return _first_step_images
+def step_images():
+    """`_step_images(cfg, steps, rows=None)`: each step's images of a colour-squares run, per
+    prompt."""
+    return _step_images

@@ -30,6 +30,18 @@ CASES = [
         r"model.path is not set \(model.hf_config=\{'model_type': 'qwen2', 'hidden_size': 64\}\): "
         r"the RL trainer reads the policy's tokenizer and weights from a folder; set model.path to",
     ),
+    # the library picks no data (the demo's is apps/ppo's default preset): a source unset
+    # over it, or a reasoning-gym source without a task, names the key and the choices
+    (
+        ["data.source=null"],
+        r"^data\.source is not set: set data\.source to one of reasoning_gym, parquet, hf, "
+        r"colour_squares, code_problems, swe_tasks .* `uv run apps/ppo` sets the demo's data",
+    ),
+    (
+        ["data.task="],
+        r"^data\.task is not set: data\.source=reasoning_gym generates the items of one "
+        r"reasoning-gym task; name it, e\.g\. data\.task=basic_arithmetic",
+    ),
     # typo'd registry names, each naming the closest registered one
     (
         ["algorithm.adv_estimator=grpoo"],
@@ -572,6 +584,46 @@ def test_an_unsupported_vision_family_is_refused_before_ray(tmp_path):
         r"\(family\): llava \(llava\), qwen2_vl \(qwen2_vl\), qwen2_5_vl \(qwen2_vl\)",
     ):
         parse_config(["-p", "smoke", f"model.path={tmp_path}"])
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "config, overrides, message",
+    [
+        (
+            {"model_type": "deepseek_v3"},
+            ["actor.lora.rank=8"],
+            r"actor.engine='megatron': lora.rank > 0 is not supported by engine-megatron for "
+            r"deepseek_v3",
+        ),
+        (
+            {"model_type": "deepseek_v3", "rope_interleave": False},
+            [],
+            r"rope_interleave=false is not supported by engine-megatron for deepseek_v3",
+        ),
+        (
+            {"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            [],
+            r"rope_parameters.rope_type='dynamic' \(llama\) is not supported by engine-megatron; "
+            r"supported: \['default', 'linear', 'llama3', 'yarn'\]",
+        ),
+        (
+            {"model_type": "phi3"},
+            [],
+            r"model_type 'phi3' is not supported by engine-megatron; supported: \[.*'deepseek_v3'\]",
+        ),
+    ],
+)
+def test_a_model_megatron_cannot_build_is_refused_before_ray(tmp_path, config, overrides, message):
+    """`actor.engine=megatron` on a folder whose config.json megatron cannot express (issue
+    #63's families and settings): refused while the config loads, naming the setting."""
+    import json
+
+    import ray
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["-p", "smoke", f"model.path={tmp_path}", "actor.engine=megatron", *overrides])
     assert not ray.is_initialized()
 
 

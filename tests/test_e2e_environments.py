@@ -157,6 +157,112 @@ def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path, gr
         httpx.get(f"{url}/health")
 
 
+DOOMED_ENV = """
+import asyncio
+import os
+import pathlib
+
+from tephra.episodes.environments import Environment, StepResult
+
+EVENTS = pathlib.Path({events!r})
+
+
+class SlowStep(Environment):
+    \"\"\"One turn, scored by its parity after 2 s; every reset and step leaves a file named by
+    the serving process's pid (the test kills that process while steps sleep).\"\"\"
+
+    async def reset(self, item):
+        self.tag = f"{{os.getpid()}}-{{item.sample_id}}"
+        (EVENTS / f"{{self.tag}}.reset").touch()
+        return list(item.messages)
+
+    async def step(self, action):
+        (EVENTS / f"{{self.tag}}.step").touch()
+        await asyncio.sleep(2.0)
+        return StepResult(reward=float(len(action.strip()) % 2), done=True)
+"""
+
+
+@pytest.mark.multiproc
+def test_a_run_started_environment_server_that_dies_is_restarted(tmp_path, capsys):
+    """The server the run started is SIGKILLed while step 1's first trajectories sleep in
+    their steps: exactly the trajectories whose sessions it held are dropped and counted; the
+    run restarts it on the same URL (printing the dead server's log tail), the rest of step 1
+    and all of step 2 run on the new server, and the restart is counted."""
+    import ray
+
+    from tephra.controller.cluster.worker_group import ray_init
+
+    events = tmp_path / "events"
+    events.mkdir()
+    env = tmp_path / "slow_step.py"
+    env.write_text(DOOMED_ENV.format(events=str(events)))
+    cfg = parse_config(
+        [
+            "-p",
+            "smoke",
+            "rollout.agent_loop=environment",
+            "rollout.agent.environment=remote",
+            # retries long enough (0.25 * (2**7 - 1) = 32 s) for a restarted server's start:
+            # the sessions opened while it restarts reach the new one
+            f"rollout.agent.environment_kwargs={{environment: {env}:SlowStep, retries: 7}}",
+            "rollout.agent.environment_errors=drop",
+            "rollout.max_in_flight=2",  # a kill mid-step catches some, not all, of step 1
+            "trainer.dump_generations=1",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ]
+    )
+    killed: dict[str, object] = {}
+
+    def kill_in_first_steps() -> None:
+        deadline = time.monotonic() + 600
+        while not list(events.glob("*.step")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # the other trajectories in flight reach their (2 s) steps too
+        pid = int(next(events.glob("*.step")).name.split("-")[0])
+        os.kill(pid, signal.SIGKILL)
+        killed["pid"] = pid
+
+    killer = threading.Thread(target=kill_in_first_steps, daemon=True)
+    killer.start()
+    ray_init(num_cpus=2)
+    try:
+        summary = run(cfg)
+    finally:
+        ray.shutdown()
+    killer.join(timeout=5)
+    assert summary["steps"] == 2
+    dead = killed["pid"]
+    # no session finished on the dead server (each step sleeps 2 s, the kill came 0.3 s after
+    # the first step began): every session it opened was lost with it
+    lost = {p.stem.split("-", 1)[1] for p in events.glob(f"{dead}-*.reset")}
+    assert 1 <= len(lost) < cfg.batch.samples_per_step
+    later = {p.name.split("-")[0] for p in events.glob("*.reset")} - {str(dead)}
+    assert len(later) == 1  # one restarted server served every other session
+    (new,) = later
+    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    first, second = train
+    assert first["agent/environment_errors"] == first["agent/dropped"] == len(lost)
+    assert second["agent/environment_errors"] == second["agent/dropped"] == 0.0
+    assert second["environment_server/restarts"] == 1.0
+    for step in (1, 2):
+        path = tmp_path / "run" / "generations" / f"train_step{step}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:  # the dropped ones are the lost sessions; the others are scored
+            if row["finish_reason"] == "environment_error":
+                assert step == 1
+            else:
+                assert row["finish_reason"] == "done"
+                assert row["score"] == float(len(row["answer"].strip()) % 2)
+        if step == 1:
+            assert sum(r["finish_reason"] == "environment_error" for r in rows) == len(lost)
+    out = capsys.readouterr().out
+    assert f"(pid {dead}) died with status -9; restarting it (1 of 3)" in out
+    assert "serving environments" in out.split("restarting it (1 of 3)", 1)[1]  # the log tail
+    assert f"(pid {new}, restarted)" in out
+
+
 def _check_first_step(grpo_step_reference, rows, record) -> None:
     """Step 1 of a multi-turn GRPO run (on-policy, the initial weights), recomputed from its
     dumped trajectories in plain transformers: the advantages of the scores, and the loss and
@@ -312,6 +418,13 @@ def test_environment_config_errors_come_before_ray(tmp_path):
     with pytest.raises(ConfigError, match=r"url='ftp://x:1': 'ftp://x:1' is not an http\(s\) URL"):
         parse_config(
             [*remote, "rollout.agent.environment_kwargs={environment: tool, url: 'ftp://x:1'}"]
+        )
+    with pytest.raises(ConfigError, match=r"environment_kwargs.max_restarts=-1 must be >= 0"):
+        parse_config(
+            [
+                *remote,
+                "rollout.agent.environment_kwargs={environment: answer_check, max_restarts: -1}",
+            ]
         )
 
 

@@ -10,6 +10,8 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.launch.ppo import prepare
@@ -290,8 +292,6 @@ def test_ppo_with_critic_and_reference(ray_session, tmp_path, critic_step_refere
     assert {"generate", "actor", "critic", "sync"} <= set(share) and 0.9 < sum(
         share.values()
     ) <= 1.0
-    from transformers import AutoModelForCausalLM
-
     AutoModelForCausalLM.from_pretrained(tmp_path / "ppo" / "hf")
 
 
@@ -480,12 +480,28 @@ def test_a_rollout_in_another_dtype_is_rejected_token_by_token_or_stops_the_run(
             *bf16,
             "algorithm.rollout_rejection=[token_k3]",
             "algorithm.rollout_rejection_threshold=1e-4",
+            "trainer.dump_generations=1",
             f"trainer.run_dir={tmp_path / 'rs'}",
         )
     )
     (row,) = read_jsonl(tmp_path / "rs" / "metrics.jsonl")
     assert row["rollout_corr/kl_k3"] > 1e-5  # bf16 against fp32: a real gap
-    assert 0 < row["rollout_corr/rs_masked_frac"] < 1
+    # the dropped share recomputed: k3 = exp(g) - 1 - g of g = log pi_old - log pi_rollout per
+    # response token, pi_old the fp32 model in plain transformers, pi_rollout the bf16 rollout's
+    # dumped log-probs; a token is dropped above the bound
+    dumped = (tmp_path / "rs" / "generations" / "train_step1.jsonl").read_text().splitlines()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny", 0), dtype=torch.float32)
+    dropped = tokens = 0
+    for sample in map(json.loads, dumped):
+        prompt, response = sample["prompt_ids"], sample["response_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        old = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(response)[:, None])
+        g = old[:, 0] - torch.tensor(sample["rollout_log_probs"], dtype=torch.float64)
+        dropped += int((torch.expm1(g) - g > 1e-4).sum())
+        tokens += len(response)
+    assert 0 < dropped < tokens  # the bound drops some tokens, not all
+    assert row["rollout_corr/rs_masked_frac"] == pytest.approx(dropped / tokens, abs=1e-9)
     assert row["rollout_corr/rs_token_k3_masked_frac"] == row["rollout_corr/rs_masked_frac"]
     with pytest.raises(
         MismatchAlarm,

@@ -90,7 +90,9 @@ def test_sppo_advantages_and_loss_are_the_formula_on_the_dumped_batch(
 
 
 @pytest.mark.multiproc
-def test_critic_warmup_leaves_the_actor_untouched(ray_session, tmp_path, critic_step_reference):
+def test_critic_warmup_leaves_the_actor_untouched(
+    ray_session, tmp_path, critic_step_reference, critic_steps_reference, ppo_update_reference
+):
     start = _weights(resolve_model_path("tiny", 0))
     cfg = _smoke(
         tmp_path,
@@ -120,20 +122,33 @@ def test_critic_warmup_leaves_the_actor_untouched(ray_session, tmp_path, critic_
     assert all(torch.equal(after[k], start[k]) for k in start)
     # the critic trained: its value loss on step 2's batch comes from updated weights; the
     # control run without warmup moves the actor
-    run(
-        _smoke(
-            tmp_path,
-            "-p",
-            "vapo",
-            "trainer.critic_warmup=1",
-            "trainer.export_hf=true",
-            f"trainer.run_dir={tmp_path / 'one'}",
-        )
+    one_cfg = _smoke(
+        tmp_path,
+        "-p",
+        "vapo",
+        "trainer.critic_warmup=1",
+        "trainer.export_hf=true",
+        "trainer.dump_generations=1",
+        f"trainer.run_dir={tmp_path / 'one'}",
     )
+    run(one_cfg)
     moved = _weights(tmp_path / "one" / "hf")
     assert any(not torch.equal(moved[k], start[k]) for k in start)
     one = _train_records(tmp_path / "one")
-    assert "actor/grad_norm" not in one[0] and math.isfinite(one[1]["actor/grad_norm"])
+    assert "actor/grad_norm" not in one[0]
+    # the control run's step 2 in plain transformers and torch: the critic after its step-1
+    # update gives step 2's values, VAPO's advantages per token (the dumped token means
+    # checked), and the actor's first update, from the initial weights (the warm-up left
+    # them), PPO's clipped loss on those advantages over two mini-batches
+    steps = [_dumped(tmp_path / "one", 1), _dumped(tmp_path / "one", 2)]
+    critic = critic_steps_reference(one_cfg, [(rows, None) for rows in steps])
+    for record, rows, want in zip(one, steps, critic, strict=True):
+        assert [r["advantage"] for r in rows] == pytest.approx(want["advantages"], abs=1e-5)
+        assert record["critic/vf_loss"] == pytest.approx(want["vf_loss"], rel=1e-5)
+        assert record["critic/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    actor = ppo_update_reference(one_cfg, steps[1], critic[1]["token_advantages"])
+    assert one[1]["actor/pg_loss"] == pytest.approx(actor["pg_loss"], abs=1e-5)
+    assert one[1]["actor/grad_norm"] == pytest.approx(actor["grad_norm"], rel=1e-4)
     # the control run is the warm-up run up to the actor's first update: step 1 whole, and
     # step 2's samples, rewards and critic update (the critic trains before the actor), so
     # the critic's numbers under warm-up are those of a run that trains it normally

@@ -219,7 +219,7 @@ def test_lora_adapter_syncs_to_vllm_through_the_app(ray_session, tmp_path, vllm_
 
 
 def test_vlm_trains_two_steps_on_vllm(
-    ray_session, tmp_path, vllm_python, grpo_step_reference, ppo_update_reference, first_step_images
+    ray_session, tmp_path, vllm_python, grpo_step_reference, ppo_updates_reference, step_images
 ):
     """Images on the vLLM server: the vlm_smoke preset (GRPO on a tiny random Qwen2-VL whose
     vision tower trains too) for 2 steps with 2 mini-batches. Each step the server's log-probs
@@ -249,15 +249,19 @@ def test_vlm_trains_two_steps_on_vllm(
         want = grpo_step_reference(None, rows)
         assert [x["advantage"] for x in rows] == pytest.approx(want["advantages"], abs=1e-5)
         assert r["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
-    # step 1's update in plain transformers with each prompt's image drawn again, two
-    # mini-batches with an AdamW step between: the loss and the gradient norm
-    rows = [json.loads(x) for x in (tmp_path / "generations" / "train_step1.jsonl").open()]
-    images = first_step_images(cfg)
-    want = ppo_update_reference(
-        cfg, rows, [r["advantage"] for r in rows], [images[r["prompt_index"]] for r in rows]
-    )
-    assert train[0]["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
-    assert train[0]["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    # both steps' updates in plain transformers with each prompt's image drawn again, two
+    # mini-batches with an AdamW step between, step 2 from the weights step 1 left: the loss
+    # and the gradient norm
+    images = step_images(cfg, 2)
+    steps = []
+    for k in (1, 2):
+        path = tmp_path / "generations" / f"train_step{k}.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        adv = [r["advantage"] for r in rows]
+        steps.append((rows, adv, [images[k - 1][r["prompt_index"]] for r in rows]))
+    for record, want in zip(train, ppo_updates_reference(cfg, steps), strict=True):
+        assert record["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5), record
+        assert record["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), record
 
 
 def test_killed_vllm_server_is_restarted_and_the_run_matches(

@@ -88,3 +88,20 @@ def test_every_preset_composes_to_the_recorded_config() -> None:
         if (diff := _differences(json.loads(json.dumps(config)), recorded[key]))
     }
     assert not differ, f"composed configs differ from the recorded ones: {differ}"
+
+
+def test_eval_defaults_to_the_demo_held_out_items() -> None:
+    """apps/eval's default data is apps/ppo's demo data (its `default` preset), so that a demo
+    run's models are evaluated on the items it validated on; the library's is no task."""
+    from tephra.apps.eval.config import EvalConfig
+    from tephra.apps.ppo.config import app_defaults
+    from tephra.controller.config.tree import DataSection
+
+    demo = app_defaults().data
+    assert EvalConfig().data == demo
+    assert (demo.source, demo.task, demo.instruction) == (
+        "reasoning_gym",
+        "basic_arithmetic",
+        "Answer with just the final number.",
+    )
+    assert (DataSection().source, DataSection().task, DataSection().task_config) == (None, "", {})

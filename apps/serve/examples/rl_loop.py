@@ -72,15 +72,16 @@ def target_task(seed: int = 0, train_size: int = 512, heldout_size: int = 32) ->
 def arithmetic_task(tokenizer_folder: str, heldout_size: int = 200) -> Task:
     """The demo's task (apps/ppo's default) with its tokenizer's chat template; held out: the
     first `heldout_size` of the demo's 200 held-out items."""
-    # tephra's helpers build the demo's exact prompts and scorer (imported here: only this
-    # task needs them and reasoning-gym is slow to import)
+    # tephra's helpers build the demo's exact prompts (from apps/ppo's default preset, in the
+    # workspace) and scorer (imported here: only this task needs them and reasoning-gym is
+    # slow to import)
     from transformers import AutoTokenizer
 
-    from tephra.controller.config.tree import DataSection
+    from tephra.apps.ppo.config import app_defaults
     from tephra.controller.data.prompts import chat_prompt_ids, reasoning_gym_records
     from tephra.episodes.rewards.reasoning_gym_tasks import reasoning_gym_score
 
-    data = DataSection()
+    data = app_defaults().data  # the demo's data: apps/ppo's default preset
     tok = AutoTokenizer.from_pretrained(tokenizer_folder)
 
     def records(size: int, seed: int) -> list:
@@ -95,8 +96,8 @@ def arithmetic_task(tokenizer_folder: str, heldout_size: int = 200) -> Task:
         return reasoning_gym_score(rec.data_source, text, rec.ground_truth, rec.extra_info)
 
     return Task(
-        train=[chat_prompt_ids(tok, r.prompt) for r in train_rec],
-        heldout=[chat_prompt_ids(tok, r.prompt) for r in held_rec],
+        train=[chat_prompt_ids(tok, r.messages) for r in train_rec],
+        heldout=[chat_prompt_ids(tok, r.messages) for r in held_rec],
         reward=reward,
         max_tokens=32,
         stop=[tok.eos_token_id],

@@ -39,6 +39,7 @@ from tephra.controller.run.trackers import Trackers, read_jsonl
 from tephra.core.config import load_config, split_cli
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.episodes.prompt import Prompt
+from tephra.episodes.rewards import reasoning_gym_rows
 from tephra.episodes.testing import CALC_MCP_SERVER
 from tephra.rollout.testing import live_processes
 
@@ -392,9 +393,15 @@ def test_worker_group_dispatch_on_ray(tmp_path):
     ray.shutdown()
 
 
+NEUTRAL = ["model.path=tiny", "data.source=code_problems"]
+"""The least a library config (no app preset under it) must name: a policy and a data source
+(`code_problems` needs no other data key)."""
+
+
 def test_the_library_defaults_are_neutral_and_the_policy_is_required():
-    """The library's tree is tuned for no task: no default policy (a config without one is
-    refused while it loads, naming `model.path` and how to set it, before Ray starts), one
+    """The library's tree is tuned for no task: no default policy and no default data source
+    (a config without either is refused while it loads, naming `model.path` / `data.source`
+    and how to set it, before Ray starts), no reasoning-gym task, options or instruction, one
     step, the engine-api optimizer and the algos loss as they define them. The demo's
     choices are the apps/ppo default preset's (tests/test_preset_configs.py)."""
     import ray
@@ -412,12 +419,37 @@ def test_the_library_defaults_are_neutral_and_the_policy_is_required():
             load_config(PPOConfig, [], overrides)
     with pytest.raises(ConfigError, match=r"set exactly one of model\.path .* or model\.hf_config"):
         load_config(PPOConfig, [], ["model.tokenizer_path=/x"])  # a model section without a path
+    for overrides in (["model.path=tiny"], ["model.path=tiny", "data.val_size=8"]):
+        with pytest.raises(
+            ConfigError,
+            match=r"^data\.source is not set: set data\.source to one of reasoning_gym, "
+            r"parquet, hf, colour_squares, code_problems \(reasoning_gym needs data\.task, "
+            r"parquet and hf data\.train_files\), e\.g\. data\.source=reasoning_gym "
+            r"data\.task=basic_arithmetic; `uv run apps/ppo` sets the demo's data",
+        ):
+            load_config(PPOConfig, [], overrides)
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.task is not set: data\.source=reasoning_gym .* e\.g\. "
+        r"data\.task=basic_arithmetic",
+    ):
+        load_config(PPOConfig, [], ["model.path=tiny", "data.source=reasoning_gym"])
     assert not ray.is_initialized()
-    cfg = load_config(PPOConfig, [], ["model.path=tiny"])
+    cfg = load_config(PPOConfig, [], NEUTRAL)
     assert cfg.model.path == "tiny" and cfg.trainer.steps == 1
+    assert (cfg.data.task, cfg.data.task_config, cfg.data.instruction) == ("", {}, "")
     assert cfg.actor.optimizer == OptimizerConfig() and OptimizerConfig().lr == 1e-6
     assert cfg.actor.objective == ActorObjectiveConfig()
     assert cfg.actor.objective.loss_agg_mode == "token-mean"
+    # a reasoning-gym task named alone: its own options, the question with nothing appended
+    rg = load_config(
+        PPOConfig,
+        [],
+        ["model.path=tiny", "data.source=reasoning_gym", "data.task=basic_arithmetic"],
+    )
+    (item,) = reasoning_gym_records(rg.data.task, 1, 0, rg.data.task_config, rg.data.instruction)
+    (row,) = reasoning_gym_rows("basic_arithmetic", 1, 0, extract="last_number")
+    assert item.messages == [{"role": "user", "content": row["question"]}]
 
 
 def test_auto_dtypes_are_resolved_once_for_the_workers_device():
@@ -427,7 +459,7 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
     from tephra.controller.launch.preflight import resolve_auto_dtypes
     from tephra.engine_api.fastest_dtype import fastest_dtype
 
-    cfg = load_config(PPOConfig, [], ["model.path=tiny"])
+    cfg = load_config(PPOConfig, [], NEUTRAL)
     assert (cfg.actor.precision.param_dtype, cfg.rollout.dtype) == ("auto", "auto")
     cpu = resolve_auto_dtypes(cfg)
     assert (
@@ -438,7 +470,7 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
         load_config(
             PPOConfig,
             [],
-            ["model.path=tiny", "actor.precision.param_dtype=float32", "rollout.dtype=bfloat16"],
+            [*NEUTRAL, "actor.precision.param_dtype=float32", "rollout.dtype=bfloat16"],
         )
     )
     assert (fixed.actor.precision.param_dtype, fixed.rollout.dtype) == ("float32", "bfloat16")
@@ -450,7 +482,7 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
             PPOConfig,
             [],
             [
-                "model.path=tiny",
+                *NEUTRAL,
                 "actor.precision.param_dtype=float32",
                 "critic.precision.param_dtype=bfloat16",
             ],
@@ -459,11 +491,11 @@ def test_auto_dtypes_are_resolved_once_for_the_workers_device():
     assert mixed.critic.precision.param_dtype == "bfloat16"
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         gpu = resolve_auto_dtypes(
-            load_config(PPOConfig, [], ["model.path=tiny", "resources.gpus_per_rank=1"])
+            load_config(PPOConfig, [], [*NEUTRAL, "resources.gpus_per_rank=1"])
         )
         assert (gpu.actor.precision.param_dtype, gpu.rollout.dtype) == ("bfloat16", "bfloat16")
     with pytest.raises(ConfigError, match=r"rollout.dtype='fp8'.*'auto'"):
-        load_config(PPOConfig, [], ["model.path=tiny", "rollout.dtype=fp8"])
+        load_config(PPOConfig, [], [*NEUTRAL, "rollout.dtype=fp8"])
 
 
 def test_a_server_key_never_reaches_the_run_folder():
@@ -473,7 +505,7 @@ def test_a_server_key_never_reaches_the_run_folder():
     cfg = load_config(
         PPOConfig,
         [],
-        ["model.path=tiny", "rollout.vllm.api_key=s3cret", "rollout.sglang.api_key=auto"],
+        [*NEUTRAL, "rollout.vllm.api_key=s3cret", "rollout.sglang.api_key=auto"],
     )
     saved = config_to_save(cfg)
     assert saved["rollout"]["vllm"]["api_key"].startswith("<redacted")

@@ -21,6 +21,7 @@ from tephra.engine_api.config import EngineConfig, ModelConfig, OptimizerConfig,
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import CheckpointError
 from tephra.engine_api.forward_outputs import check_extra_outputs
+from tephra.engine_api.loss import reduce_metrics, shares_of
 from tephra.engine_api.testing import ConformanceSpec
 
 VOCAB, HIDDEN, MAX_POS = 50, 16, 64
@@ -145,11 +146,16 @@ class ReferenceEngine(Engine):
         )
         B.set_global_normalisers(mbs)
         total = 0.0
+        sums: dict[str, float] = {}
+        shares: set[str] = set()
         for mb in mbs:
-            loss, _ = loss_fn(self._outputs(mb), mb)
+            loss, metrics = loss_fn(self._outputs(mb), mb)
             loss.backward()
             total += float(loss.detach())
-        return {"loss": total}
+            shares |= shares_of(metrics)
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        return {"loss": total, **reduce_metrics(sums, shares, len(mbs))}
 
     def optimizer_step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))

@@ -8,10 +8,19 @@ default suite, the rest under the `slow` marker."""
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoConfig
 
 from tephra.engine_api.errors import ConfigError
+from tephra.engine_fsdp import tree_attention
 from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
-from tephra.engine_fsdp.families import LAYOUTS, REFUSED, layout_refusal, window_turned_off
+from tephra.engine_fsdp.families import (
+    LAYOUTS,
+    REFUSED,
+    SWITCHED_WINDOW,
+    layout_refusal,
+    window_turned_off,
+)
 from tephra.engine_fsdp.family_matrix import (
     BUILD_REFUSALS,
     NOT_RUN,
@@ -19,7 +28,9 @@ from tephra.engine_fsdp.family_matrix import (
     check_family,
     engine_config,
     text_family,
+    tiny_config,
 )
+from tephra.engine_fsdp.microbatches import leading_padding, roll_rows
 
 FAMILIES = causal_lm_families()
 REPRESENTATIVE = {
@@ -30,8 +41,12 @@ REPRESENTATIVE = {
     "qwen3_next": "Gated DeltaNet hybrid (refused packed and shared prefix)",
     "gpt_oss": "sinks, sliding windows, MoE, eager attention",
     "cohere": "logits scaled after the head (refused everywhere)",
+    "deepseek_v4": "compressor windows by column: padded rows run from column 0",
+    "stablelm": "layers that drop attention kwargs: the tree blocks ride on the mask",
+    "mamba": "a no-split class inside another (MambaMixer in MambaBlock)",
+    "gpt_neox_japanese": "a tied head under another name (embed_out)",
 }
-NOT_RUN_REPRESENTATIVE = {"gemma2", "bert", "bart"}
+NOT_RUN_REPRESENTATIVE = {"gemma2", "bert", "git"}
 RUN = [f for f in FAMILIES if f not in NOT_RUN and text_family(f) is None]
 
 
@@ -111,6 +126,27 @@ def test_a_sliding_window_family_with_its_window_off_shares_prefixes():
     assert on.refusal == layout_refusal("mistral", "shared_prefix") and not on.matches()
 
 
+def _default_config(model_type: str) -> dict:
+    try:
+        return AutoConfig.for_model(model_type).to_dict()
+    except Exception:  # noqa: BLE001 (a family without a valid default config)
+        return {}
+
+
+def test_a_window_switched_off_by_default_is_off_until_switched_on():
+    # Qwen2 / Qwen3 / SmolLM3 slide only with use_sliding_window: true (their default is
+    # false): a config that leaves it out is plain causal attention and shares prefixes
+    switched = {f for f in FAMILIES if "use_sliding_window" in _default_config(f)}
+    assert switched == set(SWITCHED_WINDOW)
+    assert all(not AutoConfig.for_model(f).use_sliding_window for f in switched)
+    assert layout_refusal("qwen2", "shared_prefix", {"model_type": "qwen2"}) is None
+    on = {"model_type": "qwen2", "use_sliding_window": True}
+    assert layout_refusal("qwen2", "shared_prefix", on) is not None
+    off = {"use_sliding_window": False, "layer_types": ["full_attention"] * 2}
+    result = check_family("qwen2", ("shared_prefix",), off)["shared_prefix"]
+    assert result.refusal is None and result.matches(), result
+
+
 @pytest.mark.parametrize(
     "hf_config, off",
     [
@@ -128,3 +164,30 @@ def test_window_turned_off_reads_the_config(hf_config, off):
     assert (refusal is None) is off
     # a refusal for another reason stays, whatever the window
     assert layout_refusal("mpt", "packed", hf_config) is not None
+
+
+def test_padded_rows_are_rolled_to_column_zero_and_back():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]])
+    shift = leading_padding(mask)
+    assert shift.tolist() == [2, 0, 0]
+    values = torch.tensor([[0, 0, 7, 8, 9], [4, 5, 6, 0, 0], [0, 0, 0, 0, 0]])
+    left = roll_rows(values, -shift)
+    assert left.tolist() == [[7, 8, 9, 0, 0], [4, 5, 6, 0, 0], [0, 0, 0, 0, 0]]
+    assert torch.equal(roll_rows(left, shift), values)
+
+
+def test_a_tree_row_without_its_blocks_raises():
+    # a layer that rebuilt the placeholder mask would attend over the whole row: it raises
+    q = torch.zeros(1, 2, 3, 4)
+    bare = torch.ones((), dtype=torch.bool).expand(1, 1, 3, 3)
+    with pytest.raises(RuntimeError, match="without its blocks"):
+        tree_attention.tree_attention(torch.nn.Linear(1, 1), q, q, q, bare)
+
+
+def test_per_layer_overrides_follow_their_layers():
+    # Gemma 4's full-attention layers (every sixth) have head_dim 512 against 256: the tiny
+    # config keeps a sliding and a full layer, the full one at 2 x the tiny head_dim
+    config = tiny_config("gemma4_text")
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["per_layer_config"] == {"1": {"head_dim": 32}}
+    assert "head_dim" not in tiny_config("falcon")  # a read-only property there

@@ -144,6 +144,16 @@ async def keep_key(gateway, item):
                                 max_retries=0)
     await client.chat.completions.create(model="policy", messages=list(item.messages))
     item.extra_info["access"] = gateway
+
+
+async def keyed(gateway, item):
+    """Sends the key in the URL's path, and a header key that is no key (one process-wide
+    setting of a client, as verifiers' is)."""
+    client = openai.AsyncOpenAI(base_url=gateway.keyed_openai_base_url, api_key="EMPTY",
+                                max_retries=0)
+    reply = await client.chat.completions.create(model="policy", messages=list(item.messages))
+    item.extra_info["reply"] = reply.choices[0].message.content
+    item.extra_info["access"] = gateway
 '''
 
 
@@ -263,6 +273,38 @@ def test_a_wrong_or_expired_key_is_refused_with_401(tokenizer, agents):
                 assert refused.value.status_code == 401 and message in refused.value.message
                 if message == "has expired":  # it names the trajectory that ended
                     assert f"trajectory {item.sample_id!r} has expired" in refused.value.message
+            assert len(model.requests) == 1  # nothing refused reached the model
+
+    asyncio.run(scenario())
+
+
+def test_a_key_in_the_path_routes_the_call_and_wins_over_the_header(tokenizer, agents):
+    model = ScriptedRollout(tokenizer, lambda s, k: "Hello.")
+    item = Prompt([{"role": "user", "content": "Hi"}], extra_info={"stream": False})
+    loop = episode(tokenizer, agents, "keyed")
+
+    async def scenario():
+        async with shared_gateway(GatewayConfig()) as gateway:  # outlives the trajectory
+            traj = await loop.run(model, item, SAMPLING)
+            access = item.extra_info["access"]
+            assert access.keyed_openai_base_url == f"{gateway.url}/k/{access.api_key}/v1"
+            assert (traj.finish_reason, traj.num_turns, item.extra_info["reply"]) == (
+                "stop",
+                1,
+                "Hello.",
+            )
+            # the path's key decides: an ended trajectory's keyed URL is refused, and a path
+            # key the gateway never gave is refused as unknown, whatever key the header holds
+            for base, message in (
+                (access.keyed_openai_base_url, "has expired"),
+                (f"{gateway.url}/k/tephra-not-a-key/v1", "unknown API key"),
+            ):
+                client = openai.AsyncOpenAI(base_url=base, api_key=access.api_key, max_retries=0)
+                with pytest.raises(openai.AuthenticationError) as refused:
+                    await client.chat.completions.create(
+                        model="p", messages=[{"role": "user", "content": "Hi"}]
+                    )
+                assert refused.value.status_code == 401 and message in refused.value.message
             assert len(model.requests) == 1  # nothing refused reached the model
 
     asyncio.run(scenario())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import os
 import re
@@ -77,6 +78,32 @@ class Counter(Environment):
         if self.left == 0:
             return StepResult(reward=reward, done=True, info={"finish_reason": "counted"})
         return StepResult([{"role": "user", "content": f"again, {self.left} left"}], reward)
+
+
+def digest(inputs):
+    """Each tensor of a prompt's images: its dtype, shape and the sha256 of its raw bytes."""
+    import hashlib
+    from dataclasses import fields
+
+    import torch
+
+    out = []
+    for f in fields(inputs):
+        t = getattr(inputs, f.name)
+        if t is not None:
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            out.append(f"{f.name} {t.dtype} {list(t.shape)} {hashlib.sha256(raw).hexdigest()}")
+    return "\\n".join(out)
+
+
+class ImageEcho(Environment):
+    """Says what it received of the prompt's images (their bytes' digests), and ends."""
+
+    async def reset(self, item):
+        return [{"role": "system", "content": digest(item.multimodal)}, *item.messages]
+
+    async def step(self, action):
+        return StepResult(reward=1.0, done=True)
 '''
 
 SCRIPTS = {
@@ -109,7 +136,8 @@ def refuses(url: str) -> bool:
 @pytest.fixture(scope="module")
 def server(counter_spec):
     """One server in a child process for the module; stopped, it leaves nothing behind."""
-    server = EnvironmentServerProcess([counter_spec])
+    image_echo = counter_spec.replace(":Counter", ":ImageEcho")
+    server = EnvironmentServerProcess([counter_spec, image_echo])
     yield server
     start = time.monotonic()
     server.stop()
@@ -204,12 +232,57 @@ def test_images_cross_the_wire_pixel_for_pixel(server):
     assert sum(len(s.images) for s in local[1]) == 2  # a square after each answer but the last
 
 
+def test_a_prompts_images_reach_the_served_environment_bit_for_bit(tmp_path, server, counter_spec):
+    """The item's images (`Prompt.multimodal`, the tensors a real image processor made of a
+    colour square) reach the served environment with the same dtype, shape and bytes as the
+    in-process one's; bfloat16 pixels cross exactly too."""
+    import random
+
+    import torch
+
+    from tephra.episodes.environments import wire
+    from tephra.episodes.environments.colour_squares import colour_square
+    from tephra.episodes.user_files import import_file
+    from tephra.rollout.multimodal import VisionProcessor, build_tiny_vlm
+
+    proc = VisionProcessor.from_pretrained(build_tiny_vlm(tmp_path / "vlm").path)
+    _, image = colour_square(random.Random(3))
+    ids, mm = proc(f"{proc.span_text(proc.image_token)}Colour?", [image])
+    item = Prompt(
+        [{"role": "user", "content": "<image>Colour?"}],
+        sample_id="img-prompt",
+        prompt_ids=ids,
+        multimodal=mm,
+    )
+    module = import_file(Path(counter_spec.rsplit(":", 1)[0]), "tephra_test_echo_")
+
+    async def first_context(env):
+        try:
+            return await env.reset(item)
+        finally:
+            await env.close()
+
+    local = asyncio.run(first_context(module.ImageEcho()))
+    echo = counter_spec.replace(":Counter", ":ImageEcho")
+    remote = asyncio.run(first_context(RemoteEnvironment(environment=echo, url=server.url)))
+    assert remote == local
+    assert local[0]["content"] == module.digest(mm)
+    assert "pixel_values torch.float32" in local[0]["content"] and mm.pixel_values.numel() > 0
+    # every dtype crosses as its bytes: bfloat16 (no numpy type) and NaN included
+    half = mm.pixel_values.to(torch.bfloat16)
+    half[0, 0] = float("nan")
+    back = wire.tensor_from_json(json.loads(wire.dumps({"t": wire.tensor_to_json(half)}))["t"])
+    assert back.dtype == torch.bfloat16 and back.shape == half.shape
+    assert torch.equal(back.view(torch.int16), half.view(torch.int16))
+
+
 def test_an_unknown_served_name_is_refused_naming_the_served_ones(tokenizer, server):
     env = RemoteEnvironment(environment="nope", url=server.url)
     with pytest.raises(
         RemoteEnvironmentError,
         match=r"HTTP 404: unknown environment 'nope': this server serves \['answer_check', "
-        r"'colour_squares', 'openenv', 'swe', 'tool', '.*counter_env.py:Counter'\]",
+        r"'colour_squares', 'openenv', 'swe', 'tool', '.*counter_env.py:Counter', "
+        r"'.*counter_env.py:ImageEcho'\]",
     ):
         asyncio.run(env.reset(items()[0]))
     assert env.requests == 1  # an answer, not a connection error: no retry

@@ -23,6 +23,7 @@ from tephra.algos.kl import kl_penalty
 from tephra.algos.masked import masked_mean
 from tephra.algos.policy_losses import POLICY_LOSSES, policy_aggregation, weigh_policy_loss
 from tephra.algos.value_loss import clipped_value_loss
+from tephra.core.metrics import Share
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -129,7 +130,7 @@ class ActorObjective:
             norm_constant=cfg.loss_agg_norm_constant,
         )
         loss = pg_loss
-        metrics["actor/pg_loss"] = float(pg_loss.detach())
+        metrics["actor/pg_loss"] = Share(float(pg_loss.detach()))
 
         has_entropy = "entropy" in outputs.keys()
         if cfg.entropy_coeff != 0 and not has_entropy:
@@ -154,7 +155,7 @@ class ActorObjective:
             kl = kl_penalty(log_probs, ref, cfg.kl_loss_type)
             kl_loss = agg(kl)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"] = float(kl_loss.detach())
+            metrics["actor/kl_loss"] = Share(float(kl_loss.detach()))
             metrics["actor/kl_mean"] = float(masked_mean(kl.detach(), mask))
 
         if cfg.distill_loss_coef != 0:
@@ -169,7 +170,7 @@ class ActorObjective:
             rkl = kl_penalty(log_probs, teacher, cfg.distill_loss_type)
             distill_loss = agg(rkl)
             loss = loss + cfg.distill_loss_coef * distill_loss
-            metrics["actor/distill_loss"] = float(distill_loss.detach())
+            metrics["actor/distill_loss"] = Share(float(distill_loss.detach()))
         return loss, metrics
 
 
@@ -205,5 +206,5 @@ class CriticObjective:
             norm_constant=cfg.loss_agg_norm_constant,
         )
         metrics = {f"critic/{k}": v for k, v in vf_metrics.items()}
-        metrics["critic/vf_loss"] = float(loss.detach())
+        metrics["critic/vf_loss"] = Share(float(loss.detach()))
         return loss, metrics

@@ -27,7 +27,7 @@ from tephra.engine_api.config import EngineConfig, OptimizerConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.forward_outputs import check_extra_outputs
-from tephra.engine_api.loss import LossFn
+from tephra.engine_api.loss import LossFn, reduce_metrics, shares_of
 from tephra.engine_api.multimodal import is_vision_config
 from tephra.engine_fsdp import (
     checkpoint,
@@ -369,10 +369,24 @@ class FSDPEngine(Engine):
                 if self.share_prefix and not self.vlm and self.router_replay.targets is None
                 else None
             )
+            ids = mb[B.INPUT_IDS]
+            # rows run from column 0 (left padding moved to the end), so a model that reads
+            # the row by column (DeepSeek-V4's compressor windows, RWKV's recurrence over the
+            # pad tokens) sees each sequence as it sees it alone; image rows and replayed
+            # routes keep the batch's columns, which their inputs are aligned to
+            shift = (
+                None
+                if tree is not None or self.vlm or self.router_replay.targets is not None
+                else microbatches.leading_padding(attn)
+            )
+            if shift is not None:
+                ids, attn, pos, label_mask = (
+                    microbatches.roll_rows(x, -shift) for x in (ids, attn, pos, label_mask)
+                )
             if tree is not None:
                 tree = tree.to(self.device)
             out = self.scorer(
-                mb[B.INPUT_IDS].to(self.device),
+                ids.to(self.device),
                 pos.to(self.device),
                 attn.to(self.device),
                 label_mask.to(self.device),
@@ -392,6 +406,8 @@ class FSDPEngine(Engine):
             per_token = B.align_to_tokens(per_hidden)
             if size is not None:  # packed [1, N] -> padded [b, t]
                 per_token = B.unpack(per_token, attn.to(values.device))
+            elif shift is not None:  # back to the batch's columns
+                per_token = microbatches.roll_rows(per_token, shift)
             result[key] = per_token
         return result, out["anchor"]
 
@@ -474,6 +490,7 @@ class FSDPEngine(Engine):
         B.set_global_normalisers(real, process_group=self.dp_group)
         total_loss = 0.0
         metric_sums: dict[str, float] = {}
+        shares: set[str] = set()
         for mb in plan:
             outputs, anchor = self._outputs(mb.data)
             if mb.filler:
@@ -482,6 +499,7 @@ class FSDPEngine(Engine):
                 out_td = TensorDict(outputs, batch_size=mb.data.batch_size)
                 loss, metrics = loss_fn(out_td, mb.data.to(self.device))
                 total_loss += float(loss.detach())
+                shares |= shares_of(metrics)
                 for key, value in metrics.items():
                     metric_sums[key] = metric_sums.get(key, 0.0) + float(value)
                 # FSDP averages gradients over all ranks; the contract asks for the
@@ -490,17 +508,17 @@ class FSDPEngine(Engine):
                 # one group's gradient: hence the factor world size = dp_size * sp.
                 loss = loss * self.dp_size * self.sp + anchor
             loss.backward()
-        return self._reduce_metrics(total_loss, metric_sums, len(real))
+        return self._reduce_metrics(total_loss, metric_sums, shares, len(real))
 
-    def _reduce_metrics(self, loss: float, sums: dict[str, float], count: int) -> dict[str, float]:
+    def _reduce_metrics(
+        self, loss: float, sums: dict[str, float], shares: set[str], count: int
+    ) -> dict[str, float]:
         keys = sorted(sums)
         t = torch.tensor([loss, float(count), *[sums[k] for k in keys]], dtype=torch.float64)
         if self.dp_size > 1:
             dist.all_reduce(t, group=self.dp_group)
-        out = {"loss": float(t[0])}
-        for i, key in enumerate(keys):
-            out[key] = float(t[2 + i]) / max(float(t[1]), 1.0)
-        return out
+        totals = {key: float(t[2 + i]) for i, key in enumerate(keys)}
+        return {"loss": float(t[0]), **reduce_metrics(totals, shares, float(t[1]))}
 
     def optimizer_step(self) -> float:
         params = [p for p in self.scorer.parameters() if p.requires_grad and p.grad is not None]

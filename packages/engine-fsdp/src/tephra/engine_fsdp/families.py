@@ -6,8 +6,10 @@ sequence, no mask), or `shared_prefix` (a prompt's samples run the prompt once, 
 sample's tokens attending to it through a segment mask). Attention layers see sequence
 boundaries in all three through the mask or the position ids; a layer that keeps a recurrent
 state (linear attention, state-space layers) does not, so in the packed and shared-prefix
-layouts it would carry one sequence's state into the next. Those combinations are refused
-before anything is built (`FSDPEngine.check_config`, which the apps call before Ray starts).
+layouts it would carry one sequence's state into the next. Other families are wrong in a
+layout for a cause of their own (a causal mask built without the position ids, ALiBi or
+compressor windows by column, an attention that bypasses transformers' interface); each
+refusal below names it. Those combinations are refused before anything is built (`FSDPEngine.check_config`, which the apps call before Ray starts).
 The family matrix test (`tephra.engine_fsdp.family_matrix`) checks every other combination
 against a plain transformers forward.
 """
@@ -43,6 +45,17 @@ RECURRENT = (
     "neither the packed row's position ids nor the shared-prefix segment mask reach, so one "
     "sequence's state flows into the next"
 )
+CONVOLUTION = (
+    "its attention runs a causal convolution along the row over the query and key "
+    "projections (and a delayed state over the values), which neither the packed row's "
+    "position ids nor the shared-prefix segment mask reach, so one sequence's tokens flow "
+    "into the next"
+)
+SHORT_CONVOLUTION = (
+    "its short-convolution layers mix each token with the tokens before it in the row, which "
+    "neither the packed row's position ids nor the shared-prefix segment mask reach, so one "
+    "sequence's last tokens flow into the next"
+)
 SLIDING_SHARED = (
     "the shared-prefix segment mask replaces its sliding-window (or chunked) attention mask, "
     "so a token attends to keys beyond its window"
@@ -64,43 +77,77 @@ HIDDEN_SCALE = (
     "engine=fsdp's log-prob kernel (logits = W h) does not"
 )
 
-
-def differs(gap: str) -> str:
-    """The reason of a combination the family matrix found wrong for no cause named above."""
-    return (
-        f"its log-probs differ from a plain transformers forward of each sequence alone "
-        f"(largest gap {gap} in the family matrix, tephra.engine_fsdp.family_matrix)"
-    )
+MASK_WITHOUT_POSITIONS = (
+    "its model builds its causal mask without the position ids (transformers' "
+    "create_causal_mask is not handed them), so in a packed row each sequence attends to the "
+    "sequences packed before it"
+)
+ALIBI_BY_COLUMN = (
+    "its ALiBi bias is computed from each key's column in the row, not from its position id, "
+    "so in a shared-prefix row a sample's distance to the prompt also counts the other "
+    "samples' tokens in between"
+)
+MUP_SCALE = (
+    "it divides the last hidden state by logits_mup_width_multiplier before the output head "
+    "(and cuts the vocabulary to unpadded_vocab_size after it), which engine=fsdp's log-prob "
+    "kernel (logits = W h) does not"
+)
+NO_POSITION_IDS = (
+    "its decoder takes no position ids: it numbers positions by the token's column in the "
+    "row and builds its causal mask without them, so a packed or shared-prefix sequence after "
+    "the first gets the wrong positions and sees the sequences before it"
+)
+OWN_ATTENTION_SWITCH = (
+    "its attention chooses between its own SDPA and eager code by the attention "
+    "implementation's name instead of calling transformers' attention interface, so the "
+    "shared-prefix tree attention never runs and the row's placeholder mask lets every token "
+    "see every other"
+)
+COMPRESSED_BY_COLUMN = (
+    "its compressed attention (CSA / HCA) pools every compress-rate consecutive columns of the "
+    "row into one key-value entry whatever the position ids or the segment mask say, so a "
+    "packed sequence's entries take in the sequence before it and a shared-prefix sample's "
+    "the other samples"
+)
 
 
 REFUSED: dict[str, dict[str, str]] = {
     "afmoe": {"packed": SLIDING_PACKED, "shared_prefix": SLIDING_SHARED},
     "bailing_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "bamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
-    "bloom": {"packed": differs("0.0027"), "shared_prefix": NO_SEGMENT_MASK},
+    "bart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "bigbird_pegasus": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "bloom": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": NO_SEGMENT_MASK},
     "cohere": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
     "cohere2": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
     "cohere2_moe": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
     "cwm": {"shared_prefix": SLIDING_SHARED},
-    "deepseek_v4": {
-        "padded": differs("0.12"),
-        "packed": differs("0.12"),
-        "shared_prefix": differs("0.12"),
-    },
+    "deepseek_v4": {"packed": COMPRESSED_BY_COLUMN, "shared_prefix": COMPRESSED_BY_COLUMN},
     "doge": {"shared_prefix": SLIDING_SHARED},
     "exaone4": {"shared_prefix": SLIDING_SHARED},
     "exaone_moe": {"shared_prefix": SLIDING_SHARED},
+    "falcon": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": OWN_ATTENTION_SWITCH},
     "falcon_h1": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "falcon_mamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "flint": {"shared_prefix": SLIDING_SHARED},
     "gemma3_text": {"shared_prefix": SLIDING_SHARED},
+    "gemma4_text": {"shared_prefix": SLIDING_SHARED},
+    "gemma4_unified_text": {"shared_prefix": SLIDING_SHARED},
     "gpt_oss": {"packed": SLIDING_PACKED, "shared_prefix": SLIDING_SHARED},
     "granite_swa": {"shared_prefix": SLIDING_SHARED},
     "granitemoe_swa": {"shared_prefix": SLIDING_SHARED},
     "granitemoehybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "inkling_text": {"padded": MUP_SCALE, "packed": MUP_SCALE, "shared_prefix": MUP_SCALE},
     "jamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kimi_linear": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kolibri1": {"shared_prefix": SLIDING_SHARED},
+    "lfm2": {"packed": SHORT_CONVOLUTION, "shared_prefix": SHORT_CONVOLUTION},
+    "lfm2_moe": {"packed": SHORT_CONVOLUTION, "shared_prefix": SHORT_CONVOLUTION},
     "lfm3": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "llama4_text": {"shared_prefix": SLIDING_SHARED},
+    "mamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "mbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "mamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "mimo_v2_flash": {"shared_prefix": SLIDING_SHARED},
     "minicpm3": {"padded": HIDDEN_SCALE, "packed": HIDDEN_SCALE, "shared_prefix": HIDDEN_SCALE},
     "minimax": {"packed": RECURRENT, "shared_prefix": RECURRENT},
@@ -108,30 +155,29 @@ REFUSED: dict[str, dict[str, str]] = {
     "ministral3": {"shared_prefix": SLIDING_SHARED},
     "mistral": {"shared_prefix": SLIDING_SHARED},
     "mixtral": {"shared_prefix": SLIDING_SHARED},
-    "mpt": {"packed": differs("0.23"), "shared_prefix": differs("0.091")},
-    "nemotron": {"shared_prefix": differs("0.38")},
+    "mpt": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": ALIBI_BY_COLUMN},
     "nemotron_h": {"shared_prefix": RECURRENT},
     "olmo3": {"shared_prefix": SLIDING_SHARED},
     "olmo_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
-    "opt": {"packed": differs("0.051")},
+    "opt": {"packed": MASK_WITHOUT_POSITIONS},
     "phi3": {"shared_prefix": SLIDING_SHARED},
     "phimoe": {"shared_prefix": SLIDING_SHARED},
+    "plbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "qwen2": {"shared_prefix": SLIDING_SHARED},
+    "qwen2_moe": {"shared_prefix": SLIDING_SHARED},
+    "qwen3": {"shared_prefix": SLIDING_SHARED},
     "qwen3_5_moe_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "qwen3_5_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "qwen3_moe": {"shared_prefix": SLIDING_SHARED},
     "qwen3_next": {"packed": RECURRENT, "shared_prefix": RECURRENT},
-    "recurrent_gemma": {
-        "padded": differs("0.007"),
-        "packed": differs("0.007"),
-        "shared_prefix": differs("0.007"),
-    },
-    "rwkv": {
-        "padded": differs("0.54"),
-        "packed": differs("0.54"),
-        "shared_prefix": differs("0.54"),
-    },
-    "stablelm": {"shared_prefix": differs("0.3")},
+    "qwen4_exp_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "rwkv": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "smollm3": {"shared_prefix": SLIDING_SHARED},
     "starcoder2": {"shared_prefix": SLIDING_SHARED},
-    "xglm": {"packed": differs("0.0026")},
+    "trocr": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "xglm": {"packed": MASK_WITHOUT_POSITIONS},
+    "zamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "zaya": {"packed": CONVOLUTION, "shared_prefix": CONVOLUTION},
 }
 """model_type -> {layout: why the engine's outputs would be wrong there}: what the family
 matrix found (a family refused `padded` is refused in every layout). A vision-language
@@ -156,11 +202,19 @@ def model_types_of(config: EngineConfig) -> list[str]:
     return [t for t in found if isinstance(t, str)]
 
 
+SWITCHED_WINDOW = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
+"""Families whose sliding window is on only where the config says `use_sliding_window: true`
+(their default is false: the released Qwen2.5 / Qwen3 / SmolLM3 configs)."""
+
+
 def window_turned_off(hf_config: dict[str, Any]) -> bool:
     """Whether a sliding-window family's config turns its window off: `use_sliding_window:
-    false`, or every window size field it sets is null or 0 (and it sets one: a field left
-    out takes the family's default, which may be a window)."""
+    false` (or left out in a `SWITCHED_WINDOW` family, whose default is false), or every
+    window size field it sets is null or 0 (and it sets one: a field left out takes the
+    family's default, which may be a window)."""
     if hf_config.get("use_sliding_window") is False:
+        return True
+    if hf_config.get("model_type") in SWITCHED_WINDOW and not hf_config.get("use_sliding_window"):
         return True
     given = [k for k in WINDOW_KEYS if k in hf_config]
     return bool(given) and not any(hf_config[k] for k in given)

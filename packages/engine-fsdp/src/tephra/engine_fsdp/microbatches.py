@@ -57,3 +57,20 @@ def plan(
         filler = B.trim_padding(batch[:1]).clone()
         out.append(MicroBatch(filler, filler=True))
     return out
+
+
+def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """`[b]` the number of padding columns before each row's first token (`[b, t]` mask;
+    an empty row counts 0)."""
+    seen = attention_mask.bool().cumsum(-1) > 0
+    first = seen.int().argmax(-1)
+    return torch.where(seen[:, -1], first, torch.zeros_like(first))
+
+
+def roll_rows(values: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """`[b, t]` `values` with row i rolled right by `shift[i]` columns (left when
+    negative): `out[i, (j + shift[i]) % t] = values[i, j]`."""
+    t = values.shape[-1]
+    cols = torch.arange(t, device=values.device)
+    source = (cols[None, :] - shift[:, None].to(values.device)) % t
+    return values.gather(-1, source)

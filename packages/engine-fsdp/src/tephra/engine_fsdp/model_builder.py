@@ -147,8 +147,14 @@ def _saved_tensors(folder: Path, module: str) -> dict[str, torch.Tensor]:
 
 
 def backbone(model: PreTrainedModel) -> nn.Module:
-    """The decoder stack that returns the last hidden state (`model.model` for Llama/Qwen)."""
-    return getattr(model, model.base_model_prefix)
+    """The decoder stack that returns the last hidden state (`model.model` for Llama/Qwen).
+    Llama 4's text causal LM names the vision model's prefix (`language_model`) but keeps
+    its decoder under `model`."""
+    inner = getattr(model, model.base_model_prefix, None)
+    if not isinstance(inner, nn.Module):
+        inner = model.model
+    assert isinstance(inner, nn.Module)
+    return inner
 
 
 def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
@@ -160,7 +166,12 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     ):
         hf = inner
     names = set(getattr(hf, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    # a declared class inside another (Mamba's MambaMixer in its MambaBlock) stays in its
+    # layer's unit: sharding the outer layer first would leave the inner one's parameters
+    # sharded when its forward runs
+    inner = {id(c) for m in found for c in m.modules() if c is not m}
+    layers = [m for m in found if id(m) not in inner]
     if not layers:
         raise ConfigError(
             f"{where}: found no decoder layers to shard (the model class declares "

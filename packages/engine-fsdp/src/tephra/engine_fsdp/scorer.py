@@ -39,6 +39,14 @@ def check_output_head(hf_model: PreTrainedModel, role: str, where: str) -> None:
             "engine=fsdp's log-prob kernel; set final_logit_softcapping=None in the model "
             "config or use a model without logit soft-capping"
         )
+    for field in ("logits_soft_cap", "output_logit_soft_cap"):  # RecurrentGemma, xLSTM
+        cap = getattr(hf_model.config.get_text_config(), field, None)
+        if cap:
+            raise ConfigError(
+                f"{where}: {field}={cap} (the model soft-caps every logit after the output "
+                "head) is not applied by engine=fsdp's log-prob kernel (logits = W h); use "
+                "a model without logit soft-capping"
+            )
 
 
 class TokenScorer(nn.Module):
@@ -112,7 +120,7 @@ class TokenScorer(nn.Module):
         if tree is not None:  # one row per shared prefix (`prefix_sharing`)
             if tree.attention_mask is None:  # flat: the blocks are the attention
                 mask, blocks = (
-                    tree_attention.placeholder_mask(tree.input_ids),
+                    tree_attention.placeholder_mask(tree.input_ids, tree.blocks),
                     {"tree_blocks": tree.blocks},
                 )
             else:

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, OptimizerConfig, apply_overrides
-from tephra.engine_api.loss import LossFn
+from tephra.engine_api.loss import LossFn, Share
 from tephra.engine_api.multimodal import vision_family
 from tephra.engine_api.testing import (
     ConformanceSpec,
@@ -246,7 +246,7 @@ def value_loss_fn(outputs: TensorDict, batch: TensorDict) -> tuple[torch.Tensor,
     1, as a contribution to the global loss: sum((v - 1)^2 * mask) / global_token_count."""
     mask = batch[B.RESPONSE_MASK].to(outputs["values"].dtype)
     loss = ((outputs["values"] - 1.0) ** 2 * mask).sum() / batch[B.GLOBAL_TOKEN_COUNT][0]
-    return loss, {"value_contribution": float(loss.detach())}
+    return loss, {"value_contribution": Share(float(loss.detach()))}
 
 
 def vision_steps(

@@ -11,6 +11,11 @@ mask up to float summation order.
 
 The function is registered with transformers as `ATTENTION_NAME`; a forward without
 `tree_blocks` (rows run whole) takes transformers' own SDPA path, whose masks it also uses.
+The blocks ride on the placeholder mask (`placeholder_mask`) as well as in the forward's
+keyword arguments: some families' decoder layers (StableLM, Nemotron) call their attention
+without the keyword arguments the model was given, and the mask is the one argument every
+layer hands on. A placeholder that arrives without its blocks raises instead of attending
+over the whole row.
 """
 
 from __future__ import annotations
@@ -90,11 +95,23 @@ def tree_blocks(rows: list[torch.Tensor], starts: list[int]) -> tuple[Blocks, ..
     )
 
 
-def placeholder_mask(input_ids: torch.Tensor) -> torch.Tensor:
-    """A `[1, 1, T, T]` view of one True (no memory): a 4D mask makes transformers pass it
-    through instead of building a `[T, T]` mask that `tree_attention` would not read."""
+BLOCKS_ATTRIBUTE = "tephra_tree_blocks"
+"""The attribute of the placeholder mask that holds the tree's blocks."""
+
+
+def placeholder_mask(input_ids: torch.Tensor, blocks: tuple[Blocks, ...]) -> torch.Tensor:
+    """A `[1, 1, T, T]` view of one True (no memory) carrying `blocks`: a 4D mask makes
+    transformers pass it through (the same object) instead of building a `[T, T]` mask
+    that `tree_attention` would not read."""
     t = input_ids.shape[-1]
-    return torch.ones((), dtype=torch.bool, device=input_ids.device).expand(1, 1, t, t)
+    mask = torch.ones((), dtype=torch.bool, device=input_ids.device).expand(1, 1, t, t)
+    setattr(mask, BLOCKS_ATTRIBUTE, blocks)
+    return mask
+
+
+def _is_placeholder(mask: torch.Tensor | None) -> bool:
+    """Whether `mask` is (a copy of) a `placeholder_mask`: a bool view of one element."""
+    return mask is not None and mask.dtype == torch.bool and not any(mask.stride())
 
 
 def tree_attention(
@@ -109,7 +126,16 @@ def tree_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention interface: `query [b, h, L, d]`, `key`/`value [b, kv, L, d]`
-    -> `[b, L, h, d]`. Without `tree_blocks`: transformers' SDPA."""
+    -> `[b, L, h, d]`. Without `tree_blocks` (in the keyword arguments or on the mask):
+    transformers' SDPA."""
+    if tree_blocks is None:
+        tree_blocks = getattr(attention_mask, BLOCKS_ATTRIBUTE, None)
+    if tree_blocks is None and _is_placeholder(attention_mask):
+        raise RuntimeError(
+            f"{type(module).__name__}: a shared-prefix tree row reached attention without "
+            "its blocks (the model changed the placeholder mask on the way); set "
+            "micro_batch.share_prefix=false for this model"
+        )
     if tree_blocks is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

@@ -318,6 +318,7 @@ class SegmentAttention(MegatronModule):
         pg_collection: object = None,
         kernel: str = "torch",
         window: int | None = None,
+        v_channels: int | None = None,
         **_: object,
     ) -> None:
         super().__init__(config=config)
@@ -330,7 +331,9 @@ class SegmentAttention(MegatronModule):
         self.window = window
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
+        # the value head's size: MLA's query/key heads are larger (nope + RoPE parts), and
+        # megatron's MLA passes its own softmax scale
+        self.head_dim = v_channels or config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout

@@ -11,6 +11,7 @@ installed); the engine then runs on the GPU (checked on an H100: tests marked `g
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as mp_random
+from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.moe import moe_utils
 from torch.overrides import TorchFunctionMode
 
@@ -129,6 +131,11 @@ def apply() -> None:
     # fail with a NameError on any device).
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # Without TransformerEngine megatron's TE extension module defines MagicMock stand-ins,
+    # so MLA's `from ...transformer_engine import TELinear` succeeds and sets HAVE_TE, and its
+    # `isinstance(linear_proj, TELinear)` then fails on a MagicMock (DeepSeek-V3's attention)
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
     if _APPLIED or not cuda_absent():
         return
     _APPLIED = True

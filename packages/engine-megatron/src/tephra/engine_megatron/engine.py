@@ -36,7 +36,7 @@ from tephra.engine_api.config import EngineConfig
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.forward_outputs import check_extra_outputs
-from tephra.engine_api.loss import LossFn
+from tephra.engine_api.loss import LossFn, reduce_metrics, shares_of
 from tephra.engine_api.multimodal import declared_hf_config, model_has_vision
 from tephra.engine_megatron import cpu_compat
 
@@ -94,6 +94,19 @@ def check_shape(p: Any, s: ModelShape) -> None:
         raise ConfigError(
             f"num_hidden_layers={s.num_layers} is not divisible by "
             f"parallel.pipeline * parallel.virtual_pipeline={layers_per}"
+        )
+    if s.mla and p.tensor > 1 and not p.sequence_parallel:
+        raise ConfigError(
+            f"parallel.tensor={p.tensor} without parallel.sequence_parallel for deepseek_v3: "
+            "MLA's replicated down projections get their RoPE key's gradient from every "
+            "tensor-parallel rank's heads only through sequence parallel's reduce-scatter "
+            "(and megatron needs it with MoE anyway); set parallel.sequence_parallel=true"
+        )
+    if s.mla and p.context > 1:
+        raise ConfigError(
+            "parallel.context > 1 is not supported by engine-megatron for deepseek_v3 (the "
+            "ring attention needs equal query and value head sizes, MLA's differ); set "
+            "parallel.context=1"
         )
     if (p.expert > 1 or p.expert_tensor > 1) and not s.num_experts:
         raise ConfigError("parallel.expert/expert_tensor > 1 needs a mixture-of-experts model")
@@ -163,6 +176,10 @@ class MegatronEngine(Engine):
             self.device.type == "cuda",
             config.parallel.context,
         )
+        if self.shape.mla:
+            # MLA's query/key heads are larger than its value heads: the torch kernel (torch
+            # SDPA per sequence) takes that; the flash-attn / TE paths here assume equal sizes
+            self.attention_kernel = "torch"
         vpp = config.parallel.virtual_pipeline
         with cpu_compat.device_scope():
             self.chunks = [
@@ -268,11 +285,23 @@ class MegatronEngine(Engine):
         shape = declared_shape(config.model)
         if shape is not None:  # the model's shape against the layout, before any rank starts
             check_shape(p, shape)
+            if shape.mla and config.moe.replays:
+                raise ConfigError(
+                    "moe.routing_replay='rollout' is not supported by engine-megatron for "
+                    "deepseek_v3 (replayed gates follow softmax routing, DeepSeek-V3's is "
+                    "sigmoid); set moe.routing_replay=off"
+                )
 
     @staticmethod
     def _check_supported(config: EngineConfig) -> None:
         if config.lora.enabled:
             shape = declared_shape(config.model)
+            if shape is not None and shape.mla:
+                raise ConfigError(
+                    "lora.rank > 0 is not supported by engine-megatron for deepseek_v3 (no "
+                    "adapters on MLA's latent projections yet); set lora.rank=0 or use "
+                    "engine=fsdp"
+                )
             lora.check_config(config.lora, None if shape is None else bool(shape.num_experts))
         if config.offload.params or config.offload.optimizer:
             raise ConfigError(
@@ -342,7 +371,7 @@ class MegatronEngine(Engine):
         with torch.no_grad():
             for chunk in self.chunks:
                 offsets = self._layer_offsets(chunk)
-                for name, param in chunk.named_parameters():
+                for name, param in chunk.hf_weights():
                     m = conv.match(name, offsets, self.shape.model_type)
                     if name == "value_head.weight" and "score.weight" not in hf_state:
                         continue  # a fresh critic head (seeded by model.init_seed)
@@ -365,6 +394,15 @@ class MegatronEngine(Engine):
             offsets = self._layer_offsets(chunk)
             for name, param in chunk.named_parameters():
                 kind = conv.match(name, offsets, self.shape.model_type).kind
+                if kind.startswith("expert"):
+                    # megatron tags experts as such (`allreduce=False`: gradients summed over
+                    # the expert data-parallel group) only at expert_parallel > 1 and
+                    # otherwise takes them for dense weights, reduced over the dense
+                    # data-parallel group. At expert_tensor < tensor that group leaves out
+                    # the tensor-parallel ranks, which hold replicas of the experts and
+                    # route their own tokens: each replica stepped on its own share of the
+                    # gradient. The expert data-parallel group is right in every layout.
+                    param.allreduce = False  # type: ignore[attr-defined]
                 if kind != "rep" and not hasattr(param, "tensor_model_parallel"):
                     dim = 1 if kind in ("row", "expert_down") else 0
                     tensor_parallel.set_tensor_model_parallel_attributes(param, True, dim, 1)
@@ -567,6 +605,7 @@ class MegatronEngine(Engine):
         full = {k: torch.zeros(n_rows, seq_len) for k in keys}
         loss_sum = torch.zeros(())
         metric_sums: dict[str, float] = {}
+        shares: set[str] = set()
         sp = self.config.parallel.tensor if self.tconfig.sequence_parallel else 1
         shape = None
         allgather_moe = bool(self.shape.num_experts) and (
@@ -622,6 +661,7 @@ class MegatronEngine(Engine):
                     return out_tensor.sum().detach() * 0.0, torch.tensor(1), {}
                 loss, metrics = loss_fn(outputs, mb)
                 loss_sum = loss_sum + loss.detach().float().cpu()
+                shares.update(shares_of(metrics))
                 for k, v in metrics.items():
                     metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
                 return loss, torch.tensor(1), {}
@@ -648,18 +688,17 @@ class MegatronEngine(Engine):
             if ps.get_pipeline_model_parallel_world_size() > 1:
                 dist.broadcast(stacked, src=last_pp_rank, group=pp_group)
             return TensorDict({k: stacked[j] for j, k in enumerate(keys)}, batch_size=[n_rows]), {}
-        result = [(float(loss_sum), metric_sums)]  # (loss sum, metric sums)
+        # (loss sum, metric sums, the names of the shares among them)
+        result = [(float(loss_sum), metric_sums, shares)]
         if ps.get_pipeline_model_parallel_world_size() > 1:
             # only the last stage ran the loss (and knows the metric names)
             dist.broadcast_object_list(result, src=last_pp_rank, group=pp_group)
-        total, sums = result[0]
+        total, sums, shares = result[0]
         names = sorted(sums)
         vec = torch.tensor([total, float(real)] + [sums[n] for n in names], dtype=torch.float64)
         dist.all_reduce(vec, group=ps.get_data_parallel_group())
-        metrics = {"loss": float(vec[0])}
-        for j, n in enumerate(names):
-            metrics[n] = float(vec[2 + j] / vec[1])
-        return None, metrics
+        totals = {n: float(vec[2 + j]) for j, n in enumerate(names)}
+        return None, {"loss": float(vec[0]), **reduce_metrics(totals, shares, float(vec[1]))}
 
     # ----- optimisation -------------------------------------------------------------------
     @property

@@ -1,5 +1,5 @@
-"""Hugging Face <-> megatron weight conversion for Llama, Mistral, Qwen2, Qwen3 (dense and MoE)
-and Gemma-3 (text).
+"""Hugging Face <-> megatron weight conversion for Llama, Mistral, Qwen2, Qwen3 (dense and MoE),
+Gemma-3 (text) and DeepSeek-V3 (MLA + MoE).
 
 Our own mapping rather than megatron-bridge: bridge 0.3.1 (the last release for Python 3.11)
 hard-depends on transformer-engine, which a CPU install cannot satisfy without overriding the
@@ -101,7 +101,47 @@ GEMMA_RULES = (
     _rule(_L + r"self_attn_bda\.weight", "rep", _HL + "post_attention_layernorm.weight"),
     _rule(_L + r"mlp_bda\.weight", "rep", _HL + "post_feedforward_layernorm.weight"),
 )
-_FAMILY_RULES = {"gemma3_text": GEMMA_RULES + RULES}
+# DeepSeek-V3: multi-head latent attention (megatron's MLASelfAttention: its down
+# projections whole on every rank (`model_builder.block_spec` says why); the up projections
+# split by heads, each head's rows [nope, rope] / [k nope, v] in the
+# same order as transformers'), the router's score-correction bias (a buffer on both sides)
+# and an ungated shared expert under transformers' plural name
+MLA_RULES = (
+    _rule(_L + r"self_attention\.linear_q_proj\.weight", "col", _HL + "self_attn.q_proj.weight"),
+    _rule(
+        _L + r"self_attention\.linear_q_down_proj\.weight", "rep", _HL + "self_attn.q_a_proj.weight"
+    ),
+    _rule(
+        _L + r"self_attention\.linear_q_up_proj\.weight", "col", _HL + "self_attn.q_b_proj.weight"
+    ),
+    _rule(
+        _L + r"self_attention\.linear_kv_down_proj\.weight",
+        "rep",
+        _HL + "self_attn.kv_a_proj_with_mqa.weight",
+    ),
+    _rule(
+        _L + r"self_attention\.linear_kv_up_proj\.weight", "col", _HL + "self_attn.kv_b_proj.weight"
+    ),
+    _rule(
+        _L + r"self_attention\.q_layernorm\.weight", "rep", _HL + "self_attn.q_a_layernorm.weight"
+    ),
+    _rule(
+        _L + r"self_attention\.kv_layernorm\.weight", "rep", _HL + "self_attn.kv_a_layernorm.weight"
+    ),
+    _rule(_L + r"mlp\.router\.expert_bias", "rep", _HL + "mlp.gate.e_score_correction_bias"),
+    _rule(
+        _L + r"mlp\.shared_experts\.linear_fc1\.weight",
+        "gate_up",
+        _HL + "mlp.shared_experts.gate_proj.weight",
+        _HL + "mlp.shared_experts.up_proj.weight",
+    ),
+    _rule(
+        _L + r"mlp\.shared_experts\.linear_fc2\.weight",
+        "row",
+        _HL + "mlp.shared_experts.down_proj.weight",
+    ),
+)
+_FAMILY_RULES = {"gemma3_text": GEMMA_RULES + RULES, "deepseek_v3": MLA_RULES + RULES}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,11 @@ Layer spec: megatron's local (TransformerEngine-free) spec, with two substitutio
 Gemma-3 adds `GemmaRMSNorm` (x * (1 + weight)) everywhere, its sandwich norms as
 `PostNormAdd` in the bias-dropout-add slots (the residual adds the normalised output),
 embeddings scaled by sqrt(hidden) and one RoPE base per layer type (a pre-hook on each
-layer's attention picks its layer's angles).
+layer's attention picks its layer's angles). DeepSeek-V3 takes megatron's MLA spec with the
+down projections replicated (`ReplicatedLinear`), its rotary embedding answered with the
+batch's angles (`MLARope`), and the sigmoid router with its correction bias.
+RoPE inverse frequencies (default, linear, llama3, yarn) are transformers' own
+(`rope_frequencies`).
 
 `TephraGPT` wraps one pipeline chunk. On the last stage it returns per-position outputs
 instead of logits: policy `[b, s, 2]` = (log p(label), entropy) from the vocab-parallel
@@ -30,8 +34,9 @@ from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -39,6 +44,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tephra.engine_api.config import ParallelConfig
 from tephra.engine_api.errors import ConfigError
@@ -53,9 +59,14 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3",
     "qwen3_moe",
     "gemma3_text",
+    "deepseek_v3",
 )
+_MLA = ("deepseek_v3",)
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
 _GEMMA = ("gemma3_text",)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""`rope_parameters.rope_type` values engine-megatron computes as transformers does (Gemma-3:
+default and linear per layer type)."""
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
@@ -134,6 +145,9 @@ class ModelShape:
     `rope_theta`, unscaled, for all."""
     activation: str = "silu"
     """The gated MLP's activation (silu: SwiGLU; gelu_pytorch_tanh: Gemma's GeGLU)."""
+    mla: bool = False
+    """DeepSeek-V3's multi-head latent attention (low-rank q and kv projections, a shared
+    RoPE key part); `head_dim` is then the value head's size."""
 
 
 def rope_theta(hf_config: PretrainedConfig) -> float:
@@ -149,8 +163,14 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
             f"model_type {model_type!r} is not supported by engine-megatron; supported: "
             f"{list(SUPPORTED_MODEL_TYPES)} (use engine=fsdp for other architectures)"
         )
+    rope_parameters(hf_config)  # an unsupported RoPE is refused before any rank starts
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    mla = model_type in _MLA
+    if mla:
+        _mla_refusals(hf_config)
+        head_dim = hf_config.v_head_dim
+    experts = hf_config.n_routed_experts if mla else getattr(hf_config, "num_experts", 0)
     return ModelShape(
         model_type=model_type,
         vocab_size=hf_config.vocab_size,
@@ -160,7 +180,7 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        num_experts=int(getattr(hf_config, "num_experts", 0) or 0),
+        num_experts=int(experts or 0),
         qkv_bias=model_type in ("qwen2", "qwen2_moe")
         or bool(getattr(hf_config, "attention_bias", False)),
         qk_norm=model_type in _QK_NORM,
@@ -168,7 +188,32 @@ def model_shape(hf_config: PretrainedConfig) -> ModelShape:
         gemma=model_type in _GEMMA,
         layer_ropes=_layer_ropes(hf_config),
         activation=_activation(hf_config),
+        mla=mla,
     )
+
+
+def _mla_refusals(hf_config: PretrainedConfig) -> None:
+    """DeepSeek-V3 settings megatron's MLA and router cannot express, each named."""
+
+    def refuse(setting: str, why: str) -> None:
+        raise ConfigError(
+            f"{setting} is not supported by engine-megatron for deepseek_v3 ({why}); "
+            "use engine=fsdp"
+        )
+
+    if getattr(hf_config, "attention_bias", False):
+        refuse("attention_bias=true", "megatron's MLA projections have no bias")
+    if not getattr(hf_config, "rope_interleave", True):
+        refuse("rope_interleave=false", "megatron's MLA rotates interleaved pairs only")
+    topk, groups = hf_config.num_experts_per_tok, int(hf_config.n_group or 1)
+    if topk > 1 and not hf_config.norm_topk_prob:
+        refuse("norm_topk_prob=false", "megatron renormalises sigmoid top-k weights")
+    if groups > 1 and topk // int(hf_config.topk_group) != 2:
+        refuse(
+            f"num_experts_per_tok={topk} with topk_group={hf_config.topk_group}",
+            "megatron scores a group by its top num_experts_per_tok // topk_group experts, "
+            "transformers by its top 2: their ratio must be 2",
+        )
 
 
 def _activation(hf_config: PretrainedConfig) -> str:
@@ -221,6 +266,53 @@ def _layer_ropes(hf_config: PretrainedConfig) -> tuple[tuple[float, float], ...]
     )
 
 
+def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """The model's (single) RoPE parameters, its `rope_type` checked against `ROPE_TYPES`
+    (Gemma-3's per-layer-type parameters are `_layer_ropes`' job: empty here)."""
+    if hf_config.model_type in _GEMMA:
+        return {}
+    params = dict(
+        getattr(hf_config, "rope_parameters", None)
+        or getattr(hf_config, "rope_scaling", None)
+        or {}
+    )
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(
+            f"rope_parameters.rope_type={kind!r} ({hf_config.model_type}) is not supported by "
+            f"engine-megatron; supported: {list(ROPE_TYPES)} (use engine=fsdp for {kind!r} RoPE)"
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(
+            f"rope_parameters.partial_rotary_factor={params['partial_rotary_factor']} is not "
+            "supported by engine-megatron (RoPE on the whole head only); use engine=fsdp"
+        )
+    return params
+
+
+def rope_frequencies(hf_config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies `[rope_dim / 2]`, attention factor) of a model with one RoPE, as
+    transformers computes them (`ROPE_INIT_FUNCTIONS` for linear, Llama-3.1's llama3 and YaRN:
+    their low/high frequency bands, `original_max_position_embeddings`, YaRN's `mscale`),
+    so that megatron's rotary embedding rotates by the same angles."""
+    params = rope_parameters(hf_config)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        inv, factor = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
+        return inv.float(), float(factor)
+    dim = rope_head_dim(hf_config)
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    return 1.0 / (rope_theta(hf_config) ** exponents), 1.0
+
+
+def rope_head_dim(hf_config: PretrainedConfig) -> int:
+    """The rotated part of a head: all of it, except MLA's `qk_rope_head_dim`."""
+    if getattr(hf_config, "qk_rope_head_dim", None):
+        return int(hf_config.qk_rope_head_dim)
+    heads = hf_config.num_attention_heads
+    return int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+
+
 def _sliding_window(hf_config: PretrainedConfig) -> int | None:
     window = getattr(hf_config, "sliding_window", None)
     if hf_config.model_type == "mistral":
@@ -245,12 +337,12 @@ def transformer_config(
     """megatron TransformerConfig equal in function to the HF config (dropout off: RL
     fine-tuning of these models runs without it, and the contract compares exactly)."""
     shape = model_shape(hf_config)
-    rope_scaling = getattr(hf_config, "rope_scaling", None)
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
-        None,
-        "default",
-    ):
-        raise ConfigError(f"rope_scaling={rope_scaling!r} is not supported by engine-megatron")
+    _, attention_factor = rope_frequencies(hf_config)
+    # transformers multiplies cos and sin by YaRN's attention factor: every score q.k, with
+    # the whole head rotated, by its square, which the softmax scale carries here
+    scale = float(hf_config.query_pre_attn_scalar) ** -0.5 if shape.gemma else None
+    if attention_factor != 1.0 and not shape.mla:
+        scale = shape.head_dim**-0.5 * attention_factor**2
     kwargs: dict[str, Any] = dict(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -263,7 +355,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=_ACTIVATIONS[shape.activation],
         # Gemma scales scores by query_pre_attn_scalar^-0.5, the others by head_dim^-0.5
-        softmax_scale=(float(hf_config.query_pre_attn_scalar) ** -0.5 if shape.gemma else None),
+        # (times YaRN's attention factor squared)
+        softmax_scale=scale,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
@@ -304,6 +397,8 @@ def transformer_config(
         kwargs.update(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
+    if shape.mla:
+        kwargs.update(_mla_kwargs(hf_config))
     if shape.num_experts:
         if moe_dispatcher == "allgather" and parallel.pipeline > 1:
             raise ConfigError(
@@ -326,10 +421,60 @@ def transformer_config(
         )
         if shared:
             kwargs.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+        if shape.mla:
+            kwargs.update(_deepseek_router_kwargs(hf_config))
         pattern = sparse_layers(hf_config)
         if not all(pattern):  # dense MLP layers among the MoE ones (e.g. the first k dense)
             kwargs.update(moe_layer_freq=[int(p) for p in pattern])
+    if shape.mla:
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _mla_kwargs(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """megatron's MLA fields from DeepSeek-V3's. The softmax scale megatron derives,
+    mscale(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(q head dim), equals transformers'
+    `yarn_apply_mscale` when the factor is RoPE's `factor` for any scaled RoPE (1 unscaled)
+    and `mscale_all_dim` is the config's (0: no change). The RoPE angles and YaRN's attention
+    factor on cos/sin come from the batch (`MLARope`), not from megatron's own rotary."""
+    params = rope_parameters(hf_config)
+    scaled = params.get("rope_type", "default") != "default"
+    return dict(
+        q_lora_rank=hf_config.q_lora_rank,
+        kv_lora_rank=hf_config.kv_lora_rank,
+        qk_head_dim=hf_config.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
+        v_head_dim=hf_config.v_head_dim,
+        kv_channels=hf_config.v_head_dim,
+        # "yarn": megatron's MLA then takes (angles, attention factor) from its rotary
+        rope_type="yarn",
+        rotary_base=rope_theta(hf_config),
+        rotary_scaling_factor=float(params["factor"]) if scaled else 1.0,
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0) if scaled else 0.0,
+        # transformers' q_a_layernorm / kv_a_layernorm: the spec's q/k norm slots
+        qk_layernorm=True,
+    )
+
+
+def _deepseek_router_kwargs(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """DeepSeek-V3's router: sigmoid scores, top-k chosen on score + e_score_correction_bias
+    within the best `topk_group` of `n_group` groups, weights = the chosen scores
+    renormalised, times `routed_scaling_factor`; a shared expert without gate; the first
+    `first_k_dense_replace` layers dense. The bias is kept as loaded (transformers never
+    changes it): megatron's aux-loss-free bias update is off (rate 0)."""
+    groups = int(hf_config.n_group or 1)
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,
+        moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=int(hf_config.topk_group) if groups > 1 else None,
+        moe_router_pre_softmax=False,
+        moe_shared_expert_intermediate_size=hf_config.moe_intermediate_size
+        * hf_config.n_shared_experts,
+        moe_shared_expert_gate=False,
+    )
 
 
 def sparse_layers(hf_config: PretrainedConfig) -> list[bool]:
@@ -337,6 +482,9 @@ def sparse_layers(hf_config: PretrainedConfig) -> list[bool]:
     layer i is sparse unless it is in `mlp_only_layers` or (i + 1) is not a multiple of
     `decoder_sparse_step` (the others are dense MLPs of `intermediate_size`; the first k
     dense layers of a DeepSeek-style model are `mlp_only_layers=[0, ..., k-1]`)."""
+    if hf_config.model_type in _MLA:  # DeepSeek-V3: the first k layers dense
+        k = int(hf_config.first_k_dense_replace or 0)
+        return [i >= k for i in range(hf_config.num_hidden_layers)]
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     return [i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)]
@@ -348,6 +496,7 @@ def block_spec(
     attention_kernel: str = "torch",
     gemma: bool = False,
     windows: tuple[int | None, ...] = (),
+    mla: bool = False,
 ) -> TransformerBlockSubmodules:
     """`windows`: each (global) layer's sliding window, None for full attention; empty =
     full attention everywhere."""
@@ -359,11 +508,24 @@ def block_spec(
             moe_grouped_gemm=False,
             normalization="RMSNorm",
             qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=mla,
         )
         spec = copy.deepcopy(spec)
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm
-        if config.qk_layernorm:
+        if mla:  # the latent q and kv norms
+            attn = spec.submodules.self_attention.submodules
+            attn.q_layernorm = norm
+            attn.kv_layernorm = norm
+            # The down projections whole on every rank (megatron's own replicated linear, its
+            # weight tagged sequence-parallel): the local spec's column-parallel ones gather
+            # their output over TP, and the backward of that gather keeps only this rank's
+            # columns of the RoPE key's gradient, to which only this rank's heads contributed.
+            # Replicated, under sequence parallel, the RoPE key is gathered along the sequence
+            # and its gradient reduce-scattered: every head's share arrives.
+            attn.linear_q_down_proj = ReplicatedLinear
+            attn.linear_kv_down_proj = ReplicatedLinear
+        elif config.qk_layernorm:
             spec.submodules.self_attention.submodules.q_layernorm = norm
             spec.submodules.self_attention.submodules.k_layernorm = norm
         if gemma:  # the sandwich norms: residual + norm(attention), residual + norm(mlp)
@@ -441,7 +603,12 @@ class TephraGPT(torch.nn.Module):
         self.gpt = GPTModel(
             config=config,
             transformer_layer_spec=block_spec(
-                config, vp_stage, attention_kernel, shape.gemma, layer_windows(hf_config)
+                config,
+                vp_stage,
+                attention_kernel,
+                shape.gemma,
+                layer_windows(hf_config),
+                shape.mla,
             ),
             vocab_size=shape.vocab_size,
             max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
@@ -462,11 +629,22 @@ class TephraGPT(torch.nn.Module):
                 head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.02)
             self.value_head = head
         # one row of inverse frequencies per distinct RoPE base (one unless Gemma-3)
-        ropes = sorted(set(shape.layer_ropes)) or [(rope_theta(hf_config), 1.0)]
-        exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim
-        # linear scaling divides the frequencies (transformers: `inv_freq /= factor`)
-        inv = torch.stack([1.0 / (base**exponents) / factor for base, factor in ropes])
+        ropes = sorted(set(shape.layer_ropes))
+        if ropes:
+            exponents = torch.arange(0, shape.head_dim, 2, dtype=torch.float32) / shape.head_dim
+            # linear scaling divides the frequencies (transformers: `inv_freq /= factor`)
+            inv = torch.stack([1.0 / (base**exponents) / factor for base, factor in ropes])
+        else:
+            inv = rope_frequencies(hf_config)[0][None]
         self.register_buffer("inv_freq", inv, persistent=False)
+        if shape.mla:
+            attention_factor = rope_frequencies(hf_config)[1]
+            for layer in self.gpt.decoder.layers:
+                mla_rope = MLARope(attention_factor)
+                layer.self_attention.rotary_pos_emb = mla_rope
+                layer.self_attention.register_forward_pre_hook(
+                    partial(_hand_rope, mla_rope), with_kwargs=True
+                )
         if len(ropes) > 1:
             for layer in self.gpt.decoder.layers:
                 rope = shape.layer_ropes[layer.layer_number - 1]  # global, 1-based
@@ -475,6 +653,12 @@ class TephraGPT(torch.nn.Module):
                 )
         # Gemma scales the embedding output by sqrt(hidden) (in the weights' dtype, as HF)
         self.embed_scale = shape.hidden_size**0.5 if shape.gemma else None
+
+    def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors that hold HF weights: the parameters, and the routers' `expert_bias`
+        buffers (DeepSeek-V3's `e_score_correction_bias`, a buffer in transformers too)."""
+        buffers = [(n, b) for n, b in self.named_buffers() if n.endswith("router.expert_bias")]
+        return [*self.named_parameters(), *buffers]
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
         self.gpt.set_input_tensor(input_tensor)
@@ -563,4 +747,38 @@ def _pick_rope(
     concatenated ones (`TephraGPT.rotary`)."""
     table = kwargs["rotary_pos_emb"]
     kwargs["rotary_pos_emb"] = table[..., index * head_dim : (index + 1) * head_dim]
+    return args, kwargs
+
+
+class MLARope(torch.nn.Module):
+    """megatron MLA's rotary embedding, answered with the angles of the batch's own position
+    ids (`TephraGPT.rotary`, handed over by `_hand_rope`): megatron's would number the
+    positions 0..s-1 of each row, wrong for packed sequences and left padding. Returns
+    (angles `[s, b, 1, qk_rope_head_dim]`, YaRN's attention factor), which megatron's MLA
+    applies to the RoPE parts of queries and keys, as transformers scales cos and sin."""
+
+    def __init__(self, attention_factor: float) -> None:
+        super().__init__()
+        self.attention_factor = attention_factor
+        self.angles: torch.Tensor | None = None
+
+    def get_rotary_seq_len(self, *_: Any, **__: Any) -> int:
+        assert self.angles is not None, "the layer's pre-hook hands over the angles"
+        return int(self.angles.shape[0])
+
+    def forward(self, seq_len: int, packed_seq: bool = False) -> tuple[torch.Tensor, float]:
+        assert self.angles is not None, "the layer's pre-hook hands over the angles"
+        return self.angles, self.attention_factor
+
+
+def _hand_rope(
+    rope: MLARope,
+    module: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Forward pre-hook of an MLA attention: the batch's RoPE angles go to its `MLARope`
+    (megatron's MLA refuses them as an argument)."""
+    rope.angles = kwargs["rotary_pos_emb"]
+    kwargs["rotary_pos_emb"] = None
     return args, kwargs

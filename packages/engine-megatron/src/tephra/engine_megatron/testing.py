@@ -127,6 +127,74 @@ TINY_GEMMA3: dict[str, Any] = dict(
 """A tiny Gemma-3 (text): a sliding (64-token window, RoPE base 1e4) and a full-attention
 layer (base 1e6), (1 + weight) sandwich norms, q/k norm, GeGLU, embeddings times
 sqrt(hidden), tied output layer, scores scaled by query_pre_attn_scalar^-0.5."""
+TINY_LLAMA31: dict[str, Any] = dict(
+    model_type="llama",
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    **{k: v for k, v in _TINY_COMMON.items() if k != "rope_theta"},
+)
+"""A tiny Llama-3.1: its llama3 RoPE scaling with a 16-token original context, so that the
+frequency bands it rescales turn within the tests' 40-60 token sequences."""
+TINY_QWEN2_YARN: dict[str, Any] = dict(
+    model_type="qwen2",
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    **{k: v for k, v in _TINY_COMMON.items() if k not in ("rope_theta", "max_position_embeddings")},
+    max_position_embeddings=64,
+)
+"""A tiny Qwen2 with YaRN (factor 4 over a 16-token original context): its ramp between the
+interpolated and extrapolated bands and its attention factor 0.1 ln(4) + 1."""
+TINY_DEEPSEEK_V3: dict[str, Any] = dict(
+    model_type="deepseek_v3",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+    rope_interleave=True,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+"""A tiny DeepSeek-V3: multi-head latent attention (q and kv latents 32 and 16 wide, 16 + 8
+query/key head dims, value heads of 12) with YaRN over a 16-token original context (an
+attention factor mscale(4, 1) / mscale(4, 0.8) on the RoPE parts, the softmax scale times
+mscale(4, 0.8)^2), a dense first layer, then 8 routed experts in 4 groups (top-4 within the best 2
+groups, sigmoid scores plus the correction bias) beside one shared expert."""
 FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3": TINY_GEMMA3,
     "qwen3": TINY_QWEN3,
@@ -134,6 +202,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": TINY_QWEN3_MOE,
     "qwen2_moe_dense_first": TINY_MOE_DENSE_FIRST,
     "qwen3_moe_step2": TINY_QWEN3_MOE_STEP2,
+    "deepseek_v3": TINY_DEEPSEEK_V3,
 }
 
 
@@ -220,6 +289,17 @@ KIT_CHECKS = [name for name in CHECKS if name != "adapter_weights_load"]
 (`load_adapter_weights()` is refused, see the README)."""
 
 
+LORA_CHECKS = ("reference_mode_is_base_model", "adapter_export_matches")
+
+
+def kit_checks(hf_config: dict[str, Any]) -> list[str]:
+    """The kit checks a model passes: `KIT_CHECKS`, less the LoRA ones on DeepSeek-V3 (LoRA
+    is refused there)."""
+    if hf_config["model_type"] == "deepseek_v3":
+        return [c for c in KIT_CHECKS if c not in LORA_CHECKS]
+    return KIT_CHECKS
+
+
 def rank_conformance(
     hf_config: dict[str, Any],
     parallel: dict[str, Any],
@@ -227,10 +307,10 @@ def rank_conformance(
     dispatcher: str = "alltoall",
     checks: list[str] | None = None,
 ) -> list[str]:
-    """Run the conformance kit on this rank (`KIT_CHECKS` by default); returns the names of
-    the checks that passed."""
+    """Run the conformance kit on this rank (`kit_checks(hf_config)` by default); returns the
+    names of the checks that passed."""
     spec = conformance_spec(hf_config, parallel, Path(workdir), dispatcher)
-    return run_conformance(spec, KIT_CHECKS if checks is None else checks)
+    return run_conformance(spec, kit_checks(hf_config) if checks is None else checks)
 
 
 def rank_conformance_runs(
@@ -363,7 +443,7 @@ def gathered_hf_weights(engine: MegatronEngine) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for chunk in engine.chunks:
             offsets = engine._layer_offsets(chunk)
-            for name, param in chunk.named_parameters():
+            for name, param in chunk.hf_weights():
                 if ".lora." in name:
                     continue  # the reference export is of the base weights
                 m = conv.match(name, offsets, engine.shape.model_type)
@@ -490,3 +570,49 @@ def rank_replayed_log_probs(
     with engine.train_mode():
         loss = engine.forward_backward(batch, nll_loss_fn)["loss"]
     return log_probs.numpy(), loss
+
+
+def rank_gradients(
+    hf_config: dict[str, Any], parallel: dict[str, Any], batch: TensorDict
+) -> dict[str, Any]:
+    """The full gradient of one `nll_loss_fn` step on `batch` (every rank the same batch), in
+    HF names, read back from the weights' change: with lr 1, no weight decay or clipping and
+    Adam's eps = 100, the first AdamW step moves each weight by u = g / (|g| + eps), so
+    g = u * eps / (1 - |u|) (exact, and |u| < 1e-2 keeps float32's rounding of the weight
+    well under the tolerance). Numpy arrays (they pickle by value)."""
+    # deferred: importing the engine applies cpu_compat's torch.cuda patches; only ranks should
+    from tephra.engine_megatron.engine import MegatronEngine
+
+    eps = 100.0
+    config = apply_overrides(
+        base_config(hf_config, parallel),
+        {"optimizer.lr": 1.0, "optimizer.eps": eps, "optimizer.grad_clip": 1e9},
+    )
+    engine = MegatronEngine.build(config)
+    before = engine.hf_weights()
+    with engine.train_mode():
+        engine.forward_backward(batch, nll_loss_fn)
+        engine.optimizer_step()
+    after = engine.hf_weights()
+    out = {}
+    for name, w in before.items():
+        u = (w.double() - after[name].double()).numpy()
+        out[name] = u * eps / (1.0 - abs(u))
+    return out
+
+
+def reference_gradients(hf_config: dict[str, Any], batch: TensorDict) -> dict[str, Any]:
+    """Plain autograd on the transformers model (the engine's initial weights) of the same
+    token-mean NLL over the response tokens: {HF name: gradient} (numpy; parameters only)."""
+    model = HFReference(hf_config).model
+    model.train()
+    ids, mask = batch[B.INPUT_IDS], batch[B.RESPONSE_MASK].float()
+    logits = model(
+        input_ids=ids,
+        attention_mask=batch[B.ATTENTION_MASK],
+        position_ids=batch[B.POSITION_IDS],
+    ).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    loss.backward()
+    return {n: p.grad.double().numpy() for n, p in model.named_parameters() if p.grad is not None}

@@ -67,7 +67,7 @@ def _local_params(engine: ShardedModel) -> list[tuple[str, torch.Tensor, conv.Ma
     out: list[tuple[str, torch.Tensor, conv.Match]] = []
     for chunk in engine.chunks:
         offsets = engine._layer_offsets(chunk)
-        for name, param in chunk.named_parameters():
+        for name, param in chunk.hf_weights():
             if lora.is_adapter(name):
                 continue  # merged into the weight they adapt (`engine.exported_value`)
             out.append((name, param, conv.match(name, offsets, engine.shape.model_type)))

@@ -10,6 +10,7 @@ from tephra.core.registry import check_registered
 from tephra.episodes.agent.base import AgentLoopConfig
 from tephra.episodes.agent.black_box import load_agent_function
 from tephra.episodes.agent.tool_calls import TOOL_CALL_PARSERS
+from tephra.episodes.agent.verifiers_env import load_verifiers_environment
 from tephra.episodes.environments.openenv_env import check_openenv
 from tephra.episodes.environments.registry import check_remote, get_environment
 from tephra.episodes.environments.swe import SweSettings
@@ -26,7 +27,7 @@ class EpisodeRolloutConfig(RolloutSection):
     """Multi-turn rollouts: an episode from tephra.episodes.registry.EPISODES (`tool_agent`:
     the model calls the tools of `tools_file` between turns; `environment`: the environment
     of `agent.environment`; `openai_agent`: the black-box agent of `agent.openai_agent`;
-    `single_turn`). It also runs the rows whose `agent_name` names no episode. None or ""
+    `verifiers`: the `verifiers` environment of `agent.verifiers_environment`; `single_turn`). It also runs the rows whose `agent_name` names no episode. None or ""
     keeps the batched `generate` path."""
     tools_file: str | None = None
     """Tools YAML of the agent loop, or `python` for the bundled sandboxed interpreter."""
@@ -58,6 +59,10 @@ class EpisodeRolloutConfig(RolloutSection):
                 )
             if self.agent_loop == "openai_agent" or self.agent.openai_agent:
                 load_agent_function(self.agent.openai_agent)  # its errors come before Ray
+            if self.agent_loop == "verifiers" or self.agent.verifiers_environment:
+                load_verifiers_environment(  # the taskset is imported here: errors before Ray
+                    self.agent.verifiers_environment, dict(self.agent.environment_kwargs)
+                )
             if self.agent_loop == "environment" or self.agent.environment:
                 try:  # a file is imported here, so its errors come before Ray starts
                     get_environment(self.agent.environment)

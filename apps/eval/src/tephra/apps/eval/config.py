@@ -31,8 +31,25 @@ class EvalConfig:
     """With `run_dir`: also evaluate the model the run started from (the `model.path` of the
     run's `config.yaml`) as step 0, so the curve shows the change RL made, not only the change
     between checkpoints. One more model to evaluate; false skips it."""
-    data: DataSection = field(default_factory=DataSection)
-    """Held-out prompts (`data.val_files`, or the demo's reasoning-gym held-out items)."""
+    data: DataSection = field(
+        default_factory=lambda: DataSection(
+            source="reasoning_gym",
+            task="basic_arithmetic",
+            task_config={
+                "min_terms": 2,
+                "max_terms": 2,
+                "min_digits": 1,
+                "max_digits": 1,
+                "allow_negation": False,
+                "allow_parentheses": False,
+                "operators": ["+", "-", "*"],
+            },
+            instruction="Answer with just the final number.",
+        )
+    )
+    """Held-out prompts: by default the held-out items of apps/ppo's demo (its `default`
+    preset's reasoning-gym task, seed `val_seed`), so that a demo run's models are evaluated
+    on the items it validated on; `data.source=parquet data.val_files=[...]` for others."""
     rollout: EpisodeRolloutConfig = field(default_factory=EpisodeRolloutConfig)
     """Generation backend and its settings (`hf`, `vllm`, `sglang`), dtype, max_tokens."""
     val: ValidationConfig = field(

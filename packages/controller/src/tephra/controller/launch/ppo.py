@@ -46,7 +46,7 @@ from tephra.controller.launch.preflight import (
     weight_path,
 )
 from tephra.controller.launch.server_probes import check_server_urls
-from tephra.controller.loop.trainer import Trainer
+from tephra.controller.loop.trainer import RunService, Trainer
 from tephra.controller.recipes import enabled_recipes
 from tephra.controller.run.checkpoints import CheckpointManager
 from tephra.controller.run.flops import model_shape
@@ -320,26 +320,32 @@ def train(cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal) -> dic
         p.tools_file,
         p.run_dir / "environment_server.log",
         ray.util.get_node_ip_address(),
-    ) as agent:
+    ) as (agent, environment_server):
+        services: list[RunService] = [environment_server] if environment_server else []
         if agent is not cfg.rollout.agent:
             cfg = replace(cfg, rollout=replace(cfg.rollout, agent=agent))
             clock.lap("environment_server")
         if not needs_judge_server(cfg):
-            return train_groups(cfg, p, clock, stop)
+            return train_groups(cfg, p, clock, stop, services)
         judge = JudgeServer(cfg)
         print(f"judge server: {judge.url} (one for the run)", flush=True)
         clock.lap("judge_server")
         try:
-            return train_groups(judge.cfg, p, clock, stop)
+            return train_groups(judge.cfg, p, clock, stop, services)
         finally:
             judge.close()
 
 
 def train_groups(  # noqa: PLR0915 (one builder per group; they share the closures' state)
-    cfg: PPOConfig, p: Prepared, clock: Timeline, stop: StopSignal
+    cfg: PPOConfig,
+    p: Prepared,
+    clock: Timeline,
+    stop: StopSignal,
+    services: list[RunService] | None = None,
 ) -> dict:
     """The worker groups built on the Ray session and the loop run; they are torn down
-    however it ends."""
+    however it ends. `services`: the run's servers the loop waits for and reports (the
+    environment server it keeps up)."""
     r = cfg.resources
     # one watchdog for every group: deadlines per (group, stage), the step set by the Trainer
     watchdog = Watchdog(cfg.trainer.watchdog)
@@ -426,6 +432,7 @@ def train_groups(  # noqa: PLR0915 (one builder per group; they share the closur
             make_role_groups=make_role_groups if role_pools else None,
             role_groups=role_groups,
             stop=stop,
+            services=services,
         )
     except BaseException:
         for each in (pool, *role_pools.values()):

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from tensordict import TensorDict
@@ -124,6 +124,15 @@ class RoleCalls:
         self.group_of(self.pools[role]).refresh_role(role, str(folder))
 
 
+class RunService(Protocol):
+    """A server the run keeps up beside its workers (the environment server it started): each
+    step waits until it is ready (a restart in progress done) and reports its metrics."""
+
+    def wait_ready(self) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
 class Trainer:
     """Runs `cfg.trainer.steps` RL steps on a worker group of `RLWorker`s."""
 
@@ -142,10 +151,12 @@ class Trainer:
         make_role_groups: Any = None,
         role_groups: dict[str, WorkerGroup] | None = None,
         stop: StopSignal | None = None,
+        services: list[RunService] | None = None,
     ) -> None:
-        self.stop = stop or StopSignal()
-        """Set by SIGINT / SIGTERM (`tephra.controller.cluster.stop`): the loop stops after the step in
-        progress."""
+        self.stop, self.services = stop or StopSignal(), list(services or [])
+        """`stop`: set by SIGINT / SIGTERM (`tephra.controller.cluster.stop`), the loop stops
+        after the step in progress; `services`: the run's servers each step waits for and
+        reports (`RunService`)."""
         self.cfg, self.wg, self.tok, self.train, self.val = cfg, wg, tokenizer, train, val
         self.run_dir = run_dir
         self.data_fingerprint = dataset_fingerprint(train.ids)
@@ -618,6 +629,8 @@ class Trainer:
         metrics.update(object_store_metrics())
         if self.multi_turn:
             metrics.update(agent_metrics(state.samples))
+        for service in self.services:
+            metrics.update(service.metrics())
         if cfg.algorithm.dynamic_sampling:
             metrics.update(dynamic_sampling_metrics(state.rounds))
         if "actor/kl_mean" in metrics:
@@ -701,6 +714,8 @@ class Trainer:
                     for group in self.groups():
                         group.set_profile(str(self.run_dir / "profile" / f"step{self.step + 1}"))
                 self.wg.watchdog.step = self.step + 1  # quoted by a stage that fails
+                for service in self.services:
+                    service.wait_ready()
                 try:
                     metrics = self.train_step()
                 except WORKER_FAILURES as exc:

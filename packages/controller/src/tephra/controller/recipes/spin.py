@@ -112,7 +112,7 @@ class Spin(Recipe):
         a, b = cfg.algorithm, cfg.batch
         if not a.spin.enabled:
             return
-        why = SOURCES_WITHOUT_ANSWERS.get(cfg.data.source)
+        why = SOURCES_WITHOUT_ANSWERS.get(cfg.data.source or "")
         if why is not None or cfg.data.has_images:
             raise ConfigError(
                 f"algorithm.spin needs a reference answer per prompt as the chosen response, "

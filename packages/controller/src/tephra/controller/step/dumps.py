@@ -64,6 +64,8 @@ def write_train_samples(
                 "response_ids": s.response_ids,
                 "response_mask": s.response_mask,
                 "finish_reason": s.finish_reason,
+                # the rollout's own log-prob of each response token (None where it gives none)
+                "rollout_log_probs": s.log_probs,
             }
             f.write(
                 json.dumps(

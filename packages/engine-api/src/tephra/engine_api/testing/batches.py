@@ -6,6 +6,7 @@ import torch
 from tensordict import TensorDict
 
 from tephra.engine_api import batch as B
+from tephra.engine_api.loss import Share
 
 
 def random_batch(
@@ -39,4 +40,4 @@ def nll_loss_fn(outputs: TensorDict, batch: TensorDict) -> tuple[torch.Tensor, d
     global loss: sum(-log p * mask) / global_token_count."""
     mask = batch[B.RESPONSE_MASK].to(outputs["log_probs"].dtype)
     loss = -(outputs["log_probs"] * mask).sum() / batch[B.GLOBAL_TOKEN_COUNT][0]
-    return loss, {"nll_contribution": float(loss.detach())}
+    return loss, {"nll_contribution": Share(float(loss.detach()))}

@@ -110,6 +110,9 @@ def _train_step(engine: Engine, batch: TensorDict) -> tuple[float, float]:
         metrics = engine.forward_backward(_share(engine, batch), nll_loss_fn)
         grad_norm = engine.optimizer_step()
         engine.lr_scheduler_step()
+    # the loss function's `Share` metric adds up over micro-batches and ranks, as the loss
+    # does (an averaged one would be the loss over their number)
+    _rel_close("nll_contribution (a Share)", metrics["nll_contribution"], metrics["loss"], 1e-6)
     return float(metrics["loss"]), float(grad_norm)
 
 

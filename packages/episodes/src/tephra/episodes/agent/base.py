@@ -72,8 +72,14 @@ class AgentLoopConfig:
     `function(gateway, item)` where `gateway` (`tephra.episodes.gateway.GatewayAccess`) holds
     the gateway's URLs for OpenAI and Anthropic clients and the trajectory's API key. Unused
     by the other episodes."""
+    verifiers_environment: str = ""
+    """The environment of the `verifiers` episode (a `verifiers` 0.4 environment, its
+    tasks' rubric the reward): the id of an installed verifiers taskset, or
+    `path/to/taskset.py` (a module whose `__all__` exports a `vf.Taskset`, and optionally
+    its `vf.Env`); `environment_kwargs` are verifiers' `EnvConfig` fields. Needs the
+    `tephra-episodes[verifiers]` extra. Unused by the other episodes."""
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    """Where the gateway of the `openai_agent` episode listens (host, port)."""
+    """Where the gateway of the `openai_agent` and `verifiers` episodes listens (host, port)."""
     tool_timeout_s: float | None = None
     """Deadline of one tool call in seconds; on expiry the trajectory ends with finish
     reason `tool_timeout`. None: no deadline (the tool's own limits apply)."""

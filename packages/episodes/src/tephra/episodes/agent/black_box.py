@@ -66,35 +66,49 @@ class OpenAIAgentLoop(_TokenLoop):
             raise ConfigError(
                 "the openai_agent episode needs rollout.agent.openai_agent=path/to/agent.py:fn"
             )
-        agent = load_agent_function(cfg.openai_agent)
-        run = self.begin(rollout, sampling)
-        traj = _Trajectory([], list(sample.messages))
-        session = TrajectorySession(self, run, rollout, sample.sample_id, traj)
-        reward: Any = None
-        info: dict[str, Any] = {}
-        finish = None
-        try:
-            async with asyncio.timeout(cfg.trajectory_timeout_s):
-                async with shared_gateway(cfg.gateway) as gateway:
-                    access = gateway.open(session)
-                    try:
-                        if inspect.iscoroutinefunction(agent):
-                            reward = await agent(access, sample)
-                        else:
-                            reward = await asyncio.to_thread(agent, access, sample)
-                    finally:
-                        gateway.close(access.api_key)
-        except TimeoutError:
-            finish = "trajectory_timeout"
-        except Exception as exc:  # the agent's own failure ends its trajectory, not the step
-            # A turn the token budget cut (`rollout.max_tokens`, `max_response_tokens`) is
-            # served as cut (Responses `incomplete`, Chat `length`, Messages `max_tokens`), and
-            # some clients raise on it (the Agents SDK: ModelBehaviorError). The budget ended
-            # that trajectory, as it ends a tool agent's: `length`, the reward scorer's.
-            cut = session.finish in TIMEOUTS or session.finish == "length"
-            finish = session.finish if cut else "agent_error"
-            info["agent_error"] = f"{type(exc).__name__}: {exc}"
-        finish = finish or session.finish
-        # the agent's own failure scores 0 (a deadline's, in to_sample)
-        env_reward = 0.0 if finish == "agent_error" else None if reward is None else float(reward)
-        return traj.to_sample(sample, finish, env_reward, cfg.timeout_reward, info)
+        return await run_black_box(
+            self, load_agent_function(cfg.openai_agent), rollout, sample, sampling
+        )
+
+
+async def run_black_box(
+    loop: _TokenLoop,
+    agent: Callable[..., Any],
+    rollout: Rollout,
+    sample: Prompt,
+    sampling: SamplingParams,
+) -> Sample:
+    """One trajectory of `agent(gateway, item)` through the shared gateway: the episode of
+    `OpenAIAgentLoop`, and of the adapters that drive an ecosystem environment's own loop."""
+    cfg = loop.config
+    run = loop.begin(rollout, sampling)
+    traj = _Trajectory([], list(sample.messages))
+    session = TrajectorySession(loop, run, rollout, sample.sample_id, traj)
+    reward: Any = None
+    info: dict[str, Any] = {}
+    finish = None
+    try:
+        async with asyncio.timeout(cfg.trajectory_timeout_s):
+            async with shared_gateway(cfg.gateway) as gateway:
+                access = gateway.open(session)
+                try:
+                    if inspect.iscoroutinefunction(agent):
+                        reward = await agent(access, sample)
+                    else:
+                        reward = await asyncio.to_thread(agent, access, sample)
+                finally:
+                    gateway.close(access.api_key)
+    except TimeoutError:
+        finish = "trajectory_timeout"
+    except Exception as exc:  # the agent's own failure ends its trajectory, not the step
+        # A turn the token budget cut (`rollout.max_tokens`, `max_response_tokens`) is
+        # served as cut (Responses `incomplete`, Chat `length`, Messages `max_tokens`), and
+        # some clients raise on it (the Agents SDK from 0.24: ModelBehaviorError). The budget
+        # ended that trajectory, as it ends a tool agent's: `length`, the reward scorer's.
+        cut = session.finish in TIMEOUTS or session.finish == "length"
+        finish = session.finish if cut else "agent_error"
+        info["agent_error"] = f"{type(exc).__name__}: {exc}"
+    finish = finish or session.finish
+    # the agent's own failure scores 0 (a deadline's, in to_sample)
+    env_reward = 0.0 if finish == "agent_error" else None if reward is None else float(reward)
+    return traj.to_sample(sample, finish, env_reward, cfg.timeout_reward, info)

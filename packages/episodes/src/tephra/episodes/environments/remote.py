@@ -16,9 +16,10 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,6 +96,11 @@ class RemoteSettings:
     server's port, short enough that a dead server drops its trajectories within seconds)."""
     startup_timeout_s: float = 120.0
     """Seconds the server the run starts may take to listen (its imports take a few)."""
+    max_restarts: int = 3
+    """Restarts of the server the run starts, when it dies, over the whole run (on the same
+    host, port and key: the workers keep its URL); each is logged with the dead server's log
+    tail and counted in `environment_server/restarts`. 0: never restarted. A server given by
+    `url` is never restarted (the run did not start it)."""
 
     @property
     def urls(self) -> list[str]:
@@ -150,6 +156,11 @@ class RemoteSettings:
                 raise ConfigError(
                     f"{REMOTE_FIELD}.{name}={getattr(self, name)!r} must be > 0 (seconds)"
                 )
+        if self.max_restarts < 0:
+            raise ConfigError(
+                f"{REMOTE_FIELD}.max_restarts={self.max_restarts!r} must be >= 0 (0: a server "
+                "the run starts is not restarted when it dies)"
+            )
         if self.retries < 0 or self.retry_backoff_s < 0:
             raise ConfigError(
                 f"{REMOTE_FIELD}.retries={self.retries!r} and retry_backoff_s="
@@ -424,6 +435,77 @@ class EnvironmentServerProcess:
         self.stop()
 
 
+class SupervisedServer:
+    """A run's environment server kept up: a thread watches the child process and, when it
+    dies, starts it again on the same port (with the same files, key and log, which the new
+    one appends to), at most `max_restarts` times; each death is printed with the dead
+    server's log tail. Trajectories in flight on the dead server fail (their sessions died
+    with it) and are the run's environment errors; `wait_ready()` holds the next step until a
+    restart in progress is done, so later steps open their sessions on the new server."""
+
+    def __init__(self, start: Callable[[int], EnvironmentServerProcess], max_restarts: int) -> None:
+        self.start = start
+        self.server = start(0)
+        self.url = self.server.url
+        self.port = urlsplit(self.url).port or 0
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        """Restarts done (successful starts after a death)."""
+        self.deaths = 0
+        self.up = threading.Event()
+        self.up.set()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="environment-server", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.1):
+            status = self.server.proc.poll()
+            if status is None:
+                continue
+            self.up.clear()
+            self.deaths += 1
+            tail = self.server.log_tail()
+            self.server.stop()
+            if self.deaths > self.max_restarts:
+                print(
+                    f"environment server {self.url} (pid {self.server.pid}) died with status "
+                    f"{status}; not restarted ({self.max_restarts} restarts done, "
+                    f"{REMOTE_FIELD}.max_restarts): its trajectories fail from now on. "
+                    f"Its log's tail:\n{tail}",
+                    flush=True,
+                )
+                self.up.set()
+                return
+            print(
+                f"environment server {self.url} (pid {self.server.pid}) died with status "
+                f"{status}; restarting it ({self.deaths} of {self.max_restarts}). Its log's "
+                f"tail:\n{tail}",
+                flush=True,
+            )
+            try:
+                self.server = self.start(self.port)
+            except RemoteEnvironmentError as exc:
+                print(f"environment server {self.url}: the restart failed: {exc}", flush=True)
+                self.up.set()
+                return
+            self.restarts += 1
+            print(f"environment server: {self.url} (pid {self.server.pid}, restarted)", flush=True)
+            self.up.set()
+
+    def wait_ready(self) -> None:
+        """Return once no restart is in progress (at once while the server is up)."""
+        self.up.wait()
+
+    def metrics(self) -> dict[str, float]:
+        return {"environment_server/restarts": float(self.restarts)}
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self.server.stop()
+
+
 WIDE_HOSTS = ("0.0.0.0", "::")
 """Listen addresses that are no address to connect to: the URL names the node instead."""
 
@@ -434,14 +516,15 @@ def served_environment(
     tools_file: str | None = None,
     log_path: str | Path | None = None,
     node_address: str | None = None,
-) -> Iterator[AgentLoopConfig]:
-    """`agent` as it is, unless its environment is `remote` without a `url`: then a server
+) -> Iterator[tuple[AgentLoopConfig, SupervisedServer | None]]:
+    """`(agent, None)`, unless its environment is `remote` without a `url`: then a server
     is started for the body of the `with` (serving `environment_kwargs.environment`, with
-    `tools_file`) and `agent` comes back with the server's URL and key in its
+    `tools_file`), kept up by a `SupervisedServer` (restarted when it dies, up to
+    `max_restarts` times), and `agent` comes back with the server's URL and key in its
     `environment_kwargs`; the server is stopped on the way out. `node_address` is this
     machine's address for other nodes (used when `host` is `0.0.0.0` or `::`)."""
     if agent.environment != "remote" or agent.environment_kwargs.get("url"):
-        yield agent
+        yield agent, None
         return
     s = RemoteSettings.from_kwargs(agent.environment_kwargs)
     key = s.api_key
@@ -449,15 +532,22 @@ def served_environment(
         key = secrets.token_urlsafe(32)  # in memory only: the workers get it with the config
     is_file = ":" in s.environment and s.environment.rsplit(":", 1)[0].endswith(".py")
     files = [s.environment] if is_file else []
-    with EnvironmentServerProcess(
-        files, tools_file, s.host, s.port, key, log_path, s.startup_timeout_s
-    ) as server:
-        url = server.url
+
+    def start(port: int) -> EnvironmentServerProcess:
+        return EnvironmentServerProcess(
+            files, tools_file, s.host, port or s.port, key, log_path, s.startup_timeout_s
+        )
+
+    supervised = SupervisedServer(start, s.max_restarts)
+    try:
+        url = supervised.url
         if s.host in WIDE_HOSTS and node_address:
             url = url.replace("127.0.0.1", node_address, 1)
         kwargs = {**agent.environment_kwargs, "url": url, "api_key": key}
-        print(f"environment server: {url} (pid {server.pid}, for the run)", flush=True)
-        yield replace(agent, environment_kwargs=kwargs)
+        print(f"environment server: {url} (pid {supervised.server.pid}, for the run)", flush=True)
+        yield replace(agent, environment_kwargs=kwargs), supervised
+    finally:
+        supervised.stop()
 
 
 @atexit.register

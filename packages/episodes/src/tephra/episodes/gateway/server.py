@@ -1,6 +1,7 @@
 """The gateway's HTTP server: one per event loop of a rollout worker, routing each request to
 its trajectory by the API key in its headers (`Authorization: Bearer KEY` for the OpenAI
-clients, `x-api-key: KEY` for the Anthropic client)."""
+clients, `x-api-key: KEY` for the Anthropic client) or in its path (`/k/KEY/v1/...`, for a
+client whose key is one setting of the whole process)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ class GatewayAccess:
         """`base_url` of an Anthropic client (it adds `/v1/messages` itself)."""
         return self.url
 
+    @property
+    def keyed_openai_base_url(self) -> str:
+        """`base_url` of an OpenAI client that carries this trajectory's key in its path
+        (`.../k/KEY/v1`): for a client that reads its key from one process-wide setting (an
+        environment variable), so that concurrent trajectories cannot each set their own; any
+        key it sends in its headers is then ignored."""
+        return f"{self.url}/k/{self.api_key}/v1"
+
 
 ErrorFormat = Callable[[int, str], tuple[int, dict[str, Any]]]
 
@@ -61,12 +70,14 @@ class Gateway:
         self.sessions: dict[str, TrajectorySession] = {}
         self.expired: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.url = ""
+        routes = {
+            "/v1/chat/completions": self._chat,
+            "/v1/responses": self._responses,
+            "/v1/messages": self._messages,
+        }
         self.app = Starlette(
-            routes=[
-                Route("/v1/chat/completions", self._chat, methods=["POST"]),
-                Route("/v1/responses", self._responses, methods=["POST"]),
-                Route("/v1/messages", self._messages, methods=["POST"]),
-            ]
+            routes=[Route(path, fn, methods=["POST"]) for path, fn in routes.items()]
+            + [Route(f"/k/{{key}}{path}", fn, methods=["POST"]) for path, fn in routes.items()]
         )
 
     def open(self, session: TrajectorySession) -> GatewayAccess:
@@ -97,6 +108,7 @@ class Gateway:
         header = request.headers.get("authorization", "")
         key = header[len("bearer ") :].strip() if header.lower().startswith("bearer ") else ""
         key = key or request.headers.get("x-api-key", "").strip()
+        key = request.path_params.get("key", "") or key  # a keyed path wins over headers
         if not key:
             return (
                 "no API key: send the trajectory's key (GatewayAccess.api_key) as "
