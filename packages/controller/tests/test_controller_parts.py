@@ -423,7 +423,7 @@ def test_the_library_defaults_are_neutral_and_the_policy_is_required():
         with pytest.raises(
             ConfigError,
             match=r"^data\.source is not set: set data\.source to one of reasoning_gym, "
-            r"parquet, hf, colour_squares, code_problems \(reasoning_gym needs data\.task, "
+            r"parquet, hf, colour_squares, code_problems, swe_tasks \(reasoning_gym needs data\.task, "
             r"parquet and hf data\.train_files\), e\.g\. data\.source=reasoning_gym "
             r"data\.task=basic_arithmetic; `uv run apps/ppo` sets the demo's data",
         ):
