@@ -1,6 +1,8 @@
 """The family matrix: every causal-LM family of the installed transformers, built tiny, gives
 through `FSDPEngine.forward` the log-probs and entropy of a plain transformers forward of each
-sequence alone (1e-5, float32) in every layout the engine does not refuse; every refused
+sequence alone (1e-5, float32) in every layout the engine does not refuse, and through
+`FSDPEngine.forward_backward` the gradients of one GRPO-style update (every parameter, 1e-5)
+that the plain model gives back-propagating each sequence alone; every refused
 layout is refused with the family's message, and is shown to be wrong when forced; the
 families not run fail as the table says. A representative family of each kind runs in the
 default suite, the rest under the `slow` marker."""
@@ -11,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from tephra.engine_api import batch as B
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp import tree_attention
 from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
@@ -21,6 +24,7 @@ from tephra.engine_fsdp.families import (
     layout_refusal,
     window_turned_off,
 )
+from tephra.engine_fsdp import family_matrix
 from tephra.engine_fsdp.family_matrix import (
     BUILD_REFUSALS,
     NOT_RUN,
@@ -76,12 +80,48 @@ def test_family_in_every_layout(model_type):
         expected = layout_refusal(model_type, "padded") or layout_refusal(model_type, layout)
         if expected is None:
             assert got.refusal is None, f"{layout}: refused: {got.refusal}"
-            assert got.matches(), f"{layout}: log-prob gap {got.log_probs}, entropy {got.entropy}"
+            assert got.matches(), (
+                f"{layout}: log-prob gap {got.log_probs}, entropy {got.entropy}, gradient "
+                f"{got.gradients} (at {got.worst_parameter})"
+            )
+            # the update moves the model: a 1e-5 gap is at most 1% of the largest gradient
+            assert got.gradients is not None and got.gradient_scale > 1e-3, got
         else:
             assert got.refusal == expected, f"{layout}: {got.refusal!r}"
             assert model_type in got.refusal and "layout" in got.refusal
             # forced past the refusal, the layout is wrong: the refusal is needed
             assert not got.matches(), f"{layout} is right now; drop its refusal"
+
+
+_update_loss = family_matrix.update_loss  # the right one, which the faults below wrap
+
+
+def _scaled(outputs, batch):  # the engine's loss 1% too large
+    loss, metrics = _update_loss(outputs, batch)
+    return loss * 1.01, metrics
+
+
+def _first_micro_batch_dropped(outputs, batch):  # the one holding row 0 (advantage 1.0)
+    loss, metrics = _update_loss(outputs, batch)
+    first = bool((batch["advantages"] == family_matrix.ADVANTAGES[0]).any())
+    return (loss * 0 if first else loss), metrics
+
+
+def _local_normaliser(outputs, batch):  # the micro-batch's own tokens, not the step's
+    local = batch.copy()
+    local[B.GLOBAL_TOKEN_COUNT] = batch[B.RESPONSE_MASK].sum().float().expand(batch.batch_size)
+    return _update_loss(outputs, local)
+
+
+@pytest.mark.parametrize("fault", [_scaled, _first_micro_batch_dropped, _local_normaliser])
+def test_a_wrong_update_is_caught(monkeypatch, fault):
+    # the engine's update made wrong three ways (its log-probs untouched): the gradient gap
+    # to the plain model's update is far over 1e-5 in every layout, and fails the check
+    monkeypatch.setattr(family_matrix, "update_loss", fault)
+    for layout, got in check_family("llama").items():
+        assert got.log_probs <= 1e-5 and got.entropy <= 1e-5, layout
+        assert got.gradients is not None and got.gradients > 1e-4, (layout, got.gradients)
+        assert not got.matches()
 
 
 @pytest.mark.parametrize(
