@@ -28,11 +28,17 @@ from tephra.engine_fsdp import family_matrix
 from tephra.engine_fsdp.family_matrix import (
     BUILD_REFUSALS,
     NOT_RUN,
+    SAMPLED_ROUTING,
+    build_reference,
     causal_lm_families,
     check_family,
     engine_config,
+    gradient_gap,
+    reference_gradients,
+    test_batch,
     text_family,
     tiny_config,
+    update_batch,
 )
 from tephra.engine_fsdp.microbatches import leading_padding, roll_rows
 
@@ -68,6 +74,7 @@ def test_the_table_names_every_family_once():
         if text is not None:  # a vision-language family stands on its text family's row
             assert text in families and model_type not in REFUSED and model_type not in NOT_RUN
     assert set(REPRESENTATIVE) <= set(RUN) and NOT_RUN_REPRESENTATIVE <= set(NOT_RUN)
+    assert set(SAMPLED_ROUTING) <= set(RUN)
 
 
 @pytest.mark.parametrize(
@@ -122,6 +129,20 @@ def test_a_wrong_update_is_caught(monkeypatch, fault):
         assert got.log_probs <= 1e-5 and got.entropy <= 1e-5, layout
         assert got.gradients is not None and got.gradients > 1e-4, (layout, got.gradients)
         assert not got.matches()
+
+
+def test_a_sampled_router_is_random_in_train_mode_only():
+    # PhiMoE's SparseMixer draws its routing in train mode: the plain model's update twice
+    # in train mode differs (measured 7e-4 to 3e-3), twice in eval mode agrees exactly (why
+    # the matrix compares its update in eval mode)
+    torch.manual_seed(0)
+    model = build_reference(tiny_config("phimoe"))
+    batch = update_batch(test_batch())
+    evals = [reference_gradients(model, batch, train=False) for _ in range(2)]
+    trains = [reference_gradients(model, batch, train=True) for _ in range(2)]
+    assert gradient_gap(*evals) == (0.0, "")
+    assert gradient_gap(*trains)[0] > 1e-4
+    assert "phimoe" in SAMPLED_ROUTING
 
 
 @pytest.mark.parametrize(
