@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.errors import ConfigError
-from tephra.engine_fsdp import tree_attention
+from tephra.engine_fsdp import family_matrix, tree_attention
 from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
 from tephra.engine_fsdp.families import (
     LAYOUTS,
@@ -24,7 +24,6 @@ from tephra.engine_fsdp.families import (
     layout_refusal,
     window_turned_off,
 )
-from tephra.engine_fsdp import family_matrix
 from tephra.engine_fsdp.family_matrix import (
     BUILD_REFUSALS,
     NOT_RUN,

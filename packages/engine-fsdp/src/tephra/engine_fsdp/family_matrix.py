@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -511,9 +511,7 @@ def engine_gradients(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-def gradient_gap(
-    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
-) -> tuple[float, str]:
+def gradient_gap(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
     """The largest gradient difference over every parameter, and its parameter: absolute,
     except for a parameter whose largest reference gradient exceeds 1, where it is divided
     by that (RWKV's embedding gradients reach 119 in float32; 1e-5 is then rounding)."""
