@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.errors import ConfigError
-from tephra.engine_fsdp import family_matrix, tree_attention
+from tephra.engine_fsdp import family_matrix, microbatches, tree_attention
 from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
 from tephra.engine_fsdp.families import (
     LAYOUTS,
@@ -34,7 +34,6 @@ from tephra.engine_fsdp.family_matrix import (
     engine_config,
     gradient_gap,
     reference_gradients,
-    test_batch,
     text_family,
     tiny_config,
     update_batch,
@@ -119,6 +118,20 @@ def _local_normaliser(outputs, batch):  # the micro-batch's own tokens, not the 
     return _update_loss(outputs, local)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_update_runs_in_two_micro_batches(layout):
+    # so that each micro-batch's loss needs the step's normaliser (17 + 11 response tokens
+    # padded and shared-prefix, 19 + 9 packed)
+    engine = FSDPEngine(engine_config("llama", layout))
+    batch = update_batch(family_matrix.test_batch())
+    budget = engine.config.micro_batch.max_tokens_per_microbatch
+    plan = microbatches.plan(batch, budget, engine.packed, "max_tokens_per_microbatch")
+    tokens = [int(mb.data[B.RESPONSE_MASK].sum()) for mb in plan]
+    assert tokens == ([19, 9] if layout == "packed" else [17, 11])
+    forward = engine.config.micro_batch.forward_budget
+    assert len(microbatches.plan(batch, forward, engine.packed, "forward")) == 1
+
+
 @pytest.mark.parametrize("fault", [_scaled, _first_micro_batch_dropped, _local_normaliser])
 def test_a_wrong_update_is_caught(monkeypatch, fault):
     # the engine's update made wrong three ways (its log-probs untouched): the gradient gap
@@ -136,7 +149,7 @@ def test_a_sampled_router_is_random_in_train_mode_only():
     # the matrix compares its update in eval mode)
     torch.manual_seed(0)
     model = build_reference(tiny_config("phimoe"))
-    batch = update_batch(test_batch())
+    batch = update_batch(family_matrix.test_batch())
     evals = [reference_gradients(model, batch, train=False) for _ in range(2)]
     trains = [reference_gradients(model, batch, train=True) for _ in range(2)]
     assert gradient_gap(*evals) == (0.0, "")

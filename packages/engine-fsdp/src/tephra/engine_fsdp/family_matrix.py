@@ -438,11 +438,11 @@ ADVANTAGES = (1.0, -0.5, 0.25, -1.0, 0.5, 0.75)
 ENTROPY_COEFF = 0.1
 """The update's entropy bonus: its gradient goes through the engine's entropy too."""
 
-UPDATE_TOKENS_PER_MICROBATCH = 36
+UPDATE_TOKENS_PER_MICROBATCH = 42
 """`micro_batch.max_tokens_per_microbatch` of the update: `test_batch`'s rows (10-14 tokens)
-run in 3 micro-batches padded or shared-prefix and 2 packed, so each micro-batch's loss
-needs the step's global normaliser. `forward` keeps one micro-batch
-(`forward_max_tokens_per_microbatch`)."""
+run in 2 micro-batches of unequal token counts (a prompt's 3 rows each, padded or
+shared-prefix; rows 0-3 and 4-5 packed), so each micro-batch's loss needs the step's global
+normaliser. `forward` keeps one micro-batch (`forward_max_tokens_per_microbatch`)."""
 
 
 def update_batch(batch: TensorDict) -> TensorDict:
@@ -717,7 +717,7 @@ def render_markdown(command: str) -> str:
         "forward of each sequence alone within 1e-5 (float32), and through",
         "`FSDPEngine.forward_backward` the gradient of every parameter of one GRPO-style update",
         "(policy gradient with fixed per-sequence advantages and an entropy bonus, token-mean",
-        "over the step's global token count, in 2-3 micro-batches) that the plain model gives",
+        "over the step's global token count, in 2 micro-batches) that the plain model gives",
         "back-propagating each sequence alone, within 1e-5 (relative to the parameter's largest",
         "gradient where that exceeds 1); the weights it exports load into the plain model. A",
         "numbered **Y** says how the update is checked instead. **refused**: the engine raises a",
