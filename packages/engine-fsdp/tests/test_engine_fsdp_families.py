@@ -1,6 +1,8 @@
 """The family matrix: every causal-LM family of the installed transformers, built tiny, gives
 through `FSDPEngine.forward` the log-probs and entropy of a plain transformers forward of each
-sequence alone (1e-5, float32) in every layout the engine does not refuse; every refused
+sequence alone (1e-5, float32) in every layout the engine does not refuse, and through
+`FSDPEngine.forward_backward` the gradients of one GRPO-style update (every parameter, 1e-5)
+that the plain model gives back-propagating each sequence alone; every refused
 layout is refused with the family's message, and is shown to be wrong when forced; the
 families not run fail as the table says. A representative family of each kind runs in the
 default suite, the rest under the `slow` marker."""
@@ -11,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from tephra.engine_api import batch as B
 from tephra.engine_api.errors import ConfigError
-from tephra.engine_fsdp import tree_attention
+from tephra.engine_fsdp import family_matrix, microbatches, tree_attention
 from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
 from tephra.engine_fsdp.families import (
     LAYOUTS,
@@ -24,11 +27,16 @@ from tephra.engine_fsdp.families import (
 from tephra.engine_fsdp.family_matrix import (
     BUILD_REFUSALS,
     NOT_RUN,
+    SAMPLED_ROUTING,
+    build_reference,
     causal_lm_families,
     check_family,
     engine_config,
+    gradient_gap,
+    reference_gradients,
     text_family,
     tiny_config,
+    update_batch,
 )
 from tephra.engine_fsdp.microbatches import leading_padding, roll_rows
 
@@ -64,6 +72,7 @@ def test_the_table_names_every_family_once():
         if text is not None:  # a vision-language family stands on its text family's row
             assert text in families and model_type not in REFUSED and model_type not in NOT_RUN
     assert set(REPRESENTATIVE) <= set(RUN) and NOT_RUN_REPRESENTATIVE <= set(NOT_RUN)
+    assert set(SAMPLED_ROUTING) <= set(RUN)
 
 
 @pytest.mark.parametrize(
@@ -76,12 +85,76 @@ def test_family_in_every_layout(model_type):
         expected = layout_refusal(model_type, "padded") or layout_refusal(model_type, layout)
         if expected is None:
             assert got.refusal is None, f"{layout}: refused: {got.refusal}"
-            assert got.matches(), f"{layout}: log-prob gap {got.log_probs}, entropy {got.entropy}"
+            assert got.matches(), (
+                f"{layout}: log-prob gap {got.log_probs}, entropy {got.entropy}, gradient "
+                f"{got.gradients} (at {got.worst_parameter})"
+            )
+            # the update moves the model: a 1e-5 gap is at most 1% of the largest gradient
+            assert got.gradients is not None and got.gradient_scale > 1e-3, got
         else:
             assert got.refusal == expected, f"{layout}: {got.refusal!r}"
             assert model_type in got.refusal and "layout" in got.refusal
             # forced past the refusal, the layout is wrong: the refusal is needed
             assert not got.matches(), f"{layout} is right now; drop its refusal"
+
+
+_update_loss = family_matrix.update_loss  # the right one, which the faults below wrap
+
+
+def _scaled(outputs, batch):  # the engine's loss 1% too large
+    loss, metrics = _update_loss(outputs, batch)
+    return loss * 1.01, metrics
+
+
+def _first_micro_batch_dropped(outputs, batch):  # the one holding row 0 (advantage 1.0)
+    loss, metrics = _update_loss(outputs, batch)
+    first = bool((batch["advantages"] == family_matrix.ADVANTAGES[0]).any())
+    return (loss * 0 if first else loss), metrics
+
+
+def _local_normaliser(outputs, batch):  # the micro-batch's own tokens, not the step's
+    local = batch.copy()
+    local[B.GLOBAL_TOKEN_COUNT] = batch[B.RESPONSE_MASK].sum().float().expand(batch.batch_size)
+    return _update_loss(outputs, local)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_update_runs_in_two_micro_batches(layout):
+    # so that each micro-batch's loss needs the step's normaliser (17 + 11 response tokens
+    # padded and shared-prefix, 19 + 9 packed)
+    engine = FSDPEngine(engine_config("llama", layout))
+    batch = update_batch(family_matrix.test_batch())
+    budget = engine.config.micro_batch.max_tokens_per_microbatch
+    plan = microbatches.plan(batch, budget, engine.packed, "max_tokens_per_microbatch")
+    tokens = [int(mb.data[B.RESPONSE_MASK].sum()) for mb in plan]
+    assert tokens == ([19, 9] if layout == "packed" else [17, 11])
+    forward = engine.config.micro_batch.forward_budget
+    assert len(microbatches.plan(batch, forward, engine.packed, "forward")) == 1
+
+
+@pytest.mark.parametrize("fault", [_scaled, _first_micro_batch_dropped, _local_normaliser])
+def test_a_wrong_update_is_caught(monkeypatch, fault):
+    # the engine's update made wrong three ways (its log-probs untouched): the gradient gap
+    # to the plain model's update is far over 1e-5 in every layout, and fails the check
+    monkeypatch.setattr(family_matrix, "update_loss", fault)
+    for layout, got in check_family("llama").items():
+        assert got.log_probs <= 1e-5 and got.entropy <= 1e-5, layout
+        assert got.gradients is not None and got.gradients > 1e-4, (layout, got.gradients)
+        assert not got.matches()
+
+
+def test_a_sampled_router_is_random_in_train_mode_only():
+    # PhiMoE's SparseMixer draws its routing in train mode: the plain model's update twice
+    # in train mode differs (measured 7e-4 to 3e-3), twice in eval mode agrees exactly (why
+    # the matrix compares its update in eval mode)
+    torch.manual_seed(0)
+    model = build_reference(tiny_config("phimoe"))
+    batch = update_batch(family_matrix.test_batch())
+    evals = [reference_gradients(model, batch, train=False) for _ in range(2)]
+    trains = [reference_gradients(model, batch, train=True) for _ in range(2)]
+    assert gradient_gap(*evals) == (0.0, "")
+    assert gradient_gap(*trains)[0] > 1e-4
+    assert "phimoe" in SAMPLED_ROUTING
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
 """The model-family matrix: every causal-LM family of the installed transformers, built tiny,
-checked through `FSDPEngine.forward` in each micro-batch layout against a plain transformers
-forward of each sequence alone; and the support table (docs/models.md) that states the result.
+checked in each micro-batch layout against a plain transformers model run on each sequence
+alone: `FSDPEngine.forward`'s log-probs and entropy, and the gradients of one GRPO-style
+update (`FSDPEngine.forward_backward` of `update_loss`); and the support table
+(docs/models.md) that states the result.
 
 A tiny config is the family's own default config with every size made small (2 layers,
 hidden 64, vocabulary 256) and its special parts kept on: each per-layer list (`layer_types`,
@@ -18,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
 from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.loss import Share
 from tephra.engine_fsdp.families import LAYOUT_OVERRIDES, LAYOUTS, REFUSED
 from tephra.engine_fsdp.testing import padded_batch
 
@@ -428,6 +432,115 @@ def reference_outputs(model: torch.nn.Module, batch: TensorDict) -> dict[str, to
     return {"log_probs": lp, "entropy": ent}
 
 
+ADVANTAGES = (1.0, -0.5, 0.25, -1.0, 0.5, 0.75)
+"""Fixed advantage of each `test_batch` row (a GRPO group of 3 per prompt) for the update."""
+
+ENTROPY_COEFF = 0.1
+"""The update's entropy bonus: its gradient goes through the engine's entropy too."""
+
+UPDATE_TOKENS_PER_MICROBATCH = 42
+"""`micro_batch.max_tokens_per_microbatch` of the update: `test_batch`'s rows (10-14 tokens)
+run in 2 micro-batches of unequal token counts (a prompt's 3 rows each, padded or
+shared-prefix; rows 0-3 and 4-5 packed), so each micro-batch's loss needs the step's global
+normaliser. `forward` keeps one micro-batch (`forward_max_tokens_per_microbatch`)."""
+
+
+def update_batch(batch: TensorDict) -> TensorDict:
+    """`batch` with each row's `ADVANTAGES` value on its response tokens (`advantages`)."""
+    out = batch.copy()
+    adv = torch.tensor(ADVANTAGES[: batch.batch_size[0]], dtype=torch.float32)
+    out["advantages"] = adv[:, None] * batch[B.RESPONSE_MASK].float()
+    return out
+
+
+def update_loss(outputs: TensorDict, batch: TensorDict) -> tuple[torch.Tensor, dict[str, float]]:
+    """The GRPO policy gradient at the sampling policy (importance ratio 1, so no clipping)
+    with an entropy bonus, token-mean over the step: this micro-batch's part
+
+        sum_{b,t} m (-A_b log pi - ENTROPY_COEFF H) / N
+
+    with N = `global_token_count` (the step's response tokens over every micro-batch), as
+    `tephra.algos.ActorObjective` aggregates its terms."""
+    mask = batch[B.RESPONSE_MASK].float()
+    per_token = -batch["advantages"] * outputs["log_probs"] - ENTROPY_COEFF * outputs["entropy"]
+    loss = (per_token * mask).sum() / batch[B.GLOBAL_TOKEN_COUNT][0]
+    return loss, {"update_loss": Share(float(loss.detach()))}
+
+
+def reference_gradients(
+    model: torch.nn.Module, batch: TensorDict, train: bool = True
+) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient (zeros where none) of `update_loss`'s step recomputed on
+    the plain model (in train mode, as the engine trains, unless `train` is False), one
+    sequence alone at a time: each sequence's `sum_t (-A log pi - ENTROPY_COEFF H) / N` with
+    N the batch's response tokens, back-propagated and summed."""
+    attn = batch[B.ATTENTION_MASK].bool()
+    resp = batch[B.RESPONSE_MASK].bool()
+    tokens = float(resp.sum())
+    was_training = model.training
+    model.train(train)
+    model.zero_grad(set_to_none=True)
+    try:
+        for i in range(attn.shape[0]):
+            cols = attn[i].nonzero()[:, 0]
+            ids = batch[B.INPUT_IDS][i, cols][None]
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+            logp = torch.log_softmax(logits, -1)[:-1]
+            token_lp = logp.gather(-1, ids[0, 1:, None])[:, 0]
+            token_ent = -(logp.exp() * logp).sum(-1)
+            keep = resp[i, cols[1:]]
+            per_token = -ADVANTAGES[i] * token_lp - ENTROPY_COEFF * token_ent
+            (per_token[keep].sum() / tokens).backward()
+        grads = {
+            n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for n, p in model.named_parameters()
+        }
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return grads
+
+
+def engine_gradients(engine: FSDPEngine) -> dict[str, torch.Tensor]:
+    """Every parameter's accumulated gradient in the engine, gathered whole (zeros where
+    none), by its name in the transformers model."""
+    out = {}
+    for n, p in engine.hf_model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu().clone()
+    return out
+
+
+def gradient_gap(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest gradient difference over every parameter, and its parameter: absolute,
+    except for a parameter whose largest reference gradient exceeds 1, where it is divided
+    by that (RWKV's embedding gradients reach 119 in float32; 1e-5 is then rounding)."""
+    if got.keys() != want.keys():
+        raise AssertionError(
+            f"engine parameters {sorted(got.keys() ^ want.keys())} are not the plain model's"
+        )
+    gap, where = 0.0, ""
+    for name, g in want.items():
+        if not g.numel():
+            continue
+        d = float((got[name] - g).abs().max()) / max(1.0, float(g.abs().max()))
+        if not math.isfinite(d):
+            return math.inf, name
+        if d > gap:
+            gap, where = d, name
+    return gap, where
+
+
+SAMPLED_ROUTING = {
+    "phimoe": "its SparseMixer router, in train mode, samples the experts (Gumbel, among "
+    "those within its jitter of the top score) and draws the routing gradient's estimate "
+    "(Heun's third-order method, a random mask), so a training step's gradient is a random "
+    "draw no other run reproduces: its update is compared with both models in eval mode",
+}
+"""Families whose train-mode step is random by design -> why. The matrix compares their
+update with the engine and the plain model in eval mode (deterministic routing)."""
+
+
 def attention(model_type: str) -> str:
     """`sdpa` where the family's causal LM supports it, else `eager` (Gemma 2's soft-capped
     attention scores, gpt-oss's sinks: transformers runs them eagerly)."""
@@ -450,21 +563,32 @@ def engine_config(
     hf_config = {**tiny_config(model_type), **(changes or {})}
     model = ModelConfig(hf_config=hf_config, init_seed=0, attn_implementation=attention(model_type))
     base = EngineConfig(model=model, device="cpu")
-    return apply_overrides(base, dict(LAYOUT_OVERRIDES[layout]))
+    budgets = {
+        "micro_batch.max_tokens_per_microbatch": UPDATE_TOKENS_PER_MICROBATCH,
+        "micro_batch.forward_max_tokens_per_microbatch": 8192,
+    }
+    return apply_overrides(base, {**budgets, **LAYOUT_OVERRIDES[layout]})
 
 
 @dataclass
 class LayoutCheck:
     """One family in one layout: the engine's refusal (None when it runs the layout) and the
     largest log-prob and entropy gaps to the reference over response tokens, of an engine
-    built past the refusal (so a test can show the refusal is needed)."""
+    built past the refusal (so a test can show the refusal is needed); in a layout the
+    engine runs, the largest gradient gap of one update (`update_loss`) to
+    `reference_gradients` over every parameter, and that parameter (None in a refused
+    layout), and the largest reference gradient (what the gap is measured against)."""
 
     refusal: str | None
     log_probs: float
     entropy: float
+    gradients: float | None = None
+    worst_parameter: str = ""
+    gradient_scale: float = 0.0
 
     def matches(self, tol: float = 1e-5) -> bool:
-        return self.log_probs <= tol and self.entropy <= tol
+        update = self.gradients is None or self.gradients <= tol
+        return self.log_probs <= tol and self.entropy <= tol and update
 
 
 def check_family(
@@ -472,8 +596,10 @@ def check_family(
 ) -> dict[str, LayoutCheck]:
     """Run the family's tiny model (with its config fields `changes`) through
     `FSDPEngine.forward` in each of `layouts` and compare with `reference_outputs` of the
-    engine's exported weights. Raises `NotTiny` when the tiny config stays large, and
-    whatever transformers or the engine raise."""
+    engine's exported weights; in each layout the engine does not refuse, one
+    `FSDPEngine.forward_backward` of `update_loss` too, compared with `reference_gradients`.
+    Raises `NotTiny` when the tiny config stays large, and whatever transformers or the
+    engine raise."""
     # imported here: the engine module pulls in FSDP, which the support table does not need
     from tephra.engine_fsdp.engine import FSDPEngine
 
@@ -482,8 +608,11 @@ def check_family(
         raise NotTiny(f"even its tiny config has {count:,} parameters")
     batch = test_batch()
     resp = batch[B.RESPONSE_MASK].bool()
+    update = update_batch(batch)
+    sampled = SAMPLED_ROUTING.get(model_type)
     out: dict[str, LayoutCheck] = {}
     reference: dict[str, torch.Tensor] | None = None
+    want_grads: dict[str, torch.Tensor] | None = None
     for layout in layouts:
         config = engine_config(model_type, layout, changes)
         refusal = None
@@ -493,7 +622,9 @@ def check_family(
             refusal = str(exc)
         if reference is None:
             padded = FSDPEngine(engine_config(model_type, "padded", changes))
-            reference = reference_outputs(_reference_with(padded), batch)
+            plain = _reference_with(padded)
+            reference = reference_outputs(plain, batch)
+            want_grads = reference_gradients(plain, update, train=sampled is None)
         try:
             engine = FSDPEngine(config)  # past the refusal: what the layout would compute
             with engine.eval_mode():
@@ -505,7 +636,14 @@ def check_family(
             continue
         gaps = [float((got[k] - reference[k])[resp].abs().max()) for k in ("log_probs", "entropy")]
         gaps = [g if math.isfinite(g) else math.inf for g in gaps]
-        out[layout] = LayoutCheck(refusal, gaps[0], gaps[1])
+        assert want_grads is not None
+        scale = max(float(g.abs().max()) for g in want_grads.values() if g.numel())
+        grad_gap, worst = None, ""
+        if refusal is None:  # the update of a layout the engine runs
+            with engine.train_mode() if sampled is None else engine.eval_mode():
+                engine.forward_backward(update, update_loss)
+            grad_gap, worst = gradient_gap(engine_gradients(engine), want_grads)
+        out[layout] = LayoutCheck(refusal, gaps[0], gaps[1], grad_gap, worst, scale)
     return out
 
 
@@ -537,13 +675,16 @@ class Row:
 
 
 def status(model_type: str, layout: str) -> str:
-    """`Y`, `refused (reason)`, `not buildable (reason)` or `error (reason)` of a text
-    family in `layout`, from the tables the family matrix test keeps true."""
+    """`Y`, `Y (how its update is checked)` (`SAMPLED_ROUTING`), `refused (reason)`, `not
+    buildable (reason)` or `error (reason)` of a text family in `layout`, from the tables the
+    family matrix test keeps true."""
     if model_type in NOT_RUN:
         kind, why = NOT_RUN[model_type]
         return f"{kind} ({why})"
     refusal = REFUSED.get(model_type, {}).get(layout) or REFUSED.get(model_type, {}).get("padded")
-    return f"refused ({refusal})" if refusal else "Y"
+    if refusal:
+        return f"refused ({refusal})"
+    return f"Y ({SAMPLED_ROUTING[model_type]})" if model_type in SAMPLED_ROUTING else "Y"
 
 
 def support_table() -> list[Row]:
@@ -561,7 +702,7 @@ def render_markdown(command: str) -> str:
     import transformers  # the version the table was checked against
 
     rows = support_table()
-    full = sum(all(v == "Y" for v in r.statuses.values()) for r in rows)
+    full = sum(all(v.startswith("Y") for v in r.statuses.values()) for r in rows)
     head = [
         "# Model families on engine=fsdp",
         "",
@@ -573,7 +714,13 @@ def render_markdown(command: str) -> str:
         "**Y**: the family's tiny model (2 layers, hidden 64, its special parts on: mixture of",
         "experts, sliding windows, linear-attention layers, multi-head latent attention, sinks)",
         "gives, through `FSDPEngine.forward`, the log-probs and entropy of a plain transformers",
-        "forward of each sequence alone within 1e-5 (float32). **refused**: the engine raises a",
+        "forward of each sequence alone within 1e-5 (float32), and through",
+        "`FSDPEngine.forward_backward` the gradient of every parameter of one GRPO-style update",
+        "(policy gradient with fixed per-sequence advantages and an entropy bonus, token-mean",
+        "over the step's global token count, in 2 micro-batches) that the plain model gives",
+        "back-propagating each sequence alone, within 1e-5 (relative to the parameter's largest",
+        "gradient where that exceeds 1); the weights it exports load into the plain model. A",
+        "numbered **Y** says how the update is checked instead. **refused**: the engine raises a",
         "`ConfigError` naming the family, the layout and the fix (before Ray starts in the apps);",
         "left to the engine (`null`), `micro_batch.use_packing` and `share_prefix` avoid a refused",
         "layout. **not buildable**: no tiny model of it could be built here. **error**: the",
