@@ -10,8 +10,6 @@ import contextlib
 import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ from tephra.episodes.environments.swe import TASKS, TRAIN, SweWorkspaces, get_ta
 from tephra.episodes.environments.swe.environment import EditFile, ReadFile, RunTests, WriteFile
 from tephra.episodes.environments.swe.workspace import SweSettings
 from tephra.episodes.registry import EPISODES
+from tephra.episodes.testing import NOBODY, rerun_unprivileged
 from tephra.episodes.tools.folder_tree import remove_tree
 from tephra.rollout import SamplingParams
 from tephra.rollout.testing import ScriptedRollout
@@ -269,46 +268,12 @@ def test_bad_settings_and_task_names_are_refused_naming_the_field():
 def test_the_same_holds_for_an_unprivileged_user(tmp_path):
     """This file again as uid 65534 (`setpriv`), as the sandbox's own tests do: there the
     copies are plain folders of hard links that each test run copies in and out."""
-    python = os.path.realpath(sys.executable)
-    hidden = next(
-        (
-            str(p)
-            for p in reversed(Path(python).parents)
-            if p != Path("/") and not os.stat(p).st_mode & 0o001
-        ),
-        None,
-    )
-    reveal = ""
-    if hidden is not None:  # the interpreter under a 0700 home: shown for that run only
-        prefix = os.path.realpath(sys.base_prefix)
-        reveal = (
-            f"mkdir -p {tmp_path}/view && mount --bind {prefix} {tmp_path}/view && "
-            f"mount -t tmpfs -o mode=755 tmpfs {hidden} && mkdir -p {prefix} && "
-            f"mount --bind {tmp_path}/view {prefix} && "
-        )
-    basetemp = Path(tempfile.mkdtemp(prefix="tephra-nested-"))
-    os.chown(basetemp, 65534, 65534)
     home = Path(tempfile.mkdtemp(prefix="tephra-home-"))
-    os.chown(home, 65534, 65534)
-    env = dict(os.environ, **{UNPRIVILEGED_RUN: "1"}, HOME=str(home), HF_HUB_OFFLINE="1")
-    inner = (
-        f"{reveal}exec setpriv --reuid=65534 --regid=65534 --clear-groups -- "
-        f"{sys.executable} -m pytest {__file__} -p no:xdist -p no:cacheprovider -q -rs "
-        f"-o addopts='' --import-mode=importlib --rootdir=/tmp --basetemp={basetemp}/t "
-        f"-p no:randomly -W ignore::DeprecationWarning -k 'not an_episode'"
+    os.chown(home, NOBODY, NOBODY)
+    env = dict(os.environ, **{UNPRIVILEGED_RUN: "1"}, HF_HUB_OFFLINE="1")
+    done = rerun_unprivileged(
+        __file__, tmp_path, home, env, timeout_s=300, pytest_args="-k 'not an_episode'"
     )
-    try:
-        done = subprocess.run(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-            cwd="/",
-        )
-    finally:
-        remove_tree(str(basetemp))
-        remove_tree(str(home))
     tail = done.stdout[-3000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     passed = re.search(r"(\d+) passed", done.stdout)

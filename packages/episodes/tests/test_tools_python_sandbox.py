@@ -17,7 +17,6 @@ import re
 import socket
 import stat
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import threading
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tephra.episodes.testing import NOBODY, rerun_unprivileged
 from tephra.episodes.tools import python_sandbox
 from tephra.episodes.tools.base import ToolError
 from tephra.episodes.tools.folder_tree import empty_tree, remove_tree, tree_usage
@@ -810,52 +810,13 @@ def test_the_same_attacks_are_contained_for_an_unprivileged_user(tmp_path):
     """This whole file again as uid 65534 (`setpriv`), every test passing there too. The
     interpreter may live under a 0700 home (pyenv in /root): a private mount namespace makes
     its folders reachable for that run only, changing nothing on the host."""
-    python = os.path.realpath(sys.executable)
-    hidden = next(
-        (
-            str(p)
-            for p in reversed(Path(python).parents)
-            if p != Path("/") and not os.stat(p).st_mode & stat.S_IXOTH
-        ),
-        None,
-    )
-    reveal = ""
-    if hidden is not None:
-        # show the interpreter's prefix alone, at its own path, under an empty 0755 folder
-        prefix = os.path.realpath(sys.base_prefix)
-        reveal = (
-            f"mkdir -p {tmp_path}/view && mount --bind {prefix} {tmp_path}/view && "
-            f"mount -t tmpfs -o mode=755 tmpfs {hidden} && mkdir -p {prefix} && "
-            f"mount --bind {tmp_path}/view {prefix} && "
-        )
     # the unprivileged caller's home (pytest's own folders are root's, 0700)
     home = Path(tempfile.mkdtemp(prefix="tephra-home-"))
     (home / ".bashrc").write_text("# the caller's\n")
-    os.chown(home, 65534, 65534)
-    os.chown(home / ".bashrc", 65534, 65534)
-    # a fresh base for the inner run's tmp_path: pytest's own numbered folders of earlier runs
-    # (a deep tree left by an interrupted run) would be removed recursively at its exit
-    basetemp = Path(tempfile.mkdtemp(prefix="tephra-nested-"))
-    os.chown(basetemp, 65534, 65534)
-    env = dict(os.environ, **{UNPRIVILEGED_RUN: "1"}, HOME=str(home))
-    inner = (
-        f"{reveal}exec setpriv --reuid=65534 --regid=65534 --clear-groups -- "
-        f"{sys.executable} -m pytest {__file__} -p no:xdist -p no:cacheprovider -q -rs "
-        f"-o addopts='' --import-mode=importlib --rootdir=/tmp --basetemp={basetemp}/t "
-        f"-p no:randomly -W ignore::DeprecationWarning"
-    )
-    try:
-        done = subprocess.run(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", inner],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-            cwd="/",
-        )
-    finally:
-        remove_tree(str(home))
-        remove_tree(str(basetemp))
+    os.chown(home, NOBODY, NOBODY)
+    os.chown(home / ".bashrc", NOBODY, NOBODY)
+    env = dict(os.environ, **{UNPRIVILEGED_RUN: "1"})
+    done = rerun_unprivileged(__file__, tmp_path, home, env, timeout_s=600)
     tail = done.stdout[-3000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     passed = re.search(r"(\d+) passed", done.stdout)
