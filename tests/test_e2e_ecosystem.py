@@ -25,6 +25,7 @@ from tephra.controller.run.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
+from tephra.episodes.testing import model_turns as episode_turns
 from tephra.rollout.base import SamplingParams
 from tephra.rollout.testing import ScriptedRollout
 
@@ -183,14 +184,7 @@ def test_an_unreachable_openenv_server_is_an_environment_error(tmp_path):
 def model_turns(row: dict, tok) -> list[str]:
     """The texts of a dumped sample's model turns (its runs of response-mask 1), as the
     environment episode sends them: decoded with special tokens, a final EOS left off."""
-    runs: list[list[int]] = []
-    inside = False
-    for t, m in zip(row["response_ids"], row["response_mask"]):
-        if m and not inside:
-            runs.append([])
-        if m:
-            runs[-1].append(t)
-        inside = bool(m)
+    runs = episode_turns(row["response_ids"], row["response_mask"])
     return [
         tok.decode(r[:-1] if r[-1] == tok.eos_token_id else r, skip_special_tokens=False)
         for r in runs

@@ -21,6 +21,7 @@ from tephra.controller.run.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
+from tephra.episodes.testing import model_turns
 from tephra.rollout.backends.hf import HFRollout
 from tephra.rollout.base import RolloutConfig, SamplingParams
 from tephra.rollout.testing import ScriptedRollout
@@ -89,17 +90,6 @@ SCORER = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return 0.25 + 0.5 * (len(solution_str.strip()) % 2)
 """
-
-
-def model_turns(row_ids: list[int], mask: list[int]) -> list[list[int]]:
-    """The model turns (runs of mask 1) of a response."""
-    turns: list[list[int]] = []
-    for k, (t, m) in enumerate(zip(row_ids, mask)):
-        if m:
-            if k == 0 or not mask[k - 1]:
-                turns.append([])
-            turns[-1].append(t)
-    return turns
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from tephra.controller.run.trackers import read_jsonl
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
+from tephra.episodes.testing import model_turns
 from tephra.rollout.base import SamplingParams
 from tephra.rollout.testing import ScriptedRollout
 
@@ -122,17 +123,6 @@ def own_score(env_file: Path, replies: list[str], answer: str) -> float:
     spec.loader.exec_module(mod)
     w1, w2 = mod.WEIGHTS
     return w1 * mod.odd_length(replies) + w2 * mod.says_answer(replies, answer)
-
-
-def model_turns(ids: list[int], mask: list[int]) -> list[list[int]]:
-    """The model turns (runs of mask 1) of a response."""
-    turns: list[list[int]] = []
-    for k, (t, m) in enumerate(zip(ids, mask)):
-        if m:
-            if k == 0 or not mask[k - 1]:
-                turns.append([])
-            turns[-1].append(t)
-    return turns
 
 
 @pytest.fixture(scope="module")

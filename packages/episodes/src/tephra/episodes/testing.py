@@ -90,3 +90,15 @@ def rerun_unprivileged(
     finally:
         remove_tree(str(home))
         remove_tree(str(basetemp))
+
+
+def model_turns(ids: list[int], mask: list[int]) -> list[list[int]]:
+    """The model turns of a trajectory's response: its runs of tokens with mask 1 (the
+    environment's and tools' tokens between them have mask 0)."""
+    turns: list[list[int]] = []
+    for k, (t, m) in enumerate(zip(ids, mask)):
+        if m:
+            if k == 0 or not mask[k - 1]:
+                turns.append([])
+            turns[-1].append(t)
+    return turns
