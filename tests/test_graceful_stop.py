@@ -58,8 +58,8 @@ def launch(run_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
     """`apps/ppo -p smoke` in a new session (its own process group, as a shell's job)."""
     reward = run_dir.parent / "reward.py"
     reward.write_text(SMOKE_REWARD)
-    cmd = [
-        sys.executable,
+    return start_job(
+        log,
         "apps/ppo",
         "-p",
         "smoke",
@@ -67,7 +67,12 @@ def launch(run_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
         f"trainer.steps={STEPS}",
         f"trainer.run_dir={run_dir}",
         *extra,
-    ]
+    )
+
+
+def start_job(log: Path, *args: str) -> subprocess.Popen:
+    """`python *args` from the repository root in a new session, as a shell starts a job."""
+    cmd = [sys.executable, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(
         cmd,
@@ -101,12 +106,16 @@ def stop_and_check(
     signals: list[signal.Signals],
     exit_code: int,
     at_step: int,
+    acknowledged: bool = True,
+    most_behind: int = 1,
 ) -> dict:
     """Once `at_step` steps are logged, send `signals` to the run's process group (the second
-    one once the first was acknowledged); check the exit code, the time to exit, the summary,
-    the checkpoint and that no process of the run survives. Returns the summary."""
+    one once the first was acknowledged, or at once without `acknowledged`); check the exit
+    code, the time to exit, the summary, the checkpoint (after a second signal, at most
+    `most_behind` steps behind the last completed one) and that no process of the run
+    survives. Returns the summary."""
     wait_for(lambda: steps_logged(run_dir) >= at_step, 600, proc, log)
-    if len(signals) > 1:
+    if len(signals) > 1 and acknowledged:
         # with save_every=1 a step is logged before it is saved: a stop asked for during
         # that save completes at the safe point right after it, before a second signal can
         # land. Signal once the save is committed, so both signals come during the next step.
@@ -115,7 +124,8 @@ def stop_and_check(
     os.killpg(proc.pid, signals[0])
     sent = time.monotonic()
     if len(signals) > 1:
-        wait_for(lambda: "send it again to stop at once" in log.read_text(), 30, proc, log)
+        if acknowledged:
+            wait_for(lambda: "send it again to stop at once" in log.read_text(), 30, proc, log)
         os.killpg(proc.pid, signals[1])
     try:
         code = proc.wait(timeout=60)
@@ -135,7 +145,7 @@ def stop_and_check(
         survivors = session_members(proc.pid)
     assert survivors == [], f"left running after exit: {survivors}"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "stopped" and summary["signal"] == signals[-1].name
+    assert summary["status"] == "stopped" and summary["signal"] == signals[0].name
     assert summary["exit_code"] == exit_code
     assert summary["steps"] == steps_logged(run_dir) and summary["steps"] >= at_step
     assert (Path(summary["checkpoint"]) / "manifest.json").exists()
@@ -143,8 +153,8 @@ def stop_and_check(
     if summary["immediate"]:
         # the step in progress is dropped; the second signal may also have come while the last
         # logged step was being saved (an interrupted save commits nothing): the checkpoint
-        # is the last one committed, at most one step behind
-        assert summary["steps"] - 1 <= saved <= summary["steps"]
+        # is the last one committed
+        assert summary["steps"] - most_behind <= saved <= summary["steps"]
     else:  # the last completed step, saved by the stop itself
         assert saved == summary["steps"]
     return summary
@@ -188,4 +198,40 @@ def test_sigint_sigterm_and_a_second_sigint_stop_cleanly_and_resume_exactly(tmp_
     log = tmp_path / "rest.log"
     proc = launch(run_dir, log)
     assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+    assert rows(run_dir) == rows(full)
+
+
+def test_sft_stops_on_sigint_and_at_once_on_a_second_signal_and_resumes_exactly(tmp_path):
+    """apps/sft stops as the RL trainer does: SIGINT after the first step finishes the step in
+    progress and checkpoints it (exit 130); SIGINT and SIGTERM back to back stop at once
+    (`immediate`, the last checkpoint the last one `save_every=3` made); the run resumed to its end
+    logs the metrics of an uninterrupted run, bitwise."""
+
+    def sft(run_dir: Path, log: Path) -> subprocess.Popen:
+        steps = f"train.steps={STEPS + 2}"
+        return start_job(
+            log, "apps/sft", "-p", "smoke", steps, "train.save_every=3", f"train.run_dir={run_dir}"
+        )
+
+    full, log = tmp_path / "full", tmp_path / "full.log"
+    proc = sft(full, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert json.loads((full / "summary.json").read_text())["status"] == "completed"
+
+    run_dir = tmp_path / "stopped"
+    log = tmp_path / "sigint.log"
+    first = stop_and_check(sft(run_dir, log), log, run_dir, [signal.SIGINT], 130, at_step=1)
+    assert first["immediate"] is False and "stopped by SIGINT after step" in log.read_text()
+
+    log = tmp_path / "twice.log"
+    proc = sft(run_dir, log)
+    second = stop_and_check(
+        proc, log, run_dir, [signal.SIGINT, signal.SIGTERM], 130, first["steps"] + 1, False, 2
+    )
+    assert f"resumed from {run_dir / 'checkpoints'}" in log.read_text()
+    assert second["immediate"] is True and "SIGTERM again: stopping now" in log.read_text()
+
+    log = tmp_path / "rest.log"
+    proc = sft(run_dir, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     assert rows(run_dir) == rows(full)

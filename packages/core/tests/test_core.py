@@ -3,6 +3,7 @@ hand-written expectations."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -383,3 +385,61 @@ def test_third_party_syntax_warnings_are_dropped_and_the_users_kept(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "noisy" not in result.stderr
     assert result.stderr.count("SyntaxWarning") == 1 and "mine/__init__.py" in result.stderr
+
+
+class _Wrapped(Exception):
+    """How Ray hands a worker's error to the driver: the error itself in `.cause`."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"RayTaskError: long traceback ... {cause}")
+        self.cause = cause
+
+
+@pytest.mark.parametrize(
+    ("outcome", "code", "stdout", "stderr"),
+    [
+        ({"status": "completed", "steps": 3}, None, '{"steps": 3}\n', ""),
+        ({"status": "stopped", "exit_code": 143}, 143, '{"exit_code": 143}\n', ""),
+        (ConfigError("data.source=None: set data.source"), 2, "", "error: data.source=None"),
+        (_Wrapped(ConfigError("rank 1: x=2")), 2, "", "error: rank 1: x=2\n"),
+        (KeyboardInterrupt(), 130, "", "interrupted (Ctrl-C)\n"),
+    ],
+)
+def test_app_main_prints_the_summary_or_one_error_line_and_exits_with_its_code(
+    outcome: Any, code: int | None, stdout: str, stderr: str, capsys: pytest.CaptureFixture
+) -> None:
+    from tephra.core.app_help import AppHelp, app_main  # noqa: PLC0415
+
+    def run(cfg: dict[str, Any]) -> dict[str, Any]:
+        assert cfg == {"argv": ["a=1"]}
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return dict(outcome)
+
+    app = AppHelp("app", "", Path("."), Path("index.json"), "app")
+    show = lambda s: {k: v for k, v in s.items() if k != "status"}  # noqa: E731
+    with contextlib.ExitStack() as stack:
+        if code is not None:
+            exited = stack.enter_context(pytest.raises(SystemExit))
+        app_main(["a=1"], app, lambda argv: {"argv": argv}, dict, run, show)
+    if code is not None:
+        assert exited.value.code == code
+    out, err = capsys.readouterr()
+    assert out == stdout
+    assert err.startswith(stderr) and "Traceback" not in err
+
+
+def test_app_main_prints_the_config_and_lets_other_errors_through(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    from tephra.core.app_help import AppHelp, app_main  # noqa: PLC0415
+
+    app = AppHelp("app", "", Path("."), Path("index.json"), "app")
+
+    def never(cfg: Any) -> dict[str, Any]:
+        raise AssertionError("--print-config must not run")
+
+    app_main(["b=2", "--print-config"], app, lambda a: a, lambda a: {"b": a}, never)
+    assert capsys.readouterr().out == "b:\n- b=2\n"
+    with pytest.raises(_Wrapped):  # not a TephraError inside: a bug, with its traceback
+        app_main([], app, lambda a: a, dict, lambda c: (_ for _ in ()).throw(_Wrapped(OSError())))

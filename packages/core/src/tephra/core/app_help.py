@@ -16,11 +16,14 @@ import importlib
 import json
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
-from tephra.core.errors import ConfigError
+from tephra.core.errors import ConfigError, tephra_cause
+
+C = TypeVar("C")
 
 HELP_FLAGS = ("-h", "--help")
 PRINT_CONFIG = "--print-config"
@@ -172,9 +175,53 @@ def split_print_config(argv: list[str]) -> tuple[bool, list[str]]:
     return PRINT_CONFIG in argv, [a for a in argv if a != PRINT_CONFIG]
 
 
+def app_main(
+    argv: list[str],
+    app: AppHelp,
+    parse: Callable[[list[str]], C],
+    to_save: Callable[[C], dict[str, Any]],
+    run: Callable[[C], dict[str, Any]],
+    show: Callable[[dict[str, Any]], Any] = lambda summary: summary,
+) -> None:
+    """The body every app's `main` shares: `--help` answered; `--print-config` prints the
+    composed config (`to_save(cfg)` as YAML) and exits; else `run(cfg)` and its summary printed
+    as one JSON line (`show(summary)`: the part of it the app prints).
+
+    Failures a person can fix (a `TephraError`, also one a Ray worker raised) print one line,
+    `error: ...`, and exit 2, without a traceback. Ctrl-C where the run does not handle it
+    (while the config loads, data is read or Ray starts; apps/eval throughout) exits 130 with
+    one line. A run a signal stopped returns a summary with `"status": "stopped"` and its `exit_code` (130 for SIGINT,
+    143 for SIGTERM, as a shell reports a job a signal ended): the app exits with that code
+    after printing it."""
+    if answer_help(argv, app):
+        return
+    print_only, argv = split_print_config(argv)
+    try:
+        cfg = parse(argv)
+        if print_only:
+            import yaml  # noqa: PLC0415 (--help above reads no YAML library)
+
+            print(yaml.safe_dump(to_save(cfg), sort_keys=False), end="", flush=True)
+            return
+        summary = run(cfg)
+    except Exception as exc:  # a worker's TephraError arrives wrapped by Ray
+        cause = tephra_cause(exc)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C where the app has no stop of its own (start-up, eval)
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        raise SystemExit(130) from None
+    print(json.dumps(show(summary)), flush=True)
+    if summary.get("status") == "stopped":
+        raise SystemExit(summary["exit_code"])
+
+
 __all__ = [
     "AppHelp",
     "answer_help",
+    "app_main",
     "first_sentence",
     "index_rows",
     "overview",

@@ -36,8 +36,8 @@ from tephra.controller.run.checkpoints import CheckpointManager
 from tephra.controller.run.evaluation import EvalRow, markdown_table, summarise, write_jsonl
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.step.scoring import Scorer
-from tephra.core.app_help import answer_help, split_print_config
-from tephra.core.errors import ConfigError, tephra_cause
+from tephra.core.app_help import app_main
+from tephra.core.errors import ConfigError
 from tephra.episodes.agent import ChatTemplateDelta
 from tephra.episodes.episode import run_episodes, run_to_completion
 from tephra.episodes.prompt import Prompt
@@ -372,23 +372,14 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if answer_help(argv, HELP):
-        return
-    print_only, argv = split_print_config(argv)
-    try:
-        cfg = parse_config(argv)
-        if print_only:
-            print(yaml.safe_dump(config_to_save(cfg), sort_keys=False), end="", flush=True)
-            return
-        results = run(cfg)
-    except Exception as exc:  # a worker's TephraError arrives wrapped by Ray
-        cause = tephra_cause(exc)
-        if cause is None:
-            raise
-        print(f"error: {cause}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(json.dumps({label: r["summary"]["all"] for label, r in results.items()}), flush=True)
+    app_main(
+        sys.argv[1:] if argv is None else argv,
+        HELP,
+        parse_config,
+        config_to_save,
+        run,
+        lambda results: {label: r["summary"]["all"] for label, r in results.items()},
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
+import ray
 import torch
-import yaml
 from tensordict import TensorDict
 from transformers import AutoConfig, AutoTokenizer
 
@@ -32,6 +32,7 @@ from tephra.apps.sft.chat_data import (
 from tephra.apps.sft.cli import HELP
 from tephra.apps.sft.config import SFTConfig
 from tephra.controller.cluster.dispatch import Dispatch, dispatch
+from tephra.controller.cluster.stop import StopNow, StopSignal
 from tephra.controller.cluster.worker_group import (
     DataParallelInfo,
     ResourcePool,
@@ -42,9 +43,9 @@ from tephra.controller.cluster.worker_group import (
 from tephra.controller.run.checkpoints import CheckpointManager
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.run.trackers import Trackers
-from tephra.core.app_help import answer_help, split_print_config
+from tephra.core.app_help import app_main
 from tephra.core.config import load_config, split_cli, to_dict
-from tephra.core.errors import ConfigError, tephra_cause
+from tephra.core.errors import ConfigError
 from tephra.engine_api.multimodal import is_vision_config
 from tephra.engine_api.registry import get_engine
 from tephra.rollout.multimodal import VisionProcessor
@@ -181,17 +182,68 @@ def load_examples(cfg: SFTConfig, tok: Any, model_path: str) -> tuple[list, list
     return train, val
 
 
-def run(cfg: SFTConfig) -> dict:  # noqa: PLR0915 (older than the limit; to split)
+def run(cfg: SFTConfig) -> dict:
+    """Train as `cfg` says; returns the summary (also written to run_dir/summary.json).
+
+    The first SIGINT / SIGTERM stops after the step in progress, checkpointed when checkpoints
+    are on (`train.save_every`); a second one stops at once. Either way the summary says
+    `"status": "stopped"` and the app exits 130 / 143."""
     t0 = time.perf_counter()
     path = resolve_model_path(cast(str, cfg.model.path))  # validated: set for SFT
     tok = AutoTokenizer.from_pretrained(path)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     train, val = load_examples(cfg, tok, path)
-    d = cfg.data
     run_dir = Path(cfg.train.run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     r = cfg.resources
+    owns_ray = not ray.is_initialized()
     ray_init(r.ray_address, r.num_cpus)
+    stop = StopSignal()
+    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+    loop = SFTLoop(cfg, ckpt, random.Random(cfg.data.seed))
+    try:
+        with stop.installed():
+            summary = train_and_export(cfg, path, run_dir, loop, (train, val, pad), stop)
+    except StopNow:  # a second signal: the workers were stopped on the way out
+        summary = {"steps": loop.step}
+    finally:
+        if stop.requested and owns_ray:  # the process exits on the signal: Ray's exit hook
+            ray.shutdown()  # would stop its daemons too late
+    if stop.requested:
+        latest = ckpt.latest()
+        summary = {
+            "status": "stopped",
+            "signal": stop.name,
+            "exit_code": stop.exit_code,
+            "immediate": stop.immediate,
+            "steps": summary["steps"],
+            "checkpoint": str(latest) if latest is not None else None,
+        }
+        print(
+            f"stopped by {stop.name} after step {summary['steps']} of {cfg.train.steps}"
+            + (f"; the same command resumes from {latest}" if latest else ""),
+            flush=True,
+        )
+    else:
+        summary = {"status": "completed", **summary}
+    summary |= {"seconds": round(time.perf_counter() - t0, 1), "run_dir": str(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def train_and_export(
+    cfg: SFTConfig,
+    path: str,
+    run_dir: Path,
+    loop: SFTLoop,
+    data: tuple[list, list, int],
+    stop: StopSignal,
+) -> dict:
+    """The worker group's life: resume, the steps (until done or `stop` is asked), the
+    validation losses and the export; `steps` and the losses of the run. `data`: the
+    training and held-out examples and the pad token id."""
+    train, val, pad = data
+    r = cfg.resources
     pool = ResourcePool(
         r.world_size,
         r.cpus_per_rank,
@@ -205,53 +257,72 @@ def run(cfg: SFTConfig) -> dict:  # noqa: PLR0915 (older than the limit; to spli
     except BaseException:
         pool.release()
         raise
-    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints)
     trackers = Trackers(cfg.train.trackers, run_dir, "tephra-sft", run_dir.name, to_dict(cfg))
-    rng = random.Random(d.seed)
-    order: list[int] = []
-    step = 0
-    latest = ckpt.resolve("auto" if cfg.train.resume else "off")
     try:
-        if latest is not None:
-            state = ckpt.load_trainer_state(latest)
-            wg.load_checkpoint(str(latest))
-            step, order = int(state["step"]), list(state["order"])
-            rng.setstate(_rng_state(state["rng"]))
-            print(f"resumed from {latest} at step {step}", flush=True)
+        loop.resume(wg)
         loss_before = validation_loss(wg, val, pad) if val else None
-        n = cfg.train.sequences_per_step
-        while step < cfg.train.steps:
-            if len(order) < n:
-                extra = list(range(len(train)))
-                rng.shuffle(extra)
-                order += extra
-            idx, order = order[:n], order[n:]
-            metrics = wg.train_step(pad_batch([train[i] for i in idx], pad))
-            step += 1
-            if val and cfg.train.val_every and step % cfg.train.val_every == 0:
-                metrics["val/loss"] = validation_loss(wg, val, pad)
-            trackers.log(metrics, step)
-            if cfg.train.save_every and step % cfg.train.save_every == 0:
-                wg.save_checkpoint(str(ckpt.begin(step)))
-                ckpt.commit(step, {"order": order, "rng": _rng_json(rng.getstate())})
+        loop.train(wg, data, trackers, stop)
+        if stop.requested:
+            return {"steps": loop.step}
         loss_after = validation_loss(wg, val, pad) if val else None
         if loss_after is not None:
-            trackers.log({"val/loss": loss_after}, step)
+            trackers.log({"val/loss": loss_after}, loop.step)
         if cfg.train.export_hf:
             wg.export_hf(str(run_dir / "hf"))
     finally:
         trackers.close()
-        wg.shutdown()
+        wg.shutdown(grace_s=0.0 if stop.immediate else 10.0)
         pool.release()
-    summary = {
-        "loss_before": loss_before,
-        "loss_after": loss_after,
-        "steps": step,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "run_dir": str(run_dir),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+    return {"loss_before": loss_before, "loss_after": loss_after, "steps": loop.step}
+
+
+class SFTLoop:
+    """The step counter, the data order and its random state, and their checkpoints."""
+
+    def __init__(self, cfg: SFTConfig, ckpt: CheckpointManager, rng: random.Random) -> None:
+        self.cfg, self.ckpt, self.rng = cfg, ckpt, rng
+        self.step, self.saved_at = 0, 0
+        self.order: list[int] = []
+
+    def resume(self, wg: Any) -> None:
+        latest = self.ckpt.resolve("auto" if self.cfg.train.resume else "off")
+        if latest is None:
+            return
+        state = self.ckpt.load_trainer_state(latest)
+        wg.load_checkpoint(str(latest))
+        self.step, self.order = int(state["step"]), list(state["order"])
+        self.saved_at = self.step
+        self.rng.setstate(_rng_state(state["rng"]))
+        print(f"resumed from {latest} at step {self.step}", flush=True)
+
+    def save(self, wg: Any) -> None:
+        wg.save_checkpoint(str(self.ckpt.begin(self.step)))
+        self.ckpt.commit(self.step, {"order": self.order, "rng": _rng_json(self.rng.getstate())})
+        self.saved_at = self.step
+
+    def train(
+        self, wg: Any, data: tuple[list, list, int], trackers: Trackers, stop: StopSignal
+    ) -> None:
+        """Steps until `train.steps`, or until `stop` is asked: then the last completed step
+        is checkpointed when checkpoints are on and it is not saved yet."""
+        train, val, pad = data
+        t = self.cfg.train
+        n = t.sequences_per_step
+        while self.step < t.steps and not stop.requested:
+            if len(self.order) < n:
+                extra = list(range(len(train)))
+                self.rng.shuffle(extra)
+                self.order += extra
+            idx, self.order = self.order[:n], self.order[n:]
+            metrics = wg.train_step(pad_batch([train[i] for i in idx], pad))
+            self.step += 1
+            if val and t.val_every and self.step % t.val_every == 0:
+                metrics["val/loss"] = validation_loss(wg, val, pad)
+            trackers.log(metrics, self.step)
+            if t.save_every and self.step % t.save_every == 0:
+                self.save(wg)
+        if stop.requested and t.save_every and self.step > self.saved_at:
+            self.save(wg)
 
 
 def vision_processor(cfg: SFTConfig, model_path: str) -> VisionProcessor:
@@ -288,23 +359,7 @@ def parse_config(argv: list[str]) -> SFTConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if answer_help(argv, HELP):
-        return
-    print_only, argv = split_print_config(argv)
-    try:
-        cfg = parse_config(argv)
-        if print_only:
-            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="", flush=True)
-            return
-        summary = run(cfg)
-    except Exception as exc:  # a worker's TephraError arrives wrapped by Ray
-        cause = tephra_cause(exc)
-        if cause is None:
-            raise
-        print(f"error: {cause}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(json.dumps(summary), flush=True)
+    app_main(sys.argv[1:] if argv is None else argv, HELP, parse_config, to_dict, run)
 
 
 if __name__ == "__main__":
