@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tephra.controller.data.code_problems import PROBLEMS, TRAIN, code_problem_records
+from tephra.controller.testing import run_and_read
 from tephra.episodes.rewards import REWARD_SCORERS
 
 SOLUTIONS = [
@@ -57,11 +58,7 @@ def test_every_shipped_problem_accepts_its_reference_and_rejects_a_wrong_program
 
 @pytest.mark.multiproc
 def test_code_rl_preset_trains_two_steps(tmp_path):
-    import ray
-
     from tephra.apps.ppo.main import parse_config, run
-    from tephra.controller.cluster.worker_group import ray_init
-    from tephra.controller.run.trackers import read_jsonl
 
     cfg = parse_config(
         [
@@ -83,21 +80,8 @@ def test_code_rl_preset_trains_two_steps(tmp_path):
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
-    ray_init(num_cpus=2)
-    try:
-        summary = run(cfg)
-    finally:
-        ray.shutdown()
-    assert summary["steps"] == 2
-    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
-    assert [r["step"] for r in train] == [1, 2]
-    for step, r in zip((1, 2), train):
-        rows = [
-            json.loads(line)
-            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
-            .read_text()
-            .splitlines()
-        ]
+    summary, trained = run_and_read(run, cfg)
+    for r, rows in trained:
         # the code scorer judged each response (a random model writes no ```python block)
         expected = [
             REWARD_SCORERS.get("code")("code", row["answer"], _truth(row), None)["score"]

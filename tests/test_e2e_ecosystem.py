@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import socket
 import sys
 import threading
@@ -21,7 +20,7 @@ from transformers import AutoTokenizer
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.run.models import resolve_model_path
-from tephra.controller.run.trackers import read_jsonl
+from tephra.controller.testing import run_and_read
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
@@ -195,9 +194,6 @@ def model_turns(row: dict, tok) -> list[str]:
 def test_an_openenv_environment_trains_two_steps_through_the_app(
     tmp_path, openenv_server, grpo_step_reference
 ):
-    import ray
-
-    from tephra.controller.cluster.worker_group import ray_init
 
     url, server = openenv_server
     cfg = parse_config(
@@ -213,19 +209,10 @@ def test_an_openenv_environment_trains_two_steps_through_the_app(
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
-    ray_init(num_cpus=2)
-    try:
-        summary = run(cfg)
-    finally:
-        ray.shutdown()
-    assert summary["steps"] == 2
+    summary, trained = run_and_read(run, cfg)
     tok = AutoTokenizer.from_pretrained(resolve_model_path("tiny", cfg.trainer.seed))
-    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
-    assert [r["step"] for r in train] == [1, 2]
     scores = set()
-    for step, r in zip((1, 2), train):
-        path = tmp_path / "run" / "generations" / f"train_step{step}.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r, rows in trained:
         assert len(rows) == cfg.batch.samples_per_step
         for row in rows:  # the environment's own scoring of the same two turns
             turns = model_turns(row, tok)
@@ -234,7 +221,7 @@ def test_an_openenv_environment_trains_two_steps_through_the_app(
             scores.add(row["score"])
         assert r["reward/mean"] == pytest.approx(sum(x["score"] for x in rows) / len(rows))
         assert r["agent/turns_mean"] == 2.0
-        if step == 1:  # on-policy at the initial weights: recomputed in plain transformers,
+        if r["step"] == 1:  # on-policy at the initial weights: recomputed in plain transformers,
             # GRPO on the scores, the loss and gradient over the model's turns (mask 1)
             want = grpo_step_reference(resolve_model_path("tiny", 0), rows)
             assert [x["advantage"] for x in rows] == pytest.approx(want["advantages"], abs=1e-5)

@@ -7,7 +7,6 @@ step finishes with the trajectory dropped from its group."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -23,8 +22,8 @@ import torch
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.data.prompts import DatasetError, load_parquet
 from tephra.controller.run.models import resolve_model_path
-from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.samples import Prompt, agent_metrics, group_ids
+from tephra.controller.testing import run_and_read
 from tephra.controller.workers.generation import run_items
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig
@@ -102,9 +101,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.mark.multiproc
 def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path, grpo_step_reference):
-    import ray
-
-    from tephra.controller.cluster.worker_group import ray_init
 
     env = tmp_path / "two_turns.py"
     env.write_text(TWO_TURN_ENV)
@@ -126,21 +122,8 @@ def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path, gr
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
-    ray_init(num_cpus=2)
-    try:
-        summary = run(cfg)
-    finally:
-        ray.shutdown()
-    assert summary["steps"] == 2
-    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
-    assert [r["step"] for r in train] == [1, 2]
-    for step, r in zip((1, 2), train):
-        rows = [
-            json.loads(line)
-            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
-            .read_text()
-            .splitlines()
-        ]
+    summary, trained = run_and_read(run, cfg)
+    for r, rows in trained:
         assert len(rows) == cfg.batch.samples_per_step
         for row in rows:  # the environment's rewards, summed over the two turns
             assert row["finish_reason"] == "done"
@@ -148,7 +131,7 @@ def test_a_users_environment_with_per_turn_rewards_trains_two_steps(tmp_path, gr
         assert r["reward/mean"] == pytest.approx(sum(x["score"] for x in rows) / len(rows))
         assert r["agent/turns_mean"] == 2.0 and r["agent/timeouts"] == 0.0
         assert r["agent/environment_errors"] == 0.0
-        if step == 1:
+        if r["step"] == 1:
             _check_first_step(grpo_step_reference, rows, r)
     # the server ran for the run and is gone with it: nothing listens at its URL
     log = (tmp_path / "run" / "environment_server.log").read_text()
@@ -189,9 +172,6 @@ def test_a_run_started_environment_server_that_dies_is_restarted(tmp_path, capsy
     their steps: exactly the trajectories whose sessions it held are dropped and counted; the
     run restarts it on the same URL (printing the dead server's log tail), the rest of step 1
     and all of step 2 run on the new server, and the restart is counted."""
-    import ray
-
-    from tephra.controller.cluster.worker_group import ray_init
 
     events = tmp_path / "events"
     events.mkdir()
@@ -225,13 +205,8 @@ def test_a_run_started_environment_server_that_dies_is_restarted(tmp_path, capsy
 
     killer = threading.Thread(target=kill_in_first_steps, daemon=True)
     killer.start()
-    ray_init(num_cpus=2)
-    try:
-        summary = run(cfg)
-    finally:
-        ray.shutdown()
+    summary, trained = run_and_read(run, cfg)
     killer.join(timeout=5)
-    assert summary["steps"] == 2
     dead = killed["pid"]
     # no session finished on the dead server (each step sleeps 2 s, the kill came 0.3 s after
     # the first step began): every session it opened was lost with it
@@ -240,15 +215,11 @@ def test_a_run_started_environment_server_that_dies_is_restarted(tmp_path, capsy
     later = {p.name.split("-")[0] for p in events.glob("*.reset")} - {str(dead)}
     assert len(later) == 1  # one restarted server served every other session
     (new,) = later
-    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
-    assert [r["step"] for r in train] == [1, 2]
-    first, second = train
+    (first, _), (second, _) = trained
     assert first["agent/environment_errors"] == first["agent/dropped"] == len(lost)
     assert second["agent/environment_errors"] == second["agent/dropped"] == 0.0
     assert second["environment_server/restarts"] == 1.0
-    for step in (1, 2):
-        path = tmp_path / "run" / "generations" / f"train_step{step}.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for step, (_, rows) in zip((1, 2), trained):
         for row in rows:  # the dropped ones are the lost sessions; the others are scored
             if row["finish_reason"] == "environment_error":
                 assert step == 1
@@ -278,9 +249,6 @@ def _check_first_step(grpo_step_reference, rows, record) -> None:
 @pytest.mark.multiproc
 def test_an_openai_client_agent_trains_two_steps(tmp_path, grpo_step_reference):
     pytest.importorskip("openai")
-    import ray
-
-    from tephra.controller.cluster.worker_group import ray_init
 
     agent = tmp_path / "agent.py"
     agent.write_text(OPENAI_AGENT)
@@ -298,20 +266,8 @@ def test_an_openai_client_agent_trains_two_steps(tmp_path, grpo_step_reference):
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
-    ray_init(num_cpus=2)
-    try:
-        summary = run(cfg)
-    finally:
-        ray.shutdown()
-    assert summary["steps"] == 2
-    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
-    for step, r in zip((1, 2), train):
-        rows = [
-            json.loads(line)
-            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
-            .read_text()
-            .splitlines()
-        ]
+    summary, trained = run_and_read(run, cfg)
+    for r, rows in trained:
         for row in rows:  # the agent's reward, from the last served answer
             assert row["finish_reason"] in ("stop", "length")
             assert row["score"] == float(len(row["answer"]) % 2)
@@ -320,15 +276,12 @@ def test_an_openai_client_agent_trains_two_steps(tmp_path, grpo_step_reference):
             runs = [m for k, m in enumerate(mask) if k == 0 or mask[k - 1] != m]
             assert runs == [1, 0, 1]
         assert r["agent/turns_mean"] == 2.0
-        if step == 1:
+        if r["step"] == 1:
             _check_first_step(grpo_step_reference, rows, r)
 
 
 @pytest.mark.multiproc
 def test_a_stuck_environment_cannot_hold_the_step(tmp_path):
-    import ray
-
-    from tephra.controller.cluster.worker_group import ray_init
 
     env = tmp_path / "stuck.py"
     env.write_text(STUCK_ENV)
@@ -346,23 +299,11 @@ def test_a_stuck_environment_cannot_hold_the_step(tmp_path):
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
-    ray_init(num_cpus=2)
-    try:
-        summary = run(cfg)
-    finally:
-        ray.shutdown()
-    assert summary["steps"] == 2
-    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    summary, trained = run_and_read(run, cfg)
     stuck = 2 * cfg.batch.prompts_per_step
-    for step, r in zip((1, 2), train):
+    for r, rows in trained:
         assert (r["agent/timeouts"], r["agent/dropped"]) == (stuck, stuck)
         assert r["time/generate_s"] < deadline + 60.0  # an upper bound only: the deadline held
-        rows = [
-            json.loads(line)
-            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
-            .read_text()
-            .splitlines()
-        ]
         reasons = sorted(row["finish_reason"] for row in rows)
         assert reasons == ["done"] * (len(rows) - stuck) + ["turn_timeout"] * stuck
         for row in rows:

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.run.models import resolve_model_path
-from tephra.controller.run.trackers import read_jsonl
+from tephra.controller.testing import run_and_read
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
@@ -178,10 +178,6 @@ def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path, grpo_ste
     """The tiny model rarely ends a turn within `rollout.max_tokens`: with an SDK that raises on
     a cut turn most runs end there (`length`, the scorer's reward); a run whose turns both end
     returns the agent's reward. Either way the trained turns are the texts the gateway served."""
-    import ray
-
-    from tephra.controller.cluster.worker_group import ray_init
-
     records = tmp_path / "records"
     agent = tmp_path / "sdk_agent.py"
     agent.write_text(AGENT.format(records=str(records), tools=False))
@@ -199,28 +195,11 @@ def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path, grpo_ste
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
-    ray_init(num_cpus=2)
-    try:
-        summary = run(cfg)
-    finally:
-        ray.shutdown()
-    assert summary["steps"] == 2
+    summary, steps = run_and_read(run, cfg)
     tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path, cfg.trainer.seed))
     received = [json.loads(p.read_text()) for p in records.glob("*.json")]
     assert len(received) == 2 * cfg.batch.samples_per_step
-    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
-    assert [r["step"] for r in train] == [1, 2]
-    dumped = {
-        step: [
-            json.loads(line)
-            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
-            .read_text()
-            .splitlines()
-        ]
-        for step in (1, 2)
-    }
-    for step, r in zip((1, 2), train):
-        rows = dumped[step]
+    for r, rows in steps:
         assert len(rows) == cfg.batch.samples_per_step
         for row in rows:
             turns = model_turns(row["response_ids"], row["response_mask"])
@@ -233,12 +212,12 @@ def test_an_agents_sdk_agent_trains_two_steps_through_the_app(tmp_path, grpo_ste
     # step 1 (on-policy, the initial weights) recomputed from the dumped trajectories in plain
     # transformers: GRPO's advantages of the scores, the loss and gradient norm over the
     # served turns' tokens (mask 1)
-    rows, first = dumped[1], train[0]
+    first, rows = steps[0]
     want = grpo_step_reference(resolve_model_path("tiny", 0), rows)
     assert [x["advantage"] for x in rows] == pytest.approx(want["advantages"], abs=1e-5)
     assert first["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)
     assert first["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
-    rows = [row for step_rows in dumped.values() for row in step_rows]
+    rows = [row for _, step_rows in steps for row in step_rows]
     # the runs the SDK ended on a cut turn are the trajectories that ended with `length`
     assert sum(rec["statuses"][-1] == "incomplete" for rec in received) == sum(
         row["finish_reason"] == "length" for row in rows

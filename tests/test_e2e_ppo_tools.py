@@ -15,10 +15,9 @@ from transformers import AutoTokenizer
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.launch.ppo import BUNDLED_TOOLS, resolve_tools_file
 from tephra.controller.run.models import resolve_model_path
-from tephra.controller.run.trackers import read_jsonl
 from tephra.controller.samples import Prompt, Sample, agent_metrics, samples_to_batch
 from tephra.controller.step.advantages import outcome_token_rewards
-from tephra.controller.testing import SMOKE_REWARD
+from tephra.controller.testing import SMOKE_REWARD, run_and_read
 from tephra.controller.workers.generation import run_items
 from tephra.core.errors import ConfigError
 from tephra.rollout.base import Rollout
@@ -36,10 +35,6 @@ AGENT_KEYS = (
 def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(
     tmp_path, grpo_step_reference, smoke_score
 ):
-    import ray
-
-    from tephra.controller.cluster.worker_group import ray_init
-
     reward = tmp_path / "reward.py"
     reward.write_text(SMOKE_REWARD)
     # two ranks: each runs the agent loop on its share of prompts, FSDP over gloo trains
@@ -54,12 +49,7 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
-    ray_init(num_cpus=2)
-    try:
-        summary = run(cfg)
-    finally:
-        ray.shutdown()
-    assert summary["steps"] == 2
+    summary, trained = run_and_read(run, cfg)
     # held-out greedy, through the agent loop: each score is the smoke reward on the
     # trajectory's text, the accuracy the share of full scores
     gens = tmp_path / "run" / "generations"
@@ -67,17 +57,11 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(
     assert [r["prompt_index"] for r in val] == list(range(cfg.data.val_size))
     assert [r["score"] for r in val] == [smoke_score(r["response"]) for r in val]
     assert summary["accuracy_after"] == pytest.approx(sum(r["score"] >= 1 for r in val) / len(val))
-    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    train = [r for r in records if "reward/mean" in r]
-    assert [r["step"] for r in train] == [1, 2]
     samples = cfg.batch.samples_per_step
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny", 0))
-    for r in train:
+    for r, rows in trained:
         # the agent metrics recomputed from the dumped trajectories
-        dumped = [
-            json.loads(x) for x in (gens / f"train_step{r['step']}.jsonl").read_text().splitlines()
-        ]
-        want = _agent_metrics_of_rows(dumped, tokenizer)
+        want = _agent_metrics_of_rows(rows, tokenizer)
         for key in AGENT_KEYS[:2] + AGENT_KEYS[3:]:
             assert r[key] == pytest.approx(want[key], abs=1e-9), key
         assert 1 <= r["agent/turns_mean"] <= cfg.rollout.agent.max_turns
@@ -93,9 +77,6 @@ def test_smoke_tools_preset_runs_multiturn_grpo_on_two_ranks(
         # model's tokens (mask 1), recomputed in plain transformers in one process: the two
         # ranks' gradients add up to it (the rows flat-group skipping leaves out count in the
         # normaliser); a step whose groups all scored flat trains nothing, its gradient is 0
-        rows = [
-            json.loads(x) for x in (gens / f"train_step{r['step']}.jsonl").read_text().splitlines()
-        ]
         assert [x["score"] for x in rows] == [smoke_score(x["response"]) for x in rows]
         want = grpo_step_reference(resolve_model_path("tiny", 0) if r["step"] == 1 else None, rows)
         # every step trains on its own samples (one mini-batch, ratio 1): its loss is

@@ -4,10 +4,9 @@ environment, each trained sample scored with its task's hand-computed share of p
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from tephra.controller.testing import run_and_read
 from tephra.core.errors import ConfigError
 from tephra.episodes.environments.swe import TASKS, TRAIN
 
@@ -20,10 +19,7 @@ def _task_of(prompt: str):
 
 @pytest.mark.multiproc
 def test_swe_preset_trains_two_steps(tmp_path):
-    import ray
-
     from tephra.apps.ppo.main import parse_config, run
-    from tephra.controller.cluster.worker_group import ray_init
     from tephra.controller.run.trackers import read_jsonl
 
     work = tmp_path / "work"
@@ -51,23 +47,9 @@ def test_swe_preset_trains_two_steps(tmp_path):
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
-    ray_init(num_cpus=2)
-    try:
-        summary = run(cfg)
-    finally:
-        ray.shutdown()
-    assert summary["steps"] == 2
-    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    train = [r for r in records if "reward/mean" in r]
-    assert [r["step"] for r in train] == [1, 2]
+    summary, trained = run_and_read(run, cfg)
     train_tasks = {t.name for t in TASKS[:TRAIN]}
-    for step, r in zip((1, 2), train):
-        rows = [
-            json.loads(line)
-            for line in (tmp_path / "run" / "generations" / f"train_step{step}.jsonl")
-            .read_text()
-            .splitlines()
-        ]
+    for r, rows in trained:
         assert len(rows) == 4
         tasks = [_task_of(row["prompt"]) for row in rows]
         assert {t.name for t in tasks} <= train_tasks
@@ -75,6 +57,7 @@ def test_swe_preset_trains_two_steps(tmp_path):
         assert [row["score"] for row in rows] == pytest.approx(expected)
         assert r["reward/mean"] == pytest.approx(sum(expected) / 4)
     # validation after training: the first two held-out tasks, 2 samples each, none solved
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     val = [r for r in records if "val/pass@1" in r][-1]
     held_out = TASKS[TRAIN : TRAIN + 2]
     assert val["val/pass@1"] == 0.0 and val["val/pass@2"] == 0.0

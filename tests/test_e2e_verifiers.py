@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -20,7 +19,7 @@ from transformers import AutoTokenizer
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.run.models import resolve_model_path
-from tephra.controller.run.trackers import read_jsonl
+from tephra.controller.testing import run_and_read
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
@@ -176,9 +175,6 @@ def test_a_verifiers_environment_runs_its_own_episode_through_the_gateway(
 
 @pytest.mark.multiproc
 def test_a_verifiers_environment_trains_two_steps_through_the_app(tmp_path, grpo_step_reference):
-    import ray
-
-    from tephra.controller.cluster.worker_group import ray_init
 
     env_file = write_env(tmp_path, "multi")
     cfg = parse_config(
@@ -192,19 +188,10 @@ def test_a_verifiers_environment_trains_two_steps_through_the_app(tmp_path, grpo
             f"trainer.run_dir={tmp_path / 'run'}",
         ]
     )
-    ray_init(num_cpus=2)
-    try:
-        summary = run(cfg)
-    finally:
-        ray.shutdown()
-    assert summary["steps"] == 2
+    summary, trained = run_and_read(run, cfg)
     tok = AutoTokenizer.from_pretrained(resolve_model_path("tiny", cfg.trainer.seed))
-    train = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
-    assert [r["step"] for r in train] == [1, 2]
     scores = set()
-    for step, r in zip((1, 2), train):
-        path = tmp_path / "run" / "generations" / f"train_step{step}.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r, rows in trained:
         assert len(rows) == cfg.batch.samples_per_step
         for row in rows:  # the rubric's functions on the two served replies (no answer: 0.5 * 0)
             turns = [
@@ -217,7 +204,7 @@ def test_a_verifiers_environment_trains_two_steps_through_the_app(tmp_path, grpo
             scores.add(row["score"])
         assert r["reward/mean"] == pytest.approx(sum(x["score"] for x in rows) / len(rows))
         assert r["agent/turns_mean"] == 2.0
-        if step == 1:  # on-policy at the initial weights: recomputed in plain transformers
+        if r["step"] == 1:  # on-policy at the initial weights: recomputed in plain transformers
             want = grpo_step_reference(resolve_model_path("tiny", 0), rows)
             assert [x["advantage"] for x in rows] == pytest.approx(want["advantages"], abs=1e-5)
             assert r["actor/pg_loss"] == pytest.approx(want["pg_loss"], abs=1e-5)

@@ -271,8 +271,10 @@ def train_and_export(
             wg.export_hf(str(run_dir / "hf"))
     finally:
         trackers.close()
-        wg.shutdown(grace_s=0.0 if stop.immediate else 10.0)
-        pool.release()
+        try:  # a second signal while the workers exit: Ray's shutdown kills them
+            wg.shutdown(grace_s=0.0 if stop.immediate else 10.0)
+        finally:
+            pool.release()
     return {"loss_before": loss_before, "loss_after": loss_after, "steps": loop.step}
 
 

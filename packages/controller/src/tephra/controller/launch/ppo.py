@@ -439,6 +439,7 @@ def train_groups(  # noqa: PLR0915 (one builder per group; they share the closur
             each.release()
         raise
     clock.lap("workers")  # Ray actors started, engines and rollout built, weights loaded
+    summary: dict | None = None
     try:
         trainer.peak_flops = trainer.measure_peak_flops()
         clock.lap("peak_flops")
@@ -456,11 +457,17 @@ def train_groups(  # noqa: PLR0915 (one builder per group; they share the closur
         )
         summary = trainer.fit()
         summary["nodes"] = nodes
-        return summary
     finally:
         try:
             # after a second signal the ranks may be mid-stage: killed, not asked to close
             trainer.close_group(at_once=stop.immediate)
+        except StopNow:  # a second signal while the groups close: killed instead
+            trainer.close_group(at_once=True)
+            if summary is None:  # not from the loop's end: the caller reports the stop
+                raise
+            summary["immediate"] = True  # the loop's summary stands, its close cut short
+            (p.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         finally:
             for each in (pool, *role_pools.values()):
                 each.release()
+    return summary
