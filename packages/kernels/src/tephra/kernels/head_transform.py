@@ -48,9 +48,7 @@ class HeadTransform:
     def __post_init__(self) -> None:
         for name in ("hidden_scale", "logit_scale"):
             value = getattr(self, name)
-            if not (
-                isinstance(value, (int, float)) and math.isfinite(value) and float(value) > 0
-            ):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and float(value) > 0):
                 raise KernelInputError(
                     f"HeadTransform.{name}={value!r}; expected a finite number > 0 "
                     "(1.0 when the model does not scale)"

@@ -55,7 +55,7 @@ def auto_block_vocab(tokens: int, vocab: int) -> int:
     return max(128, min(vocab, cols // 128 * 128))
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton has no types
+@triton.jit
 def _tanh(x):  # type: ignore[no-untyped-def]  # triton reads its own annotations
     # tanh from exp(-2|x|) <= 1: no overflow, and no cancellation near 0 of 1 - 2 / (e^2x + 1)
     e = tl.exp(-2.0 * tl.abs(x))
@@ -139,8 +139,16 @@ def _stats_kernel(  # type: ignore[no-untyped-def]  # triton reads its own annot
     inside = (local >= 0) & (local < width)
     col = tl.where(inside, local, 0)
     picked = _head(
-        tl.load(z_row + col), bias_ptr, v0 + col, inside, scale, bias_scale, cap, inv_temp,
-        HAS_BIAS, SOFTCAP,
+        tl.load(z_row + col),
+        bias_ptr,
+        v0 + col,
+        inside,
+        scale,
+        bias_scale,
+        cap,
+        inv_temp,
+        HAS_BIAS,
+        SOFTCAP,
     )
     tl.store(label_z_ptr + row, tl.where(inside, picked, tl.load(label_z_ptr + row)))
 
