@@ -27,9 +27,10 @@ def transformed_head_reference(
     """(log_probs, entropy) [tokens] through the model's head as transformers writes it, in
     plain autograd: scale the hidden state, nn.functional.linear with the bias, scale the
     logits, cap * tanh(logits / cap), cut the vocabulary, divide by the temperature."""
-    h = hidden.float() * head.hidden_scale
-    bias = head.bias.float() if head.bias is not None else None
-    logits = torch.nn.functional.linear(h, weight.float(), bias) * head.logit_scale
+    dtype = torch.promote_types(hidden.dtype, torch.float32)  # float64 stays float64
+    h = hidden.to(dtype) * head.hidden_scale
+    bias = head.bias.to(dtype) if head.bias is not None else None
+    logits = torch.nn.functional.linear(h, weight.to(dtype), bias) * head.logit_scale
     if head.softcap is not None:
         logits = head.softcap * torch.tanh(logits / head.softcap)
     if head.vocab_size is not None:
