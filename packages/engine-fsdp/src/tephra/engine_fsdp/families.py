@@ -56,6 +56,11 @@ SHORT_CONVOLUTION = (
     "neither the packed row's position ids nor the shared-prefix segment mask reach, so one "
     "sequence's last tokens flow into the next"
 )
+KV_CONVOLUTION = (
+    "its attention runs a short causal convolution along the row over the key and value "
+    "projections, which neither the packed row's position ids nor the shared-prefix segment "
+    "mask reach, so one sequence's last tokens flow into the next"
+)
 SLIDING_SHARED = (
     "the shared-prefix segment mask replaces its sliding-window (or chunked) attention mask, "
     "so a token attends to keys beyond its window"
@@ -126,8 +131,8 @@ REFUSED: dict[str, dict[str, str]] = {
     "granite_swa": {"shared_prefix": SLIDING_SHARED},
     "granitemoe_swa": {"shared_prefix": SLIDING_SHARED},
     "granitemoehybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
-    "inkling2_text": {"packed": SHORT_CONVOLUTION, "shared_prefix": SHORT_CONVOLUTION},
-    "inkling_text": {"packed": SHORT_CONVOLUTION, "shared_prefix": SHORT_CONVOLUTION},
+    "inkling2_text": {"packed": KV_CONVOLUTION, "shared_prefix": KV_CONVOLUTION},
+    "inkling_text": {"packed": KV_CONVOLUTION, "shared_prefix": KV_CONVOLUTION},
     "jamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kimi_linear": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kolibri1": {"shared_prefix": SLIDING_SHARED},
