@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
 from tephra.engine_api import batch as B
@@ -48,13 +49,15 @@ REPRESENTATIVE = {
     "gemma3_text": "sliding windows (refused shared prefix)",
     "qwen3_next": "Gated DeltaNet hybrid (refused packed and shared prefix)",
     "gpt_oss": "sinks, sliding windows, MoE, eager attention",
-    "cohere": "logits scaled after the head (refused everywhere)",
+    "cohere": "logits scaled after the head (logit_scale)",
+    "gemma2": "logits soft-capped after the head (final_logit_softcapping)",
+    "phi": "an output head with a bias",
     "deepseek_v4": "compressor windows by column: padded rows run from column 0",
     "stablelm": "layers that drop attention kwargs: the tree blocks ride on the mask",
     "mamba": "a no-split class inside another (MambaMixer in MambaBlock)",
     "gpt_neox_japanese": "a tied head under another name (embed_out)",
 }
-NOT_RUN_REPRESENTATIVE = {"gemma2", "bert", "git"}
+NOT_RUN_REPRESENTATIVE = {"bert", "git"}
 RUN = [f for f in FAMILIES if f not in NOT_RUN and text_family(f) is None]
 
 
@@ -264,3 +267,30 @@ def test_per_layer_overrides_follow_their_layers():
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
     assert config["per_layer_config"] == {"1": {"head_dim": 32}}
     assert "head_dim" not in tiny_config("falcon")  # a read-only property there
+
+
+def test_a_head_bias_is_added_and_trained():
+    # Phi's output head has a bias, zero at init, so its matrix row cannot tell it from none:
+    # set to randn here, the engine's log-probs, entropy and update (the bias's gradient
+    # included) are still the plain model's
+    engine = FSDPEngine(engine_config("phi", "padded"))
+    bias = engine.hf_model.get_output_embeddings().bias
+    with torch.no_grad():
+        local = bias.to_local() if isinstance(bias, DTensor) else bias
+        local.copy_(torch.randn(local.shape, generator=torch.Generator().manual_seed(0)))
+    plain = family_matrix._reference_with(engine)
+    assert float(plain.get_output_embeddings().bias.detach().abs().max()) > 1.0
+    batch = family_matrix.test_batch()
+    want = family_matrix.reference_outputs(plain, batch)
+    with engine.eval_mode():
+        got = engine.forward(batch)
+    resp = batch[B.RESPONSE_MASK].bool()
+    for key in ("log_probs", "entropy"):
+        assert float((got[key] - want[key])[resp].abs().max()) <= 1e-5, key
+    update = update_batch(batch)
+    want_grads = reference_gradients(plain, update)
+    with engine.train_mode():
+        engine.forward_backward(update, family_matrix.update_loss)
+    gap, where = gradient_gap(family_matrix.engine_gradients(engine), want_grads)
+    assert gap <= 1e-5, (gap, where)
+    assert float(want_grads["lm_head.bias"].abs().max()) > 1e-3

@@ -6,6 +6,8 @@ import torch
 from tephra.engine_api import ConfigError
 from tephra.engine_api.testing import CHECKS, random_batch, run_distributed
 from tephra.engine_fsdp import FSDPEngine, ulysses
+from tephra.engine_fsdp.family_matrix import tiny_config
+from tephra.engine_fsdp.scorer import head_transform_of
 from tephra.engine_fsdp.testing import (
     TINY_VOCAB,
     ULYSSES,
@@ -37,8 +39,13 @@ def test_unsupported_options_are_refused_at_build():
         head_dim=16,
         final_logit_softcapping=30.0,
     )
-    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0"):
-        FSDPEngine.build(gemma2)
+    # a soft-capped head is no longer refused: the scorer applies the cap in the kernel
+    engine = FSDPEngine.build(gemma2)
+    assert head_transform_of(engine.hf_model).softcap == 30.0
+    bert = tiny_engine_config()
+    bert.model.hf_config = tiny_config("bert")
+    with pytest.raises(ConfigError, match="the output head runs a prediction transform"):
+        FSDPEngine.build(bert)
 
 
 def test_padded_length_and_segments():

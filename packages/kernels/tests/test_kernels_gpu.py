@@ -111,3 +111,33 @@ def test_auto_takes_the_choice_timed_once_on_this_device(dtype):
     assert resolve_method("auto", dev, dtype) == ("triton" if choice else "chunked")
     assert resolve_method("auto", dev) == "chunked"  # no dtype: the untimed default
     print(f"auto on {torch.cuda.get_device_name(dev)} {dtype}: {'triton' if choice else 'chunked'}")
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_compiled_triton_applies_a_head_transform(dtype, bound):
+    """Gemma 2's cap (on logits of about +-40), Cohere-like scales, a bias and a vocabulary
+    cut, compiled, against transformers' way of writing the head in float64 autograd."""
+    from tephra.kernels import HeadTransform
+    from tephra.kernels.testing import transformed_head_reference
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(7)
+    tokens, hidden, vocab = 300, 256, 50000
+    h = torch.randn(tokens, hidden, device=dev, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=dev, generator=gen) * 2.5).to(dtype).requires_grad_()
+    b = torch.randn(vocab, device=dev, generator=gen).to(dtype).requires_grad_()
+    y = torch.randint(0, 49000, (tokens,), device=dev, generator=gen)
+    y[::5] = -100
+    g_lp = torch.randn(tokens, device=dev, generator=gen)
+    g_ent = torch.randn(tokens, device=dev, generator=gen)
+    kw = dict(hidden_scale=0.5, logit_scale=1.5, softcap=30.0, vocab_size=49000)
+    lp, ent = linear_logprob_entropy(
+        h, w, y, 0.9, method="triton", head=HeadTransform(bias=b, **kw)
+    )
+    got = (lp, ent, *torch.autograd.grad((lp * g_lp + ent * g_ent).sum(), [h, w, b]))
+    p64 = [t.detach().double().requires_grad_() for t in (h, w, b)]
+    rlp, rent = transformed_head_reference(p64[0], p64[1], y, 0.9, HeadTransform(bias=p64[2], **kw))
+    want = (rlp, rent, *torch.autograd.grad((rlp * g_lp + rent * g_ent).sum(), p64))
+    for what, a, r in zip(["logp", "entropy", "grad_h", "grad_w", "grad_b"], got, want):
+        assert a.device.type == "cuda" and torch.isfinite(a).all(), what
+        assert _rel_err(a, r) < bound, (what, _rel_err(a, r))

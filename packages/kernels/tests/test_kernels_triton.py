@@ -76,6 +76,37 @@ for temp in (1.0, 0.7):
     ref_lp, ref_ent = naive_logprob_entropy(h32, w32, y, temp)
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+
+# a transformed head (scales, soft-cap, bias, vocabulary cut) against transformers' way of
+# writing it in plain autograd: log-probs, entropy, gradients of hidden, weight and bias
+from tephra.kernels import HeadTransform
+from tephra.kernels.testing import transformed_head_reference
+
+for kwargs, scale, temp in [
+    (dict(softcap=30.0), 8.0, 1.0),  # Gemma 2's cap on logits of about +-40: tanh saturates
+    (dict(softcap=2.0, logit_scale=0.0625), 4.0, 0.7),
+    (dict(hidden_scale=0.5, logit_scale=1.5, softcap=3.0, bias=True, vocab_size=70), 0.5, 1.2),
+    (dict(bias=True, hidden_scale=0.1), 0.5, 1.0),
+]:
+    h = torch.randn(21, 40, generator=gen).requires_grad_()
+    w = (torch.randn(75, 40, generator=gen) * scale).requires_grad_()
+    b = torch.randn(75, generator=gen).requires_grad_()
+    y = torch.randint(0, kwargs.get("vocab_size", 75), (21,), generator=gen)
+    y[::3] = -100
+    with_bias = kwargs.pop("bias", False)
+    head = HeadTransform(bias=b if with_bias else None, **kwargs)
+    params = [h, w, b] if with_bias else [h, w]
+    g1, g2 = torch.randn(21, generator=gen), torch.randn(21, generator=gen)
+    outs = []
+    for lp, ent in (
+        transformed_head_reference(h, w, y, temp, head),
+        triton_logprob_entropy(h, w, y, temp, head=head, **blocks),
+        linear_logprob_entropy(h, w, y, temp, head=head),  # through the dispatcher
+    ):
+        outs.append([lp, ent, *torch.autograd.grad((lp * g1 + ent * g2).sum(), params)])
+    for got in outs[1:]:
+        for what, a, r in zip(["logp", "entropy", "grad_h", "grad_w", "grad_b"], got, outs[0]):
+            torch.testing.assert_close(a, r, atol=2e-5, rtol=1e-5, msg=f"{kwargs} {what}")
 print("ok")
 """
 

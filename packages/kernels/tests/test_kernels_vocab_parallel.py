@@ -21,12 +21,13 @@ def test_two_gloo_ranks_match_unsharded():
     results = dict(queue.get() for _ in range(2))
     assert sorted(results) == [0, 1]
     assert all(
-        sorted(errors) == ["even", "no_entropy", "sum_pi_squared", "uneven"]
+        sorted(errors) == ["even", "head", "no_entropy", "sum_pi_squared", "uneven"]
         for errors in results.values()
     )
     for rank, errors in results.items():
         for case, errs in errors.items():
             # logp, entropy, grad hidden (all-reduced), this rank's rows of grad weight
+            # (and of grad bias, for the transformed head)
             assert max(errs) <= 1e-5, (rank, case, errs)
 
 

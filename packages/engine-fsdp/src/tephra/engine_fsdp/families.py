@@ -56,6 +56,11 @@ SHORT_CONVOLUTION = (
     "neither the packed row's position ids nor the shared-prefix segment mask reach, so one "
     "sequence's last tokens flow into the next"
 )
+KV_CONVOLUTION = (
+    "its attention runs a short causal convolution along the row over the key and value "
+    "projections, which neither the packed row's position ids nor the shared-prefix segment "
+    "mask reach, so one sequence's last tokens flow into the next"
+)
 SLIDING_SHARED = (
     "the shared-prefix segment mask replaces its sliding-window (or chunked) attention mask, "
     "so a token attends to keys beyond its window"
@@ -64,17 +69,9 @@ SLIDING_PACKED = (
     "a packed row reaches its sliding-window / sink attention without a mask, and that "
     "attention does not rebuild the sequence boundaries from the position ids"
 )
-LOGIT_SCALE = (
-    "it multiplies the logits by logit_scale after the output head, which engine=fsdp's "
-    "log-prob kernel (logits = W h) does not"
-)
 NO_SEGMENT_MASK = (
     "its attention does not take the 4D segment mask the shared-prefix layout passes "
     "(transformers fails on it)"
-)
-HIDDEN_SCALE = (
-    "it rescales the last hidden state before the output head (dim_model_base), which "
-    "engine=fsdp's log-prob kernel (logits = W h) does not"
 )
 
 MASK_WITHOUT_POSITIONS = (
@@ -86,11 +83,6 @@ ALIBI_BY_COLUMN = (
     "its ALiBi bias is computed from each key's column in the row, not from its position id, "
     "so in a shared-prefix row a sample's distance to the prompt also counts the other "
     "samples' tokens in between"
-)
-MUP_SCALE = (
-    "it divides the last hidden state by logits_mup_width_multiplier before the output head "
-    "(and cuts the vocabulary to unpadded_vocab_size after it), which engine=fsdp's log-prob "
-    "kernel (logits = W h) does not"
 )
 NO_POSITION_IDS = (
     "its decoder takes no position ids: it numbers positions by the token's column in the "
@@ -116,11 +108,11 @@ REFUSED: dict[str, dict[str, str]] = {
     "bailing_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "bamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "bart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "beam": {"shared_prefix": SLIDING_SHARED},
     "bigbird_pegasus": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "bloom": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": NO_SEGMENT_MASK},
-    "cohere": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
-    "cohere2": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
-    "cohere2_moe": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
+    "cohere2": {"shared_prefix": SLIDING_SHARED},
+    "cohere2_moe": {"shared_prefix": SLIDING_SHARED},
     "cwm": {"shared_prefix": SLIDING_SHARED},
     "deepseek_v4": {"packed": COMPRESSED_BY_COLUMN, "shared_prefix": COMPRESSED_BY_COLUMN},
     "doge": {"shared_prefix": SLIDING_SHARED},
@@ -130,14 +122,17 @@ REFUSED: dict[str, dict[str, str]] = {
     "falcon_h1": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "falcon_mamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "flint": {"shared_prefix": SLIDING_SHARED},
+    "gemma2": {"shared_prefix": SLIDING_SHARED},
     "gemma3_text": {"shared_prefix": SLIDING_SHARED},
+    "gemma3n_text": {"shared_prefix": SLIDING_SHARED},
     "gemma4_text": {"shared_prefix": SLIDING_SHARED},
     "gemma4_unified_text": {"shared_prefix": SLIDING_SHARED},
     "gpt_oss": {"packed": SLIDING_PACKED, "shared_prefix": SLIDING_SHARED},
     "granite_swa": {"shared_prefix": SLIDING_SHARED},
     "granitemoe_swa": {"shared_prefix": SLIDING_SHARED},
     "granitemoehybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
-    "inkling_text": {"padded": MUP_SCALE, "packed": MUP_SCALE, "shared_prefix": MUP_SCALE},
+    "inkling2_text": {"packed": KV_CONVOLUTION, "shared_prefix": KV_CONVOLUTION},
+    "inkling_text": {"packed": KV_CONVOLUTION, "shared_prefix": KV_CONVOLUTION},
     "jamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kimi_linear": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "kolibri1": {"shared_prefix": SLIDING_SHARED},
@@ -149,7 +144,6 @@ REFUSED: dict[str, dict[str, str]] = {
     "mbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "mamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "mimo_v2_flash": {"shared_prefix": SLIDING_SHARED},
-    "minicpm3": {"padded": HIDDEN_SCALE, "packed": HIDDEN_SCALE, "shared_prefix": HIDDEN_SCALE},
     "minimax": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "ministral": {"shared_prefix": SLIDING_SHARED},
     "ministral3": {"shared_prefix": SLIDING_SHARED},
@@ -171,11 +165,14 @@ REFUSED: dict[str, dict[str, str]] = {
     "qwen3_moe": {"shared_prefix": SLIDING_SHARED},
     "qwen3_next": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "qwen4_exp_text": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "recurrent_gemma": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "rwkv": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "smollm3": {"shared_prefix": SLIDING_SHARED},
     "starcoder2": {"shared_prefix": SLIDING_SHARED},
     "trocr": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "vaultgemma": {"shared_prefix": SLIDING_SHARED},
     "xglm": {"packed": MASK_WITHOUT_POSITIONS},
+    "xlstm": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "zamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "zaya": {"packed": CONVOLUTION, "shared_prefix": CONVOLUTION},
 }

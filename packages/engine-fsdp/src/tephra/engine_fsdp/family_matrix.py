@@ -130,7 +130,8 @@ FAMILY_SIZES: dict[str, dict[str, Any]] = {
     "dots1": {"n_shared_experts": 1},
     # its default names no RoPE per layer type, which its rotary embedding looks up
     "cohere_compass_text": {
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "logit_scale": 4.0,  # its default is None (no scaling): see the head's values below
     },
     # its default has attention layers only; the released LFM2 models mix in short
     # convolutions, which the matrix must see
@@ -149,6 +150,9 @@ FAMILY_SIZES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 8},
     # validated: one expert per token
     "zaya": {"num_experts_per_tok": 1},
+    # rotary dimensions within the tiny head_dim 16 (their defaults, 64, exceed it)
+    "codegen": {"rotary_dim": 8},
+    "gptj": {"rotary_dim": 8},
     # sizes under its own names, in nested configs; its attention reads a rope_theta that
     # the default attention config lacks and clamps by clip_qkv, which it leaves None
     # (DBRX's released config clips at 8)
@@ -158,24 +162,39 @@ FAMILY_SIZES: dict[str, dict[str, Any]] = {
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32},
     },
+    # the output head's scales and soft-caps (`scorer.head_transform_of`) at values the tiny
+    # model's logits (about +-0.5) feel: the defaults are 1 (Granite, HyperCLOVA X, Falcon-H1,
+    # Compass) or a cap of 30, which bends such logits by less than 1e-5
+    **{
+        f: {"logits_scaling": 0.25}
+        for f in (
+            "granite",
+            "granite_swa",
+            "granitemoe",
+            "granitemoe_swa",
+            "granitemoehybrid",
+            "granitemoeshared",
+        )
+    },
+    "hyperclovax": {"logits_scaling": 4.0},
+    "falcon_h1": {"lm_head_multiplier": 4.0},
+    **{
+        f: {"final_logit_softcapping": 0.3}
+        for f in ("beam", "gemma2", "gemma3n_text", "inkling2_text", "nanochat", "vaultgemma")
+    },
+    "recurrent_gemma": {"logits_soft_cap": 0.3},
+    "xlstm": {"output_logit_soft_cap": 0.3},
 }
 """Sizes of the families whose config `SIZES` does not reach, set on top of them."""
 
 
-HEAD_BIAS = "its output head has a bias, which engine=fsdp's log-prob kernel does not add"
-SOFTCAP = (
-    "final_logit_softcapping, which engine=fsdp's log-prob kernel does not apply "
-    "(set it to null in the model config to train without it)"
+PREDICTION_HEAD = (
+    "its output head runs a prediction transform (dense, activation, norm) before the output "
+    "projection, which engine=fsdp's scorer does not run"
 )
 NO_LAYERS = "it declares no decoder layer class (_no_split_modules) for FSDP to shard"
-ALWAYS_SOFTCAP = (
-    "it soft-caps every logit after the output head (logits_soft_cap, output_logit_soft_cap), "
-    "which engine=fsdp's log-prob kernel does not apply"
-)
 BUILD_REFUSALS = {
-    HEAD_BIAS: r"the output head has a bias",
-    SOFTCAP: r"final_logit_softcapping=",
-    ALWAYS_SOFTCAP: r"logits?_soft_cap=",
+    PREDICTION_HEAD: r"the output head runs a prediction transform",
     NO_LAYERS: r"found no decoder layers to shard",
 }
 """The engine's own refusals (at build, from the built model) -> its message."""
@@ -185,8 +204,7 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "not buildable",
         "even its tiny config has 8,492,011,520 parameters (a part the sizes do not reach)",
     ),
-    "beam": ("refused", SOFTCAP),
-    "bert": ("refused", HEAD_BIAS),
+    "bert": ("refused", PREDICTION_HEAD),
     "bert-generation": ("refused", NO_LAYERS),
     "big_bird": ("refused", NO_LAYERS),
     "biogpt": ("refused", NO_LAYERS),
@@ -196,20 +214,17 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "not buildable",
         "even its tiny config has 4,633,123,584 parameters (a part the sizes do not reach)",
     ),
-    "camembert": ("refused", HEAD_BIAS),
-    "codegen": ("refused", HEAD_BIAS),
+    "camembert": ("refused", PREDICTION_HEAD),
     "cpmant": ("refused", NO_LAYERS),
     "ctrl": ("refused", NO_LAYERS),
-    "data2vec-text": ("refused", HEAD_BIAS),
+    "data2vec-text": ("refused", PREDICTION_HEAD),
     "dots3_note_text": (
         "not buildable",
         "transformers rejects the tiny config: its sliding layers' head_dim must equal "
         "qk_nope_head_dim + qk_rope_head_dim, which per-layer sizes scaled one by one do not keep",
     ),
     "electra": ("refused", NO_LAYERS),
-    "ernie": ("refused", HEAD_BIAS),
-    "gemma2": ("refused", SOFTCAP),
-    "gemma3n_text": ("refused", SOFTCAP),
+    "ernie": ("refused", PREDICTION_HEAD),
     "gemma4_assistant": (
         "not buildable",
         "transformers raises StrictDataclassClassValidationError on the tiny config: Class validation error for validator 'validate_architecture':",
@@ -218,15 +233,13 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "not buildable",
         "even its tiny config has 85,957,056 parameters (a part the sizes do not reach)",
     ),
-    "gptj": ("refused", HEAD_BIAS),
-    "inkling2_text": ("refused", SOFTCAP),
     "marian": ("refused", NO_LAYERS),
     "megatron-bert": ("refused", NO_LAYERS),
     "mllama": (
         "not buildable",
         "even its tiny config has 9,775,192,080 parameters (a part the sizes do not reach)",
     ),
-    "modernbert-decoder": ("refused", HEAD_BIAS),
+    "modernbert-decoder": ("refused", PREDICTION_HEAD),
     "musicgen": (
         "not buildable",
         "transformers raises AttributeError on the tiny config: 'MusicgenConfig' object has no "
@@ -238,10 +251,8 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "attribute 'dropout' (its decoder's sizes sit in a nested config)",
     ),
     "mvp": ("refused", NO_LAYERS),
-    "nanochat": ("refused", SOFTCAP),
     "openai-gpt": ("refused", NO_LAYERS),
     "pegasus": ("refused", NO_LAYERS),
-    "phi": ("refused", HEAD_BIAS),
     "phi4_multimodal": (
         "not buildable",
         "even its tiny config has 870,146,176 parameters (a part the sizes do not reach)",
@@ -250,25 +261,22 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "not buildable",
         "transformers raises NotImplementedError on the tiny config: This model does not support the setting of 'num_hidden_layers'. Please set 'num_encoder_layers' and 'num_decod",
     ),
-    "recurrent_gemma": ("refused", ALWAYS_SOFTCAP),
     "reformer": (
         "not buildable",
         "transformers raises AssertionError on the tiny config: If you want to use 'ReformerModelWithLMHead' make sure that 'is_decoder=True'.",
     ),
     "rembert": ("refused", NO_LAYERS),
-    "roberta": ("refused", HEAD_BIAS),
-    "roberta-prelayernorm": ("refused", HEAD_BIAS),
+    "roberta": ("refused", PREDICTION_HEAD),
+    "roberta-prelayernorm": ("refused", PREDICTION_HEAD),
     "roc_bert": ("refused", NO_LAYERS),
     "roformer": ("refused", NO_LAYERS),
-    "vaultgemma": ("refused", SOFTCAP),
     "xlm": ("refused", NO_LAYERS),
-    "xlm-roberta": ("refused", HEAD_BIAS),
-    "xlm-roberta-xl": ("refused", HEAD_BIAS),
+    "xlm-roberta": ("refused", PREDICTION_HEAD),
+    "xlm-roberta-xl": ("refused", PREDICTION_HEAD),
     "xlnet": (
         "not buildable",
         "transformers raises NotImplementedError on the tiny config: The model xlnet is one of the few models that has no sequence length limit.",
     ),
-    "xlstm": ("refused", ALWAYS_SOFTCAP),
     "xmod": ("refused", NO_LAYERS),
     "zamba": (
         "not buildable",

@@ -20,33 +20,99 @@ from tephra.engine_fsdp.model_builder import VALUE_HEAD, backbone
 from tephra.engine_fsdp.prefix_sharing import TreeLayout
 from tephra.engine_fsdp.vision import image_tower
 
+LOGITS_DIVIDED = frozenset(
+    {
+        "granite",
+        "granite_swa",
+        "granitemoe",
+        "granitemoe_swa",
+        "granitemoehybrid",
+        "granitemoeshared",
+    }
+)
+"""Families whose head divides the logits by `logits_scaling` (Granite: logits / 16)."""
+LOGITS_MULTIPLIED = frozenset({"hyperclovax"})
+"""Families whose head multiplies the logits by `logits_scaling` (HyperCLOVA X)."""
+HIDDEN_DIVIDED = frozenset({"minicpm3"})
+"""Families that divide the last hidden state by `logits_scaling` before the head."""
+SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+"""Config fields of a soft-cap on every logit (Gemma 2 ...; RecurrentGemma; xLSTM)."""
+
+
+def _number(config: object, field: str) -> float | None:
+    value = getattr(config, field, None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def head_transform_of(hf_model: PreTrainedModel) -> kernels.HeadTransform:
+    """What the model's causal-LM forward does around `W h` (the output embeddings' weight
+    times the last hidden state), read off its text config: the one place that knows each
+    family's field names (transformers' `*ForCausalLM.forward` of each family):
+      logit_scale    Cohere, Cohere 2 (MoE), Command-A Compass: logits * logit_scale;
+                     Granite: logits / logits_scaling; HyperCLOVA X: logits * logits_scaling;
+                     Falcon-H1: logits * lm_head_multiplier
+      hidden_scale   MiniCPM3: h / logits_scaling; Inkling: h / logits_mup_width_multiplier
+      softcap        final_logit_softcapping (Gemma 2, 3, 3n, 4, VaultGemma, NanoChat, Beam,
+                     Inkling 2), logits_soft_cap (RecurrentGemma), output_logit_soft_cap
+                     (xLSTM)
+      bias           the output head's bias (Phi, GPT-J, CodeGen)
+      vocab_size     Inkling, Inkling 2: logits[..., :unpadded_vocab_size]
+    """
+    config = hf_model.config.get_text_config()
+    family = str(getattr(config, "model_type", ""))
+    logit_scale, hidden_scale = 1.0, 1.0
+    if family.startswith("cohere"):  # logit_scale; Compass leaves it None (no scaling)
+        logit_scale = _number(config, "logit_scale") or 1.0
+    scaling = _number(config, "logits_scaling")
+    if scaling is not None and family in LOGITS_DIVIDED:
+        logit_scale = 1.0 / scaling
+    if scaling is not None and family in LOGITS_MULTIPLIED:
+        logit_scale = scaling
+    if scaling is not None and family in HIDDEN_DIVIDED:
+        hidden_scale = 1.0 / scaling
+    if family == "falcon_h1":
+        logit_scale = _number(config, "lm_head_multiplier") or 1.0
+    mup = _number(config, "logits_mup_width_multiplier")
+    if mup is not None and family == "inkling_text":
+        hidden_scale = 1.0 / mup
+    softcap = next((c for f in SOFTCAP_FIELDS if (c := _number(config, f))), None)
+    head = hf_model.get_output_embeddings()
+    rows = head.get_parameter("weight").shape[0]
+    unpadded = getattr(config, "unpadded_vocab_size", None)
+    cut = unpadded if isinstance(unpadded, int) and 0 < unpadded < rows else None
+    bias = getattr(head, "bias", None)
+    return kernels.HeadTransform(
+        hidden_scale=hidden_scale,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        bias=bias if isinstance(bias, torch.Tensor) else None,
+        vocab_size=cut if family.startswith("inkling") else None,
+    )
+
 
 def check_output_head(hf_model: PreTrainedModel, role: str, where: str) -> None:
-    """Refuse policy heads the scorer would get wrong: it computes logits as `W h` (no
-    bias, no soft-capping) inside `tephra.kernels`, never through the model's own head."""
+    """Refuse policy heads the scorer would get wrong: it runs the decoder (`backbone`), then
+    the output projection with the model's `head_transform_of` inside `tephra.kernels`, so a
+    head with parts of its own between the two (BERT's and RoBERTa's prediction transform:
+    dense, activation, norm) would be skipped."""
     if role != "policy":
         return
-    head = hf_model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
+    decoder = {id(p) for p in backbone(hf_model).parameters()}
+    head = {id(p) for p in hf_model.get_output_embeddings().parameters()}
+    skipped = [
+        name
+        for name, p in hf_model.named_parameters()
+        if id(p) not in decoder and id(p) not in head
+    ]
+    if skipped:
         raise ConfigError(
-            f"{where}: the output head has a bias, which engine=fsdp's log-prob kernel "
-            "(logits = W h) does not add; use a model without an lm_head bias"
+            f"{where}: the output head runs a prediction transform before its output "
+            f"projection ({', '.join(skipped[:3])}, ...: e.g. BERT's or RoBERTa's dense, "
+            "activation and norm), which engine=fsdp's scorer (decoder, then the output "
+            "projection) does not run; use a decoder-only model whose output head is one "
+            "linear layer"
         )
-    cap = getattr(hf_model.config.get_text_config(), "final_logit_softcapping", None)
-    if cap:
-        raise ConfigError(
-            f"{where}: final_logit_softcapping={cap} (e.g. Gemma 2) is not applied by "
-            "engine=fsdp's log-prob kernel; set final_logit_softcapping=None in the model "
-            "config or use a model without logit soft-capping"
-        )
-    for field in ("logits_soft_cap", "output_logit_soft_cap"):  # RecurrentGemma, xLSTM
-        cap = getattr(hf_model.config.get_text_config(), field, None)
-        if cap:
-            raise ConfigError(
-                f"{where}: {field}={cap} (the model soft-caps every logit after the output "
-                "head) is not applied by engine=fsdp's log-prob kernel (logits = W h); use "
-                "a model without logit soft-capping"
-            )
+    head_transform_of(hf_model)  # a bad value (a logit scale <= 0) fails here, at build
 
 
 class TokenScorer(nn.Module):
@@ -56,7 +122,8 @@ class TokenScorer(nn.Module):
             label_mask [b, t], next_tokens [b, t] or None (default: input_ids shifted
             left by one), tree: a `prefix_sharing.TreeLayout` of these rows or None)
     -> dict of `[n]` float32 tensors for the n positions where `label_mask` is 1 (hidden state t, predicting token t + 1), in row-major order:
-      policy: `log_probs` = log softmax(W h_t / temperature)[token_{t+1}], `entropy`
+      policy: `log_probs` = log softmax(z_t)[token_{t+1}] with z_t = W h_t / temperature
+              and the family's `head_transform_of` (scales, soft-cap, bias), `entropy`
               = -sum_v p_v log p_v of that distribution (when `compute_entropy`),
               `sum_pi_squared` = sum_v p_v^2 (when the `sum_pi_squared` argument is True);
       value:  `values` = score(h_t).
@@ -163,6 +230,7 @@ class TokenScorer(nn.Module):
             self.temperature,
             compute_entropy=self.compute_entropy,
             compute_sum_pi_squared=sum_pi_squared,
+            head=head_transform_of(self._hf),  # read here: the bias FSDP gathered
         )
         # clones: FSDP2 warns about views returned from a wrapped module
         result = {"log_probs": log_probs.float().clone(), "anchor": anchor}

@@ -4,6 +4,7 @@ elsewhere; `vocab_parallel_logprob_entropy` is the tensor-parallel variant."""
 
 from tephra.kernels.chunked import chunked_logprob_entropy
 from tephra.kernels.errors import KernelInputError
+from tephra.kernels.head_transform import HeadTransform
 from tephra.kernels.logprob_entropy import (
     METHOD_ENV_VAR,
     METHODS,
@@ -17,6 +18,7 @@ from tephra.kernels.vocab_parallel import vocab_parallel_logprob_entropy
 __all__ = [
     "METHOD_ENV_VAR",
     "METHODS",
+    "HeadTransform",
     "KernelInputError",
     "chunked_logprob_entropy",
     "linear_logprob_entropy",

@@ -16,6 +16,11 @@ Backward, with g_lp = dL/dlogp (0 at ignored labels) and g_H = dL/dH:
     dL/dh_c    = (dL/dz / T) @ W          dL/dW += (dL/dz / T).T @ h_c
 So the memory above inputs is the weight gradient plus about two [C, vocab] fp32 buffers,
 instead of several [tokens, vocab] ones.
+
+A `HeadTransform` (scales, soft-cap, bias, vocabulary cut; head_transform.py) is applied to
+each chunk's W h before the softmax, and its derivative to dL/dz before the two products
+(the soft-cap's slope read back from the recomputed or kept logits: one more [C, vocab]
+buffer when a cap is set).
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ from typing import Any
 import torch
 
 from tephra.kernels.cpu_linear import linear
+from tephra.kernels.head_transform import (
+    PLAIN,
+    HeadTransform,
+    apply_head_,
+    grad_through_head_,
+    head_rows,
+    softcap_slope,
+)
 from tephra.kernels.reference import LogprobEntropy
 
 # One chunk's fp32 logits take about this many bytes when chunk_size is not given: small
@@ -41,12 +54,16 @@ def auto_chunk_tokens(vocab: int, tokens: int) -> int:
     return max(1, min(tokens, max(16, AUTO_CHUNK_BYTES // (4 * max(vocab, 1)))))
 
 
-def chunk_logits(hidden_c: torch.Tensor, weight32: torch.Tensor, inv_temp: float) -> torch.Tensor:
-    """[C, hidden] x fp32 [vocab, hidden] -> fp32 logits [C, vocab], divided by temperature."""
-    z = linear(hidden_c.float(), weight32)
-    if inv_temp != 1.0:
-        z.mul_(inv_temp)
-    return z
+def chunk_logits(
+    hidden_c: torch.Tensor,
+    weight32: torch.Tensor,
+    inv_temp: float,
+    head: HeadTransform = PLAIN,
+    bias32: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[C, hidden] x fp32 [vocab, hidden] -> fp32 logits [C, vocab]: `head` applied (with
+    `bias32`, its bias in fp32), divided by temperature."""
+    return apply_head_(linear(hidden_c.float(), weight32), head, bias32, inv_temp)
 
 
 def grad_logits_(
@@ -87,6 +104,8 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        head: HeadTransform,
         labels: torch.Tensor,
         temperature: float,
         ignore_index: int,
@@ -98,6 +117,7 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         inv_temp = 1.0 / temperature
         weight32 = weight.float()  # no copy for fp32 weights
+        bias32 = bias.float() if bias is not None else None
         valid = labels != ignore_index
         safe_labels = torch.where(valid, labels, 0)
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -105,11 +125,11 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         entropy = torch.zeros_like(log_probs)
         sum_pi_squared = torch.zeros_like(log_probs)
         # backward gets each chunk's log p from here instead of recomputing it, when they fit
-        keep = any(ctx.needs_input_grad[:2]) and 4 * n * weight.shape[0] <= keep_logits_bytes
+        keep = any(ctx.needs_input_grad[:3]) and 4 * n * weight.shape[0] <= keep_logits_bytes
         kept: list[torch.Tensor] = []
         for start in range(0, n, chunk_size):
             sl = slice(start, min(start + chunk_size, n))
-            z = chunk_logits(hidden[sl], weight32, inv_temp)
+            z = chunk_logits(hidden[sl], weight32, inv_temp, head, bias32)
             lse_c = torch.logsumexp(z, dim=-1)
             log_p = z.sub_(lse_c.unsqueeze(-1))
             picked = log_p.gather(1, safe_labels[sl].unsqueeze(-1)).squeeze(-1)
@@ -123,7 +143,8 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
             if keep:
                 kept.append(log_p)
             del z, log_p
-        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.head = head
         ctx.kept_log_p = kept  # not saved tensors: backward consumes them in place, once
         ctx.temperature = temperature
         ctx.ignore_index = ignore_index
@@ -141,13 +162,17 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         grad_entropy: torch.Tensor,
         _grad_q: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_h or need_w):
-            return (None,) * 9
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        if not (need_h or need_w or need_b):
+            return (None,) * 11
+        head: HeadTransform = ctx.head
         n = hidden.shape[0]
         inv_temp = 1.0 / ctx.temperature
         weight32 = weight.float()
+        bias32 = bias.float() if bias is not None else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
         valid = labels != ctx.ignore_index
         safe_labels = torch.where(valid, labels, 0)
         g_lp = torch.where(valid, grad_log_probs.float(), 0.0)
@@ -166,7 +191,11 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
                 log_p = kept[i]
                 kept[i] = None
             else:
-                log_p = chunk_logits(hidden[sl], weight32, inv_temp).sub_(lse[sl].unsqueeze(-1))
+                log_p = chunk_logits(hidden[sl], weight32, inv_temp, head, bias32)
+                log_p.sub_(lse[sl].unsqueeze(-1))
+            slope = None
+            if head.softcap is not None:  # from z = log p + lse, before dz overwrites it
+                slope = softcap_slope(log_p + lse[sl].unsqueeze(-1), head, inv_temp)
             dz = grad_logits_(
                 log_p,
                 entropy[sl] if g_ent is not None else None,
@@ -176,6 +205,8 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
                 g_lp[sl],
                 inv_temp,
             )
+            grad_through_head_(dz, slope, head, grad_b if need_b else None)
+            del slope
             if grad_h is not None:  # need_h
                 torch.mm(dz, weight32, out=grad_h[sl])
             if grad_w is not None:  # need_w
@@ -185,6 +216,8 @@ class ChunkedLogprobEntropy(torch.autograd.Function):
         return (
             grad_h.to(hidden.dtype) if grad_h is not None else None,
             grad_w.to(weight.dtype) if grad_w is not None else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
             None,
             None,
             None,
@@ -206,16 +239,22 @@ def chunked_logprob_entropy(
     chunk_size: int | None = None,
     keep_logits_bytes: int = KEEP_LOGITS_BYTES,
     compute_sum_pi_squared: bool = False,
+    head: HeadTransform | None = None,
 ) -> LogprobEntropy:
     """Chunked path on validated 2-D inputs; returns (log_probs, entropy), both fp32 [tokens],
     and sum_pi_squared [tokens] fp32 as a third element when `compute_sum_pi_squared`.
     Forward keeps the log-probs for backward when [tokens, vocab] fp32 is at most
-    `keep_logits_bytes` (0: always recompute, the least memory)."""
+    `keep_logits_bytes` (0: always recompute, the least memory). `head` (None: the plain
+    head) is applied to W h; its bias gets a gradient."""
+    head = head or PLAIN
+    weight, bias = head_rows(weight, head)
     if chunk_size is None:
         chunk_size = auto_chunk_tokens(weight.shape[0], hidden.shape[0])
     log_probs, entropy, sum_pi_squared = ChunkedLogprobEntropy.apply(
         hidden,
         weight,
+        bias,
+        head,
         labels,
         temperature,
         ignore_index,

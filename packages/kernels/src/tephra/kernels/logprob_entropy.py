@@ -26,6 +26,7 @@ from tephra.core import decided_once_per_machine
 from tephra.core.registry import Registry
 from tephra.kernels.chunked import chunked_logprob_entropy
 from tephra.kernels.errors import KernelInputError
+from tephra.kernels.head_transform import HeadTransform, check_head
 from tephra.kernels.reference import LogprobEntropy, naive_logprob_entropy
 
 METHOD_ENV_VAR = "TEPHRA_KERNEL_METHOD"
@@ -47,10 +48,13 @@ def _naive(
     ignore_index: int,
     *,
     chunk_size: int | None,
+    head: HeadTransform | None = None,
     **flags: bool,
 ) -> LogprobEntropy:
     del chunk_size  # the reference has no chunks
-    return naive_logprob_entropy(hidden, weight, labels, temperature, ignore_index, **flags)
+    return naive_logprob_entropy(
+        hidden, weight, labels, temperature, ignore_index, head=head, **flags
+    )
 
 
 METHODS: Registry[Callable[..., LogprobEntropy]] = Registry("kernel method")
@@ -205,6 +209,7 @@ def linear_logprob_entropy(
     chunk_size: int | None = None,
     keep_logits_bytes: int | None = None,
     compute_sum_pi_squared: bool = False,
+    head: HeadTransform | None = None,
 ) -> LogprobEntropy:
     """Log-prob of each label and entropy of softmax((hidden @ weight.T) / temperature).
 
@@ -223,9 +228,15 @@ def linear_logprob_entropy(
     e.g. for the optimal-token-baseline advantage estimators). chunk_size is tokens per chunk for "chunked" (None: about 32 MiB of logits);
     keep_logits_bytes is how large the [tokens, vocab] log-probs may be for "chunked" to keep
     them from forward to backward instead of recomputing (None: KEEP_LOGITS_BYTES, 0: never).
+    `head` describes what the model does around W h (a `HeadTransform`: hidden and logit
+    scales, a soft-cap, a bias, a vocabulary cut); every method applies it, z is then
+        z = softcap(logit_scale (hidden_scale W h + bias)) / temperature
+    over the first head.vocab_size rows, and the bias gets a gradient. None: the plain head.
     """
     check_inputs(hidden, weight, labels, temperature, chunk_size)
-    vocab = weight.shape[0]
+    if head is not None:
+        check_head(head, weight)
+    vocab = weight.shape[0] if head is None or head.vocab_size is None else head.vocab_size
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         first = labels[bad].flatten()[0].item()
@@ -252,6 +263,7 @@ def linear_logprob_entropy(
         chunk_size=chunk_size,
         **extra,
         **({"compute_sum_pi_squared": True} if compute_sum_pi_squared else {}),
+        **({"head": head} if head is not None and not head.is_plain else {}),
     )
     log_probs, entropy, *rest = outs
     log_probs = log_probs.reshape(lead)

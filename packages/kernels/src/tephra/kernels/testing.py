@@ -9,10 +9,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tephra.kernels.head_transform import HeadTransform
 from tephra.kernels.reference import naive_logprob_entropy
 from tephra.kernels.vocab_parallel import vocab_parallel_logprob_entropy
 
 TOKENS, HIDDEN, VOCAB = 23, 16, 70
+
+
+def transformed_head_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    head: HeadTransform,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_probs, entropy) [tokens] through the model's head as transformers writes it, in
+    plain autograd: scale the hidden state, nn.functional.linear with the bias, scale the
+    logits, cap * tanh(logits / cap), cut the vocabulary, divide by the temperature."""
+    dtype = torch.promote_types(hidden.dtype, torch.float32)  # float64 stays float64
+    h = hidden.to(dtype) * head.hidden_scale
+    bias = head.bias.to(dtype) if head.bias is not None else None
+    logits = torch.nn.functional.linear(h, weight.to(dtype), bias) * head.logit_scale
+    if head.softcap is not None:
+        logits = head.softcap * torch.tanh(logits / head.softcap)
+    if head.vocab_size is not None:
+        logits = logits[..., : head.vocab_size]
+    log_p = torch.log_softmax(logits / temperature, dim=-1)
+    valid = labels != ignore_index
+    picked = log_p.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked, 0.0), -(log_p.exp() * log_p).sum(-1)
 
 
 def vocab_parallel_problem() -> tuple[torch.Tensor, ...]:
@@ -70,6 +96,31 @@ def vocab_parallel_worker(rank: int, world: int, port: int, queue: Any) -> None:
                 (gh - ref_gh).abs().max().item(),
                 (gw - ref_gw[lo:hi]).abs().max().item(),
             ]
+        # a transformed head (scales, soft-cap, the shard's bias) against plain autograd
+        lo, hi = [0, 52, 70][rank], [0, 52, 70][rank + 1]
+        bias = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1))
+        hs, ws = h.clone().requires_grad_(), w[lo:hi].clone().requires_grad_()
+        bs = bias[lo:hi].clone().requires_grad_()
+        shard = HeadTransform(hidden_scale=0.5, logit_scale=1.5, softcap=2.5, bias=bs)
+        lp, ent, *_ = vocab_parallel_logprob_entropy(
+            hs, ws, y, None, 0.9, vocab_start=lo, chunk_size=5, head=shard
+        )
+        assert ent is not None
+        gh, gw, gb = torch.autograd.grad((lp * g1 + ent * g2).sum(), [hs, ws, bs])
+        rh, rw = h.clone().requires_grad_(), w.clone().requires_grad_()
+        rb = bias.clone().requires_grad_()
+        ref = HeadTransform(hidden_scale=0.5, logit_scale=1.5, softcap=2.5, bias=rb)
+        ref_lp, ref_ent = transformed_head_reference(rh, rw, y, 0.9, ref)
+        ref_gh, ref_gw, ref_gb = torch.autograd.grad(
+            (ref_lp * g1 + ref_ent * g2).sum(), [rh, rw, rb]
+        )
+        errors["head"] = [
+            (lp - ref_lp).abs().max().item(),
+            (ent - ref_ent).abs().max().item(),
+            (gh - ref_gh).abs().max().item(),
+            (gw - ref_gw[lo:hi]).abs().max().item(),
+            (gb - ref_gb[lo:hi]).abs().max().item(),
+        ]
         # sum_pi_squared rides on the forward's all-reduce: against a float64 softmax
         lo, hi = [0, 52, 70][rank], [0, 52, 70][rank + 1]
         _, _, *extra = vocab_parallel_logprob_entropy(

@@ -21,6 +21,11 @@ them into dL/dz (see chunked.py for the formula) in the input dtype, then
 So the memory above the inputs is the weight gradient, grad_h in fp32 and two block buffers,
 and four products run (one more than the unfused head, which keeps its logits instead).
 For bf16 inputs the gradient products take dz rounded to bf16, as the unfused bf16 head does.
+
+A `HeadTransform` is applied in both kernels to each loaded W h (`_head`: scale, bias,
+soft-cap, temperature; masked columns stay -inf after the cap), and its derivative in the
+gradient kernel (the soft-cap's slope 1 - tanh^2 from the recomputed tanh), so dz is
+dL/d(W h); the bias gradient is logit_scale / scale * sum_tokens dz, summed in fp32.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import triton
 import triton.language as tl
 
 from tephra.kernels.chunked import chunked_logprob_entropy
+from tephra.kernels.head_transform import PLAIN, HeadTransform, head_rows
 from tephra.kernels.reference import LogprobEntropy
 
 BLOCK_BYTES = 64 * 1024 * 1024
@@ -49,6 +55,36 @@ def auto_block_vocab(tokens: int, vocab: int) -> int:
     return max(128, min(vocab, cols // 128 * 128))
 
 
+@triton.jit
+def _tanh(x):  # type: ignore[no-untyped-def]  # triton reads its own annotations
+    # tanh from exp(-2|x|) <= 1: no overflow, and no cancellation near 0 of 1 - 2 / (e^2x + 1)
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton has no types
+def _head(  # type: ignore[no-untyped-def]  # triton reads its own annotations
+    x,
+    bias_ptr,
+    offs,
+    mask,
+    scale,
+    bias_scale,
+    cap,
+    inv_temp,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    # x = W h -> z = softcap(logit_scale (hidden_scale x + b)) / T (head_transform.py)
+    x = x * scale
+    if HAS_BIAS:
+        x = x + bias_scale * tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        x = cap * _tanh(x / cap)
+    return x * inv_temp
+
+
 @triton.jit  # type: ignore[untyped-decorator]  # triton has no types
 def _stats_kernel(  # type: ignore[no-untyped-def]  # triton reads its own annotations
     z_ptr,
@@ -61,9 +97,15 @@ def _stats_kernel(  # type: ignore[no-untyped-def]  # triton reads its own annot
     t_ptr,
     u_ptr,
     label_z_ptr,
+    bias_ptr,
+    scale,
+    bias_scale,
+    cap,
     inv_temp,
     COMPUTE_ENTROPY: tl.constexpr,
     COMPUTE_SUM_PI_SQUARED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -75,7 +117,9 @@ def _stats_kernel(  # type: ignore[no-untyped-def]  # triton reads its own annot
     for c0 in range(0, width, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         mask = cols < width
-        x = tl.load(z_row + cols, mask=mask, other=float("-inf")) * inv_temp
+        x = tl.load(z_row + cols, mask=mask, other=0.0)
+        x = _head(x, bias_ptr, v0 + cols, mask, scale, bias_scale, cap, inv_temp, HAS_BIAS, SOFTCAP)
+        x = tl.where(mask, x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, axis=0))
         alpha = tl.exp(m - m_new)
         e = tl.exp(x - m_new)  # 0 at masked columns
@@ -93,7 +137,19 @@ def _stats_kernel(  # type: ignore[no-untyped-def]  # triton reads its own annot
     tl.store(u_ptr + row, u)
     local = tl.load(labels_ptr + row) - v0
     inside = (local >= 0) & (local < width)
-    picked = tl.load(z_row + tl.where(inside, local, 0)) * inv_temp
+    col = tl.where(inside, local, 0)
+    picked = _head(
+        tl.load(z_row + col),
+        bias_ptr,
+        v0 + col,
+        inside,
+        scale,
+        bias_scale,
+        cap,
+        inv_temp,
+        HAS_BIAS,
+        SOFTCAP,
+    )
     tl.store(label_z_ptr + row, tl.where(inside, picked, tl.load(label_z_ptr + row)))
 
 
@@ -110,14 +166,22 @@ def _grad_kernel(  # type: ignore[no-untyped-def]  # triton reads its own annota
     ent_ptr,
     glp_ptr,
     gent_ptr,
+    bias_ptr,
+    scale,
+    bias_scale,
+    cap,
     inv_temp,
+    HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # dL/dz = (p (-g_H (log p + H) - g_lp) + g_lp onehot) / T; dz may alias z
+    # dL/dz = (p (-g_H (log p + H) - g_lp) + g_lp onehot) / T, then through the head:
+    # times (1 - tanh^2) with a cap, times scale: dz = dL/d(W h); dz may alias z
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    x = tl.load(z_ptr + row.to(tl.int64) * stride_z + cols, mask=mask, other=0.0) * inv_temp
+    raw = tl.load(z_ptr + row.to(tl.int64) * stride_z + cols, mask=mask, other=0.0)
+    x = _head(raw, bias_ptr, v0 + cols, mask, scale, bias_scale, cap, inv_temp, HAS_BIAS, SOFTCAP)
     lse = tl.load(lse_ptr + row)
     ent = tl.load(ent_ptr + row)
     g_lp = tl.load(glp_ptr + row)
@@ -126,6 +190,10 @@ def _grad_kernel(  # type: ignore[no-untyped-def]  # triton reads its own annota
     logp = x - lse
     g = tl.exp(logp) * (-g_ent * (logp + ent) - g_lp)
     g = tl.where(cols + v0 == label, g + g_lp, g) * inv_temp
+    if SOFTCAP:
+        t = x / (inv_temp * cap)  # tanh(u / cap), read back from z
+        g = g * (1.0 - t * t)
+    g = g * scale
     out = dz_ptr + row.to(tl.int64) * stride_dz + cols
     tl.store(out, g.to(dz_ptr.dtype.element_ty), mask=mask)
 
@@ -159,6 +227,11 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch.mm(a.float(), b.float()))
 
 
+def _head_args(head: HeadTransform) -> tuple[float, float, float]:
+    """The kernels' scale, bias_scale and cap arguments for `head` (cap 1.0 when unused)."""
+    return head.scale, float(head.logit_scale), float(head.softcap or 1.0)
+
+
 class TritonLogprobEntropy(torch.autograd.Function):
     """autograd.Function over vocab blocks; see the module docstring for the math."""
 
@@ -167,6 +240,8 @@ class TritonLogprobEntropy(torch.autograd.Function):
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        head: HeadTransform,
         labels: torch.Tensor,
         temperature: float,
         ignore_index: int,
@@ -177,6 +252,8 @@ class TritonLogprobEntropy(torch.autograd.Function):
         n, v = hidden.shape[0], weight.shape[0]
         inv_temp = 1.0 / temperature
         labels = labels.contiguous()
+        bias_c = bias.contiguous() if bias is not None else labels  # labels: a dummy pointer
+        head_args = _head_args(head)
         state = torch.zeros(5, n, dtype=torch.float32, device=hidden.device)
         m, s, t, u, label_z = state
         m.fill_(float("-inf"))
@@ -194,9 +271,13 @@ class TritonLogprobEntropy(torch.autograd.Function):
                 t,
                 u,
                 label_z,
+                bias_c,
+                *head_args,
                 inv_temp,
                 COMPUTE_ENTROPY=compute_entropy,
                 COMPUTE_SUM_PI_SQUARED=sum_sq,
+                HAS_BIAS=bias is not None,
+                SOFTCAP=head.softcap is not None,
                 BLOCK=ROW_BLOCK,
             )
             del z
@@ -206,8 +287,8 @@ class TritonLogprobEntropy(torch.autograd.Function):
         log_probs = torch.where(valid, label_z - lse, 0.0)
         entropy = log_s - t / s if compute_entropy else torch.zeros_like(lse)
         sum_pi_squared = u / (s * s) if sum_sq else torch.zeros_like(lse)
-        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
-        ctx.temperature, ctx.ignore_index = temperature, ignore_index
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.temperature, ctx.ignore_index, ctx.head = temperature, ignore_index, head
         ctx.compute_entropy, ctx.block = compute_entropy, block
         if not compute_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -221,10 +302,14 @@ class TritonLogprobEntropy(torch.autograd.Function):
         grad_entropy: torch.Tensor,
         _grad_q: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_h or need_w):
-            return (None,) * 8
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        if not (need_h or need_w or need_b):
+            return (None,) * 10
+        head: HeadTransform = ctx.head
+        bias_c = bias.contiguous() if bias is not None else labels  # labels: a dummy pointer
+        head_args = _head_args(head)
         n, v = hidden.shape[0], weight.shape[0]
         inv_temp = 1.0 / ctx.temperature
         valid = labels != ctx.ignore_index
@@ -238,6 +323,7 @@ class TritonLogprobEntropy(torch.autograd.Function):
             torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         )
         grad_w = torch.empty_like(weight) if need_w else None
+        grad_b = torch.empty(v, dtype=torch.float32, device=weight.device) if need_b else None
         for v0 in range(0, v, ctx.block):
             w_blk = weight[v0 : v0 + ctx.block]
             width = w_blk.shape[0]
@@ -256,18 +342,28 @@ class TritonLogprobEntropy(torch.autograd.Function):
                 entropy,
                 g_lp,
                 g_ent,
+                bias_c,
+                *head_args,
                 inv_temp,
+                HAS_BIAS=bias is not None,
+                SOFTCAP=head.softcap is not None,
                 BLOCK=ROW_BLOCK,
             )
             del z
+            if grad_b is not None:  # dL/db = logit_scale dL/du = dz / hidden_scale
+                torch.sum(dz, 0, dtype=torch.float32, out=grad_b[v0 : v0 + width])
             if grad_w is not None:  # need_w
                 _mm_into(dz.T, hidden, grad_w[v0 : v0 + width])
             if grad_h is not None:
                 grad_h += _mm_fp32(dz, w_blk)
             del dz
+        if grad_b is not None:
+            grad_b.div_(head.hidden_scale)
         return (
             grad_h.to(hidden.dtype) if grad_h is not None else None,
             grad_w,
+            grad_b.to(bias.dtype) if grad_b is not None and bias is not None else None,
+            None,
             None,
             None,
             None,
@@ -288,11 +384,12 @@ def triton_logprob_entropy(
     chunk_size: int | None = None,
     block_vocab: int | None = None,
     compute_sum_pi_squared: bool = False,
+    head: HeadTransform | None = None,
 ) -> LogprobEntropy:
     """Triton path on validated 2-D inputs. chunk_size is unused (the vocabulary is walked in
     blocks, all tokens at once); block_vocab is the columns per block (None: about
     BLOCK_BYTES of fp32 logits). With `compute_sum_pi_squared`, sum_pi_squared [tokens] fp32
-    is a third element."""
+    is a third element. `head` (None: the plain head) is applied to W h."""
     del chunk_size
     if hidden.shape[0] == 0:  # an empty grid is not a valid launch; nothing to fuse anyway
         return chunked_logprob_entropy(
@@ -303,11 +400,16 @@ def triton_logprob_entropy(
             ignore_index,
             compute_entropy=compute_entropy,
             compute_sum_pi_squared=compute_sum_pi_squared,
+            head=head,
         )
+    head = head or PLAIN
+    weight, bias = head_rows(weight, head)
     block = block_vocab or auto_block_vocab(hidden.shape[0], weight.shape[0])
     log_probs, entropy, sum_pi_squared = TritonLogprobEntropy.apply(
         hidden,
         weight,
+        bias,
+        head,
         labels,
         temperature,
         ignore_index,

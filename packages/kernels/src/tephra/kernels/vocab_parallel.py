@@ -15,6 +15,9 @@ term only where the label lives in this shard):
     grad W_r = dz_r.T @ h    (local)       grad h = all_reduce_sum(dz_r @ W_r)
 so the hidden gradient returned on every rank is already the full one: do not all-reduce it
 again (for example through Megatron's copy_to_tensor_model_parallel_region).
+A `HeadTransform` (scales, soft-cap, the shard's bias) is applied to each shard's logits and
+its derivative to dz as in chunked.py; its bias is the shard's rows of the head's bias and
+gets the shard's gradient (no collective). A vocabulary cut is not supported here.
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ import torch.distributed as dist
 
 from tephra.kernels.chunked import auto_chunk_tokens, chunk_logits, grad_logits_
 from tephra.kernels.errors import KernelInputError
+from tephra.kernels.head_transform import (
+    PLAIN,
+    HeadTransform,
+    check_head,
+    grad_through_head_,
+    softcap_slope,
+)
 from tephra.kernels.logprob_entropy import check_inputs
 from tephra.kernels.reference import LogprobEntropy
 
@@ -38,6 +48,8 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         ctx: Any,
         hidden: torch.Tensor,
         weight_shard: torch.Tensor,
+        bias: torch.Tensor | None,
+        head: HeadTransform,
         labels: torch.Tensor,
         group: dist.ProcessGroup | None,
         temperature: float,
@@ -51,6 +63,7 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         v_shard = weight_shard.shape[0]
         inv_temp = 1.0 / temperature
         weight32 = weight_shard.float()
+        bias32 = bias.float() if bias is not None else None
         valid = labels != ignore_index
         local = labels - vocab_start
         in_shard = valid & (local >= 0) & (local < v_shard)
@@ -58,7 +71,7 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         stats = torch.zeros(5, n, dtype=torch.float32, device=hidden.device)  # m, s, t, l, u
         for start in range(0, n, chunk_size):
             sl = slice(start, min(start + chunk_size, n))
-            z = chunk_logits(hidden[sl], weight32, inv_temp)
+            z = chunk_logits(hidden[sl], weight32, inv_temp, head, bias32)
             m = z.amax(dim=-1)
             picked = z.gather(1, local[sl].unsqueeze(-1)).squeeze(-1)
             stats[3, sl] = torch.where(in_shard[sl], picked, 0.0)
@@ -84,7 +97,8 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
             torch.log(sums[0]) - sums[1] / sums[0] if compute_entropy else torch.zeros_like(lse)
         )
         sum_pi_squared = sums[3] / (sums[0] * sums[0])
-        ctx.save_for_backward(hidden, weight_shard, labels, lse, entropy)
+        ctx.save_for_backward(hidden, weight_shard, bias, labels, lse, entropy)
+        ctx.head = head
         ctx.group, ctx.temperature, ctx.ignore_index = group, temperature, ignore_index
         ctx.vocab_start, ctx.compute_entropy, ctx.chunk_size = (
             vocab_start,
@@ -103,12 +117,16 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         grad_entropy: torch.Tensor,
         _grad_q: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight_shard, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight_shard, bias, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        head: HeadTransform = ctx.head
         n = hidden.shape[0]
         v_shard = weight_shard.shape[0]
         inv_temp = 1.0 / ctx.temperature
         weight32 = weight_shard.float()
+        bias32 = bias.float() if bias is not None else None
+        grad_b = torch.zeros(v_shard, dtype=torch.float32, device=weight_shard.device)
         valid = labels != ctx.ignore_index
         local = labels - ctx.vocab_start
         in_shard = valid & (local >= 0) & (local < v_shard)
@@ -126,7 +144,8 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         )
         for start in range(0, n, ctx.chunk_size):
             sl = slice(start, min(start + ctx.chunk_size, n))
-            z = chunk_logits(hidden[sl], weight32, inv_temp)
+            z = chunk_logits(hidden[sl], weight32, inv_temp, head, bias32)
+            slope = softcap_slope(z, head, inv_temp) if head.softcap is not None else None
             dz = grad_logits_(
                 z.sub_(lse[sl].unsqueeze(-1)),
                 entropy[sl] if g_ent is not None else None,
@@ -136,6 +155,8 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
                 onehot_weight[sl],
                 inv_temp,
             )
+            grad_through_head_(dz, slope, head, grad_b if need_b else None)
+            del slope
             torch.mm(dz, weight32, out=grad_h[sl])
             if grad_w is not None:  # need_w
                 grad_w.addmm_(dz.T, hidden[sl].float())
@@ -144,6 +165,8 @@ class VocabParallelLogprobEntropy(torch.autograd.Function):
         return (
             grad_h.to(hidden.dtype) if need_h else None,
             grad_w.to(weight_shard.dtype) if grad_w is not None else None,
+            grad_b.to(weight_shard.dtype) if need_b else None,
+            None,
             None,
             None,
             None,
@@ -167,6 +190,7 @@ def vocab_parallel_logprob_entropy(
     compute_entropy: bool = True,
     chunk_size: int | None = None,
     compute_sum_pi_squared: bool = False,
+    head: HeadTransform | None = None,
 ) -> LogprobEntropy:
     """linear_logprob_entropy with the weight split along the vocabulary over `group`.
 
@@ -179,8 +203,18 @@ def vocab_parallel_logprob_entropy(
     backward. The returned hidden gradient is already summed over the group.
     With `compute_sum_pi_squared`, a third element sum_pi_squared [...] fp32 (sum_v p_v^2 of
     the full softmax, no gradient) rides on the forward's all-reduce.
+    `head` applies a HeadTransform (the same scales and cap on every rank; head.bias is this
+    rank's shard of the bias, [vocab_shard]); head.vocab_size must be None here.
     """
     check_inputs(hidden, weight_shard, labels, temperature, chunk_size, weight_name="weight_shard")
+    head = head or PLAIN
+    check_head(head, weight_shard, weight_name="weight_shard")
+    if head.vocab_size is not None:
+        raise KernelInputError(
+            f"HeadTransform.vocab_size={head.vocab_size} is not supported by "
+            "vocab_parallel_logprob_entropy; pass only the logit rows as weight_shard "
+            "(vocab_size=None)"
+        )
     if not dist.is_available() or not dist.is_initialized():
         raise KernelInputError(
             "vocab_parallel_logprob_entropy needs torch.distributed initialised "
@@ -203,6 +237,8 @@ def vocab_parallel_logprob_entropy(
     log_probs, entropy, sum_pi_squared = VocabParallelLogprobEntropy.apply(
         flat,
         weight_shard,
+        head.bias,
+        head,
         labels.reshape(-1).long(),
         group,
         float(temperature),
