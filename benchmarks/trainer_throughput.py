@@ -381,23 +381,18 @@ def attention_kernels(case: Case, docs: int, device: str) -> dict[str, Any]:
     kernel that runs here: flex attention with a document causal mask, PyTorch's varlen
     attention, flash-attn's varlen function. Milliseconds (median of 5 after 2) and TFLOP/s
     (6 H d_head sum n^2 per call)."""
-    if device != "cuda":
-        return {
-            "skipped": "the attention kernels are timed on CUDA only (varlen and "
-            "flash-attn have no CPU kernels)"
-        }
     shape = SHAPES[case.shape]
     heads, kv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     lengths = doc_lengths(case.seq, docs)
     total = sum(lengths)
     flops = 6 * heads * d * sum(n * n for n in lengths)
     cu = torch.tensor(
-        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device
     )
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
 
     def tensors(h: int) -> torch.Tensor:
-        return torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        return torch.randn(total, h, d, device=device, dtype=torch.bfloat16, generator=g)
 
     q, k, v = (
         tensors(heads).requires_grad_(),
@@ -414,6 +409,8 @@ def attention_kernels(case: Case, docs: int, device: str) -> dict[str, Any]:
         "kernels": {},
     }
 
+    outputs: dict[str, torch.Tensor] = {}
+
     def record(name: str, call: Callable[[], torch.Tensor]) -> None:
         def fwd_bwd() -> None:
             q.grad = k.grad = v.grad = None
@@ -421,6 +418,8 @@ def attention_kernels(case: Case, docs: int, device: str) -> dict[str, Any]:
 
         try:
             ms = _median_ms(fwd_bwd, device)
+            with torch.no_grad():
+                outputs[name] = call().float()
             out["kernels"][name] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
         except Exception as exc:  # a kernel this torch lacks or refuses: record why
             out["kernels"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -429,13 +428,13 @@ def attention_kernels(case: Case, docs: int, device: str) -> dict[str, Any]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     doc = torch.repeat_interleave(
-        torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda")
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
     )
 
     def document_causal(b: Any, h: Any, qi: Any, ki: Any) -> Any:
         return (doc[qi] == doc[ki]) & (qi >= ki)
 
-    mask = create_block_mask(document_causal, None, None, total, total, device="cuda")
+    mask = create_block_mask(document_causal, None, None, total, total, device=device)
     flex = torch.compile(flex_attention)
     record(
         "flex_attention",
@@ -478,9 +477,24 @@ def attention_kernels(case: Case, docs: int, device: str) -> dict[str, Any]:
         )
     else:
         out["kernels"]["flash_attn"] = {"error": "flash-attn is not installed"}
+    # the kernels compute the same attention: each output's largest gap to the first's (bf16)
+    first = next(iter(outputs), None)
+    for name, value in outputs.items():
+        out["kernels"][name]["max_abs_diff_vs_" + str(first)] = float(
+            (value - outputs[str(first)]).abs().max()
+        )
     timed = {n: r["ms"] for n, r in out["kernels"].items() if "ms" in r}
     out["fastest"] = min(timed, key=timed.__getitem__) if timed else None
     return out
+
+
+def _cpu_model() -> str:
+    for line in (
+        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    ):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def _write(path: Path, record: dict[str, Any]) -> None:
@@ -557,11 +571,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else RESULTS
         / ("trainer_throughput.json" if device == "cuda" else "trainer_throughput_cpu.json")
     )
-    name = (
-        torch.cuda.get_device_name()
-        if device == "cuda"
-        else f"cpu ({platform.processor() or platform.machine()})"
-    )
+    name = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({_cpu_model()})"
     peak = peak_bf16_tflops(name) if device == "cuda" else None
     record: dict[str, Any] = {
         "device": name,
@@ -614,10 +624,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "vs_prime_rl" in result:
             print(f"  vs prime-rl: {json.dumps(result['vs_prime_rl'])}", flush=True)
         if args.attention_kernels:
-            record["attention"][f"{case.seq}x{args.docs}"] = attention_kernels(
-                case, args.docs, device
-            )
-    _write(out, record)
+            where = f"{case.seq}x{args.docs}"
+            if device != "cuda":
+                record["attention"][where] = {
+                    "skipped": "timed on CUDA only (torch's varlen "
+                    "and flash-attn have no CPU kernels, CPU flex "
+                    "attention no backward)"
+                }
+            else:
+                try:
+                    record["attention"][where] = attention_kernels(case, args.docs, device)
+                except Exception as exc:  # the engine's figures above still count
+                    record["attention"][where] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        _write(out, record)  # after every case: a later case that fails keeps this one
     print(f"wrote {out}")
     return record
 
