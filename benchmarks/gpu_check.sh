@@ -40,6 +40,8 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/tephra-site .whl/*.whl || exit 1
+fi
+if [ -d /tmp/tephra-site ]; then  # installed by this call or an earlier one of the warm machine
     export PYTHONPATH=/tmp/tephra-site
 fi
 PYTHONPATH=$(printf '%s:' "$PWD"/packages/*/src)${PYTHONPATH:-}
@@ -70,13 +72,13 @@ if [ "$part" = throughput ] && [ "$arg" = 16k ]; then
         | grep -v Warning | tee "$out/trainer_throughput_4b_lora_16k.log" | tail -15
 fi
 if [ "$part" = throughput ] && [ "$arg" = 64k ]; then
-    timeout 420 "${tp[@]}" --case 0.6b-64k --attention-kernels --out "$out/trainer_throughput_64k.json" 2>&1 \
+    timeout 330 "${tp[@]}" --case 0.6b-64k --attention-kernels --out "$out/trainer_throughput_64k.json" 2>&1 \
         | grep -v Warning | tee "$out/trainer_throughput_0.6b_64k.log" | tail -25
 fi
 if [ "$part" = ray ]; then
     bash benchmarks/stage_wheels.sh join 2>&1 | tee "$out/gpu_ray_stage.log" | tail -5
     [ "${PIPESTATUS[0]}" = 0 ] || exit 1
     export PYTHONPATH=/tmp/tephra-ray-site:$PYTHONPATH
-    timeout 420 python3 benchmarks/gpu_ray.py --device cuda --out "$out/gpu_ray.json" 2>&1 \
+    timeout 200 python3 benchmarks/gpu_ray.py --device cuda --timeout 170 --out "$out/gpu_ray.json" 2>&1 \
         | grep -v Warning | tee "$out/gpu_ray.log" | tail -25
 fi

@@ -73,7 +73,7 @@ def placement(device: str) -> dict[str, Any]:
 
     gpus = 1 if device == "cuda" else 0
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False)
     started = time.perf_counter() - t0
     bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpus else {})}
     group = placement_group([bundle], strategy="STRICT_PACK")

@@ -5,7 +5,8 @@
 # parts are joined (and checked against the whole wheel's sha256) in the call that runs Ray.
 #
 #   bash benchmarks/stage_wheels.sh download   here, with the registry: fills .whl/ (git-ignored)
-#   bash benchmarks/stage_wheels.sh carry N    here: the `carry` list of device call N (JSON)
+#   bash benchmarks/stage_wheels.sh carry [--no-base] N [N ...]
+#                                              here: the `carry` list of a device call (JSON)
 #   bash benchmarks/stage_wheels.sh stage N    on the device: copies part N to $STAGE_DIR
 #   bash benchmarks/stage_wheels.sh join       on the device: joins the parts, checks the sha256,
 #                                              installs Ray and its deps into $RAY_SITE
@@ -25,13 +26,15 @@ PART_MIB=${PART_MIB:-32}
 STAGE_DIR=${STAGE_DIR:-/tmp/tephra-ray-stage}
 RAY_SITE=${RAY_SITE:-/tmp/tephra-ray-site}
 BASE=(tensordict==0.15.3 pyvers==0.2.3 transformers==5.23.0 peft==0.21.2)
-# Ray's dependencies (and the app's, under Ray) that the GPU machine does not have: the
-# machine has torch, triton, transformers, accelerate, peft, safetensors, pyarrow, numpy,
-# msgpack, protobuf, grpcio, aiohttp, pyyaml, requests, filelock, packaging, psutil, tqdm
-# (shared/notes: what is installed there); the list is what `python3 -c 'import ...'` of Ray's
-# requirements can miss there, pinned to uv.lock
+# Ray's dependencies, and the app's under Ray, that the GPU machine does not have. It has torch,
+# triton, transformers, accelerate, peft, safetensors, pyarrow, numpy, msgpack, protobuf,
+# grpcio, aiohttp, pyyaml, requests, httpx and what those need (filelock, packaging, psutil,
+# cloudpickle, tqdm, anyio, h11 ...). Ray needs click and jsonschema (with attrs, referencing,
+# rpds-py, jsonschema-specifications); tephra-episodes imports starlette and uvicorn (the
+# gateway) when the controller loads. Checked on a CPU by running gpu_ray.py with every
+# module not known to be on the machine made unimportable. Versions: uv.lock's.
 RAY_DEPS=(click==8.5.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
-    referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0)
+    referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 starlette==1.10.0 uvicorn==0.54.0)
 PIP_TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
     --platform manylinux2014_x86_64)
@@ -58,11 +61,16 @@ download() {
     echo "$name: $parts parts of at most $PART_MIB MiB, sha256 $sum"
 }
 
-carry() {  # the `carry` argument of device call N: the base wheels and part N
-    local n=$1 paths=()
-    for f in .whl/*.whl; do paths+=("\"$f\""); done
-    [ -d ".whl/ray/part-$n" ] || { echo "no .whl/ray/part-$n: run download first" >&2; exit 1; }
-    paths+=("\".whl/ray/part-$n\"")
+carry() {  # the `carry` argument of one device call: the base wheels (unless --no-base:
+    # an earlier call of the warm machine installed them) and the named parts
+    local paths=() n
+    if [ "${1:-}" = --no-base ]; then shift; else
+        for f in .whl/*.whl; do paths+=("\"$f\""); done
+    fi
+    for n in "$@"; do
+        [ -d ".whl/ray/part-$n" ] || { echo "no .whl/ray/part-$n: run download first" >&2; exit 1; }
+        paths+=("\".whl/ray/part-$n\"")
+    done
     (IFS=,; echo "[${paths[*]}]")
 }
 
@@ -100,7 +108,7 @@ join() {  # on the device: every part present -> the wheel, checked, installed
 
 case ${1:-} in
 download) download ;;
-carry) carry "${2:?carry N}" ;;
+carry) shift; carry "$@" ;;
 stage) stage "${2:?stage N}" ;;
 join) join ;;
 *) sed -n '2,22p' "$0"; exit 2 ;;
