@@ -6,13 +6,15 @@ on a CPU (`--device cpu`) to check everything but CUDA.
     python benchmarks/gpu_ray.py [--device cuda|cpu] [--out benchmarks/results/gpu_ray.json]
 
 Two parts, both recorded:
-1. placement: Ray started with the device's GPUs, a placement group of one bundle
-   `{"CPU": 1, "GPU": 1}` (CPU only with --device cpu) and an actor on it that reports what
-   Ray set (`CUDA_VISIBLE_DEVICES`, `ray.get_gpu_ids()`), the device tephra's workers derive
-   from it (`device_from_assignment`) and a CUDA tensor made there.
+1. placement: Ray started as tephra starts it (`ray_init`) with the device's GPUs, a
+   placement group of one bundle `{"CPU": 1, "GPU": 1}` (CPU only with --device cpu) and an
+   actor on it that reports what Ray set (`CUDA_VISIBLE_DEVICES`, `ray.get_gpu_ids()`), the
+   device tephra's workers derive from it (`device_from_assignment`) and a CUDA tensor made
+   there.
 2. the app: apps/ppo `-p smoke` with `resources.gpus_per_rank=1`, on a small
    verl-format parquet written here (arithmetic prompts scored by `gsm8k_flexible`: the
-   smoke's default data, reasoning-gym, is not installed on the GPU machine). Recorded: its
+   smoke's default data, reasoning-gym, is not installed on the GPU machine; the jsonl tracker
+   where matplotlib imports, which its reward-curve plot needs, else console). Recorded: its
    exit status, the summary line (steps, seconds, start-up phases), the weight-transport line
    (the in-process hf rollout gets the trainer's tensors copied in place; CUDA IPC is the
    transport of a vLLM/SGLang server on the trainer's GPU, checked by the `gpu`-marked
@@ -71,9 +73,13 @@ def placement(device: str) -> dict[str, Any]:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from tephra.controller.cluster.worker_group import ray_init
+
     gpus = 1 if device == "cuda" else 0
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False)
+    # tephra's own start: a private local session, workers on the driver's interpreter and
+    # PYTHONPATH (the GPU machine's installs live on it), as the app's workers get them
+    ray_init(num_cpus=2, num_gpus=gpus)
     started = time.perf_counter() - t0
     bundle = {"CPU": 1.0, **({"GPU": 1.0} if gpus else {})}
     group = placement_group([bundle], strategy="STRICT_PACK")
