@@ -78,7 +78,7 @@ fi
 if [ "$part" = ray ]; then
     bash benchmarks/stage_wheels.sh join 2>&1 | tee "$out/gpu_ray_stage.log" | tail -5
     [ "${PIPESTATUS[0]}" = 0 ] || exit 1
-    export PYTHONPATH=/tmp/tephra-ray-site:$PYTHONPATH
+    export PYTHONPATH=${RAY_SITE:-/tmp/tephra-ray-site}:$PYTHONPATH  # where `join` installed Ray
     timeout 200 python3 benchmarks/gpu_ray.py --device cuda --timeout 170 --out "$out/gpu_ray.json" 2>&1 \
         | grep -v Warning | tee "$out/gpu_ray.log" | tail -25
 fi
