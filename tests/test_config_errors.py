@@ -716,3 +716,25 @@ def test_sft_refuses_the_rl_trainers_pools(override):
     with pytest.raises(ConfigError, match=rf"resources\.{pool}=.*SFT .* has no {pool} pool"):
         parse_sft(["-p", "smoke", override])
     parse_sft(["-p", "smoke"])  # without the override the same config loads
+
+
+@pytest.mark.parametrize("app", ["ppo", "sft"])
+def test_flex_attention_on_cpu_ranks_is_refused_while_the_config_loads(app):
+    """torch's flex attention has no backward on CPU: a trainer on CPU ranks with it is refused
+    before Ray starts (it failed at the first update); on GPU ranks SFT's config loads."""
+    if app == "ppo":
+        parse = parse_config
+    else:
+        from tephra.apps.sft.main import parse_config as parse
+
+    flex = "model.attn_implementation=flex_attention"
+    with pytest.raises(
+        ConfigError,
+        match=r"^model\.attn_implementation='flex_attention' with resources\.gpus_per_rank=0 "
+        r"\(CPU ranks\): torch's flex attention has no backward on CPU.*use "
+        r"model\.attn_implementation=sdpa",
+    ):
+        parse(["-p", "smoke", flex])
+    if app == "sft":  # the RL trainer also counts the machine's GPUs (none here)
+        parse(["-p", "smoke", flex, "resources.gpus_per_rank=1"])
+    parse(["-p", "smoke", "model.attn_implementation=sdpa"])

@@ -83,6 +83,14 @@ def flex_attention_refusal(config: EngineConfig, device: torch.device) -> str | 
     )
 
 
+FLEX_NO_BACKWARD = (
+    "model.attn_implementation='flex_attention' on CPU trains nothing: torch's flex attention "
+    "has no backward on CPU (NotImplementedError); use model.attn_implementation=sdpa to "
+    "train on CPU (flex attention on CPU is for forward passes: log-probs, a reference model)"
+)
+"""Why a CPU engine with flex attention refuses `forward_backward` (its forward runs)."""
+
+
 def sharing_supported(config: EngineConfig) -> bool:
     """`micro_batch.share_prefix` works on padded rows, so not with packing or Ulysses."""
     return not packs(config) and config.parallel.context == 1
@@ -478,6 +486,8 @@ class FSDPEngine(Engine):
         return TensorDict(fields, batch_size=batch.batch_size)
 
     def forward_backward(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
+        if self.device.type == "cpu" and self.config.model.attn_implementation == "flex_attention":
+            raise ConfigError(FLEX_NO_BACKWARD)
         batch = self._validate(batch)
         plan = microbatches.plan(
             batch,

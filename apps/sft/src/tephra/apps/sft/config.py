@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tephra.controller.config.tree import DataSection, EngineRoleConfig, ResourcesSection
+from tephra.controller.config.tree import (
+    DataSection,
+    EngineRoleConfig,
+    ResourcesSection,
+    check_trainable_attention,
+)
 from tephra.core.errors import ConfigError
 from tephra.engine_api.config import (
     MicroBatchConfig,
@@ -148,6 +153,7 @@ class SFTConfig:
     """Ray placement."""
 
     def __post_init__(self) -> None:
+        check_trainable_attention(self.model, self.resources)
         for pool in ("rollout", "ref", "critic", "reward"):
             section = getattr(self.resources, pool)
             if section != type(section)():

@@ -560,6 +560,19 @@ DATA_SOURCE_FIX = (
 """What a config without a data source is told (the prompts have no library default)."""
 
 
+def check_trainable_attention(model: ModelConfig, resources: ResourcesSection) -> None:
+    """Refuse flex attention on CPU ranks (`resources.gpus_per_rank=0`) while the config loads:
+    torch's flex attention has no backward on CPU, so the first update would fail after Ray
+    started."""
+    if model.attn_implementation == "flex_attention" and resources.gpus_per_rank == 0:
+        raise ConfigError(
+            "model.attn_implementation='flex_attention' with resources.gpus_per_rank=0 (CPU "
+            "ranks): torch's flex attention has no backward on CPU, so no step could train; "
+            "use model.attn_implementation=sdpa on CPU, or flex attention on GPU ranks "
+            "(resources.gpus_per_rank=1)"
+        )
+
+
 def adapter_sync_obstacle(cfg: PPOConfig) -> str | None:
     """Why the weight sync of `cfg` cannot send the LoRA adapter alone (None: it can)."""
     r = cfg.rollout
@@ -619,6 +632,7 @@ class PPOConfig:
     def __post_init__(self) -> None:
         if self.data.source is None:
             raise ConfigError(f"data.source is not set: {DATA_SOURCE_FIX}")
+        check_trainable_attention(self.model, self.resources)
 
     @property
     def policy_path(self) -> str:
