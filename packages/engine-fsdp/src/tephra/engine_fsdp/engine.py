@@ -35,6 +35,7 @@ from tephra.engine_fsdp import (
     lora,
     microbatches,
     prefix_sharing,
+    router_noise,
     routing_replay,
     sharding,
     tree_attention,
@@ -158,6 +159,9 @@ class FSDPEngine(Engine):
         self.hf_model = hf_model
         # MoE routers replay a batch's `routed_experts` (their own top-k without it)
         self.router_replay = routing_replay.RouterReplay(hf_model)
+        # routers that sample in train mode (PhiMoE) train deterministically (`router_noise`)
+        self.noisy_routers = router_noise.noisy_routers(hf_model)
+        router_noise.hold_deterministic(self.noisy_routers)
         # a VLM on several ranks runs its tower on every micro-batch (see `vision`)
         self.idle_vision = self.vlm and dist.is_initialized() and dist.get_world_size() > 1
         params = [p for p in self.scorer.parameters() if p.requires_grad]
@@ -256,12 +260,14 @@ class FSDPEngine(Engine):
     def _mode(self, train: bool) -> Iterator[None]:
         was_training = self.scorer.training
         self.scorer.train(train)
+        router_noise.hold_deterministic(self.noisy_routers)
         if train:
             self._onload_optimizer()
         try:
             yield
         finally:
             self.scorer.train(was_training)
+            router_noise.hold_deterministic(self.noisy_routers)
             if train:
                 self._offload_optimizer()
 

@@ -532,13 +532,14 @@ def gradient_gap(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 
 
 SAMPLED_ROUTING = {
-    "phimoe": "its SparseMixer router, in train mode, samples the experts (Gumbel, among "
-    "those within its jitter of the top score) and draws the routing gradient's estimate "
-    "(Heun's third-order method, a random mask), so a training step's gradient is a random "
-    "draw no other run reproduces: its update is compared with both models in eval mode",
+    "phimoe": "its SparseMixer router samples its experts and a random estimate of their "
+    "gradient in train mode; engine=fsdp trains it with the router in eval mode (the top 2 "
+    "by score, the gates' plain gradient: the routing its old log-probs came from, unlike "
+    "its pre-training recipe), so its update is compared with the plain model's in eval mode",
 }
-"""Families whose train-mode step is random by design -> why. The matrix compares their
-update with the engine and the plain model in eval mode (deterministic routing)."""
+"""Families whose router samples in train mode -> how their update is checked. The engine
+trains them with the router deterministic (`tephra.engine_fsdp.router_noise`); the matrix
+compares the engine's update (in train mode) with the plain model's in eval mode."""
 
 
 def attention(model_type: str) -> str:
@@ -640,7 +641,7 @@ def check_family(
         scale = max(float(g.abs().max()) for g in want_grads.values() if g.numel())
         grad_gap, worst = None, ""
         if refusal is None:  # the update of a layout the engine runs
-            with engine.train_mode() if sampled is None else engine.eval_mode():
+            with engine.train_mode():
                 engine.forward_backward(update, update_loss)
             grad_gap, worst = gradient_gap(engine_gradients(engine), want_grads)
         out[layout] = LayoutCheck(refusal, gaps[0], gaps[1], grad_gap, worst, scale)
