@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
 from tephra.engine_api import batch as B
@@ -39,6 +41,7 @@ from tephra.engine_fsdp.family_matrix import (
     update_batch,
 )
 from tephra.engine_fsdp.microbatches import leading_padding, roll_rows
+from tephra.engine_fsdp.model_builder import repeated_blocks
 
 FAMILIES = causal_lm_families()
 REPRESENTATIVE = {
@@ -243,6 +246,65 @@ def test_family_not_run_fails_as_the_table_says(model_type):
     else:
         with pytest.raises(Exception):  # noqa: B017 (any failure of transformers or the engine)
             check_family(model_type, ("padded",))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Linear(4, 4)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+
+def test_repeated_blocks_are_the_outermost_list_of_one_class():
+    # a model without _no_split_modules: its layers are the outermost module list of one
+    # class (the 4 experts inside each of the 2 blocks are a longer list, not layers)
+    model = torch.nn.Module()
+    model.stack = torch.nn.Module()
+    model.stack.layers = torch.nn.ModuleList(_Block() for _ in range(2))
+    model.head = torch.nn.Linear(4, 4)
+    assert repeated_blocks(model, "here") == list(model.stack.layers)
+    # XLM's layout: one list per kind of part, side by side; no module is a layer
+    xlm = torch.nn.Module()
+    xlm.attentions = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+    xlm.norms = torch.nn.ModuleList(torch.nn.LayerNorm(4) for _ in range(2))
+    with pytest.raises(ConfigError, match=r"here: .*attentions \(Linear\), norms \(LayerNorm\)"):
+        repeated_blocks(xlm, "here")
+
+
+@pytest.mark.parametrize("model_type", ["openai-gpt", "marian"])
+def test_a_family_without_no_split_modules_is_sharded_per_block(model_type):
+    # OpenAI GPT's `transformer.h` and Marian's `model.decoder.layers` declare no no-split
+    # class: each block is its own FSDP unit (its parameters gathered for its forward
+    # alone), the rest (embeddings, norms, head) the root's
+    assert not type(build_reference(tiny_config(model_type)))._no_split_modules
+    engine = FSDPEngine(engine_config(model_type, "padded"))
+    units = [n for n, m in engine.hf_model.named_modules() if isinstance(m, FSDPModule)]
+    want = {"openai-gpt": "transformer.h", "marian": "model.decoder.layers"}[model_type]
+    assert units == [f"{want}.0", f"{want}.1"]
+    assert isinstance(engine.model, FSDPModule)  # the root unit
+    sharded = {n for n, p in engine.hf_model.named_parameters() if isinstance(p, DTensor)}
+    assert sharded == {n for n, _ in engine.hf_model.named_parameters()}
+
+
+def test_a_bert_style_decoder_needs_is_decoder():
+    # BERT-Generation's causal LM without is_decoder attends both ways: the first token's
+    # logits change with the last token; with it (the tiny config's) they do not. The engine
+    # refuses the config that leaves it out, naming the field
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    other = ids.clone()
+    other[0, -1] = 50
+    for flag, sees_ahead in ((False, True), (True, False)):
+        model = build_reference({**tiny_config("bert-generation"), "is_decoder": flag})
+        with torch.no_grad():
+            gap = model(input_ids=ids).logits[0, 0] - model(input_ids=other).logits[0, 0]
+        assert (float(gap.abs().max()) > 1e-3) is sees_ahead, flag
+    FSDPEngine.check_config(engine_config("bert-generation", "padded"))
+    for changes in ({"is_decoder": False}, {"is_decoder": None}):
+        config = engine_config("bert-generation", "padded", changes)
+        with pytest.raises(
+            ConfigError, match=r"'bert-generation' with is_decoder=.*set is_decoder"
+        ):
+            FSDPEngine.check_config(config)
 
 
 @pytest.mark.parametrize(

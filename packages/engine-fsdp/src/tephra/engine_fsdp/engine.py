@@ -200,6 +200,7 @@ class FSDPEngine(Engine):
                 "moe.routing_replay='rollout' with parallel.context > 1 (Ulysses): engine-fsdp "
                 "replays routes on whole sequences only; set parallel.context=1"
             )
+        families.check_decoder_flag(config)
         families.check_layout(config, packs(config))
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(

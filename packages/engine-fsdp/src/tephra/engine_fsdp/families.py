@@ -109,6 +109,16 @@ COMPRESSED_BY_COLUMN = (
     "packed sequence's entries take in the sequence before it and a shared-prefix sample's "
     "the other samples"
 )
+ROW_CAUSAL_MASK = (
+    "its attention applies a fixed lower-triangular mask over the row's columns, so in a "
+    "packed row each sequence attends to the sequences packed before it"
+)
+BIDIRECTIONAL = (
+    "its forward marks every token as context, which attends to the whole row both ways (the "
+    "logits at a position change with the tokens after it), so its log-prob of a sequence is "
+    "not a product of next-token probabilities; it also finds padding by token id 0 counted "
+    "from a left-padded row"
+)
 
 
 REFUSED: dict[str, dict[str, str]] = {
@@ -117,10 +127,14 @@ REFUSED: dict[str, dict[str, str]] = {
     "bamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "bart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "bigbird_pegasus": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "biogpt": {"packed": MASK_WITHOUT_POSITIONS},
+    "blenderbot": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "blenderbot-small": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "bloom": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": NO_SEGMENT_MASK},
     "cohere": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
     "cohere2": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
     "cohere2_moe": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
+    "cpmant": {"padded": BIDIRECTIONAL, "packed": BIDIRECTIONAL, "shared_prefix": BIDIRECTIONAL},
     "cwm": {"shared_prefix": SLIDING_SHARED},
     "deepseek_v4": {"packed": COMPRESSED_BY_COLUMN, "shared_prefix": COMPRESSED_BY_COLUMN},
     "doge": {"shared_prefix": SLIDING_SHARED},
@@ -148,6 +162,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "mamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "mbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "mamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "marian": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "mimo_v2_flash": {"shared_prefix": SLIDING_SHARED},
     "minicpm3": {"padded": HIDDEN_SCALE, "packed": HIDDEN_SCALE, "shared_prefix": HIDDEN_SCALE},
     "minimax": {"packed": RECURRENT, "shared_prefix": RECURRENT},
@@ -156,10 +171,13 @@ REFUSED: dict[str, dict[str, str]] = {
     "mistral": {"shared_prefix": SLIDING_SHARED},
     "mixtral": {"shared_prefix": SLIDING_SHARED},
     "mpt": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": ALIBI_BY_COLUMN},
+    "mvp": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "nemotron_h": {"shared_prefix": RECURRENT},
     "olmo3": {"shared_prefix": SLIDING_SHARED},
     "olmo_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "openai-gpt": {"packed": ROW_CAUSAL_MASK, "shared_prefix": NO_SEGMENT_MASK},
     "opt": {"packed": MASK_WITHOUT_POSITIONS},
+    "pegasus": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "phi3": {"shared_prefix": SLIDING_SHARED},
     "phimoe": {"shared_prefix": SLIDING_SHARED},
     "plbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
@@ -182,6 +200,28 @@ REFUSED: dict[str, dict[str, str]] = {
 """model_type -> {layout: why the engine's outputs would be wrong there}: what the family
 matrix found (a family refused `padded` is refused in every layout). A vision-language
 family is refused where its text family is."""
+
+
+DECODER_FLAG = (
+    "bert",
+    "bert-generation",
+    "big_bird",
+    "camembert",
+    "data2vec-text",
+    "electra",
+    "ernie",
+    "megatron-bert",
+    "rembert",
+    "roberta",
+    "roberta-prelayernorm",
+    "roc_bert",
+    "roformer",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "xmod",
+)
+"""BERT-style families whose causal LM attends causally only with `is_decoder: true` in its
+config (transformers warns and runs it bidirectionally otherwise)."""
 
 
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
@@ -244,6 +284,21 @@ def refusal(config: EngineConfig, layout: str) -> str | None:
         if why:
             return why
     return None
+
+
+def check_decoder_flag(config: EngineConfig) -> None:
+    """Refuse a `DECODER_FLAG` family whose config does not set `is_decoder: true`: its
+    causal LM would attend both ways, so a token's log-prob would see the tokens after it."""
+    for hf_config in model_configs_of(config):
+        model_type = hf_config.get("model_type")
+        if model_type in DECODER_FLAG and hf_config.get("is_decoder") is not True:
+            raise ConfigError(
+                f"model_type={model_type!r} with is_decoder={hf_config.get('is_decoder')!r}: "
+                "transformers runs this family's causal LM bidirectionally unless its config "
+                "says is_decoder: true (every token would attend to the tokens after it, so its "
+                "log-probs would not be next-token probabilities); set is_decoder: true in "
+                "model.hf_config (or in config.json under model.path)"
+            )
 
 
 def check_layout(config: EngineConfig, packed: bool) -> None:

@@ -28,7 +28,7 @@ from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.loss import Share
-from tephra.engine_fsdp.families import LAYOUT_OVERRIDES, LAYOUTS, REFUSED
+from tephra.engine_fsdp.families import DECODER_FLAG, LAYOUT_OVERRIDES, LAYOUTS, REFUSED
 from tephra.engine_fsdp.testing import padded_batch
 
 if TYPE_CHECKING:
@@ -126,6 +126,9 @@ _WINDOW_ON = {
 FAMILY_SIZES: dict[str, dict[str, Any]] = {
     **{f: dict(_WINDOW_ON) for f in ("qwen2", "qwen2_moe", "qwen3", "smollm3")},
     "qwen3_moe": {"use_sliding_window": True},  # every layer slides
+    # BERT-style encoders are causal LMs only with is_decoder (their released decoder
+    # checkpoints set it); without it every token attends to the tokens after it
+    **{f: {"is_decoder": True} for f in DECODER_FLAG},
     # its default leaves the shared expert's width unset (None), which its MoE multiplies
     "dots1": {"n_shared_experts": 1},
     # its default names no RoPE per layer type, which its rotary embedding looks up
@@ -167,7 +170,11 @@ SOFTCAP = (
     "final_logit_softcapping, which engine=fsdp's log-prob kernel does not apply "
     "(set it to null in the model config to train without it)"
 )
-NO_LAYERS = "it declares no decoder layer class (_no_split_modules) for FSDP to shard"
+NO_LAYERS = (
+    "it declares no decoder layer class (_no_split_modules), and its layers are not one "
+    "repeated module either (parallel lists of attentions, feed-forwards and norms), so FSDP "
+    "has no layer to shard"
+)
 ALWAYS_SOFTCAP = (
     "it soft-caps every logit after the output head (logits_soft_cap, output_logit_soft_cap), "
     "which engine=fsdp's log-prob kernel does not apply"
@@ -187,26 +194,22 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     ),
     "beam": ("refused", SOFTCAP),
     "bert": ("refused", HEAD_BIAS),
-    "bert-generation": ("refused", NO_LAYERS),
-    "big_bird": ("refused", NO_LAYERS),
-    "biogpt": ("refused", NO_LAYERS),
-    "blenderbot": ("refused", NO_LAYERS),
-    "blenderbot-small": ("refused", NO_LAYERS),
+    "bert-generation": ("refused", HEAD_BIAS),
+    "big_bird": ("refused", HEAD_BIAS),
     "blt": (
         "not buildable",
         "even its tiny config has 4,633,123,584 parameters (a part the sizes do not reach)",
     ),
     "camembert": ("refused", HEAD_BIAS),
     "codegen": ("refused", HEAD_BIAS),
-    "cpmant": ("refused", NO_LAYERS),
-    "ctrl": ("refused", NO_LAYERS),
+    "ctrl": ("refused", HEAD_BIAS),
     "data2vec-text": ("refused", HEAD_BIAS),
     "dots3_note_text": (
         "not buildable",
         "transformers rejects the tiny config: its sliding layers' head_dim must equal "
         "qk_nope_head_dim + qk_rope_head_dim, which per-layer sizes scaled one by one do not keep",
     ),
-    "electra": ("refused", NO_LAYERS),
+    "electra": ("refused", HEAD_BIAS),
     "ernie": ("refused", HEAD_BIAS),
     "gemma2": ("refused", SOFTCAP),
     "gemma3n_text": ("refused", SOFTCAP),
@@ -220,8 +223,7 @@ NOT_RUN: dict[str, tuple[str, str]] = {
     ),
     "gptj": ("refused", HEAD_BIAS),
     "inkling2_text": ("refused", SOFTCAP),
-    "marian": ("refused", NO_LAYERS),
-    "megatron-bert": ("refused", NO_LAYERS),
+    "megatron-bert": ("refused", HEAD_BIAS),
     "mllama": (
         "not buildable",
         "even its tiny config has 9,775,192,080 parameters (a part the sizes do not reach)",
@@ -237,10 +239,7 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "transformers raises AttributeError on the tiny config: 'MusicgenMelodyConfig' object has no "
         "attribute 'dropout' (its decoder's sizes sit in a nested config)",
     ),
-    "mvp": ("refused", NO_LAYERS),
     "nanochat": ("refused", SOFTCAP),
-    "openai-gpt": ("refused", NO_LAYERS),
-    "pegasus": ("refused", NO_LAYERS),
     "phi": ("refused", HEAD_BIAS),
     "phi4_multimodal": (
         "not buildable",
@@ -255,11 +254,11 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "not buildable",
         "transformers raises AssertionError on the tiny config: If you want to use 'ReformerModelWithLMHead' make sure that 'is_decoder=True'.",
     ),
-    "rembert": ("refused", NO_LAYERS),
+    "rembert": ("refused", HEAD_BIAS),
     "roberta": ("refused", HEAD_BIAS),
     "roberta-prelayernorm": ("refused", HEAD_BIAS),
-    "roc_bert": ("refused", NO_LAYERS),
-    "roformer": ("refused", NO_LAYERS),
+    "roc_bert": ("refused", HEAD_BIAS),
+    "roformer": ("refused", HEAD_BIAS),
     "vaultgemma": ("refused", SOFTCAP),
     "xlm": ("refused", NO_LAYERS),
     "xlm-roberta": ("refused", HEAD_BIAS),
@@ -269,7 +268,7 @@ NOT_RUN: dict[str, tuple[str, str]] = {
         "transformers raises NotImplementedError on the tiny config: The model xlnet is one of the few models that has no sequence length limit.",
     ),
     "xlstm": ("refused", ALWAYS_SOFTCAP),
-    "xmod": ("refused", NO_LAYERS),
+    "xmod": ("refused", HEAD_BIAS),
     "zamba": (
         "not buildable",
         "transformers raises ValueError on the tiny config: There is an issue with your definition of 'tie_weights_keys' for ^layers.1.shared_transf:^layers.(?!1\\.)\\d+.sh",

@@ -159,13 +159,16 @@ def backbone(model: PreTrainedModel) -> nn.Module:
 
 def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     """Modules FSDP shards one by one: those whose class the model declares unsplittable
-    (`_no_split_modules`, e.g. `Qwen2DecoderLayer`)."""
+    (`_no_split_modules`, e.g. `Qwen2DecoderLayer`); where it declares none (CTRL, BioGPT,
+    the BERT-style decoders), its `repeated_blocks`."""
     hf = model
     while not isinstance(hf, PreTrainedModel) and isinstance(
         inner := getattr(hf, "model", None), nn.Module
     ):
         hf = inner
     names = set(getattr(hf, "_no_split_modules", None) or [])
+    if not names:
+        return repeated_blocks(model, where)
     found = [m for m in model.modules() if type(m).__name__ in names]
     # a declared class inside another (Mamba's MambaMixer in its MambaBlock) stays in its
     # layer's unit: sharding the outer layer first would leave the inner one's parameters
@@ -178,3 +181,32 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
             f"_no_split_modules={sorted(names)}); this architecture is not supported by engine=fsdp"
         )
     return layers
+
+
+def repeated_blocks(model: nn.Module, where: str) -> list[nn.Module]:
+    """The layers of a model that declares no `_no_split_modules`: the members of its
+    outermost `nn.ModuleList`s of one repeated class with parameters (`transformer.h`,
+    `model.decoder.layers`; an MoE layer's expert list sits inside a layer, so it is not
+    outermost), when those lists hold one class. Lists of several classes side by side
+    (XLM's `attentions`, `ffns`, `layer_norm1`, ... one entry per layer each) leave no
+    module that is a layer: a `ConfigError`."""
+    lists = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList)
+        and len(m)
+        and len({type(block) for block in m}) == 1
+        and any(True for _ in m.parameters())
+    ]
+    nested = {id(c) for blocks in lists for block in blocks for c in block.modules()}
+    outer = [blocks for blocks in lists if id(blocks) not in nested]
+    classes = sorted({type(blocks[0]).__name__ for blocks in outer})
+    if len(classes) != 1:
+        named = {id(m): n for n, m in model.named_modules()}
+        found = ", ".join(f"{named[id(b)]} ({type(b[0]).__name__})" for b in outer) or "none"
+        raise ConfigError(
+            f"{where}: found no decoder layers to shard: the model class declares no "
+            f"_no_split_modules and its repeated blocks are not one layer class (module "
+            f"lists: {found}); this architecture is not supported by engine=fsdp"
+        )
+    return [block for blocks in outer for block in blocks]
