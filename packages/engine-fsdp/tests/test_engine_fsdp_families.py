@@ -42,6 +42,7 @@ from tephra.engine_fsdp.family_matrix import (
 )
 from tephra.engine_fsdp.microbatches import leading_padding, roll_rows
 from tephra.engine_fsdp.model_builder import repeated_blocks
+from tephra.engine_fsdp.sharding import sharing_units
 
 FAMILIES = causal_lm_families()
 REPRESENTATIVE = {
@@ -255,20 +256,37 @@ class _Block(torch.nn.Module):
         self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
 
 
-def test_repeated_blocks_are_the_outermost_list_of_one_class():
-    # a model without _no_split_modules: its layers are the outermost module list of one
+def test_repeated_blocks_are_the_outermost_lists_of_one_class():
+    # a model without _no_split_modules: its layers are the outermost module lists of one
     # class (the 4 experts inside each of the 2 blocks are a longer list, not layers)
     model = torch.nn.Module()
     model.stack = torch.nn.Module()
     model.stack.layers = torch.nn.ModuleList(_Block() for _ in range(2))
     model.head = torch.nn.Linear(4, 4)
     assert repeated_blocks(model, "here") == list(model.stack.layers)
+    # a second stack of another class in a module of its own (GIT's vision tower): its
+    # blocks are layers too
+    model.tower = torch.nn.Module()
+    model.tower.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    assert repeated_blocks(model, "here") == [*model.stack.layers, *model.tower.blocks]
     # XLM's layout: one list per kind of part, side by side; no module is a layer
     xlm = torch.nn.Module()
     xlm.attentions = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
     xlm.norms = torch.nn.ModuleList(torch.nn.LayerNorm(4) for _ in range(2))
     with pytest.raises(ConfigError, match=r"here: .*attentions \(Linear\), norms \(LayerNorm\)"):
         repeated_blocks(xlm, "here")
+
+
+def test_layers_sharing_a_parameter_are_one_unit():
+    # Zamba's hybrid layers hold one tied transformer block: FSDP manages a parameter in one
+    # group only, so layers that share one are sharded together; the others alone. A layer
+    # sharing with two earlier units joins them
+    shared, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    a, b, c, d = (torch.nn.ModuleDict({"own": torch.nn.Linear(4, 4)}) for _ in range(4))
+    a["tied"], c["tied"] = shared, shared
+    assert sharing_units([a, b, c]) == [[a, c], [b]]
+    b["tied"], d["x"], d["y"] = other, shared, other
+    assert sharing_units([a, b, c, d]) == [[a, c, d, b]]
 
 
 @pytest.mark.parametrize("model_type", ["openai-gpt", "marian"])

@@ -28,7 +28,12 @@ from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.forward_outputs import check_extra_outputs
 from tephra.engine_api.loss import LossFn, reduce_metrics, shares_of
-from tephra.engine_api.multimodal import is_vision_config
+from tephra.engine_api.multimodal import (
+    declared_hf_config,
+    is_vision_config,
+    model_has_vision,
+    vision_family,
+)
 from tephra.engine_fsdp import (
     checkpoint,
     families,
@@ -200,6 +205,8 @@ class FSDPEngine(Engine):
                 "moe.routing_replay='rollout' with parallel.context > 1 (Ulysses): engine-fsdp "
                 "replays routes on whole sequences only; set parallel.context=1"
             )
+        if model_has_vision(config.model):  # a family without an adapter: before building
+            vision_family(declared_hf_config(config.model))
         families.check_decoder_flag(config)
         families.check_layout(config, packs(config))
         if config.micro_batch.share_prefix and not sharing_supported(config):

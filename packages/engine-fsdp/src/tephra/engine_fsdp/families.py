@@ -119,6 +119,16 @@ BIDIRECTIONAL = (
     "not a product of next-token probabilities; it also finds padding by token id 0 counted "
     "from a left-padded row"
 )
+PATCHES_BY_ROW = (
+    "it groups the row's bytes into patches (where its patcher model's next-byte entropy "
+    "crosses a threshold) over the whole row, whatever the position ids or the segment mask "
+    "say, so a packed sequence's patches take in the sequence before it and a shared-prefix "
+    "sample's the other samples"
+)
+NGRAM_STREAM = (
+    "its logits come from its first n-gram predicting stream, not from the decoder's last "
+    "hidden state, which engine=fsdp's scorer feeds the output head"
+)
 
 
 REFUSED: dict[str, dict[str, str]] = {
@@ -130,6 +140,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "biogpt": {"packed": MASK_WITHOUT_POSITIONS},
     "blenderbot": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "blenderbot-small": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "blt": {"packed": PATCHES_BY_ROW, "shared_prefix": PATCHES_BY_ROW},
     "bloom": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": NO_SEGMENT_MASK},
     "cohere": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
     "cohere2": {"padded": LOGIT_SCALE, "packed": LOGIT_SCALE, "shared_prefix": LOGIT_SCALE},
@@ -138,6 +149,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "cwm": {"shared_prefix": SLIDING_SHARED},
     "deepseek_v4": {"packed": COMPRESSED_BY_COLUMN, "shared_prefix": COMPRESSED_BY_COLUMN},
     "doge": {"shared_prefix": SLIDING_SHARED},
+    "dots3_note_text": {"shared_prefix": SLIDING_SHARED},
     "exaone4": {"shared_prefix": SLIDING_SHARED},
     "exaone_moe": {"shared_prefix": SLIDING_SHARED},
     "falcon": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": OWN_ATTENTION_SWITCH},
@@ -181,6 +193,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "phi3": {"shared_prefix": SLIDING_SHARED},
     "phimoe": {"shared_prefix": SLIDING_SHARED},
     "plbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "prophetnet": {"padded": NGRAM_STREAM, "packed": NGRAM_STREAM, "shared_prefix": NGRAM_STREAM},
     "qwen2": {"shared_prefix": SLIDING_SHARED},
     "qwen2_moe": {"shared_prefix": SLIDING_SHARED},
     "qwen3": {"shared_prefix": SLIDING_SHARED},
@@ -194,6 +207,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "starcoder2": {"shared_prefix": SLIDING_SHARED},
     "trocr": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "xglm": {"packed": MASK_WITHOUT_POSITIONS},
+    "zamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "zamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "zaya": {"packed": CONVOLUTION, "shared_prefix": CONVOLUTION},
 }

@@ -64,6 +64,21 @@ def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
         ) from exc
 
 
+AutoClass = type[
+    AutoModelForCausalLM | AutoModelForTokenClassification | AutoModelForImageTextToText
+]
+
+
+def auto_class(hf_config: PretrainedConfig, role: str) -> AutoClass:
+    """The transformers auto class the engine builds `hf_config`'s model with: the causal
+    LM (policy) or token classification (value); for a vision-language model (a
+    `vision_config`), image-text-to-text in both roles (its critic is that model with a
+    value head, `vision_value_head`)."""
+    if getattr(hf_config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM if role == "policy" else AutoModelForTokenClassification
+
+
 def build_model(cfg: ModelConfig) -> PreTrainedModel:
     """Instantiate the float32 model of `cfg` on CPU (sharding moves it afterwards).
 
@@ -71,13 +86,7 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
     drawn from `cfg.init_seed` without touching the global RNG stream.
     """
     hf_config = load_hf_config(cfg)
-    auto: type[
-        AutoModelForCausalLM | AutoModelForTokenClassification | AutoModelForImageTextToText
-    ] = AutoModelForCausalLM if cfg.role == "policy" else AutoModelForTokenClassification
-    if getattr(hf_config, "vision_config", None) is not None:
-        # a vision-language model (Qwen2-VL family): its causal LM is image-text-to-text, and
-        # its critic the same model with a value head (`vision_value_head`)
-        auto = AutoModelForImageTextToText
+    auto = auto_class(hf_config, cfg.role)
     if cfg.role == "value":
         hf_config.num_labels = 1
         # the critic is deterministic: no dropout between the backbone and the head
@@ -186,10 +195,10 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
 def repeated_blocks(model: nn.Module, where: str) -> list[nn.Module]:
     """The layers of a model that declares no `_no_split_modules`: the members of its
     outermost `nn.ModuleList`s of one repeated class with parameters (`transformer.h`,
-    `model.decoder.layers`; an MoE layer's expert list sits inside a layer, so it is not
-    outermost), when those lists hold one class. Lists of several classes side by side
-    (XLM's `attentions`, `ffns`, `layer_norm1`, ... one entry per layer each) leave no
-    module that is a layer: a `ConfigError`."""
+    `model.decoder.layers`, a vision tower's `encoder.layers` beside them; an MoE layer's
+    expert list sits inside a layer, so it is not outermost). Lists of different classes
+    side by side in one module (XLM's `attentions`, `ffns`, `layer_norm1`, ... one entry
+    per layer each) leave no module that is a layer: a `ConfigError`."""
     lists = [
         m
         for m in model.modules()
@@ -200,13 +209,17 @@ def repeated_blocks(model: nn.Module, where: str) -> list[nn.Module]:
     ]
     nested = {id(c) for blocks in lists for block in blocks for c in block.modules()}
     outer = [blocks for blocks in lists if id(blocks) not in nested]
-    classes = sorted({type(blocks[0]).__name__ for blocks in outer})
-    if len(classes) != 1:
-        named = {id(m): n for n, m in model.named_modules()}
+    named = {id(m): n for n, m in model.named_modules()}
+    siblings: dict[str, set[str]] = {}
+    for blocks in outer:
+        parent = named[id(blocks)].rpartition(".")[0]
+        siblings.setdefault(parent, set()).add(type(blocks[0]).__name__)
+    if not outer or any(len(classes) > 1 for classes in siblings.values()):
         found = ", ".join(f"{named[id(b)]} ({type(b[0]).__name__})" for b in outer) or "none"
         raise ConfigError(
             f"{where}: found no decoder layers to shard: the model class declares no "
-            f"_no_split_modules and its repeated blocks are not one layer class (module "
-            f"lists: {found}); this architecture is not supported by engine=fsdp"
+            f"_no_split_modules and its repeated blocks are not layers (module lists of "
+            f"different classes side by side: {found}); this architecture is not supported "
+            "by engine=fsdp"
         )
     return [block for blocks in outer for block in blocks]
