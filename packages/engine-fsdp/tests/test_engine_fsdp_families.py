@@ -20,6 +20,7 @@ from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp import family_matrix, microbatches, tree_attention
 from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
 from tephra.engine_fsdp.families import (
+    CAUSAL_SETTING,
     LAYOUTS,
     REFUSED,
     SWITCHED_WINDOW,
@@ -304,24 +305,29 @@ def test_a_family_without_no_split_modules_is_sharded_per_block(model_type):
     assert sharded == {n for n, _ in engine.hf_model.named_parameters()}
 
 
-def test_a_bert_style_decoder_needs_is_decoder():
-    # BERT-Generation's causal LM without is_decoder attends both ways: the first token's
-    # logits change with the last token; with it (the tiny config's) they do not. The engine
-    # refuses the config that leaves it out, naming the field
+@pytest.mark.parametrize(
+    "model_type, field, off",
+    [("bert-generation", "is_decoder", False), ("xlnet", "attn_type", "bi")],
+)
+def test_a_bidirectional_default_is_refused(model_type, field, off):
+    # BERT-Generation's causal LM without is_decoder, and XLNet's with attn_type bi (its
+    # default), attend both ways: the first token's logits change with the last token; with
+    # the setting (the tiny config's) they do not. The engine refuses a config without it,
+    # naming the field
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     other = ids.clone()
     other[0, -1] = 50
-    for flag, sees_ahead in ((False, True), (True, False)):
-        model = build_reference({**tiny_config("bert-generation"), "is_decoder": flag})
+    on = tiny_config(model_type)[field]
+    assert CAUSAL_SETTING[model_type] == (field, on)
+    for value, sees_ahead in ((off, True), (on, False)):
+        model = build_reference({**tiny_config(model_type), field: value})
         with torch.no_grad():
             gap = model(input_ids=ids).logits[0, 0] - model(input_ids=other).logits[0, 0]
-        assert (float(gap.abs().max()) > 1e-3) is sees_ahead, flag
-    FSDPEngine.check_config(engine_config("bert-generation", "padded"))
-    for changes in ({"is_decoder": False}, {"is_decoder": None}):
-        config = engine_config("bert-generation", "padded", changes)
-        with pytest.raises(
-            ConfigError, match=r"'bert-generation' with is_decoder=.*set is_decoder"
-        ):
+        assert (float(gap.abs().max()) > 1e-3) is sees_ahead, value
+    FSDPEngine.check_config(engine_config(model_type, "padded"))
+    for value in (off, None):
+        config = engine_config(model_type, "padded", {field: value})
+        with pytest.raises(ConfigError, match=rf"{model_type!r} with {field}=.*set {field}: "):
             FSDPEngine.check_config(config)
 
 

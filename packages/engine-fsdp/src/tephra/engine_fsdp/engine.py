@@ -207,7 +207,7 @@ class FSDPEngine(Engine):
             )
         if model_has_vision(config.model):  # a family without an adapter: before building
             vision_family(declared_hf_config(config.model))
-        families.check_decoder_flag(config)
+        families.check_causal_setting(config)
         families.check_layout(config, packs(config))
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(

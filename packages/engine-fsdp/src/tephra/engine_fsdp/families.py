@@ -216,26 +216,33 @@ matrix found (a family refused `padded` is refused in every layout). A vision-la
 family is refused where its text family is."""
 
 
-DECODER_FLAG = (
-    "bert",
-    "bert-generation",
-    "big_bird",
-    "camembert",
-    "data2vec-text",
-    "electra",
-    "ernie",
-    "megatron-bert",
-    "rembert",
-    "roberta",
-    "roberta-prelayernorm",
-    "roc_bert",
-    "roformer",
-    "xlm-roberta",
-    "xlm-roberta-xl",
-    "xmod",
-)
-"""BERT-style families whose causal LM attends causally only with `is_decoder: true` in its
-config (transformers warns and runs it bidirectionally otherwise)."""
+CAUSAL_SETTING: dict[str, tuple[str, Any]] = {
+    **{
+        f: ("is_decoder", True)
+        for f in (
+            "bert",
+            "bert-generation",
+            "big_bird",
+            "camembert",
+            "data2vec-text",
+            "electra",
+            "ernie",
+            "megatron-bert",
+            "rembert",
+            "roberta",
+            "roberta-prelayernorm",
+            "roc_bert",
+            "roformer",
+            "xlm-roberta",
+            "xlm-roberta-xl",
+            "xmod",
+        )
+    },
+    "xlnet": ("attn_type", "uni"),
+}
+"""Families whose causal LM attends causally only with this config field set so (transformers
+runs it bidirectionally otherwise: the BERT-style encoders without `is_decoder: true`, XLNet
+with its default `attn_type: bi`) -> (field, value)."""
 
 
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
@@ -300,17 +307,20 @@ def refusal(config: EngineConfig, layout: str) -> str | None:
     return None
 
 
-def check_decoder_flag(config: EngineConfig) -> None:
-    """Refuse a `DECODER_FLAG` family whose config does not set `is_decoder: true`: its
-    causal LM would attend both ways, so a token's log-prob would see the tokens after it."""
+def check_causal_setting(config: EngineConfig) -> None:
+    """Refuse a `CAUSAL_SETTING` family whose config does not set its field so: its causal LM
+    would attend both ways, so a token's log-prob would see the tokens after it."""
     for hf_config in model_configs_of(config):
         model_type = hf_config.get("model_type")
-        if model_type in DECODER_FLAG and hf_config.get("is_decoder") is not True:
+        if not isinstance(model_type, str) or model_type not in CAUSAL_SETTING:
+            continue
+        field, value = CAUSAL_SETTING[model_type]
+        if hf_config.get(field) != value:
             raise ConfigError(
-                f"model_type={model_type!r} with is_decoder={hf_config.get('is_decoder')!r}: "
-                "transformers runs this family's causal LM bidirectionally unless its config "
-                "says is_decoder: true (every token would attend to the tokens after it, so its "
-                "log-probs would not be next-token probabilities); set is_decoder: true in "
+                f"model_type={model_type!r} with {field}={hf_config.get(field)!r}: transformers "
+                f"runs this family's causal LM bidirectionally unless its config says "
+                f"{field}: {value!r} (every token would attend to the tokens after it, so its "
+                f"log-probs would not be next-token probabilities); set {field}: {value!r} in "
                 "model.hf_config (or in config.json under model.path)"
             )
 

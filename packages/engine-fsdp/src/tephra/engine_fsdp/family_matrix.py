@@ -28,7 +28,7 @@ from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.loss import Share
-from tephra.engine_fsdp.families import DECODER_FLAG, LAYOUT_OVERRIDES, LAYOUTS, REFUSED
+from tephra.engine_fsdp.families import CAUSAL_SETTING, LAYOUT_OVERRIDES, LAYOUTS, REFUSED
 from tephra.engine_fsdp.model_builder import auto_class
 from tephra.engine_fsdp.testing import padded_batch
 
@@ -127,9 +127,6 @@ _WINDOW_ON = {
 FAMILY_SIZES: dict[str, dict[str, Any]] = {
     **{f: dict(_WINDOW_ON) for f in ("qwen2", "qwen2_moe", "qwen3", "smollm3")},
     "qwen3_moe": {"use_sliding_window": True},  # every layer slides
-    # BERT-style encoders are causal LMs only with is_decoder (their released decoder
-    # checkpoints set it); without it every token attends to the tokens after it
-    **{f: {"is_decoder": True} for f in DECODER_FLAG},
     # its default leaves the shared expert's width unset (None), which its MoE multiplies
     "dots1": {"n_shared_experts": 1},
     # its default names no RoPE per layer type, which its rotary embedding looks up
@@ -447,6 +444,9 @@ def tiny_config(model_type: str) -> dict[str, Any]:
         tiny[key] = {**sub.to_dict(), **_tiny(sub)}
     for key, value in FAMILY_SIZES.get(model_type, {}).items():
         tiny[key] = {**tiny[key], **value} if key in nested else value
+    if model_type in CAUSAL_SETTING:  # a causal LM only so (BERT-style decoders, XLNet)
+        field, value = CAUSAL_SETTING[model_type]
+        tiny[field] = value
     return {"model_type": model_type, **tiny}
 
 
