@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
@@ -19,6 +20,7 @@ from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp import family_matrix, microbatches, tree_attention
 from tephra.engine_fsdp.engine import FSDPEngine, packs, shares
 from tephra.engine_fsdp.families import (
+    CAUSAL_SETTING,
     LAYOUTS,
     REFUSED,
     SWITCHED_WINDOW,
@@ -40,6 +42,8 @@ from tephra.engine_fsdp.family_matrix import (
     update_batch,
 )
 from tephra.engine_fsdp.microbatches import leading_padding, roll_rows
+from tephra.engine_fsdp.model_builder import repeated_blocks
+from tephra.engine_fsdp.sharding import sharing_units
 
 FAMILIES = causal_lm_families()
 REPRESENTATIVE = {
@@ -148,8 +152,7 @@ def test_a_wrong_update_is_caught(monkeypatch, fault):
 
 def test_a_sampled_router_is_random_in_train_mode_only():
     # PhiMoE's SparseMixer draws its routing in train mode: the plain model's update twice
-    # in train mode differs (measured 7e-4 to 3e-3), twice in eval mode agrees exactly (why
-    # the matrix compares its update in eval mode)
+    # in train mode differs (measured 7e-4 to 3e-3), twice in eval mode agrees exactly
     torch.manual_seed(0)
     model = build_reference(tiny_config("phimoe"))
     batch = update_batch(family_matrix.test_batch())
@@ -158,6 +161,82 @@ def test_a_sampled_router_is_random_in_train_mode_only():
     assert gradient_gap(*evals) == (0.0, "")
     assert gradient_gap(*trains)[0] > 1e-4
     assert "phimoe" in SAMPLED_ROUTING
+
+
+def test_a_sampled_router_trains_deterministically():
+    # the engine trains PhiMoE with its router and MoE block in eval mode (the rest in train
+    # mode): two updates agree bitwise, and equal the plain model's in eval mode (a plain
+    # forward + autograd of the top-2 routing); without the hold they are random draws
+    # 1e-2 away (planted: `noisy_routers` returning nothing)
+    engine = FSDPEngine(engine_config("phimoe", "padded"))
+    names = {type(m).__name__ for m in engine.noisy_routers}
+    assert names == {"PhimoeTopKRouter", "PhimoeSparseMoeBlock"}, names
+    batch = update_batch(family_matrix.test_batch())
+    updates = []
+    for _ in range(2):
+        with engine.train_mode():
+            assert engine.hf_model.model.layers[0].self_attn.training
+            assert not any(m.training for m in engine.noisy_routers)
+            engine.forward_backward(batch, family_matrix.update_loss)
+        updates.append(family_matrix.engine_gradients(engine))
+        engine.optimizer.zero_grad(set_to_none=True)
+    assert gradient_gap(*updates) == (0.0, "")
+    want = reference_gradients(family_matrix._reference_with(engine), batch, train=False)
+    gap, where = gradient_gap(updates[0], want)
+    assert gap <= 1e-5, (gap, where)
+
+
+def _update_objective(model, batch):
+    """`update_loss` of the whole batch on the plain model, each sequence alone."""
+    attn, resp = batch[B.ATTENTION_MASK].bool(), batch[B.RESPONSE_MASK].bool()
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(attn.shape[0]):
+        cols = attn[i].nonzero()[:, 0]
+        ids = batch[B.INPUT_IDS][i, cols][None]
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)[:-1]
+        token_lp = logp.gather(-1, ids[0, 1:, None])[:, 0]
+        entropy = -(logp.exp() * logp).sum(-1)
+        keep = resp[i, cols[1:]]
+        per_token = -family_matrix.ADVANTAGES[i] * token_lp - family_matrix.ENTROPY_COEFF * entropy
+        total = total + per_token[keep].sum()
+    return total / resp.sum()
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_the_deterministic_routing_gradient_is_the_derivative(layer):
+    # the gradient the engine trains PhiMoE with (autograd of the eval-mode router) is the
+    # derivative of the update's objective: a central difference along a random direction
+    # of the router's weight (float64, step 1e-4) agrees within 2e-3 relative (measured 6e-4
+    # and 1e-10); SparseMixer's train-mode estimate is not that derivative (14% and 76% off).
+    # The router gets a gradient only from tokens whose runner-up expert scores within the
+    # jitter of the top one (else the gate is 1, in either mode): a jitter of 0.2 makes many
+    # tokens such near-ties
+    torch.manual_seed(0)
+    model = build_reference({**tiny_config("phimoe"), "router_jitter_noise": 0.2})
+    model.set_experts_implementation("eager")  # grouped_mm has no float64
+    model = model.double()
+    batch = update_batch(family_matrix.test_batch())
+    weight = model.model.layers[layer].mlp.router.weight
+    direction = torch.randn(weight.shape, generator=torch.Generator().manual_seed(1))
+    direction = direction.double()
+    slopes = {}
+    for train in (False, True):
+        model.train(train)
+        model.zero_grad()
+        _update_objective(model, batch).backward()
+        slopes[train] = float((weight.grad * direction).sum())
+    model.eval()
+    step = 1e-4
+    with torch.no_grad():
+        weight += step * direction
+        up = _update_objective(model, batch)
+        weight -= 2 * step * direction
+        down = _update_objective(model, batch)
+        weight += step * direction
+    numeric = float(up - down) / (2 * step)
+    assert abs(numeric) > 1e-3, numeric  # the router's weight moves the objective
+    assert abs(slopes[False] - numeric) <= 2e-3 * abs(numeric), (slopes, numeric)
+    assert abs(slopes[True] - numeric) > 5e-2 * abs(numeric), (slopes, numeric)
 
 
 @pytest.mark.parametrize(
@@ -171,6 +250,87 @@ def test_family_not_run_fails_as_the_table_says(model_type):
     else:
         with pytest.raises(Exception):  # noqa: B017 (any failure of transformers or the engine)
             check_family(model_type, ("padded",))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Linear(4, 4)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+
+def test_repeated_blocks_are_the_outermost_lists_of_one_class():
+    # a model without _no_split_modules: its layers are the outermost module lists of one
+    # class (the 4 experts inside each of the 2 blocks are a longer list, not layers)
+    model = torch.nn.Module()
+    model.stack = torch.nn.Module()
+    model.stack.layers = torch.nn.ModuleList(_Block() for _ in range(2))
+    model.head = torch.nn.Linear(4, 4)
+    assert repeated_blocks(model, "here") == list(model.stack.layers)
+    # a second stack of another class in a module of its own (GIT's vision tower): its
+    # blocks are layers too
+    model.tower = torch.nn.Module()
+    model.tower.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    assert repeated_blocks(model, "here") == [*model.stack.layers, *model.tower.blocks]
+    # XLM's layout: one list per kind of part, side by side; no module is a layer
+    xlm = torch.nn.Module()
+    xlm.attentions = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+    xlm.norms = torch.nn.ModuleList(torch.nn.LayerNorm(4) for _ in range(2))
+    with pytest.raises(ConfigError, match=r"here: .*attentions \(Linear\), norms \(LayerNorm\)"):
+        repeated_blocks(xlm, "here")
+
+
+def test_layers_sharing_a_parameter_are_one_unit():
+    # Zamba's hybrid layers hold one tied transformer block: FSDP manages a parameter in one
+    # group only, so layers that share one are sharded together; the others alone. A layer
+    # sharing with two earlier units joins them
+    shared, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    a, b, c, d = (torch.nn.ModuleDict({"own": torch.nn.Linear(4, 4)}) for _ in range(4))
+    a["tied"], c["tied"] = shared, shared
+    assert sharing_units([a, b, c]) == [[a, c], [b]]
+    b["tied"], d["x"], d["y"] = other, shared, other
+    assert sharing_units([a, b, c, d]) == [[a, c, d, b]]
+
+
+@pytest.mark.parametrize("model_type", ["openai-gpt", "marian"])
+def test_a_family_without_no_split_modules_is_sharded_per_block(model_type):
+    # OpenAI GPT's `transformer.h` and Marian's `model.decoder.layers` declare no no-split
+    # class: each block is its own FSDP unit (its parameters gathered for its forward
+    # alone), the rest (embeddings, norms, head) the root's
+    assert not type(build_reference(tiny_config(model_type)))._no_split_modules
+    engine = FSDPEngine(engine_config(model_type, "padded"))
+    units = [n for n, m in engine.hf_model.named_modules() if isinstance(m, FSDPModule)]
+    want = {"openai-gpt": "transformer.h", "marian": "model.decoder.layers"}[model_type]
+    assert units == [f"{want}.0", f"{want}.1"]
+    assert isinstance(engine.model, FSDPModule)  # the root unit
+    sharded = {n for n, p in engine.hf_model.named_parameters() if isinstance(p, DTensor)}
+    assert sharded == {n for n, _ in engine.hf_model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "model_type, field, off",
+    [("bert-generation", "is_decoder", False), ("xlnet", "attn_type", "bi")],
+)
+def test_a_bidirectional_default_is_refused(model_type, field, off):
+    # BERT-Generation's causal LM without is_decoder, and XLNet's with attn_type bi (its
+    # default), attend both ways: the first token's logits change with the last token; with
+    # the setting (the tiny config's) they do not. The engine refuses a config without it,
+    # naming the field
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    other = ids.clone()
+    other[0, -1] = 50
+    on = tiny_config(model_type)[field]
+    assert CAUSAL_SETTING[model_type] == (field, on)
+    for value, sees_ahead in ((off, True), (on, False)):
+        model = build_reference({**tiny_config(model_type), field: value})
+        with torch.no_grad():
+            gap = model(input_ids=ids).logits[0, 0] - model(input_ids=other).logits[0, 0]
+        assert (float(gap.abs().max()) > 1e-3) is sees_ahead, value
+    FSDPEngine.check_config(engine_config(model_type, "padded"))
+    for value in (off, None):
+        config = engine_config(model_type, "padded", {field: value})
+        with pytest.raises(ConfigError, match=rf"{model_type!r} with {field}=.*set {field}: "):
+            FSDPEngine.check_config(config)
 
 
 @pytest.mark.parametrize(

@@ -28,13 +28,19 @@ from tephra.engine_api.engine import Engine
 from tephra.engine_api.errors import BatchError, ConfigError
 from tephra.engine_api.forward_outputs import check_extra_outputs
 from tephra.engine_api.loss import LossFn, reduce_metrics, shares_of
-from tephra.engine_api.multimodal import is_vision_config
+from tephra.engine_api.multimodal import (
+    declared_hf_config,
+    is_vision_config,
+    model_has_vision,
+    vision_family,
+)
 from tephra.engine_fsdp import (
     checkpoint,
     families,
     lora,
     microbatches,
     prefix_sharing,
+    router_noise,
     routing_replay,
     sharding,
     tree_attention,
@@ -166,6 +172,9 @@ class FSDPEngine(Engine):
         self.hf_model = hf_model
         # MoE routers replay a batch's `routed_experts` (their own top-k without it)
         self.router_replay = routing_replay.RouterReplay(hf_model)
+        # routers that sample in train mode (PhiMoE) train deterministically (`router_noise`)
+        self.noisy_routers = router_noise.noisy_routers(hf_model)
+        router_noise.hold_deterministic(self.noisy_routers)
         # a VLM on several ranks runs its tower on every micro-batch (see `vision`)
         self.idle_vision = self.vlm and dist.is_initialized() and dist.get_world_size() > 1
         params = [p for p in self.scorer.parameters() if p.requires_grad]
@@ -204,6 +213,9 @@ class FSDPEngine(Engine):
                 "moe.routing_replay='rollout' with parallel.context > 1 (Ulysses): engine-fsdp "
                 "replays routes on whole sequences only; set parallel.context=1"
             )
+        if model_has_vision(config.model):  # a family without an adapter: before building
+            vision_family(declared_hf_config(config.model))
+        families.check_causal_setting(config)
         families.check_layout(config, packs(config))
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(
@@ -264,12 +276,14 @@ class FSDPEngine(Engine):
     def _mode(self, train: bool) -> Iterator[None]:
         was_training = self.scorer.training
         self.scorer.train(train)
+        router_noise.hold_deterministic(self.noisy_routers)
         if train:
             self._onload_optimizer()
         try:
             yield
         finally:
             self.scorer.train(was_training)
+            router_noise.hold_deterministic(self.noisy_routers)
             if train:
                 self._offload_optimizer()
 

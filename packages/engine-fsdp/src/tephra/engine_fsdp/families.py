@@ -101,6 +101,26 @@ COMPRESSED_BY_COLUMN = (
     "packed sequence's entries take in the sequence before it and a shared-prefix sample's "
     "the other samples"
 )
+ROW_CAUSAL_MASK = (
+    "its attention applies a fixed lower-triangular mask over the row's columns, so in a "
+    "packed row each sequence attends to the sequences packed before it"
+)
+BIDIRECTIONAL = (
+    "its forward marks every token as context, which attends to the whole row both ways (the "
+    "logits at a position change with the tokens after it), so its log-prob of a sequence is "
+    "not a product of next-token probabilities; it also finds padding by token id 0 counted "
+    "from a left-padded row"
+)
+PATCHES_BY_ROW = (
+    "it groups the row's bytes into patches (where its patcher model's next-byte entropy "
+    "crosses a threshold) over the whole row, whatever the position ids or the segment mask "
+    "say, so a packed sequence's patches take in the sequence before it and a shared-prefix "
+    "sample's the other samples"
+)
+NGRAM_STREAM = (
+    "its logits come from its first n-gram predicting stream, not from the decoder's last "
+    "hidden state, which engine=fsdp's scorer feeds the output head"
+)
 
 
 REFUSED: dict[str, dict[str, str]] = {
@@ -109,13 +129,20 @@ REFUSED: dict[str, dict[str, str]] = {
     "bamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "bart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "beam": {"shared_prefix": SLIDING_SHARED},
+    "bert-generation": {"packed": MASK_WITHOUT_POSITIONS},
     "bigbird_pegasus": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "biogpt": {"packed": MASK_WITHOUT_POSITIONS},
+    "blenderbot": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "blenderbot-small": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "blt": {"packed": PATCHES_BY_ROW, "shared_prefix": PATCHES_BY_ROW},
     "bloom": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": NO_SEGMENT_MASK},
     "cohere2": {"shared_prefix": SLIDING_SHARED},
     "cohere2_moe": {"shared_prefix": SLIDING_SHARED},
+    "cpmant": {"padded": BIDIRECTIONAL, "packed": BIDIRECTIONAL, "shared_prefix": BIDIRECTIONAL},
     "cwm": {"shared_prefix": SLIDING_SHARED},
     "deepseek_v4": {"packed": COMPRESSED_BY_COLUMN, "shared_prefix": COMPRESSED_BY_COLUMN},
     "doge": {"shared_prefix": SLIDING_SHARED},
+    "dots3_note_text": {"shared_prefix": SLIDING_SHARED},
     "exaone4": {"shared_prefix": SLIDING_SHARED},
     "exaone_moe": {"shared_prefix": SLIDING_SHARED},
     "falcon": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": OWN_ATTENTION_SWITCH},
@@ -143,6 +170,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "mamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "mbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "mamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "marian": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "mimo_v2_flash": {"shared_prefix": SLIDING_SHARED},
     "minimax": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "ministral": {"shared_prefix": SLIDING_SHARED},
@@ -150,13 +178,17 @@ REFUSED: dict[str, dict[str, str]] = {
     "mistral": {"shared_prefix": SLIDING_SHARED},
     "mixtral": {"shared_prefix": SLIDING_SHARED},
     "mpt": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": ALIBI_BY_COLUMN},
+    "mvp": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "nemotron_h": {"shared_prefix": RECURRENT},
     "olmo3": {"shared_prefix": SLIDING_SHARED},
     "olmo_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "openai-gpt": {"packed": ROW_CAUSAL_MASK, "shared_prefix": NO_SEGMENT_MASK},
     "opt": {"packed": MASK_WITHOUT_POSITIONS},
+    "pegasus": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
     "phi3": {"shared_prefix": SLIDING_SHARED},
     "phimoe": {"shared_prefix": SLIDING_SHARED},
     "plbart": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
+    "prophetnet": {"padded": NGRAM_STREAM, "packed": NGRAM_STREAM, "shared_prefix": NGRAM_STREAM},
     "qwen2": {"shared_prefix": SLIDING_SHARED},
     "qwen2_moe": {"shared_prefix": SLIDING_SHARED},
     "qwen3": {"shared_prefix": SLIDING_SHARED},
@@ -173,12 +205,42 @@ REFUSED: dict[str, dict[str, str]] = {
     "vaultgemma": {"shared_prefix": SLIDING_SHARED},
     "xglm": {"packed": MASK_WITHOUT_POSITIONS},
     "xlstm": {"packed": RECURRENT, "shared_prefix": RECURRENT},
+    "zamba": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "zamba2": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "zaya": {"packed": CONVOLUTION, "shared_prefix": CONVOLUTION},
 }
 """model_type -> {layout: why the engine's outputs would be wrong there}: what the family
 matrix found (a family refused `padded` is refused in every layout). A vision-language
 family is refused where its text family is."""
+
+
+CAUSAL_SETTING: dict[str, tuple[str, Any]] = {
+    **{
+        f: ("is_decoder", True)
+        for f in (
+            "bert",
+            "bert-generation",
+            "big_bird",
+            "camembert",
+            "data2vec-text",
+            "electra",
+            "ernie",
+            "megatron-bert",
+            "rembert",
+            "roberta",
+            "roberta-prelayernorm",
+            "roc_bert",
+            "roformer",
+            "xlm-roberta",
+            "xlm-roberta-xl",
+            "xmod",
+        )
+    },
+    "xlnet": ("attn_type", "uni"),
+}
+"""Families whose causal LM attends causally only with this config field set so (transformers
+runs it bidirectionally otherwise: the BERT-style encoders without `is_decoder: true`, XLNet
+with its default `attn_type: bi`) -> (field, value)."""
 
 
 WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
@@ -241,6 +303,24 @@ def refusal(config: EngineConfig, layout: str) -> str | None:
         if why:
             return why
     return None
+
+
+def check_causal_setting(config: EngineConfig) -> None:
+    """Refuse a `CAUSAL_SETTING` family whose config does not set its field so: its causal LM
+    would attend both ways, so a token's log-prob would see the tokens after it."""
+    for hf_config in model_configs_of(config):
+        model_type = hf_config.get("model_type")
+        if not isinstance(model_type, str) or model_type not in CAUSAL_SETTING:
+            continue
+        field, value = CAUSAL_SETTING[model_type]
+        if hf_config.get(field) != value:
+            raise ConfigError(
+                f"model_type={model_type!r} with {field}={hf_config.get(field)!r}: transformers "
+                f"runs this family's causal LM bidirectionally unless its config says "
+                f"{field}: {value!r} (every token would attend to the tokens after it, so its "
+                f"log-probs would not be next-token probabilities); set {field}: {value!r} in "
+                "model.hf_config (or in config.json under model.path)"
+            )
 
 
 def check_layout(config: EngineConfig, packed: bool) -> None:

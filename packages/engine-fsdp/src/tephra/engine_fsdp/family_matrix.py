@@ -28,7 +28,8 @@ from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, ModelConfig, apply_overrides
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.loss import Share
-from tephra.engine_fsdp.families import LAYOUT_OVERRIDES, LAYOUTS, REFUSED
+from tephra.engine_fsdp.families import CAUSAL_SETTING, LAYOUT_OVERRIDES, LAYOUTS, REFUSED
+from tephra.engine_fsdp.model_builder import auto_class
 from tephra.engine_fsdp.testing import padded_batch
 
 if TYPE_CHECKING:
@@ -153,6 +154,75 @@ FAMILY_SIZES: dict[str, dict[str, Any]] = {
     # rotary dimensions within the tiny head_dim 16 (their defaults, 64, exceed it)
     "codegen": {"rotary_dim": 8},
     "gptj": {"rotary_dim": 8},
+    # its config refuses num_hidden_layers (`UNSET`): the decoder's count under its own name
+    "prophetnet": {"num_encoder_layers": 2, "num_decoder_layers": 2},
+    # a causal LM only as a decoder (transformers asserts it); its axial position embedding
+    # factors the longest sequence (8 x 16 = max_position_embeddings) and the hidden size
+    # (32 + 32); attention_head_size is its head_dim
+    "reformer": {
+        "is_decoder": True,
+        "axial_pos_shape": [8, 16],
+        "axial_pos_embds_dim": [32, 32],
+        "attention_head_size": 16,
+    },
+    # its byte n-gram hash embeddings have a vocabulary of their own; the global
+    # transformer's width is cross_attn_k (2) x the local encoder's, which the local models
+    # read as hidden_size_global
+    "blt": {
+        "encoder_hash_byte_group_vocab": 64,
+        "encoder_config": {"hidden_size_global": 128},
+        "decoder_config": {"hidden_size_global": 128},
+        "global_config": {"hidden_size": 128, "head_dim": 32},
+    },
+    # validated: a sliding layer's head_dim is its qk_nope_head_dim + qk_rope_head_dim
+    # (24 scaled from 192, + 16), which the scaled per-layer override does not keep alone
+    "dots3_note_text": {
+        "per_layer_config": {
+            "1": {
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "kv_lora_rank": 64,
+                "qk_nope_head_dim": 24,
+                "head_dim": 40,
+            }
+        }
+    },
+    # validated: d_head = d_model / n_head
+    "xlnet": {"d_head": 16},
+    # its hybrid layers share one transformer block (tied across them), which transformers
+    # refuses to tie with a single hybrid layer: both layers hybrid (a Mamba mixer and the
+    # shared block each); its dt rank is sized by its own name. At the default
+    # initialisation (0.02) its Mamba state carries so little that a packed row's leak from
+    # one sequence into the next stays under 1e-5 on the test batch (7e-4 after a one-token
+    # prompt): 0.1 makes it show (0.2 packed) and keeps the padded layout within 2e-6
+    "zamba": {
+        "layers_block_type": ["hybrid", "hybrid"],
+        "mamba_dt_rank": 8,
+        "initializer_range": 0.1,
+    },
+    # its vision tower's tiles, global layers and the layers it taps (their concatenation
+    # is the projector's input); its second text layer a cross-attention one (the default
+    # puts them from layer 3 on)
+    "mllama": {
+        "vision_config": {
+            "image_size": 56,
+            "num_global_layers": 1,
+            "intermediate_layers_indices": [0],
+            "vision_output_dim": 128,
+        },
+        "text_config": {"cross_attention_layers": [1]},
+    },
+    # its audio tower's convolutions have widths of their own; chunk_size (SIZES') is the
+    # audio encoder's attention chunking there, off (-1) by default
+    "phi4_multimodal": {
+        "audio_config": {
+            "num_blocks": 2,
+            "ext_pw_out_channel": 64,
+            "depthwise_separable_out_channel": 64,
+            "nemo_conv_channels": 64,
+            "chunk_size": -1,
+        }
+    },
     # sizes under its own names, in nested configs; its attention reads a rope_theta that
     # the default attention config lacks and clamps by clip_qkv, which it leaves None
     # (DBRX's released config clips at 8)
@@ -192,96 +262,80 @@ PREDICTION_HEAD = (
     "its output head runs a prediction transform (dense, activation, norm) before the output "
     "projection, which engine=fsdp's scorer does not run"
 )
-NO_LAYERS = "it declares no decoder layer class (_no_split_modules) for FSDP to shard"
+NO_LAYERS = (
+    "it declares no decoder layer class (_no_split_modules), and its layers are not one "
+    "repeated module either (parallel lists of attentions, feed-forwards and norms), so FSDP "
+    "has no layer to shard"
+)
+VISION_UNSUPPORTED = (
+    "its config has a vision tower (vision_config), so engine=fsdp builds its "
+    "image-text-to-text model, and engine=fsdp has no vision adapter for its family "
+    "(tephra.engine_api.multimodal.VISION_FAMILIES: LLaVA, Qwen2-VL, Qwen2.5-VL)"
+)
 BUILD_REFUSALS = {
     PREDICTION_HEAD: r"the output head runs a prediction transform",
     NO_LAYERS: r"found no decoder layers to shard",
+    VISION_UNSUPPORTED: r"vision-language model_type '\w+' is not supported",
 }
 """The engine's own refusals (at build, from the built model) -> its message."""
 
 NOT_RUN: dict[str, tuple[str, str]] = {
-    "emu3": (
-        "not buildable",
-        "even its tiny config has 8,492,011,520 parameters (a part the sizes do not reach)",
-    ),
     "bert": ("refused", PREDICTION_HEAD),
-    "bert-generation": ("refused", NO_LAYERS),
-    "big_bird": ("refused", NO_LAYERS),
-    "biogpt": ("refused", NO_LAYERS),
-    "blenderbot": ("refused", NO_LAYERS),
-    "blenderbot-small": ("refused", NO_LAYERS),
-    "blt": (
-        "not buildable",
-        "even its tiny config has 4,633,123,584 parameters (a part the sizes do not reach)",
-    ),
+    "big_bird": ("refused", PREDICTION_HEAD),
     "camembert": ("refused", PREDICTION_HEAD),
-    "cpmant": ("refused", NO_LAYERS),
-    "ctrl": ("refused", NO_LAYERS),
     "data2vec-text": ("refused", PREDICTION_HEAD),
-    "dots3_note_text": (
-        "not buildable",
-        "transformers rejects the tiny config: its sliding layers' head_dim must equal "
-        "qk_nope_head_dim + qk_rope_head_dim, which per-layer sizes scaled one by one do not keep",
-    ),
-    "electra": ("refused", NO_LAYERS),
+    "electra": ("refused", PREDICTION_HEAD),
     "ernie": ("refused", PREDICTION_HEAD),
     "gemma4_assistant": (
         "not buildable",
-        "transformers raises StrictDataclassClassValidationError on the tiny config: Class validation error for validator 'validate_architecture':",
+        "it is Gemma 4's speculative-decoding assistant, not a language model of its own: its "
+        "forward ignores input_ids and takes the target model's hidden states (inputs_embeds, "
+        "backbone_hidden_size wide) and the key/value states the target shares with every one "
+        "of its layers; transformers' default config also fails its own validation "
+        "(hidden_size_per_layer_input must be 0)",
     ),
-    "git": (
-        "not buildable",
-        "even its tiny config has 85,957,056 parameters (a part the sizes do not reach)",
-    ),
-    "marian": ("refused", NO_LAYERS),
-    "megatron-bert": ("refused", NO_LAYERS),
-    "mllama": (
-        "not buildable",
-        "even its tiny config has 9,775,192,080 parameters (a part the sizes do not reach)",
-    ),
+    "git": ("refused", VISION_UNSUPPORTED),
+    "megatron-bert": ("refused", PREDICTION_HEAD),
+    "mllama": ("refused", VISION_UNSUPPORTED),
     "modernbert-decoder": ("refused", PREDICTION_HEAD),
     "musicgen": (
         "not buildable",
-        "transformers raises AttributeError on the tiny config: 'MusicgenConfig' object has no "
-        "attribute 'dropout' (its decoder's sizes sit in a nested config)",
+        "its causal LM (MusicgenForCausalLM) decodes num_codebooks parallel streams of audio "
+        "codes with one output head each (lm_heads), and is built from the nested decoder "
+        "config (musicgen_decoder), which AutoModelForCausalLM does not map; from the "
+        "musicgen config it maps, transformers raises AttributeError ('MusicgenConfig' "
+        "object has no attribute 'dropout')",
     ),
     "musicgen_melody": (
         "not buildable",
-        "transformers raises AttributeError on the tiny config: 'MusicgenMelodyConfig' object has no "
-        "attribute 'dropout' (its decoder's sizes sit in a nested config)",
+        "its causal LM (MusicgenMelodyForCausalLM) decodes num_codebooks parallel streams of "
+        "audio codes with one output head each (lm_heads), and is built from the nested "
+        "decoder config (musicgen_melody_decoder), which AutoModelForCausalLM does not map; "
+        "from the musicgen_melody config it maps, transformers raises AttributeError "
+        "('MusicgenMelodyConfig' object has no attribute 'dropout')",
     ),
-    "mvp": ("refused", NO_LAYERS),
-    "openai-gpt": ("refused", NO_LAYERS),
-    "pegasus": ("refused", NO_LAYERS),
-    "phi4_multimodal": (
-        "not buildable",
-        "even its tiny config has 870,146,176 parameters (a part the sizes do not reach)",
-    ),
-    "prophetnet": (
-        "not buildable",
-        "transformers raises NotImplementedError on the tiny config: This model does not support the setting of 'num_hidden_layers'. Please set 'num_encoder_layers' and 'num_decod",
-    ),
+    "phi4_multimodal": ("refused", VISION_UNSUPPORTED),
     "reformer": (
-        "not buildable",
-        "transformers raises AssertionError on the tiny config: If you want to use 'ReformerModelWithLMHead' make sure that 'is_decoder=True'.",
+        "error",
+        "in train mode its axial position embeddings take rows of exactly "
+        "prod(axial_pos_shape) tokens (transformers raises ValueError on any other length), "
+        "which engine=fsdp's micro-batches (padded to their longest row, or packed) are not",
     ),
-    "rembert": ("refused", NO_LAYERS),
+    "rembert": ("refused", PREDICTION_HEAD),
     "roberta": ("refused", PREDICTION_HEAD),
     "roberta-prelayernorm": ("refused", PREDICTION_HEAD),
-    "roc_bert": ("refused", NO_LAYERS),
-    "roformer": ("refused", NO_LAYERS),
+    "roc_bert": ("refused", PREDICTION_HEAD),
+    "roformer": ("refused", PREDICTION_HEAD),
     "xlm": ("refused", NO_LAYERS),
     "xlm-roberta": ("refused", PREDICTION_HEAD),
     "xlm-roberta-xl": ("refused", PREDICTION_HEAD),
     "xlnet": (
-        "not buildable",
-        "transformers raises NotImplementedError on the tiny config: The model xlnet is one of the few models that has no sequence length limit.",
+        "error",
+        "transformers' XLNet forward (attn_type: uni) adds a padded batch's mask to its causal "
+        "mask in place, and the causal mask's batch dimension is 1: RuntimeError on any "
+        "padded micro-batch of more than one row",
     ),
-    "xmod": ("refused", NO_LAYERS),
-    "zamba": (
-        "not buildable",
-        "transformers raises ValueError on the tiny config: There is an issue with your definition of 'tie_weights_keys' for ^layers.1.shared_transf:^layers.(?!1\\.)\\d+.sh",
-    ),
+    "xmod": ("refused", PREDICTION_HEAD),
 }
 
 """model_type -> (status, reason) of the families not run through the layouts: `refused`
@@ -372,10 +426,39 @@ def text_family(model_type: str) -> str | None:
     return str(text.model_type)
 
 
+UNSET: dict[str, tuple[str, ...]] = {
+    "prophetnet": ("num_hidden_layers",),  # raises: set num_decoder_layers instead
+    "xlnet": ("max_position_embeddings",),  # raises: it has no sequence length limit
+}
+"""`SIZES` a family's config refuses to take (its setter raises), left out of its tiny
+config."""
+
+NESTED_SIZES: dict[str, tuple[str, ...]] = {
+    "blt": ("patcher_config", "encoder_config", "decoder_config", "global_config"),
+    "mllama": ("text_config", "vision_config"),
+    "emu3": ("text_config",),
+    "git": ("vision_config",),
+    "phi4_multimodal": ("vision_config", "audio_config"),
+}
+"""The nested configs a family's causal LM builds (its decoder's sizes, or a tower it
+always builds) that `SIZES` does not reach at the top level: made tiny the same way (their
+`FAMILY_SIZES` entries are merged into them)."""
+
+
 def tiny_config(model_type: str) -> dict[str, Any]:
     """The tiny `hf_config` dict of `model_type` (see the module docstring)."""
-    tiny = _tiny(AutoConfig.for_model(model_type))
-    return {"model_type": model_type, **tiny, **FAMILY_SIZES.get(model_type, {})}
+    default = AutoConfig.for_model(model_type)
+    tiny = {k: v for k, v in _tiny(default).items() if k not in UNSET.get(model_type, ())}
+    nested = NESTED_SIZES.get(model_type, ())
+    for key in nested:
+        sub = getattr(default, key)
+        tiny[key] = {**sub.to_dict(), **_tiny(sub)}
+    for key, value in FAMILY_SIZES.get(model_type, {}).items():
+        tiny[key] = {**tiny[key], **value} if key in nested else value
+    if model_type in CAUSAL_SETTING:  # a causal LM only so (BERT-style decoders, XLNet)
+        field, value = CAUSAL_SETTING[model_type]
+        tiny[field] = value
+    return {"model_type": model_type, **tiny}
 
 
 MAX_PARAMETERS = 2_000_000
@@ -392,15 +475,17 @@ def parameter_count(hf_config: dict[str, Any]) -> int:
     data = dict(hf_config)
     config = AutoConfig.for_model(data.pop("model_type"), **data)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_class(config, "policy").from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
 def build_reference(hf_config: dict[str, Any]) -> PreTrainedModel:
-    """The family's plain transformers causal LM (eager attention, float32, eval mode)."""
+    """The family's plain transformers causal LM (eager attention, float32, eval mode): the
+    class the engine builds (`auto_class`; image-text-to-text where the config has a vision
+    tower, e.g. GIT, Mllama)."""
     data = dict(hf_config)
     config = AutoConfig.for_model(data.pop("model_type"), **data)
-    model: PreTrainedModel = AutoModelForCausalLM.from_config(
+    model: PreTrainedModel = auto_class(config, "policy").from_config(
         config, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
@@ -540,13 +625,14 @@ def gradient_gap(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 
 
 SAMPLED_ROUTING = {
-    "phimoe": "its SparseMixer router, in train mode, samples the experts (Gumbel, among "
-    "those within its jitter of the top score) and draws the routing gradient's estimate "
-    "(Heun's third-order method, a random mask), so a training step's gradient is a random "
-    "draw no other run reproduces: its update is compared with both models in eval mode",
+    "phimoe": "its SparseMixer router samples its experts and a random estimate of their "
+    "gradient in train mode; engine=fsdp trains it with the router in eval mode (the top 2 "
+    "by score, the gates' plain gradient: the routing its old log-probs came from, unlike "
+    "its pre-training recipe), so its update is compared with the plain model's in eval mode",
 }
-"""Families whose train-mode step is random by design -> why. The matrix compares their
-update with the engine and the plain model in eval mode (deterministic routing)."""
+"""Families whose router samples in train mode -> how their update is checked. The engine
+trains them with the router deterministic (`tephra.engine_fsdp.router_noise`); the matrix
+compares the engine's update (in train mode) with the plain model's in eval mode."""
 
 
 def attention(model_type: str) -> str:
@@ -648,7 +734,7 @@ def check_family(
         scale = max(float(g.abs().max()) for g in want_grads.values() if g.numel())
         grad_gap, worst = None, ""
         if refusal is None:  # the update of a layout the engine runs
-            with engine.train_mode() if sampled is None else engine.eval_mode():
+            with engine.train_mode():
                 engine.forward_backward(update, update_loss)
             grad_gap, worst = gradient_gap(engine_gradients(engine), want_grads)
         out[layout] = LayoutCheck(refusal, gaps[0], gaps[1], grad_gap, worst, scale)
@@ -739,7 +825,9 @@ def render_markdown(command: str) -> str:
         "(`micro_batch.share_prefix=true`: a prompt's samples run the prompt once).",
         "",
         "A vision-language family is checked through its text family (its own row) and refused",
-        "where that one is. A sliding-window refusal applies only while the window is on: a",
+        "where that one is; its config with a vision tower (`vision_config`) trains only where",
+        "engine=fsdp has a vision adapter for the family (LLaVA, Qwen2-VL, Qwen2.5-VL) and is",
+        "refused before anything is built otherwise. A sliding-window refusal applies only while the window is on: a",
         "config with `sliding_window: null` (or 0, or `use_sliding_window: false`) is plain",
         "causal attention and runs every layout; Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE and SmolLM3",
         "slide only with `use_sliding_window: true` (their tiny models here switch it on).",

@@ -64,6 +64,21 @@ def load_hf_config(cfg: ModelConfig) -> PretrainedConfig:
         ) from exc
 
 
+AutoClass = type[
+    AutoModelForCausalLM | AutoModelForTokenClassification | AutoModelForImageTextToText
+]
+
+
+def auto_class(hf_config: PretrainedConfig, role: str) -> AutoClass:
+    """The transformers auto class the engine builds `hf_config`'s model with: the causal
+    LM (policy) or token classification (value); for a vision-language model (a
+    `vision_config`), image-text-to-text in both roles (its critic is that model with a
+    value head, `vision_value_head`)."""
+    if getattr(hf_config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM if role == "policy" else AutoModelForTokenClassification
+
+
 def build_model(cfg: ModelConfig) -> PreTrainedModel:
     """Instantiate the float32 model of `cfg` on CPU (sharding moves it afterwards).
 
@@ -71,13 +86,7 @@ def build_model(cfg: ModelConfig) -> PreTrainedModel:
     drawn from `cfg.init_seed` without touching the global RNG stream.
     """
     hf_config = load_hf_config(cfg)
-    auto: type[
-        AutoModelForCausalLM | AutoModelForTokenClassification | AutoModelForImageTextToText
-    ] = AutoModelForCausalLM if cfg.role == "policy" else AutoModelForTokenClassification
-    if getattr(hf_config, "vision_config", None) is not None:
-        # a vision-language model (Qwen2-VL family): its causal LM is image-text-to-text, and
-        # its critic the same model with a value head (`vision_value_head`)
-        auto = AutoModelForImageTextToText
+    auto = auto_class(hf_config, cfg.role)
     if cfg.role == "value":
         hf_config.num_labels = 1
         # the critic is deterministic: no dropout between the backbone and the head
@@ -159,13 +168,16 @@ def backbone(model: PreTrainedModel) -> nn.Module:
 
 def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
     """Modules FSDP shards one by one: those whose class the model declares unsplittable
-    (`_no_split_modules`, e.g. `Qwen2DecoderLayer`)."""
+    (`_no_split_modules`, e.g. `Qwen2DecoderLayer`); where it declares none (CTRL, BioGPT,
+    the BERT-style decoders), its `repeated_blocks`."""
     hf = model
     while not isinstance(hf, PreTrainedModel) and isinstance(
         inner := getattr(hf, "model", None), nn.Module
     ):
         hf = inner
     names = set(getattr(hf, "_no_split_modules", None) or [])
+    if not names:
+        return repeated_blocks(model, where)
     found = [m for m in model.modules() if type(m).__name__ in names]
     # a declared class inside another (Mamba's MambaMixer in its MambaBlock) stays in its
     # layer's unit: sharding the outer layer first would leave the inner one's parameters
@@ -178,3 +190,36 @@ def decoder_layers(model: nn.Module, where: str) -> list[nn.Module]:
             f"_no_split_modules={sorted(names)}); this architecture is not supported by engine=fsdp"
         )
     return layers
+
+
+def repeated_blocks(model: nn.Module, where: str) -> list[nn.Module]:
+    """The layers of a model that declares no `_no_split_modules`: the members of its
+    outermost `nn.ModuleList`s of one repeated class with parameters (`transformer.h`,
+    `model.decoder.layers`, a vision tower's `encoder.layers` beside them; an MoE layer's
+    expert list sits inside a layer, so it is not outermost). Lists of different classes
+    side by side in one module (XLM's `attentions`, `ffns`, `layer_norm1`, ... one entry
+    per layer each) leave no module that is a layer: a `ConfigError`."""
+    lists = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList)
+        and len(m)
+        and len({type(block) for block in m}) == 1
+        and any(True for _ in m.parameters())
+    ]
+    nested = {id(c) for blocks in lists for block in blocks for c in block.modules()}
+    outer = [blocks for blocks in lists if id(blocks) not in nested]
+    named = {id(m): n for n, m in model.named_modules()}
+    siblings: dict[str, set[str]] = {}
+    for blocks in outer:
+        parent = named[id(blocks)].rpartition(".")[0]
+        siblings.setdefault(parent, set()).add(type(blocks[0]).__name__)
+    if not outer or any(len(classes) > 1 for classes in siblings.values()):
+        found = ", ".join(f"{named[id(b)]} ({type(b[0]).__name__})" for b in outer) or "none"
+        raise ConfigError(
+            f"{where}: found no decoder layers to shard: the model class declares no "
+            f"_no_split_modules and its repeated blocks are not layers (module lists of "
+            f"different classes side by side: {found}); this architecture is not supported "
+            "by engine=fsdp"
+        )
+    return [block for blocks in outer for block in blocks]

@@ -139,6 +139,29 @@ def shard_model(
     if config.offload.params:
         # pinned memory needs an accelerator: on a CPU-only machine pinning fails
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for layer in layers:
-        fully_shard(layer, **kwargs)
+    for unit in sharing_units(layers):
+        fully_shard(unit if len(unit) > 1 else unit[0], **kwargs)
     fully_shard(root, **kwargs)
+
+
+def sharing_units(layers: list[nn.Module]) -> list[list[nn.Module]]:
+    """`layers` grouped into FSDP units: one layer each, except that layers holding the same
+    parameter (Zamba's hybrid layers share one tied transformer block) are one unit, since
+    FSDP manages a parameter in one group only."""
+    units: list[list[nn.Module]] = []
+    owner: dict[int, int] = {}  # parameter id -> index of its unit in `units`
+    for layer in layers:
+        ids = [id(p) for p in layer.parameters()]
+        joined = sorted({owner[i] for i in ids if i in owner})
+        if not joined:
+            units.append([layer])
+            index = len(units) - 1
+        else:
+            index = joined[0]
+            units[index].append(layer)
+            for other in joined[1:]:  # this layer links two units: merge them
+                units[index] += units[other]
+                units[other] = []
+                owner.update({i: index for i, u in owner.items() if u == other})
+        owner.update(dict.fromkeys(ids, index))
+    return [unit for unit in units if unit]
