@@ -39,6 +39,7 @@ from tephra.engine_fsdp import (
     sharding,
     tree_attention,
     ulysses,
+    ulysses_families,
     vision,
     weights,
 )
@@ -197,6 +198,7 @@ class FSDPEngine(Engine):
                 "replays routes on whole sequences only; set parallel.context=1"
             )
         families.check_layout(config, packs(config))
+        ulysses_families.check(config, world_size)
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(
                 "micro_batch.share_prefix=true needs padded micro-batches (micro_batch."

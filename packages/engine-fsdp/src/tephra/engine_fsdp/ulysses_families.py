@@ -1,0 +1,153 @@
+"""Which model families engine=fsdp refuses under Ulysses sequence parallelism
+(`parallel.context > 1`) or on several ranks at all, and why.
+
+Ulysses packs every micro-batch (a family refused in the packed layout, `families.REFUSED`,
+is refused under Ulysses with that reason) and replaces the model's attention with
+`ulysses.ATTENTION_NAME`, which exchanges q/k/v heads for tokens around a causal attention
+over each whole packed sequence. A family whose attention is not that (a sliding window, a
+chunked attention, a sparse-attention indexer) or does not go through transformers'
+attention interface at all (each rank would attend over its own shard of the tokens only)
+gives wrong log-probs or fails there; `ULYSSES_REFUSED` names them, as the 2-rank family
+matrix (`family_matrix_ulysses`) found them. `MULTI_RANK_REFUSED`: families that fail on
+several ranks whatever the parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tephra.engine_api.config import EngineConfig
+from tephra.engine_api.errors import ConfigError
+from tephra.engine_fsdp.families import layout_refusal, model_configs_of, window_turned_off
+
+ULYSSES_FIX = "set parallel.context=1 (data parallelism only)"
+"""How a user leaves a refused Ulysses run."""
+
+SLIDING = (
+    "its sliding-window attention is not implemented by engine=fsdp's Ulysses attention, "
+    "which attends over each whole packed sequence, so a token would see keys beyond its "
+    "window"
+)
+CHUNKED = (
+    "its chunked attention (attention_chunk_size) is not implemented by engine=fsdp's Ulysses "
+    "attention, which attends over each whole packed sequence, so a token would see keys "
+    "outside its chunk"
+)
+OWN_ATTENTION = (
+    "its attention runs its own code instead of transformers' attention interface, so "
+    "Ulysses' head exchange never runs and each rank attends over its own shard of the "
+    "tokens only"
+)
+SPARSE_INDEXER = (
+    "its sparse-attention indexer (DeepSeek Sparse Attention) chooses each query's keys "
+    "from the attention mask outside transformers' attention interface, over the rank's own "
+    "shard of the tokens, and Ulysses passes no mask (transformers fails on it)"
+)
+ZERO_EXPERTS = (
+    "its zero-compute (identity) experts can leave a rank's routed-expert weights unused in a "
+    "micro-batch, and FSDP then reduce-scatters gradients of different sizes on different "
+    "ranks (gloo aborts: 'Received data size doesn't match expected size')"
+)
+
+ULYSSES_REFUSED: dict[str, str] = {
+    **{
+        f: SLIDING
+        for f in (
+            "cwm",
+            "doge",
+            "exaone4",
+            "exaone_moe",
+            "flint",
+            "gemma3_text",
+            "gemma4_text",
+            "gemma4_unified_text",
+            "granite_swa",
+            "granitemoe_swa",
+            "kolibri1",
+            "mimo_v2_flash",
+            "ministral",
+            "ministral3",
+            "mistral",
+            "mixtral",
+            "moshi",
+            "nemotron_h",
+            "olmo3",
+            "phi3",
+            "phimoe",
+            "qwen2",
+            "qwen2_moe",
+            "qwen3",
+            "qwen3_moe",
+            "smollm3",
+            "starcoder2",
+        )
+    },
+    "llama4_text": CHUNKED,
+    "gpt_neo": OWN_ATTENTION,
+    "gpt_neox_japanese": OWN_ATTENTION,
+    **{f: SPARSE_INDEXER for f in ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4")},
+}
+"""model_type -> why engine=fsdp's Ulysses attention is wrong for it (families the packed
+layout runs; a vision-language family is refused where its text family is)."""
+
+MULTI_RANK_REFUSED: dict[str, str] = {"longcat_flash": ZERO_EXPERTS}
+"""model_type -> why engine=fsdp fails on it on more than one rank."""
+
+WINDOWED = (SLIDING, CHUNKED)
+"""Refusals that do not apply to a config whose window is turned off."""
+
+
+def ulysses_refusal(
+    model_type: str | None, sp: int, hf_config: dict[str, Any] | None = None
+) -> str | None:
+    """Why engine=fsdp refuses `model_type` under Ulysses at `parallel.context=sp` (a
+    message naming the family, the layout and the fix), or None: the packed layout's
+    refusal (Ulysses packs), or `ULYSSES_REFUSED`'s, unless it is a window that `hf_config`
+    turns off (`families.window_turned_off`)."""
+    packed = layout_refusal(model_type, "padded", hf_config) or layout_refusal(
+        model_type, "packed", hf_config
+    )
+    if packed:
+        return packed
+    why = ULYSSES_REFUSED.get(model_type or "")
+    if why is None or (why in WINDOWED and hf_config and window_turned_off(hf_config)):
+        return None
+    return (
+        f"model_type={model_type!r} in the Ulysses layout (parallel.context={sp}): {why}; "
+        f"{ULYSSES_FIX}"
+    )
+
+
+def multi_rank_refusal(model_type: str | None, world_size: int) -> str | None:
+    """Why engine=fsdp refuses `model_type` on `world_size` > 1 ranks, or None."""
+    why = MULTI_RANK_REFUSED.get(model_type or "")
+    if why is None or world_size <= 1:
+        return None
+    return (
+        f"model_type={model_type!r} on {world_size} ranks: {why}; train it on one rank "
+        "(a world size of 1)"
+    )
+
+
+def check(config: EngineConfig, world_size: int) -> None:
+    """Refuse `config`'s model family (or its text model's) on `world_size` ranks
+    (`multi_rank_refusal`) and under Ulysses when `parallel.context > 1`
+    (`ulysses_refusal`)."""
+    sp = config.parallel.context
+    for hf_config in model_configs_of(config):
+        model_type = hf_config.get("model_type")
+        name = model_type if isinstance(model_type, str) else None
+        why = multi_rank_refusal(name, world_size)
+        if why is None and sp > 1:
+            why = ulysses_refusal(name, sp, hf_config)
+        if why:
+            raise ConfigError(why)
+
+
+def ulysses_status(model_type: str, packed_status: str, sp: int = 2) -> str:
+    """The support table's Ulysses cell of a text family: the packed layout's status where
+    that is not Y (refused, not buildable), else `refused (reason)` or `Y`."""
+    if not packed_status.startswith("Y"):
+        return packed_status
+    why = MULTI_RANK_REFUSED.get(model_type) or ULYSSES_REFUSED.get(model_type)
+    return f"refused ({why})" if why else packed_status
