@@ -144,6 +144,25 @@ def check(config: EngineConfig, world_size: int) -> None:
             raise ConfigError(why)
 
 
+ULYSSES_COLUMN = "Ulysses SP=2"
+"""The support table's column of `ulysses_status`."""
+
+ULYSSES_LEGEND = (
+    "**Ulysses SP=2** (`parallel.context=2`, 2 gloo ranks): **Y**: the comparisons above",
+    "with the tiny model split over 2 ranks by Ulysses (each rank runs half of every packed",
+    "micro-batch's tokens; attention exchanges heads for tokens): log-probs and entropy",
+    "within 1e-5, and the update's gradient of every parameter within 1e-5. Ulysses packs,",
+    "so a family refused packed is refused here for that reason. Every family **Y** padded",
+    "is also checked on 2 data-parallel ranks (FSDP world size 2, padded rows, each rank one",
+    "prompt's 3 rows): the update's gradients after FSDP's reduce-scatter equal the plain",
+    "model's over all 6 rows within 1e-5, except `longcat_flash`, refused on more than one",
+    "rank (the reason in its Ulysses cell). All of them run in the default test suite",
+    "(`test_engine_fsdp_families_ulysses.py`: one start of 2 processes for every family,",
+    "about 2 minutes on 2 CPU cores).",
+)
+"""The support table's legend of the Ulysses column and the data-parallel check."""
+
+
 def ulysses_status(model_type: str, packed_status: str, sp: int = 2) -> str:
     """The support table's Ulysses cell of a text family: the packed layout's status where
     that is not Y (refused, not buildable), else `refused (reason)` or `Y`."""
