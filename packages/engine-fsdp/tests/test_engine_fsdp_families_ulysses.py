@@ -105,11 +105,12 @@ def test_a_family_refused_packed_is_refused_under_ulysses_for_that_reason():
     assert "qwen3_next" not in FAMILIES or "ulysses" not in FAMILIES["qwen3_next"]
 
 
-def test_a_sliding_window_turned_off_is_not_refused_under_ulysses():
-    # Mistral's window is refused under Ulysses; a config whose window is null is plain
-    # causal attention
-    config = two_rank_config("mistral", "ulysses")
+def test_a_window_turned_off_is_not_refused_under_ulysses():
+    # PhiMoE's window (in its mask only) is refused under Ulysses; a config whose window is
+    # null is plain causal attention
+    config = two_rank_config("phimoe", "ulysses")
     assert config.model.hf_config is not None
     config.model.hf_config["sliding_window"] = None
     FSDPEngine.check_config(config, world_size=SP)
-    assert ulysses_refusal("mistral", SP, {"model_type": "mistral", "sliding_window": None}) is None
+    assert ulysses_refusal("phimoe", SP, {"model_type": "phimoe", "sliding_window": None}) is None
+    assert ulysses_refusal("phimoe", SP, {"model_type": "phimoe"}) is not None

@@ -101,13 +101,6 @@ def check_ulysses(config: EngineConfig, hf_model: PreTrainedModel, where: str) -
             f"{where}: {heads} attention heads are not divisible by parallel.context={sp}; "
             "choose a context size that divides the head count"
         )
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
-        layer_types = getattr(text, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types) or not layer_types:
-            raise ConfigError(
-                f"{where}: sliding-window attention is not implemented under parallel.context="
-                f"{sp}; set parallel.context=1 or disable the sliding window"
-            )
 
 
 def shard_model(

@@ -7,7 +7,8 @@ is refused under Ulysses with that reason) and replaces the model's attention wi
 over each whole packed sequence. A family whose attention is not that (a sliding window, a
 chunked attention, a sparse-attention indexer) or does not go through transformers'
 attention interface at all (each rank would attend over its own shard of the tokens only)
-gives wrong log-probs or fails there; `ULYSSES_REFUSED` names them, as the 2-rank family
+gives wrong log-probs or fails there (a sliding window the layer hands to the attention
+function is implemented: `ulysses`); `ULYSSES_REFUSED` names them, as the 2-rank family
 matrix (`family_matrix_ulysses`) found them. `MULTI_RANK_REFUSED`: families that fail on
 several ranks whatever the parallelism.
 """
@@ -23,10 +24,18 @@ from tephra.engine_fsdp.families import layout_refusal, model_configs_of, window
 ULYSSES_FIX = "set parallel.context=1 (data parallelism only)"
 """How a user leaves a refused Ulysses run."""
 
-SLIDING = (
-    "its sliding-window attention is not implemented by engine=fsdp's Ulysses attention, "
-    "which attends over each whole packed sequence, so a token would see keys beyond its "
-    "window"
+WINDOW_IN_MASK = (
+    "its sliding window reaches attention only through the attention mask (the layer "
+    "passes no sliding_window to the attention function), and Ulysses attention takes no "
+    "mask, so a token would see keys beyond its window"
+)
+SINKS = (
+    "its attention sinks (s_aux) are not implemented by engine=fsdp's Ulysses attention "
+    "(it raises on them)"
+)
+DYNAMIC_MASK = (
+    "its attention masks keys dynamically (a mask computed from the values, handed to the "
+    "attention function), which Ulysses attention does not take"
 )
 CHUNKED = (
     "its chunked attention (attention_chunk_size) is not implemented by engine=fsdp's Ulysses "
@@ -50,38 +59,9 @@ ZERO_EXPERTS = (
 )
 
 ULYSSES_REFUSED: dict[str, str] = {
-    **{
-        f: SLIDING
-        for f in (
-            "cwm",
-            "doge",
-            "exaone4",
-            "exaone_moe",
-            "flint",
-            "gemma3_text",
-            "gemma4_text",
-            "gemma4_unified_text",
-            "granite_swa",
-            "granitemoe_swa",
-            "kolibri1",
-            "mimo_v2_flash",
-            "ministral",
-            "ministral3",
-            "mistral",
-            "mixtral",
-            "moshi",
-            "nemotron_h",
-            "olmo3",
-            "phi3",
-            "phimoe",
-            "qwen2",
-            "qwen2_moe",
-            "qwen3",
-            "qwen3_moe",
-            "smollm3",
-            "starcoder2",
-        )
-    },
+    "doge": DYNAMIC_MASK,
+    **{f: SINKS for f in ("flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash")},
+    "phimoe": WINDOW_IN_MASK,
     "llama4_text": CHUNKED,
     "gpt_neo": OWN_ATTENTION,
     "gpt_neox_japanese": OWN_ATTENTION,
@@ -93,7 +73,7 @@ layout runs; a vision-language family is refused where its text family is)."""
 MULTI_RANK_REFUSED: dict[str, str] = {"longcat_flash": ZERO_EXPERTS}
 """model_type -> why engine=fsdp fails on it on more than one rank."""
 
-WINDOWED = (SLIDING, CHUNKED)
+WINDOWED = (WINDOW_IN_MASK, CHUNKED)
 """Refusals that do not apply to a config whose window is turned off."""
 
 
