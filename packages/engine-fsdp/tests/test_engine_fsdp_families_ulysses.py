@@ -14,14 +14,14 @@ import pytest
 
 from tephra.engine_api.errors import ConfigError
 from tephra.engine_fsdp.engine import FSDPEngine
+from tephra.engine_fsdp.families import layout_refusal
+from tephra.engine_fsdp.family_matrix import causal_lm_families, engine_config
 from tephra.engine_fsdp.family_matrix_ulysses import (
     SP,
     run_two_rank_checks,
     two_rank_config,
     two_rank_families,
 )
-from tephra.engine_fsdp.families import layout_refusal
-from tephra.engine_fsdp.family_matrix import causal_lm_families, engine_config
 from tephra.engine_fsdp.ulysses_families import (
     MULTI_RANK_REFUSED,
     ULYSSES_REFUSED,

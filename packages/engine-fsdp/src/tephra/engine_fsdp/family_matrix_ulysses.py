@@ -19,10 +19,10 @@ reference work runs on both processes at once.
 from __future__ import annotations
 
 import math
+import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,12 +31,12 @@ from tensordict import TensorDict
 from tephra.engine_api import batch as B
 from tephra.engine_api.config import EngineConfig, apply_overrides
 from tephra.engine_api.errors import ConfigError
+from tephra.engine_api.testing import run_distributed
 from tephra.engine_fsdp.engine import FSDPEngine
 from tephra.engine_fsdp.families import layout_refusal
 from tephra.engine_fsdp.family_matrix import (
     NOT_RUN,
     SAMPLED_ROUTING,
-    LayoutCheck,
     build_reference,
     causal_lm_families,
     engine_config,
@@ -55,15 +55,12 @@ from tephra.engine_fsdp.ulysses_families import multi_rank_refusal
 SP = 2
 """The sequence-parallel size (and the world size) of the 2-rank checks."""
 
-CHECKS = ("ulysses", "data_parallel")
-"""The 2-rank checks of a family: Ulysses SP=2 (packed), data-parallel FSDP (padded)."""
-
 
 def two_rank_families() -> dict[str, tuple[str, ...]]:
-    """Every text family the single-process matrix runs (`family_matrix.RUN` less the
-    vision-language ones, which stand on their text family), with its 2-rank checks: Ulysses
-    where the packed layout is not refused (Ulysses packs), data parallel where the padded
-    layout is not."""
+    """Every family the single-process matrix runs in the padded layout (not `NOT_RUN`, not
+    a vision-language family, which stands on its text family's row), with its 2-rank
+    checks: `"ulysses"` (Ulysses SP=2) where the packed layout is not refused too (Ulysses
+    packs), and `"data_parallel"`."""
     out: dict[str, tuple[str, ...]] = {}
     for model_type in causal_lm_families():
         if model_type in NOT_RUN or text_family(model_type) is not None:
@@ -122,21 +119,12 @@ class TwoRankCheck:
     """Wall time of the check on this rank (its reference not included)."""
 
     def matches(self, tol: float = 1e-5) -> bool:
+        """No error, and every gap that was measured within `tol`."""
         if self.error is not None:
             return False
         outputs = [g for g in (self.log_probs, self.entropy) if not math.isnan(g)]
         update = self.gradients is None or self.gradients <= tol
         return all(g <= tol for g in outputs) and update
-
-    def as_layout_check(self) -> LayoutCheck:
-        return LayoutCheck(
-            self.refusal,
-            self.log_probs,
-            self.entropy,
-            self.gradients,
-            self.worst_parameter,
-            self.gradient_scale,
-        )
 
 
 @dataclass
@@ -151,6 +139,9 @@ class _Run:
 
 
 def _ulysses(model_type: str) -> _Run:
+    """The forward (and, where not refused, the update) of the family at Ulysses SP=2 on
+    `test_batch`, every row on both ranks; a refused family's engine is built past the
+    refusal, to show what Ulysses would compute."""
     config = two_rank_config(model_type, "ulysses")
     run = _Run()
     try:
@@ -173,6 +164,7 @@ def _ulysses(model_type: str) -> _Run:
 
 
 def _data_parallel(model_type: str) -> _Run:
+    """The update of the family on 2 data-parallel ranks, each on its 3 rows."""
     config = two_rank_config(model_type, "data_parallel")
     FSDPEngine.check_config(config, dist.get_world_size())
     engine = FSDPEngine(config)
@@ -214,7 +206,7 @@ def two_rank_checks(
     families: dict[str, tuple[str, ...]],
 ) -> dict[str, dict[str, TwoRankCheck]]:
     """Rank body (2 gloo ranks, `run_distributed`): for each family the checks it names
-    (`CHECKS`), in order; returns the results of the families this rank compares (every
+    (`"ulysses"`, `"data_parallel"`), in order; returns the results of the families this rank compares (every
     other one, from its rank). A family refused on several ranks (`multi_rank_refusal`) is
     not run: it would abort the process group, which every later family needs."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -262,11 +254,9 @@ def _one_check(
 
 
 def run_two_rank_checks(
-    families: dict[str, tuple[str, ...]], timeout: float = 1800.0
+    families: dict[str, tuple[str, ...]], timeout: float = 900.0
 ) -> dict[str, dict[str, TwoRankCheck]]:
     """`two_rank_checks` on 2 spawned gloo ranks (one start for every family), merged."""
-    from tephra.engine_api.testing import run_distributed
-
     merged: dict[str, dict[str, TwoRankCheck]] = {}
     for part in run_distributed(two_rank_checks, world_size=SP, args=(families,), timeout=timeout):
         merged.update(part)
@@ -276,8 +266,6 @@ def run_two_rank_checks(
 def _main() -> None:
     """`python -m tephra.engine_fsdp.family_matrix_ulysses [model_type ...]`: run the 2-rank
     checks (of every family by default) and print each result and the time taken."""
-    import sys
-
     families = two_rank_families()
     if sys.argv[1:]:
         families = {f: families[f] for f in sys.argv[1:]}
