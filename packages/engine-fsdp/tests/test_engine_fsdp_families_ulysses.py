@@ -22,12 +22,7 @@ from tephra.engine_fsdp.family_matrix_ulysses import (
     two_rank_config,
     two_rank_families,
 )
-from tephra.engine_fsdp.ulysses_families import (
-    MULTI_RANK_REFUSED,
-    ULYSSES_REFUSED,
-    multi_rank_refusal,
-    ulysses_refusal,
-)
+from tephra.engine_fsdp.ulysses_families import ULYSSES_REFUSED, ulysses_refusal
 
 FAMILIES = two_rank_families()
 ULYSSES = sorted(f for f, checks in FAMILIES.items() if "ulysses" in checks)
@@ -39,13 +34,8 @@ def results():
     return run_two_rank_checks(FAMILIES)
 
 
-def expected_refusal(model_type: str) -> str | None:
-    return multi_rank_refusal(model_type, SP) or ulysses_refusal(model_type, SP)
-
-
 def test_the_tables_name_families_the_packed_layout_runs():
     assert set(ULYSSES_REFUSED) <= set(ULYSSES), set(ULYSSES_REFUSED) - set(ULYSSES)
-    assert set(MULTI_RANK_REFUSED) <= set(DATA_PARALLEL)
     assert set(ULYSSES) <= set(DATA_PARALLEL) <= set(causal_lm_families())
 
 
@@ -54,7 +44,7 @@ def test_the_tables_name_families_the_packed_layout_runs():
 def test_family_under_ulysses(results, model_type):
     got = results[model_type]["ulysses"]
     assert got.error is None, got.error
-    expected = expected_refusal(model_type)
+    expected = ulysses_refusal(model_type, SP)
     if expected is None:
         assert got.refusal is None, got.refusal
         assert got.matches(), got
@@ -62,8 +52,7 @@ def test_family_under_ulysses(results, model_type):
         assert got.gradients is not None and got.gradient_scale > 1e-3, got
     else:
         assert got.refusal == expected and model_type in got.refusal
-        # forced past the refusal, Ulysses is wrong (or fails): the refusal is needed (a
-        # family refused on several ranks is not forced: it aborts the process group)
+        # forced past the refusal, Ulysses is wrong (or fails): the refusal is needed
         assert not got.matches(), f"right under Ulysses now; drop its refusal: {got}"
 
 
@@ -72,27 +61,20 @@ def test_family_under_ulysses(results, model_type):
 def test_family_update_on_two_data_parallel_ranks(results, model_type):
     got = results[model_type]["data_parallel"]
     assert got.error is None, got.error
-    expected = multi_rank_refusal(model_type, SP)
-    if expected is None:
-        assert got.refusal is None and got.matches(), got
-        assert got.gradients is not None and got.gradient_scale > 1e-3, got
-    else:
-        assert got.refusal == expected
+    assert got.refusal is None and got.matches(), got
+    assert got.gradients is not None and got.gradient_scale > 1e-3, got
 
 
-@pytest.mark.parametrize("model_type", sorted(ULYSSES_REFUSED) + sorted(MULTI_RANK_REFUSED))
+@pytest.mark.parametrize("model_type", sorted(ULYSSES_REFUSED))
 def test_a_refused_family_is_refused_before_anything_is_built(model_type):
     # what the apps' preflight calls, before Ray starts: the family, the layout, the fix
     with pytest.raises(ConfigError) as info:
         FSDPEngine.check_config(two_rank_config(model_type, "ulysses"), world_size=SP)
     message = str(info.value)
-    assert message == expected_refusal(model_type)
+    assert message == ulysses_refusal(model_type, SP)
     assert f"model_type={model_type!r}" in message
-    if model_type in MULTI_RANK_REFUSED:
-        assert f"on {SP} ranks" in message and "one rank" in message
-    else:
-        assert "Ulysses layout (parallel.context=2)" in message
-        assert "set parallel.context=1" in message
+    assert "Ulysses layout (parallel.context=2)" in message
+    assert "set parallel.context=1" in message
     # one rank without Ulysses runs it
     FSDPEngine.check_config(engine_config(model_type, "packed"), world_size=1)
 

@@ -198,7 +198,7 @@ class FSDPEngine(Engine):
                 "replays routes on whole sequences only; set parallel.context=1"
             )
         families.check_layout(config, packs(config))
-        ulysses_families.check(config, world_size)
+        ulysses_families.check(config)
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(
                 "micro_batch.share_prefix=true needs padded micro-batches (micro_batch."

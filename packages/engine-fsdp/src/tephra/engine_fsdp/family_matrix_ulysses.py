@@ -50,7 +50,6 @@ from tephra.engine_fsdp.family_matrix import (
     update_loss,
 )
 from tephra.engine_fsdp.model_builder import build_model
-from tephra.engine_fsdp.ulysses_families import multi_rank_refusal
 
 SP = 2
 """The sequence-parallel size (and the world size) of the 2-rank checks."""
@@ -207,14 +206,13 @@ def two_rank_checks(
 ) -> dict[str, dict[str, TwoRankCheck]]:
     """Rank body (2 gloo ranks, `run_distributed`): for each family the checks it names
     (`"ulysses"`, `"data_parallel"`), in order; returns the results of the families this rank compares (every
-    other one, from its rank). A family refused on several ranks (`multi_rank_refusal`) is
-    not run: it would abort the process group, which every later family needs."""
+    other one, from its rank)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     names = list(families)
     mine = {f for i, f in enumerate(names) if i % world == rank}
     refs: dict[str, Reference | str] = {}
     for f in names:  # no collective: both ranks at once, each for its half
-        if f in mine and not multi_rank_refusal(f, world):
+        if f in mine:
             try:
                 refs[f] = plain_reference(f)
             except Exception:
@@ -223,22 +221,17 @@ def two_rank_checks(
     for f in names:
         for check in families[f]:
             start = time.perf_counter()
-            result = _one_check(f, check, refs.get(f), world)
+            result = _one_check(f, check, refs.get(f))
             result.seconds = time.perf_counter() - start
             if f in mine:
                 out.setdefault(f, {})[check] = result
     return out
 
 
-def _one_check(
-    model_type: str, check: str, ref: Reference | str | None, world: int
-) -> TwoRankCheck:
+def _one_check(model_type: str, check: str, ref: Reference | str | None) -> TwoRankCheck:
     """One check of one family on this rank, compared where this rank holds `ref`; what
     it raises is recorded. The collective part runs on every rank whatever the comparison
     does after it."""
-    refused = multi_rank_refusal(model_type, world)
-    if refused:
-        return TwoRankCheck(refused, math.inf, math.inf)
     try:
         run = _ulysses(model_type) if check == "ulysses" else _data_parallel(model_type)
     except Exception:

@@ -9,12 +9,13 @@ that multi-rank runs use. That group is the process's default group from then on
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import PreTrainedModel
 
 from tephra.engine_api.config import EngineConfig
@@ -135,3 +136,8 @@ def shard_model(
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(root, **kwargs)
+    # a parameter one rank's tokens leave unused (LongCat-Flash's routed experts when a
+    # micro-batch routes a rank's tokens to its zero-compute experts only) has no gradient
+    # there: without zeros in its place the ranks' reduce-scatters differ in size and the
+    # process group aborts
+    cast(FSDPModule, root).set_reduce_scatter_unused_params(True)

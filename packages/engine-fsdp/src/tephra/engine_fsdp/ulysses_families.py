@@ -1,5 +1,5 @@
 """Which model families engine=fsdp refuses under Ulysses sequence parallelism
-(`parallel.context > 1`) or on several ranks at all, and why.
+(`parallel.context > 1`), and why.
 
 Ulysses packs every micro-batch (a family refused in the packed layout, `families.REFUSED`,
 is refused under Ulysses with that reason) and replaces the model's attention with
@@ -9,8 +9,7 @@ chunked attention, a sparse-attention indexer) or does not go through transforme
 attention interface at all (each rank would attend over its own shard of the tokens only)
 gives wrong log-probs or fails there (a sliding window the layer hands to the attention
 function is implemented: `ulysses`); `ULYSSES_REFUSED` names them, as the 2-rank family
-matrix (`family_matrix_ulysses`) found them. `MULTI_RANK_REFUSED`: families that fail on
-several ranks whatever the parallelism.
+matrix (`family_matrix_ulysses`) found them.
 """
 
 from __future__ import annotations
@@ -52,12 +51,6 @@ SPARSE_INDEXER = (
     "from the attention mask outside transformers' attention interface, over the rank's own "
     "shard of the tokens, and Ulysses passes no mask (transformers fails on it)"
 )
-ZERO_EXPERTS = (
-    "its zero-compute (identity) experts can leave a rank's routed-expert weights unused in a "
-    "micro-batch, and FSDP then reduce-scatters gradients of different sizes on different "
-    "ranks (gloo aborts: 'Received data size doesn't match expected size')"
-)
-
 ULYSSES_REFUSED: dict[str, str] = {
     "doge": DYNAMIC_MASK,
     **{f: SINKS for f in ("flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash")},
@@ -69,9 +62,6 @@ ULYSSES_REFUSED: dict[str, str] = {
 }
 """model_type -> why engine=fsdp's Ulysses attention is wrong for it (families the packed
 layout runs; a vision-language family is refused where its text family is)."""
-
-MULTI_RANK_REFUSED: dict[str, str] = {"longcat_flash": ZERO_EXPERTS}
-"""model_type -> why engine=fsdp fails on it on more than one rank."""
 
 WINDOWED = (WINDOW_IN_MASK, CHUNKED)
 """Refusals that do not apply to a config whose window is turned off."""
@@ -98,28 +88,15 @@ def ulysses_refusal(
     )
 
 
-def multi_rank_refusal(model_type: str | None, world_size: int) -> str | None:
-    """Why engine=fsdp refuses `model_type` on `world_size` > 1 ranks, or None."""
-    why = MULTI_RANK_REFUSED.get(model_type or "")
-    if why is None or world_size <= 1:
-        return None
-    return (
-        f"model_type={model_type!r} on {world_size} ranks: {why}; train it on one rank "
-        "(a world size of 1)"
-    )
-
-
-def check(config: EngineConfig, world_size: int) -> None:
-    """Refuse `config`'s model family (or its text model's) on `world_size` ranks
-    (`multi_rank_refusal`) and under Ulysses when `parallel.context > 1`
-    (`ulysses_refusal`)."""
+def check(config: EngineConfig) -> None:
+    """Refuse `config`'s model family (or its text model's) under Ulysses when
+    `parallel.context > 1` (`ulysses_refusal`)."""
     sp = config.parallel.context
+    if sp == 1:
+        return
     for hf_config in model_configs_of(config):
         model_type = hf_config.get("model_type")
-        name = model_type if isinstance(model_type, str) else None
-        why = multi_rank_refusal(name, world_size)
-        if why is None and sp > 1:
-            why = ulysses_refusal(name, sp, hf_config)
+        why = ulysses_refusal(model_type if isinstance(model_type, str) else None, sp, hf_config)
         if why:
             raise ConfigError(why)
 
@@ -135,8 +112,7 @@ ULYSSES_LEGEND = (
     "so a family refused packed is refused here for that reason. Every family **Y** padded",
     "is also checked on 2 data-parallel ranks (FSDP world size 2, padded rows, each rank one",
     "prompt's 3 rows): the update's gradients after FSDP's reduce-scatter equal the plain",
-    "model's over all 6 rows within 1e-5, except `longcat_flash`, refused on more than one",
-    "rank (the reason in its Ulysses cell). All of them run in the default test suite",
+    "model's over all 6 rows within 1e-5. All of them run in the default test suite",
     "(`test_engine_fsdp_families_ulysses.py`: one start of 2 processes for every family,",
     "about 2 minutes on 2 CPU cores).",
 )
@@ -148,5 +124,5 @@ def ulysses_status(model_type: str, packed_status: str, sp: int = 2) -> str:
     that is not Y (refused, not buildable), else `refused (reason)` or `Y`."""
     if not packed_status.startswith("Y"):
         return packed_status
-    why = MULTI_RANK_REFUSED.get(model_type) or ULYSSES_REFUSED.get(model_type)
+    why = ULYSSES_REFUSED.get(model_type)
     return f"refused ({why})" if why else packed_status
