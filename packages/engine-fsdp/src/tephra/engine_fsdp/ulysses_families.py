@@ -4,12 +4,12 @@
 Ulysses packs every micro-batch (a family refused in the packed layout, `families.REFUSED`,
 is refused under Ulysses with that reason) and replaces the model's attention with
 `ulysses.ATTENTION_NAME`, which exchanges q/k/v heads for tokens around a causal attention
-over each whole packed sequence. A family whose attention is not that (a sliding window, a
-chunked attention, a sparse-attention indexer) or does not go through transformers'
-attention interface at all (each rank would attend over its own shard of the tokens only)
-gives wrong log-probs or fails there (a sliding window the layer hands to the attention
-function is implemented: `ulysses`); `ULYSSES_REFUSED` names them, as the 2-rank family
-matrix (`family_matrix_ulysses`) found them.
+(with the sliding window the layer hands it, if any) over each whole packed sequence. A
+family whose attention is more than that (sinks, a chunked attention, a window or a mask
+that reaches attention only through the mask, a sparse-attention indexer) or does not go
+through transformers' attention interface at all (each rank would attend over its own shard
+of the tokens only) gives wrong log-probs or fails there; `ULYSSES_REFUSED` names them, as
+the 2-rank family matrix (`family_matrix_ulysses`) found them.
 """
 
 from __future__ import annotations
@@ -114,12 +114,12 @@ ULYSSES_LEGEND = (
     "prompt's 3 rows): the update's gradients after FSDP's reduce-scatter equal the plain",
     "model's over all 6 rows within 1e-5. All of them run in the default test suite",
     "(`test_engine_fsdp_families_ulysses.py`: one start of 2 processes for every family,",
-    "about 2 minutes on 2 CPU cores).",
+    "about 90 s of CPU time, 2-3 minutes on a shared 2-core machine).",
 )
 """The support table's legend of the Ulysses column and the data-parallel check."""
 
 
-def ulysses_status(model_type: str, packed_status: str, sp: int = 2) -> str:
+def ulysses_status(model_type: str, packed_status: str) -> str:
     """The support table's Ulysses cell of a text family: the packed layout's status where
     that is not Y (refused, not buildable), else `refused (reason)` or `Y`."""
     if not packed_status.startswith("Y"):
