@@ -51,11 +51,17 @@ SPARSE_INDEXER = (
     "from the attention mask outside transformers' attention interface, over the rank's own "
     "shard of the tokens, and Ulysses passes no mask (transformers fails on it)"
 )
+SHARDED_STATE = (
+    "its Mamba2 layers run their causal convolution and recurrent state over the rank's own "
+    "shard of the tokens only, so the tokens after a shard boundary lose the ones before it"
+)
+
 ULYSSES_REFUSED: dict[str, str] = {
     "doge": DYNAMIC_MASK,
     **{f: SINKS for f in ("flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash")},
     "phimoe": WINDOW_IN_MASK,
     "llama4_text": CHUNKED,
+    "nemotron_h": SHARDED_STATE,
     "gpt_neo": OWN_ATTENTION,
     "gpt_neox_japanese": OWN_ATTENTION,
     **{f: SPARSE_INDEXER for f in ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4")},
