@@ -45,6 +45,7 @@ from tephra.engine_fsdp import (
     sharding,
     tree_attention,
     ulysses,
+    ulysses_families,
     vision,
     weights,
 )
@@ -217,6 +218,7 @@ class FSDPEngine(Engine):
             vision_family(declared_hf_config(config.model))
         families.check_causal_setting(config)
         families.check_layout(config, packs(config))
+        ulysses_families.check(config)
         if config.micro_batch.share_prefix and not sharing_supported(config):
             raise ConfigError(
                 "micro_batch.share_prefix=true needs padded micro-batches (micro_batch."

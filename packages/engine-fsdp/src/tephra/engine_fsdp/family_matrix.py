@@ -31,6 +31,7 @@ from tephra.engine_api.loss import Share
 from tephra.engine_fsdp.families import CAUSAL_SETTING, LAYOUT_OVERRIDES, LAYOUTS, REFUSED
 from tephra.engine_fsdp.model_builder import auto_class
 from tephra.engine_fsdp.testing import padded_batch
+from tephra.engine_fsdp.ulysses_families import ULYSSES_COLUMN, ULYSSES_LEGEND, ulysses_status
 
 if TYPE_CHECKING:
     from tephra.engine_fsdp.engine import FSDPEngine
@@ -787,7 +788,9 @@ def support_table() -> list[Row]:
     for model_type in causal_lm_families():
         text = text_family(model_type)
         target = text or model_type
-        rows.append(Row(model_type, {lay: status(target, lay) for lay in LAYOUTS}, text))
+        statuses = {lay: status(target, lay) for lay in LAYOUTS}
+        statuses[ULYSSES_COLUMN] = ulysses_status(target, statuses["packed"])
+        rows.append(Row(model_type, statuses, text))
     return rows
 
 
@@ -796,7 +799,7 @@ def render_markdown(command: str) -> str:
     import transformers  # the version the table was checked against
 
     rows = support_table()
-    full = sum(all(v.startswith("Y") for v in r.statuses.values()) for r in rows)
+    full = sum(all(r.statuses[lay].startswith("Y") for lay in LAYOUTS) for r in rows)
     head = [
         "# Model families on engine=fsdp",
         "",
@@ -833,8 +836,10 @@ def render_markdown(command: str) -> str:
         "slide only with `use_sliding_window: true` (their tiny models here switch it on).",
         "The numbers point to the reasons under the table.",
         "",
-        "| model_type | padded | packed | shared prefix |",
-        "|---|---|---|---|",
+        *ULYSSES_LEGEND,
+        "",
+        f"| model_type | padded | packed | shared prefix | {ULYSSES_COLUMN} |",
+        "|---|---|---|---|---|",
     ]
     body: list[str] = []
     reasons: dict[str, int] = {}  # reason -> its number, in order of first use
@@ -848,7 +853,7 @@ def render_markdown(command: str) -> str:
 
     for r in rows:
         name = f"`{r.model_type}`" + (f" (text: `{r.checked_as}`)" if r.checked_as else "")
-        body.append(f"| {name} | " + " | ".join(cell(r.statuses[lay]) for lay in LAYOUTS) + " |")
+        body.append(f"| {name} | " + " | ".join(cell(v) for v in r.statuses.values()) + " |")
     body += ["", "## Reasons", ""]
     body += [f"{n}. {why}" for why, n in reasons.items()]
     return "\n".join(head + body) + "\n"

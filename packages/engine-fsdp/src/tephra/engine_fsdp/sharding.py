@@ -9,12 +9,13 @@ that multi-rank runs use. That group is the process's default group from then on
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import PreTrainedModel
 
 from tephra.engine_api.config import EngineConfig
@@ -101,13 +102,6 @@ def check_ulysses(config: EngineConfig, hf_model: PreTrainedModel, where: str) -
             f"{where}: {heads} attention heads are not divisible by parallel.context={sp}; "
             "choose a context size that divides the head count"
         )
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
-        layer_types = getattr(text, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types) or not layer_types:
-            raise ConfigError(
-                f"{where}: sliding-window attention is not implemented under parallel.context="
-                f"{sp}; set parallel.context=1 or disable the sliding window"
-            )
 
 
 def shard_model(
@@ -142,6 +136,11 @@ def shard_model(
     for unit in sharing_units(layers):
         fully_shard(unit if len(unit) > 1 else unit[0], **kwargs)
     fully_shard(root, **kwargs)
+    # a parameter one rank's tokens leave unused (LongCat-Flash's routed experts when a
+    # micro-batch routes a rank's tokens to its zero-compute experts only) has no gradient
+    # there: without zeros in its place the ranks' reduce-scatters differ in size and the
+    # process group aborts
+    cast(FSDPModule, root).set_reduce_scatter_unused_params(True)
 
 
 def sharing_units(layers: list[nn.Module]) -> list[list[nn.Module]]:

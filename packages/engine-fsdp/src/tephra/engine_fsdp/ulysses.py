@@ -110,9 +110,15 @@ def _ulysses_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention function registered as `ATTENTION_NAME` (transformers' interface:
-    query `[b, heads, t, d]`, key/value `[b, kv_heads, t, d]`; returns `[b, t, heads, d]`)."""
-    if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
-        raise NotImplementedError("Ulysses attention does not implement sliding windows")
+    query `[b, heads, t, d]`, key/value `[b, kv_heads, t, d]`; returns `[b, t, heads, d]`).
+    A sliding window `w` (the layer's `sliding_window` argument, else its attribute; None on
+    a hybrid model's full layers) lets a query at position `i` of its sequence see the keys at
+    `i - w < j <= i`, as transformers' `sliding_window_overlay`."""
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise NotImplementedError("Ulysses attention does not implement attention sinks")
+    if attention_mask is not None:  # a layer's own mask (Doge's dynamic one): not ignored
+        raise NotImplementedError("Ulysses attention takes no attention mask")
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     group, sp = _STATE.group, _STATE.sp
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % sp:
@@ -138,7 +144,8 @@ def _ulysses_attention(
                 q[:, :, a:b],
                 k[:, :, a:b],
                 v[:, :, a:b],
-                is_causal=True,
+                attn_mask=_window_mask(b - a, window, q.device),
+                is_causal=not window or b - a <= window,
                 dropout_p=drop,
                 scale=scaling,
             )
@@ -148,6 +155,16 @@ def _ulysses_attention(
     )
     out = _HeadToSeq.apply(out, group, sp)  # [b, heads, t, d]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window_mask(n: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """`[n, n]` boolean mask of a causal sliding window over a segment of `n` tokens (True:
+    attend), or None where the window covers the whole segment (plain causal attention)."""
+    if not window or n <= window:
+        return None
+    i = torch.arange(n, device=device)
+    gap = i[:, None] - i[None, :]  # query position - key position
+    return (gap >= 0) & (gap < window)
 
 
 AttentionInterface.register(ATTENTION_NAME, _ulysses_attention)
