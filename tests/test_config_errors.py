@@ -154,11 +154,12 @@ CASES = [
             "trainer.mode=async",
             "rollout.backend=vllm",
             "resources.rollout.replicas=1",
-            "resources.rollout.gpus_per_replica=1",
+            "resources.rollout.gpus_per_replica=2",
+            "rollout.vllm.data_parallel_size=2",
             "rollout.vllm.tensor_parallel_size=2",
         ],
-        r"rollout.vllm.tensor_parallel_size=2 x data_parallel_size=1 = 2 GPUs per server, but "
-        r"resources.rollout.gpus_per_replica=1: .*set resources.rollout.gpus_per_replica=2",
+        r"rollout.vllm.tensor_parallel_size=2 x data_parallel_size=2 = 4 GPUs per server, but "
+        r"resources.rollout.gpus_per_replica=2: .*set resources.rollout.gpus_per_replica=4",
     ),
     (
         ["resources.ref.ranks=1"],
