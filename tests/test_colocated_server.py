@@ -17,9 +17,7 @@ from tephra.controller.workers.colocated_server import plan_colocated_server
 from tephra.core.errors import ConfigError
 
 INVENTORIES = json.loads(
-    (
-        Path(__file__).parents[1] / "packages/controller/tests/data/gpu_inventories.json"
-    ).read_text()
+    (Path(__file__).parents[1] / "packages/controller/tests/data/gpu_inventories.json").read_text()
 )
 # a 1.5B model (28 layers, hidden 1536, MLP 8960, vocabulary 151936)
 SIZE = ModelSize(params=1_500_000_000, layers=28, hidden=1536, intermediate=8960, vocab=151936)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from tephra.engine_api.errors import ConfigError
 from tephra.rollout import RolloutConfig, ServerSettings
 from tephra.rollout.backends import SglangProtocol, VllmProtocol
 from tephra.rollout.colocation import ColocatedBudget, resolve_server_settings
-from tephra.engine_api.errors import ConfigError
 
 GIB = 1024**3
 # one rank's trainer peak of 30 GiB on an 80 GiB GPU, a 3 GiB server
