@@ -111,3 +111,15 @@ def test_the_root_readmes_tensor_parallel_example_loads(monkeypatch):
     # as the README said before: a two-GPU server in a one-rank run is refused before Ray
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 does not divide"):
         parse_config(["-p", "smoke", "rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2"])
+
+
+def test_one_gpu_servers_of_ranks_sharing_a_gpu_split_it():
+    cfg = parse_config(
+        [*GPU_RUN, "rollout.sglang.tensor_parallel_size=1", "resources.gpus_per_rank=0.5"]
+    )
+    ranks = rank_gpus(INVENTORIES["four_ranks_on_two_gpus"])
+    placed = plan_colocated_server(cfg, 1, ranks, SIZE)
+    assert placed is not None and placed.settings.env == {}
+    # two trainers of 20_012_497_298 bytes and two 2 GiB reserves on the 85_045_231_616-byte
+    # H100 leave 40_725_269_724, 20_362_634_862 per server: 0.2394 of the GPU, 0.23
+    assert placed.settings.gpu_memory_utilization == 0.23

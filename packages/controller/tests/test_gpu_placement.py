@@ -57,6 +57,19 @@ def test_a_server_over_two_nodes_is_refused_naming_the_fix():
     assert len(server_gpus(inventory("two_nodes_of_6_h200"), 3, "vllm")) == 4  # 6 = 2 x 3
 
 
+def test_one_gpu_servers_of_ranks_sharing_a_gpu_know_how_many_share_it():
+    plans = server_gpus(inventory("four_ranks_on_two_gpus"), 1, "vllm")
+    assert [(p.visible_devices, p.sharing) for p in plans] == [
+        ("0", 2),
+        ("0", 2),
+        ("1", 2),
+        ("1", 2),
+    ]
+    assert {p.sharing for p in server_gpus(inventory("two_nodes_of_8_h100"), 2, "vllm")} == {1}
+    # GPU "0" of two different nodes is two GPUs
+    assert {p.sharing for p in server_gpus(inventory("two_nodes_of_6_h200"), 1, "vllm")} == {1}
+
+
 def test_ranks_sharing_a_gpu_are_refused():
     with pytest.raises(
         ConfigError,

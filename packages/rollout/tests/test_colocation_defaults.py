@@ -112,3 +112,15 @@ def test_no_room_for_the_server_is_refused_naming_the_field_and_the_fixes():
     # one GiB more of GPU is enough
     ok = ColocatedBudget(70 * GIB, 81 * GIB, 8 * GIB, "b")
     assert resolve_server_settings(ServerSettings(), "vllm", "cuda", ok).settings.sleep_level == 1
+
+
+def test_ranks_sharing_a_gpu_split_what_their_trainers_leave():
+    # two ranks on one 80 GiB GPU, each trainer 10 GiB: (80 - 2 x (10 + 2)) / 2 = 28 GiB each
+    budget = ColocatedBudget(10 * GIB, 80 * GIB, 3 * GIB, "b", sharing=2)
+    out = resolve_server_settings(ServerSettings(), "vllm", "cuda", budget)
+    assert out.settings.gpu_memory_utilization == 0.35  # 28 / 80
+    assert out.note is not None and "of 80.0 GiB, 2 ranks per GPU, b;" in out.note
+    # four ranks of 17 GiB: (80 - 4 x 19) / 4 = 1 GiB each, short of 3 GiB + 1 GiB of KV cache
+    crowded = ColocatedBudget(17 * GIB, 80 * GIB, 3 * GIB, "b", sharing=4)
+    with pytest.raises(ConfigError, match=r"2 GiB reserve for each of 4 ranks sharing the GPU"):
+        resolve_server_settings(ServerSettings(), "vllm", "cuda", crowded)

@@ -7,7 +7,9 @@
 | `gpu_memory_utilization` | unset (ignored)    | what the trainer's peak leaves (below)  | unset (server's 0.9)  |
 
 A colocated server's fraction is `(total - trainer_peak - RESERVE_BYTES) / total` of its
-smallest GPU, rounded down to a hundredth and capped at `MAX_UTILIZATION`. The trainer's peak
+smallest GPU, rounded down to a hundredth and capped at `MAX_UTILIZATION`; where n ranks share
+one GPU (fractional GPUs per rank), `(total - n * (trainer_peak + RESERVE_BYTES)) / n / total`
+each. The trainer's peak
 counts its activations too, although the server sleeps while they exist: a run with an explicit
 `sleep_level=0` then still fits, and the server's start (before the trainer allocates) never
 takes the memory the trainer needs later. An explicit value of any field always wins.
@@ -45,6 +47,10 @@ class ColocatedBudget:
     tensor-parallel size)."""
     basis: str
     """How the peak was found, for the printed line (e.g. `estimated from 1.5B params: ...`)."""
+    sharing: int = 1
+    """Ranks (each with its trainer and, where it holds one, its server) sharing one GPU
+    (fractional `resources.gpus_per_rank`): the GPU holds that many trainers and reserves, and
+    each server gets its share of what is left."""
 
 
 @dataclass(frozen=True)
@@ -60,13 +66,14 @@ def colocated_utilization(budget: ColocatedBudget, field: str) -> float:
     """The fraction of GPU memory a colocated server may take (module docstring), or a
     ConfigError naming `field` and the fixes when what is left cannot hold its weights and
     `MIN_KV_BYTES` of KV cache."""
-    total = budget.gpu_total_bytes
-    left = total - budget.trainer_peak_bytes - RESERVE_BYTES
+    total, n = budget.gpu_total_bytes, budget.sharing
+    left = (total - n * (budget.trainer_peak_bytes + RESERVE_BYTES)) // n
     needed = budget.server_weight_bytes + MIN_KV_BYTES
     if left < needed:
+        shared = f" for each of {n} ranks sharing the GPU" if n > 1 else ""
         raise ConfigError(
             f"{field}: the trainer's estimated peak {budget.trainer_peak_bytes / GIB:.1f} GiB "
-            f"({budget.basis}) + {RESERVE_BYTES / GIB:.0f} GiB reserve leaves "
+            f"({budget.basis}) + {RESERVE_BYTES / GIB:.0f} GiB reserve{shared} leaves "
             f"{max(left, 0) / GIB:.1f} GiB of the GPU's {total / GIB:.1f} GiB, less than the "
             f"colocated server's weights {budget.server_weight_bytes / GIB:.1f} GiB + "
             f"{MIN_KV_BYTES / GIB:.0f} GiB of KV cache; shard the trainer over more ranks "
@@ -105,10 +112,11 @@ def resolve_server_settings(
         return "auto" if value is None else "set"
 
     if settings.gpu_memory_utilization is None:
+        shared = f", {budget.sharing} ranks per GPU" if budget.sharing > 1 else ""
         memory = (
             f"gpu_memory_utilization={share:.2f} (auto: trainer peak "
             f"{budget.trainer_peak_bytes / GIB:.1f} GiB of {budget.gpu_total_bytes / GIB:.1f} "
-            f"GiB, {budget.basis}; {RESERVE_BYTES / GIB:.0f} GiB reserve)"
+            f"GiB{shared}, {budget.basis}; {RESERVE_BYTES / GIB:.0f} GiB reserve)"
         )
     else:
         memory = f"gpu_memory_utilization={share:.2f} (set)"

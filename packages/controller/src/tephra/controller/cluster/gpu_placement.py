@@ -46,6 +46,8 @@ class ServerGpus:
     """`CUDA_VISIBLE_DEVICES` of the server's process: the ranks' GPUs in rank order."""
     total_bytes: int
     """Memory of the smallest of those GPUs."""
+    sharing: int = 1
+    """Most ranks of the whole group on any one of those GPUs (fractional GPUs per rank)."""
 
 
 def rank_gpus(rows: list[dict]) -> list[RankGpu]:
@@ -72,6 +74,11 @@ def server_gpus(ranks: list[RankGpu], tensor_parallel_size: int, backend: str) -
     ordered = sorted(ranks, key=lambda r: r.rank)
     if [r.rank for r in ordered] != list(range(len(ordered))) or len(ordered) % k:
         raise ValueError(f"ranks {[r.rank for r in ordered]} are not 0..n-1 in groups of {k}")
+    per_gpu: dict[tuple[str, str], int] = {}
+    for r in ordered:
+        if r.gpu_ids:
+            key = (r.node, r.gpu_ids[0])
+            per_gpu[key] = per_gpu.get(key, 0) + 1
     out = []
     for start in range(0, len(ordered), k):
         group = ordered[start : start + k]
@@ -104,6 +111,7 @@ def server_gpus(ranks: list[RankGpu], tensor_parallel_size: int, backend: str) -
                 ranks=tuple(names),
                 visible_devices=",".join(devices),
                 total_bytes=min(r.total_bytes for r in group),
+                sharing=max(per_gpu[(r.node, r.gpu_ids[0])] for r in group),
             )
         )
     return out

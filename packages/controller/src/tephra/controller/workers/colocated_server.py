@@ -43,9 +43,11 @@ def engine_shape(section: EngineRoleConfig, cfg: PPOConfig, lora: bool) -> Engin
     )
 
 
-def colocated_budget(cfg: PPOConfig, size: ModelSize, gpu_total_bytes: int) -> ColocatedBudget:
+def colocated_budget(
+    cfg: PPOConfig, size: ModelSize, gpu_total_bytes: int, sharing: int = 1
+) -> ColocatedBudget:
     """The trainer's estimated peak on one rank (`tephra.controller.run.memory_estimate`) beside
-    a server of `cfg.rollout` on GPUs of `gpu_total_bytes`."""
+    a server of `cfg.rollout` on GPUs of `gpu_total_bytes`, each shared by `sharing` ranks."""
     actor = engine_shape(cfg.actor, cfg, lora=cfg.actor.lora.enabled)
     reference = cfg.resources.ref.ranks == 0 and cfg.needs_reference and not cfg.actor.lora.enabled
     critic = (
@@ -60,6 +62,7 @@ def colocated_budget(cfg: PPOConfig, size: ModelSize, gpu_total_bytes: int) -> C
         gpu_total_bytes=gpu_total_bytes,
         server_weight_bytes=size.params * rollout_bytes // cfg.rollout.tensor_parallel_size,
         basis=memory.describe(size, actor.shard),
+        sharing=sharing,
     )
 
 
@@ -85,7 +88,7 @@ def plan_colocated_server(
     if mine is None:
         return None
     resolved = resolve_server_settings(
-        settings, backend, "cuda", colocated_budget(cfg, size, mine.total_bytes)
+        settings, backend, "cuda", colocated_budget(cfg, size, mine.total_bytes, mine.sharing)
     )
     out = resolved.settings
     if len(mine.ranks) > 1:
