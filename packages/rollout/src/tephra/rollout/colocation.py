@@ -1,18 +1,18 @@
 """The automatic (`None`) launch settings of a server backend, resolved for where it runs.
 
-| field                    | CPU                | GPU, colocated with the trainer         | GPU, own GPUs / `url` |
-|--------------------------|--------------------|-----------------------------------------|-----------------------|
-| `enforce_eager`          | true (eager)       | false (CUDA graphs)                     | false (CUDA graphs)   |
-| `sleep_level`            | 0 (CPU vLLM refuses) | 1 (weights to host, KV cache freed)   | 0                     |
-| `gpu_memory_utilization` | unset (ignored)    | what the trainer's peak leaves (below)  | unset (server's 0.9)  |
+| field                    | CPU                  | GPU, colocated with the trainer        | GPU, own GPUs / `url` |
+|--------------------------|----------------------|----------------------------------------|-----------------------|
+| `enforce_eager`          | true (eager)         | false (CUDA graphs)                    | false (CUDA graphs)   |
+| `sleep_level`            | 0 (CPU vLLM refuses) | 1 (weights to host, KV cache freed)    | 0                     |
+| `gpu_memory_utilization` | unset (ignored)      | what the trainer's peak leaves (below) | unset (server's 0.9)  |
 
 A colocated server's fraction is `(total - trainer_peak - RESERVE_BYTES) / total` of its
 smallest GPU, rounded down to a hundredth and capped at `MAX_UTILIZATION`; where n ranks share
 one GPU (fractional GPUs per rank), `(total - n * (trainer_peak + RESERVE_BYTES)) / n / total`
-each. The trainer's peak
-counts its activations too, although the server sleeps while they exist: a run with an explicit
-`sleep_level=0` then still fits, and the server's start (before the trainer allocates) never
-takes the memory the trainer needs later. An explicit value of any field always wins.
+each. The trainer's peak counts its activations too, although the server sleeps while they
+exist: a run with an explicit `sleep_level=0` then still fits, and the server's start (before
+the trainer allocates) never takes the memory the trainer needs later. An explicit value of any
+field always wins.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tephra.engine_api.config import DTYPES
+from tephra.engine_api.multimodal import is_vision_config
 
 GIB = 1024**3
 DTYPE_BYTES = {name: torch.finfo(getattr(torch, name)).bits // 8 for name in DTYPES}
@@ -52,8 +53,6 @@ class ModelSize:
         device."""
         # heavy: transformers takes seconds to import; only a colocated GPU server needs this
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-        from tephra.engine_api.multimodal import is_vision_config
 
         config = AutoConfig.from_pretrained(path)
         auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
