@@ -120,6 +120,11 @@ def test_checkpointing_lora_offload_reference_and_critic_change_their_parts():
     assert both.reference == 750_000_000
     # the critic's state; its activations (no vocabulary logits) stay under the actor's
     assert both.critic == WEIGHTS + GRADS + ADAM
+    # a fused head (engine=fsdp) never holds all 4096 x 151936 logits: the 256 MiB of
+    # log-probs it keeps, two 64 MiB blocks, the head weight and its gradient in fp32
+    fused = trainer_memory(SIZE, replace(ACTOR, fused_head=True))
+    assert fused.logits == 268_435_456 + 134_217_728 + 2 * 151936 * 1536 * 4
+    assert fused.activations == ACTIVATIONS
     split = trainer_memory(SIZE, replace(ACTOR, tensor=2, context=2, shard=16))
     assert split.activations == 2048 * 28 * 33024 * 2 // 2
     assert split.gradients == 375_000_000

@@ -12,8 +12,11 @@ tensor x pipeline only), b the compute dtype's size and m the master dtype's:
 - one micro-batch of T = max_tokens_per_microbatch / context tokens, split over tensor ranks:
   activations T * L * (4H + 3I) * b (attention's q, k, v and output, the MLP's gate, up and
   product, per layer) or, with gradient checkpointing, T * L * H * b (each layer's input) plus
-  one layer recomputed, T * (4H + 3I) * b; logits T * V * (b + 8) (the logits, their fp32
-  log-softmax and its gradient);
+  one layer recomputed, T * (4H + 3I) * b; the output head: with a fused log-prob head
+  (engine=fsdp: `tephra.kernels` never holds all [T, V] logits) the fp32 log-probs it keeps
+  for backward, at most KEEP_LOGITS_BYTES, two [block, V] fp32 buffers (2 * BLOCK_BYTES) and
+  the head weight and its gradient in fp32 (2 * V * H * 4); otherwise T * V * (b + 8) (the
+  logits, their fp32 log-softmax and its gradient);
 - a colocated reference adds its weights (N * m / S); a colocated critic its weights, gradients
   and moments, and its own micro-batch's activations (no vocabulary logits) where they exceed
   the actor's (the two never train at once).
@@ -34,6 +37,12 @@ GIB = 1024**3
 DTYPE_BYTES = {name: torch.finfo(getattr(torch, name)).bits // 8 for name in DTYPES}
 ADAM_MOMENT_BYTES = 4
 """AdamW keeps its two moments in float32."""
+KEEP_LOGITS_BYTES = 256 * 1024**2
+"""Most fp32 log-probs the fused head keeps from forward to backward
+(`tephra.kernels.chunked.KEEP_LOGITS_BYTES`)."""
+BLOCK_BYTES = 64 * 1024**2
+"""One block of the fused head's fp32 logits (`tephra.kernels.triton_kernels.BLOCK_BYTES`; the
+CPU path's chunks are half that)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,8 @@ class EngineShape:
     lora: bool = False
     offload_params: bool = False
     offload_optimizer: bool = False
+    fused_head: bool = False
+    """The engine computes log-probs block by block, never all logits at once (engine=fsdp)."""
 
 
 @dataclass(frozen=True)
@@ -146,8 +157,13 @@ def _micro_batch(size: ModelSize, shape: EngineShape, logits: bool) -> tuple[int
         acts = tokens * size.layers * size.hidden * b + tokens * layer
     else:
         acts = tokens * size.layers * layer
-    head = tokens * size.vocab * (b + 8) if logits else 0
-    return acts // shape.tensor, head // shape.tensor
+    if not logits:
+        return acts // shape.tensor, 0
+    if shape.fused_head:
+        kept = min(tokens * size.vocab * 4, KEEP_LOGITS_BYTES)
+        head = kept + 2 * BLOCK_BYTES + 2 * size.vocab * size.hidden * 4
+        return acts // shape.tensor, head
+    return acts // shape.tensor, tokens * size.vocab * (b + 8) // shape.tensor
 
 
 def trainer_memory(

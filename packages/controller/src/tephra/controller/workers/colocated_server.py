@@ -40,6 +40,7 @@ def engine_shape(section: EngineRoleConfig, cfg: PPOConfig, lora: bool) -> Engin
         lora=lora,
         offload_params=section.offload.params,
         offload_optimizer=section.offload.optimizer,
+        fused_head=section.engine == "fsdp",
     )
 
 
