@@ -58,6 +58,11 @@ def test_a_tensor_parallel_server_runs_on_its_ranks_gpus_sized_to_the_trainer():
         "79.2 GiB, estimated from 1.5B params sharded 1/4: weights 1.60 + grads 1.40 + adam "
         "2.79 + activations 7.05 + logits 2.11 GiB; 2 GiB reserve), sleep_level=1 (auto)"
     )
+    # a run that never puts its rollout to sleep starts the server without sleep mode
+    awake = parse_config([*GPU_RUN, "rollout.sleep_when_training=false"])
+    placed = plan_colocated_server(awake, 2, ranks, SIZE)
+    assert placed is not None and placed.settings.sleep_level == 0
+    assert placed.note is not None and "sleep_level=0 (auto)" in placed.note
     # the other rank of the pair starts nothing
     assert plan_colocated_server(cfg, 3, ranks, SIZE) is None
     first = plan_colocated_server(cfg, 0, ranks, SIZE)

@@ -90,15 +90,17 @@ def resolve_server_settings(
     backend: str,
     device: str,
     budget: ColocatedBudget | None = None,
+    sleeps: bool = True,
 ) -> Resolved:
     """`settings` with `enforce_eager`, `sleep_level` and `gpu_memory_utilization` resolved
     where None (module docstring): `device` is where the server computes (`cpu`, `cuda`, or
-    `cuda:i`); `budget` is given for a server tephra starts on the trainer's GPUs. The note
+    `cuda:i`); `budget` is given for a server tephra starts on the trainer's GPUs; `sleeps`
+    says whether its owner puts it to sleep while training (if not, no sleep mode). The note
     is the once-per-run line of a colocated GPU server."""
     cuda = device.startswith("cuda")
     colocated = cuda and budget is not None and settings.url is None
     eager = settings.enforce_eager if settings.enforce_eager is not None else not cuda
-    sleep = settings.sleep_level if settings.sleep_level is not None else int(colocated)
+    sleep = settings.sleep_level if settings.sleep_level is not None else int(colocated and sleeps)
     share = settings.gpu_memory_utilization
     if share is None and colocated:
         assert budget is not None  # `colocated` says so

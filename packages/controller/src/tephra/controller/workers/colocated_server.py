@@ -89,7 +89,11 @@ def plan_colocated_server(
     if mine is None:
         return None
     resolved = resolve_server_settings(
-        settings, backend, "cuda", colocated_budget(cfg, size, mine.total_bytes, mine.sharing)
+        settings,
+        backend,
+        "cuda",
+        colocated_budget(cfg, size, mine.total_bytes, mine.sharing),
+        sleeps=cfg.rollout.sleep_when_training,
     )
     out = resolved.settings
     if len(mine.ranks) > 1:
