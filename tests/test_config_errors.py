@@ -122,6 +122,45 @@ CASES = [
         r"rollout.vllm.sleep_level=2 with rollout.vllm.tensor_parallel_size=2 colocated: .*use "
         r"sleep_level=1",
     ),
+    # a server on GPUs gets as many GPUs as it spans (colocated: one per rank of its group)
+    (
+        [
+            "rollout.backend=vllm",
+            "resources.gpus_per_rank=0.5",
+            "resources.world_size=2",
+            "rollout.vllm.tensor_parallel_size=2",
+        ],
+        r"rollout.vllm.tensor_parallel_size=2 colocated with resources.gpus_per_rank=0.5: a "
+        r"colocated server spans the GPUs of 2 consecutive ranks, one whole GPU each; set "
+        r"resources.gpus_per_rank=1",
+    ),
+    (
+        [
+            "rollout.backend=sglang",
+            "resources.gpus_per_rank=1",
+            "resources.world_size=2",
+            "resources.placement=STRICT_SPREAD",
+            "rollout.sglang.tensor_parallel_size=2",
+        ],
+        r"rollout.sglang.tensor_parallel_size=2 colocated with resources.placement=STRICT_SPREAD"
+        r": one rank per node .* use PACK or STRICT_PACK",
+    ),
+    (
+        ["rollout.backend=vllm", "resources.gpus_per_rank=1", "rollout.vllm.data_parallel_size=2"],
+        r"rollout.vllm.data_parallel_size=2 colocated on GPUs: .*leave data_parallel_size=1",
+    ),
+    (
+        [
+            "trainer.mode=async",
+            "rollout.backend=vllm",
+            "resources.rollout.replicas=1",
+            "resources.rollout.gpus_per_replica=2",
+            "rollout.vllm.data_parallel_size=2",
+            "rollout.vllm.tensor_parallel_size=2",
+        ],
+        r"rollout.vllm.tensor_parallel_size=2 x data_parallel_size=2 = 4 GPUs per server, but "
+        r"resources.rollout.gpus_per_replica=2: .*set resources.rollout.gpus_per_replica=4",
+    ),
     (
         ["resources.ref.ranks=1"],
         r"resources.ref.ranks=1, but nothing uses a reference: set "

@@ -393,7 +393,8 @@ def test_server_settings_reach_the_command_line_and_the_transfer_requests():
     assert "--enable-memory-saver" in text and "--enable-weights-cpu-backup" in text
     text = " ".join(sglang.launch_command("py", "m", "h", 9, config, ServerSettings(sleep_level=2)))
     assert "--enable-memory-saver" in text and "--enable-weights-cpu-backup" not in text
-    # enforce_eager (on by default) is SGLang's --disable-cuda-graph; off lets it capture graphs
+    # enforce_eager (auto: on on CPU, as here) is SGLang's --disable-cuda-graph; off lets it
+    # capture graphs
     assert "--disable-cuda-graph" in text
     eager_off = ServerSettings(enforce_eager=False)
     assert "--disable-cuda-graph" not in sglang.launch_command("py", "m", "h", 9, config, eager_off)

@@ -223,9 +223,11 @@ class ServerLaunch:
     """Extra command-line arguments for the server (e.g. ['--max-num-seqs', '64'])."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the server process (override the CPU defaults)."""
-    enforce_eager: bool = True
-    """Skip compilation and CUDA graphs: vLLM `--enforce-eager` (start-up 30-75 s instead of
-    100-200 s on CPU), SGLang `--disable-cuda-graph` (it compiles only on request)."""
+    enforce_eager: bool | None = None
+    """Skip compilation and CUDA graphs: vLLM `--enforce-eager`, SGLang `--disable-cuda-graph`
+    (it compiles only on request). None (auto): eager on CPU (start-up 30-75 s instead of
+    100-200 s there, and no graphs to gain), CUDA graphs on a GPU (decoding's many small
+    kernels launched as one graph). An explicit true / false always wins."""
     weights_dir: str | None = None
     """Folder shared with the server where `update_weights` writes safetensors (and where an
     untied copy of a tied model is served from). None: a temporary folder (same machine)."""
@@ -238,8 +240,10 @@ class ServerLaunch:
     `--dp-size`)."""
     gpu_memory_utilization: float | None = None
     """Fraction of GPU memory the server may take (vLLM `--gpu-memory-utilization`, SGLang
-    `--mem-fraction-static`); None: the server's default. Ignored by CPU builds (vLLM CPU sizes
-    its KV cache by `VLLM_CPU_KVCACHE_SPACE` in `env`)."""
+    `--mem-fraction-static`). None (auto): for a server colocated with the trainer on a GPU,
+    what the trainer's estimated peak leaves (`tephra.rollout.colocation`; the trainer prints
+    the value and its numbers once per run); elsewhere the server's own default (vLLM 0.9).
+    Ignored by CPU builds (vLLM CPU sizes its KV cache by `VLLM_CPU_KVCACHE_SPACE` in `env`)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
@@ -295,11 +299,12 @@ class ServerSettings(ServerLaunch):
     (the default, because the right one follows from where the server runs: gloo on CPU,
     ipc for a server this process starts on its GPU, nccl for a server at `url`). Refused
     where it cannot work, at config load (`tephra.rollout.weight_transport`)."""
-    sleep_level: int = 0
-    """Whether and how deeply the server sleeps while the engine trains: 0 (default: no
-    sleep mode, because vLLM's CPU build refuses it), 1 (weights moved to host memory, KV
-    cache dropped) or 2 (both dropped; the next update resends every weight, which tephra's
-    full syncs always do). Level 1 keeps a host copy of the weights (their size in host
+    sleep_level: int | None = None
+    """Whether and how deeply the server sleeps while the engine trains: 0 (no sleep mode), 1
+    (weights moved to host memory, KV cache dropped) or 2 (both dropped; the next update
+    resends every weight, which tephra's full syncs always do). None (auto): 1 for a server
+    colocated with the trainer on a GPU, else 0 (vLLM's CPU build refuses sleep mode; a
+    server of its own or at `url` has no trainer to make room for). Level 1 keeps a host copy of the weights (their size in host
     memory); level 2 frees the most GPU memory. Starts vLLM with `--enable-sleep-mode`,
     SGLang with `--enable-memory-saver`. A sync wakes the weights, loads, then wakes the KV
     cache, so the two are never both allocated beside the sender's buckets."""
@@ -312,10 +317,11 @@ class ServerSettings(ServerLaunch):
                 "weight-transfer API) or 'disk' (safetensors reload)"
             )
         check_transport_name("weight_transport", self.weight_transport)
-        if self.sleep_level not in (0, 1, 2):
+        if self.sleep_level not in (None, 0, 1, 2):
             raise ConfigError(
                 f"sleep_level={self.sleep_level!r}: choose 0 (no sleep), 1 "
-                "(weights to host memory, KV cache dropped) or 2 (both dropped)"
+                "(weights to host memory, KV cache dropped), 2 (both dropped) or null (auto: "
+                "1 colocated on a GPU, else 0)"
             )
         if self.weight_bucket_mb <= 0:
             raise ConfigError(f"weight_bucket_mb={self.weight_bucket_mb!r} must be > 0")

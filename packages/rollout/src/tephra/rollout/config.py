@@ -71,6 +71,12 @@ class RolloutSection:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
 
     @property
+    def server(self) -> ServerSettings | None:
+        """The chosen backend's server settings; None for an in-process backend (`hf`)."""
+        settings = getattr(self, self.backend, None)
+        return settings if isinstance(settings, ServerSettings) else None
+
+    @property
     def tensor_parallel_size(self) -> int:
         """Ranks per rollout engine: a server backend's `tensor_parallel_size`, 1 for `hf`
         (one in-process model per rank). Generation's data-parallel size is the world size

@@ -103,6 +103,7 @@ def validate(cfg: PPOConfig) -> None:  # noqa: C901, PLR0915 (older than the lim
             "its own rank's export, which the ranks without a server would not join; use "
             f"sleep_level=1, or rollout replicas of their own (resources.rollout.replicas)"
         )
+    check_server_gpus(cfg)
     if cfg.actor.lora_sync == "adapter":
         obstacle = (
             "it needs LoRA (actor.lora.rank > 0)"
@@ -424,6 +425,49 @@ def weight_path(cfg: PPOConfig) -> str:
             f"{transport} ({how}; {placement.describe()})"
         )
     return "weight transport: " + "; ".join(hops)
+
+
+def check_server_gpus(cfg: PPOConfig) -> None:
+    """A server tephra starts on GPUs must get as many GPUs as it spans (tensor x data
+    parallel): colocated, one whole GPU per rank of its group of `tensor_parallel_size` ranks
+    (the ranks' GPUs are then listed for it at start: `cluster.gpu_placement`); on rollout
+    replicas of their own, that many GPUs per replica. CPU runs are not concerned."""
+    r, pool = cfg.resources, cfg.resources.rollout
+    settings, backend = cfg.rollout.server, cfg.rollout.backend
+    if settings is None or settings.url is not None:
+        return
+    tp, dp = settings.tensor_parallel_size, settings.data_parallel_size
+    field = f"rollout.{backend}"
+    if pool.replicas:
+        if 0 < pool.gpus_per_replica < tp * dp:
+            raise ConfigError(
+                f"{field}.tensor_parallel_size={tp} x data_parallel_size={dp} = {tp * dp} GPUs "
+                f"per server, but resources.rollout.gpus_per_replica={pool.gpus_per_replica:g}: "
+                f"each replica's server runs on its replica's GPUs; set "
+                f"resources.rollout.gpus_per_replica={tp * dp}"
+            )
+        return
+    if r.gpus_per_rank == 0:
+        return
+    if dp > 1:
+        raise ConfigError(
+            f"{field}.data_parallel_size={dp} colocated on GPUs: each colocated server runs on "
+            f"the GPUs of its {tp} rank(s) alone, and the ranks already generate data-parallel "
+            f"(one server per {tp} ranks); leave data_parallel_size=1 and raise "
+            "resources.world_size, or put the rollout on replicas of their own "
+            "(resources.rollout.replicas)"
+        )
+    if tp > 1 and r.gpus_per_rank != 1:
+        raise ConfigError(
+            f"{field}.tensor_parallel_size={tp} colocated with resources.gpus_per_rank="
+            f"{r.gpus_per_rank:g}: a colocated server spans the GPUs of {tp} consecutive ranks, "
+            "one whole GPU each; set resources.gpus_per_rank=1"
+        )
+    if tp > 1 and r.placement == "STRICT_SPREAD":
+        raise ConfigError(
+            f"{field}.tensor_parallel_size={tp} colocated with resources.placement=STRICT_SPREAD: "
+            f"one rank per node leaves no server {tp} GPUs on one node; use PACK or STRICT_PACK"
+        )
 
 
 def check_role_pools(cfg: PPOConfig) -> None:

@@ -30,7 +30,7 @@ from tephra.episodes.episode import Episode, by_agent_name, run_episodes, run_to
 from tephra.episodes.registry import EPISODES
 from tephra.episodes.rewards import RewardInput
 from tephra.episodes.tools import close_tools, load_tools
-from tephra.rollout.base import Rollout, RolloutConfig, SamplingParams
+from tephra.rollout.base import Rollout, RolloutConfig, SamplingParams, ServerSettings
 from tephra.rollout.multimodal import VisionProcessor
 from tephra.rollout.registry import get_rollout
 
@@ -114,10 +114,12 @@ class Generator:
         device: str,
         with_rollout: bool,
         reward_actor: Any = None,
+        server: ServerSettings | None = None,
     ) -> Generator:
         """The part with a rollout engine of `rollout.backend` on `device` when
         `with_rollout` (this process generates), else without one; `reward_actor` as in
-        `__init__`."""
+        `__init__`; `server`: a server backend's settings resolved for where it runs (a
+        colocated GPU server's: `colocated_server`), else the config's."""
         rollout = None
         if with_rollout:
             r = cfg.rollout
@@ -129,8 +131,8 @@ class Generator:
                     max_model_len=cfg.data.max_prompt_tokens + r.response_budget + 8,
                     seed=cfg.trainer.seed,
                     hf=replace(r.hf, device=device),
-                    vllm=r.vllm,
-                    sglang=r.sglang,
+                    vllm=server if server is not None and r.backend == "vllm" else r.vllm,
+                    sglang=server if server is not None and r.backend == "sglang" else r.sglang,
                     # routing replay: the rollout records each token's experts (an agent
                     # loop's episodes are recorded whole, once they end: `_record_routes`)
                     record_routes=cfg.actor.moe.replays and not cfg.rollout.uses_agent_loop,

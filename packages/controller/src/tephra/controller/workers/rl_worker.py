@@ -56,6 +56,7 @@ from tephra.controller.run.memory_metrics import process_memory
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.samples import Prompt, RewardResult, Sample, Scores
 from tephra.controller.step.skip_flat import can_skip_flat, skip_zero_advantage_rows
+from tephra.controller.workers.colocated_server import colocated_server
 from tephra.controller.workers.generation import Generator
 from tephra.engine_api.engine import Engine
 from tephra.engine_api.fastest_dtype import resolve_dtype
@@ -64,6 +65,7 @@ from tephra.engine_api.registry import get_engine
 from tephra.episodes.rewards import RewardInput
 from tephra.rollout.backends.server_process import free_port
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import open_group, send_all
+from tephra.rollout.base import ServerSettings
 
 if TYPE_CHECKING:  # a type alias the module defines for the type checker only
     from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import TransferGroup
@@ -175,6 +177,7 @@ class RLWorker(Worker):
             device,
             with_rollout=self.colocated and self.rollout_info().is_output_rank,
             reward_actor=reward_actors[rank % len(reward_actors)] if reward_actors else None,
+            server=self._placed_server(model_path),
         )
         self._profile_prefix: str | None = None
         self.samples_scored = 0
@@ -242,6 +245,21 @@ class RLWorker(Worker):
         if self.colocated:
             self.sync_weights()
         self.startup["build_s"] = round(time.perf_counter() - built, 2)
+
+    def _placed_server(self, model_path: str) -> ServerSettings | None:
+        """The settings of a server this group starts on its GPUs (colocated): its GPUs and
+        its automatic memory, sleep and graph settings, settled on every rank before any
+        server starts, the choice printed once (rank 0); None elsewhere (the config's)."""
+        settings = self.cfg.rollout.server
+        device = getattr(self, "device", "cpu")
+        if not (self.colocated and device.startswith("cuda")) or settings is None or settings.url:
+            return None
+        placed = colocated_server(self.cfg, self.rank, self.world_size, device, model_path)
+        if placed is None:
+            return None
+        if placed.note is not None and self.rank == 0:
+            print(placed.note, flush=True)
+        return placed.settings
 
     def dp_info(self) -> DataParallelInfo:
         """Data-parallel coordinates from the group's first engine (the actor, else the

@@ -75,6 +75,7 @@ from tephra.rollout.base import (
     check_adapter_slot,
     check_prompts,
 )
+from tephra.rollout.colocation import resolve_server_settings
 from tephra.rollout.weight_transport import TRANSPORTS, Placement, choose_transport
 
 Request = tuple[str, dict]
@@ -86,6 +87,11 @@ that the error says the server died rather than that a connection broke."""
 ABORTED = "abort"
 """Finish reason `parse_samples` gives a sample the server aborted (its tokens so far); only
 the client sees it: a sample aborted by `paused()` is resumed, any other abort is an error."""
+
+
+def server_device() -> str:
+    """Where a server this process starts computes: `cuda` where this process sees a GPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class ServerProtocol(abc.ABC):
@@ -232,7 +238,11 @@ class ServerRollout(Rollout):
     def __init__(self, config: RolloutConfig, protocol: ServerProtocol) -> None:  # noqa: PLR0915 (older than the limit; to split)
         self.config = config
         self.protocol = protocol
-        self.settings: ServerSettings = getattr(config, protocol.name)
+        # what the owner left automatic, resolved for a server of its own (a trainer resolves
+        # a colocated server's before it builds the rollout: `tephra.rollout.colocation`)
+        self.settings: ServerSettings = resolve_server_settings(
+            getattr(config, protocol.name), protocol.name, server_device()
+        ).settings
         protocol.check_settings(self.settings)
         if config.record_routes:
             raise ConfigError(
@@ -332,7 +342,7 @@ class ServerRollout(Rollout):
 
     def _choose_transport(self) -> str:
         settings = self.settings
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = server_device()
         return choose_transport(
             f"{self.protocol.name}.weight_transport",
             settings.weight_transport,

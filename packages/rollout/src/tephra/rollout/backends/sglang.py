@@ -20,7 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtocol, ServerRollout
+from tephra.rollout.backends.server_client import (
+    ABORTED,
+    Request,
+    ServerProtocol,
+    ServerRollout,
+    server_device,
+)
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import (
     BucketMeta,
     pickle_shared,
@@ -33,6 +39,7 @@ from tephra.rollout.base import (
     SamplingParams,
     ServerSettings,
 )
+from tephra.rollout.colocation import resolve_server_settings
 
 GROUP = "tephra-weights"
 
@@ -52,6 +59,8 @@ class SglangProtocol(ServerProtocol):
         config: RolloutConfig,
         settings: ServerSettings,
     ) -> list[str]:
+        # automatic fields resolved as for a server of its own, where the caller left them
+        settings = resolve_server_settings(settings, self.name, server_device()).settings
         return [
             python,
             "-m",

@@ -34,7 +34,13 @@ from typing import Any
 import torch
 
 from tephra.core import cpu_flags
-from tephra.rollout.backends.server_client import ABORTED, Request, ServerProtocol, ServerRollout
+from tephra.rollout.backends.server_client import (
+    ABORTED,
+    Request,
+    ServerProtocol,
+    ServerRollout,
+    server_device,
+)
 from tephra.rollout.backends.vllm_plugin.tephra_weight_transport import BucketMeta, share
 from tephra.rollout.backends.weights_folder import clip_tower_names
 from tephra.rollout.base import (
@@ -45,6 +51,7 @@ from tephra.rollout.base import (
     SamplingParams,
     ServerSettings,
 )
+from tephra.rollout.colocation import resolve_server_settings
 
 VLLM_VERSION = "0.32.0"
 SERVED_MODEL_NAME = "tephra-policy"
@@ -154,6 +161,8 @@ class VllmProtocol(ServerProtocol):
         config: RolloutConfig,
         settings: ServerSettings,
     ) -> list[str]:
+        # automatic fields resolved as for a server of its own, where the caller left them
+        settings = resolve_server_settings(settings, self.name, server_device()).settings
         command = [
             python,
             "-m",
