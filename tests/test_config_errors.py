@@ -710,7 +710,7 @@ def test_vllm_on_a_cpu_without_avx512_is_refused_before_ray(overrides, field, mo
             "packed",
         ),
         ({"model_type": "gpt_oss"}, ["actor.micro_batch.share_prefix=true"], "shared_prefix"),
-        ({"model_type": "cohere"}, [], "padded"),
+        ({"model_type": "cpmant"}, [], "padded"),
     ],
 )
 def test_a_family_wrong_in_a_layout_is_refused_before_ray(tmp_path, hf_config, overrides, layout):

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tephra.controller.data.code_problems import PROBLEMS, TRAIN, code_problem_records
-from tephra.controller.testing import run_and_read
+from tephra.controller.launch.testing import run_and_read
 from tephra.episodes.rewards import REWARD_SCORERS
 
 SOLUTIONS = [

@@ -21,9 +21,9 @@ import torch
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.data.prompts import DatasetError, load_parquet
+from tephra.controller.launch.testing import run_and_read
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.samples import Prompt, agent_metrics, group_ids
-from tephra.controller.testing import run_and_read
 from tephra.controller.workers.generation import run_items
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig

@@ -14,10 +14,11 @@ from transformers import AutoTokenizer
 
 from tephra.apps.ppo.main import parse_config, run
 from tephra.controller.launch.ppo import BUNDLED_TOOLS, resolve_tools_file
+from tephra.controller.launch.testing import run_and_read
 from tephra.controller.run.models import resolve_model_path
 from tephra.controller.samples import Prompt, Sample, agent_metrics, samples_to_batch
 from tephra.controller.step.advantages import outcome_token_rewards
-from tephra.controller.testing import SMOKE_REWARD, run_and_read
+from tephra.controller.testing import SMOKE_REWARD
 from tephra.controller.workers.generation import run_items
 from tephra.core.errors import ConfigError
 from tephra.rollout.base import Rollout

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tephra.controller.testing import run_and_read
+from tephra.controller.launch.testing import run_and_read
 from tephra.core.errors import ConfigError
 from tephra.episodes.environments.swe import TASKS, TRAIN
 

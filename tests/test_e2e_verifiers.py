@@ -18,8 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from tephra.apps.ppo.main import parse_config, run
+from tephra.controller.launch.testing import run_and_read
 from tephra.controller.run.models import resolve_model_path
-from tephra.controller.testing import run_and_read
 from tephra.core.errors import ConfigError
 from tephra.episodes.agent import TOOL_CHAT_TEMPLATE, AgentLoopConfig, Prompt
 from tephra.episodes.registry import EPISODES
