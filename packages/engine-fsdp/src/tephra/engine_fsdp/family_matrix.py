@@ -30,6 +30,7 @@ from tephra.engine_api.errors import ConfigError
 from tephra.engine_api.loss import Share
 from tephra.engine_fsdp.families import CAUSAL_SETTING, LAYOUT_OVERRIDES, LAYOUTS, REFUSED
 from tephra.engine_fsdp.model_builder import auto_class
+from tephra.engine_fsdp.scorer import LOGITS_DIVIDED
 from tephra.engine_fsdp.testing import padded_batch
 from tephra.engine_fsdp.ulysses_families import ULYSSES_COLUMN, ULYSSES_LEGEND, ulysses_status
 
@@ -236,17 +237,7 @@ FAMILY_SIZES: dict[str, dict[str, Any]] = {
     # the output head's scales and soft-caps (`scorer.head_transform_of`) at values the tiny
     # model's logits (about +-0.5) feel: the defaults are 1 (Granite, HyperCLOVA X, Falcon-H1,
     # Compass) or a cap of 30, which bends such logits by less than 1e-5
-    **{
-        f: {"logits_scaling": 0.25}
-        for f in (
-            "granite",
-            "granite_swa",
-            "granitemoe",
-            "granitemoe_swa",
-            "granitemoehybrid",
-            "granitemoeshared",
-        )
-    },
+    **{f: {"logits_scaling": 0.25} for f in sorted(LOGITS_DIVIDED)},
     "hyperclovax": {"logits_scaling": 4.0},
     "falcon_h1": {"lm_head_multiplier": 4.0},
     **{
