@@ -179,7 +179,7 @@ REFUSED: dict[str, dict[str, str]] = {
     "mixtral": {"shared_prefix": SLIDING_SHARED},
     "mpt": {"packed": MASK_WITHOUT_POSITIONS, "shared_prefix": ALIBI_BY_COLUMN},
     "mvp": {"packed": NO_POSITION_IDS, "shared_prefix": NO_POSITION_IDS},
-    "nemotron_h": {"shared_prefix": RECURRENT},
+    "nemotron_h": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "olmo3": {"shared_prefix": SLIDING_SHARED},
     "olmo_hybrid": {"packed": RECURRENT, "shared_prefix": RECURRENT},
     "openai-gpt": {"packed": ROW_CAUSAL_MASK, "shared_prefix": NO_SEGMENT_MASK},

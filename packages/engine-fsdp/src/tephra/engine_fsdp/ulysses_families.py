@@ -51,10 +51,6 @@ SPARSE_INDEXER = (
     "from the attention mask outside transformers' attention interface, over the rank's own "
     "shard of the tokens, and Ulysses passes no mask (transformers fails on it)"
 )
-SHARDED_STATE = (
-    "its Mamba2 layers run their causal convolution and recurrent state over the rank's own "
-    "shard of the tokens only, so the tokens after a shard boundary lose the ones before it"
-)
 
 PER_LAYER_HEADS = (
     "its attention sizes are per layer (per_layer_config), and Ulysses splits heads by one "
@@ -70,7 +66,6 @@ ULYSSES_REFUSED: dict[str, str] = {
     **{f: SINKS for f in ("flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash")},
     "phimoe": WINDOW_IN_MASK,
     "llama4_text": CHUNKED,
-    "nemotron_h": SHARDED_STATE,
     **{f: OWN_ATTENTION for f in ("codegen", "gpt_neo", "gpt_neox_japanese", "gptj")},
     "dots3_note_text": PER_LAYER_HEADS,
     "gemma3n_text": NON_FINITE_GRADIENT,
