@@ -450,7 +450,10 @@ class FSDPEngine(Engine):
         n = ids.shape[0]
         total = ulysses.padded_length(n, self.sp)
         pad = total - n
-        ids = torch.cat([ids, ids.new_zeros(pad)])
+        # the padding is a sequence of its own (positions from 0, no labels) of a real token:
+        # a model's padding id may embed to zeros, whose gradient some models make infinite
+        # (Gemma 3n's AltUp: the root of the mean square of a hidden state that stays 0)
+        ids = torch.cat([ids, ids.new_full((pad,), int(ids[0]))])
         pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])
         label_mask = torch.cat([label_mask, label_mask.new_zeros(pad)])
         next_tokens = torch.cat([ids[1:], ids.new_zeros(1)])

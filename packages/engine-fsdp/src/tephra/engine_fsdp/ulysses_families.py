@@ -56,10 +56,6 @@ PER_LAYER_HEADS = (
     "its attention sizes are per layer (per_layer_config), and Ulysses splits heads by one "
     "model-wide head count (transformers raises AmbiguousGlobalPerLayerAttributeError)"
 )
-NON_FINITE_GRADIENT = (
-    "under Ulysses its log-probs match but its update's gradient is not finite (the 2-rank "
-    "family matrix: model.layers.0.self_attn.q_proj; cause not yet found)"
-)
 
 ULYSSES_REFUSED: dict[str, str] = {
     "doge": DYNAMIC_MASK,
@@ -68,7 +64,6 @@ ULYSSES_REFUSED: dict[str, str] = {
     "llama4_text": CHUNKED,
     **{f: OWN_ATTENTION for f in ("codegen", "gpt_neo", "gpt_neox_japanese", "gptj")},
     "dots3_note_text": PER_LAYER_HEADS,
-    "gemma3n_text": NON_FINITE_GRADIENT,
     **{f: SPARSE_INDEXER for f in ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4")},
 }
 """model_type -> why engine=fsdp's Ulysses attention is wrong for it (families the packed
