@@ -211,14 +211,7 @@ def run(cfg: SFTConfig) -> dict:
             ray.shutdown()  # would stop its daemons too late
     if stop.requested:
         latest = ckpt.latest()
-        summary = {
-            "status": "stopped",
-            "signal": stop.name,
-            "exit_code": stop.exit_code,
-            "immediate": stop.immediate,
-            "steps": summary["steps"],
-            "checkpoint": str(latest) if latest is not None else None,
-        }
+        summary = stop.summary(summary["steps"], latest)
         print(
             f"stopped by {stop.name} after step {summary['steps']} of {cfg.train.steps}"
             + (f"; the same command resumes from {latest}" if latest else ""),

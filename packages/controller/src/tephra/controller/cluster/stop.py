@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -56,6 +57,18 @@ class StopSignal:
     def exit_code(self) -> int:
         """128 + the signal's number, as a shell reports a job a signal ended (130, 143)."""
         return 128 + (self.signum or 0)
+
+    def summary(self, steps: int, checkpoint: Path | None) -> dict[str, Any]:
+        """The head of a stopped run's summary: the signal, the exit code, whether the stop
+        was immediate, the steps done and the latest checkpoint (None: none)."""
+        return {
+            "status": "stopped",
+            "signal": self.name,
+            "exit_code": self.exit_code,
+            "immediate": self.immediate,
+            "steps": steps,
+            "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        }
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:

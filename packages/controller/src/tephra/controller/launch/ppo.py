@@ -298,12 +298,7 @@ def stopped_summary(stop: StopSignal, run_dir: Path) -> dict:
     """The summary of a run a second signal stopped before its loop began (at start-up),
     written to `run_dir/summary.json`."""
     summary = {
-        "status": "stopped",
-        "signal": stop.name,
-        "exit_code": stop.exit_code,
-        "immediate": stop.immediate,
-        "steps": 0,
-        "checkpoint": None,
+        **stop.summary(0, None),
         "run_dir": str(run_dir),
     }
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -791,12 +791,7 @@ class Trainer:
         trackers.close()
         latest = self.checkpoints.manager.latest()
         summary = {
-            "status": "stopped",
-            "signal": self.stop.name,
-            "exit_code": self.stop.exit_code,
-            "immediate": self.stop.immediate,
-            "steps": self.step,
-            "checkpoint": str(latest) if latest is not None else None,
+            **self.stop.summary(self.step, latest),
             "seconds": round(time.perf_counter() - t0, 1),
             "run_dir": str(self.run_dir),
             "startup": self.startup,
